@@ -1,0 +1,179 @@
+"""The MoE layer configuration, shared by ``moe_pallas`` and ``moe_torch``.
+
+``MoEConfig`` holds everything about a layer that is not an array: the routing mode
+(CONTRACT.md section 1), the routed scaling factor and where it is applied, the fused
+shared experts, the quantization mode (section 3) and the expert-parallel placement
+(section 6). It is frozen and hashable, so it can be a static argument of ``jax.jit``.
+
+Expert-parallel placement: rank ``r`` of ``ep_size`` owns routed experts
+``[r * E / ep_size, (r + 1) * E / ep_size)``; the fused shared experts (ids
+``E .. E + S - 1``) are owned by the last rank, whose local range is therefore
+``E / ep_size + S`` experts long. Every rank's range is contiguous, which is what the
+permutation (section 2) takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from moe_contract.validation import check_choice, check_positive_int, check_rsf
+
+Routing = Literal["softmax_topk", "grouped_topk", "biased_grouped_topk"]
+Quant = Literal["none", "fp8_per_token", "fp8_block"]
+Activation = Literal["silu", "gelu_tanh"]
+
+ROUTINGS = ("softmax_topk", "grouped_topk", "biased_grouped_topk")
+QUANTS = ("none", "fp8_per_token", "fp8_block")
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+#: The FP8 block size of DeepSeek-V3 checkpoints: activations 1x128 groups, weights 128x128.
+FP8_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """One MoE layer, per CONTRACT.md.
+
+    Attributes:
+      hidden_size: ``H``.
+      intermediate_size: ``I`` (``w13`` is ``[E_local, 2*I, H]``, ``w2`` is ``[E_local, H, I]``).
+      num_experts: ``E``, routed experts in the model (global).
+      topk: routed experts chosen per token.
+      routing: ``"softmax_topk"`` (Mixtral, Qwen3-MoE), ``"grouped_topk"`` (DeepSeek-V2) or
+        ``"biased_grouped_topk"`` (DeepSeek-V3/R1 "noaux_tc").
+      renormalize: divide the top-k weights by their sum.
+      num_expert_group / topk_group: groups of experts, and how many are kept (grouped modes).
+      routed_scaling_factor: ``rsf``, applied exactly once.
+      apply_routed_scaling_factor_on_output: apply ``rsf`` in the gate (SGLang's fused gate)
+        instead of in the combine step. Both give the same layer output.
+      num_fused_shared_experts: ``S`` shared experts run as extra experts ``E .. E+S-1``.
+      activation: ``"silu"`` or ``"gelu_tanh"`` (the ``*_and_mul`` between the GEMMs).
+      quant: ``"none"`` (bf16/f32 GEMMs), ``"fp8_per_token"`` (activations per-token,
+        weights per-output-channel or per-expert) or ``"fp8_block"`` (activations 1x128
+        groups, weights 128x128 blocks, DeepSeek-V3 style).
+      ep_size / ep_rank: expert parallelism; see the module docstring for the placement.
+
+    Raises:
+      ValueError: on any inconsistent field (named in the message).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    topk: int
+    routing: Routing = "softmax_topk"
+    renormalize: bool = True
+    num_expert_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    apply_routed_scaling_factor_on_output: bool = False
+    num_fused_shared_experts: int = 0
+    activation: Activation = "silu"
+    quant: Quant = "none"
+    ep_size: int = 1
+    ep_rank: int = 0
+
+    def __post_init__(self) -> None:
+        op = "MoEConfig"
+        for name in ("hidden_size", "intermediate_size", "num_experts", "topk", "ep_size"):
+            check_positive_int(op, name, getattr(self, name))
+        check_choice(op, "routing", self.routing, ROUTINGS)
+        check_choice(op, "quant", self.quant, QUANTS)
+        check_choice(op, "activation", self.activation, ACTIVATIONS)
+        check_routing_args(
+            op,
+            num_experts=self.num_experts,
+            topk=self.topk,
+            routing=self.routing,
+            num_expert_group=self.num_expert_group,
+            topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
+            num_fused_shared_experts=self.num_fused_shared_experts,
+        )
+        if self.num_experts % self.ep_size:
+            raise ValueError(
+                f"{op}: num_experts must be divisible by ep_size (={self.ep_size}); "
+                f"got num_experts={self.num_experts}"
+            )
+        if isinstance(self.ep_rank, bool) or not isinstance(self.ep_rank, int) or not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"{op}: ep_rank must be an int in [0, ep_size={self.ep_size}); got ep_rank={self.ep_rank!r}")
+        if self.quant == "fp8_block":
+            for name in ("hidden_size", "intermediate_size"):
+                if getattr(self, name) % FP8_BLOCK:
+                    raise ValueError(
+                        f"{op}: {name} must be a multiple of {FP8_BLOCK} for quant='fp8_block'; "
+                        f"got {name}={getattr(self, name)}"
+                    )
+
+    @property
+    def num_total_experts(self) -> int:
+        """``E + S``: routed plus fused shared experts (the id space of ``topk_ids``)."""
+        return self.num_experts + self.num_fused_shared_experts
+
+    @property
+    def num_slots(self) -> int:
+        """Columns of ``topk_ids``: ``topk + S``."""
+        return self.topk + self.num_fused_shared_experts
+
+    def local_expert_range(self, rank: int | None = None) -> tuple[int, int]:
+        """``(expert_start, E_local)`` owned by ``rank`` (default: ``self.ep_rank``)."""
+        rank = self.ep_rank if rank is None else rank
+        per_rank = self.num_experts // self.ep_size
+        start = rank * per_rank
+        extra = self.num_fused_shared_experts if rank == self.ep_size - 1 else 0
+        return start, per_rank + extra
+
+    def for_rank(self, rank: int) -> "MoEConfig":
+        """The same layer seen from EP rank ``rank``."""
+        return dataclasses.replace(self, ep_rank=rank)
+
+    def replace(self, **changes) -> "MoEConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def check_routing_args(
+    op: str,
+    *,
+    num_experts: int,
+    topk: int,
+    routing: str,
+    num_expert_group: int | None,
+    topk_group: int | None,
+    routed_scaling_factor: float,
+    num_fused_shared_experts: int,
+) -> None:
+    """The gate's value rules (CONTRACT.md section 1), shared by the config and the gate op."""
+    check_choice(op, "routing", routing, ROUTINGS)
+    check_positive_int(op, "topk", topk)
+    if topk > num_experts:
+        raise ValueError(f"{op}: topk must be <= E (={num_experts}); got topk={topk}")
+    if not isinstance(num_fused_shared_experts, int) or num_fused_shared_experts < 0:
+        raise ValueError(
+            f"{op}: num_fused_shared_experts must be an int >= 0; got {num_fused_shared_experts!r}"
+        )
+    check_rsf(op, routed_scaling_factor)
+    if routing == "softmax_topk":
+        return
+    check_positive_int(op, "num_expert_group", num_expert_group)
+    check_positive_int(op, "topk_group", topk_group)
+    if num_experts % num_expert_group:
+        raise ValueError(
+            f"{op}: E (={num_experts}) must be divisible by num_expert_group; "
+            f"got num_expert_group={num_expert_group}"
+        )
+    if topk_group > num_expert_group:
+        raise ValueError(
+            f"{op}: topk_group must be <= num_expert_group (={num_expert_group}); got topk_group={topk_group}"
+        )
+    per_group = num_experts // num_expert_group
+    if topk > topk_group * per_group:
+        raise ValueError(
+            f"{op}: topk must be <= topk_group * E / num_expert_group (={topk_group * per_group}), "
+            f"the experts of the kept groups; got topk={topk}"
+        )
+    if routing == "biased_grouped_topk" and per_group < 2:
+        raise ValueError(
+            f"{op}: biased_grouped_topk scores a group by its two best experts, so "
+            f"E / num_expert_group must be >= 2; got {per_group}"
+        )

@@ -1,0 +1,166 @@
+"""Host-side input validation shared by both backends.
+
+Every public op of ``moe_pallas`` and ``moe_torch`` validates its inputs here, on the
+host, before tracing or launching anything. The checks look only at ``.shape`` and
+``.dtype`` (which jax arrays, jax tracers, torch tensors and numpy arrays all have), so
+one implementation serves both frameworks and the error messages are the same word for
+word whichever backend raised them.
+
+Message format (STYLE.md): ``<op>: <arg> must be <expectation>; got <what came>``.
+``ValueError`` for shapes and values, ``TypeError`` for dtypes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+FP8_DTYPE = "float8_e4m3fn"
+INT_ID_DTYPES = ("int32", "int64")
+
+
+def dtype_name(x: Any) -> str:
+    """The dtype of ``x`` as a framework-neutral name: ``'bfloat16'``, ``'float8_e4m3fn'``...
+
+    Works for jax arrays and tracers, numpy arrays, torch tensors, and dtype objects
+    themselves (``jnp.bfloat16``, ``torch.float32``, ``np.dtype``).
+    """
+    dt = getattr(x, "dtype", x)
+    name = getattr(dt, "name", None)  # numpy / jax dtypes
+    if isinstance(name, str):
+        return name
+    text = str(dt)
+    if text.startswith("torch."):
+        return text[len("torch."):]
+    if text.startswith("<class"):  # a scalar type such as jnp.bfloat16
+        import numpy as np
+
+        return np.dtype(dt).name
+    return text
+
+
+def _fmt_shape(shape: Sequence[Any]) -> str:
+    return "(" + ", ".join(str(int(s)) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def check_rank(op: str, name: str, x: Any, ndim: int | Iterable[int], what: str) -> None:
+    """Raise ``ValueError`` unless ``x.ndim`` is ``ndim`` (or one of them)."""
+    allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+    if len(x.shape) not in allowed:
+        raise ValueError(f"{op}: {name} must be {what}; got {name}.shape={_fmt_shape(x.shape)}")
+
+
+def check_shape(op: str, name: str, x: Any, expected: Sequence[int | None], what: str) -> None:
+    """Raise ``ValueError`` unless ``x.shape`` matches ``expected`` (``None`` = any size)."""
+    shape = tuple(int(s) for s in x.shape)
+    ok = len(shape) == len(expected) and all(e is None or s == e for s, e in zip(shape, expected))
+    if not ok:
+        raise ValueError(f"{op}: {name} must be {what}; got {name}.shape={_fmt_shape(shape)}")
+
+
+def check_dtype(op: str, name: str, x: Any, allowed: Iterable[str]) -> None:
+    """Raise ``TypeError`` unless ``x``'s dtype name is in ``allowed``."""
+    allowed = tuple(allowed)
+    got = dtype_name(x)
+    if got not in allowed:
+        raise TypeError(f"{op}: {name} must have dtype {' or '.join(allowed)}; got {name}.dtype={got}")
+
+
+def check_positive_int(op: str, name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{op}: {name} must be an int >= 1; got {name}={value!r}")
+
+
+def check_choice(op: str, name: str, value: Any, choices: Iterable[Any]) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{op}: {name} must be one of {choices}; got {name}={value!r}")
+
+
+def check_ids_in_range(op: str, name: str, ids_host: Any, num_experts: int) -> None:
+    """The checked mode: raise ``ValueError`` if any id (a numpy array) is outside ``[0, E)``."""
+    if ids_host.size == 0:
+        return
+    lo, hi = int(ids_host.min()), int(ids_host.max())
+    if lo < 0 or hi >= num_experts:
+        bad = ids_host[(ids_host < 0) | (ids_host >= num_experts)]
+        raise ValueError(
+            f"{op}: {name} must lie in [0, E) = [0, {num_experts}); got {bad.size} ids outside it, "
+            f"e.g. {int(bad.flat[0])}"
+        )
+
+
+def check_activation_scale(op: str, name: str, scale: Any, x_shape: tuple[int, ...]) -> None:
+    """An activation scale for ``x [rows, K]``: ``[]``, ``[rows, 1]`` or ``[rows, K // G]`` float32."""
+    rows, K = x_shape
+    what = f"[] (per-tensor), [rows, 1] (per-token) or [rows, K // G] (per-token-group) float32 for x of shape ({rows}, {K})"
+    check_rank(op, name, scale, (0, 2), what)
+    check_dtype(op, name, scale, ("float32",))
+    if scale.ndim == 2:
+        check_shape(op, name, scale, (rows, None), what)
+        groups = scale.shape[1]
+        if groups == 0 or K % groups:
+            raise ValueError(f"{op}: {name} must be {what}; got {name}.shape={tuple(scale.shape)}")
+
+
+def check_weight_scale(op: str, name: str, w_scale: Any, w_shape: tuple[int, int, int], block: int = 128) -> None:
+    """A weight scale for ``w [E, N, K]``: ``[E]``, ``[E, N]`` or ``[E, ceil(N/128), ceil(K/128)]`` float32."""
+    E, N, K = w_shape
+    nb, kb = -(-N // block), -(-K // block)
+    what = f"[E] = ({E},), [E, N] = ({E}, {N}) or [E, ceil(N/{block}), ceil(K/{block})] = ({E}, {nb}, {kb}) float32"
+    check_rank(op, name, w_scale, (1, 2, 3), what)
+    expected = {1: (E,), 2: (E, N), 3: (E, nb, kb)}[w_scale.ndim]
+    check_shape(op, name, w_scale, expected, what)
+    check_dtype(op, name, w_scale, ("float32",))
+
+
+def check_per_tensor_scale(op: str, name: str, scale: Any) -> None:
+    """A static per-tensor scale: shape ``()`` or ``(1,)``, float32."""
+    what = "a per-tensor scale of shape () or (1,)"
+    if scale is None:
+        raise ValueError(f"{op}: {name} must be {what}, float32; got None")
+    if tuple(scale.shape) not in ((), (1,)):
+        raise ValueError(f"{op}: {name} must be {what}; got {name}.shape={_fmt_shape(scale.shape)}")
+    check_dtype(op, name, scale, ("float32",))
+
+
+def check_rsf(op: str, rsf: Any) -> None:
+    """``routed_scaling_factor``: a finite float > 0."""
+    if isinstance(rsf, bool) or not isinstance(rsf, (int, float)) or not 0 < rsf < float("inf"):
+        raise ValueError(f"{op}: routed_scaling_factor must be a finite float > 0; got {rsf!r}")
+
+
+def check_layer_inputs(
+    op: str, config: Any, x: Any, router_logits: Any, w13: Any, w2: Any, w13_scale: Any, w2_scale: Any
+) -> None:
+    """The MoE layer's arrays against its ``MoEConfig`` (this rank's experts: ``E_local``)."""
+    H, I, E = config.hidden_size, config.intermediate_size, config.num_experts
+    _, e_local = config.local_expert_range()
+    check_rank(op, "x", x, 2, f"[T, H] with H={H}")
+    check_shape(op, "x", x, (None, H), f"[T, H] with H={H}")
+    check_dtype(op, "x", x, FLOAT_DTYPES)
+    T = x.shape[0]
+    check_shape(op, "router_logits", router_logits, (T, E), f"[T, E] = ({T}, {E})")
+    check_dtype(op, "router_logits", router_logits, FLOAT_DTYPES)
+    check_shape(op, "w13", w13, (e_local, 2 * I, H), f"[E_local, 2*I, H] = ({e_local}, {2 * I}, {H}) (this rank's experts)")
+    check_shape(op, "w2", w2, (e_local, H, I), f"[E_local, H, I] = ({e_local}, {H}, {I}) (this rank's experts)")
+    if config.quant == "none":
+        for name, w in (("w13", w13), ("w2", w2)):
+            check_dtype(op, name, w, (dtype_name(x),))
+        for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+            if s is not None:
+                raise ValueError(f"{op}: {name} must be None for quant='none'; got an array")
+        return
+    for name, w, s in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+        check_dtype(op, name, w, (FP8_DTYPE,))
+        if s is None:
+            raise ValueError(f"{op}: {name}_scale must be given for quant={config.quant!r}; got None")
+        check_weight_scale(op, f"{name}_scale", s, tuple(w.shape))
+        if config.quant == "fp8_block" and len(s.shape) != 3:
+            raise ValueError(
+                f"{op}: {name}_scale must be 128x128 block scales [E_local, ceil(N/128), ceil(K/128)] for "
+                f"quant='fp8_block'; got {name}_scale.shape={_fmt_shape(s.shape)}"
+            )

@@ -1,0 +1,26 @@
+"""JAX side of the EP-MoE pipeline: per-stage ops (jnp references now; Pallas kernels to come)
+and the layer. Mirrors ``moe_torch`` file for file; never imports it."""
+
+from moe_contract import MoEConfig, PRESETS, get_preset
+from moe_pallas.layer import local_weights, moe_forward, quantize_layer_weights
+from moe_pallas.ops.activation.api import act_and_mul, gelu_tanh_and_mul, silu_and_mul
+from moe_pallas.ops.combine.api import combine
+from moe_pallas.ops.gate.api import select_experts
+from moe_pallas.ops.grouped_gemm.api import grouped_gemm
+from moe_pallas.ops.permute.api import RoutingMetadata, permute, routing_metadata
+from moe_pallas.ops.quant.api import (
+    dequantize_fp8,
+    dequantize_weight_fp8,
+    per_token_group_quant_fp8,
+    per_token_quant_fp8,
+    quantize_weight_fp8,
+    static_quant_fp8,
+)
+
+__all__ = [
+    "MoEConfig", "PRESETS", "RoutingMetadata", "act_and_mul", "combine", "dequantize_fp8",
+    "dequantize_weight_fp8", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "local_weights",
+    "moe_forward", "per_token_group_quant_fp8", "per_token_quant_fp8", "permute",
+    "quantize_layer_weights", "quantize_weight_fp8", "routing_metadata", "select_experts",
+    "silu_and_mul", "static_quant_fp8",
+]

@@ -1,0 +1,115 @@
+"""The MoE layer in JAX: the stages of CONTRACT.md composed, one EP rank at a time.
+
+Dataflow (``S`` fused shared experts, ``topk' = topk + S``, ``M_cap = T * topk'``)::
+
+    router_logits [T, E] --select_experts--> topk_weights, topk_ids [T, topk']
+    topk_ids --routing_metadata--> expert_offsets [E_local+1], src2dst [T, topk'], dst2src [M_cap]
+    x [T, H] --permute (+FP8 quant)--> [M_cap, H] --grouped_gemm w13--> [M_cap, 2I]
+      --act_and_mul (+FP8 quant)--> [M_cap, I] --grouped_gemm w2--> [M_cap, H]
+      --combine (x rsf unless the gate applied it)--> out [T, H]
+
+Mirror: ``moe_torch/layer.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_contract.config import MoEConfig
+from moe_contract.validation import check_layer_inputs
+from moe_pallas.ops.activation.api import act_and_mul
+from moe_pallas.ops.combine.api import combine
+from moe_pallas.ops.gate.api import select_experts
+from moe_pallas.ops.grouped_gemm.api import grouped_gemm
+from moe_pallas.ops.permute.api import permute, routing_metadata
+from moe_pallas.ops.quant.api import quantize_weight_fp8
+
+#: The activation quantization each layer quant mode uses (CONTRACT.md section 3).
+ACTIVATION_QUANT = {"none": None, "fp8_per_token": "fp8_per_token", "fp8_block": "fp8_per_token_group"}
+#: The weight-scale layout each layer quant mode stores.
+WEIGHT_LAYOUT = {"fp8_per_token": "per_channel", "fp8_block": "block"}
+
+
+def moe_forward(
+    x: jax.Array,
+    router_logits: jax.Array,
+    w13: jax.Array,
+    w2: jax.Array,
+    config: MoEConfig,
+    *,
+    w13_scale: jax.Array | None = None,
+    w2_scale: jax.Array | None = None,
+    e_score_correction_bias: jax.Array | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
+    """One MoE layer on this EP rank (``config.ep_rank``): ``[T, H] -> [T, H]``.
+
+    Args:
+      x: ``[T, H]`` float32 / bf16 / float16.
+      router_logits: ``[T, E]`` float (the gate's linear layer output).
+      w13: ``[E_local, 2*I, H]`` this rank's gate (rows ``:I``) and up (rows ``I:``)
+        projections, ``x.dtype`` for ``quant='none'``, float8_e4m3fn otherwise.
+      w2: ``[E_local, H, I]`` down projections, same dtype rule.
+      config: the layer (routing, rsf placement, quant, EP); a static argument under ``jit``.
+      w13_scale, w2_scale: FP8 weight scales (see :func:`quantize_layer_weights`).
+      e_score_correction_bias: ``[E]`` float, for ``routing='biased_grouped_topk'``.
+      implementation: passed to every stage (``"reference"`` or ``None``).
+
+    Returns: ``out [T, H]`` in ``x.dtype``: this rank's partial sum; the sum over EP ranks is
+    the layer's output (CONTRACT.md section 6). Jit with ``static_argnames=("config",)``.
+
+    Raises: ValueError / TypeError naming the argument, before any computation.
+    """
+    op = "moe_forward"
+    check_layer_inputs(op, config, x, router_logits, w13, w2, w13_scale, w2_scale)
+    topk_weights, topk_ids = select_experts(
+        router_logits,
+        topk=config.topk,
+        routing=config.routing,
+        renormalize=config.renormalize,
+        num_expert_group=config.num_expert_group,
+        topk_group=config.topk_group,
+        e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=config.routed_scaling_factor,
+        apply_routed_scaling_factor_on_output=config.apply_routed_scaling_factor_on_output,
+        num_fused_shared_experts=config.num_fused_shared_experts,
+        implementation=implementation,
+    )
+    expert_start, e_local = config.local_expert_range()
+    meta = routing_metadata(
+        topk_ids,
+        config.num_total_experts,
+        expert_start=expert_start,
+        num_local_experts=e_local,
+        implementation=implementation,
+    )
+    quant = ACTIVATION_QUANT[config.quant]
+    xq, x_scale = permute(x, meta.dst2src, topk=config.num_slots, quant=quant, implementation=implementation)
+    h = grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype, implementation=implementation)
+    a, a_scale = act_and_mul(h, activation=config.activation, quant=quant, implementation=implementation)
+    y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype, implementation=implementation)
+    rsf = 1.0 if config.apply_routed_scaling_factor_on_output else config.routed_scaling_factor
+    return combine(y, meta.src2dst, topk_weights, routed_scaling_factor=rsf, out_dtype=x.dtype, implementation=implementation)
+
+
+def quantize_layer_weights(
+    w13: jax.Array, w2: jax.Array, config: MoEConfig
+) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array | None]:
+    """Float weights -> ``(w13, w13_scale, w2, w2_scale)`` in the form ``config.quant`` takes.
+
+    ``quant='none'``: unchanged, scales ``None``. ``'fp8_per_token'``: per-output-channel
+    scales ``[E, N]``. ``'fp8_block'``: 128x128 block scales ``[E, ceil(N/128), ceil(K/128)]``.
+    """
+    if config.quant == "none":
+        return w13, None, w2, None
+    layout = WEIGHT_LAYOUT[config.quant]
+    w13_q, w13_scale = quantize_weight_fp8(w13, layout)
+    w2_q, w2_scale = quantize_weight_fp8(w2, layout)
+    return w13_q, w13_scale, w2_q, w2_scale
+
+
+def local_weights(w: jax.Array, config: MoEConfig) -> jax.Array:
+    """This rank's slice ``[E_local, ...]`` of a global ``[E + S, ...]`` expert tensor (or scale)."""
+    start, e_local = config.local_expert_range()
+    return w[start : start + e_local]

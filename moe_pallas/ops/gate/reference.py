@@ -1,0 +1,74 @@
+"""Gate (router) reference in jnp: CONTRACT.md section 1, line by line.
+
+Mirror: ``moe_torch/ops/gate/reference.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rank_descending(key: jax.Array) -> jax.Array:
+    """Indices that sort ``key [..., n]`` by descending value along the last axis.
+
+    Ties: the lower index first (a stable sort). NaN ranks below every finite value, level
+    with -inf (NaN is mapped to -inf, then the tie rule applies). -0.0 equals +0.0.
+    """
+    key = jnp.where(jnp.isnan(key), -jnp.inf, key) + 0.0  # "+ 0.0" turns -0.0 into +0.0
+    return jnp.argsort(-key, axis=-1, stable=True)
+
+
+def select_experts_reference(
+    router_logits: jax.Array,
+    *,
+    topk: int,
+    routing: str,
+    renormalize: bool,
+    num_expert_group: int | None,
+    topk_group: int | None,
+    e_score_correction_bias: jax.Array | None,
+    routed_scaling_factor: float,
+    apply_routed_scaling_factor_on_output: bool,
+    num_fused_shared_experts: int,
+) -> tuple[jax.Array, jax.Array]:
+    """``router_logits [T, E]`` -> ``(topk_weights [T, topk+S] f32, topk_ids [T, topk+S] i32)``."""
+    logits = router_logits.astype(jnp.float32)
+    T, E = logits.shape
+    if routing == "biased_grouped_topk":
+        scores = jax.nn.sigmoid(logits)
+        select = scores + e_score_correction_bias.astype(jnp.float32)[None, :]
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+        select = scores
+
+    if routing != "softmax_topk":
+        per_group = E // num_expert_group
+        grouped = select.reshape(T, num_expert_group, per_group)
+        clean = jnp.where(jnp.isnan(grouped), -jnp.inf, grouped)
+        if routing == "grouped_topk":
+            group_score = clean.max(axis=-1)
+        else:  # sum of the two largest selection scores of the group
+            group_score = -jnp.sort(-clean, axis=-1)[..., :2].sum(axis=-1)
+        kept = rank_descending(group_score)[:, :topk_group]  # [T, topk_group]
+        group_kept = (kept[:, :, None] == jnp.arange(num_expert_group)[None, None, :]).any(axis=1)
+        expert_kept = jnp.repeat(group_kept, per_group, axis=1)  # [T, E]
+        select = jnp.where(expert_kept, select, -jnp.inf)  # -inf, not 0: c may be negative
+
+    topk_ids = rank_descending(select)[:, :topk]
+    topk_weights = jnp.take_along_axis(scores, topk_ids, axis=1)  # unbiased scores
+    if renormalize:
+        denom = topk_weights.sum(axis=-1, keepdims=True)
+        if routing == "biased_grouped_topk":
+            denom = denom + 1e-20
+        topk_weights = topk_weights / denom
+
+    if num_fused_shared_experts:
+        S = num_fused_shared_experts
+        shared_ids = jnp.broadcast_to(jnp.arange(E, E + S, dtype=topk_ids.dtype)[None, :], (T, S))
+        shared_weights = jnp.full((T, S), 1.0 / routed_scaling_factor, jnp.float32)
+        topk_ids = jnp.concatenate([topk_ids, shared_ids], axis=1)
+        topk_weights = jnp.concatenate([topk_weights, shared_weights], axis=1)
+    if apply_routed_scaling_factor_on_output:
+        topk_weights = topk_weights * jnp.float32(routed_scaling_factor)
+    return topk_weights.astype(jnp.float32), topk_ids.astype(jnp.int32)

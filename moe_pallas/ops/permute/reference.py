@@ -1,0 +1,53 @@
+"""Permutation (dispatch) reference in jnp: CONTRACT.md section 2.
+
+Mirror: ``moe_torch/ops/permute/reference.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_pallas.ops.quant.reference import per_token_group_quant_fp8_reference, static_quant_fp8_reference
+
+
+def routing_metadata_reference(
+    topk_ids: jax.Array, expert_start: int, num_local_experts: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``topk_ids [T, topk]`` -> ``(expert_offsets [E_local+1], src2dst [T, topk], dst2src [T*topk])``, int32.
+
+    A stable sort of the assignments ``a = t*topk + j`` by local expert id puts each
+    expert's rows together, in order of ``a``; non-local assignments sort last and are cut.
+    """
+    T, topk = topk_ids.shape
+    m_cap = T * topk
+    local = topk_ids.reshape(m_cap) - expert_start  # in the ids' own dtype: no wrap-around
+    is_local = (local >= 0) & (local < num_local_experts)
+    key = jnp.where(is_local, local, num_local_experts).astype(jnp.int32)  # non-local -> one bucket past the end
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # [M_cap]: row -> assignment
+    counts = jnp.zeros((num_local_experts + 1,), jnp.int32).at[key].add(1)[:num_local_experts]
+    expert_offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+    rows = jnp.arange(m_cap, dtype=jnp.int32)
+    dst2src = jnp.where(rows < expert_offsets[-1], order, -1)
+    position = jnp.zeros((m_cap,), jnp.int32).at[order].set(rows)  # assignment -> row
+    src2dst = jnp.where(is_local, position, -1).reshape(T, topk)
+    return expert_offsets, src2dst, dst2src
+
+
+def permute_reference(
+    x: jax.Array, dst2src: jax.Array, topk: int, quant: str | None, group_size: int, scale: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None]:
+    """Gather ``x [T, H]`` rows into expert order: row ``r`` is ``x[dst2src[r] // topk]``.
+
+    Rows with ``dst2src < 0`` (``>= M``) are zero. With ``quant`` the rows are quantized
+    (CONTRACT.md section 3) and the scale rows travel with them.
+    """
+    valid = dst2src >= 0
+    token = jnp.where(valid, dst2src // topk, 0)
+    rows = jnp.where(valid[:, None], x[token], jnp.zeros((), x.dtype))
+    if quant is None:
+        return rows, None
+    if quant == "fp8_per_tensor":
+        return static_quant_fp8_reference(rows, scale), scale
+    G = rows.shape[1] if quant == "fp8_per_token" else group_size
+    return per_token_group_quant_fp8_reference(rows, G)

@@ -1,0 +1,64 @@
+"""Gated activations between the two GEMMs, optionally quantized straight to FP8 (CONTRACT.md section 4).
+
+Mirror: ``moe_pallas/ops/activation/api.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_contract.validation import FLOAT_DTYPES, check_choice, check_dtype, check_positive_int, check_rank
+from moe_torch.ops.activation.reference import ACTIVATIONS, act_and_mul_reference
+
+IMPLEMENTATIONS = ("reference",)
+ACT_QUANTS = (None, "fp8_per_token", "fp8_per_token_group")
+
+
+def act_and_mul(
+    h: torch.Tensor,
+    *,
+    activation: str = "silu",
+    quant: str | None = None,
+    group_size: int = 128,
+    out_dtype=None,
+    implementation: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``out = act(h[:, :I]) * h[:, I:]`` in float32 (gate half first, then up half).
+
+    Args:
+      h: ``[M, 2*I]`` float32 / bf16 / float16 (the first GEMM's output).
+      activation: ``"silu"`` (``g * sigmoid(g)``) or ``"gelu_tanh"`` (GELU, tanh approximation).
+      quant: ``None``, ``"fp8_per_token"`` (scale ``[M, 1]``) or ``"fp8_per_token_group"``
+        (scale ``[M, I // group_size]``), quantized from the float32 values (CONTRACT.md section 3).
+      out_dtype: without quant, the result dtype (default ``h.dtype``).
+
+    Returns: ``(out [M, I], scale or None)``.
+
+    Raises: ValueError (odd last dim, ``I % group_size``), TypeError (dtype).
+    """
+    op = f"{activation}_and_mul" if activation in ACTIVATIONS else "act_and_mul"
+    check_choice(op, "activation", activation, tuple(ACTIVATIONS))
+    check_rank(op, "h", h, 2, "[M, 2*I]")
+    check_dtype(op, "h", h, FLOAT_DTYPES)
+    M, two_i = h.shape
+    if two_i % 2:
+        raise ValueError(f"{op}: h must be [M, 2*I] with an even last dim; got h.shape=({M}, {two_i})")
+    check_choice(op, "quant", quant, ACT_QUANTS)
+    if quant == "fp8_per_token_group":
+        check_positive_int(op, "group_size", group_size)
+        if (two_i // 2) % group_size:
+            raise ValueError(f"{op}: I (=h.shape[1] // 2) must be divisible by group_size={group_size}; got I={two_i // 2}")
+    out_dtype = h.dtype if out_dtype is None else out_dtype
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    return act_and_mul_reference(h, activation, quant, group_size, out_dtype)
+
+
+def silu_and_mul(h: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``silu(h[:, :I]) * h[:, I:]``; see :func:`act_and_mul` for the arguments."""
+    return act_and_mul(h, activation="silu", **kwargs)
+
+
+def gelu_tanh_and_mul(h: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``gelu_tanh(h[:, :I]) * h[:, I:]``; see :func:`act_and_mul` for the arguments."""
+    return act_and_mul(h, activation="gelu_tanh", **kwargs)

@@ -1,0 +1,74 @@
+"""Gate (router) reference in torch: CONTRACT.md section 1, line by line.
+
+Mirror: ``moe_pallas/ops/gate/reference.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rank_descending(key: torch.Tensor) -> torch.Tensor:
+    """Indices that sort ``key [..., n]`` by descending value along the last dim.
+
+    Ties: the lower index first (a stable sort). NaN ranks below every finite value, level
+    with -inf (NaN is mapped to -inf, then the tie rule applies). -0.0 equals +0.0.
+    """
+    key = torch.where(torch.isnan(key), -torch.inf, key) + 0.0  # "+ 0.0" turns -0.0 into +0.0
+    return torch.argsort(-key, dim=-1, stable=True)
+
+
+def select_experts_reference(
+    router_logits: torch.Tensor,
+    *,
+    topk: int,
+    routing: str,
+    renormalize: bool,
+    num_expert_group: int | None,
+    topk_group: int | None,
+    e_score_correction_bias: torch.Tensor | None,
+    routed_scaling_factor: float,
+    apply_routed_scaling_factor_on_output: bool,
+    num_fused_shared_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``router_logits [T, E]`` -> ``(topk_weights [T, topk+S] f32, topk_ids [T, topk+S] i32)``."""
+    logits = router_logits.float()
+    T, E = logits.shape
+    if routing == "biased_grouped_topk":
+        scores = torch.sigmoid(logits)
+        select = scores + e_score_correction_bias.float()[None, :]
+    else:
+        scores = torch.softmax(logits, dim=-1)
+        select = scores
+
+    if routing != "softmax_topk":
+        per_group = E // num_expert_group
+        grouped = select.reshape(T, num_expert_group, per_group)
+        clean = torch.where(torch.isnan(grouped), -torch.inf, grouped)
+        if routing == "grouped_topk":
+            group_score = clean.amax(dim=-1)
+        else:  # sum of the two largest selection scores of the group
+            group_score = torch.sort(clean, dim=-1, descending=True).values[..., :2].sum(dim=-1)
+        kept = rank_descending(group_score)[:, :topk_group]  # [T, topk_group]
+        groups = torch.arange(num_expert_group, device=kept.device)
+        group_kept = (kept[:, :, None] == groups[None, None, :]).any(dim=1)
+        expert_kept = torch.repeat_interleave(group_kept, per_group, dim=1)  # [T, E]
+        select = torch.where(expert_kept, select, -torch.inf)  # -inf, not 0: c may be negative
+
+    topk_ids = rank_descending(select)[:, :topk]
+    topk_weights = torch.gather(scores, 1, topk_ids)  # unbiased scores
+    if renormalize:
+        denom = topk_weights.sum(dim=-1, keepdim=True)
+        if routing == "biased_grouped_topk":
+            denom = denom + 1e-20
+        topk_weights = topk_weights / denom
+
+    if num_fused_shared_experts:
+        S = num_fused_shared_experts
+        shared_ids = torch.arange(E, E + S, device=topk_ids.device, dtype=topk_ids.dtype)[None, :].expand(T, S)
+        shared_weights = torch.full((T, S), 1.0 / routed_scaling_factor, dtype=torch.float32, device=scores.device)
+        topk_ids = torch.cat([topk_ids, shared_ids], dim=1)
+        topk_weights = torch.cat([topk_weights, shared_weights], dim=1)
+    if apply_routed_scaling_factor_on_output:
+        topk_weights = topk_weights * torch.tensor(routed_scaling_factor, dtype=torch.float32)
+    return topk_weights.float(), topk_ids.to(torch.int32)

@@ -1,0 +1,54 @@
+"""Permutation (dispatch) reference in torch: CONTRACT.md section 2.
+
+Mirror: ``moe_pallas/ops/permute/reference.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_torch.ops.quant.reference import per_token_group_quant_fp8_reference, static_quant_fp8_reference
+
+
+def routing_metadata_reference(
+    topk_ids: torch.Tensor, expert_start: int, num_local_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``topk_ids [T, topk]`` -> ``(expert_offsets [E_local+1], src2dst [T, topk], dst2src [T*topk])``, int32.
+
+    A stable sort of the assignments ``a = t*topk + j`` by local expert id puts each
+    expert's rows together, in order of ``a``; non-local assignments sort last and are cut.
+    """
+    T, topk = topk_ids.shape
+    m_cap = T * topk
+    device = topk_ids.device
+    local = topk_ids.reshape(m_cap) - expert_start  # in the ids' own dtype: no wrap-around
+    is_local = (local >= 0) & (local < num_local_experts)
+    key = torch.where(is_local, local, num_local_experts).to(torch.int32)  # non-local -> one bucket past the end
+    order = torch.argsort(key, stable=True).to(torch.int32)  # [M_cap]: row -> assignment
+    counts = torch.bincount(key.long(), minlength=num_local_experts + 1)[:num_local_experts]
+    expert_offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
+    rows = torch.arange(m_cap, dtype=torch.int32, device=device)
+    dst2src = torch.where(rows < expert_offsets[-1], order, -1)
+    position = torch.empty(m_cap, dtype=torch.int32, device=device)
+    position[order.long()] = rows  # assignment -> row (order is a permutation: every entry written)
+    src2dst = torch.where(is_local, position, -1).reshape(T, topk)
+    return expert_offsets, src2dst, dst2src
+
+
+def permute_reference(
+    x: torch.Tensor, dst2src: torch.Tensor, topk: int, quant: str | None, group_size: int, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gather ``x [T, H]`` rows into expert order: row ``r`` is ``x[dst2src[r] // topk]``.
+
+    Rows with ``dst2src < 0`` (``>= M``) are zero. With ``quant`` the rows are quantized
+    (CONTRACT.md section 3) and the scale rows travel with them.
+    """
+    valid = dst2src >= 0
+    token = torch.where(valid, dst2src // topk, 0).long()
+    rows = torch.where(valid[:, None], x[token], torch.zeros((), dtype=x.dtype, device=x.device))
+    if quant is None:
+        return rows, None
+    if quant == "fp8_per_tensor":
+        return static_quant_fp8_reference(rows, scale), scale
+    G = rows.shape[1] if quant == "fp8_per_token" else group_size
+    return per_token_group_quant_fp8_reference(rows, G)

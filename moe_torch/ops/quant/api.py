@@ -1,0 +1,126 @@
+"""FP8 quantization ops (CONTRACT.md section 3): per-token, per-token-group, static per-tensor,
+weights per-expert / per-channel / 128x128 block, and the dequantizations.
+
+Mirror: ``moe_pallas/ops/quant/api.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_contract.validation import (
+    FLOAT_DTYPES,
+    FP8_DTYPE,
+    check_choice,
+    check_dtype,
+    check_positive_int,
+    check_rank,
+    check_activation_scale,
+    check_per_tensor_scale,
+    check_weight_scale,
+)
+from moe_torch.ops.quant import reference as ref
+
+IMPLEMENTATIONS = ("reference",)
+WEIGHT_LAYOUTS = ("per_expert", "per_channel", "block")
+
+
+def _check_x(op: str, x: torch.Tensor) -> None:
+    check_rank(op, "x", x, 2, "[rows, K]")
+    check_dtype(op, "x", x, FLOAT_DTYPES)
+
+
+def per_token_group_quant_fp8(
+    x: torch.Tensor, group_size: int = 128, *, implementation: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 quantization per ``1 x group_size`` group along the last dim.
+
+    Args:
+      x: ``[rows, K]`` float32 / bf16 / float16, ``K % group_size == 0``.
+      group_size: ``G`` (128 in DeepSeek-V3).
+
+    Returns:
+      ``(q [rows, K] float8_e4m3fn, scale [rows, K // G] float32)``, where
+      ``scale = max(amax, 1e-10) * float32(1/448)`` multiplies ``q`` back to ``x``.
+
+    Raises:
+      ValueError: ``x`` not 2-D, ``K % G != 0``; TypeError: ``x`` not float.
+    """
+    op = "per_token_group_quant_fp8"
+    _check_x(op, x)
+    check_positive_int(op, "group_size", group_size)
+    if x.shape[1] % group_size:
+        raise ValueError(f"{op}: K (=x.shape[1]) must be divisible by group_size={group_size}; got K={x.shape[1]}")
+    check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    return ref.per_token_group_quant_fp8_reference(x, group_size)
+
+
+def per_token_quant_fp8(x: torch.Tensor, *, implementation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 quantization, one scale per row: ``x [rows, K]`` -> ``(q [rows, K] fp8, scale [rows, 1] f32)``.
+
+    Raises: ValueError (``x`` not 2-D), TypeError (``x`` not float).
+    """
+    op = "per_token_quant_fp8"
+    _check_x(op, x)
+    check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    if x.shape[1] == 0:
+        scale = ref.scale_from_amax(torch.zeros((x.shape[0], 1), dtype=torch.float32, device=x.device))
+        return x.to(torch.float8_e4m3fn), scale
+    return ref.per_token_group_quant_fp8_reference(x, x.shape[1])
+
+
+def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor, *, implementation: str | None = None) -> torch.Tensor:
+    """Static per-tensor FP8 quantization: ``q = cast_rne(clamp(x / scale, -448, 448))``.
+
+    Args:
+      x: ``[rows, K]`` float. scale: ``[]`` or ``[1]`` float32, the dequantization multiplier.
+
+    Raises: ValueError (shapes), TypeError (dtypes).
+    """
+    op = "static_quant_fp8"
+    _check_x(op, x)
+    check_per_tensor_scale(op, "scale", scale)
+    check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    return ref.static_quant_fp8_reference(x, scale.reshape(()))
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q [rows, K]`` fp8 times its scale -> float32 ``[rows, K]``.
+
+    ``scale``: ``[rows, K // G]`` (per-token-group; per-token is ``G = K``, ``[rows, 1]``)
+    or ``[]`` (per-tensor), float32.
+
+    Raises: ValueError (shapes), TypeError (dtypes).
+    """
+    op = "dequantize_fp8"
+    check_rank(op, "q", q, 2, "[rows, K]")
+    check_dtype(op, "q", q, (FP8_DTYPE,))
+    check_activation_scale(op, "scale", scale, q.shape)
+    return ref.dequantize_fp8_reference(q, scale)
+
+
+def quantize_weight_fp8(w: torch.Tensor, layout: str = "per_channel", *, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize expert weights ``w [E, N, K]`` to FP8.
+
+    Args:
+      layout: ``"per_expert"`` (scale ``[E]``), ``"per_channel"`` (``[E, N]``, one per output
+        row) or ``"block"`` (``[E, ceil(N/128), ceil(K/128)]``, DeepSeek-V3's ``weight_scale_inv``).
+
+    Returns: ``(q [E, N, K] float8_e4m3fn, scale float32)``; ``w ~= q * scale`` (broadcast).
+
+    Raises: ValueError (shape, layout), TypeError (dtype).
+    """
+    op = "quantize_weight_fp8"
+    check_rank(op, "w", w, 3, "[E, N, K]")
+    check_dtype(op, "w", w, FLOAT_DTYPES)
+    check_choice(op, "layout", layout, WEIGHT_LAYOUTS)
+    return ref.quantize_weight_fp8_reference(w, layout, block)
+
+
+def dequantize_weight_fp8(q: torch.Tensor, w_scale: torch.Tensor, *, block: int = 128) -> torch.Tensor:
+    """``q [E, N, K]`` fp8 times its weight scale (any layout) -> float32 ``[E, N, K]``."""
+    op = "dequantize_weight_fp8"
+    check_rank(op, "q", q, 3, "[E, N, K]")
+    check_dtype(op, "q", q, (FP8_DTYPE,))
+    check_weight_scale(op, "w_scale", w_scale, q.shape, block)
+    return ref.dequantize_weight_fp8_reference(q, w_scale, block)
