@@ -1,0 +1,39 @@
+"""Test helpers: one numpy input, two frameworks."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+#: "cpu" in CI; "gpu" when benchmarks/gpu_check.py runs the suite on the GPU machine.
+DEVICE = os.environ.get("EPMOE_TEST_DEVICE", "cpu")
+TORCH_DEVICE = "cuda" if DEVICE == "gpu" else "cpu"
+
+JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "int32": jnp.int32}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int32": torch.int32,
+                "int64": torch.int64}
+
+
+def to_jax(a: np.ndarray, dtype: str | None = None):
+    arr = jnp.asarray(a)
+    return arr if dtype is None else arr.astype(JNP_DTYPES[dtype])
+
+
+def to_torch(a: np.ndarray, dtype: str | None = None):
+    t = torch.from_numpy(np.array(a, copy=True, order="C")).to(TORCH_DEVICE)
+    return t if dtype is None else t.to(TORCH_DTYPES[dtype])
+
+
+def both(a: np.ndarray, dtype: str | None = None):
+    """``(jax array, torch tensor)`` holding the same values (cast to ``dtype`` in each framework)."""
+    return to_jax(a, dtype), to_torch(a, dtype)
+
+
+def random_ids(rng: np.random.Generator, T: int, topk: int, E: int, distinct: bool = True) -> np.ndarray:
+    """``[T, topk]`` int32 expert ids; distinct within a row (as a gate makes them) by default."""
+    if distinct:
+        return np.stack([rng.permutation(E)[:topk] for _ in range(T)]).astype(np.int32).reshape(T, topk)
+    return rng.integers(0, E, size=(T, topk), dtype=np.int32)

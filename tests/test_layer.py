@@ -1,0 +1,149 @@
+"""The MoE layer: jnp vs torch for every preset and quant mode, a float64 dense check, EP splits, bug case 1."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import moe_pallas
+import moe_torch
+from common import both
+from moe_contract import MoEConfig, PRESETS, get_preset, make_layer_inputs
+from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_rel_fro, to_numpy
+
+jit_forward = jax.jit(moe_pallas.moe_forward, static_argnames=("config", "implementation"))
+
+
+def run_layer(framework: str, config: MoEConfig, inputs, dtype: str = "float32", rank: int | None = None):
+    """One framework's layer on EP rank ``rank`` (default ``config.ep_rank``), weights sliced and quantized there."""
+    if rank is not None:
+        config = config.for_rank(rank)
+    idx = 0 if framework == "jnp" else 1
+    mod = moe_pallas if framework == "jnp" else moe_torch
+    w13 = mod.local_weights(both(inputs.w13, dtype)[idx], config)
+    w2 = mod.local_weights(both(inputs.w2, dtype)[idx], config)
+    w13, s13, w2, s2 = mod.quantize_layer_weights(w13, w2, config)
+    bias = both(inputs.e_score_correction_bias)[idx] if config.routing == "biased_grouped_topk" else None
+    forward = jit_forward if framework == "jnp" else mod.moe_forward
+    return forward(both(inputs.x, dtype)[idx], both(inputs.router_logits)[idx], w13, w2, config,
+                   w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias)
+
+
+def small(preset_name: str, **overrides) -> MoEConfig:
+    """A preset's routing (E, topk, groups, rsf, shared experts) at CPU-sized H and I (multiples of 128)."""
+    return get_preset(preset_name).config(hidden_size=128, intermediate_size=128, **overrides)
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8_per_token", "fp8_block"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_layer_jnp_matches_torch_every_preset(preset, quant):
+    config = small(preset, quant=quant)
+    inputs = make_layer_inputs(config, 9, seed=1)
+    for dtype in ("float32", "bfloat16"):
+        outs = [run_layer(f, config, inputs, dtype) for f in ("jnp", "torch")]
+        assert to_numpy(outs[0]).dtype.name == dtype and to_numpy(outs[0]).shape == (9, 128)
+        limit = F32_REL_FRO if (dtype == "float32" and quant == "none") else BF16_REL_FRO
+        assert_rel_fro(outs[0], outs[1], limit, f"{preset} {quant} {dtype}: jnp vs torch")
+
+
+def numpy_dense_layer(config: MoEConfig, inputs, topk_weights, topk_ids) -> np.ndarray:
+    """float64, token by token: out[t] = rsf * sum_j w[t, j] * w2[e] @ (silu(gate_e x) * up_e x)."""
+    I = config.intermediate_size
+    x = inputs.x.astype(np.float64)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(topk_weights[t], topk_ids[t]):
+            h = inputs.w13[e].astype(np.float64) @ x[t]
+            g, u = h[:I], h[I:]
+            out[t] += w * (inputs.w2[e].astype(np.float64) @ (g / (1 + np.exp(-g)) * u))
+    return out if config.apply_routed_scaling_factor_on_output else out * config.routed_scaling_factor
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "one-expert"])
+@pytest.mark.parametrize("preset", ["tiny", "mixtral-8x7b"])
+def test_layer_matches_float64_dense_loop(preset, routing):
+    """The permuted pipeline equals a plain per-token loop over the same gate decisions (float32 run)."""
+    config = small(preset) if preset != "tiny" else get_preset("tiny").config()
+    inputs = make_layer_inputs(config, 11, seed=2, routing=routing)
+    bias = inputs.e_score_correction_bias if config.routing == "biased_grouped_topk" else None
+    w, ids = moe_pallas.select_experts(
+        both(inputs.router_logits)[0], topk=config.topk, routing=config.routing, renormalize=config.renormalize,
+        num_expert_group=config.num_expert_group, topk_group=config.topk_group,
+        e_score_correction_bias=None if bias is None else both(bias)[0],
+        routed_scaling_factor=config.routed_scaling_factor,
+        apply_routed_scaling_factor_on_output=config.apply_routed_scaling_factor_on_output,
+        num_fused_shared_experts=config.num_fused_shared_experts)
+    ref = numpy_dense_layer(config, inputs, to_numpy(w), to_numpy(ids))
+    for f in ("jnp", "torch"):
+        assert_rel_fro(run_layer(f, config, inputs), ref, F32_REL_FRO, f)
+
+
+@given(
+    ep_size=st.sampled_from([1, 2, 4]),
+    T=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+    on_output=st.booleans(),
+    skew=st.sampled_from(["uniform", "zipf", "one-expert"]),
+)
+def test_property_ep_split_equals_sum_of_ranks(ep_size, T, seed, on_output, skew):
+    """Summing every EP rank's partial output gives the single-device layer (float32 rounding)."""
+    config = get_preset("tiny").config(apply_routed_scaling_factor_on_output=on_output)
+    inputs = make_layer_inputs(config, T, seed=seed, routing=skew)
+    ep = config.replace(ep_size=ep_size)
+    for f in ("jnp", "torch"):
+        single = to_numpy(run_layer(f, config, inputs)).astype(np.float64)
+        split = sum(to_numpy(run_layer(f, ep, inputs, rank=r)).astype(np.float64) for r in range(ep_size))
+        assert_rel_fro(split, single, F32_REL_FRO, f"{f} ep_size={ep_size}")
+
+
+@pytest.mark.parametrize("framework", ["jnp", "torch"])
+def test_bug_rsf_applied_exactly_once(framework):
+    """Bug case 1: DeepSeek-style routing, 4 tokens, H=128, 8 experts over 2 EP ranks, top-2,
+    renormalize, rsf=2.5: the routed output is 2.5x the rsf=1 output, whether rsf is fused in
+    the gate or applied in the combine (not 1x, not 6.25x)."""
+    base = MoEConfig(hidden_size=128, intermediate_size=64, num_experts=8, topk=2, routing="biased_grouped_topk",
+                     renormalize=True, num_expert_group=4, topk_group=2, ep_size=2)
+    inputs = make_layer_inputs(base, 4, seed=3)
+
+    def layer(**kw):
+        c = base.replace(**kw)
+        return sum(to_numpy(run_layer(framework, c, inputs, rank=r)).astype(np.float64) for r in range(2))
+
+    plain = layer(routed_scaling_factor=1.0)
+    fused_in_gate = layer(routed_scaling_factor=2.5, apply_routed_scaling_factor_on_output=True)
+    in_combine = layer(routed_scaling_factor=2.5, apply_routed_scaling_factor_on_output=False)
+    assert np.abs(plain).mean() > 0.1  # a real signal, not zeros
+    for out in (fused_in_gate, in_combine):
+        assert_rel_fro(out, 2.5 * plain, 1e-6, "2.5x the rsf=1 output")
+    assert_rel_fro(fused_in_gate, in_combine, 1e-6, "same output for both placements")
+
+
+@pytest.mark.parametrize("framework", ["jnp", "torch"])
+def test_layer_T0_returns_empty(framework):
+    config = get_preset("tiny").config()
+    inputs = make_layer_inputs(config, 0, seed=0)
+    out = run_layer(framework, config, inputs)
+    assert tuple(out.shape) == (0, config.hidden_size)
+
+
+def test_layer_jits_once_per_config():
+    """The jnp layer traces once per (shapes, config) and reuses the executable."""
+    config = get_preset("tiny").config()
+    inputs = make_layer_inputs(config, 5, seed=0)
+    traces = []
+
+    @functools.partial(jax.jit, static_argnames=("config",))
+    def f(x, logits, w13, w2, bias, config):
+        traces.append(1)
+        return moe_pallas.moe_forward(x, logits, w13, w2, config, e_score_correction_bias=bias)
+
+    args = [both(a)[0] for a in (inputs.x, inputs.router_logits, inputs.w13, inputs.w2, inputs.e_score_correction_bias)]
+    a = f(*args, config=config)
+    b = f(*args, config=config)
+    assert len(traces) == 1
+    np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
