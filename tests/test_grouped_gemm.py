@@ -117,3 +117,21 @@ def test_grouped_gemm_zero_rows():
     for mod, idx in ((moe_pallas, 0), (moe_torch, 1)):
         y = mod.grouped_gemm(both(np.zeros((0, 4), np.float32))[idx], both(w)[idx], both(np.zeros(3, np.int32))[idx])
         assert tuple(y.shape) == (0, 8)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_grouped_gemm_jnp_chunked_rows_match_single_chunk(monkeypatch, fp8):
+    """The jnp reference gathers weights in chunks of rows at real sizes; force tiny chunks here."""
+    from moe_pallas.ops.grouped_gemm import reference as jref
+
+    x, w, offsets = problem(4, [3, 0, 6, 2], 13, 128, 24)
+    jx, jw = both(x)[0], both(w)[0]
+    kw = {}
+    if fp8:
+        (jx, xs), (jw, ws) = moe_pallas.per_token_quant_fp8(jx), moe_pallas.quantize_weight_fp8(jw, "block")
+        kw = dict(x_scale=xs, w_scale=ws)
+    whole = moe_pallas.grouped_gemm(jx, jw, both(offsets)[0], **kw)
+    monkeypatch.setattr(jref, "_CHUNK_BYTES", 24 * 128 * 4 * 4)  # 4 rows per chunk, 4 chunks (last padded)
+    chunked = moe_pallas.grouped_gemm(jx, jw, both(offsets)[0], **kw)
+    assert_rel_fro(chunked, whole, 1e-6, "chunked vs whole")
+    assert not to_numpy(chunked).astype(np.float32)[11:].any()

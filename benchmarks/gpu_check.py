@@ -1,0 +1,154 @@
+"""One call on the GPU machine: the test suite on the GPU, then the reference layer of every
+preset at real size in both frameworks (JAX via XLA on the GPU, torch on CUDA), compared.
+
+Usage (on the GPU machine, from the repo root; nothing to install there)::
+
+    PYTHONPATH=. python3 benchmarks/gpu_check.py [--skip-tests] [--tokens 256] [--presets a,b] [--quants none,fp8_block]
+
+Prints a short table last. Weights are drawn on the GPU in torch (bf16, ~ N(0, 1/K)) and
+handed to JAX through DLPack (zero-copy), so both frameworks see the same bits; each
+framework quantizes them itself (and the FP8 codes are checked bit-identical).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+
+import numpy as np  # noqa: E402
+
+
+def run_tests(out_dir: str | None, timeout_s: int) -> str:
+    env = dict(os.environ, EPMOE_TEST_DEVICE="gpu", PYTHONPATH=os.getcwd())
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "--no-header", "-p", "no:cacheprovider", "tests"]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        log, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        log, rc = f"{exc.stdout or ''}{exc.stderr or ''}\nTIMEOUT after {timeout_s} s", "timeout"
+    if out_dir:
+        with open(os.path.join(out_dir, "gpu_tests.log"), "w") as f:
+            f.write(log)
+    tail = [l for l in log.strip().splitlines() if l.strip()][-1] if log.strip() else "(no output)"
+    print(log[-4000:])
+    return f"pytest on GPU: rc={rc}, {tail} ({time.perf_counter() - t0:.0f} s)"
+
+
+def rel_fro(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def check_preset(name: str, quant: str, T: int, seed: int = 0) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import moe_pallas
+    import moe_torch
+    from moe_contract import get_preset
+
+    config = get_preset(name).config(quant=quant)
+    H, I, E, Et = config.hidden_size, config.intermediate_size, config.num_experts, config.num_total_experts
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    x = torch.randn(T, H, generator=g, device=dev).to(torch.bfloat16)
+    logits = torch.randn(T, E, generator=g, device=dev)
+    bias = (0.1 * torch.randn(E, generator=g, device=dev)) if config.routing == "biased_grouped_topk" else None
+    w13 = torch.empty(Et, 2 * I, H, device=dev, dtype=torch.bfloat16)
+    w2 = torch.empty(Et, H, I, device=dev, dtype=torch.bfloat16)
+    for e in range(Et):  # expert by expert: no float32 temporaries of the whole tensor
+        w13[e] = (torch.randn(2 * I, H, generator=g, device=dev) * H**-0.5).to(torch.bfloat16)
+        w2[e] = (torch.randn(H, I, generator=g, device=dev) * I**-0.5).to(torch.bfloat16)
+
+    def quantize(mod, w13_, w2_):
+        """quantize_layer_weights, 16 experts at a time (bounded temporaries at DeepSeek-V3 size)."""
+        if quant == "none":
+            return w13_, None, w2_, None
+        parts = [mod.quantize_layer_weights(w13_[i : i + 16], w2_[i : i + 16], config) for i in range(0, Et, 16)]
+        cat = (lambda xs: jnp.concatenate(xs)) if mod is moe_pallas else (lambda xs: torch.cat(xs))
+        return tuple(cat([p[k] for p in parts]) for k in range(4))
+
+    row = {"preset": name, "quant": quant, "T": T}
+    # torch reference
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    tw = quantize(moe_torch, w13, w2)
+    out_t = moe_torch.moe_forward(x, logits, tw[0], tw[2], config, w13_scale=tw[1], w2_scale=tw[3], e_score_correction_bias=bias)
+    torch.cuda.synchronize()
+    row["torch_s"] = time.perf_counter() - t0
+    out_t_np = out_t.float().cpu().numpy()
+
+    # jnp reference on the same bits (DLPack, zero-copy)
+    jx, jlogits = jnp.from_dlpack(x), jnp.from_dlpack(logits)
+    jw13, jw2 = jnp.from_dlpack(w13), jnp.from_dlpack(w2)
+    jbias = jnp.from_dlpack(bias) if bias is not None else None
+    t0 = time.perf_counter()
+    jw = quantize(moe_pallas, jw13, jw2)
+    fwd = jax.jit(moe_pallas.moe_forward, static_argnames=("config",))
+    out_j = fwd(jx, jlogits, jw[0], jw[2], config, w13_scale=jw[1], w2_scale=jw[3], e_score_correction_bias=jbias)
+    out_j.block_until_ready()
+    row["jax_s"] = time.perf_counter() - t0
+    out_j_np = np.asarray(out_j.astype(jnp.float32))
+
+    if quant != "none":  # FP8 weight codes and scales bit-identical on the GPU
+        same = True
+        for a, b in ((jw[0], tw[0]), (jw[1], tw[1])):
+            an = np.asarray(a.view(jnp.uint8) if a.dtype == jnp.float8_e4m3fn else a)
+            bn = (b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b).cpu().numpy()
+            same &= bool(np.array_equal(an, bn))
+        row["fp8_weights_identical"] = same
+    row["rel_err"] = rel_fro(out_j_np, out_t_np)
+    row["finite"] = bool(np.isfinite(out_j_np).all() and np.isfinite(out_t_np).all())
+    row["mean_abs"] = float(np.abs(out_t_np).mean())
+    row["ok"] = row["finite"] and row["rel_err"] <= 1e-2 and row.get("fp8_weights_identical", True)
+    del tw, jw, out_t, out_j, w13, w2, jw13, jw2
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--test-timeout", type=int, default=240, help="seconds for the pytest run")
+    parser.add_argument("--presets", default="tiny,mixtral-8x7b,qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3")
+    parser.add_argument("--quants", default="none,fp8_per_token,fp8_block")
+    args = parser.parse_args()
+    out_dir = os.environ.get("OUT")
+    summary = []
+    if not args.skip_tests:
+        summary.append(run_tests(out_dir, args.test_timeout))
+    rows = []
+    for name in args.presets.split(","):
+        for quant in args.quants.split(","):
+            try:
+                row = check_preset(name, quant, args.tokens)
+            except Exception as exc:  # report and go on: one preset's failure must not hide the others
+                row = {"preset": name, "quant": quant, "T": args.tokens, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            rows.append(row)
+            print(row, flush=True)
+    import json
+
+    if out_dir:
+        with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+            json.dump({"summary": summary, "rows": rows}, f, indent=1)
+    print("\n".join(summary))
+    print(f"\n{'preset':<17}{'quant':<15}{'T':>5}{'jax s':>8}{'torch s':>9}{'rel err':>11}{'fp8 w ==':>10}  verdict")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['preset']:<17}{r['quant']:<15}{r['T']:>5}  ERROR {r['error']}")
+            continue
+        print(f"{r['preset']:<17}{r['quant']:<15}{r['T']:>5}{r['jax_s']:>8.2f}{r['torch_s']:>9.2f}{r['rel_err']:>11.2e}"
+              f"{str(r.get('fp8_weights_identical', '-')):>10}  {'agree' if r['ok'] else 'FAIL'}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
