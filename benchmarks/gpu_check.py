@@ -31,7 +31,8 @@ def run_tests(out_dir: str | None, timeout_s: int) -> str:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         log, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
-        log, rc = f"{exc.stdout or ''}{exc.stderr or ''}\nTIMEOUT after {timeout_s} s", "timeout"
+        text = [s.decode(errors="replace") if isinstance(s, bytes) else (s or "") for s in (exc.stdout, exc.stderr)]
+        log, rc = "".join(text) + f"\nTIMEOUT after {timeout_s} s", "timeout"
     if out_dir:
         with open(os.path.join(out_dir, "gpu_tests.log"), "w") as f:
             f.write(log)
