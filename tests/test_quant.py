@@ -129,3 +129,28 @@ def test_weight_quant_bit_identical_and_close(layout, shape):
     # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for values in the normal range of their block
     err = np.abs(jd - w)
     assert np.all(err <= np.abs(w) * 2.0**-4 + to_numpy(ts).max() * 2.0**-9)
+
+
+def test_jnp_fp8_rounding_exact_even_when_division_is_not():
+    """XLA on the GPU divides with div.full.f32 (<= 1 ulp off): feed the jnp rounding step a quotient
+    1 ulp too high or too low and it must still give the code of the correctly rounded quotient.
+    Inputs sit on and next to FP8 midpoints (times the scale), where a 1-ulp error changes the code,
+    including quotients that round to a midpoint in float32 (double rounding, as the contract says)."""
+    import jax.numpy as jnp
+    from moe_pallas.ops.quant.reference import fp8_round_quotient
+
+    rng = np.random.default_rng(0)
+    codes = np.arange(0, 0x7E, dtype=np.uint8)  # every non-negative finite code below 448
+    lo = codes.view(FP8).astype(np.float64)
+    hi = (codes + 1).view(FP8).astype(np.float64)
+    mids = np.concatenate([(lo + hi) / 2, lo, rng.uniform(0, 448, 200)])
+    scale = np.float32(np.exp(rng.uniform(-8, 3, mids.size)))
+    # x on and within a few ulps of midpoint * scale, both signs
+    x = (mids * scale.astype(np.float64)).astype(np.float32)
+    x = np.concatenate([np.nextafter(x, -np.inf), x, np.nextafter(x, np.inf), -x])
+    s = np.tile(scale, 4)
+    expected = np.clip(x / s, -448, 448).astype(FP8)  # the contract: IEEE float32 quotient, then RNE to FP8
+    y = np.abs(x) / s
+    for bad_y in (np.nextafter(y, np.inf), y, np.nextafter(y, -np.inf)):
+        got = np.asarray(fp8_round_quotient(jnp.asarray(x), jnp.asarray(bad_y), jnp.asarray(s)))
+        np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))

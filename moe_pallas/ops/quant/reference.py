@@ -18,9 +18,61 @@ INV_FP8_MAX = np.float32(1.0 / 448.0)
 AMAX_FLOOR = np.float32(1e-10)
 
 
-def _cast_fp8(xs: jax.Array) -> jax.Array:
-    """Clamp to +-448, then cast with round-to-nearest-even (the clamp removes the stacks' NaN/saturation differences)."""
-    return jnp.clip(xs, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+def quantize_div_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``cast_rne(clamp(x / scale, -448, 448))`` to float8_e4m3fn, with ``/`` correctly rounded.
+
+    XLA's GPU backend lowers float32 division to ``div.full.f32`` (up to 1 ulp off;
+    openxla/xla#37181), which moves about one FP8 code in 10^6 across a rounding boundary.
+    :func:`fp8_round_quotient` repairs exactly those codes. On the CPU, where ``/`` is exact,
+    it changes nothing.
+
+    ``x``: float32, any shape; ``scale``: float32, broadcastable to ``x``.
+    """
+    return fp8_round_quotient(x, jnp.abs(x) / scale, scale)
+
+
+def _split_hi(v: jax.Array) -> jax.Array:
+    """``v`` with its 12 low mantissa bits cleared (``v - hi`` is then exact, 12 bits)."""
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFFF000), jnp.float32)
+
+
+def fp8_round_quotient(x: jax.Array, y: jax.Array, scale: jax.Array) -> jax.Array:
+    """The FP8 code of ``cast_rne(clamp(fl32(x / scale)))``, given ``y ~= |x| / scale`` within an ulp.
+
+    Let ``q`` be the code ``y`` rounds to. If ``y`` lies above (below) ``q``, the only other
+    candidate is the next code ``n`` up (down), and the answer depends on where the correctly
+    rounded quotient ``y*`` sits against the midpoint ``m = (q + n) / 2``: past it -> ``n``;
+    on it -> the even code; short of it -> ``q``. ``y* > m`` iff ``|x| > (m + u/2) * scale`` and
+    ``y* < m`` iff ``|x| < (m - d/2) * scale``, with ``u``, ``d`` the float32 spacings above and
+    below ``m`` (``m`` has <= 5 significant bits, so it is even and wins its own ties). Those
+    signs are computed exactly: ``scale = s_hi + s_lo`` (12-bit halves) makes every product
+    exact in float32, ``|x| - m * s_hi`` is exact (Sterbenz), and the remaining subtractions
+    are exact or too large to change sign. Fused multiply-adds, if the compiler makes them,
+    change none of this. Valid while ``scale > ~1e-25`` (dynamic scales are >= 2.2e-13).
+    """
+    a = jnp.abs(x)
+    q = jnp.clip(y, 0.0, FP8_MAX).astype(FP8_DTYPE)  # magnitudes only: RNE and the clamp are symmetric
+    qf = q.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
+    go_up = (y > qf) & (qf < FP8_MAX)
+    go_down = (y < qf) & (qf > 0.0)
+    n_bits = jnp.where(go_up, bits + 1, jnp.where(go_down, bits - 1, bits)).astype(jnp.uint8)
+    nf = jax.lax.bitcast_convert_type(n_bits, FP8_DTYPE).astype(jnp.float32)
+    m = (qf + nf) * 0.5  # exact
+    half_up = (jax.lax.nextafter(m, jnp.full_like(m, jnp.inf)) - m) * 0.5  # powers of two: exact
+    half_down = (m - jax.lax.nextafter(m, jnp.zeros_like(m))) * 0.5
+    scale = jnp.broadcast_to(scale, a.shape)
+    s_hi = _split_hi(scale)
+    s_lo = scale - s_hi
+    r = (a - m * s_hi) - m * s_lo  # |x| - m * scale, exactly
+    above = ((r - half_up * s_hi) - half_up * s_lo) > 0  # y* > m
+    below = ((r + half_down * s_hi) + half_down * s_lo) < 0  # y* < m
+    on_mid = ~above & ~below
+    n_even = (n_bits & 1) == 0
+    take_n = (go_up & (above | (on_mid & n_even))) | (go_down & (below | (on_mid & n_even)))
+    mag = jnp.where(take_n, n_bits, bits)
+    sign = jnp.where(jnp.signbit(x), jnp.uint8(0x80), jnp.uint8(0))
+    return jax.lax.bitcast_convert_type(mag | sign, FP8_DTYPE)
 
 
 def scale_from_amax(amax: jax.Array) -> jax.Array:
@@ -33,13 +85,13 @@ def per_token_group_quant_fp8_reference(x: jax.Array, group_size: int) -> tuple[
     R, K = x.shape
     xg = x.astype(jnp.float32).reshape(R, K // group_size, group_size)
     scale = scale_from_amax(jnp.abs(xg).max(axis=-1))
-    q = _cast_fp8(xg / scale[..., None])  # IEEE division (correctly rounded)
+    q = quantize_div_fp8(xg, scale[..., None])
     return q.reshape(R, K), scale
 
 
 def static_quant_fp8_reference(x: jax.Array, scale: jax.Array) -> jax.Array:
     """``x [..]`` with a given per-tensor ``scale []`` f32 -> ``q [..]`` fp8."""
-    return _cast_fp8(x.astype(jnp.float32) / scale.astype(jnp.float32))
+    return quantize_div_fp8(x.astype(jnp.float32), scale.astype(jnp.float32))
 
 
 def dequantize_fp8_reference(q: jax.Array, scale: jax.Array) -> jax.Array:
@@ -66,13 +118,13 @@ def quantize_weight_fp8_reference(w: jax.Array, layout: str, block: int = 128) -
     wf = w.astype(jnp.float32)
     if layout == "per_expert":
         scale = scale_from_amax(jnp.abs(wf).max(axis=(1, 2)))
-        return _cast_fp8(wf / scale[:, None, None]), scale
+        return quantize_div_fp8(wf, scale[:, None, None]), scale
     if layout == "per_channel":
         scale = scale_from_amax(jnp.abs(wf).max(axis=2))
-        return _cast_fp8(wf / scale[:, :, None]), scale
+        return quantize_div_fp8(wf, scale[:, :, None]), scale
     view, (E, N, K) = _block_view(wf, block)
     scale = scale_from_amax(jnp.abs(view).max(axis=(2, 4)))  # [E, nb, kb]
-    q = _cast_fp8(view / scale[:, :, None, :, None])
+    q = quantize_div_fp8(view, scale[:, :, None, :, None])
     return q.reshape(E, scale.shape[1] * block, scale.shape[2] * block)[:, :N, :K], scale
 
 
