@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_pallas.ops.common import cast_rounded
+
 
 def combine_reference(
     y: jax.Array, src2dst: jax.Array, topk_weights: jax.Array, routed_scaling_factor: float, out_dtype
@@ -20,4 +22,4 @@ def combine_reference(
     out = (weights[:, :, None] * rows).sum(axis=1)
     if routed_scaling_factor != 1.0:
         out = out * jnp.float32(routed_scaling_factor)
-    return out.astype(out_dtype)
+    return cast_rounded(out, out_dtype)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_pallas.ops.common import cast_rounded
 from moe_pallas.ops.quant.reference import dequantize_fp8_reference, dequantize_weight_fp8_reference
 
 #: Bytes of gathered float32 weights per chunk of rows.
@@ -57,4 +58,4 @@ def grouped_gemm_reference(
         xs = jnp.pad(xf, ((0, pad), (0, 0))).reshape(n_chunks, chunk, K)
         es = jnp.pad(expert, (0, pad)).reshape(n_chunks, chunk)
         y = jax.lax.map(lambda args: rows_times_their_experts(*args), (xs, es)).reshape(-1, N)[:M_cap]
-    return jnp.where(valid[:, None], y, 0.0).astype(out_dtype)
+    return cast_rounded(jnp.where(valid[:, None], y, 0.0), out_dtype)

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from moe_torch.ops.common import cast_rounded
 from moe_torch.ops.quant.reference import per_token_group_quant_fp8_reference
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -33,6 +34,6 @@ def act_and_mul_reference(
     hf = h.float()
     out = ACTIVATIONS[activation](hf[:, :inter]) * hf[:, inter:]
     if quant is None:
-        return out.to(out_dtype), None
+        return cast_rounded(out, out_dtype), None
     G = inter if quant == "fp8_per_token" else group_size
     return per_token_group_quant_fp8_reference(out, G)

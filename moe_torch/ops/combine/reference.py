@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_torch.ops.common import cast_rounded
+
 
 def combine_reference(
     y: torch.Tensor, src2dst: torch.Tensor, topk_weights: torch.Tensor, routed_scaling_factor: float, out_dtype: torch.dtype
@@ -19,4 +21,4 @@ def combine_reference(
     out = (weights[:, :, None] * rows).sum(dim=1)
     if routed_scaling_factor != 1.0:
         out = out * torch.tensor(routed_scaling_factor, dtype=torch.float32)
-    return out.to(out_dtype)
+    return cast_rounded(out, out_dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_torch.ops.common import cast_rounded
 from moe_torch.ops.quant.reference import dequantize_fp8_reference, dequantize_weight_fp8_reference
 
 
@@ -38,4 +39,4 @@ def grouped_gemm_reference(
         else:
             w_e = dequantize_weight_fp8_reference(w[e : e + 1], w_scale[e : e + 1])[0]
         y[start:end] = xf[start:end] @ w_e.T
-    return y.to(out_dtype)
+    return cast_rounded(y, out_dtype)
