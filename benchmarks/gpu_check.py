@@ -118,7 +118,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--test-timeout", type=int, default=240, help="seconds for the pytest run")
+    parser.add_argument("--test-timeout", type=int, default=540, help="seconds for the pytest run")
     parser.add_argument("--presets", default="tiny,mixtral-8x7b,qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3")
     parser.add_argument("--quants", default="none,fp8_per_token,fp8_block")
     args = parser.parse_args()

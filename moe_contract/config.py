@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from moe_contract.validation import check_choice, check_positive_int, check_rsf
+from moe_contract.validation import check_choice, check_nonnegative_int, check_positive_int, check_rsf
 
 Routing = Literal["softmax_topk", "grouped_topk", "biased_grouped_topk"]
 Quant = Literal["none", "fp8_per_token", "fp8_block"]
@@ -119,6 +119,8 @@ class MoEConfig:
     def local_expert_range(self, rank: int | None = None) -> tuple[int, int]:
         """``(expert_start, E_local)`` owned by ``rank`` (default: ``self.ep_rank``)."""
         rank = self.ep_rank if rank is None else rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.ep_size:
+            raise ValueError(f"local_expert_range: rank must be an int in [0, ep_size={self.ep_size}); got rank={rank!r}")
         per_rank = self.num_experts // self.ep_size
         start = rank * per_rank
         extra = self.num_fused_shared_experts if rank == self.ep_size - 1 else 0
@@ -148,12 +150,12 @@ def check_routing_args(
     check_positive_int(op, "topk", topk)
     if topk > num_experts:
         raise ValueError(f"{op}: topk must be <= E (={num_experts}); got topk={topk}")
-    if not isinstance(num_fused_shared_experts, int) or num_fused_shared_experts < 0:
-        raise ValueError(
-            f"{op}: num_fused_shared_experts must be an int >= 0; got {num_fused_shared_experts!r}"
-        )
+    check_nonnegative_int(op, "num_fused_shared_experts", num_fused_shared_experts)
     check_rsf(op, routed_scaling_factor)
     if routing == "softmax_topk":
+        for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
+            if value is not None:
+                raise ValueError(f"{op}: {name} must be None for routing='softmax_topk' (it has no groups); got {name}={value!r}")
         return
     check_positive_int(op, "num_expert_group", num_expert_group)
     check_positive_int(op, "topk_group", topk_group)

@@ -12,6 +12,7 @@ Message format (STYLE.md): ``<op>: <arg> must be <expectation>; got <what came>`
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -65,6 +66,12 @@ def check_dtype(op: str, name: str, x: Any, allowed: Iterable[str]) -> None:
     got = dtype_name(x)
     if got not in allowed:
         raise TypeError(f"{op}: {name} must have dtype {' or '.join(allowed)}; got {name}.dtype={got}")
+
+
+def check_nonnegative_int(op: str, name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int >= 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{op}: {name} must be an int >= 0; got {name}={value!r}")
 
 
 def check_positive_int(op: str, name: str, value: Any) -> None:
@@ -122,21 +129,45 @@ def check_per_tensor_scale(op: str, name: str, scale: Any) -> None:
     what = "a per-tensor scale of shape () or (1,)"
     if scale is None:
         raise ValueError(f"{op}: {name} must be {what}, float32; got None")
+    if not hasattr(scale, "shape"):
+        raise TypeError(f"{op}: {name} must be {what}, a float32 array; got {type(scale).__name__} {scale!r}")
     if tuple(scale.shape) not in ((), (1,)):
         raise ValueError(f"{op}: {name} must be {what}; got {name}.shape={_fmt_shape(scale.shape)}")
     check_dtype(op, name, scale, ("float32",))
 
 
 def check_rsf(op: str, rsf: Any) -> None:
-    """``routed_scaling_factor``: a finite float > 0."""
-    if isinstance(rsf, bool) or not isinstance(rsf, (int, float)) or not 0 < rsf < float("inf"):
+    """``routed_scaling_factor``: a finite real > 0 (python or numpy scalar)."""
+    if isinstance(rsf, bool) or not isinstance(rsf, numbers.Real) or not 0 < float(rsf) < float("inf"):
         raise ValueError(f"{op}: routed_scaling_factor must be a finite float > 0; got {rsf!r}")
+
+
+def check_config(op: str, config: Any) -> None:
+    """``config`` must be a :class:`moe_contract.MoEConfig`."""
+    from moe_contract.config import MoEConfig
+
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"{op}: config must be a MoEConfig; got {type(config).__name__} {config!r}")
+
+
+def check_layer_weights(op: str, config: Any, w13: Any, w2: Any) -> None:
+    """Float weights ``w13 [E_local, 2*I, H]``, ``w2 [E_local, H, I]`` for ``config`` (before quantization)."""
+    check_config(op, config)
+    H, I = config.hidden_size, config.intermediate_size
+    _, e_local = config.local_expert_range()
+    check_rank(op, "w13", w13, 3, f"[E_local, 2*I, H] = ({e_local}, {2 * I}, {H}) (this rank's experts)")
+    check_shape(op, "w13", w13, (e_local, 2 * I, H), f"[E_local, 2*I, H] = ({e_local}, {2 * I}, {H}) (this rank's experts)")
+    check_rank(op, "w2", w2, 3, f"[E_local, H, I] = ({e_local}, {H}, {I}) (this rank's experts)")
+    check_shape(op, "w2", w2, (e_local, H, I), f"[E_local, H, I] = ({e_local}, {H}, {I}) (this rank's experts)")
+    check_dtype(op, "w13", w13, FLOAT_DTYPES)
+    check_dtype(op, "w2", w2, FLOAT_DTYPES)
 
 
 def check_layer_inputs(
     op: str, config: Any, x: Any, router_logits: Any, w13: Any, w2: Any, w13_scale: Any, w2_scale: Any
 ) -> None:
     """The MoE layer's arrays against its ``MoEConfig`` (this rank's experts: ``E_local``)."""
+    check_config(op, config)
     H, I, E = config.hidden_size, config.intermediate_size, config.num_experts
     _, e_local = config.local_expert_range()
     check_rank(op, "x", x, 2, f"[T, H] with H={H}")

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_contract.config import MoEConfig
-from moe_contract.validation import check_layer_inputs
+from moe_contract.validation import check_layer_inputs, check_layer_weights
 from moe_pallas.ops.activation.api import act_and_mul
 from moe_pallas.ops.combine.api import combine
 from moe_pallas.ops.gate.api import select_experts
@@ -101,6 +101,7 @@ def quantize_layer_weights(
     ``quant='none'``: unchanged, scales ``None``. ``'fp8_per_token'``: per-output-channel
     scales ``[E, N]``. ``'fp8_block'``: 128x128 block scales ``[E, ceil(N/128), ceil(K/128)]``.
     """
+    check_layer_weights("quantize_layer_weights", config, w13, w2)
     if config.quant == "none":
         return w13, None, w2, None
     layout = WEIGHT_LAYOUT[config.quant]

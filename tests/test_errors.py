@@ -11,9 +11,6 @@ of the expectation and what came.
 The second half checks the other edge of validation: ``T = 0`` is not an error; every op and
 the layer return empty outputs of the right shapes and dtypes (``E = 0`` for the weight ops,
 which have no ``T``).
-
-Cases marked ``xfail(strict=True)`` are library bugs (a missing rule, or a crash with an
-unhelpful error): the test states the behaviour the library should have.
 """
 
 from __future__ import annotations
@@ -105,13 +102,9 @@ def pattern(*parts: str) -> str:
     return ".*".join(p if isinstance(p, R) else re.escape(p) for p in parts)
 
 
-def bad(id: str, call: Callable[[Fw], Any], exc: type[Exception], *parts: str, bug: str | None = None):
-    """One rule: ``call(fw)`` must raise exactly ``exc`` with a message matching ``parts``.
-
-    ``bug``: the library does not do this yet (reported); the case is a strict xfail.
-    """
-    marks = [pytest.mark.xfail(strict=True, reason=bug)] if bug else []
-    return pytest.param(call, exc, pattern(*parts), id=id, marks=marks)
+def bad(id: str, call: Callable[[Fw], Any], exc: type[Exception], *parts: str):
+    """One rule: ``call(fw)`` must raise exactly ``exc`` with a message matching ``parts``."""
+    return pytest.param(call, exc, pattern(*parts), id=id)
 
 
 F32, I32, BF16, FP8 = "float32", "int32", "bfloat16", "float8_e4m3fn"
@@ -153,7 +146,13 @@ ROUTING_RULES = [
     ("rsf-nan", 8, dict(topk=2, routed_scaling_factor=math.nan), "routed_scaling_factor must be a finite float > 0", "got nan"),
     ("rsf-not-a-number", 8, dict(topk=2, routed_scaling_factor="2.5"), "routed_scaling_factor must be a finite float > 0", "got '2.5'"),
     ("num_fused_shared_experts-negative", 8, dict(topk=2, num_fused_shared_experts=-1),
-     "num_fused_shared_experts must be an int >= 0", "got -1"),
+     "num_fused_shared_experts must be an int >= 0", "got num_fused_shared_experts=-1"),
+    ("num_fused_shared_experts-bool", 8, dict(topk=2, num_fused_shared_experts=True),
+     "num_fused_shared_experts must be an int >= 0", "got num_fused_shared_experts=True"),
+    ("softmax-with-num_expert_group", 8, dict(topk=2, num_expert_group=4),
+     "num_expert_group must be None for routing='softmax_topk'", "got num_expert_group=4"),
+    ("softmax-with-topk_group", 8, dict(topk=2, topk_group=2),
+     "topk_group must be None for routing='softmax_topk'", "got topk_group=2"),
 ]
 
 
@@ -230,13 +229,10 @@ ROUTING_METADATA = [
         ValueError, f"{RM}: {ES}", "got expert_start=1.0, num_local_experts=2"),
     bad("routing_metadata/expert_start-eq-E-default-num_local",
         lambda f: f.m.routing_metadata(f.i([[0, 1]]), 4, expert_start=4),
-        ValueError, f"{RM}: expert_start must be an int with 0 <= expert_start", "got expert_start=4",
-        bug="blames num_local_experts (which the caller did not pass): 'num_local_experts must be an int >= 1; "
-            "got num_local_experts=0'"),
+        ValueError, f"{RM}: expert_start must be an int with 0 <= expert_start", "got expert_start=4"),
     bad("routing_metadata/expert_start-str-default-num_local",
         lambda f: f.m.routing_metadata(f.i([[0, 1]]), 4, expert_start="1"),
-        ValueError, f"{RM}: expert_start must be an int with 0 <= expert_start", "got expert_start='1'",
-        bug="raw TypeError from `num_experts - expert_start` before expert_start is validated"),
+        ValueError, f"{RM}: expert_start must be an int with 0 <= expert_start", "got expert_start='1'"),
     bad("routing_metadata/check_ids-id-eq-E", lambda f: f.m.routing_metadata(f.i([[0, 4], [1, 2]]), 4, check_ids=True),
         ValueError, f"{RM}: topk_ids must lie in [0, E) = [0, 4)", "got 1 ids outside it, e.g. 4"),
     bad("routing_metadata/check_ids-negative-ids", lambda f: f.m.routing_metadata(f.i([[-1, 0], [3, -2]]), 4, check_ids=True),
@@ -284,11 +280,9 @@ PERMUTE = [
     bad("permute/per-tensor-scale-dtype", lambda f: _permute(f, quant="fp8_per_tensor", scale=f.full((), 0.1, "bfloat16")),
         TypeError, f"{PM}: scale must have dtype float32", "got scale.dtype=bfloat16"),
     bad("permute/per-tensor-scale-python-float", lambda f: _permute(f, quant="fp8_per_tensor", scale=0.1),
-        TypeError, f"{PM}: scale must be", R(r"got .*(float|0\.1)"),
-        bug="AttributeError: 'float' object has no attribute 'shape' (check_per_tensor_scale reads .shape unguarded)"),
+        TypeError, f"{PM}: scale must be", R(r"got .*(float|0\.1)")),
     bad("permute/scale-unexpected-without-per-tensor-quant", lambda f: _permute(f, scale=f.full((), 0.1)),
-        ValueError, f"{PM}: scale must be None", "got an array",
-        bug="a scale given with quant != 'fp8_per_tensor' is silently ignored"),
+        ValueError, f"{PM}: scale must be None", "got an array"),
     bad("permute/implementation-unknown", lambda f: _permute(f, implementation="triton"),
         ValueError, f"{PM}: {IMPL}", "got implementation='triton'"),
 ]
@@ -332,8 +326,7 @@ ACT_QUANT = [
     bad("static_quant_fp8/scale-dtype", lambda f: f.m.static_quant_fp8(f.f(2, 8), f.full((1,), 0.1, "float16")),
         TypeError, f"{SQ}: scale must have dtype float32", "got scale.dtype=float16"),
     bad("static_quant_fp8/scale-python-float", lambda f: f.m.static_quant_fp8(f.f(2, 8), 0.1),
-        TypeError, f"{SQ}: scale must be", R(r"got .*(float|0\.1)"),
-        bug="AttributeError: 'float' object has no attribute 'shape' (check_per_tensor_scale reads .shape unguarded)"),
+        TypeError, f"{SQ}: scale must be", R(r"got .*(float|0\.1)")),
     bad("static_quant_fp8/implementation-unknown", lambda f: f.m.static_quant_fp8(f.f(2, 8), f.full((), 0.1), implementation="x"),
         ValueError, f"{SQ}: {IMPL}", "got implementation='x'"),
     bad("dequantize_fp8/q-rank", lambda f: f.m.dequantize_fp8(f.fp8(8), f.full((), 0.1)),
@@ -365,8 +358,7 @@ WEIGHT_QUANT = [
     bad("quantize_weight_fp8/layout-unknown", lambda f: f.m.quantize_weight_fp8(f.f(2, 3, 8), "per_tensor"),
         ValueError, f"{QW}: layout must be one of ('per_expert', 'per_channel', 'block')", "got layout='per_tensor'"),
     bad("quantize_weight_fp8/block-zero", lambda f: f.m.quantize_weight_fp8(f.f(2, 3, 8), "block", block=0),
-        ValueError, f"{QW}: block must be an int >= 1", "got block=0",
-        bug="block is not validated: ZeroDivisionError from the reference"),
+        ValueError, f"{QW}: block must be an int >= 1", "got block=0"),
     bad("dequantize_weight_fp8/q-rank", lambda f: f.m.dequantize_weight_fp8(f.fp8(3, 8), f.full((2,), 0.1)),
         ValueError, f"{DW}: q must be [E, N, K]", "got q.shape=(3, 8)"),
     bad("dequantize_weight_fp8/q-dtype", lambda f: f.m.dequantize_weight_fp8(f.f(2, 3, 8), f.full((2,), 0.1)),
@@ -382,8 +374,7 @@ WEIGHT_QUANT = [
     bad("dequantize_weight_fp8/w_scale-dtype", lambda f: f.m.dequantize_weight_fp8(f.fp8(2, 3, 8), f.full((2, 3), 0.1, "bfloat16")),
         TypeError, f"{DW}: w_scale must have dtype float32", "got w_scale.dtype=bfloat16"),
     bad("dequantize_weight_fp8/block-zero", lambda f: f.m.dequantize_weight_fp8(f.fp8(2, 3, 8), f.full((2, 1, 1), 0.1), block=0),
-        ValueError, f"{DW}: block must be an int >= 1", "got block=0",
-        bug="block is not validated: ZeroDivisionError in check_weight_scale"),
+        ValueError, f"{DW}: block must be an int >= 1", "got block=0"),
 ]
 
 # --------------------------------------------------------------------------------------
@@ -550,8 +541,7 @@ CONFIG = [
     bad("MoEConfig/for_rank-out-of-range", lambda f: f.m.MoEConfig(**BASE, ep_size=2).for_rank(2),
         ValueError, f"{MC}: ep_rank must be an int in [0, ep_size=2)", "got ep_rank=2"),
     bad("MoEConfig/local_expert_range-rank-out-of-range", lambda f: f.m.MoEConfig(**BASE, ep_size=2).local_expert_range(2),
-        ValueError, R("local_expert_range: rank must be"), "got rank=2",
-        bug="local_expert_range(rank) does not validate rank: returns (8, 4) for E=8, ep_size=2, rank=2"),
+        ValueError, R("local_expert_range: rank must be"), "got rank=2"),
     bad("MoEConfig/fp8_block-H-not-multiple-of-128", _cfg(hidden_size=192, intermediate_size=128, quant="fp8_block"),
         ValueError, f"{MC}: hidden_size must be a multiple of 128 for quant='fp8_block'", "got hidden_size=192"),
     bad("MoEConfig/fp8_block-I-not-multiple-of-128", _cfg(hidden_size=128, intermediate_size=64, quant="fp8_block"),
@@ -651,13 +641,10 @@ LAYER_CASES = [
         ValueError, MF_OR_GATE, IMPL, "got implementation='triton'"),
     bad("moe_forward/config-not-a-MoEConfig",
         lambda f: f.m.moe_forward(f.f(2, 16), f.f(2, 4), f.f(4, 8, 16), f.f(4, 16, 4), "tiny"),
-        TypeError, f"{MF}: config must be a MoEConfig", R(r"got .*(str|'tiny')"),
-        bug="AttributeError: 'str' object has no attribute 'hidden_size'"),
+        TypeError, f"{MF}: config must be a MoEConfig", R(r"got .*(str|'tiny')")),
 ]
 
 QL = "quantize_layer_weights"
-_QL_BUG = "quantize_layer_weights does not validate its weights against the config"
-_QL_DTYPE = " (quant='none': passes silently; fp8: the TypeError names quantize_weight_fp8 and 'w')"
 def _qlw(config: MoEConfig, w13=((4, 8, 16), "float32"), w2=((4, 16, 4), "float32")):
     """``quantize_layer_weights`` on weights of the given ``(shape, dtype)`` (defaults: valid for LAYER)."""
     return lambda f: f.m.quantize_layer_weights(f.f(*w13[0], dtype=w13[1]), f.f(*w2[0], dtype=w2[1]), config)
@@ -668,13 +655,13 @@ QUANTIZE_LAYER = [
     for cfg in (LAYER, LAYER_FP8)
     for case in (
         bad(f"quantize_layer_weights/w13-shape-quant-{cfg.quant}", _qlw(cfg, w13=((4, 16, 8), F32)),
-            ValueError, f"{QL}: w13 must be", "got w13.shape=(4, 16, 8)", bug=_QL_BUG + " (passes silently)"),
+            ValueError, f"{QL}: w13 must be", "got w13.shape=(4, 16, 8)"),
         bad(f"quantize_layer_weights/w2-shape-quant-{cfg.quant}", _qlw(cfg, w2=((4, 4, 16), F32)),
-            ValueError, f"{QL}: w2 must be", "got w2.shape=(4, 4, 16)", bug=_QL_BUG + " (passes silently)"),
+            ValueError, f"{QL}: w2 must be", "got w2.shape=(4, 4, 16)"),
         bad(f"quantize_layer_weights/w13-dtype-quant-{cfg.quant}", _qlw(cfg, w13=((4, 8, 16), "int32")),
-            TypeError, f"{QL}: w13 {FLOATS}", "got w13.dtype=int32", bug=_QL_BUG + _QL_DTYPE),
+            TypeError, f"{QL}: w13 {FLOATS}", "got w13.dtype=int32"),
         bad(f"quantize_layer_weights/w2-already-fp8-quant-{cfg.quant}", _qlw(cfg, w2=((4, 16, 4), FP8)),
-            TypeError, f"{QL}: w2 {FLOATS}", "got w2.dtype=float8_e4m3fn", bug=_QL_BUG + _QL_DTYPE),
+            TypeError, f"{QL}: w2 {FLOATS}", "got w2.dtype=float8_e4m3fn"),
     )
 ]
 
@@ -710,8 +697,6 @@ def test_check_ids_under_jit_raises() -> None:
     assert type(info.value) is ValueError
 
 
-@pytest.mark.xfail(strict=True, reason="check_rsf accepts only python int/float: np.float32(2.5) is rejected as "
-                                      "'not a finite float > 0'")
 @pytest.mark.parametrize("where", ["select_experts", "combine", "MoEConfig"])
 def test_rsf_numpy_float_is_accepted(fw: Fw, where: str) -> None:
     rsf = np.float32(2.5)
@@ -723,15 +708,8 @@ def test_rsf_numpy_float_is_accepted(fw: Fw, where: str) -> None:
         fw.m.MoEConfig(**BASE, routed_scaling_factor=rsf)
 
 
-_TORCH_DTYPE_NAME_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="torch: a dtype name passes check_dtype (dtype_name('bfloat16') == 'bfloat16'), then .to('bfloat16') "
-    "raises RuntimeError 'Invalid device string' (JAX accepts the name)",
-)
-
-
 @pytest.mark.parametrize("fw", [pytest.param(FRAMEWORKS["jax"], id="jax"),
-                                pytest.param(FRAMEWORKS["torch"], id="torch", marks=_TORCH_DTYPE_NAME_BUG)])
+                                pytest.param(FRAMEWORKS["torch"], id="torch")])
 @pytest.mark.parametrize(
     "op, call",
     [
@@ -755,10 +733,9 @@ def test_out_dtype_given_by_name(fw: Fw, op: str, call) -> None:
 # T = 0 (and E = 0 for the weight ops, which have no T): empty outputs, not errors
 
 
-def empty(id: str, call: Callable[[Fw], Any], *expected, bug: str | None = None):
+def empty(id: str, call: Callable[[Fw], Any], *expected):
     """``call(fw)`` returns outputs with these ``(shape, dtype)`` (``None``: the output is ``None``)."""
-    marks = [pytest.mark.xfail(strict=True, reason=bug)] if bug else []
-    return pytest.param(call, expected, id=id, marks=marks)
+    return pytest.param(call, expected, id=id)
 
 
 EMPTY_CASES = [
@@ -812,11 +789,9 @@ EMPTY_CASES = [
     # K = 0 (not T = 0): per_token_quant_fp8 returns empty codes and [rows, 1] scales; the
     # per-token quantization fused into act_and_mul and permute should do the same.
     empty("per_token_quant_fp8/K0", lambda f: f.m.per_token_quant_fp8(f.f(2, 0)), ((2, 0), FP8), ((2, 1), F32)),
-    empty("act_and_mul/fp8_per_token-I0", lambda f: f.m.act_and_mul(f.f(2, 0), quant="fp8_per_token"), ((2, 0), FP8), ((2, 1), F32),
-          bug="ZeroDivisionError in the reference (group size I = 0); per_token_quant_fp8 handles K = 0"),
+    empty("act_and_mul/fp8_per_token-I0", lambda f: f.m.act_and_mul(f.f(2, 0), quant="fp8_per_token"), ((2, 0), FP8), ((2, 1), F32)),
     empty("permute/fp8_per_token-H0", lambda f: f.m.permute(f.f(1, 0), f.i([0, 1]), topk=2, quant="fp8_per_token"),
-          ((2, 0), FP8), ((2, 1), F32),
-          bug="ZeroDivisionError in the reference (group size H = 0); per_token_quant_fp8 handles K = 0"),
+          ((2, 0), FP8), ((2, 1), F32)),
 ]
 
 

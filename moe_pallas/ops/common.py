@@ -9,6 +9,11 @@ import jax
 import jax.numpy as jnp
 
 
+def resolve_dtype(dtype) -> jnp.dtype:
+    """A numpy/jax dtype from a dtype, a scalar type (``jnp.bfloat16``) or its name."""
+    return jnp.dtype(dtype)
+
+
 def cast_rounded(x: jax.Array, dtype) -> jax.Array:
     """``x.astype(dtype)``, with the rounding made explicit so that ``jit`` keeps it.
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from moe_contract.validation import FLOAT_DTYPES, check_choice, check_dtype, check_positive_int, check_rank
 from moe_pallas.ops.activation.reference import ACTIVATIONS, act_and_mul_reference
+from moe_pallas.ops.common import resolve_dtype
 
 IMPLEMENTATIONS = ("reference",)
 ACT_QUANTS = (None, "fp8_per_token", "fp8_per_token_group")
@@ -50,7 +51,8 @@ def act_and_mul(
         if (two_i // 2) % group_size:
             raise ValueError(f"{op}: I (=h.shape[1] // 2) must be divisible by group_size={group_size}; got I={two_i // 2}")
     out_dtype = h.dtype if out_dtype is None else out_dtype
-    check_dtype(op, "out_dtype", jnp.dtype(out_dtype), FLOAT_DTYPES)
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    out_dtype = resolve_dtype(out_dtype)
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     return act_and_mul_reference(h, activation, quant, group_size, out_dtype)
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_pallas.ops.common import cast_rounded
-from moe_pallas.ops.quant.reference import per_token_group_quant_fp8_reference
+from moe_pallas.ops.quant.reference import per_token_group_quant_fp8_reference, per_token_quant_fp8_reference
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -36,5 +36,6 @@ def act_and_mul_reference(
     out = ACTIVATIONS[activation](hf[:, :inter]) * hf[:, inter:]
     if quant is None:
         return cast_rounded(out, out_dtype), None
-    G = inter if quant == "fp8_per_token" else group_size
-    return per_token_group_quant_fp8_reference(out, G)
+    if quant == "fp8_per_token":
+        return per_token_quant_fp8_reference(out)
+    return per_token_group_quant_fp8_reference(out, group_size)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from moe_contract.validation import FLOAT_DTYPES, check_choice, check_dtype, check_rank, check_rsf, check_shape
 from moe_pallas.ops.combine.reference import combine_reference
+from moe_pallas.ops.common import resolve_dtype
 
 IMPLEMENTATIONS = ("reference",)
 
@@ -49,7 +50,8 @@ def combine(
     check_dtype(op, "topk_weights", topk_weights, ("float32",))
     check_rsf(op, routed_scaling_factor)
     out_dtype = y.dtype if out_dtype is None else out_dtype
-    check_dtype(op, "out_dtype", jnp.dtype(out_dtype), FLOAT_DTYPES)
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    out_dtype = resolve_dtype(out_dtype)
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if T == 0:
         return jnp.zeros((0, y.shape[1]), out_dtype)

@@ -20,6 +20,7 @@ from moe_contract.validation import (
     dtype_name,
 )
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
+from moe_pallas.ops.common import resolve_dtype
 
 IMPLEMENTATIONS = ("reference",)
 
@@ -77,7 +78,8 @@ def grouped_gemm(
             if s is not None:
                 raise ValueError(f"{op}: {name} must be None for {dtype_name(x)} inputs (scales are for float8_e4m3fn); got an array")
         out_dtype = x.dtype if out_dtype is None else out_dtype
-    check_dtype(op, "out_dtype", jnp.dtype(out_dtype), FLOAT_DTYPES)
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    out_dtype = resolve_dtype(out_dtype)
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if M_cap == 0:
         return jnp.zeros((0, N), out_dtype)

@@ -69,10 +69,12 @@ def routing_metadata(
     check_rank(op, "topk_ids", topk_ids, 2, "[T, topk]")
     check_dtype(op, "topk_ids", topk_ids, INT_ID_DTYPES)
     check_positive_int(op, "num_experts", num_experts)
-    if num_local_experts is None:
+    start_ok = not isinstance(expert_start, bool) and isinstance(expert_start, int) and 0 <= expert_start < num_experts
+    if start_ok and num_local_experts is None:
         num_local_experts = num_experts - expert_start
-    check_positive_int(op, "num_local_experts", num_local_experts)
-    if isinstance(expert_start, bool) or not isinstance(expert_start, int) or expert_start < 0 or expert_start + num_local_experts > num_experts:
+    if start_ok:
+        check_positive_int(op, "num_local_experts", num_local_experts)
+    if not start_ok or expert_start + num_local_experts > num_experts:
         raise ValueError(
             f"{op}: expert_start must be an int with 0 <= expert_start and expert_start + num_local_experts "
             f"<= num_experts (={num_experts}); got expert_start={expert_start!r}, num_local_experts={num_local_experts}"
@@ -130,5 +132,7 @@ def permute(
     if quant == "fp8_per_tensor":
         check_per_tensor_scale(op, "scale", scale)
         scale = scale.reshape(())
+    elif scale is not None:
+        raise ValueError(f"{op}: scale must be None unless quant='fp8_per_tensor' (quant={quant!r}); got an array")
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     return permute_reference(x, dst2src, topk, quant, group_size, scale)

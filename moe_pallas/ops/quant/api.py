@@ -64,9 +64,7 @@ def per_token_quant_fp8(x: jax.Array, *, implementation: str | None = None) -> t
     op = "per_token_quant_fp8"
     _check_x(op, x)
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
-    if x.shape[1] == 0:
-        return x.astype(jnp.float8_e4m3fn), jnp.full((x.shape[0], 1), ref.scale_from_amax(jnp.float32(0)))
-    return ref.per_token_group_quant_fp8_reference(x, x.shape[1])
+    return ref.per_token_quant_fp8_reference(x)
 
 
 def static_quant_fp8(x: jax.Array, scale: jax.Array, *, implementation: str | None = None) -> jax.Array:
@@ -114,6 +112,7 @@ def quantize_weight_fp8(w: jax.Array, layout: str = "per_channel", *, block: int
     check_rank(op, "w", w, 3, "[E, N, K]")
     check_dtype(op, "w", w, FLOAT_DTYPES)
     check_choice(op, "layout", layout, WEIGHT_LAYOUTS)
+    check_positive_int(op, "block", block)
     return ref.quantize_weight_fp8_reference(w, layout, block)
 
 
@@ -122,5 +121,6 @@ def dequantize_weight_fp8(q: jax.Array, w_scale: jax.Array, *, block: int = 128)
     op = "dequantize_weight_fp8"
     check_rank(op, "q", q, 3, "[E, N, K]")
     check_dtype(op, "q", q, (FP8_DTYPE,))
+    check_positive_int(op, "block", block)
     check_weight_scale(op, "w_scale", w_scale, q.shape, block)
     return ref.dequantize_weight_fp8_reference(q, w_scale, block)

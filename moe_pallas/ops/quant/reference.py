@@ -89,6 +89,14 @@ def per_token_group_quant_fp8_reference(x: jax.Array, group_size: int) -> tuple[
     return q.reshape(R, K), scale
 
 
+def per_token_quant_fp8_reference(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x [R, K]`` -> ``(q [R, K] fp8, scale [R, 1] f32)``: one group per row (``K = 0``: the zero-row scale)."""
+    R, K = x.shape
+    if K == 0:
+        return x.astype(FP8_DTYPE), scale_from_amax(jnp.zeros((R, 1), jnp.float32))
+    return per_token_group_quant_fp8_reference(x, K)
+
+
 def static_quant_fp8_reference(x: jax.Array, scale: jax.Array) -> jax.Array:
     """``x [..]`` with a given per-tensor ``scale []`` f32 -> ``q [..]`` fp8."""
     return quantize_div_fp8(x.astype(jnp.float32), scale.astype(jnp.float32))

@@ -9,6 +9,7 @@ import torch
 
 from moe_contract.validation import FLOAT_DTYPES, check_choice, check_dtype, check_positive_int, check_rank
 from moe_torch.ops.activation.reference import ACTIVATIONS, act_and_mul_reference
+from moe_torch.ops.common import resolve_dtype
 
 IMPLEMENTATIONS = ("reference",)
 ACT_QUANTS = (None, "fp8_per_token", "fp8_per_token_group")
@@ -50,6 +51,7 @@ def act_and_mul(
             raise ValueError(f"{op}: I (=h.shape[1] // 2) must be divisible by group_size={group_size}; got I={two_i // 2}")
     out_dtype = h.dtype if out_dtype is None else out_dtype
     check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    out_dtype = resolve_dtype(out_dtype)
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     return act_and_mul_reference(h, activation, quant, group_size, out_dtype)
 

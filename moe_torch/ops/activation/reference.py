@@ -10,7 +10,7 @@ import math
 import torch
 
 from moe_torch.ops.common import cast_rounded
-from moe_torch.ops.quant.reference import per_token_group_quant_fp8_reference
+from moe_torch.ops.quant.reference import per_token_group_quant_fp8_reference, per_token_quant_fp8_reference
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -35,5 +35,6 @@ def act_and_mul_reference(
     out = ACTIVATIONS[activation](hf[:, :inter]) * hf[:, inter:]
     if quant is None:
         return cast_rounded(out, out_dtype), None
-    G = inter if quant == "fp8_per_token" else group_size
-    return per_token_group_quant_fp8_reference(out, G)
+    if quant == "fp8_per_token":
+        return per_token_quant_fp8_reference(out)
+    return per_token_group_quant_fp8_reference(out, group_size)

@@ -9,6 +9,7 @@ import torch
 
 from moe_contract.validation import FLOAT_DTYPES, check_choice, check_dtype, check_rank, check_rsf, check_shape
 from moe_torch.ops.combine.reference import combine_reference
+from moe_torch.ops.common import resolve_dtype
 
 IMPLEMENTATIONS = ("reference",)
 
@@ -49,6 +50,7 @@ def combine(
     check_rsf(op, routed_scaling_factor)
     out_dtype = y.dtype if out_dtype is None else out_dtype
     check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    out_dtype = resolve_dtype(out_dtype)
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if T == 0:
         return torch.zeros((0, y.shape[1]), dtype=out_dtype, device=y.device)

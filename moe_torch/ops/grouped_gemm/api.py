@@ -19,6 +19,7 @@ from moe_contract.validation import (
     dtype_name,
 )
 from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
+from moe_torch.ops.common import resolve_dtype
 
 IMPLEMENTATIONS = ("reference",)
 
@@ -77,6 +78,7 @@ def grouped_gemm(
                 raise ValueError(f"{op}: {name} must be None for {dtype_name(x)} inputs (scales are for float8_e4m3fn); got an array")
         out_dtype = x.dtype if out_dtype is None else out_dtype
     check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    out_dtype = resolve_dtype(out_dtype)
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if M_cap == 0:
         return torch.zeros((0, N), dtype=out_dtype, device=x.device)

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from moe_torch.ops.quant.reference import per_token_group_quant_fp8_reference, static_quant_fp8_reference
+from moe_torch.ops.quant.reference import (
+    per_token_group_quant_fp8_reference,
+    per_token_quant_fp8_reference,
+    static_quant_fp8_reference,
+)
 
 
 def routing_metadata_reference(
@@ -50,5 +54,6 @@ def permute_reference(
         return rows, None
     if quant == "fp8_per_tensor":
         return static_quant_fp8_reference(rows, scale), scale
-    G = rows.shape[1] if quant == "fp8_per_token" else group_size
-    return per_token_group_quant_fp8_reference(rows, G)
+    if quant == "fp8_per_token":
+        return per_token_quant_fp8_reference(rows)
+    return per_token_group_quant_fp8_reference(rows, group_size)

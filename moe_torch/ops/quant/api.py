@@ -63,10 +63,7 @@ def per_token_quant_fp8(x: torch.Tensor, *, implementation: str | None = None) -
     op = "per_token_quant_fp8"
     _check_x(op, x)
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
-    if x.shape[1] == 0:
-        scale = ref.scale_from_amax(torch.zeros((x.shape[0], 1), dtype=torch.float32, device=x.device))
-        return x.to(torch.float8_e4m3fn), scale
-    return ref.per_token_group_quant_fp8_reference(x, x.shape[1])
+    return ref.per_token_quant_fp8_reference(x)
 
 
 def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor, *, implementation: str | None = None) -> torch.Tensor:
@@ -114,6 +111,7 @@ def quantize_weight_fp8(w: torch.Tensor, layout: str = "per_channel", *, block: 
     check_rank(op, "w", w, 3, "[E, N, K]")
     check_dtype(op, "w", w, FLOAT_DTYPES)
     check_choice(op, "layout", layout, WEIGHT_LAYOUTS)
+    check_positive_int(op, "block", block)
     return ref.quantize_weight_fp8_reference(w, layout, block)
 
 
@@ -122,5 +120,6 @@ def dequantize_weight_fp8(q: torch.Tensor, w_scale: torch.Tensor, *, block: int 
     op = "dequantize_weight_fp8"
     check_rank(op, "q", q, 3, "[E, N, K]")
     check_dtype(op, "q", q, (FP8_DTYPE,))
+    check_positive_int(op, "block", block)
     check_weight_scale(op, "w_scale", w_scale, q.shape, block)
     return ref.dequantize_weight_fp8_reference(q, w_scale, block)

@@ -37,6 +37,14 @@ def per_token_group_quant_fp8_reference(x: torch.Tensor, group_size: int) -> tup
     return q.reshape(R, K), scale
 
 
+def per_token_quant_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [R, K]`` -> ``(q [R, K] fp8, scale [R, 1] f32)``: one group per row (``K = 0``: the zero-row scale)."""
+    R, K = x.shape
+    if K == 0:
+        return x.to(FP8_DTYPE), scale_from_amax(torch.zeros((R, 1), dtype=torch.float32, device=x.device))
+    return per_token_group_quant_fp8_reference(x, K)
+
+
 def static_quant_fp8_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [..]`` with a given per-tensor ``scale []`` f32 -> ``q [..]`` fp8."""
     return _cast_fp8(x.float() / scale.float())
