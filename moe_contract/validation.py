@@ -27,18 +27,18 @@ def dtype_name(x: Any) -> str:
     Works for jax arrays and tracers, numpy arrays, torch tensors, and dtype objects
     themselves (``jnp.bfloat16``, ``torch.float32``, ``np.dtype``).
     """
+    if isinstance(x, str):
+        return x
+    if isinstance(x, type):  # a scalar type: np.float32, jnp.bfloat16 (np.dtype knows them all)
+        import numpy as np
+
+        return np.dtype(x).name
     dt = getattr(x, "dtype", x)
     name = getattr(dt, "name", None)  # numpy / jax dtypes
     if isinstance(name, str):
         return name
     text = str(dt)
-    if text.startswith("torch."):
-        return text[len("torch."):]
-    if text.startswith("<class"):  # a scalar type such as jnp.bfloat16
-        import numpy as np
-
-        return np.dtype(dt).name
-    return text
+    return text[len("torch."):] if text.startswith("torch.") else text
 
 
 def _fmt_shape(shape: Sequence[Any]) -> str:

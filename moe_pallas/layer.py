@@ -14,7 +14,6 @@ Mirror: ``moe_torch/layer.py``.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from moe_contract.config import MoEConfig
 from moe_contract.validation import check_layer_inputs, check_layer_weights

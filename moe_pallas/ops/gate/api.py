@@ -8,8 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_contract.config import check_routing_args
-from moe_contract.validation import FLOAT_DTYPES, check_choice, check_dtype, check_rank, check_shape
+from moe_contract.op_checks import check_select_experts
+from moe_contract.validation import check_choice
 from moe_pallas.ops.gate.reference import select_experts_reference
 
 IMPLEMENTATIONS = ("reference",)
@@ -58,26 +58,18 @@ def select_experts(
     ``biased_grouped_topk`` semantics as pinned by CONTRACT.md.
     """
     op = "select_experts"
-    check_rank(op, "router_logits", router_logits, 2, "[T, E]")
-    check_dtype(op, "router_logits", router_logits, FLOAT_DTYPES)
-    T, E = router_logits.shape
-    check_routing_args(
+    check_select_experts(
         op,
-        num_experts=E,
+        router_logits,
         topk=topk,
         routing=routing,
         num_expert_group=num_expert_group,
         topk_group=topk_group,
+        e_score_correction_bias=e_score_correction_bias,
         routed_scaling_factor=routed_scaling_factor,
         num_fused_shared_experts=num_fused_shared_experts,
     )
-    if routing == "biased_grouped_topk":
-        if e_score_correction_bias is None:
-            raise ValueError(f"{op}: e_score_correction_bias must be given ([E={E}] float) for routing='biased_grouped_topk'; got None")
-        check_shape(op, "e_score_correction_bias", e_score_correction_bias, (E,), f"[E] = ({E},)")
-        check_dtype(op, "e_score_correction_bias", e_score_correction_bias, FLOAT_DTYPES)
-    elif e_score_correction_bias is not None:
-        raise ValueError(f"{op}: e_score_correction_bias must be None for routing={routing!r}; got an array")
+    T = router_logits.shape[0]
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
 
     width = topk + num_fused_shared_experts

@@ -7,28 +7,18 @@ Mirror: ``moe_torch/ops/quant/api.py``.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from moe_contract.validation import (
-    FLOAT_DTYPES,
-    FP8_DTYPE,
-    check_choice,
-    check_dtype,
-    check_positive_int,
-    check_rank,
-    check_activation_scale,
-    check_per_tensor_scale,
-    check_weight_scale,
+from moe_contract.op_checks import (
+    check_activation_input,
+    check_fp8_activation,
+    check_fp8_weight,
+    check_group_size,
+    check_weight,
 )
+from moe_contract.validation import check_choice, check_per_tensor_scale
 from moe_pallas.ops.quant import reference as ref
 
 IMPLEMENTATIONS = ("reference",)
-WEIGHT_LAYOUTS = ("per_expert", "per_channel", "block")
-
-
-def _check_x(op: str, x: jax.Array) -> None:
-    check_rank(op, "x", x, 2, "[rows, K]")
-    check_dtype(op, "x", x, FLOAT_DTYPES)
 
 
 def per_token_group_quant_fp8(
@@ -48,10 +38,8 @@ def per_token_group_quant_fp8(
       ValueError: ``x`` not 2-D, ``K % G != 0``; TypeError: ``x`` not float.
     """
     op = "per_token_group_quant_fp8"
-    _check_x(op, x)
-    check_positive_int(op, "group_size", group_size)
-    if x.shape[1] % group_size:
-        raise ValueError(f"{op}: K (=x.shape[1]) must be divisible by group_size={group_size}; got K={x.shape[1]}")
+    check_activation_input(op, x)
+    check_group_size(op, x, group_size)
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     return ref.per_token_group_quant_fp8_reference(x, group_size)
 
@@ -62,7 +50,7 @@ def per_token_quant_fp8(x: jax.Array, *, implementation: str | None = None) -> t
     Raises: ValueError (``x`` not 2-D), TypeError (``x`` not float).
     """
     op = "per_token_quant_fp8"
-    _check_x(op, x)
+    check_activation_input(op, x)
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     return ref.per_token_quant_fp8_reference(x)
 
@@ -76,7 +64,7 @@ def static_quant_fp8(x: jax.Array, scale: jax.Array, *, implementation: str | No
     Raises: ValueError (shapes), TypeError (dtypes).
     """
     op = "static_quant_fp8"
-    _check_x(op, x)
+    check_activation_input(op, x)
     check_per_tensor_scale(op, "scale", scale)
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     return ref.static_quant_fp8_reference(x, scale.reshape(()))
@@ -91,9 +79,7 @@ def dequantize_fp8(q: jax.Array, scale: jax.Array) -> jax.Array:
     Raises: ValueError (shapes), TypeError (dtypes).
     """
     op = "dequantize_fp8"
-    check_rank(op, "q", q, 2, "[rows, K]")
-    check_dtype(op, "q", q, (FP8_DTYPE,))
-    check_activation_scale(op, "scale", scale, q.shape)
+    check_fp8_activation(op, q, scale)
     return ref.dequantize_fp8_reference(q, scale)
 
 
@@ -109,18 +95,12 @@ def quantize_weight_fp8(w: jax.Array, layout: str = "per_channel", *, block: int
     Raises: ValueError (shape, layout), TypeError (dtype).
     """
     op = "quantize_weight_fp8"
-    check_rank(op, "w", w, 3, "[E, N, K]")
-    check_dtype(op, "w", w, FLOAT_DTYPES)
-    check_choice(op, "layout", layout, WEIGHT_LAYOUTS)
-    check_positive_int(op, "block", block)
+    check_weight(op, w, layout, block)
     return ref.quantize_weight_fp8_reference(w, layout, block)
 
 
 def dequantize_weight_fp8(q: jax.Array, w_scale: jax.Array, *, block: int = 128) -> jax.Array:
     """``q [E, N, K]`` fp8 times its weight scale (any layout) -> float32 ``[E, N, K]``."""
     op = "dequantize_weight_fp8"
-    check_rank(op, "q", q, 3, "[E, N, K]")
-    check_dtype(op, "q", q, (FP8_DTYPE,))
-    check_positive_int(op, "block", block)
-    check_weight_scale(op, "w_scale", w_scale, q.shape, block)
+    check_fp8_weight(op, q, w_scale, block)
     return ref.dequantize_weight_fp8_reference(q, w_scale, block)

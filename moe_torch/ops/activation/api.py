@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from moe_contract.validation import FLOAT_DTYPES, check_choice, check_dtype, check_positive_int, check_rank
+from moe_contract.op_checks import check_act_and_mul
+from moe_contract.validation import check_choice
 from moe_torch.ops.activation.reference import ACTIVATIONS, act_and_mul_reference
 from moe_torch.ops.common import resolve_dtype
 
 IMPLEMENTATIONS = ("reference",)
-ACT_QUANTS = (None, "fp8_per_token", "fp8_per_token_group")
 
 
 def act_and_mul(
@@ -38,20 +38,7 @@ def act_and_mul(
     Raises: ValueError (odd last dim, ``I % group_size``), TypeError (dtype).
     """
     op = f"{activation}_and_mul" if activation in ACTIVATIONS else "act_and_mul"
-    check_choice(op, "activation", activation, tuple(ACTIVATIONS))
-    check_rank(op, "h", h, 2, "[M, 2*I]")
-    check_dtype(op, "h", h, FLOAT_DTYPES)
-    M, two_i = h.shape
-    if two_i % 2:
-        raise ValueError(f"{op}: h must be [M, 2*I] with an even last dim; got h.shape=({M}, {two_i})")
-    check_choice(op, "quant", quant, ACT_QUANTS)
-    if quant == "fp8_per_token_group":
-        check_positive_int(op, "group_size", group_size)
-        if (two_i // 2) % group_size:
-            raise ValueError(f"{op}: I (=h.shape[1] // 2) must be divisible by group_size={group_size}; got I={two_i // 2}")
-    out_dtype = h.dtype if out_dtype is None else out_dtype
-    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
-    out_dtype = resolve_dtype(out_dtype)
+    out_dtype = resolve_dtype(check_act_and_mul(op, h, activation, quant, group_size, out_dtype))
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     return act_and_mul_reference(h, activation, quant, group_size, out_dtype)
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_contract.validation import FLOAT_DTYPES, check_choice, check_dtype, check_rank, check_rsf, check_shape
+from moe_contract.op_checks import check_combine
+from moe_contract.validation import check_choice
 from moe_torch.ops.combine.reference import combine_reference
 from moe_torch.ops.common import resolve_dtype
 
@@ -38,19 +39,8 @@ def combine(
     Raises: ValueError (shapes, rsf), TypeError (dtypes).
     """
     op = "combine"
-    check_rank(op, "y", y, 2, "[M_cap, H]")
-    check_dtype(op, "y", y, FLOAT_DTYPES)
-    check_rank(op, "src2dst", src2dst, 2, "[T, topk]")
-    check_dtype(op, "src2dst", src2dst, ("int32",))
-    T, topk = src2dst.shape
-    if y.shape[0] != T * topk:
-        raise ValueError(f"{op}: y must be [M_cap, H] with M_cap == T * topk (={T * topk}); got y.shape={tuple(y.shape)}")
-    check_shape(op, "topk_weights", topk_weights, (T, topk), f"[T, topk] = ({T}, {topk})")
-    check_dtype(op, "topk_weights", topk_weights, ("float32",))
-    check_rsf(op, routed_scaling_factor)
-    out_dtype = y.dtype if out_dtype is None else out_dtype
-    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
-    out_dtype = resolve_dtype(out_dtype)
+    out_dtype = resolve_dtype(check_combine(op, y, src2dst, topk_weights, routed_scaling_factor, out_dtype))
+    T = src2dst.shape[0]
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if T == 0:
         return torch.zeros((0, y.shape[1]), dtype=out_dtype, device=y.device)

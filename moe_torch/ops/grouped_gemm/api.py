@@ -7,17 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_contract.validation import (
-    FLOAT_DTYPES,
-    FP8_DTYPE,
-    check_activation_scale,
-    check_choice,
-    check_dtype,
-    check_rank,
-    check_shape,
-    check_weight_scale,
-    dtype_name,
-)
+from moe_contract.op_checks import check_grouped_gemm
+from moe_contract.validation import check_choice
 from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
 from moe_torch.ops.common import resolve_dtype
 
@@ -53,32 +44,8 @@ def grouped_gemm(
     Raises: ValueError (shapes, missing or unexpected scales), TypeError (dtypes).
     """
     op = "grouped_gemm"
-    check_rank(op, "x", x, 2, "[M_cap, K]")
-    check_dtype(op, "x", x, (*FLOAT_DTYPES, FP8_DTYPE))
-    M_cap, K = x.shape
-    check_rank(op, "w", w, 3, f"[E, N, K] with K == x.shape[1] (={K})")
-    E, N, Kw = w.shape
-    if Kw != K:
-        check_shape(op, "w", w, (None, None, K), f"[E, N, K] with K == x.shape[1] (={K})")
-    check_shape(op, "expert_offsets", expert_offsets, (E + 1,), f"[E + 1] = ({E + 1},) int32 for w with E={E}")
-    check_dtype(op, "expert_offsets", expert_offsets, ("int32",))
-    fp8 = dtype_name(x) == FP8_DTYPE
-    if fp8:
-        check_dtype(op, "w", w, (FP8_DTYPE,))
-        for name, s in (("x_scale", x_scale), ("w_scale", w_scale)):
-            if s is None:
-                raise ValueError(f"{op}: {name} must be given for float8_e4m3fn inputs; got None")
-        check_activation_scale(op, "x_scale", x_scale, (M_cap, K))
-        check_weight_scale(op, "w_scale", w_scale, (E, N, K))
-        out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
-    else:
-        check_dtype(op, "w", w, (dtype_name(x),))
-        for name, s in (("x_scale", x_scale), ("w_scale", w_scale)):
-            if s is not None:
-                raise ValueError(f"{op}: {name} must be None for {dtype_name(x)} inputs (scales are for float8_e4m3fn); got an array")
-        out_dtype = x.dtype if out_dtype is None else out_dtype
-    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
-    out_dtype = resolve_dtype(out_dtype)
+    out_dtype = resolve_dtype(check_grouped_gemm(op, x, w, expert_offsets, x_scale, w_scale, out_dtype))
+    M_cap, N = x.shape[0], w.shape[1]
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if M_cap == 0:
         return torch.zeros((0, N), dtype=out_dtype, device=x.device)

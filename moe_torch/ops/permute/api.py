@@ -9,21 +9,11 @@ from typing import NamedTuple
 
 import torch
 
-from moe_contract.validation import (
-    FLOAT_DTYPES,
-    INT_ID_DTYPES,
-    check_choice,
-    check_dtype,
-    check_ids_in_range,
-    check_per_tensor_scale,
-    check_positive_int,
-    check_rank,
-    check_shape,
-)
+from moe_contract.op_checks import check_permute, check_routing_metadata
+from moe_contract.validation import check_choice, check_ids_in_range
 from moe_torch.ops.permute.reference import permute_reference, routing_metadata_reference
 
 IMPLEMENTATIONS = ("reference",)
-PERMUTE_QUANTS = (None, "fp8_per_token", "fp8_per_token_group", "fp8_per_tensor")
 
 
 class RoutingMetadata(NamedTuple):
@@ -64,19 +54,7 @@ def routing_metadata(
     Raises: ValueError (shapes, ranges, out-of-range ids in checked mode), TypeError (dtype).
     """
     op = "routing_metadata"
-    check_rank(op, "topk_ids", topk_ids, 2, "[T, topk]")
-    check_dtype(op, "topk_ids", topk_ids, INT_ID_DTYPES)
-    check_positive_int(op, "num_experts", num_experts)
-    start_ok = not isinstance(expert_start, bool) and isinstance(expert_start, int) and 0 <= expert_start < num_experts
-    if start_ok and num_local_experts is None:
-        num_local_experts = num_experts - expert_start
-    if start_ok:
-        check_positive_int(op, "num_local_experts", num_local_experts)
-    if not start_ok or expert_start + num_local_experts > num_experts:
-        raise ValueError(
-            f"{op}: expert_start must be an int with 0 <= expert_start and expert_start + num_local_experts "
-            f"<= num_experts (={num_experts}); got expert_start={expert_start!r}, num_local_experts={num_local_experts}"
-        )
+    num_local_experts = check_routing_metadata(op, topk_ids, num_experts, expert_start, num_local_experts)
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if check_ids:
         check_ids_in_range(op, "topk_ids", topk_ids.cpu().numpy(), num_experts)  # a host sync, by design
@@ -116,21 +94,8 @@ def permute(
     Raises: ValueError (shapes, ``H % group_size``), TypeError (dtypes).
     """
     op = "permute"
-    check_rank(op, "x", x, 2, "[T, H]")
-    check_dtype(op, "x", x, FLOAT_DTYPES)
-    check_positive_int(op, "topk", topk)
-    T, H = x.shape
-    check_shape(op, "dst2src", dst2src, (T * topk,), f"[T * topk] = ({T * topk},)")
-    check_dtype(op, "dst2src", dst2src, ("int32",))
-    check_choice(op, "quant", quant, PERMUTE_QUANTS)
-    if quant == "fp8_per_token_group":
-        check_positive_int(op, "group_size", group_size)
-        if H % group_size:
-            raise ValueError(f"{op}: H (=x.shape[1]) must be divisible by group_size={group_size}; got H={H}")
+    check_permute(op, x, dst2src, topk, quant, group_size, scale)
     if quant == "fp8_per_tensor":
-        check_per_tensor_scale(op, "scale", scale)
         scale = scale.reshape(())
-    elif scale is not None:
-        raise ValueError(f"{op}: scale must be None unless quant='fp8_per_tensor' (quant={quant!r}); got an array")
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     return permute_reference(x, dst2src, topk, quant, group_size, scale)

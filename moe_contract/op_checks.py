@@ -1,0 +1,200 @@
+"""The argument rules of every public op, written once for both frameworks.
+
+Each ``check_<op>`` raises ``ValueError`` / ``TypeError`` naming the op and the argument (see
+``validation.py``) and returns what the op needs resolved (a default, a derived size). The
+``api.py`` of each op in ``moe_pallas`` and ``moe_torch`` calls it first, before anything is
+traced or launched, so the two backends accept and reject exactly the same inputs with the
+same words.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moe_contract.config import check_routing_args
+from moe_contract.validation import (
+    FLOAT_DTYPES,
+    FP8_DTYPE,
+    INT_ID_DTYPES,
+    check_activation_scale,
+    check_choice,
+    check_dtype,
+    check_per_tensor_scale,
+    check_positive_int,
+    check_rank,
+    check_rsf,
+    check_shape,
+    check_weight_scale,
+    dtype_name,
+)
+
+PERMUTE_QUANTS = (None, "fp8_per_token", "fp8_per_token_group", "fp8_per_tensor")
+ACT_QUANTS = (None, "fp8_per_token", "fp8_per_token_group")
+WEIGHT_LAYOUTS = ("per_expert", "per_channel", "block")
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def check_select_experts(
+    op: str,
+    router_logits: Any,
+    *,
+    topk: int,
+    routing: str,
+    num_expert_group: int | None,
+    topk_group: int | None,
+    e_score_correction_bias: Any,
+    routed_scaling_factor: float,
+    num_fused_shared_experts: int,
+) -> None:
+    check_rank(op, "router_logits", router_logits, 2, "[T, E]")
+    check_dtype(op, "router_logits", router_logits, FLOAT_DTYPES)
+    E = router_logits.shape[1]
+    check_routing_args(
+        op,
+        num_experts=E,
+        topk=topk,
+        routing=routing,
+        num_expert_group=num_expert_group,
+        topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor,
+        num_fused_shared_experts=num_fused_shared_experts,
+    )
+    if routing == "biased_grouped_topk":
+        if e_score_correction_bias is None:
+            raise ValueError(f"{op}: e_score_correction_bias must be given ([E={E}] float) for routing='biased_grouped_topk'; got None")
+        check_shape(op, "e_score_correction_bias", e_score_correction_bias, (E,), f"[E] = ({E},)")
+        check_dtype(op, "e_score_correction_bias", e_score_correction_bias, FLOAT_DTYPES)
+    elif e_score_correction_bias is not None:
+        raise ValueError(f"{op}: e_score_correction_bias must be None for routing={routing!r}; got an array")
+
+
+def check_routing_metadata(op: str, topk_ids: Any, num_experts: int, expert_start: Any, num_local_experts: Any) -> int:
+    """Returns ``num_local_experts`` (default: all experts from ``expert_start`` on)."""
+    check_rank(op, "topk_ids", topk_ids, 2, "[T, topk]")
+    check_dtype(op, "topk_ids", topk_ids, INT_ID_DTYPES)
+    check_positive_int(op, "num_experts", num_experts)
+    start_ok = not isinstance(expert_start, bool) and isinstance(expert_start, int) and 0 <= expert_start < num_experts
+    if start_ok and num_local_experts is None:
+        num_local_experts = num_experts - expert_start
+    if start_ok:
+        check_positive_int(op, "num_local_experts", num_local_experts)
+    if not start_ok or expert_start + num_local_experts > num_experts:
+        raise ValueError(
+            f"{op}: expert_start must be an int with 0 <= expert_start and expert_start + num_local_experts "
+            f"<= num_experts (={num_experts}); got expert_start={expert_start!r}, num_local_experts={num_local_experts}"
+        )
+    return num_local_experts
+
+
+def check_permute(op: str, x: Any, dst2src: Any, topk: int, quant: str | None, group_size: int, scale: Any) -> None:
+    check_rank(op, "x", x, 2, "[T, H]")
+    check_dtype(op, "x", x, FLOAT_DTYPES)
+    check_positive_int(op, "topk", topk)
+    T, H = x.shape
+    check_shape(op, "dst2src", dst2src, (T * topk,), f"[T * topk] = ({T * topk},)")
+    check_dtype(op, "dst2src", dst2src, ("int32",))
+    check_choice(op, "quant", quant, PERMUTE_QUANTS)
+    if quant == "fp8_per_token_group":
+        check_positive_int(op, "group_size", group_size)
+        if H % group_size:
+            raise ValueError(f"{op}: H (=x.shape[1]) must be divisible by group_size={group_size}; got H={H}")
+    if quant == "fp8_per_tensor":
+        check_per_tensor_scale(op, "scale", scale)
+    elif scale is not None:
+        raise ValueError(f"{op}: scale must be None unless quant='fp8_per_tensor' (quant={quant!r}); got an array")
+
+
+def check_activation_input(op: str, x: Any) -> None:
+    """``x [rows, K]`` float, the input of a dynamic or static activation quantization."""
+    check_rank(op, "x", x, 2, "[rows, K]")
+    check_dtype(op, "x", x, FLOAT_DTYPES)
+
+
+def check_group_size(op: str, x: Any, group_size: int) -> None:
+    check_positive_int(op, "group_size", group_size)
+    if x.shape[1] % group_size:
+        raise ValueError(f"{op}: K (=x.shape[1]) must be divisible by group_size={group_size}; got K={x.shape[1]}")
+
+
+def check_fp8_activation(op: str, q: Any, scale: Any) -> None:
+    check_rank(op, "q", q, 2, "[rows, K]")
+    check_dtype(op, "q", q, (FP8_DTYPE,))
+    check_activation_scale(op, "scale", scale, q.shape)
+
+
+def check_weight(op: str, w: Any, layout: str, block: int) -> None:
+    check_rank(op, "w", w, 3, "[E, N, K]")
+    check_dtype(op, "w", w, FLOAT_DTYPES)
+    check_choice(op, "layout", layout, WEIGHT_LAYOUTS)
+    check_positive_int(op, "block", block)
+
+
+def check_fp8_weight(op: str, q: Any, w_scale: Any, block: int) -> None:
+    check_rank(op, "q", q, 3, "[E, N, K]")
+    check_dtype(op, "q", q, (FP8_DTYPE,))
+    check_positive_int(op, "block", block)
+    check_weight_scale(op, "w_scale", w_scale, q.shape, block)
+
+
+def check_grouped_gemm(op: str, x: Any, w: Any, expert_offsets: Any, x_scale: Any, w_scale: Any, out_dtype: Any) -> Any:
+    """Returns the output dtype (default ``x.dtype``, or ``"bfloat16"`` for FP8 inputs)."""
+    check_rank(op, "x", x, 2, "[M_cap, K]")
+    check_dtype(op, "x", x, (*FLOAT_DTYPES, FP8_DTYPE))
+    M_cap, K = x.shape
+    check_rank(op, "w", w, 3, f"[E, N, K] with K == x.shape[1] (={K})")
+    E, N, Kw = w.shape
+    if Kw != K:
+        check_shape(op, "w", w, (None, None, K), f"[E, N, K] with K == x.shape[1] (={K})")
+    check_shape(op, "expert_offsets", expert_offsets, (E + 1,), f"[E + 1] = ({E + 1},) int32 for w with E={E}")
+    check_dtype(op, "expert_offsets", expert_offsets, ("int32",))
+    if dtype_name(x) == FP8_DTYPE:
+        check_dtype(op, "w", w, (FP8_DTYPE,))
+        for name, s in (("x_scale", x_scale), ("w_scale", w_scale)):
+            if s is None:
+                raise ValueError(f"{op}: {name} must be given for float8_e4m3fn inputs; got None")
+        check_activation_scale(op, "x_scale", x_scale, (M_cap, K))
+        check_weight_scale(op, "w_scale", w_scale, (E, N, K))
+        out_dtype = "bfloat16" if out_dtype is None else out_dtype
+    else:
+        check_dtype(op, "w", w, (dtype_name(x),))
+        for name, s in (("x_scale", x_scale), ("w_scale", w_scale)):
+            if s is not None:
+                raise ValueError(f"{op}: {name} must be None for {dtype_name(x)} inputs (scales are for float8_e4m3fn); got an array")
+        out_dtype = x.dtype if out_dtype is None else out_dtype
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    return out_dtype
+
+
+def check_act_and_mul(op: str, h: Any, activation: str, quant: str | None, group_size: int, out_dtype: Any) -> Any:
+    """Returns the output dtype (default ``h.dtype``)."""
+    check_choice(op, "activation", activation, ACTIVATIONS)
+    check_rank(op, "h", h, 2, "[M, 2*I]")
+    check_dtype(op, "h", h, FLOAT_DTYPES)
+    M, two_i = h.shape
+    if two_i % 2:
+        raise ValueError(f"{op}: h must be [M, 2*I] with an even last dim; got h.shape=({M}, {two_i})")
+    check_choice(op, "quant", quant, ACT_QUANTS)
+    if quant == "fp8_per_token_group":
+        check_positive_int(op, "group_size", group_size)
+        if (two_i // 2) % group_size:
+            raise ValueError(f"{op}: I (=h.shape[1] // 2) must be divisible by group_size={group_size}; got I={two_i // 2}")
+    out_dtype = h.dtype if out_dtype is None else out_dtype
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    return out_dtype
+
+
+def check_combine(op: str, y: Any, src2dst: Any, topk_weights: Any, routed_scaling_factor: float, out_dtype: Any) -> Any:
+    """Returns the output dtype (default ``y.dtype``)."""
+    check_rank(op, "y", y, 2, "[M_cap, H]")
+    check_dtype(op, "y", y, FLOAT_DTYPES)
+    check_rank(op, "src2dst", src2dst, 2, "[T, topk]")
+    check_dtype(op, "src2dst", src2dst, ("int32",))
+    T, topk = src2dst.shape
+    if y.shape[0] != T * topk:
+        raise ValueError(f"{op}: y must be [M_cap, H] with M_cap == T * topk (={T * topk}); got y.shape={tuple(y.shape)}")
+    check_shape(op, "topk_weights", topk_weights, (T, topk), f"[T, topk] = ({T}, {topk})")
+    check_dtype(op, "topk_weights", topk_weights, ("float32",))
+    check_rsf(op, routed_scaling_factor)
+    out_dtype = y.dtype if out_dtype is None else out_dtype
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    return out_dtype
