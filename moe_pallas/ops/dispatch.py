@@ -1,0 +1,49 @@
+"""Backend dispatch for the ops of ``moe_pallas`` (STYLE.md: one op, several backends, one reference).
+
+``implementation=None`` tries the op's backends in the default order for the current
+device; a backend that cannot serve a *valid* request raises ``NotImplementedError`` and the
+next one is tried, with a logged warning (never silently). An explicit ``implementation``
+runs that backend only, and its ``NotImplementedError`` reaches the caller.
+
+Mirror: ``moe_torch/ops/dispatch.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from moe_contract.validation import check_choice
+
+log = logging.getLogger("moe_pallas")
+
+#: Preferred order on a GPU. On a CPU the kernels only run interpreted (slow, for tests), so
+#: the default there is the reference; ask for a kernel explicitly to interpret it.
+GPU_ORDER = ("pallas_mosaic_gpu", "pallas_triton", "reference")
+CPU_ORDER = ("reference",)
+
+
+def check_implementation(op: str, implementation: str | None, available: tuple[str, ...]) -> None:
+    """``implementation`` is ``None`` or one of the op's backends (``ValueError`` otherwise)."""
+    check_choice(op, "implementation", implementation, (None, *available))
+
+
+def default_order() -> tuple[str, ...]:
+    return GPU_ORDER if jax.default_backend() == "gpu" else CPU_ORDER
+
+
+def dispatch(op: str, implementation: str | None, backends: Mapping[str, Callable[[], Any]]) -> Any:
+    """Run ``backends[implementation]()``, or with ``None`` the first default backend that serves."""
+    check_implementation(op, implementation, tuple(backends))
+    if implementation is not None:
+        return backends[implementation]()
+    order = [name for name in default_order() if name in backends] or ["reference"]
+    for name in order[:-1]:
+        try:
+            return backends[name]()
+        except NotImplementedError as exc:
+            log.warning("%s: backend %r cannot serve this request (%s); trying %r", op, name, exc, order[order.index(name) + 1])
+    return backends[order[-1]]()
