@@ -108,7 +108,8 @@ def bad(id: str, call: Callable[[Fw], Any], exc: type[Exception], *parts: str):
 
 
 F32, I32, BF16, FP8 = "float32", "int32", "bfloat16", "float8_e4m3fn"
-IMPL = "implementation must be one of (None, 'reference')"
+# The backends differ per op and grow; an unknown name is rejected with the list, whatever it holds.
+IMPL = R(r"implementation must be one of \(None, (.*, )?'reference'(, .*)?\)")
 FLOATS = "must have dtype float32 or bfloat16 or float16"
 ACT_SCALE = "must be [] (per-tensor), [rows, 1] (per-token) or [rows, K // G] (per-token-group) float32"
 
@@ -198,8 +199,8 @@ SELECT_EXPERTS = [
         lambda f: f.m.select_experts(f.f(2, 8), topk=2, **_B, num_expert_group=4, topk_group=2,
                                      e_score_correction_bias=f.i(np.zeros(8))),
         TypeError, f"{SE}: e_score_correction_bias {FLOATS}", "got e_score_correction_bias.dtype=int32"),
-    bad("select_experts/implementation-unknown", lambda f: f.m.select_experts(f.f(2, 8), topk=2, implementation="triton"),
-        ValueError, f"{SE}: {IMPL}", "got implementation='triton'"),
+    bad("select_experts/implementation-unknown", lambda f: f.m.select_experts(f.f(2, 8), topk=2, implementation="no-such-backend"),
+        ValueError, f"{SE}:", IMPL, "got implementation='no-such-backend'"),
 ]
 
 # --------------------------------------------------------------------------------------
@@ -240,8 +241,8 @@ ROUTING_METADATA = [
     bad("routing_metadata/check_ids-under-EP",
         lambda f: f.m.routing_metadata(f.i([[0, 7]]), 6, expert_start=2, num_local_experts=2, check_ids=True),
         ValueError, f"{RM}: topk_ids must lie in [0, E) = [0, 6)", "got 1 ids outside it, e.g. 7"),
-    bad("routing_metadata/implementation-unknown", lambda f: f.m.routing_metadata(f.i([[0, 1]]), 4, implementation="triton"),
-        ValueError, f"{RM}: {IMPL}", "got implementation='triton'"),
+    bad("routing_metadata/implementation-unknown", lambda f: f.m.routing_metadata(f.i([[0, 1]]), 4, implementation="no-such-backend"),
+        ValueError, f"{RM}:", IMPL, "got implementation='no-such-backend'"),
 ]
 
 # --------------------------------------------------------------------------------------
@@ -283,8 +284,8 @@ PERMUTE = [
         TypeError, f"{PM}: scale must be", R(r"got .*(float|0\.1)")),
     bad("permute/scale-unexpected-without-per-tensor-quant", lambda f: _permute(f, scale=f.full((), 0.1)),
         ValueError, f"{PM}: scale must be None", "got an array"),
-    bad("permute/implementation-unknown", lambda f: _permute(f, implementation="triton"),
-        ValueError, f"{PM}: {IMPL}", "got implementation='triton'"),
+    bad("permute/implementation-unknown", lambda f: _permute(f, implementation="no-such-backend"),
+        ValueError, f"{PM}:", IMPL, "got implementation='no-such-backend'"),
 ]
 
 # --------------------------------------------------------------------------------------
@@ -298,8 +299,8 @@ ACT_QUANT = [
         TypeError, f"{PT}: x {FLOATS}", "got x.dtype=int32"),
     bad("per_token_quant_fp8/x-already-fp8", lambda f: f.m.per_token_quant_fp8(f.fp8(2, 8)),
         TypeError, f"{PT}: x {FLOATS}", "got x.dtype=float8_e4m3fn"),
-    bad("per_token_quant_fp8/implementation-unknown", lambda f: f.m.per_token_quant_fp8(f.f(2, 8), implementation="triton"),
-        ValueError, f"{PT}: {IMPL}", "got implementation='triton'"),
+    bad("per_token_quant_fp8/implementation-unknown", lambda f: f.m.per_token_quant_fp8(f.f(2, 8), implementation="no-such-backend"),
+        ValueError, f"{PT}:", IMPL, "got implementation='no-such-backend'"),
     bad("per_token_group_quant_fp8/x-rank", lambda f: f.m.per_token_group_quant_fp8(f.f(8), 4),
         ValueError, f"{PG}: x must be [rows, K]", "got x.shape=(8,)"),
     bad("per_token_group_quant_fp8/x-dtype", lambda f: f.m.per_token_group_quant_fp8(f.f(2, 8, dtype="int32"), 4),
@@ -313,8 +314,8 @@ ACT_QUANT = [
     bad("per_token_group_quant_fp8/group_size-not-int", lambda f: f.m.per_token_group_quant_fp8(f.f(2, 8), 4.0),
         ValueError, f"{PG}: group_size must be an int >= 1", "got group_size=4.0"),
     bad("per_token_group_quant_fp8/implementation-unknown",
-        lambda f: f.m.per_token_group_quant_fp8(f.f(2, 8), 4, implementation="triton"),
-        ValueError, f"{PG}: {IMPL}", "got implementation='triton'"),
+        lambda f: f.m.per_token_group_quant_fp8(f.f(2, 8), 4, implementation="no-such-backend"),
+        ValueError, f"{PG}:", IMPL, "got implementation='no-such-backend'"),
     bad("static_quant_fp8/x-rank", lambda f: f.m.static_quant_fp8(f.f(8), f.full((), 0.1)),
         ValueError, f"{SQ}: x must be [rows, K]", "got x.shape=(8,)"),
     bad("static_quant_fp8/x-dtype", lambda f: f.m.static_quant_fp8(f.f(2, 8, dtype="int32"), f.full((), 0.1)),
@@ -328,7 +329,7 @@ ACT_QUANT = [
     bad("static_quant_fp8/scale-python-float", lambda f: f.m.static_quant_fp8(f.f(2, 8), 0.1),
         TypeError, f"{SQ}: scale must be", R(r"got .*(float|0\.1)")),
     bad("static_quant_fp8/implementation-unknown", lambda f: f.m.static_quant_fp8(f.f(2, 8), f.full((), 0.1), implementation="x"),
-        ValueError, f"{SQ}: {IMPL}", "got implementation='x'"),
+        ValueError, f"{SQ}:", IMPL, "got implementation='x'"),
     bad("dequantize_fp8/q-rank", lambda f: f.m.dequantize_fp8(f.fp8(8), f.full((), 0.1)),
         ValueError, f"{DQ}: q must be [rows, K]", "got q.shape=(8,)"),
     bad("dequantize_fp8/q-dtype", lambda f: f.m.dequantize_fp8(f.f(2, 8), f.full((2, 1), 0.1)),
@@ -443,8 +444,8 @@ GROUPED_GEMM = [
         TypeError, f"{GG}: out_dtype {FLOATS}", "got out_dtype.dtype=int32"),
     bad("grouped_gemm/fp8-out_dtype", lambda f: _gemm(f, fp8=True, out_dtype=f.dt("float8_e4m3fn")),
         TypeError, f"{GG}: out_dtype {FLOATS}", "got out_dtype.dtype=float8_e4m3fn"),
-    bad("grouped_gemm/implementation-unknown", lambda f: _gemm(f, implementation="triton"),
-        ValueError, f"{GG}: {IMPL}", "got implementation='triton'"),
+    bad("grouped_gemm/implementation-unknown", lambda f: _gemm(f, implementation="no-such-backend"),
+        ValueError, f"{GG}:", IMPL, "got implementation='no-such-backend'"),
 ]
 
 # --------------------------------------------------------------------------------------
@@ -471,8 +472,8 @@ ACTIVATION = [
         ValueError, "silu_and_mul: group_size must be an int >= 1", "got group_size=0"),
     bad("silu_and_mul/out_dtype", lambda f: f.m.silu_and_mul(f.f(4, 8), out_dtype=f.dt("int32")),
         TypeError, f"silu_and_mul: out_dtype {FLOATS}", "got out_dtype.dtype=int32"),
-    bad("gelu_tanh_and_mul/implementation-unknown", lambda f: f.m.gelu_tanh_and_mul(f.f(4, 8), implementation="triton"),
-        ValueError, f"gelu_tanh_and_mul: {IMPL}", "got implementation='triton'"),
+    bad("gelu_tanh_and_mul/implementation-unknown", lambda f: f.m.gelu_tanh_and_mul(f.f(4, 8), implementation="no-such-backend"),
+        ValueError, "gelu_tanh_and_mul:", IMPL, "got implementation='no-such-backend'"),
 ]
 
 # --------------------------------------------------------------------------------------
@@ -507,8 +508,8 @@ COMBINE = [
     ],
     bad("combine/out_dtype", lambda f: _combine(f, out_dtype=f.dt("int32")),
         TypeError, f"{CB}: out_dtype {FLOATS}", "got out_dtype.dtype=int32"),
-    bad("combine/implementation-unknown", lambda f: _combine(f, implementation="triton"),
-        ValueError, f"{CB}: {IMPL}", "got implementation='triton'"),
+    bad("combine/implementation-unknown", lambda f: _combine(f, implementation="no-such-backend"),
+        ValueError, f"{CB}:", IMPL, "got implementation='no-such-backend'"),
 ]
 
 # --------------------------------------------------------------------------------------
@@ -637,8 +638,8 @@ LAYER_CASES = [
         ValueError, MF_OR_GATE, "e_score_correction_bias must be None for routing='softmax_topk'", "got an array"),
     bad("moe_forward/bias-shape", lambda f: _forward(f, LAYER_EP, e_score_correction_bias=f.f(5)),
         ValueError, MF_OR_GATE, "e_score_correction_bias must be [E] = (4,)", "got e_score_correction_bias.shape=(5,)"),
-    bad("moe_forward/implementation-unknown", lambda f: _forward(f, implementation="triton"),
-        ValueError, MF_OR_GATE, IMPL, "got implementation='triton'"),
+    bad("moe_forward/implementation-unknown", lambda f: _forward(f, implementation="no-such-backend"),
+        ValueError, MF_OR_GATE, IMPL, "got implementation='no-such-backend'"),
     bad("moe_forward/config-not-a-MoEConfig",
         lambda f: f.m.moe_forward(f.f(2, 16), f.f(2, 4), f.f(4, 8, 16), f.f(4, 16, 4), "tiny"),
         TypeError, f"{MF}: config must be a MoEConfig", R(r"got .*(str|'tiny')")),

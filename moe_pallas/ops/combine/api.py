@@ -10,10 +10,12 @@ import jax.numpy as jnp
 
 from moe_contract.op_checks import check_combine
 from moe_contract.validation import check_choice
+from moe_pallas.ops.combine.pallas_triton import combine_pallas_triton
 from moe_pallas.ops.combine.reference import combine_reference
 from moe_pallas.ops.common import resolve_dtype
+from moe_pallas.ops.dispatch import dispatch
 
-IMPLEMENTATIONS = ("reference",)
+IMPLEMENTATIONS = ("pallas_triton", "reference")
 
 
 def combine(
@@ -34,6 +36,8 @@ def combine(
       routed_scaling_factor: pass the model's ``rsf`` here unless the gate already applied it
         (then 1.0): it must be applied exactly once.
       out_dtype: default ``y.dtype``.
+      implementation: ``"pallas_triton"`` (interpreted on the CPU), ``"reference"``, or ``None``
+        (the device's default order, ``moe_pallas.ops.dispatch``; the reference on the CPU).
 
     Returns: ``out [T, H]``, accumulated in float32 and cast once. Tokens with no local slot get 0.
 
@@ -45,4 +49,9 @@ def combine(
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if T == 0:
         return jnp.zeros((0, y.shape[1]), out_dtype)
-    return combine_reference(y, src2dst, topk_weights, float(routed_scaling_factor), out_dtype)
+    rsf = float(routed_scaling_factor)
+    return dispatch(op, implementation, {
+        "pallas_triton": lambda: combine_pallas_triton(
+            y, src2dst, topk_weights, routed_scaling_factor=rsf, out_dtype=out_dtype),
+        "reference": lambda: combine_reference(y, src2dst, topk_weights, rsf, out_dtype),
+    })

@@ -1,0 +1,241 @@
+"""``silu_and_mul`` / ``gelu_tanh_and_mul`` as a Pallas kernel with the Triton lowering (CONTRACT.md sections 3-4).
+
+Dataflow: ``h [M, 2*I]`` (gate half first, then up half) -> per program a
+``block_m x block_i`` tile ``a = act(gate) * up`` in float32 -> either ``out [M, I]`` in the
+output dtype, or FP8 e4m3 codes ``q [M, I]`` plus their dequantization scales, fused:
+
+- per-token-group (``scale [M, I // G]``): one program per ``block_m`` rows and one group
+  (``block_i == G``) computes the group's amax, the scale and the codes;
+- per-token (``scale [M, 1]``): rows up to ``MAX_ROW_BLOCK`` wide are one group of one
+  program (the same code as above with ``block_i >= I``); wider rows take two passes: a first
+  kernel writes the amax of every ``block_i`` column block (``[M, n_blocks]`` float32), XLA
+  takes the row max and the scale, and the second kernel recomputes the activation and
+  quantizes it with the given scale.
+
+The FP8 codes are bit-identical to ``quant/reference.py`` applied to the same float32
+activation values: plain ``/`` is approximate (``div.full.f32``) in the Pallas-Triton
+lowering, so the code is repaired to the correctly rounded quotient's code exactly as
+``moe_pallas.ops.quant.reference.fp8_round_quotient`` does, with ``nextafter`` replaced by
+integer steps of the float32 bit pattern (elementwise ops and same-width bitcasts only).
+
+Loads and stores are masked (``jax.experimental.pallas.triton.load/store``); refs are whole
+arrays, so odd ``I`` and any ``M`` work. Masking pattern learned from
+jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/gpu/rms_norm.py.
+
+Mirror: ``moe_torch/ops/activation/triton.py`` (to come).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_pallas.ops.activation.config import MAX_TILE_ELEMENTS, ActAndMulConfig, act_and_mul_config
+from moe_pallas.ops.activation.reference import ACTIVATIONS
+from moe_pallas.ops.quant.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, INV_FP8_MAX, scale_from_amax
+
+
+def _next_up(m: jax.Array) -> jax.Array:
+    """The float32 after ``m`` (``m`` finite, > 0): one step of the bit pattern."""
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(m, jnp.uint32) + jnp.uint32(1), jnp.float32)
+
+
+def _next_down(m: jax.Array) -> jax.Array:
+    """The float32 before ``m`` (``m`` finite, > 0; at ``m = 0`` it gives 0)."""
+    bits = jax.lax.bitcast_convert_type(m, jnp.uint32)
+    return jax.lax.bitcast_convert_type(jnp.where(bits > 0, bits - jnp.uint32(1), bits), jnp.float32)
+
+
+def _split_hi(v: jax.Array) -> jax.Array:
+    """``v`` with its 12 low mantissa bits cleared (``v - hi`` is then exact, 12 bits)."""
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFFF000), jnp.float32)
+
+
+def quantize_exact_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``cast_rne(clamp(x / scale, -448, 448))`` to float8_e4m3fn with a correctly rounded ``/``, inside a kernel.
+
+    ``x``: float32 tile; ``scale``: float32, broadcastable to ``x``, ``> ~1e-25``. The quotient
+    is computed with plain ``/`` (approximate on the GPU, ``div.full.f32``) and its code repaired
+    by :func:`round_quotient_fp8`.
+    """
+    return round_quotient_fp8(x, jnp.abs(x) / scale, scale)
+
+
+def round_quotient_fp8(x: jax.Array, y: jax.Array, scale: jax.Array) -> jax.Array:
+    """The FP8 code of the correctly rounded ``x / scale``, given ``y ~= |x| / scale`` within a few ulps.
+
+    The algorithm (and proof) of ``moe_pallas.ops.quant.reference.fp8_round_quotient``: start
+    from the code ``q`` of ``y``, then decide between ``q`` and its neighbour in ``y``'s
+    direction against the exact midpoint ``m``, with exact float32 products (``scale`` split
+    in 12-bit halves). Written with kernel-safe ops only: ``nextafter`` is an integer step of
+    the float32 bit pattern (``m > 0`` wherever it matters), the sign is the top bit of ``x``.
+    """
+    a = jnp.abs(x)
+    q = jnp.clip(y, 0.0, FP8_MAX).astype(FP8_DTYPE)  # magnitudes only: RNE and the clamp are symmetric
+    qf = q.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
+    go_up = (y > qf) & (qf < FP8_MAX)
+    go_down = (y < qf) & (qf > 0.0)
+    n_bits = jnp.where(go_up, bits + jnp.uint8(1), jnp.where(go_down, bits - jnp.uint8(1), bits))
+    nf = jax.lax.bitcast_convert_type(n_bits, FP8_DTYPE).astype(jnp.float32)
+    m = (qf + nf) * 0.5  # exact
+    half_up = (_next_up(m) - m) * 0.5  # powers of two: exact
+    half_down = (m - _next_down(m)) * 0.5
+    scale = jnp.broadcast_to(scale, a.shape)
+    s_hi = _split_hi(scale)
+    s_lo = scale - s_hi
+    r = (a - m * s_hi) - m * s_lo  # |x| - m * scale, exactly
+    above = ((r - half_up * s_hi) - half_up * s_lo) > 0  # exact quotient > m
+    below = ((r + half_down * s_hi) + half_down * s_lo) < 0  # exact quotient < m
+    on_mid = ~above & ~below
+    n_even = (n_bits & jnp.uint8(1)) == jnp.uint8(0)
+    take_n = (go_up & (above | (on_mid & n_even))) | (go_down & (below | (on_mid & n_even)))
+    mag = jnp.where(take_n, n_bits, bits)
+    sign = (jax.lax.bitcast_convert_type(x, jnp.uint32) >> jnp.uint32(31)).astype(jnp.uint8) << jnp.uint8(7)
+    return jax.lax.bitcast_convert_type(mag | sign, FP8_DTYPE)
+
+
+def _scale_from_amax(amax: jax.Array) -> jax.Array:
+    """``max(amax, 1e-10) * float32(1/448)``: a multiplication, exact on every backend."""
+    return jnp.maximum(amax, jnp.float32(AMAX_FLOOR)) * jnp.float32(INV_FP8_MAX)
+
+
+def _kernel(h_ref, *refs, mode: str, activation: str, M: int, I: int, block_m: int, block_i: int):
+    """One ``block_m x block_i`` tile of ``act(h[:, :I]) * h[:, I:]``.
+
+    Grid: ``(cdiv(M, block_m), n_col_blocks)``; program ``(i, j)`` owns rows
+    ``[i*block_m, (i+1)*block_m)`` and output columns ``[j*block_i, (j+1)*block_i)``.
+    Refs are whole arrays: ``h_ref [M, 2*I]`` in; then by ``mode``:
+
+    - ``"cast"``: ``out_ref [M, I]`` out.
+    - ``"quant"``: ``q_ref [M, I]`` fp8 and ``scale_ref [M, n_col_blocks]`` f32 out; the tile's
+      column block is one scale group.
+    - ``"amax"``: ``amax_ref [M, n_col_blocks]`` f32 out (first pass of two-pass per-token).
+    - ``"quant_given"``: ``scale_ref [M, 1]`` f32 in, ``q_ref [M, I]`` fp8 out (second pass).
+    """
+    i, j = pl.program_id(0), pl.program_id(1)
+    # Column indices next to a slice are traced int32: interpret mode rejects python ints there.
+    row0, col0 = i * block_m, j * block_i
+    row_ok = row0 + jnp.arange(block_m) < M  # [block_m]
+    col_ok = col0 + jnp.arange(block_i) < I  # [block_i]
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows, cols = pl.ds(row0, block_m), pl.ds(col0, block_i)
+    g = plgpu.load(h_ref.at[rows, cols], mask=mask, other=0.0).astype(jnp.float32)
+    u = plgpu.load(h_ref.at[rows, pl.ds(I + col0, block_i)], mask=mask, other=0.0).astype(jnp.float32)
+    a = ACTIVATIONS[activation](g) * u  # masked lanes: act(0) * 0 = 0
+    if mode == "cast":
+        (out_ref,) = refs
+        plgpu.store(out_ref.at[rows, cols], a.astype(out_ref.dtype), mask=mask)
+        return
+    if mode == "quant_given":
+        scale_ref, q_ref = refs
+        scale = plgpu.load(scale_ref.at[rows, jnp.int32(0)], mask=row_ok, other=1.0)
+        plgpu.store(q_ref.at[rows, cols], quantize_exact_fp8(a, scale[:, None]), mask=mask)
+        return
+    amax = jnp.max(jnp.where(mask, jnp.abs(a), 0.0), axis=1)  # [block_m]
+    if mode == "amax":
+        (amax_ref,) = refs
+        plgpu.store(amax_ref.at[rows, j], amax, mask=row_ok)
+        return
+    q_ref, scale_ref = refs
+    scale = _scale_from_amax(amax)
+    plgpu.store(q_ref.at[rows, cols], quantize_exact_fp8(a, scale[:, None]), mask=mask)
+    plgpu.store(scale_ref.at[rows, j], scale, mask=row_ok)
+
+
+def _call(h, mode, activation, out_shape, extra_inputs, cfg: ActAndMulConfig, n_col_blocks: int, interpret: bool):
+    M, two_i = h.shape
+    kernel = functools.partial(_kernel, mode=mode, activation=activation, M=M, I=two_i // 2,
+                               block_m=cfg.block_m, block_i=cfg.block_i)
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(pl.cdiv(M, cfg.block_m), n_col_blocks),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"{activation}_and_mul_{mode}",
+    )(h, *extra_inputs)
+
+
+def check_supported(h_shape: tuple[int, int], quant: str | None, group_size: int, cfg: ActAndMulConfig) -> None:
+    """Raise ``NotImplementedError`` for a valid request this backend cannot serve."""
+    I = h_shape[1] // 2
+    if cfg.block_m * cfg.block_i > MAX_TILE_ELEMENTS:
+        raise NotImplementedError(
+            f"act_and_mul[pallas_triton]: a tile of block_m * block_i = {cfg.block_m} * {cfg.block_i} elements is over "
+            f"Triton's {MAX_TILE_ELEMENTS} (group_size={group_size})")
+    if quant == "fp8_per_token_group" and cfg.block_i != group_size:
+        raise NotImplementedError(
+            f"act_and_mul[pallas_triton]: per-token-group quantization needs block_i == group_size "
+            f"(a power of two: a Triton block is); got group_size={group_size}, block_i={cfg.block_i}")
+    if quant == "fp8_per_token" and not cfg.two_pass and cfg.block_i < I:
+        raise NotImplementedError(
+            f"act_and_mul[pallas_triton]: one-pass per-token quantization needs block_i >= I (={I}); "
+            f"got block_i={cfg.block_i} (set two_pass=True)")
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "quant", "group_size", "out_dtype", "config", "interpret"))
+def act_and_mul_pallas_triton(
+    h: jax.Array,
+    *,
+    activation: str = "silu",
+    quant: str | None = None,
+    group_size: int = 128,
+    out_dtype=None,
+    config: ActAndMulConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """``act(h[:, :I]) * h[:, I:]`` in float32, cast or quantized to FP8, as a Pallas-Triton kernel.
+
+    Args (validated by ``moe_pallas.ops.activation.api.act_and_mul``):
+      h: ``[M, 2*I]`` float32 / bf16 / float16, gate half first.
+      activation: ``"silu"`` or ``"gelu_tanh"``.
+      quant: ``None`` (``out [M, I]`` in ``out_dtype``, default ``h.dtype``),
+        ``"fp8_per_token"`` (``scale [M, 1]``) or ``"fp8_per_token_group"``
+        (``scale [M, I // group_size]``). Scales are dequantization multipliers (``x ~= q * scale``).
+      config: launch config (default: :func:`act_and_mul_config` of the shapes).
+      interpret: run in Pallas interpret mode (default: when ``jax.default_backend() == "cpu"``).
+
+    Grid: ``(cdiv(M, block_m), n_col_blocks)`` with ``n_col_blocks = cdiv(I, block_i)``
+    (``I // group_size`` for per-token-group, 1 for one-pass per-token); static.
+
+    Returns: ``(out [M, I], None)`` or ``(q [M, I] float8_e4m3fn, scale float32)``.
+
+    Raises: NotImplementedError (group_size not a power of two, or a config that does not fit
+    the quantization).
+    """
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    M, two_i = h.shape
+    I = two_i // 2
+    out_dtype = h.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    if quant == "fp8_per_token_group" and group_size & (group_size - 1):
+        raise NotImplementedError(
+            f"act_and_mul[pallas_triton]: group_size must be a power of two (a Triton block is); got group_size={group_size}")
+    cfg = act_and_mul_config(M, I, quant, group_size) if config is None else config
+    check_supported(h.shape, quant, group_size, cfg)
+    n_groups = {None: 0, "fp8_per_token": 1, "fp8_per_token_group": I // group_size}[quant]
+    if M == 0 or I == 0:  # nothing to launch; the contract's values for empty rows
+        if quant is None:
+            return jnp.zeros((M, I), out_dtype), None
+        return jnp.zeros((M, I), FP8_DTYPE), jnp.full((M, n_groups), _scale_from_amax(jnp.float32(0.0)))
+    n_blocks = pl.cdiv(I, cfg.block_i)
+    run = functools.partial(_call, h, activation=activation, cfg=cfg, interpret=interpret)
+    if quant is None:
+        out = run(mode="cast", out_shape=jax.ShapeDtypeStruct((M, I), out_dtype), extra_inputs=(), n_col_blocks=n_blocks)
+        return out, None
+    q_shape = jax.ShapeDtypeStruct((M, I), FP8_DTYPE)
+    if quant == "fp8_per_token" and cfg.two_pass:
+        amax = run(mode="amax", out_shape=jax.ShapeDtypeStruct((M, n_blocks), jnp.float32), extra_inputs=(),
+                   n_col_blocks=n_blocks)
+        scale = scale_from_amax(amax.max(axis=1, keepdims=True))  # [M, 1]: max is exact in any order
+        q = run(mode="quant_given", out_shape=q_shape, extra_inputs=(scale,), n_col_blocks=n_blocks)
+        return q, scale
+    q, scale = run(mode="quant", out_shape=(q_shape, jax.ShapeDtypeStruct((M, n_groups), jnp.float32)),
+                   extra_inputs=(), n_col_blocks=n_groups)
+    return q, scale
+

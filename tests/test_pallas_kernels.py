@@ -1,0 +1,303 @@
+"""Pallas-Triton kernels (``moe_pallas/ops/*/pallas_triton.py``) against the jnp references.
+
+On the CPU the kernels run in Pallas interpret mode, which fills every output with NaN before
+the kernel runs (``pallas.primitives.uninitialized_value``): an element a kernel forgets to
+write shows up as NaN (or an FP8 NaN code) and fails the finiteness / exactness checks below.
+The second half lowers each kernel for CUDA on an abstract H200 (ENVIRONMENT.md, "Interpret
+mode on the CPU"), which runs the whole Pallas -> Triton-IR lowering without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+import moe_pallas
+from common import random_ids
+from moe_pallas.ops.activation.config import MAX_ROW_BLOCK, ActAndMulConfig, act_and_mul_config
+from moe_pallas.ops.activation.pallas_triton import act_and_mul_pallas_triton, round_quotient_fp8
+from moe_pallas.ops.activation.reference import act_and_mul_reference
+from moe_pallas.ops.combine.config import CombineConfig, combine_config
+from moe_pallas.ops.combine.pallas_triton import combine_pallas_triton
+from moe_pallas.ops.combine.reference import combine_reference
+from moe_pallas.ops.quant.reference import (
+    FP8_DTYPE,
+    dequantize_fp8_reference,
+    per_token_group_quant_fp8_reference,
+    per_token_quant_fp8_reference,
+    quantize_div_fp8,
+)
+from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
+
+DTYPES = {"float32": (jnp.float32, F32_REL_FRO), "bfloat16": (jnp.bfloat16, BF16_REL_FRO)}
+
+
+def _h(M: int, I: int, dtype, seed: int) -> jax.Array:
+    """``h [M, 2*I]``: N(0, 3^2) values (never zeros; silu/gelu are non-trivial there)."""
+    h = np.random.default_rng(seed).standard_normal((M, 2 * I)).astype(np.float32) * 3
+    return jnp.asarray(h).astype(dtype)
+
+
+def _assert_finite(a, what: str) -> None:
+    x = to_numpy(a).astype(np.float32)
+    assert np.isfinite(x).all(), f"{what}: {np.size(x) - np.isfinite(x).sum()} non-finite values (unwritten or leaked)"
+
+
+# --------------------------------------------------------------------------------------
+# act_and_mul, plain cast
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("M,I", [
+    (1, 128),  # M=1
+    (5, 33),  # M smaller than a block, odd I (masked columns; the up half starts mid-line)
+    (37, 256),  # M not a multiple of block_m
+    (3, 1100),  # I wider than MAX_BLOCK_I: two column blocks, the last one partial
+])
+def test_act_and_mul_cast(M, I, dtype, activation):
+    jdt, limit = DTYPES[dtype]
+    h = _h(M, I, jdt, seed=M * I)
+    out, scale = act_and_mul_pallas_triton(h, activation=activation)
+    ref, _ = act_and_mul_reference(h, activation, None, 128, jdt)
+    assert scale is None and out.shape == (M, I) and out.dtype == jdt
+    _assert_finite(out, "out")
+    assert_rel_fro(out, ref, limit, f"{activation}_and_mul {dtype}")
+    # the float32 math itself, whatever the output dtype: float32 rounding only
+    out32, _ = act_and_mul_pallas_triton(h, activation=activation, out_dtype=jnp.float32)
+    ref32, _ = act_and_mul_reference(h, activation, None, 128, jnp.float32)
+    assert_rel_fro(out32, ref32, F32_REL_FRO, f"{activation}_and_mul float32 math")
+
+
+# --------------------------------------------------------------------------------------
+# act_and_mul fused with FP8 quantization: codes and scales bit-identical to the reference
+# applied to the kernel's own float32 activation; and close to the reference's fused output.
+
+
+def _check_fused(h, activation, quant, group_size, config=None):
+    M, I = h.shape[0], h.shape[1] // 2
+    q, s = act_and_mul_pallas_triton(h, activation=activation, quant=quant, group_size=group_size, config=config)
+    a32, _ = act_and_mul_pallas_triton(h, activation=activation, out_dtype=jnp.float32)
+    if quant == "fp8_per_token":
+        q2, s2 = per_token_quant_fp8_reference(a32)
+        assert s.shape == (M, 1)
+    else:
+        q2, s2 = per_token_group_quant_fp8_reference(a32, group_size)
+        assert s.shape == (M, I // group_size)
+    assert q.dtype == FP8_DTYPE and q.shape == (M, I) and s.dtype == jnp.float32
+    assert_exact(q, q2, "fp8 codes vs reference quantization of the kernel's float32 activation")
+    assert_exact(s, s2, "scales vs reference quantization of the kernel's float32 activation")
+    qr, sr = act_and_mul_reference(h, activation, quant, group_size, None)
+    assert_rel_fro(s, sr, F32_REL_FRO, "scales vs the reference's fused op")
+    assert_rel_fro(dequantize_fp8_reference(q, s), dequantize_fp8_reference(qr, sr), FP8_REL_FRO,
+                   "dequantized vs the reference's fused op")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("M,I", [(1, 128), (7, 33), (37, 256)])  # M=1; M < block with odd I; M % block_m != 0
+def test_act_and_mul_fp8_per_token_one_pass(M, I, activation):
+    h = _h(M, I, jnp.bfloat16, seed=M + I)
+    assert not act_and_mul_config(M, I, "fp8_per_token", 128).two_pass
+    _check_fused(h, activation, "fp8_per_token", 128)
+
+
+@pytest.mark.parametrize("M,I,block_i", [
+    (5, 300, 64),  # 5 column blocks, the last partial: amax of the masked tail must be 0
+    (9, 33, 16),  # odd I, 3 blocks of 16
+])
+def test_act_and_mul_fp8_per_token_two_pass(M, I, block_i):
+    """Rows wider than one program (forced here with a small block_i) take two passes."""
+    h = _h(M, I, jnp.bfloat16, seed=3)
+    _check_fused(h, "silu", "fp8_per_token", 128, ActAndMulConfig(block_m=4, block_i=block_i, two_pass=True))
+
+
+def test_act_and_mul_config_two_pass_for_wide_rows():
+    cfg = act_and_mul_config(4, 2 * MAX_ROW_BLOCK + 1, "fp8_per_token", 128)
+    assert cfg.two_pass and cfg.block_i < 2 * MAX_ROW_BLOCK + 1
+    assert not act_and_mul_config(4, MAX_ROW_BLOCK, "fp8_per_token", 128).two_pass
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("M,I,group_size", [
+    (1, 128, 128),  # M=1, one group
+    (37, 384, 128),  # three groups, M % block_m != 0
+    (6, 96, 32),  # a smaller power-of-two group
+])
+def test_act_and_mul_fp8_per_token_group(M, I, group_size, activation):
+    h = _h(M, I, jnp.float32, seed=M * group_size)
+    _check_fused(h, activation, "fp8_per_token_group", group_size)
+
+
+@pytest.mark.parametrize("scale", [0.125, 3.0 / 448.0, 0.7316])  # exact ties (a power of two), an amax-like and a random scale
+def test_round_quotient_repairs_approximate_division(scale):
+    """The in-kernel rounding, given a quotient off by up to 2 ulps (as ``div.full.f32`` may be on
+    the GPU), returns the code of the correctly rounded quotient, at and around every rounding midpoint.
+    On the CPU the kernels divide exactly, so this is where the repair itself is tested."""
+    rng = np.random.default_rng(0)
+    codes = np.arange(0, 127, dtype=np.uint8).view(np.dtype(jnp.float8_e4m3fn)).astype(np.float32)  # 0 .. 448
+    mids = (codes[:-1] + codes[1:]) / 2  # exact in float32: the rounding boundaries
+    scale = np.float32(scale)
+    targets = np.concatenate([mids, codes, rng.uniform(0, 460, 2000).astype(np.float32)])
+    x = (targets.astype(np.float64) * np.float64(scale)).astype(np.float32)
+    bits = x.view(np.uint32).astype(np.int64)
+    x = np.concatenate([(bits + d).clip(0).astype(np.uint32).view(np.float32) for d in range(-3, 4)])  # neighbours
+    x = np.concatenate([x, -x])
+    x, s = jnp.asarray(x), jnp.asarray(scale)
+    exact = quantize_div_fp8(x, s)  # on the CPU `/` is correctly rounded
+    y_bits = np.asarray(jnp.abs(x) / s).view(np.uint32).astype(np.int64)
+    naive_wrong = 0
+    for d in (-2, -1, 0, 1, 2):  # a float32 quotient of non-negative operands stays >= 0
+        y_off = jnp.asarray((y_bits + d).clip(0).astype(np.uint32).view(np.float32))
+        assert_exact(round_quotient_fp8(x, y_off, s), exact, f"quotient off by {d} ulp")
+        naive = jnp.clip(y_off, 0, 448).astype(FP8_DTYPE)
+        naive_wrong += int((to_numpy(naive).view(np.uint8) != (to_numpy(exact).view(np.uint8) & 0x7F)).sum())
+    assert naive_wrong > 0, "the inputs must include quotients whose naive rounding is wrong"
+
+
+def test_act_and_mul_group_size_not_power_of_two():
+    h = _h(4, 192, jnp.float32, seed=1)
+    with pytest.raises(NotImplementedError, match="power of two"):
+        act_and_mul_pallas_triton(h, quant="fp8_per_token_group", group_size=96)
+    with pytest.raises(NotImplementedError, match="power of two"):
+        moe_pallas.silu_and_mul(h, quant="fp8_per_token_group", group_size=96, implementation="pallas_triton")
+
+
+@pytest.mark.parametrize("M,I", [(0, 128), (3, 0)])  # no rows; no columns (nothing to launch)
+@pytest.mark.parametrize("quant", [None, "fp8_per_token", "fp8_per_token_group"])
+def test_act_and_mul_empty(M, I, quant):
+    h = jnp.ones((M, 2 * I), jnp.bfloat16)
+    got = act_and_mul_pallas_triton(h, quant=quant)
+    want = act_and_mul_reference(h, "silu", quant, 128, jnp.bfloat16)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert_exact(g, w, "empty")
+
+
+# --------------------------------------------------------------------------------------
+# combine
+
+
+def _combine_case(T, topk, E, start, e_local, H, dtype, seed):
+    rng = np.random.default_rng(seed)
+    ids = random_ids(rng, T, topk, E)
+    if e_local < E:  # token 0 goes to other ranks only: a token with no local slot
+        ids[0] = rng.permutation([e for e in range(E) if not start <= e < start + e_local])[:topk]
+    meta = moe_pallas.routing_metadata(jnp.asarray(ids), E, expert_start=start, num_local_experts=e_local)
+    M = int(meta.expert_offsets[-1])
+    y = rng.standard_normal((T * topk, H)).astype(np.float32)
+    y[M:] = np.nan  # rows >= M are never referenced: a NaN there must not reach the output
+    w = rng.uniform(0.1, 1.0, (T, topk)).astype(np.float32)
+    return jnp.asarray(y).astype(dtype), meta.src2dst, jnp.asarray(w), M
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("T,topk,E,start,e_local,H,rsf,config", [
+    (1, 1, 2, 0, 2, 33, 1.0, None),  # T=1, odd H
+    (13, 3, 8, 0, 8, 48, 2.5, None),  # all local, rsf applied here, T not a power of two
+    (16, 4, 16, 8, 4, 64, 1.0, None),  # EP rank: non-local slots, tokens with no local slot, NaN rows
+    (13, 6, 16, 4, 5, 100, 2.5, CombineConfig(block_t=4, block_h=32)),  # partial blocks in both grid dims
+    (3, 2, 4, 2, 2, 1100, 1.0, None),  # H wider than MAX_BLOCK_H: two column blocks
+])
+def test_combine(T, topk, E, start, e_local, H, rsf, config, dtype):
+    jdt, limit = DTYPES[dtype]
+    y, src2dst, w, M = _combine_case(T, topk, E, start, e_local, H, jdt, seed=T * H)
+    out = combine_pallas_triton(y, src2dst, w, routed_scaling_factor=rsf, config=config)
+    ref = combine_reference(y, src2dst, w, rsf, jdt)
+    assert out.shape == (T, H) and out.dtype == jdt
+    _assert_finite(out, "combine out")
+    assert_rel_fro(out, ref, limit, f"combine {dtype}")
+    out32 = combine_pallas_triton(y, src2dst, w, routed_scaling_factor=rsf, out_dtype=jnp.float32, config=config)
+    assert_rel_fro(out32, combine_reference(y, src2dst, w, rsf, jnp.float32), F32_REL_FRO, "combine float32 accumulation")
+    no_local = (to_numpy(src2dst) < 0).all(axis=1)
+    assert not to_numpy(out32)[no_local].any(), "tokens with no local slot get exactly 0"
+    if start:
+        assert no_local.any() and M < T * topk, "the case must exercise tokens with no local slot and unused rows"
+
+
+def test_combine_nan_in_unreferenced_row_everywhere():
+    """Every row not named by src2dst is NaN (also rows < M of other slots' non-local twins)."""
+    T, topk, H = 8, 4, 48
+    rng = np.random.default_rng(7)
+    src2dst = np.full((T, topk), -1, np.int32)
+    used = rng.permutation(T * topk)[: T * topk // 2]
+    src2dst.flat[rng.permutation(T * topk)[: used.size]] = used
+    src2dst[0] = -1  # a token with no local slot
+    y = np.full((T * topk, H), np.nan, np.float32)
+    y[used] = rng.standard_normal((used.size, H))
+    w = rng.uniform(0.1, 1.0, (T, topk)).astype(np.float32)
+    out = combine_pallas_triton(jnp.asarray(y), jnp.asarray(src2dst), jnp.asarray(w), config=CombineConfig(block_t=2, block_h=16))
+    _assert_finite(out, "combine out")
+    assert_rel_fro(out, combine_reference(jnp.asarray(y), jnp.asarray(src2dst), jnp.asarray(w), 1.0, jnp.float32), F32_REL_FRO)
+    assert not to_numpy(out)[0].any()
+
+
+# --------------------------------------------------------------------------------------
+# The public ops with implementation="pallas_triton" (through moe_pallas.ops.dispatch)
+
+
+def test_dispatch_pallas_triton():
+    h = _h(9, 256, jnp.bfloat16, seed=11)
+    for quant in (None, "fp8_per_token", "fp8_per_token_group"):
+        got = moe_pallas.gelu_tanh_and_mul(h, quant=quant, implementation="pallas_triton")
+        want = act_and_mul_pallas_triton(h, activation="gelu_tanh", quant=quant)
+        ref = moe_pallas.gelu_tanh_and_mul(h, quant=quant, implementation="reference")
+        for g, k in zip(got, want):
+            if k is not None:
+                assert_exact(g, k, f"dispatch {quant}")
+        if quant is None:
+            assert_rel_fro(got[0], ref[0], BF16_REL_FRO, "dispatch vs reference")
+    # implementation=None on the CPU stays the reference, bit for bit
+    for g, r in zip(moe_pallas.silu_and_mul(h, quant="fp8_per_token"),
+                    act_and_mul_reference(h, "silu", "fp8_per_token", 128, None)):
+        assert_exact(g, r, "default implementation on the CPU")
+
+    y, src2dst, w, _ = _combine_case(16, 4, 16, 8, 4, 64, jnp.bfloat16, seed=5)
+    got = moe_pallas.combine(y, src2dst, w, routed_scaling_factor=2.5, out_dtype=jnp.float32, implementation="pallas_triton")
+    assert_exact(got, combine_pallas_triton(y, src2dst, w, routed_scaling_factor=2.5, out_dtype=jnp.float32), "combine dispatch")
+    assert_rel_fro(got, combine_reference(y, src2dst, w, 2.5, jnp.float32), F32_REL_FRO, "combine dispatch vs reference")
+    assert_exact(moe_pallas.combine(y, src2dst, w), combine_reference(y, src2dst, w, 1.0, jnp.bfloat16), "combine default on CPU")
+    empty = moe_pallas.combine(y[:0], src2dst[:0], w[:0], implementation="pallas_triton")  # T = 0: the early return
+    assert empty.shape == (0, 64)
+
+
+# --------------------------------------------------------------------------------------
+# GPU lowering on the CPU: the kernels must lower for CUDA (Triton), not only interpret.
+
+H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", 132, "cuda"))
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _lower_for_cuda(f, *args) -> str:
+    with use_abstract_mesh(H200):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("activation,quant,group_size,config,kernels", [
+    ("silu", None, 128, None, 1),
+    ("gelu_tanh", "fp8_per_token", 128, None, 1),
+    ("silu", "fp8_per_token", 128, ActAndMulConfig(block_m=4, block_i=128, two_pass=True), 2),
+    ("gelu_tanh", "fp8_per_token_group", 128, None, 1),
+])
+def test_act_and_mul_lowers_for_cuda(activation, quant, group_size, config, kernels):
+    h = jax.ShapeDtypeStruct((37, 2 * 384), jnp.bfloat16)
+    f = functools.partial(act_and_mul_pallas_triton, activation=activation, quant=quant, group_size=group_size,
+                          config=config, interpret=False)
+    text = _lower_for_cuda(f, h)
+    assert text.count(TRITON_CALL) == kernels, text[:2000]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_combine_lowers_for_cuda(dtype):
+    T, topk, H = 13, 6, 7168
+    args = (jax.ShapeDtypeStruct((T * topk, H), dtype), jax.ShapeDtypeStruct((T, topk), jnp.int32),
+            jax.ShapeDtypeStruct((T, topk), jnp.float32))
+    f = functools.partial(combine_pallas_triton, routed_scaling_factor=2.5, interpret=False)
+    text = _lower_for_cuda(f, *args)
+    assert text.count(TRITON_CALL) == 1, text[:2000]
+    assert combine_config(T, H, topk).block_h == 1024
