@@ -1,12 +1,13 @@
-"""``epmoe``: the project's command line.
+"""epmoe: the project's command line.
 
-``epmoe demo`` runs the reference MoE layer of a model preset in both frameworks (jnp and
+`epmoe demo` runs the reference MoE layer of a model preset in both frameworks (jnp and
 torch) on the same random inputs and prints what they computed and how far apart they are.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -26,6 +27,19 @@ def _fmt(values: np.ndarray) -> str:
     return "[" + ", ".join(f"{float(v):+.4f}" for v in values) + "]"
 
 
+def _host_bytes_needed(config) -> int:
+    """float32 host bytes of the numpy inputs (w13 + w2 dominate), as make_layer_inputs draws them."""
+    H, I, E_all = config.hidden_size, config.intermediate_size, config.num_total_experts
+    return 4 * 3 * E_all * H * I
+
+
+def _host_bytes_available() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62
+
+
 def run_demo(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
@@ -36,6 +50,11 @@ def run_demo(args: argparse.Namespace) -> int:
 
     preset = get_preset(args.preset)
     config = preset.config(quant=args.quant)
+    need, have = _host_bytes_needed(config), _host_bytes_available()
+    if 2 * need > have:  # the weights, plus a converted copy per framework
+        print(f"epmoe: preset {preset.name} needs about {2 * need / 2**30:.0f} GiB of host memory for its weights "
+              f"({have / 2**30:.0f} GiB available); use --preset tiny here, or a larger machine", file=sys.stderr)
+        return 2
     inputs = make_layer_inputs(config, args.tokens, seed=args.seed, routing=args.routing)
     jdt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
@@ -75,9 +94,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
     counts = np.bincount(np.asarray(ids).reshape(-1), minlength=config.num_total_experts)
     print(f"rows per expert (routed, then shared): {counts.tolist()}")
-    print(f"token 0: experts {np.asarray(ids)[0].tolist()} weights {_fmt(np.asarray(weights)[0])}")
+    print(f"token 0: experts {np.asarray(ids)[0].tolist()} weights (rsf applied) {_fmt(np.asarray(weights)[0])}")
     print()
-    print(f"{'implementation':<18}{'out shape':<14}{'mean |out|':>12}{'out[0, :4]':>44}{'seconds':>10}")
+    print(f"{'implementation':<18}{'out shape':<14}{'mean |out|':>12}{'out[0, :4]':>44}{'seconds':>10}  (jnp: incl. jit compile)")
     for (name, out), sec in zip(outs.items(), (t_j, t_t)):
         print(f"{name:<18}{str(out.shape):<14}{np.abs(out).mean():>12.5f}{_fmt(out[0, :4]):>44}{sec:>10.2f}")
     err = _rel_fro(outs["jnp reference"], outs["torch reference"])
@@ -90,13 +109,21 @@ def run_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epmoe", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the reference MoE layer of a preset in jnp and torch and compare")
-    demo.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    demo.add_argument("--tokens", type=int, default=16, help="T, tokens in the batch (default 16)")
-    demo.add_argument("--quant", default="none", choices=QUANTS)
-    demo.add_argument("--routing", default="uniform", choices=ROUTING_SKEWS, help="router logit skew")
-    demo.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    demo.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser(
+        "demo",
+        help="run the reference MoE layer of a preset in jnp and torch and compare",
+        description="Run the reference MoE layer of a model preset in jnp and torch on the same random "
+        "inputs; print what they computed and their difference; exit 1 if they disagree.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    demo.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                      help="model preset (all but 'tiny' need tens of GB: a GPU machine)")
+    demo.add_argument("--tokens", type=int, default=16, help="T, tokens in the batch")
+    demo.add_argument("--quant", default="none", choices=QUANTS, help="layer quantization mode")
+    demo.add_argument("--routing", default="uniform", choices=ROUTING_SKEWS,
+                      help="skew of the random router logits (the gate algorithm itself comes from the preset)")
+    demo.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="activation and weight dtype")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     demo.set_defaults(func=run_demo)
     return parser
 

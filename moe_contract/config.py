@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from moe_contract.validation import check_choice, check_nonnegative_int, check_positive_int, check_rsf
+from moe_contract.validation import check_bool, check_choice, check_nonnegative_int, check_positive_int, check_rsf
 
 Routing = Literal["softmax_topk", "grouped_topk", "biased_grouped_topk"]
 Quant = Literal["none", "fp8_per_token", "fp8_block"]
@@ -78,6 +78,8 @@ class MoEConfig:
         op = "MoEConfig"
         for name in ("hidden_size", "intermediate_size", "num_experts", "topk", "ep_size"):
             check_positive_int(op, name, getattr(self, name))
+        for name in ("renormalize", "apply_routed_scaling_factor_on_output"):
+            check_bool(op, name, getattr(self, name))
         check_choice(op, "routing", self.routing, ROUTINGS)
         check_choice(op, "quant", self.quant, QUANTS)
         check_choice(op, "activation", self.activation, ACTIVATIONS)

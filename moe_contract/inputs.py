@@ -49,7 +49,9 @@ def make_layer_inputs(config: MoEConfig, num_tokens: int, seed: int = 0, routing
         logits += (-1.2 * np.log(np.arange(1, E + 1, dtype=f32)))[None, :]
     elif routing == "one-expert":
         logits[:, 0] += 30.0
-    w13 = rng.standard_normal((E_all, 2 * I, H), dtype=f32) * f32(1.0 / np.sqrt(H))
-    w2 = rng.standard_normal((E_all, H, I), dtype=f32) * f32(1.0 / np.sqrt(I))
+    w13 = rng.standard_normal((E_all, 2 * I, H), dtype=f32)
+    w13 *= f32(1.0 / np.sqrt(H))  # in place: no second full-size temporary
+    w2 = rng.standard_normal((E_all, H, I), dtype=f32)
+    w2 *= f32(1.0 / np.sqrt(I))
     bias = (rng.standard_normal((E,), dtype=f32) * f32(0.1)).astype(f32)
     return LayerInputs(x=x, router_logits=logits.astype(f32), w13=w13, w2=w2, e_score_correction_bias=bias)

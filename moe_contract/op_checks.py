@@ -17,6 +17,7 @@ from moe_contract.validation import (
     FP8_DTYPE,
     INT_ID_DTYPES,
     check_activation_scale,
+    check_bool,
     check_choice,
     check_dtype,
     check_per_tensor_scale,
@@ -45,7 +46,11 @@ def check_select_experts(
     e_score_correction_bias: Any,
     routed_scaling_factor: float,
     num_fused_shared_experts: int,
+    renormalize: bool,
+    apply_routed_scaling_factor_on_output: bool,
 ) -> None:
+    check_bool(op, "renormalize", renormalize)
+    check_bool(op, "apply_routed_scaling_factor_on_output", apply_routed_scaling_factor_on_output)
     check_rank(op, "router_logits", router_logits, 2, "[T, E]")
     check_dtype(op, "router_logits", router_logits, FLOAT_DTYPES)
     E = router_logits.shape[1]

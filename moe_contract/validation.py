@@ -46,7 +46,9 @@ def _fmt_shape(shape: Sequence[Any]) -> str:
 
 
 def check_rank(op: str, name: str, x: Any, ndim: int | Iterable[int], what: str) -> None:
-    """Raise ``ValueError`` unless ``x.ndim`` is ``ndim`` (or one of them)."""
+    """Raise ``ValueError`` unless ``x.ndim`` is ``ndim`` (or one of them); ``TypeError`` if ``x`` is no array."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{op}: {name} must be an array {what}; got {type(x).__name__}")
     allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
     if len(x.shape) not in allowed:
         raise ValueError(f"{op}: {name} must be {what}; got {name}.shape={_fmt_shape(x.shape)}")
@@ -54,6 +56,8 @@ def check_rank(op: str, name: str, x: Any, ndim: int | Iterable[int], what: str)
 
 def check_shape(op: str, name: str, x: Any, expected: Sequence[int | None], what: str) -> None:
     """Raise ``ValueError`` unless ``x.shape`` matches ``expected`` (``None`` = any size)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{op}: {name} must be an array {what}; got {type(x).__name__}")
     shape = tuple(int(s) for s in x.shape)
     ok = len(shape) == len(expected) and all(e is None or s == e for s, e in zip(shape, expected))
     if not ok:
@@ -78,6 +82,12 @@ def check_positive_int(op: str, name: str, value: Any) -> None:
     """Raise ``ValueError`` unless ``value`` is an int >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{op}: {name} must be an int >= 1; got {name}={value!r}")
+
+
+def check_bool(op: str, name: str, value: Any) -> None:
+    """Raise ``TypeError`` unless ``value`` is a bool (a string such as "no" would read as True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a bool; got {name}={value!r}")
 
 
 def check_choice(op: str, name: str, value: Any, choices: Iterable[Any]) -> None:
@@ -190,6 +200,11 @@ def check_layer_inputs(
         if s is None:
             raise ValueError(f"{op}: {name}_scale must be given for quant={config.quant!r}; got None")
         check_weight_scale(op, f"{name}_scale", s, tuple(w.shape))
+        if config.quant == "fp8_per_token" and len(s.shape) == 3:
+            raise ValueError(
+                f"{op}: {name}_scale must be per-expert [E_local] or per-channel [E_local, N] scales for "
+                f"quant='fp8_per_token' (block scales go with quant='fp8_block'); got {name}_scale.shape={_fmt_shape(s.shape)}"
+            )
         if config.quant == "fp8_block" and len(s.shape) != 3:
             raise ValueError(
                 f"{op}: {name}_scale must be 128x128 block scales [E_local, ceil(N/128), ceil(K/128)] for "

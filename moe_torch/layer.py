@@ -23,6 +23,7 @@ from moe_torch.ops.gate.api import select_experts
 from moe_torch.ops.grouped_gemm.api import grouped_gemm
 from moe_torch.ops.permute.api import permute, routing_metadata
 from moe_torch.ops.quant.api import quantize_weight_fp8
+from moe_torch.ops.common import takes_torch_tensors
 
 #: The activation quantization each layer quant mode uses (CONTRACT.md section 3).
 ACTIVATION_QUANT = {"none": None, "fp8_per_token": "fp8_per_token", "fp8_block": "fp8_per_token_group"}
@@ -30,6 +31,7 @@ ACTIVATION_QUANT = {"none": None, "fp8_per_token": "fp8_per_token", "fp8_block":
 WEIGHT_LAYOUT = {"fp8_per_token": "per_channel", "fp8_block": "block"}
 
 
+@takes_torch_tensors
 def moe_forward(
     x: torch.Tensor,
     router_logits: torch.Tensor,
@@ -92,6 +94,7 @@ def moe_forward(
     return combine(y, meta.src2dst, topk_weights, routed_scaling_factor=rsf, out_dtype=x.dtype, implementation=implementation)
 
 
+@takes_torch_tensors
 def quantize_layer_weights(
     w13: torch.Tensor, w2: torch.Tensor, config: MoEConfig
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
@@ -109,6 +112,7 @@ def quantize_layer_weights(
     return w13_q, w13_scale, w2_q, w2_scale
 
 
+@takes_torch_tensors
 def local_weights(w: torch.Tensor, config: MoEConfig) -> torch.Tensor:
     """This rank's slice ``[E_local, ...]`` of a global ``[E + S, ...]`` expert tensor (or scale)."""
     start, e_local = config.local_expert_range()

@@ -1,4 +1,11 @@
-"""Shared test setup: both frameworks on the CPU, deterministic hypothesis profile."""
+"""Shared test setup: both frameworks on the CPU, deterministic hypothesis profile.
+
+On the CPU (``EPMOE_TEST_DEVICE=cpu``, the default) the Triton kernels of ``moe_torch`` run in
+Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before ``triton`` is first imported
+(``triton.jit`` reads it, through ``triton.knobs``, when a kernel is decorated, i.e. when a module
+such as ``moe_torch.ops.combine.triton`` is imported), so it is set here, before any test module
+imports anything. On the GPU machine (``EPMOE_TEST_DEVICE=gpu``) the kernels compile for real.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import sys
 
 if os.environ.get("EPMOE_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.path.dirname(__file__))  # `import tolerances`
 
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -837,3 +837,65 @@ def test_layer_with_no_tokens(fw: Fw, config: MoEConfig, x_dtype: str) -> None:
         w13_scale=w13_scale, w2_scale=w2_scale, e_score_correction_bias=bias,
     )
     _check_outputs(fw, out, (((0, H), x_dtype),))
+
+
+# --------------------------------------------------------------------------------------
+# Arrays of the wrong framework, non-arrays, bool flags, scale layouts that don't fit the config
+
+
+def _other(fw: Fw) -> Fw:
+    return FRAMEWORKS["torch" if fw.name == "jax" else "jax"]
+
+
+@pytest.mark.parametrize("op, call", [
+    ("select_experts", lambda m, a: m.select_experts(a.f(2, 8), topk=2)),
+    ("per_token_quant_fp8", lambda m, a: m.per_token_quant_fp8(a.f(2, 8))),
+    ("quantize_weight_fp8", lambda m, a: m.quantize_weight_fp8(a.f(2, 3, 8))),
+    ("routing_metadata", lambda m, a: m.routing_metadata(a.i([[0, 1]]), 4)),
+    ("combine", lambda m, a: m.combine(a.f(4, 8), a.i([[0, 1], [2, 3]]), a.f(2, 2))),
+    ("moe_forward", lambda m, a: m.moe_forward(a.f(2, 16), a.f(2, 4), a.f(4, 8, 16), a.f(4, 16, 4), LAYER)),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_arrays_of_the_other_framework_are_a_type_error(fw: Fw, op, call) -> None:
+    """A torch tensor to moe_pallas (or a jax array to moe_torch) names the op and the argument."""
+    expected = "must be a jax array" if fw.name == "jax" else "must be a torch.Tensor"
+    with pytest.raises(TypeError, match=re.escape(f"{op}: ") + ".*" + re.escape(expected)):
+        call(fw.m, _other(fw))
+
+
+def test_numpy_arrays_are_a_type_error_for_torch() -> None:
+    torch_fw = FRAMEWORKS["torch"]
+    with pytest.raises(TypeError, match=re.escape("per_token_quant_fp8: x must be a torch.Tensor") + ".*numpy.ndarray"):
+        torch_fw.m.per_token_quant_fp8(np.ones((2, 8), np.float32))
+
+
+@pytest.mark.parametrize("value, kind", [(None, "NoneType"), ([[1.0, 2.0]], "list")])
+def test_non_arrays_are_a_type_error(fw: Fw, value, kind) -> None:
+    with pytest.raises(TypeError, match=re.escape("per_token_quant_fp8: x must be an array [rows, K]; got " + kind)):
+        fw.m.per_token_quant_fp8(value)
+
+
+@pytest.mark.parametrize("name", ["renormalize", "apply_routed_scaling_factor_on_output"])
+def test_bool_flags_must_be_bools(fw: Fw, name) -> None:
+    with pytest.raises(TypeError, match=re.escape(f"select_experts: {name} must be a bool; got {name}='no'")):
+        fw.m.select_experts(fw.f(2, 8), topk=2, **{name: "no"})
+    with pytest.raises(TypeError, match=re.escape(f"MoEConfig: {name} must be a bool; got {name}='no'")):
+        MoEConfig(**BASE, **{name: "no"})
+
+
+def test_fp8_per_token_layer_rejects_block_weight_scales(fw: Fw) -> None:
+    config = MoEConfig(hidden_size=128, intermediate_size=128, num_experts=2, topk=1, quant="fp8_per_token")
+    w13, w2 = fw.fp8(2, 256, 128), fw.fp8(2, 128, 128)
+    block13, block2 = fw.full((2, 2, 1), 0.1), fw.full((2, 1, 1), 0.1)
+    with pytest.raises(ValueError, match=re.escape("moe_forward: w13_scale must be per-expert [E_local] or per-channel")):
+        fw.m.moe_forward(fw.f(2, 128), fw.f(2, 2), w13, w2, config, w13_scale=block13, w2_scale=block2)
+
+
+@pytest.mark.parametrize("spelling", ["name", "other-framework"])
+def test_out_dtype_in_any_spelling(fw: Fw, spelling) -> None:
+    """``out_dtype`` may be a name or the other framework's dtype object: the result is bf16 either way."""
+    import jax.numpy as jnp
+    import torch
+
+    dt = "bfloat16" if spelling == "name" else (torch.bfloat16 if fw.name == "jax" else jnp.bfloat16)
+    out, _ = fw.m.silu_and_mul(fw.f(4, 8), out_dtype=dt)
+    assert dtype_name(out) == "bfloat16"

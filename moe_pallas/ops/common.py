@@ -5,13 +5,39 @@ Mirror: ``moe_torch/ops/common.py``.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from moe_contract.validation import dtype_name
+
+#: What the ops of this package take as arrays (numpy ones are converted by jnp as usual).
+ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+
+
+def takes_jax_arrays(fn):
+    """Decorator: an argument that is an array of another framework (a torch tensor) is a
+    ``TypeError`` naming the op and the argument, raised before anything runs."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for name, value in signature.bind_partial(*args, **kwargs).arguments.items():
+            is_array = not isinstance(value, type) and hasattr(value, "shape") and hasattr(value, "dtype")
+            if is_array and not isinstance(value, ARRAY_TYPES):
+                kind = f"{type(value).__module__}.{type(value).__name__}"
+                raise TypeError(f"{fn.__name__}: {name} must be a jax array (moe_pallas is the JAX backend); got {kind}")
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
-    """A numpy/jax dtype from a dtype, a scalar type (``jnp.bfloat16``) or its name."""
-    return jnp.dtype(dtype)
+    """A numpy/jax dtype from any dtype spelling (``jnp.bfloat16``, ``"bfloat16"``, ``torch.bfloat16``)."""
+    return jnp.dtype(dtype_name(dtype))
 
 
 def cast_rounded(x: jax.Array, dtype) -> jax.Array:

@@ -5,12 +5,35 @@ Mirror: ``moe_pallas/ops/common.py``.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
+import numpy as np
 import torch
+
+from moe_contract.validation import dtype_name
+
+
+def takes_torch_tensors(fn):
+    """Decorator: an argument that is an array of another kind (numpy, jax) is a ``TypeError``
+    naming the op and the argument, raised before anything runs. (Numpy scalars are scalars.)"""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for name, value in signature.bind_partial(*args, **kwargs).arguments.items():
+            is_array = not isinstance(value, (type, np.generic)) and hasattr(value, "shape") and hasattr(value, "dtype")
+            if is_array and not isinstance(value, torch.Tensor):
+                kind = f"{type(value).__module__}.{type(value).__name__}"
+                raise TypeError(f"{fn.__name__}: {name} must be a torch.Tensor (moe_torch is the PyTorch backend); got {kind}")
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def resolve_dtype(dtype) -> torch.dtype:
-    """A ``torch.dtype`` from a dtype or its name (``"bfloat16"``), as JAX accepts both."""
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    """A ``torch.dtype`` from any dtype spelling (``torch.bfloat16``, ``"bfloat16"``, ``jnp.bfloat16``)."""
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype_name(dtype))
 
 
 def cast_rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -11,12 +11,13 @@ from moe_contract.op_checks import check_act_and_mul
 from moe_contract.validation import check_choice
 from moe_pallas.ops.activation.pallas_triton import act_and_mul_pallas_triton
 from moe_pallas.ops.activation.reference import ACTIVATIONS, act_and_mul_reference
-from moe_pallas.ops.common import resolve_dtype
+from moe_pallas.ops.common import resolve_dtype, takes_jax_arrays
 from moe_pallas.ops.dispatch import dispatch
 
 IMPLEMENTATIONS = ("pallas_triton", "reference")
 
 
+@takes_jax_arrays
 def act_and_mul(
     h: jax.Array,
     *,
@@ -52,11 +53,13 @@ def act_and_mul(
     })
 
 
+@takes_jax_arrays
 def silu_and_mul(h: jax.Array, **kwargs) -> tuple[jax.Array, jax.Array | None]:
     """``silu(h[:, :I]) * h[:, I:]``; see :func:`act_and_mul` for the arguments."""
     return act_and_mul(h, activation="silu", **kwargs)
 
 
+@takes_jax_arrays
 def gelu_tanh_and_mul(h: jax.Array, **kwargs) -> tuple[jax.Array, jax.Array | None]:
     """``gelu_tanh(h[:, :I]) * h[:, I:]``; see :func:`act_and_mul` for the arguments."""
     return act_and_mul(h, activation="gelu_tanh", **kwargs)

@@ -12,12 +12,13 @@ from moe_contract.op_checks import check_combine
 from moe_contract.validation import check_choice
 from moe_pallas.ops.combine.pallas_triton import combine_pallas_triton
 from moe_pallas.ops.combine.reference import combine_reference
-from moe_pallas.ops.common import resolve_dtype
+from moe_pallas.ops.common import resolve_dtype, takes_jax_arrays
 from moe_pallas.ops.dispatch import dispatch
 
 IMPLEMENTATIONS = ("pallas_triton", "reference")
 
 
+@takes_jax_arrays
 def combine(
     y: jax.Array,
     src2dst: jax.Array,

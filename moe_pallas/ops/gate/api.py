@@ -11,10 +11,12 @@ import jax.numpy as jnp
 from moe_contract.op_checks import check_select_experts
 from moe_contract.validation import check_choice
 from moe_pallas.ops.gate.reference import select_experts_reference
+from moe_pallas.ops.common import takes_jax_arrays
 
 IMPLEMENTATIONS = ("reference",)
 
 
+@takes_jax_arrays
 def select_experts(
     router_logits: jax.Array,
     *,
@@ -68,6 +70,8 @@ def select_experts(
         e_score_correction_bias=e_score_correction_bias,
         routed_scaling_factor=routed_scaling_factor,
         num_fused_shared_experts=num_fused_shared_experts,
+        renormalize=renormalize,
+        apply_routed_scaling_factor_on_output=apply_routed_scaling_factor_on_output,
     )
     T = router_logits.shape[0]
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))

@@ -11,11 +11,12 @@ import jax.numpy as jnp
 from moe_contract.op_checks import check_grouped_gemm
 from moe_contract.validation import check_choice
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
-from moe_pallas.ops.common import resolve_dtype
+from moe_pallas.ops.common import resolve_dtype, takes_jax_arrays
 
 IMPLEMENTATIONS = ("reference",)
 
 
+@takes_jax_arrays
 def grouped_gemm(
     x: jax.Array,
     w: jax.Array,

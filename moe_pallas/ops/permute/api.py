@@ -14,6 +14,7 @@ import numpy as np
 from moe_contract.op_checks import check_permute, check_routing_metadata
 from moe_contract.validation import check_choice, check_ids_in_range
 from moe_pallas.ops.permute.reference import permute_reference, routing_metadata_reference
+from moe_pallas.ops.common import takes_jax_arrays
 
 IMPLEMENTATIONS = ("reference",)
 
@@ -31,6 +32,7 @@ class RoutingMetadata(NamedTuple):
     dst2src: jax.Array
 
 
+@takes_jax_arrays
 def routing_metadata(
     topk_ids: jax.Array,
     num_experts: int,
@@ -70,6 +72,7 @@ def routing_metadata(
     return RoutingMetadata(*routing_metadata_reference(topk_ids, expert_start, num_local_experts))
 
 
+@takes_jax_arrays
 def permute(
     x: jax.Array,
     dst2src: jax.Array,

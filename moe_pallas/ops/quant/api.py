@@ -17,10 +17,12 @@ from moe_contract.op_checks import (
 )
 from moe_contract.validation import check_choice, check_per_tensor_scale
 from moe_pallas.ops.quant import reference as ref
+from moe_pallas.ops.common import takes_jax_arrays
 
 IMPLEMENTATIONS = ("reference",)
 
 
+@takes_jax_arrays
 def per_token_group_quant_fp8(
     x: jax.Array, group_size: int = 128, *, implementation: str | None = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -44,6 +46,7 @@ def per_token_group_quant_fp8(
     return ref.per_token_group_quant_fp8_reference(x, group_size)
 
 
+@takes_jax_arrays
 def per_token_quant_fp8(x: jax.Array, *, implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Dynamic FP8 quantization, one scale per row: ``x [rows, K]`` -> ``(q [rows, K] fp8, scale [rows, 1] f32)``.
 
@@ -55,6 +58,7 @@ def per_token_quant_fp8(x: jax.Array, *, implementation: str | None = None) -> t
     return ref.per_token_quant_fp8_reference(x)
 
 
+@takes_jax_arrays
 def static_quant_fp8(x: jax.Array, scale: jax.Array, *, implementation: str | None = None) -> jax.Array:
     """Static per-tensor FP8 quantization: ``q = cast_rne(clamp(x / scale, -448, 448))``.
 
@@ -70,6 +74,7 @@ def static_quant_fp8(x: jax.Array, scale: jax.Array, *, implementation: str | No
     return ref.static_quant_fp8_reference(x, scale.reshape(()))
 
 
+@takes_jax_arrays
 def dequantize_fp8(q: jax.Array, scale: jax.Array) -> jax.Array:
     """``q [rows, K]`` fp8 times its scale -> float32 ``[rows, K]``.
 
@@ -83,6 +88,7 @@ def dequantize_fp8(q: jax.Array, scale: jax.Array) -> jax.Array:
     return ref.dequantize_fp8_reference(q, scale)
 
 
+@takes_jax_arrays
 def quantize_weight_fp8(w: jax.Array, layout: str = "per_channel", *, block: int = 128) -> tuple[jax.Array, jax.Array]:
     """Quantize expert weights ``w [E, N, K]`` to FP8.
 
@@ -99,6 +105,7 @@ def quantize_weight_fp8(w: jax.Array, layout: str = "per_channel", *, block: int
     return ref.quantize_weight_fp8_reference(w, layout, block)
 
 
+@takes_jax_arrays
 def dequantize_weight_fp8(q: jax.Array, w_scale: jax.Array, *, block: int = 128) -> jax.Array:
     """``q [E, N, K]`` fp8 times its weight scale (any layout) -> float32 ``[E, N, K]``."""
     op = "dequantize_weight_fp8"

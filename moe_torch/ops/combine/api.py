@@ -10,11 +10,22 @@ import torch
 from moe_contract.op_checks import check_combine
 from moe_contract.validation import check_choice
 from moe_torch.ops.combine.reference import combine_reference
-from moe_torch.ops.common import resolve_dtype
+from moe_torch.ops.common import resolve_dtype, takes_torch_tensors
+from moe_torch.ops.dispatch import dispatch
 
-IMPLEMENTATIONS = ("reference",)
+IMPLEMENTATIONS = ("triton", "reference")
 
 
+def _triton(*args):
+    """The Triton backend, imported on first use (so that ``moe_torch`` imports without triton)."""
+    try:
+        from moe_torch.ops.combine.triton import combine_triton
+    except ImportError as exc:
+        raise NotImplementedError(f"combine: triton is not importable ({exc})") from exc
+    return combine_triton(*args)
+
+
+@takes_torch_tensors
 def combine(
     y: torch.Tensor,
     src2dst: torch.Tensor,
@@ -33,10 +44,13 @@ def combine(
       routed_scaling_factor: pass the model's ``rsf`` here unless the gate already applied it
         (then 1.0): it must be applied exactly once.
       out_dtype: default ``y.dtype``.
+      implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"``
+        with a logged warning; CPU tensors: ``"reference"``), ``"triton"`` or ``"reference"``.
 
     Returns: ``out [T, H]``, accumulated in float32 and cast once. Tokens with no local slot get 0.
 
-    Raises: ValueError (shapes, rsf), TypeError (dtypes).
+    Raises: ValueError (shapes, rsf), TypeError (dtypes),
+      NotImplementedError (``implementation="triton"`` where the kernel cannot run).
     """
     op = "combine"
     out_dtype = resolve_dtype(check_combine(op, y, src2dst, topk_weights, routed_scaling_factor, out_dtype))
@@ -44,4 +58,6 @@ def combine(
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if T == 0:
         return torch.zeros((0, y.shape[1]), dtype=out_dtype, device=y.device)
-    return combine_reference(y, src2dst, topk_weights, float(routed_scaling_factor), out_dtype)
+    args = (y, src2dst, topk_weights, float(routed_scaling_factor), out_dtype)
+    backends = {"triton": lambda: _triton(*args), "reference": lambda: combine_reference(*args)}
+    return dispatch(op, implementation, backends, y.device)

@@ -10,10 +10,12 @@ import torch
 from moe_contract.op_checks import check_select_experts
 from moe_contract.validation import check_choice
 from moe_torch.ops.gate.reference import select_experts_reference
+from moe_torch.ops.common import takes_torch_tensors
 
 IMPLEMENTATIONS = ("reference",)
 
 
+@takes_torch_tensors
 def select_experts(
     router_logits: torch.Tensor,
     *,
@@ -67,6 +69,8 @@ def select_experts(
         e_score_correction_bias=e_score_correction_bias,
         routed_scaling_factor=routed_scaling_factor,
         num_fused_shared_experts=num_fused_shared_experts,
+        renormalize=renormalize,
+        apply_routed_scaling_factor_on_output=apply_routed_scaling_factor_on_output,
     )
     T = router_logits.shape[0]
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))

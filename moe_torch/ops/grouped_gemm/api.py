@@ -10,11 +10,12 @@ import torch
 from moe_contract.op_checks import check_grouped_gemm
 from moe_contract.validation import check_choice
 from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
-from moe_torch.ops.common import resolve_dtype
+from moe_torch.ops.common import resolve_dtype, takes_torch_tensors
 
 IMPLEMENTATIONS = ("reference",)
 
 
+@takes_torch_tensors
 def grouped_gemm(
     x: torch.Tensor,
     w: torch.Tensor,

@@ -12,6 +12,7 @@ import torch
 from moe_contract.op_checks import check_permute, check_routing_metadata
 from moe_contract.validation import check_choice, check_ids_in_range
 from moe_torch.ops.permute.reference import permute_reference, routing_metadata_reference
+from moe_torch.ops.common import takes_torch_tensors
 
 IMPLEMENTATIONS = ("reference",)
 
@@ -29,6 +30,7 @@ class RoutingMetadata(NamedTuple):
     dst2src: torch.Tensor
 
 
+@takes_torch_tensors
 def routing_metadata(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -68,6 +70,7 @@ def routing_metadata(
     return RoutingMetadata(*routing_metadata_reference(topk_ids, expert_start, num_local_experts))
 
 
+@takes_torch_tensors
 def permute(
     x: torch.Tensor,
     dst2src: torch.Tensor,

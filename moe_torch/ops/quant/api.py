@@ -17,10 +17,12 @@ from moe_contract.op_checks import (
 )
 from moe_contract.validation import check_choice, check_per_tensor_scale
 from moe_torch.ops.quant import reference as ref
+from moe_torch.ops.common import takes_torch_tensors
 
 IMPLEMENTATIONS = ("reference",)
 
 
+@takes_torch_tensors
 def per_token_group_quant_fp8(
     x: torch.Tensor, group_size: int = 128, *, implementation: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,6 +46,7 @@ def per_token_group_quant_fp8(
     return ref.per_token_group_quant_fp8_reference(x, group_size)
 
 
+@takes_torch_tensors
 def per_token_quant_fp8(x: torch.Tensor, *, implementation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic FP8 quantization, one scale per row: ``x [rows, K]`` -> ``(q [rows, K] fp8, scale [rows, 1] f32)``.
 
@@ -55,6 +58,7 @@ def per_token_quant_fp8(x: torch.Tensor, *, implementation: str | None = None) -
     return ref.per_token_quant_fp8_reference(x)
 
 
+@takes_torch_tensors
 def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor, *, implementation: str | None = None) -> torch.Tensor:
     """Static per-tensor FP8 quantization: ``q = cast_rne(clamp(x / scale, -448, 448))``.
 
@@ -70,6 +74,7 @@ def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor, *, implementation: st
     return ref.static_quant_fp8_reference(x, scale.reshape(()))
 
 
+@takes_torch_tensors
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``q [rows, K]`` fp8 times its scale -> float32 ``[rows, K]``.
 
@@ -83,6 +88,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return ref.dequantize_fp8_reference(q, scale)
 
 
+@takes_torch_tensors
 def quantize_weight_fp8(w: torch.Tensor, layout: str = "per_channel", *, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize expert weights ``w [E, N, K]`` to FP8.
 
@@ -99,6 +105,7 @@ def quantize_weight_fp8(w: torch.Tensor, layout: str = "per_channel", *, block: 
     return ref.quantize_weight_fp8_reference(w, layout, block)
 
 
+@takes_torch_tensors
 def dequantize_weight_fp8(q: torch.Tensor, w_scale: torch.Tensor, *, block: int = 128) -> torch.Tensor:
     """``q [E, N, K]`` fp8 times its weight scale (any layout) -> float32 ``[E, N, K]``."""
     op = "dequantize_weight_fp8"

@@ -1,0 +1,454 @@
+"""The Triton kernels of ``moe_torch`` against the torch references (CONTRACT.md sections 3-5, 7).
+
+Kernels: ``act_and_mul`` (``moe_torch/ops/activation/triton.py``) and ``combine``
+(``moe_torch/ops/combine/triton.py``), always called through the public API with
+``implementation="triton"`` (so the dispatch path is exercised too).
+
+On the CPU (``EPMOE_TEST_DEVICE=cpu``) they run in Triton's interpreter (``TRITON_INTERPRET=1``
+is set by ``conftest.py``). triton 3.6's interpreter gets two casts that the kernels use wrong
+(``_convert_float`` in ``triton/runtime/interpreter.py``, reached from ``cast_impl`` and
+``create_fp_to_fp``): float32 -> bf16 truncates instead of rounding to nearest even, and
+float32 -> fp8 rounds half away from zero on the mantissa without carrying into the exponent or
+saturating (triton-lang/triton#8322 shows the same for fp16 -> fp8e5). The autouse fixture
+``exact_interpreter_casts`` replaces those two conversions, for this module only, by
+``ml_dtypes``' correctly rounded ones, with the saturation of NVIDIA's
+``cvt.rn.satfinite.e4m3x2.f32`` for float8_e4m3fn; ``test_casts_round_like_torch`` proves the
+patched casts (and, on the GPU, the hardware casts) bit-identical to torch. Nothing else of the
+interpreter is changed, and the kernels do no bf16 arithmetic and no ``tl.dot`` (the other
+known interpreter bugs), so all tests run on the CPU and none is skipped.
+
+On the GPU machine (``EPMOE_TEST_DEVICE=gpu``) the same tests run compiled, unpatched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import moe_pallas
+import moe_torch
+from common import TORCH_DEVICE, random_ids, to_jax, to_torch
+from moe_torch.ops.activation import api as act_api
+from moe_torch.ops.activation.config import ActAndMulConfig, act_and_mul_config
+from moe_torch.ops.activation.reference import act_and_mul_reference
+from moe_torch.ops.combine import api as combine_api
+from moe_torch.ops.combine.config import CombineConfig, combine_config
+from moe_torch.ops.combine.reference import combine_reference
+from moe_torch.ops.quant.reference import per_token_group_quant_fp8_reference, per_token_quant_fp8_reference
+from moe_torch.ops.triton_common import check_triton_device
+from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# --------------------------------------------------------------------------------------
+# Interpreter cast fix (CPU only)
+
+#: triton dtype name -> the numpy / ml_dtypes type with the same bits.
+_NP_FLOATS = {"fp64": np.float64, "fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16,
+              "fp8e4nv": ml_dtypes.float8_e4m3fn, "fp8e5": ml_dtypes.float8_e5m2}
+
+
+def _exact_float_cast(handle, dst_type):
+    """``handle`` cast to ``dst_type`` with round-to-nearest-even; e4m3 saturates like ``satfinite``."""
+    from triton.runtime.interpreter import TensorHandle, _get_np_dtype
+
+    src, dst = handle.dtype.scalar, dst_type.scalar
+    x = np.asarray(handle.data).view(_NP_FLOATS[src.name])
+    if dst.name == "fp8e4nv":  # finite overflow and +-inf -> +-448, NaN stays NaN (PTX cvt ... .satfinite)
+        wide = np.float64 if src.name == "fp64" else np.float32  # exact upcast, so the clip rounds nothing
+        x = np.clip(x.astype(wide), -448.0, 448.0)
+    out = x.astype(_NP_FLOATS[dst.name]).view(_get_np_dtype(dst_type))
+    return TensorHandle(out, dst)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def exact_interpreter_casts():
+    """Route the interpreter's float <-> bf16 / fp8 casts through ml_dtypes (module scope only)."""
+    if not INTERPRETED:
+        yield
+        return
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    orig_cast, orig_fp_to_fp = InterpreterBuilder.cast_impl, InterpreterBuilder.create_fp_to_fp
+
+    def _needs_fix(src, dst) -> bool:
+        s, d = src.dtype.scalar, dst.scalar
+        return s.is_floating() and d.is_floating() and {s.name, d.name} & {"bf16", "fp8e4nv", "fp8e5"} != set() \
+            and s.name in _NP_FLOATS and d.name in _NP_FLOATS
+
+    def cast_impl(self, src, dst_type):  # create_fp_trunc / create_fp_ext land here
+        return _exact_float_cast(src, dst_type) if _needs_fix(src, dst_type) else orig_cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):  # every cast to or from fp8
+        from triton._C.libtriton import ir
+
+        rtne = rounding_mode is None or rounding_mode == ir.ROUNDING_MODE.RTNE
+        if rtne and _needs_fix(src, dst_type):
+            return _exact_float_cast(src, dst_type)
+        return orig_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(InterpreterBuilder, "cast_impl", cast_impl)
+        mp.setattr(InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
+        yield
+
+
+@triton.jit
+def _cast_probe_kernel(
+    x_ptr,  # [N] float32
+    bf16_ptr,  # [N] bf16: cast_rne(x)
+    fp16_ptr,  # [N] float16: cast_rne(x)
+    fp8_ptr,  # [N] float8_e4m3fn: cast_rne(x), saturating
+    up_ptr,  # [N] float32: float32(bf16 value) + float32(fp8 value), the upcasts
+    N,  # int
+    BLOCK: tl.constexpr,  # elements per program
+):
+    """Grid ``(cdiv(N, BLOCK),)``: the casts the kernels use, on their own."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    b = x.to(tl.bfloat16)
+    q = x.to(tl.float8e4nv)
+    tl.store(bf16_ptr + offs, b, mask=mask)
+    tl.store(fp16_ptr + offs, x.to(tl.float16), mask=mask)
+    tl.store(fp8_ptr + offs, q, mask=mask)
+    tl.store(up_ptr + offs, b.to(tl.float32) + q.to(tl.float32), mask=mask)
+
+
+def test_casts_round_like_torch():
+    """float32 -> bf16 / fp16 / fp8 (and back) bit-identical to torch: random values over the whole
+    exponent range, exact ties of each format (RNE), subnormals, and fp8 overflow (saturates)."""
+    rng = np.random.default_rng(0)
+    mags = np.exp2(rng.uniform(-24, 12, 6000)).astype(np.float32) * rng.choice([-1, 1], 6000)
+    bf16_ties = (rng.integers(0x3F00, 0x4400, 500).astype(np.uint32) << 16 | 0x8000).view(np.float32)
+    fp8_ties = np.array([1.0625, 1.1875, 3 * 2.0**-10, -3.375, 17.0, 248.0, 2.0**-10],
+                        np.float32)  # halfway between two e4m3 codes -> the even one (248 -> 256 carries into the exponent)
+    specials = np.array([448.0, 449.0, 463.9, 464.0, 1e6, -1e6, np.inf, -np.inf, 0.0, -0.0, 1e-40, 2.0**-9],
+                        np.float32)
+    x_np = np.concatenate([mags, bf16_ties, fp8_ties, specials])
+    x = to_torch(x_np)
+    N = x.numel()
+    outs = [torch.empty(N, dtype=d, device=x.device) for d in (torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                                              torch.float32)]
+    _cast_probe_kernel[(triton.cdiv(N, 1024),)](x, *outs, N, BLOCK=1024)
+    ref_fp8 = torch.clamp(x, -448.0, 448.0).to(torch.float8_e4m3fn)  # satfinite == clamp, then RNE
+    assert_exact(outs[0], x.to(torch.bfloat16), "float32 -> bf16")
+    assert_exact(outs[1], x.to(torch.float16), "float32 -> fp16")
+    assert_exact(outs[2], ref_fp8, "float32 -> float8_e4m3fn")
+    assert_exact(outs[3], x.to(torch.bfloat16).float() + ref_fp8.float(), "bf16 / fp8 -> float32")
+
+
+# --------------------------------------------------------------------------------------
+# act_and_mul
+
+
+def _h(M: int, I: int, dtype: str, seed: int, layout: str = "contiguous") -> torch.Tensor:
+    """``h [M, 2*I]`` of N(0, 3^2) values (O(1) outputs, never zeros); ``layout="strided"``
+    gives a view with a non-unit column stride (the launcher must copy, never write it)."""
+    h = (np.random.default_rng(seed).standard_normal((M, 2 * I)) * 3).astype(np.float32)
+    if layout == "strided":
+        return to_torch(np.repeat(h, 2, axis=1), dtype)[:, ::2]
+    return to_torch(h, dtype)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("M,I,layout", [
+    (1, 128, "contiguous"),  # M=1 (decode), one column block
+    (3, 33, "contiguous"),  # odd I, M smaller than the row block
+    (37, 200, "contiguous"),  # M not a multiple of the row block (block_m=16), I not a power of 2
+    (5, 1300, "strided"),  # I wider than one column block (1024): two column programs; non-unit stride
+])
+def test_act_and_mul(M, I, layout, dtype, activation):
+    """Float32 math then one RNE cast: float32 output within F32_REL_FRO of the reference; a
+    bf16 / fp16 output is exactly the cast of the kernel's own float32 output, and within the
+    bf16 row of the reference. The input is left untouched."""
+    h = _h(M, I, dtype, seed=M * I, layout=layout)
+    h_before = h.clone()
+    fn = getattr(moe_torch, f"{activation}_and_mul")
+    f32, s = fn(h, out_dtype=torch.float32, implementation="triton")
+    assert s is None and f32.shape == (M, I) and f32.dtype == torch.float32
+    ref32, _ = act_and_mul_reference(h, activation, None, 128, torch.float32)
+    assert_rel_fro(f32, ref32, F32_REL_FRO, "float32 output vs reference")
+    out, _ = fn(h, implementation="triton")  # out_dtype defaults to h.dtype
+    assert out.dtype == DTYPES[dtype] and out.shape == (M, I)
+    assert_exact(out, f32.to(out.dtype), "cast once, round to nearest even")
+    assert_rel_fro(out, ref32, BF16_REL_FRO if dtype != "float32" else F32_REL_FRO, "output vs reference")
+    assert_exact(h, h_before, "h unchanged")
+
+
+@pytest.mark.parametrize("quant,group_size,M,I", [
+    ("fp8_per_token", 128, 1, 128),  # M=1
+    ("fp8_per_token", 128, 37, 200),  # M not a multiple of the row block, I not a power of 2
+    ("fp8_per_token", 128, 3, 4352),  # I > 4096: the two-pass (amax, then quantize) path
+    ("fp8_per_token_group", 128, 1, 128),  # one group
+    ("fp8_per_token_group", 128, 21, 512),  # 4 groups, M not a multiple of the row block
+    ("fp8_per_token_group", 96, 5, 288),  # G not a power of 2: masked single chunk
+    ("fp8_per_token_group", 8192, 2, 8192),  # G > 4096: the two-pass path per group
+])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_act_and_mul_fp8(quant, group_size, M, I, activation):
+    """Fused FP8: codes and scales bit-identical to the torch reference quantization applied to
+    the kernel's own float32 activation (CONTRACT.md section 3). Row 0's up half is zero, so
+    its amax is 0 and its scale is the floor ``1e-10 / 448``."""
+    h = _h(M, I, "bfloat16", seed=I + M)
+    h[0, I:] = 0
+    fn = getattr(moe_torch, f"{activation}_and_mul")
+    q, scale = fn(h, quant=quant, group_size=group_size, implementation="triton")
+    f32, _ = fn(h, out_dtype=torch.float32, implementation="triton")
+    if quant == "fp8_per_token":
+        q_ref, s_ref = per_token_quant_fp8_reference(f32)
+    else:
+        q_ref, s_ref = per_token_group_quant_fp8_reference(f32, group_size)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == s_ref.shape
+    assert_exact(scale, s_ref, "scales")
+    assert_exact(q, q_ref, "codes")
+    # and the fused result dequantizes to the reference activation within the FP8 step
+    ref32, _ = act_and_mul_reference(h, activation, None, group_size, torch.float32)
+    assert_rel_fro(moe_torch.dequantize_fp8(q, scale), ref32, 2**-4, "dequantized vs reference")
+
+
+@pytest.mark.parametrize("M,I", [(0, 128), (3, 0)])  # no rows; no columns
+@pytest.mark.parametrize("quant", [None, "fp8_per_token", "fp8_per_token_group"])
+def test_act_and_mul_empty(M, I, quant):
+    """Empty inputs give the reference's shapes and dtypes (per-token with ``I = 0``: the floor
+    scale, written by the kernel)."""
+    h = to_torch(np.ones((M, 2 * I), np.float32), "bfloat16")
+    got = moe_torch.silu_and_mul(h, quant=quant, implementation="triton")
+    want = act_and_mul_reference(h, "silu", quant, 128, torch.bfloat16)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert_exact(g, w, "empty")
+
+
+# --------------------------------------------------------------------------------------
+# combine
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("T,topk,E,start,e_local,H,rsf", [
+    (1, 1, 2, 0, 2, 48, 1.0),  # T=1, topk=1
+    (13, 3, 8, 0, 8, 48, 2.5),  # T smaller than the token block (16); rsf applied here
+    (70, 2, 8, 0, 8, 48, 1.0),  # T not a multiple of the token block (64): two token programs
+    (16, 4, 16, 8, 4, 48, 1.0),  # EP rank: many non-local slots, some tokens with none
+    (9, 8, 32, 4, 8, 1100, 0.5),  # H > one block (1024), odd H; topk=8 unrolled; EP rank
+])
+def test_combine(T, topk, E, start, e_local, H, rsf, dtype):
+    """float32 output within F32_REL_FRO of the reference, bf16 = RNE cast of the kernel's own
+    float32 output; rows >= M of y (NaN) and the weights of non-local slots (NaN) never reach
+    the output; tokens with no local slot get exactly 0; inputs untouched."""
+    rng = np.random.default_rng(T * 100 + H)
+    ids = random_ids(rng, T, topk, E)
+    meta = moe_pallas.routing_metadata(to_jax(ids), E, expert_start=start, num_local_experts=e_local)
+    src2dst_np, M = to_numpy(meta.src2dst), int(to_numpy(meta.expert_offsets)[-1])
+    y_np = rng.standard_normal((T * topk, H)).astype(np.float32)
+    y_np[M:] = np.nan  # rows >= M are garbage: never read
+    w_np = rng.uniform(0.1, 1.0, (T, topk)).astype(np.float32)
+    w_np[src2dst_np < 0] = np.nan  # a non-local slot's weight is never used
+    y, src2dst, w = to_torch(y_np, dtype), to_torch(src2dst_np), to_torch(w_np)
+    before = [t.clone() for t in (y, src2dst, w)]
+    f32 = moe_torch.combine(y, src2dst, w, routed_scaling_factor=rsf, out_dtype=torch.float32, implementation="triton")
+    ref32 = combine_reference(y, src2dst, w, rsf, torch.float32)
+    assert f32.shape == (T, H) and torch.isfinite(f32).all()
+    assert_rel_fro(f32, ref32, F32_REL_FRO, "float32 output vs reference")
+    no_local = torch.as_tensor((src2dst_np < 0).all(axis=1), device=f32.device)
+    assert not f32[no_local].any(), "tokens with no local slot get exactly 0"
+    out = moe_torch.combine(y, src2dst, w, routed_scaling_factor=rsf, implementation="triton")
+    assert out.dtype == DTYPES[dtype]
+    assert_exact(out, f32.to(out.dtype), "cast once, round to nearest even")
+    for t, b in zip((y, src2dst, w), before):
+        assert_exact(t, b, "input unchanged")  # bit patterns: the NaN rows compare equal
+
+
+def test_combine_strided_inputs():
+    """Column-strided views of y / src2dst / topk_weights are copied, not misread."""
+    rng = np.random.default_rng(5)
+    T, topk, E, H = 6, 2, 4, 40
+    meta = moe_pallas.routing_metadata(to_jax(random_ids(rng, T, topk, E)), E)
+    s_np = to_numpy(meta.src2dst)
+    y_np = rng.standard_normal((T * topk, H)).astype(np.float32)
+    w_np = rng.uniform(0.1, 1.0, (T, topk)).astype(np.float32)
+    y = to_torch(np.repeat(y_np, 2, axis=1))[:, ::2]
+    s = to_torch(np.repeat(s_np, 2, axis=1))[:, ::2]
+    w = to_torch(np.repeat(w_np, 2, axis=1))[:, ::2]
+    out = moe_torch.combine(y, s, w, implementation="triton")
+    assert_rel_fro(out, combine_reference(y, s, w, 1.0, torch.float32), F32_REL_FRO, "strided")
+
+
+# --------------------------------------------------------------------------------------
+# Dispatch, NotImplementedError, configs
+
+
+def test_dispatch(monkeypatch):
+    """``implementation="triton"`` runs the kernel (its NotImplementedError reaches the caller);
+    ``None`` on CPU tensors runs the reference and never touches Triton; on CUDA tensors ``None``
+    prefers Triton and falls back to the reference."""
+    h = _h(4, 64, "float32", seed=1)
+    y, s, w = to_torch(np.ones((4, 8), np.float32)), to_torch(np.array([[0, 1], [2, -1]], np.int32)), \
+        to_torch(np.full((2, 2), 0.5, np.float32))
+    calls = []
+
+    def refuse(*args):
+        calls.append(args)
+        raise NotImplementedError("test: triton refused")
+
+    monkeypatch.setattr(act_api, "_triton", refuse)
+    monkeypatch.setattr(combine_api, "_triton", refuse)
+    with pytest.raises(NotImplementedError, match="test: triton refused"):
+        moe_torch.silu_and_mul(h, implementation="triton")
+    with pytest.raises(NotImplementedError, match="test: triton refused"):
+        moe_torch.combine(y, s, w, implementation="triton")
+    calls.clear()
+    out, _ = moe_torch.silu_and_mul(h)  # default: reference on CPU, fallback on CUDA
+    ref, _ = act_and_mul_reference(h, "silu", None, 128, torch.float32)
+    assert_exact(out, ref, "implementation=None")
+    assert_exact(moe_torch.combine(y, s, w), combine_reference(y, s, w, 1.0, torch.float32), "implementation=None")
+    assert len(calls) == (2 if TORCH_DEVICE == "cuda" else 0)
+
+
+def test_not_implemented_without_cuda_or_interpreter():
+    """A compiled (non-interpreted) kernel refuses CPU tensors with a reason, before any launch."""
+    with pytest.raises(NotImplementedError, match="combine: the Triton kernel needs CUDA tensors"):
+        check_triton_device("combine", torch.device("cpu"), kernel=object())
+
+
+@pytest.mark.parametrize("M", [1, 7, 100, 65536])
+@pytest.mark.parametrize("I,quant,G", [(128, None, 128), (33, None, 128), (14336, None, 128), (768, "fp8_per_token", 128),
+                                       (14336, "fp8_per_token", 128), (2048, "fp8_per_token_group", 128),
+                                       (8192, "fp8_per_token_group", 8192)])
+def test_configs(M, I, quant, G):
+    """Heuristics give frozen, keyword-only configs with power-of-2 blocks, tiles of at most 4096
+    elements, no more rows / tokens per program than exist, and single_chunk exactly when a
+    quantization span fits in one block."""
+    c = act_and_mul_config(M, I, quant, G)
+    assert isinstance(c, ActAndMulConfig)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.block_m = 1
+    with pytest.raises(TypeError):
+        ActAndMulConfig(1, 1, True, 4, 1)  # kw_only
+    assert c.block_m & (c.block_m - 1) == 0 and c.block_n & (c.block_n - 1) == 0
+    assert c.block_m * c.block_n <= 4096 and c.block_m <= triton.next_power_of_2(M)
+    span = {None: c.block_n, "fp8_per_token": I, "fp8_per_token_group": G}[quant]
+    assert c.single_chunk == (span <= c.block_n)
+    k = combine_config(M, I, 8)
+    assert isinstance(k, CombineConfig) and k.block_t * k.block_h <= 4096 and k.block_t <= triton.next_power_of_2(M)
+
+
+def test_act_and_mul_config_checked():
+    """An explicit config that cannot cover the quantization span is refused before launch."""
+    from moe_torch.ops.activation.triton import act_and_mul_triton
+
+    h = _h(2, 256, "float32", seed=3)
+    bad = ActAndMulConfig(block_m=2, block_n=128, single_chunk=True, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="quantization span"):
+        act_and_mul_triton(h, "silu", "fp8_per_token", 128, torch.float32, config=bad)
+    two_pass = ActAndMulConfig(block_m=2, block_n=64, single_chunk=False, num_warps=4, num_stages=1)
+    q, s = act_and_mul_triton(h, "silu", "fp8_per_token", 128, torch.float32, config=two_pass)  # 4 chunks
+    f32, _ = moe_torch.silu_and_mul(h, implementation="triton")
+    q_ref, s_ref = per_token_quant_fp8_reference(f32)
+    assert_exact(s, s_ref, "scales")
+    assert_exact(q, q_ref, "codes")
+
+
+# --------------------------------------------------------------------------------------
+# sm_90 compilation on the CPU
+#
+# triton.compile cannot run in this process on the CPU: under TRITON_INTERPRET=1 triton's own
+# jit library (tl.sigmoid, tl.max, ... in triton/language/standard.py) was decorated as
+# InterpretedFunctions when triton was imported, and the code generator (and gluon's import of
+# that library) requires JITFunctions. So the kernels are compiled in one child process without
+# TRITON_INTERPRET; it needs no GPU and no driver, only triton's bundled ptxas.
+
+_SM90_COMPILER = r"""
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ptx = []
+for job in json.loads(sys.stdin.read()):
+    kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
+    signature = {**job["signature"], **{k: "constexpr" for k in job["constexprs"]}}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=job["constexprs"]),
+                              target=GPUTarget("cuda", 90, 32), options=job["options"])
+    assert compiled.asm["cubin"], "no cubin"
+    ptx.append(compiled.asm["ptx"])
+json.dump(ptx, sys.stdout)
+"""
+
+
+def _act_job(quant, I, G):
+    cfg = act_and_mul_config(4096, I, quant, G)
+    return {
+        "module": "moe_torch.ops.activation.triton", "kernel": "_act_and_mul_kernel",
+        "signature": {"h_ptr": "*bf16", "out_ptr": "*fp8e4nv" if quant else "*bf16",
+                      "scale_ptr": "*fp32" if quant else "*bf16", "M": "i32", "I": "i32",
+                      "stride_h": "i32", "stride_out": "i32", "stride_scale": "i32"},
+        "constexprs": {"ACTIVATION": 1 if quant == "fp8_per_token_group" else 0, "QUANT": quant is not None,
+                       "SPAN": {None: cfg.block_n, "fp8_per_token": I}.get(quant, G),
+                       "SINGLE_CHUNK": cfg.single_chunk, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n},
+        "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+    }
+
+
+def _combine_job():
+    cfg = combine_config(4096, 7168, 8)
+    return {
+        "module": "moe_torch.ops.combine.triton", "kernel": "_combine_kernel",
+        "signature": {"y_ptr": "*bf16", "src2dst_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "T": "i32",
+                      "H": "i32", "rsf": "fp32", "stride_y": "i32", "stride_s": "i32", "stride_w": "i32",
+                      "stride_out": "i32"},
+        "constexprs": {"TOPK": 8, "APPLY_RSF": True, "BLOCK_T": cfg.block_t, "BLOCK_H": cfg.block_h},
+        "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+    }
+
+
+#: name -> job: every code path of both kernels (no quant; single-chunk group quant with GELU;
+#: two-pass per-token quant, Mixtral's I = 14336), at production shapes.
+SM90_JOBS = {
+    "act_and_mul/none": _act_job(None, 4096, 128),
+    "act_and_mul/fp8_per_token_group": _act_job("fp8_per_token_group", 2048, 128),
+    "act_and_mul/fp8_per_token-two-pass": _act_job("fp8_per_token", 14336, 128),
+    "combine": _combine_job(),
+}
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx() -> dict[str, str]:
+    """PTX of every job in SM90_JOBS, compiled for sm_90 in a child process without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _SM90_COMPILER], input=json.dumps(list(SM90_JOBS.values())),
+                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert run.returncode == 0, f"sm_90 compilation failed:\n{run.stderr[-4000:]}"
+    return dict(zip(SM90_JOBS, json.loads(run.stdout)))
+
+
+@pytest.mark.parametrize("name", [n for n in SM90_JOBS if n.startswith("act_and_mul")])
+def test_act_and_mul_compiles_for_sm90(sm90_ptx, name):
+    """The kernel lowers to sm_90 cubin; the FP8 variants divide with the IEEE ``div.rn.f32`` and
+    convert with ``cvt.rn.satfinite.e4m3x2.f32`` (CONTRACT.md section 3)."""
+    ptx = sm90_ptx[name]
+    assert ".target sm_90" in ptx
+    if "fp8" in name:
+        assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
+def test_combine_compiles_for_sm90(sm90_ptx):
+    """The combine kernel lowers to sm_90 cubin, with 64-bit row offsets (``mul.wide`` / s64)."""
+    ptx = sm90_ptx["combine"]
+    assert ".target sm_90" in ptx
+    assert "mul.wide.s32" in ptx or "mul.lo.s64" in ptx
+
