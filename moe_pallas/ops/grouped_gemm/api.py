@@ -10,10 +10,12 @@ import jax.numpy as jnp
 
 from moe_contract.op_checks import check_grouped_gemm
 from moe_contract.validation import check_choice
-from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 from moe_pallas.ops.common import resolve_dtype, takes_jax_arrays
+from moe_pallas.ops.dispatch import dispatch
+from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton
+from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 
-IMPLEMENTATIONS = ("reference",)
+IMPLEMENTATIONS = ("pallas_triton", "reference")
 
 
 @takes_jax_arrays
@@ -40,10 +42,14 @@ def grouped_gemm(
       w_scale: FP8 only, float32: ``[E_local]`` per-expert, ``[E_local, N]`` per-output-channel,
         or ``[E_local, ceil(N/128), ceil(K/128)]`` 128x128 blocks.
       out_dtype: result dtype; default ``x.dtype`` (bf16 for FP8 inputs).
+      implementation: ``"pallas_triton"`` (interpreted on the CPU), ``"reference"``, or ``None``
+        (the device's default order, ``moe_pallas.ops.dispatch``; the reference on the CPU).
 
     Returns: ``y [M_cap, N]``.
 
-    Raises: ValueError (shapes, missing or unexpected scales), TypeError (dtypes).
+    Raises: ValueError (shapes, missing or unexpected scales), TypeError (dtypes),
+      NotImplementedError (``implementation="pallas_triton"`` with per-token-group scales whose
+      group size ``K // x_scale.shape[1]`` has no power-of-two divisor >= 16).
     """
     op = "grouped_gemm"
     out_dtype = resolve_dtype(check_grouped_gemm(op, x, w, expert_offsets, x_scale, w_scale, out_dtype))
@@ -51,4 +57,8 @@ def grouped_gemm(
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if M_cap == 0:
         return jnp.zeros((0, N), out_dtype)
-    return grouped_gemm_reference(x, w, expert_offsets, x_scale, w_scale, out_dtype)
+    return dispatch(op, implementation, {
+        "pallas_triton": lambda: grouped_gemm_pallas_triton(
+            x, w, expert_offsets, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype),
+        "reference": lambda: grouped_gemm_reference(x, w, expert_offsets, x_scale, w_scale, out_dtype),
+    })

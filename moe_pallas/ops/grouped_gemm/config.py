@@ -1,0 +1,86 @@
+"""Launch configuration of the Pallas-Triton grouped GEMM (``pallas_triton.py``).
+
+Mirror: ``moe_torch/ops/grouped_gemm/config.py`` (when the Triton kernel lands).
+
+A program computes one ``block_m x block_n`` tile of ``y [M_cap, N]`` for the rows of one
+expert, looping over ``K`` in ``block_k`` steps (``x`` tile ``[block_m, block_k]`` times the
+K-major weight tile ``[block_n, block_k]``, float32 accumulator in registers). The numbers
+below are first, untuned choices (no GPU measurements yet); the constraints are hard ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.experimental import pallas as pl
+
+#: Smallest block of a ``dot`` dimension: Hopper's tensor-core instructions (and Triton's
+#: ``tt.dot`` lowering for them) need M, N and K tiles of at least 16.
+MIN_DOT_BLOCK = 16
+#: Rows per program, at most. 64 x 128 float32 accumulators are 64 registers a thread at 4
+#: warps, leaving room for the pipelined operand tiles; MoE experts rarely get more rows
+#: than that per tile at decode sizes, and a smaller tile wastes less on a partial tile.
+MAX_BLOCK_M = 64
+#: Output columns per program. 128 is also the weight-scale block of DeepSeek-V3 checkpoints,
+#: so with block scales an N tile never straddles two scale blocks (block_n must divide it).
+MAX_BLOCK_N = 128
+#: The weight-scale block edge of the contract (CONTRACT.md section 3: ``128 x 128``).
+SCALE_BLOCK = 128
+#: Bytes of one row of a K tile: 128 bytes is one L2 line / a full 128-byte TMA-like
+#: coalesced read per row (64 bf16, 128 fp8, 32 float32 values).
+K_TILE_BYTES = 128
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupedGemmConfig:
+    """Block sizes and launch parameters of the Pallas-Triton grouped GEMM.
+
+    block_m: rows of ``x`` per program (power of two; >= 16 to run on the GPU, smaller
+      blocks are for interpret-mode tests of tile edges).
+    block_n: output columns per program (power of two, >= 16 on the GPU); must divide 128 with
+      128x128 block weight scales.
+    block_k: the K step of the inner loop (power of two, >= 16 on the GPU); must divide 128 with block
+      weight scales and the group size ``G`` with per-token-group activation scales (each
+      K step then lies inside one scale group).
+    num_warps, num_stages: Triton launch parameters (``num_stages`` software-pipelines the K loop).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"GroupedGemmConfig: {name} must be an int >= 1; got {name}={v!r}")
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                raise ValueError(f"GroupedGemmConfig: {name} must be a power of two (a Triton block is); got {name}={v}")
+
+
+def largest_pow2_divisor(n: int) -> int:
+    """The largest power of two that divides ``n`` (``n >= 1``)."""
+    return n & -n
+
+
+def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, group_size: int | None = None) -> GroupedGemmConfig:
+    """The heuristic: a config for ``x [M_cap, K]`` (``itemsize`` bytes a value) x ``w [E, N, K]``.
+
+    ``block_m``: the average rows per expert, ``M_cap / E``, rounded up to a power of two and
+    clamped to ``[16, MAX_BLOCK_M]`` (at decode sizes most experts get a handful of rows).
+    ``block_k``: ``K_TILE_BYTES / itemsize`` (128 for FP8: one weight-scale block), at most
+    ``group_size``'s largest power-of-two divisor for per-token-group scales.
+    ``num_stages=3``: three K steps in flight; at the largest tiles (fp8, 64x128 + 128x128 bytes,
+    or bf16 64x64 + 128x64 x 2 bytes) that is under 80 KiB of the H200's 228 KiB shared memory.
+    """
+    rows_per_expert = -(-max(M_cap, 1) // max(E, 1))
+    block_m = max(MIN_DOT_BLOCK, min(MAX_BLOCK_M, pl.next_power_of_2(rows_per_expert)))
+    block_n = max(MIN_DOT_BLOCK, min(MAX_BLOCK_N, pl.next_power_of_2(max(N, 1))))
+    block_k = max(MIN_DOT_BLOCK, min(K_TILE_BYTES // itemsize, pl.next_power_of_2(max(K, 1))))
+    if group_size is not None:
+        block_k = max(MIN_DOT_BLOCK, min(block_k, largest_pow2_divisor(group_size)))
+    return GroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)

@@ -1,0 +1,258 @@
+"""Grouped GEMM ``y[m] = x[m] @ w[e(m)].T`` as a Pallas kernel with the Triton lowering (CONTRACT.md section 4).
+
+Dataflow: ``x [M_cap, K]`` rows are grouped by expert (``expert_offsets [E + 1]``), ``w [E, N, K]``
+is K-major (PyTorch/HF layout). Outside the kernel, plain jnp turns ``expert_offsets`` into
+per-grid-step metadata (:func:`tile_metadata`: which expert and which rows each step owns). A
+program ``(s, j)`` reads its three int32 scalars, loops over ``K`` in ``block_k`` steps
+(``x`` tile ``[block_m, block_k]`` times the weight tile ``[block_n, block_k]``, contracted on
+their K dims with ``lax.dot_general``, no transpose materialized; float32 accumulation), applies
+the FP8 scales, and stores the rows it owns (a masked store) of ``y[:, j*block_n : (j+1)*block_n]``.
+
+Grid: ``(cdiv(M_cap, block_m) + E, cdiv(N, block_n))``, static (an upper bound; steps beyond the
+real tile count own no rows and do nothing). The metadata is computed on the device, so there is
+no host sync and the op jits; it is passed as ordinary int32 inputs, not through
+``PrefetchScalarGridSpec`` (which does not lower for the Triton backend).
+
+Dtypes: ``x``/``w`` float32 / bf16 / float16 (float32 dots at IEEE precision, not TF32), or
+float8_e4m3fn codes with float32 dequantization multipliers: ``x_scale`` per-tensor ``[]``,
+per-token ``[M_cap, 1]`` or per-token-group ``[M_cap, K // G]`` (always indexed by row), times
+``w_scale`` per-expert ``[E]``, per-output-channel ``[E, N]`` or ``128 x 128`` blocks
+``[E, ceil(N/128), ceil(K/128)]``. Scales that vary along K (per-token-group, block) multiply each
+K step's partial sum before it is accumulated; the others multiply the finished accumulator.
+
+Learned from: the tile-to-group metadata and the static grid bound ``m_tiles + num_groups - 1`` of
+jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/tpu/megablox/gmm.py (``make_group_metadata``),
+here with explicit row ranges instead of a per-row group-id mask, and with one extra group for the
+unused rows; masked loads/stores as in jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/gpu/rms_norm.py.
+Pointer offsets are the Pallas-Triton lowering's: 64-bit when an array is over 4 GiB
+(``_compute_offsets_from_indices`` in jax/_src/pallas/triton/lowering.py), so ``w`` of
+DeepSeek-V3 size does not overflow.
+
+Mirror: ``moe_torch/ops/grouped_gemm/triton.py`` (to come).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_pallas.ops.grouped_gemm.config import MIN_DOT_BLOCK, SCALE_BLOCK, GroupedGemmConfig, grouped_gemm_config
+
+FP8_DTYPE = jnp.float8_e4m3fn
+
+
+def tile_metadata(expert_offsets: jax.Array, M_cap: int, E: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per grid step ``s``: ``(step_expert, step_lo, step_hi)``, each ``[cdiv(M_cap, block_m) + E]`` int32.
+
+    Step ``s`` owns rows ``[step_lo[s], step_hi[s])``, all inside the row tile that starts at
+    ``(step_lo[s] // block_m) * block_m``, and multiplies them by ``w[step_expert[s]]``;
+    ``step_expert == E`` means "write zeros" (the unused rows ``>= M``). A step with
+    ``lo == hi`` owns nothing. Plain jnp, jittable, no host sync. Step by step:
+
+    1. Groups. Group ``g < E`` is expert ``g``: rows ``[starts[g], ends[g])`` with
+       ``ends[g] = offsets[g+1]`` and ``starts[g] = ends[g-1]`` (``starts[0] = 0``, as the
+       reference assigns rows before ``offsets[1]`` to expert 0). One more group ``E`` holds the
+       unused capacity ``[offsets[E], M_cap)``, which must come out zero. The ``E + 1`` groups
+       tile ``[0, M_cap)`` exactly. Offsets are clipped to ``[0, M_cap]`` and made non-decreasing
+       first, so that even a malformed ``expert_offsets`` never makes a step address outside ``x``.
+    2. Tiles per group. A non-empty group touches row tiles ``starts // block_m`` through
+       ``(ends - 1) // block_m``; an empty group touches none (it gets no step: costs nothing).
+    3. Static bound. Consecutive non-empty groups share a tile only at their boundary, so the
+       tile count is at most ``m_tiles + (non-empty groups - 1) <= m_tiles + E`` with
+       ``m_tiles = cdiv(M_cap, block_m)`` (megablox's ``m_tiles + num_groups - 1`` with
+       ``E + 1`` groups). That is the grid's first dimension.
+    4. Step -> group. ``step_end = cumsum(tiles)``; step ``s`` belongs to the first group with
+       ``step_end[g] > s`` (``searchsorted(..., side="right")``); empty groups have
+       ``tiles == 0`` and are never chosen. Steps past ``step_end[-1]`` are padding.
+    5. Step -> rows. The step's tile is ``first_tile[g] + (s - step_start[g])``; it owns the
+       intersection of that tile with the group: ``lo = max(starts[g], tile * block_m)``,
+       ``hi = min(ends[g], (tile + 1) * block_m)``. Different steps own disjoint rows, so two
+       programs never write the same row (no race), even when a tile straddles two experts.
+    """
+    off = jnp.clip(expert_offsets.astype(jnp.int32), 0, M_cap)
+    off = jax.lax.cummax(off)
+    ends = jnp.concatenate([off[1:], jnp.full((1,), M_cap, jnp.int32)])  # [E + 1]
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])  # [E + 1]
+    nonempty = ends > starts
+    first_tile = starts // block_m
+    tiles = jnp.where(nonempty, (ends - 1) // block_m - first_tile + 1, 0)
+    step_end = jnp.cumsum(tiles)
+    step_start = step_end - tiles
+    n_steps = pl.cdiv(M_cap, block_m) + E
+    s = jnp.arange(n_steps, dtype=jnp.int32)
+    g = jnp.searchsorted(step_end, s, side="right").astype(jnp.int32)  # E + 1 for padding steps
+    used = g <= E
+    g = jnp.minimum(g, E)
+    tile = first_tile[g] + s - step_start[g]
+    lo = jnp.maximum(starts[g], tile * block_m)
+    hi = jnp.minimum(ends[g], (tile + 1) * block_m)
+    step_expert = jnp.where(used, g, E).astype(jnp.int32)
+    step_lo = jnp.where(used, lo, 0).astype(jnp.int32)
+    step_hi = jnp.where(used, hi, 0).astype(jnp.int32)
+    return step_expert, step_lo, step_hi
+
+
+def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: int, x_scale_kind: str | None,
+            w_scale_kind: str | None, group_size: int, block_m: int, block_n: int, block_k: int, precision):
+    """One ``block_m x block_n`` tile of ``y`` for the rows of one expert.
+
+    Grid ``(cdiv(M_cap, block_m) + E, cdiv(N, block_n))``; program ``(s, j)`` owns rows
+    ``[lo_ref[s], hi_ref[s])`` (inside one row tile) and columns ``[j*block_n, (j+1)*block_n)``.
+
+    Refs (whole arrays): ``expert_ref, lo_ref, hi_ref [n_steps]`` int32 (:func:`tile_metadata`);
+    ``x_ref [M_cap, K]``; ``w_ref [E, N, K]``; then, for FP8, ``xs_ref`` (``[1]`` per-tensor,
+    ``[M_cap]`` per-token, ``[M_cap, K // G]`` per-token-group) and ``ws_ref`` (``[E]``,
+    ``[E, N]`` or ``[E, ceil(N/128), ceil(K/128)]``) float32; last ``y_ref [M_cap, N]``.
+    """
+    if x_scale_kind is None:
+        (y_ref,) = refs
+        xs_ref = ws_ref = None
+    else:
+        xs_ref, ws_ref, y_ref = refs
+    s, j = pl.program_id(0), pl.program_id(1)
+    e, lo, hi = expert_ref[s], lo_ref[s], hi_ref[s]
+
+    @pl.when(lo < hi)  # padding steps own no rows: they stop here
+    def _():
+        row0 = (lo // block_m) * block_m
+        n0 = j * block_n
+        rows = row0 + jnp.arange(block_m)
+        row_ok = (rows >= lo) & (rows < hi)  # [block_m]: rows of other experts are masked off
+        col_ok = n0 + jnp.arange(block_n) < N  # [block_n]
+        rows_ds, cols_ds = pl.ds(row0, block_m), pl.ds(n0, block_n)
+        # e == E is the group of unused rows: zero K steps, so it stores zeros and reads nothing.
+        k_steps = jnp.where(e < E, pl.cdiv(K, block_k), 0)
+        e_w = jnp.minimum(e, E - 1)  # a valid expert for address arithmetic only
+        # Masked lanes read a zero of the operand's own dtype (an int 0 does not cast to fp8 in the lowering).
+        zero_x, zero_w = jnp.zeros((), x_ref.dtype), jnp.zeros((), w_ref.dtype)
+
+        def k_step(kk, acc):
+            k0 = kk * block_k
+            k_ok = k0 + jnp.arange(block_k) < K
+            ks = pl.ds(k0, block_k)
+            xt = plgpu.load(x_ref.at[rows_ds, ks], mask=row_ok[:, None] & k_ok[None, :], other=zero_x)  # [block_m, block_k]
+            wt = plgpu.load(w_ref.at[e_w, cols_ds, ks], mask=col_ok[:, None] & k_ok[None, :], other=zero_w)  # [block_n, block_k]
+            part = jax.lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), precision=precision,
+                                       preferred_element_type=jnp.float32)  # [block_m, block_n]
+            if x_scale_kind == "per_token_group":  # block_k divides G: this K step lies in group k0 // G
+                sx = plgpu.load(xs_ref.at[rows_ds, k0 // group_size], mask=row_ok, other=0.0)
+                part = part * sx[:, None]
+            if w_scale_kind == "block":  # block_n and block_k divide 128: one scale for the whole tile
+                part = part * ws_ref[e_w, n0 // SCALE_BLOCK, k0 // SCALE_BLOCK]
+            return acc + part
+
+        acc = jax.lax.fori_loop(0, k_steps, k_step, jnp.zeros((block_m, block_n), jnp.float32))
+        if x_scale_kind == "per_tensor":
+            acc = acc * xs_ref[0]
+        elif x_scale_kind == "per_token":
+            acc = acc * plgpu.load(xs_ref.at[rows_ds], mask=row_ok, other=0.0)[:, None]
+        if w_scale_kind == "per_expert":
+            acc = acc * ws_ref[e_w]
+        elif w_scale_kind == "per_channel":
+            acc = acc * plgpu.load(ws_ref.at[e_w, cols_ds], mask=col_ok, other=0.0)[None, :]
+        plgpu.store(y_ref.at[rows_ds, cols_ds], acc.astype(y_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def scale_kinds(x_scale: jax.Array | None, w_scale: jax.Array | None, K: int) -> tuple[str | None, str | None, int]:
+    """``(x_scale_kind, w_scale_kind, G)`` from the (validated) scale shapes; ``G`` is the
+    per-token-group size ``K // x_scale.shape[1]`` (0 for the other kinds)."""
+    if x_scale is None:
+        return None, None, 0
+    w_kind = {1: "per_expert", 2: "per_channel", 3: "block"}[w_scale.ndim]
+    if x_scale.ndim == 0:
+        return "per_tensor", w_kind, 0
+    if x_scale.shape[1] == 1:  # one group per row is per-token, whatever G is called
+        return "per_token", w_kind, 0
+    return "per_token_group", w_kind, K // x_scale.shape[1]
+
+
+def check_supported(x_kind: str | None, w_kind: str | None, group_size: int, cfg: GroupedGemmConfig,
+                    interpret: bool) -> None:
+    """Raise ``NotImplementedError`` for a valid request this backend (with ``cfg``) cannot serve."""
+    small = {n: getattr(cfg, n) for n in ("block_m", "block_n", "block_k") if getattr(cfg, n) < MIN_DOT_BLOCK}
+    if small and not interpret:
+        raise NotImplementedError(
+            f"grouped_gemm[pallas_triton]: on the GPU every dot block must be >= {MIN_DOT_BLOCK} (tensor-core tiles); "
+            f"got {', '.join(f'{n}={v}' for n, v in small.items())} (smaller blocks are for interpret mode)")
+    if x_kind == "per_token_group" and group_size % cfg.block_k:
+        raise NotImplementedError(
+            f"grouped_gemm[pallas_triton]: per-token-group activation scales need block_k to divide the group size "
+            f"G = K // x_scale.shape[1] (each K step inside one scale group; block_k is a power of two >= 16); "
+            f"got G={group_size}, block_k={cfg.block_k}")
+    if w_kind == "block" and (SCALE_BLOCK % cfg.block_n or SCALE_BLOCK % cfg.block_k):
+        raise NotImplementedError(
+            f"grouped_gemm[pallas_triton]: 128x128 block weight scales need block_n and block_k to divide {SCALE_BLOCK} "
+            f"(one scale per tile and K step); got block_n={cfg.block_n}, block_k={cfg.block_k}")
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def grouped_gemm_pallas_triton(
+    x: jax.Array,
+    w: jax.Array,
+    expert_offsets: jax.Array,
+    *,
+    x_scale: jax.Array | None = None,
+    w_scale: jax.Array | None = None,
+    out_dtype=None,
+    config: GroupedGemmConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``y[m] = x[m] @ w[e(m)].T`` (FP8: ``(q_x @ q_w.T) * x_scale[m] * w_scale[e(m), ...]``), float32 accumulation.
+
+    Args (validated by ``moe_pallas.ops.grouped_gemm.api.grouped_gemm``):
+      x: ``[M_cap, K]`` float32 / bf16 / float16, or float8_e4m3fn codes.
+      w: ``[E, N, K]`` (out, in), ``x``'s dtype (float8_e4m3fn when ``x`` is).
+      expert_offsets: ``[E + 1]`` int32; rows ``[offsets[e], offsets[e+1])`` use ``w[e]``; rows
+        ``>= offsets[-1]`` are not computed and come out zero (they are never read: a NaN there
+        stays out of ``y``).
+      x_scale: FP8 only, float32 dequantization multiplier (``x ~= q * scale``): ``[]``,
+        ``[M_cap, 1]`` or ``[M_cap, K // G]``.
+      w_scale: FP8 only, float32 multiplier: ``[E]``, ``[E, N]`` or ``[E, ceil(N/128), ceil(K/128)]``.
+      out_dtype: default ``x.dtype`` (bf16 for FP8 inputs).
+      config: launch config (default: :func:`grouped_gemm_config` of the shapes).
+      interpret: run in Pallas interpret mode (default: when ``jax.default_backend() == "cpu"``).
+
+    Grid: ``(cdiv(M_cap, block_m) + E, cdiv(N, block_n))``, static; see :func:`tile_metadata`.
+
+    Returns: ``y [M_cap, N]`` in ``out_dtype``.
+
+    Raises: NotImplementedError (per-token-group scales whose group size has no power-of-two
+      divisor >= 16, a config whose blocks do not fit the scale layout, or blocks < 16 outside
+      interpret mode).
+    """
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    M_cap, K = x.shape
+    E, N, _ = w.shape
+    fp8 = x.dtype == FP8_DTYPE
+    out_dtype = (jnp.bfloat16 if fp8 else x.dtype) if out_dtype is None else jnp.dtype(out_dtype)
+    x_kind, w_kind, G = scale_kinds(x_scale, w_scale, K) if fp8 else (None, None, 0)
+    cfg = grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, G or None) if config is None else config
+    check_supported(x_kind, w_kind, G, cfg, interpret)
+    if M_cap == 0 or N == 0 or K == 0 or E == 0:  # nothing to launch: empty, or a sum of no terms / no expert
+        return jnp.zeros((M_cap, N), out_dtype)
+    step_expert, step_lo, step_hi = tile_metadata(expert_offsets, M_cap, E, cfg.block_m)
+    inputs = [step_expert, step_lo, step_hi, x, w]
+    if fp8:
+        xs = x_scale.astype(jnp.float32)
+        if x_kind == "per_tensor":  # a 1-element ref: a scalar load at index 0
+            xs = xs.reshape(1)
+        elif x_kind == "per_token":  # [M_cap, 1] -> [M_cap]: a row-vector load
+            xs = xs.reshape(M_cap)
+        inputs += [xs, w_scale.astype(jnp.float32)]
+    # float32 inputs: IEEE products (the Triton default for DEFAULT precision is TF32, 10-bit mantissas).
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    kernel = functools.partial(_kernel, E=E, N=N, K=K, x_scale_kind=x_kind, w_scale_kind=w_kind, group_size=G,
+                               block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, precision=precision)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((M_cap, N), out_dtype),
+        grid=(pl.cdiv(M_cap, cfg.block_m) + E, pl.cdiv(N, cfg.block_n)),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="grouped_gemm",
+    )(*inputs)

@@ -1,0 +1,308 @@
+"""Pallas-Triton grouped GEMM (``moe_pallas/ops/grouped_gemm/pallas_triton.py``, CONTRACT.md section 4).
+
+Interpret mode on the CPU against the jnp reference and a float64 numpy loop (tolerances of
+``tests/tolerances.py``), named tile-edge cases with exact answers, every empty-expert pattern
+of E=6, the tile metadata's invariants, and the CUDA lowering of every supported dtype / scale
+layout on an abstract H200. Interpret mode fills outputs with NaN before the kernel runs, so a
+row the kernel forgets to write fails the finiteness checks.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+import moe_pallas
+from moe_pallas.ops.grouped_gemm.config import GroupedGemmConfig, grouped_gemm_config
+from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton, tile_metadata
+from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
+from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
+
+DTYPES = {"float32": (jnp.float32, F32_REL_FRO), "bfloat16": (jnp.bfloat16, BF16_REL_FRO)}
+
+
+def f64_loop(x, w, offsets) -> np.ndarray:
+    """float64 ``y[m] = x[m] @ w[e(m)].T`` expert by expert; rows past ``offsets[-1]`` zero."""
+    x, w, offsets = (to_numpy(a) for a in (x, w, offsets))
+    y = np.zeros((x.shape[0], w.shape[1]))
+    for e in range(w.shape[0]):
+        s, t = offsets[e], offsets[e + 1]
+        y[s:t] = x[s:t].astype(np.float64) @ w[e].astype(np.float64).T
+    return y
+
+
+def problem(seed: int, counts, m_cap: int, K: int, N: int, dtype=jnp.float32, poison: bool = True):
+    """x [m_cap, K] ~ N(0, 1), w [E, N, K] ~ N(0, 1/K) (outputs O(1)), offsets from ``counts``.
+    Unused rows of x (``>= sum(counts)``) are NaN when ``poison``: they must never be read."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m_cap, K)).astype(np.float32)
+    w = (rng.standard_normal((len(counts), N, K)) / np.sqrt(K)).astype(np.float32)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    assert offsets[-1] <= m_cap
+    if poison:
+        x[offsets[-1]:] = np.nan
+    return jnp.asarray(x).astype(dtype), jnp.asarray(w).astype(dtype), jnp.asarray(offsets)
+
+
+def check_rows(y, offsets, what: str) -> None:
+    """Every row finite (written, no NaN leaked), rows ``>= M`` exactly zero."""
+    y32 = to_numpy(y).astype(np.float32)
+    M = int(to_numpy(offsets)[-1])
+    assert np.isfinite(y32).all(), f"{what}: {np.size(y32) - np.isfinite(y32).sum()} non-finite values"
+    assert not y32[M:].any(), f"{what}: rows >= M must be zero"
+
+
+# --------------------------------------------------------------------------------------
+# Float inputs: random problems; the comment on each case says which edge it exercises.
+
+SHAPES = {
+    "M=1": ([1], 1, 64, 32),  # one row, one expert
+    "odd-K-N": ([3, 0, 5], 8, 33, 17),  # odd K and N: masked K tail and columns; an empty expert
+    "prime-E-with-empties": ([0, 4, 0, 0, 9, 1, 0], 16, 64, 48),  # prime E=7, empty experts, unused capacity
+    "several-tiles": ([20, 3, 0, 41], 70, 96, 160),  # experts over several row tiles, two N tiles, straddling tiles
+}
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_float_vs_references(shape, dtype):
+    counts, m_cap, K, N = SHAPES[shape]
+    jdt, limit = DTYPES[dtype]
+    x, w, offsets = problem(len(shape), counts, m_cap, K, N, jdt)
+    y = grouped_gemm_pallas_triton(x, w, offsets)
+    assert y.shape == (m_cap, N) and y.dtype == jdt
+    check_rows(y, offsets, shape)
+    # the float64 loop on the values the GEMM sees (bf16-rounded inputs for bf16)
+    assert_rel_fro(y, f64_loop(x, w, offsets), limit, f"{shape} {dtype} vs float64")
+    assert_rel_fro(y, grouped_gemm_reference(x, w, offsets, None, None, jdt), limit, f"{shape} {dtype} vs jnp reference")
+    # the float32 accumulation itself, whatever the output dtype
+    y32 = grouped_gemm_pallas_triton(x, w, offsets, out_dtype=jnp.float32)
+    assert_rel_fro(y32, f64_loop(x, w, offsets), F32_REL_FRO, f"{shape} {dtype} float32 output vs float64")
+
+
+# --------------------------------------------------------------------------------------
+# Named cases with exact answers
+
+
+@pytest.mark.parametrize("config", [None, GroupedGemmConfig(block_m=4, block_n=16, block_k=16)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_n_not_a_multiple_of_the_tile(dtype, config):
+    """(1) 4 rows over 2 experts, row i of x is 2^i, weights all ones, K=64, N=33: y[i, :] = 64 * 2^i exactly
+    (default config: one 64-wide N tile, 31 masked columns; small config: three 16-wide tiles, the last partial)."""
+    jdt = DTYPES[dtype][0]
+    x = jnp.asarray(np.repeat(2.0 ** np.arange(4)[:, None], 64, axis=1)).astype(jdt)
+    w = jnp.ones((2, 33, 64), jdt)
+    y = grouped_gemm_pallas_triton(x, w, jnp.asarray([0, 2, 4], jnp.int32), config=config)
+    assert_exact(y, np.repeat(64.0 * 2.0 ** np.arange(4)[:, None], 33, axis=1).astype(jdt), "y[i, :] = 64 * 2^i")
+
+
+def test_row_tile_straddling_two_experts():
+    """(2) 2 experts x 3 rows (M=6), block_m=4, K=N=16, w[g] = (g+1) * identity, row i of x is i+1:
+    the first row tile holds rows 0-2 (expert 0) and row 3 (expert 1), so y[3, :] = 4 * 2 = 8; every
+    row must use its own expert's weights: y[i, :] = (i+1) * (e(i)+1)."""
+    x = jnp.asarray(np.repeat(np.arange(1.0, 7.0)[:, None], 16, axis=1), jnp.float32)
+    w = jnp.asarray(np.stack([(g + 1) * np.eye(16) for g in range(2)]), jnp.float32)
+    offsets = jnp.asarray([0, 3, 6], jnp.int32)
+    y = grouped_gemm_pallas_triton(x, w, offsets, config=GroupedGemmConfig(block_m=4, block_n=16, block_k=16))
+    expected = np.arange(1.0, 7.0)[:, None] * np.array([1, 1, 1, 2, 2, 2])[:, None] * np.ones((1, 16))
+    assert_exact(y, expected.astype(np.float32), "y[i] = (i+1) * (e(i)+1)")
+    assert float(y[3, 0]) == 8.0
+    # the metadata: 3 steps own rows [0, 3) (expert 0), [3, 4) and [4, 6) (expert 1); the unused
+    # group is empty (M == M_cap); the grid bound cdiv(6, 4) + 2 = 4 leaves one padding step
+    ex, lo, hi = (to_numpy(a) for a in tile_metadata(offsets, 6, 2, 4))
+    assert ex.tolist() == [0, 1, 1, 2] and lo.tolist() == [0, 3, 4, 0] and hi.tolist() == [3, 4, 6, 0]
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_unused_capacity_is_zero_and_never_read(dtype):
+    """(3) M_cap = 32 with 16 valid rows, NaN-poisoned unused input rows: rows < 16 equal the
+    reference and are finite, rows >= 16 are zero (also with a block_m that splits the tail)."""
+    jdt, limit = DTYPES[dtype]
+    x, w, offsets = problem(3, [5, 0, 11], 32, 48, 24, jdt)
+    assert np.isnan(to_numpy(x).astype(np.float32)[16:]).all()
+    ref = grouped_gemm_reference(x, w, offsets, None, None, jdt)
+    for cfg in (None, GroupedGemmConfig(block_m=8, block_n=16, block_k=16)):
+        y = grouped_gemm_pallas_triton(x, w, offsets, config=cfg)
+        check_rows(y, offsets, f"{dtype} {cfg}")
+        assert_rel_fro(y[:16], ref[:16], limit, f"{dtype} valid rows vs reference")
+        assert_rel_fro(y, f64_loop(x, w, offsets), limit, f"{dtype} vs float64")
+
+
+def test_every_empty_expert_pattern_of_six_experts():
+    """E=6: all 2^6 patterns of empty experts (one jit: offsets are data). Non-empty expert e gets
+    1 + e % 4 rows, so the 16-row tiles straddle experts; capacity left over is NaN-poisoned."""
+    E, m_cap, K, N = 6, 24, 32, 16
+    x0, w, _ = problem(6, [1] * E, m_cap, K, N, poison=False)
+    cfg = GroupedGemmConfig(block_m=16, block_n=16, block_k=16)
+    run = jax.jit(functools.partial(grouped_gemm_pallas_triton, config=cfg))
+    for pattern in itertools.product([0, 1], repeat=E):
+        counts = [bit * (1 + e % 4) for e, bit in enumerate(pattern)]
+        offsets = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
+        x = x0.at[int(offsets[-1]):].set(jnp.nan)
+        y = run(x, w, offsets)
+        check_rows(y, offsets, f"pattern {pattern}")
+        assert_rel_fro(y, f64_loop(x, w, offsets), F32_REL_FRO, f"pattern {pattern}")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tile_metadata_invariants(seed):
+    """Every row of [0, M_cap) is owned by exactly one step, with its own expert (E for rows >= M),
+    inside one row tile; empty experts get no step; the static bound holds."""
+    rng = np.random.default_rng(seed)
+    E, block_m = 7, 8
+    counts = rng.integers(0, 12, E) * (rng.random(E) < 0.6)
+    m_cap = int(counts.sum()) + int(rng.integers(0, 20))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    ex, lo, hi = (to_numpy(a) for a in tile_metadata(jnp.asarray(offsets), m_cap, E, block_m))
+    assert ex.shape == (-(-m_cap // block_m) + E,)
+    owner = np.full(m_cap, -1)
+    for s in range(ex.size):
+        if lo[s] == hi[s]:
+            continue
+        assert lo[s] < hi[s] and lo[s] // block_m == (hi[s] - 1) // block_m, f"step {s} stays in one tile"
+        assert (owner[lo[s]:hi[s]] == -1).all(), f"step {s} overlaps another step"
+        owner[lo[s]:hi[s]] = ex[s]
+    expected = np.searchsorted(offsets[1:], np.arange(m_cap), side="right")  # E for rows >= M
+    assert_exact(owner, expected, "owner of each row")
+    assert set(ex[lo < hi]) <= {e for e in range(E) if counts[e]} | {E}, "empty experts get no step"
+
+
+# --------------------------------------------------------------------------------------
+# FP8: every scale combination against the reference on the dequantized inputs
+
+ACT_SCALES = ["per_tensor", "per_token", "per_token_group"]
+WEIGHT_LAYOUTS = ["per_expert", "per_channel", "block"]
+
+
+def quantize_x(x, how: str, group_size: int = 128):
+    if how == "per_tensor":
+        s = jnp.asarray(np.abs(to_numpy(x)).max() / 448.0, jnp.float32)
+        return moe_pallas.static_quant_fp8(x, s), s
+    if how == "per_token":
+        return moe_pallas.per_token_quant_fp8(x)
+    return moe_pallas.per_token_group_quant_fp8(x, group_size)
+
+
+@pytest.mark.parametrize("act,layout", list(itertools.product(ACT_SCALES, WEIGHT_LAYOUTS)))
+def test_fp8_every_scale_layout(act, layout):
+    """K=192 (a partial 128-wide weight-scale block; groups of 64, so block_k=64 and two K steps
+    per scale block), N=160 (a partial N scale block), an empty expert, a straddling tile."""
+    counts, m_cap, K, N = [5, 0, 11, 3], 24, 192, 160
+    x, w, offsets = problem(11, counts, m_cap, K, N, poison=False)
+    xq, xs = quantize_x(x, act, group_size=64)
+    wq, ws = moe_pallas.quantize_weight_fp8(w, layout)
+    y = grouped_gemm_pallas_triton(xq, wq, offsets, x_scale=xs, w_scale=ws)
+    assert y.dtype == jnp.bfloat16 and y.shape == (m_cap, N)
+    check_rows(y, offsets, f"{act} x {layout}")
+    deq = f64_loop(moe_pallas.dequantize_fp8(xq, xs), moe_pallas.dequantize_weight_fp8(wq, ws), offsets)
+    assert_rel_fro(y, deq, FP8_REL_FRO, f"fp8 {act} x {layout} vs float64 on the dequantized inputs")
+    ref = grouped_gemm_reference(xq, wq, offsets, xs, ws, jnp.float32)
+    assert_rel_fro(y, ref, BF16_REL_FRO, f"fp8 {act} x {layout} vs the jnp reference")
+    y32 = grouped_gemm_pallas_triton(xq, wq, offsets, x_scale=xs, w_scale=ws, out_dtype=jnp.float32)
+    assert_rel_fro(y32, ref, F32_REL_FRO, f"fp8 {act} x {layout} float32 output vs the jnp reference")
+
+
+def test_fp8_block_scales_applied_per_k_block():
+    """The two K blocks' scales differ by ~2^20: each K block's partial sum must get its own
+    scale (a kernel applying one scale to the whole sum is off by orders of magnitude)."""
+    rng = np.random.default_rng(0)
+    N = 128
+    x = np.concatenate([rng.standard_normal((4, 128)), 1e-3 * rng.standard_normal((4, 128))], 1).astype(np.float32)
+    w = np.concatenate([rng.standard_normal((1, N, 128)), 1e3 * rng.standard_normal((1, N, 128))], 2).astype(np.float32)
+    xq, xs = moe_pallas.per_token_group_quant_fp8(jnp.asarray(x), 128)
+    wq, ws = moe_pallas.quantize_weight_fp8(jnp.asarray(w), "block")
+    qx, qw = to_numpy(xq).astype(np.float64), to_numpy(wq).astype(np.float64)[0]
+    sx, sw = to_numpy(xs), to_numpy(ws)[0]
+    blockwise = sum((qx[:, b * 128:(b + 1) * 128] @ qw[:, b * 128:(b + 1) * 128].T) * sx[:, b:b + 1] * sw[0, b]
+                    for b in range(2))
+    y = grouped_gemm_pallas_triton(xq, wq, jnp.asarray([0, 4], jnp.int32), x_scale=xs, w_scale=ws, out_dtype=jnp.float32)
+    assert_rel_fro(y, blockwise, F32_REL_FRO, "block scales per K block")
+
+
+def test_fp8_unsupported_combinations_raise():
+    """Valid requests this backend does not serve: a NotImplementedError with the reason."""
+    x, w, offsets = problem(1, [3, 2], 8, 48, 32, poison=False)
+    xq, xs = moe_pallas.per_token_group_quant_fp8(x, 24)  # G = 24: no power-of-two block_k >= 16 divides it
+    wq, ws = moe_pallas.quantize_weight_fp8(w, "per_expert")
+    with pytest.raises(NotImplementedError, match="block_k to divide the group size"):
+        grouped_gemm_pallas_triton(xq, wq, offsets, x_scale=xs, w_scale=ws)
+    with pytest.raises(NotImplementedError, match="block_k to divide the group size"):
+        moe_pallas.grouped_gemm(xq, wq, offsets, x_scale=xs, w_scale=ws, implementation="pallas_triton")
+    # the default order falls back to the reference (with a logged warning), never fails
+    assert moe_pallas.grouped_gemm(xq, wq, offsets, x_scale=xs, w_scale=ws).shape == (8, 32)
+    wq, ws = moe_pallas.quantize_weight_fp8(w, "block")
+    xq, xs = moe_pallas.per_token_quant_fp8(x)
+    with pytest.raises(NotImplementedError, match="divide 128"):
+        grouped_gemm_pallas_triton(xq, wq, offsets, x_scale=xs, w_scale=ws,
+                                   config=GroupedGemmConfig(block_m=16, block_n=256, block_k=16))
+
+
+# --------------------------------------------------------------------------------------
+# API wiring and config
+
+
+def test_api_dispatch_to_pallas_triton():
+    x, w, offsets = problem(2, [3, 0, 4], 9, 32, 24, jnp.bfloat16)
+    got = moe_pallas.grouped_gemm(x, w, offsets, implementation="pallas_triton")
+    assert_exact(got, grouped_gemm_pallas_triton(x, w, offsets), "api vs direct call")
+    assert_exact(moe_pallas.grouped_gemm(x, w, offsets), grouped_gemm_reference(x, w, offsets, None, None, jnp.bfloat16),
+                 "default on the CPU is the reference")
+    empty = moe_pallas.grouped_gemm(x[:0], w, offsets, implementation="pallas_triton")  # M_cap = 0: the early return
+    assert empty.shape == (0, 24)
+
+
+def test_config_heuristic_fits_the_scale_layouts():
+    cfg = grouped_gemm_config(4096, 4096, 7168, 32, 1, 128)  # fp8, groups of 128
+    assert cfg.block_k == 128 and 128 % cfg.block_n == 0 and cfg.block_m >= 16
+    assert grouped_gemm_config(1, 33, 64, 8, 2).block_m == 16  # never below a tensor-core tile
+    assert grouped_gemm_config(8, 4096, 7168, 8, 2, 64).block_k == 64
+    with pytest.raises(ValueError, match="power of two"):
+        GroupedGemmConfig(block_m=24, block_n=16, block_k=16)
+
+
+# --------------------------------------------------------------------------------------
+# GPU lowering on the CPU: the kernel must lower for CUDA (Triton), not only interpret.
+
+H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", 132, "cuda"))
+TRITON_CALL = "__gpu$xla.gpu.triton"
+S = jax.ShapeDtypeStruct
+
+
+def _lower_for_cuda(f, *args) -> str:
+    with use_abstract_mesh(H200):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_lowers_for_cuda_float(dtype):
+    M, K, N, E = 200, 7168, 4096 + 64, 32  # DeepSeek-V3-like K, N with a partial tile
+    f = functools.partial(grouped_gemm_pallas_triton, interpret=False)
+    text = _lower_for_cuda(f, S((M, K), dtype), S((E, N, K), dtype), S((E + 1,), jnp.int32))
+    assert text.count(TRITON_CALL) == 1, text[:2000]
+
+
+@pytest.mark.parametrize("act,layout", list(itertools.product(ACT_SCALES, WEIGHT_LAYOUTS)))
+def test_lowers_for_cuda_fp8(act, layout):
+    M, K, N, E = 200, 7168, 4096 + 64, 32
+    xs = {"per_tensor": S((), jnp.float32), "per_token": S((M, 1), jnp.float32),
+          "per_token_group": S((M, K // 128), jnp.float32)}[act]
+    ws = {"per_expert": S((E,), jnp.float32), "per_channel": S((E, N), jnp.float32),
+          "block": S((E, -(-N // 128), K // 128), jnp.float32)}[layout]
+
+    def f(x, w, offsets, x_scale, w_scale):
+        return grouped_gemm_pallas_triton(x, w, offsets, x_scale=x_scale, w_scale=w_scale, interpret=False)
+
+    text = _lower_for_cuda(f, S((M, K), jnp.float8_e4m3fn), S((E, N, K), jnp.float8_e4m3fn), S((E + 1,), jnp.int32), xs, ws)
+    assert text.count(TRITON_CALL) == 1, text[:2000]
+
+
+def test_small_blocks_are_interpret_only():
+    f = functools.partial(grouped_gemm_pallas_triton, interpret=False, config=GroupedGemmConfig(block_m=4, block_n=16, block_k=16))
+    with pytest.raises(NotImplementedError, match="dot block must be >= 16"):
+        _lower_for_cuda(f, S((8, 32), jnp.bfloat16), S((2, 16, 32), jnp.bfloat16), S((3,), jnp.int32))
