@@ -17,16 +17,26 @@ import jax
 
 from moe_contract.config import MoEConfig
 from moe_contract.validation import check_layer_inputs, check_layer_weights
+from moe_pallas.ops.activation import api as activation_api
 from moe_pallas.ops.activation.api import act_and_mul
+from moe_pallas.ops.combine import api as combine_api
 from moe_pallas.ops.combine.api import combine
+from moe_pallas.ops.common import takes_jax_arrays
+from moe_pallas.ops.dispatch import check_implementation
+from moe_pallas.ops.gate import api as gate_api
 from moe_pallas.ops.gate.api import select_experts
+from moe_pallas.ops.grouped_gemm import api as grouped_gemm_api
 from moe_pallas.ops.grouped_gemm.api import grouped_gemm
+from moe_pallas.ops.permute import api as permute_api
 from moe_pallas.ops.permute.api import permute, routing_metadata
 from moe_pallas.ops.quant.api import quantize_weight_fp8
-from moe_pallas.ops.common import takes_jax_arrays
 
 #: The activation quantization each layer quant mode uses (CONTRACT.md section 3).
 ACTIVATION_QUANT = {"none": None, "fp8_per_token": "fp8_per_token", "fp8_block": "fp8_per_token_group"}
+#: Every backend name any stage knows (a stage without the chosen one uses its default).
+LAYER_IMPLEMENTATIONS = tuple(dict.fromkeys(
+    name for stage in (gate_api, permute_api, grouped_gemm_api, activation_api, combine_api) for name in stage.IMPLEMENTATIONS
+))
 #: The weight-scale layout each layer quant mode stores.
 WEIGHT_LAYOUT = {"fp8_per_token": "per_channel", "fp8_block": "block"}
 
@@ -55,7 +65,9 @@ def moe_forward(
       config: the layer (routing, rsf placement, quant, EP); a static argument under ``jit``.
       w13_scale, w2_scale: FP8 weight scales (see :func:`quantize_layer_weights`).
       e_score_correction_bias: ``[E]`` float, for ``routing='biased_grouped_topk'``.
-      implementation: passed to every stage (``"reference"`` or ``None``).
+      implementation: a backend name (``"reference"``, or a kernel backend such as
+        ``"pallas_triton"`` / ``"triton"``), used by every stage that has it; a stage without
+        it uses its default (``None``). ``None``: every stage's default.
 
     Returns: ``out [T, H]`` in ``x.dtype``: this rank's partial sum; the sum over EP ranks is
     the layer's output (CONTRACT.md section 6). Jit with ``static_argnames=("config",)``.
@@ -64,6 +76,11 @@ def moe_forward(
     """
     op = "moe_forward"
     check_layer_inputs(op, config, x, router_logits, w13, w2, w13_scale, w2_scale)
+    check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
+
+    def impl(stage_api) -> str | None:
+        return implementation if implementation in stage_api.IMPLEMENTATIONS else None
+
     topk_weights, topk_ids = select_experts(
         router_logits,
         topk=config.topk,
@@ -75,7 +92,7 @@ def moe_forward(
         routed_scaling_factor=config.routed_scaling_factor,
         apply_routed_scaling_factor_on_output=config.apply_routed_scaling_factor_on_output,
         num_fused_shared_experts=config.num_fused_shared_experts,
-        implementation=implementation,
+        implementation=impl(gate_api),
     )
     expert_start, e_local = config.local_expert_range()
     meta = routing_metadata(
@@ -83,15 +100,15 @@ def moe_forward(
         config.num_total_experts,
         expert_start=expert_start,
         num_local_experts=e_local,
-        implementation=implementation,
+        implementation=impl(permute_api),
     )
     quant = ACTIVATION_QUANT[config.quant]
-    xq, x_scale = permute(x, meta.dst2src, topk=config.num_slots, quant=quant, implementation=implementation)
-    h = grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype, implementation=implementation)
-    a, a_scale = act_and_mul(h, activation=config.activation, quant=quant, implementation=implementation)
-    y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype, implementation=implementation)
+    xq, x_scale = permute(x, meta.dst2src, topk=config.num_slots, quant=quant, implementation=impl(permute_api))
+    h = grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype, implementation=impl(grouped_gemm_api))
+    a, a_scale = act_and_mul(h, activation=config.activation, quant=quant, implementation=impl(activation_api))
+    y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype, implementation=impl(grouped_gemm_api))
     rsf = 1.0 if config.apply_routed_scaling_factor_on_output else config.routed_scaling_factor
-    return combine(y, meta.src2dst, topk_weights, routed_scaling_factor=rsf, out_dtype=x.dtype, implementation=implementation)
+    return combine(y, meta.src2dst, topk_weights, routed_scaling_factor=rsf, out_dtype=x.dtype, implementation=impl(combine_api))
 
 
 @takes_jax_arrays

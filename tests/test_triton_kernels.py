@@ -11,7 +11,8 @@ is set by ``conftest.py``). triton 3.6's interpreter gets two casts that the ker
 float32 -> fp8 rounds half away from zero on the mantissa without carrying into the exponent or
 saturating (triton-lang/triton#8322 shows the same for fp16 -> fp8e5). The autouse fixture
 ``exact_interpreter_casts`` replaces those two conversions, for this module only, by
-``ml_dtypes``' correctly rounded ones, with the saturation of NVIDIA's
+``ml_dtypes``' correctly rounded ones (``tests/triton_interpreter_patch.py``, shared with the
+grouped GEMM tests), with the saturation of NVIDIA's
 ``cvt.rn.satfinite.e4m3x2.f32`` for float8_e4m3fn; ``test_casts_round_like_torch`` proves the
 patched casts (and, on the GPU, the hardware casts) bit-identical to torch. Nothing else of the
 interpreter is changed, and the kernels do no bf16 arithmetic and no ``tl.dot`` (the other
@@ -28,7 +29,6 @@ import os
 import subprocess
 import sys
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -47,60 +47,18 @@ from moe_torch.ops.combine.reference import combine_reference
 from moe_torch.ops.quant.reference import per_token_group_quant_fp8_reference, per_token_quant_fp8_reference
 from moe_torch.ops.triton_common import check_triton_device
 from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
+from triton_interpreter_patch import exact_interpreter
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # --------------------------------------------------------------------------------------
-# Interpreter cast fix (CPU only)
-
-#: triton dtype name -> the numpy / ml_dtypes type with the same bits.
-_NP_FLOATS = {"fp64": np.float64, "fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16,
-              "fp8e4nv": ml_dtypes.float8_e4m3fn, "fp8e5": ml_dtypes.float8_e5m2}
-
-
-def _exact_float_cast(handle, dst_type):
-    """``handle`` cast to ``dst_type`` with round-to-nearest-even; e4m3 saturates like ``satfinite``."""
-    from triton.runtime.interpreter import TensorHandle, _get_np_dtype
-
-    src, dst = handle.dtype.scalar, dst_type.scalar
-    x = np.asarray(handle.data).view(_NP_FLOATS[src.name])
-    if dst.name == "fp8e4nv":  # finite overflow and +-inf -> +-448, NaN stays NaN (PTX cvt ... .satfinite)
-        wide = np.float64 if src.name == "fp64" else np.float32  # exact upcast, so the clip rounds nothing
-        x = np.clip(x.astype(wide), -448.0, 448.0)
-    out = x.astype(_NP_FLOATS[dst.name]).view(_get_np_dtype(dst_type))
-    return TensorHandle(out, dst)
+# Interpreter cast fix (CPU only): tests/triton_interpreter_patch.py
 
 
 @pytest.fixture(autouse=True, scope="module")
 def exact_interpreter_casts():
     """Route the interpreter's float <-> bf16 / fp8 casts through ml_dtypes (module scope only)."""
-    if not INTERPRETED:
-        yield
-        return
-    from triton.runtime.interpreter import InterpreterBuilder
-
-    orig_cast, orig_fp_to_fp = InterpreterBuilder.cast_impl, InterpreterBuilder.create_fp_to_fp
-
-    def _needs_fix(src, dst) -> bool:
-        s, d = src.dtype.scalar, dst.scalar
-        return s.is_floating() and d.is_floating() and {s.name, d.name} & {"bf16", "fp8e4nv", "fp8e5"} != set() \
-            and s.name in _NP_FLOATS and d.name in _NP_FLOATS
-
-    def cast_impl(self, src, dst_type):  # create_fp_trunc / create_fp_ext land here
-        return _exact_float_cast(src, dst_type) if _needs_fix(src, dst_type) else orig_cast(self, src, dst_type)
-
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):  # every cast to or from fp8
-        from triton._C.libtriton import ir
-
-        rtne = rounding_mode is None or rounding_mode == ir.ROUNDING_MODE.RTNE
-        if rtne and _needs_fix(src, dst_type):
-            return _exact_float_cast(src, dst_type)
-        return orig_fp_to_fp(self, src, dst_type, rounding_mode)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(InterpreterBuilder, "cast_impl", cast_impl)
-        mp.setattr(InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
+    with exact_interpreter():
         yield
 
 

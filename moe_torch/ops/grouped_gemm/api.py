@@ -9,10 +9,20 @@ import torch
 
 from moe_contract.op_checks import check_grouped_gemm
 from moe_contract.validation import check_choice
-from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
 from moe_torch.ops.common import resolve_dtype, takes_torch_tensors
+from moe_torch.ops.dispatch import dispatch
+from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
 
-IMPLEMENTATIONS = ("reference",)
+IMPLEMENTATIONS = ("triton", "reference")
+
+
+def _triton(*args):
+    """The Triton backend, imported on first use (so that ``moe_torch`` imports without triton)."""
+    try:
+        from moe_torch.ops.grouped_gemm.triton import grouped_gemm_triton
+    except ImportError as exc:
+        raise NotImplementedError(f"grouped_gemm: triton is not importable ({exc})") from exc
+    return grouped_gemm_triton(*args)
 
 
 @takes_torch_tensors
@@ -39,10 +49,14 @@ def grouped_gemm(
       w_scale: FP8 only, float32: ``[E_local]`` per-expert, ``[E_local, N]`` per-output-channel,
         or ``[E_local, ceil(N/128), ceil(K/128)]`` 128x128 blocks.
       out_dtype: result dtype; default ``x.dtype`` (bf16 for FP8 inputs).
+      implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"``
+        with a logged warning; CPU tensors: ``"reference"``), ``"triton"`` or ``"reference"``.
 
     Returns: ``y [M_cap, N]``.
 
-    Raises: ValueError (shapes, missing or unexpected scales), TypeError (dtypes).
+    Raises: ValueError (shapes, missing or unexpected scales), TypeError (dtypes),
+      NotImplementedError (``implementation="triton"`` where the kernel cannot run, e.g.
+      per-token-group scales whose group ``K // x_scale.shape[1]`` has no power-of-2 divisor >= 32).
     """
     op = "grouped_gemm"
     out_dtype = resolve_dtype(check_grouped_gemm(op, x, w, expert_offsets, x_scale, w_scale, out_dtype))
@@ -50,4 +64,6 @@ def grouped_gemm(
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if M_cap == 0:
         return torch.zeros((0, N), dtype=out_dtype, device=x.device)
-    return grouped_gemm_reference(x, w, expert_offsets, x_scale, w_scale, out_dtype)
+    args = (x, w, expert_offsets, x_scale, w_scale, out_dtype)
+    backends = {"triton": lambda: _triton(*args), "reference": lambda: grouped_gemm_reference(*args)}
+    return dispatch(op, implementation, backends, x.device)

@@ -1,0 +1,103 @@
+"""Launch config of the Triton grouped GEMM kernel (``moe_torch/ops/grouped_gemm/triton.py``).
+
+One frozen, keyword-only dataclass, the heuristic that picks it from the problem shape, and the
+rules a config must follow (STYLE.md "Configs"). Every constant says why it has its value.
+These are first, untuned values for a correct kernel; tuned tables come later, with named keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import triton
+
+#: Width of one weight-scale block along K (CONTRACT.md section 3: 128 x 128 blocks, DeepSeek-V3's
+#: ``weight_scale_inv``). A K step must not straddle two blocks, so ``block_k`` must divide it.
+W_SCALE_BLOCK = 128
+#: Smallest K extent ``tl.dot`` accepts on NVIDIA (triton 3.6 ``backends/nvidia/compiler.py:
+#: min_dot_size``): 16 for 16/32-bit operands, 32 for 8-bit ones. M and N are padded, K is not.
+MIN_BLOCK_K = {16: 16, 32: 16, 8: 32}
+#: Default K step in *bytes* per row: 128 B is one full 128-byte swizzled shared-memory line for
+#: the Hopper tensor cores (64 bf16, 128 fp8, 32 fp32 elements).
+K_STEP_BYTES = 128
+#: Widest N tile: 128 columns x 64 rows x float32 is 32 KiB of accumulator over 4 warps
+#: (64 registers per thread), the usual Hopper wgmma tile without spilling.
+MAX_BLOCK_N = 128
+#: Row tile bounds: 16 is the M of ``mma.sync.m16n8k16`` (smaller tiles are padded and waste the
+#: tensor core); 64 rows is one warpgroup's wgmma M. With 4 warps triton 3.6 emits Hopper's
+#: ``wgmma`` only for 64-row tiles; 16- and 32-row tiles use ``mma.sync`` (FP8 operands upcast
+#: exactly to fp16 first), slower per FLOP but less padding for small experts (decode). Read off the
+#: PTX of ``tests/test_triton_grouped_gemm.py::test_compiles_for_sm90``; to be tuned on the H200.
+MIN_BLOCK_M = 16
+MAX_BLOCK_M = 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupedGemmConfig:
+    """``block_m`` rows x ``block_n`` columns of ``y [M_cap, N]`` per program, walking K in
+    ``block_k`` steps. All three are powers of 2; ``block_k`` must be at least the ``tl.dot``
+    minimum (16, or 32 for FP8) and, for FP8 with per-step scales (per-token-group activations,
+    128x128 weight blocks), divide the scale's K group so that each step lies in one group."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def _pow2_divisor(n: int) -> int:
+    """The largest power of 2 dividing ``n > 0``."""
+    return n & -n
+
+
+def k_step_limit(x_group: int | None, w_block: bool) -> int | None:
+    """Largest ``block_k`` allowed by the per-step scales (``None``: no limit).
+
+    ``x_group``: the activations' per-token-group width ``G`` (``None`` without group scales);
+    ``w_block``: 128x128 weight-scale blocks. ``block_k`` is a power of 2, so it must divide the
+    power-of-2 part of ``G`` and of 128.
+    """
+    limits = ([_pow2_divisor(x_group)] if x_group else []) + ([W_SCALE_BLOCK] if w_block else [])
+    return min(limits) if limits else None
+
+
+def check_config(op: str, cfg: GroupedGemmConfig, bits: int, x_group: int | None, w_block: bool) -> None:
+    """``ValueError`` if ``cfg`` breaks the rules of :class:`GroupedGemmConfig` for this problem."""
+    pow2 = all(b > 0 and b & (b - 1) == 0 for b in (cfg.block_m, cfg.block_n, cfg.block_k))
+    limit = k_step_limit(x_group, w_block)
+    if not pow2 or cfg.block_k < MIN_BLOCK_K[bits] or (limit is not None and limit % cfg.block_k):
+        raise ValueError(
+            f"{op}: config must have power-of-2 blocks, block_k >= {MIN_BLOCK_K[bits]} (tl.dot on {bits}-bit operands)"
+            + (f" and block_k dividing {limit} (one scale group per K step)" if limit else "")
+            + f"; got {cfg}"
+        )
+
+
+def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: int | None = None,
+                        w_block: bool = False) -> GroupedGemmConfig:
+    """Heuristic config for ``x [M_cap, K] x w [E, N, K] -> y [M_cap, N]`` with ``bits``-wide inputs.
+
+    Raises: NotImplementedError when the scale groups are too narrow for ``tl.dot`` (a K step
+    must lie inside one scale group, and ``tl.dot`` needs ``block_k >= MIN_BLOCK_K[bits]``).
+    """
+    limit = k_step_limit(x_group, w_block)
+    block_k = K_STEP_BYTES * 8 // bits
+    if limit is not None:
+        if limit < MIN_BLOCK_K[bits]:
+            raise NotImplementedError(
+                f"grouped_gemm: per-token-group scales of width G={x_group} need a K step dividing {limit}, below "
+                f"tl.dot's minimum K of {MIN_BLOCK_K[bits]} for {bits}-bit operands"
+            )
+        block_k = min(block_k, limit)
+    # No wider than K needs (small test and decode shapes), never below tl.dot's minimum.
+    block_k = max(MIN_BLOCK_K[bits], min(block_k, triton.next_power_of_2(max(K, 1))))
+    # Rows per tile from the average rows per expert (M_cap is the only size known without a
+    # host sync): each expert adds at most one partly-filled tile, so small experts want small tiles.
+    rows_per_expert = math.ceil(max(M_cap, 1) / max(E, 1))
+    block_m = max(MIN_BLOCK_M, min(MAX_BLOCK_M, triton.next_power_of_2(rows_per_expert)))
+    block_n = max(16, min(MAX_BLOCK_N, triton.next_power_of_2(max(N, 1))))
+    # 4 warps: one warpgroup, the unit of a Hopper wgmma. 3 stages: the K loop's loads pipelined
+    # through shared memory, 3 x (64 x 128 B + 128 x 128 B) = 72 KiB, well under sm_90's 227 KiB.
+    return GroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)

@@ -1,0 +1,292 @@
+"""Triton kernel for the grouped GEMM ``y[m] = x[m] @ w[e(m)].T`` (CONTRACT.md section 4).
+
+Shapes (contract names): ``x [M_cap, K]``, ``w [E, N, K]`` (out, in; K-major),
+``expert_offsets [E + 1]`` int32 -> ``y [M_cap, N]``. Rows ``[offsets[e], offsets[e+1])`` use
+``w[e]``; rows ``>= offsets[-1]`` (and ``< offsets[0]``) are never read nor written by the kernel,
+and are zero in the result because the launcher allocates ``y`` with zeros (as the reference).
+
+Dataflow of one program (one row tile of one expert x one ``BLOCK_N`` column tile)::
+
+    acc [BLOCK_M, BLOCK_N] float32 = 0
+    for k0 in range(0, K, BLOCK_K):
+        a = x[rows, k0:k0+BLOCK_K]       rows not owned by this expert masked to 0
+        b = w[e, cols, k0:k0+BLOCK_K].T  [BLOCK_K, BLOCK_N] (K-major in memory)
+        16/32-bit: acc = tl.dot(a, b, acc)                        (float32 accumulation)
+        FP8 with per-step scales (per-token-group x, 128x128 blocks of w):
+                   acc += tl.dot(a, b) * x_scale[rows, k0 // G] * w_scale[e, cols // 128, k0 // 128]
+    FP8: acc *= x_scale (per-tensor [] or per-row [M_cap, 1], indexed BY ROW) * w_scale (per-expert
+         [E] or per-output-channel [E, N], of this program's expert)
+    y[rows owned, cols < N] = cast_rne(acc)
+
+The activation scale is always indexed by the permuted *row* ``m``, never by the expert id
+(SGLang's EP-MoE once indexed a per-token scale by expert; that bug is why this project exists).
+
+Tile-to-expert mapping (static grid, no host sync, CUDA-graph capturable), after megablox's
+group metadata (jax@jax/experimental/pallas/ops/tpu/megablox/gmm.py: ``make_group_metadata``,
+grid bound ``m_tiles + num_groups - 1``), computed inside every program instead of beforehand:
+
+1. Row tiles are ``[t*BLOCK_M, (t+1)*BLOCK_M)``. Expert ``e`` owns rows ``[s_e, t_e)`` (offsets
+   clamped to ``[0, M_cap]``), so it touches row tiles ``s_e // BLOCK_M .. (t_e - 1) // BLOCK_M``:
+   ``n_e`` tiles, ``n_e = 0`` for an empty expert.
+2. A *work item* is a pair (row tile, expert) with a non-empty intersection. Work items are
+   numbered expert by expert: expert ``e`` has items ``[P_e, P_e + n_e)``, ``P_e = sum_{e' < e} n_e'``
+   (a ``tl.cumsum`` over the ``E + 1`` offsets, loaded as one small vector by every program).
+3. The number of work items is at most ``cdiv(M_cap, BLOCK_M) + E - 1``: each tile is counted
+   once, plus once more for every expert boundary inside it. That is the static size of grid
+   axis 0; program ``p >= sum_e n_e`` has no work and does nothing.
+4. Program ``p`` finds its expert by a vectorised search: ``e = #{e : P_e + n_e <= p}`` (the
+   inclusive prefix sums are non-decreasing, so this counts exactly the experts before ``p``'s).
+   Its tile is ``s_e // BLOCK_M + (p - P_e)``.
+5. It computes the whole tile with ``w[e]`` but loads and stores only the rows ``r`` of the tile
+   with ``s_e <= r < t_e``. A tile straddling two experts is therefore computed by two programs,
+   each writing only its own rows with its own expert's weights. Empty experts get no work item
+   (they cost one vector lane of the search); rows ``>= offsets[-1]`` belong to no expert.
+
+Grid: ``(cdiv(M_cap, BLOCK_M) + E - 1, cdiv(N, BLOCK_N))``; axis 0 (work items) is the fastest
+varying in launch order, so the programs resident together share one ``BLOCK_N`` slice of one
+expert's weights (L2 reuse). Offsets ``row * stride`` and ``e * N * K`` are int64 (both pass
+2**31: ``M_cap * K`` at 300k rows of H=7168, ``E * N * K`` at E=256, N=7168, K=2048).
+
+Precondition (not checked: that would need a host sync): ``expert_offsets`` non-decreasing, as
+``routing_metadata`` makes them; values outside ``[0, M_cap]`` are clamped, never dereferenced.
+
+Must match ``moe_torch/ops/grouped_gemm/reference.py`` within CONTRACT.md section 7.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_torch.ops.grouped_gemm.config import W_SCALE_BLOCK, GroupedGemmConfig, check_config, grouped_gemm_config
+from moe_torch.ops.quant.reference import FP8_DTYPE
+from moe_torch.ops.triton_common import check_triton_device
+
+#: ``x_scale`` layout -> the kernel's ``X_SCALE`` constexpr.
+X_SCALE_CODES = {None: 0, "per_tensor": 1, "per_token": 2, "per_token_group": 3}
+#: ``w_scale`` layout -> the kernel's ``W_SCALE`` constexpr.
+W_SCALE_CODES = {None: 0, "per_expert": 1, "per_channel": 2, "block": 3}
+# The same codes as constexprs, for the kernel's comparisons (triton only reads constexpr globals).
+_XS_NONE, _XS_TENSOR, _XS_ROW, _XS_GROUP = (tl.constexpr(c) for c in X_SCALE_CODES.values())
+_WS_NONE, _WS_EXPERT, _WS_CHANNEL, _WS_BLOCK = (tl.constexpr(c) for c in W_SCALE_CODES.values())
+#: CUDA's limit on grid axis 1 (axis 0 goes to 2**31 - 1 and carries the work items).
+_MAX_GRID_AXIS_1 = 65535
+#: Vector width of the offsets search: ``E + 1`` offsets in one ``tl.arange``. 4096 experts is
+#: far beyond any model (DeepSeek-V3: 256); more would make every program's search costly.
+_MAX_EXPERTS = 4095
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    x_ptr,  # [M_cap, K] float32 / bf16 / fp16, or float8_e4m3fn codes; unit column stride
+    w_ptr,  # [E, N, K] same dtype as x (fp8 codes with fp8 x); unit stride along K
+    offsets_ptr,  # [E + 1] int32 expert_offsets, non-decreasing
+    x_scale_ptr,  # FP8: float32 [] / [M_cap, 1] / [M_cap, K // G] dequant multipliers (unused otherwise)
+    w_scale_ptr,  # FP8: float32 [E] / [E, N] / [E, cdiv(N, 128), cdiv(K, 128)] (unused otherwise)
+    out_ptr,  # [M_cap, N] out dtype (float32 / bf16 / fp16); unit column stride
+    M_cap,  # int: rows of x and y
+    N,  # int: output columns
+    K,  # int: reduction size
+    E,  # int: experts (E_local)
+    stride_xm,  # int: x.stride(0)
+    stride_we,  # int: w.stride(0)
+    stride_wn,  # int: w.stride(1)
+    stride_om,  # int: out.stride(0)
+    stride_xsm,  # int: x_scale.stride(0) (2-D scales)
+    stride_xsk,  # int: x_scale.stride(1) (per-token-group)
+    stride_wse,  # int: w_scale.stride(0)
+    stride_wsn,  # int: w_scale.stride(1) (per-channel, block)
+    stride_wsk,  # int: w_scale.stride(2) (block)
+    X_SCALE: tl.constexpr,  # 0 none, 1 per-tensor, 2 per-row, 3 per-token-group
+    W_SCALE: tl.constexpr,  # 0 none, 1 per-expert, 2 per-output-channel, 3 128x128 blocks
+    X_GROUP: tl.constexpr,  # per-token-group width G (X_SCALE == 3), else 1
+    W_BLOCK: tl.constexpr,  # weight-scale block width (128) (W_SCALE == 3), else 1
+    IEEE_F32: tl.constexpr,  # bool: float32 operands, multiplied in full float32 (no TF32)
+    BLOCK_E: tl.constexpr,  # next_power_of_2(E + 1): the offsets search vector
+    BLOCK_M: tl.constexpr,  # rows per tile (power of 2)
+    BLOCK_N: tl.constexpr,  # columns per tile (power of 2)
+    BLOCK_K: tl.constexpr,  # K step (power of 2; divides X_GROUP's and W_BLOCK's powers of 2)
+):
+    """Grid ``(cdiv(M_cap, BLOCK_M) + E - 1, cdiv(N, BLOCK_N))``; program ``(p, pid_n)`` computes
+    work item ``p`` (row tile, expert; see the module docstring) for columns
+    ``[pid_n*BLOCK_N, +BLOCK_N)`` and writes only the rows of that tile that the expert owns."""
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+
+    # Steps 1-2: tiles per expert and their prefix sums, from the offsets (clamped to [0, M_cap]).
+    e_ids = tl.arange(0, BLOCK_E)
+    e_valid = e_ids < E
+    starts = tl.load(offsets_ptr + e_ids, mask=e_valid, other=0)
+    ends = tl.load(offsets_ptr + e_ids + 1, mask=e_valid, other=0)
+    starts = tl.minimum(tl.maximum(starts, 0), M_cap)
+    ends = tl.minimum(tl.maximum(ends, 0), M_cap)
+    nonempty = ends > starts
+    first_tile = starts // BLOCK_M
+    n_tiles = tl.where(nonempty, (ends - 1) // BLOCK_M - first_tile + 1, 0)
+    incl = tl.cumsum(n_tiles, axis=0)  # P_e + n_e
+    total = tl.sum(n_tiles, axis=0)
+
+    if p < total:  # step 3: programs past the last work item do nothing
+        # Step 4: this program's expert and tile (scalars pulled out of the vectors by a masked sum).
+        e = tl.sum((incl <= p).to(tl.int32), axis=0)
+        this = e_ids == e
+        row_start = tl.sum(tl.where(this, starts, 0), axis=0)
+        row_end = tl.sum(tl.where(this, ends, 0), axis=0)
+        tile = tl.sum(tl.where(this, first_tile + n_tiles - incl, 0), axis=0) + p  # s_e // BM + (p - P_e)
+
+        # Step 5: the tile's rows, of which this expert owns [row_start, row_end).
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = (rows >= row_start) & (rows < row_end)
+        rows64 = rows.to(tl.int64)  # int64: row * stride_xm passes 2**31 for large M_cap * K
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        cols64 = cols.to(tl.int64)
+        e64 = e.to(tl.int64)  # int64: e * N * K passes 2**31 (E=256, N=7168, K=2048)
+        offs_k = tl.arange(0, BLOCK_K)
+
+        x_rows = x_ptr + rows64[:, None] * stride_xm  # [BLOCK_M, 1]
+        w_cols = w_ptr + e64 * stride_we + cols64[None, :] * stride_wn  # [1, BLOCK_N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < K
+            a = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            if X_SCALE == _XS_GROUP or W_SCALE == _WS_BLOCK:
+                # Each K step lies in one scale group: scale its partial sum before accumulating.
+                # max_num_imprecise_acc=BLOCK_K: the fp8 tensor-core sum is promoted to float32
+                # every step (DeepSeek-V3 report, sec. 3.3.2, "increasing accumulation precision").
+                part = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
+                if X_SCALE == _XS_GROUP:
+                    sx = tl.load(x_scale_ptr + rows64 * stride_xsm + (k0 // X_GROUP) * stride_xsk, mask=row_mask,
+                                 other=0.0)
+                    part = part * sx[:, None]
+                if W_SCALE == _WS_BLOCK:
+                    sw = tl.load(w_scale_ptr + e64 * stride_wse + (cols // W_BLOCK) * stride_wsn
+                                 + (k0 // W_BLOCK) * stride_wsk, mask=col_mask, other=0.0)
+                    part = part * sw[None, :]
+                acc += part
+            elif IEEE_F32:
+                acc = tl.dot(a, b, acc, input_precision="ieee")  # TF32 would miss float32 accuracy
+            elif X_SCALE != _XS_NONE:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)  # FP8: promoted every step, as above
+            else:
+                acc = tl.dot(a, b, acc)  # bf16 / fp16 tensor cores, float32 accumulation
+
+        # Scales constant over K, applied once.
+        if X_SCALE == _XS_TENSOR:
+            acc = acc * tl.load(x_scale_ptr)
+        if X_SCALE == _XS_ROW:
+            acc = acc * tl.load(x_scale_ptr + rows64 * stride_xsm, mask=row_mask, other=0.0)[:, None]  # BY ROW
+        if W_SCALE == _WS_EXPERT:
+            acc = acc * tl.load(w_scale_ptr + e64 * stride_wse)
+        if W_SCALE == _WS_CHANNEL:
+            acc = acc * tl.load(w_scale_ptr + e64 * stride_wse + cols64 * stride_wsn, mask=col_mask, other=0.0)[None, :]
+
+        out_ptrs = out_ptr + rows64[:, None] * stride_om + cols64[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def scale_layouts(x: torch.Tensor, x_scale, w_scale) -> tuple[str | None, str | None, int | None]:
+    """Names of validated FP8 scale layouts: ``(x layout, w layout, G)``, ``G`` the per-token-group
+    width (``None`` otherwise). A ``[M_cap, 1]`` scale is per-token (one group of K columns)."""
+    if x_scale is None:
+        return None, None, None
+    if x_scale.ndim == 0:
+        x_layout, group = "per_tensor", None
+    elif x_scale.shape[1] == 1:
+        x_layout, group = "per_token", None
+    else:
+        x_layout, group = "per_token_group", x.shape[1] // x_scale.shape[1]
+    return x_layout, {1: "per_expert", 2: "per_channel", 3: "block"}[w_scale.ndim], group
+
+
+def grouped_gemm_triton(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    w_scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: GroupedGemmConfig | None = None,
+) -> torch.Tensor:
+    """``x [M_cap, K]``, ``w [E, N, K]``, ``expert_offsets [E + 1]`` int32 -> ``y [M_cap, N]`` ``out_dtype``;
+    arguments as :func:`moe_torch.ops.grouped_gemm.api.grouped_gemm` (already validated there).
+
+    ``y`` is allocated here, with zeros: rows outside ``[offsets[0], offsets[-1])`` stay 0 (the
+    kernel never writes them). The inputs are only read. No host sync: the grid is sized by
+    ``M_cap`` and ``E``, and ``expert_offsets`` is read by the kernel.
+
+    Raises: NotImplementedError (no CUDA and no interpreter; FP8 before sm_89; per-token-group
+      scales too narrow for ``tl.dot``; ``expert_offsets`` on another device; more than 4095
+      experts; too many column tiles),
+      ValueError (a given ``config`` that breaks the rules of :class:`GroupedGemmConfig`).
+    """
+    out = torch.zeros((x.shape[0], w.shape[1]), dtype=out_dtype, device=x.device)
+    return _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config)
+
+
+def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config):
+    """Run the kernel into ``out [M_cap, N]`` (unit column stride); writes only owned rows and ``cols < N``.
+
+    Separate from :func:`grouped_gemm_triton` so that tests can hand a poisoned, over-allocated
+    view and see exactly which elements the kernel writes."""
+    fp8 = x.dtype == FP8_DTYPE
+    check_triton_device(op, x.device, _grouped_gemm_kernel, needs_fp8=fp8)
+    M_cap, K = x.shape
+    E, N, _ = w.shape
+    if expert_offsets.device != x.device:  # the kernel reads the offsets itself (no host sync)
+        raise NotImplementedError(f"{op}: the Triton kernel needs expert_offsets on x's device ({x.device}); "
+                                  f"got {expert_offsets.device}")
+    if E > _MAX_EXPERTS:
+        raise NotImplementedError(f"{op}: the Triton kernel's expert search serves at most {_MAX_EXPERTS} experts; got E={E}")
+    # Unit stride along K is what the kernel indexes; copies leave the caller's tensors alone.
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(2) == 1 else w.contiguous()
+    expert_offsets = expert_offsets.contiguous()
+    x_layout, w_layout, group = scale_layouts(x, x_scale, w_scale)
+    bits = x.element_size() * 8
+    w_block = w_layout == "block"
+    cfg = config or grouped_gemm_config(M_cap, N, K, E, bits, group, w_block)
+    check_config(op, cfg, bits, group, w_block)
+    grid = (triton.cdiv(M_cap, cfg.block_m) + E - 1, triton.cdiv(N, cfg.block_n))
+    if grid[1] > _MAX_GRID_AXIS_1:
+        raise NotImplementedError(f"{op}: {grid[1]} column tiles exceed CUDA's grid axis 1 limit {_MAX_GRID_AXIS_1}")
+    if M_cap == 0 or N == 0 or E == 0:
+        return out  # nothing to compute: every row stays 0
+    xs = x_scale if x_scale is not None else out  # never read without FP8
+    ws = w_scale if w_scale is not None else out
+    xs_strides = (*xs.stride(), 0, 0)[:2] if x_scale is not None else (0, 0)  # () for a per-tensor scale
+    ws_strides = (*ws.stride(), 0, 0)[:3] if w_scale is not None else (0, 0, 0)
+    _grouped_gemm_kernel[grid](
+        x,
+        w,
+        expert_offsets,
+        xs,
+        ws,
+        out,
+        M_cap,
+        N,
+        K,
+        E,
+        x.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        xs_strides[0],
+        xs_strides[1],
+        *ws_strides,
+        X_SCALE=X_SCALE_CODES[x_layout],
+        W_SCALE=W_SCALE_CODES[w_layout],
+        X_GROUP=group or 1,
+        W_BLOCK=W_SCALE_BLOCK if w_block else 1,
+        IEEE_F32=x.dtype == torch.float32,
+        BLOCK_E=triton.next_power_of_2(E + 1),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,511 @@
+"""The Triton grouped GEMM (``moe_torch/ops/grouped_gemm/triton.py``) against the torch reference
+and a float64 numpy loop (CONTRACT.md sections 4 and 7), for every dtype and FP8 scale layout it
+serves, plus the project's named bug cases and the tile-to-expert mapping's edges.
+
+On the CPU (``EPMOE_TEST_DEVICE=cpu``) the kernel runs in Triton's interpreter with
+``tests/triton_interpreter_patch.py`` active for this module: exact float casts, and a ``tl.dot``
+that upcasts bf16 / fp16 / fp8 operands to float32 before the numpy matmul (the interpreter's own
+multiplies bf16 bit patterns, triton-lang/triton#11584). On the GPU machine
+(``EPMOE_TEST_DEVICE=gpu``) the same tests run compiled, unpatched. Shapes are small: the
+interpreter runs every program in Python, and CI has 2 cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import moe_torch
+from common import TORCH_DEVICE, to_torch
+from moe_torch.ops.grouped_gemm import api as gemm_api
+from moe_torch.ops.grouped_gemm.config import GroupedGemmConfig, check_config, grouped_gemm_config
+from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
+from moe_torch.ops.grouped_gemm.triton import _launch, grouped_gemm_triton
+from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
+from triton_interpreter_patch import exact_interpreter
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(autouse=True, scope="module")
+def exact_interpreter_casts_and_dot():
+    """Exact casts and a float32 ``tl.dot`` in the interpreter, for this module only (no-op on the GPU)."""
+    with exact_interpreter(dot=True):
+        yield
+
+
+# --------------------------------------------------------------------------------------
+# Helpers
+
+
+def float64_grouped_gemm(x: np.ndarray, w: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """float64 ``y[m] = x[m] @ w[e(m)].T``, rows outside ``[offsets[0], offsets[-1])`` zero."""
+    y = np.zeros((x.shape[0], w.shape[1]))
+    for e in range(w.shape[0]):
+        s, t = offsets[e], offsets[e + 1]
+        y[s:t] = x[s:t].astype(np.float64) @ w[e].astype(np.float64).T
+    return y
+
+
+def make_problem(seed: int, counts: list[int], m_cap: int, K: int, N: int):
+    """x [m_cap, K] ~ N(0, 1), w [E, N, K] ~ N(0, 1/K) (O(1) outputs), offsets from ``counts``;
+    rows of x past ``sum(counts)`` are NaN (unused capacity: never read)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m_cap, K)).astype(np.float32)
+    w = (rng.standard_normal((len(counts), N, K)) / np.sqrt(K)).astype(np.float32)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    assert offsets[-1] <= m_cap
+    x[offsets[-1]:] = np.nan
+    return x, w, offsets
+
+
+def quantize_x(x: torch.Tensor, layout: str, group: int = 128):
+    """FP8 activations and their scale: ``[]`` per-tensor, ``[M_cap, 1]`` per-token, ``[M_cap, K // G]``."""
+    if layout == "per_tensor":
+        finite = x[torch.isfinite(x).all(dim=1)]
+        scale = (finite.abs().max().float() / 448.0).reshape(())
+        return moe_torch.static_quant_fp8(x, scale), scale
+    if layout == "per_token":
+        return moe_torch.per_token_quant_fp8(x)
+    return moe_torch.per_token_group_quant_fp8(x, group)
+
+
+def poisoned_launch(x, w, offsets, x_scale, w_scale, out_dtype, config=None):
+    """Run the kernel into a NaN-filled buffer one row and 15 columns larger than ``y [M_cap, N]``,
+    viewed as ``y`` (row stride ``N + 15``); return ``(buffer, view)``. What the kernel does not
+    write stays NaN: the guard columns, the guard row, and rows it must not touch."""
+    M_cap, N = x.shape[0], w.shape[1]
+    buf = torch.full((M_cap + 1, N + 15), float("nan"), dtype=out_dtype, device=x.device)
+    view = buf[:M_cap, :N]
+    _launch("grouped_gemm", x, w, offsets, x_scale, w_scale, view, config)
+    return buf, view
+
+
+def assert_guards_untouched(buf: torch.Tensor, M_cap: int, N: int) -> None:
+    assert torch.isnan(buf[:, N:].float()).all(), "nothing written past column N - 1"
+    assert torch.isnan(buf[M_cap].float()).all(), "nothing written past row M_cap - 1"
+
+
+# --------------------------------------------------------------------------------------
+# Float inputs
+
+# counts per expert, M_cap, K, N; the comment says which edge.
+SHAPES = {
+    "one-row": ([1], 1, 64, 32),  # M = 1 (decode), one expert
+    "odd-K-N": ([3, 0, 5], 8, 33, 17),  # odd K and N (masked K tail and N tail), an empty expert
+    "prime-E-empties": ([0, 4, 0, 0, 9, 1, 0], 16, 64, 48),  # prime E = 7, empty experts, unused capacity
+    "all-on-one": ([0, 0, 12, 0], 12, 128, 64),  # every row on one expert, K over two K steps
+    "many-tiles": ([30, 1, 0, 40], 80, 48, 144),  # several row tiles per expert, N over two column tiles
+    "unused-capacity": ([2, 3], 32, 32, 16),  # rows >= M (NaN in x) stay zero
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_float(shape, dtype):
+    """float32 output (out_dtype=float32) within F32_REL_FRO of the torch reference; the default
+    output in x.dtype within the bf16 row (F32 for float32) of float64 on the same (rounded)
+    values and equal to the cast of the float32 one up to one rounding of summation-order noise;
+    rows >= M exactly zero; inputs untouched."""
+    counts, m_cap, K, N = SHAPES[shape]
+    x_np, w_np, off_np = make_problem(len(shape) * 7 + K, counts, m_cap, K, N)
+    x, w, offsets = to_torch(x_np, dtype), to_torch(w_np, dtype), to_torch(off_np)
+    before = [t.clone() for t in (x, w, offsets)]
+    ref64 = float64_grouped_gemm(to_numpy(x).astype(np.float64), to_numpy(w).astype(np.float64), off_np)
+    M = int(off_np[-1])
+
+    f32 = moe_torch.grouped_gemm(x, w, offsets, out_dtype=torch.float32, implementation="triton")
+    assert f32.shape == (m_cap, N) and f32.dtype == torch.float32
+    ref32 = grouped_gemm_reference(x, w, offsets, None, None, torch.float32)
+    assert_rel_fro(f32[:M], ref32[:M], F32_REL_FRO, "float32 output vs torch reference")
+    assert_rel_fro(f32, ref64, F32_REL_FRO, "float32 output vs float64")
+    assert not f32[M:].any(), "rows >= M are zero"
+
+    y = moe_torch.grouped_gemm(x, w, offsets, implementation="triton")
+    assert y.dtype == DTYPES[dtype] and y.shape == (m_cap, N)
+    assert_rel_fro(y, ref64, F32_REL_FRO if dtype == "float32" else BF16_REL_FRO, f"{dtype} output vs float64")
+    assert torch.isfinite(y.float()).all() and not y[M:].float().any()
+    for t, b in zip((x, w, offsets), before):
+        assert_exact(t, b, "input unchanged")  # bit patterns: the NaN rows compare equal
+
+
+def test_no_rows_at_all():
+    """All experts empty (offsets all 0): every row is zero, nothing is computed."""
+    x_np, w_np, off_np = make_problem(1, [0, 0, 0], 8, 32, 16)
+    y = moe_torch.grouped_gemm(to_torch(x_np, "bfloat16"), to_torch(w_np, "bfloat16"), to_torch(off_np),
+                               implementation="triton")
+    assert y.shape == (8, 16) and not y.float().any()
+
+
+def test_zero_capacity():
+    """M_cap = 0: the API's early return (the kernel is not launched)."""
+    y = moe_torch.grouped_gemm(to_torch(np.zeros((0, 16), np.float32)), to_torch(np.ones((2, 8, 16), np.float32)),
+                               to_torch(np.zeros(3, np.int32)), implementation="triton")
+    assert y.shape == (0, 8)
+
+
+# --------------------------------------------------------------------------------------
+# FP8 (w8a8), every scale combination
+
+X_LAYOUTS = ["per_tensor", "per_token", "per_token_group"]
+W_LAYOUTS = ["per_expert", "per_channel", "block"]
+
+
+@pytest.mark.parametrize("x_layout,w_layout", list(itertools.product(X_LAYOUTS, W_LAYOUTS)))
+def test_fp8_every_scale_layout(x_layout, w_layout):
+    """FP8 codes x scales: float32 output within F32_REL_FRO of the torch reference (the product of
+    the dequantized inputs: only float32 rounding differs, block scales per K block included);
+    default bf16 output within FP8_REL_FRO of float64 on the dequantized inputs; rows >= M zero
+    though their codes and scales are NaN."""
+    counts, m_cap, K, N = [5, 0, 11, 3], 24, 256, 160  # N not a multiple of 128: a partial weight block
+    x_np, w_np, off_np = make_problem(11, counts, m_cap, K, N)
+    M = int(off_np[-1])
+    xq, xs = quantize_x(to_torch(x_np), x_layout)
+    if xs.ndim == 2:
+        xs[M:] = float("nan")  # unused capacity: the scales too are garbage
+    wq, ws = moe_torch.quantize_weight_fp8(to_torch(w_np), w_layout)
+    offsets = to_torch(off_np)
+    ref64 = float64_grouped_gemm(to_numpy(moe_torch.dequantize_fp8(xq, xs)).astype(np.float64),
+                                 to_numpy(moe_torch.dequantize_weight_fp8(wq, ws)).astype(np.float64), off_np)
+
+    f32 = moe_torch.grouped_gemm(xq, wq, offsets, x_scale=xs, w_scale=ws, out_dtype=torch.float32,
+                                 implementation="triton")
+    ref32 = grouped_gemm_reference(xq, wq, offsets, xs, ws, torch.float32)
+    assert_rel_fro(f32[:M], ref32[:M], F32_REL_FRO, f"fp8 {x_layout} x {w_layout}: float32 vs torch reference")
+    y = moe_torch.grouped_gemm(xq, wq, offsets, x_scale=xs, w_scale=ws, implementation="triton")
+    assert y.dtype == torch.bfloat16 and y.shape == (m_cap, N)
+    assert_rel_fro(y, ref64, FP8_REL_FRO, f"fp8 {x_layout} x {w_layout}: bf16 vs float64")
+    assert torch.isfinite(y.float()).all() and not y[M:].float().any()
+
+
+def test_fp8_activation_scale_indexed_by_row_not_expert():
+    """The SGLang bug this project exists to avoid: a per-token scale indexed by expert id. Here
+    every row has its own scale 2^r on codes all equal to 1 and weights 1: y[r, :] = K * 2^r.
+    Indexing by expert would give 2^e (0 or 1 here) on every row of an expert."""
+    M, K, N = 6, 32, 16
+    xq = to_torch(np.ones((M, K), np.float32)).to(FP8)
+    xs = to_torch(np.exp2(np.arange(M, dtype=np.float32))[:, None])
+    wq = to_torch(np.ones((2, N, K), np.float32)).to(FP8)
+    ws = to_torch(np.ones(2, np.float32))
+    y = moe_torch.grouped_gemm(xq, wq, to_torch(np.array([0, 3, 6], np.int32)), x_scale=xs, w_scale=ws,
+                               out_dtype=torch.float32, implementation="triton")
+    assert_exact(y, to_torch(np.repeat(K * np.exp2(np.arange(M, dtype=np.float32))[:, None], N, axis=1)),
+                 "y[r] = K * x_scale[r]")
+
+
+def test_fp8_block_scales_applied_per_k_block():
+    """Block scales scale each 128-wide K block's partial sum: two K blocks whose weight scales
+    differ by ~2^20, checked against the blockwise formula in float64."""
+    rng = np.random.default_rng(0)
+    N = 128
+    x = np.concatenate([rng.standard_normal((4, 128)), 1e-3 * rng.standard_normal((4, 128))], 1).astype(np.float32)
+    w = np.concatenate([rng.standard_normal((1, N, 128)), 1e3 * rng.standard_normal((1, N, 128))], 2).astype(np.float32)
+    xq, xs = moe_torch.per_token_group_quant_fp8(to_torch(x), 128)
+    wq, ws = moe_torch.quantize_weight_fp8(to_torch(w), "block")
+    qx, qw = to_numpy(xq).astype(np.float64), to_numpy(wq).astype(np.float64)[0]
+    sx, sw = to_numpy(xs).astype(np.float64), to_numpy(ws).astype(np.float64)[0]
+    blockwise = sum((qx[:, b * 128:(b + 1) * 128] @ qw[:, b * 128:(b + 1) * 128].T) * sx[:, b:b + 1] * sw[0, b]
+                    for b in range(2))
+    y = moe_torch.grouped_gemm(xq, wq, to_torch(np.array([0, 4], np.int32)), x_scale=xs, w_scale=ws,
+                               out_dtype=torch.float32, implementation="triton")
+    assert_rel_fro(y, blockwise, F32_REL_FRO, "blockwise")
+
+
+def test_fp8_group_64_and_narrow_groups(caplog):
+    """Per-token-group G = 64 runs with a 64-wide K step; G = 16 is narrower than tl.dot's FP8
+    minimum K (32): NotImplementedError with the reason for ``implementation="triton"``, and the
+    default implementation serves it anyway (on CUDA by falling back, logged)."""
+    x_np, w_np, off_np = make_problem(3, [7, 9], 16, 128, 32)
+    wq, ws = moe_torch.quantize_weight_fp8(to_torch(w_np), "block")
+    offsets = to_torch(off_np)
+    xq, xs = quantize_x(to_torch(x_np), "per_token_group", 64)
+    y = moe_torch.grouped_gemm(xq, wq, offsets, x_scale=xs, w_scale=ws, out_dtype=torch.float32, implementation="triton")
+    assert_rel_fro(y, grouped_gemm_reference(xq, wq, offsets, xs, ws, torch.float32), F32_REL_FRO, "G = 64")
+    xq, xs = quantize_x(to_torch(x_np), "per_token_group", 16)
+    with pytest.raises(NotImplementedError, match="grouped_gemm: per-token-group scales of width G=16"):
+        moe_torch.grouped_gemm(xq, wq, offsets, x_scale=xs, w_scale=ws, implementation="triton")
+    with caplog.at_level(logging.WARNING, logger="moe_torch"):
+        y = moe_torch.grouped_gemm(xq, wq, offsets, x_scale=xs, w_scale=ws)
+    assert_exact(y, grouped_gemm_reference(xq, wq, offsets, xs, ws, torch.bfloat16), "default implementation")
+    assert ("cannot serve" in caplog.text) == (TORCH_DEVICE == "cuda")
+
+
+# --------------------------------------------------------------------------------------
+# The named bug cases
+
+
+def _exact_inputs(kind: str, x: np.ndarray, w: np.ndarray):
+    """(x, w, x_scale, w_scale) of small integers / powers of 2, exact in every kind."""
+    if kind == "fp8":
+        return (to_torch(x).to(FP8), to_torch(w).to(FP8), to_torch(np.array(1.0, np.float32)),
+                to_torch(np.ones(w.shape[0], np.float32)))
+    return to_torch(x, kind), to_torch(w, kind), None, None
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
+def test_bug_n_not_multiple_of_tile(kind):
+    """(1) N = 33 is not a multiple of the column tile: 4 rows over 2 experts, row i of x is 2^i,
+    weights all ones, K = 64 -> y[i, :] = 64 * 2^i exactly, and nothing is written past column 32
+    (nor past the last row) of an over-allocated NaN buffer viewed as the output."""
+    M, K, N = 4, 64, 33
+    x = np.repeat(np.exp2(np.arange(M, dtype=np.float32))[:, None], K, axis=1)
+    xt, wt, xs, ws = _exact_inputs(kind, x, np.ones((2, N, K), np.float32))
+    offsets = to_torch(np.array([0, 2, 4], np.int32))
+    want = to_torch(np.repeat(64 * np.exp2(np.arange(M, dtype=np.float32))[:, None], N, axis=1), "bfloat16")
+    y = moe_torch.grouped_gemm(xt, wt, offsets, x_scale=xs, w_scale=ws, out_dtype=torch.bfloat16, implementation="triton")
+    assert y.shape == (M, N)
+    assert_exact(y, want, "y[i, :] = 64 * 2^i")
+    buf, view = poisoned_launch(xt, wt, offsets, xs, ws, torch.bfloat16)
+    assert_exact(view, want, "strided output view")
+    assert_guards_untouched(buf, M, N)
+
+
+@pytest.mark.parametrize("block_m", [4, None])  # 4: the bug report's tile; None: the heuristic's (16)
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
+def test_bug_row_tile_straddles_two_experts(kind, block_m):
+    """(2) 2 experts x 3 rows (M = 6), block_m = 4, K = N = 16, w[g] = (g + 1) * identity, row i
+    of x constant i + 1 -> y[i, :] = (i + 1) * (g(i) + 1): y[3, :] = 8 (row 3 uses expert 1)."""
+    M, K, N = 6, 16, 16
+    x = np.repeat(np.arange(1, M + 1, dtype=np.float32)[:, None], K, axis=1)
+    w = np.stack([(g + 1) * np.eye(N, K, dtype=np.float32) for g in range(2)])
+    xt, wt, xs, ws = _exact_inputs(kind, x, w)
+    offsets = to_torch(np.array([0, 3, 6], np.int32))
+    config = None
+    if block_m is not None:
+        config = GroupedGemmConfig(block_m=block_m, block_n=16, block_k=32 if kind == "fp8" else 16, num_warps=4,
+                                   num_stages=1)
+    y = grouped_gemm_triton(xt, wt, offsets, xs, ws, torch.float32, config)
+    expert = np.array([0, 0, 0, 1, 1, 1])
+    want = np.repeat(((np.arange(M) + 1) * (expert + 1)).astype(np.float32)[:, None], N, axis=1)
+    assert float(y[3, 0]) == 8.0, f"row 3 must use expert 1's weights; got {float(y[3, 0])}"
+    assert_exact(y, to_torch(want), "y[i, :] = (i + 1) * (g(i) + 1)")
+
+
+@pytest.mark.parametrize("kind,x_layout,w_layout", [
+    ("bfloat16", None, None),
+    ("fp8", "per_token", "per_channel"),  # scales applied once, after the K loop
+    ("fp8", "per_token_group", "block"),  # scales inside the K loop
+])
+def test_bug_unused_capacity_poisoned(kind, x_layout, w_layout):
+    """(3) capacity 32 with 16 valid rows, unused rows of x (codes and scales) NaN: rows < 16
+    equal the reference and are finite; rows >= 16 are zero in the result, and never written
+    (still NaN in a poisoned output buffer)."""
+    m_cap, M, K, N = 32, 16, 128, 48
+    x_np, w_np, off_np = make_problem(5, [6, 0, 10], m_cap, K, N)
+    offsets = to_torch(off_np)
+    if kind == "fp8":
+        xq, xs = quantize_x(to_torch(np.nan_to_num(x_np)), x_layout)
+        xq.view(torch.uint8)[M:] = 0x7F  # e4m3fn NaN codes
+        xs[M:] = float("nan")
+        wq, ws = moe_torch.quantize_weight_fp8(to_torch(w_np), w_layout)
+    else:
+        xq, xs, wq, ws = to_torch(x_np, kind), None, to_torch(w_np, kind), None
+    y = moe_torch.grouped_gemm(xq, wq, offsets, x_scale=xs, w_scale=ws, out_dtype=torch.float32,
+                               implementation="triton")
+    ref = grouped_gemm_reference(xq, wq, offsets, xs, ws, torch.float32)
+    assert torch.isfinite(y[:M]).all(), "valid rows finite"
+    assert_rel_fro(y[:M], ref[:M], F32_REL_FRO, "valid rows vs reference")
+    assert not y[M:].any(), "unused rows zero"
+    buf, view = poisoned_launch(xq, wq, offsets, xs, ws, torch.float32)
+    assert_exact(view[:M], y[:M], "poisoned launch, valid rows")
+    assert torch.isnan(view[M:]).all(), "rows >= M never written"
+    assert_guards_untouched(buf, m_cap, N)
+
+
+# --------------------------------------------------------------------------------------
+# The tile-to-expert mapping
+
+
+@pytest.mark.parametrize("pattern", list(itertools.product([0, 1], repeat=4)))
+def test_every_empty_expert_pattern(pattern):
+    """All 2^4 patterns of empty / non-empty experts (tokamax's idea), sizes straddling 16-row
+    tiles: every valid row written once with its expert's weights (vs float64), nothing else."""
+    counts = [c * s for c, s in zip(pattern, [5, 19, 1, 12])]
+    m_cap, K, N = 40, 32, 16
+    x_np, w_np, off_np = make_problem(sum(counts), counts, m_cap, K, N)
+    x, w, offsets = to_torch(x_np), to_torch(w_np), to_torch(off_np)
+    buf, view = poisoned_launch(x, w, offsets, None, None, torch.float32)
+    M = int(off_np[-1])
+    assert_rel_fro(view[:M], float64_grouped_gemm(x_np, w_np, off_np)[:M], F32_REL_FRO, f"pattern {pattern}")
+    assert torch.isnan(view[M:]).all(), "rows >= M never written"
+    assert_guards_untouched(buf, m_cap, N)
+
+
+def test_grid_bound_is_reached():
+    """Every expert boundary inside a row tile (block_m = 4, counts 2, 4, 4, M_cap = 10): the work
+    items (row tile, expert) number exactly the grid bound cdiv(M_cap, 4) + E - 1 = 5; none is lost."""
+    x_np, w_np, off_np = make_problem(9, [2, 4, 4], 10, 16, 16)
+    cfg = GroupedGemmConfig(block_m=4, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    x, w, offsets = to_torch(x_np), to_torch(w_np), to_torch(off_np)
+    buf, view = poisoned_launch(x, w, offsets, None, None, torch.float32, cfg)
+    assert_rel_fro(view, float64_grouped_gemm(x_np, w_np, off_np), F32_REL_FRO, "tight grid")
+    assert_guards_untouched(buf, 10, 16)
+
+
+@settings(max_examples=12)
+@given(counts=st.lists(st.integers(0, 20), min_size=1, max_size=6), block_m=st.sampled_from([4, 8, 16]),
+       spare=st.integers(0, 5))
+def test_random_group_sizes(counts, block_m, spare):
+    """Hypothesis: random expert sizes (empty ones happen on their own) and row tiles of 4 to 16
+    rows, so tiles straddle up to several experts."""
+    m_cap = sum(counts) + spare
+    if m_cap == 0:
+        return
+    x_np, w_np, off_np = make_problem(len(counts) + m_cap, counts, m_cap, 16, 16)
+    cfg = GroupedGemmConfig(block_m=block_m, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    y = grouped_gemm_triton(to_torch(x_np), to_torch(w_np), to_torch(off_np), None, None, torch.float32, cfg)
+    assert_rel_fro(y, float64_grouped_gemm(x_np, w_np, off_np), F32_REL_FRO, f"counts {counts}, block_m {block_m}")
+
+
+# --------------------------------------------------------------------------------------
+# Dispatch and configs
+
+
+def test_dispatch(monkeypatch):
+    """``implementation="triton"`` runs the kernel (its NotImplementedError reaches the caller);
+    ``None`` on CPU tensors runs the reference and never touches Triton; on CUDA it prefers
+    Triton and falls back to the reference."""
+    x_np, w_np, off_np = make_problem(2, [2, 2], 4, 16, 8)
+    x, w, offsets = to_torch(x_np), to_torch(w_np), to_torch(off_np)
+    calls = []
+
+    def refuse(*args):
+        calls.append(args)
+        raise NotImplementedError("test: triton refused")
+
+    monkeypatch.setattr(gemm_api, "_triton", refuse)
+    with pytest.raises(NotImplementedError, match="test: triton refused"):
+        moe_torch.grouped_gemm(x, w, offsets, implementation="triton")
+    calls.clear()
+    assert_exact(moe_torch.grouped_gemm(x, w, offsets), grouped_gemm_reference(x, w, offsets, None, None, torch.float32),
+                 "implementation=None")
+    assert len(calls) == (1 if TORCH_DEVICE == "cuda" else 0)
+
+
+@pytest.mark.parametrize("M_cap,N,K,E", [(1, 4096, 7168, 32), (256, 4096, 7168, 32), (16384, 7168, 2048, 256),
+                                         (7, 33, 33, 7)])
+@pytest.mark.parametrize("bits,x_group,w_block", [(16, None, False), (32, None, False), (8, None, False),
+                                                  (8, 128, True), (8, 64, False), (8, 96, True)])
+def test_configs(M_cap, N, K, E, bits, x_group, w_block):
+    """Heuristic configs are frozen, keyword-only, pass their own rules (power-of-2 blocks,
+    block_k >= tl.dot's minimum, one scale group per K step) and keep tiles within one warpgroup's
+    reach (block_m <= 64, block_n <= 128)."""
+    c = grouped_gemm_config(M_cap, N, K, E, bits, x_group, w_block)
+    assert isinstance(c, GroupedGemmConfig)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.block_m = 1
+    with pytest.raises(TypeError):
+        GroupedGemmConfig(16, 16, 16, 4, 1)  # kw_only
+    check_config("grouped_gemm", c, bits, x_group, w_block)
+    assert 16 <= c.block_m <= 64 and 16 <= c.block_n <= 128
+
+
+def test_config_rules():
+    """Configs that break the rules are refused before launch (ValueError); groups too narrow for
+    any K step are NotImplementedError."""
+    bad_k = GroupedGemmConfig(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="block_k dividing 64"):
+        check_config("grouped_gemm", bad_k, 8, 64, True)
+    with pytest.raises(ValueError, match="block_k >= 32"):
+        check_config("grouped_gemm", dataclasses.replace(bad_k, block_k=16), 8, None, False)
+    with pytest.raises(ValueError, match="power-of-2"):
+        check_config("grouped_gemm", dataclasses.replace(bad_k, block_m=24), 16, None, False)
+    with pytest.raises(NotImplementedError, match="G=48"):
+        grouped_gemm_config(16, 16, 96, 2, 8, 48, False)  # 48 = 16 * 3: K steps of 16 < fp8's 32
+    x_np, w_np, off_np = make_problem(2, [2, 2], 4, 16, 8)
+    with pytest.raises(ValueError, match="grouped_gemm: config"):
+        grouped_gemm_triton(to_torch(x_np), to_torch(w_np), to_torch(off_np), None, None, torch.float32,
+                            dataclasses.replace(bad_k, block_k=8))
+
+
+# --------------------------------------------------------------------------------------
+# sm_90 compilation on the CPU, in a child process without the interpreter (see the same test
+# in tests/test_triton_kernels.py for why it cannot run in this process).
+
+_SM90_COMPILER = r"""
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ptx = []
+for job in json.loads(sys.stdin.read()):
+    kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
+    signature = {**job["signature"], **{k: "constexpr" for k in job["constexprs"]}}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=job["constexprs"]),
+                              target=GPUTarget("cuda", 90, 32), options=job["options"])
+    assert compiled.asm["cubin"], "no cubin"
+    ptx.append(compiled.asm["ptx"])
+json.dump(ptx, sys.stdout)
+"""
+
+_INT_ARGS = ("M_cap", "N", "K", "E", "stride_xm", "stride_we", "stride_wn", "stride_om", "stride_xsm", "stride_xsk",
+             "stride_wse", "stride_wsn", "stride_wsk")
+
+
+def _gemm_job(dtype: str, x_scale: int, w_scale: int, M_cap: int, N: int, K: int, E: int):
+    bits = {"bf16": 16, "fp32": 32, "fp8e4nv": 8}[dtype]
+    group = 128 if x_scale == 3 else None
+    cfg = grouped_gemm_config(M_cap, N, K, E, bits, group, w_scale == 3)
+    return {
+        "module": "moe_torch.ops.grouped_gemm.triton", "kernel": "_grouped_gemm_kernel",
+        "signature": {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "offsets_ptr": "*i32", "x_scale_ptr": "*fp32",
+                      "w_scale_ptr": "*fp32", "out_ptr": "*bf16", **{a: "i32" for a in _INT_ARGS}},
+        "constexprs": {"X_SCALE": x_scale, "W_SCALE": w_scale, "X_GROUP": group or 1, "W_BLOCK": 128 if w_scale == 3 else 1,
+                       "IEEE_F32": dtype == "fp32", "BLOCK_E": 1 << E.bit_length(), "BLOCK_M": cfg.block_m,
+                       "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k},
+        "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+    }
+
+
+#: name -> job: every code path (16-bit, float32 IEEE, FP8 with scales after the K loop, FP8 with
+#: per-step scales), at DeepSeek-V3-like shapes (w13: N = 2 * 2048 over K = 7168; w2: 7168 over 2048).
+#: Many rows per expert give 64-row tiles (wgmma), few give 16-row tiles (mma.sync).
+SM90_JOBS = {
+    "bf16-64rows": _gemm_job("bf16", 0, 0, 16384, 4096, 7168, 32),
+    "bf16-16rows": _gemm_job("bf16", 0, 0, 256, 4096, 7168, 32),
+    "fp32-ieee": _gemm_job("fp32", 0, 0, 256, 4096, 7168, 32),
+    "fp8-per_token-per_channel-64rows": _gemm_job("fp8e4nv", 2, 2, 16384, 7168, 2048, 256),
+    "fp8-per_tensor-per_expert-16rows": _gemm_job("fp8e4nv", 1, 1, 256, 4096, 7168, 32),
+    "fp8-per_token_group-block-64rows": _gemm_job("fp8e4nv", 3, 3, 16384, 4096, 7168, 256),
+}
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx() -> dict[str, str]:
+    """PTX of every job in SM90_JOBS, compiled for sm_90 in a child process without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _SM90_COMPILER], input=json.dumps(list(SM90_JOBS.values())),
+                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert run.returncode == 0, f"sm_90 compilation failed:\n{run.stderr[-4000:]}"
+    return dict(zip(SM90_JOBS, json.loads(run.stdout)))
+
+
+@pytest.mark.parametrize("name", list(SM90_JOBS))
+def test_compiles_for_sm90(sm90_ptx, name):
+    """The kernel lowers to sm_90 cubin on tensor cores: 64-row tiles on Hopper's wgmma (e4m3 x e4m3
+    for FP8), 16-row tiles on mma.sync; float32 on neither (IEEE: no TF32); addresses use 64-bit
+    products."""
+    ptx = sm90_ptx[name]
+    assert ".target sm_90" in ptx
+    if name.startswith("fp32"):
+        assert "wgmma" not in ptx and "mma.sync" not in ptx and ".tf32" not in ptx
+    elif name.endswith("64rows"):
+        assert "wgmma.mma_async.sync.aligned" in ptx
+        assert (".e4m3.e4m3" if name.startswith("fp8") else ".bf16.bf16") in ptx
+    else:
+        assert "mma.sync.aligned" in ptx
+    assert "mul.wide.s32" in ptx or "mul.lo.s64" in ptx
