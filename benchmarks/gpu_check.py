@@ -3,7 +3,7 @@ preset at real size in both frameworks (JAX via XLA on the GPU, torch on CUDA), 
 
 Usage (on the GPU machine, from the repo root; nothing to install there)::
 
-    PYTHONPATH=. python3 benchmarks/gpu_check.py [--skip-tests] [--tokens 256] [--presets a,b] [--quants none,fp8_block]
+    PYTHONPATH=. python3 benchmarks/gpu_check.py [--skip-tests] [--tokens 256] [--presets a,b] [--quants none,fp8_block] [--kernels]
 
 Prints a short table last. Weights are drawn on the GPU in torch (bf16, ~ N(0, 1/K)) and
 handed to JAX through DLPack (zero-copy), so both frameworks see the same bits; each
@@ -13,6 +13,7 @@ framework quantizes them itself (and the FP8 codes are checked bit-identical).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def rel_fro(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
-def check_preset(name: str, quant: str, T: int, seed: int = 0) -> dict:
+def check_preset(name: str, quant: str, T: int, seed: int = 0, kernels: bool = False) -> dict:
     import jax
     import jax.numpy as jnp
     import torch
@@ -109,6 +110,27 @@ def check_preset(name: str, quant: str, T: int, seed: int = 0) -> dict:
     row["finite"] = bool(np.isfinite(out_j_np).all() and np.isfinite(out_t_np).all())
     row["mean_abs"] = float(np.abs(out_t_np).mean())
     row["ok"] = row["finite"] and row["rel_err"] <= 1e-2 and row.get("fp8_weights_identical", True)
+
+    if kernels:  # each framework's kernel backend against its own reference, and its time
+        import triton.testing
+
+        targs = (x, logits, tw[0], tw[2], config)
+        tkw = dict(w13_scale=tw[1], w2_scale=tw[3], e_score_correction_bias=bias, implementation="triton")
+        out_k = moe_torch.moe_forward(*targs, **tkw)
+        row["triton_rel_err"] = rel_fro(out_k.float().cpu().numpy(), out_t_np)
+        row["triton_ms"] = triton.testing.do_bench(lambda: moe_torch.moe_forward(*targs, **tkw), return_mode="median")
+        kfwd = jax.jit(functools.partial(moe_pallas.moe_forward, implementation="pallas_triton"), static_argnames=("config",))
+        jargs = (jx, jlogits, jw[0], jw[2])
+        jkw = dict(w13_scale=jw[1], w2_scale=jw[3], e_score_correction_bias=jbias)
+        out_pk = kfwd(*jargs, config, **jkw)
+        row["pallas_rel_err"] = rel_fro(np.asarray(out_pk.astype(jnp.float32)), out_j_np)
+        times = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            kfwd(*jargs, config, **jkw).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        row["pallas_ms"] = 1e3 * float(np.median(times[2:]))
+        row["ok"] = row["ok"] and row["triton_rel_err"] <= 1e-2 and row["pallas_rel_err"] <= 1e-2
     del tw, jw, out_t, out_j, w13, w2, jw13, jw2
     torch.cuda.empty_cache()
     return row
@@ -121,6 +143,8 @@ def main() -> int:
     parser.add_argument("--test-timeout", type=int, default=540, help="seconds for the pytest run")
     parser.add_argument("--presets", default="tiny,mixtral-8x7b,qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3")
     parser.add_argument("--quants", default="none,fp8_per_token,fp8_block")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also run the layer with the kernel backends (triton, pallas_triton) vs the references")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT")
     summary = []
@@ -130,7 +154,7 @@ def main() -> int:
     for name in args.presets.split(","):
         for quant in args.quants.split(","):
             try:
-                row = check_preset(name, quant, args.tokens)
+                row = check_preset(name, quant, args.tokens, kernels=args.kernels)
             except Exception as exc:  # report and go on: one preset's failure must not hide the others
                 row = {"preset": name, "quant": quant, "T": args.tokens, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
             rows.append(row)
@@ -147,7 +171,9 @@ def main() -> int:
             print(f"{r['preset']:<17}{r['quant']:<15}{r['T']:>5}  ERROR {r['error']}")
             continue
         print(f"{r['preset']:<17}{r['quant']:<15}{r['T']:>5}{r['jax_s']:>8.2f}{r['torch_s']:>9.2f}{r['rel_err']:>11.2e}"
-              f"{str(r.get('fp8_weights_identical', '-')):>10}  {'agree' if r['ok'] else 'FAIL'}")
+              f"{str(r.get('fp8_weights_identical', '-')):>10}  {'agree' if r['ok'] else 'FAIL'}"
+              + (f"  triton {r['triton_rel_err']:.1e} {r['triton_ms']:.2f} ms, pallas {r['pallas_rel_err']:.1e} "
+                 f"{r['pallas_ms']:.2f} ms (wall, jit)" if "triton_ms" in r else ""))
     return 0 if all(r["ok"] for r in rows) else 1
 
 
