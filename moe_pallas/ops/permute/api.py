@@ -13,10 +13,12 @@ import numpy as np
 
 from moe_contract.op_checks import check_permute, check_routing_metadata
 from moe_contract.validation import check_choice, check_ids_in_range
-from moe_pallas.ops.permute.reference import permute_reference, routing_metadata_reference
 from moe_pallas.ops.common import takes_jax_arrays
+from moe_pallas.ops.dispatch import dispatch
+from moe_pallas.ops.permute.pallas_triton import permute_pallas_triton, routing_metadata_pallas_triton
+from moe_pallas.ops.permute.reference import permute_reference, routing_metadata_reference
 
-IMPLEMENTATIONS = ("reference",)
+IMPLEMENTATIONS = ("pallas_triton", "reference")
 
 
 class RoutingMetadata(NamedTuple):
@@ -52,6 +54,8 @@ def routing_metadata(
       check_ids: the checked mode: read the ids on the host and raise if any is outside
         ``[0, num_experts)`` (needs concrete arrays, not under ``jit``). Unchecked, an id
         outside the range is treated as non-local.
+      implementation: ``"pallas_triton"`` (interpreted on the CPU), ``"reference"``, or ``None``
+        (the device's default order, ``moe_pallas.ops.dispatch``; the reference on the CPU).
 
     Returns: :class:`RoutingMetadata`.
 
@@ -69,7 +73,11 @@ def routing_metadata(
         return RoutingMetadata(
             jnp.zeros((num_local_experts + 1,), jnp.int32), jnp.zeros((0, topk), jnp.int32), jnp.zeros((0,), jnp.int32)
         )
-    return RoutingMetadata(*routing_metadata_reference(topk_ids, expert_start, num_local_experts))
+    return RoutingMetadata(*dispatch(op, implementation, {
+        "pallas_triton": lambda: routing_metadata_pallas_triton(
+            topk_ids, expert_start=expert_start, num_local_experts=num_local_experts),
+        "reference": lambda: routing_metadata_reference(topk_ids, expert_start, num_local_experts),
+    }))
 
 
 @takes_jax_arrays
@@ -92,15 +100,22 @@ def permute(
       quant: ``None`` (rows keep ``x.dtype``), ``"fp8_per_token"`` (scale ``[M_cap, 1]``),
         ``"fp8_per_token_group"`` (scale ``[M_cap, H // group_size]``) or ``"fp8_per_tensor"``
         (the given static ``scale []``).
+      implementation: ``"pallas_triton"`` (interpreted on the CPU), ``"reference"``, or ``None``
+        (the device's default order; the reference on the CPU).
 
     Returns:
       ``(x_permuted [M_cap, H], scale or None)``; rows ``>= M`` are zeros (scale of a zero row).
 
-    Raises: ValueError (shapes, ``H % group_size``), TypeError (dtypes).
+    Raises: ValueError (shapes, ``H % group_size``), TypeError (dtypes), NotImplementedError
+      (``implementation="pallas_triton"`` with a group_size that is not a power of two).
     """
     op = "permute"
     check_permute(op, x, dst2src, topk, quant, group_size, scale)
     if quant == "fp8_per_tensor":
         scale = scale.reshape(())
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
-    return permute_reference(x, dst2src, topk, quant, group_size, scale)
+    return dispatch(op, implementation, {
+        "pallas_triton": lambda: permute_pallas_triton(
+            x, dst2src, topk=topk, quant=quant, group_size=group_size, scale=scale),
+        "reference": lambda: permute_reference(x, dst2src, topk, quant, group_size, scale),
+    })

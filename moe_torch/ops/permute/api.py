@@ -13,8 +13,28 @@ from moe_contract.op_checks import check_permute, check_routing_metadata
 from moe_contract.validation import check_choice, check_ids_in_range
 from moe_torch.ops.permute.reference import permute_reference, routing_metadata_reference
 from moe_torch.ops.common import takes_torch_tensors
+from moe_torch.ops.dispatch import dispatch
 
-IMPLEMENTATIONS = ("reference",)
+IMPLEMENTATIONS = ("triton", "reference")
+
+
+def _triton_routing_metadata(*args):
+    """The Triton backend of :func:`routing_metadata`, imported on first use (so that ``moe_torch``
+    imports without triton)."""
+    try:
+        from moe_torch.ops.permute.triton import routing_metadata_triton
+    except ImportError as exc:
+        raise NotImplementedError(f"routing_metadata: triton is not importable ({exc})") from exc
+    return routing_metadata_triton(*args)
+
+
+def _triton_permute(*args):
+    """The Triton backend of :func:`permute`, imported on first use."""
+    try:
+        from moe_torch.ops.permute.triton import permute_triton
+    except ImportError as exc:
+        raise NotImplementedError(f"permute: triton is not importable ({exc})") from exc
+    return permute_triton(*args)
 
 
 class RoutingMetadata(NamedTuple):
@@ -50,10 +70,14 @@ def routing_metadata(
       check_ids: the checked mode: read the ids on the host and raise if any is outside
         ``[0, num_experts)`` (a host sync). Unchecked, an id
         outside the range is treated as non-local.
+      implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"`` with a
+        logged warning; CPU tensors: ``"reference"``), ``"triton"`` (no host synchronisation:
+        CUDA-graph capturable unless ``check_ids``) or ``"reference"``.
 
     Returns: :class:`RoutingMetadata`.
 
-    Raises: ValueError (shapes, ranges, out-of-range ids in checked mode), TypeError (dtype).
+    Raises: ValueError (shapes, ranges, out-of-range ids in checked mode), TypeError (dtype),
+      NotImplementedError (``implementation="triton"`` where the kernel cannot run).
     """
     op = "routing_metadata"
     num_local_experts = check_routing_metadata(op, topk_ids, num_experts, expert_start, num_local_experts)
@@ -67,7 +91,9 @@ def routing_metadata(
             torch.zeros((0, topk), dtype=torch.int32, device=topk_ids.device),
             torch.zeros((0,), dtype=torch.int32, device=topk_ids.device),
         )
-    return RoutingMetadata(*routing_metadata_reference(topk_ids, expert_start, num_local_experts))
+    args = (topk_ids, expert_start, num_local_experts)
+    backends = {"triton": lambda: _triton_routing_metadata(*args), "reference": lambda: routing_metadata_reference(*args)}
+    return RoutingMetadata(*dispatch(op, implementation, backends, topk_ids.device))
 
 
 @takes_torch_tensors
@@ -90,15 +116,20 @@ def permute(
       quant: ``None`` (rows keep ``x.dtype``), ``"fp8_per_token"`` (scale ``[M_cap, 1]``),
         ``"fp8_per_token_group"`` (scale ``[M_cap, H // group_size]``) or ``"fp8_per_tensor"``
         (the given static ``scale []``).
+      implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"`` with a
+        logged warning; CPU tensors: ``"reference"``), ``"triton"`` or ``"reference"``.
 
     Returns:
       ``(x_permuted [M_cap, H], scale or None)``; rows ``>= M`` are zeros (scale of a zero row).
 
-    Raises: ValueError (shapes, ``H % group_size``), TypeError (dtypes).
+    Raises: ValueError (shapes, ``H % group_size``), TypeError (dtypes), NotImplementedError
+      (``implementation="triton"`` where the kernel cannot run).
     """
     op = "permute"
     check_permute(op, x, dst2src, topk, quant, group_size, scale)
     if quant == "fp8_per_tensor":
         scale = scale.reshape(())
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
-    return permute_reference(x, dst2src, topk, quant, group_size, scale)
+    args = (x, dst2src, topk, quant, group_size, scale)
+    backends = {"triton": lambda: _triton_permute(*args), "reference": lambda: permute_reference(*args)}
+    return dispatch(op, implementation, backends, x.device)
