@@ -10,10 +10,12 @@ import jax.numpy as jnp
 
 from moe_contract.op_checks import check_select_experts
 from moe_contract.validation import check_choice
-from moe_pallas.ops.gate.reference import select_experts_reference
 from moe_pallas.ops.common import takes_jax_arrays
+from moe_pallas.ops.dispatch import dispatch
+from moe_pallas.ops.gate.pallas_triton import select_experts_pallas_triton
+from moe_pallas.ops.gate.reference import select_experts_reference
 
-IMPLEMENTATIONS = ("reference",)
+IMPLEMENTATIONS = ("pallas_triton", "reference")
 
 
 @takes_jax_arrays
@@ -47,14 +49,17 @@ def select_experts(
         ``apply_routed_scaling_factor_on_output``, otherwise the combine step applies it.
       num_fused_shared_experts: ``S`` extra slots with ids ``E..E+S-1``, weight ``1/rsf``
         before scaling.
-      implementation: ``"reference"`` (the only one so far) or ``None``.
+      implementation: ``"pallas_triton"`` (one fused kernel, interpreted on the CPU),
+        ``"reference"``, or ``None`` (the device's default order, ``moe_pallas.ops.dispatch``;
+        the reference on the CPU).
 
     Returns:
       ``(topk_weights [T, topk+S] float32, topk_ids [T, topk+S] int32)``, slots ordered by
       descending selection score, ties to the lower index, NaN scores ranked last.
 
     Raises:
-      ValueError: bad shapes or routing arguments; TypeError: non-float logits or bias.
+      ValueError: bad shapes or routing arguments; TypeError: non-float logits or bias;
+      NotImplementedError: ``implementation="pallas_triton"`` with a logits tile over Triton's limit.
 
     Source: DeepSeek-V3 technical report (arXiv:2412.19437) section 2.1.2; SGLang's
     ``biased_grouped_topk`` semantics as pinned by CONTRACT.md.
@@ -79,15 +84,18 @@ def select_experts(
     width = topk + num_fused_shared_experts
     if T == 0:
         return jnp.zeros((0, width), jnp.float32), jnp.zeros((0, width), jnp.int32)
-    return select_experts_reference(
-        router_logits,
+    kw = dict(
         topk=topk,
         routing=routing,
         renormalize=renormalize,
         num_expert_group=num_expert_group,
         topk_group=topk_group,
-        e_score_correction_bias=e_score_correction_bias,
         routed_scaling_factor=float(routed_scaling_factor),
         apply_routed_scaling_factor_on_output=apply_routed_scaling_factor_on_output,
         num_fused_shared_experts=num_fused_shared_experts,
     )
+    return dispatch(op, implementation, {
+        "pallas_triton": lambda: select_experts_pallas_triton(router_logits, e_score_correction_bias, **kw),
+        "reference": lambda: select_experts_reference(
+            router_logits, e_score_correction_bias=e_score_correction_bias, **kw),
+    })
