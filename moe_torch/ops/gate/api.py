@@ -11,8 +11,19 @@ from moe_contract.op_checks import check_select_experts
 from moe_contract.validation import check_choice
 from moe_torch.ops.gate.reference import select_experts_reference
 from moe_torch.ops.common import takes_torch_tensors
+from moe_torch.ops.dispatch import dispatch
 
-IMPLEMENTATIONS = ("reference",)
+IMPLEMENTATIONS = ("triton", "reference")
+
+
+def _triton_select_experts(**kwargs):
+    """The Triton backend of :func:`select_experts`, imported on first use (so that ``moe_torch``
+    imports without triton)."""
+    try:
+        from moe_torch.ops.gate.triton import select_experts_triton
+    except ImportError as exc:
+        raise NotImplementedError(f"select_experts: triton is not importable ({exc})") from exc
+    return select_experts_triton(**kwargs)
 
 
 @takes_torch_tensors
@@ -46,14 +57,18 @@ def select_experts(
         ``apply_routed_scaling_factor_on_output``, otherwise the combine step applies it.
       num_fused_shared_experts: ``S`` extra slots with ids ``E..E+S-1``, weight ``1/rsf``
         before scaling.
-      implementation: ``"reference"`` (the only one so far) or ``None``.
+      implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"`` with a
+        logged warning; CPU tensors: ``"reference"``), ``"triton"`` (one fused launch, no host
+        synchronisation) or ``"reference"``.
 
     Returns:
       ``(topk_weights [T, topk+S] float32, topk_ids [T, topk+S] int32)``, slots ordered by
       descending selection score, ties to the lower index, NaN scores ranked last.
 
     Raises:
-      ValueError: bad shapes or routing arguments; TypeError: non-float logits or bias.
+      ValueError: bad shapes or routing arguments; TypeError: non-float logits or bias;
+      NotImplementedError: ``implementation="triton"`` where the kernel cannot run (no CUDA and
+      no interpreter, ``E > 512``, more than 16 groups).
 
     Source: DeepSeek-V3 technical report (arXiv:2412.19437) section 2.1.2; SGLang's
     ``biased_grouped_topk`` semantics as pinned by CONTRACT.md.
@@ -81,8 +96,7 @@ def select_experts(
             torch.zeros((0, width), dtype=torch.float32, device=router_logits.device),
             torch.zeros((0, width), dtype=torch.int32, device=router_logits.device),
         )
-    return select_experts_reference(
-        router_logits,
+    kwargs = dict(
         topk=topk,
         routing=routing,
         renormalize=renormalize,
@@ -93,3 +107,8 @@ def select_experts(
         apply_routed_scaling_factor_on_output=apply_routed_scaling_factor_on_output,
         num_fused_shared_experts=num_fused_shared_experts,
     )
+    backends = {
+        "triton": lambda: _triton_select_experts(router_logits=router_logits, **kwargs),
+        "reference": lambda: select_experts_reference(router_logits, **kwargs),
+    }
+    return dispatch(op, implementation, backends, router_logits.device)
