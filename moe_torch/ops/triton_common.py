@@ -1,11 +1,42 @@
-"""What every Triton backend of ``moe_torch`` checks before a launch.
+"""What the Triton backends of ``moe_torch`` share: the pre-launch device check, and the FP8
+quantization step of CONTRACT.md section 3 as ``@triton.jit`` helpers.
 
-Mirror: none (the JAX side lowers its Pallas kernels through XLA, which needs no such check).
+Mirror: none (the JAX side's kernels share ``moe_pallas/ops/activation/pallas_triton.py``'s
+exact-rounding FP8 helpers instead).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from moe_torch.ops.quant.reference import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX
+
+FP8_MAX_C = tl.constexpr(FP8_MAX)
+#: float32 values (exactly representable), as in ``moe_torch/ops/quant/reference.py``.
+AMAX_FLOOR_C = tl.constexpr(AMAX_FLOOR)
+INV_FP8_MAX_C = tl.constexpr(INV_FP8_MAX)
+#: CUDA's limit on grid axis 1 (axis 0 goes to 2**31 - 1 and carries the rows).
+MAX_GRID_AXIS_1 = 65535
+
+
+@triton.jit
+def fp8_scale(amax):
+    """``max(amax, 1e-10) * float32(1/448)``: the dequantization multiplier of a row or group."""
+    return tl.maximum(amax, AMAX_FLOOR_C) * INV_FP8_MAX_C
+
+
+@triton.jit
+def quantize_fp8_tile(
+    x,  # [BLOCK_M, BLOCK_N] float32
+    scale,  # [BLOCK_M] float32 dequantization multiplier (or a broadcast scalar)
+):
+    """``cast_rne(clamp(div_rn(x, scale), -448, 448))`` -> float8_e4m3fn (CONTRACT.md section 3)."""
+    x, s = tl.broadcast(x, scale[:, None])
+    q = tl.math.div_rn(x, s)  # IEEE division: plain `/` is approximate on the GPU
+    q = tl.clamp(q, -FP8_MAX_C, FP8_MAX_C, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch.clamp
+    return q.to(tl.float8e4nv)  # round to nearest even (cvt.rn.satfinite.e4m3x2.f32)
 
 
 def is_interpreted(kernel) -> bool:

@@ -31,21 +31,15 @@ import triton
 import triton.language as tl
 
 from moe_torch.ops.activation.config import ActAndMulConfig, act_and_mul_config
-from moe_torch.ops.quant.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, INV_FP8_MAX
-from moe_torch.ops.triton_common import check_triton_device
+from moe_torch.ops.quant.reference import FP8_DTYPE
+from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device, fp8_scale, quantize_fp8_tile
 
 #: ``2 * sqrt(2 / pi)``: ``0.5 * (1 + tanh(z)) == sigmoid(2 z)``.
 _GELU_2C = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))
 _GELU_CUBIC = tl.constexpr(0.044715)
-_FP8_MAX = tl.constexpr(FP8_MAX)
-#: float32 values (exactly representable), as in ``moe_torch/ops/quant/reference.py``.
-_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
-_INV_FP8_MAX = tl.constexpr(INV_FP8_MAX)
 
 #: ``activation`` name -> the kernel's ``ACTIVATION`` constexpr.
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1}
-#: CUDA's limit on grid axis 1 (axis 0 goes to 2**31 - 1 and carries the rows).
-_MAX_GRID_AXIS_1 = 65535
 
 
 @triton.jit
@@ -67,17 +61,6 @@ def _gated_tile(
         a = g * tl.sigmoid(_GELU_2C * (g + _GELU_CUBIC * g * g * g))
     return a * u  # masked elements are act(0) * 0 = 0: they never raise an amax
 
-
-@triton.jit
-def _quantize_tile(
-    a,  # [BLOCK_M, BLOCK_N] float32
-    scale,  # [BLOCK_M] float32 dequantization multiplier
-):
-    """``cast_rne(clamp(div_rn(a, scale), -448, 448))`` -> float8_e4m3fn (CONTRACT.md section 3)."""
-    a, s = tl.broadcast(a, scale[:, None])
-    x = tl.math.div_rn(a, s)  # IEEE division: plain `/` is approximate on the GPU
-    x = tl.clamp(x, -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch.clamp
-    return x.to(tl.float8e4nv)  # round to nearest even (cvt.rn.satfinite.e4m3x2.f32)
 
 
 @triton.jit
@@ -120,8 +103,8 @@ def _act_and_mul_kernel(
         mask = row_mask[:, None] & (cols < col_end)[None, :]
         a = _gated_tile(h_ptr, h_row, cols, mask, I, ACTIVATION)
         if QUANT:
-            scale = tl.maximum(tl.max(tl.abs(a), axis=1), _AMAX_FLOOR) * _INV_FP8_MAX
-            tl.store(out_ptr + out_row[:, None] + cols[None, :], _quantize_tile(a, scale), mask=mask)
+            scale = fp8_scale(tl.max(tl.abs(a), axis=1))
+            tl.store(out_ptr + out_row[:, None] + cols[None, :], quantize_fp8_tile(a, scale), mask=mask)
             tl.store(scale_ptr + rows64 * stride_scale + pid_n, scale, mask=row_mask)
         else:
             tl.store(out_ptr + out_row[:, None] + cols[None, :], a.to(out_ptr.dtype.element_ty), mask=mask)
@@ -132,12 +115,12 @@ def _act_and_mul_kernel(
             mask = row_mask[:, None] & (cols < col_end)[None, :]
             a = _gated_tile(h_ptr, h_row, cols, mask, I, ACTIVATION)
             amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
-        scale = tl.maximum(amax, _AMAX_FLOOR) * _INV_FP8_MAX
+        scale = fp8_scale(amax)
         for c in range(0, SPAN, BLOCK_N):
             cols = col_start + c + offs
             mask = row_mask[:, None] & (cols < col_end)[None, :]
             a = _gated_tile(h_ptr, h_row, cols, mask, I, ACTIVATION)  # the same float32 values again
-            tl.store(out_ptr + out_row[:, None] + cols[None, :], _quantize_tile(a, scale), mask=mask)
+            tl.store(out_ptr + out_row[:, None] + cols[None, :], quantize_fp8_tile(a, scale), mask=mask)
         tl.store(scale_ptr + rows64 * stride_scale + pid_n, scale, mask=row_mask)
 
 
@@ -177,8 +160,8 @@ def act_and_mul_triton(
     if cfg.block_n & (cfg.block_n - 1) or (cfg.single_chunk and span > cfg.block_n) or (quant is None and not cfg.single_chunk):
         raise ValueError(f"{op}: config must have a power-of-2 block_n, single_chunk without quant, and block_n >= the "
                          f"quantization span (={span}) if single_chunk; got {cfg}")
-    if n_spans > _MAX_GRID_AXIS_1:
-        raise NotImplementedError(f"{op}: {n_spans} column programs exceed CUDA's grid axis 1 limit {_MAX_GRID_AXIS_1}")
+    if n_spans > MAX_GRID_AXIS_1:
+        raise NotImplementedError(f"{op}: {n_spans} column programs exceed CUDA's grid axis 1 limit {MAX_GRID_AXIS_1}")
     grid = (triton.cdiv(M, cfg.block_m), n_spans)
     if grid[0] == 0 or grid[1] == 0:
         return out, scale  # nothing to compute (M = 0, or I = 0 without a per-token scale)

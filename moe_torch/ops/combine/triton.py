@@ -23,10 +23,7 @@ import triton
 import triton.language as tl
 
 from moe_torch.ops.combine.config import CombineConfig, combine_config
-from moe_torch.ops.triton_common import check_triton_device
-
-#: CUDA's limit on grid axis 1 (axis 0 goes to 2**31 - 1 and carries the tokens).
-_MAX_GRID_AXIS_1 = 65535
+from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device
 
 
 @triton.jit
@@ -95,8 +92,8 @@ def combine_triton(
     cfg = config or combine_config(T, H, topk)
     out = torch.empty((T, H), dtype=out_dtype, device=y.device)
     grid = (triton.cdiv(T, cfg.block_t), triton.cdiv(H, cfg.block_h))
-    if grid[1] > _MAX_GRID_AXIS_1:
-        raise NotImplementedError(f"{op}: {grid[1]} hidden-dim programs exceed CUDA's grid axis 1 limit {_MAX_GRID_AXIS_1}")
+    if grid[1] > MAX_GRID_AXIS_1:
+        raise NotImplementedError(f"{op}: {grid[1]} hidden-dim programs exceed CUDA's grid axis 1 limit {MAX_GRID_AXIS_1}")
     if grid[0] == 0 or grid[1] == 0 or topk == 0:
         return out.zero_() if T and H else out  # no slot at all: every token gets 0
     _combine_kernel[grid](

@@ -61,7 +61,7 @@ import triton.language as tl
 
 from moe_torch.ops.grouped_gemm.config import W_SCALE_BLOCK, GroupedGemmConfig, check_config, grouped_gemm_config
 from moe_torch.ops.quant.reference import FP8_DTYPE
-from moe_torch.ops.triton_common import check_triton_device
+from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device
 
 #: ``x_scale`` layout -> the kernel's ``X_SCALE`` constexpr.
 X_SCALE_CODES = {None: 0, "per_tensor": 1, "per_token": 2, "per_token_group": 3}
@@ -70,8 +70,6 @@ W_SCALE_CODES = {None: 0, "per_expert": 1, "per_channel": 2, "block": 3}
 # The same codes as constexprs, for the kernel's comparisons (triton only reads constexpr globals).
 _XS_NONE, _XS_TENSOR, _XS_ROW, _XS_GROUP = (tl.constexpr(c) for c in X_SCALE_CODES.values())
 _WS_NONE, _WS_EXPERT, _WS_CHANNEL, _WS_BLOCK = (tl.constexpr(c) for c in W_SCALE_CODES.values())
-#: CUDA's limit on grid axis 1 (axis 0 goes to 2**31 - 1 and carries the work items).
-_MAX_GRID_AXIS_1 = 65535
 #: Vector width of the offsets search: ``E + 1`` offsets in one ``tl.arange``. 4096 experts is
 #: far beyond any model (DeepSeek-V3: 256); more would make every program's search costly.
 _MAX_EXPERTS = 4095
@@ -251,8 +249,8 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config):
     cfg = config or grouped_gemm_config(M_cap, N, K, E, bits, group, w_block)
     check_config(op, cfg, bits, group, w_block)
     grid = (triton.cdiv(M_cap, cfg.block_m) + E - 1, triton.cdiv(N, cfg.block_n))
-    if grid[1] > _MAX_GRID_AXIS_1:
-        raise NotImplementedError(f"{op}: {grid[1]} column tiles exceed CUDA's grid axis 1 limit {_MAX_GRID_AXIS_1}")
+    if grid[1] > MAX_GRID_AXIS_1:
+        raise NotImplementedError(f"{op}: {grid[1]} column tiles exceed CUDA's grid axis 1 limit {MAX_GRID_AXIS_1}")
     if M_cap == 0 or N == 0 or E == 0:
         return out  # nothing to compute: every row stays 0
     xs = x_scale if x_scale is not None else out  # never read without FP8

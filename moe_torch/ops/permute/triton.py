@@ -35,18 +35,12 @@ import triton
 import triton.language as tl
 
 from moe_torch.ops.permute.config import PermuteConfig, RoutingConfig, permute_config, routing_config
-from moe_torch.ops.quant.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, INV_FP8_MAX
-from moe_torch.ops.triton_common import check_triton_device
+from moe_torch.ops.quant.reference import FP8_DTYPE
+from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device, fp8_scale, quantize_fp8_tile
 
-_FP8_MAX = tl.constexpr(FP8_MAX)
-#: float32 values (exactly representable), as in ``moe_torch/ops/quant/reference.py``.
-_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
-_INV_FP8_MAX = tl.constexpr(INV_FP8_MAX)
 
 #: ``quant`` name -> the permute kernel's ``QUANT`` constexpr.
 QUANT_CODES = {None: 0, "fp8_per_tensor": 1, "fp8_per_token": 2, "fp8_per_token_group": 3}
-#: CUDA's limit on grid axis 1 (axis 0 goes to 2**31 - 1 and carries the rows).
-_MAX_GRID_AXIS_1 = 65535
 
 
 # --------------------------------------------------------------------------------------
@@ -209,17 +203,6 @@ def _gather_tile(
     return tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=mask, other=0.0)
 
 
-@triton.jit
-def _quantize_tile(
-    x,  # [BLOCK_M, BLOCK_N] float32
-    scale,  # [BLOCK_M] float32 dequantization multiplier (or a broadcast scalar)
-):
-    """``cast_rne(clamp(div_rn(x, scale), -448, 448))`` -> float8_e4m3fn (CONTRACT.md section 3)."""
-    x, s = tl.broadcast(x, scale[:, None])
-    q = tl.math.div_rn(x, s)  # IEEE division: plain `/` is approximate on the GPU
-    q = tl.clamp(q, -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch.clamp
-    return q.to(tl.float8e4nv)  # round to nearest even (cvt.rn.satfinite.e4m3x2.f32)
-
 
 @triton.jit
 def _permute_kernel(
@@ -266,23 +249,23 @@ def _permute_kernel(
             tl.store(out_ptr + out_row[:, None] + cols[None, :], xs, mask=out_mask)  # a bit copy
         elif QUANT == 1:
             s = tl.load(scale_ptr) + tl.zeros([BLOCK_M], dtype=tl.float32)
-            tl.store(out_ptr + out_row[:, None] + cols[None, :], _quantize_tile(xs.to(tl.float32), s), mask=out_mask)
+            tl.store(out_ptr + out_row[:, None] + cols[None, :], quantize_fp8_tile(xs.to(tl.float32), s), mask=out_mask)
         else:
             xf = xs.to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(xf), axis=1), _AMAX_FLOOR) * _INV_FP8_MAX
-            tl.store(out_ptr + out_row[:, None] + cols[None, :], _quantize_tile(xf, scale), mask=out_mask)
+            scale = fp8_scale(tl.max(tl.abs(xf), axis=1))
+            tl.store(out_ptr + out_row[:, None] + cols[None, :], quantize_fp8_tile(xf, scale), mask=out_mask)
             tl.store(scale_ptr + rows64 * stride_scale + pid_n, scale, mask=row_mask)
     else:  # dynamic quant over a span wider than one chunk: amax pass, then quantize pass
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for c in range(0, SPAN, BLOCK_N):
             xs = _gather_tile(x_ptr, x_row, valid, col_start + c + offs, col_end)
             amax = tl.maximum(amax, tl.max(tl.abs(xs.to(tl.float32)), axis=1))
-        scale = tl.maximum(amax, _AMAX_FLOOR) * _INV_FP8_MAX
+        scale = fp8_scale(amax)
         for c in range(0, SPAN, BLOCK_N):
             cols = col_start + c + offs
             out_mask = row_mask[:, None] & (cols < col_end)[None, :]
             xf = _gather_tile(x_ptr, x_row, valid, cols, col_end).to(tl.float32)
-            tl.store(out_ptr + out_row[:, None] + cols[None, :], _quantize_tile(xf, scale), mask=out_mask)
+            tl.store(out_ptr + out_row[:, None] + cols[None, :], quantize_fp8_tile(xf, scale), mask=out_mask)
         tl.store(scale_ptr + rows64 * stride_scale + pid_n, scale, mask=row_mask)
 
 
@@ -328,8 +311,8 @@ def permute_triton(
     if cfg.block_n & (cfg.block_n - 1) or (cfg.single_chunk and span > cfg.block_n) or (not dynamic and not cfg.single_chunk):
         raise ValueError(f"{op}: config must have a power-of-2 block_n, single_chunk without dynamic quant, and "
                          f"block_n >= the quantization span (={span}) if single_chunk; got {cfg}")
-    if n_spans > _MAX_GRID_AXIS_1:
-        raise NotImplementedError(f"{op}: {n_spans} column programs exceed CUDA's grid axis 1 limit {_MAX_GRID_AXIS_1}")
+    if n_spans > MAX_GRID_AXIS_1:
+        raise NotImplementedError(f"{op}: {n_spans} column programs exceed CUDA's grid axis 1 limit {MAX_GRID_AXIS_1}")
     grid = (triton.cdiv(m_cap, cfg.block_m), n_spans)
     if grid[0] == 0 or grid[1] == 0:
         return out, out_scale  # nothing to compute (H = 0 without a per-token scale)
