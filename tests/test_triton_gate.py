@@ -14,11 +14,7 @@ kernel to sm_90 cubin in a child process without the interpreter (no GPU needed)
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -32,6 +28,7 @@ from moe_torch.ops.gate.config import GateConfig, gate_config
 from moe_torch.ops.gate.reference import select_experts_reference
 from test_gate import CASES
 from tolerances import assert_exact, assert_gate_weights
+from sm90 import compile_sm90
 from triton_interpreter_patch import exact_interpreter
 
 
@@ -195,22 +192,6 @@ def test_gate_configs(T, E, topk):
 # sm_90 compilation on the CPU, in a child process without TRITON_INTERPRET (needs no GPU and
 # no driver, only triton's bundled ptxas).
 
-_SM90_COMPILER = r"""
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from moe_torch.ops.gate.triton import _gate_kernel
-
-ptx = []
-for job in json.loads(sys.stdin.read()):
-    signature = {**job["signature"], **{k: "constexpr" for k in job["constexprs"]}}
-    compiled = triton.compile(ASTSource(fn=_gate_kernel, signature=signature, constexprs=job["constexprs"]),
-                              target=GPUTarget("cuda", 90, 32), options=job["options"])
-    assert compiled.asm["cubin"], "no cubin"
-    ptx.append(compiled.asm["ptx"])
-json.dump(ptx, sys.stdout)
-"""
 
 
 def _gate_job(logit_type: str, routing: int, E: int, G: int, topk_group: int, topk: int, S: int) -> dict:
@@ -236,12 +217,7 @@ SM90_JOBS = {
 
 @pytest.fixture(scope="module")
 def sm90_ptx() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", _SM90_COMPILER], input=json.dumps(list(SM90_JOBS.values())),
-                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
-    assert run.returncode == 0, f"sm_90 compilation failed:\n{run.stderr[-4000:]}"
-    return dict(zip(SM90_JOBS, json.loads(run.stdout)))
+    return compile_sm90(SM90_JOBS, module="moe_torch.ops.gate.triton", kernel="_gate_kernel")
 
 
 @pytest.mark.parametrize("name", list(SM90_JOBS))

@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -33,6 +29,7 @@ from moe_torch.ops.grouped_gemm.config import GroupedGemmConfig, check_config, g
 from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
 from moe_torch.ops.grouped_gemm.triton import _launch, grouped_gemm_triton
 from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
+from sm90 import compile_sm90
 from triton_interpreter_patch import exact_interpreter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -434,22 +431,6 @@ def test_config_rules():
 # sm_90 compilation on the CPU, in a child process without the interpreter (see the same test
 # in tests/test_triton_kernels.py for why it cannot run in this process).
 
-_SM90_COMPILER = r"""
-import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-ptx = []
-for job in json.loads(sys.stdin.read()):
-    kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
-    signature = {**job["signature"], **{k: "constexpr" for k in job["constexprs"]}}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=job["constexprs"]),
-                              target=GPUTarget("cuda", 90, 32), options=job["options"])
-    assert compiled.asm["cubin"], "no cubin"
-    ptx.append(compiled.asm["ptx"])
-json.dump(ptx, sys.stdout)
-"""
 
 _INT_ARGS = ("M_cap", "N", "K", "E", "stride_xm", "stride_we", "stride_wn", "stride_om", "stride_xsm", "stride_xsk",
              "stride_wse", "stride_wsn", "stride_wsk")
@@ -486,12 +467,7 @@ SM90_JOBS = {
 @pytest.fixture(scope="module")
 def sm90_ptx() -> dict[str, str]:
     """PTX of every job in SM90_JOBS, compiled for sm_90 in a child process without the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", _SM90_COMPILER], input=json.dumps(list(SM90_JOBS.values())),
-                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
-    assert run.returncode == 0, f"sm_90 compilation failed:\n{run.stderr[-4000:]}"
-    return dict(zip(SM90_JOBS, json.loads(run.stdout)))
+    return compile_sm90(SM90_JOBS)
 
 
 @pytest.mark.parametrize("name", list(SM90_JOBS))

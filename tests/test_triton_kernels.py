@@ -24,10 +24,6 @@ On the GPU machine (``EPMOE_TEST_DEVICE=gpu``) the same tests run compiled, unpa
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -47,6 +43,7 @@ from moe_torch.ops.combine.reference import combine_reference
 from moe_torch.ops.quant.reference import per_token_group_quant_fp8_reference, per_token_quant_fp8_reference
 from moe_torch.ops.triton_common import check_triton_device
 from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
+from sm90 import compile_sm90
 from triton_interpreter_patch import exact_interpreter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -324,30 +321,7 @@ def test_act_and_mul_config_checked():
 
 
 # --------------------------------------------------------------------------------------
-# sm_90 compilation on the CPU
-#
-# triton.compile cannot run in this process on the CPU: under TRITON_INTERPRET=1 triton's own
-# jit library (tl.sigmoid, tl.max, ... in triton/language/standard.py) was decorated as
-# InterpretedFunctions when triton was imported, and the code generator (and gluon's import of
-# that library) requires JITFunctions. So the kernels are compiled in one child process without
-# TRITON_INTERPRET; it needs no GPU and no driver, only triton's bundled ptxas.
-
-_SM90_COMPILER = r"""
-import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-ptx = []
-for job in json.loads(sys.stdin.read()):
-    kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
-    signature = {**job["signature"], **{k: "constexpr" for k in job["constexprs"]}}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=job["constexprs"]),
-                              target=GPUTarget("cuda", 90, 32), options=job["options"])
-    assert compiled.asm["cubin"], "no cubin"
-    ptx.append(compiled.asm["ptx"])
-json.dump(ptx, sys.stdout)
-"""
+# sm_90 compilation on the CPU (in a child process without the interpreter: tests/sm90.py says why)
 
 
 def _act_job(quant, I, G):
@@ -389,12 +363,7 @@ SM90_JOBS = {
 @pytest.fixture(scope="module")
 def sm90_ptx() -> dict[str, str]:
     """PTX of every job in SM90_JOBS, compiled for sm_90 in a child process without the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", _SM90_COMPILER], input=json.dumps(list(SM90_JOBS.values())),
-                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
-    assert run.returncode == 0, f"sm_90 compilation failed:\n{run.stderr[-4000:]}"
-    return dict(zip(SM90_JOBS, json.loads(run.stdout)))
+    return compile_sm90(SM90_JOBS)
 
 
 @pytest.mark.parametrize("name", [n for n in SM90_JOBS if n.startswith("act_and_mul")])

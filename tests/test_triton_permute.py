@@ -16,11 +16,7 @@ lowers the kernels to sm_90 cubin in a child process without the interpreter (no
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -35,6 +31,7 @@ from moe_torch.ops.permute.config import PermuteConfig, RoutingConfig, permute_c
 from moe_torch.ops.permute.reference import permute_reference, routing_metadata_reference
 from test_permute import CASES, _ids, check_invariants, routing_problems
 from tolerances import assert_exact
+from sm90 import compile_sm90
 from triton_interpreter_patch import exact_interpreter
 
 
@@ -279,22 +276,6 @@ def test_permute_configs(M, H, quant, G):
 # decorates triton's own jit library as InterpretedFunctions, which the code generator rejects).
 # Needs no GPU and no driver, only triton's bundled ptxas.
 
-_SM90_COMPILER = r"""
-import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-ptx = []
-for job in json.loads(sys.stdin.read()):
-    kernel = getattr(importlib.import_module("moe_torch.ops.permute.triton"), job["kernel"])
-    signature = {**job["signature"], **{k: "constexpr" for k in job["constexprs"]}}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=job["constexprs"]),
-                              target=GPUTarget("cuda", 90, 32), options=job["options"])
-    assert compiled.asm["cubin"], "no cubin"
-    ptx.append(compiled.asm["ptx"])
-json.dump(ptx, sys.stdout)
-"""
 
 
 def _routing_jobs(m_cap: int, e_local: int) -> dict[str, dict]:
@@ -343,12 +324,7 @@ SM90_JOBS = {
 @pytest.fixture(scope="module")
 def sm90_ptx() -> dict[str, str]:
     """PTX of every job in SM90_JOBS, compiled for sm_90 in a child process without the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", _SM90_COMPILER], input=json.dumps(list(SM90_JOBS.values())),
-                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
-    assert run.returncode == 0, f"sm_90 compilation failed:\n{run.stderr[-4000:]}"
-    return dict(zip(SM90_JOBS, json.loads(run.stdout)))
+    return compile_sm90(SM90_JOBS, module="moe_torch.ops.permute.triton")
 
 
 @pytest.mark.parametrize("name", [n for n in SM90_JOBS if n.startswith("routing")])

@@ -1,0 +1,43 @@
+"""Compile Triton kernels for sm_90 on a machine without a GPU (tests only).
+
+Under ``TRITON_INTERPRET=1`` triton's own jit library (``tl.sigmoid``, ``tl.max``... in
+``triton/language/standard.py``) is decorated as InterpretedFunctions when triton is imported,
+and the code generator needs JITFunctions, so the kernels are compiled in one child process
+without the interpreter. It needs no GPU and no driver, only triton's bundled ptxas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+_COMPILER = r"""
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ptx = []
+for job in json.loads(sys.stdin.read()):
+    kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
+    signature = {**job["signature"], **{k: "constexpr" for k in job["constexprs"]}}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=job["constexprs"]),
+                              target=GPUTarget("cuda", 90, 32), options=job["options"])
+    assert compiled.asm["cubin"], "no cubin"
+    ptx.append(compiled.asm["ptx"])
+json.dump(ptx, sys.stdout)
+"""
+
+
+def compile_sm90(jobs: dict[str, dict], module: str | None = None, kernel: str | None = None) -> dict[str, str]:
+    """name -> PTX of each job (``module``, ``kernel``, ``signature``, ``constexprs``, ``options``;
+    ``module`` / ``kernel`` default to the arguments), compiled for sm_90 in a child process."""
+    payload = [{"module": module, "kernel": kernel, **job} for job in jobs.values()]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(payload),
+                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert run.returncode == 0, f"sm_90 compilation failed:\n{run.stderr[-4000:]}"
+    return dict(zip(jobs, json.loads(run.stdout)))
