@@ -20,7 +20,8 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 import moe_pallas
 from common import random_ids
 from moe_pallas.ops.activation.config import MAX_ROW_BLOCK, ActAndMulConfig, act_and_mul_config
-from moe_pallas.ops.activation.pallas_triton import act_and_mul_pallas_triton, round_quotient_fp8
+from moe_pallas.ops.activation.pallas_triton import act_and_mul_pallas_triton
+from moe_pallas.ops.quant.reference import fp8_round_quotient
 from moe_pallas.ops.activation.reference import act_and_mul_reference
 from moe_pallas.ops.combine.config import CombineConfig, combine_config
 from moe_pallas.ops.combine.pallas_triton import combine_pallas_triton
@@ -153,7 +154,7 @@ def test_round_quotient_repairs_approximate_division(scale):
     naive_wrong = 0
     for d in (-2, -1, 0, 1, 2):  # a float32 quotient of non-negative operands stays >= 0
         y_off = jnp.asarray((y_bits + d).clip(0).astype(np.uint32).view(np.float32))
-        assert_exact(round_quotient_fp8(x, y_off, s), exact, f"quotient off by {d} ulp")
+        assert_exact(fp8_round_quotient(x, y_off, s), exact, f"quotient off by {d} ulp")
         naive = jnp.clip(y_off, 0, 448).astype(FP8_DTYPE)
         naive_wrong += int((to_numpy(naive).view(np.uint8) != (to_numpy(exact).view(np.uint8) & 0x7F)).sum())
     assert naive_wrong > 0, "the inputs must include quotients whose naive rounding is wrong"

@@ -14,9 +14,9 @@ output dtype, or FP8 e4m3 codes ``q [M, I]`` plus their dequantization scales, f
 
 The FP8 codes are bit-identical to ``quant/reference.py`` applied to the same float32
 activation values: plain ``/`` is approximate (``div.full.f32``) in the Pallas-Triton
-lowering, so the code is repaired to the correctly rounded quotient's code exactly as
-``moe_pallas.ops.quant.reference.fp8_round_quotient`` does, with ``nextafter`` replaced by
-integer steps of the float32 bit pattern (elementwise ops and same-width bitcasts only).
+lowering, so the kernel quantizes with the reference's own ``quantize_div_fp8``, whose
+``fp8_round_quotient`` repairs each code to the correctly rounded quotient's (it uses only
+elementwise ops and same-width bitcasts, which lower inside a kernel).
 
 Loads and stores are masked (``jax.experimental.pallas.triton.load/store``); refs are whole
 arrays, so odd ``I`` and any ``M`` work. Masking pattern learned from
@@ -36,72 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_pallas.ops.activation.config import MAX_TILE_ELEMENTS, ActAndMulConfig, act_and_mul_config
 from moe_pallas.ops.activation.reference import ACTIVATIONS
-from moe_pallas.ops.quant.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, INV_FP8_MAX, scale_from_amax
-
-
-def _next_up(m: jax.Array) -> jax.Array:
-    """The float32 after ``m`` (``m`` finite, > 0): one step of the bit pattern."""
-    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(m, jnp.uint32) + jnp.uint32(1), jnp.float32)
-
-
-def _next_down(m: jax.Array) -> jax.Array:
-    """The float32 before ``m`` (``m`` finite, > 0; at ``m = 0`` it gives 0)."""
-    bits = jax.lax.bitcast_convert_type(m, jnp.uint32)
-    return jax.lax.bitcast_convert_type(jnp.where(bits > 0, bits - jnp.uint32(1), bits), jnp.float32)
-
-
-def _split_hi(v: jax.Array) -> jax.Array:
-    """``v`` with its 12 low mantissa bits cleared (``v - hi`` is then exact, 12 bits)."""
-    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFFF000), jnp.float32)
-
-
-def quantize_exact_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """``cast_rne(clamp(x / scale, -448, 448))`` to float8_e4m3fn with a correctly rounded ``/``, inside a kernel.
-
-    ``x``: float32 tile; ``scale``: float32, broadcastable to ``x``, ``> ~1e-25``. The quotient
-    is computed with plain ``/`` (approximate on the GPU, ``div.full.f32``) and its code repaired
-    by :func:`round_quotient_fp8`.
-    """
-    return round_quotient_fp8(x, jnp.abs(x) / scale, scale)
-
-
-def round_quotient_fp8(x: jax.Array, y: jax.Array, scale: jax.Array) -> jax.Array:
-    """The FP8 code of the correctly rounded ``x / scale``, given ``y ~= |x| / scale`` within a few ulps.
-
-    The algorithm (and proof) of ``moe_pallas.ops.quant.reference.fp8_round_quotient``: start
-    from the code ``q`` of ``y``, then decide between ``q`` and its neighbour in ``y``'s
-    direction against the exact midpoint ``m``, with exact float32 products (``scale`` split
-    in 12-bit halves). Written with kernel-safe ops only: ``nextafter`` is an integer step of
-    the float32 bit pattern (``m > 0`` wherever it matters), the sign is the top bit of ``x``.
-    """
-    a = jnp.abs(x)
-    q = jnp.clip(y, 0.0, FP8_MAX).astype(FP8_DTYPE)  # magnitudes only: RNE and the clamp are symmetric
-    qf = q.astype(jnp.float32)
-    bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
-    go_up = (y > qf) & (qf < FP8_MAX)
-    go_down = (y < qf) & (qf > 0.0)
-    n_bits = jnp.where(go_up, bits + jnp.uint8(1), jnp.where(go_down, bits - jnp.uint8(1), bits))
-    nf = jax.lax.bitcast_convert_type(n_bits, FP8_DTYPE).astype(jnp.float32)
-    m = (qf + nf) * 0.5  # exact
-    half_up = (_next_up(m) - m) * 0.5  # powers of two: exact
-    half_down = (m - _next_down(m)) * 0.5
-    scale = jnp.broadcast_to(scale, a.shape)
-    s_hi = _split_hi(scale)
-    s_lo = scale - s_hi
-    r = (a - m * s_hi) - m * s_lo  # |x| - m * scale, exactly
-    above = ((r - half_up * s_hi) - half_up * s_lo) > 0  # exact quotient > m
-    below = ((r + half_down * s_hi) + half_down * s_lo) < 0  # exact quotient < m
-    on_mid = ~above & ~below
-    n_even = (n_bits & jnp.uint8(1)) == jnp.uint8(0)
-    take_n = (go_up & (above | (on_mid & n_even))) | (go_down & (below | (on_mid & n_even)))
-    mag = jnp.where(take_n, n_bits, bits)
-    sign = (jax.lax.bitcast_convert_type(x, jnp.uint32) >> jnp.uint32(31)).astype(jnp.uint8) << jnp.uint8(7)
-    return jax.lax.bitcast_convert_type(mag | sign, FP8_DTYPE)
-
-
-def _scale_from_amax(amax: jax.Array) -> jax.Array:
-    """``max(amax, 1e-10) * float32(1/448)``: a multiplication, exact on every backend."""
-    return jnp.maximum(amax, jnp.float32(AMAX_FLOOR)) * jnp.float32(INV_FP8_MAX)
+from moe_pallas.ops.quant.reference import FP8_DTYPE, quantize_div_fp8, scale_from_amax
 
 
 def _kernel(h_ref, *refs, mode: str, activation: str, M: int, I: int, block_m: int, block_i: int):
@@ -134,7 +69,7 @@ def _kernel(h_ref, *refs, mode: str, activation: str, M: int, I: int, block_m: i
     if mode == "quant_given":
         scale_ref, q_ref = refs
         scale = plgpu.load(scale_ref.at[rows, jnp.int32(0)], mask=row_ok, other=1.0)
-        plgpu.store(q_ref.at[rows, cols], quantize_exact_fp8(a, scale[:, None]), mask=mask)
+        plgpu.store(q_ref.at[rows, cols], quantize_div_fp8(a, scale[:, None]), mask=mask)
         return
     amax = jnp.max(jnp.where(mask, jnp.abs(a), 0.0), axis=1)  # [block_m]
     if mode == "amax":
@@ -142,8 +77,8 @@ def _kernel(h_ref, *refs, mode: str, activation: str, M: int, I: int, block_m: i
         plgpu.store(amax_ref.at[rows, j], amax, mask=row_ok)
         return
     q_ref, scale_ref = refs
-    scale = _scale_from_amax(amax)
-    plgpu.store(q_ref.at[rows, cols], quantize_exact_fp8(a, scale[:, None]), mask=mask)
+    scale = scale_from_amax(amax)
+    plgpu.store(q_ref.at[rows, cols], quantize_div_fp8(a, scale[:, None]), mask=mask)
     plgpu.store(scale_ref.at[rows, j], scale, mask=row_ok)
 
 
@@ -222,7 +157,7 @@ def act_and_mul_pallas_triton(
     if M == 0 or I == 0:  # nothing to launch; the contract's values for empty rows
         if quant is None:
             return jnp.zeros((M, I), out_dtype), None
-        return jnp.zeros((M, I), FP8_DTYPE), jnp.full((M, n_groups), _scale_from_amax(jnp.float32(0.0)))
+        return jnp.zeros((M, I), FP8_DTYPE), jnp.full((M, n_groups), scale_from_amax(jnp.float32(0.0)))
     n_blocks = pl.cdiv(I, cfg.block_i)
     run = functools.partial(_call, h, activation=activation, cfg=cfg, interpret=interpret)
     if quant is None:

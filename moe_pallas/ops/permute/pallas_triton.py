@@ -22,7 +22,7 @@ of rows ``[i*block_m, (i+1)*block_m)``, gathers ``x[dst2src // topk]`` for colum
 ``[k*block_h, (k+1)*block_h)`` with a masked load (rows with ``dst2src < 0`` read no memory and
 are zero) and stores the rows, or their FP8 codes and scales exactly as
 ``moe_pallas/ops/activation/pallas_triton.py`` does (same modes, same exact rounding
-``round_quotient_fp8`` that survives the GPU's approximate ``/``). Zero rows get the zero-row
+``fp8_round_quotient`` that survives the GPU's approximate ``/``). Zero rows get the zero-row
 scale ``1e-10 / 448`` because their amax is 0.
 
 Masked gathers with array indices learned from
@@ -40,8 +40,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# quantize_exact_fp8 is round_quotient_fp8 applied to the plain (approximate on the GPU) quotient.
-from moe_pallas.ops.activation.pallas_triton import quantize_exact_fp8
 from moe_pallas.ops.permute.config import (
     MAX_TILE_ELEMENTS,
     PermuteConfig,
@@ -49,7 +47,7 @@ from moe_pallas.ops.permute.config import (
     permute_config,
     routing_metadata_config,
 )
-from moe_pallas.ops.quant.reference import AMAX_FLOOR, FP8_DTYPE, INV_FP8_MAX, scale_from_amax
+from moe_pallas.ops.quant.reference import FP8_DTYPE, quantize_div_fp8, scale_from_amax
 
 
 # --------------------------------------------------------------------------------------
@@ -161,11 +159,6 @@ def routing_metadata_pallas_triton(
 # Permute
 
 
-def _scale_from_amax(amax: jax.Array) -> jax.Array:
-    """``max(amax, 1e-10) * float32(1/448)``: a multiplication, exact on every backend."""
-    return jnp.maximum(amax, jnp.float32(AMAX_FLOOR)) * jnp.float32(INV_FP8_MAX)
-
-
 def _permute_kernel(x_ref, d_ref, *refs, mode: str, M_cap: int, H: int, topk: int, block_m: int, block_h: int):
     """Grid ``(cdiv(M_cap, block_m), n_col_blocks)``; program ``(i, k)`` owns rows
     ``[i*block_m, (i+1)*block_m)`` and columns ``[k*block_h, (k+1)*block_h)`` of ``x_permuted``.
@@ -198,12 +191,12 @@ def _permute_kernel(x_ref, d_ref, *refs, mode: str, M_cap: int, H: int, topk: in
     if mode == "quant_rows":
         scale_ref, q_ref = refs
         scale = plgpu.load(scale_ref.at[rows, jnp.int32(0)], mask=row_ok, other=1.0)
-        plgpu.store(q_ref.at[rows, cols], quantize_exact_fp8(a, scale[:, None]), mask=mask)
+        plgpu.store(q_ref.at[rows, cols], quantize_div_fp8(a, scale[:, None]), mask=mask)
         return
     if mode == "quant_static":
         scale_ref, q_ref = refs
         scale = plgpu.load(scale_ref.at[pl.ds(jnp.int32(0), 1)])  # [1]
-        plgpu.store(q_ref.at[rows, cols], quantize_exact_fp8(a, scale[:, None]), mask=mask)
+        plgpu.store(q_ref.at[rows, cols], quantize_div_fp8(a, scale[:, None]), mask=mask)
         return
     amax = jnp.max(jnp.abs(a), axis=1)  # [block_m]; masked lanes are 0
     if mode == "amax":
@@ -211,8 +204,8 @@ def _permute_kernel(x_ref, d_ref, *refs, mode: str, M_cap: int, H: int, topk: in
         plgpu.store(amax_ref.at[rows, k], amax, mask=row_ok)
         return
     q_ref, scale_ref = refs
-    scale = _scale_from_amax(amax)
-    plgpu.store(q_ref.at[rows, cols], quantize_exact_fp8(a, scale[:, None]), mask=mask)
+    scale = scale_from_amax(amax)
+    plgpu.store(q_ref.at[rows, cols], quantize_div_fp8(a, scale[:, None]), mask=mask)
     plgpu.store(scale_ref.at[rows, k], scale, mask=row_ok)
 
 
@@ -295,7 +288,7 @@ def permute_pallas_triton(
             return jnp.zeros((M_cap, H), x.dtype), None
         if quant == "fp8_per_tensor":
             return jnp.zeros((M_cap, H), FP8_DTYPE), scale
-        return jnp.zeros((M_cap, H), FP8_DTYPE), jnp.full((M_cap, n_groups), _scale_from_amax(jnp.float32(0.0)))
+        return jnp.zeros((M_cap, H), FP8_DTYPE), jnp.full((M_cap, n_groups), scale_from_amax(jnp.float32(0.0)))
     n_blocks = pl.cdiv(H, cfg.block_h)
     run = functools.partial(_call, x, dst2src, topk=topk, cfg=cfg, interpret=interpret)
     q_shape = jax.ShapeDtypeStruct((M_cap, H), FP8_DTYPE)

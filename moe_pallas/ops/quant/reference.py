@@ -31,6 +31,17 @@ def quantize_div_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
     return fp8_round_quotient(x, jnp.abs(x) / scale, scale)
 
 
+def _next_up(m: jax.Array) -> jax.Array:
+    """The float32 after ``m`` (``m`` finite, > 0): one step of the bit pattern (kernel-safe ``nextafter``)."""
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(m, jnp.uint32) + jnp.uint32(1), jnp.float32)
+
+
+def _next_down(m: jax.Array) -> jax.Array:
+    """The float32 before ``m`` (``m`` finite, > 0; at ``m = 0`` it gives 0)."""
+    bits = jax.lax.bitcast_convert_type(m, jnp.uint32)
+    return jax.lax.bitcast_convert_type(jnp.where(bits > 0, bits - jnp.uint32(1), bits), jnp.float32)
+
+
 def _split_hi(v: jax.Array) -> jax.Array:
     """``v`` with its 12 low mantissa bits cleared (``v - hi`` is then exact, 12 bits)."""
     return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFFF000), jnp.float32)
@@ -49,6 +60,8 @@ def fp8_round_quotient(x: jax.Array, y: jax.Array, scale: jax.Array) -> jax.Arra
     exact in float32, ``|x| - m * s_hi`` is exact (Sterbenz), and the remaining subtractions
     are exact or too large to change sign. Fused multiply-adds, if the compiler makes them,
     change none of this. Valid while ``scale > ~1e-25`` (dynamic scales are >= 2.2e-13).
+    Written with kernel-safe ops only (elementwise arithmetic and same-width bitcasts; the
+    float32 ``nextafter`` is an integer step of the bit pattern), so the Pallas kernels call it too.
     """
     a = jnp.abs(x)
     q = jnp.clip(y, 0.0, FP8_MAX).astype(FP8_DTYPE)  # magnitudes only: RNE and the clamp are symmetric
@@ -56,11 +69,11 @@ def fp8_round_quotient(x: jax.Array, y: jax.Array, scale: jax.Array) -> jax.Arra
     bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
     go_up = (y > qf) & (qf < FP8_MAX)
     go_down = (y < qf) & (qf > 0.0)
-    n_bits = jnp.where(go_up, bits + 1, jnp.where(go_down, bits - 1, bits)).astype(jnp.uint8)
+    n_bits = jnp.where(go_up, bits + jnp.uint8(1), jnp.where(go_down, bits - jnp.uint8(1), bits))
     nf = jax.lax.bitcast_convert_type(n_bits, FP8_DTYPE).astype(jnp.float32)
     m = (qf + nf) * 0.5  # exact
-    half_up = (jax.lax.nextafter(m, jnp.full_like(m, jnp.inf)) - m) * 0.5  # powers of two: exact
-    half_down = (m - jax.lax.nextafter(m, jnp.zeros_like(m))) * 0.5
+    half_up = (_next_up(m) - m) * 0.5  # powers of two: exact
+    half_down = (m - _next_down(m)) * 0.5
     scale = jnp.broadcast_to(scale, a.shape)
     s_hi = _split_hi(scale)
     s_lo = scale - s_hi
@@ -68,10 +81,10 @@ def fp8_round_quotient(x: jax.Array, y: jax.Array, scale: jax.Array) -> jax.Arra
     above = ((r - half_up * s_hi) - half_up * s_lo) > 0  # y* > m
     below = ((r + half_down * s_hi) + half_down * s_lo) < 0  # y* < m
     on_mid = ~above & ~below
-    n_even = (n_bits & 1) == 0
+    n_even = (n_bits & jnp.uint8(1)) == jnp.uint8(0)
     take_n = (go_up & (above | (on_mid & n_even))) | (go_down & (below | (on_mid & n_even)))
     mag = jnp.where(take_n, n_bits, bits)
-    sign = jnp.where(jnp.signbit(x), jnp.uint8(0x80), jnp.uint8(0))
+    sign = (jax.lax.bitcast_convert_type(x, jnp.uint32) >> jnp.uint32(31)).astype(jnp.uint8) << jnp.uint8(7)
     return jax.lax.bitcast_convert_type(mag | sign, FP8_DTYPE)
 
 
