@@ -73,7 +73,9 @@ def check_preset(name: str, quant: str, T: int, seed: int = 0, kernels: bool = F
         """quantize_layer_weights, 16 experts at a time (bounded temporaries at DeepSeek-V3 size)."""
         if quant == "none":
             return w13_, None, w2_, None
-        parts = [mod.quantize_layer_weights(w13_[i : i + 16], w2_[i : i + 16], config) for i in range(0, Et, 16)]
+        layout = mod.layer.WEIGHT_LAYOUT[quant]
+        parts = [(*mod.quantize_weight_fp8(w13_[i : i + 16], layout), *mod.quantize_weight_fp8(w2_[i : i + 16], layout))
+                 for i in range(0, Et, 16)]
         cat = (lambda xs: jnp.concatenate(xs)) if mod is moe_pallas else (lambda xs: torch.cat(xs))
         return tuple(cat([p[k] for p in parts]) for k in range(4))
 
@@ -130,7 +132,9 @@ def check_preset(name: str, quant: str, T: int, seed: int = 0, kernels: bool = F
             kfwd(*jargs, config, **jkw).block_until_ready()
             times.append(time.perf_counter() - t0)
         row["pallas_ms"] = 1e3 * float(np.median(times[2:]))
-        row["ok"] = row["ok"] and row["triton_rel_err"] <= 1e-2 and row["pallas_rel_err"] <= 1e-2
+        mfwd = jax.jit(functools.partial(moe_pallas.moe_forward, implementation="pallas_mosaic_gpu"), static_argnames=("config",))
+        row["mosaic_rel_err"] = rel_fro(np.asarray(mfwd(*jargs, config, **jkw).astype(jnp.float32)), out_j_np)
+        row["ok"] = row["ok"] and max(row["triton_rel_err"], row["pallas_rel_err"], row["mosaic_rel_err"]) <= 1e-2
     del tw, jw, out_t, out_j, w13, w2, jw13, jw2
     torch.cuda.empty_cache()
     return row
@@ -173,7 +177,7 @@ def main() -> int:
         print(f"{r['preset']:<17}{r['quant']:<15}{r['T']:>5}{r['jax_s']:>8.2f}{r['torch_s']:>9.2f}{r['rel_err']:>11.2e}"
               f"{str(r.get('fp8_weights_identical', '-')):>10}  {'agree' if r['ok'] else 'FAIL'}"
               + (f"  triton {r['triton_rel_err']:.1e} {r['triton_ms']:.2f} ms, pallas {r['pallas_rel_err']:.1e} "
-                 f"{r['pallas_ms']:.2f} ms (wall, jit)" if "triton_ms" in r else ""))
+                 f"{r['pallas_ms']:.2f} ms (wall, jit), mosaic GEMMs {r['mosaic_rel_err']:.1e}" if "triton_ms" in r else ""))
     return 0 if all(r["ok"] for r in rows) else 1
 
 

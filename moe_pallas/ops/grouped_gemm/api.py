@@ -15,7 +15,16 @@ from moe_pallas.ops.dispatch import dispatch
 from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 
-IMPLEMENTATIONS = ("pallas_triton", "reference")
+IMPLEMENTATIONS = ("pallas_mosaic_gpu", "pallas_triton", "reference")
+
+
+def _mosaic(x, w, expert_offsets, x_scale, w_scale, out_dtype):
+    """The Hopper backend: GPU only (Mosaic GPU has no CPU interpret mode for this kernel)."""
+    if jax.default_backend() != "gpu":
+        raise NotImplementedError(f"grouped_gemm[pallas_mosaic_gpu]: needs a Hopper GPU; the default backend is {jax.default_backend()!r}")
+    from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
+
+    return grouped_gemm_pallas_mosaic_gpu(x, w, expert_offsets, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype)
 
 
 @takes_jax_arrays
@@ -42,14 +51,17 @@ def grouped_gemm(
       w_scale: FP8 only, float32: ``[E_local]`` per-expert, ``[E_local, N]`` per-output-channel,
         or ``[E_local, ceil(N/128), ceil(K/128)]`` 128x128 blocks.
       out_dtype: result dtype; default ``x.dtype`` (bf16 for FP8 inputs).
-      implementation: ``"pallas_triton"`` (interpreted on the CPU), ``"reference"``, or ``None``
+      implementation: ``"pallas_mosaic_gpu"`` (Hopper GPUs only), ``"pallas_triton"`` (interpreted
+        on the CPU), ``"reference"``, or ``None``
         (the device's default order, ``moe_pallas.ops.dispatch``; the reference on the CPU).
 
     Returns: ``y [M_cap, N]``.
 
     Raises: ValueError (shapes, missing or unexpected scales), TypeError (dtypes),
       NotImplementedError (``implementation="pallas_triton"`` with per-token-group scales whose
-      group size ``K // x_scale.shape[1]`` has no power-of-two divisor >= 16).
+      group size ``K // x_scale.shape[1]`` has no power-of-two divisor >= 16;
+      ``implementation="pallas_mosaic_gpu"`` off a GPU or outside its limits, see
+      ``moe_pallas/ops/grouped_gemm/pallas_mosaic_gpu.py``).
     """
     op = "grouped_gemm"
     out_dtype = resolve_dtype(check_grouped_gemm(op, x, w, expert_offsets, x_scale, w_scale, out_dtype))
@@ -58,6 +70,7 @@ def grouped_gemm(
     if M_cap == 0:
         return jnp.zeros((0, N), out_dtype)
     return dispatch(op, implementation, {
+        "pallas_mosaic_gpu": lambda: _mosaic(x, w, expert_offsets, x_scale, w_scale, out_dtype),
         "pallas_triton": lambda: grouped_gemm_pallas_triton(
             x, w, expert_offsets, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype),
         "reference": lambda: grouped_gemm_reference(x, w, expert_offsets, x_scale, w_scale, out_dtype),

@@ -84,3 +84,55 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, group
     if group_size is not None:
         block_k = max(MIN_DOT_BLOCK, min(block_k, largest_pow2_divisor(group_size)))
     return GroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+
+
+# --- Pallas Mosaic GPU (Hopper) backend: ``pallas_mosaic_gpu.py`` ---------------------------
+
+#: wgmma's M per warpgroup instruction: a row tile is 64 or 128 rows (one or two instructions).
+MOSAIC_BLOCK_M = (64, 128)
+#: One K step is one 128-byte swizzled shared-memory row (the widest TMA/wgmma swizzle): 64 bf16
+#: or 128 FP8 values; 128 is also the K width of the contract's FP8 scale groups and blocks.
+MOSAIC_K_STEP_BYTES = 128
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicGroupedGemmConfig:
+    """Launch parameters of the Mosaic GPU grouped GEMM (one warpgroup per CTA, persistent grid).
+
+    block_m: rows per tile, 64 or 128 (multiples of wgmma's M = 64).
+    block_n: output columns per tile, a multiple of 8 up to 256 (wgmma's N); must divide N.
+    block_k: K per pipeline step (must divide K): 64 for 16-bit, 128 for FP8 (128-byte rows).
+    max_concurrent_steps: TMA loads in flight (shared-memory stages).
+    grid_block_n: width, in column tiles, of the planar snake over (row steps, column tiles).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    max_concurrent_steps: int = 4
+    grid_block_n: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"MosaicGroupedGemmConfig: {name} must be an int >= 1; got {name}={v!r}")
+        if self.block_m not in MOSAIC_BLOCK_M:
+            raise ValueError(f"MosaicGroupedGemmConfig: block_m must be one of {MOSAIC_BLOCK_M}; got {self.block_m}")
+        if self.block_n % 8 or self.block_n > 256:
+            raise ValueError(f"MosaicGroupedGemmConfig: block_n must be a multiple of 8 up to 256; got {self.block_n}")
+
+
+def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *,
+                               per_step_scales: bool = False) -> MosaicGroupedGemmConfig:
+    """Heuristic (untuned until BENCHMARKS.md says otherwise): 64-row tiles when experts average
+    fewer than 128 rows (decode: less wasted MMA work on partial tiles), else 128; 128 columns
+    (256 would halve the weight re-reads per row tile but doubles the accumulator's registers);
+    per-K-step scales fix ``block_n = block_k = 128`` (one weight-scale block per tile and step)."""
+    block_k = MOSAIC_K_STEP_BYTES // itemsize
+    if per_step_scales:
+        block_k = 128
+    rows_per_expert = -(-max(M_cap, 1) // max(E, 1))
+    block_m = 64 if rows_per_expert < 128 else 128
+    block_n = 128
+    return MosaicGroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k)

@@ -116,17 +116,19 @@ def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: 
     s, j = pl.program_id(0), pl.program_id(1)
     e, lo, hi = expert_ref[s], lo_ref[s], hi_ref[s]
 
-    @pl.when(lo < hi)  # padding steps own no rows: they stop here
+    row0 = (lo // block_m) * block_m
+    n0 = j * block_n
+    rows = row0 + jnp.arange(block_m)
+    row_ok = (rows >= lo) & (rows < hi)  # [block_m]: rows of other experts are masked off
+    col_ok = n0 + jnp.arange(block_n) < N  # [block_n]
+    rows_ds, cols_ds = pl.ds(row0, block_m), pl.ds(n0, block_n)
+    store_mask = row_ok[:, None] & col_ok[None, :]
+
+    # Padding steps (lo == hi) own no rows and do nothing. e == E is the group of unused rows:
+    # it reads nothing and stores zeros. The K loop has a static trip count (a dynamic one made
+    # jaxlib's Triton reject the scf.for on the H200: bounds of different integer types).
+    @pl.when((lo < hi) & (e < E))
     def _():
-        row0 = (lo // block_m) * block_m
-        n0 = j * block_n
-        rows = row0 + jnp.arange(block_m)
-        row_ok = (rows >= lo) & (rows < hi)  # [block_m]: rows of other experts are masked off
-        col_ok = n0 + jnp.arange(block_n) < N  # [block_n]
-        rows_ds, cols_ds = pl.ds(row0, block_m), pl.ds(n0, block_n)
-        # e == E is the group of unused rows: zero K steps, so it stores zeros and reads nothing.
-        k_steps = jnp.where(e < E, pl.cdiv(K, block_k), 0)
-        e_w = jnp.minimum(e, E - 1)  # a valid expert for address arithmetic only
         # Masked lanes read a zero of the operand's own dtype (an int 0 does not cast to fp8 in the lowering).
         zero_x, zero_w = jnp.zeros((), x_ref.dtype), jnp.zeros((), w_ref.dtype)
 
@@ -135,26 +137,30 @@ def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: 
             k_ok = k0 + jnp.arange(block_k) < K
             ks = pl.ds(k0, block_k)
             xt = plgpu.load(x_ref.at[rows_ds, ks], mask=row_ok[:, None] & k_ok[None, :], other=zero_x)  # [block_m, block_k]
-            wt = plgpu.load(w_ref.at[e_w, cols_ds, ks], mask=col_ok[:, None] & k_ok[None, :], other=zero_w)  # [block_n, block_k]
+            wt = plgpu.load(w_ref.at[e, cols_ds, ks], mask=col_ok[:, None] & k_ok[None, :], other=zero_w)  # [block_n, block_k]
             part = jax.lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), precision=precision,
                                        preferred_element_type=jnp.float32)  # [block_m, block_n]
             if x_scale_kind == "per_token_group":  # block_k divides G: this K step lies in group k0 // G
                 sx = plgpu.load(xs_ref.at[rows_ds, k0 // group_size], mask=row_ok, other=0.0)
                 part = part * sx[:, None]
             if w_scale_kind == "block":  # block_n and block_k divide 128: one scale for the whole tile
-                part = part * ws_ref[e_w, n0 // SCALE_BLOCK, k0 // SCALE_BLOCK]
+                part = part * ws_ref[e, n0 // SCALE_BLOCK, k0 // SCALE_BLOCK]
             return acc + part
 
-        acc = jax.lax.fori_loop(0, k_steps, k_step, jnp.zeros((block_m, block_n), jnp.float32))
+        acc = jax.lax.fori_loop(0, pl.cdiv(K, block_k), k_step, jnp.zeros((block_m, block_n), jnp.float32))
         if x_scale_kind == "per_tensor":
             acc = acc * xs_ref[0]
         elif x_scale_kind == "per_token":
             acc = acc * plgpu.load(xs_ref.at[rows_ds], mask=row_ok, other=0.0)[:, None]
         if w_scale_kind == "per_expert":
-            acc = acc * ws_ref[e_w]
+            acc = acc * ws_ref[e]
         elif w_scale_kind == "per_channel":
-            acc = acc * plgpu.load(ws_ref.at[e_w, cols_ds], mask=col_ok, other=0.0)[None, :]
-        plgpu.store(y_ref.at[rows_ds, cols_ds], acc.astype(y_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+            acc = acc * plgpu.load(ws_ref.at[e, cols_ds], mask=col_ok, other=0.0)[None, :]
+        plgpu.store(y_ref.at[rows_ds, cols_ds], acc.astype(y_ref.dtype), mask=store_mask)
+
+    @pl.when((lo < hi) & (e >= E))
+    def _():
+        plgpu.store(y_ref.at[rows_ds, cols_ds], jnp.zeros((block_m, block_n), y_ref.dtype), mask=store_mask)
 
 
 def scale_kinds(x_scale: jax.Array | None, w_scale: jax.Array | None, K: int) -> tuple[str | None, str | None, int]:

@@ -1,0 +1,310 @@
+"""The MoE layer as a flax NNX module: :class:`MoELayer` holds one EP rank's expert weights and
+calls :func:`moe_pallas.layer.moe_forward`.
+
+State::
+
+    w13   [E_local, 2*I, H]  nnx.Param (bf16 / float16 / float32, quant='none')
+                             or FrozenWeight (float8_e4m3fn codes)
+    w2    [E_local, H, I]    same rule
+    w13_scale, w2_scale      FrozenWeight float32 FP8 weight scales (None for quant='none'):
+                             [E_local, N] per-channel (fp8_per_token) or
+                             [E_local, ceil(N/128), ceil(K/128)] blocks (fp8_block)
+    e_score_correction_bias  FrozenWeight [E] float (routing='biased_grouped_topk' only, else None)
+
+Why two Variable types: ``nnx.grad`` and ``nnx.Optimizer(..., wrt=nnx.Param)`` take
+``nnx.Param`` by default. Float weights are ordinary parameters (the reference layer is
+differentiable in them). FP8 codes are not: a gradient step on a float8_e4m3fn code is
+meaningless and the scales belong to the codes; and DeepSeek-V3's correction bias is moved by
+its load-balancing rule, not by gradients (HF holds it as a buffer). So those are
+:class:`FrozenWeight`, which every filter on ``nnx.Param`` leaves out, and which
+``nnx.state`` / ``nnx.split`` still carry for checkpoints. The config and the implementation
+name are static (part of the graphdef), so a jitted model retraces only when they change.
+
+Mirror: ``moe_torch/module.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moe_contract.config import MoEConfig
+from moe_contract.op_checks import check_select_experts
+from moe_contract.presets import get_preset
+from moe_contract.validation import (
+    FLOAT_DTYPES,
+    check_config,
+    check_dtype,
+    check_layer_inputs,
+    check_layer_weights,
+    check_shape,
+    dtype_name,
+)
+from moe_pallas.layer import LAYER_IMPLEMENTATIONS, WEIGHT_LAYOUT, local_weights, moe_forward
+from moe_pallas.ops.dispatch import check_implementation
+from moe_pallas.ops.quant.api import quantize_weight_fp8
+
+#: Experts quantized at a time by :meth:`MoELayer.from_float` / :meth:`MoELayer.from_preset`:
+#: bounds the float32 temporaries of the quantization at full model size (the result is the
+#: same, since every scale layout is per expert).
+QUANT_CHUNK_EXPERTS = 16
+#: The weight quantization, jitted: one compile per chunk shape instead of op-by-op dispatch
+#: (seconds per call eagerly on a CPU). Bit-identical to the eager op (tested in test_modules.py).
+_quantize_weight_fp8 = jax.jit(quantize_weight_fp8, static_argnames=("layout",))
+
+
+class FrozenWeight(nnx.Variable):
+    """Layer state no gradient step updates: FP8 weight codes, their scales, the gate's correction bias."""
+
+
+def check_module_weights(op: str, config: MoEConfig, w13, w2, w13_scale, w2_scale, e_score_correction_bias) -> None:
+    """The weights of one EP rank against ``config``, with the layer's own rules and messages.
+
+    ``quant='none'``: ``w13``, ``w2`` float (one dtype), no scales. FP8: float8_e4m3fn codes with
+    the scale layout of the quant mode. ``e_score_correction_bias`` ``[E]`` float exactly when
+    ``routing='biased_grouped_topk'``.
+
+    Raises: TypeError (not a MoEConfig, not arrays, dtypes), ValueError (shapes, missing or
+      unexpected scales or bias).
+    """
+    check_config(op, config)
+    if config.quant == "none":
+        check_layer_weights(op, config, w13, w2)
+        x_dtype = w13.dtype
+    else:
+        x_dtype = jnp.bfloat16
+    # Shape-only stand-ins for x and router_logits (the checks read .shape and .dtype only).
+    x = jax.ShapeDtypeStruct((0, config.hidden_size), x_dtype)
+    logits = jax.ShapeDtypeStruct((0, config.num_experts), jnp.float32)
+    check_layer_inputs(op, config, x, logits, w13, w2, w13_scale, w2_scale)
+    check_select_experts(
+        op,
+        logits,
+        topk=config.topk,
+        routing=config.routing,
+        num_expert_group=config.num_expert_group,
+        topk_group=config.topk_group,
+        e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=config.routed_scaling_factor,
+        num_fused_shared_experts=config.num_fused_shared_experts,
+        renormalize=config.renormalize,
+        apply_routed_scaling_factor_on_output=config.apply_routed_scaling_factor_on_output,
+    )
+
+
+def check_global_weights(op: str, config: MoEConfig, w13, w2) -> None:
+    """Float weights of every expert: ``w13 [E + S, 2*I, H]``, ``w2 [E + S, H, I]`` (before slicing)."""
+    check_config(op, config)
+    H, I, E_all = config.hidden_size, config.intermediate_size, config.num_total_experts
+    what13 = f"[E + S, 2*I, H] = ({E_all}, {2 * I}, {H}) (every expert of the layer)"
+    what2 = f"[E + S, H, I] = ({E_all}, {H}, {I}) (every expert of the layer)"
+    check_shape(op, "w13", w13, (E_all, 2 * I, H), what13)
+    check_shape(op, "w2", w2, (E_all, H, I), what2)
+    check_dtype(op, "w13", w13, FLOAT_DTYPES)
+    check_dtype(op, "w2", w2, FLOAT_DTYPES)
+
+
+def check_arrays(op: str, **named) -> None:
+    """``TypeError`` for an argument that is neither ``None`` nor a jax / numpy array (a torch tensor...)."""
+    for name, a in named.items():
+        if a is not None and not isinstance(a, (jax.Array, np.ndarray)):
+            raise TypeError(f"{op}: {name} must be a jax array (moe_pallas is the JAX backend); "
+                            f"got {type(a).__module__}.{type(a).__name__}")
+
+
+def quantize_chunked(w: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array]:
+    """``w [E_local, N, K]`` float -> ``(q float8_e4m3fn, scale float32)`` in ``config.quant``'s
+    weight layout, :data:`QUANT_CHUNK_EXPERTS` experts at a time (bit-identical to one call)."""
+    layout = WEIGHT_LAYOUT[config.quant]
+    parts = [_quantize_weight_fp8(w[i : i + QUANT_CHUNK_EXPERTS], layout) for i in range(0, w.shape[0], QUANT_CHUNK_EXPERTS)]
+    if len(parts) == 1:
+        return parts[0]
+    return jnp.concatenate([p[0] for p in parts]), jnp.concatenate([p[1] for p in parts])
+
+
+def draw_preset_weights(config: MoEConfig, seed: int) -> Iterator[tuple[str, int, np.ndarray]]:
+    """This rank's slice of ``make_layer_inputs(config, num_tokens=0, seed)``, one expert at a time.
+
+    Yields ``("w13", e_local, [2*I, H])``, then ``("w2", e_local, [H, I])``, then
+    ``("bias", -1, [E])``, numpy float32, bit-identical to that function's arrays (the same numpy
+    stream, drawn expert by expert so that no float32 copy of a full-size layer is ever held;
+    experts of other ranks are drawn and dropped). Framework-free, so both modules draw the same
+    bits. Mirror: ``moe_torch.module.draw_preset_weights``.
+    """
+    rng = np.random.default_rng(seed)
+    f32 = np.float32
+    H, I = config.hidden_size, config.intermediate_size
+    start, e_local = config.local_expert_range()
+    # make_layer_inputs draws x [T, H] and router_logits [T, E] first: nothing at T = 0.
+    for name, shape, k in (("w13", (2 * I, H), H), ("w2", (H, I), I)):
+        for e in range(config.num_total_experts):
+            w = rng.standard_normal(shape, dtype=f32)
+            if start <= e < start + e_local:
+                w *= f32(1.0 / np.sqrt(k))
+                yield name, e - start, w
+    yield "bias", -1, (rng.standard_normal((config.num_experts,), dtype=f32) * f32(0.1)).astype(f32)
+
+
+class MoELayer(nnx.Module):
+    """One MoE layer on EP rank ``config.ep_rank``: ``layer(x [T, H], router_logits [T, E]) -> [T, H]``.
+
+    Args:
+      config: the layer (:class:`moe_contract.MoEConfig`: routing, rsf, quant, EP rank); static.
+      w13: ``[E_local, 2*I, H]`` this rank's gate (rows ``:I``) and up projections: bf16 /
+        float16 / float32 for ``quant='none'`` (then ``x`` must have this dtype), float8_e4m3fn
+        otherwise.
+      w2: ``[E_local, H, I]`` down projections, same dtype as ``w13``.
+      w13_scale, w2_scale: float32 dequantization multipliers (``w ~= q * scale``), as
+        :func:`moe_pallas.quantize_layer_weights` makes them: ``[E_local, N]`` (``fp8_per_token``;
+        ``[E_local]`` per-expert also taken) or ``[E_local, ceil(N/128), ceil(K/128)]``
+        (``fp8_block``); ``None`` for ``quant='none'``.
+      e_score_correction_bias: ``[E]`` float, for (and only for) ``routing='biased_grouped_topk'``.
+      implementation: the backend of every stage (``None``, ``"reference"``, ``"pallas_triton"``),
+        as :func:`moe_pallas.moe_forward` takes it; static.
+
+    Works eagerly and under ``nnx.jit`` (alone or inside a larger model).
+
+    Raises: TypeError / ValueError from :func:`check_module_weights`, before anything is stored.
+
+    Source: the layout of SGLang / vLLM ``FusedMoE`` (``w13_weight``, ``w2_weight``, FP8
+    ``*_weight_scale(_inv)`` held as non-trainable parameters).
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        w13: jax.Array,
+        w2: jax.Array,
+        *,
+        w13_scale: jax.Array | None = None,
+        w2_scale: jax.Array | None = None,
+        e_score_correction_bias: jax.Array | None = None,
+        implementation: str | None = None,
+    ) -> None:
+        op = "MoELayer"
+        check_arrays(op, w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale,
+                     e_score_correction_bias=e_score_correction_bias)
+        check_module_weights(op, config, w13, w2, w13_scale, w2_scale, e_score_correction_bias)
+        check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
+        weight = nnx.Param if config.quant == "none" else FrozenWeight
+        self.config = config
+        self.implementation = implementation
+        self.w13 = weight(jnp.asarray(w13))
+        self.w2 = weight(jnp.asarray(w2))
+        self.w13_scale = None if w13_scale is None else FrozenWeight(jnp.asarray(w13_scale))
+        self.w2_scale = None if w2_scale is None else FrozenWeight(jnp.asarray(w2_scale))
+        bias = e_score_correction_bias
+        self.e_score_correction_bias = None if bias is None else FrozenWeight(jnp.asarray(bias))
+
+    @classmethod
+    def from_float(
+        cls,
+        config: MoEConfig,
+        w13: jax.Array,
+        w2: jax.Array,
+        *,
+        e_score_correction_bias: jax.Array | None = None,
+        implementation: str | None = None,
+    ) -> "MoELayer":
+        """This rank's layer from float weights of every expert, quantized per ``config.quant``.
+
+        Args:
+          w13: ``[E + S, 2*I, H]`` float32 / bf16 / float16, every expert (fused shared experts last).
+          w2: ``[E + S, H, I]`` float.
+          e_score_correction_bias: ``[E]`` float (biased_grouped_topk only).
+
+        Returns: a :class:`MoELayer` holding ``local_weights(w, config)``, FP8-quantized with the
+        scale layout of ``config.quant`` (bit-identical to :func:`moe_pallas.quantize_layer_weights`
+        of the slice); for ``quant='none'`` the slices themselves.
+
+        Raises: TypeError / ValueError naming the argument (global shapes, dtypes, bias).
+        """
+        op = "MoELayer.from_float"
+        check_arrays(op, w13=w13, w2=w2, e_score_correction_bias=e_score_correction_bias)
+        check_global_weights(op, config, w13, w2)
+        w13, w2 = local_weights(jnp.asarray(w13), config), local_weights(jnp.asarray(w2), config)
+        s13 = s2 = None
+        if config.quant != "none":
+            w13, s13 = quantize_chunked(w13, config)
+            w2, s2 = quantize_chunked(w2, config)
+        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=e_score_correction_bias,
+                   implementation=implementation)
+
+    @classmethod
+    def from_preset(
+        cls,
+        name: str,
+        *,
+        seed: int = 0,
+        dtype=jnp.bfloat16,
+        implementation: str | None = None,
+        **config_overrides,
+    ) -> "MoELayer":
+        """A layer of preset ``name`` with random weights, as the tests and benchmarks draw them.
+
+        Args:
+          name: a :data:`moe_contract.PRESETS` name (``"tiny"``, ``"deepseek-v3"``...).
+          seed: the numpy seed: the weights are this rank's slice of
+            ``make_layer_inputs(config, num_tokens=0, seed)`` (``~ N(0, 1/K)``, bias ``~ N(0, 0.01)``
+            float32), cast to ``dtype`` (round to nearest even) and quantized per ``config.quant``;
+            ``moe_torch.EPMoE.from_preset`` with the same arguments holds the same bits.
+          dtype: the float weights' dtype (and the ``x`` dtype ``quant='none'`` then takes).
+          config_overrides: :meth:`ModelPreset.config` fields (``quant``, ``ep_size``, ``ep_rank``,
+            ``hidden_size``...).
+
+        Arrays land on JAX's default device. Drawing is on the host, expert by expert, over all
+        ``E + S`` experts (the numpy stream is sequential): seconds for CPU-sized layers,
+        minutes at DeepSeek-V3 size.
+
+        Raises: ValueError (unknown preset, bad overrides), TypeError (dtype not float32 / bf16 / float16).
+        """
+        op = "MoELayer.from_preset"
+        config = get_preset(name).config(**config_overrides)
+        try:
+            ok = dtype_name(dtype) in FLOAT_DTYPES
+        except TypeError:
+            ok = False
+        if not ok:
+            raise TypeError(f"{op}: dtype must be a jnp dtype among {FLOAT_DTYPES}; got dtype={dtype!r}")
+        dtype = jnp.dtype(dtype_name(dtype))
+        parts: dict[str, list] = {"w13": [], "w2": []}
+        bias = None
+        for kind, _, a in draw_preset_weights(config, seed):
+            if kind == "bias":
+                bias = jnp.asarray(a) if config.routing == "biased_grouped_topk" else None
+            else:
+                parts[kind].append(jnp.asarray(a).astype(dtype))
+        w13, w2 = jnp.stack(parts["w13"]), jnp.stack(parts["w2"])
+        del parts
+        s13 = s2 = None
+        if config.quant != "none":
+            w13, s13 = quantize_chunked(w13, config)
+            w2, s2 = quantize_chunked(w2, config)
+        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias, implementation=implementation)
+
+    def __call__(self, x: jax.Array, router_logits: jax.Array) -> jax.Array:
+        """``x [T, H]`` (float32 / bf16 / float16; ``w13``'s dtype for ``quant='none'``) and
+        ``router_logits [T, E]`` float -> ``out [T, H]`` in ``x.dtype``: this rank's partial sum
+        (the sum over EP ranks is the layer's output).
+
+        Raises: ValueError / TypeError from :func:`moe_pallas.moe_forward` (shapes, dtypes).
+        """
+
+        def value(v):
+            return None if v is None else v[...]
+
+        return moe_forward(
+            x,
+            router_logits,
+            self.w13[...],
+            self.w2[...],
+            self.config,
+            w13_scale=value(self.w13_scale),
+            w2_scale=value(self.w2_scale),
+            e_score_correction_bias=value(self.e_score_correction_bias),
+            implementation=self.implementation,
+        )

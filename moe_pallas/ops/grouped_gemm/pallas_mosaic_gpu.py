@@ -1,0 +1,253 @@
+"""Hopper grouped GEMM ``y[m] = x[m] @ w[e(m)].T`` in Pallas Mosaic GPU (CONTRACT.md section 4).
+
+Dataflow: ``x [M_cap, K]`` rows grouped by expert (``expert_offsets [E + 1]``), ``w [E, N, K]``
+K-major (PyTorch/HF layout, which is also what Hopper's FP8 ``wgmma`` needs: both operands
+K-major). Outside the kernel, plain jnp turns the offsets into per-step metadata (the same
+:func:`~moe_pallas.ops.grouped_gemm.pallas_triton.tile_metadata` as the Pallas-Triton kernel:
+step ``s`` owns rows ``[lo_s, hi_s)`` of one ``block_m`` row tile, for expert ``e_s``, or for
+the "zero group" ``e_s == E`` of unused rows ``>= offsets[-1]``).
+
+One persistent kernel: ``grid = (number of SMs,)``; each CTA (one warpgroup) walks the work items
+``(step, column tile)`` of a ``plgpu.nd_loop`` (a planar snake over ``(steps, N / block_n)`` for
+L2 reuse of one expert's weight tiles) and for each one
+
+1. reads ``e, lo, hi`` (three int32 scalars from GMEM); a step with ``lo == hi`` (padding) does
+   nothing;
+2. for a real expert, streams ``x[row0:row0+block_m, k-tile]`` and ``w[e, n-tile, k-tile]`` through
+   shared memory with TMA (``plgpu.emit_pipeline``, ``max_concurrent_steps`` deep) into ``wgmma``
+   with a float32 accumulator. Rows of the tile that belong to other experts are computed too
+   (a tile is the MMA unit) but never stored; rows past ``M_cap`` are zero-filled by TMA;
+3. FP8: per-step scales (per-token-group activations ``[M_cap, K // 128]`` and 128x128 weight
+   blocks ``[E, N / 128, K / 128]``) multiply each K step's partial product before it is added
+   (DeepSeek-V3's "fine-grained scaling" accumulation, arXiv:2412.19437 section 3.3.2); the other
+   layouts (per-tensor ``[]``, per-token ``[M_cap, 1]``; per-expert ``[E]``, per-channel ``[E, N]``)
+   multiply the finished accumulator in the epilogue, the activation scale indexed by ROW;
+4. stores exactly the rows ``[lo, hi)``: the tile goes to shared memory, then a "ladder" of TMA
+   stores of ``2^i`` rows each (one per set bit of ``hi - lo``), since a TMA box has a static shape.
+   The zero group stores zeros the same way, so every row of ``y`` is written exactly once.
+
+Learned from jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/gpu/ragged_dot_mgpu.py (persistent
+``nd_loop`` + ``planar_snake`` + ``emit_pipeline`` + ``wgmma``, the power-of-two TMA store ladder)
+and hopper_matmul_mgpu.py; the tile-to-group metadata is megablox's (see ``pallas_triton.py``).
+Ours takes ``expert_offsets`` with unused capacity, FP8 with every scale layout of the contract, and
+writes zeros where no expert owns a row.
+
+Limits (``NotImplementedError``, so that dispatch falls back to the Pallas-Triton kernel):
+16-bit float or FP8 inputs only (no float32: ``wgmma`` would be TF32); ``N % block_n == 0``;
+``K % block_k == 0``; per-token-group scales need ``G == 128``; block weight scales need
+``block_n == 128``.
+
+Mirror: none (a Hopper-only backend of ``moe_pallas``; ``moe_torch``'s Triton kernel is its peer).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from moe_pallas.ops.grouped_gemm.config import SCALE_BLOCK, MosaicGroupedGemmConfig, mosaic_grouped_gemm_config
+from moe_pallas.ops.grouped_gemm.pallas_triton import scale_kinds, tile_metadata
+
+FP8_DTYPE = jnp.float8_e4m3fn
+#: SMs of an H100/H200 SXM; used only when the device cannot be asked (abstract lowering).
+DEFAULT_NUM_SMS = 132
+
+
+def _num_sms() -> int:
+    try:
+        return jax.devices()[0].core_count
+    except Exception:  # noqa: BLE001 - no device to ask (abstract lowering): Hopper's count
+        return DEFAULT_NUM_SMS
+
+
+def _store_rows(tile, o_gmem, row0, lo, hi, n0, block_m: int, block_n: int, o_smem) -> None:
+    """Write rows ``[lo, hi)`` (all inside ``[row0, row0 + block_m)``) of ``tile [block_m, block_n]``
+    to ``o_gmem[:, n0:n0+block_n]``: the tile through shared memory, then one TMA store of ``2^i``
+    rows per set bit ``i`` of ``hi - lo``, largest first, so no row outside ``[lo, hi)`` is touched."""
+    o_smem[...] = tile
+    plgpu.commit_smem()
+    start = lo - row0  # first row to store, inside the tile
+    count = hi - lo
+    for bit in reversed(range(int(math.log2(block_m)) + 1)):
+        rows = 1 << bit
+
+        @pl.when((count & rows) != 0)
+        def _():
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, rows)], o_gmem.at[pl.ds(row0 + start, rows), pl.ds(n0, block_n)])
+
+        start = start + (count & rows)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: int, x_kind, w_kind,
+            cfg: MosaicGroupedGemmConfig, out_dtype):
+    if x_kind is None:
+        (o_gmem,) = refs
+        xs_gmem = ws_gmem = None
+    else:
+        xs_gmem, ws_gmem, o_gmem = refs
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    n_steps = step_e.shape[0]
+    grid_n = N // bn
+    k_steps = K // bk
+    per_step_scales = x_kind == "per_token_group" or w_kind == "block"
+
+    @plgpu.nd_loop((n_steps * grid_n,), collective_axes="sm")
+    def _work(info: plgpu.NDLoopInfo):
+        si, ni = plgpu.planar_snake(info.index[0], (n_steps, grid_n), 1, cfg.grid_block_n)
+        e, lo, hi = step_e[si], step_lo[si], step_hi[si]
+        tile_idx = lax.div(lo, jnp.int32(bm))
+        row0 = tile_idx * bm
+        n0 = ni * bn
+        e_w = jnp.minimum(e, E - 1)  # a valid expert for addressing only (the zero group reads nothing)
+        in_specs = [
+            plgpu.BlockSpec((bm, bk), lambda k: (tile_idx, k), delay_release=1),
+            plgpu.BlockSpec((bn, bk), lambda k: (ni, k), delay_release=1),
+        ]
+
+        def matmul() -> jax.Array:
+            if not per_step_scales:
+                def acc_scope(acc_ref):
+                    plgpu.emit_pipeline(
+                        lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0))),
+                        grid=(k_steps,), in_specs=in_specs, max_concurrent_steps=cfg.max_concurrent_steps,
+                    )(x_gmem, w_gmem.at[e_w])
+                    return acc_ref[...]
+
+                return pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32))
+
+            def step(idx, x_smem, w_smem, acc):
+                (k,) = idx
+
+                def part_scope(part_ref):
+                    plgpu.wgmma(part_ref, x_smem, w_smem.transpose((1, 0)))
+                    return part_ref[...]
+
+                part = pl.run_scoped(part_scope, plgpu.ACC((bm, bn), jnp.float32))
+                if x_kind == "per_token_group":  # xs_gmem: [K // 128, M_pad], row-contiguous per K group
+                    sx = plgpu.load(xs_gmem.at[k, pl.ds(row0, bm)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                    part = part * lax.broadcast_in_dim(sx, (bm, bn), [0])
+                if w_kind == "block":  # one scale for the whole tile: block_n == 128 == the K step's group
+                    part = part * ws_gmem[e_w, lax.div(n0, jnp.int32(SCALE_BLOCK)), k]
+                return acc + part
+
+            zero = plgpu.layout_cast(jnp.full((bm, bn), 0, jnp.float32), plgpu.Layout.WGMMA)
+            return plgpu.emit_pipeline(
+                step, grid=(k_steps,), in_specs=in_specs, max_concurrent_steps=cfg.max_concurrent_steps,
+                init_carry=zero,
+            )(x_gmem, w_gmem.at[e_w])
+
+        def epilogue(acc: jax.Array) -> jax.Array:
+            if x_kind == "per_tensor":
+                acc = acc * xs_gmem[0]
+            elif x_kind == "per_token":  # by ROW (never by expert)
+                sx = plgpu.load(xs_gmem.at[pl.ds(row0, bm)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                acc = acc * lax.broadcast_in_dim(sx, (bm, bn), [0])
+            if w_kind == "per_expert":
+                acc = acc * ws_gmem[e_w]
+            elif w_kind == "per_channel":
+                sw = plgpu.load(ws_gmem.at[e_w, pl.ds(n0, bn)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                acc = acc * lax.broadcast_in_dim(sw, (bm, bn), [1])
+            return acc.astype(out_dtype)
+
+        @pl.when((lo < hi) & (e < E))
+        def _():
+            tile = epilogue(matmul())
+            pl.run_scoped(functools.partial(_store_rows, tile, o_gmem, row0, lo, hi, n0, bm, bn),
+                          plgpu.SMEM((bm, bn), out_dtype))
+
+        @pl.when((lo < hi) & (e >= E))
+        def _():
+            tile = plgpu.layout_cast(jnp.full((bm, bn), 0, out_dtype), plgpu.Layout.WGMMA)
+            pl.run_scoped(functools.partial(_store_rows, tile, o_gmem, row0, lo, hi, n0, bm, bn),
+                          plgpu.SMEM((bm, bn), out_dtype))
+
+
+def check_supported(x: jax.Array, w: jax.Array, x_kind, w_kind, G: int, out_dtype, cfg: MosaicGroupedGemmConfig) -> None:
+    """``NotImplementedError`` for a valid request this backend cannot serve (dispatch then falls back)."""
+    op = "grouped_gemm[pallas_mosaic_gpu]"
+    M_cap, K = x.shape
+    N = w.shape[1]
+    if x.dtype not in (jnp.bfloat16, jnp.float16, FP8_DTYPE):
+        raise NotImplementedError(f"{op}: x must be bf16, float16 or float8_e4m3fn (wgmma); got {x.dtype}")
+    if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise NotImplementedError(f"{op}: out_dtype must be bf16, float16 or float32; got {out_dtype}")
+    if N % cfg.block_n or K % cfg.block_k:
+        raise NotImplementedError(f"{op}: needs N % block_n == 0 and K % block_k == 0 (whole TMA tiles); "
+                                  f"got N={N}, K={K}, block_n={cfg.block_n}, block_k={cfg.block_k}")
+    if x_kind == "per_token_group" and G != SCALE_BLOCK:
+        raise NotImplementedError(f"{op}: per-token-group activation scales need G == {SCALE_BLOCK}; got G={G}")
+    if (x_kind == "per_token_group" or w_kind == "block") and (cfg.block_k != SCALE_BLOCK or cfg.block_n != SCALE_BLOCK):
+        raise NotImplementedError(f"{op}: per-K-step scales need block_n == block_k == {SCALE_BLOCK}; got {cfg}")
+    if (K * x.dtype.itemsize) % 16:
+        raise NotImplementedError(f"{op}: TMA needs 16-byte aligned rows; got K={K} x {x.dtype.itemsize} bytes")
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
+def grouped_gemm_pallas_mosaic_gpu(
+    x: jax.Array,
+    w: jax.Array,
+    expert_offsets: jax.Array,
+    *,
+    x_scale: jax.Array | None = None,
+    w_scale: jax.Array | None = None,
+    out_dtype=None,
+    config: MosaicGroupedGemmConfig | None = None,
+) -> jax.Array:
+    """``y[m] = x[m] @ w[e(m)].T`` (FP8: ``(q_x @ q_w.T) * x_scale[m, ...] * w_scale[e(m), ...]``) on Hopper.
+
+    Args (validated by ``moe_pallas.ops.grouped_gemm.api.grouped_gemm``):
+      x: ``[M_cap, K]`` bf16 / float16, or float8_e4m3fn codes.
+      w: ``[E, N, K]`` (out, in), ``x``'s dtype.
+      expert_offsets: ``[E + 1]`` int32; rows ``[offsets[e], offsets[e+1])`` use ``w[e]``; rows
+        ``>= offsets[-1]`` come out zero and are never read.
+      x_scale: FP8 only, float32 multiplier: ``[]``, ``[M_cap, 1]`` or ``[M_cap, K // 128]``.
+      w_scale: FP8 only, float32 multiplier: ``[E]``, ``[E, N]`` or ``[E, N // 128, K // 128]``.
+      out_dtype: default ``x.dtype`` (bf16 for FP8 inputs).
+      config: launch config (default: :func:`mosaic_grouped_gemm_config`).
+
+    Returns: ``y [M_cap, N]`` in ``out_dtype``; every row written exactly once.
+
+    Raises: NotImplementedError (see the module docstring's limits), before tracing the kernel.
+    """
+    M_cap, K = x.shape
+    E, N, _ = w.shape
+    fp8 = x.dtype == FP8_DTYPE
+    out_dtype = (jnp.bfloat16 if fp8 else x.dtype) if out_dtype is None else jnp.dtype(out_dtype)
+    x_kind, w_kind, G = scale_kinds(x_scale, w_scale, K) if fp8 else (None, None, 0)
+    cfg = mosaic_grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, per_step_scales=x_kind == "per_token_group" or w_kind == "block") if config is None else config
+    check_supported(x, w, x_kind, w_kind, G, out_dtype, cfg)
+    if M_cap == 0 or N == 0 or E == 0:
+        return jnp.zeros((M_cap, N), out_dtype)
+    step_e, step_lo, step_hi = tile_metadata(expert_offsets, M_cap, E, cfg.block_m)
+    m_pad = pl.cdiv(M_cap, cfg.block_m) * cfg.block_m  # scale vectors are loaded a whole tile at a time
+    inputs = [step_e, step_lo, step_hi, x, w]
+    if fp8:
+        xs = x_scale.astype(jnp.float32)
+        if x_kind == "per_tensor":
+            xs = xs.reshape(1)
+        elif x_kind == "per_token":
+            xs = jnp.pad(xs.reshape(M_cap), (0, m_pad - M_cap))
+        else:  # per-token-group: [K // 128, m_pad], one contiguous row vector per K step
+            xs = jnp.pad(xs.T, ((0, 0), (0, m_pad - M_cap)))
+        inputs += [xs, w_scale.astype(jnp.float32)]
+    # TMA boxes tile rows by 8: an M_cap that is not a multiple of 8 runs on a padded copy of x
+    # (the pad rows belong to no step, are never stored, and are sliced off).
+    m_rows = -(-M_cap // 8) * 8
+    if m_rows != M_cap:
+        inputs[3] = jnp.pad(x, ((0, m_rows - M_cap), (0, 0)))
+    kernel = functools.partial(_kernel, E=E, N=N, K=K, x_kind=x_kind, w_kind=w_kind, cfg=cfg, out_dtype=out_dtype)
+    y = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((m_rows, N), out_dtype),
+        grid=(_num_sms(),),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(*inputs)
+    return y if m_rows == M_cap else y[:M_cap]

@@ -1,0 +1,197 @@
+"""Mosaic GPU grouped GEMM (``moe_pallas/ops/grouped_gemm/pallas_mosaic_gpu.py``, CONTRACT.md section 4).
+
+Mosaic GPU kernels neither interpret nor lower on a CPU (ENVIRONMENT.md), so the numerical tests
+here run on the GPU machine only (``benchmarks/gpu_check.py``); on a CPU they are skipped and
+only the host-side rules run (NotImplementedError off the GPU and outside the kernel's limits,
+config validation, the kernel traces for every dtype and scale layout).
+
+On the GPU: bf16 against a float64 loop, FP8 with all 9 scale-layout combinations against the
+jnp reference, every empty-expert pattern of E=6 in one compiled kernel, unused capacity poisoned
+with NaN (never read, written as zeros), the tile-straddling named case, and dispatch falling back
+to the Pallas-Triton kernel where Mosaic cannot serve (N not a multiple of the tile).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_pallas
+from moe_pallas.ops.grouped_gemm.config import MosaicGroupedGemmConfig, mosaic_grouped_gemm_config
+from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
+from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
+from tolerances import BF16_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
+from test_pallas_grouped_gemm import check_rows, f64_loop, problem
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on a Hopper GPU only (no CPU interpret/lowering)")
+
+
+# --------------------------------------------------------------------------------------
+# Host-side rules (CPU and GPU)
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU refusal")
+def test_refuses_off_the_gpu():
+    x, w, offsets = problem(0, [3, 5], 8, 128, 128, jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"grouped_gemm\[pallas_mosaic_gpu\]: needs a Hopper GPU"):
+        moe_pallas.grouped_gemm(x, w, offsets, implementation="pallas_mosaic_gpu")
+
+
+def test_limits_raise_not_implemented():
+    """Valid requests outside the kernel's limits raise NotImplementedError before any tracing."""
+    x, w, offsets = problem(0, [3, 5], 8, 128, 100, jnp.bfloat16)  # N=100: not a multiple of block_n
+    with pytest.raises(NotImplementedError, match=r"N % block_n == 0 and K % block_k == 0.*N=100"):
+        grouped_gemm_pallas_mosaic_gpu(x, w, offsets)
+    x32, w32, _ = problem(0, [3, 5], 8, 128, 128, jnp.float32)
+    with pytest.raises(NotImplementedError, match=r"x must be bf16, float16 or float8_e4m3fn .*float32"):
+        grouped_gemm_pallas_mosaic_gpu(x32, w32, offsets)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(block_m=32, block_n=128, block_k=64), r"block_m must be one of \(64, 128\); got 32"),
+    (dict(block_m=64, block_n=100, block_k=64), r"block_n must be a multiple of 8 up to 256; got 100"),
+    (dict(block_m=64, block_n=128, block_k=0), r"block_k must be an int >= 1; got block_k=0"),
+])
+def test_config_rules(kw, message):
+    with pytest.raises(ValueError, match=message):
+        MosaicGroupedGemmConfig(**kw)
+
+
+def test_heuristic():
+    assert mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2) == MosaicGroupedGemmConfig(block_m=64, block_n=128, block_k=64)
+    assert mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1).block_m == 128
+    assert mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1).block_k == 128
+
+
+def _fp8_problem(seed, counts, m_cap, K, N, x_layout, w_layout):
+    x, w, offsets = problem(seed, counts, m_cap, K, N, jnp.float32, poison=False)
+    if x_layout == "per_tensor":
+        xs = jnp.max(jnp.abs(x)) / 448.0
+        xq = (x / xs).astype(jnp.float8_e4m3fn)
+    elif x_layout == "per_token":
+        xq, xs = moe_pallas.per_token_quant_fp8(x)
+    else:
+        xq, xs = moe_pallas.per_token_group_quant_fp8(x, 128)
+    wq, ws = moe_pallas.quantize_weight_fp8(w, w_layout) if w_layout != "per_expert" else (None, None)
+    if w_layout == "per_expert":
+        ws = jnp.max(jnp.abs(w), axis=(1, 2)) / 448.0
+        wq = (w / ws[:, None, None]).astype(jnp.float8_e4m3fn)
+    xq = xq.at[int(offsets[-1]):].set(jnp.nan)  # unused capacity: NaN codes, never read
+    return xq, xs, wq, ws, offsets
+
+
+@pytest.mark.parametrize("x_layout, w_layout", list(itertools.product(
+    ["per_tensor", "per_token", "per_token_group"], ["per_expert", "per_channel", "block"])))
+def test_fp8_traces(x_layout, w_layout):
+    """Every scale combination traces (the kernel body is Python-checked on the CPU too)."""
+    xq, xs, wq, ws, offsets = _fp8_problem(1, [70, 0, 130, 9], 256, 256, 256, x_layout, w_layout)
+    jaxpr = jax.jit(grouped_gemm_pallas_mosaic_gpu).trace(xq, wq, offsets, x_scale=xs, w_scale=ws).jaxpr
+    assert jaxpr is not None
+
+
+# --------------------------------------------------------------------------------------
+# Numerics (GPU)
+
+SHAPES = {
+    "one-row": ([1], 1, 128, 128),
+    "decode-empties": ([0, 3, 0, 1, 5, 0, 0, 2], 40, 256, 384),  # T*topk with many empty experts + unused capacity
+    "straddling": ([100, 28, 0, 257, 64], 600, 512, 256),  # tiles straddling experts, a 257-row expert, tail
+    "big-k": ([300, 211], 640, 2048, 512),
+}
+
+
+@gpu_only
+@pytest.mark.parametrize("config", [None, MosaicGroupedGemmConfig(block_m=128, block_n=256, block_k=64, max_concurrent_steps=3, grid_block_n=2)])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_bf16_vs_float64(shape, config):
+    counts, m_cap, K, N = SHAPES[shape]
+    if config is not None and N % config.block_n:
+        pytest.skip("N not a multiple of this config's block_n")
+    x, w, offsets = problem(len(shape), counts, m_cap, K, N, jnp.bfloat16)
+    y = grouped_gemm_pallas_mosaic_gpu(x, w, offsets, config=config)
+    assert y.shape == (m_cap, N) and y.dtype == jnp.bfloat16
+    check_rows(y, offsets, shape)
+    assert_rel_fro(y, f64_loop(x, w, offsets), BF16_REL_FRO, f"{shape} vs float64")
+    y32 = grouped_gemm_pallas_mosaic_gpu(x, w, offsets, out_dtype=jnp.float32, config=config)
+    assert_rel_fro(y32, f64_loop(x, w, offsets), 1e-5, f"{shape} float32 output vs float64")
+
+
+@gpu_only
+def test_every_empty_expert_pattern_of_six():
+    """All 2^6 patterns of empty / non-empty experts (37 rows each when non-empty), one compiled kernel
+    (fixed M_cap), unused capacity NaN: each matches the float64 loop and writes zeros past M."""
+    E, rows, K, N = 6, 37, 128, 128
+    m_cap = E * rows + 13
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((m_cap, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((E, N, K)) / np.sqrt(K), jnp.bfloat16)
+    f = jax.jit(grouped_gemm_pallas_mosaic_gpu)
+    for pattern in range(2**E):
+        counts = [rows if pattern >> e & 1 else 0 for e in range(E)]
+        offsets = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
+        xp = x.at[int(offsets[-1]):].set(jnp.nan)
+        y = f(xp, w, offsets)
+        check_rows(y, offsets, f"pattern {pattern:06b}")
+        assert_rel_fro(y, f64_loop(xp, w, offsets), BF16_REL_FRO, f"pattern {pattern:06b}")
+
+
+@gpu_only
+@pytest.mark.parametrize("x_layout, w_layout", list(itertools.product(
+    ["per_tensor", "per_token", "per_token_group"], ["per_expert", "per_channel", "block"])))
+def test_fp8_every_scale_layout(x_layout, w_layout):
+    xq, xs, wq, ws, offsets = _fp8_problem(2, [70, 0, 130, 9, 200], 512, 512, 384, x_layout, w_layout)
+    y = grouped_gemm_pallas_mosaic_gpu(xq, wq, offsets, x_scale=xs, w_scale=ws)
+    check_rows(y, offsets, f"{x_layout} x {w_layout}")
+    ref = grouped_gemm_reference(xq, wq, offsets, xs, ws, jnp.float32)
+    assert_rel_fro(y, ref, FP8_REL_FRO, f"{x_layout} x {w_layout} vs reference")
+    y32 = grouped_gemm_pallas_mosaic_gpu(xq, wq, offsets, x_scale=xs, w_scale=ws, out_dtype=jnp.float32)
+    assert_rel_fro(y32, ref, 1e-5, f"{x_layout} x {w_layout} float32 output vs reference")
+
+
+@gpu_only
+def test_row_tile_straddling_two_experts():
+    """(2) at Mosaic's tile sizes: 2 experts x 3 rows, w[g] = (g+1) * identity (K=N=128), row i of x
+    is i+1: one 64-row tile holds both experts, y[3, :] = 8 and y[i] = (i+1) * (e(i)+1) exactly."""
+    x = jnp.asarray(np.repeat(np.arange(1.0, 7.0)[:, None], 128, axis=1), jnp.bfloat16)
+    w = jnp.asarray(np.stack([(g + 1) * np.eye(128) for g in range(2)]), jnp.bfloat16)
+    y = grouped_gemm_pallas_mosaic_gpu(x, w, jnp.asarray([0, 3, 6], jnp.int32))
+    expected = np.arange(1.0, 7.0)[:, None] * np.array([1, 1, 1, 2, 2, 2])[:, None] * np.ones((1, 128))
+    assert_exact(y, expected.astype(jnp.bfloat16), "y[i] = (i+1) * (e(i)+1)")
+    assert float(y[3, 0]) == 8.0
+
+
+@gpu_only
+def test_dispatch_falls_back_where_mosaic_cannot_serve():
+    """N=33 (case (1) of the issue): Mosaic raises NotImplementedError, the default dispatch logs it
+    and runs the Pallas-Triton kernel: y[i, :] = 64 * 2^i exactly."""
+    x = jnp.asarray(np.repeat(2.0 ** np.arange(4)[:, None], 64, axis=1), jnp.bfloat16)
+    w = jnp.ones((2, 33, 64), jnp.bfloat16)
+    y = moe_pallas.grouped_gemm(x, w, jnp.asarray([0, 2, 4], jnp.int32))
+    assert_exact(y, np.repeat(64.0 * 2.0 ** np.arange(4)[:, None], 33, axis=1).astype(jnp.bfloat16), "y[i, :] = 64 * 2^i")
+
+
+@gpu_only
+def test_inside_an_outer_jit_and_the_layer():
+    """The kernel under an outer jit, and the tiny layer with every GEMM on Mosaic (bf16 and FP8)."""
+    cfg = moe_pallas.get_preset("tiny").config()
+    rng = np.random.default_rng(3)
+    T, H, I, Et = 40, cfg.hidden_size, cfg.intermediate_size, cfg.num_total_experts
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    logits = jnp.asarray(rng.standard_normal((T, cfg.num_experts)), jnp.float32)
+    bias = jnp.asarray(0.1 * rng.standard_normal(cfg.num_experts), jnp.float32)
+    w13 = jnp.asarray(rng.standard_normal((Et, 2 * I, H)) / np.sqrt(H), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((Et, H, I)) / np.sqrt(I), jnp.bfloat16)
+    for quant in ("none", "fp8_per_token", "fp8_block"):
+        c = cfg.replace(quant=quant)
+        q = moe_pallas.quantize_layer_weights(w13, w2, c)
+        fwd = jax.jit(moe_pallas.moe_forward, static_argnames=("config", "implementation"))
+        kw = dict(w13_scale=q[1], w2_scale=q[3], e_score_correction_bias=bias)
+        out = fwd(x, logits, q[0], q[2], c, implementation="pallas_mosaic_gpu", **kw)
+        ref = fwd(x, logits, q[0], q[2], c, implementation="reference", **kw)
+        assert np.isfinite(to_numpy(out).astype(np.float32)).all()
+        assert_rel_fro(out, ref, BF16_REL_FRO if quant == "none" else FP8_REL_FRO, f"layer {quant}")
