@@ -8,7 +8,10 @@ These are first, untuned values for a correct kernel; tuned tables come later, w
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
+import os
 
 import triton
 
@@ -75,8 +78,8 @@ def check_config(op: str, cfg: GroupedGemmConfig, bits: int, x_group: int | None
         )
 
 
-def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: int | None = None,
-                        w_block: bool = False) -> GroupedGemmConfig:
+def heuristic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: int | None = None,
+                                  w_block: bool = False) -> GroupedGemmConfig:
     """Heuristic config for ``x [M_cap, K] x w [E, N, K] -> y [M_cap, N]`` with ``bits``-wide inputs.
 
     Raises: NotImplementedError when the scale groups are too narrow for ``tl.dot`` (a K step
@@ -101,3 +104,35 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: 
     # 4 warps: one warpgroup, the unit of a Hopper wgmma. 3 stages: the K loop's loads pipelined
     # through shared memory, 3 x (64 x 128 B + 128 x 128 B) = 72 KiB, well under sm_90's 227 KiB.
     return GroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+
+
+#: Tuned configs, one JSON file per device (``benchmarks/tune_triton_gemm.py`` writes them).
+TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
+
+
+@functools.cache
+def tuned_entries(device_name: str) -> tuple[dict, ...]:
+    """The tuned entries for ``device_name`` (e.g. ``"NVIDIA H200"``), ``()`` if none were stored."""
+    path = os.path.join(TUNED_DIR, device_name.replace(" ", "_") + ".json")
+    if not os.path.exists(path):
+        return ()
+    with open(path) as f:
+        return tuple(json.load(f))
+
+
+def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: int | None = None,
+                        w_block: bool = False, device_name: str | None = None) -> GroupedGemmConfig:
+    """The tuned config of ``device_name`` for the same ``N``, ``K`` and dtype (``bits``) with the
+    nearest ``M_cap`` (in log2), if one is stored and fits this problem's scale layout (:func:`check_config`);
+    else :func:`heuristic_grouped_gemm_config`."""
+    dtype = {8: "fp8", 16: "bf16"}.get(bits)
+    matches = [t for t in tuned_entries(device_name) if (t["N"], t["K"], t["dtype"]) == (N, K, dtype)] if device_name else []
+    if matches:
+        best = min(matches, key=lambda t: abs(math.log2(max(M_cap, 1)) - math.log2(t["M_cap"])))
+        cfg = GroupedGemmConfig(**best["config"])
+        try:
+            check_config("grouped_gemm", cfg, bits, x_group, w_block)
+            return cfg
+        except ValueError:
+            pass  # tuned for other scale layouts: the heuristic knows the rules
+    return heuristic_grouped_gemm_config(M_cap, N, K, E, bits, x_group, w_block)

@@ -246,7 +246,8 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config):
     x_layout, w_layout, group = scale_layouts(x, x_scale, w_scale)
     bits = x.element_size() * 8
     w_block = w_layout == "block"
-    cfg = config or grouped_gemm_config(M_cap, N, K, E, bits, group, w_block)
+    device_name = torch.cuda.get_device_name(x.device) if x.is_cuda else None  # host-side: no sync
+    cfg = config or grouped_gemm_config(M_cap, N, K, E, bits, group, w_block, device_name)
     check_config(op, cfg, bits, group, w_block)
     grid = (triton.cdiv(M_cap, cfg.block_m) + E - 1, triton.cdiv(N, cfg.block_n))
     if grid[1] > MAX_GRID_AXIS_1:

@@ -1,0 +1,108 @@
+"""Tune the Triton grouped GEMM's launch config on this GPU; write the winners as JSON with named keys.
+
+Usage (GPU machine, repo root)::
+
+    PYTHONPATH=. python3 benchmarks/tune_triton_gemm.py [--out moe_torch/ops/grouped_gemm/tuned] [--quick]
+
+For each problem of the benchmark's grouped GEMM set (E=32; (K=7168, N=4096) and (K=2048, N=7168);
+M in {256, 2048, 16384}; rows split uniformly; bf16, and FP8 per-token x per-channel) every config
+of :data:`SEARCH_SPACE` is timed with ``triton.testing.do_bench`` (CUDA events, median) after a
+correctness check against ``torch._grouped_mm`` / the reference (a config that computes a wrong
+answer is never chosen). The file ``<device>.json`` holds one entry per problem::
+
+    {"device": "NVIDIA H200", "E": 32, "N": 4096, "K": 7168, "M_cap": 2048, "dtype": "bf16",
+     "config": {"block_m": 64, ...}, "ms": 0.41, "heuristic_ms": 0.47}
+
+``moe_torch.ops.grouped_gemm.config.grouped_gemm_config`` reads it (nearest M_cap, same N, K, dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.testing
+
+from moe_torch.ops.grouped_gemm.config import GroupedGemmConfig, heuristic_grouped_gemm_config
+from moe_torch.ops.grouped_gemm.triton import grouped_gemm_triton
+
+#: block_m x block_n x num_warps x num_stages; block_k is fixed by the dtype (128-byte K rows).
+SEARCH_SPACE = {
+    "block_m": (64, 128),
+    "block_n": (64, 128, 256),
+    "num_warps": (4, 8),
+    "num_stages": (3, 4),
+}
+SHAPES = ((7168, 4096), (2048, 7168))
+MS = (256, 2048, 16384)
+E = 32
+
+
+def problems(quick: bool):
+    for (K, N), M, dtype in itertools.product(SHAPES, MS, ("bf16", "fp8")):
+        if quick and M == 2048:
+            continue
+        yield K, N, M, dtype
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "moe_torch/ops/grouped_gemm/tuned"))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    dev = torch.cuda.get_device_name()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    entries = []
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, dev.replace(" ", "_") + ".json")
+    for K, N, M, dtype in problems(args.quick):
+        x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.randn(E, N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
+        off = (torch.arange(E + 1, device="cuda", dtype=torch.int32) * (M // E)).contiguous()
+        kw = {}
+        if dtype == "fp8":
+            xs = x.float().abs().amax(1, keepdim=True) / 448
+            x = (x.float() / xs).clamp(-448, 448).to(torch.float8_e4m3fn)
+            ws = w.float().abs().amax(2) / 448
+            w = (w.float() / ws[:, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+            kw = dict(x_scale=xs, w_scale=ws)
+        ref = grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16).float()
+        bits = 8 if dtype == "fp8" else 16
+        block_k = 128 * 8 // bits
+        heur = heuristic_grouped_gemm_config(M, N, K, E, bits)
+        run = lambda cfg: grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16, cfg)  # noqa: E731
+        heur_ms = triton.testing.do_bench(lambda: run(heur), warmup=25, rep=100, return_mode="median")
+        best = (heur_ms, heur)
+        for bm, bn, nw, ns in itertools.product(*SEARCH_SPACE.values()):
+            cfg = GroupedGemmConfig(block_m=bm, block_n=bn, block_k=block_k, num_warps=nw, num_stages=ns)
+            try:
+                y = run(cfg).float()
+                err = float((y - ref).norm() / ref.norm())
+                if not err <= 1e-3:
+                    print(f"  WRONG {cfg} err={err:.2e}", flush=True)
+                    continue
+                ms = triton.testing.do_bench(lambda: run(cfg), warmup=25, rep=100, return_mode="median")
+            except Exception as exc:  # noqa: BLE001 - out of shared memory etc.: not a candidate
+                print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+                continue
+            if ms < best[0]:
+                best = (ms, cfg)
+        ms, cfg = best
+        entry = {"device": dev, "E": E, "N": N, "K": K, "M_cap": M, "dtype": dtype,
+                 "config": {k: getattr(cfg, k) for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages")},
+                 "ms": round(ms, 4), "heuristic_ms": round(heur_ms, 4)}
+        entries.append(entry)
+        print(json.dumps(entry), flush=True)
+        with open(path, "w") as f:  # after every problem: a run cut short keeps what it found
+            json.dump(entries, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
