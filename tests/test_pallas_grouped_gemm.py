@@ -24,6 +24,11 @@ from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 
+def SMALL(cfg) -> bool | None:
+    """Blocks under 16 exist for interpret-mode tile-edge tests: interpret them on the GPU too."""
+    return True if cfg is not None and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16 else None
+
+
 DTYPES = {"float32": (jnp.float32, F32_REL_FRO), "bfloat16": (jnp.bfloat16, BF16_REL_FRO)}
 
 
@@ -98,7 +103,7 @@ def test_n_not_a_multiple_of_the_tile(dtype, config):
     jdt = DTYPES[dtype][0]
     x = jnp.asarray(np.repeat(2.0 ** np.arange(4)[:, None], 64, axis=1)).astype(jdt)
     w = jnp.ones((2, 33, 64), jdt)
-    y = grouped_gemm_pallas_triton(x, w, jnp.asarray([0, 2, 4], jnp.int32), config=config)
+    y = grouped_gemm_pallas_triton(x, w, jnp.asarray([0, 2, 4], jnp.int32), config=config, interpret=SMALL(config))
     assert_exact(y, np.repeat(64.0 * 2.0 ** np.arange(4)[:, None], 33, axis=1).astype(jdt), "y[i, :] = 64 * 2^i")
 
 
@@ -109,7 +114,7 @@ def test_row_tile_straddling_two_experts():
     x = jnp.asarray(np.repeat(np.arange(1.0, 7.0)[:, None], 16, axis=1), jnp.float32)
     w = jnp.asarray(np.stack([(g + 1) * np.eye(16) for g in range(2)]), jnp.float32)
     offsets = jnp.asarray([0, 3, 6], jnp.int32)
-    y = grouped_gemm_pallas_triton(x, w, offsets, config=GroupedGemmConfig(block_m=4, block_n=16, block_k=16))
+    y = grouped_gemm_pallas_triton(x, w, offsets, config=GroupedGemmConfig(block_m=4, block_n=16, block_k=16), interpret=True)
     expected = np.arange(1.0, 7.0)[:, None] * np.array([1, 1, 1, 2, 2, 2])[:, None] * np.ones((1, 16))
     assert_exact(y, expected.astype(np.float32), "y[i] = (i+1) * (e(i)+1)")
     assert float(y[3, 0]) == 8.0
@@ -128,7 +133,7 @@ def test_unused_capacity_is_zero_and_never_read(dtype):
     assert np.isnan(to_numpy(x).astype(np.float32)[16:]).all()
     ref = grouped_gemm_reference(x, w, offsets, None, None, jdt)
     for cfg in (None, GroupedGemmConfig(block_m=8, block_n=16, block_k=16)):
-        y = grouped_gemm_pallas_triton(x, w, offsets, config=cfg)
+        y = grouped_gemm_pallas_triton(x, w, offsets, config=cfg, interpret=SMALL(cfg))
         check_rows(y, offsets, f"{dtype} {cfg}")
         assert_rel_fro(y[:16], ref[:16], limit, f"{dtype} valid rows vs reference")
         assert_rel_fro(y, f64_loop(x, w, offsets), limit, f"{dtype} vs float64")

@@ -125,14 +125,19 @@ class MosaicGroupedGemmConfig:
 
 def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *,
                                per_step_scales: bool = False) -> MosaicGroupedGemmConfig:
-    """Heuristic (untuned until BENCHMARKS.md says otherwise): 64-row tiles when experts average
-    fewer than 128 rows (decode: less wasted MMA work on partial tiles), else 128; 128 columns
-    (256 would halve the weight re-reads per row tile but doubles the accumulator's registers);
-    per-K-step scales fix ``block_n = block_k = 128`` (one weight-scale block per tile and step)."""
-    block_k = MOSAIC_K_STEP_BYTES // itemsize
-    if per_step_scales:
-        block_k = 128
+    """Heuristic from a sweep on the H200 (2026-11-30, BENCHMARKS.md; E=32, K/N of the benchmark):
+    experts averaging < 256 rows: ``64 x 256`` tiles (less MMA work wasted on partial tiles, each
+    row tile re-reads half as many weight tiles); more rows: ``128 x 128``. 5 TMA stages and a
+    planar snake 4 column tiles wide won everywhere. Per-K-step scales fix ``block_n = block_k = 128``
+    (one weight-scale block per tile and step)."""
+    block_k = 128 if per_step_scales else MOSAIC_K_STEP_BYTES // itemsize
     rows_per_expert = -(-max(M_cap, 1) // max(E, 1))
-    block_m = 64 if rows_per_expert < 128 else 128
-    block_n = 128
-    return MosaicGroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k)
+    block_m, block_n = (64, 256) if rows_per_expert < 256 else (128, 128)
+    if per_step_scales:
+        block_n = 128
+    while block_n > 64 and N % block_n:  # whole column tiles (else the kernel refuses the request)
+        block_n //= 2
+    grid_n = max(N // block_n, 1)
+    grid_block_n = 4 if grid_n % 4 == 0 else 1
+    return MosaicGroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=5,
+                                   grid_block_n=grid_block_n)
