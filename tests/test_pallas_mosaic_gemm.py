@@ -62,12 +62,27 @@ def test_config_rules(kw, message):
         MosaicGroupedGemmConfig(**kw)
 
 
+def test_per_step_accumulation_needs_small_tiles():
+    """FP8 with promoted accumulation keeps two float32 tiles in registers: a 128x128 tile is refused."""
+    xq, xs, wq, ws, offsets = _fp8_problem(1, [70, 0, 130, 9], 256, 256, 256, "per_token", "per_channel")
+    cfg = MosaicGroupedGemmConfig(block_m=128, block_n=128, block_k=128)
+    with pytest.raises(NotImplementedError, match=r"block_m \* block_n must be <= 64 \* 128"):
+        grouped_gemm_pallas_mosaic_gpu(xq, wq, offsets, x_scale=xs, w_scale=ws, config=cfg)
+    fast = MosaicGroupedGemmConfig(block_m=128, block_n=128, block_k=128, fast_accum=True)
+    assert jax.jit(grouped_gemm_pallas_mosaic_gpu, static_argnames=("config",)).trace(
+        xq, wq, offsets, x_scale=xs, w_scale=ws, config=fast).jaxpr is not None
+
+
 def test_heuristic():
     assert mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2) == MosaicGroupedGemmConfig(
         block_m=64, block_n=256, block_k=64, max_concurrent_steps=5, grid_block_n=4)
     assert mosaic_grouped_gemm_config(256, 4096, 7168, 32, 1, per_step_scales=True).block_n == 128
-    assert mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1).block_m == 128
-    assert mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1).block_k == 128
+    assert mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 2).block_m == 128
+    fp8 = mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1)  # promoted accumulation: 64 x 128 x 128
+    assert (fp8.block_m, fp8.block_n, fp8.block_k, fp8.fast_accum) == (64, 128, 128, False)
+    fast = mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1, fast_accum=True)
+    assert (fast.block_m, fast.block_n, fast.block_k, fast.fast_accum) == (128, 128, 128, True)
+    assert not mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2, fast_accum=True).fast_accum  # bf16: no such thing
 
 
 def _fp8_problem(seed, counts, m_cap, K, N, x_layout, w_layout):
@@ -143,17 +158,25 @@ def test_every_empty_expert_pattern_of_six():
 
 
 @gpu_only
+@pytest.mark.parametrize("fast_accum", [False, True])
 @pytest.mark.parametrize("x_layout, w_layout", list(itertools.product(
     ["per_tensor", "per_token", "per_token_group"], ["per_expert", "per_channel", "block"])))
-def test_fp8_every_scale_layout(x_layout, w_layout):
+def test_fp8_every_scale_layout(x_layout, w_layout, fast_accum):
+    """FP8 against the jnp reference on the same codes and scales (float32 dots at full precision:
+    XLA's float32 dot on the GPU is TF32 by default). Promoted accumulation (the default) is held to
+    1e-3 with a float32 output; ``fast_accum`` (one tensor-core accumulator over K) to the contract's
+    FP8 tolerance. Block / group scales always accumulate step by step (fast_accum has no effect)."""
     xq, xs, wq, ws, offsets = _fp8_problem(2, [70, 0, 130, 9, 200], 512, 512, 384, x_layout, w_layout)
-    y = grouped_gemm_pallas_mosaic_gpu(xq, wq, offsets, x_scale=xs, w_scale=ws)
+    per_step_scales = x_layout == "per_token_group" or w_layout == "block"
+    cfg = mosaic_grouped_gemm_config(512, 384, 512, 5, 1, per_step_scales=per_step_scales, fast_accum=fast_accum)
+    y = grouped_gemm_pallas_mosaic_gpu(xq, wq, offsets, x_scale=xs, w_scale=ws, config=cfg)
     check_rows(y, offsets, f"{x_layout} x {w_layout}")
-    with jax.default_matmul_precision("highest"):  # XLA's float32 dot on the GPU is TF32 by default
+    with jax.default_matmul_precision("highest"):
         ref = grouped_gemm_reference(xq, wq, offsets, xs, ws, jnp.float32)
     assert_rel_fro(y, ref, FP8_REL_FRO, f"{x_layout} x {w_layout} vs reference")
-    y32 = grouped_gemm_pallas_mosaic_gpu(xq, wq, offsets, x_scale=xs, w_scale=ws, out_dtype=jnp.float32)
-    assert_rel_fro(y32, ref, 1e-5, f"{x_layout} x {w_layout} float32 output vs reference")
+    y32 = grouped_gemm_pallas_mosaic_gpu(xq, wq, offsets, x_scale=xs, w_scale=ws, out_dtype=jnp.float32, config=cfg)
+    limit = FP8_REL_FRO if (fast_accum and not per_step_scales) else 1e-3
+    assert_rel_fro(y32, ref, limit, f"{x_layout} x {w_layout} float32 output vs reference")
 
 
 @gpu_only

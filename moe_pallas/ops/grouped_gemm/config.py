@@ -104,6 +104,13 @@ class MosaicGroupedGemmConfig:
     block_k: K per pipeline step (must divide K): 64 for 16-bit, 128 for FP8 (128-byte rows).
     max_concurrent_steps: TMA loads in flight (shared-memory stages).
     grid_block_n: width, in column tiles, of the planar snake over (row steps, column tiles).
+    fast_accum: FP8 only. ``False`` (default): every K step (128 K values, 4 wgmma instructions)
+      accumulates into a fresh tensor-core accumulator that is then added to a float32 register
+      accumulator ("promotion", DeepSeek-V3 section 3.3.2: Hopper's FP8 MMA keeps only about 14
+      bits of the running sum, so one long accumulation drifts). ``True``: one accumulator over the
+      whole K loop (faster; on the H200 its relative error was 1.9e-3 at K=2048..7168 against
+      about 4e-5 for the promoted Pallas-Triton kernel, and 2e-2 over the FP8 layer; BENCHMARKS.md).
+      Like ``use_fast_accum`` of ``torch._scaled_mm``.
     """
 
     block_m: int
@@ -111,12 +118,15 @@ class MosaicGroupedGemmConfig:
     block_k: int
     max_concurrent_steps: int = 4
     grid_block_n: int = 1
+    fast_accum: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MosaicGroupedGemmConfig: {name} must be an int >= 1; got {name}={v!r}")
+        if not isinstance(self.fast_accum, bool):
+            raise ValueError(f"MosaicGroupedGemmConfig: fast_accum must be a bool; got fast_accum={self.fast_accum!r}")
         if self.block_m not in MOSAIC_BLOCK_M:
             raise ValueError(f"MosaicGroupedGemmConfig: block_m must be one of {MOSAIC_BLOCK_M}; got {self.block_m}")
         if self.block_n % 8 or self.block_n > 256:
@@ -124,20 +134,27 @@ class MosaicGroupedGemmConfig:
 
 
 def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *,
-                               per_step_scales: bool = False) -> MosaicGroupedGemmConfig:
-    """Heuristic from a sweep on the H200 (2026-11-30, BENCHMARKS.md; E=32, K/N of the benchmark):
-    experts averaging < 256 rows: ``64 x 256`` tiles (less MMA work wasted on partial tiles, each
-    row tile re-reads half as many weight tiles); more rows: ``128 x 128``. 5 TMA stages and a
-    planar snake 4 column tiles wide won everywhere. Per-K-step scales fix ``block_n = block_k = 128``
-    (one weight-scale block per tile and step)."""
-    block_k = 128 if per_step_scales else MOSAIC_K_STEP_BYTES // itemsize
+                               per_step_scales: bool = False, fast_accum: bool = False) -> MosaicGroupedGemmConfig:
+    """Heuristic from a sweep on the H200 (2026-11-30, BENCHMARKS.md; E=32, K/N of the benchmark).
+
+    One accumulator (16-bit inputs, or FP8 with ``fast_accum``): experts averaging < 256 rows get
+    ``64 x 256`` tiles (less MMA work wasted on partial tiles, half the weight re-reads per row
+    tile), more rows ``128 x 128``; 5 TMA stages and a planar snake 4 column tiles wide won
+    everywhere. Per-K-step accumulation (FP8 by default, and per-token-group / block scales) holds
+    two ``[block_m, block_n]`` float32 accumulators in one warpgroup's registers, so the tile is
+    ``64 x 128`` (64 + 64 registers a thread) and ``block_k = 128`` (one scale group per step).
+    The per-step variant has not been swept yet."""
+    fp8 = itemsize == 1
+    per_step = per_step_scales or (fp8 and not fast_accum)
+    block_k = 128 if per_step else MOSAIC_K_STEP_BYTES // itemsize
     rows_per_expert = -(-max(M_cap, 1) // max(E, 1))
-    block_m, block_n = (64, 256) if rows_per_expert < 256 else (128, 128)
-    if per_step_scales:
-        block_n = 128
+    if per_step:
+        block_m, block_n = 64, 128
+    else:
+        block_m, block_n = (64, 256) if rows_per_expert < 256 else (128, 128)
     while block_n > 64 and N % block_n:  # whole column tiles (else the kernel refuses the request)
         block_n //= 2
     grid_n = max(N // block_n, 1)
     grid_block_n = 4 if grid_n % 4 == 0 else 1
     return MosaicGroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=5,
-                                   grid_block_n=grid_block_n)
+                                   grid_block_n=grid_block_n, fast_accum=fast_accum and fp8)

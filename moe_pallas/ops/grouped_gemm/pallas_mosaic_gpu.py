@@ -17,9 +17,12 @@ L2 reuse of one expert's weight tiles) and for each one
    shared memory with TMA (``plgpu.emit_pipeline``, ``max_concurrent_steps`` deep) into ``wgmma``
    with a float32 accumulator. Rows of the tile that belong to other experts are computed too
    (a tile is the MMA unit) but never stored; rows past ``M_cap`` are zero-filled by TMA;
-3. FP8: per-step scales (per-token-group activations ``[M_cap, K // 128]`` and 128x128 weight
+3. FP8: each K step (128 values) accumulates in a fresh tensor-core accumulator that is added to
+   a float32 register accumulator (Hopper's FP8 MMA keeps only ~14 bits of a running sum; this
+   "promotion" is DeepSeek-V3's, arXiv:2412.19437 section 3.3.2; ``config.fast_accum=True`` skips
+   it). Per-step scales (per-token-group activations ``[M_cap, K // 128]`` and 128x128 weight
    blocks ``[E, N / 128, K / 128]``) multiply each K step's partial product before it is added
-   (DeepSeek-V3's "fine-grained scaling" accumulation, arXiv:2412.19437 section 3.3.2); the other
+   (the same paper's fine-grained scaling); the other
    layouts (per-tensor ``[]``, per-token ``[M_cap, 1]``; per-expert ``[E]``, per-channel ``[E, N]``)
    multiply the finished accumulator in the epilogue, the activation scale indexed by ROW;
 4. stores exactly the rows ``[lo, hi)``: the tile goes to shared memory, then a "ladder" of TMA
@@ -96,7 +99,9 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
     n_steps = step_e.shape[0]
     grid_n = N // bn
     k_steps = K // bk
-    per_step_scales = x_kind == "per_token_group" or w_kind == "block"
+    # FP8 accumulates step by step into float32 registers unless fast_accum (see the config);
+    # per-step scales need it anyway.
+    per_step = x_kind == "per_token_group" or w_kind == "block" or (x_gmem.dtype == FP8_DTYPE and not cfg.fast_accum)
 
     @plgpu.nd_loop((n_steps * grid_n,), collective_axes="sm")
     def _work(info: plgpu.NDLoopInfo):
@@ -112,7 +117,7 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
         ]
 
         def matmul() -> jax.Array:
-            if not per_step_scales:
+            if not per_step:
                 def acc_scope(acc_ref):
                     plgpu.emit_pipeline(
                         lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0))),
@@ -185,6 +190,10 @@ def check_supported(x: jax.Array, w: jax.Array, x_kind, w_kind, G: int, out_dtyp
         raise NotImplementedError(f"{op}: per-token-group activation scales need G == {SCALE_BLOCK}; got G={G}")
     if (x_kind == "per_token_group" or w_kind == "block") and (cfg.block_k != SCALE_BLOCK or cfg.block_n != SCALE_BLOCK):
         raise NotImplementedError(f"{op}: per-K-step scales need block_n == block_k == {SCALE_BLOCK}; got {cfg}")
+    per_step = x_kind == "per_token_group" or w_kind == "block" or (x.dtype == FP8_DTYPE and not cfg.fast_accum)
+    if per_step and cfg.block_m * cfg.block_n > 64 * 128:
+        raise NotImplementedError(f"{op}: per-K-step accumulation keeps two float32 tiles in one warpgroup's registers: "
+                                  f"block_m * block_n must be <= 64 * 128; got {cfg}")
     if (K * x.dtype.itemsize) % 16:
         raise NotImplementedError(f"{op}: TMA needs 16-byte aligned rows; got K={K} x {x.dtype.itemsize} bytes")
 
@@ -221,7 +230,8 @@ def grouped_gemm_pallas_mosaic_gpu(
     fp8 = x.dtype == FP8_DTYPE
     out_dtype = (jnp.bfloat16 if fp8 else x.dtype) if out_dtype is None else jnp.dtype(out_dtype)
     x_kind, w_kind, G = scale_kinds(x_scale, w_scale, K) if fp8 else (None, None, 0)
-    cfg = mosaic_grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, per_step_scales=x_kind == "per_token_group" or w_kind == "block") if config is None else config
+    per_step_scales = x_kind == "per_token_group" or w_kind == "block"
+    cfg = mosaic_grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, per_step_scales=per_step_scales) if config is None else config
     check_supported(x, w, x_kind, w_kind, G, out_dtype, cfg)
     if M_cap == 0 or N == 0 or E == 0:
         return jnp.zeros((M_cap, N), out_dtype)
