@@ -3,7 +3,8 @@ preset at real size in both frameworks (JAX via XLA on the GPU, torch on CUDA), 
 
 Usage (on the GPU machine, from the repo root; nothing to install there)::
 
-    PYTHONPATH=. python3 benchmarks/gpu_check.py [--skip-tests] [--tokens 256] [--presets a,b] [--quants none,fp8_block] [--kernels]
+    PYTHONPATH=. python3 benchmarks/gpu_check.py [--skip-tests] [--tests "tests/test_x.py ..."] [--memcheck]
+        [--bench=--quick] [--tokens 256] [--presets a,b] [--quants none,fp8_block] [--kernels]
 
 Prints a short table last. Weights are drawn on the GPU in torch (bf16, ~ N(0, 1/K)) and
 handed to JAX through DLPack (zero-copy), so both frameworks see the same bits; each
@@ -24,9 +25,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
 import numpy as np  # noqa: E402
 
 
-def run_tests(out_dir: str | None, timeout_s: int) -> str:
-    env = dict(os.environ, EPMOE_TEST_DEVICE="gpu", PYTHONPATH=os.getcwd())
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "--no-header", "-p", "no:cacheprovider", "tests"]
+def _run(cmd: list[str], env: dict, timeout_s: int, log_name: str, out_dir: str | None) -> tuple[str, object, float]:
+    """Run ``cmd``; return (combined log, return code or "timeout", seconds); the log goes to $OUT."""
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -35,11 +35,47 @@ def run_tests(out_dir: str | None, timeout_s: int) -> str:
         text = [s.decode(errors="replace") if isinstance(s, bytes) else (s or "") for s in (exc.stdout, exc.stderr)]
         log, rc = "".join(text) + f"\nTIMEOUT after {timeout_s} s", "timeout"
     if out_dir:
-        with open(os.path.join(out_dir, "gpu_tests.log"), "w") as f:
+        with open(os.path.join(out_dir, log_name), "w") as f:
             f.write(log)
-    tail = [l for l in log.strip().splitlines() if l.strip()][-1] if log.strip() else "(no output)"
-    print(log[-4000:])
-    return f"pytest on GPU: rc={rc}, {tail} ({time.perf_counter() - t0:.0f} s)"
+    return log, rc, time.perf_counter() - t0
+
+
+def _pytest_digest(log: str) -> list[str]:
+    """The lines worth reading from a pytest log: FAILED/ERROR lines (one-line reasons) and the summary.
+    (Whole logs can hold MLIR dumps of failed kernels, megabytes long.)"""
+    keep = [l[:300] for l in log.splitlines()
+            if l.startswith(("FAILED", "ERROR")) or " passed" in l or " failed" in l or "TIMEOUT" in l or l.startswith("/")]
+    return keep[-40:]
+
+
+def run_tests(out_dir: str | None, timeout_s: int, tests: list[str]) -> str:
+    env = dict(os.environ, EPMOE_TEST_DEVICE="gpu", PYTHONPATH=os.getcwd())
+    cmd = [sys.executable, "-m", "pytest", "-q", "--tb=line", "--no-header", "-p", "no:cacheprovider", *tests]
+    log, rc, dt = _run(cmd, env, timeout_s, "gpu_tests.log", out_dir)
+    digest = _pytest_digest(log)
+    print("\n".join(digest))
+    return f"pytest on GPU ({' '.join(tests)}): rc={rc}, {digest[-1] if digest else '(no output)'} ({dt:.0f} s)"
+
+
+def run_memcheck(out_dir: str | None, timeout_s: int, tests: list[str]) -> str:
+    """The Triton kernel tests under ``compute-sanitizer --tool memcheck`` (issue 3)."""
+    env = dict(os.environ, EPMOE_TEST_DEVICE="gpu", PYTHONPATH=os.getcwd())
+    cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable, "-m", "pytest", "-q",
+           "--tb=line", "-p", "no:cacheprovider", *tests]
+    log, rc, dt = _run(cmd, env, timeout_s, "memcheck.log", out_dir)
+    errors = [l for l in log.splitlines() if "ERROR SUMMARY" in l]
+    digest = _pytest_digest(log)
+    print("\n".join(digest + errors[-3:]))
+    return f"memcheck ({' '.join(tests)}): rc={rc}, {errors[-1] if errors else 'no summary'}, {digest[-1] if digest else ''} ({dt:.0f} s)"
+
+
+def run_bench(out_dir: str | None, timeout_s: int, bench_args: str) -> str:
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    bench_out = os.path.join(out_dir or "benchmarks/results", "bench")
+    cmd = [sys.executable, "benchmarks/bench.py", *bench_args.split(), "--out", bench_out]
+    log, rc, dt = _run(cmd, env, timeout_s, "bench.log", out_dir)
+    print(log[-6000:])
+    return f"bench ({bench_args}): rc={rc} ({dt:.0f} s), tables in {bench_out}/bench.md"
 
 
 def rel_fro(a: np.ndarray, b: np.ndarray) -> float:
@@ -147,15 +183,26 @@ def main() -> int:
     parser.add_argument("--test-timeout", type=int, default=540, help="seconds for the pytest run")
     parser.add_argument("--presets", default="tiny,mixtral-8x7b,qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3")
     parser.add_argument("--quants", default="none,fp8_per_token,fp8_block")
+    parser.add_argument("--tests", default="tests", help="space-separated pytest targets for the GPU test run")
+    parser.add_argument("--memcheck", action="store_true", help="also run the Triton kernel tests under compute-sanitizer")
+    parser.add_argument("--memcheck-tests", default="tests/test_triton_kernels.py tests/test_triton_grouped_gemm.py "
+                        "tests/test_triton_permute.py tests/test_triton_gate.py")
+    parser.add_argument("--memcheck-timeout", type=int, default=300)
+    parser.add_argument("--bench", default=None, help="also run benchmarks/bench.py with these arguments (e.g. '--quick')")
+    parser.add_argument("--bench-timeout", type=int, default=420)
     parser.add_argument("--kernels", action="store_true",
                         help="also run the layer with the kernel backends (triton, pallas_triton) vs the references")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT")
     summary = []
     if not args.skip_tests:
-        summary.append(run_tests(out_dir, args.test_timeout))
+        summary.append(run_tests(out_dir, args.test_timeout, args.tests.split()))
+    if args.memcheck:
+        summary.append(run_memcheck(out_dir, args.memcheck_timeout, args.memcheck_tests.split()))
+    if args.bench is not None:
+        summary.append(run_bench(out_dir, args.bench_timeout, args.bench))
     rows = []
-    for name in args.presets.split(","):
+    for name in [p for p in args.presets.split(",") if p]:  # --presets "" skips the preset checks
         for quant in args.quants.split(","):
             try:
                 row = check_preset(name, quant, args.tokens, kernels=args.kernels)

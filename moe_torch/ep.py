@@ -1,0 +1,298 @@
+"""Expert parallelism across processes: the MoE layer with ``torch.distributed`` collectives
+(NCCL on GPUs, gloo on CPUs) around the stages of CONTRACT.md (section 6).
+
+``P = ep_size`` ranks; rank ``r`` owns routed experts ``[r*E/P, (r+1)*E/P)``, and the last rank
+also the ``S`` fused shared experts (ids ``E .. E+S-1``), as :meth:`MoEConfig.local_expert_range`
+says. Two ways to move the data, picked by ``mode``:
+
+``"replicated"`` (SGLang's ``EPMoE``): every rank holds the same ``x [T, H]`` and
+``router_logits [T, E]``::
+
+    router_logits --select_experts--> topk_ids, topk_weights [T, topk']     (every rank, same result)
+    topk_ids --routing_metadata(expert_start, E_local)--> this rank's rows only (others: src2dst = -1)
+    x --permute--> --grouped_gemm w13--> --act_and_mul--> --grouped_gemm w2--> --combine--> partial [T, H] float32
+    partial --all_reduce (sum)--> out [T, H]            (out="replicated")
+    partial --reduce_scatter--> out [rows of rank r, H] (out="sharded")
+
+  No host synchronisation: CUDA-graph capturable with ``implementation="triton"``.
+
+``"all_to_all"`` (DeepEP-style dispatch / combine, normal mode): rank ``r`` holds only its own
+tokens ``x [T_r, H]`` (any ``T_r``, 0 included)::
+
+    home:  select_experts on its T_r tokens -> topk_ids, topk_weights [T_r, topk']
+           owner of each assignment (t, j): the rank of expert topk_ids[t, j]; stable sort by owner
+           all_to_all_single(counts [P])                     -> rows to receive from each rank
+           all_to_all_single(x rows, expert ids; uneven splits)   (topk_weights stay home)
+    owner: routing_metadata over the received rows (topk = 1) -> permute -> GEMM -> act -> GEMM
+           all_to_all_single(y rows back; the reverse splits)
+    home:  combine(y rows, src2dst = position of each assignment in the send order,
+                   topk_weights, rsf) -> out [T_r, H]  (float32 accumulation, cast once)
+
+  The split sizes must be on the host (``all_to_all_single`` takes Python lists), so this mode
+  synchronises with the host once per layer and is **not CUDA-graph capturable**, as DeepEP's
+  normal mode (the low-latency mode pads to a fixed capacity instead).
+
+Numerics: each row's expert computation is the single-device one; ``"replicated"`` sums the
+ranks' float32 partials (also for bf16 / float16 ``x``: the collective runs in float32 and the
+sum is cast once), ``"all_to_all"`` runs the single-device combine on the home rank. Either
+equals :func:`moe_torch.moe_forward` on one device to float32 rounding (reassociation of the
+sum over slots, in ``"replicated"``).
+
+gloo (torch 2.11): ``all_reduce``, ``reduce_scatter_tensor`` and ``all_to_all_single`` with
+uneven splits (and zero-row splits) all work, so the CPU runs the same code as NCCL; should a
+backend lack ``reduce_scatter_tensor``, the reduce-scatter falls back to ``all_reduce`` plus a
+slice, with a logged warning (:func:`reduce_scatter_rows`).
+
+Sources: SGLang ``EPMoE`` (sgl-project/sglang@3f02617653b8d762affee5011e1d9b2c6c1cc0cb:
+python/sglang/srt/layers/moe/ep_moe/layer.py: local-expert routing on replicated tokens, then
+an all-reduce); DeepEP ``Buffer.get_dispatch_layout`` / ``dispatch`` / ``combine``
+(deepseek-ai/DeepEP@dcfd954851157f0bf683e1c3f1a7778f78344759:deep_ep/buffer.py: counts per
+rank, a host-synchronised receive count in normal mode, weighted combine at home).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from moe_contract.config import MoEConfig
+from moe_contract.validation import check_choice, check_layer_inputs
+from moe_torch.layer import ACTIVATION_QUANT, LAYER_IMPLEMENTATIONS
+from moe_torch.ops.activation import api as activation_api
+from moe_torch.ops.activation.api import act_and_mul
+from moe_torch.ops.combine import api as combine_api
+from moe_torch.ops.combine.api import combine
+from moe_torch.ops.common import takes_torch_tensors
+from moe_torch.ops.dispatch import check_implementation
+from moe_torch.ops.gate import api as gate_api
+from moe_torch.ops.gate.api import select_experts
+from moe_torch.ops.grouped_gemm import api as grouped_gemm_api
+from moe_torch.ops.grouped_gemm.api import grouped_gemm
+from moe_torch.ops.permute import api as permute_api
+from moe_torch.ops.permute.api import permute, routing_metadata
+
+log = logging.getLogger("moe_torch")
+
+EP_MODES = ("replicated", "all_to_all")
+#: The output layouts: ``"replicated"`` (every rank the whole ``[T, H]``; replicated mode only),
+#: ``"sharded"`` (a slice of the tokens per rank).
+EP_OUTPUTS = ("replicated", "sharded")
+
+
+def _impl(implementation: str | None, stage_api) -> str | None:
+    """The layer's backend for a stage that has it, else the stage's default (as ``moe_forward``)."""
+    return implementation if implementation in stage_api.IMPLEMENTATIONS else None
+
+
+def _gate(router_logits, config: MoEConfig, e_score_correction_bias, implementation):
+    """``select_experts`` with the layer's settings: ``(topk_weights, topk_ids) [T, topk']``."""
+    return select_experts(
+        router_logits,
+        topk=config.topk,
+        routing=config.routing,
+        renormalize=config.renormalize,
+        num_expert_group=config.num_expert_group,
+        topk_group=config.topk_group,
+        e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=config.routed_scaling_factor,
+        apply_routed_scaling_factor_on_output=config.apply_routed_scaling_factor_on_output,
+        num_fused_shared_experts=config.num_fused_shared_experts,
+        implementation=_impl(implementation, gate_api),
+    )
+
+
+def _experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, implementation):
+    """This rank's experts on the assignments of ``topk_ids [T, k]``: ``(meta, y [T*k, H] x.dtype)``
+    (``y`` in permuted order; rows ``>= M`` never read)."""
+    expert_start, e_local = config.local_expert_range()
+    meta = routing_metadata(topk_ids, config.num_total_experts, expert_start=expert_start,
+                            num_local_experts=e_local, implementation=_impl(implementation, permute_api))
+    quant = ACTIVATION_QUANT[config.quant]
+    gemm_impl = _impl(implementation, grouped_gemm_api)
+    xq, x_scale = permute(x, meta.dst2src, topk=topk_ids.shape[1], quant=quant, implementation=_impl(implementation, permute_api))
+    h = grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype, implementation=gemm_impl)
+    a, a_scale = act_and_mul(h, activation=config.activation, quant=quant, implementation=_impl(implementation, activation_api))
+    y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype, implementation=gemm_impl)
+    return meta, y
+
+
+def _combine_rsf(config: MoEConfig) -> float:
+    """The rsf the combine applies: 1 when the gate already did (applied exactly once)."""
+    return 1.0 if config.apply_routed_scaling_factor_on_output else config.routed_scaling_factor
+
+
+def shard_rows(T: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``(start, stop)``: the tokens rank ``rank`` holds under ``out="sharded"`` of the replicated
+    mode. ``T`` is padded to ``T_pad = c * P`` with ``c = ceil(T / P)``; rank ``r`` holds tokens
+    ``[r*c, min((r+1)*c, T))`` (possibly none, for the last ranks when ``T < T_pad``)."""
+    c = -(-T // world_size)
+    return min(rank * c, T), min((rank + 1) * c, T)
+
+
+def reduce_scatter_rows(partial: torch.Tensor, group, world_size: int, rank: int) -> torch.Tensor:
+    """Sum ``partial [T, H]`` over the group, keep rank ``rank``'s rows (:func:`shard_rows`).
+
+    ``dist.reduce_scatter_tensor`` over ``T`` padded to a multiple of ``world_size`` (NCCL; gloo in
+    torch 2.11 has it too). A backend without it (older gloo) gets ``all_reduce`` + slice, which
+    moves twice the bytes; the fallback is logged, never silent.
+    """
+    T, H = partial.shape
+    c = -(-T // world_size)
+    start, stop = shard_rows(T, world_size, rank)
+    padded = partial if c * world_size == T else torch.nn.functional.pad(partial, (0, 0, 0, c * world_size - T))
+    chunk = partial.new_empty((c, H))
+    try:
+        dist.reduce_scatter_tensor(chunk, padded.contiguous(), group=group)
+    except (RuntimeError, NotImplementedError) as exc:  # raised locally on every rank, before any traffic
+        log.warning("ep_moe_forward: reduce_scatter_tensor unsupported on backend %r (%s); using all_reduce + slice",
+                    dist.get_backend(group), exc)
+        dist.all_reduce(partial, group=group)
+        return partial[start:stop]
+    return chunk[: stop - start]
+
+
+def _group_rank_size(op: str, group, config: MoEConfig, x: torch.Tensor) -> tuple[int, int]:
+    """The group's ``(rank, size)``, checked against ``config.ep_rank`` / ``ep_size`` and the device."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"{op}: group must be a process group of an initialised torch.distributed "
+                         f"(dist.init_process_group); got group={group!r} with torch.distributed not initialised")
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{op}: group must contain this process; got a group without it (rank {dist.get_rank()} of the world)")
+    if config.ep_size != size:
+        raise ValueError(f"{op}: config.ep_size must equal the group's size (={size}); got config.ep_size={config.ep_size}")
+    if config.ep_rank != rank:
+        raise ValueError(f"{op}: config.ep_rank must equal this process's rank in the group (={rank}); "
+                         f"got config.ep_rank={config.ep_rank}")
+    backend = dist.get_backend(group)
+    if backend == "nccl" and x.device.type != "cuda":
+        raise ValueError(f"{op}: x must be a CUDA tensor for the group's backend 'nccl'; got x.device={x.device}")
+    return rank, size
+
+
+@takes_torch_tensors
+def ep_moe_forward(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13_local: torch.Tensor,
+    w2_local: torch.Tensor,
+    config: MoEConfig,
+    *,
+    group=None,
+    mode: str = "replicated",
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    e_score_correction_bias: torch.Tensor | None = None,
+    implementation: str | None = None,
+    out: str | None = None,
+) -> torch.Tensor:
+    """The whole MoE layer over an EP process group: every rank calls it, each with its experts.
+
+    Args:
+      x: float32 / bf16 / float16. ``mode="replicated"``: ``[T, H]``, the same on every rank.
+        ``mode="all_to_all"``: ``[T_r, H]``, this rank's tokens (``T_r`` may differ per rank, and be 0).
+      router_logits: ``[T, E]`` / ``[T_r, E]`` float, alongside ``x``.
+      w13_local: ``[E_local, 2*I, H]`` this rank's experts (:func:`moe_torch.local_weights`),
+        ``x.dtype`` for ``quant='none'``, float8_e4m3fn otherwise; ``w2_local`` ``[E_local, H, I]``.
+      config: the layer; ``config.ep_size`` / ``config.ep_rank`` must be the group's size and
+        this process's rank in it.
+      group: the EP process group (``None``: the default group). NCCL wants CUDA tensors, gloo CPU ones.
+      mode: ``"replicated"`` or ``"all_to_all"`` (module docstring).
+      w13_scale, w2_scale: this rank's FP8 weight scales (as :func:`moe_torch.moe_forward`).
+      e_score_correction_bias: ``[E]`` float, for ``routing='biased_grouped_topk'``.
+      implementation: every stage's backend (``"reference"``, ``"triton"``, ``None``), as
+        :func:`moe_torch.moe_forward`.
+      out: ``"replicated"`` (replicated mode's default: every rank gets ``[T, H]``) or
+        ``"sharded"``: replicated mode, rank ``r`` gets tokens :func:`shard_rows` ``(T, P, r)``;
+        all_to_all mode (its default and only layout), each rank gets its own ``[T_r, H]``.
+
+    Returns: the layer's output (the sum over every rank's experts) in ``x.dtype``, laid out per ``out``.
+
+    Bytes sent per rank per layer (``P`` ranks, ``b`` bytes per element of ``x``, ring algorithms):
+      replicated + all_reduce: ``2 (P-1)/P * T*H*4`` (the float32 partial);
+      replicated + reduce_scatter: ``(P-1)/P * T_pad*H*4``;
+      all_to_all: dispatch ``R_out * (H*b + 4)`` (rows and int32 expert ids) plus ``8P`` (counts),
+      combine ``R_in * H*b``, where ``R_out`` = this rank's assignments bound for other ranks
+      (``~ T_r * topk * (P-1)/P`` under uniform routing, plus ``T_r * S`` to the last rank for the
+      shared experts) and ``R_in`` the rows it received from others. Rows a rank keeps for itself
+      are copied locally by the collective.
+
+    Raises: ValueError (shapes, mode / out, a config not matching the group, torch.distributed not
+      initialised, NCCL with CPU tensors), TypeError (dtypes), before any collective.
+    """
+    op = "ep_moe_forward"
+    check_layer_inputs(op, config, x, router_logits, w13_local, w2_local, w13_scale, w2_scale)
+    check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
+    check_choice(op, "mode", mode, EP_MODES)
+    check_choice(op, "out", out, (None, *EP_OUTPUTS))
+    if mode == "all_to_all" and out == "replicated":
+        raise ValueError(f"{op}: out must be 'sharded' (or None) for mode='all_to_all' (each rank gets its own "
+                         f"tokens back); got out='replicated'")
+    rank, size = _group_rank_size(op, group, config, x)
+    if mode == "replicated":
+        return _replicated(x, router_logits, w13_local, w2_local, w13_scale, w2_scale, config,
+                           e_score_correction_bias, implementation, group, rank, size, out or "replicated")
+    return _all_to_all(x, router_logits, w13_local, w2_local, w13_scale, w2_scale, config,
+                       e_score_correction_bias, implementation, group, size)
+
+
+def _replicated(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, implementation, group, rank, size, out):
+    """SGLang EPMoE: local experts on all tokens, float32 partial, then the sum over ranks."""
+    topk_weights, topk_ids = _gate(router_logits, config, bias, implementation)
+    meta, y = _experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation)
+    # float32 partial: the sum over ranks is then the single-device float32 combine, reassociated.
+    partial = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=_combine_rsf(config),
+                      out_dtype=torch.float32, implementation=_impl(implementation, combine_api))
+    if out == "replicated":
+        dist.all_reduce(partial, group=group)
+        return partial.to(x.dtype)
+    return reduce_scatter_rows(partial, group, size, rank).to(x.dtype)
+
+
+def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, implementation, group, size):
+    """DeepEP-style: dispatch (token, slot) rows to the owner of their expert, compute, send back,
+    combine at home."""
+    T, H = x.shape
+    K = config.num_slots
+    if T:
+        topk_weights, topk_ids = _gate(router_logits, config, bias, implementation)
+    else:  # nothing to route; the rank still takes part in every collective (and may own rows of others)
+        topk_weights = torch.zeros((0, K), dtype=torch.float32, device=x.device)
+        topk_ids = torch.zeros((0, K), dtype=torch.int32, device=x.device)
+    # -- dispatch layout: owner rank of each assignment a = t*K + j (shared ids E.. belong to the last rank)
+    per_rank = config.num_experts // size
+    ids = topk_ids.reshape(-1)
+    owner = torch.clamp(ids.long() // per_rank, max=size - 1)  # [A]
+    order = torch.argsort(owner, stable=True)  # send slot -> assignment index; grouped by owner, stable within
+    send_counts = torch.bincount(owner, minlength=size)  # int64 [P]
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    # The one host synchronisation of this mode: all_to_all_single takes the splits as lists.
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    R = sum(recv_splits)
+    x_send = x[order // K]  # [A, H]: the token row of each assignment, in send order
+    ids_send = ids[order].to(torch.int32)  # [A] global expert ids (weights stay home)
+    x_recv = x.new_empty((R, H))
+    ids_recv = torch.empty((R,), dtype=torch.int32, device=x.device)
+    works = [dist.all_to_all_single(x_recv, x_send, recv_splits, send_splits, group=group, async_op=True),
+             dist.all_to_all_single(ids_recv, ids_send, recv_splits, send_splits, group=group, async_op=True)]
+    for w in works:
+        w.wait()
+    # -- owner: one expert per received row (topk = 1); every row is local here
+    if R:
+        meta, y = _experts(x_recv, ids_recv[:, None], w13, w2, w13_scale, w2_scale, config, implementation)
+        y_recv = y[meta.src2dst[:, 0].long()]  # back to receive order
+    else:  # no kernel launch on zero rows
+        y_recv = x.new_empty((0, H))
+    # -- combine: the reverse exchange, then the single-device combine at home
+    y_back = x.new_empty((T * K, H))
+    dist.all_to_all_single(y_back, y_recv.contiguous(), send_splits, recv_splits, group=group)
+    if T == 0:
+        return x.new_empty((0, H))
+    src2dst = torch.empty((T * K,), dtype=torch.int32, device=x.device)
+    src2dst[order] = torch.arange(T * K, dtype=torch.int32, device=x.device)
+    return combine(y_back, src2dst.reshape(T, K), topk_weights, routed_scaling_factor=_combine_rsf(config),
+                   out_dtype=x.dtype, implementation=_impl(implementation, combine_api))
