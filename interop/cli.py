@@ -1,7 +1,11 @@
 """epmoe: the project's command line.
 
-`epmoe demo` runs the reference MoE layer of a model preset in both frameworks (jnp and
-torch) on the same random inputs and prints what they computed and how far apart they are.
+`epmoe check` (the main job) runs one set of inputs through the four implementations of the
+MoE layer (jnp and torch references, Pallas and Triton kernels) stage by stage and judges every
+stage against the numerics contract (`interop/crosscheck.py`); exit 1 names the failing stage.
+`epmoe demo` runs the reference MoE layer of a model preset in both frameworks (jnp and torch)
+on the same random inputs and prints what they computed and how far apart they are.
+`epmoe bench` forwards to `benchmarks/bench.py` (a GPU machine; `--tiny` is a CPU smoke test).
 """
 
 from __future__ import annotations
@@ -106,6 +110,147 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if err <= limit else 1
 
 
+# --------------------------------------------------------------------------------------
+# epmoe check
+
+#: On a CPU the kernels run interpreted: per (preset x implementation) this is what fits in minutes.
+CPU_PRESETS = ("tiny",)
+#: Largest weights (elements of w13 + w2, all experts) the CPU interpreters are asked to run from a checkpoint.
+CPU_MAX_WEIGHT_ELEMENTS = 1 << 24
+
+
+def _quant_arg(value: str) -> str:
+    return value.replace("-", "_")
+
+
+def _routing_arg(value: str) -> str:
+    return value.replace("_", "-")
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _prepare_interpreters() -> None:
+    """No GPU: run the Triton kernels in Triton's interpreter (set before any kernel module is imported)."""
+    if "moe_torch.ops.grouped_gemm.triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def run_check(args: argparse.Namespace) -> int:
+    gpu = _has_gpu()
+    if not gpu:
+        _prepare_interpreters()
+    from interop import crosscheck as cc
+
+    preset = get_preset(args.preset)
+    overrides = dict(quant=args.quant, ep_size=args.ep_size, ep_rank=args.ep_rank)
+    weights = None
+    try:
+        if args.weights:
+            from interop.checkpoints import load_moe_layer
+
+            ckpt = load_moe_layer(args.weights, layer=args.layer)
+            config = ckpt.config(preset, **overrides)
+            weights = ckpt.layer_weights(config)
+        else:
+            config = preset.config(**overrides)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"epmoe check: {exc}", file=sys.stderr)
+        return 2
+    n_weights = 3 * config.num_total_experts * config.hidden_size * config.intermediate_size
+    if not gpu and (weights is None and preset.name not in CPU_PRESETS or n_weights > CPU_MAX_WEIGHT_ELEMENTS):
+        print(f"epmoe check: no GPU here, so the Pallas and Triton kernels run interpreted, which takes hours at "
+              f"the size of {'these weights' if weights is not None else 'preset ' + preset.name} "
+              f"({n_weights / 1e6:.0f}M weight elements); use --preset tiny on a CPU, or run on a GPU machine",
+              file=sys.stderr)
+        return 2
+    need, have = _host_bytes_needed(config), _host_bytes_available()
+    if weights is None and 2 * need > have:
+        print(f"epmoe check: preset {preset.name} needs about {2 * need / 2**30:.0f} GiB of host memory for its weights "
+              f"({have / 2**30:.0f} GiB available); use a larger machine", file=sys.stderr)
+        return 2
+    implementations = list(cc.DEFAULT_IMPLEMENTATIONS)
+    if gpu and args.implementations is None:
+        implementations.append("pallas_mosaic_gpu")
+    if args.implementations is not None:
+        implementations = [n.strip() for n in args.implementations.split(",") if n.strip()]
+        bad = [n for n in implementations if n not in cc.IMPLEMENTATIONS]
+        if bad or not implementations:
+            print(f"epmoe check: --implementations must be a comma list of {', '.join(cc.IMPLEMENTATIONS)}; got {bad or '(none)'}",
+                  file=sys.stderr)
+            return 2
+        if "jnp-reference" not in implementations:  # the upstream values and the judge of the JAX kernels
+            implementations.insert(0, "jnp-reference")
+
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    print(f"epmoe check: preset {preset.name}{' with weights from ' + args.weights if weights else ''}: "
+          f"H={config.hidden_size} I={config.intermediate_size} E={config.num_experts} topk={config.topk} "
+          f"routing={config.routing} shared={config.num_fused_shared_experts} quant={config.quant} "
+          f"EP rank {config.ep_rank}/{config.ep_size}; T={args.tokens} skew={args.routing} seed={args.seed}; "
+          f"{'GPU' if gpu else 'no GPU: kernels interpreted'}; implementations: {', '.join(implementations)}", flush=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def progress(msg: str) -> None:
+            bar.update(task, description=msg)
+            if not console.is_terminal and args.verbose:
+                print(f"  .. {msg}", file=sys.stderr, flush=True)
+
+        result = cc.run_crosscheck(config, args.tokens, seed=args.seed, routing=args.routing,
+                                   implementations=implementations, weights=weights, progress=progress)
+    cc.render(result)
+    if args.json:
+        import json
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result.to_json(), f, indent=1, default=float)
+        print(f"wrote {args.json}")
+    return 0 if result.ok else 1
+
+
+# --------------------------------------------------------------------------------------
+# epmoe bench
+
+def run_bench(args: argparse.Namespace) -> int:
+    """``benchmarks/bench.py``'s main with the remaining arguments (loaded by path: not a package)."""
+    import importlib.util
+
+    argv = list(args.bench_args)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "benchmarks", "bench.py")
+    if not os.path.exists(path):
+        print(f"epmoe bench: {path} not found (the benchmarks live in the source tree, not the wheel)", file=sys.stderr)
+        return 2
+    tiny = "--tiny" in argv
+    if tiny:  # bench.py reads these from sys.argv at import, before torch / jax / triton import
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif "-h" not in argv and "--help" not in argv and not _has_gpu():
+        print("epmoe bench: the benchmarks time the kernels on a GPU and there is none here; "
+              "`epmoe bench --tiny` runs the CPU smoke test (interpreted, tiny shapes, timings meaningless)",
+              file=sys.stderr)
+        return 2
+    saved = sys.argv
+    sys.argv = [path, *argv]
+    try:
+        spec = importlib.util.spec_from_file_location("_epmoe_bench", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return int(module.main(argv) or 0)
+    finally:
+        sys.argv = saved
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epmoe", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,11 +270,63 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="activation and weight dtype")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     demo.set_defaults(func=run_demo)
+
+    from interop.crosscheck import IMPLEMENTATIONS as CHECK_IMPLEMENTATIONS
+
+    check = sub.add_parser(
+        "check",
+        help="cross-check jnp, torch, Pallas and Triton stage by stage against the contract (the main job)",
+        description="Build one set of inputs (a preset's random weights, or --weights from a checkpoint) and run "
+        "them through the jnp reference, the torch reference, the Pallas kernels and the Triton kernels stage "
+        "by stage (gate, routing metadata, permute+quant, GEMM 1, activation+quant, GEMM 2, combine, and the "
+        "whole layer), every implementation fed the jnp reference's output of the previous stage. Prints a "
+        "table per stage and pair, judged by CONTRACT.md section 7; exit 1 names the violating stage(s), "
+        "2 on bad arguments. Without a GPU the kernels run interpreted (tiny preset only).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    check.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                       help="model preset (CPU: tiny only; with --weights, its routing, topk and groups are used)")
+    check.add_argument("--tokens", type=int, default=16, help="T, tokens in the batch")
+    check.add_argument("--quant", default="none", type=_quant_arg, choices=QUANTS,
+                       help="layer quantization mode (dashes or underscores: fp8-block = fp8_block)")
+    check.add_argument("--routing", default="uniform", type=_routing_arg, choices=ROUTING_SKEWS,
+                       help="skew of the random router logits")
+    check.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks (E must divide)")
+    check.add_argument("--ep-rank", type=int, default=0, help="the rank whose experts and partial sum are checked")
+    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    check.add_argument("--json", metavar="PATH", help="also write every comparison as JSON to PATH")
+    check.add_argument("--weights", metavar="PATH",
+                       help="a safetensors checkpoint (file or folder with model.safetensors.index.json) of a "
+                            "Mixtral, Qwen3-MoE or DeepSeek-V3 (bf16 or FP8) model: one MoE layer's weights")
+    check.add_argument("--layer", type=int, default=None, help="with --weights: the layer index (default: the first MoE layer)")
+    check.add_argument("--implementations", metavar="LIST", default=None,
+                       help="comma list among " + ", ".join(CHECK_IMPLEMENTATIONS) + " (default: the four; on a "
+                            "GPU also pallas_mosaic_gpu); the jnp reference always runs")
+    check.add_argument("--verbose", action="store_true", help="print each unit of work when not on a terminal")
+    check.set_defaults(func=run_check)
+
+    bench = sub.add_parser(
+        "bench",
+        help="the benchmarks (benchmarks/bench.py; a GPU machine; --tiny: CPU smoke test)",
+        description="Forwards every argument to benchmarks/bench.py (`epmoe bench -- --help` lists them), e.g. "
+        "`epmoe bench --quick`. Needs a GPU; `--tiny` is a CPU smoke test. Checkpoint weights (--weights) are not "
+        "supported: the benchmark draws its own inputs per spec.",
+        add_help=False,
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=run_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "bench":  # everything after `bench` belongs to benchmarks/bench.py
+        return run_bench(argparse.Namespace(bench_args=argv[1:]))
     args = build_parser().parse_args(argv)
+    if args.command == "check" and (args.ep_size < 1 or not 0 <= args.ep_rank < args.ep_size):
+        print(f"epmoe: --ep-rank must be in [0, --ep-size={args.ep_size}) and --ep-size >= 1; got --ep-rank={args.ep_rank}",
+              file=sys.stderr)
+        return 2
     if args.tokens < 1:
         print(f"epmoe: --tokens must be >= 1; got {args.tokens}", file=sys.stderr)
         return 2

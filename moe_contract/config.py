@@ -181,3 +181,9 @@ def check_routing_args(
             f"{op}: biased_grouped_topk scores a group by its two best experts, so "
             f"E / num_expert_group must be >= 2; got {per_group}"
         )
+
+
+#: The activation quantization each layer quant mode uses (CONTRACT.md section 3).
+ACTIVATION_QUANT = {"none": None, "fp8_per_token": "fp8_per_token", "fp8_block": "fp8_per_token_group"}
+#: The weight-scale layout each FP8 layer quant mode stores.
+WEIGHT_LAYOUT = {"fp8_per_token": "per_channel", "fp8_block": "block"}

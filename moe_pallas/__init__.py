@@ -3,6 +3,7 @@ and the layer. Mirrors ``moe_torch`` file for file; never imports it."""
 
 from moe_contract import MoEConfig, PRESETS, get_preset
 from moe_pallas.layer import local_weights, moe_forward, quantize_layer_weights
+from moe_pallas.ep import ep_moe_forward, make_ep_mesh, shard_expert_weights
 from moe_pallas.module import MoELayer
 from moe_pallas.ops.activation.api import act_and_mul, gelu_tanh_and_mul, silu_and_mul
 from moe_pallas.ops.combine.api import combine
@@ -20,8 +21,8 @@ from moe_pallas.ops.quant.api import (
 
 __all__ = [
     "MoELayer", "MoEConfig", "PRESETS", "RoutingMetadata", "act_and_mul", "combine", "dequantize_fp8",
-    "dequantize_weight_fp8", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "local_weights",
-    "moe_forward", "per_token_group_quant_fp8", "per_token_quant_fp8", "permute",
-    "quantize_layer_weights", "quantize_weight_fp8", "routing_metadata", "select_experts",
+    "dequantize_weight_fp8", "ep_moe_forward", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "local_weights",
+    "make_ep_mesh", "moe_forward", "per_token_group_quant_fp8", "per_token_quant_fp8", "permute",
+    "quantize_layer_weights", "quantize_weight_fp8", "routing_metadata", "select_experts", "shard_expert_weights",
     "silu_and_mul", "static_quant_fp8",
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax
 
-from moe_contract.config import MoEConfig
+from moe_contract.config import ACTIVATION_QUANT, WEIGHT_LAYOUT, MoEConfig
 from moe_contract.validation import check_layer_inputs, check_layer_weights
 from moe_pallas.ops.activation import api as activation_api
 from moe_pallas.ops.activation.api import act_and_mul
@@ -31,14 +31,10 @@ from moe_pallas.ops.permute import api as permute_api
 from moe_pallas.ops.permute.api import permute, routing_metadata
 from moe_pallas.ops.quant.api import quantize_weight_fp8
 
-#: The activation quantization each layer quant mode uses (CONTRACT.md section 3).
-ACTIVATION_QUANT = {"none": None, "fp8_per_token": "fp8_per_token", "fp8_block": "fp8_per_token_group"}
 #: Every backend name any stage knows (a stage without the chosen one uses its default).
 LAYER_IMPLEMENTATIONS = tuple(dict.fromkeys(
     name for stage in (gate_api, permute_api, grouped_gemm_api, activation_api, combine_api) for name in stage.IMPLEMENTATIONS
 ))
-#: The weight-scale layout each layer quant mode stores.
-WEIGHT_LAYOUT = {"fp8_per_token": "per_channel", "fp8_block": "block"}
 
 
 @takes_jax_arrays

@@ -2,6 +2,7 @@
 and the layer. Mirrors ``moe_pallas`` file for file; never imports it."""
 
 from moe_contract import MoEConfig, PRESETS, get_preset
+from moe_torch.ep import ep_moe_forward
 from moe_torch.layer import local_weights, moe_forward, quantize_layer_weights
 from moe_torch.module import EPMoE
 from moe_torch.ops.activation.api import act_and_mul, gelu_tanh_and_mul, silu_and_mul
@@ -20,7 +21,7 @@ from moe_torch.ops.quant.api import (
 
 __all__ = [
     "EPMoE", "MoEConfig", "PRESETS", "RoutingMetadata", "act_and_mul", "combine", "dequantize_fp8",
-    "dequantize_weight_fp8", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "local_weights",
+    "dequantize_weight_fp8", "ep_moe_forward", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "local_weights",
     "moe_forward", "per_token_group_quant_fp8", "per_token_quant_fp8", "permute",
     "quantize_layer_weights", "quantize_weight_fp8", "routing_metadata", "select_experts",
     "silu_and_mul", "static_quant_fp8",

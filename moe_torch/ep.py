@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from moe_contract.config import MoEConfig
+from moe_contract.op_checks import check_select_experts
 from moe_contract.validation import check_choice, check_layer_inputs
 from moe_torch.layer import ACTIVATION_QUANT, LAYER_IMPLEMENTATIONS
 from moe_torch.ops.activation import api as activation_api
@@ -145,7 +146,11 @@ def reduce_scatter_rows(partial: torch.Tensor, group, world_size: int, rank: int
     chunk = partial.new_empty((c, H))
     try:
         dist.reduce_scatter_tensor(chunk, padded.contiguous(), group=group)
-    except (RuntimeError, NotImplementedError) as exc:  # raised locally on every rank, before any traffic
+    except (RuntimeError, NotImplementedError) as exc:
+        # Only "this backend has no such collective", which every rank raises locally before any
+        # traffic; any other failure (a timeout, a broken peer) is the caller's to see.
+        if "support" not in str(exc).lower():
+            raise
         log.warning("ep_moe_forward: reduce_scatter_tensor unsupported on backend %r (%s); using all_reduce + slice",
                     dist.get_backend(group), exc)
         dist.all_reduce(partial, group=group)
@@ -225,6 +230,14 @@ def ep_moe_forward(
     """
     op = "ep_moe_forward"
     check_layer_inputs(op, config, x, router_logits, w13_local, w2_local, w13_scale, w2_scale)
+    # The gate's rules too, here: a rank with no tokens (all_to_all) skips the gate, and every rank
+    # must raise alike, or the others would wait in a collective.
+    check_select_experts(
+        op, router_logits, topk=config.topk, routing=config.routing, num_expert_group=config.num_expert_group,
+        topk_group=config.topk_group, e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=config.routed_scaling_factor, num_fused_shared_experts=config.num_fused_shared_experts,
+        renormalize=config.renormalize, apply_routed_scaling_factor_on_output=config.apply_routed_scaling_factor_on_output,
+    )
     check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
     check_choice(op, "mode", mode, EP_MODES)
     check_choice(op, "out", out, (None, *EP_OUTPUTS))

@@ -14,7 +14,8 @@ FP8 codes cannot require grad; as parameters they move with ``.to(device)``, sho
 
 ``forward`` does nothing on the host but shape checks and launches (no ``.item()``, no
 data-dependent shapes), so it can be captured in a CUDA graph with ``implementation="triton"``
-(or ``None`` on CUDA tensors).
+(or ``None`` on CUDA tensors). With a ``process_group`` it runs the whole layer through
+:mod:`moe_torch.ep` (``ep_mode="all_to_all"`` syncs with the host once per call).
 
 Mirror: ``moe_pallas/module.py``.
 """
@@ -31,6 +32,7 @@ from moe_contract.op_checks import check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
     FLOAT_DTYPES,
+    check_choice,
     check_config,
     check_dtype,
     check_layer_inputs,
@@ -38,6 +40,7 @@ from moe_contract.validation import (
     check_shape,
     dtype_name,
 )
+from moe_torch.ep import EP_MODES, ep_moe_forward
 from moe_torch.layer import LAYER_IMPLEMENTATIONS, WEIGHT_LAYOUT, local_weights, moe_forward
 from moe_torch.ops.dispatch import check_implementation
 from moe_torch.ops.quant.api import quantize_weight_fp8
@@ -168,6 +171,13 @@ class EPMoE(torch.nn.Module):
       e_score_correction_bias: ``[E]`` float, for (and only for) ``routing='biased_grouped_topk'``.
       implementation: the backend of every stage (``None``, ``"reference"``, ``"triton"``), as
         :func:`moe_torch.moe_forward` takes it.
+      process_group: ``None`` (default): ``forward`` returns this rank's partial sum and moves
+        nothing. A ``torch.distributed`` group (or ``ep_mode`` given: the default group):
+        ``forward`` is :func:`moe_torch.ep.ep_moe_forward` over it and returns the whole layer's
+        output; ``config.ep_rank`` / ``ep_size`` must match the group.
+      ep_mode: ``"replicated"`` (the default with a group: every rank the same ``x [T, H]``,
+        all-reduce) or ``"all_to_all"`` (each rank its own tokens ``x [T_r, H]``, DeepEP-style
+        dispatch / combine; a host sync per call, not CUDA-graph capturable).
 
     The tensors are held as given (no copy): ``load_state_dict`` writes into them.
     ``.to(device)`` moves everything; ``.to(dtype)`` / ``.half()`` also cast FP8 codes and scales
@@ -189,15 +199,20 @@ class EPMoE(torch.nn.Module):
         w2_scale: torch.Tensor | None = None,
         e_score_correction_bias: torch.Tensor | None = None,
         implementation: str | None = None,
+        process_group=None,
+        ep_mode: str | None = None,
     ) -> None:
         super().__init__()
         op = "EPMoE"
+        check_choice(op, "ep_mode", ep_mode, (None, *EP_MODES))
         check_tensors(op, w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale,
                       e_score_correction_bias=e_score_correction_bias)
         check_module_weights(op, config, w13, w2, w13_scale, w2_scale, e_score_correction_bias)
         check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
         self.config = config
         self.implementation = implementation
+        self.process_group = process_group
+        self.ep_mode = ep_mode
         self.w13 = _param(w13)
         self.w2 = _param(w2)
         self.register_parameter("w13_scale", _param(w13_scale))
@@ -213,6 +228,8 @@ class EPMoE(torch.nn.Module):
         *,
         e_score_correction_bias: torch.Tensor | None = None,
         implementation: str | None = None,
+        process_group=None,
+        ep_mode: str | None = None,
     ) -> "EPMoE":
         """This rank's layer from float weights of every expert, quantized per ``config.quant``.
 
@@ -236,7 +253,7 @@ class EPMoE(torch.nn.Module):
             w13, s13 = quantize_chunked(w13, config)
             w2, s2 = quantize_chunked(w2, config)
         return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=e_score_correction_bias,
-                   implementation=implementation)
+                   implementation=implementation, process_group=process_group, ep_mode=ep_mode)
 
     @classmethod
     def from_preset(
@@ -247,6 +264,8 @@ class EPMoE(torch.nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
         implementation: str | None = None,
+        process_group=None,
+        ep_mode: str | None = None,
         **config_overrides,
     ) -> "EPMoE":
         """A layer of preset ``name`` with random weights, as the tests and benchmarks draw them.
@@ -287,7 +306,8 @@ class EPMoE(torch.nn.Module):
         if config.quant != "none":
             w13, s13 = quantize_chunked(w13, config)
             w2, s2 = quantize_chunked(w2, config)
-        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias, implementation=implementation)
+        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias, implementation=implementation,
+                   process_group=process_group, ep_mode=ep_mode)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` (float32 / bf16 / float16; ``w13``'s dtype for ``quant='none'``) and
@@ -297,8 +317,26 @@ class EPMoE(torch.nn.Module):
         No host synchronisation with ``implementation="triton"`` (CUDA-graph capturable after a
         warm-up call that compiles the kernels).
 
+        With a ``process_group`` (or an ``ep_mode``): the layer's whole output, through
+        :func:`moe_torch.ep.ep_moe_forward` (``x`` and the output are ``[T_r, H]``, this rank's
+        tokens, under ``ep_mode="all_to_all"``).
+
         Raises: ValueError / TypeError from :func:`moe_torch.moe_forward` (shapes, dtypes).
         """
+        if self.process_group is not None or self.ep_mode is not None:
+            return ep_moe_forward(
+                x,
+                router_logits,
+                self.w13,
+                self.w2,
+                self.config,
+                group=self.process_group,
+                mode=self.ep_mode or "replicated",
+                w13_scale=self.w13_scale,
+                w2_scale=self.w2_scale,
+                e_score_correction_bias=self.e_score_correction_bias,
+                implementation=self.implementation,
+            )
         return moe_forward(
             x,
             router_logits,
@@ -315,4 +353,5 @@ class EPMoE(torch.nn.Module):
         c = self.config
         return (f"H={c.hidden_size}, I={c.intermediate_size}, E={c.num_experts}, topk={c.topk}, routing={c.routing!r}, "
                 f"S={c.num_fused_shared_experts}, quant={c.quant!r}, ep={c.ep_rank}/{c.ep_size}, "
-                f"implementation={self.implementation!r}")
+                f"implementation={self.implementation!r}"
+                + ("" if self.process_group is None and self.ep_mode is None else f", ep_mode={self.ep_mode or 'replicated'!r}"))

@@ -30,3 +30,68 @@ def test_bad_arguments_exit_2(args, capsys):
 def test_tokens_must_be_positive(capsys):
     assert main(["demo", "--tokens", "0"]) == 2
     assert "--tokens must be >= 1" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------
+# epmoe check
+
+
+def test_check_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--ep-size" in out and "--weights" in out and "--implementations" in out
+
+
+def test_check_runs_and_writes_json(tmp_path, capsys):
+    import json
+
+    path = tmp_path / "out" / "check.json"
+    assert main(["check", "--tokens", "3", "--quant", "fp8-block", "--routing", "one_expert", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "within the contract" in out and "gemm1" in out and "triton vs pallas" in out
+    data = json.loads(path.read_text())
+    assert data["ok"] and data["meta"]["config"]["quant"] == "fp8_block" and data["meta"]["routing_skew"] == "one-expert"
+    assert {c["stage"] for c in data["comparisons"]} >= {"gate", "routing", "permute", "gemm1", "act", "gemm2", "combine", "layer"}
+
+
+def test_check_fails_naming_the_stage(monkeypatch, capsys):
+    import moe_torch.ops.combine.api as api
+
+    real = api._triton
+    monkeypatch.setattr(api, "_triton", lambda *a: real(*a) * 2)
+    rc = main(["check", "--tokens", "2", "--ep-size", "2", "--ep-rank", "1", "--implementations", "torch-reference,triton"])
+    assert rc == 1
+    assert "VIOLATION at stage(s) combine, layer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["check", "--preset", "deepseek-v3"], "use --preset tiny on a CPU"),
+    (["check", "--ep-size", "2", "--ep-rank", "2"], "--ep-rank must be in [0, --ep-size=2)"),
+    (["check", "--implementations", "cuda"], "--implementations must be a comma list"),
+    (["check", "--weights", "/nonexistent/ckpt"], "does not exist"),
+])
+def test_check_refuses_with_exit_2(args, msg, capsys):
+    assert main(args) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_check_with_checkpoint_weights(tmp_path, capsys):
+    from test_checkpoints import write_layer
+
+    write_layer(tmp_path, "deepseek_v3", fp8=True, shared=1, config={
+        "model_type": "deepseek_v3", "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True})
+    assert main(["check", "--weights", str(tmp_path), "--quant", "fp8_block", "--tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "with weights from" in out and "E=4" in out and "within the contract" in out
+
+
+def test_bench_without_gpu_says_so(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    assert main(["bench", "--quick"]) == 2
+    assert "there is none here" in capsys.readouterr().err

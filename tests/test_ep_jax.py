@@ -1,0 +1,258 @@
+"""Multi-device EP (``moe_pallas.ep``): both dispatch modes equal the single-device layer.
+
+The multi-device cases need 4 host CPU devices, i.e. ``XLA_FLAGS=--xla_force_host_platform_device_count=4``
+before jax's backend starts; other tests of the same pytest process have already started it with
+one device. So this file is also a script: the test runs it once as a child process
+(``python tests/test_ep_jax.py --child``), which computes every case and prints one JSON list;
+the parametrized tests then check each case's numbers. Argument checks and the ``ep_size=1``
+path run in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Devices of the EP mesh. CPU (default): 4 forced host devices. On a GPU machine:
+#: ``EPMOE_TEST_DEVICE=gpu EPMOE_EP=2 pytest tests/test_ep_jax.py`` (the real ragged_all_to_all).
+ON_GPU = os.environ.get("EPMOE_TEST_DEVICE", "cpu") == "gpu"
+EP = int(os.environ.get("EPMOE_EP", "4"))
+MODES = (("replicated", "replicated"), ("replicated", "tokens"), ("all_to_all", "replicated"), ("all_to_all", "tokens"))
+TWO_MODES = (("replicated", "replicated"), ("all_to_all", "tokens"))
+
+
+def _cases():
+    """(name, preset overrides, T, routing, modes, ep, dtype, weights form). Each line's edge in its name."""
+    tiny = ("tiny", {})
+    mixtral = ("mixtral-8x7b", {"hidden_size": 64, "intermediate_size": 32})  # E=8, topk=2, no shared expert
+    return [
+        # T=7, ep=4: T not divisible by ep (padded to 8, one masked row); S=1: the last rank has 5 experts.
+        ("tiny_T7", tiny, 7, "uniform", MODES, EP, "float32", "sharded"),
+        # T=1: three of four devices hold only a padding row in all_to_all mode.
+        ("tiny_T1", tiny, 1, "uniform", MODES, EP, "float32", "sharded"),
+        # Uneven load: only rank 0's routed experts (+ the shared one on rank 3); ranks 1, 2 get no row.
+        ("tiny_T16_rank0_only", tiny, 16, "rank0", MODES, EP, "float32", "sharded"),
+        # No shared experts: even shards, no padding experts.
+        ("noshared_T7", mixtral, 7, "uniform", MODES, EP, "float32", "sharded"),
+        ("noshared_T8_rank0_only", mixtral, 8, "rank0", MODES, EP, "float32", "sharded"),
+        # ep=2 on a 2-device sub-mesh, T odd.
+        ("noshared_ep2_T5", mixtral, 5, "uniform", TWO_MODES, 2, "float32", "sharded"),
+        # The global [E + S, ...] weights, padded inside the call.
+        ("tiny_T7_global_weights", tiny, 7, "uniform", TWO_MODES, EP, "float32", "global"),
+        # FP8 per-token activations, per-channel weight scales (sharded with the weights).
+        ("tiny_T7_fp8_per_token", (tiny[0], {"quant": "fp8_per_token"}), 7, "uniform", TWO_MODES, EP, "float32", "sharded"),
+        # bf16: partials are summed in float32 and rounded once.
+        ("tiny_T7_bf16", tiny, 7, "uniform", TWO_MODES, EP, "bfloat16", "sharded"),
+        # The Pallas kernels (Triton lowering, interpreted on the CPU) inside shard_map.
+        ("tiny_T7_pallas_triton", tiny, 7, "uniform", TWO_MODES, EP, "float32", "sharded"),
+    ]
+
+
+def _child() -> list[dict]:
+    """Runs in the child process (4 CPU devices): every case, every mode, jitted."""
+    import logging
+
+    import jax
+    import jax.numpy as jnp
+
+    import moe_pallas
+    from moe_contract import get_preset, make_layer_inputs
+    from moe_pallas.ep import ep_moe_forward, make_ep_mesh, shard_expert_weights
+
+    assert jax.device_count() >= EP, jax.devices()
+    records: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("moe_pallas").addHandler(Grab())
+    single = jax.jit(moe_pallas.moe_forward, static_argnames=("config", "implementation"))
+    ep_fwd = jax.jit(ep_moe_forward, static_argnames=("config", "mesh", "mode", "implementation", "out_sharding"))
+    results = []
+    for name, (preset, overrides), T, routing, modes, ep, dtype, form in _cases():
+        config = get_preset(preset).config(**overrides)
+        inputs = make_layer_inputs(config, T, seed=1)
+        logits = inputs.router_logits.copy()
+        if routing == "rank0":  # sigmoid/softmax saturate: no correction bias (std 0.1) can reorder these
+            logits[:, : config.num_experts // ep] += 10.0
+            logits[:, config.num_experts // ep :] -= 10.0
+        dt = jnp.dtype(dtype)
+        x, logits = jnp.asarray(inputs.x, dt), jnp.asarray(logits)
+        bias = jnp.asarray(inputs.e_score_correction_bias) if config.routing == "biased_grouped_topk" else None
+        w13, w13_s, w2, w2_s = moe_pallas.quantize_layer_weights(jnp.asarray(inputs.w13, dt), jnp.asarray(inputs.w2, dt), config)
+        ref = single(x, logits, w13, w2, config, w13_scale=w13_s, w2_scale=w2_s, e_score_correction_bias=bias, implementation="reference")
+        ref_f32 = single(x.astype(jnp.float32), logits, jnp.asarray(inputs.w13), jnp.asarray(inputs.w2),
+                         config.replace(quant="none"), e_score_correction_bias=bias, implementation="reference")
+        _, ids = moe_pallas.select_experts(
+            logits, topk=config.topk, routing=config.routing, renormalize=config.renormalize,
+            num_expert_group=config.num_expert_group, topk_group=config.topk_group, e_score_correction_bias=bias,
+            routed_scaling_factor=config.routed_scaling_factor, num_fused_shared_experts=config.num_fused_shared_experts)
+        owner = np.minimum(np.asarray(ids) // (config.num_experts // ep), ep - 1)
+        rows_per_rank = np.bincount(owner.ravel(), minlength=ep).tolist()
+        cfg = config.replace(ep_size=ep)
+        mesh = make_ep_mesh(ep)
+        if form == "sharded":
+            args = [shard_expert_weights(w, cfg, mesh) if w is not None else None for w in (w13, w2, w13_s, w2_s)]
+        else:
+            args = [w13, w2, w13_s, w2_s]
+        impl = "pallas_triton" if name.endswith("pallas_triton") else "reference"
+        for mode, out_sharding in modes:
+            out = ep_fwd(x, logits, args[0], args[1], cfg, mesh=mesh, mode=mode, w13_scale=args[2], w2_scale=args[3],
+                         e_score_correction_bias=bias, implementation=impl, out_sharding=out_sharding)
+            o = np.asarray(out.astype(jnp.float32), np.float64)
+            r = np.asarray(ref.astype(jnp.float32), np.float64)
+            r32 = np.asarray(ref_f32, np.float64)
+            results.append({
+                "case": name, "mode": mode, "out_sharding": out_sharding, "T": T, "ep": ep, "dtype": dtype,
+                "quant": config.quant, "shape": list(out.shape), "out_dtype": str(out.dtype),
+                "devices": len(out.sharding.device_set), "rows_per_rank": rows_per_rank,
+                "rel_vs_single": float(np.linalg.norm(o - r) / np.linalg.norm(r)),
+                "rel_vs_f32": float(np.linalg.norm(o - r32) / np.linalg.norm(r32)),
+                "single_vs_f32": float(np.linalg.norm(r - r32) / np.linalg.norm(r32)),
+                "finite": bool(np.isfinite(o).all()),
+            })
+    # The ragged path (GPU) cannot run on XLA:CPU, but it must trace and lower: force it and lower
+    # (a fresh jit, so that no cached trace of the dense path is reused).
+    from moe_pallas import ep as ep_module
+
+    config = get_preset("tiny").config(ep_size=EP)
+    inputs = make_layer_inputs(config, 7, seed=1)
+    mesh = make_ep_mesh(EP)
+    dense_exchange = ep_module._ragged_exchange
+    ep_module._ragged_exchange = lambda *a, dense, **k: dense_exchange(*a, dense=False, **k)
+    try:
+        fresh = jax.jit(ep_moe_forward, static_argnames=("config", "mesh", "mode", "implementation", "out_sharding"))
+        hlo = fresh.lower(jnp.asarray(inputs.x), jnp.asarray(inputs.router_logits), jnp.asarray(inputs.w13),
+                           jnp.asarray(inputs.w2), config, mesh=mesh, mode="all_to_all",
+                           e_score_correction_bias=jnp.asarray(inputs.e_score_correction_bias),
+                           implementation="reference").as_text()
+    finally:
+        ep_module._ragged_exchange = dense_exchange
+    return [{"log": records, "ragged_lowered": hlo.count("ragged_all_to_all")}] + results
+
+
+@pytest.fixture(scope="module")
+def child_results():
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if not ON_GPU:
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={EP}")
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, f"EP child failed:\n{run.stderr[-6000:]}"
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    return out[0], {(r["case"], r["mode"], r["out_sharding"]): r for r in out[1:]}
+
+
+def _keys():
+    return [(name, mode, osh) for name, _, _, _, modes, _, _, _ in _cases() for mode, osh in modes]
+
+
+@pytest.mark.parametrize("key", _keys(), ids=lambda k: "-".join(k))
+def test_ep_equals_single_device(child_results, key):
+    import tolerances
+
+    _, results = child_results
+    r = results[key]
+    assert r["shape"] == [r["T"], 256 if r["case"].startswith("tiny") else 64], r
+    assert r["out_dtype"] == r["dtype"], r
+    assert r["finite"], r
+    assert r["devices"] == r["ep"], r
+    if r["quant"] != "none":
+        # Both sides quantize the same rows (per-token FP8 is row-local), so they agree far inside
+        # the FP8 row; their distance to the float32 layer (~6e-2: FP8 weights and activations
+        # twice) is the same on both sides.
+        assert r["rel_vs_single"] <= tolerances.FP8_REL_FRO, r
+        assert r["rel_vs_f32"] <= r["single_vs_f32"] + tolerances.FP8_REL_FRO / 10, r
+    elif r["dtype"] == "bfloat16":
+        assert r["rel_vs_single"] <= tolerances.BF16_REL_FRO, r
+        assert r["rel_vs_f32"] <= tolerances.BF16_REL_FRO, r
+    else:
+        assert r["rel_vs_single"] <= tolerances.F32_REL_FRO, r
+
+
+def test_uneven_load_really_uneven(child_results):
+    """The rank-0-only cases: every routed row on rank 0; the last rank holds only the shared slots."""
+    _, results = child_results
+    tiny = results[("tiny_T16_rank0_only", "all_to_all", "tokens")]["rows_per_rank"]
+    assert tiny == [16 * 4] + [0] * (EP - 2) + [16], tiny
+    noshared = results[("noshared_T8_rank0_only", "all_to_all", "tokens")]["rows_per_rank"]
+    assert noshared == [8 * 2] + [0] * (EP - 1), noshared
+
+
+@pytest.mark.skipif(ON_GPU, reason="the dense fallback is for XLA:CPU only")
+def test_cpu_all_to_all_fallback_is_logged(child_results):
+    info, _ = child_results
+    assert any("ragged_all_to_all is not implemented by XLA:CPU" in m for m in info["log"]), info["log"]
+
+
+def test_ragged_path_lowers(child_results):
+    """The GPU path: both exchanges (rows + ids out, rows back) become ragged_all_to_all ops."""
+    info, _ = child_results
+    assert info["ragged_lowered"] >= 3, info
+
+
+# --- in-process: ep_size=1 on one device, and the argument checks --------------------------------
+
+
+def _tiny_inputs(T=3):
+    import jax.numpy as jnp
+
+    from moe_contract import get_preset, make_layer_inputs
+
+    config = get_preset("tiny").config()
+    inp = make_layer_inputs(config, T, seed=2)
+    arrays = (inp.x, inp.router_logits, inp.w13, inp.w2, inp.e_score_correction_bias)
+    return (config, *(jnp.asarray(a) for a in arrays))
+
+
+@pytest.mark.parametrize("mode", ["replicated", "all_to_all"])
+def test_ep_size_1_equals_moe_forward(mode):
+    import jax
+
+    import moe_pallas
+    import tolerances
+    from moe_pallas.ep import ep_moe_forward, make_ep_mesh
+
+    config, x, logits, w13, w2, bias = _tiny_inputs()
+    mesh = make_ep_mesh(1)
+    fwd = jax.jit(ep_moe_forward, static_argnames=("config", "mesh", "mode", "implementation", "out_sharding"))
+    out = fwd(x, logits, w13, w2, config, mesh=mesh, mode=mode, e_score_correction_bias=bias, implementation="reference")
+    ref = moe_pallas.moe_forward(x, logits, w13, w2, config, e_score_correction_bias=bias, implementation="reference")
+    tolerances.assert_rel_fro(out, ref, tolerances.F32_REL_FRO, mode)
+
+
+def test_errors():
+    import jax
+
+    from moe_pallas.ep import ep_moe_forward, make_ep_mesh, shard_expert_weights
+
+    config, x, logits, w13, w2, bias = _tiny_inputs()
+    mesh = make_ep_mesh(1)
+    with pytest.raises(ValueError, match=r"ep_moe_forward: config.ep_size must equal the size of mesh axis 'ep' \(=1\); got config.ep_size=4"):
+        ep_moe_forward(x, logits, w13, w2, config.replace(ep_size=4), mesh=mesh, e_score_correction_bias=bias)
+    with pytest.raises(ValueError, match=r"ep_moe_forward: mode must be one of"):
+        ep_moe_forward(x, logits, w13, w2, config, mesh=mesh, mode="dense", e_score_correction_bias=bias)
+    with pytest.raises(ValueError, match=r"ep_moe_forward: out_sharding must be one of"):
+        ep_moe_forward(x, logits, w13, w2, config, mesh=mesh, out_sharding="experts", e_score_correction_bias=bias)
+    with pytest.raises(ValueError, match=r"ep_moe_forward: w2 must have a leading expert axis"):
+        ep_moe_forward(x, logits, w13, w2[:-1], config, mesh=mesh, e_score_correction_bias=bias)
+    with pytest.raises(ValueError, match=r"ep_moe_forward: x must be \[T, H\]"):
+        ep_moe_forward(x[:, :-1], logits, w13, w2, config, mesh=mesh, e_score_correction_bias=bias)
+    with pytest.raises(ValueError, match=r"shard_expert_weights: w must be \[E \+ S, ...\] with E \+ S = 17"):
+        shard_expert_weights(w13[:16], config, mesh)
+    with pytest.raises(ValueError, match=r"shard_expert_weights: config.ep_size must equal"):
+        shard_expert_weights(w13, config.replace(ep_size=2), mesh)
+    with pytest.raises(ValueError, match=r"make_ep_mesh: ep_size must be <= the number of devices"):
+        make_ep_mesh(len(jax.devices()) + 1)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--child"]:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    print(json.dumps(_child()))

@@ -1,0 +1,294 @@
+"""Expert parallelism over real processes: ``moe_torch.ep.ep_moe_forward`` and ``EPMoE(process_group=...)``.
+
+Four gloo processes on the CPU (one ``torch.multiprocessing`` spawn for every case, so that the
+file stays well under two minutes on a 2-core machine; each rank checks its own output and rank 0
+writes every result to a JSON file), and two NCCL processes on two GPUs when there are two.
+
+Each case compares the EP layer with the single-device ``moe_torch.moe_forward`` (``ep_size=1``,
+every expert, ``implementation='reference'`` on the CPU) on the same inputs, in three layouts:
+
+- ``replicated``: same ``x [T, H]`` on every rank, all-reduce: every rank's ``[T, H]``;
+- ``replicated_sharded``: same, reduce-scatter: rank ``r`` holds ``shard_rows(T, P, r)``;
+- ``all_to_all``: rank ``r`` holds an uneven slice of the tokens (sizes in ``SHARDS``, zeros
+  included) and gets those tokens' outputs back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))  # `import tolerances` in the spawned processes too
+
+import moe_torch  # noqa: E402
+from moe_contract import MoEConfig, get_preset, make_layer_inputs  # noqa: E402
+from moe_torch.ep import ep_moe_forward, shard_rows  # noqa: E402
+from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, rel_fro  # noqa: E402
+
+WORLD = 4
+#: Tokens per rank under ``mode='all_to_all'`` (the caller's sharding; uneven, with empty ranks).
+SHARDS = {
+    16: (5, 3, 8, 0),
+    7: (3, 0, 2, 2),  # T not divisible by P
+    1: (0, 0, 1, 0),  # three ranks without tokens (they still serve the experts they own)
+    64: (40, 24),  # the two-GPU test
+}
+#: Configs at CPU size. "tiny": DeepSeek-V3 routing (sigmoid + bias, 4 groups keep 2, rsf 2.5 in
+#: the combine), 16 experts + 1 fused shared expert (on rank 3: E_local 4, 4, 4, 5).
+#: "no_shared": softmax top-2 of 8 (E_local 2), rsf 2.0 applied by the gate, no shared expert.
+CONFIGS = {
+    "tiny": lambda **kw: get_preset("tiny").config(**kw),
+    "no_shared": lambda **kw: MoEConfig(hidden_size=64, intermediate_size=32, num_experts=8, topk=2,
+                                        routing="softmax_topk", routed_scaling_factor=2.0,
+                                        apply_routed_scaling_factor_on_output=True, **kw),
+}
+TOL = {("none", "float32"): F32_REL_FRO, ("none", "bfloat16"): BF16_REL_FRO, ("fp8_per_token", "bfloat16"): FP8_REL_FRO,
+       ("fp8_block", "bfloat16"): FP8_REL_FRO}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LAYOUTS = ("replicated", "replicated_sharded", "all_to_all")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    config: str
+    T: int
+    quant: str = "none"
+    dtype: str = "float32"
+    routing: str = "uniform"  # "rank0": logits pick only rank 0's routed experts
+    #: the EP layer's stage backends, when not the spawn's (the single-device reference keeps the spawn's)
+    implementation: str | None = None
+
+    @property
+    def name(self) -> str:
+        impl = f"-{self.implementation}" if self.implementation else ""
+        return f"{self.config}-T{self.T}-{self.quant}-{self.dtype}-{self.routing}{impl}"
+
+
+CPU_CASES = (
+    Case("tiny", 16),
+    Case("tiny", 7),  # T % P != 0: padded reduce-scatter, uneven shards
+    Case("tiny", 1),  # one token: three ranks hold none under all_to_all
+    Case("tiny", 16, routing="rank0"),  # uneven load: ranks 1, 2 get no rows (rank 3 the shared expert)
+    Case("no_shared", 16),
+    Case("no_shared", 7),
+    Case("no_shared", 1),
+    Case("no_shared", 16, routing="rank0"),  # ranks 1..3 get no rows at all
+    Case("tiny", 16, quant="fp8_per_token", dtype="bfloat16"),
+    Case("tiny", 7, dtype="bfloat16"),  # float32 all-reduce of bf16 partials
+    Case("no_shared", 7, implementation="triton"),  # the Triton kernels (interpreted) between the collectives
+)
+GPU_CASES = (
+    Case("dsv3", 64, dtype="bfloat16"),
+    Case("dsv3", 64, quant="fp8_block", dtype="bfloat16"),
+    Case("dsv3", 64, dtype="bfloat16", routing="rank0"),
+)
+
+
+def make_config(case: Case, **kw) -> MoEConfig:
+    if case.config == "dsv3":  # DeepSeek-V3 routing and expert count at reduced H, I
+        return get_preset("deepseek-v3").config(hidden_size=512, intermediate_size=256, quant=case.quant, **kw)
+    return CONFIGS[case.config](quant=case.quant, **kw)
+
+
+def make_inputs(case: Case, world: int, device: str):
+    """Every rank draws the same global inputs: ``(config_1, x, logits, w13, w13_s, w2, w2_s, bias)``
+    with every expert's (quantized) weights and the single-device config."""
+    config = make_config(case)
+    inputs = make_layer_inputs(config, case.T, seed=7)
+    logits = inputs.router_logits.copy()
+    if case.routing == "rank0":  # rank 0's experts [0, E/P) win every routed slot
+        logits[:, : config.num_experts // world] += 30.0
+    dtype = DTYPES[case.dtype]
+    x = torch.from_numpy(inputs.x).to(device, dtype)
+    w13 = torch.from_numpy(inputs.w13).to(device, dtype)
+    w2 = torch.from_numpy(inputs.w2).to(device, dtype)
+    w13, w13_s, w2, w2_s = moe_torch.quantize_layer_weights(w13, w2, config)
+    bias = torch.from_numpy(inputs.e_score_correction_bias).to(device) if config.routing == "biased_grouped_topk" else None
+    return config, x, torch.from_numpy(logits).to(device), w13, w13_s, w2, w2_s, bias
+
+
+def _local(t, config):
+    return None if t is None else moe_torch.local_weights(t, config)
+
+
+def run_cases(rank: int, world: int, cases, device: str, implementation) -> dict:
+    """This rank's errors ``{case: {layout: rel. Frobenius error}}`` plus the error-message checks."""
+    results = {}
+    for case in cases:
+        config1, x, logits, w13, w13_s, w2, w2_s, bias = make_inputs(case, world, device)
+        ref = moe_torch.moe_forward(x, logits, w13, w2, config1, w13_scale=w13_s, w2_scale=w2_s,
+                                    e_score_correction_bias=bias, implementation=implementation)
+        cfg = config1.replace(ep_size=world, ep_rank=rank)
+        local = dict(w13_scale=_local(w13_s, cfg), w2_scale=_local(w2_s, cfg), e_score_correction_bias=bias,
+                     implementation=case.implementation or implementation)
+        w13_l, w2_l = _local(w13, cfg), _local(w2, cfg)
+        errs = {}
+        out = ep_moe_forward(x, logits, w13_l, w2_l, cfg, mode="replicated", **local)
+        errs["replicated"] = rel_fro(out, ref)
+        start, stop = shard_rows(case.T, world, rank)
+        out = ep_moe_forward(x, logits, w13_l, w2_l, cfg, mode="replicated", out="sharded", **local)
+        errs["replicated_sharded"] = rel_fro(out, ref[start:stop]) if stop > start else float(out.shape != (0, x.shape[1]))
+        sizes = SHARDS[case.T]
+        lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+        out = ep_moe_forward(x[lo:hi], logits[lo:hi], w13_l, w2_l, cfg, mode="all_to_all", **local)
+        errs["all_to_all"] = rel_fro(out, ref[lo:hi]) if hi > lo else float(out.shape != (0, x.shape[1]))
+        results[case.name] = errs
+    # The module, both modes, on the first case (EPMoE.from_float slices and quantizes like above).
+    case = cases[0]
+    config1, x, logits, w13_all, _, w2_all, _, bias = make_inputs(dataclasses.replace(case, quant="none"), world, device)
+    ref = moe_torch.moe_forward(x, logits, w13_all, w2_all, config1, e_score_correction_bias=bias, implementation=implementation)
+    cfg = config1.replace(ep_size=world, ep_rank=rank)
+    sizes = SHARDS[case.T]
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    for mode in ("replicated", "all_to_all"):
+        layer = moe_torch.EPMoE.from_float(cfg, w13_all, w2_all, e_score_correction_bias=bias, implementation=implementation,
+                                           process_group=dist.group.WORLD, ep_mode=mode)
+        out = layer(x, logits) if mode == "replicated" else layer(x[lo:hi], logits[lo:hi])
+        results[f"EPMoE-{mode}"] = {mode: rel_fro(out, ref if mode == "replicated" else ref[lo:hi]) if hi > lo or mode == "replicated" else 0.0}
+    # A backend without reduce_scatter_tensor (older gloo): the logged all_reduce + slice fallback.
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("reduce_scatter_tensor is not supported by this backend (simulated)")
+
+    saved, dist.reduce_scatter_tensor = dist.reduce_scatter_tensor, unsupported
+    try:
+        start, stop = shard_rows(case.T, world, rank)
+        out = ep_moe_forward(x, logits, _local(w13_all, cfg), _local(w2_all, cfg), cfg, out="sharded",
+                             e_score_correction_bias=bias, implementation=implementation)
+        results["reduce_scatter_fallback"] = {"replicated_sharded": rel_fro(out, ref[start:stop]) if stop > start else 0.0}
+    finally:
+        dist.reduce_scatter_tensor = saved
+    # A config that does not match the group: the same ValueError on every rank, before any collective.
+    w13_l, w2_l = _local(w13_all, cfg), _local(w2_all, cfg)
+    messages = {}
+    for what, bad in (("ep_rank", cfg.for_rank((rank + 1) % world)), ("ep_size", config1)):
+        try:
+            ep_moe_forward(x, logits, _local(w13_all, bad), _local(w2_all, bad), bad, e_score_correction_bias=bias,
+                           implementation=implementation)
+            messages[what] = "no error"
+        except ValueError as exc:
+            messages[what] = str(exc)
+    results["errors"] = messages
+    return results
+
+
+def worker(rank: int, world: int, init_method: str, backend: str, device_kind: str, cases, implementation, out_path: str):
+    """One process of the group: run every case, gather the results, rank 0 writes them."""
+    if device_kind == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    else:
+        torch.set_num_threads(1)  # 4 processes on 2 cores
+        device = "cpu"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    try:
+        t0 = time.perf_counter()
+        mine = run_cases(rank, world, cases, device, implementation)
+        mine["seconds"] = time.perf_counter() - t0
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(gathered, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(world: int, backend: str, device_kind: str, cases, implementation, out_path, timeout_s: float = 300.0) -> list:
+    """Run :func:`worker` in ``world`` processes; the per-rank results (kills them after ``timeout_s``)."""
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = mp.start_processes(worker, args=(world, init_method, backend, device_kind, cases, implementation, str(out_path)),
+                             nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):  # raises ProcessRaisedException with the rank's traceback
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"EP processes still running after {timeout_s:.0f} s (a collective deadlocked?)")
+    with open(out_path) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    return spawn(WORLD, "gloo", "cpu", CPU_CASES, "reference", tmp_path_factory.mktemp("ep") / "results.json")
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gloo_equals_single_device(gloo_results, case, layout):
+    limit = TOL[(case.quant, case.dtype)]
+    errs = [r[case.name][layout] for r in gloo_results]
+    assert all(np.isfinite(e) and e <= limit for e in errs), f"{case.name} {layout}: per-rank errors {errs} > {limit:.0e}"
+
+
+@pytest.mark.parametrize("mode", ("replicated", "all_to_all"))
+def test_gloo_module(gloo_results, mode):
+    errs = [r[f"EPMoE-{mode}"][mode] for r in gloo_results]
+    assert all(e <= F32_REL_FRO for e in errs), errs
+
+
+def test_gloo_reduce_scatter_fallback(gloo_results):
+    errs = [r["reduce_scatter_fallback"]["replicated_sharded"] for r in gloo_results]
+    assert all(e <= F32_REL_FRO for e in errs), errs
+
+
+def test_gloo_config_must_match_group(gloo_results):
+    for rank, r in enumerate(gloo_results):
+        assert r["errors"]["ep_rank"].startswith(f"ep_moe_forward: config.ep_rank must equal this process's rank in the group (={rank})")
+        assert r["errors"]["ep_size"] == "ep_moe_forward: config.ep_size must equal the group's size (=4); got config.ep_size=1"
+
+
+def test_without_torch_distributed_is_a_value_error():
+    config = CONFIGS["no_shared"]()
+    x, logits = torch.zeros(2, 64), torch.zeros(2, 8)
+    w13, w2 = torch.zeros(8, 64, 64), torch.zeros(8, 64, 32)
+    with pytest.raises(ValueError, match="ep_moe_forward: group must be a process group of an initialised torch.distributed"):
+        ep_moe_forward(x, logits, w13, w2, config)
+    with pytest.raises(ValueError, match="ep_moe_forward: mode must be"):
+        ep_moe_forward(x, logits, w13, w2, config, mode="deepep")
+    with pytest.raises(ValueError, match="out must be 'sharded'"):
+        ep_moe_forward(x, logits, w13, w2, config, mode="all_to_all", out="replicated")
+
+
+def test_module_without_group_is_unchanged():
+    """No ``process_group`` / ``ep_mode``: the partial sum of ``moe_forward``, nothing moved."""
+    cfg = CONFIGS["no_shared"](ep_size=4, ep_rank=1)
+    inputs = make_layer_inputs(cfg, 5, seed=1)
+    w13, w2 = torch.from_numpy(inputs.w13), torch.from_numpy(inputs.w2)
+    layer = moe_torch.EPMoE.from_float(cfg, w13, w2, implementation="reference")
+    x, logits = torch.from_numpy(inputs.x), torch.from_numpy(inputs.router_logits)
+    want = moe_torch.moe_forward(x, logits, moe_torch.local_weights(w13, cfg), moe_torch.local_weights(w2, cfg), cfg,
+                                 implementation="reference")
+    assert torch.equal(layer(x, logits), want)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_nccl_two_gpus(tmp_path):
+    """Both modes over NCCL at DeepSeek-V3 routing (E=256 + 1 shared, topk 8) with H=512, I=256, bf16
+    and fp8_block, the default backends (Triton kernels)."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast (inherited by the spawned processes)
+    results = spawn(2, "nccl", "cuda", GPU_CASES, None, tmp_path / "results.json")
+    for case in GPU_CASES:
+        limit = TOL[(case.quant, case.dtype)]
+        for layout in LAYOUTS:
+            errs = [r[case.name][layout] for r in results]
+            assert all(e <= limit for e in errs), f"{case.name} {layout}: {errs}"
+    for mode in ("replicated", "all_to_all"):
+        assert all(r[f"EPMoE-{mode}"][mode] <= BF16_REL_FRO for r in results)
