@@ -458,11 +458,7 @@ def run_crosscheck(
         # ---- gate
         def gate(impl: _Impl):
             w, ids = impl.mod.select_experts(
-                impl.native(logits), topk=config.topk, routing=config.routing, renormalize=config.renormalize,
-                num_expert_group=config.num_expert_group, topk_group=config.topk_group,
-                e_score_correction_bias=impl.native(bias), routed_scaling_factor=config.routed_scaling_factor,
-                apply_routed_scaling_factor_on_output=config.apply_routed_scaling_factor_on_output,
-                num_fused_shared_experts=config.num_fused_shared_experts,
+                impl.native(logits), **config.gate_kwargs(), e_score_correction_bias=impl.native(bias),
                 implementation=impl.stage_impl(_op_api(impl.framework, "gate")))
             return {"topk_weights": w, "topk_ids": ids}
 

@@ -118,6 +118,21 @@ class MoEConfig:
         """Columns of ``topk_ids``: ``topk + S``."""
         return self.topk + self.num_fused_shared_experts
 
+    def gate_kwargs(self) -> dict:
+        """The routing settings as keyword arguments of ``select_experts`` / ``check_select_experts``
+        (every argument but the logits, the bias and the implementation): one place, for the layer,
+        the EP layers, the modules and the cross-check."""
+        return dict(
+            topk=self.topk,
+            routing=self.routing,
+            renormalize=self.renormalize,
+            num_expert_group=self.num_expert_group,
+            topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
+            apply_routed_scaling_factor_on_output=self.apply_routed_scaling_factor_on_output,
+            num_fused_shared_experts=self.num_fused_shared_experts,
+        )
+
     def local_expert_range(self, rank: int | None = None) -> tuple[int, int]:
         """``(expert_start, E_local)`` owned by ``rank`` (default: ``self.ep_rank``)."""
         rank = self.ep_rank if rank is None else rank

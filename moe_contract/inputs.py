@@ -7,6 +7,7 @@ Scaled so that every stage's output is O(1) (STYLE.md): weights ~ N(0, 1/K) for 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -55,3 +56,26 @@ def make_layer_inputs(config: MoEConfig, num_tokens: int, seed: int = 0, routing
     w2 *= f32(1.0 / np.sqrt(I))
     bias = (rng.standard_normal((E,), dtype=f32) * f32(0.1)).astype(f32)
     return LayerInputs(x=x, router_logits=logits.astype(f32), w13=w13, w2=w2, e_score_correction_bias=bias)
+
+
+def draw_preset_weights(config: MoEConfig, seed: int) -> Iterator[tuple[str, int, np.ndarray]]:
+    """This rank's slice of ``make_layer_inputs(config, num_tokens=0, seed)``, one expert at a time.
+
+    Yields ``("w13", e_local, [2*I, H])``, then ``("w2", e_local, [H, I])``, then
+    ``("bias", -1, [E])``, numpy float32, bit-identical to that function's arrays (the same numpy
+    stream, drawn expert by expert so that no float32 copy of a full-size layer is ever held;
+    experts of other ranks are drawn and dropped). Framework-free, so both modules (``EPMoE.from_preset``,
+    ``MoELayer.from_preset``) draw the same bits.
+    """
+    rng = np.random.default_rng(seed)
+    f32 = np.float32
+    H, I = config.hidden_size, config.intermediate_size
+    start, e_local = config.local_expert_range()
+    # make_layer_inputs draws x [T, H] and router_logits [T, E] first: nothing at T = 0.
+    for name, shape, k in (("w13", (2 * I, H), H), ("w2", (H, I), I)):
+        for e in range(config.num_total_experts):
+            w = rng.standard_normal(shape, dtype=f32)
+            if start <= e < start + e_local:
+                w *= f32(1.0 / np.sqrt(k))
+                yield name, e - start, w
+    yield "bias", -1, (rng.standard_normal((config.num_experts,), dtype=f32) * f32(0.1)).astype(f32)

@@ -312,19 +312,8 @@ def _stage_impl(implementation, stage_api):
 
 
 def _gate(router_logits, bias, config, implementation):
-    return select_experts(
-        router_logits,
-        topk=config.topk,
-        routing=config.routing,
-        renormalize=config.renormalize,
-        num_expert_group=config.num_expert_group,
-        topk_group=config.topk_group,
-        e_score_correction_bias=bias,
-        routed_scaling_factor=config.routed_scaling_factor,
-        apply_routed_scaling_factor_on_output=config.apply_routed_scaling_factor_on_output,
-        num_fused_shared_experts=config.num_fused_shared_experts,
-        implementation=_stage_impl(implementation, gate_api),
-    )
+    return select_experts(router_logits, **config.gate_kwargs(), e_score_correction_bias=bias,
+                          implementation=_stage_impl(implementation, gate_api))
 
 
 def _to_local_ids(ids, starts, counts, e_lmax):

@@ -79,15 +79,8 @@ def moe_forward(
 
     topk_weights, topk_ids = select_experts(
         router_logits,
-        topk=config.topk,
-        routing=config.routing,
-        renormalize=config.renormalize,
-        num_expert_group=config.num_expert_group,
-        topk_group=config.topk_group,
+        **config.gate_kwargs(),
         e_score_correction_bias=e_score_correction_bias,
-        routed_scaling_factor=config.routed_scaling_factor,
-        apply_routed_scaling_factor_on_output=config.apply_routed_scaling_factor_on_output,
-        num_fused_shared_experts=config.num_fused_shared_experts,
         implementation=impl(gate_api),
     )
     expert_start, e_local = config.local_expert_range()

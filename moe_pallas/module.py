@@ -25,7 +25,6 @@ Mirror: ``moe_torch/module.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from moe_contract.config import MoEConfig
+from moe_contract.inputs import draw_preset_weights
 from moe_contract.op_checks import check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
@@ -84,15 +84,8 @@ def check_module_weights(op: str, config: MoEConfig, w13, w2, w13_scale, w2_scal
     check_select_experts(
         op,
         logits,
-        topk=config.topk,
-        routing=config.routing,
-        num_expert_group=config.num_expert_group,
-        topk_group=config.topk_group,
+        **config.gate_kwargs(),
         e_score_correction_bias=e_score_correction_bias,
-        routed_scaling_factor=config.routed_scaling_factor,
-        num_fused_shared_experts=config.num_fused_shared_experts,
-        renormalize=config.renormalize,
-        apply_routed_scaling_factor_on_output=config.apply_routed_scaling_factor_on_output,
     )
 
 
@@ -126,27 +119,6 @@ def quantize_chunked(w: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Ar
     return jnp.concatenate([p[0] for p in parts]), jnp.concatenate([p[1] for p in parts])
 
 
-def draw_preset_weights(config: MoEConfig, seed: int) -> Iterator[tuple[str, int, np.ndarray]]:
-    """This rank's slice of ``make_layer_inputs(config, num_tokens=0, seed)``, one expert at a time.
-
-    Yields ``("w13", e_local, [2*I, H])``, then ``("w2", e_local, [H, I])``, then
-    ``("bias", -1, [E])``, numpy float32, bit-identical to that function's arrays (the same numpy
-    stream, drawn expert by expert so that no float32 copy of a full-size layer is ever held;
-    experts of other ranks are drawn and dropped). Framework-free, so both modules draw the same
-    bits. Mirror: ``moe_torch.module.draw_preset_weights``.
-    """
-    rng = np.random.default_rng(seed)
-    f32 = np.float32
-    H, I = config.hidden_size, config.intermediate_size
-    start, e_local = config.local_expert_range()
-    # make_layer_inputs draws x [T, H] and router_logits [T, E] first: nothing at T = 0.
-    for name, shape, k in (("w13", (2 * I, H), H), ("w2", (H, I), I)):
-        for e in range(config.num_total_experts):
-            w = rng.standard_normal(shape, dtype=f32)
-            if start <= e < start + e_local:
-                w *= f32(1.0 / np.sqrt(k))
-                yield name, e - start, w
-    yield "bias", -1, (rng.standard_normal((config.num_experts,), dtype=f32) * f32(0.1)).astype(f32)
 
 
 class MoELayer(nnx.Module):

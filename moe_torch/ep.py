@@ -91,15 +91,8 @@ def _gate(router_logits, config: MoEConfig, e_score_correction_bias, implementat
     """``select_experts`` with the layer's settings: ``(topk_weights, topk_ids) [T, topk']``."""
     return select_experts(
         router_logits,
-        topk=config.topk,
-        routing=config.routing,
-        renormalize=config.renormalize,
-        num_expert_group=config.num_expert_group,
-        topk_group=config.topk_group,
+        **config.gate_kwargs(),
         e_score_correction_bias=e_score_correction_bias,
-        routed_scaling_factor=config.routed_scaling_factor,
-        apply_routed_scaling_factor_on_output=config.apply_routed_scaling_factor_on_output,
-        num_fused_shared_experts=config.num_fused_shared_experts,
         implementation=_impl(implementation, gate_api),
     )
 
@@ -232,12 +225,7 @@ def ep_moe_forward(
     check_layer_inputs(op, config, x, router_logits, w13_local, w2_local, w13_scale, w2_scale)
     # The gate's rules too, here: a rank with no tokens (all_to_all) skips the gate, and every rank
     # must raise alike, or the others would wait in a collective.
-    check_select_experts(
-        op, router_logits, topk=config.topk, routing=config.routing, num_expert_group=config.num_expert_group,
-        topk_group=config.topk_group, e_score_correction_bias=e_score_correction_bias,
-        routed_scaling_factor=config.routed_scaling_factor, num_fused_shared_experts=config.num_fused_shared_experts,
-        renormalize=config.renormalize, apply_routed_scaling_factor_on_output=config.apply_routed_scaling_factor_on_output,
-    )
+    check_select_experts(op, router_logits, **config.gate_kwargs(), e_score_correction_bias=e_score_correction_bias)
     check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
     check_choice(op, "mode", mode, EP_MODES)
     check_choice(op, "out", out, (None, *EP_OUTPUTS))
