@@ -171,3 +171,25 @@ def test_layer_with_kernels_matches_reference(framework, quant):
         out = mod.moe_forward(*args, **kw, implementation=backend)
     assert np.isfinite(to_numpy(out).astype(np.float32)).all()
     assert_rel_fro(out, ref, BF16_REL_FRO, f"{framework} {backend} layer vs reference")
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8_per_token", "fp8_block"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("framework", ["jnp", "torch"])
+def test_layer_with_kernels_every_preset(framework, preset, quant):
+    """Every preset's routing (softmax top-k, biased grouped top-k over 256 experts + a fused shared
+    expert, ...) and every quant mode through the kernel backend (interpreted), at H = I = 128 and
+    T = 3, against the same framework's reference layer (CONTRACT.md section 7)."""
+    mod = moe_pallas if framework == "jnp" else moe_torch
+    config = small(preset, quant=quant)
+    inputs = make_layer_inputs(config, 3, seed=5)
+    idx = 0 if framework == "jnp" else 1
+    w13, s13, w2, s2 = mod.quantize_layer_weights(both(inputs.w13, "bfloat16")[idx], both(inputs.w2, "bfloat16")[idx], config)
+    bias = both(inputs.e_score_correction_bias)[idx] if config.routing == "biased_grouped_topk" else None
+    args = (both(inputs.x, "bfloat16")[idx], both(inputs.router_logits)[idx], w13, w2, config)
+    kw = dict(w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias)
+    ref = mod.moe_forward(*args, **kw, implementation="reference")
+    with exact_interpreter(dot=True):
+        out = mod.moe_forward(*args, **kw, implementation=KERNEL_BACKEND[framework])
+    assert np.isfinite(to_numpy(out).astype(np.float32)).all()
+    assert_rel_fro(out, ref, BF16_REL_FRO, f"{preset} {quant} {framework} kernels vs reference")
