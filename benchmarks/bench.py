@@ -23,7 +23,14 @@ Backends (a backend that cannot run gives a row with ``error``, and the run goes
   weight bytes as an even split, the speed-of-light stand-in).
 - layer: ``ours-torch-triton``, ``ours-jax-pallas_triton`` (jit, config static),
   ``ours-jax-pallas_mosaic_gpu`` (its grouped GEMMs on Mosaic GPU, the other stages pallas_triton),
-  ``ref-torch``, ``ref-jax`` (the references; jnp jitted).
+  ``ref-torch``, ``ref-jax`` (the references; jnp jitted); and (``quant='none'`` only) the peer
+  ``transformers-Qwen3MoeSparseMoeBlock`` (transformers' own block for this layer: softmax top-k,
+  ``norm_topk_prob=True``, our ``w13`` / ``w2`` as its ``experts.gate_up_proj`` / ``down_proj``,
+  experts implementation ``grouped_mm`` as ``from_pretrained`` picks it where it can dispatch,
+  else ``eager``) and ``transformers-Qwen3MoeSparseMoeBlock-eager`` (the per-expert loop). Its
+  router computes the logits from ``x`` with its own ``gate.weight`` (bf16 on the GPU), so its
+  row is checked against our torch reference on those same logits, and its time includes that
+  ``[T, H] x [H, E]`` router matmul (negligible next to the experts).
 - gate: ``ours-torch-triton``, ``ours-jax-pallas_triton``, ``ref-torch``, ``ref-torch-compile``
   (``torch.compile`` of the torch reference), ``ref-jax``.
 
@@ -465,6 +472,94 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
 
             run_jax(ctx, "layer", name, spec, fn, jargs, ref, **common)
     del ref, jargs
+    if spec.quant == "none":
+        bench_layer_transformers(ctx, spec, x, w13, w2, common)
+
+
+# transformers' own MoE block for the layer spec (softmax top-k, renormalised, silu): Qwen3-MoE's
+HF_BLOCK = "Qwen3MoeSparseMoeBlock"
+
+
+def hf_router_weight(spec: S.LayerSpec, device, dtype):
+    """The HF block's ``gate.weight [E, H]`` ~ N(0, 1/H), seeded: its logits ``x @ W.T`` are ~ N(0, 1) like the spec's."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(3000 + spec.seed)
+    return (torch.randn(spec.E, spec.H, generator=g, device=device) * spec.H**-0.5).to(dtype)
+
+
+def build_hf_block(config, w13, w2, gate_weight, experts_implementation: str = "grouped_mm"):
+    """transformers' ``Qwen3MoeSparseMoeBlock`` holding *our* weights (shared, not copied).
+
+    ``config``: our ``MoEConfig`` (softmax top-k with ``renormalize=True``, silu, quant 'none', no
+    shared experts). transformers 5.24 keeps the experts fused, in our layout: ``experts.gate_up_proj
+    [E, 2I, H]`` (gate rows first: ``linear(x, gate_up_proj[e]).chunk(2)``) = ``w13``, ``experts.down_proj
+    [E, H, I]`` = ``w2``; ``gate.weight [E, H]`` is the router (logits ``= F.linear(x, weight)`` in the
+    weights' dtype). Built on the meta device, so no float32 copy of the weights is ever made.
+    ``experts_implementation``: ``"grouped_mm"`` (``torch._grouped_mm``; what ``from_pretrained`` picks
+    where it can dispatch) or ``"eager"`` (the per-expert loop).
+    """
+    import torch
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    if not (config.routing == "softmax_topk" and config.renormalize and config.activation == "silu"
+            and config.quant == "none" and config.num_fused_shared_experts == 0):
+        raise ValueError(f"build_hf_block: Qwen3MoeSparseMoeBlock is softmax top-k, renormalised, silu, bf16, no "
+                         f"shared experts; got {config}")
+    E, I, H = config.num_experts, config.intermediate_size, config.hidden_size
+    shapes = {"w13": (tuple(w13.shape), (E, 2 * I, H)), "w2": (tuple(w2.shape), (E, H, I)),
+              "gate_weight": (tuple(gate_weight.shape), (E, H))}
+    for name, (got, want) in shapes.items():
+        if got != want:
+            raise ValueError(f"build_hf_block: {name} must be {list(want)}; got {list(got)}")
+    hf_cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=config.topk,
+                            norm_topk_prob=True, hidden_act="silu")
+    hf_cfg._experts_implementation = experts_implementation
+    with torch.device("meta"):
+        block = Qwen3MoeSparseMoeBlock(hf_cfg)
+    block.experts.gate_up_proj = torch.nn.Parameter(w13, requires_grad=False)
+    block.experts.down_proj = torch.nn.Parameter(w2, requires_grad=False)
+    block.gate.weight = torch.nn.Parameter(gate_weight, requires_grad=False)
+    return block.eval()
+
+
+def bench_layer_transformers(ctx: Ctx, spec: S.LayerSpec, x, w13, w2, common: dict) -> None:
+    """transformers' block on the same x and weights; reference: our torch reference on its router's logits."""
+    import torch
+
+    import moe_torch
+
+    names = [(f"transformers-{HF_BLOCK}", "grouped_mm"), (f"transformers-{HF_BLOCK}-eager", "eager")]
+    names = [(n, impl) for n, impl in names if ctx.wants(n)]
+    if not names:
+        return
+    config = spec.config()
+    try:
+        gate_w = hf_router_weight(spec, x.device, x.dtype)
+        with torch.no_grad():
+            logits = torch.nn.functional.linear(x, gate_w)  # what the block's router computes, in x.dtype
+        ref = moe_torch.moe_forward(x, logits.float(), w13, w2, config, implementation="reference")
+    except Exception as exc:
+        for name, _ in names:
+            error_row(ctx, "layer", name, spec, "setup: " + short_error(exc))
+        return
+    x3 = x[None]  # [batch=1, seq=T, H]: the block's input shape
+    for name, impl in names:
+        note = f"experts_implementation={impl}; includes its router matmul; ref = ours on its bf16 logits"
+        try:
+            block = build_hf_block(config, w13, w2, gate_w, impl)
+        except Exception as exc:
+            error_row(ctx, "layer", name, spec, "setup: " + short_error(exc), notes=note)
+            continue
+
+        def fn(block=block):
+            with torch.no_grad():
+                return block(x3)
+
+        run_torch(ctx, "layer", name, spec, fn, ref, canon=lambda o: o.reshape(spec.T, spec.H),
+                  **{**common, "notes": "; ".join(n for n in (common.get("notes"), note) if n)})
+        del block
 
 
 # ---------------------------------------------------------------------------------------------- gate

@@ -139,6 +139,13 @@ def _prepare_interpreters() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _ep_words(config, args) -> str:
+    if config.ep_size == 1:
+        return "EP rank 0/1"
+    what = f"EP {config.ep_size} ranks: all summed ({args.ep_dtype} inputs)"
+    return what + (f", rank {args.ep_rank} stage by stage" if args.ep_rank is not None else "")
+
+
 def run_check(args: argparse.Namespace) -> int:
     gpu = _has_gpu()
     if not gpu:
@@ -146,7 +153,7 @@ def run_check(args: argparse.Namespace) -> int:
     from interop import crosscheck as cc
 
     preset = get_preset(args.preset)
-    overrides = dict(quant=args.quant, ep_size=args.ep_size, ep_rank=args.ep_rank)
+    overrides = dict(quant=args.quant, ep_size=args.ep_size, ep_rank=args.ep_rank or 0)
     weights = None
     try:
         if args.weights:
@@ -192,7 +199,7 @@ def run_check(args: argparse.Namespace) -> int:
     print(f"epmoe check: preset {preset.name}{' with weights from ' + args.weights if weights else ''}: "
           f"H={config.hidden_size} I={config.intermediate_size} E={config.num_experts} topk={config.topk} "
           f"routing={config.routing} shared={config.num_fused_shared_experts} quant={config.quant} "
-          f"EP rank {config.ep_rank}/{config.ep_size}; T={args.tokens} skew={args.routing} seed={args.seed}; "
+          f"{_ep_words(config, args)}; T={args.tokens} skew={args.routing} seed={args.seed}; "
           f"{'GPU' if gpu else 'no GPU: kernels interpreted'}; implementations: {', '.join(implementations)}", flush=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   transient=True, disable=not console.is_terminal) as bar:
@@ -203,8 +210,14 @@ def run_check(args: argparse.Namespace) -> int:
             if not console.is_terminal and args.verbose:
                 print(f"  .. {msg}", file=sys.stderr, flush=True)
 
-        result = cc.run_crosscheck(config, args.tokens, seed=args.seed, routing=args.routing,
-                                   implementations=implementations, weights=weights, progress=progress)
+        stages = ep = None
+        if config.ep_size == 1 or args.ep_rank is not None:  # one rank, stage by stage
+            stages = cc.run_crosscheck(config, args.tokens, seed=args.seed, routing=args.routing,
+                                       implementations=implementations, weights=weights, progress=progress)
+        if config.ep_size > 1:  # every rank end to end, summed, against the single device
+            ep = cc.run_ep_check(config, args.tokens, seed=args.seed, routing=args.routing, implementations=implementations,
+                                 weights=weights, dtype=args.ep_dtype, progress=progress)
+        result = cc.merge_results(stages, ep)
     cc.render(result)
     if args.json:
         import json
@@ -281,7 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
         "by stage (gate, routing metadata, permute+quant, GEMM 1, activation+quant, GEMM 2, combine, and the "
         "whole layer), every implementation fed the jnp reference's output of the previous stage. Prints a "
         "table per stage and pair, judged by CONTRACT.md section 7; exit 1 names the violating stage(s), "
-        "2 on bad arguments. Without a GPU the kernels run interpreted (tiny preset only).",
+        "2 on bad arguments. Without a GPU the kernels run interpreted (tiny preset only). With --ep-size N > 1: "
+        "every implementation runs every rank's experts end to end and the N partial outputs, summed in float32, "
+        "are judged against its single-device layer and the other implementations' sums (and JAX's multi-device "
+        "ep_moe_forward where jax has N devices); --ep-rank r adds rank r's stage-by-stage table.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     check.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
@@ -292,7 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--routing", default="uniform", type=_routing_arg, choices=ROUTING_SKEWS,
                        help="skew of the random router logits")
     check.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks (E must divide)")
-    check.add_argument("--ep-rank", type=int, default=0, help="the rank whose experts and partial sum are checked")
+    check.add_argument("--ep-rank", type=int, default=None,
+                       help="with --ep-size N > 1: also check this rank's experts and partial sum stage by stage "
+                            "(default: no per-rank stage table; the EP summary of all ranks always runs)")
+    check.add_argument("--ep-dtype", default="float32", choices=("float32", "bfloat16"),
+                       help="with --ep-size N > 1: input dtype of the EP summary (every rank's layer end to end, summed "
+                            "in float32, vs the single device: float32 rounding with float32 inputs, the bf16 rule "
+                            "with bf16); the real multi-device JAX path joins where jax has N devices")
     check.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     check.add_argument("--json", metavar="PATH", help="also write every comparison as JSON to PATH")
     check.add_argument("--weights", metavar="PATH",
@@ -323,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench":  # everything after `bench` belongs to benchmarks/bench.py
         return run_bench(argparse.Namespace(bench_args=argv[1:]))
     args = build_parser().parse_args(argv)
-    if args.command == "check" and (args.ep_size < 1 or not 0 <= args.ep_rank < args.ep_size):
+    if args.command == "check" and (args.ep_size < 1 or args.ep_rank is not None and not 0 <= args.ep_rank < args.ep_size):
         print(f"epmoe: --ep-rank must be in [0, --ep-size={args.ep_size}) and --ep-size >= 1; got --ep-rank={args.ep_rank}",
               file=sys.stderr)
         return 2

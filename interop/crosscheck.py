@@ -42,6 +42,19 @@ follows CONTRACT.md section 7 (the numbers are :data:`TOLERANCES`):
   ``FP8_REL_FRO`` for the FP8 GEMMs and the FP8 layer against a reference; Pallas vs Triton
   always the tighter ``BF16_REL_FRO``. Max abs error is reported alongside.
 
+Expert parallelism (:func:`run_ep_check`, stage ``"ep"``): with ``ep_size = N > 1`` every
+implementation runs the layer once per rank (``moe_forward`` with ``config.for_rank(r)`` and that
+rank's ``local_weights``) and the partials are summed in float32 (the contract's EP semantics,
+section 6); that ``ep_sum`` is judged against the same implementation's single-device layer
+(``ep_size=1``) - relative Frobenius error <= ``F32_REL_FRO`` with float32 inputs, the layer's bf16
+(or FP8) rule with bf16 inputs - and the ``ep_sum`` of the implementations against each other (the
+pairs above: torch vs jnp, kernel vs its reference, Triton vs Pallas) by the layer's rule. Where
+JAX has ``N`` devices the real multi-device path, ``moe_pallas.ep_moe_forward`` under
+``shard_map`` (both dispatch modes), is judged against the single-device layer too; otherwise
+that row is skipped and says so (``XLA_FLAGS=--xla_force_host_platform_device_count=N`` gives a
+CPU ``N`` devices). torch's ``ep_moe_forward`` needs ``torch.distributed`` processes and is not
+run here (``tests/test_ep_torch.py`` runs it on gloo).
+
 Used by ``epmoe check`` (``interop/cli.py``); the result is a :class:`CrossCheckResult`
 (``.ok``, ``.failed_stages``, ``.to_json()``).
 """
@@ -79,6 +92,8 @@ IMPLEMENTATIONS = {
 REFERENCE = {"jax": "jnp-reference", "torch": "torch-reference"}
 DEFAULT_IMPLEMENTATIONS = ("jnp-reference", "torch-reference", "pallas_triton", "triton")
 STAGES = ("weights", "gate", "routing", "permute", "gemm1", "act", "gemm2", "combine", "layer")
+#: The stage name of the expert-parallel summary (:func:`run_ep_check`): every rank end to end, summed.
+EP_STAGE = "ep"
 
 #: The activation quantization / weight-scale layout of each layer quant mode.
 from moe_contract.config import ACTIVATION_QUANT, WEIGHT_LAYOUT  # noqa: E402
@@ -273,7 +288,7 @@ class CrossCheckResult:
     @property
     def failed_stages(self) -> list[str]:
         bad = {c.stage for c in self.comparisons if not c.ok} | {k.split("/")[0] for k in self.errors}
-        return [s for s in STAGES if s in bad]
+        return [s for s in STAGES + (EP_STAGE,) if s in bad]
 
     def to_json(self) -> dict:
         return {"meta": self.meta, "ok": self.ok, "failed_stages": self.failed_stages, "skipped": self.skipped,
@@ -576,6 +591,207 @@ def run_crosscheck(
     return CrossCheckResult(meta=meta, comparisons=comparisons, skipped=skipped, errors=errors)
 
 
+# --------------------------------------------------------------------------------------
+# Expert parallelism: every rank end to end, summed over ranks, against the single device
+
+EP_DTYPES = ("float32", "bfloat16")
+EP_MODES = ("replicated", "all_to_all")
+#: The Comparison.output of each EP row.
+EP_SUM_VS_SINGLE = "ep_sum vs single-device"
+EP_SUM = "ep_sum"
+
+
+def ep_real_output(mode: str) -> str:
+    return f"ep_moe_forward[{mode}] vs single-device"
+
+
+def _matmul_precision(impl: _Impl, dtype: str):
+    """float32 inputs: XLA's float32 dots in full float32 (no TF32 on a GPU), as the contract's references."""
+    import contextlib
+
+    if impl.framework == "jax" and dtype == "float32":
+        import jax
+
+        return jax.default_matmul_precision("float32")
+    return contextlib.nullcontext()
+
+
+def run_ep_check(
+    config: MoEConfig,
+    num_tokens: int = 16,
+    *,
+    seed: int = 0,
+    routing: str = "uniform",
+    implementations: Sequence[str] = DEFAULT_IMPLEMENTATIONS,
+    weights: LayerWeights | None = None,
+    dtype: str = "float32",
+    real_ep: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> CrossCheckResult:
+    """The expert-parallel summary (module docstring, stage ``"ep"``): for each implementation, the sum over
+    the ``config.ep_size`` ranks of its per-rank layer against its single-device layer, and the
+    implementations' sums against each other; the real JAX multi-device path where there are devices.
+
+    Args:
+      config: the layer with ``ep_size = N >= 1`` (``ep_rank`` is ignored: every rank runs).
+      num_tokens, seed, routing, weights: the inputs, as :func:`run_crosscheck` draws them.
+      implementations: names from :data:`IMPLEMENTATIONS`.
+      dtype: ``"float32"`` (x and the float weights in float32: the rank sum must equal the single
+        device to float32 rounding, ``F32_REL_FRO``) or ``"bfloat16"`` (each rank's partial is rounded
+        to bf16 by its ``moe_forward``: judged by the layer's bf16 / FP8 rule). The float weights are
+        rounded to bf16 first either way (a model's weights); FP8 codes come from each framework's own
+        ``quantize_layer_weights`` of them (or the checkpoint's, as given).
+      real_ep: also run ``moe_pallas.ep_moe_forward`` (both modes) for the JAX implementations when
+        ``jax.device_count() >= N``.
+
+    Returns: :class:`CrossCheckResult` with stage ``"ep"`` comparisons; ``meta["ep"]`` holds notes
+    (what was skipped and why). A backend raising ``NotImplementedError`` is skipped, anything else is
+    an error (a violation).
+    """
+    progress = progress or (lambda msg: None)
+    unknown = [n for n in implementations if n not in IMPLEMENTATIONS]
+    if unknown:
+        raise ValueError(f"run_ep_check: implementations must be among {tuple(IMPLEMENTATIONS)}; got {unknown}")
+    if dtype not in EP_DTYPES:
+        raise ValueError(f"run_ep_check: dtype must be one of {EP_DTYPES}; got {dtype!r}")
+    names = list(dict.fromkeys(implementations))
+    N = config.ep_size
+    single_cfg = config.replace(ep_size=1, ep_rank=0)
+    skipped: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    comparisons: list[Comparison] = []
+    notes: list[str] = []
+    t_start = time.perf_counter()
+
+    progress("ep: inputs")
+    inputs, given_s13, given_s2 = make_inputs(config, num_tokens, seed, routing, weights)
+    fp8 = config.quant != "none"
+    act_dt = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    x = inputs.x.astype(act_dt)
+    logits = inputs.router_logits.astype(np.float32)
+    bias = inputs.e_score_correction_bias.astype(np.float32) if config.routing == "biased_grouped_topk" else None
+    if fp8 and given_s13 is not None:  # FP8 codes and scales as given
+        w13_g, w2_g = inputs.w13, inputs.w2
+    else:  # float weights: a model's bf16 values, held in the compute dtype
+        w13_g = inputs.w13.astype(ml_dtypes.bfloat16).astype(act_dt)
+        w2_g = inputs.w2.astype(ml_dtypes.bfloat16).astype(act_dt)
+
+    single: dict[str, np.ndarray] = {}
+    ep_sum: dict[str, np.ndarray] = {}
+    real: dict[tuple[str, str], np.ndarray] = {}
+    timings: dict[str, float] = {}
+
+    def global_weights(impl: _Impl):
+        """(w13, w13_scale, w2, w2_scale) of every expert, native to ``impl``."""
+        if fp8 and given_s13 is not None:
+            return (impl.native(w13_g), impl.native(np.asarray(given_s13, np.float32)), impl.native(w2_g),
+                    impl.native(np.asarray(given_s2, np.float32)))
+        w13, s13, w2, s2 = impl.mod.quantize_layer_weights(impl.native(w13_g), impl.native(w2_g), single_cfg)
+        return w13, s13, w2, s2
+
+    def forward(impl: _Impl, cfg: MoEConfig, w):
+        out = impl.mod.moe_forward(impl.native(x), impl.native(logits), w[0], w[2], cfg, w13_scale=w[1], w2_scale=w[3],
+                                   e_score_correction_bias=impl.native(bias), implementation=impl.impl)
+        return to_numpy(out).astype(np.float32)
+
+    with _interpreter_patch():
+        for n in names:
+            impl = _Impl(n)
+            t0 = time.perf_counter()
+            try:
+                with _matmul_precision(impl, dtype):
+                    progress(f"ep: {n} weights")
+                    w_all = global_weights(impl)
+                    progress(f"ep: {n} single device")
+                    single[n] = forward(impl, single_cfg, w_all)
+                    total = np.zeros_like(single[n], dtype=np.float32)
+                    for r in range(N):
+                        progress(f"ep: {n} rank {r}/{N}")
+                        cfg_r = config.for_rank(r)
+                        w_r = tuple(None if w is None else impl.mod.local_weights(w, cfg_r) for w in w_all)
+                        total += forward(impl, cfg_r, w_r)  # float32 sum over ranks (section 6)
+                    ep_sum[n] = total
+            except NotImplementedError as exc:
+                skipped[n] = f"{EP_STAGE}: {' '.join(str(exc).split())}"
+                single.pop(n, None)
+                continue
+            except Exception as exc:
+                errors[f"{EP_STAGE}/{n}"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+                single.pop(n, None)
+                continue
+            timings[n] = round(time.perf_counter() - t0, 3)
+
+            # the real multi-device path (JAX), where there are N devices
+            if not (real_ep and impl.framework == "jax" and N > 1):
+                continue
+            import jax
+
+            if jax.device_count() < N:
+                note = (f"jax ep_moe_forward: skipped: needs {N} devices, have {jax.device_count()} "
+                        f"(XLA_FLAGS=--xla_force_host_platform_device_count={N})")
+                if note not in notes:
+                    notes.append(note)
+                continue
+            import moe_pallas
+
+            mesh = moe_pallas.make_ep_mesh(N)
+            fwd = jax.jit(moe_pallas.ep_moe_forward, static_argnames=("config", "mesh", "mode", "implementation"))
+            for mode in EP_MODES:
+                progress(f"ep: {n} ep_moe_forward[{mode}] on {N} devices")
+                try:
+                    with _matmul_precision(impl, dtype):
+                        out = fwd(impl.native(x), impl.native(logits), w_all[0], w_all[2], config, mesh=mesh, mode=mode,
+                                  w13_scale=w_all[1], w2_scale=w_all[3], e_score_correction_bias=impl.native(bias),
+                                  implementation=impl.impl)
+                    real[(n, mode)] = to_numpy(out).astype(np.float32)
+                except NotImplementedError as exc:
+                    notes.append(f"{n} ep_moe_forward[{mode}]: skipped ({' '.join(str(exc).split())[:200]})")
+                except Exception as exc:
+                    errors[f"{EP_STAGE}/{n} ep_moe_forward[{mode}]"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+    if N > 1:
+        notes.append("torch ep_moe_forward: not run here (needs torch.distributed processes; tests/test_ep_torch.py)")
+
+    # ---- compare
+    same_limit = F32_REL_FRO if dtype == "float32" else (FP8_REL_FRO if fp8 else BF16_REL_FRO)
+    same_rule = (f"rel <= {same_limit:.0e} ({'float32 inputs: float32 rounding' if dtype == 'float32' else 'bf16 inputs'})")
+    for n in names:
+        if n in ep_sum:
+            m = compare_float(ep_sum[n], single[n])
+            comparisons.append(Comparison(EP_STAGE, EP_SUM_VS_SINGLE, n, n, "float",
+                                          "error" not in m and m["rel_fro"] <= same_limit, m, same_rule))
+        for mode in EP_MODES:
+            if (n, mode) in real:
+                m = compare_float(real[(n, mode)], single[n])
+                comparisons.append(Comparison(EP_STAGE, ep_real_output(mode), n, n, "float",
+                                              "error" not in m and m["rel_fro"] <= same_limit, m, same_rule))
+    for a_name, b_name in _pairs(names):
+        if a_name in ep_sum and b_name in ep_sum:
+            pallas_vs_triton = (a_name, b_name) in {("triton", "pallas_triton"), ("triton", "pallas_mosaic_gpu")}
+            limit = FP8_REL_FRO if fp8 and not pallas_vs_triton else BF16_REL_FRO
+            m = compare_float(ep_sum[a_name], ep_sum[b_name])
+            comparisons.append(Comparison(EP_STAGE, EP_SUM, a_name, b_name, "float",
+                                          "error" not in m and m["rel_fro"] <= limit, m, f"rel <= {limit:.0e}"))
+
+    meta = {
+        "config": dataclasses.asdict(config), "num_tokens": num_tokens, "seed": seed, "routing_skew": routing, "M": None,
+        "implementations": names, "weights": "given" if weights is not None else "random (make_layer_inputs)",
+        "timings_s": {EP_STAGE: timings}, "runtime_s": round(time.perf_counter() - t_start, 2), "devices": _devices(),
+        "ep": {"ep_size": N, "dtype": dtype, "notes": notes},
+    }
+    return CrossCheckResult(meta=meta, comparisons=comparisons, skipped=skipped, errors=errors)
+
+
+def merge_results(stages: CrossCheckResult | None, ep: CrossCheckResult | None) -> CrossCheckResult:
+    """One result of a per-rank stage-by-stage check and an EP summary (either may be None)."""
+    if stages is None or ep is None:
+        return stages or ep
+    meta = {**stages.meta, "ep": ep.meta["ep"], "runtime_s": round(stages.meta["runtime_s"] + ep.meta["runtime_s"], 2),
+            "timings_s": {**stages.meta["timings_s"], **ep.meta["timings_s"]}}
+    skipped = {**stages.skipped, **{f"{k} ({EP_STAGE})" if k in stages.skipped else k: v for k, v in ep.skipped.items()}}
+    return CrossCheckResult(meta=meta, comparisons=stages.comparisons + ep.comparisons, skipped=skipped,
+                            errors={**stages.errors, **ep.errors})
+
+
 def _f32(impl: _Impl):
     if impl.framework == "jax":
         import jax.numpy as jnp
@@ -687,14 +903,56 @@ def _pair_label(a: str, b: str) -> str:
 def render(result: CrossCheckResult, console=None) -> None:
     """The result as a rich table (one row per stage output, one column per pair) and a verdict line."""
     from rich.console import Console
-    from rich.table import Table
 
     if console is None:
         console = Console()
         if not console.is_terminal:  # a log or a pipe: wide enough for one line per row
             console = Console(width=160)
     cfg = result.meta["config"]
-    present = {(c.a, c.b) for c in result.comparisons if c.b != SELF}
+    stage_comps = [c for c in result.comparisons if c.stage != EP_STAGE]
+    if stage_comps or "ep" not in result.meta:
+        _render_stages(result, stage_comps, console, cfg)
+    if "ep" in result.meta:
+        _render_ep(result, console, cfg)
+    for name, why in result.skipped.items():
+        console.print(f"[yellow]skipped {name}[/yellow] (NotImplementedError at {why})")
+    for where, why in result.errors.items():
+        console.print(f"[bold red]error at {where}[/bold red]: {why}")
+    if result.ok:
+        console.print(f"[bold green]all {len(result.comparisons)} comparisons within the contract[/bold green] "
+                      f"({result.meta['runtime_s']:.1f} s)")
+    else:
+        bad = [c for c in result.comparisons if not c.ok]
+        console.print(f"[bold red]VIOLATION at stage(s) {', '.join(result.failed_stages)}[/bold red]: "
+                      + "; ".join(f"{c.stage}/{c.output} {_ep_label(c) if c.stage == EP_STAGE else _pair_label(c.a, c.b)}: "
+                                  f"{c.summary()} (rule: {c.rule})" for c in bad[:6]))
+
+
+def _ep_label(c: Comparison) -> str:
+    return c.a if c.a == c.b else _pair_label(c.a, c.b)
+
+
+def _render_ep(result: CrossCheckResult, console, cfg) -> None:
+    from rich.table import Table
+
+    ep = result.meta["ep"]
+    table = Table(title=f"expert parallelism: the {ep['ep_size']} ranks' layer outputs summed in float32 (ep_sum) "
+                        f"vs the single device; T={result.meta['num_tokens']} quant={cfg['quant']} inputs={ep['dtype']} "
+                        f"seed={result.meta['seed']}")
+    for col in ("check", "implementation(s)", "result", "rule"):
+        table.add_column(col)
+    for c in (c for c in result.comparisons if c.stage == EP_STAGE):
+        res = f"[green]{c.summary()}[/green]" if c.ok else f"[bold red]{c.summary()} ✗[/bold red]"
+        table.add_row(c.output, _ep_label(c), res, c.rule)
+    console.print(table)
+    for note in ep["notes"]:
+        console.print(f"[yellow]{note}[/yellow]")
+
+
+def _render_stages(result: CrossCheckResult, comparisons: list[Comparison], console, cfg) -> None:
+    from rich.table import Table
+
+    present = {(c.a, c.b) for c in comparisons if c.b != SELF}
     pairs = [p for p in _pairs(result.meta["implementations"]) if p in present]
     table = Table(title=f"cross-check: T={result.meta['num_tokens']} M={result.meta['M']} quant={cfg['quant']} "
                         f"EP rank {cfg['ep_rank']}/{cfg['ep_size']} seed={result.meta['seed']}")
@@ -703,10 +961,10 @@ def render(result: CrossCheckResult, console=None) -> None:
     for p in pairs:
         table.add_column(_pair_label(*p))
     rows: dict[tuple[str, str], dict] = {}
-    for c in result.comparisons:
+    for c in comparisons:
         rows.setdefault((c.stage, c.output), {})[(c.a, c.b)] = c
     own = {}
-    for c in result.comparisons:
+    for c in comparisons:
         if c.b == SELF:
             own.setdefault(c.a, []).append(c)
     for (stage, output), cells in rows.items():
@@ -722,15 +980,3 @@ def render(result: CrossCheckResult, console=None) -> None:
                  for n, cs in own.items()]
         console.print("act: fused FP8 codes and scales = the reference quantization of the same implementation's "
                       "float32 activation: " + ", ".join(cells))
-    for name, why in result.skipped.items():
-        console.print(f"[yellow]skipped {name}[/yellow] (NotImplementedError at {why})")
-    for where, why in result.errors.items():
-        console.print(f"[bold red]error at {where}[/bold red]: {why}")
-    if result.ok:
-        console.print(f"[bold green]all {len(result.comparisons)} comparisons within the contract[/bold green] "
-                      f"({result.meta['runtime_s']:.1f} s)")
-    else:
-        bad = [c for c in result.comparisons if not c.ok]
-        console.print(f"[bold red]VIOLATION at stage(s) {', '.join(result.failed_stages)}[/bold red]: "
-                      + "; ".join(f"{c.stage}/{c.output} {_pair_label(c.a, c.b)}: {c.summary()} "
-                                  f"(rule: {c.rule})" for c in bad[:6]))

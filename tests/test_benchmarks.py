@@ -163,3 +163,55 @@ def test_pad_groups():
     idx, ends = bench.pad_groups(sizes, 16)
     np.testing.assert_array_equal(ends, [16, 16, 48, 64])
     np.testing.assert_array_equal(idx, list(range(3)) + list(range(16, 33)) + list(range(48, 64)))
+
+
+def test_transformers_peer_row_on_tiny_layer_specs(tmp_path):
+    """The layer peer ``transformers-Qwen3MoeSparseMoeBlock``: transformers' block with our weights agrees with
+    our reference (bf16: HF rounds its routing weights to bf16 and, eager, accumulates in bf16), is timed, and
+    comes only for quant='none'."""
+    pytest.importorskip("transformers")
+    ctx = bench.Ctx(bench.parse_args(["--out", str(tmp_path), "--backends", "transformers", "--rep-ms", "2",
+                                      "--warmup-ms", "1"]))
+    for spec in S.layer_specs(tiny=True):
+        bench.bench_layer(ctx, spec, {})
+    rows = ctx.rows
+    names = {f"transformers-{bench.HF_BLOCK}", f"transformers-{bench.HF_BLOCK}-eager"}
+    assert {r["backend"] for r in rows} == names
+    assert {r["quant"] for r in rows} == {"none"} and len(rows) == 2 * len([s for s in S.layer_specs(tiny=True)
+                                                                           if s.quant == "none"])
+    for r in rows:
+        assert r["error"] is None, r
+        assert 0 < r["rel_err"] < 1e-2 and r["median_ms"] > 0, r
+        assert "experts_implementation=" in r["notes"]
+
+
+def test_build_hf_block_maps_our_weights():
+    """gate_up_proj = w13 (gate rows first), down_proj = w2: float32, the block equals our reference on its
+    own logits to float32 rounding; swapping the gate and up halves breaks it."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import moe_torch
+
+    spec = S.LayerSpec(T=8, quant="none", E=4, topk=2, H=64, I=32)
+    config = spec.config()
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(spec.E, 2 * spec.I, spec.H, generator=g) * spec.H**-0.5
+    w2 = torch.randn(spec.E, spec.H, spec.I, generator=g) * spec.I**-0.5
+    x = torch.randn(spec.T, spec.H, generator=g)
+    gate_w = bench.hf_router_weight(spec, "cpu", torch.float32)
+    logits = torch.nn.functional.linear(x, gate_w)
+    ref = moe_torch.moe_forward(x, logits, w13, w2, config, implementation="reference")
+    for impl in ("grouped_mm", "eager"):
+        block = bench.build_hf_block(config, w13, w2, gate_w, impl)
+        assert block.experts.gate_up_proj.data_ptr() == w13.data_ptr()  # shared, not copied
+        with torch.no_grad():
+            out = block(x[None])[0]
+        assert bench.rel_err_t(out, ref) < 1e-5, impl
+    swapped = torch.cat([w13[:, spec.I:], w13[:, :spec.I]], 1)
+    with torch.no_grad():
+        out = bench.build_hf_block(config, swapped, w2, gate_w, "eager")(x[None])[0]
+    assert bench.rel_err_t(out, ref) > 0.1
+    with pytest.raises(ValueError, match="w2 must be"):
+        bench.build_hf_block(config, w13, w2[:, :, :-1], gate_w)
+    with pytest.raises(ValueError, match="softmax top-k"):
+        bench.build_hf_block(config.replace(renormalize=False), w13, w2, gate_w)

@@ -66,6 +66,34 @@ def test_check_fails_naming_the_stage(monkeypatch, capsys):
     assert "VIOLATION at stage(s) combine, layer" in capsys.readouterr().out
 
 
+def test_check_ep_summary_all_ranks(tmp_path, capsys):
+    """--ep-size N without --ep-rank: every rank end to end, summed, against the single device (no stage table)."""
+    import json
+
+    path = tmp_path / "ep.json"
+    assert main(["check", "--tokens", "3", "--ep-size", "2", "--implementations", "jnp-reference,torch-reference",
+                 "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "EP 2 ranks: all summed (float32 inputs)" in out and "ep_sum vs single-device" in out
+    assert "torch vs jnp" in out and "within the contract" in out and "gemm1" not in out
+    data = json.loads(path.read_text())
+    assert data["ok"] and {c["stage"] for c in data["comparisons"]} == {"ep"} and data["meta"]["ep"]["ep_size"] == 2
+
+
+def test_check_ep_rank_adds_the_stage_table_and_a_bad_rank_fails(monkeypatch, capsys):
+    import moe_torch
+
+    real = moe_torch.moe_forward
+    monkeypatch.setattr(moe_torch, "moe_forward",
+                        lambda *a, **k: real(*a, **k) * (1.1 if a[4].ep_size == 2 and a[4].ep_rank == 0 else 1.0))
+    rc = main(["check", "--tokens", "2", "--ep-size", "2", "--ep-rank", "1", "--ep-dtype", "bfloat16",
+               "--implementations", "jnp-reference,torch-reference"])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert "gemm1" in out and "ep_sum vs single-device" in out and "rank 1 stage by stage" in out
+    assert "VIOLATION at stage(s) ep" in out  # rank 1's stages are fine; rank 0's partial is not
+
+
 @pytest.mark.parametrize("args,msg", [
     (["check", "--preset", "deepseek-v3"], "use --preset tiny on a CPU"),
     (["check", "--ep-size", "2", "--ep-rank", "2"], "--ep-rank must be in [0, --ep-size=2)"),

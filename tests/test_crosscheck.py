@@ -118,3 +118,81 @@ def test_compare_helpers():
     assert m["max_abs"] == 0.5 and abs(m["rel_fro"] - 0.5 / np.hypot(1, 2.5)) < 1e-12
     with pytest.raises(ValueError, match="implementations must be among"):
         cc.run_crosscheck(TINY.config(), 2, implementations=("cuda",))
+
+
+# --------------------------------------------------------------------------------------
+# Expert parallelism: every rank's layer summed against the single device (stage "ep")
+
+REFS = ("jnp-reference", "torch-reference")
+
+
+def _ep_rows(result):
+    return {(c.output, c.a, c.b): c for c in result.comparisons}
+
+
+@pytest.mark.parametrize("ep_size,quant,dtype", [(2, "none", "float32"), (4, "fp8_block", "float32"),
+                                                 (4, "none", "bfloat16")])
+def test_ep_sum_equals_single_device(ep_size, quant, dtype):
+    config = TINY.config(quant=quant, ep_size=ep_size)
+    result = cc.run_ep_check(config, 5, seed=1, routing="zipf", implementations=REFS, dtype=dtype)
+    assert result.ok, [(c.output, c.a, c.b, c.summary()) for c in result.comparisons] + [result.errors]
+    rows = _ep_rows(result)
+    for n in REFS:
+        c = rows[(cc.EP_SUM_VS_SINGLE, n, n)]
+        assert c.stage == cc.EP_STAGE
+        if dtype == "float32":  # float32 rounding only: far inside F32_REL_FRO
+            assert c.metrics["rel_fro"] < 1e-6 and "1e-05" in c.rule
+        else:  # each rank's partial rounded to bf16: visible, but inside the bf16 rule
+            assert 0 < c.metrics["rel_fro"] < cc.BF16_REL_FRO and "1e-02" in c.rule
+    assert (cc.EP_SUM, "torch-reference", "jnp-reference") in rows
+    assert result.meta["ep"]["ep_size"] == ep_size and result.meta["ep"]["dtype"] == dtype
+    import jax
+
+    if jax.device_count() < ep_size:  # the real multi-device path says why it did not run
+        assert any(f"needs {ep_size} devices" in n and "xla_force_host_platform_device_count" in n
+                   for n in result.meta["ep"]["notes"])
+
+
+def test_ep_perturbed_rank_is_caught(monkeypatch):
+    """One rank's partial off by 5 % in torch: its ep_sum leaves the single device and jnp's ep_sum."""
+    import moe_torch
+
+    real = moe_torch.moe_forward
+
+    def perturbed(*args, **kwargs):
+        out = real(*args, **kwargs)
+        config = args[4]
+        return out * 1.05 if config.ep_size > 1 and config.ep_rank == 1 else out
+
+    monkeypatch.setattr(moe_torch, "moe_forward", perturbed)
+    result = cc.run_ep_check(TINY.config(ep_size=2), 4, seed=3, implementations=REFS)
+    assert not result.ok and result.failed_stages == [cc.EP_STAGE]
+    rows = _ep_rows(result)
+    assert rows[(cc.EP_SUM_VS_SINGLE, "jnp-reference", "jnp-reference")].ok
+    assert not rows[(cc.EP_SUM_VS_SINGLE, "torch-reference", "torch-reference")].ok
+    assert not rows[(cc.EP_SUM, "torch-reference", "jnp-reference")].ok
+    merged = cc.merge_results(None, result)
+    assert merged is result
+
+
+def test_ep_real_multi_device_path_in_a_child():
+    """With 2 forced host devices, JAX's ep_moe_forward (both modes) joins and equals the single device."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import json; from interop import crosscheck as cc; from moe_contract import get_preset; "
+            "r = cc.run_ep_check(get_preset('tiny').config(ep_size=2), 3, seed=0, implementations=('jnp-reference',)); "
+            "print(json.dumps([r.ok, [(c.output, c.metrics.get('rel_fro')) for c in r.comparisons], r.meta['ep']['notes']]))")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ok, rows, notes = json.loads(run.stdout.strip().splitlines()[-1])
+    assert ok, rows
+    outputs = {o for o, _ in rows}
+    assert {cc.ep_real_output(m) for m in cc.EP_MODES} <= outputs
+    assert all(rel < 1e-5 for _, rel in rows)
+    assert not any("needs 2 devices" in n for n in notes)
