@@ -68,7 +68,10 @@ class _Files:
             index = os.path.join(path, "model.safetensors.index.json")
             if os.path.exists(index):
                 with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
+                    try:
+                        weight_map = json.load(f)["weight_map"]
+                    except (json.JSONDecodeError, KeyError) as exc:
+                        raise ValueError(f"load_moe_layer: {index!r} is not a safetensors index with a 'weight_map' ({exc!r})") from exc
                 self.where = {k: os.path.join(path, v) for k, v in weight_map.items()}
             else:
                 files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
@@ -81,10 +84,13 @@ class _Files:
 
     @staticmethod
     def _keys(fn: str) -> list[str]:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(fn, framework="pt") as f:
-            return list(f.keys())
+        try:
+            with safe_open(fn, framework="pt") as f:
+                return list(f.keys())
+        except SafetensorError as exc:
+            raise ValueError(f"load_moe_layer: {fn!r} is not a readable safetensors file ({exc})") from exc
 
     def has(self, key: str) -> bool:
         return key in self.where
@@ -244,7 +250,10 @@ def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None)
     hf_config = None
     if os.path.exists(cfg_path):
         with open(cfg_path) as f:
-            hf_config = json.load(f)
+            try:
+                hf_config = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"load_moe_layer: {cfg_path!r} is not valid JSON ({exc})") from exc
     if arch is None:
         arch = _detect_arch(files.where, hf_config)
     if arch not in ARCHS:

@@ -146,12 +146,50 @@ def _ep_words(config, args) -> str:
     return what + (f", rank {args.ep_rank} stage by stage" if args.ep_rank is not None else "")
 
 
+#: Host bytes per token the cross-check holds at most (x, logits and every stage's [T * topk', ...] outputs
+#: for four implementations, float32): a bound for refusing absurd --tokens before allocating.
+def _token_bytes(config) -> int:
+    H, I, slots = config.hidden_size, config.intermediate_size, config.topk + config.num_fused_shared_experts
+    return 4 * 4 * (2 * H + config.num_experts + slots * (3 * I + 2 * H))
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments of ``check`` before any work (None: nothing)."""
+    if args.layer is not None and not args.weights:
+        return "--layer needs --weights (it picks a layer of the checkpoint)"
+    if args.json:
+        target = os.path.abspath(args.json)
+        if os.path.isdir(target):
+            return f"--json must be a file path; got a folder: {args.json!r}"
+        parent = os.path.dirname(target)
+        probe = parent
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if not os.access(probe, os.W_OK):
+            return f"--json: cannot write under {probe!r}"
+    try:
+        config = get_preset(args.preset).config(quant=args.quant)
+    except ValueError:
+        return None  # reported with the other config errors
+    need, have = args.tokens * _token_bytes(config), _host_bytes_available()
+    if need > have:
+        return (f"--tokens {args.tokens} needs about {need / 2**30:.0f} GiB of host memory for the compared stage outputs "
+                f"({have / 2**30:.0f} GiB available)")
+    return None
+
+
 def run_check(args: argparse.Namespace) -> int:
     gpu = _has_gpu()
     if not gpu:
         _prepare_interpreters()
     from interop import crosscheck as cc
 
+    args.layer = getattr(args, "layer", None)
+    args.implementations = getattr(args, "implementations", None)
+    problem = _check_args(args)
+    if problem:
+        print(f"epmoe check: {problem}", file=sys.stderr)
+        return 2
     preset = get_preset(args.preset)
     overrides = dict(quant=args.quant, ep_size=args.ep_size, ep_rank=args.ep_rank or 0)
     weights = None
@@ -164,7 +202,7 @@ def run_check(args: argparse.Namespace) -> int:
             weights = ckpt.layer_weights(config)
         else:
             config = preset.config(**overrides)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
+    except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
         print(f"epmoe check: {exc}", file=sys.stderr)
         return 2
     n_weights = 3 * config.num_total_experts * config.hidden_size * config.intermediate_size
@@ -277,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                       help="model preset (all but 'tiny' need tens of GB: a GPU machine)")
     demo.add_argument("--tokens", type=int, default=16, help="T, tokens in the batch")
-    demo.add_argument("--quant", default="none", choices=QUANTS, help="layer quantization mode")
+    demo.add_argument("--quant", default="none", type=_quant_arg, choices=QUANTS,
+                      help="layer quantization mode (dashes or underscores: fp8-block = fp8_block)")
     demo.add_argument("--routing", default="uniform", choices=ROUTING_SKEWS,
                       help="skew of the random router logits (the gate algorithm itself comes from the preset)")
     demo.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="activation and weight dtype")
@@ -320,8 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--weights", metavar="PATH",
                        help="a safetensors checkpoint (file or folder with model.safetensors.index.json) of a "
                             "Mixtral, Qwen3-MoE or DeepSeek-V3 (bf16 or FP8) model: one MoE layer's weights")
-    check.add_argument("--layer", type=int, default=None, help="with --weights: the layer index (default: the first MoE layer)")
-    check.add_argument("--implementations", metavar="LIST", default=None,
+    check.add_argument("--layer", type=int, default=argparse.SUPPRESS,
+                       help="with --weights: the layer index (default: the first MoE layer)")
+    check.add_argument("--implementations", metavar="LIST", default=argparse.SUPPRESS,
                        help="comma list among " + ", ".join(CHECK_IMPLEMENTATIONS) + " (default: the four; on a "
                             "GPU also pallas_mosaic_gpu); the jnp reference always runs")
     check.add_argument("--verbose", action="store_true", help="print each unit of work when not on a terminal")

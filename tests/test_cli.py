@@ -27,6 +27,12 @@ def test_bad_arguments_exit_2(args, capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_demo_accepts_dashed_quant():
+    from interop.cli import build_parser
+
+    assert build_parser().parse_args(["demo", "--quant", "fp8-block"]).quant == "fp8_block"
+
+
 def test_tokens_must_be_positive(capsys):
     assert main(["demo", "--tokens", "0"]) == 2
     assert "--tokens must be >= 1" in capsys.readouterr().err
@@ -99,6 +105,11 @@ def test_check_ep_rank_adds_the_stage_table_and_a_bad_rank_fails(monkeypatch, ca
     (["check", "--ep-size", "2", "--ep-rank", "2"], "--ep-rank must be in [0, --ep-size=2)"),
     (["check", "--implementations", "cuda"], "--implementations must be a comma list"),
     (["check", "--weights", "/nonexistent/ckpt"], "does not exist"),
+    # found by a new-user trial (2026-11-30): raw tracebacks or silent acceptance before
+    (["check", "--weights", "README.md"], "load_moe_layer: 'README.md' is not a readable safetensors file"),
+    (["check", "--json", "/"], "--json must be a file path; got a folder: '/'"),
+    (["check", "--layer", "3"], "--layer needs --weights"),
+    (["check", "--tokens", "99999999999"], "--tokens 99999999999 needs about"),
 ])
 def test_check_refuses_with_exit_2(args, msg, capsys):
     assert main(args) == 2

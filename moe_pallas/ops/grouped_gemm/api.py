@@ -45,7 +45,10 @@ def grouped_gemm(
       w: ``[E_local, N, K]`` (out, in), the same float dtype as ``x``, or float8_e4m3fn when
         ``x`` is.
       expert_offsets: ``[E_local + 1]`` int32, rows ``[offsets[e], offsets[e+1])`` use ``w[e]``;
-        rows ``>= offsets[-1]`` are not computed (zero in the result).
+        rows ``>= offsets[-1]`` are not computed (zero in the result). Only the shape and dtype
+        are checked: the values would need a host sync. They must be non-decreasing within
+        ``[0, M_cap]`` (as ``routing_metadata`` makes them); the kernels clamp other values and
+        never address outside ``x`` or ``y``, but the result is then undefined.
       x_scale: FP8 only, float32 dequantization multiplier: ``[]`` per-tensor, ``[M_cap, 1]``
         per-token, or ``[M_cap, K // G]`` per-token-group.
       w_scale: FP8 only, float32: ``[E_local]`` per-expert, ``[E_local, N]`` per-output-channel,
