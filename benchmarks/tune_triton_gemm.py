@@ -2,16 +2,20 @@
 
 Usage (GPU machine, repo root)::
 
-    PYTHONPATH=. python3 benchmarks/tune_triton_gemm.py [--out moe_torch/ops/grouped_gemm/tuned] [--quick]
+    PYTHONPATH=. python3 benchmarks/tune_triton_gemm.py [--out moe_torch/ops/grouped_gemm/tuned] [--quick] [--full]
 
 For each problem of the benchmark's grouped GEMM set (E=32; (K=7168, N=4096) and (K=2048, N=7168);
 M in {256, 2048, 16384}; rows split uniformly; bf16, and FP8 per-token x per-channel) every config
-of :data:`SEARCH_SPACE` is timed with ``triton.testing.do_bench`` (CUDA events, median) after a
-correctness check against ``torch._grouped_mm`` / the reference (a config that computes a wrong
-answer is never chosen). The file ``<device>.json`` holds one entry per problem::
+of :func:`candidates` (from :data:`SEARCH_SPACE`) is timed with ``triton.testing.do_bench`` (CUDA
+events, median) after a correctness check against the heuristic config's output (a config that
+computes a wrong answer is never chosen). The file ``<device>.json`` holds one entry per problem::
 
     {"device": "NVIDIA H200", "E": 32, "N": 4096, "K": 7168, "M_cap": 2048, "dtype": "bf16",
-     "config": {"block_m": 64, ...}, "ms": 0.41, "heuristic_ms": 0.47}
+     "config": {"block_m": 64, ..., "group_m": 8, "persistent": false}, "ms": 0.41, "heuristic_ms": 0.47}
+
+Two passes per problem (at most 18 + 3 x 5 = 33 configs): the tile shapes x stages in the default
+launch order, then every launch order (``group_m`` x ``persistent``) for the :data:`TOP_K` fastest
+tiles. ``--full`` times the whole product instead (108 configs per problem).
 
 ``moe_torch.ops.grouped_gemm.config.grouped_gemm_config`` reads it (nearest M_cap, same N, K, dtype).
 """
@@ -19,6 +23,7 @@ answer is never chosen). The file ``<device>.json`` holds one entry per problem:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -31,16 +36,39 @@ import triton.testing
 from moe_torch.ops.grouped_gemm.config import GroupedGemmConfig, heuristic_grouped_gemm_config
 from moe_torch.ops.grouped_gemm.triton import grouped_gemm_triton
 
-#: block_m x block_n x num_warps x num_stages; block_k is fixed by the dtype (128-byte K rows).
+#: block_m x block_n x num_warps x num_stages x group_m x persistent (GroupedGemmConfig's fields);
+#: block_k is fixed by the dtype (128-byte K rows). The last two are the launch order (group_m = 1,
+#: not persistent: the default 2-D grid; see moe_torch/ops/grouped_gemm/triton.py, "Launch order").
 SEARCH_SPACE = {
     "block_m": (64, 128),
     "block_n": (64, 128, 256),
     "num_warps": (4, 8),
     "num_stages": (3, 4),
+    "group_m": (1, 4, 8),
+    "persistent": (False, True),
 }
+#: Tile shapes timed in every launch order in the second pass.
+TOP_K = 3
 SHAPES = ((7168, 4096), (2048, 7168))
 MS = (256, 2048, 16384)
 E = 32
+
+
+def weak(block_m: int, block_n: int, num_warps: int) -> bool:
+    """Tile shapes not worth timing: 64-column tiles over 8 warps (too little work per warp), and
+    128 x 256 over 4 warps (a 128 KiB float32 accumulator, 256 registers per thread: spills)."""
+    return (block_n == 64 and num_warps == 8) or (block_m == 128 and block_n == 256 and num_warps == 4)
+
+
+def tiles() -> list[dict]:
+    """The first pass: every non-:func:`weak` tile shape x stages, default launch order (18)."""
+    keys = ("block_m", "block_n", "num_warps", "num_stages")
+    return [dict(zip(keys, v)) for v in itertools.product(*(SEARCH_SPACE[k] for k in keys)) if not weak(*v[:3])]
+
+
+def launch_orders() -> list[dict]:
+    """Every launch order of :data:`SEARCH_SPACE`, the default first."""
+    return [dict(group_m=g, persistent=p) for p in SEARCH_SPACE["persistent"] for g in SEARCH_SPACE["group_m"]]
 
 
 def problems(quick: bool):
@@ -54,6 +82,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "moe_torch/ops/grouped_gemm/tuned"))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--full", action="store_true", help="time every config of SEARCH_SPACE (108 per problem)")
     args = parser.parse_args()
     dev = torch.cuda.get_device_name()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -77,25 +106,32 @@ def main() -> int:
         heur = heuristic_grouped_gemm_config(M, N, K, E, bits)
         run = lambda cfg: grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16, cfg)  # noqa: E731
         heur_ms = triton.testing.do_bench(lambda: run(heur), warmup=25, rep=100, return_mode="median")
-        best = (heur_ms, heur)
-        for bm, bn, nw, ns in itertools.product(*SEARCH_SPACE.values()):
-            cfg = GroupedGemmConfig(block_m=bm, block_n=bn, block_k=block_k, num_warps=nw, num_stages=ns)
+
+        def bench(cfg):
+            """Median ms of ``cfg``, ``inf`` if it is wrong or does not run."""
             try:
                 y = run(cfg).float()
                 err = float((y - ref).norm() / ref.norm())
                 if not err <= 1e-3:
                     print(f"  WRONG {cfg} err={err:.2e}", flush=True)
-                    continue
-                ms = triton.testing.do_bench(lambda: run(cfg), warmup=25, rep=100, return_mode="median")
+                    return float("inf")
+                return triton.testing.do_bench(lambda: run(cfg), warmup=25, rep=100, return_mode="median")
             except Exception as exc:  # noqa: BLE001 - out of shared memory etc.: not a candidate
                 print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
-                continue
-            if ms < best[0]:
-                best = (ms, cfg)
-        ms, cfg = best
+                return float("inf")
+
+        orders = launch_orders()
+        first = [GroupedGemmConfig(block_k=block_k, **t, **o)
+                 for t in tiles() for o in (orders if args.full else orders[:1])]
+        timed = {cfg: bench(cfg) for cfg in first}
+        if not args.full:  # second pass: every other launch order of the fastest tile shapes
+            for tile, order in itertools.product(sorted(first, key=timed.get)[:TOP_K], orders[1:]):
+                cfg = dataclasses.replace(tile, **order)
+                timed[cfg] = bench(cfg)
+        print(f"  timed {len(timed)} configs", flush=True)
+        ms, cfg = min((heur_ms, heur), *((t, c) for c, t in timed.items()), key=lambda mc: mc[0])
         entry = {"device": dev, "E": E, "N": N, "K": K, "M_cap": M, "dtype": dtype,
-                 "config": {k: getattr(cfg, k) for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages")},
-                 "ms": round(ms, 4), "heuristic_ms": round(heur_ms, 4)}
+                 "config": dataclasses.asdict(cfg), "ms": round(ms, 4), "heuristic_ms": round(heur_ms, 4)}
         entries.append(entry)
         print(json.dumps(entry), flush=True)
         with open(path, "w") as f:  # after every problem: a run cut short keeps what it found

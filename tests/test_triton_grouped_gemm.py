@@ -14,20 +14,25 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moe_torch
 from common import TORCH_DEVICE, to_torch
 from moe_torch.ops.grouped_gemm import api as gemm_api
+from moe_torch.ops.grouped_gemm import config as gemm_config
+from moe_torch.ops.grouped_gemm import triton as gemm_triton
 from moe_torch.ops.grouped_gemm.config import GroupedGemmConfig, check_config, grouped_gemm_config
 from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
-from moe_torch.ops.grouped_gemm.triton import _launch, grouped_gemm_triton
+from moe_torch.ops.grouped_gemm.triton import _launch, _launch_order, grouped_gemm_triton, launch_grid
 from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 from sm90 import compile_sm90
 from triton_interpreter_patch import exact_interpreter
@@ -45,6 +50,22 @@ def exact_interpreter_casts_and_dot():
 
 # --------------------------------------------------------------------------------------
 # Helpers
+
+#: Launch orders (GroupedGemmConfig.group_m, .persistent) every correctness test below runs under:
+#: the default, a non-power-of-2 group (3), a power-of-2 one (4), each also persistent (4 programs
+#: in the interpreter, so each loops over several tiles).
+ORDERS = {f"g{g}" + ("-persistent" if pers else ""): dict(group_m=g, persistent=pers)
+          for pers in (False, True) for g in (1, 3, 4)}
+
+
+@pytest.fixture(params=list(ORDERS))
+def order(request, monkeypatch) -> dict:
+    """A launch order of :data:`ORDERS`; the kernel's default config (the API's) uses it too."""
+    chosen = ORDERS[request.param]
+    default = gemm_triton.grouped_gemm_config
+    monkeypatch.setattr(gemm_triton, "grouped_gemm_config",
+                        lambda *args, **kw: dataclasses.replace(default(*args, **kw), **chosen))
+    return chosen
 
 
 def float64_grouped_gemm(x: np.ndarray, w: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -111,7 +132,7 @@ SHAPES = {
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_float(shape, dtype):
+def test_float(shape, dtype, order):
     """float32 output (out_dtype=float32) within F32_REL_FRO of the torch reference; the default
     output in x.dtype within the bf16 row (F32 for float32) of float64 on the same (rounded)
     values and equal to the cast of the float32 one up to one rounding of summation-order noise;
@@ -161,7 +182,7 @@ W_LAYOUTS = ["per_expert", "per_channel", "block"]
 
 
 @pytest.mark.parametrize("x_layout,w_layout", list(itertools.product(X_LAYOUTS, W_LAYOUTS)))
-def test_fp8_every_scale_layout(x_layout, w_layout):
+def test_fp8_every_scale_layout(x_layout, w_layout, order):
     """FP8 codes x scales: float32 output within F32_REL_FRO of the torch reference (the product of
     the dequantized inputs: only float32 rounding differs, block scales per K block included);
     default bf16 output within FP8_REL_FRO of float64 on the dequantized inputs; rows >= M zero
@@ -271,7 +292,7 @@ def test_bug_n_not_multiple_of_tile(kind):
 
 @pytest.mark.parametrize("block_m", [4, None])  # 4: the bug report's tile; None: the heuristic's (16)
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
-def test_bug_row_tile_straddles_two_experts(kind, block_m):
+def test_bug_row_tile_straddles_two_experts(kind, block_m, order):
     """(2) 2 experts x 3 rows (M = 6), block_m = 4, K = N = 16, w[g] = (g + 1) * identity, row i
     of x constant i + 1 -> y[i, :] = (i + 1) * (g(i) + 1): y[3, :] = 8 (row 3 uses expert 1)."""
     M, K, N = 6, 16, 16
@@ -282,7 +303,7 @@ def test_bug_row_tile_straddles_two_experts(kind, block_m):
     config = None
     if block_m is not None:
         config = GroupedGemmConfig(block_m=block_m, block_n=16, block_k=32 if kind == "fp8" else 16, num_warps=4,
-                                   num_stages=1)
+                                   num_stages=1, **order)
     y = grouped_gemm_triton(xt, wt, offsets, xs, ws, torch.float32, config)
     expert = np.array([0, 0, 0, 1, 1, 1])
     want = np.repeat(((np.arange(M) + 1) * (expert + 1)).astype(np.float32)[:, None], N, axis=1)
@@ -295,7 +316,7 @@ def test_bug_row_tile_straddles_two_experts(kind, block_m):
     ("fp8", "per_token", "per_channel"),  # scales applied once, after the K loop
     ("fp8", "per_token_group", "block"),  # scales inside the K loop
 ])
-def test_bug_unused_capacity_poisoned(kind, x_layout, w_layout):
+def test_bug_unused_capacity_poisoned(kind, x_layout, w_layout, order):
     """(3) capacity 32 with 16 valid rows, unused rows of x (codes and scales) NaN: rows < 16
     equal the reference and are finite; rows >= 16 are zero in the result, and never written
     (still NaN in a poisoned output buffer)."""
@@ -326,7 +347,7 @@ def test_bug_unused_capacity_poisoned(kind, x_layout, w_layout):
 
 
 @pytest.mark.parametrize("pattern", list(itertools.product([0, 1], repeat=4)))
-def test_every_empty_expert_pattern(pattern):
+def test_every_empty_expert_pattern(pattern, order):
     """All 2^4 patterns of empty / non-empty experts (tokamax's idea), sizes straddling 16-row
     tiles: every valid row written once with its expert's weights (vs float64), nothing else."""
     counts = [c * s for c, s in zip(pattern, [5, 19, 1, 12])]
@@ -340,11 +361,11 @@ def test_every_empty_expert_pattern(pattern):
     assert_guards_untouched(buf, m_cap, N)
 
 
-def test_grid_bound_is_reached():
+def test_grid_bound_is_reached(order):
     """Every expert boundary inside a row tile (block_m = 4, counts 2, 4, 4, M_cap = 10): the work
     items (row tile, expert) number exactly the grid bound cdiv(M_cap, 4) + E - 1 = 5; none is lost."""
     x_np, w_np, off_np = make_problem(9, [2, 4, 4], 10, 16, 16)
-    cfg = GroupedGemmConfig(block_m=4, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    cfg = GroupedGemmConfig(block_m=4, block_n=16, block_k=16, num_warps=4, num_stages=1, **order)
     x, w, offsets = to_torch(x_np), to_torch(w_np), to_torch(off_np)
     buf, view = poisoned_launch(x, w, offsets, None, None, torch.float32, cfg)
     assert_rel_fro(view, float64_grouped_gemm(x_np, w_np, off_np), F32_REL_FRO, "tight grid")
@@ -364,6 +385,73 @@ def test_random_group_sizes(counts, block_m, spare):
     cfg = GroupedGemmConfig(block_m=block_m, block_n=16, block_k=16, num_warps=4, num_stages=1)
     y = grouped_gemm_triton(to_torch(x_np), to_torch(w_np), to_torch(off_np), None, None, torch.float32, cfg)
     assert_rel_fro(y, float64_grouped_gemm(x_np, w_np, off_np), F32_REL_FRO, f"counts {counts}, block_m {block_m}")
+
+
+@settings(max_examples=16)
+@given(counts=st.lists(st.integers(0, 20), min_size=1, max_size=6), block_m=st.sampled_from([4, 8, 16]),
+       spare=st.integers(0, 5), n=st.sampled_from([16, 40]), group_m=st.sampled_from([1, 2, 3, 4, 8]),
+       persistent=st.booleans())
+def test_random_group_sizes_every_launch_order(counts, block_m, spare, n, group_m, persistent):
+    """Hypothesis: as above, with up to 3 column tiles (N = 40, block_n = 16) and a random launch
+    order: groups of 1 to 8 work items (groups straddling experts, a smaller last group), persistent
+    or not. Every valid row exact to float64 within F32 (so no tile lost), rows >= M never written."""
+    m_cap = sum(counts) + spare
+    if m_cap == 0:
+        return
+    x_np, w_np, off_np = make_problem(len(counts) + m_cap + n, counts, m_cap, 16, n)
+    cfg = GroupedGemmConfig(block_m=block_m, block_n=16, block_k=16, num_warps=4, num_stages=1, group_m=group_m,
+                            persistent=persistent)
+    buf, view = poisoned_launch(to_torch(x_np), to_torch(w_np), to_torch(off_np), None, None, torch.float32, cfg)
+    M = int(off_np[-1])
+    assert_rel_fro(view[:M], float64_grouped_gemm(x_np, w_np, off_np)[:M], F32_REL_FRO, f"{counts}, {cfg}")
+    assert torch.isnan(view[M:]).all(), "rows >= M never written"
+    assert_guards_untouched(buf, m_cap, n)
+
+
+@triton.jit
+def _launch_order_probe(order_ptr, n_items, n_cols, GROUP_M: tl.constexpr):
+    """Program ``t`` writes ``t`` at ``order[p, pid_n]`` for ``(p, pid_n) = _launch_order(t)``."""
+    t = tl.program_id(0)
+    p, pid_n = _launch_order(t, n_items, n_cols, GROUP_M)
+    tl.store(order_ptr + p * n_cols + pid_n, t)
+
+
+@pytest.mark.parametrize("n_items,n_cols", [(1, 1), (7, 3), (10, 1), (9, 4)])
+@pytest.mark.parametrize("group_m", [1, 2, 3, 4, 16])
+def test_launch_order_is_a_bijection(n_items, n_cols, group_m):
+    """``_launch_order`` maps ``[0, n_items * n_cols)`` one-to-one onto (work item, column tile):
+    group_m = 1 is the default 2-D grid's order (work item fastest); group_m = G > 1 is the
+    tutorial's: tile ``t`` belongs to group ``t // (G * n_cols)`` of work items ``[G * group, +G)``,
+    work item fastest inside, the last group smaller when G does not divide n_items."""
+    order = torch.full((n_items, n_cols), -1, dtype=torch.int32, device=TORCH_DEVICE)
+    _launch_order_probe[(n_items * n_cols,)](order, n_items, n_cols, GROUP_M=group_m)
+    order = order.cpu().numpy()
+    assert sorted(order.ravel().tolist()) == list(range(n_items * n_cols)), "a permutation: every tile once"
+    p, pid_n = np.meshgrid(np.arange(n_items), np.arange(n_cols), indexing="ij")
+    if group_m == 1:
+        np.testing.assert_array_equal(order, pid_n * n_items + p)
+    else:
+        g = p // group_m
+        size = np.minimum(n_items - g * group_m, group_m)
+        np.testing.assert_array_equal(order, g * group_m * n_cols + pid_n * size + p % group_m)
+
+
+@pytest.mark.parametrize("name", list(ORDERS))
+def test_launch_grid(name):
+    """The default order keeps the 2-D grid (work-item bound, column tiles); group_m > 1 flattens it
+    to one axis of the same size; persistent launches min(#SMs, tiles) programs (4 in the interpreter)."""
+    cfg = GroupedGemmConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=1, **ORDERS[name])
+    device = torch.device(TORCH_DEVICE)
+    n_items, n_cols = 100 // 16 + 1 + 5 - 1, 3  # cdiv(100, 16) + E - 1, cdiv(70, 32)
+    grid = launch_grid("grouped_gemm", cfg, 100, 70, 5, device)
+    if cfg.persistent:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        assert grid == (min(sms, n_items * n_cols),)
+        assert launch_grid("grouped_gemm", cfg, 1, 16, 1, device) == (1,)  # never more programs than tiles
+    elif cfg.group_m > 1:
+        assert grid == (n_items * n_cols,)
+    else:
+        assert grid == (n_items, n_cols)
 
 
 # --------------------------------------------------------------------------------------
@@ -419,12 +507,37 @@ def test_config_rules():
         check_config("grouped_gemm", dataclasses.replace(bad_k, block_k=16), 8, None, False)
     with pytest.raises(ValueError, match="power-of-2"):
         check_config("grouped_gemm", dataclasses.replace(bad_k, block_m=24), 16, None, False)
+    good = dataclasses.replace(bad_k, block_k=16)
+    assert (good.group_m, good.persistent) == (1, False), "defaults: today's launch order"
+    check_config("grouped_gemm", dataclasses.replace(good, group_m=3, persistent=True), 16, None, False)
+    for bad in (dict(group_m=0), dict(group_m=2.0), dict(group_m=True), dict(persistent=1), dict(persistent=None)):
+        with pytest.raises(ValueError, match="int group_m >= 1 and a bool persistent"):
+            check_config("grouped_gemm", dataclasses.replace(good, **bad), 16, None, False)
     with pytest.raises(NotImplementedError, match="G=48"):
         grouped_gemm_config(16, 16, 96, 2, 8, 48, False)  # 48 = 16 * 3: K steps of 16 < fp8's 32
     x_np, w_np, off_np = make_problem(2, [2, 2], 4, 16, 8)
     with pytest.raises(ValueError, match="grouped_gemm: config"):
         grouped_gemm_triton(to_torch(x_np), to_torch(w_np), to_torch(off_np), None, None, torch.float32,
                             dataclasses.replace(bad_k, block_k=8))
+
+
+def test_tuned_entries_with_and_without_launch_order(tmp_path, monkeypatch):
+    """Tuned JSON entries written before group_m / persistent existed still load (the defaults);
+    new entries carry them."""
+    base = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
+    entries = [{"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 256, "dtype": "bf16", "config": base},
+               {"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 16384, "dtype": "bf16",
+                "config": {**base, "group_m": 8, "persistent": True}}]
+    (tmp_path / "Test_GPU.json").write_text(json.dumps(entries))
+    monkeypatch.setattr(gemm_config, "TUNED_DIR", str(tmp_path))
+    gemm_config.tuned_entries.cache_clear()
+    try:
+        old = grouped_gemm_config(256, 4096, 7168, 32, 16, device_name="Test GPU")
+        new = grouped_gemm_config(16384, 4096, 7168, 32, 16, device_name="Test GPU")
+    finally:
+        gemm_config.tuned_entries.cache_clear()
+    assert old == GroupedGemmConfig(**base) and (old.group_m, old.persistent) == (1, False)
+    assert new == GroupedGemmConfig(**base, group_m=8, persistent=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -436,17 +549,20 @@ _INT_ARGS = ("M_cap", "N", "K", "E", "stride_xm", "stride_we", "stride_wn", "str
              "stride_wse", "stride_wsn", "stride_wsk")
 
 
-def _gemm_job(dtype: str, x_scale: int, w_scale: int, M_cap: int, N: int, K: int, E: int):
+def _gemm_job(dtype: str, x_scale: int, w_scale: int, M_cap: int, N: int, K: int, E: int, group_m: int = 1,
+              persistent: bool = False):
     bits = {"bf16": 16, "fp32": 32, "fp8e4nv": 8}[dtype]
     group = 128 if x_scale == 3 else None
-    cfg = grouped_gemm_config(M_cap, N, K, E, bits, group, w_scale == 3)
+    cfg = dataclasses.replace(grouped_gemm_config(M_cap, N, K, E, bits, group, w_scale == 3), group_m=group_m,
+                              persistent=persistent)
     return {
         "module": "moe_torch.ops.grouped_gemm.triton", "kernel": "_grouped_gemm_kernel",
         "signature": {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "offsets_ptr": "*i32", "x_scale_ptr": "*fp32",
                       "w_scale_ptr": "*fp32", "out_ptr": "*bf16", **{a: "i32" for a in _INT_ARGS}},
         "constexprs": {"X_SCALE": x_scale, "W_SCALE": w_scale, "X_GROUP": group or 1, "W_BLOCK": 128 if w_scale == 3 else 1,
                        "IEEE_F32": dtype == "fp32", "BLOCK_E": 1 << E.bit_length(), "BLOCK_M": cfg.block_m,
-                       "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k},
+                       "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
+                       "PERSISTENT": cfg.persistent},
         "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
     }
 
@@ -461,6 +577,13 @@ SM90_JOBS = {
     "fp8-per_token-per_channel-64rows": _gemm_job("fp8e4nv", 2, 2, 16384, 7168, 2048, 256),
     "fp8-per_tensor-per_expert-16rows": _gemm_job("fp8e4nv", 1, 1, 256, 4096, 7168, 32),
     "fp8-per_token_group-block-64rows": _gemm_job("fp8e4nv", 3, 3, 16384, 4096, 7168, 256),
+    # Launch orders (GroupedGemmConfig.group_m, .persistent): the same tiles, other index math.
+    "bf16-64rows-group8": _gemm_job("bf16", 0, 0, 16384, 4096, 7168, 32, group_m=8),
+    "bf16-64rows-group3-persistent": _gemm_job("bf16", 0, 0, 16384, 4096, 7168, 32, group_m=3, persistent=True),
+    "bf16-16rows-persistent": _gemm_job("bf16", 0, 0, 256, 4096, 7168, 32, persistent=True),
+    "fp8-per_token-per_channel-64rows-group4": _gemm_job("fp8e4nv", 2, 2, 16384, 7168, 2048, 256, group_m=4),
+    "fp8-per_token_group-block-64rows-group8-persistent": _gemm_job("fp8e4nv", 3, 3, 16384, 4096, 7168, 256,
+                                                                    group_m=8, persistent=True),
 }
 
 
@@ -474,12 +597,14 @@ def sm90_ptx() -> dict[str, str]:
 def test_compiles_for_sm90(sm90_ptx, name):
     """The kernel lowers to sm_90 cubin on tensor cores: 64-row tiles on Hopper's wgmma (e4m3 x e4m3
     for FP8), 16-row tiles on mma.sync; float32 on neither (IEEE: no TF32); addresses use 64-bit
-    products."""
+    products. Launch orders: only the default reads grid axis 1; only persistent reads the grid size."""
     ptx = sm90_ptx[name]
     assert ".target sm_90" in ptx
+    assert ("%ctaid.y" in ptx) == ("rows-group" not in name and "persistent" not in name)
+    assert ("%nctaid.x" in ptx) == ("persistent" in name)
     if name.startswith("fp32"):
         assert "wgmma" not in ptx and "mma.sync" not in ptx and ".tf32" not in ptx
-    elif name.endswith("64rows"):
+    elif "64rows" in name:
         assert "wgmma.mma_async.sync.aligned" in ptx
         assert (".e4m3.e4m3" if name.startswith("fp8") else ".bf16.bf16") in ptx
     else:

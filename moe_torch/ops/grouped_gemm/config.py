@@ -41,13 +41,28 @@ class GroupedGemmConfig:
     """``block_m`` rows x ``block_n`` columns of ``y [M_cap, N]`` per program, walking K in
     ``block_k`` steps. All three are powers of 2; ``block_k`` must be at least the ``tl.dot``
     minimum (16, or 32 for FP8) and, for FP8 with per-step scales (per-token-group activations,
-    128x128 weight blocks), divide the scale's K group so that each step lies in one group."""
+    128x128 weight blocks), divide the scale's K group so that each step lies in one group.
+
+    ``group_m`` and ``persistent`` choose the launch order only (module docstring of
+    ``moe_torch/ops/grouped_gemm/triton.py``, "Launch order"); the result is the same for every value."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    #: L2 swizzle of the launch order (triton-lang/triton ``python/tutorials/03-matrix-multiplication.py``,
+    #: ``GROUP_SIZE_M``): ``group_m`` consecutive work items (row tile, expert) sweep all column tiles
+    #: together, so one expert's weight tile is reused ``group_m`` times while the group's ``x`` tiles
+    #: stay in L2. Why: the default order re-reads all of ``x`` from HBM for every column tile (1.26-1.48x
+    #: behind torch._grouped_mm at M=16384, BENCHMARKS.md). Rules: an int >= 1, any value (3 is fine);
+    #: 1 (default) keeps today's 2-D grid, work item fastest.
+    group_m: int = 1
+    #: Persistent launch: ``min(#SMs, tiles)`` programs loop over the tiles (same order, ``group_m``
+    #: applies) instead of one program per tile. Why: no idle programs for the static grid's spare
+    #: work items, and the offsets' prefix sums once per program. Rules: a bool; False (default) keeps
+    #: one program per tile.
+    persistent: bool = False
 
 
 def _pow2_divisor(n: int) -> int:
@@ -70,6 +85,8 @@ def check_config(op: str, cfg: GroupedGemmConfig, bits: int, x_group: int | None
     """``ValueError`` if ``cfg`` breaks the rules of :class:`GroupedGemmConfig` for this problem."""
     pow2 = all(b > 0 and b & (b - 1) == 0 for b in (cfg.block_m, cfg.block_n, cfg.block_k))
     limit = k_step_limit(x_group, w_block)
+    if type(cfg.group_m) is not int or cfg.group_m < 1 or type(cfg.persistent) is not bool:
+        raise ValueError(f"{op}: config must have an int group_m >= 1 and a bool persistent; got {cfg}")
     if not pow2 or cfg.block_k < MIN_BLOCK_K[bits] or (limit is not None and limit % cfg.block_k):
         raise ValueError(
             f"{op}: config must have power-of-2 blocks, block_k >= {MIN_BLOCK_K[bits]} (tl.dot on {bits}-bit operands)"
@@ -129,7 +146,7 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: 
     matches = [t for t in tuned_entries(device_name) if (t["N"], t["K"], t["dtype"]) == (N, K, dtype)] if device_name else []
     if matches:
         best = min(matches, key=lambda t: abs(math.log2(max(M_cap, 1)) - math.log2(t["M_cap"])))
-        cfg = GroupedGemmConfig(**best["config"])
+        cfg = GroupedGemmConfig(**best["config"])  # entries without group_m / persistent: the defaults
         try:
             check_config("grouped_gemm", cfg, bits, x_group, w_block)
             return cfg

@@ -5,7 +5,7 @@ Shapes (contract names): ``x [M_cap, K]``, ``w [E, N, K]`` (out, in; K-major),
 ``w[e]``; rows ``>= offsets[-1]`` (and ``< offsets[0]``) are never read nor written by the kernel,
 and are zero in the result because the launcher allocates ``y`` with zeros (as the reference).
 
-Dataflow of one program (one row tile of one expert x one ``BLOCK_N`` column tile)::
+Dataflow of one tile (one row tile of one expert x one ``BLOCK_N`` column tile)::
 
     acc [BLOCK_M, BLOCK_N] float32 = 0
     for k0 in range(0, K, BLOCK_K):
@@ -33,7 +33,7 @@ grid bound ``m_tiles + num_groups - 1``), computed inside every program instead 
    (a ``tl.cumsum`` over the ``E + 1`` offsets, loaded as one small vector by every program).
 3. The number of work items is at most ``cdiv(M_cap, BLOCK_M) + E - 1``: each tile is counted
    once, plus once more for every expert boundary inside it. That is the static size of grid
-   axis 0; program ``p >= sum_e n_e`` has no work and does nothing.
+   axis 0 (default launch order, below); program ``p >= sum_e n_e`` has no work and does nothing.
 4. Program ``p`` finds its expert by a vectorised search: ``e = #{e : P_e + n_e <= p}`` (the
    inclusive prefix sums are non-decreasing, so this counts exactly the experts before ``p``'s).
    Its tile is ``s_e // BLOCK_M + (p - P_e)``.
@@ -42,9 +42,24 @@ grid bound ``m_tiles + num_groups - 1``), computed inside every program instead 
    each writing only its own rows with its own expert's weights. Empty experts get no work item
    (they cost one vector lane of the search); rows ``>= offsets[-1]`` belong to no expert.
 
-Grid: ``(cdiv(M_cap, BLOCK_M) + E - 1, cdiv(N, BLOCK_N))``; axis 0 (work items) is the fastest
-varying in launch order, so the programs resident together share one ``BLOCK_N`` slice of one
-expert's weights (L2 reuse). Offsets ``row * stride`` and ``e * N * K`` are int64 (both pass
+Launch order (``GroupedGemmConfig.group_m`` and ``.persistent``; correctness never depends on it:
+every tile (work item, column tile) is computed exactly once, whatever the order):
+
+* default (``group_m=1``, not persistent): grid ``(cdiv(M_cap, BLOCK_M) + E - 1, cdiv(N, BLOCK_N))``;
+  axis 0 (work items) is the fastest varying in launch order, so the programs resident together
+  share one ``BLOCK_N`` slice of one expert's weights (L2 reuse), but all of ``x`` is read again
+  for every column tile.
+* ``group_m=G > 1``: a 1-D grid of the same size; tile index ``t`` -> (work item, column tile) by
+  triton's matmul tutorial swizzle (``GROUP_SIZE_M``, triton-lang/triton
+  ``python/tutorials/03-matrix-multiplication.py``): ``G`` consecutive work items sweep all
+  column tiles together, so their ``x`` tiles stay in L2 while one expert's weight tiles are
+  reused ``G`` times. Near an expert boundary a group holds items of two experts (fine: each
+  item uses its own expert's weights). Indices ``t >= total * n_cols`` do nothing.
+* ``persistent``: ``min(#SMs, grid size)`` programs, each looping over tile indices ``t = pid,
+  pid + #programs, ...`` below ``total * n_cols`` in the same order (``group_m`` applies): no
+  idle programs launched, and steps 1-2 (offsets load, prefix sums) once per program, not per tile.
+
+Offsets ``row * stride`` and ``e * N * K`` are int64 (both pass
 2**31: ``M_cap * K`` at 300k rows of H=7168, ``E * N * K`` at E=256, N=7168, K=2048).
 
 Precondition (not checked: that would need a host sync): ``expert_offsets`` non-decreasing, as
@@ -73,6 +88,142 @@ _WS_NONE, _WS_EXPERT, _WS_CHANNEL, _WS_BLOCK = (tl.constexpr(c) for c in W_SCALE
 #: Vector width of the offsets search: ``E + 1`` offsets in one ``tl.arange``. 4096 experts is
 #: far beyond any model (DeepSeek-V3: 256); more would make every program's search costly.
 _MAX_EXPERTS = 4095
+#: Bound on ``work items x column tiles``: the 1-D launch orders index tiles in int32, and the
+#: persistent loop adds the grid size to an index below this without overflow. Real problems are
+#: far below (300k rows of 16-row tiles x 7168 / 16 columns: 8.4M).
+_MAX_TILES = 2**30
+#: Programs of a persistent launch in the interpreter (no SM count; small, so that every program
+#: loops over several tiles in the tests).
+INTERPRETER_PROGRAMS = 4
+
+
+def _num_sms(device: torch.device) -> int:
+    """Programs of a persistent launch: the SM count of a CUDA device (torch caches the device
+    properties: no sync), :data:`INTERPRETER_PROGRAMS` in the interpreter."""
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def _grouped_gemm_tile(
+    p,  # int32: this tile's work item (row tile, expert), 0 <= p < total (see the module docstring)
+    pid_n,  # int32: this tile's column tile, columns [pid_n * BLOCK_N, +BLOCK_N)
+    e_ids,  # [BLOCK_E] expert ids 0..BLOCK_E-1
+    starts,  # [BLOCK_E] s_e, clamped (0 past E)
+    ends,  # [BLOCK_E] t_e, clamped (0 past E)
+    first_tile,  # [BLOCK_E] s_e // BLOCK_M
+    n_tiles,  # [BLOCK_E] n_e
+    incl,  # [BLOCK_E] P_e + n_e
+    x_ptr,  # [M_cap, K] float32 / bf16 / fp16, or float8_e4m3fn codes; unit column stride
+    w_ptr,  # [E, N, K] same dtype as x (fp8 codes with fp8 x); unit stride along K
+    x_scale_ptr,  # FP8: float32 [] / [M_cap, 1] / [M_cap, K // G] dequant multipliers (unused otherwise)
+    w_scale_ptr,  # FP8: float32 [E] / [E, N] / [E, cdiv(N, 128), cdiv(K, 128)] (unused otherwise)
+    out_ptr,  # [M_cap, N] out dtype (float32 / bf16 / fp16); unit column stride
+    M_cap,  # int: rows of x and y
+    N,  # int: output columns
+    K,  # int: reduction size
+    stride_xm,  # int: x.stride(0)
+    stride_we,  # int: w.stride(0)
+    stride_wn,  # int: w.stride(1)
+    stride_om,  # int: out.stride(0)
+    stride_xsm,  # int: x_scale.stride(0) (2-D scales)
+    stride_xsk,  # int: x_scale.stride(1) (per-token-group)
+    stride_wse,  # int: w_scale.stride(0)
+    stride_wsn,  # int: w_scale.stride(1) (per-channel, block)
+    stride_wsk,  # int: w_scale.stride(2) (block)
+    X_SCALE: tl.constexpr,  # 0 none, 1 per-tensor, 2 per-row, 3 per-token-group
+    W_SCALE: tl.constexpr,  # 0 none, 1 per-expert, 2 per-output-channel, 3 128x128 blocks
+    X_GROUP: tl.constexpr,  # per-token-group width G (X_SCALE == 3), else 1
+    W_BLOCK: tl.constexpr,  # weight-scale block width (128) (W_SCALE == 3), else 1
+    IEEE_F32: tl.constexpr,  # bool: float32 operands, multiplied in full float32 (no TF32)
+    BLOCK_M: tl.constexpr,  # rows per tile (power of 2)
+    BLOCK_N: tl.constexpr,  # columns per tile (power of 2)
+    BLOCK_K: tl.constexpr,  # K step (power of 2; divides X_GROUP's and W_BLOCK's powers of 2)
+):
+    """Steps 4-5 of the module docstring for one (work item ``p``, column tile ``pid_n``): the
+    expert and row tile of ``p``, then ``y[owned rows, cols]`` over the whole K loop."""
+    # Step 4: this program's expert and tile (scalars pulled out of the vectors by a masked sum).
+    e = tl.sum((incl <= p).to(tl.int32), axis=0)
+    this = e_ids == e
+    row_start = tl.sum(tl.where(this, starts, 0), axis=0)
+    row_end = tl.sum(tl.where(this, ends, 0), axis=0)
+    tile = tl.sum(tl.where(this, first_tile + n_tiles - incl, 0), axis=0) + p  # s_e // BM + (p - P_e)
+
+    # Step 5: the tile's rows, of which this expert owns [row_start, row_end).
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = (rows >= row_start) & (rows < row_end)
+    rows64 = rows.to(tl.int64)  # int64: row * stride_xm passes 2**31 for large M_cap * K
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    cols64 = cols.to(tl.int64)
+    e64 = e.to(tl.int64)  # int64: e * N * K passes 2**31 (E=256, N=7168, K=2048)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    x_rows = x_ptr + rows64[:, None] * stride_xm  # [BLOCK_M, 1]
+    w_cols = w_ptr + e64 * stride_we + cols64[None, :] * stride_wn  # [1, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < K
+        a = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if X_SCALE == _XS_GROUP or W_SCALE == _WS_BLOCK:
+            # Each K step lies in one scale group: scale its partial sum before accumulating.
+            # max_num_imprecise_acc=BLOCK_K: the fp8 tensor-core sum is promoted to float32
+            # every step (DeepSeek-V3 report, sec. 3.3.2, "increasing accumulation precision").
+            part = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
+            if X_SCALE == _XS_GROUP:
+                sx = tl.load(x_scale_ptr + rows64 * stride_xsm + (k0 // X_GROUP) * stride_xsk, mask=row_mask,
+                             other=0.0)
+                part = part * sx[:, None]
+            if W_SCALE == _WS_BLOCK:
+                sw = tl.load(w_scale_ptr + e64 * stride_wse + (cols // W_BLOCK) * stride_wsn
+                             + (k0 // W_BLOCK) * stride_wsk, mask=col_mask, other=0.0)
+                part = part * sw[None, :]
+            acc += part
+        elif IEEE_F32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")  # TF32 would miss float32 accuracy
+        elif X_SCALE != _XS_NONE:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)  # FP8: promoted every step, as above
+        else:
+            acc = tl.dot(a, b, acc)  # bf16 / fp16 tensor cores, float32 accumulation
+
+    # Scales constant over K, applied once.
+    if X_SCALE == _XS_TENSOR:
+        acc = acc * tl.load(x_scale_ptr)
+    if X_SCALE == _XS_ROW:
+        acc = acc * tl.load(x_scale_ptr + rows64 * stride_xsm, mask=row_mask, other=0.0)[:, None]  # BY ROW
+    if W_SCALE == _WS_EXPERT:
+        acc = acc * tl.load(w_scale_ptr + e64 * stride_wse)
+    if W_SCALE == _WS_CHANNEL:
+        acc = acc * tl.load(w_scale_ptr + e64 * stride_wse + cols64 * stride_wsn, mask=col_mask, other=0.0)[None, :]
+
+    out_ptrs = out_ptr + rows64[:, None] * stride_om + cols64[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _launch_order(t, n_items, n_cols, GROUP_M: tl.constexpr):
+    """Tile index ``t`` in ``[0, n_items * n_cols)`` -> ``(work item p, column tile pid_n)``, a bijection.
+
+    ``GROUP_M == 1``: ``p = t % n_items`` (work item fastest, as the 2-D grid's axis 0). ``GROUP_M >
+    1``: triton-lang/triton ``python/tutorials/03-matrix-multiplication.py`` ("L2 Cache
+    Optimizations", ``GROUP_SIZE_M``): the work items in groups of ``GROUP_M`` consecutive ones (the
+    last group may be smaller), each group sweeping all column tiles before the next, work item
+    fastest inside it. Any ``GROUP_M >= 1`` is valid (3 too: plain integer division).
+    """
+    if GROUP_M == 1:
+        p = t % n_items
+        pid_n = t // n_items
+    else:
+        per_group = GROUP_M * n_cols
+        first = (t // per_group) * GROUP_M
+        size = tl.minimum(n_items - first, GROUP_M)  # the last group may be smaller
+        local = t % per_group
+        p = first + local % size
+        pid_n = local // size
+    return p, pid_n
 
 
 @triton.jit
@@ -105,13 +256,22 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr,  # rows per tile (power of 2)
     BLOCK_N: tl.constexpr,  # columns per tile (power of 2)
     BLOCK_K: tl.constexpr,  # K step (power of 2; divides X_GROUP's and W_BLOCK's powers of 2)
+    GROUP_M: tl.constexpr,  # launch-order swizzle (GroupedGemmConfig.group_m); 1: grid axis 0 = work item
+    PERSISTENT: tl.constexpr,  # bool: each program loops over tiles with a stride of the grid size
 ):
-    """Grid ``(cdiv(M_cap, BLOCK_M) + E - 1, cdiv(N, BLOCK_N))``; program ``(p, pid_n)`` computes
-    work item ``p`` (row tile, expert; see the module docstring) for columns
-    ``[pid_n*BLOCK_N, +BLOCK_N)`` and writes only the rows of that tile that the expert owns."""
-    p = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """Computes the tiles (work item ``p``, column tile ``pid_n``) of its launch order (module
+    docstring, "Launch order"); each writes only the rows of its row tile that its expert owns.
 
+    * ``GROUP_M == 1``, not ``PERSISTENT``: grid ``(cdiv(M_cap, BLOCK_M) + E - 1, cdiv(N, BLOCK_N))``,
+      program ``(p, pid_n)``; programs with ``p >= total`` do nothing.
+    * ``GROUP_M > 1``, not ``PERSISTENT``: 1-D grid of that many programs; program ``t <
+      total * n_cols`` computes ``_launch_order(t)``, the others do nothing.
+    * ``PERSISTENT``: 1-D grid of any size; program ``i`` computes ``_launch_order(t)`` for ``t = i,
+      i + num_programs, ...`` below ``total * n_cols``.
+    """
+    pid = tl.program_id(0)
+    if not PERSISTENT and GROUP_M == 1:  # (constexpr) read first, as the default grid always has
+        pid_n = tl.program_id(1)
     # Steps 1-2: tiles per expert and their prefix sums, from the offsets (clamped to [0, M_cap]).
     e_ids = tl.arange(0, BLOCK_E)
     e_valid = e_ids < E
@@ -125,65 +285,27 @@ def _grouped_gemm_kernel(
     incl = tl.cumsum(n_tiles, axis=0)  # P_e + n_e
     total = tl.sum(n_tiles, axis=0)
 
-    if p < total:  # step 3: programs past the last work item do nothing
-        # Step 4: this program's expert and tile (scalars pulled out of the vectors by a masked sum).
-        e = tl.sum((incl <= p).to(tl.int32), axis=0)
-        this = e_ids == e
-        row_start = tl.sum(tl.where(this, starts, 0), axis=0)
-        row_end = tl.sum(tl.where(this, ends, 0), axis=0)
-        tile = tl.sum(tl.where(this, first_tile + n_tiles - incl, 0), axis=0) + p  # s_e // BM + (p - P_e)
-
-        # Step 5: the tile's rows, of which this expert owns [row_start, row_end).
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = (rows >= row_start) & (rows < row_end)
-        rows64 = rows.to(tl.int64)  # int64: row * stride_xm passes 2**31 for large M_cap * K
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < N
-        cols64 = cols.to(tl.int64)
-        e64 = e.to(tl.int64)  # int64: e * N * K passes 2**31 (E=256, N=7168, K=2048)
-        offs_k = tl.arange(0, BLOCK_K)
-
-        x_rows = x_ptr + rows64[:, None] * stride_xm  # [BLOCK_M, 1]
-        w_cols = w_ptr + e64 * stride_we + cols64[None, :] * stride_wn  # [1, BLOCK_N]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + offs_k
-            k_mask = ks < K
-            a = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            if X_SCALE == _XS_GROUP or W_SCALE == _WS_BLOCK:
-                # Each K step lies in one scale group: scale its partial sum before accumulating.
-                # max_num_imprecise_acc=BLOCK_K: the fp8 tensor-core sum is promoted to float32
-                # every step (DeepSeek-V3 report, sec. 3.3.2, "increasing accumulation precision").
-                part = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
-                if X_SCALE == _XS_GROUP:
-                    sx = tl.load(x_scale_ptr + rows64 * stride_xsm + (k0 // X_GROUP) * stride_xsk, mask=row_mask,
-                                 other=0.0)
-                    part = part * sx[:, None]
-                if W_SCALE == _WS_BLOCK:
-                    sw = tl.load(w_scale_ptr + e64 * stride_wse + (cols // W_BLOCK) * stride_wsn
-                                 + (k0 // W_BLOCK) * stride_wsk, mask=col_mask, other=0.0)
-                    part = part * sw[None, :]
-                acc += part
-            elif IEEE_F32:
-                acc = tl.dot(a, b, acc, input_precision="ieee")  # TF32 would miss float32 accuracy
-            elif X_SCALE != _XS_NONE:
-                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)  # FP8: promoted every step, as above
-            else:
-                acc = tl.dot(a, b, acc)  # bf16 / fp16 tensor cores, float32 accumulation
-
-        # Scales constant over K, applied once.
-        if X_SCALE == _XS_TENSOR:
-            acc = acc * tl.load(x_scale_ptr)
-        if X_SCALE == _XS_ROW:
-            acc = acc * tl.load(x_scale_ptr + rows64 * stride_xsm, mask=row_mask, other=0.0)[:, None]  # BY ROW
-        if W_SCALE == _WS_EXPERT:
-            acc = acc * tl.load(w_scale_ptr + e64 * stride_wse)
-        if W_SCALE == _WS_CHANNEL:
-            acc = acc * tl.load(w_scale_ptr + e64 * stride_wse + cols64 * stride_wsn, mask=col_mask, other=0.0)[None, :]
-
-        out_ptrs = out_ptr + rows64[:, None] * stride_om + cols64[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    n_cols = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        for t in tl.range(pid, total * n_cols, tl.num_programs(0)):
+            p, pid_n = _launch_order(t, total, n_cols, GROUP_M)
+            _grouped_gemm_tile(
+                p, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
+                out_ptr, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm, stride_xsk, stride_wse,
+                stride_wsn, stride_wsk, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif GROUP_M == 1:
+        if pid < total:  # step 3: programs past the last work item do nothing
+            _grouped_gemm_tile(
+                pid, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
+                out_ptr, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm, stride_xsk, stride_wse,
+                stride_wsn, stride_wsk, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        if pid < total * n_cols:  # step 3, on the 1-D grid
+            p, pid_n = _launch_order(pid, total, n_cols, GROUP_M)
+            _grouped_gemm_tile(
+                p, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
+                out_ptr, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm, stride_xsk, stride_wse,
+                stride_wsn, stride_wsk, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def scale_layouts(x: torch.Tensor, x_scale, w_scale) -> tuple[str | None, str | None, int | None]:
@@ -198,6 +320,25 @@ def scale_layouts(x: torch.Tensor, x_scale, w_scale) -> tuple[str | None, str | 
     else:
         x_layout, group = "per_token_group", x.shape[1] // x_scale.shape[1]
     return x_layout, {1: "per_expert", 2: "per_channel", 3: "block"}[w_scale.ndim], group
+
+
+def launch_grid(op: str, cfg: GroupedGemmConfig, M_cap: int, N: int, E: int, device: torch.device) -> tuple[int, ...]:
+    """The kernel's grid for ``cfg``'s launch order (module docstring, "Launch order"): sized by
+    ``M_cap``, ``N`` and ``E`` only (no host sync).
+
+    Raises: NotImplementedError (default order: more column tiles than CUDA's grid axis 1 allows;
+      other orders: more tiles than :data:`_MAX_TILES`).
+    """
+    n_items, n_cols = triton.cdiv(M_cap, cfg.block_m) + E - 1, triton.cdiv(N, cfg.block_n)  # work-item bound
+    if cfg.group_m == 1 and not cfg.persistent:  # the default: 2-D grid, work item fastest
+        if n_cols > MAX_GRID_AXIS_1:
+            raise NotImplementedError(f"{op}: {n_cols} column tiles exceed CUDA's grid axis 1 limit {MAX_GRID_AXIS_1}")
+        return (n_items, n_cols)
+    if n_items * n_cols > _MAX_TILES:  # 1-D orders index the tiles in int32
+        raise NotImplementedError(f"{op}: {n_items} x {n_cols} tiles exceed the 1-D tile index limit {_MAX_TILES}")
+    if cfg.persistent:  # one program per SM at most (host-side query, cached by torch: no sync)
+        return (min(_num_sms(device), n_items * n_cols),)
+    return (n_items * n_cols,)
 
 
 def grouped_gemm_triton(
@@ -249,9 +390,7 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config):
     device_name = torch.cuda.get_device_name(x.device) if x.is_cuda else None  # host-side: no sync
     cfg = config or grouped_gemm_config(M_cap, N, K, E, bits, group, w_block, device_name)
     check_config(op, cfg, bits, group, w_block)
-    grid = (triton.cdiv(M_cap, cfg.block_m) + E - 1, triton.cdiv(N, cfg.block_n))
-    if grid[1] > MAX_GRID_AXIS_1:
-        raise NotImplementedError(f"{op}: {grid[1]} column tiles exceed CUDA's grid axis 1 limit {MAX_GRID_AXIS_1}")
+    grid = launch_grid(op, cfg, M_cap, N, E, x.device)
     if M_cap == 0 or N == 0 or E == 0:
         return out  # nothing to compute: every row stays 0
     xs = x_scale if x_scale is not None else out  # never read without FP8
@@ -285,6 +424,8 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config):
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        PERSISTENT=cfg.persistent,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
