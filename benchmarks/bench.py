@@ -461,6 +461,8 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
             run_torch(ctx, "layer", name, spec,
                       functools.partial(moe_torch.moe_forward, x, logits, w13, w2, config, w13_scale=s13, w2_scale=s2,
                                         implementation=impl), ref, **common)
+    if dev.type == "cuda" and ctx.wants("ours-torch-triton-cudagraph"):
+        bench_layer_cuda_graph(ctx, spec, x, logits, (w13, s13, w2, s2), config, ref, common)
     jargs = (j(x), j(logits), j(w13), j(w2), j(s13), j(s2))
     # pallas_mosaic_gpu: the grouped GEMMs on Mosaic GPU, every other stage its default (pallas_triton on a GPU)
     for impl, name in (("pallas_triton", "ours-jax-pallas_triton"), ("pallas_mosaic_gpu", "ours-jax-pallas_mosaic_gpu"),
@@ -474,6 +476,44 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
     del ref, jargs
     if spec.quant == "none":
         bench_layer_transformers(ctx, spec, x, w13, w2, common)
+
+
+def bench_layer_cuda_graph(ctx: Ctx, spec, x, logits, weights, config, ref, common: dict) -> None:
+    """The Triton layer captured once in a CUDA graph and replayed (how SGLang/vLLM run decode): the
+    launch overhead of the eager row goes away. Also the GPU proof that the layer captures (no host
+    sync on the Triton path). Warm-up on a side stream first (kernel compilation), as torch documents."""
+    import torch
+
+    import moe_torch
+
+    w13, s13, w2, s2 = weights
+    static_x, static_logits = x.clone(), logits.clone()
+
+    def forward():
+        return moe_torch.moe_forward(static_x, static_logits, w13, w2, config, w13_scale=s13, w2_scale=s2,
+                                     implementation="triton")
+
+    row_name = "ours-torch-triton-cudagraph"
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = forward()
+
+        def replay():
+            graph.replay()
+            return static_out
+
+        run_torch(ctx, "layer", row_name, spec, replay, ref, **common)
+    except Exception as exc:  # a capture failure is a finding: record it, go on
+        row = H.make_row("layer", row_name, spec, notes=common.get("notes"))
+        row["error"] = "capture: " + short_error(exc)
+        ctx.add(row)
 
 
 # transformers' own MoE block for the layer spec (softmax top-k, renormalised, silu): Qwen3-MoE's
