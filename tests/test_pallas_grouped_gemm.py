@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,9 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 import moe_pallas
-from moe_pallas.ops.grouped_gemm.config import GroupedGemmConfig, grouped_gemm_config
+from moe_pallas.ops.grouped_gemm import config as gemm_config
+from moe_pallas.ops.grouped_gemm import pallas_triton
+from moe_pallas.ops.grouped_gemm.config import GroupedGemmConfig, grouped_gemm_config, heuristic_grouped_gemm_config
 from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton, tile_metadata
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
@@ -269,6 +272,106 @@ def test_config_heuristic_fits_the_scale_layouts():
     assert grouped_gemm_config(8, 4096, 7168, 8, 2, 64).block_k == 64
     with pytest.raises(ValueError, match="power of two"):
         GroupedGemmConfig(block_m=24, block_n=16, block_k=16)
+
+
+# --------------------------------------------------------------------------------------
+# Tuned configs (benchmarks/tune_jax_gemm.py's JSON): nearest M_cap, fallback where a rule breaks
+
+
+def use_tuned_file(tmp_path, monkeypatch, entries: list[dict], device_kind: str = "Test GPU") -> None:
+    """Point the tuned lookup at ``tmp_path/<device_kind>.json`` holding ``entries`` (cache cleared;
+    the autouse fixture clears it again when the test ends)."""
+    (tmp_path / (device_kind.replace(" ", "_") + ".json")).write_text(json.dumps(entries))
+    monkeypatch.setattr(gemm_config, "TUNED_DIR", str(tmp_path))
+    gemm_config.tuned_entries.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_tuned_cache():
+    """Every test starts and ends with an empty tuned-file cache (a test's temporary file never leaks)."""
+    gemm_config.tuned_entries.cache_clear()
+    yield
+    gemm_config.tuned_entries.cache_clear()
+
+
+def tuned_entry(backend: str, N: int, K: int, M_cap: int, dtype: str, config: dict, fast_accum=None) -> dict:
+    return {"backend": backend, "device": "Test GPU", "E": 32, "N": N, "K": K, "M_cap": M_cap, "dtype": dtype,
+            "fast_accum": fast_accum, "config": config, "ms": 1.0, "heuristic_ms": 1.0}
+
+
+TUNED_A = dict(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4)
+TUNED_B = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
+TUNED_FP8 = dict(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3)
+TUNED_FP8_SMALL = dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)
+
+
+def test_tuned_lookup_nearest_m_cap_and_fallbacks(tmp_path, monkeypatch):
+    use_tuned_file(tmp_path, monkeypatch, [
+        tuned_entry("pallas_triton", 4096, 7168, 256, "bf16", TUNED_A),
+        tuned_entry("pallas_triton", 4096, 7168, 16384, "bf16", TUNED_B),
+        tuned_entry("pallas_triton", 4096, 7168, 2048, "fp8", TUNED_FP8),
+        tuned_entry("pallas_triton", 7168, 2048, 256, "fp8", TUNED_FP8_SMALL),
+        # another backend's entry for the same problem is never taken
+        tuned_entry("pallas_mosaic_gpu", 4096, 7168, 4096, "bf16",
+                    dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1, fast_accum=False)),
+    ])
+    dev = "Test GPU"
+    cfg, heur = functools.partial(grouped_gemm_config, device_kind=dev), heuristic_grouped_gemm_config
+    assert cfg(256, 4096, 7168, 32, 2) == GroupedGemmConfig(**TUNED_A)
+    assert cfg(600, 4096, 7168, 32, 2) == GroupedGemmConfig(**TUNED_A)  # log2(600) = 9.2: nearer 8 than 14
+    assert cfg(8192, 4096, 7168, 32, 2) == GroupedGemmConfig(**TUNED_B)
+    assert cfg(65536, 4096, 7168, 32, 2) == GroupedGemmConfig(**TUNED_B)
+    assert cfg(300, 4096, 7168, 32, 4) == heur(300, 4096, 7168, 32, 4)  # float32: no entries (float16 shares bf16's)
+    # FP8: dtype key; per-token-group G=128 fits block_k=128; G=64 does not (heuristic: block_k=64)
+    assert cfg(256, 4096, 7168, 32, 1) == GroupedGemmConfig(**TUNED_FP8)
+    assert cfg(256, 4096, 7168, 32, 1, 128) == GroupedGemmConfig(**TUNED_FP8)
+    assert cfg(256, 4096, 7168, 32, 1, 64) == heur(256, 4096, 7168, 32, 1, 64)
+    # 128x128 block weight scales: block_n=256 straddles two scale blocks -> heuristic; 128 fits
+    assert cfg(256, 4096, 7168, 32, 1, 128, w_block=True) == heur(256, 4096, 7168, 32, 1, 128)
+    assert cfg(256, 7168, 2048, 32, 1, 128, w_block=True) == GroupedGemmConfig(**TUNED_FP8_SMALL)
+    # no entry for this N / K, no device kind (CPU, interpret), an unknown device: the heuristic
+    assert cfg(256, 4096 + 64, 7168, 32, 2) == heur(256, 4096 + 64, 7168, 32, 2)
+    assert grouped_gemm_config(256, 4096, 7168, 32, 2) == heur(256, 4096, 7168, 32, 2)
+    assert grouped_gemm_config(256, 4096, 7168, 32, 2, device_kind="Other GPU") == heur(256, 4096, 7168, 32, 2)
+    assert gemm_config.tuned_entries("Other GPU") == ()
+
+
+def test_tuned_lookup_without_a_file_is_the_heuristic(tmp_path, monkeypatch):
+    monkeypatch.setattr(gemm_config, "TUNED_DIR", str(tmp_path / "missing"))
+    gemm_config.tuned_entries.cache_clear()
+    for args in [(256, 4096, 7168, 32, 2), (16384, 7168, 2048, 32, 1, 128), (1, 33, 64, 8, 2)]:
+        assert grouped_gemm_config(*args, device_kind="NVIDIA H200") == heuristic_grouped_gemm_config(*args)
+    assert gemm_config.gpu_device_kind() is None  # the CPU: the kernels never look anything up
+
+
+def _spy_config(monkeypatch, module, name: str) -> list[dict]:
+    """Record the keyword arguments and result of every ``module.<name>`` call (the kernels' config lookup)."""
+    calls, real = [], getattr(module, name)
+
+    def spy(*args, **kw):
+        cfg = real(*args, **kw)
+        calls.append(dict(kw, result=cfg))
+        return cfg
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def test_kernel_default_config_uses_tuned_only_off_interpret_mode(tmp_path, monkeypatch):
+    """Interpret mode (the CPU) never looks up a tuned config, even when a device kind is known; the
+    GPU path (lowered for CUDA here) passes the host-side device kind and gets the tuned config."""
+    M, K, N, E = 72, 256, 192, 4  # shapes of no other test: the jit cache cannot hide a trace
+    use_tuned_file(tmp_path, monkeypatch, [tuned_entry("pallas_triton", N, K, 64, "bf16", TUNED_A)])
+    monkeypatch.setattr(pallas_triton, "gpu_device_kind", lambda: "Test GPU")
+    calls = _spy_config(monkeypatch, pallas_triton, "grouped_gemm_config")
+    x, w, offsets = problem(5, [30, 0, 20, 10], M, K, N, jnp.bfloat16)
+    y = pallas_triton.grouped_gemm_pallas_triton(x, w, offsets, interpret=True)
+    assert calls[-1]["device_kind"] is None and calls[-1]["result"] == heuristic_grouped_gemm_config(M, N, K, E, 2)
+    assert_rel_fro(y, f64_loop(x, w, offsets), BF16_REL_FRO, "interpret mode, default config")
+    f = functools.partial(pallas_triton.grouped_gemm_pallas_triton, interpret=False)
+    text = _lower_for_cuda(f, S((M, K), jnp.bfloat16), S((E, N, K), jnp.bfloat16), S((E + 1,), jnp.int32))
+    assert calls[-1]["device_kind"] == "Test GPU" and calls[-1]["result"] == GroupedGemmConfig(**TUNED_A)
+    assert text.count(TRITON_CALL) == 1
 
 
 # --------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ to the Pallas-Triton kernel where Mosaic cannot serve (N not a multiple of the t
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -21,11 +22,14 @@ import numpy as np
 import pytest
 
 import moe_pallas
-from moe_pallas.ops.grouped_gemm.config import MosaicGroupedGemmConfig, mosaic_grouped_gemm_config
+from moe_pallas.ops.grouped_gemm import pallas_mosaic_gpu
+from moe_pallas.ops.grouped_gemm.config import (MosaicGroupedGemmConfig, heuristic_mosaic_grouped_gemm_config,
+                                                mosaic_grouped_gemm_config)
 from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 from tolerances import BF16_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
-from test_pallas_grouped_gemm import check_rows, f64_loop, problem
+from test_pallas_grouped_gemm import _fresh_tuned_cache  # noqa: F401 - the autouse fixture: a fresh tuned cache
+from test_pallas_grouped_gemm import _spy_config, check_rows, f64_loop, problem, tuned_entry, use_tuned_file
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on a Hopper GPU only (no CPU interpret/lowering)")
@@ -83,6 +87,86 @@ def test_heuristic():
     fast = mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1, fast_accum=True)
     assert (fast.block_m, fast.block_n, fast.block_k, fast.fast_accum) == (128, 128, 128, True)
     assert not mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2, fast_accum=True).fast_accum  # bf16: no such thing
+
+
+def _mosaic(block_m, block_n, block_k, steps, snake, fast_accum=False) -> dict:
+    return dict(block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=steps, grid_block_n=snake,
+                fast_accum=fast_accum)
+
+
+def test_tuned_lookup_nearest_m_cap_and_fallbacks(tmp_path, monkeypatch):
+    """Same backend, N, K, dtype and (FP8) fast_accum, nearest M_cap in log2; the heuristic where the
+    nearest entry breaks a rule of the request (per-step scales: 128 x 128 tiles; per-step
+    accumulation: at most 64 x 128; whole N tiles)."""
+    bf16_small, bf16_big = _mosaic(64, 256, 64, 5, 4), _mosaic(128, 128, 64, 3, 2)
+    fp8_promoted, fp8_fast = _mosaic(64, 128, 128, 4, 2), _mosaic(128, 256, 128, 5, 4, True)
+    use_tuned_file(tmp_path, monkeypatch, [
+        tuned_entry("pallas_mosaic_gpu", 4096, 7168, 256, "bf16", bf16_small),
+        tuned_entry("pallas_mosaic_gpu", 4096, 7168, 16384, "bf16", bf16_big),
+        tuned_entry("pallas_mosaic_gpu", 4096, 7168, 2048, "fp8", fp8_promoted, fast_accum=False),
+        tuned_entry("pallas_mosaic_gpu", 4096, 7168, 2048, "fp8", fp8_fast, fast_accum=True),
+        tuned_entry("pallas_mosaic_gpu", 4160, 7168, 256, "bf16", _mosaic(64, 128, 64, 4, 1)),  # 4160 % 128 != 0
+        tuned_entry("pallas_triton", 4096, 7168, 4096, "bf16",  # another backend: never taken
+                    dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
+    ])
+    dev = "Test GPU"
+    cfg = functools.partial(mosaic_grouped_gemm_config, device_kind=dev)
+    heur = heuristic_mosaic_grouped_gemm_config
+    assert cfg(300, 4096, 7168, 32, 2) == MosaicGroupedGemmConfig(**bf16_small)
+    assert cfg(8192, 4096, 7168, 32, 2) == MosaicGroupedGemmConfig(**bf16_big)
+    assert cfg(8192, 4096, 7168, 32, 2, fast_accum=True) == MosaicGroupedGemmConfig(**bf16_big)  # no such thing for bf16
+    # FP8: promoted (default) and fast accumulation have their own entries
+    assert cfg(256, 4096, 7168, 32, 1) == MosaicGroupedGemmConfig(**fp8_promoted)
+    assert cfg(256, 4096, 7168, 32, 1, fast_accum=True) == MosaicGroupedGemmConfig(**fp8_fast)
+    # per-step scales: the promoted 64 x 128 x 128 entry fits; the fast 128 x 256 one does not
+    assert cfg(256, 4096, 7168, 32, 1, per_step_scales=True) == MosaicGroupedGemmConfig(**fp8_promoted)
+    assert cfg(256, 4096, 7168, 32, 1, per_step_scales=True, fast_accum=True) == \
+        heur(256, 4096, 7168, 32, 1, per_step_scales=True, fast_accum=True)
+    # N % block_n != 0: the heuristic (which halves block_n until it divides)
+    assert cfg(256, 4160, 7168, 32, 2) == heur(256, 4160, 7168, 32, 2)
+    # nothing for this N / K, no device kind, no file for the device: the heuristic
+    assert cfg(256, 2048, 7168, 32, 2) == heur(256, 2048, 7168, 32, 2)
+    assert mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2) == heur(256, 4096, 7168, 32, 2)
+    assert mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2, device_kind="Other GPU") == heur(256, 4096, 7168, 32, 2)
+
+
+def test_tuned_rule_mirrors_check_supported():
+    """``mosaic_config_fits`` accepts exactly the configs ``check_supported`` serves (the config-dependent rules)."""
+    from moe_pallas.ops.grouped_gemm.config import mosaic_config_fits
+    from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import check_supported
+
+    kinds = [(None, None), ("per_token", "per_channel"), ("per_token_group", "per_channel"), ("per_token", "block")]
+    for dtype, (x_kind, w_kind), bm, bn, fast in itertools.product(
+            [jnp.bfloat16, jnp.float8_e4m3fn], kinds, [64, 128], [128, 192, 256], [False, True]):
+        if (dtype == jnp.bfloat16) != (x_kind is None):
+            continue
+        N, K, itemsize = 768, 512, jnp.dtype(dtype).itemsize
+        c = MosaicGroupedGemmConfig(block_m=bm, block_n=bn, block_k=128 // itemsize, fast_accum=fast and itemsize == 1)
+        per_step_scales = x_kind == "per_token_group" or w_kind == "block"
+        try:
+            check_supported(jax.ShapeDtypeStruct((256, K), dtype), jax.ShapeDtypeStruct((4, N, K), dtype), x_kind,
+                            w_kind, 128, jnp.bfloat16, c)
+            served = True
+        except NotImplementedError:
+            served = False
+        assert mosaic_config_fits(c, N, K, itemsize, per_step_scales) == served, (dtype, x_kind, w_kind, c)
+
+
+def test_kernel_default_config_reads_the_device_kind(tmp_path, monkeypatch):
+    """The kernel's default config is looked up with the host-side device kind (``None`` on the CPU)."""
+    M, K, N = 136, 384, 256  # shapes of no other test: the jit cache cannot hide a trace
+    tuned = _mosaic(128, 128, 64, 3, 2)
+    use_tuned_file(tmp_path, monkeypatch, [tuned_entry("pallas_mosaic_gpu", N, K, 128, "bf16", tuned)])
+    calls = _spy_config(monkeypatch, pallas_mosaic_gpu, "mosaic_grouped_gemm_config")
+    x, w, offsets = problem(7, [40, 60, 20], M, K, N, jnp.bfloat16)
+    f = jax.jit(grouped_gemm_pallas_mosaic_gpu)
+    f.trace(x, w, offsets)
+    expected = None if not ON_GPU else jax.devices()[0].device_kind
+    assert calls[-1]["device_kind"] == expected
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_device_kind", lambda: "Test GPU")
+    f.trace(x[:-8], w, offsets)  # another shape: a fresh trace
+    assert calls[-1]["device_kind"] == "Test GPU"
+    assert calls[-1]["result"] == MosaicGroupedGemmConfig(**tuned)
 
 
 def _fp8_problem(seed, counts, m_cap, K, N, x_layout, w_layout):

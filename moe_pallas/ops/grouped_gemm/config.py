@@ -6,12 +6,26 @@ A program computes one ``block_m x block_n`` tile of ``y [M_cap, N]`` for the ro
 expert, looping over ``K`` in ``block_k`` steps (``x`` tile ``[block_m, block_k]`` times the
 K-major weight tile ``[block_n, block_k]``, float32 accumulator in registers). The numbers
 below are first, untuned choices (no GPU measurements yet); the constraints are hard ones.
+
+Tuned configs: ``benchmarks/tune_jax_gemm.py`` writes ``tuned/<device kind>.json`` (entries with
+named keys, both backends in one file). :func:`grouped_gemm_config` and
+:func:`mosaic_grouped_gemm_config` prefer the entry of the same backend, ``N``, ``K`` and dtype
+(and ``fast_accum`` for Mosaic) with the nearest ``M_cap`` (in log2) when they are given the
+device kind (the kernels pass :func:`gpu_device_kind`, read on the host at trace time; none on
+the CPU or in interpret mode), and fall back to the heuristics (:func:`heuristic_grouped_gemm_config`,
+:func:`heuristic_mosaic_grouped_gemm_config`) when no entry matches or the nearest one breaks a
+rule of this request (scale layout, whole tiles). Mirror of ``moe_torch/ops/grouped_gemm/config.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import math
+import os
 
+import jax
 from jax.experimental import pallas as pl
 
 #: Smallest block of a ``dot`` dimension: Hopper's tensor-core instructions (and Triton's
@@ -67,7 +81,8 @@ def largest_pow2_divisor(n: int) -> int:
     return n & -n
 
 
-def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, group_size: int | None = None) -> GroupedGemmConfig:
+def heuristic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int,
+                                  group_size: int | None = None) -> GroupedGemmConfig:
     """The heuristic: a config for ``x [M_cap, K]`` (``itemsize`` bytes a value) x ``w [E, N, K]``.
 
     ``block_m``: the average rows per expert, ``M_cap / E``, rounded up to a power of two and
@@ -133,8 +148,8 @@ class MosaicGroupedGemmConfig:
             raise ValueError(f"MosaicGroupedGemmConfig: block_n must be a multiple of 8 up to 256; got {self.block_n}")
 
 
-def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *,
-                               per_step_scales: bool = False, fast_accum: bool = False) -> MosaicGroupedGemmConfig:
+def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *,
+                                         per_step_scales: bool = False, fast_accum: bool = False) -> MosaicGroupedGemmConfig:
     """Heuristic from a sweep on the H200 (2026-11-30, BENCHMARKS.md; E=32, K/N of the benchmark).
 
     One accumulator (16-bit inputs, or FP8 with ``fast_accum``): experts averaging < 256 rows get
@@ -158,3 +173,107 @@ def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int
     grid_block_n = 4 if grid_n % 4 == 0 else 1
     return MosaicGroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=5,
                                    grid_block_n=grid_block_n, fast_accum=fast_accum and fp8)
+
+
+# --- Tuned configs (``benchmarks/tune_jax_gemm.py``) ------------------------------------------
+
+#: Tuned configs, one JSON file per device kind (``"NVIDIA H200"`` -> ``NVIDIA_H200.json``).
+TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
+#: The ``"backend"`` key of the tuned entries of each kernel.
+TRITON_BACKEND = "pallas_triton"
+MOSAIC_BACKEND = "pallas_mosaic_gpu"
+
+
+def gpu_device_kind() -> str | None:
+    """``jax.devices()[0].device_kind`` (e.g. ``"NVIDIA H200"``) when the default backend is a GPU,
+    else ``None``. Host-side only (no device state is traced); the kernels call it at trace time."""
+    try:
+        if jax.default_backend() != "gpu":
+            return None
+        return jax.devices()[0].device_kind
+    except Exception:  # noqa: BLE001 - no backend to ask: no tuned lookup
+        return None
+
+
+@functools.cache
+def tuned_entries(device_kind: str) -> tuple[dict, ...]:
+    """The tuned entries of ``device_kind`` (e.g. ``"NVIDIA H200"``), ``()`` if none were stored."""
+    path = os.path.join(TUNED_DIR, device_kind.replace(" ", "_") + ".json")
+    if not os.path.exists(path):
+        return ()
+    with open(path) as f:
+        return tuple(json.load(f))
+
+
+def _dtype_key(itemsize: int) -> str | None:
+    """The ``"dtype"`` key of the tuned entries for inputs of ``itemsize`` bytes (16-bit floats share bf16's)."""
+    return {1: "fp8", 2: "bf16"}.get(itemsize)
+
+
+def nearest_tuned(device_kind: str | None, backend: str, M_cap: int, N: int, K: int, itemsize: int,
+                  fast_accum: bool | None = None) -> dict | None:
+    """The ``"config"`` dict of the tuned entry of ``backend`` for the same ``N``, ``K``, dtype (and, when
+    not ``None``, ``fast_accum``) with the nearest ``M_cap`` in log2 (ties: the first stored); ``None``
+    if ``device_kind`` is ``None`` or nothing matches."""
+    dtype = _dtype_key(itemsize)
+    if device_kind is None or dtype is None:
+        return None
+    matches = [t for t in tuned_entries(device_kind)
+               if (t.get("backend"), t["N"], t["K"], t["dtype"]) == (backend, N, K, dtype)
+               and (fast_accum is None or bool(t.get("fast_accum")) == fast_accum)]
+    if not matches:
+        return None
+    log_m = math.log2(max(M_cap, 1))
+    return min(matches, key=lambda t: abs(log_m - math.log2(max(t["M_cap"], 1))))["config"]
+
+
+def triton_config_fits(cfg: GroupedGemmConfig, group_size: int | None, w_block: bool) -> bool:
+    """Whether ``cfg`` keeps the rules of ``pallas_triton.check_supported`` on the GPU: every dot block
+    >= 16; ``block_k`` divides the per-token-group size ``G``; with 128x128 weight blocks, ``block_n``
+    and ``block_k`` divide 128."""
+    if min(cfg.block_m, cfg.block_n, cfg.block_k) < MIN_DOT_BLOCK:
+        return False
+    if group_size and group_size % cfg.block_k:
+        return False
+    return not (w_block and (SCALE_BLOCK % cfg.block_n or SCALE_BLOCK % cfg.block_k))
+
+
+def mosaic_config_fits(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int, per_step_scales: bool) -> bool:
+    """Whether ``cfg`` keeps the rules of ``pallas_mosaic_gpu.check_supported`` that depend on the config:
+    whole tiles (``N % block_n``, ``K % block_k``); per-step scales need ``block_n == block_k == 128``;
+    per-step accumulation (those scales, or FP8 without ``fast_accum``) at most ``64 x 128`` tiles."""
+    if N % cfg.block_n or K % cfg.block_k:
+        return False
+    if per_step_scales and (cfg.block_n != SCALE_BLOCK or cfg.block_k != SCALE_BLOCK):
+        return False
+    per_step = per_step_scales or (itemsize == 1 and not cfg.fast_accum)
+    return not (per_step and cfg.block_m * cfg.block_n > 64 * 128)
+
+
+def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, group_size: int | None = None, *,
+                        w_block: bool = False, device_kind: str | None = None) -> GroupedGemmConfig:
+    """The Pallas-Triton config: the tuned one of ``device_kind`` (:func:`nearest_tuned`) if one is
+    stored and fits this request (:func:`triton_config_fits`; ``w_block``: 128x128 block weight
+    scales), else :func:`heuristic_grouped_gemm_config`. ``device_kind=None`` (the CPU, interpret
+    mode): the heuristic."""
+    tuned = nearest_tuned(device_kind, TRITON_BACKEND, M_cap, N, K, itemsize)
+    if tuned is not None:
+        cfg = GroupedGemmConfig(**tuned)
+        if triton_config_fits(cfg, group_size, w_block):
+            return cfg
+    return heuristic_grouped_gemm_config(M_cap, N, K, E, itemsize, group_size)
+
+
+def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *, per_step_scales: bool = False,
+                               fast_accum: bool = False, device_kind: str | None = None) -> MosaicGroupedGemmConfig:
+    """The Mosaic GPU config: the tuned one of ``device_kind`` for the same ``fast_accum`` (FP8; 16-bit
+    entries have none) if one is stored and fits this request (:func:`mosaic_config_fits`), else
+    :func:`heuristic_mosaic_grouped_gemm_config`. ``device_kind=None``: the heuristic."""
+    fast_accum = fast_accum and itemsize == 1
+    tuned = nearest_tuned(device_kind, MOSAIC_BACKEND, M_cap, N, K, itemsize, fast_accum if itemsize == 1 else None)
+    if tuned is not None:
+        cfg = MosaicGroupedGemmConfig(**{**tuned, "fast_accum": fast_accum})
+        if mosaic_config_fits(cfg, N, K, itemsize, per_step_scales):
+            return cfg
+    return heuristic_mosaic_grouped_gemm_config(M_cap, N, K, E, itemsize, per_step_scales=per_step_scales,
+                                                fast_accum=fast_accum)

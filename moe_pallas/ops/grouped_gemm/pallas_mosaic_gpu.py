@@ -54,7 +54,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from moe_pallas.ops.grouped_gemm.config import SCALE_BLOCK, MosaicGroupedGemmConfig, mosaic_grouped_gemm_config
+from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, MosaicGroupedGemmConfig, gpu_device_kind,
+                                                 mosaic_grouped_gemm_config)
 from moe_pallas.ops.grouped_gemm.pallas_triton import scale_kinds, tile_metadata
 
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -219,7 +220,8 @@ def grouped_gemm_pallas_mosaic_gpu(
       x_scale: FP8 only, float32 multiplier: ``[]``, ``[M_cap, 1]`` or ``[M_cap, K // 128]``.
       w_scale: FP8 only, float32 multiplier: ``[E]``, ``[E, N]`` or ``[E, N // 128, K // 128]``.
       out_dtype: default ``x.dtype`` (bf16 for FP8 inputs).
-      config: launch config (default: :func:`mosaic_grouped_gemm_config`).
+      config: launch config (default: :func:`mosaic_grouped_gemm_config`: the tuned config of this GPU
+        if one is stored and fits, else the heuristic).
 
     Returns: ``y [M_cap, N]`` in ``out_dtype``; every row written exactly once.
 
@@ -231,7 +233,11 @@ def grouped_gemm_pallas_mosaic_gpu(
     out_dtype = (jnp.bfloat16 if fp8 else x.dtype) if out_dtype is None else jnp.dtype(out_dtype)
     x_kind, w_kind, G = scale_kinds(x_scale, w_scale, K) if fp8 else (None, None, 0)
     per_step_scales = x_kind == "per_token_group" or w_kind == "block"
-    cfg = mosaic_grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, per_step_scales=per_step_scales) if config is None else config
+    if config is None:  # tuned for this GPU (device kind read on the host at trace time) or the heuristic
+        cfg = mosaic_grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, per_step_scales=per_step_scales,
+                                         device_kind=gpu_device_kind())
+    else:
+        cfg = config
     check_supported(x, w, x_kind, w_kind, G, out_dtype, cfg)
     if M_cap == 0 or N == 0 or E == 0:
         return jnp.zeros((M_cap, N), out_dtype)

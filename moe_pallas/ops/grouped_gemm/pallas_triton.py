@@ -40,7 +40,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_pallas.ops.grouped_gemm.config import MIN_DOT_BLOCK, SCALE_BLOCK, GroupedGemmConfig, grouped_gemm_config
+from moe_pallas.ops.grouped_gemm.config import (MIN_DOT_BLOCK, SCALE_BLOCK, GroupedGemmConfig, gpu_device_kind,
+                                                 grouped_gemm_config)
 
 FP8_DTYPE = jnp.float8_e4m3fn
 
@@ -219,7 +220,8 @@ def grouped_gemm_pallas_triton(
         ``[M_cap, 1]`` or ``[M_cap, K // G]``.
       w_scale: FP8 only, float32 multiplier: ``[E]``, ``[E, N]`` or ``[E, ceil(N/128), ceil(K/128)]``.
       out_dtype: default ``x.dtype`` (bf16 for FP8 inputs).
-      config: launch config (default: :func:`grouped_gemm_config` of the shapes).
+      config: launch config (default: :func:`grouped_gemm_config` of the shapes: the tuned config of this
+        GPU if one is stored and fits, else the heuristic; never a tuned one in interpret mode).
       interpret: run in Pallas interpret mode (default: when ``jax.default_backend() == "cpu"``).
 
     Grid: ``(cdiv(M_cap, block_m) + E, cdiv(N, block_n))``, static; see :func:`tile_metadata`.
@@ -237,7 +239,11 @@ def grouped_gemm_pallas_triton(
     fp8 = x.dtype == FP8_DTYPE
     out_dtype = (jnp.bfloat16 if fp8 else x.dtype) if out_dtype is None else jnp.dtype(out_dtype)
     x_kind, w_kind, G = scale_kinds(x_scale, w_scale, K) if fp8 else (None, None, 0)
-    cfg = grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, G or None) if config is None else config
+    if config is None:  # tuned for this GPU (device kind read on the host at trace time) or the heuristic
+        cfg = grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, G or None, w_block=w_kind == "block",
+                                  device_kind=None if interpret else gpu_device_kind())
+    else:
+        cfg = config
     check_supported(x_kind, w_kind, G, cfg, interpret)
     if M_cap == 0 or N == 0 or K == 0 or E == 0:  # nothing to launch: empty, or a sum of no terms / no expert
         return jnp.zeros((M_cap, N), out_dtype)

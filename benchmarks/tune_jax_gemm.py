@@ -1,0 +1,319 @@
+"""Tune the JAX grouped GEMM kernels' launch configs on this GPU; write the winners as JSON with named keys.
+
+Usage (GPU machine, repo root)::
+
+    PYTHONPATH=. python3 benchmarks/tune_jax_gemm.py [--out DIR] [--backends pallas_triton,pallas_mosaic_gpu]
+        [--quick] [--max-minutes 8] [--dtypes bf16,fp8] [--ms 256,2048,16384] [--resume] [--jobs 8]
+
+``--out`` defaults to ``$OUT`` if set, else ``moe_pallas/ops/grouped_gemm/tuned`` (where
+``moe_pallas.ops.grouped_gemm.config.tuned_entries`` reads). The file is ``<device kind>.json``
+(``jax.devices()[0].device_kind`` with spaces as ``_``, e.g. ``NVIDIA_H200.json``); one entry per
+(backend, problem, FP8 accumulation mode)::
+
+    {"backend": "pallas_mosaic_gpu", "device": "NVIDIA H200", "E": 32, "N": 4096, "K": 7168, "M_cap": 2048,
+     "dtype": "fp8", "fast_accum": false, "config": {...every field...}, "ms": 0.26, "heuristic_ms": 0.27,
+     "configs_timed": 9, "complete": true}
+
+``fast_accum`` is ``null`` for bf16 and for Pallas-Triton. ``complete`` is false when ``--max-minutes``
+ran out inside that sweep (the entry is the best of what was timed, never slower than the heuristic
+it was timed against). Entries already in the output file (or in ``--merge``) are kept unless this
+run tunes the same key again; ``--resume`` skips keys that already have a complete entry, so a sweep
+can be split over several commands.
+
+Problems: the benchmark's grouped GEMM set (E=32; (K=7168, N=4096) and (K=2048, N=7168); M in
+{256, 2048, 16384} (``--quick``: 256 and 16384); rows split uniformly; bf16, and FP8 per-token
+activation x per-channel weight scales), bf16 output. Search space: :data:`TRITON_SPACE`
+(minus tiles whose float32 accumulator exceeds :data:`MAX_ACC_REGS` registers a thread) and
+:data:`MOSAIC_SPACE` (FP8 with promoted accumulation: 64 x 128 tiles only, the per-step path's
+register rule; FP8 with ``fast_accum``: every tile).
+
+Each config: compiled ahead of time (``--jobs`` XLA compiles in parallel threads; lowering stays on
+the main thread), checked against ``grouped_gemm_reference`` computed under
+``jax.default_matmul_precision("highest")`` (relative Frobenius error of the bf16 output <= 1e-2,
+else WRONG and never chosen), then timed with ``jax.experimental.mosaic.gpu.profiler.measure``
+(CUPTI, sum of the executable's kernels, median of 10 iterations). A config that fails to lower or
+compile (NotImplementedError, shared memory, ...) is skipped with its reason. The JSON is rewritten
+after every sweep, so a run cut short keeps what it found. A short table is printed last.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import argparse  # noqa: E402
+import concurrent.futures  # noqa: E402
+import dataclasses  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental.mosaic.gpu import profiler  # noqa: E402
+
+import moe_pallas  # noqa: E402
+from moe_pallas.ops.grouped_gemm.config import (  # noqa: E402
+    MOSAIC_BACKEND,
+    TRITON_BACKEND,
+    GroupedGemmConfig,
+    MosaicGroupedGemmConfig,
+    heuristic_grouped_gemm_config,
+    heuristic_mosaic_grouped_gemm_config,
+)
+from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference  # noqa: E402
+
+E = 32
+SHAPES = ((7168, 4096), (2048, 7168))  # (K, N): gate_up and down of the benchmark
+MS = (256, 2048, 16384)
+DTYPES = ("bf16", "fp8")
+BACKENDS = (TRITON_BACKEND, MOSAIC_BACKEND)
+#: Pallas-Triton: block_k is fixed by the dtype (64 bf16, 128 fp8: 128-byte K rows).
+TRITON_SPACE = {"block_m": (32, 64, 128), "block_n": (64, 128, 256), "num_warps": (4, 8), "num_stages": (3, 4)}
+#: Float32 accumulator registers a thread, at most: ``block_m * block_n / (32 * num_warps)``. 128 x 256
+#: over 4 warps is 256 a thread (spills); everything else in TRITON_SPACE is <= 128.
+MAX_ACC_REGS = 128
+#: Pallas Mosaic GPU: block_k fixed by the dtype (64 bf16, 128 fp8).
+MOSAIC_SPACE = {"block_m": (64, 128), "block_n": (128, 256), "max_concurrent_steps": (3, 4, 5), "grid_block_n": (1, 2, 4)}
+#: Relative Frobenius error of the bf16 output against the float32 reference above which a config is WRONG.
+MAX_REL_ERR = 1e-2
+ITERATIONS = 10
+
+
+def triton_candidates(dtype: str) -> list[GroupedGemmConfig]:
+    block_k = 64 if dtype == "bf16" else 128
+    keys = tuple(TRITON_SPACE)
+    out = []
+    for values in itertools.product(*TRITON_SPACE.values()):
+        kw = dict(zip(keys, values))
+        if kw["block_m"] * kw["block_n"] // (32 * kw["num_warps"]) > MAX_ACC_REGS:
+            continue
+        out.append(GroupedGemmConfig(block_k=block_k, **kw))
+    return out
+
+
+def mosaic_candidates(dtype: str, fast_accum: bool | None) -> list[MosaicGroupedGemmConfig]:
+    block_k = 64 if dtype == "bf16" else 128
+    keys = tuple(MOSAIC_SPACE)
+    out = []
+    for values in itertools.product(*MOSAIC_SPACE.values()):
+        kw = dict(zip(keys, values))
+        if dtype == "fp8" and not fast_accum and kw["block_m"] * kw["block_n"] > 64 * 128:
+            continue  # per-step accumulation: two float32 tiles in one warpgroup's registers
+        out.append(MosaicGroupedGemmConfig(block_k=block_k, fast_accum=bool(fast_accum), **kw))
+    return out
+
+
+def variants(backend: str, dtype: str) -> list[bool | None]:
+    """The ``fast_accum`` values tuned separately: Mosaic FP8 has two accumulation modes."""
+    return [False, True] if (backend == MOSAIC_BACKEND and dtype == "fp8") else [None]
+
+
+def heuristic(backend: str, M: int, N: int, K: int, dtype: str, fast_accum: bool | None):
+    itemsize = 2 if dtype == "bf16" else 1
+    if backend == TRITON_BACKEND:
+        return heuristic_grouped_gemm_config(M, N, K, E, itemsize)
+    return heuristic_mosaic_grouped_gemm_config(M, N, K, E, itemsize, fast_accum=bool(fast_accum))
+
+
+def kernel_fn(backend: str, cfg):
+    """A jitted ``f(x, w, offsets, x_scale, w_scale) -> y`` (bf16) of ``backend`` with ``cfg``."""
+    if backend == TRITON_BACKEND:
+        from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton
+
+        def f(x, w, off, xs, ws):
+            return grouped_gemm_pallas_triton(x, w, off, x_scale=xs, w_scale=ws, out_dtype=jnp.bfloat16, config=cfg,
+                                              interpret=False)
+    else:
+        from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
+
+        def f(x, w, off, xs, ws):
+            return grouped_gemm_pallas_mosaic_gpu(x, w, off, x_scale=xs, w_scale=ws, out_dtype=jnp.bfloat16, config=cfg)
+    return jax.jit(f)
+
+
+def make_problem(K: int, N: int, M: int, dtype: str, seed: int = 0):
+    """``(x, w, offsets, x_scale, w_scale)``: x ~ N(0, 1), w ~ N(0, 1/K) (outputs O(1)), M/E rows per expert."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(k1, (M, K), jnp.bfloat16)
+    w = (jax.random.normal(k2, (E, N, K), jnp.bfloat16) * K**-0.5).astype(jnp.bfloat16)
+    off = jnp.arange(E + 1, dtype=jnp.int32) * (M // E)
+    if dtype == "bf16":
+        return x, w, off, None, None
+    xq, xs = moe_pallas.per_token_quant_fp8(x)
+    wq, ws = moe_pallas.quantize_weight_fp8(w, "per_channel")
+    del w
+    return xq, wq, off, xs, ws
+
+
+def short(cfg) -> str:
+    if isinstance(cfg, GroupedGemmConfig):
+        return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} c{cfg.max_concurrent_steps} g{cfg.grid_block_n}"
+            + (" fast" if cfg.fast_accum else ""))
+
+
+def entry_key(e: dict) -> tuple:
+    return (e["backend"], e["E"], e["N"], e["K"], e["M_cap"], e["dtype"], e.get("fast_accum"))
+
+
+class Deadline:
+    def __init__(self, minutes: float | None):
+        self.end = None if minutes is None else time.time() + 60 * minutes
+
+    def passed(self) -> bool:
+        return self.end is not None and time.time() > self.end
+
+
+def sweep(backend: str, cfgs: list, args_: tuple, ref: jax.Array, ref_norm: float, deadline: Deadline,
+          pool: concurrent.futures.ThreadPoolExecutor) -> tuple[dict, bool]:
+    """``({cfg: ms}, finished)``: the correct configs of ``cfgs`` (in order) until ``deadline``
+    (``finished``: every config was tried); prints every skip / WRONG with its reason. Lowering on
+    this thread, XLA compilation in ``pool``."""
+    futures, finished = {}, True
+    for cfg in cfgs:
+        if deadline.passed():
+            finished = False
+            break
+        try:
+            lowered = kernel_fn(backend, cfg).lower(*args_)
+        except Exception as exc:  # noqa: BLE001 - NotImplementedError (rules), lowering errors: not a candidate
+            print(f"  skip {short(cfg)}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+                  flush=True)
+            continue
+        futures[cfg] = pool.submit(lowered.compile)
+    timed, run_errors = {}, 0
+    for cfg, fut in futures.items():
+        if deadline.passed():
+            finished = False
+            break
+        try:
+            compiled = fut.result()
+        except Exception as exc:  # noqa: BLE001 - out of shared memory / registers etc.
+            print(f"  skip {short(cfg)}: compile {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+                  flush=True)
+            continue
+        try:
+            y = compiled(*args_)
+            err = float(jnp.linalg.norm(y.astype(jnp.float32) - ref)) / ref_norm
+            if not err <= MAX_REL_ERR:
+                print(f"  WRONG {short(cfg)}: rel err {err:.2e}", flush=True)
+                continue
+            _, ts = profiler.measure(compiled, iterations=ITERATIONS)(*args_)
+            run_errors = 0
+        except Exception as exc:  # noqa: BLE001 - a run-time failure
+            run_errors += 1
+            print(f"  skip {short(cfg)}: run {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+                  flush=True)
+            if run_errors >= 3:
+                raise RuntimeError("three run-time failures in a row: the GPU context is probably lost") from exc
+            continue
+        if not ts:
+            print(f"  skip {short(cfg)}: CUPTI saw no kernel", flush=True)
+            continue
+        timed[cfg] = float(np.median(ts))
+        print(f"  {short(cfg):32s} {timed[cfg]:8.4f} ms  err {err:.1e}", flush=True)
+    return timed, finished
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or "moe_pallas/ops/grouped_gemm/tuned")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--quick", action="store_true", help="M in {256, 16384} only")
+    parser.add_argument("--max-minutes", type=float, default=None, help="start no config after this many minutes")
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--ms", default=None, help="comma-separated M_cap values (default: all, or --quick's)")
+    parser.add_argument("--resume", action="store_true", help="skip keys with a complete entry in the output / --merge file")
+    parser.add_argument("--merge", default=None, help="tuned JSON whose entries are kept (default: the output file)")
+    parser.add_argument("--jobs", type=int, default=8, help="parallel XLA compilations (1: sequential)")
+    args = parser.parse_args()
+    backends = [b for b in args.backends.split(",") if b]
+    if unknown := set(backends) - set(BACKENDS):
+        parser.error(f"unknown backends {sorted(unknown)}; choose from {BACKENDS}")
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if unknown := set(dtypes) - set(DTYPES):
+        parser.error(f"unknown dtypes {sorted(unknown)}; choose from {DTYPES}")
+    ms = [int(m) for m in args.ms.split(",")] if args.ms else [m for m in MS if not (args.quick and m == 2048)]
+    if jax.default_backend() != "gpu":
+        print(f"tune_jax_gemm: needs a GPU; the default backend is {jax.default_backend()!r}", file=sys.stderr)
+        return 2
+    deadline = Deadline(args.max_minutes)
+    dev = jax.devices()[0].device_kind
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, dev.replace(" ", "_") + ".json")
+    merge = args.merge or path
+    entries: dict[tuple, dict] = {}
+    if os.path.exists(merge):
+        with open(merge) as f:
+            entries = {entry_key(e): e for e in json.load(f)}
+        print(f"kept {len(entries)} entries of {merge}", flush=True)
+    tuned_now: list[tuple] = []
+
+    def write():
+        with open(path, "w") as f:
+            json.dump(list(entries.values()), f, indent=1)
+
+    print(f"device {dev}; backends {backends}; dtypes {dtypes}; M {ms}; output {path}", flush=True)
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, args.jobs))
+    try:
+        for (K, N), M, dtype in itertools.product(SHAPES, ms, dtypes):
+            todo = [(b, fa) for b in backends for fa in variants(b, dtype)
+                    if not (args.resume and entries.get((b, E, N, K, M, dtype, fa), {}).get("complete"))]
+            if not todo or deadline.passed():
+                continue
+            print(f"== K={K} N={N} M={M} {dtype}", flush=True)
+            args_ = make_problem(K, N, M, dtype)
+            with jax.default_matmul_precision("highest"):
+                ref = jax.jit(grouped_gemm_reference, static_argnums=5)(*args_, jnp.float32)
+            ref_norm = float(jnp.linalg.norm(ref))
+            for backend, fast_accum in todo:
+                if deadline.passed():
+                    break
+                print(f"-- {backend}" + ("" if fast_accum is None else f" fast_accum={fast_accum}"), flush=True)
+                heur = heuristic(backend, M, N, K, dtype, fast_accum)
+                heur_timed, _ = sweep(backend, [heur], args_, ref, ref_norm, Deadline(None), pool)
+                heur_ms = heur_timed.get(heur)
+                cands = [c for c in (triton_candidates(dtype) if backend == TRITON_BACKEND
+                                     else mosaic_candidates(dtype, fast_accum)) if c != heur]
+                timed, complete = sweep(backend, cands, args_, ref, ref_norm, deadline, pool)
+                timed.update(heur_timed)
+                if not timed:
+                    print("  no correct config timed: no entry", flush=True)
+                    continue
+                best = min(timed, key=timed.get)
+                key = (backend, E, N, K, M, dtype, fast_accum)
+                entries[key] = {"backend": backend, "device": dev, "E": E, "N": N, "K": K, "M_cap": M, "dtype": dtype,
+                                "fast_accum": fast_accum, "config": dataclasses.asdict(best),
+                                "ms": round(timed[best], 4),
+                                "heuristic_ms": None if heur_ms is None else round(heur_ms, 4),
+                                "configs_timed": len(timed), "complete": complete}
+                tuned_now.append(key)
+                print(json.dumps(entries[key]), flush=True)
+                write()
+            del args_, ref
+            jax.clear_caches()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        write()
+        print(f"wrote {path} ({len(entries)} entries, {len(tuned_now)} tuned in this run)"
+              + (" -- stopped at --max-minutes" if deadline.passed() else ""), flush=True)
+        print(f"{'backend':18s} {'dtype':5s} {'fast':5s} {'K':>5s} {'N':>5s} {'M':>6s} {'heur ms':>8s} {'ms':>8s} "
+              f"{'x':>5s}  config")
+        for key in tuned_now:
+            e = entries[key]
+            h = e["heuristic_ms"]
+            cfg = (GroupedGemmConfig if e["backend"] == TRITON_BACKEND else MosaicGroupedGemmConfig)(**e["config"])
+            heur_s = "-" if h is None else "%.4f" % h
+            gain = "-" if h is None else "%.2f" % (h / e["ms"])
+            print("%-18s %-5s %-5s %5d %5d %6d %8s %8.4f %5s  %s%s" % (
+                e["backend"], e["dtype"], e["fast_accum"], e["K"], e["N"], e["M_cap"], heur_s, e["ms"], gain, short(cfg),
+                "" if e["complete"] else "  (partial)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
