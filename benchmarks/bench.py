@@ -156,6 +156,17 @@ def sig(args) -> tuple:
     return tuple((tuple(a.shape), str(a.dtype)) if hasattr(a, "shape") else a for a in jax.tree.leaves(args))
 
 
+def judge(row: dict, out, ref) -> bool:
+    """The correctness gate of every row: ``rel_err`` of ``out`` against ``ref`` into the row; a wrong
+    result is marked WRONG and must not be timed (returns False)."""
+    err = rel_err_t(out, ref)
+    row["rel_err"] = err
+    if not err <= H.REL_ERR_MAX:
+        row["error"] = f"WRONG: rel_err={err:.3g} > {H.REL_ERR_MAX:g}; not timed"
+        return False
+    return True
+
+
 def run_torch(ctx: Ctx, bench: str, backend: str, spec, fn, ref, *, flops: float, nbytes: float, dtype: str,
               canon=lambda o: o, notes: str | None = None, add: bool = True) -> dict:
     """Check ``canon(fn())`` against ``ref``, then time ``fn``; adds one row (unless ``add=False``) and returns it."""
@@ -163,12 +174,9 @@ def run_torch(ctx: Ctx, bench: str, backend: str, spec, fn, ref, *, flops: float
     try:
         out, compile_s = H.torch_first_call(fn, ctx.torch_dev)
         row["compile_s"] = compile_s
-        err = rel_err_t(canon(out), ref)
-        row["rel_err"] = err
-        del out
-        if not err <= H.REL_ERR_MAX:
-            row["error"] = f"WRONG: rel_err={err:.3g} > {H.REL_ERR_MAX:g}; not timed"
-        else:
+        ok = judge(row, canon(out), ref)
+        del out  # not held while timing
+        if ok:
             row.update(H.time_torch(fn, ctx.torch_dev, warmup_ms=ctx.args.warmup_ms, rep_ms=ctx.args.rep_ms))
             H.add_rates(row, flops, nbytes, dtype)
     except Exception as exc:  # one backend's failure must not stop the run
@@ -194,12 +202,9 @@ def run_jax(ctx: Ctx, bench: str, backend: str, spec, fn, args: tuple, ref, *, f
         row["compile_s"] = compile_s
         out = compiled(*args)
         jax.block_until_ready(out)
-        err = rel_err_t(canon(out), ref)
-        row["rel_err"] = err
-        del out
-        if not err <= H.REL_ERR_MAX:
-            row["error"] = f"WRONG: rel_err={err:.3g} > {H.REL_ERR_MAX:g}; not timed"
-        else:
+        ok = judge(row, canon(out), ref)
+        del out  # not held while timing
+        if ok:
             if rot_sets and len(rot_sets) > 1:
                 rot, c2 = H.jax_compile(H.rotated(fn, len(rot_sets)), *rot_sets, cache=ctx.jit_cache,
                                         key=(backend, variant, spec_key(spec), "rot", len(rot_sets), sig(rot_sets[0])))

@@ -274,7 +274,8 @@ def torch_worker(rank: int, world: int, init_method: str, backend: str, args, re
     import torch.distributed as dist
 
     import moe_torch
-    from moe_torch.ep import _gate, ep_moe_forward
+    from moe_torch.ep import ep_moe_forward
+    from moe_torch.layer import run_gate
 
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -333,7 +334,7 @@ def torch_worker(rank: int, world: int, init_method: str, backend: str, args, re
                         comm = lambda: dist.all_reduce(partial)  # noqa: E731
                         mine["counts"] = None
                     else:
-                        _, topk_ids = _gate(logits, cfg, bias, impl)
+                        _, topk_ids = run_gate(logits, cfg, bias, impl)
                         K = cfg.num_slots
                         per_rank = cfg.num_experts // world
                         ids = topk_ids.reshape(-1)
@@ -522,6 +523,7 @@ def jax_main(args, rows_path: str) -> None:
 
     import moe_pallas
     from moe_pallas import ep as ep_module
+    from moe_pallas.layer import run_gate
 
     rows: list[dict] = []
     dtype = jnp.dtype(dtype_name(args))
@@ -607,7 +609,7 @@ def jax_main(args, rows_path: str) -> None:
                         cargs = (partial,)
                         row.update(replicated_bytes(T_global, cfg.hidden_size, ep))
                     else:
-                        gate = jax.jit(functools.partial(ep_module._gate, config=cfg, implementation=impl))
+                        gate = jax.jit(lambda lg_, b_, cfg=cfg, impl=impl: run_gate(lg_, cfg, b_, impl))
                         with jax.default_device(dev0):
                             _, ids = gate(lg_all[:T_global], bias)
                         ids = np.asarray(ids)

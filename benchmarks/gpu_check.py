@@ -106,14 +106,10 @@ def check_preset(name: str, quant: str, T: int, seed: int = 0, kernels: bool = F
         w2[e] = (torch.randn(H, I, generator=g, device=dev) * I**-0.5).to(torch.bfloat16)
 
     def quantize(mod, w13_, w2_):
-        """quantize_layer_weights, 16 experts at a time (bounded temporaries at DeepSeek-V3 size)."""
+        """quantize_layer_weights, a few experts at a time (bounded temporaries at DeepSeek-V3 size)."""
         if quant == "none":
             return w13_, None, w2_, None
-        layout = mod.layer.WEIGHT_LAYOUT[quant]
-        parts = [(*mod.quantize_weight_fp8(w13_[i : i + 16], layout), *mod.quantize_weight_fp8(w2_[i : i + 16], layout))
-                 for i in range(0, Et, 16)]
-        cat = (lambda xs: jnp.concatenate(xs)) if mod is moe_pallas else (lambda xs: torch.cat(xs))
-        return tuple(cat([p[k] for p in parts]) for k in range(4))
+        return (*mod.module.quantize_chunked(w13_, config), *mod.module.quantize_chunked(w2_, config))
 
     row = {"preset": name, "quant": quant, "T": T}
     # torch reference

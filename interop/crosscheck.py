@@ -500,15 +500,16 @@ def run_crosscheck(
         each("permute", permute)
         p = outputs["permute"][ref_name]
 
-        # ---- GEMM 1
-        def gemm1(impl: _Impl):
-            h = impl.mod.grouped_gemm(
-                impl.native(p["x_permuted"]), impl.native(w13), impl.native(r["expert_offsets"]),
-                x_scale=impl.native(p.get("x_scale")), w_scale=impl.native(s13), out_dtype=_bf16(impl),
-                implementation=impl.stage_impl(_op_api(impl.framework, "grouped_gemm")))
-            return {"h": h}
+        # ---- GEMM 1 and GEMM 2: the same op on different operands
+        def gemm(name: str, x_rows, x_scale, w, w_scale):
+            def run(impl: _Impl):
+                return {name: impl.mod.grouped_gemm(
+                    impl.native(x_rows), impl.native(w), impl.native(r["expert_offsets"]),
+                    x_scale=impl.native(x_scale), w_scale=impl.native(w_scale), out_dtype=_bf16(impl),
+                    implementation=impl.stage_impl(_op_api(impl.framework, "grouped_gemm")))}
+            return run
 
-        each("gemm1", gemm1)
+        each("gemm1", gemm("h", p["x_permuted"], p.get("x_scale"), w13, s13))
         h = outputs["gemm1"][ref_name]["h"]
 
         # ---- activation (+ FP8 quantization)
@@ -531,14 +532,7 @@ def run_crosscheck(
         a = outputs["act"][ref_name]
 
         # ---- GEMM 2
-        def gemm2(impl: _Impl):
-            y = impl.mod.grouped_gemm(
-                impl.native(a["a"]), impl.native(w2), impl.native(r["expert_offsets"]),
-                x_scale=impl.native(a.get("a_scale")), w_scale=impl.native(s2), out_dtype=_bf16(impl),
-                implementation=impl.stage_impl(_op_api(impl.framework, "grouped_gemm")))
-            return {"y": y}
-
-        each("gemm2", gemm2)
+        each("gemm2", gemm("y", a["a"], a.get("a_scale"), w2, s2))
         y = outputs["gemm2"][ref_name]["y"]
 
         # ---- combine

@@ -58,17 +58,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moe_contract.config import MoEConfig
 from moe_contract.validation import check_choice, check_config, check_layer_inputs, check_positive_int, check_rank
-from moe_pallas.layer import ACTIVATION_QUANT, LAYER_IMPLEMENTATIONS
-from moe_pallas.ops.activation import api as activation_api
-from moe_pallas.ops.activation.api import act_and_mul
+from moe_pallas.layer import LAYER_IMPLEMENTATIONS, combine_scaling_factor, run_experts, run_gate, stage_implementation
 from moe_pallas.ops.combine import api as combine_api
 from moe_pallas.ops.combine.api import combine
 from moe_pallas.ops.common import takes_jax_arrays
 from moe_pallas.ops.dispatch import check_implementation
-from moe_pallas.ops.gate import api as gate_api
-from moe_pallas.ops.gate.api import select_experts
-from moe_pallas.ops.grouped_gemm import api as grouped_gemm_api
-from moe_pallas.ops.grouped_gemm.api import grouped_gemm
 from moe_pallas.ops.permute import api as permute_api
 from moe_pallas.ops.permute.api import permute, routing_metadata
 
@@ -307,15 +301,6 @@ def _log_cpu_fallback() -> None:
     )
 
 
-def _stage_impl(implementation, stage_api):
-    return implementation if implementation in stage_api.IMPLEMENTATIONS else None
-
-
-def _gate(router_logits, bias, config, implementation):
-    return select_experts(router_logits, **config.gate_kwargs(), e_score_correction_bias=bias,
-                          implementation=_stage_impl(implementation, gate_api))
-
-
 def _to_local_ids(ids, starts, counts, e_lmax):
     """Global expert ids -> this device's local ids in ``[0, E_lmax)``; other ranks' experts (and
     ids < 0, "no row") -> ``E_lmax``, one past the end, which the routing metadata treats as
@@ -329,32 +314,19 @@ def _to_local_ids(ids, starts, counts, e_lmax):
 
 def _experts(x, local_ids, w13, w2, w13_scale, w2_scale, *, config, e_lmax, implementation):
     """This device's experts on rows ``x [R, H]`` with ids ``local_ids [R, topk]`` (``E_lmax`` = not
-    here): ``(y [R*topk, H] in permuted order, RoutingMetadata)``, the stages of ``moe_forward``."""
-    topk = local_ids.shape[1]
-    meta = routing_metadata(
-        local_ids, e_lmax + 1, expert_start=0, num_local_experts=e_lmax, implementation=_stage_impl(implementation, permute_api)
-    )
-    quant = ACTIVATION_QUANT[config.quant]
-    gemm = _stage_impl(implementation, grouped_gemm_api)
-    xq, x_scale = permute(x, meta.dst2src, topk=topk, quant=quant, implementation=_stage_impl(implementation, permute_api))
-    h = grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype, implementation=gemm)
-    a, a_scale = act_and_mul(h, activation=config.activation, quant=quant, implementation=_stage_impl(implementation, activation_api))
-    y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype, implementation=gemm)
-    return y, meta
-
-
-def _rsf(config):
-    return 1.0 if config.apply_routed_scaling_factor_on_output else config.routed_scaling_factor
+    here): ``(y [R*topk, H] in permuted order, RoutingMetadata)``, the expert stages of ``moe_forward``."""
+    return run_experts(x, local_ids, w13, w2, w13_scale, w2_scale, config, implementation,
+                       num_experts=e_lmax + 1, expert_start=0, num_local_experts=e_lmax)
 
 
 def _replicated_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, *, config, ep, e_lmax, starts, counts,
                      implementation, out_sharding, T, T_pad, dense):
     """Per device: all ``T`` tokens, its own experts; partial ``[T, H]`` float32 summed over ``"ep"``."""
-    topk_weights, topk_ids = _gate(router_logits, bias, config, implementation)
+    topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
     local_ids = _to_local_ids(topk_ids, starts, counts, e_lmax)
     y, meta = _experts(x, local_ids, w13, w2, w13_scale, w2_scale, config=config, e_lmax=e_lmax, implementation=implementation)
-    partial = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=_rsf(config), out_dtype=jnp.float32,
-                      implementation=_stage_impl(implementation, combine_api))
+    partial = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=combine_scaling_factor(config), out_dtype=jnp.float32,
+                      implementation=stage_implementation(implementation, combine_api))
     if out_sharding == "replicated":
         out = jax.lax.psum(partial, EP_AXIS)
     else:  # psum_scatter splits T evenly: pad the partial to T_pad rows (zeros), sliced off outside
@@ -370,9 +342,9 @@ def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, *, co
     C = T_l * K  # send capacity: every slot of every local token, if all go to one device
     rank = jax.lax.axis_index(EP_AXIS)
     per_rank = config.num_experts // ep
-    permute_impl = _stage_impl(implementation, permute_api)
+    permute_impl = stage_implementation(implementation, permute_api)
 
-    topk_weights, topk_ids = _gate(router_logits, bias, config, implementation)
+    topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
     # Destination device of each slot; padding tokens (global row >= T) get `ep`: sent nowhere.
     dest = jnp.minimum(topk_ids.astype(jnp.int32) // per_rank, ep - 1)  # shared ids E.. -> last rank
     token = rank * T_l + jnp.arange(T_l, dtype=jnp.int32)
@@ -396,10 +368,10 @@ def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, *, co
     y, meta = _experts(x_recv, local_ids, w13, w2, w13_scale, w2_scale, config=config, e_lmax=e_lmax, implementation=implementation)
     # Un-permute to receive order (weight 1, cast back to x.dtype: exact), then send each row home.
     y_recv = combine(y, meta.src2dst, jnp.ones((ep * C, 1), jnp.float32), out_dtype=x.dtype,
-                     implementation=_stage_impl(implementation, combine_api))
+                     implementation=stage_implementation(implementation, combine_api))
     y_home = exchange(y_recv, jnp.zeros((C, H), x.dtype), slot_of, recv_sizes, home_offsets, send_sizes)  # [C, H], send order
-    out = combine(y_home, send.src2dst, topk_weights, routed_scaling_factor=_rsf(config), out_dtype=x.dtype,
-                  implementation=_stage_impl(implementation, combine_api))  # [T_l, H]; padding rows: 0
+    out = combine(y_home, send.src2dst, topk_weights, routed_scaling_factor=combine_scaling_factor(config), out_dtype=x.dtype,
+                  implementation=stage_implementation(implementation, combine_api))  # [T_l, H]; padding rows: 0
     if out_sharding == "replicated":
         out = jax.lax.all_gather(out, EP_AXIS, axis=0, tiled=True)
     return out

@@ -74,30 +74,51 @@ def moe_forward(
     check_layer_inputs(op, config, x, router_logits, w13, w2, w13_scale, w2_scale)
     check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
 
-    def impl(stage_api) -> str | None:
-        return implementation if implementation in stage_api.IMPLEMENTATIONS else None
-
-    topk_weights, topk_ids = select_experts(
-        router_logits,
-        **config.gate_kwargs(),
-        e_score_correction_bias=e_score_correction_bias,
-        implementation=impl(gate_api),
-    )
+    topk_weights, topk_ids = run_gate(router_logits, config, e_score_correction_bias, implementation)
     expert_start, e_local = config.local_expert_range()
-    meta = routing_metadata(
-        topk_ids,
-        config.num_total_experts,
-        expert_start=expert_start,
-        num_local_experts=e_local,
-        implementation=impl(permute_api),
-    )
+    y, meta = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
+                          num_experts=config.num_total_experts, expert_start=expert_start, num_local_experts=e_local)
+    return combine(y, meta.src2dst, topk_weights, routed_scaling_factor=combine_scaling_factor(config), out_dtype=x.dtype,
+                   implementation=stage_implementation(implementation, combine_api))
+
+
+# The stages of moe_forward, also composed differently by the EP layers (``ep.py``).
+
+
+def stage_implementation(implementation: str | None, stage_api) -> str | None:
+    """The layer's ``implementation`` for a stage that has it, else ``None`` (the stage's default)."""
+    return implementation if implementation in stage_api.IMPLEMENTATIONS else None
+
+
+def run_gate(router_logits, config: MoEConfig, e_score_correction_bias, implementation: str | None):
+    """``select_experts`` with the layer's routing settings: ``(topk_weights, topk_ids) [T, topk']``."""
+    return select_experts(router_logits, **config.gate_kwargs(), e_score_correction_bias=e_score_correction_bias,
+                          implementation=stage_implementation(implementation, gate_api))
+
+
+def run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, implementation: str | None, *,
+                num_experts: int, expert_start: int, num_local_experts: int):
+    """The expert stages on the assignments of ``topk_ids [R, k]`` (ids in ``[0, num_experts)``;
+    ``[expert_start, expert_start + num_local_experts)`` are the local experts of ``w13``/``w2``):
+    routing metadata, permute (+FP8 quant), GEMM 1, act_and_mul (+FP8 quant), GEMM 2.
+
+    Returns ``(y [R*k, H] x.dtype in permuted order, RoutingMetadata)``; rows ``>= M`` are never read."""
+    meta = routing_metadata(topk_ids, num_experts, expert_start=expert_start, num_local_experts=num_local_experts,
+                            implementation=stage_implementation(implementation, permute_api))
     quant = ACTIVATION_QUANT[config.quant]
-    xq, x_scale = permute(x, meta.dst2src, topk=config.num_slots, quant=quant, implementation=impl(permute_api))
-    h = grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype, implementation=impl(grouped_gemm_api))
-    a, a_scale = act_and_mul(h, activation=config.activation, quant=quant, implementation=impl(activation_api))
-    y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype, implementation=impl(grouped_gemm_api))
-    rsf = 1.0 if config.apply_routed_scaling_factor_on_output else config.routed_scaling_factor
-    return combine(y, meta.src2dst, topk_weights, routed_scaling_factor=rsf, out_dtype=x.dtype, implementation=impl(combine_api))
+    gemm = stage_implementation(implementation, grouped_gemm_api)
+    xq, x_scale = permute(x, meta.dst2src, topk=topk_ids.shape[1], quant=quant,
+                          implementation=stage_implementation(implementation, permute_api))
+    h = grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype, implementation=gemm)
+    a, a_scale = act_and_mul(h, activation=config.activation, quant=quant,
+                             implementation=stage_implementation(implementation, activation_api))
+    y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype, implementation=gemm)
+    return y, meta
+
+
+def combine_scaling_factor(config: MoEConfig) -> float:
+    """The rsf the combine applies: 1 when the gate already applied it (applied exactly once)."""
+    return 1.0 if config.apply_routed_scaling_factor_on_output else config.routed_scaling_factor
 
 
 @takes_jax_arrays

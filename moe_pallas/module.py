@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from moe_contract.config import MoEConfig
@@ -45,6 +44,7 @@ from moe_contract.validation import (
     dtype_name,
 )
 from moe_pallas.layer import LAYER_IMPLEMENTATIONS, WEIGHT_LAYOUT, local_weights, moe_forward
+from moe_pallas.ops.common import check_jax_arrays
 from moe_pallas.ops.dispatch import check_implementation
 from moe_pallas.ops.quant.api import quantize_weight_fp8
 
@@ -101,14 +101,6 @@ def check_global_weights(op: str, config: MoEConfig, w13, w2) -> None:
     check_dtype(op, "w2", w2, FLOAT_DTYPES)
 
 
-def check_arrays(op: str, **named) -> None:
-    """``TypeError`` for an argument that is neither ``None`` nor a jax / numpy array (a torch tensor...)."""
-    for name, a in named.items():
-        if a is not None and not isinstance(a, (jax.Array, np.ndarray)):
-            raise TypeError(f"{op}: {name} must be a jax array (moe_pallas is the JAX backend); "
-                            f"got {type(a).__module__}.{type(a).__name__}")
-
-
 def quantize_chunked(w: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array]:
     """``w [E_local, N, K]`` float -> ``(q float8_e4m3fn, scale float32)`` in ``config.quant``'s
     weight layout, :data:`QUANT_CHUNK_EXPERTS` experts at a time (bit-identical to one call)."""
@@ -158,8 +150,8 @@ class MoELayer(nnx.Module):
         implementation: str | None = None,
     ) -> None:
         op = "MoELayer"
-        check_arrays(op, w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale,
-                     e_score_correction_bias=e_score_correction_bias)
+        check_jax_arrays(op, dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale,
+                                  e_score_correction_bias=e_score_correction_bias), required=True)
         check_module_weights(op, config, w13, w2, w13_scale, w2_scale, e_score_correction_bias)
         check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
         weight = nnx.Param if config.quant == "none" else FrozenWeight
@@ -196,7 +188,7 @@ class MoELayer(nnx.Module):
         Raises: TypeError / ValueError naming the argument (global shapes, dtypes, bias).
         """
         op = "MoELayer.from_float"
-        check_arrays(op, w13=w13, w2=w2, e_score_correction_bias=e_score_correction_bias)
+        check_jax_arrays(op, dict(w13=w13, w2=w2, e_score_correction_bias=e_score_correction_bias), required=True)
         check_global_weights(op, config, w13, w2)
         w13, w2 = local_weights(jnp.asarray(w13), config), local_weights(jnp.asarray(w2), config)
         s13 = s2 = None

@@ -60,19 +60,11 @@ import torch.distributed as dist
 from moe_contract.config import MoEConfig
 from moe_contract.op_checks import check_select_experts
 from moe_contract.validation import check_choice, check_layer_inputs
-from moe_torch.layer import ACTIVATION_QUANT, LAYER_IMPLEMENTATIONS
-from moe_torch.ops.activation import api as activation_api
-from moe_torch.ops.activation.api import act_and_mul
+from moe_torch.layer import LAYER_IMPLEMENTATIONS, combine_scaling_factor, run_experts, run_gate, stage_implementation
 from moe_torch.ops.combine import api as combine_api
 from moe_torch.ops.combine.api import combine
 from moe_torch.ops.common import takes_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
-from moe_torch.ops.gate import api as gate_api
-from moe_torch.ops.gate.api import select_experts
-from moe_torch.ops.grouped_gemm import api as grouped_gemm_api
-from moe_torch.ops.grouped_gemm.api import grouped_gemm
-from moe_torch.ops.permute import api as permute_api
-from moe_torch.ops.permute.api import permute, routing_metadata
 
 log = logging.getLogger("moe_torch")
 
@@ -82,39 +74,11 @@ EP_MODES = ("replicated", "all_to_all")
 EP_OUTPUTS = ("replicated", "sharded")
 
 
-def _impl(implementation: str | None, stage_api) -> str | None:
-    """The layer's backend for a stage that has it, else the stage's default (as ``moe_forward``)."""
-    return implementation if implementation in stage_api.IMPLEMENTATIONS else None
-
-
-def _gate(router_logits, config: MoEConfig, e_score_correction_bias, implementation):
-    """``select_experts`` with the layer's settings: ``(topk_weights, topk_ids) [T, topk']``."""
-    return select_experts(
-        router_logits,
-        **config.gate_kwargs(),
-        e_score_correction_bias=e_score_correction_bias,
-        implementation=_impl(implementation, gate_api),
-    )
-
-
 def _experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, implementation):
-    """This rank's experts on the assignments of ``topk_ids [T, k]``: ``(meta, y [T*k, H] x.dtype)``
-    (``y`` in permuted order; rows ``>= M`` never read)."""
+    """This rank's experts (global ids) on the assignments of ``topk_ids [R, k]``: ``(y, meta)``."""
     expert_start, e_local = config.local_expert_range()
-    meta = routing_metadata(topk_ids, config.num_total_experts, expert_start=expert_start,
-                            num_local_experts=e_local, implementation=_impl(implementation, permute_api))
-    quant = ACTIVATION_QUANT[config.quant]
-    gemm_impl = _impl(implementation, grouped_gemm_api)
-    xq, x_scale = permute(x, meta.dst2src, topk=topk_ids.shape[1], quant=quant, implementation=_impl(implementation, permute_api))
-    h = grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype, implementation=gemm_impl)
-    a, a_scale = act_and_mul(h, activation=config.activation, quant=quant, implementation=_impl(implementation, activation_api))
-    y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype, implementation=gemm_impl)
-    return meta, y
-
-
-def _combine_rsf(config: MoEConfig) -> float:
-    """The rsf the combine applies: 1 when the gate already did (applied exactly once)."""
-    return 1.0 if config.apply_routed_scaling_factor_on_output else config.routed_scaling_factor
+    return run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
+                       num_experts=config.num_total_experts, expert_start=expert_start, num_local_experts=e_local)
 
 
 def shard_rows(T: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -242,11 +206,11 @@ def ep_moe_forward(
 
 def _replicated(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, implementation, group, rank, size, out):
     """SGLang EPMoE: local experts on all tokens, float32 partial, then the sum over ranks."""
-    topk_weights, topk_ids = _gate(router_logits, config, bias, implementation)
-    meta, y = _experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation)
+    topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
+    y, meta = _experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation)
     # float32 partial: the sum over ranks is then the single-device float32 combine, reassociated.
-    partial = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=_combine_rsf(config),
-                      out_dtype=torch.float32, implementation=_impl(implementation, combine_api))
+    partial = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=combine_scaling_factor(config),
+                      out_dtype=torch.float32, implementation=stage_implementation(implementation, combine_api))
     if out == "replicated":
         dist.all_reduce(partial, group=group)
         return partial.to(x.dtype)
@@ -259,7 +223,7 @@ def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
     T, H = x.shape
     K = config.num_slots
     if T:
-        topk_weights, topk_ids = _gate(router_logits, config, bias, implementation)
+        topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
     else:  # nothing to route; the rank still takes part in every collective (and may own rows of others)
         topk_weights = torch.zeros((0, K), dtype=torch.float32, device=x.device)
         topk_ids = torch.zeros((0, K), dtype=torch.int32, device=x.device)
@@ -284,7 +248,7 @@ def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
         w.wait()
     # -- owner: one expert per received row (topk = 1); every row is local here
     if R:
-        meta, y = _experts(x_recv, ids_recv[:, None], w13, w2, w13_scale, w2_scale, config, implementation)
+        y, meta = _experts(x_recv, ids_recv[:, None], w13, w2, w13_scale, w2_scale, config, implementation)
         y_recv = y[meta.src2dst[:, 0].long()]  # back to receive order
     else:  # no kernel launch on zero rows
         y_recv = x.new_empty((0, H))
@@ -295,5 +259,5 @@ def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
         return x.new_empty((0, H))
     src2dst = torch.empty((T * K,), dtype=torch.int32, device=x.device)
     src2dst[order] = torch.arange(T * K, dtype=torch.int32, device=x.device)
-    return combine(y_back, src2dst.reshape(T, K), topk_weights, routed_scaling_factor=_combine_rsf(config),
-                   out_dtype=x.dtype, implementation=_impl(implementation, combine_api))
+    return combine(y_back, src2dst.reshape(T, K), topk_weights, routed_scaling_factor=combine_scaling_factor(config),
+                   out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))

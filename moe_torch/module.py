@@ -41,6 +41,7 @@ from moe_contract.validation import (
 )
 from moe_torch.ep import EP_MODES, ep_moe_forward
 from moe_torch.layer import LAYER_IMPLEMENTATIONS, WEIGHT_LAYOUT, local_weights, moe_forward
+from moe_torch.ops.common import check_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
 from moe_torch.ops.quant.api import quantize_weight_fp8
 
@@ -114,14 +115,6 @@ def quantize_chunked(w: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, 
 
 
 
-def check_tensors(op: str, **named) -> None:
-    """``TypeError`` for an argument that is neither ``None`` nor a ``torch.Tensor`` (numpy, jax...)."""
-    for name, t in named.items():
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor (moe_torch is the PyTorch backend); "
-                            f"got {type(t).__module__}.{type(t).__name__}")
-
-
 def _param(t: torch.Tensor | None) -> torch.nn.Parameter | None:
     return None if t is None else torch.nn.Parameter(t, requires_grad=False)
 
@@ -176,8 +169,8 @@ class EPMoE(torch.nn.Module):
         super().__init__()
         op = "EPMoE"
         check_choice(op, "ep_mode", ep_mode, (None, *EP_MODES))
-        check_tensors(op, w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale,
-                      e_score_correction_bias=e_score_correction_bias)
+        check_torch_tensors(op, dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale,
+                                     e_score_correction_bias=e_score_correction_bias), required=True)
         check_module_weights(op, config, w13, w2, w13_scale, w2_scale, e_score_correction_bias)
         check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
         self.config = config
@@ -216,7 +209,7 @@ class EPMoE(torch.nn.Module):
         Raises: TypeError / ValueError naming the argument (global shapes, dtypes, bias).
         """
         op = "EPMoE.from_float"
-        check_tensors(op, w13=w13, w2=w2, e_score_correction_bias=e_score_correction_bias)
+        check_torch_tensors(op, dict(w13=w13, w2=w2, e_score_correction_bias=e_score_correction_bias), required=True)
         check_global_weights(op, config, w13, w2)
         w13, w2 = local_weights(w13, config), local_weights(w2, config)
         s13 = s2 = None

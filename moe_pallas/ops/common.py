@@ -25,14 +25,23 @@ def takes_jax_arrays(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        for name, value in signature.bind_partial(*args, **kwargs).arguments.items():
-            is_array = not isinstance(value, type) and hasattr(value, "shape") and hasattr(value, "dtype")
-            if is_array and not isinstance(value, ARRAY_TYPES):
-                kind = f"{type(value).__module__}.{type(value).__name__}"
-                raise TypeError(f"{fn.__name__}: {name} must be a jax array (moe_pallas is the JAX backend); got {kind}")
+        check_jax_arrays(fn.__name__, signature.bind_partial(*args, **kwargs).arguments)
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+def check_jax_arrays(op: str, named: dict, *, required: bool = False) -> None:
+    """``TypeError`` naming ``op`` and the argument for a value of ``named`` that is an array of
+    another framework (a torch tensor); with ``required``, for any value that is neither ``None``
+    nor an array of :data:`ARRAY_TYPES` (a list, a number...)."""
+    for name, value in named.items():
+        if value is None or isinstance(value, ARRAY_TYPES):
+            continue
+        is_array = not isinstance(value, type) and hasattr(value, "shape") and hasattr(value, "dtype")
+        if is_array or required:
+            kind = f"{type(value).__module__}.{type(value).__name__}"
+            raise TypeError(f"{op}: {name} must be a jax array (moe_pallas is the JAX backend); got {kind}")
 
 
 def resolve_dtype(dtype) -> jnp.dtype:

@@ -21,14 +21,23 @@ def takes_torch_tensors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        for name, value in signature.bind_partial(*args, **kwargs).arguments.items():
-            is_array = not isinstance(value, (type, np.generic)) and hasattr(value, "shape") and hasattr(value, "dtype")
-            if is_array and not isinstance(value, torch.Tensor):
-                kind = f"{type(value).__module__}.{type(value).__name__}"
-                raise TypeError(f"{fn.__name__}: {name} must be a torch.Tensor (moe_torch is the PyTorch backend); got {kind}")
+        check_torch_tensors(fn.__name__, signature.bind_partial(*args, **kwargs).arguments)
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+def check_torch_tensors(op: str, named: dict, *, required: bool = False) -> None:
+    """``TypeError`` naming ``op`` and the argument for a value of ``named`` that is an array of
+    another kind (numpy, jax; numpy scalars are scalars); with ``required``, for any value that is
+    neither ``None`` nor a ``torch.Tensor``."""
+    for name, value in named.items():
+        if value is None or isinstance(value, torch.Tensor):
+            continue
+        is_array = not isinstance(value, (type, np.generic)) and hasattr(value, "shape") and hasattr(value, "dtype")
+        if is_array or required:
+            kind = f"{type(value).__module__}.{type(value).__name__}"
+            raise TypeError(f"{op}: {name} must be a torch.Tensor (moe_torch is the PyTorch backend); got {kind}")
 
 
 def resolve_dtype(dtype) -> torch.dtype:

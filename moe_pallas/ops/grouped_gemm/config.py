@@ -227,27 +227,58 @@ def nearest_tuned(device_kind: str | None, backend: str, M_cap: int, N: int, K: 
     return min(matches, key=lambda t: abs(log_m - math.log2(max(t["M_cap"], 1))))["config"]
 
 
-def triton_config_fits(cfg: GroupedGemmConfig, group_size: int | None, w_block: bool) -> bool:
-    """Whether ``cfg`` keeps the rules of ``pallas_triton.check_supported`` on the GPU: every dot block
-    >= 16; ``block_k`` divides the per-token-group size ``G``; with 128x128 weight blocks, ``block_n``
-    and ``block_k`` divide 128."""
-    if min(cfg.block_m, cfg.block_n, cfg.block_k) < MIN_DOT_BLOCK:
-        return False
+def triton_config_problem(cfg: GroupedGemmConfig, group_size: int | None, w_block: bool, *,
+                          interpret: bool = False) -> str | None:
+    """Why ``cfg`` cannot serve a Pallas-Triton request (``None``: it can): every dot block >= 16 on the
+    GPU; ``block_k`` divides the per-token-group size ``G``; with 128x128 weight blocks, ``block_n``
+    and ``block_k`` divide 128. The one home of these rules (``pallas_triton.check_supported`` raises
+    the message; the tuned lookup skips an entry that has one)."""
+    op = "grouped_gemm[pallas_triton]"
+    small = {n: getattr(cfg, n) for n in ("block_m", "block_n", "block_k") if getattr(cfg, n) < MIN_DOT_BLOCK}
+    if small and not interpret:
+        return (f"{op}: on the GPU every dot block must be >= {MIN_DOT_BLOCK} (tensor-core tiles); "
+                f"got {', '.join(f'{n}={v}' for n, v in small.items())} (smaller blocks are for interpret mode)")
     if group_size and group_size % cfg.block_k:
-        return False
-    return not (w_block and (SCALE_BLOCK % cfg.block_n or SCALE_BLOCK % cfg.block_k))
+        return (f"{op}: per-token-group activation scales need block_k to divide the group size "
+                f"G = K // x_scale.shape[1] (each K step inside one scale group; block_k is a power of two >= 16); "
+                f"got G={group_size}, block_k={cfg.block_k}")
+    if w_block and (SCALE_BLOCK % cfg.block_n or SCALE_BLOCK % cfg.block_k):
+        return (f"{op}: 128x128 block weight scales need block_n and block_k to divide {SCALE_BLOCK} "
+                f"(one scale per tile and K step); got block_n={cfg.block_n}, block_k={cfg.block_k}")
+    return None
+
+
+def triton_config_fits(cfg: GroupedGemmConfig, group_size: int | None, w_block: bool) -> bool:
+    """Whether ``cfg`` keeps the rules of :func:`triton_config_problem` on the GPU."""
+    return triton_config_problem(cfg, group_size, w_block) is None
+
+
+def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int, per_step_scales: bool) -> str | None:
+    """Why ``cfg`` cannot serve a Mosaic request (``None``: it can): whole TMA tiles (``N % block_n``,
+    ``K % block_k``); per-step scales need ``block_n == block_k == 128``; per-step accumulation (those
+    scales, or FP8 without ``fast_accum``) keeps two float32 tiles in registers, at most ``64 x 128``.
+    The one home of the config-dependent rules (``pallas_mosaic_gpu.check_supported`` raises the message)."""
+    op = "grouped_gemm[pallas_mosaic_gpu]"
+    if N % cfg.block_n or K % cfg.block_k:
+        return (f"{op}: needs N % block_n == 0 and K % block_k == 0 (whole TMA tiles); "
+                f"got N={N}, K={K}, block_n={cfg.block_n}, block_k={cfg.block_k}")
+    if per_step_scales and (cfg.block_k != SCALE_BLOCK or cfg.block_n != SCALE_BLOCK):
+        return f"{op}: per-K-step scales need block_n == block_k == {SCALE_BLOCK}; got {cfg}"
+    if accumulates_per_step(itemsize, per_step_scales, cfg) and cfg.block_m * cfg.block_n > 64 * 128:
+        return (f"{op}: per-K-step accumulation keeps two float32 tiles in one warpgroup's registers: "
+                f"block_m * block_n must be <= 64 * 128; got {cfg}")
+    return None
+
+
+def accumulates_per_step(itemsize: int, per_step_scales: bool, cfg: MosaicGroupedGemmConfig) -> bool:
+    """Whether each K step of the Mosaic kernel gets its own accumulator, added in float32 registers:
+    per-step scales (per-token-group, 128x128 blocks) need it; FP8 does it unless ``cfg.fast_accum``."""
+    return per_step_scales or (itemsize == 1 and not cfg.fast_accum)
 
 
 def mosaic_config_fits(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int, per_step_scales: bool) -> bool:
-    """Whether ``cfg`` keeps the rules of ``pallas_mosaic_gpu.check_supported`` that depend on the config:
-    whole tiles (``N % block_n``, ``K % block_k``); per-step scales need ``block_n == block_k == 128``;
-    per-step accumulation (those scales, or FP8 without ``fast_accum``) at most ``64 x 128`` tiles."""
-    if N % cfg.block_n or K % cfg.block_k:
-        return False
-    if per_step_scales and (cfg.block_n != SCALE_BLOCK or cfg.block_k != SCALE_BLOCK):
-        return False
-    per_step = per_step_scales or (itemsize == 1 and not cfg.fast_accum)
-    return not (per_step and cfg.block_m * cfg.block_n > 64 * 128)
+    """Whether ``cfg`` keeps the rules of :func:`mosaic_config_problem`."""
+    return mosaic_config_problem(cfg, N, K, itemsize, per_step_scales) is None
 
 
 def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, group_size: int | None = None, *,

@@ -54,8 +54,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, MosaicGroupedGemmConfig, gpu_device_kind,
-                                                 mosaic_grouped_gemm_config)
+from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, MosaicGroupedGemmConfig, accumulates_per_step,
+                                                 gpu_device_kind, mosaic_config_problem, mosaic_grouped_gemm_config)
 from moe_pallas.ops.grouped_gemm.pallas_triton import scale_kinds, tile_metadata
 
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -102,7 +102,7 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
     k_steps = K // bk
     # FP8 accumulates step by step into float32 registers unless fast_accum (see the config);
     # per-step scales need it anyway.
-    per_step = x_kind == "per_token_group" or w_kind == "block" or (x_gmem.dtype == FP8_DTYPE and not cfg.fast_accum)
+    per_step = accumulates_per_step(x_gmem.dtype.itemsize, x_kind == "per_token_group" or w_kind == "block", cfg)
 
     @plgpu.nd_loop((n_steps * grid_n,), collective_axes="sm")
     def _work(info: plgpu.NDLoopInfo):
@@ -184,17 +184,11 @@ def check_supported(x: jax.Array, w: jax.Array, x_kind, w_kind, G: int, out_dtyp
         raise NotImplementedError(f"{op}: x must be bf16, float16 or float8_e4m3fn (wgmma); got {x.dtype}")
     if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise NotImplementedError(f"{op}: out_dtype must be bf16, float16 or float32; got {out_dtype}")
-    if N % cfg.block_n or K % cfg.block_k:
-        raise NotImplementedError(f"{op}: needs N % block_n == 0 and K % block_k == 0 (whole TMA tiles); "
-                                  f"got N={N}, K={K}, block_n={cfg.block_n}, block_k={cfg.block_k}")
     if x_kind == "per_token_group" and G != SCALE_BLOCK:
         raise NotImplementedError(f"{op}: per-token-group activation scales need G == {SCALE_BLOCK}; got G={G}")
-    if (x_kind == "per_token_group" or w_kind == "block") and (cfg.block_k != SCALE_BLOCK or cfg.block_n != SCALE_BLOCK):
-        raise NotImplementedError(f"{op}: per-K-step scales need block_n == block_k == {SCALE_BLOCK}; got {cfg}")
-    per_step = x_kind == "per_token_group" or w_kind == "block" or (x.dtype == FP8_DTYPE and not cfg.fast_accum)
-    if per_step and cfg.block_m * cfg.block_n > 64 * 128:
-        raise NotImplementedError(f"{op}: per-K-step accumulation keeps two float32 tiles in one warpgroup's registers: "
-                                  f"block_m * block_n must be <= 64 * 128; got {cfg}")
+    problem = mosaic_config_problem(cfg, N, K, x.dtype.itemsize, x_kind == "per_token_group" or w_kind == "block")
+    if problem:
+        raise NotImplementedError(problem)
     if (K * x.dtype.itemsize) % 16:
         raise NotImplementedError(f"{op}: TMA needs 16-byte aligned rows; got K={K} x {x.dtype.itemsize} bytes")
 

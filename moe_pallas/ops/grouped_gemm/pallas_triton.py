@@ -40,8 +40,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_pallas.ops.grouped_gemm.config import (MIN_DOT_BLOCK, SCALE_BLOCK, GroupedGemmConfig, gpu_device_kind,
-                                                 grouped_gemm_config)
+from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, GroupedGemmConfig, gpu_device_kind,
+                                                 grouped_gemm_config, triton_config_problem)
 
 FP8_DTYPE = jnp.float8_e4m3fn
 
@@ -179,21 +179,12 @@ def scale_kinds(x_scale: jax.Array | None, w_scale: jax.Array | None, K: int) ->
 
 def check_supported(x_kind: str | None, w_kind: str | None, group_size: int, cfg: GroupedGemmConfig,
                     interpret: bool) -> None:
-    """Raise ``NotImplementedError`` for a valid request this backend (with ``cfg``) cannot serve."""
-    small = {n: getattr(cfg, n) for n in ("block_m", "block_n", "block_k") if getattr(cfg, n) < MIN_DOT_BLOCK}
-    if small and not interpret:
-        raise NotImplementedError(
-            f"grouped_gemm[pallas_triton]: on the GPU every dot block must be >= {MIN_DOT_BLOCK} (tensor-core tiles); "
-            f"got {', '.join(f'{n}={v}' for n, v in small.items())} (smaller blocks are for interpret mode)")
-    if x_kind == "per_token_group" and group_size % cfg.block_k:
-        raise NotImplementedError(
-            f"grouped_gemm[pallas_triton]: per-token-group activation scales need block_k to divide the group size "
-            f"G = K // x_scale.shape[1] (each K step inside one scale group; block_k is a power of two >= 16); "
-            f"got G={group_size}, block_k={cfg.block_k}")
-    if w_kind == "block" and (SCALE_BLOCK % cfg.block_n or SCALE_BLOCK % cfg.block_k):
-        raise NotImplementedError(
-            f"grouped_gemm[pallas_triton]: 128x128 block weight scales need block_n and block_k to divide {SCALE_BLOCK} "
-            f"(one scale per tile and K step); got block_n={cfg.block_n}, block_k={cfg.block_k}")
+    """Raise ``NotImplementedError`` for a valid request this backend (with ``cfg``) cannot serve
+    (the rules: :func:`~moe_pallas.ops.grouped_gemm.config.triton_config_problem`)."""
+    problem = triton_config_problem(cfg, group_size if x_kind == "per_token_group" else None, w_kind == "block",
+                                    interpret=interpret)
+    if problem:
+        raise NotImplementedError(problem)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))

@@ -70,6 +70,8 @@ Must match ``moe_torch/ops/grouped_gemm/reference.py`` within CONTRACT.md sectio
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -322,6 +324,16 @@ def scale_layouts(x: torch.Tensor, x_scale, w_scale) -> tuple[str | None, str | 
     return x_layout, {1: "per_expert", 2: "per_channel", 3: "block"}[w_scale.ndim], group
 
 
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+#: The default config of a problem, looked up once (the tuned table search runs on every launch
+#: otherwise: twice per layer, on the host path of a decode step).
+_default_config = functools.cache(grouped_gemm_config)
+
+
 def launch_grid(op: str, cfg: GroupedGemmConfig, M_cap: int, N: int, E: int, device: torch.device) -> tuple[int, ...]:
     """The kernel's grid for ``cfg``'s launch order (module docstring, "Launch order"): sized by
     ``M_cap``, ``N`` and ``E`` only (no host sync).
@@ -387,8 +399,8 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config):
     x_layout, w_layout, group = scale_layouts(x, x_scale, w_scale)
     bits = x.element_size() * 8
     w_block = w_layout == "block"
-    device_name = torch.cuda.get_device_name(x.device) if x.is_cuda else None  # host-side: no sync
-    cfg = config or grouped_gemm_config(M_cap, N, K, E, bits, group, w_block, device_name)
+    device_name = _device_name(x.device) if x.is_cuda else None  # host-side: no sync
+    cfg = config or _default_config(M_cap, N, K, E, bits, group, w_block, device_name)
     check_config(op, cfg, bits, group, w_block)
     grid = launch_grid(op, cfg, M_cap, N, E, x.device)
     if M_cap == 0 or N == 0 or E == 0:
