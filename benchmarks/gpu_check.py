@@ -48,25 +48,54 @@ def _pytest_digest(log: str) -> list[str]:
     return keep[-40:]
 
 
-def run_tests(out_dir: str | None, timeout_s: int, tests: list[str]) -> str:
-    env = dict(os.environ, EPMOE_TEST_DEVICE="gpu", PYTHONPATH=os.getcwd())
-    cmd = [sys.executable, "-m", "pytest", "-q", "--tb=line", "--no-header", "-p", "no:cacheprovider", *tests]
-    log, rc, dt = _run(cmd, env, timeout_s, "gpu_tests.log", out_dir)
-    digest = _pytest_digest(log)
-    print("\n".join(digest))
-    return f"pytest on GPU ({' '.join(tests)}): rc={rc}, {digest[-1] if digest else '(no output)'} ({dt:.0f} s)"
+def _groups(spec: str) -> list[list[str]]:
+    """``"a.py b.py; c.py -k 'not slow'"`` -> ``[["a.py", "b.py"], ["c.py", "-k", "not slow"]]``: each group is
+    one process (shell quoting inside a group)."""
+    import shlex
+
+    return [shlex.split(g) for g in spec.split(";") if g.strip()]
 
 
-def run_memcheck(out_dir: str | None, timeout_s: int, tests: list[str]) -> str:
-    """The Triton kernel tests under ``compute-sanitizer --tool memcheck`` (issue 3)."""
+def _parallel(cmds: list[tuple[list[str], str]], env: dict, timeout_s: int, log_name: str, out_dir: str | None):
+    """Run the commands at once (the GPU is shared; compiling is CPU-bound and the machine has 16 cores);
+    their logs are joined into one file under $OUT (the device tool returns at most 8 files)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(cmds)) as pool:
+        results = list(pool.map(lambda c: _run(c[0], env, timeout_s, "", None), cmds))
+    if out_dir:
+        with open(os.path.join(out_dir, log_name), "w") as f:
+            for (_, label), (log, rc, dt) in zip(cmds, results):
+                f.write(f"\n===== {label}: rc={rc} ({dt:.0f} s) =====\n{log}")
+    return results
+
+
+def run_tests(out_dir: str | None, timeout_s: int, groups: list[list[str]]) -> list[str]:
+    """pytest on the GPU (``EPMOE_TEST_DEVICE=gpu``), one process per group, all at once."""
     env = dict(os.environ, EPMOE_TEST_DEVICE="gpu", PYTHONPATH=os.getcwd())
-    cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable, "-m", "pytest", "-q",
-           "--tb=line", "-p", "no:cacheprovider", *tests]
-    log, rc, dt = _run(cmd, env, timeout_s, "memcheck.log", out_dir)
-    errors = [l for l in log.splitlines() if "ERROR SUMMARY" in l]
-    digest = _pytest_digest(log)
-    print("\n".join(digest + errors[-3:]))
-    return f"memcheck ({' '.join(tests)}): rc={rc}, {errors[-1] if errors else 'no summary'}, {digest[-1] if digest else ''} ({dt:.0f} s)"
+    cmds = [([sys.executable, "-m", "pytest", "-q", "--tb=line", "--no-header", "-p", "no:cacheprovider", *g], " ".join(g))
+            for g in groups]
+    lines = []
+    for (_, label), (log, rc, dt) in zip(cmds, _parallel(cmds, env, timeout_s, "gpu_tests.log", out_dir)):
+        digest = _pytest_digest(log)
+        print("\n".join(digest))
+        lines.append(f"pytest on GPU ({label}): rc={rc}, {digest[-1] if digest else '(no output)'} ({dt:.0f} s)")
+    return lines
+
+
+def run_memcheck(out_dir: str | None, timeout_s: int, groups: list[list[str]]) -> list[str]:
+    """The Triton kernel tests under ``compute-sanitizer --tool memcheck`` (issue 3), one process per group."""
+    env = dict(os.environ, EPMOE_TEST_DEVICE="gpu", PYTHONPATH=os.getcwd())
+    cmds = [(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable, "-m", "pytest", "-q",
+              "--tb=line", "-p", "no:cacheprovider", *g], " ".join(g)) for g in groups]
+    lines = []
+    for (_, label), (log, rc, dt) in zip(cmds, _parallel(cmds, env, timeout_s, "memcheck.log", out_dir)):
+        errors = [l for l in log.splitlines() if "ERROR SUMMARY" in l]
+        digest = _pytest_digest(log)
+        print("\n".join(digest + errors[-3:]))
+        lines.append(f"memcheck ({label}): rc={rc}, {errors[-1] if errors else 'no summary'}, "
+                     f"{digest[-1] if digest else ''} ({dt:.0f} s)")
+    return lines
 
 
 def run_bench(out_dir: str | None, timeout_s: int, bench_args: str) -> str:
@@ -179,10 +208,11 @@ def main() -> int:
     parser.add_argument("--test-timeout", type=int, default=540, help="seconds for the pytest run")
     parser.add_argument("--presets", default="tiny,mixtral-8x7b,qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3")
     parser.add_argument("--quants", default="none,fp8_per_token,fp8_block")
-    parser.add_argument("--tests", default="tests", help="space-separated pytest targets for the GPU test run")
+    parser.add_argument("--tests", default="tests",
+                        help="pytest targets for the GPU test run; ';' splits them into groups run as parallel processes")
     parser.add_argument("--memcheck", action="store_true", help="also run the Triton kernel tests under compute-sanitizer")
-    parser.add_argument("--memcheck-tests", default="tests/test_triton_kernels.py tests/test_triton_grouped_gemm.py "
-                        "tests/test_triton_permute.py tests/test_triton_gate.py")
+    parser.add_argument("--memcheck-tests", default="tests/test_triton_kernels.py; tests/test_triton_grouped_gemm.py; "
+                        "tests/test_triton_permute.py; tests/test_triton_gate.py", help="';'-separated groups, run in parallel")
     parser.add_argument("--memcheck-timeout", type=int, default=300)
     parser.add_argument("--bench", default=None, help="also run benchmarks/bench.py with these arguments (e.g. '--quick')")
     parser.add_argument("--bench-timeout", type=int, default=420)
@@ -191,10 +221,17 @@ def main() -> int:
     args = parser.parse_args()
     out_dir = os.environ.get("OUT")
     summary = []
+    jobs = []  # the GPU test run and the memcheck run go at once (each its own processes)
     if not args.skip_tests:
-        summary.append(run_tests(out_dir, args.test_timeout, args.tests.split()))
+        jobs.append(functools.partial(run_tests, out_dir, args.test_timeout, _groups(args.tests)))
     if args.memcheck:
-        summary.append(run_memcheck(out_dir, args.memcheck_timeout, args.memcheck_tests.split()))
+        jobs.append(functools.partial(run_memcheck, out_dir, args.memcheck_timeout, _groups(args.memcheck_tests)))
+    if jobs:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            for lines in list(pool.map(lambda job: job(), jobs)):
+                summary.extend(lines)
     if args.bench is not None:
         summary.append(run_bench(out_dir, args.bench_timeout, args.bench))
     rows = []
