@@ -9,7 +9,7 @@ Usage (on the GPU machine, from the repo root; nothing to install there)::
 
 Writes ``bench.json``, ``bench.csv`` (one row per (spec, backend), schema
 ``benchmarks/harness.py: ROW_KEYS``; rewritten after every row, so a killed run keeps what it
-had), ``bench.md`` (every row) and ``bench_gemm.png`` (time vs M) to ``--out`` (default ``$OUT``,
+had), ``bench.md`` (every row), ``bench_gemm.png`` (time vs M) and ``bench_layer.png`` (time vs T) to ``--out`` (default ``$OUT``,
 else ``benchmarks/results``), and prints the short table last.
 
 Backends (a backend that cannot run gives a row with ``error``, and the run goes on):
@@ -689,7 +689,7 @@ def environment() -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Writes bench.json / bench.csv / bench.md / bench_gemm.png to --out.")
+                                epilog="Writes bench.json / bench.csv / bench.md / bench_gemm.png / bench_layer.png to --out.")
     p.add_argument("--what", default="gemm,layer,gate", help=f"comma list of {', '.join(WHATS)} (default: all)")
     p.add_argument("--quick", action="store_true", help="a small subset (gate_up M in {256, 16384} uniform; layer T=512; gate)")
     default_out = os.path.join("/tmp", "epmoe_bench_tiny") if TINY else os.path.join(_ROOT, "benchmarks", "results")
@@ -757,11 +757,13 @@ def main(argv=None) -> int:
     pivot = H.markdown_pivot(rows)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(f"# bench {ctx.meta['date']} on {ctx.meta.get('torch_device')}\n\n{pivot}\n\n## All rows\n\n{H.markdown_long(rows)}\n")
-    try:
-        plotted = H.plot_gemm(rows, os.path.join(args.out, "bench_gemm.png"))
-    except Exception as exc:
-        plotted = False
-        print(f"plot failed: {short_error(exc)}")
+    plotted = []
+    for name, plot in (("bench_gemm.png", H.plot_gemm), ("bench_layer.png", H.plot_layer)):
+        try:
+            if plot(rows, os.path.join(args.out, name)):
+                plotted.append(name)
+        except Exception as exc:
+            print(f"plot {name} failed: {short_error(exc)}")
     errs: dict = {}
     for r in rows:
         if r.get("error"):
@@ -771,7 +773,7 @@ def main(argv=None) -> int:
         for (bench, backend), rs in errs.items():
             print(f"  {bench} {backend}: {len(rs)}x, e.g. {rs[0]['spec']}: {str(rs[0]['error'])[:150]}")
     print(f"\n{H.stats_line(rows)} in {ctx.elapsed():.0f} s; wrote {args.out}/bench.{{json,csv,md}}"
-          + (" and bench_gemm.png" if plotted else ""))
+          + (f" and {', '.join(plotted)}" if plotted else ""))
     print("\n" + pivot)
     return 1 if any(str(r.get("error") or "").startswith("WRONG") for r in rows) else 0
 

@@ -107,6 +107,57 @@ def run_bench(out_dir: str | None, timeout_s: int, bench_args: str) -> str:
     return f"bench ({bench_args}): rc={rc} ({dt:.0f} s), tables in {bench_out}/bench.md"
 
 
+def run_cli_checks(out_dir: str | None, specs: list[str], tokens: int) -> list[dict]:
+    """``epmoe check --preset P --quant Q --tokens T`` at full size for each ``P:Q`` in ``specs``, in this
+    process (one import, one JAX compile cache); the tables go to ``$OUT/checks.log``. One dict per check:
+    exit code, seconds, failed stages, skipped implementations, the largest relative error per stage."""
+    import contextlib
+    import io
+    import json
+    import tempfile
+
+    from interop import cli
+
+    results = []
+    log = open(os.path.join(out_dir, "checks.log"), "w") if out_dir else io.StringIO()
+    with log, tempfile.TemporaryDirectory() as tmp:
+        for spec in specs:
+            preset, _, quant = spec.partition(":")
+            quant = quant or "none"
+            jpath = os.path.join(tmp, f"{preset}_{quant}.json")
+            argv = ["check", "--preset", preset, "--quant", quant, "--tokens", str(tokens), "--json", jpath]
+            t0 = time.perf_counter()
+            buf = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+                    rc = cli.main(argv)
+            except BaseException as exc:  # noqa: BLE001 - one check's crash must not hide the others
+                rc = f"{type(exc).__name__}: {exc}"[:300]
+            dt = time.perf_counter() - t0
+            log.write(f"\n===== epmoe {' '.join(argv[:-2])}: rc={rc} ({dt:.0f} s) =====\n{buf.getvalue()}")
+            log.flush()
+            row = {"check": f"{preset}:{quant}", "T": tokens, "rc": rc, "seconds": round(dt, 1)}
+            if os.path.exists(jpath):
+                data = json.load(open(jpath))
+                row.update(ok=data["ok"], failed_stages=data["failed_stages"], skipped=data["skipped"], errors=data["errors"])
+                worst: dict[str, float] = {}
+                for c in data["comparisons"]:
+                    err = c["metrics"].get("rel_fro")
+                    if isinstance(err, (int, float)):  # per stage, the largest over outputs and pairs
+                        worst[c["stage"]] = max(worst.get(c["stage"], 0.0), float(err))
+                row["max_rel_fro"] = worst
+                row["n_comparisons"] = len(data["comparisons"])
+            results.append(row)
+            print(f"epmoe check {preset} {quant} T={tokens}: rc={rc} ({dt:.0f} s)"
+                  + (f" failed={row.get('failed_stages')} skipped={list(row.get('skipped', {}))}" if rc != 0 else
+                     f", {row.get('n_comparisons')} comparisons, layer max rel err {row.get('max_rel_fro', {}).get('layer', float('nan')):.1e}"),
+                  flush=True)
+            import torch
+
+            torch.cuda.empty_cache()
+    return results
+
+
 def rel_fro(a: np.ndarray, b: np.ndarray) -> float:
     a, b = a.astype(np.float64), b.astype(np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
@@ -216,6 +267,9 @@ def main() -> int:
     parser.add_argument("--memcheck-timeout", type=int, default=300)
     parser.add_argument("--bench", default=None, help="also run benchmarks/bench.py with these arguments (e.g. '--quick')")
     parser.add_argument("--bench-timeout", type=int, default=420)
+    parser.add_argument("--cli-checks", default="",
+                        help="comma list of preset:quant for `epmoe check` at full size (e.g. 'mixtral-8x7b:none,deepseek-v3:fp8_block')")
+    parser.add_argument("--check-tokens", type=int, default=16, help="T of the --cli-checks")
     parser.add_argument("--kernels", action="store_true",
                         help="also run the layer with the kernel backends (triton, pallas_triton) vs the references")
     args = parser.parse_args()
@@ -234,6 +288,7 @@ def main() -> int:
                 summary.extend(lines)
     if args.bench is not None:
         summary.append(run_bench(out_dir, args.bench_timeout, args.bench))
+    checks = run_cli_checks(out_dir, [c for c in args.cli_checks.split(",") if c], args.check_tokens) if args.cli_checks else []
     rows = []
     for name in [p for p in args.presets.split(",") if p]:  # --presets "" skips the preset checks
         for quant in args.quants.split(","):
@@ -247,7 +302,7 @@ def main() -> int:
 
     if out_dir:
         with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
-            json.dump({"summary": summary, "rows": rows}, f, indent=1)
+            json.dump({"summary": summary, "cli_checks": checks, "rows": rows}, f, indent=1, default=str)
     print("\n".join(summary))
     print(f"\n{'preset':<17}{'quant':<15}{'T':>5}{'jax s':>8}{'torch s':>9}{'rel err':>11}{'fp8 w ==':>10}  verdict")
     for r in rows:
@@ -258,7 +313,10 @@ def main() -> int:
               f"{str(r.get('fp8_weights_identical', '-')):>10}  {'agree' if r['ok'] else 'FAIL'}"
               + (f"  triton {r['triton_rel_err']:.1e} {r['triton_ms']:.2f} ms, pallas {r['pallas_rel_err']:.1e} "
                  f"{r['pallas_ms']:.2f} ms (wall, jit), mosaic GEMMs {r['mosaic_rel_err']:.1e}" if "triton_ms" in r else ""))
-    return 0 if all(r["ok"] for r in rows) else 1
+    for c in checks:
+        print(f"epmoe check {c['check']:<28} T={c['T']:<5} rc={c['rc']}  {c['seconds']:>6.0f} s  "
+              + ("agree" if c["rc"] == 0 else f"FAIL {c.get('failed_stages')} {str(c.get('errors'))[:200]}"))
+    return 0 if all(r["ok"] for r in rows) and all(c["rc"] == 0 for c in checks) else 1
 
 
 if __name__ == "__main__":

@@ -337,6 +337,37 @@ def plot_gemm(rows: list[dict], path: str) -> bool:
     return True
 
 
+def plot_layer(rows: list[dict], path: str) -> bool:
+    """Layer forward time vs tokens T per backend, one panel per quant mode (log-log). False if there
+    is no timed layer row."""
+    rs = [r for r in rows if r["bench"] == "layer" and r.get("median_ms") and not r.get("error")]
+    if not rs:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    quants = list(dict.fromkeys(r["quant"] for r in rs))
+    fig, axes = plt.subplots(1, len(quants), figsize=(6.5 * len(quants), 4.5), squeeze=False)
+    backends = list(dict.fromkeys(r["backend"] for r in rs))
+    colors = {b: plt.cm.tab20(i % 20) for i, b in enumerate(backends)}
+    for ax, quant in zip(axes.flat, quants):
+        pr = [r for r in rs if r["quant"] == quant]
+        for b in dict.fromkeys(r["backend"] for r in pr):
+            pts = sorted((int(r["T"]), float(r["median_ms"])) for r in pr if r["backend"] == b)
+            ax.plot(*zip(*pts), "-", marker="o", color=colors[b], label=b)
+        r0 = pr[0]
+        ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="median ms",
+               title=f"layer E={r0['E']} topk={r0['topk']} H={r0['H']} I={r0['I']} {quant}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def stats_line(rows: list[dict]) -> str:
     n_err = sum(1 for r in rows if r.get("error"))
     n_wrong = sum(1 for r in rows if str(r.get("error") or "").startswith("WRONG"))

@@ -381,9 +381,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # On a GPU, JAX and torch share the device: no JAX preallocation (75% of its memory by default).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "bench":  # everything after `bench` belongs to benchmarks/bench.py
         return run_bench(argparse.Namespace(bench_args=argv[1:]))
+    # check: JAX memory goes back to the device when freed (not kept in JAX's pool), so that the torch
+    # stages fit beside it at full model size (timing does not matter here).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
     args = build_parser().parse_args(argv)
     if args.command == "check" and (args.ep_size < 1 or args.ep_rank is not None and not 0 <= args.ep_rank < args.ep_size):
         print(f"epmoe: --ep-rank must be in [0, --ep-size={args.ep_size}) and --ep-size >= 1; got --ep-rank={args.ep_rank}",

@@ -347,6 +347,21 @@ class LayerWeights:
     e_score_correction_bias: np.ndarray | None = None
 
 
+def cast_experts(w: np.ndarray, dtype) -> np.ndarray:
+    """``w [E, ...].astype(dtype)`` as a new C-contiguous array, one expert per task on all cores (numpy's
+    casts release the GIL; a DeepSeek-V3 layer is 11G values)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = np.empty(w.shape, dtype)
+
+    def one(e: int) -> None:
+        out[e] = w[e]
+
+    with ThreadPoolExecutor(max(1, min(32, os.cpu_count() or 1))) as pool:
+        list(pool.map(one, range(w.shape[0])))
+    return out
+
+
 def make_inputs(config: MoEConfig, num_tokens: int, seed: int, routing: str, weights: LayerWeights | None):
     """The float32 layer inputs (``LayerInputs``) plus the FP8 weights given, if any."""
     if weights is None:
@@ -411,8 +426,8 @@ def run_crosscheck(
     inputs, given_s13, given_s2 = make_inputs(config, num_tokens, seed, routing, weights)
     bf16 = ml_dtypes.bfloat16
     start, e_local = config.local_expert_range()
-    w13_f = np.ascontiguousarray(inputs.w13[start:start + e_local]).astype(bf16)
-    w2_f = np.ascontiguousarray(inputs.w2[start:start + e_local]).astype(bf16)
+    w13_f = cast_experts(inputs.w13[start:start + e_local], bf16)
+    w2_f = cast_experts(inputs.w2[start:start + e_local], bf16)
     x = inputs.x.astype(bf16)
     logits = inputs.router_logits.astype(np.float32)
     bias = inputs.e_score_correction_bias.astype(np.float32) if config.routing == "biased_grouped_topk" else None
@@ -440,9 +455,17 @@ def run_crosscheck(
     if fp8 and given_s13 is None:
         layout = WEIGHT_LAYOUT[config.quant]
 
+        def quant_chunks(impl: _Impl, w: np.ndarray):
+            """quantize_weight_fp8 a few experts at a time (<= 1 GiB of float32 temporaries on the device:
+            a DeepSeek-V3 w13 whole would need 30 GB beside the other framework's memory), back to host."""
+            step = max(1, (1 << 28) // max(1, w[0].size))
+            parts = [tuple(to_numpy(t) for t in impl.mod.quantize_weight_fp8(impl.native(w[i:i + step]), layout))
+                     for i in range(0, w.shape[0], step)]
+            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
         def quant_weights(impl: _Impl):
-            q13, s13 = impl.mod.quantize_weight_fp8(impl.native(w13_f), layout)
-            q2, s2 = impl.mod.quantize_weight_fp8(impl.native(w2_f), layout)
+            q13, s13 = quant_chunks(impl, w13_f)
+            q2, s2 = quant_chunks(impl, w2_f)
             return {"w13": q13, "w13_scale": s13, "w2": q2, "w2_scale": s2}
 
         for n in ("jnp-reference", "torch-reference"):
@@ -667,8 +690,8 @@ def run_ep_check(
     if fp8 and given_s13 is not None:  # FP8 codes and scales as given
         w13_g, w2_g = inputs.w13, inputs.w2
     else:  # float weights: a model's bf16 values, held in the compute dtype
-        w13_g = inputs.w13.astype(ml_dtypes.bfloat16).astype(act_dt)
-        w2_g = inputs.w2.astype(ml_dtypes.bfloat16).astype(act_dt)
+        w13_g = cast_experts(cast_experts(inputs.w13, ml_dtypes.bfloat16), act_dt)
+        w2_g = cast_experts(cast_experts(inputs.w2, ml_dtypes.bfloat16), act_dt)
 
     single: dict[str, np.ndarray] = {}
     ep_sum: dict[str, np.ndarray] = {}

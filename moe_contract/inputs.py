@@ -7,7 +7,9 @@ Scaled so that every stage's output is O(1) (STYLE.md): weights ~ N(0, 1/K) for 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -31,12 +33,36 @@ class LayerInputs:
     e_score_correction_bias: np.ndarray
 
 
+def _expert_generators(seed: int, num_total_experts: int) -> list[np.random.Generator]:
+    """One generator per expert (global index ``e``), spawned from ``seed``: expert ``e``'s ``w13`` and then
+    its ``w2`` come from generator ``e`` alone, so experts can be drawn in any order, in parallel, or
+    only this rank's (numpy's documented way to draw in parallel: ``SeedSequence.spawn``)."""
+    return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(num_total_experts)]
+
+
+def _draw_expert(gen: np.random.Generator, w13_e: np.ndarray, w2_e: np.ndarray) -> None:
+    """Fill ``w13_e [2I, H]`` then ``w2_e [H, I]`` (float32, C-contiguous) from ``gen``, scaled by 1/sqrt(K)."""
+    f32 = np.float32
+    for w in (w13_e, w2_e):
+        gen.standard_normal(dtype=f32, out=w)
+        w *= f32(1.0 / np.sqrt(w.shape[1]))
+
+
+def _threads() -> int:
+    return max(1, min(32, os.cpu_count() or 1))
+
+
 def make_layer_inputs(config: MoEConfig, num_tokens: int, seed: int = 0, routing: str = "uniform") -> LayerInputs:
     """Random float32 inputs for ``config`` with ``T = num_tokens``.
 
+    ``x``, ``router_logits`` and the bias come from ``default_rng(seed)``; expert ``e``'s weights from its
+    own generator (``SeedSequence(seed).spawn``), drawn on all cores (numpy's generators release the
+    GIL), so a DeepSeek-V3-size layer (11G float32 values) is drawn in seconds, not minutes.
     ``routing`` skews the router logits: ``"uniform"`` (none), ``"zipf"`` (expert ``e``
     gets a logit bonus of ``-1.2 * log(e + 1)``, so a few experts take most rows) or
     ``"one-expert"`` (expert 0 gets +30, so every token picks it first).
+
+    Raises: ValueError for an unknown ``routing``.
     """
     if routing not in ROUTING_SKEWS:
         raise ValueError(f"make_layer_inputs: routing must be one of {ROUTING_SKEWS}; got routing={routing!r}")
@@ -50,32 +76,32 @@ def make_layer_inputs(config: MoEConfig, num_tokens: int, seed: int = 0, routing
         logits += (-1.2 * np.log(np.arange(1, E + 1, dtype=f32)))[None, :]
     elif routing == "one-expert":
         logits[:, 0] += 30.0
-    w13 = rng.standard_normal((E_all, 2 * I, H), dtype=f32)
-    w13 *= f32(1.0 / np.sqrt(H))  # in place: no second full-size temporary
-    w2 = rng.standard_normal((E_all, H, I), dtype=f32)
-    w2 *= f32(1.0 / np.sqrt(I))
     bias = (rng.standard_normal((E,), dtype=f32) * f32(0.1)).astype(f32)
+    w13 = np.empty((E_all, 2 * I, H), f32)
+    w2 = np.empty((E_all, H, I), f32)
+    gens = _expert_generators(seed, E_all)
+    with ThreadPoolExecutor(_threads()) as pool:
+        list(pool.map(lambda e: _draw_expert(gens[e], w13[e], w2[e]), range(E_all)))
     return LayerInputs(x=x, router_logits=logits.astype(f32), w13=w13, w2=w2, e_score_correction_bias=bias)
 
 
 def draw_preset_weights(config: MoEConfig, seed: int) -> Iterator[tuple[str, int, np.ndarray]]:
     """This rank's slice of ``make_layer_inputs(config, num_tokens=0, seed)``, one expert at a time.
 
-    Yields ``("w13", e_local, [2*I, H])``, then ``("w2", e_local, [H, I])``, then
-    ``("bias", -1, [E])``, numpy float32, bit-identical to that function's arrays (the same numpy
-    stream, drawn expert by expert so that no float32 copy of a full-size layer is ever held;
-    experts of other ranks are drawn and dropped). Framework-free, so both modules (``EPMoE.from_preset``,
+    Yields ``("w13", e_local, [2*I, H])`` and ``("w2", e_local, [H, I])`` for each local expert in
+    turn, then ``("bias", -1, [E])``, numpy float32, bit-identical to that function's arrays (each
+    expert has its own generator, so no float32 copy of a full-size layer is ever held and other
+    ranks' experts are never drawn). Framework-free, so both modules (``EPMoE.from_preset``,
     ``MoELayer.from_preset``) draw the same bits.
     """
-    rng = np.random.default_rng(seed)
     f32 = np.float32
     H, I = config.hidden_size, config.intermediate_size
     start, e_local = config.local_expert_range()
-    # make_layer_inputs draws x [T, H] and router_logits [T, E] first: nothing at T = 0.
-    for name, shape, k in (("w13", (2 * I, H), H), ("w2", (H, I), I)):
-        for e in range(config.num_total_experts):
-            w = rng.standard_normal(shape, dtype=f32)
-            if start <= e < start + e_local:
-                w *= f32(1.0 / np.sqrt(k))
-                yield name, e - start, w
-    yield "bias", -1, (rng.standard_normal((config.num_experts,), dtype=f32) * f32(0.1)).astype(f32)
+    gens = _expert_generators(seed, config.num_total_experts)
+    for e in range(e_local):
+        w13_e, w2_e = np.empty((2 * I, H), f32), np.empty((H, I), f32)
+        _draw_expert(gens[start + e], w13_e, w2_e)
+        yield "w13", e, w13_e
+        yield "w2", e, w2_e
+    # make_layer_inputs draws x [T, H] and router_logits [T, E] before the bias: nothing at T = 0.
+    yield "bias", -1, (np.random.default_rng(seed).standard_normal((config.num_experts,), dtype=f32) * f32(0.1)).astype(f32)

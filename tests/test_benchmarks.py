@@ -119,6 +119,10 @@ def test_writers(tmp_path):
     assert long.count("\n") == len(rows) + 1 and "a / b" in long  # pipes in notes escaped
     assert H.plot_gemm(rows, str(tmp_path / "p.png")) and (tmp_path / "p.png").stat().st_size > 1000
     assert not H.plot_gemm(rows[-1:], str(tmp_path / "none.png"))
+    layer_rows = [H.make_row("layer", b, spec, median_ms=ms * spec.T, p20_ms=ms, p80_ms=ms)
+                  for spec in S.layer_specs() for b, ms in (("ours-torch-triton", 1e-3), ("ref-torch", 1e-2))]
+    assert H.plot_layer(layer_rows, str(tmp_path / "l.png")) and (tmp_path / "l.png").stat().st_size > 1000
+    assert not H.plot_layer(rows, str(tmp_path / "none.png"))  # no layer rows
     assert "5 rows, 3 timed, 2 errors (1 wrong results)" == H.stats_line(rows)
 
 

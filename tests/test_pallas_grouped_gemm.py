@@ -414,3 +414,48 @@ def test_small_blocks_are_interpret_only():
     f = functools.partial(grouped_gemm_pallas_triton, interpret=False, config=GroupedGemmConfig(block_m=4, block_n=16, block_k=16))
     with pytest.raises(NotImplementedError, match="dot block must be >= 16"):
         _lower_for_cuda(f, S((8, 32), jnp.bfloat16), S((2, 16, 32), jnp.bfloat16), S((3,), jnp.int32))
+
+
+# --- Bug seen on the H200: 32-bit pointer offsets into an FP8 array of >= 2**31 elements ---------
+
+
+def _addptr_offset_types(w_shape, dtype) -> set[str]:
+    """The offset types of the ``tt.addptr`` that loads from ``w`` in a one-load Pallas-Triton kernel,
+    lowered for CUDA here (abstract shapes: nothing is allocated)."""
+    import contextlib
+    import io
+    import re
+
+    from jax.experimental.pallas import triton as plgpu
+
+    def kernel(w_ref, e_ref, o_ref):
+        o_ref[...] = plgpu.load(w_ref.at[e_ref[0], pl.ds(0, 16), pl.ds(0, 32)]).astype(jnp.float32)
+
+    from jax.experimental import pallas as pl
+
+    def f(w, e):
+        return pl.pallas_call(kernel, out_shape=S((16, 32), jnp.float32), debug=True,
+                              compiler_params=plgpu.CompilerParams(num_warps=4))(w, e)
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):  # debug=True prints the Triton IR
+        _lower_for_cuda(f, S(w_shape, dtype), S((1,), jnp.int32))
+    loads = [l for l in buf.getvalue().splitlines() if "tt.addptr" in l and "masked_load" in l]
+    return {m for l in loads for m in re.findall(r"tensor<16x32x(i\d+)>", l)}
+
+
+def test_bug_fp8_w2_of_deepseek_v3_size_gets_64bit_offsets():
+    """DeepSeek-V3's FP8 ``w2 [257, 7168, 2048]`` (3.77G elements, 3.5 GiB) made the Pallas-Triton GEMM
+    read outside the buffer on the H200 (CUDA_ERROR_ILLEGAL_ADDRESS in ``epmoe check --preset deepseek-v3
+    --quant fp8_block``): jax 0.11's lowering went 64-bit only above 4 GiB, while its signed offsets count
+    elements. With ``moe_pallas.ops.common.patch_pallas_triton_offsets`` (applied on import) the load's
+    offsets are i64; arrays under 2**31 elements keep i32 (no cost where none is needed)."""
+    from moe_pallas.ops import common
+
+    assert common._OFFSETS_PATCHED
+    assert _addptr_offset_types((257, 7168, 2048), jnp.float8_e4m3fn) == {"i64"}
+    assert _addptr_offset_types((4, 7168, 2048), jnp.float8_e4m3fn) == {"i32"}
+    assert common._needs_wide_offsets((257, 7168, 2048), jnp.float8_e4m3fn)
+    assert not common._needs_wide_offsets((257, 4096, 7168), jnp.float8_e4m3fn)  # > 4 GiB: jax's own 64-bit path
+    assert not common._needs_wide_offsets((257, 7168, 2048), jnp.bfloat16)
+    assert common._needs_wide_offsets((2**31,), jnp.int8) and not common._needs_wide_offsets((2**31 - 1,), jnp.int8)

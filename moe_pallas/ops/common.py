@@ -1,10 +1,12 @@
-"""Small numerics helpers shared by the jnp references.
+"""Small numerics helpers shared by the jnp references, and a fix to the Pallas-Triton lowering
+(``patch_pallas_triton_offsets``, applied on import) that every Pallas-Triton kernel relies on.
 
 Mirror: ``moe_torch/ops/common.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -63,3 +65,65 @@ def cast_rounded(x: jax.Array, dtype) -> jax.Array:
         info = jnp.finfo(dtype)
         x = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
     return x.astype(dtype)
+
+
+# --- Pallas-Triton lowering: 64-bit pointer offsets for arrays of >= 2**31 elements ----------------
+
+#: Elements an int32 pointer offset can address (Triton's ``tt.addptr`` offsets count elements, signed).
+INT32_ELEMENTS = 2**31
+
+
+def _needs_wide_offsets(shape, dtype) -> bool:
+    """True where jax 0.11's Pallas-Triton lowering keeps 32-bit offsets but must not: at least 2**31
+    elements and at most 2**32 bytes (it switches on ``bytes > 2**32``, so only 1-byte dtypes, e.g. a
+    DeepSeek-V3 FP8 ``w2 [257, 7168, 2048]`` of 3.8G elements, fall in between)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    return n >= INT32_ELEMENTS and n * jnp.dtype(dtype).itemsize <= 2**32
+
+
+def patch_pallas_triton_offsets() -> bool:
+    """Make jax's Pallas-Triton lowering use 64-bit pointer offsets for every array of >= 2**31 elements.
+
+    jax-ml/jax@jax-v0.11.2:jax/_src/pallas/triton/lowering.py ``_compute_offsets_from_indices`` picks
+    64-bit offsets only when the array is over 2**32 *bytes*, but the offsets count *elements* and are
+    signed: a 1-byte (FP8) array of 2**31..2**32 elements overflows and the kernel reads outside the
+    buffer (seen on the H200: ``CUDA_ERROR_ILLEGAL_ADDRESS`` in the DeepSeek-V3 FP8 down projection).
+    The wrapper hands the lowering a 4-byte stand-in dtype for such arrays (the dtype is used there only
+    for that size test), so it takes its own 64-bit path. Idempotent; returns False (and changes
+    nothing) if this jax has no such function, in which case :func:`pallas_triton_offsets_ok` says so.
+    """
+    try:
+        from jax._src.pallas.triton import lowering
+    except ImportError:  # no Triton lowering in this jax
+        return False
+    original = getattr(lowering, "_compute_offsets_from_indices", None)
+    if original is None or not hasattr(lowering, "BlockInfo"):
+        return False
+    if getattr(original, "_epmoe_wide_offsets", False):
+        return True
+
+    @functools.wraps(original)
+    def compute_offsets(block_info, nd_indexer):
+        aval = block_info.full_shape_dtype
+        if _needs_wide_offsets(aval.shape, aval.dtype):
+            block_info = dataclasses.replace(block_info, full_shape_dtype=aval.update(dtype=jnp.dtype(jnp.float32)))
+        return original(block_info, nd_indexer)
+
+    compute_offsets._epmoe_wide_offsets = True
+    lowering._compute_offsets_from_indices = compute_offsets
+    return True
+
+
+def pallas_triton_offsets_ok(op: str, **arrays) -> None:
+    """Raise ``NotImplementedError`` (so dispatch tries the next backend) if an array needs 64-bit
+    offsets that this jax's Pallas-Triton lowering would not give it (the patch above could not apply)."""
+    if _OFFSETS_PATCHED:
+        return
+    for name, a in arrays.items():
+        if a is not None and _needs_wide_offsets(a.shape, a.dtype):
+            raise NotImplementedError(
+                f"{op}: {name} {tuple(a.shape)} {a.dtype} has >= 2**31 elements in <= 4 GiB, which this jax's "
+                f"Pallas-Triton lowering addresses with 32-bit offsets (patch_pallas_triton_offsets could not apply)")
+
+
+_OFFSETS_PATCHED = patch_pallas_triton_offsets()

@@ -25,8 +25,9 @@ jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/tpu/megablox/gmm.py (``make_g
 here with explicit row ranges instead of a per-row group-id mask, and with one extra group for the
 unused rows; masked loads/stores as in jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/gpu/rms_norm.py.
 Pointer offsets are the Pallas-Triton lowering's: 64-bit when an array is over 4 GiB
-(``_compute_offsets_from_indices`` in jax/_src/pallas/triton/lowering.py), so ``w`` of
-DeepSeek-V3 size does not overflow.
+(``_compute_offsets_from_indices`` in jax/_src/pallas/triton/lowering.py), and, through
+``moe_pallas.ops.common.patch_pallas_triton_offsets``, also for 1-byte arrays of 2**31 to 2**32
+elements (a DeepSeek-V3 FP8 ``w2``), which that lowering left at signed 32 bits.
 
 Mirror: ``moe_torch/ops/grouped_gemm/triton.py`` (to come).
 """
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from moe_pallas.ops import common as _common  # noqa: F401  (its import applies patch_pallas_triton_offsets)
 from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, GroupedGemmConfig, gpu_device_kind,
                                                  grouped_gemm_config, triton_config_problem)
 
