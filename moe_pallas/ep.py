@@ -263,9 +263,12 @@ def ep_moe_forward(
     w13_scale = None if w13_scale is None else pad_expert_weights(w13_scale, config)
     w2_scale = None if w2_scale is None else pad_expert_weights(w2_scale, config)
 
-    dense = mesh.devices.flat[0].platform == "cpu"
-    if mode == "all_to_all" and dense:
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
+    if mode == "all_to_all" and on_cpu and ep > 1:
         _log_cpu_fallback()
+    # ep == 1: the exchange is a local copy; XLA:GPU's ragged_all_to_all on a one-device group took
+    # 380 ms per DeepSeek-V3 layer at T=4096 on the H200 (benchmarks/bench_ep.py, BENCHMARKS.md).
+    dense = on_cpu or ep == 1
 
     T, H = x.shape
     T_pad = -(-T // ep) * ep
