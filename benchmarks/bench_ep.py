@@ -568,7 +568,7 @@ def jax_main(args, rows_path: str) -> None:
             continue
         rep = NamedSharding(mesh, P())
         split = NamedSharding(mesh, P("ep"))
-        dense = mesh.devices.flat[0].platform == "cpu"
+        dense = ep_module.dense_exchange("bench_ep", mesh, args.exchange)
         for T in args.tokens:
             T_global = T * ep
             n = iters_for(args, T)
@@ -576,7 +576,9 @@ def jax_main(args, rows_path: str) -> None:
             bias_r = jax.device_put(bias, rep)
             for mode in args.modes_list:
                 row = new_row("jax", backend, args, cfg, mode, ep, T)
-                row.update(n_iters=n, timing_method="wall_loop", notes=f"weights drawn in {draw_s:.1f} s")
+                row.update(n_iters=n, timing_method="wall_loop", notes=f"weights drawn in {draw_s:.1f} s"
+                           + (f"; {'dense' if dense else 'ragged'} exchange" if mode == "all_to_all" else "")
+                           + (f"; XLA_FLAGS+={args.xla_flags}" if args.xla_flags else ""))
                 try:
                     x = jax.device_put(x_all[:T_global], rep if mode == "replicated" else split)
                     lg = jax.device_put(lg_all[:T_global], rep if mode == "replicated" else split)
@@ -585,7 +587,7 @@ def jax_main(args, rows_path: str) -> None:
                     def step(x, lg, w13, w2, w13_s, w2_s, bias, mode=mode, osh=osh):
                         return ep_module.ep_moe_forward(x, lg, w13, w2, cfg, mesh=mesh, mode=mode, w13_scale=w13_s,
                                                         w2_scale=w2_s, e_score_correction_bias=bias,
-                                                        implementation=impl, out_sharding=osh)
+                                                        implementation=impl, out_sharding=osh, exchange=args.exchange)
 
                     sargs = (x, lg, w13, w2, w13_s, w2_s, bias_r)
                     t1 = time.perf_counter()
@@ -669,6 +671,8 @@ def run_jax(args, tmp_dir: str, deadline: float) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": _ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if args.tiny:
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={max(args.ep_list)}")
+    if args.xla_flags:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--jax-child", rows_path]
     try:
         sys.stdout.flush()
@@ -747,6 +751,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--tiny", action="store_true", help="tiny preset on the CPU (2 forced host devices / gloo)")
+    p.add_argument("--exchange", default=None, choices=("ragged", "dense"),
+                   help="JAX all_to_all mode's row exchange (moe_pallas.ep_moe_forward's exchange; default: ragged on GPUs "
+                        "for ep > 1, dense on a CPU mesh and for ep = 1)")
+    p.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS of the JAX child process (e.g. "
+                   "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true)")
     p.add_argument("--max-minutes", type=float, default=8.0, help="stop starting work after this long (rows get an error)")
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--jax-child", default=None, help=argparse.SUPPRESS)

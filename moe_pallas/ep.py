@@ -186,12 +186,13 @@ def ep_moe_forward(
     e_score_correction_bias: jax.Array | None = None,
     implementation: str | None = None,
     out_sharding: str = "replicated",
+    exchange: str | None = None,
 ) -> jax.Array:
     """One MoE layer over an ``"ep"`` mesh of ``config.ep_size`` devices: ``[T, H] -> [T, H]``.
 
     Equals the single-device layer (:func:`moe_pallas.moe_forward` with ``ep_size=1``) to float32
     rounding (CONTRACT.md section 6). Jit with ``static_argnames=("config", "mesh", "mode",
-    "implementation", "out_sharding")``.
+    "implementation", "out_sharding", "exchange")``.
 
     Args:
       x: ``[T, H]`` float32 / bf16 / float16, any sharding (``jit`` reshards it to the mode's
@@ -212,6 +213,10 @@ def ep_moe_forward(
         ``"pallas_triton"`` / ``"pallas_mosaic_gpu"`` / ``None`` on a GPU), as in ``moe_forward``.
       out_sharding: ``"replicated"`` (every device holds ``[T, H]``) or ``"tokens"`` (split over
         devices along T: ``P("ep")`` of ``[T_pad, H]`` inside, sliced to ``[T, H]``).
+      exchange: how ``"all_to_all"`` mode moves rows: ``"ragged"`` (``jax.lax.ragged_all_to_all``;
+        GPU meshes only), ``"dense"`` (one ``all_to_all`` of fixed-capacity blocks, see below), or
+        ``None``: ragged on a GPU mesh of ``ep > 1``, dense on a CPU mesh and for ``ep == 1`` (a local
+        copy; XLA:GPU's ragged op took 380 ms for it on the H200, BENCHMARKS.md).
 
     Returns: ``out [T, H]`` in ``x.dtype``.
 
@@ -241,6 +246,7 @@ def ep_moe_forward(
     ep = _check_mesh(op, config, mesh)
     check_choice(op, "mode", mode, MODES)
     check_choice(op, "out_sharding", out_sharding, OUT_SHARDINGS)
+    dense = dense_exchange(op, mesh, exchange)
     check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
     e_lmax, starts, counts = _local_counts(config)
     e_all = config.num_total_experts
@@ -263,12 +269,8 @@ def ep_moe_forward(
     w13_scale = None if w13_scale is None else pad_expert_weights(w13_scale, config)
     w2_scale = None if w2_scale is None else pad_expert_weights(w2_scale, config)
 
-    on_cpu = mesh.devices.flat[0].platform == "cpu"
-    if mode == "all_to_all" and on_cpu and ep > 1:
+    if mode == "all_to_all" and dense and exchange is None and ep > 1:
         _log_cpu_fallback()
-    # ep == 1: the exchange is a local copy; XLA:GPU's ragged_all_to_all on a one-device group took
-    # 380 ms per DeepSeek-V3 layer at T=4096 on the H200 (benchmarks/bench_ep.py, BENCHMARKS.md).
-    dense = on_cpu or ep == 1
 
     T, H = x.shape
     T_pad = -(-T // ep) * ep
@@ -294,6 +296,23 @@ def ep_moe_forward(
     )
     out = fn(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias)
     return out[:T] if out.shape[0] != T else out
+
+
+EXCHANGES = ("ragged", "dense")
+
+
+def dense_exchange(op: str, mesh: Mesh, exchange: str | None) -> bool:
+    """Whether ``"all_to_all"`` mode exchanges rows densely on ``mesh`` (``exchange`` as in
+    :func:`ep_moe_forward`). Raises ValueError for an unknown ``exchange``, or ``"ragged"`` on a CPU
+    mesh (XLA:CPU has no ``ragged_all_to_all``)."""
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
+    if exchange is None:
+        return on_cpu or mesh.shape[EP_AXIS] == 1
+    check_choice(op, "exchange", exchange, EXCHANGES)
+    if exchange == "ragged" and on_cpu:
+        raise ValueError(f"{op}: exchange='ragged' needs a GPU mesh (XLA:CPU does not implement ragged_all_to_all); "
+                         f"got a mesh of {mesh.devices.flat[0].platform} devices")
+    return exchange == "dense"
 
 
 @functools.cache

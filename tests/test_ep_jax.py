@@ -221,16 +221,20 @@ def _tiny_inputs(T=3):
 
 
 def test_ep_size_1_exchanges_locally():
-    """One device: no ragged_all_to_all in the program (XLA:GPU's took 380 ms for a local copy on the H200)."""
+    """One device: no ragged_all_to_all in the program (XLA:GPU's took 380 ms for a local copy on the
+    H200), unless asked for; ``exchange="dense"`` equals the default."""
     import jax
 
-    from moe_pallas.ep import ep_moe_forward, make_ep_mesh
+    import tolerances
+    from moe_pallas.ep import dense_exchange, ep_moe_forward, make_ep_mesh
 
     config, x, logits, w13, w2, bias = _tiny_inputs()
-    fwd = jax.jit(ep_moe_forward, static_argnames=("config", "mesh", "mode", "implementation", "out_sharding"))
-    hlo = fwd.lower(x, logits, w13, w2, config, mesh=make_ep_mesh(1), mode="all_to_all", e_score_correction_bias=bias,
-                    implementation="reference").as_text()
-    assert "ragged_all_to_all" not in hlo
+    mesh = make_ep_mesh(1)
+    fwd = jax.jit(ep_moe_forward, static_argnames=("config", "mesh", "mode", "implementation", "out_sharding", "exchange"))
+    kw = dict(mesh=mesh, mode="all_to_all", e_score_correction_bias=bias, implementation="reference")
+    assert "ragged_all_to_all" not in fwd.lower(x, logits, w13, w2, config, **kw).as_text()
+    tolerances.assert_exact(fwd(x, logits, w13, w2, config, exchange="dense", **kw), fwd(x, logits, w13, w2, config, **kw), "dense")
+    assert dense_exchange("op", mesh, None) and dense_exchange("op", mesh, "dense")
 
 
 @pytest.mark.parametrize("mode", ["replicated", "all_to_all"])
@@ -262,6 +266,11 @@ def test_errors():
         ep_moe_forward(x, logits, w13, w2, config, mesh=mesh, mode="dense", e_score_correction_bias=bias)
     with pytest.raises(ValueError, match=r"ep_moe_forward: out_sharding must be one of"):
         ep_moe_forward(x, logits, w13, w2, config, mesh=mesh, out_sharding="experts", e_score_correction_bias=bias)
+    with pytest.raises(ValueError, match=r"ep_moe_forward: exchange must be one of \('ragged', 'dense'\)"):
+        ep_moe_forward(x, logits, w13, w2, config, mesh=mesh, mode="all_to_all", exchange="nccl", e_score_correction_bias=bias)
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match=r"ep_moe_forward: exchange='ragged' needs a GPU mesh"):
+            ep_moe_forward(x, logits, w13, w2, config, mesh=mesh, mode="all_to_all", exchange="ragged", e_score_correction_bias=bias)
     with pytest.raises(ValueError, match=r"ep_moe_forward: w2 must have a leading expert axis"):
         ep_moe_forward(x, logits, w13, w2[:-1], config, mesh=mesh, e_score_correction_bias=bias)
     with pytest.raises(ValueError, match=r"ep_moe_forward: x must be \[T, H\]"):
