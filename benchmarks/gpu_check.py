@@ -3,8 +3,13 @@ preset at real size in both frameworks (JAX via XLA on the GPU, torch on CUDA), 
 
 Usage (on the GPU machine, from the repo root; nothing to install there)::
 
-    PYTHONPATH=. python3 benchmarks/gpu_check.py [--skip-tests] [--tests "tests/test_x.py ..."] [--memcheck]
+    PYTHONPATH=. python3 benchmarks/gpu_check.py [--skip-tests] [--tests "tests/test_x.py ...; tests/test_y.py"] [--memcheck]
         [--bench=--quick] [--tokens 256] [--presets a,b] [--quants none,fp8_block] [--kernels]
+        [--cli-checks "mixtral-8x7b:none,deepseek-v3:fp8_block"] [--check-tokens 16]
+
+``;`` splits ``--tests`` / ``--memcheck-tests`` into groups that run as parallel processes (and the
+test run beside the memcheck run); ``--cli-checks`` runs ``epmoe check`` at full model size in this
+process, its tables into ``$OUT/checks.log``.
 
 Prints a short table last. Weights are drawn on the GPU in torch (bf16, ~ N(0, 1/K)) and
 handed to JAX through DLPack (zero-copy), so both frameworks see the same bits; each
