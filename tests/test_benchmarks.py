@@ -219,3 +219,15 @@ def test_build_hf_block_maps_our_weights():
         bench.build_hf_block(config, w13, w2[:, :, :-1], gate_w)
     with pytest.raises(ValueError, match="softmax top-k"):
         bench.build_hf_block(config.replace(renormalize=False), w13, w2, gate_w)
+
+
+def test_gpu_check_groups_and_cli_checks(tmp_path):
+    """benchmarks/gpu_check.py's pieces that need no GPU: ';'-split test groups (shell quoting inside a
+    group) and `epmoe check` run in-process per preset:quant, summarised per check, tables to checks.log."""
+    from benchmarks import gpu_check
+
+    assert gpu_check._groups("a.py b.py; c.py -k 'not slow' ;") == [["a.py", "b.py"], ["c.py", "-k", "not slow"]]
+    (row,) = gpu_check.run_cli_checks(str(tmp_path), ["tiny:fp8_block"], tokens=4)
+    assert row["check"] == "tiny:fp8_block" and row["rc"] == 0 and row["ok"] is True, row
+    assert row["failed_stages"] == [] and row["max_rel_fro"]["layer"] < 2e-2 and row["n_comparisons"] > 50
+    assert "===== epmoe check --preset tiny --quant fp8_block --tokens 4: rc=0" in (tmp_path / "checks.log").read_text()
