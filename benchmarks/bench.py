@@ -684,6 +684,7 @@ def environment() -> dict:
         meta["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=_ROOT,
                                      timeout=5).stdout.strip()
     meta["ceilings"] = dict(bf16_tflops=H.PEAK_BF16_FLOPS / 1e12, fp8_tflops=H.PEAK_FP8_FLOPS / 1e12, copy_tbps=H.PEAK_BW / 1e12)
+    meta["EPMOE_PALLAS_FP8_WGMMA"] = os.environ.get("EPMOE_PALLAS_FP8_WGMMA", "")  # moe_pallas.ops.common
     return meta
 
 

@@ -459,3 +459,38 @@ def test_bug_fp8_w2_of_deepseek_v3_size_gets_64bit_offsets():
     assert not common._needs_wide_offsets((257, 4096, 7168), jnp.float8_e4m3fn)  # > 4 GiB: jax's own 64-bit path
     assert not common._needs_wide_offsets((257, 7168, 2048), jnp.bfloat16)
     assert common._needs_wide_offsets((2**31,), jnp.int8) and not common._needs_wide_offsets((2**31 - 1,), jnp.int8)
+
+
+def _dot_lines(dtype) -> list[str]:
+    """The ``tt.dot`` lines of a one-dot Pallas-Triton kernel lowered for CUDA here (a fresh kernel each call)."""
+    import contextlib
+    import io
+
+    from jax.experimental import pallas as pl
+
+    def kernel(a_ref, b_ref, o_ref):
+        o_ref[...] = jax.lax.dot_general(a_ref[...], b_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    def f(a, b):
+        return pl.pallas_call(kernel, out_shape=S((64, 128), jnp.float32), debug=True)(a, b)
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        _lower_for_cuda(f, S((64, 128), dtype), S((128, 128), dtype))
+    return [l for l in buf.getvalue().splitlines() if "tt.dot" in l]
+
+
+def test_fp8_dots_get_max_num_imprecise_acc_when_switched_on(monkeypatch):
+    """EPMOE_PALLAS_FP8_WGMMA=1: FP8 x FP8 dots carry maxNumImpreciseAcc = K (Triton then uses FP8 wgmma
+    instead of converting to f16 for mma.sync); off by default; bf16 dots never change."""
+    from moe_pallas.ops import common
+
+    assert common._FP8_DOTS_PATCHED
+    monkeypatch.delenv(common.FP8_WGMMA_ENV, raising=False)
+    (line,) = _dot_lines(jnp.float8_e4m3fn)
+    assert "maxNumImpreciseAcc" not in line
+    monkeypatch.setenv(common.FP8_WGMMA_ENV, "1")
+    (line,) = _dot_lines(jnp.float8_e4m3fn)
+    assert "maxNumImpreciseAcc = 128 : i32" in line
+    (line,) = _dot_lines(jnp.bfloat16)
+    assert "maxNumImpreciseAcc" not in line

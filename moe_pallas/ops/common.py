@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 
 import jax
 import jax.numpy as jnp
@@ -127,3 +128,62 @@ def pallas_triton_offsets_ok(op: str, **arrays) -> None:
 
 
 _OFFSETS_PATCHED = patch_pallas_triton_offsets()
+
+
+# --- Pallas-Triton lowering: FP8 dots on Hopper's FP8 tensor cores (opt-in) ------------------------
+
+#: Environment switch, read when a kernel is lowered: "1" gives FP8 x FP8 dots of Pallas-Triton kernels
+#: ``max_num_imprecise_acc = K`` (see :func:`patch_pallas_triton_fp8_dots`). Off by default until timed.
+FP8_WGMMA_ENV = "EPMOE_PALLAS_FP8_WGMMA"
+
+
+def _is_fp8(value) -> bool:
+    from jax._src.lib.mlir import ir
+
+    return str(ir.RankedTensorType(value.type).element_type).startswith("f8")
+
+
+class _Fp8DotDialect:
+    """The Triton dialect module of jax's Pallas-Triton lowering, with ``dot`` giving FP8 x FP8 dots
+    ``max_num_imprecise_acc = K`` when :data:`FP8_WGMMA_ENV` is "1" (everything else passes through)."""
+
+    def __init__(self, dialect):
+        self._dialect = dialect
+
+    def __getattr__(self, name):
+        return getattr(self._dialect, name)
+
+    def dot(self, a, b, c, **kwargs):
+        if (os.environ.get(FP8_WGMMA_ENV) == "1" and kwargs.get("max_num_imprecise_acc") is None
+                and _is_fp8(a) and _is_fp8(b)):
+            from jax._src.lib.mlir import ir
+
+            kwargs["max_num_imprecise_acc"] = int(ir.RankedTensorType(a.type).shape[1])
+        return self._dialect.dot(a, b, c, **kwargs)
+
+
+def patch_pallas_triton_fp8_dots() -> bool:
+    """Let Pallas-Triton FP8 dots use Hopper's FP8 wgmma, behind :data:`FP8_WGMMA_ENV` (opt-in).
+
+    jax-ml/jax@jax-v0.11.2:jax/_src/pallas/triton/lowering.py ``_dot_general_lowering`` emits
+    ``tt.dot`` without ``maxNumImpreciseAcc`` (0). For FP8 operands Triton then converts both to f16 and
+    uses ``mma.sync`` (no wgmma): exact float32 sums, but no FP8 tensor-core speed (seen compiling that
+    IR with triton 3.6 for sm_90a; jaxlib's own Triton build was not inspected). With the switch on,
+    each FP8 dot gets ``max_num_imprecise_acc = K``: one wgmma chain per dot, promoted to float32 when
+    the caller adds it to its accumulator; the grouped GEMM dots one K step (<= 128) at a time, so that
+    is DeepSeek-V3's per-128 promotion, as in the Triton backend. Set the variable before the first
+    compile (jit caches compiled kernels). Idempotent; False if this jax has no such lowering.
+    """
+    try:
+        from jax._src.pallas.triton import lowering
+    except ImportError:
+        return False
+    dialect = getattr(lowering, "tt_dialect", None)
+    if dialect is None or not hasattr(dialect, "dot"):
+        return False
+    if not isinstance(dialect, _Fp8DotDialect):
+        lowering.tt_dialect = _Fp8DotDialect(dialect)
+    return True
+
+
+_FP8_DOTS_PATCHED = patch_pallas_triton_fp8_dots()
