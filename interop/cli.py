@@ -117,6 +117,8 @@ def run_demo(args: argparse.Namespace) -> int:
 CPU_PRESETS = ("tiny",)
 #: Largest weights (elements of w13 + w2, all experts) the CPU interpreters are asked to run from a checkpoint.
 CPU_MAX_WEIGHT_ELEMENTS = 1 << 24
+#: Tokens the CPU (interpreted kernels) takes in ``check``: T=16 takes about 10 s on 2 cores.
+CPU_MAX_TOKENS = 512
 
 
 def _quant_arg(value: str) -> str:
@@ -163,10 +165,19 @@ def _check_args(args: argparse.Namespace) -> str | None:
             return f"--json must be a file path; got a folder: {args.json!r}"
         parent = os.path.dirname(target)
         probe = parent
-        while not os.path.exists(probe):
+        while not os.path.exists(probe):  # missing folders are created when the JSON is written
             probe = os.path.dirname(probe)
+        if not os.path.isdir(probe):
+            return f"--json: {probe!r} is a file, not a folder; got --json {args.json!r}"
         if not os.access(probe, os.W_OK):
             return f"--json: cannot write under {probe!r}"
+        if probe == parent:  # the folder exists: prove it takes a file now, not after the run
+            import tempfile
+
+            try:
+                tempfile.TemporaryFile(dir=parent).close()
+            except OSError as exc:
+                return f"--json: cannot write under {parent!r} ({exc.strerror or exc})"
     try:
         config = get_preset(args.preset).config(quant=args.quant)
     except ValueError:
@@ -212,6 +223,10 @@ def run_check(args: argparse.Namespace) -> int:
               f"({n_weights / 1e6:.0f}M weight elements); use --preset tiny on a CPU, or run on a GPU machine",
               file=sys.stderr)
         return 2
+    if not gpu and args.tokens > CPU_MAX_TOKENS:
+        print(f"epmoe check: no GPU here, so the kernels run interpreted; --tokens {args.tokens} would take hours "
+              f"(at most {CPU_MAX_TOKENS} on a CPU)", file=sys.stderr)
+        return 2
     need, have = _host_bytes_needed(config), _host_bytes_available()
     if weights is None and 2 * need > have:
         print(f"epmoe check: preset {preset.name} needs about {2 * need / 2**30:.0f} GiB of host memory for its weights "
@@ -221,14 +236,28 @@ def run_check(args: argparse.Namespace) -> int:
     if gpu and args.implementations is None:
         implementations.append("pallas_mosaic_gpu")
     if args.implementations is not None:
-        implementations = [n.strip() for n in args.implementations.split(",") if n.strip()]
+        implementations = list(dict.fromkeys(n.strip() for n in args.implementations.split(",") if n.strip()))
         bad = [n for n in implementations if n not in cc.IMPLEMENTATIONS]
         if bad or not implementations:
             print(f"epmoe check: --implementations must be a comma list of {', '.join(cc.IMPLEMENTATIONS)}; got {bad or '(none)'}",
                   file=sys.stderr)
             return 2
-        if "jnp-reference" not in implementations:  # the upstream values and the judge of the JAX kernels
-            implementations.insert(0, "jnp-reference")
+        if "pallas_mosaic_gpu" in implementations and not gpu:
+            print("epmoe check: --implementations pallas_mosaic_gpu needs a Hopper GPU (Mosaic GPU kernels do not run "
+                  "interpreted); none here", file=sys.stderr)
+            return 2
+        # Each kernel is judged against its framework's reference: add the reference it needs.
+        for name in list(implementations):
+            ref = cc.REFERENCE[cc.IMPLEMENTATIONS[name][0]]
+            if ref not in implementations:
+                implementations.append(ref)
+        if "jnp-reference" in implementations:  # the upstream values and the judge of the JAX kernels: first
+            implementations.remove("jnp-reference")
+        implementations.insert(0, "jnp-reference")
+        if implementations == ["jnp-reference"]:
+            print("epmoe check: --implementations jnp-reference alone compares nothing; add torch-reference or a kernel "
+                  "backend", file=sys.stderr)
+            return 2
 
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -260,9 +289,13 @@ def run_check(args: argparse.Namespace) -> int:
     if args.json:
         import json
 
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result.to_json(), f, indent=1, default=float)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(result.to_json(), f, indent=1, default=float)
+        except OSError as exc:
+            print(f"epmoe check: --json: cannot write {args.json!r} ({exc.strerror or exc})", file=sys.stderr)
+            return 2
         print(f"wrote {args.json}")
     return 0 if result.ok else 1
 
@@ -363,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --weights: the layer index (default: the first MoE layer)")
     check.add_argument("--implementations", metavar="LIST", default=argparse.SUPPRESS,
                        help="comma list among " + ", ".join(CHECK_IMPLEMENTATIONS) + " (default: the four; on a "
-                            "GPU also pallas_mosaic_gpu); the jnp reference always runs")
+                            "GPU also pallas_mosaic_gpu); the jnp reference always runs, and each kernel's own "
+                            "framework reference is added (its judge); duplicates are dropped")
     check.add_argument("--verbose", action="store_true", help="print each unit of work when not on a terminal")
     check.set_defaults(func=run_check)
 
@@ -390,12 +424,17 @@ def main(argv: list[str] | None = None) -> int:
     # stages fit beside it at full model size (timing does not matter here).
     os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
     args = build_parser().parse_args(argv)
-    if args.command == "check" and (args.ep_size < 1 or args.ep_rank is not None and not 0 <= args.ep_rank < args.ep_size):
-        print(f"epmoe: --ep-rank must be in [0, --ep-size={args.ep_size}) and --ep-size >= 1; got --ep-rank={args.ep_rank}",
-              file=sys.stderr)
-        return 2
-    if args.tokens < 1:
-        print(f"epmoe: --tokens must be >= 1; got {args.tokens}", file=sys.stderr)
+    problem = None
+    if args.command == "check" and args.ep_size < 1:
+        problem = f"--ep-size must be >= 1; got {args.ep_size}"
+    elif args.command == "check" and args.ep_rank is not None and not 0 <= args.ep_rank < args.ep_size:
+        problem = f"--ep-rank must be in [0, --ep-size={args.ep_size}); got {args.ep_rank}"
+    elif args.tokens < 1:
+        problem = f"--tokens must be >= 1; got {args.tokens}"
+    elif args.seed < 0:
+        problem = f"--seed must be >= 0; got {args.seed}"
+    if problem:
+        print(f"epmoe {args.command}: {problem}", file=sys.stderr)
         return 2
     return args.func(args)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from interop.cli import main
@@ -110,6 +112,11 @@ def test_check_ep_rank_adds_the_stage_table_and_a_bad_rank_fails(monkeypatch, ca
     (["check", "--json", "/"], "--json must be a file path; got a folder: '/'"),
     (["check", "--layer", "3"], "--layer needs --weights"),
     (["check", "--tokens", "99999999999"], "--tokens 99999999999 needs about"),
+    # found by the second new-user trial (2026-11-30)
+    (["check", "--seed", "-1"], "epmoe check: --seed must be >= 0; got -1"),
+    (["check", "--ep-size", "0"], "epmoe check: --ep-size must be >= 1; got 0"),
+    (["check", "--json", os.path.join(os.path.abspath(__file__), "x.json")], "is a file, not a folder"),
+    (["check", "--implementations", "jnp-reference"], "jnp-reference alone compares nothing"),
 ])
 def test_check_refuses_with_exit_2(args, msg, capsys):
     assert main(args) == 2
@@ -134,3 +141,21 @@ def test_bench_without_gpu_says_so(capsys):
         pytest.skip("a GPU is here")
     assert main(["bench", "--quick"]) == 2
     assert "there is none here" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is here")
+@pytest.mark.parametrize("args,msg", [
+    (["check", "--implementations", "pallas_mosaic_gpu"], "pallas_mosaic_gpu needs a Hopper GPU"),
+    (["check", "--tokens", "100000"], "at most 512 on a CPU"),
+])
+def test_check_refuses_on_a_cpu(args, msg, capsys):
+    assert main(args) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_check_adds_the_reference_a_kernel_is_judged_against(capsys):
+    """--implementations triton,triton: the torch reference joins (the Triton kernels' judge), once."""
+    assert main(["check", "--tokens", "3", "--implementations", "triton,triton"]) == 0
+    out = capsys.readouterr().out
+    assert "implementations: jnp-reference, triton, torch-reference" in out
+    assert "all 0 comparisons" not in out and "within the contract" in out
