@@ -752,6 +752,9 @@ def main(argv=None) -> int:
                 if args.verbose:
                     traceback.print_exc()
     rows = ctx.rows
+    if args.backends and not rows:
+        print(f"bench: --backends {args.backends!r} matched no backend of {args.what}", file=sys.stderr)
+        return 2
     ctx.meta["runtime_s"] = round(ctx.elapsed(), 1)
     H.write_json(rows, os.path.join(args.out, "bench.json"), ctx.meta)
     H.write_csv(rows, os.path.join(args.out, "bench.csv"))

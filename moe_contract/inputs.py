@@ -62,10 +62,13 @@ def make_layer_inputs(config: MoEConfig, num_tokens: int, seed: int = 0, routing
     gets a logit bonus of ``-1.2 * log(e + 1)``, so a few experts take most rows) or
     ``"one-expert"`` (expert 0 gets +30, so every token picks it first).
 
-    Raises: ValueError for an unknown ``routing``.
+    Raises: ValueError for an unknown ``routing``, or ``num_tokens`` / ``seed`` not an int >= 0.
     """
     if routing not in ROUTING_SKEWS:
         raise ValueError(f"make_layer_inputs: routing must be one of {ROUTING_SKEWS}; got routing={routing!r}")
+    for name, v in (("num_tokens", num_tokens), ("seed", seed)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"make_layer_inputs: {name} must be an int >= 0; got {name}={v!r}")
     rng = np.random.default_rng(seed)
     T, H, I, E = num_tokens, config.hidden_size, config.intermediate_size, config.num_experts
     E_all = config.num_total_experts

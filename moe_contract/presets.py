@@ -48,6 +48,10 @@ class ModelPreset:
             num_fused_shared_experts=self.num_shared_experts,
             activation=self.activation,
         )
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(MoEConfig)})
+        if unknown:
+            raise TypeError(f"ModelPreset.config: unknown MoEConfig field(s) {unknown} for preset {self.name!r}; "
+                            f"fields are {[f.name for f in dataclasses.fields(MoEConfig)]}")
         fields.update(overrides)
         return MoEConfig(**fields)
 

@@ -190,7 +190,9 @@ def check_layer_inputs(
     check_shape(op, "w2", w2, (e_local, H, I), f"[E_local, H, I] = ({e_local}, {H}, {I}) (this rank's experts)")
     if config.quant == "none":
         for name, w in (("w13", w13), ("w2", w2)):
-            check_dtype(op, name, w, (dtype_name(x),))
+            if dtype_name(w) != dtype_name(x):  # one compute dtype: the message names both sides
+                raise TypeError(f"{op}: {name} must have dtype {dtype_name(x)} (quant='none': x, w13 and w2 share one "
+                                f"dtype); got {name}.dtype={dtype_name(w)}")
         for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
             if s is not None:
                 raise ValueError(f"{op}: {name} must be None for quant='none'; got an array")

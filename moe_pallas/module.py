@@ -221,10 +221,12 @@ class MoELayer(nnx.Module):
             ``hidden_size``...).
 
         Arrays land on JAX's default device. Drawing is on the host, one expert at a time, this rank's
-        experts only (each expert has its own generator): seconds for CPU-sized layers, a few
-        minutes for all of DeepSeek-V3 on one rank (about 16 s per 10^9 values on one core).
+        experts only (each expert has its own generator), one core (``make_layer_inputs`` draws on all
+        cores, but holds the whole layer in float32): seconds for CPU-sized layers, a few minutes for all
+        of DeepSeek-V3 on one rank (about 16 s per 10^9 values).
 
-        Raises: ValueError (unknown preset, bad overrides), TypeError (dtype not float32 / bf16 / float16).
+        Raises: ValueError (unknown preset, bad override values), TypeError (an unknown override name; dtype
+          not float32 / bf16 / float16).
         """
         op = "MoELayer.from_preset"
         config = get_preset(name).config(**config_overrides)
@@ -257,6 +259,9 @@ class MoELayer(nnx.Module):
 
         Raises: ValueError / TypeError from :func:`moe_pallas.moe_forward` (shapes, dtypes).
         """
+        if self.config.quant == "none" and hasattr(x, "dtype") and dtype_name(x) != dtype_name(self.w13[...]):
+            raise TypeError(f"MoELayer: x must have the layer's dtype {dtype_name(self.w13[...])} (quant='none'); "
+                            f"got x.dtype={dtype_name(x)}")
 
         def value(v):
             return None if v is None else v[...]

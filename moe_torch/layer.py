@@ -61,9 +61,8 @@ def moe_forward(
       config: the layer (routing, rsf placement, quant, EP).
       w13_scale, w2_scale: FP8 weight scales (see :func:`quantize_layer_weights`).
       e_score_correction_bias: ``[E]`` float, for ``routing='biased_grouped_topk'``.
-      implementation: a backend name (``"reference"``, or a kernel backend such as
-        ``"pallas_triton"`` / ``"triton"``), used by every stage that has it; a stage without
-        it uses its default (``None``). ``None``: every stage's default.
+      implementation: ``"reference"`` or ``"triton"``, used by every stage that has it; a stage
+        without it uses its default (``None``). ``None``: every stage's default.
 
     Returns: ``out [T, H]`` in ``x.dtype``: this rank's partial sum; the sum over EP ranks is
     the layer's output (CONTRACT.md section 6).

@@ -246,10 +246,12 @@ class EPMoE(torch.nn.Module):
             ``hidden_size``...).
 
         Drawing is on the host, one expert at a time, this rank's
-        experts only (each expert has its own generator): seconds for CPU-sized layers, a few
-        minutes for all of DeepSeek-V3 on one rank (about 16 s per 10^9 values on one core).
+        experts only (each expert has its own generator), one core (``make_layer_inputs`` draws on all
+        cores, but holds the whole layer in float32): seconds for CPU-sized layers, a few minutes for all
+        of DeepSeek-V3 on one rank (about 16 s per 10^9 values).
 
-        Raises: ValueError (unknown preset, bad overrides), TypeError (dtype not float32 / bf16 / float16).
+        Raises: ValueError (unknown preset, bad override values), TypeError (an unknown override name; dtype
+          not float32 / bf16 / float16).
         """
         op = "EPMoE.from_preset"
         config = get_preset(name).config(**config_overrides)
@@ -288,6 +290,9 @@ class EPMoE(torch.nn.Module):
 
         Raises: ValueError / TypeError from :func:`moe_torch.moe_forward` (shapes, dtypes).
         """
+        if self.config.quant == "none" and isinstance(x, torch.Tensor) and x.dtype != self.w13.dtype:
+            raise TypeError(f"EPMoE: x must have the layer's dtype {dtype_name(self.w13)} (quant='none'); "
+                            f"got x.dtype={dtype_name(x)}")
         if self.process_group is not None or self.ep_mode is not None:
             return ep_moe_forward(
                 x,

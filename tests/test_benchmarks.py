@@ -231,3 +231,13 @@ def test_gpu_check_groups_and_cli_checks(tmp_path):
     assert row["check"] == "tiny:fp8_block" and row["rc"] == 0 and row["ok"] is True, row
     assert row["failed_stages"] == [] and row["max_rel_fro"]["layer"] < 2e-2 and row["n_comparisons"] > 50
     assert "===== epmoe check --preset tiny --quant fp8_block --tokens 4: rc=0" in (tmp_path / "checks.log").read_text()
+
+
+def test_backends_matching_nothing_is_an_error(tmp_path):
+    """`--backends zzz` used to print "0 rows" and exit 0 (second new-user trial, 2026-11-30)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench.py"), "--tiny", "--what", "gate",
+                          "--backends", "zzz", "--out", str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=300)
+    assert run.returncode == 2 and "--backends 'zzz' matched no backend" in run.stderr, run.stderr[-2000:]

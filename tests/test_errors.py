@@ -899,3 +899,30 @@ def test_out_dtype_in_any_spelling(fw: Fw, spelling) -> None:
     dt = "bfloat16" if spelling == "name" else (torch.bfloat16 if fw.name == "jax" else jnp.bfloat16)
     out, _ = fw.m.silu_and_mul(fw.f(4, 8), out_dtype=dt)
     assert dtype_name(out) == "bfloat16"
+
+
+def test_inputs_and_preset_overrides_name_what_is_wrong():
+    """Second new-user trial (2026-11-30): numpy's bare errors for a negative T or seed, and Python's
+    unnamed one for a misspelled preset override, now name the function and the argument."""
+    from moe_contract import get_preset, make_layer_inputs
+
+    config = get_preset("tiny").config()
+    with pytest.raises(ValueError, match=r"^make_layer_inputs: num_tokens must be an int >= 0; got num_tokens=-1$"):
+        make_layer_inputs(config, -1)
+    with pytest.raises(ValueError, match=r"^make_layer_inputs: seed must be an int >= 0; got seed=-2$"):
+        make_layer_inputs(config, 3, seed=-2)
+    with pytest.raises(TypeError, match=r"^ModelPreset.config: unknown MoEConfig field\(s\) \['qaunt'\] for preset 'tiny'"):
+        get_preset("tiny").config(qaunt="fp8_block")
+
+
+def test_misspelled_keyword_names_the_op():
+    import torch
+
+    import moe_pallas
+    import moe_torch
+
+    x = torch.zeros(2, 4)
+    with pytest.raises(TypeError, match=r"^moe_forward: got an unexpected keyword argument 'foo'$"):
+        moe_torch.moe_forward(x, x, x, x, None, foo=1)
+    with pytest.raises(TypeError, match=r"^moe_forward: got an unexpected keyword argument 'foo'$"):
+        moe_pallas.moe_forward(1, 2, 3, 4, None, foo=1)

@@ -304,7 +304,7 @@ def test_bad_weights_raise_the_layers_messages(framework):
     with pytest.raises(TypeError) as e:  # w2 of another float dtype than w13
         w2_f32 = f["w2"].astype(jnp.float32) if framework == "jnp" else f["w2"].float()
         cls(none, f["w13"], w2_f32, e_score_correction_bias=bias)
-    assert str(e.value) == f"{op}: w2 must have dtype bfloat16; got w2.dtype=float32"
+    assert str(e.value) == f"{op}: w2 must have dtype bfloat16 (quant='none': x, w13 and w2 share one dtype); got w2.dtype=float32"
     with pytest.raises(ValueError) as e:  # missing scale
         cls(block, w["w13"], w["w2"], w2_scale=w["w2_scale"], e_score_correction_bias=bias)
     assert str(e.value) == f"{op}: w13_scale must be given for quant='fp8_block'; got None"
@@ -343,7 +343,7 @@ def test_bad_weights_raise_the_layers_messages(framework):
     x, logits = layer_inputs(none, 2, "float32")[framework]
     with pytest.raises(TypeError) as e:
         layer(x, logits)
-    assert str(e.value) == "moe_forward: w13 must have dtype float32; got w13.dtype=bfloat16"
+    assert str(e.value) == f"{op}: x must have the layer's dtype bfloat16 (quant='none'); got x.dtype=float32"
 
 
 # --- CUDA graph capture (GPU machine only) -------------------------------------------------------

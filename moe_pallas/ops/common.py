@@ -28,7 +28,11 @@ def takes_jax_arrays(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        check_jax_arrays(fn.__name__, signature.bind_partial(*args, **kwargs).arguments)
+        try:
+            bound = signature.bind_partial(*args, **kwargs)
+        except TypeError as exc:  # a misspelled keyword or too many arguments: name the op, as Python would
+            raise TypeError(f"{fn.__name__}: {exc}") from None
+        check_jax_arrays(fn.__name__, bound.arguments)
         return fn(*args, **kwargs)
 
     return wrapper
