@@ -148,7 +148,17 @@ class MoEConfig:
         return dataclasses.replace(self, ep_rank=rank)
 
     def replace(self, **changes) -> "MoEConfig":
+        """A copy with ``changes``. Raises: TypeError naming unknown fields (:meth:`check_field_names`)."""
+        MoEConfig.check_field_names("MoEConfig.replace", changes)
         return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def check_field_names(op: str, names) -> None:
+        """``TypeError`` naming ``op`` and any of ``names`` that is not a field of :class:`MoEConfig`."""
+        fields = [f.name for f in dataclasses.fields(MoEConfig)]
+        unknown = sorted(set(names) - set(fields))
+        if unknown:
+            raise TypeError(f"{op}: unknown MoEConfig field(s) {unknown}; fields are {fields}")
 
 
 def check_routing_args(

@@ -48,10 +48,7 @@ class ModelPreset:
             num_fused_shared_experts=self.num_shared_experts,
             activation=self.activation,
         )
-        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(MoEConfig)})
-        if unknown:
-            raise TypeError(f"ModelPreset.config: unknown MoEConfig field(s) {unknown} for preset {self.name!r}; "
-                            f"fields are {[f.name for f in dataclasses.fields(MoEConfig)]}")
+        MoEConfig.check_field_names(f"ModelPreset.config (preset {self.name!r})", overrides)
         fields.update(overrides)
         return MoEConfig(**fields)
 

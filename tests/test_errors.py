@@ -911,8 +911,10 @@ def test_inputs_and_preset_overrides_name_what_is_wrong():
         make_layer_inputs(config, -1)
     with pytest.raises(ValueError, match=r"^make_layer_inputs: seed must be an int >= 0; got seed=-2$"):
         make_layer_inputs(config, 3, seed=-2)
-    with pytest.raises(TypeError, match=r"^ModelPreset.config: unknown MoEConfig field\(s\) \['qaunt'\] for preset 'tiny'"):
+    with pytest.raises(TypeError, match=r"^ModelPreset.config \(preset 'tiny'\): unknown MoEConfig field\(s\) \['qaunt'\]"):
         get_preset("tiny").config(qaunt="fp8_block")
+    with pytest.raises(TypeError, match=r"^MoEConfig.replace: unknown MoEConfig field\(s\) \['ep_sise'\]"):
+        config.replace(ep_sise=2)
 
 
 def test_misspelled_keyword_names_the_op():
