@@ -72,7 +72,7 @@ import ml_dtypes
 import numpy as np
 
 from moe_contract.config import MoEConfig
-from moe_contract.inputs import LayerInputs, make_layer_inputs
+from moe_contract.inputs import LayerInputs, for_each_expert, make_layer_inputs
 
 # --------------------------------------------------------------------------------------
 # Tolerances: CONTRACT.md section 7 as numbers, from their one home (tests/tolerances.py reads the same).
@@ -348,17 +348,10 @@ class LayerWeights:
 
 
 def cast_experts(w: np.ndarray, dtype) -> np.ndarray:
-    """``w [E, ...].astype(dtype)`` as a new C-contiguous array, one expert per task on all cores (numpy's
-    casts release the GIL; a DeepSeek-V3 layer is 11G values)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """``w [E, ...].astype(dtype)`` as a new C-contiguous array, one expert per task on all cores
+    (:func:`moe_contract.inputs.for_each_expert`; a DeepSeek-V3 layer is 11G values)."""
     out = np.empty(w.shape, dtype)
-
-    def one(e: int) -> None:
-        out[e] = w[e]
-
-    with ThreadPoolExecutor(max(1, min(32, os.cpu_count() or 1))) as pool:
-        list(pool.map(one, range(w.shape[0])))
+    for_each_expert(lambda e: out.__setitem__(e, w[e]), w.shape[0])
     return out
 
 

@@ -48,8 +48,16 @@ def _draw_expert(gen: np.random.Generator, w13_e: np.ndarray, w2_e: np.ndarray) 
         w *= f32(1.0 / np.sqrt(w.shape[1]))
 
 
-def _threads() -> int:
-    return max(1, min(32, os.cpu_count() or 1))
+def for_each_expert(fn, num_experts: int) -> None:
+    """``fn(e)`` for ``e`` in ``range(num_experts)`` on all cores (threads: numpy's generators and casts
+    release the GIL, so per-expert work on big layers runs in parallel)."""
+    with ThreadPoolExecutor(max(1, min(32, os.cpu_count() or 1))) as pool:
+        list(pool.map(fn, range(num_experts)))
+
+
+def _draw_bias(rng: np.random.Generator, E: int) -> np.ndarray:
+    """``e_score_correction_bias [E]`` ~ N(0, 0.01), float32."""
+    return (rng.standard_normal((E,), dtype=np.float32) * np.float32(0.1)).astype(np.float32)
 
 
 def make_layer_inputs(config: MoEConfig, num_tokens: int, seed: int = 0, routing: str = "uniform") -> LayerInputs:
@@ -79,12 +87,11 @@ def make_layer_inputs(config: MoEConfig, num_tokens: int, seed: int = 0, routing
         logits += (-1.2 * np.log(np.arange(1, E + 1, dtype=f32)))[None, :]
     elif routing == "one-expert":
         logits[:, 0] += 30.0
-    bias = (rng.standard_normal((E,), dtype=f32) * f32(0.1)).astype(f32)
+    bias = _draw_bias(rng, E)
     w13 = np.empty((E_all, 2 * I, H), f32)
     w2 = np.empty((E_all, H, I), f32)
     gens = _expert_generators(seed, E_all)
-    with ThreadPoolExecutor(_threads()) as pool:
-        list(pool.map(lambda e: _draw_expert(gens[e], w13[e], w2[e]), range(E_all)))
+    for_each_expert(lambda e: _draw_expert(gens[e], w13[e], w2[e]), E_all)
     return LayerInputs(x=x, router_logits=logits.astype(f32), w13=w13, w2=w2, e_score_correction_bias=bias)
 
 
@@ -107,4 +114,4 @@ def draw_preset_weights(config: MoEConfig, seed: int) -> Iterator[tuple[str, int
         yield "w13", e, w13_e
         yield "w2", e, w2_e
     # make_layer_inputs draws x [T, H] and router_logits [T, E] before the bias: nothing at T = 0.
-    yield "bias", -1, (np.random.default_rng(seed).standard_normal((config.num_experts,), dtype=f32) * f32(0.1)).astype(f32)
+    yield "bias", -1, _draw_bias(np.random.default_rng(seed), config.num_experts)
