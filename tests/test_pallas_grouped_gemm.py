@@ -419,28 +419,38 @@ def test_small_blocks_are_interpret_only():
 # --- Bug seen on the H200: 32-bit pointer offsets into an FP8 array of >= 2**31 elements ---------
 
 
-def _addptr_offset_types(w_shape, dtype) -> set[str]:
-    """The offset types of the ``tt.addptr`` that loads from ``w`` in a one-load Pallas-Triton kernel,
-    lowered for CUDA here (abstract shapes: nothing is allocated)."""
+def _triton_ir(kernel, out_shape, *arg_shapes, **compiler_params) -> list[str]:
+    """The Triton IR lines of a one-kernel ``pallas_call`` lowered for CUDA here (abstract shapes: nothing
+    is allocated; ``debug=True`` prints the IR)."""
     import contextlib
     import io
+
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    params = plgpu.CompilerParams(**compiler_params) if compiler_params else None
+
+    def f(*args):
+        return pl.pallas_call(kernel, out_shape=out_shape, debug=True, compiler_params=params)(*args)
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        _lower_for_cuda(f, *arg_shapes)
+    return buf.getvalue().splitlines()
+
+
+def _addptr_offset_types(w_shape, dtype) -> set[str]:
+    """The offset types of the ``tt.addptr`` that loads from ``w`` in a one-load kernel."""
     import re
 
+    from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     def kernel(w_ref, e_ref, o_ref):
         o_ref[...] = plgpu.load(w_ref.at[e_ref[0], pl.ds(0, 16), pl.ds(0, 32)]).astype(jnp.float32)
 
-    from jax.experimental import pallas as pl
-
-    def f(w, e):
-        return pl.pallas_call(kernel, out_shape=S((16, 32), jnp.float32), debug=True,
-                              compiler_params=plgpu.CompilerParams(num_warps=4))(w, e)
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):  # debug=True prints the Triton IR
-        _lower_for_cuda(f, S(w_shape, dtype), S((1,), jnp.int32))
-    loads = [l for l in buf.getvalue().splitlines() if "tt.addptr" in l and "masked_load" in l]
+    lines = _triton_ir(kernel, S((16, 32), jnp.float32), S(w_shape, dtype), S((1,), jnp.int32), num_warps=4)
+    loads = [l for l in lines if "tt.addptr" in l and "masked_load" in l]
     return {m for l in loads for m in re.findall(r"tensor<16x32x(i\d+)>", l)}
 
 
@@ -461,23 +471,27 @@ def test_bug_fp8_w2_of_deepseek_v3_size_gets_64bit_offsets():
     assert common._needs_wide_offsets((2**31,), jnp.int8) and not common._needs_wide_offsets((2**31 - 1,), jnp.int8)
 
 
-def _dot_lines(dtype) -> list[str]:
-    """The ``tt.dot`` lines of a one-dot Pallas-Triton kernel lowered for CUDA here (a fresh kernel each call)."""
-    import contextlib
-    import io
+def test_without_the_offsets_patch_such_weights_go_to_another_backend(monkeypatch):
+    """Where the patch cannot apply (another jax), the Pallas-Triton GEMM refuses such an FP8 ``w`` with
+    NotImplementedError (dispatch then tries the next backend) instead of reading out of bounds."""
+    from moe_pallas.ops import common
 
-    from jax.experimental import pallas as pl
+    monkeypatch.setattr(common, "_OFFSETS_PATCHED", False)
+    M, K, N, E = 64, 2048, 7168, 257
+    f = functools.partial(grouped_gemm_pallas_triton, interpret=False)
+    with pytest.raises(NotImplementedError, match=r"grouped_gemm_pallas_triton: w \(257, 7168, 2048\) float8_e4m3fn has >= 2\*\*31"):
+        _lower_for_cuda(lambda x, w, o, xs, ws: f(x, w, o, x_scale=xs, w_scale=ws),
+                        S((M, K), jnp.float8_e4m3fn), S((E, N, K), jnp.float8_e4m3fn), S((E + 1,), jnp.int32),
+                        S((M, 1), jnp.float32), S((E, N), jnp.float32))
+
+
+def _dot_lines(dtype) -> list[str]:
+    """The ``tt.dot`` lines of a one-dot kernel (a fresh kernel each call)."""
 
     def kernel(a_ref, b_ref, o_ref):
         o_ref[...] = jax.lax.dot_general(a_ref[...], b_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-    def f(a, b):
-        return pl.pallas_call(kernel, out_shape=S((64, 128), jnp.float32), debug=True)(a, b)
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        _lower_for_cuda(f, S((64, 128), dtype), S((128, 128), dtype))
-    return [l for l in buf.getvalue().splitlines() if "tt.dot" in l]
+    return [l for l in _triton_ir(kernel, S((64, 128), jnp.float32), S((64, 128), dtype), S((128, 128), dtype)) if "tt.dot" in l]
 
 
 def test_fp8_dots_get_max_num_imprecise_acc_when_switched_on(monkeypatch):

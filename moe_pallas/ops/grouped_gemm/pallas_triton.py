@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_pallas.ops import common as _common  # noqa: F401  (its import applies patch_pallas_triton_offsets)
+from moe_pallas.ops import common as _common  # its import applies patch_pallas_triton_offsets
 from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, GroupedGemmConfig, gpu_device_kind,
                                                  grouped_gemm_config, triton_config_problem)
 
@@ -222,8 +222,9 @@ def grouped_gemm_pallas_triton(
     Returns: ``y [M_cap, N]`` in ``out_dtype``.
 
     Raises: NotImplementedError (per-token-group scales whose group size has no power-of-two
-      divisor >= 16, a config whose blocks do not fit the scale layout, or blocks < 16 outside
-      interpret mode).
+      divisor >= 16, a config whose blocks do not fit the scale layout, blocks < 16 outside
+      interpret mode, or an FP8 array of >= 2**31 elements when this jax's lowering could not be
+      patched to 64-bit offsets).
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -238,6 +239,8 @@ def grouped_gemm_pallas_triton(
     else:
         cfg = config
     check_supported(x_kind, w_kind, G, cfg, interpret)
+    if not interpret:  # 64-bit offsets where jax's lowering would not give them (common.patch_pallas_triton_offsets)
+        _common.pallas_triton_offsets_ok("grouped_gemm_pallas_triton", x=x, w=w)
     if M_cap == 0 or N == 0 or K == 0 or E == 0:  # nothing to launch: empty, or a sum of no terms / no expert
         return jnp.zeros((M_cap, N), out_dtype)
     step_expert, step_lo, step_hi = tile_metadata(expert_offsets, M_cap, E, cfg.block_m)
