@@ -335,6 +335,17 @@ def run_bench(args: argparse.Namespace) -> int:
         sys.argv = saved
 
 
+def _add_input_args(parser: argparse.ArgumentParser, preset_help: str) -> None:
+    """The options that say which random inputs to build, shared by ``demo`` and ``check``."""
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help=preset_help)
+    parser.add_argument("--tokens", type=int, default=16, help="T, tokens in the batch")
+    parser.add_argument("--quant", default="none", type=_quant_arg, choices=QUANTS,
+                        help="layer quantization mode (dashes or underscores: fp8-block = fp8_block)")
+    parser.add_argument("--routing", default="uniform", type=_routing_arg, choices=ROUTING_SKEWS,
+                        help="skew of the random router logits (the gate algorithm itself comes from the preset)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epmoe", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -345,15 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
         "inputs; print what they computed and their difference; exit 1 if they disagree.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    demo.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                      help="model preset (all but 'tiny' need tens of GB: a GPU machine)")
-    demo.add_argument("--tokens", type=int, default=16, help="T, tokens in the batch")
-    demo.add_argument("--quant", default="none", type=_quant_arg, choices=QUANTS,
-                      help="layer quantization mode (dashes or underscores: fp8-block = fp8_block)")
-    demo.add_argument("--routing", default="uniform", choices=ROUTING_SKEWS,
-                      help="skew of the random router logits (the gate algorithm itself comes from the preset)")
+    _add_input_args(demo, "model preset (all but 'tiny' need tens of GB: a GPU machine)")
     demo.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="activation and weight dtype")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     demo.set_defaults(func=run_demo)
 
     from interop.crosscheck import IMPLEMENTATIONS as CHECK_IMPLEMENTATIONS
@@ -372,13 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ep_moe_forward where jax has N devices); --ep-rank r adds rank r's stage-by-stage table.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    check.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                       help="model preset (CPU: tiny only; with --weights, its routing, topk and groups are used)")
-    check.add_argument("--tokens", type=int, default=16, help="T, tokens in the batch")
-    check.add_argument("--quant", default="none", type=_quant_arg, choices=QUANTS,
-                       help="layer quantization mode (dashes or underscores: fp8-block = fp8_block)")
-    check.add_argument("--routing", default="uniform", type=_routing_arg, choices=ROUTING_SKEWS,
-                       help="skew of the random router logits")
+    _add_input_args(check, "model preset (CPU: tiny only; with --weights, its routing, topk and groups are used)")
     check.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks (E must divide)")
     check.add_argument("--ep-rank", type=int, default=None,
                        help="with --ep-size N > 1: also check this rank's experts and partial sum stage by stage "
@@ -387,7 +385,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --ep-size N > 1: input dtype of the EP summary (every rank's layer end to end, summed "
                             "in float32, vs the single device: float32 rounding with float32 inputs, the bf16 rule "
                             "with bf16); the real multi-device JAX path joins where jax has N devices")
-    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     check.add_argument("--json", metavar="PATH", help="also write every comparison as JSON to PATH")
     check.add_argument("--weights", metavar="PATH",
                        help="a safetensors checkpoint (file or folder with model.safetensors.index.json) of a "
