@@ -30,8 +30,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
 import numpy as np  # noqa: E402
 
 
-def _run(cmd: list[str], env: dict, timeout_s: int, log_name: str, out_dir: str | None) -> tuple[str, object, float]:
-    """Run ``cmd``; return (combined log, return code or "timeout", seconds); the log goes to $OUT."""
+def _run(cmd: list[str], env: dict, timeout_s: int, log_name: str | None = None,
+         out_dir: str | None = None) -> tuple[str, object, float]:
+    """Run ``cmd``; return (combined log, return code or "timeout", seconds); the log also goes to
+    ``out_dir/log_name`` when both are given."""
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -39,7 +41,7 @@ def _run(cmd: list[str], env: dict, timeout_s: int, log_name: str, out_dir: str 
     except subprocess.TimeoutExpired as exc:
         text = [s.decode(errors="replace") if isinstance(s, bytes) else (s or "") for s in (exc.stdout, exc.stderr)]
         log, rc = "".join(text) + f"\nTIMEOUT after {timeout_s} s", "timeout"
-    if out_dir:
+    if out_dir and log_name:
         with open(os.path.join(out_dir, log_name), "w") as f:
             f.write(log)
     return log, rc, time.perf_counter() - t0
@@ -67,7 +69,7 @@ def _parallel(cmds: list[tuple[list[str], str]], env: dict, timeout_s: int, log_
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(cmds)) as pool:
-        results = list(pool.map(lambda c: _run(c[0], env, timeout_s, "", None), cmds))
+        results = list(pool.map(lambda c: _run(c[0], env, timeout_s), cmds))
     if out_dir:
         with open(os.path.join(out_dir, log_name), "w") as f:
             for (_, label), (log, rc, dt) in zip(cmds, results):
@@ -75,32 +77,32 @@ def _parallel(cmds: list[tuple[list[str], str]], env: dict, timeout_s: int, log_
     return results
 
 
-def run_tests(out_dir: str | None, timeout_s: int, groups: list[list[str]]) -> list[str]:
-    """pytest on the GPU (``EPMOE_TEST_DEVICE=gpu``), one process per group, all at once."""
+def _pytest_groups(out_dir: str | None, timeout_s: int, groups: list[list[str]], log_name: str,
+                   wrapper: tuple[str, ...] = ()) -> list[str]:
+    """pytest on the GPU (``EPMOE_TEST_DEVICE=gpu``), one process per group, all at once, each under
+    ``wrapper`` (e.g. compute-sanitizer); one summary line per group (with the sanitizer's verdict)."""
     env = dict(os.environ, EPMOE_TEST_DEVICE="gpu", PYTHONPATH=os.getcwd())
-    cmds = [([sys.executable, "-m", "pytest", "-q", "--tb=line", "--no-header", "-p", "no:cacheprovider", *g], " ".join(g))
-            for g in groups]
+    cmds = [([*wrapper, sys.executable, "-m", "pytest", "-q", "--tb=line", "--no-header", "-p", "no:cacheprovider", *g],
+             " ".join(g)) for g in groups]
+    what = "memcheck" if wrapper else "pytest on GPU"
     lines = []
-    for (_, label), (log, rc, dt) in zip(cmds, _parallel(cmds, env, timeout_s, "gpu_tests.log", out_dir)):
-        digest = _pytest_digest(log)
-        print("\n".join(digest))
-        lines.append(f"pytest on GPU ({label}): rc={rc}, {digest[-1] if digest else '(no output)'} ({dt:.0f} s)")
-    return lines
-
-
-def run_memcheck(out_dir: str | None, timeout_s: int, groups: list[list[str]]) -> list[str]:
-    """The Triton kernel tests under ``compute-sanitizer --tool memcheck`` (issue 3), one process per group."""
-    env = dict(os.environ, EPMOE_TEST_DEVICE="gpu", PYTHONPATH=os.getcwd())
-    cmds = [(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable, "-m", "pytest", "-q",
-              "--tb=line", "-p", "no:cacheprovider", *g], " ".join(g)) for g in groups]
-    lines = []
-    for (_, label), (log, rc, dt) in zip(cmds, _parallel(cmds, env, timeout_s, "memcheck.log", out_dir)):
+    for (_, label), (log, rc, dt) in zip(cmds, _parallel(cmds, env, timeout_s, log_name, out_dir)):
         errors = [l for l in log.splitlines() if "ERROR SUMMARY" in l]
         digest = _pytest_digest(log)
         print("\n".join(digest + errors[-3:]))
-        lines.append(f"memcheck ({label}): rc={rc}, {errors[-1] if errors else 'no summary'}, "
-                     f"{digest[-1] if digest else ''} ({dt:.0f} s)")
+        verdict = (errors[-1] if errors else "no summary") + ", " if wrapper else ""
+        lines.append(f"{what} ({label}): rc={rc}, {verdict}{digest[-1] if digest else '(no output)'} ({dt:.0f} s)")
     return lines
+
+
+def run_tests(out_dir: str | None, timeout_s: int, groups: list[list[str]]) -> list[str]:
+    return _pytest_groups(out_dir, timeout_s, groups, "gpu_tests.log")
+
+
+def run_memcheck(out_dir: str | None, timeout_s: int, groups: list[list[str]]) -> list[str]:
+    """The Triton kernel tests under ``compute-sanitizer --tool memcheck`` (issue 3)."""
+    return _pytest_groups(out_dir, timeout_s, groups, "memcheck.log",
+                          wrapper=("compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9"))
 
 
 def run_bench(out_dir: str | None, timeout_s: int, bench_args: str) -> str:

@@ -72,6 +72,7 @@ log = logging.getLogger("moe_pallas")
 EP_AXIS = "ep"
 MODES = ("replicated", "all_to_all")
 OUT_SHARDINGS = ("replicated", "tokens")
+EXCHANGES = ("ragged", "dense")
 
 
 def make_ep_mesh(ep_size: int, devices=None) -> Mesh:
@@ -296,9 +297,6 @@ def ep_moe_forward(
     )
     out = fn(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias)
     return out[:T] if out.shape[0] != T else out
-
-
-EXCHANGES = ("ragged", "dense")
 
 
 def dense_exchange(op: str, mesh: Mesh, exchange: str | None) -> bool:
