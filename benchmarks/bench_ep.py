@@ -753,7 +753,7 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny preset on the CPU (2 forced host devices / gloo)")
     p.add_argument("--exchange", default=None, choices=("ragged", "dense"),
                    help="JAX all_to_all mode's row exchange (moe_pallas.ep_moe_forward's exchange; default: ragged on GPUs "
-                        "for ep > 1, dense on a CPU mesh and for ep = 1)")
+                        "for ep > 1 when XLA_FLAGS turns on XLA's ragged_all_to_all decomposer, else dense)")
     p.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS of the JAX child process (e.g. "
                    "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true)")
     p.add_argument("--max-minutes", type=float, default=8.0, help="stop starting work after this long (rows get an error)")

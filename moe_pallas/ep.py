@@ -43,13 +43,16 @@ for "replicated"; ``all_to_all`` of the per-destination sizes and offsets, then
 does not implement ``ragged_all_to_all`` (``UNIMPLEMENTED: HLO opcode ragged-all-to-all is not
 supported by XLA:CPU ThunkEmitter``), so on a CPU mesh the same exchange runs as a dense
 ``jax.lax.all_to_all`` of fixed-capacity ``[ep, C, ...]`` blocks (same result, ``ep`` times the
-worst-case ragged volume); the fallback is logged. GPU meshes use ``ragged_all_to_all``.
+worst-case ragged volume); the fallback is logged. GPU meshes use ``ragged_all_to_all`` when
+``XLA_FLAGS`` holds :data:`RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG` and the dense exchange otherwise (XLA:GPU's
+native ragged op is 13x slower than either in jax 0.11.2; :func:`ep_moe_forward`'s ``exchange``).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +76,25 @@ EP_AXIS = "ep"
 MODES = ("replicated", "all_to_all")
 OUT_SHARDINGS = ("replicated", "tokens")
 EXCHANGES = ("ragged", "dense")
+#: XLA:GPU flag that rewrites ``ragged_all_to_all`` into dense collectives. In jax 0.11.2 on two
+#: H200s (BENCHMARKS.md, 2026-11-30 third run; DeepSeek-V3 layer, T=4096 per device) the
+#: all_to_all-mode step took 214 ms with the native op (2.6 GB/s), 16.5 ms with this flag and
+#: 18.7 ms with ``exchange="dense"``. XLA reads it when its GPU backend starts: put it in
+#: ``XLA_FLAGS`` before the first jax call.
+RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer"
+
+
+def ragged_decomposer_enabled(xla_flags: str | None = None) -> bool:
+    """Whether ``xla_flags`` (default: the ``XLA_FLAGS`` environment variable) turns on
+    :data:`RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG` (``--flag``, ``--flag=true`` or ``=1``; the last
+    setting wins, as in XLA's parser)."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    on = False
+    for token in flags.split():
+        name, eq, value = token.partition("=")
+        if name == RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG:
+            on = (not eq) or value.lower() in ("true", "1")
+    return on
 
 
 def make_ep_mesh(ep_size: int, devices=None) -> Mesh:
@@ -216,8 +238,10 @@ def ep_moe_forward(
         devices along T: ``P("ep")`` of ``[T_pad, H]`` inside, sliced to ``[T, H]``).
       exchange: how ``"all_to_all"`` mode moves rows: ``"ragged"`` (``jax.lax.ragged_all_to_all``;
         GPU meshes only), ``"dense"`` (one ``all_to_all`` of fixed-capacity blocks, see below), or
-        ``None``: ragged on a GPU mesh of ``ep > 1``, dense on a CPU mesh and for ``ep == 1`` (a local
-        copy; XLA:GPU's ragged op took 380 ms for it on the H200, BENCHMARKS.md).
+        ``None``: ragged on a GPU mesh of ``ep > 1`` when ``XLA_FLAGS`` holds
+        :data:`RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG`, else dense (measured on two H200s at the
+        DeepSeek-V3 layer, T=4096 per device: native ragged 214 ms, decomposed ragged 16.5 ms,
+        dense 18.7 ms; and for ``ep == 1``, a local copy, XLA:GPU's ragged op took 380 ms).
 
     Returns: ``out [T, H]`` in ``x.dtype``.
 
@@ -305,12 +329,25 @@ def dense_exchange(op: str, mesh: Mesh, exchange: str | None) -> bool:
     mesh (XLA:CPU has no ``ragged_all_to_all``)."""
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     if exchange is None:
-        return on_cpu or mesh.shape[EP_AXIS] == 1
+        if on_cpu or mesh.shape[EP_AXIS] == 1:
+            return True
+        if ragged_decomposer_enabled():
+            return False
+        _log_dense_default()
+        return True
     check_choice(op, "exchange", exchange, EXCHANGES)
     if exchange == "ragged" and on_cpu:
         raise ValueError(f"{op}: exchange='ragged' needs a GPU mesh (XLA:CPU does not implement ragged_all_to_all); "
                          f"got a mesh of {mesh.devices.flat[0].platform} devices")
     return exchange == "dense"
+
+
+@functools.cache
+def _log_dense_default() -> None:
+    log.info(
+        "ep_moe_forward: mode='all_to_all' exchanges rows with a dense all_to_all (XLA:GPU's native "
+        "ragged_all_to_all ran at 2.6 GB/s between two H200s); XLA_FLAGS=%s=true before jax starts makes "
+        "exchange=None use ragged_all_to_all, decomposed (the fastest measured)", RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG)
 
 
 @functools.cache
