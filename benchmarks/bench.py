@@ -31,8 +31,9 @@ Backends (a backend that cannot run gives a row with ``error``, and the run goes
   router computes the logits from ``x`` with its own ``gate.weight`` (bf16 on the GPU), so its
   row is checked against our torch reference on those same logits, and its time includes that
   ``[T, H] x [H, E]`` router matmul (negligible next to the experts).
-- gate: ``ours-torch-triton``, ``ours-jax-pallas_triton``, ``ref-torch``, ``ref-torch-compile``
-  (``torch.compile`` of the torch reference), ``ref-jax``.
+- gate: ``ours-torch-triton`` (eager, and ``ours-torch-triton-cudagraph``: replayed from a CUDA
+  graph), ``ours-jax-pallas_triton``, ``ref-torch``, ``ref-torch-compile`` (``torch.compile`` of the
+  torch reference), ``ref-jax``.
 
 Inputs are drawn in torch on the device (bf16, ``x ~ N(0, 1)``, ``w ~ N(0, 1/K)``) and handed
 to JAX through DLPack (zero-copy), so both frameworks see the same bits; FP8 codes and scales
@@ -486,19 +487,20 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
 def bench_layer_cuda_graph(ctx: Ctx, spec, x, logits, weights, config, ref, common: dict) -> None:
     """The Triton layer captured once in a CUDA graph and replayed (how SGLang/vLLM run decode): the
     launch overhead of the eager row goes away. Also the GPU proof that the layer captures (no host
-    sync on the Triton path). Warm-up on a side stream first (kernel compilation), as torch documents."""
-    import torch
-
+    sync on the Triton path)."""
     import moe_torch
 
     w13, s13, w2, s2 = weights
     static_x, static_logits = x.clone(), logits.clone()
+    run_torch_cuda_graph(ctx, "layer", "ours-torch-triton-cudagraph", spec, lambda: moe_torch.moe_forward(
+        static_x, static_logits, w13, w2, config, w13_scale=s13, w2_scale=s2, implementation="triton"), ref, common)
 
-    def forward():
-        return moe_torch.moe_forward(static_x, static_logits, w13, w2, config, w13_scale=s13, w2_scale=s2,
-                                     implementation="triton")
 
-    row_name = "ours-torch-triton-cudagraph"
+def run_torch_cuda_graph(ctx: Ctx, what: str, row_name: str, spec, forward, ref, common: dict) -> None:
+    """``forward()`` (static inputs) captured once in a CUDA graph, its replay timed as a row. Warm-up on a
+    side stream first (kernel compilation), as torch documents; a capture failure becomes the row's error."""
+    import torch
+
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -514,9 +516,9 @@ def bench_layer_cuda_graph(ctx: Ctx, spec, x, logits, weights, config, ref, comm
             graph.replay()
             return static_out
 
-        run_torch(ctx, "layer", row_name, spec, replay, ref, **common)
+        run_torch(ctx, what, row_name, spec, replay, ref, **common)
     except Exception as exc:  # a capture failure is a finding: record it, go on
-        row = H.make_row("layer", row_name, spec, notes=common.get("notes"))
+        row = H.make_row(what, row_name, spec, notes=common.get("notes"))
         row["error"] = "capture: " + short_error(exc)
         ctx.add(row)
 
@@ -643,6 +645,11 @@ def bench_gate(ctx: Ctx, spec: S.GateSpec) -> None:
             run_torch(ctx, "gate", name, spec,
                       functools.partial(moe_torch.select_experts, logits, e_score_correction_bias=bias, implementation=impl, **kw),
                       ref, **common)
+    if dev.type == "cuda" and ctx.wants("ours-torch-triton-cudagraph"):
+        # Replayed from a CUDA graph (how an engine runs it): the eager row's time at this size is mostly
+        # Python's launch path. One logit set (the graph's static input; do_bench still flushes L2).
+        run_torch_cuda_graph(ctx, "gate", "ours-torch-triton-cudagraph", spec, functools.partial(
+            moe_torch.select_experts, logits, e_score_correction_bias=bias, implementation="triton", **kw), ref, common)
     if ctx.wants("ref-torch-compile"):
         try:
             compiled = torch.compile(functools.partial(select_experts_reference, **kw), dynamic=False)

@@ -490,22 +490,30 @@ def test_without_the_offsets_patch_such_weights_go_to_another_backend(monkeypatc
                         S((M, 1), jnp.float32), S((E, N), jnp.float32))
 
 
-def _dot_lines(dtype) -> list[str]:
-    """The ``tt.dot`` lines of a one-dot kernel (a fresh kernel each call)."""
+def _dot_lines(dtype, k: int = 128) -> list[str]:
+    """The ``tt.dot`` lines of a one-dot kernel over ``K = k`` (a fresh kernel each call)."""
 
     def kernel(a_ref, b_ref, o_ref):
         o_ref[...] = jax.lax.dot_general(a_ref[...], b_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-    return [l for l in _triton_ir(kernel, S((64, 128), jnp.float32), S((64, 128), dtype), S((128, 128), dtype)) if "tt.dot" in l]
+    return [l for l in _triton_ir(kernel, S((64, 128), jnp.float32), S((64, k), dtype), S((128, k), dtype)) if "tt.dot" in l]
 
 
 def test_fp8_dots_get_max_num_imprecise_acc_when_switched_on(monkeypatch):
-    """EPMOE_PALLAS_FP8_WGMMA=1: FP8 x FP8 dots carry maxNumImpreciseAcc = K (Triton then uses FP8 wgmma
-    instead of converting to f16 for mma.sync); off by default; bf16 dots never change."""
+    """By default FP8 x FP8 dots carry maxNumImpreciseAcc = min(K, 128) (Triton then uses FP8 wgmma,
+    promoted every 128 K, instead of converting to f16 for mma.sync); EPMOE_PALLAS_FP8_WGMMA=0 turns
+    that off; bf16 dots never change."""
     from moe_pallas.ops import common
 
     assert common._FP8_DOTS_PATCHED
     monkeypatch.delenv(common.FP8_WGMMA_ENV, raising=False)
+    (line,) = _dot_lines(jnp.float8_e4m3fn)
+    assert "maxNumImpreciseAcc = 128 : i32" in line
+    (line,) = _dot_lines(jnp.float8_e4m3fn, k=256)  # one dot over K=256: still promoted every 128
+    assert "maxNumImpreciseAcc = 128 : i32" in line
+    (line,) = _dot_lines(jnp.float8_e4m3fn, k=64)
+    assert "maxNumImpreciseAcc = 64 : i32" in line
+    monkeypatch.setenv(common.FP8_WGMMA_ENV, "0")
     (line,) = _dot_lines(jnp.float8_e4m3fn)
     assert "maxNumImpreciseAcc" not in line
     monkeypatch.setenv(common.FP8_WGMMA_ENV, "1")

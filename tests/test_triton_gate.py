@@ -176,7 +176,8 @@ def test_unsupported_sizes_and_dispatch(monkeypatch):
 
 @pytest.mark.parametrize("T,E,topk", [(1, 8, 2), (4096, 256, 8), (3, 512, 8), (100, 7, 7)])
 def test_gate_configs(T, E, topk):
-    """Frozen, keyword-only; power-of-2 blocks covering E and topk; tiles of at most 4096."""
+    """Frozen, keyword-only; power-of-2 blocks covering E and topk; 256-value tiles a warp (one token per
+    one-warp program at E=256, the H200 sweep's winner)."""
     c = gate_config(T, E, topk)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.block_t = 1
@@ -184,7 +185,10 @@ def test_gate_configs(T, E, topk):
         GateConfig(1, 8, 2, 4)  # kw_only
     for v in (c.block_t, c.block_e, c.block_k):
         assert v & (v - 1) == 0
-    assert c.block_e >= E and c.block_k >= topk and c.block_t * c.block_e <= 4096
+    assert c.block_e >= E and c.block_k >= topk and c.block_t * c.block_e <= max(256, c.block_e)
+    assert c.num_warps == max(1, c.block_t * c.block_e // 256)
+    if (T, E) == (4096, 256):
+        assert (c.block_t, c.num_warps) == (1, 1)
     assert c.block_t <= triton.next_power_of_2(T)
 
 

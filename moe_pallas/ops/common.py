@@ -134,11 +134,16 @@ def pallas_triton_offsets_ok(op: str, **arrays) -> None:
 _OFFSETS_PATCHED = patch_pallas_triton_offsets()
 
 
-# --- Pallas-Triton lowering: FP8 dots on Hopper's FP8 tensor cores (opt-in) ------------------------
+# --- Pallas-Triton lowering: FP8 dots on Hopper's FP8 tensor cores ----------------------------------
 
-#: Environment switch, read when a kernel is lowered: "1" gives FP8 x FP8 dots of Pallas-Triton kernels
-#: ``max_num_imprecise_acc = K`` (see :func:`patch_pallas_triton_fp8_dots`). Off by default until timed.
+#: Environment switch, read when a kernel is lowered: "0" leaves FP8 x FP8 dots of Pallas-Triton kernels
+#: as jax lowers them (f16 conversions, exact sums, no FP8 tensor cores); anything else (the default)
+#: gives them ``max_num_imprecise_acc = min(K, 128)`` (see :func:`patch_pallas_triton_fp8_dots`).
+#: Timed on the H200 (BENCHMARKS.md, 2026-11-30 third run): FP8 gate_up M=16384 2.404 -> 1.584 ms, rel
+#: err 6.8e-5 -> 6.9e-4 (the same as Mosaic's and torch._scaled_grouped_mm's), M=256 unchanged.
 FP8_WGMMA_ENV = "EPMOE_PALLAS_FP8_WGMMA"
+#: K elements a wgmma chain sums in FP8 precision before promoting to float32 (DeepSeek-V3's 128).
+FP8_PROMOTE_EVERY = 128
 
 
 def _is_fp8(value) -> bool:
@@ -149,7 +154,8 @@ def _is_fp8(value) -> bool:
 
 class _Fp8DotDialect:
     """The Triton dialect module of jax's Pallas-Triton lowering, with ``dot`` giving FP8 x FP8 dots
-    ``max_num_imprecise_acc = K`` when :data:`FP8_WGMMA_ENV` is "1" (everything else passes through)."""
+    ``max_num_imprecise_acc = min(K, 128)`` unless :data:`FP8_WGMMA_ENV` is "0" (everything else passes
+    through)."""
 
     def __init__(self, dialect):
         self._dialect = dialect
@@ -158,25 +164,26 @@ class _Fp8DotDialect:
         return getattr(self._dialect, name)
 
     def dot(self, a, b, c, **kwargs):
-        if (os.environ.get(FP8_WGMMA_ENV) == "1" and kwargs.get("max_num_imprecise_acc") is None
+        if (os.environ.get(FP8_WGMMA_ENV, "1") != "0" and kwargs.get("max_num_imprecise_acc") is None
                 and _is_fp8(a) and _is_fp8(b)):
             from jax._src.lib.mlir import ir
 
-            kwargs["max_num_imprecise_acc"] = int(ir.RankedTensorType(a.type).shape[1])
+            k = int(ir.RankedTensorType(a.type).shape[1])
+            kwargs["max_num_imprecise_acc"] = min(k, FP8_PROMOTE_EVERY)
         return self._dialect.dot(a, b, c, **kwargs)
 
 
 def patch_pallas_triton_fp8_dots() -> bool:
-    """Let Pallas-Triton FP8 dots use Hopper's FP8 wgmma, behind :data:`FP8_WGMMA_ENV` (opt-in).
+    """Let Pallas-Triton FP8 dots use Hopper's FP8 wgmma (on unless :data:`FP8_WGMMA_ENV` is "0").
 
     jax-ml/jax@jax-v0.11.2:jax/_src/pallas/triton/lowering.py ``_dot_general_lowering`` emits
     ``tt.dot`` without ``maxNumImpreciseAcc`` (0). For FP8 operands Triton then converts both to f16 and
     uses ``mma.sync`` (no wgmma): exact float32 sums, but no FP8 tensor-core speed (seen compiling that
-    IR with triton 3.6 for sm_90a; jaxlib's own Triton build was not inspected). With the switch on,
-    each FP8 dot gets ``max_num_imprecise_acc = K``: one wgmma chain per dot, promoted to float32 when
-    the caller adds it to its accumulator; the grouped GEMM dots one K step (<= 128) at a time, so that
-    is DeepSeek-V3's per-128 promotion, as in the Triton backend. Set the variable before the first
-    compile (jit caches compiled kernels). Idempotent; False if this jax has no such lowering.
+    IR with triton 3.6 for sm_90a). Patched, each FP8 dot gets ``max_num_imprecise_acc = min(K, 128)``:
+    FP8 wgmma chains promoted to float32 every 128 K (DeepSeek-V3's per-128 promotion, as in the Triton
+    backend); on the H200 the FP8 gate_up GEMM at M=16384 went from 2.404 to 1.584 ms with the error of
+    the other FP8 GEMMs (6.9e-4). Set the variable before the first compile (jit caches compiled
+    kernels). Idempotent; False if this jax has no such lowering.
     """
     try:
         from jax._src.pallas.triton import lowering

@@ -5,8 +5,8 @@ Mirror: ``moe_torch/ops/gate/config.py`` (when the Triton kernel lands).
 A program owns ``block_t`` tokens and holds their ``[block_t, E_pad]`` float32 scores, selection
 scores and a boolean "taken" mask in registers (``E_pad = next_power_of_2(E)``); the top-k is
 ``topk`` rounds of max / min-index reductions over that tile. The heuristic keeps the tile near
-``TARGET_TILE_ELEMENTS``: a handful of live ``[block_t, E_pad]`` tensors stay register-resident
-at 4 warps for E up to a few hundred experts.
+``TARGET_TILE_ELEMENTS`` per warp: a handful of live ``[block_t, E_pad]`` tensors stay
+register-resident (8 values a thread each).
 """
 
 from __future__ import annotations
@@ -15,10 +15,15 @@ import dataclasses
 
 from jax.experimental import pallas as pl
 
-#: Score elements per program: 2048 float32 over 4 warps are 16 values a thread per live tensor.
-TARGET_TILE_ELEMENTS = 2048
+#: Score elements per program per warp: one warp holds 256 float32 values, 8 a thread per live tensor.
+#: The H200 sweep (``benchmarks/tune_gate.py``, BENCHMARKS.md 2026-11-30 third run; DeepSeek-V3's gate,
+#: E=256) put one token on one warp first at T=4096 (18.8 us vs 30.7 for the old 8 tokens x 4 warps)
+#: and at T=32 (5.8 us): the old 2048-element tiles took 230 registers a thread (2 programs an SM).
+TARGET_TILE_ELEMENTS = 256
 #: At most this many tokens a program (more programs keep the SMs busy at large T).
 MAX_BLOCK_T = 64
+#: Most warps a program (very wide E, where ``block_t`` bottoms out at 1).
+MAX_WARPS = 8
 #: Triton's limit on the elements of one block (``triton._utils.TRITON_MAX_TENSOR_NUMEL``).
 MAX_TILE_ELEMENTS = 1 << 20
 
@@ -47,9 +52,10 @@ class GateConfig:
 
 
 def gate_config(T: int, E: int) -> GateConfig:
-    """The heuristic for ``router_logits [T, E]``: ``block_t * E_pad ~ TARGET_TILE_ELEMENTS``,
-    at most ``next_power_of_2(T)`` and ``MAX_BLOCK_T``; 8 warps for tiles over 4096 elements
-    (very wide E, where ``block_t`` bottoms out at 1)."""
+    """The heuristic for ``router_logits [T, E]``: ``block_t * E_pad ~ TARGET_TILE_ELEMENTS`` (one
+    token a program from E = 256 up), at most ``next_power_of_2(T)`` and ``MAX_BLOCK_T``; one warp per
+    ``TARGET_TILE_ELEMENTS`` of the tile (E = 512: 2 warps), at most ``MAX_WARPS``."""
     e_pad = pl.next_power_of_2(max(E, 1))
     block_t = max(1, min(MAX_BLOCK_T, TARGET_TILE_ELEMENTS // e_pad, pl.next_power_of_2(max(T, 1))))
-    return GateConfig(block_t=block_t, num_warps=4 if block_t * e_pad <= 4096 else 8, num_stages=1)
+    num_warps = max(1, min(MAX_WARPS, block_t * e_pad // TARGET_TILE_ELEMENTS))
+    return GateConfig(block_t=block_t, num_warps=num_warps, num_stages=1)

@@ -10,10 +10,14 @@ import dataclasses
 
 import triton
 
-#: Elements of one program's ``[BLOCK_T tokens, BLOCK_E experts]`` float32 tile. The kernel keeps
-#: about three such tiles live (scores, selection scores, the not-yet-chosen mask): 4096 values
-#: over 4 warps are 32 per thread per tile, ~100 registers in all, no spilling.
-TILE_ELEMS = 4096
+#: Elements of one program's ``[BLOCK_T tokens, BLOCK_E experts]`` float32 tile per warp. The kernel
+#: keeps about three such tiles live (scores, selection scores, the not-yet-chosen mask): 256 values
+#: over one warp are 8 per thread per tile. The H200 sweep (``benchmarks/tune_gate.py``, BENCHMARKS.md
+#: 2026-11-30 third run, DeepSeek-V3's gate) put one token per one-warp program first; the old
+#: 4096-element tiles over 4 warps took 230 registers a thread (ptxas), 2 programs an SM.
+TILE_ELEMS = 256
+#: Most warps a program (E = 512 takes 2).
+MAX_WARPS = 8
 #: Widest expert axis one program holds in registers (DeepSeek-V3 has 256, the largest routers
 #: in use 512); wider would need a multi-pass top-k, which this kernel does not have.
 MAX_EXPERTS = 512
@@ -38,5 +42,6 @@ def gate_config(T: int, E: int, topk: int) -> GateConfig:
     # Tokens per program: fill the tile, never more than exist (T=1 decode gets one-row programs).
     block_t = max(1, min(TILE_ELEMS // block_e, triton.next_power_of_2(max(T, 1))))
     block_k = triton.next_power_of_2(max(topk, 1))
-    # 4 warps: at most 32 float32 values per thread in each tile (see TILE_ELEMS).
-    return GateConfig(block_t=block_t, block_e=block_e, block_k=block_k, num_warps=4)
+    # One warp per TILE_ELEMS of the tile: 8 float32 values per thread in each live tile.
+    num_warps = max(1, min(MAX_WARPS, block_t * block_e // TILE_ELEMS))
+    return GateConfig(block_t=block_t, block_e=block_e, block_k=block_k, num_warps=num_warps)
