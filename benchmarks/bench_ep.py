@@ -91,6 +91,7 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -568,7 +569,7 @@ def jax_main(args, rows_path: str) -> None:
             continue
         rep = NamedSharding(mesh, P())
         split = NamedSharding(mesh, P("ep"))
-        dense = ep_module.dense_exchange("bench_ep", mesh, args.exchange)
+        dense = ep_module.dense_exchange("bench_ep", mesh, args.exchange) if "all_to_all" in args.modes_list else False
         for T in args.tokens:
             T_global = T * ep
             n = iters_for(args, T)
@@ -666,6 +667,15 @@ def jax_main(args, rows_path: str) -> None:
     save()
 
 
+def _last_error(stderr: str, limit: int = 400) -> str:
+    """The exception line of a child's traceback (``SomeError: message``), else its last words."""
+    lines = [l.strip() for l in stderr.splitlines() if l.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b.*", line):
+            return line[:limit]
+    return " ".join(" ".join(lines).split()[-60:])[-limit:]
+
+
 def run_jax(args, tmp_dir: str, deadline: float) -> list[dict]:
     rows_path = os.path.join(tmp_dir, "jax_rows.json")
     env = {**os.environ, "PYTHONPATH": _ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -679,8 +689,7 @@ def run_jax(args, tmp_dir: str, deadline: float) -> list[dict]:
         # progress lines stream through; stderr (JAX's warnings) is kept for the failure message only
         proc = subprocess.run(cmd, env=env, cwd=_ROOT, timeout=max(10.0, deadline - time.monotonic()),
                               stdout=None, stderr=None if args.verbose else subprocess.PIPE, text=True)
-        failure = None if proc.returncode == 0 else f"JAX child exited {proc.returncode}: " + " ".join(
-            (proc.stderr or "").split()[-60:])[-400:]
+        failure = None if proc.returncode == 0 else f"JAX child exited {proc.returncode}: " + _last_error(proc.stderr or "")
     except subprocess.TimeoutExpired:
         failure = "timed out (time budget --max-minutes)"
     rows = []
@@ -754,8 +763,8 @@ def parse_args(argv=None):
     p.add_argument("--exchange", default=None, choices=("ragged", "dense"),
                    help="JAX all_to_all mode's row exchange (moe_pallas.ep_moe_forward's exchange; default: ragged on GPUs "
                         "for ep > 1 when XLA_FLAGS turns on XLA's ragged_all_to_all decomposer, else dense)")
-    p.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS of the JAX child process (e.g. "
-                   "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true)")
+    p.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS of the JAX child process; write it with '=' "
+                   "(--xla-flags=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true), each flag starting with --")
     p.add_argument("--max-minutes", type=float, default=8.0, help="stop starting work after this long (rows get an error)")
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--jax-child", default=None, help=argparse.SUPPRESS)
@@ -765,6 +774,12 @@ def parse_args(argv=None):
     for m in args.modes_list:
         if m not in MODES:
             p.error(f"--modes: {m!r} is not one of {MODES}")
+    bad = [t for t in args.xla_flags.split() if not t.startswith("--")]
+    if bad:
+        p.error(f"--xla-flags: every XLA flag starts with '--'; got {bad} (write --xla-flags=--flag=value)")
+    if args.tiny and args.exchange == "ragged" and args.framework in ("jax", "both"):
+        p.error("--exchange ragged needs GPUs (XLA:CPU has no ragged_all_to_all); --tiny runs on a CPU mesh: "
+                "use --exchange dense or leave it out")
     if args.ep_sizes:
         args.ep_list = sorted({int(e) for e in args.ep_sizes.split(",")})
     elif args.tiny:

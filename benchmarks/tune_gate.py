@@ -31,10 +31,43 @@ NUM_WARPS = (1, 2, 4, 8)
 MAX_TILE = 16384
 
 
-def main() -> int:
+def _int_list(parser, name: str, text: str, *, power_of_two: bool = False, most: int | None = None) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``; a bad entry is a usage error naming the option."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"{name}: expected a comma list of integers; got {text!r}")
+    for v in values:
+        if v < 1 or (power_of_two and v & (v - 1)) or (most is not None and v > most):
+            parser.error(f"{name}: every value must be an integer >= 1" + (", a power of two" if power_of_two else "")
+                         + (f", <= {most}" if most is not None else "") + f"; got {v}")
+    if not values:
+        parser.error(f"{name}: expected at least one value; got {text!r}")
+    return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="32,512,4096", help="comma list of T")
+    parser.add_argument("--block-t", default=",".join(map(str, BLOCK_T)),
+                        help=f"comma list of tokens per program (powers of two, <= {MAX_TILE // 256})")
+    parser.add_argument("--warps", default=",".join(map(str, NUM_WARPS)), help="comma list of num_warps (powers of two)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = parser.parse_args(argv)
+    args.tokens = _int_list(parser, "--tokens", args.tokens)
+    args.block_t = _int_list(parser, "--block-t", args.block_t, power_of_two=True, most=MAX_TILE // 256)
+    args.warps = _int_list(parser, "--warps", args.warps, power_of_two=True, most=32)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("tune_gate.py: needs a CUDA GPU (it times the compiled Triton and Pallas-Triton gates); none is visible")
     import jax
     import jax.numpy as jnp
-    import torch
     import triton.testing
     from jax.experimental.mosaic.gpu import profiler
 
@@ -46,25 +79,19 @@ def main() -> int:
     from moe_torch.ops.gate.reference import select_experts_reference
     from moe_torch.ops.gate.triton import select_experts_triton
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", default="32,512,4096")
-    parser.add_argument("--block-t", default=",".join(map(str, BLOCK_T)), help="comma list of tokens per program")
-    parser.add_argument("--warps", default=",".join(map(str, NUM_WARPS)), help="comma list of num_warps")
-    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    args = parser.parse_args()
     config = get_preset("deepseek-v3").config()
     kw = config.gate_kwargs()
     E = config.num_experts
     rows = []
-    for T in (int(t) for t in args.tokens.split(",")):
+    for T in args.tokens:
         g = torch.Generator(device="cuda").manual_seed(T)
         sets = [torch.randn(T, E, device="cuda", generator=g) for _ in range(16)]
         bias = 0.1 * torch.randn(E, device="cuda", generator=g)
         ref_w, ref_ids = select_experts_reference(sets[0], **kw, e_score_correction_bias=bias)
         j_sets = [jnp.asarray(s.cpu().numpy()) for s in sets]
         j_bias = jnp.asarray(bias.cpu().numpy())
-        for block_t, warps in itertools.product(*([int(v) for v in a.split(",")] for a in (args.block_t, args.warps))):
-            if block_t * 256 > MAX_TILE or block_t > T:
+        for block_t, warps in itertools.product(args.block_t, args.warps):
+            if block_t > T:
                 continue
             row = {"T": T, "E": E, "block_t": block_t, "num_warps": warps}
             # Triton
@@ -99,9 +126,13 @@ def main() -> int:
                 row["pallas_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "tune_gate.json"), "w") as fh:
-            json.dump(rows, fh, indent=1)
+        if rows:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "tune_gate.json"), "w") as fh:
+                json.dump(rows, fh, indent=1)
+    if not any(r.get("triton_us") or r.get("pallas_us") for r in rows):
+        print("tune_gate.py: no config was timed (every block_t > T, or every config failed: see the rows' errors)")
+        return 1
     for T in sorted({r["T"] for r in rows}):
         for key in ("triton_us", "pallas_us"):
             cands = [r for r in rows if r["T"] == T and r.get(key)]

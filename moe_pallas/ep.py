@@ -84,11 +84,27 @@ EXCHANGES = ("ragged", "dense")
 RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer"
 
 
+@functools.cache
+def _xla_flags_at_first_use() -> str:
+    """``XLA_FLAGS`` as first read here. XLA reads it once, when its backend starts; the first EP call
+    comes after that (its mesh needs the devices), so this is what XLA saw unless it was changed in
+    between, and later changes (which XLA ignores) are ignored here too."""
+    return os.environ.get("XLA_FLAGS", "")
+
+
 def ragged_decomposer_enabled(xla_flags: str | None = None) -> bool:
-    """Whether ``xla_flags`` (default: the ``XLA_FLAGS`` environment variable) turns on
-    :data:`RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG` (``--flag``, ``--flag=true`` or ``=1``; the last
-    setting wins, as in XLA's parser)."""
-    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    """Whether ``xla_flags`` (default: ``XLA_FLAGS`` as XLA saw it, see :func:`_xla_flags_at_first_use`)
+    turns on :data:`RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG` (``--flag``, ``--flag=true`` or ``=1``, any case;
+    the last setting wins, as in XLA's parser). A value that does not start with ``-`` names a file
+    of flags, as XLA reads it. Raises TypeError for a non-string."""
+    if xla_flags is not None and not isinstance(xla_flags, str):
+        raise TypeError(f"ragged_decomposer_enabled: xla_flags must be a str (XLA_FLAGS' text) or None; "
+                        f"got {type(xla_flags).__name__}")
+    flags = _xla_flags_at_first_use() if xla_flags is None else xla_flags
+    path = flags.strip()
+    if path and not path.startswith("-") and os.path.isfile(path):
+        with open(path) as f:
+            flags = f.read()
     on = False
     for token in flags.split():
         name, eq, value = token.partition("=")
@@ -236,7 +252,7 @@ def ep_moe_forward(
         ``"pallas_triton"`` / ``"pallas_mosaic_gpu"`` / ``None`` on a GPU), as in ``moe_forward``.
       out_sharding: ``"replicated"`` (every device holds ``[T, H]``) or ``"tokens"`` (split over
         devices along T: ``P("ep")`` of ``[T_pad, H]`` inside, sliced to ``[T, H]``).
-      exchange: how ``"all_to_all"`` mode moves rows: ``"ragged"`` (``jax.lax.ragged_all_to_all``;
+      exchange: how ``"all_to_all"`` mode moves rows (replicated mode ignores it): ``"ragged"`` (``jax.lax.ragged_all_to_all``;
         GPU meshes only), ``"dense"`` (one ``all_to_all`` of fixed-capacity blocks, see below), or
         ``None``: ragged on a GPU mesh of ``ep > 1`` when ``XLA_FLAGS`` holds
         :data:`RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG`, else dense (measured on two H200s at the
@@ -271,7 +287,12 @@ def ep_moe_forward(
     ep = _check_mesh(op, config, mesh)
     check_choice(op, "mode", mode, MODES)
     check_choice(op, "out_sharding", out_sharding, OUT_SHARDINGS)
-    dense = dense_exchange(op, mesh, exchange)
+    if mode == "all_to_all":
+        dense = dense_exchange(op, mesh, exchange)
+    else:  # replicated mode exchanges no rows: only the spelling of `exchange` is checked
+        if exchange is not None:
+            check_choice(op, "exchange", exchange, EXCHANGES)
+        dense = True
     check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
     e_lmax, starts, counts = _local_counts(config)
     e_all = config.num_total_experts

@@ -86,3 +86,27 @@ def test_byte_formulas():
     d0, d1 = 3 * (4 * 2 + 4) + 8 + 5 * 4 * 2, 5 * (4 * 2 + 4) + 8 + 3 * 4 * 2
     assert b["bytes_by_rank"] == f"{d0};{d1}" and b["bytes_per_device"] == max(d0, d1)
     assert b["bytes_dispatch"] == 5 * 12 + 8 and b["bytes_combine"] == 3 * 8
+
+
+def test_argument_errors_are_usage_errors(capsys):
+    """Refused while parsing, with the option named: ragged on the CPU mesh of --tiny, a flag without '--'."""
+    from benchmarks.bench_ep import parse_args
+
+    for argv, message in [(["--tiny", "--exchange", "ragged"], "--exchange ragged needs GPUs"),
+                          (["--tiny", "--xla-flags=garbage"], "--xla-flags: every XLA flag starts with '--'")]:
+        with pytest.raises(SystemExit) as exc:
+            parse_args(argv)
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+    assert parse_args(["--tiny", "--exchange", "ragged", "--framework", "torch"]).exchange == "ragged"  # torch ignores it
+
+
+def test_child_failure_shows_the_exception_line():
+    from benchmarks.bench_ep import _last_error
+
+    trace = ("Traceback (most recent call last):\n  File \"bench_ep.py\", line 571, in jax_main\n"
+             "    dense = ep_module.dense_exchange(\"bench_ep\", mesh, args.exchange)\n"
+             "ValueError: bench_ep: exchange='ragged' needs a GPU mesh (XLA:CPU does not implement ragged_all_to_all)\n")
+    assert _last_error(trace) == ("ValueError: bench_ep: exchange='ragged' needs a GPU mesh "
+                                  "(XLA:CPU does not implement ragged_all_to_all)")
+    assert _last_error("Killed\n") == "Killed"

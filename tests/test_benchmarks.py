@@ -241,3 +241,19 @@ def test_backends_matching_nothing_is_an_error(tmp_path):
     run = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench.py"), "--tiny", "--what", "gate",
                           "--backends", "zzz", "--out", str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=300)
     assert run.returncode == 2 and "--backends 'zzz' matched no backend" in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--block-t", "x"], "--block-t: expected a comma list of integers; got 'x'"),
+    (["--warps", "3"], "--warps: every value must be an integer >= 1, a power of two, <= 32; got 3"),
+    (["--tokens", "0"], "--tokens: every value must be an integer >= 1; got 0"),
+    (["--block-t", "128"], "--block-t: every value must be an integer >= 1, a power of two, <= 64; got 128"),
+    (["--tokens", ","], "--tokens: expected at least one value"),
+])
+def test_tune_gate_argument_errors(argv, message, capsys):
+    from benchmarks import tune_gate
+
+    with pytest.raises(SystemExit) as exc:
+        tune_gate.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert tune_gate.parse_args(["--tokens", "32,4096", "--block-t", "1,2"]).block_t == [1, 2]

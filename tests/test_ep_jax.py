@@ -246,7 +246,18 @@ def test_ep_size_1_exchanges_locally():
     assert dense_exchange("op", mesh, None) and dense_exchange("op", mesh, "dense")
 
 
-def test_default_exchange_follows_the_decomposer_flag(monkeypatch):
+@pytest.fixture
+def fresh_xla_flags():
+    """``ragged_decomposer_enabled`` keeps XLA_FLAGS as first read (what XLA saw at start): forget it
+    before and after the test."""
+    from moe_pallas import ep as ep_module
+
+    ep_module._xla_flags_at_first_use.cache_clear()
+    yield ep_module._xla_flags_at_first_use.cache_clear
+    ep_module._xla_flags_at_first_use.cache_clear()
+
+
+def test_default_exchange_follows_the_decomposer_flag(monkeypatch, tmp_path, fresh_xla_flags):
     """exchange=None on a GPU mesh of ep > 1: ragged only with XLA's ragged_all_to_all decomposer on
     (its native op ran at 2.6 GB/s between two H200s: 214 ms vs 16.5 decomposed, 18.7 dense)."""
     import types
@@ -257,8 +268,13 @@ def test_default_exchange_follows_the_decomposer_flag(monkeypatch):
     assert FLAG == "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer"
     for flags, on in [("", False), (FLAG, True), (f"{FLAG}=true", True), (f"{FLAG}=1", True), (f"{FLAG}=false", False),
                       (f"--xla_force_host_platform_device_count=4 {FLAG}=True", True), (f"{FLAG}=true {FLAG}=false", False),
-                      (f"{FLAG}_other=true", False)]:
+                      (f"{FLAG}_other=true", False), (f"  {FLAG}=TRUE\t", True)]:
         assert ragged_decomposer_enabled(flags) is on, flags
+    flag_file = tmp_path / "xla_flags"  # XLA_FLAGS not starting with '-' names a file of flags, as in XLA
+    flag_file.write_text(f"--xla_force_host_platform_device_count=2\n{FLAG}=true\n")
+    assert ragged_decomposer_enabled(str(flag_file)) is True
+    with pytest.raises(TypeError, match="ragged_decomposer_enabled: xla_flags must be a str"):
+        ragged_decomposer_enabled(True)
 
     def mesh(platform, ep):  # what dense_exchange reads of a mesh
         return types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform=platform)] * ep), shape={"ep": ep})
@@ -266,7 +282,9 @@ def test_default_exchange_follows_the_decomposer_flag(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "")
     assert dense_exchange("op", mesh("gpu", 2), None) is True
     assert dense_exchange("op", mesh("gpu", 2), "ragged") is False
-    monkeypatch.setenv("XLA_FLAGS", f"{FLAG}=true")
+    monkeypatch.setenv("XLA_FLAGS", f"{FLAG}=true")  # set after the first read: XLA would not see it either
+    assert dense_exchange("op", mesh("gpu", 2), None) is True
+    fresh_xla_flags()  # a process that started with the flag
     assert dense_exchange("op", mesh("gpu", 2), None) is False
     assert dense_exchange("op", mesh("gpu", 2), "dense") is True
     assert dense_exchange("op", mesh("gpu", 1), None) is True  # one device: a local copy, never ragged
@@ -306,9 +324,15 @@ def test_errors():
         ep_moe_forward(x, logits, w13, w2, config, mesh=mesh, out_sharding="experts", e_score_correction_bias=bias)
     with pytest.raises(ValueError, match=r"ep_moe_forward: exchange must be one of \('ragged', 'dense'\)"):
         ep_moe_forward(x, logits, w13, w2, config, mesh=mesh, mode="all_to_all", exchange="nccl", e_score_correction_bias=bias)
+    with pytest.raises(ValueError, match=r"ep_moe_forward: exchange must be one of \('ragged', 'dense'\); got exchange='Ragged'"):
+        ep_moe_forward(x, logits, w13, w2, config, mesh=mesh, mode="replicated", exchange="Ragged", e_score_correction_bias=bias)
     if jax.default_backend() == "cpu":
         with pytest.raises(ValueError, match=r"ep_moe_forward: exchange='ragged' needs a GPU mesh"):
             ep_moe_forward(x, logits, w13, w2, config, mesh=mesh, mode="all_to_all", exchange="ragged", e_score_correction_bias=bias)
+        # replicated mode exchanges no rows: one `exchange` for both modes is fine there
+        rep = dict(mesh=mesh, mode="replicated", e_score_correction_bias=bias, implementation="reference")
+        np.testing.assert_array_equal(np.asarray(ep_moe_forward(x, logits, w13, w2, config, exchange="ragged", **rep)),
+                                      np.asarray(ep_moe_forward(x, logits, w13, w2, config, **rep)))
     with pytest.raises(ValueError, match=r"ep_moe_forward: w2 must have a leading expert axis"):
         ep_moe_forward(x, logits, w13, w2[:-1], config, mesh=mesh, e_score_correction_bias=bias)
     with pytest.raises(ValueError, match=r"ep_moe_forward: x must be \[T, H\]"):

@@ -521,3 +521,12 @@ def test_fp8_dots_get_max_num_imprecise_acc_when_switched_on(monkeypatch):
     assert "maxNumImpreciseAcc = 128 : i32" in line
     (line,) = _dot_lines(jnp.bfloat16)
     assert "maxNumImpreciseAcc" not in line
+    for off in ("false", " Off ", "NO"):
+        monkeypatch.setenv(common.FP8_WGMMA_ENV, off)
+        assert common.fp8_wgmma_enabled() is False
+    for on in ("", "TRUE", "yes", " on"):
+        monkeypatch.setenv(common.FP8_WGMMA_ENV, on)
+        assert common.fp8_wgmma_enabled() is True
+    monkeypatch.setenv(common.FP8_WGMMA_ENV, "maybe")
+    with pytest.raises(ValueError, match=r"EPMOE_PALLAS_FP8_WGMMA must be one of .*got EPMOE_PALLAS_FP8_WGMMA='maybe'"):
+        common.fp8_wgmma_enabled()

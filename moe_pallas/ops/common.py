@@ -136,14 +136,31 @@ _OFFSETS_PATCHED = patch_pallas_triton_offsets()
 
 # --- Pallas-Triton lowering: FP8 dots on Hopper's FP8 tensor cores ----------------------------------
 
-#: Environment switch, read when a kernel is lowered: "0" leaves FP8 x FP8 dots of Pallas-Triton kernels
-#: as jax lowers them (f16 conversions, exact sums, no FP8 tensor cores); anything else (the default)
-#: gives them ``max_num_imprecise_acc = min(K, 128)`` (see :func:`patch_pallas_triton_fp8_dots`).
+#: Environment switch, read when a kernel is lowered (:func:`fp8_wgmma_enabled`): 0/false/off/no leaves
+#: FP8 x FP8 dots of Pallas-Triton kernels as jax lowers them (f16 conversions, exact sums, no FP8
+#: tensor cores); unset or 1/true/on/yes (the default) gives them ``max_num_imprecise_acc = min(K, 128)``
+#: (see :func:`patch_pallas_triton_fp8_dots`); other values raise ValueError.
 #: Timed on the H200 (BENCHMARKS.md, 2026-11-30 third run): FP8 gate_up M=16384 2.404 -> 1.584 ms, rel
 #: err 6.8e-5 -> 6.9e-4 (the same as Mosaic's and torch._scaled_grouped_mm's), M=256 unchanged.
 FP8_WGMMA_ENV = "EPMOE_PALLAS_FP8_WGMMA"
 #: K elements a wgmma chain sums in FP8 precision before promoting to float32 (DeepSeek-V3's 128).
 FP8_PROMOTE_EVERY = 128
+_SWITCH_OFF = ("0", "false", "off", "no")
+_SWITCH_ON = ("", "1", "true", "on", "yes")
+
+
+def fp8_wgmma_enabled() -> bool:
+    """:data:`FP8_WGMMA_ENV` read now (kernels read it when they are lowered; jit caches them, so set it
+    before the first compile): unset or 1/true/on/yes -> True, 0/false/off/no -> False (any case,
+    spaces ignored). Raises ValueError for any other value, naming the variable."""
+    raw = os.environ.get(FP8_WGMMA_ENV)
+    if raw is None:
+        return True
+    value = raw.strip().lower()
+    if value in _SWITCH_OFF or value in _SWITCH_ON:
+        return value not in _SWITCH_OFF
+    raise ValueError(f"{FP8_WGMMA_ENV} must be one of {_SWITCH_OFF} (FP8 dots as jax lowers them) or "
+                     f"{_SWITCH_ON[1:]} (FP8 wgmma, the default); got {FP8_WGMMA_ENV}={raw!r}")
 
 
 def _is_fp8(value) -> bool:
@@ -154,8 +171,8 @@ def _is_fp8(value) -> bool:
 
 class _Fp8DotDialect:
     """The Triton dialect module of jax's Pallas-Triton lowering, with ``dot`` giving FP8 x FP8 dots
-    ``max_num_imprecise_acc = min(K, 128)`` unless :data:`FP8_WGMMA_ENV` is "0" (everything else passes
-    through)."""
+    ``max_num_imprecise_acc = min(K, 128)`` unless :func:`fp8_wgmma_enabled` says no (everything else
+    passes through)."""
 
     def __init__(self, dialect):
         self._dialect = dialect
@@ -164,8 +181,7 @@ class _Fp8DotDialect:
         return getattr(self._dialect, name)
 
     def dot(self, a, b, c, **kwargs):
-        if (os.environ.get(FP8_WGMMA_ENV, "1") != "0" and kwargs.get("max_num_imprecise_acc") is None
-                and _is_fp8(a) and _is_fp8(b)):
+        if kwargs.get("max_num_imprecise_acc") is None and _is_fp8(a) and _is_fp8(b) and fp8_wgmma_enabled():
             from jax._src.lib.mlir import ir
 
             k = int(ir.RankedTensorType(a.type).shape[1])
@@ -174,7 +190,7 @@ class _Fp8DotDialect:
 
 
 def patch_pallas_triton_fp8_dots() -> bool:
-    """Let Pallas-Triton FP8 dots use Hopper's FP8 wgmma (on unless :data:`FP8_WGMMA_ENV` is "0").
+    """Let Pallas-Triton FP8 dots use Hopper's FP8 wgmma (on unless :data:`FP8_WGMMA_ENV` is 0/false/off/no).
 
     jax-ml/jax@jax-v0.11.2:jax/_src/pallas/triton/lowering.py ``_dot_general_lowering`` emits
     ``tt.dot`` without ``maxNumImpreciseAcc`` (0). For FP8 operands Triton then converts both to f16 and
