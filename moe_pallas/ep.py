@@ -252,8 +252,9 @@ def ep_moe_forward(
         ``"pallas_triton"`` / ``"pallas_mosaic_gpu"`` / ``None`` on a GPU), as in ``moe_forward``.
       out_sharding: ``"replicated"`` (every device holds ``[T, H]``) or ``"tokens"`` (split over
         devices along T: ``P("ep")`` of ``[T_pad, H]`` inside, sliced to ``[T, H]``).
-      exchange: how ``"all_to_all"`` mode moves rows (replicated mode ignores it): ``"ragged"`` (``jax.lax.ragged_all_to_all``;
-        GPU meshes only), ``"dense"`` (one ``all_to_all`` of fixed-capacity blocks, see below), or
+      exchange: how ``"all_to_all"`` mode moves rows (replicated mode ignores it): ``"ragged"``
+        (``jax.lax.ragged_all_to_all``; GPU meshes only), ``"dense"`` (one ``all_to_all`` of
+        fixed-capacity blocks, see below), or
         ``None``: ragged on a GPU mesh of ``ep > 1`` when ``XLA_FLAGS`` holds
         :data:`RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG`, else dense (measured on two H200s at the
         DeepSeek-V3 layer, T=4096 per device: native ragged 214 ms, decomposed ragged 16.5 ms,

@@ -1,6 +1,6 @@
 """Launch configuration of the Pallas-Triton gate kernel (``pallas_triton.py``).
 
-Mirror: ``moe_torch/ops/gate/config.py`` (when the Triton kernel lands).
+Mirror: ``moe_torch/ops/gate/config.py`` (the same tile rule for the Triton gate).
 
 A program owns ``block_t`` tokens and holds their ``[block_t, E_pad]`` float32 scores, selection
 scores and a boolean "taken" mask in registers (``E_pad = next_power_of_2(E)``); the top-k is
