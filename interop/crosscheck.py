@@ -73,6 +73,7 @@ import numpy as np
 
 from moe_contract.config import MoEConfig
 from moe_contract.inputs import LayerInputs, for_each_expert, make_layer_inputs
+from moe_contract.validation import stage_implementation
 
 # --------------------------------------------------------------------------------------
 # Tolerances: CONTRACT.md section 7 as numbers, from their one home (tests/tolerances.py reads the same).
@@ -261,7 +262,7 @@ class _Impl:
         self.mod = _modules(self.framework)
 
     def stage_impl(self, op_module) -> str:
-        return self.impl if self.impl in op_module.IMPLEMENTATIONS else self.other_impl
+        return stage_implementation(self.impl, op_module, fallback=self.other_impl)
 
     def native(self, a):
         return from_numpy(a, self.framework)
@@ -552,7 +553,7 @@ def run_crosscheck(
         y = outputs["gemm2"][ref_name]["y"]
 
         # ---- combine
-        rsf = 1.0 if config.apply_routed_scaling_factor_on_output else config.routed_scaling_factor
+        rsf = config.combine_routed_scaling_factor
 
         def combine(impl: _Impl):
             out = impl.mod.combine(impl.native(y), impl.native(r["src2dst"]), impl.native(g["topk_weights"]),

@@ -118,6 +118,12 @@ class MoEConfig:
         """Columns of ``topk_ids``: ``topk + S``."""
         return self.topk + self.num_fused_shared_experts
 
+    @property
+    def combine_routed_scaling_factor(self) -> float:
+        """The rsf the combine applies: 1 when the gate already applied it (applied exactly once,
+        CONTRACT.md section 5)."""
+        return 1.0 if self.apply_routed_scaling_factor_on_output else self.routed_scaling_factor
+
     def gate_kwargs(self) -> dict:
         """The routing settings as keyword arguments of ``select_experts`` / ``check_select_experts``
         (every argument but the logits, the bias and the implementation): one place, for the layer,

@@ -97,6 +97,13 @@ def check_choice(op: str, name: str, value: Any, choices: Iterable[Any]) -> None
         raise ValueError(f"{op}: {name} must be one of {choices}; got {name}={value!r}")
 
 
+def stage_implementation(implementation: str | None, stage_api, fallback: str | None = None) -> str | None:
+    """A layer's ``implementation`` for one stage: itself if the stage's api module lists it in
+    ``IMPLEMENTATIONS``, else ``fallback`` (``None``: the stage's default). Framework-neutral: both
+    layers, both EP layers and the cross-check pick their stages' backends with it."""
+    return implementation if implementation in stage_api.IMPLEMENTATIONS else fallback
+
+
 def check_ids_in_range(op: str, name: str, ids_host: Any, num_experts: int) -> None:
     """The checked mode: raise ``ValueError`` if any id (a numpy array) is outside ``[0, E)``."""
     if ids_host.size == 0:

@@ -60,8 +60,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moe_contract.config import MoEConfig
-from moe_contract.validation import check_choice, check_config, check_layer_inputs, check_positive_int, check_rank
-from moe_pallas.layer import LAYER_IMPLEMENTATIONS, combine_scaling_factor, run_experts, run_gate, stage_implementation
+from moe_contract.validation import (check_choice, check_config, check_layer_inputs, check_positive_int, check_rank,
+                                      stage_implementation)
+from moe_pallas.layer import LAYER_IMPLEMENTATIONS, run_experts, run_gate
 from moe_pallas.ops.combine import api as combine_api
 from moe_pallas.ops.combine.api import combine
 from moe_pallas.ops.common import takes_jax_arrays
@@ -404,7 +405,7 @@ def _replicated_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, *, co
     topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
     local_ids = _to_local_ids(topk_ids, starts, counts, e_lmax)
     y, meta = _experts(x, local_ids, w13, w2, w13_scale, w2_scale, config=config, e_lmax=e_lmax, implementation=implementation)
-    partial = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=combine_scaling_factor(config), out_dtype=jnp.float32,
+    partial = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=jnp.float32,
                       implementation=stage_implementation(implementation, combine_api))
     if out_sharding == "replicated":
         out = jax.lax.psum(partial, EP_AXIS)
@@ -449,7 +450,7 @@ def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, *, co
     y_recv = combine(y, meta.src2dst, jnp.ones((ep * C, 1), jnp.float32), out_dtype=x.dtype,
                      implementation=stage_implementation(implementation, combine_api))
     y_home = exchange(y_recv, jnp.zeros((C, H), x.dtype), slot_of, recv_sizes, home_offsets, send_sizes)  # [C, H], send order
-    out = combine(y_home, send.src2dst, topk_weights, routed_scaling_factor=combine_scaling_factor(config), out_dtype=x.dtype,
+    out = combine(y_home, send.src2dst, topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=x.dtype,
                   implementation=stage_implementation(implementation, combine_api))  # [T_l, H]; padding rows: 0
     if out_sharding == "replicated":
         out = jax.lax.all_gather(out, EP_AXIS, axis=0, tiled=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 
 from moe_contract.config import ACTIVATION_QUANT, WEIGHT_LAYOUT, MoEConfig
-from moe_contract.validation import check_layer_inputs, check_layer_weights
+from moe_contract.validation import check_layer_inputs, check_layer_weights, stage_implementation
 from moe_pallas.ops.activation import api as activation_api
 from moe_pallas.ops.activation.api import act_and_mul
 from moe_pallas.ops.combine import api as combine_api
@@ -78,16 +78,11 @@ def moe_forward(
     expert_start, e_local = config.local_expert_range()
     y, meta = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
                           num_experts=config.num_total_experts, expert_start=expert_start, num_local_experts=e_local)
-    return combine(y, meta.src2dst, topk_weights, routed_scaling_factor=combine_scaling_factor(config), out_dtype=x.dtype,
+    return combine(y, meta.src2dst, topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=x.dtype,
                    implementation=stage_implementation(implementation, combine_api))
 
 
 # The stages of moe_forward, also composed differently by the EP layers (``ep.py``).
-
-
-def stage_implementation(implementation: str | None, stage_api) -> str | None:
-    """The layer's ``implementation`` for a stage that has it, else ``None`` (the stage's default)."""
-    return implementation if implementation in stage_api.IMPLEMENTATIONS else None
 
 
 def run_gate(router_logits, config: MoEConfig, e_score_correction_bias, implementation: str | None):
@@ -114,11 +109,6 @@ def run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, im
                              implementation=stage_implementation(implementation, activation_api))
     y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype, implementation=gemm)
     return y, meta
-
-
-def combine_scaling_factor(config: MoEConfig) -> float:
-    """The rsf the combine applies: 1 when the gate already applied it (applied exactly once)."""
-    return 1.0 if config.apply_routed_scaling_factor_on_output else config.routed_scaling_factor
 
 
 @takes_jax_arrays

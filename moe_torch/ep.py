@@ -59,8 +59,8 @@ import torch.distributed as dist
 
 from moe_contract.config import MoEConfig
 from moe_contract.op_checks import check_select_experts
-from moe_contract.validation import check_choice, check_layer_inputs
-from moe_torch.layer import LAYER_IMPLEMENTATIONS, combine_scaling_factor, run_experts, run_gate, stage_implementation
+from moe_contract.validation import check_choice, check_layer_inputs, stage_implementation
+from moe_torch.layer import LAYER_IMPLEMENTATIONS, run_experts, run_gate
 from moe_torch.ops.combine import api as combine_api
 from moe_torch.ops.combine.api import combine
 from moe_torch.ops.common import takes_torch_tensors
@@ -209,7 +209,7 @@ def _replicated(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
     topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
     y, meta = _experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation)
     # float32 partial: the sum over ranks is then the single-device float32 combine, reassociated.
-    partial = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=combine_scaling_factor(config),
+    partial = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
                       out_dtype=torch.float32, implementation=stage_implementation(implementation, combine_api))
     if out == "replicated":
         dist.all_reduce(partial, group=group)
@@ -259,5 +259,5 @@ def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
         return x.new_empty((0, H))
     src2dst = torch.empty((T * K,), dtype=torch.int32, device=x.device)
     src2dst[order] = torch.arange(T * K, dtype=torch.int32, device=x.device)
-    return combine(y_back, src2dst.reshape(T, K), topk_weights, routed_scaling_factor=combine_scaling_factor(config),
+    return combine(y_back, src2dst.reshape(T, K), topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
                    out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))

@@ -122,6 +122,9 @@ def test_bug_rsf_applied_exactly_once(framework):
     for out in (fused_in_gate, in_combine):
         assert_rel_fro(out, 2.5 * plain, 1e-6, "2.5x the rsf=1 output")
     assert_rel_fro(fused_in_gate, in_combine, 1e-6, "same output for both placements")
+    # the one rule both frameworks' combines read: rsf there only when the gate did not apply it
+    assert base.replace(routed_scaling_factor=2.5, apply_routed_scaling_factor_on_output=True).combine_routed_scaling_factor == 1.0
+    assert base.replace(routed_scaling_factor=2.5, apply_routed_scaling_factor_on_output=False).combine_routed_scaling_factor == 2.5
 
 
 @pytest.mark.parametrize("framework", ["jnp", "torch"])
