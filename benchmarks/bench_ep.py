@@ -769,7 +769,7 @@ def parse_args(argv=None):
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--jax-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.tokens = [int(t) for t in (args.tokens_per_device or ("8" if args.tiny else "256,4096")).split(",")]
+    args.tokens = H.int_list(p, "--tokens-per-device", args.tokens_per_device or ("8" if args.tiny else "256,4096"))
     args.modes_list = [m for m in args.modes.split(",") if m]
     for m in args.modes_list:
         if m not in MODES:
@@ -781,7 +781,7 @@ def parse_args(argv=None):
         p.error("--exchange ragged needs GPUs (XLA:CPU has no ragged_all_to_all); --tiny runs on a CPU mesh: "
                 "use --exchange dense or leave it out")
     if args.ep_sizes:
-        args.ep_list = sorted({int(e) for e in args.ep_sizes.split(",")})
+        args.ep_list = sorted(set(H.int_list(p, "--ep-sizes", args.ep_sizes)))
     elif args.tiny:
         args.ep_list = [1, 2]
     else:

@@ -368,6 +368,22 @@ def plot_layer(rows: list[dict], path: str) -> bool:
     return True
 
 
+def int_list(parser, name: str, text: str, *, power_of_two: bool = False, most: int | None = None) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``; a bad entry is a usage error naming the option
+    (``parser.error``: exit code 2)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"{name}: expected a comma list of integers; got {text!r}")
+    for v in values:
+        if v < 1 or (power_of_two and v & (v - 1)) or (most is not None and v > most):
+            parser.error(f"{name}: every value must be an integer >= 1" + (", a power of two" if power_of_two else "")
+                         + (f", <= {most}" if most is not None else "") + f"; got {v}")
+    if not values:
+        parser.error(f"{name}: expected at least one value; got {text!r}")
+    return values
+
+
 def stats_line(rows: list[dict]) -> str:
     n_err = sum(1 for r in rows if r.get("error"))
     n_wrong = sum(1 for r in rows if str(r.get("error") or "").startswith("WRONG"))

@@ -25,25 +25,16 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks import harness as H  # noqa: E402
+
 #: tokens per program x warps; block_t * 256 experts above 16384 float32 values would spill.
 BLOCK_T = (1, 2, 4, 8, 16, 32, 64)
 NUM_WARPS = (1, 2, 4, 8)
 MAX_TILE = 16384
-
-
-def _int_list(parser, name: str, text: str, *, power_of_two: bool = False, most: int | None = None) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]``; a bad entry is a usage error naming the option."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        parser.error(f"{name}: expected a comma list of integers; got {text!r}")
-    for v in values:
-        if v < 1 or (power_of_two and v & (v - 1)) or (most is not None and v > most):
-            parser.error(f"{name}: every value must be an integer >= 1" + (", a power of two" if power_of_two else "")
-                         + (f", <= {most}" if most is not None else "") + f"; got {v}")
-    if not values:
-        parser.error(f"{name}: expected at least one value; got {text!r}")
-    return values
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,9 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warps", default=",".join(map(str, NUM_WARPS)), help="comma list of num_warps (powers of two)")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args(argv)
-    args.tokens = _int_list(parser, "--tokens", args.tokens)
-    args.block_t = _int_list(parser, "--block-t", args.block_t, power_of_two=True, most=MAX_TILE // 256)
-    args.warps = _int_list(parser, "--warps", args.warps, power_of_two=True, most=32)
+    args.tokens = H.int_list(parser, "--tokens", args.tokens)
+    args.block_t = H.int_list(parser, "--block-t", args.block_t, power_of_two=True, most=MAX_TILE // 256)
+    args.warps = H.int_list(parser, "--warps", args.warps, power_of_two=True, most=32)
     return args
 
 

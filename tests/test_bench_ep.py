@@ -93,7 +93,9 @@ def test_argument_errors_are_usage_errors(capsys):
     from benchmarks.bench_ep import parse_args
 
     for argv, message in [(["--tiny", "--exchange", "ragged"], "--exchange ragged needs GPUs"),
-                          (["--tiny", "--xla-flags=garbage"], "--xla-flags: every XLA flag starts with '--'")]:
+                          (["--tiny", "--xla-flags=garbage"], "--xla-flags: every XLA flag starts with '--'"),
+                          (["--tiny", "--ep-sizes", "0"], "--ep-sizes: every value must be an integer >= 1; got 0"),
+                          (["--tiny", "--tokens-per-device", "x"], "--tokens-per-device: expected a comma list of integers")]:
         with pytest.raises(SystemExit) as exc:
             parse_args(argv)
         assert exc.value.code == 2
