@@ -3,7 +3,7 @@ preset at real size in both frameworks (JAX via XLA on the GPU, torch on CUDA), 
 
 Usage (on the GPU machine, from the repo root; nothing to install there)::
 
-    PYTHONPATH=. python3 benchmarks/gpu_check.py [--skip-tests] [--tests "tests/test_x.py ...; tests/test_y.py"] [--memcheck]
+    PYTHONPATH=. python3 benchmarks/gpu_check.py [--skip-tests] [--tests "tests/test_x.py ...; tests/test_y.py"] [--workers 12] [--memcheck]
         [--bench=--quick] [--tokens 256] [--presets a,b] [--quants none,fp8_block] [--kernels]
         [--cli-checks "mixtral-8x7b:none,deepseek-v3:fp8_block"] [--check-tokens 16]
 
@@ -78,12 +78,15 @@ def _parallel(cmds: list[tuple[list[str], str]], env: dict, timeout_s: int, log_
 
 
 def _pytest_groups(out_dir: str | None, timeout_s: int, groups: list[list[str]], log_name: str,
-                   wrapper: tuple[str, ...] = ()) -> list[str]:
+                   wrapper: tuple[str, ...] = (), workers: int = 0) -> list[str]:
     """pytest on the GPU (``EPMOE_TEST_DEVICE=gpu``), one process per group, all at once, each under
-    ``wrapper`` (e.g. compute-sanitizer); one summary line per group (with the sanitizer's verdict)."""
+    ``wrapper`` (e.g. compute-sanitizer); one summary line per group (with the sanitizer's verdict).
+    ``workers > 0``: each group spreads its tests over that many pytest-xdist processes (``-n``,
+    ``--dist load``: test by test, so one long file no longer sets the wall time)."""
     env = dict(os.environ, EPMOE_TEST_DEVICE="gpu", PYTHONPATH=os.getcwd())
-    cmds = [([*wrapper, sys.executable, "-m", "pytest", "-q", "--tb=line", "--no-header", "-p", "no:cacheprovider", *g],
-             " ".join(g)) for g in groups]
+    xdist = ["-n", str(workers), "--dist", "load"] if workers > 0 else []
+    cmds = [([*wrapper, sys.executable, "-m", "pytest", "-q", "--tb=line", "--no-header", "-p", "no:cacheprovider",
+              *xdist, *g], " ".join(g)) for g in groups]
     what = "memcheck" if wrapper else "pytest on GPU"
     lines = []
     for (_, label), (log, rc, dt) in zip(cmds, _parallel(cmds, env, timeout_s, log_name, out_dir)):
@@ -95,8 +98,8 @@ def _pytest_groups(out_dir: str | None, timeout_s: int, groups: list[list[str]],
     return lines
 
 
-def run_tests(out_dir: str | None, timeout_s: int, groups: list[list[str]]) -> list[str]:
-    return _pytest_groups(out_dir, timeout_s, groups, "gpu_tests.log")
+def run_tests(out_dir: str | None, timeout_s: int, groups: list[list[str]], workers: int = 0) -> list[str]:
+    return _pytest_groups(out_dir, timeout_s, groups, "gpu_tests.log", workers=workers)
 
 
 def run_memcheck(out_dir: str | None, timeout_s: int, groups: list[list[str]]) -> list[str]:
@@ -268,6 +271,9 @@ def main() -> int:
     parser.add_argument("--quants", default="none,fp8_per_token,fp8_block")
     parser.add_argument("--tests", default="tests",
                         help="pytest targets for the GPU test run; ';' splits them into groups run as parallel processes")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="pytest-xdist processes per test group (the whole suite on one H200 in one call: "
+                             "--workers 12; needs pytest-xdist, carried as wheels: README 'GPU checks')")
     parser.add_argument("--memcheck", action="store_true", help="also run the Triton kernel tests under compute-sanitizer")
     parser.add_argument("--memcheck-tests", default="tests/test_triton_kernels.py; tests/test_triton_grouped_gemm.py; "
                         "tests/test_triton_permute.py; tests/test_triton_gate.py", help="';'-separated groups, run in parallel")
@@ -284,7 +290,13 @@ def main() -> int:
     summary = []
     jobs = []  # the GPU test run and the memcheck run go at once (each its own processes)
     if not args.skip_tests:
-        jobs.append(functools.partial(run_tests, out_dir, args.test_timeout, _groups(args.tests)))
+        if args.workers > 0:
+            try:
+                import xdist  # noqa: F401
+            except ImportError:
+                print("gpu_check: --workers needs pytest-xdist on this machine (carry its wheel and execnet's)", file=sys.stderr)
+                return 2
+        jobs.append(functools.partial(run_tests, out_dir, args.test_timeout, _groups(args.tests), args.workers))
     if args.memcheck:
         jobs.append(functools.partial(run_memcheck, out_dir, args.memcheck_timeout, _groups(args.memcheck_tests)))
     if jobs:

@@ -1,5 +1,7 @@
-"""JAX side of the EP-MoE pipeline: per-stage ops (jnp references now; Pallas kernels to come)
-and the layer. Mirrors ``moe_torch`` file for file; never imports it."""
+"""JAX side of the EP-MoE pipeline: per-stage ops (a jnp reference and Pallas kernels for each stage:
+the Triton lowering, ``implementation="pallas_triton"``, and for the grouped GEMM Mosaic GPU,
+``"pallas_mosaic_gpu"``), the layer (``moe_forward``), shard_map expert parallelism (``ep_moe_forward``)
+and the flax NNX module (``MoELayer``). Mirrors ``moe_torch`` file for file; never imports it."""
 
 from moe_contract import MoEConfig, PRESETS, get_preset
 from moe_pallas.layer import local_weights, moe_forward, quantize_layer_weights

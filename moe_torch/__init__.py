@@ -1,5 +1,9 @@
-"""PyTorch side of the EP-MoE pipeline: per-stage ops (torch references now; Triton kernels to come)
-and the layer. Mirrors ``moe_pallas`` file for file; never imports it."""
+"""PyTorch side of the EP-MoE pipeline: per-stage ops (a torch reference and a Triton kernel for each
+stage, ``implementation="triton"``), the layer (``moe_forward``), torch.distributed expert parallelism
+(``ep_moe_forward``) and the module (``EPMoE``). Mirrors ``moe_pallas`` file for file; never imports it.
+
+Under ``TRITON_INTERPRET=1`` (set before triton is imported) the Triton kernels run on CPU tensors,
+exactly: ``moe_torch/ops/triton_interpret.py`` fixes triton 3.6's interpreter's casts and dots."""
 
 from moe_contract import MoEConfig, PRESETS, get_preset
 from moe_torch.ep import ep_moe_forward

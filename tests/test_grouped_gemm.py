@@ -10,8 +10,8 @@ import torch
 
 import moe_pallas
 import moe_torch
-from common import both
-from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_rel_fro, to_numpy
+from common import DEVICE, both
+from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_rel_fro, rel_fro, to_numpy
 
 
 def numpy_grouped_gemm(x: np.ndarray, w: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -106,9 +106,18 @@ def test_grouped_gemm_fp8_block_scales_applied_per_k_block():
         sx, sw = to_numpy(xs), to_numpy(ws)[0]
         blockwise = sum((qx[:, b * 128:(b + 1) * 128] @ qw[:, b * 128:(b + 1) * 128].T) * sx[:, b:b + 1] * sw[0, b]
                         for b in range(2))
+        # A misapplied block scale (the activations' K-block 0 scale for both blocks) is an O(1) error:
+        # the bound below must stay far under it, or the test could not fail.
+        misapplied = sum((qx[:, b * 128:(b + 1) * 128] @ qw[:, b * 128:(b + 1) * 128].T) * sx[:, :1] * sw[0, b]
+                         for b in range(2))
+        assert rel_fro(misapplied, blockwise) > 0.5
         out_dtype = np.float32 if idx == 0 else torch.float32
         y = mod.grouped_gemm(xq, wq, both(offsets)[idx], x_scale=xs, w_scale=ws, out_dtype=out_dtype)
-        assert_rel_fro(y, blockwise, F32_REL_FRO, mod.__name__)
+        # The CPU computes each block's partial sum in float32: F32_REL_FRO. Hopper's FP8 tensor cores
+        # accumulate inside a 128-wide K block with about 14 bits (DeepSeek-V3 report, 3.3.2; README
+        # "Numerics notes"); the Mosaic GEMM gave 1.23e-4 here on the H200. CONTRACT.md section 7 bounds
+        # an FP8 GEMM against the dequantized inputs by FP8_REL_FRO (2e-2), so that is the GPU's bound.
+        assert_rel_fro(y, blockwise, F32_REL_FRO if DEVICE == "cpu" else FP8_REL_FRO, mod.__name__)
 
 
 def test_grouped_gemm_zero_rows():

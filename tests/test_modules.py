@@ -26,7 +26,6 @@ from moe_contract import get_preset, make_layer_inputs
 from moe_pallas.module import FrozenWeight, MoELayer
 from moe_torch.module import EPMoE
 from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
-from triton_interpreter_patch import exact_interpreter
 
 QUANTS = ("none", "fp8_per_token", "fp8_block")
 #: Every routing mode of the contract on a preset at CPU size: (preset, config overrides).
@@ -180,12 +179,11 @@ def test_kernel_backend_module(framework):
     layer = make_module(framework, "tiny", quant="fp8_block", implementation=backend)
     ref_layer = make_module(framework, "tiny", quant="fp8_block", implementation="reference")
     x, logits = layer_inputs(layer.config, 3)[framework]
-    with exact_interpreter(dot=True):  # Triton's interpreter: exact casts and dots (a no-op otherwise)
-        out = call(framework, layer, x, logits)
-        if framework == "torch":  # jnp: nnx.jit of the module and jit of moe_forward are one program
-            w = weights(framework, layer)
-            assert_exact(out, moe_torch.moe_forward(x, logits, config=layer.config, implementation=backend, **w),
-                         "EPMoE vs moe_forward (triton)")
+    out = call(framework, layer, x, logits)
+    if framework == "torch":  # jnp: nnx.jit of the module and jit of moe_forward are one program
+        w = weights(framework, layer)
+        assert_exact(out, moe_torch.moe_forward(x, logits, config=layer.config, implementation=backend, **w),
+                     "EPMoE vs moe_forward (triton)")
     assert np.isfinite(to_numpy(out).astype(np.float32)).all()
     assert_rel_fro(out, call(framework, ref_layer, x, logits), BF16_REL_FRO, f"{framework} {backend} vs reference")
 

@@ -6,7 +6,7 @@ configs (several programs, padded token / expert / slot axes). Ids must equal th
 exactly; weights within ``GATE_WEIGHT_RTOL`` (1e-6).
 
 On the CPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set by
-``conftest.py``) with the exact casts of ``tests/triton_interpreter_patch.py``; on the GPU machine
+``conftest.py``) with the exact casts ``moe_torch`` installs there (``moe_torch/ops/triton_interpret.py``); on the GPU machine
 (``EPMOE_TEST_DEVICE=gpu``) the same tests run compiled. ``test_gate_compiles_for_sm90`` lowers the
 kernel to sm_90 cubin in a child process without the interpreter (no GPU needed).
 """
@@ -29,14 +29,7 @@ from moe_torch.ops.gate.reference import select_experts_reference
 from test_gate import CASES
 from tolerances import assert_exact, assert_gate_weights
 from sm90 import compile_sm90
-from triton_interpreter_patch import exact_interpreter
 
-
-@pytest.fixture(autouse=True, scope="module")
-def exact_interpreter_casts():
-    """Route the interpreter's float <-> bf16 casts through ml_dtypes (module scope only)."""
-    with exact_interpreter():
-        yield
 
 
 _DEFAULTS = dict(routing="softmax_topk", renormalize=True, num_expert_group=None, topk_group=None,

@@ -2,11 +2,11 @@
 and a float64 numpy loop (CONTRACT.md sections 4 and 7), for every dtype and FP8 scale layout it
 serves, plus the project's named bug cases and the tile-to-expert mapping's edges.
 
-On the CPU (``EPMOE_TEST_DEVICE=cpu``) the kernel runs in Triton's interpreter with
-``tests/triton_interpreter_patch.py`` active for this module: exact float casts, and a ``tl.dot``
-that upcasts bf16 / fp16 / fp8 operands to float32 before the numpy matmul (the interpreter's own
+On the CPU (``EPMOE_TEST_DEVICE=cpu``) the kernel runs in Triton's interpreter, made exact by
+``moe_torch`` itself (``moe_torch/ops/triton_interpret.py``: exact float casts, and a ``tl.dot``
+that upcasts bf16 / fp16 / fp8 operands to float32 before the numpy matmul; the interpreter's own
 multiplies bf16 bit patterns, triton-lang/triton#11584). On the GPU machine
-(``EPMOE_TEST_DEVICE=gpu``) the same tests run compiled, unpatched. Shapes are small: the
+(``EPMOE_TEST_DEVICE=gpu``) the same tests run compiled. Shapes are small: the
 interpreter runs every program in Python, and CI has 2 cores.
 """
 
@@ -35,17 +35,10 @@ from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
 from moe_torch.ops.grouped_gemm.triton import _launch, _launch_order, grouped_gemm_triton, launch_grid
 from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 from sm90 import compile_sm90
-from triton_interpreter_patch import exact_interpreter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8 = torch.float8_e4m3fn
 
-
-@pytest.fixture(autouse=True, scope="module")
-def exact_interpreter_casts_and_dot():
-    """Exact casts and a float32 ``tl.dot`` in the interpreter, for this module only (no-op on the GPU)."""
-    with exact_interpreter(dot=True):
-        yield
 
 
 # --------------------------------------------------------------------------------------

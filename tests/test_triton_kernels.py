@@ -9,16 +9,14 @@ is set by ``conftest.py``). triton 3.6's interpreter gets two casts that the ker
 (``_convert_float`` in ``triton/runtime/interpreter.py``, reached from ``cast_impl`` and
 ``create_fp_to_fp``): float32 -> bf16 truncates instead of rounding to nearest even, and
 float32 -> fp8 rounds half away from zero on the mantissa without carrying into the exponent or
-saturating (triton-lang/triton#8322 shows the same for fp16 -> fp8e5). The autouse fixture
-``exact_interpreter_casts`` replaces those two conversions, for this module only, by
-``ml_dtypes``' correctly rounded ones (``tests/triton_interpreter_patch.py``, shared with the
-grouped GEMM tests), with the saturation of NVIDIA's
+saturating (triton-lang/triton#8322 shows the same for fp16 -> fp8e5). ``moe_torch`` replaces
+those two conversions, whenever it runs under the interpreter, by
+``ml_dtypes``' correctly rounded ones (``moe_torch/ops/triton_interpret.py``), with the saturation of NVIDIA's
 ``cvt.rn.satfinite.e4m3x2.f32`` for float8_e4m3fn; ``test_casts_round_like_torch`` proves the
-patched casts (and, on the GPU, the hardware casts) bit-identical to torch. Nothing else of the
-interpreter is changed, and the kernels do no bf16 arithmetic and no ``tl.dot`` (the other
-known interpreter bugs), so all tests run on the CPU and none is skipped.
+patched casts (and, on the GPU, the hardware casts) bit-identical to torch; all tests run on the
+CPU and none is skipped.
 
-On the GPU machine (``EPMOE_TEST_DEVICE=gpu``) the same tests run compiled, unpatched.
+On the GPU machine (``EPMOE_TEST_DEVICE=gpu``) the same tests run compiled.
 """
 
 from __future__ import annotations
@@ -44,20 +42,8 @@ from moe_torch.ops.quant.reference import per_token_group_quant_fp8_reference, p
 from moe_torch.ops.triton_common import check_triton_device
 from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 from sm90 import compile_sm90
-from triton_interpreter_patch import exact_interpreter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# --------------------------------------------------------------------------------------
-# Interpreter cast fix (CPU only): tests/triton_interpreter_patch.py
-
-
-@pytest.fixture(autouse=True, scope="module")
-def exact_interpreter_casts():
-    """Route the interpreter's float <-> bf16 / fp8 casts through ml_dtypes (module scope only)."""
-    with exact_interpreter():
-        yield
-
 
 @triton.jit
 def _cast_probe_kernel(

@@ -7,9 +7,9 @@ inputs). The metadata must be exactly the reference's, including the stable orde
 expert; permuted rows, FP8 codes and scales bit-identical.
 
 On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
-``conftest.py``), with the exact float casts of ``tests/triton_interpreter_patch.py`` (the
-interpreter's own float32 -> fp8 cast rounds wrongly; see that file). On the GPU machine
-(``EPMOE_TEST_DEVICE=gpu``) the same tests run compiled, unpatched. ``test_*_compiles_for_sm90``
+``conftest.py``), with the exact float casts that ``moe_torch`` installs there
+(``moe_torch/ops/triton_interpret.py``: the interpreter's own float32 -> fp8 cast rounds wrongly).
+On the GPU machine (``EPMOE_TEST_DEVICE=gpu``) the same tests run compiled. ``test_*_compiles_for_sm90``
 lowers the kernels to sm_90 cubin in a child process without the interpreter (no GPU needed).
 """
 
@@ -32,14 +32,7 @@ from moe_torch.ops.permute.reference import permute_reference, routing_metadata_
 from test_permute import CASES, _ids, check_invariants, routing_problems
 from tolerances import assert_exact
 from sm90 import compile_sm90
-from triton_interpreter_patch import exact_interpreter
 
-
-@pytest.fixture(autouse=True, scope="module")
-def exact_interpreter_casts():
-    """Route the interpreter's float <-> bf16 / fp8 casts through ml_dtypes (module scope only)."""
-    with exact_interpreter():
-        yield
 
 
 def _meta_triton(ids: torch.Tensor, E: int, start: int, e_local: int):

@@ -11,7 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_torch.ops import triton_interpret
 from moe_torch.ops.quant.reference import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX
+
+# Under TRITON_INTERPRET=1, make the interpreter's casts and dots exact before any kernel of ours runs
+# (moe_torch/ops/triton_interpret.py says what triton 3.6 gets wrong there).
+triton_interpret.install()
 
 FP8_MAX_C = tl.constexpr(FP8_MAX)
 #: float32 values (exactly representable), as in ``moe_torch/ops/quant/reference.py``.
@@ -46,7 +51,12 @@ def is_interpreted(kernel) -> bool:
 
 def check_triton_device(op: str, device: torch.device, kernel, needs_fp8: bool = False) -> None:
     """``NotImplementedError`` if ``kernel`` cannot run on ``device``: CPU tensors without the
-    interpreter, or a float8_e4m3fn conversion on a GPU older than sm_89 (Ada / Hopper)."""
+    interpreter, or a float8_e4m3fn conversion on a GPU older than sm_89 (Ada / Hopper).
+
+    Under the interpreter it (re)installs the exact casts and dots of ``triton_interpret`` first, so
+    every interpreted launch of a ``moe_torch`` kernel computes what the GPU does."""
+    if is_interpreted(kernel):
+        triton_interpret.install()
     if device.type != "cuda" and not is_interpreted(kernel):
         raise NotImplementedError(
             f"{op}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is imported); "

@@ -22,7 +22,7 @@ Loads and stores are masked (``jax.experimental.pallas.triton.load/store``); ref
 arrays, so odd ``I`` and any ``M`` work. Masking pattern learned from
 jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/gpu/rms_norm.py.
 
-Mirror: ``moe_torch/ops/activation/triton.py`` (to come).
+Mirror: ``moe_torch/ops/activation/triton.py``.
 """
 
 from __future__ import annotations

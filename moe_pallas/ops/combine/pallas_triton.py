@@ -10,7 +10,7 @@ cast once to the output dtype. Tokens with no local slot keep ``acc = 0``.
 Row gather with array indices and masks learned from
 jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/gpu/rms_norm.py.
 
-Mirror: ``moe_torch/ops/combine/triton.py`` (to come).
+Mirror: ``moe_torch/ops/combine/triton.py``.
 """
 
 from __future__ import annotations

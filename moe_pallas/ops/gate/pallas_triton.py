@@ -28,7 +28,7 @@ On the GPU the Triton lowering computes ``sigmoid`` as ``1 / (1 + exp(-x))`` and
 approximately, so scores may differ from XLA's by an ulp or two: ids can then differ from the
 reference only for selection scores that are within that of a tie.
 
-Mirror: ``moe_torch/ops/gate/triton.py`` (to come).
+Mirror: ``moe_torch/ops/gate/triton.py``.
 """
 
 from __future__ import annotations

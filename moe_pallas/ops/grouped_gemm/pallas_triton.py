@@ -29,7 +29,7 @@ Pointer offsets are the Pallas-Triton lowering's: 64-bit when an array is over 4
 ``moe_pallas.ops.common.patch_pallas_triton_offsets``, also for 1-byte arrays of 2**31 to 2**32
 elements (a DeepSeek-V3 FP8 ``w2``), which that lowering left at signed 32 bits.
 
-Mirror: ``moe_torch/ops/grouped_gemm/triton.py`` (to come).
+Mirror: ``moe_torch/ops/grouped_gemm/triton.py``.
 """
 
 from __future__ import annotations

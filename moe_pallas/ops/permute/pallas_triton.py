@@ -28,7 +28,7 @@ scale ``1e-10 / 448`` because their amax is 0.
 Masked gathers with array indices learned from
 jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/gpu/rms_norm.py (as ``combine``).
 
-Mirror: ``moe_torch/ops/permute/triton.py`` (to come).
+Mirror: ``moe_torch/ops/permute/triton.py``.
 """
 
 from __future__ import annotations

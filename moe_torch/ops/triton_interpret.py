@@ -1,0 +1,136 @@
+"""Exact float casts and dots for Triton's interpreter (``TRITON_INTERPRET=1``, triton 3.6).
+
+Triton runs ``@triton.jit`` kernels on CPU tensors when ``TRITON_INTERPRET=1`` is set before
+``triton`` is imported. triton 3.6's interpreter (``triton/runtime/interpreter.py``) gets wrong what
+the kernels of ``moe_torch`` rely on, silently:
+
+- **casts** (``_convert_float``, reached from ``InterpreterBuilder.cast_impl`` and
+  ``create_fp_to_fp``): float32 -> bf16 truncates instead of rounding to nearest even, and
+  float32 -> fp8 rounds half away from zero on the mantissa without carrying into the exponent or
+  saturating, and turns NaN into ``0x7c`` (triton-lang/triton#8322 shows the same for fp16 -> fp8e5);
+- **bf16 ``tl.dot``** (``InterpreterBuilder.create_dot``): bf16 tensors are held as uint16 bit
+  patterns and ``np.matmul`` multiplies those integers (triton-lang/triton#11584): a bf16 grouped
+  GEMM of ones gave 1.69e10 where 64 is right. Its fp8 operands go through the same ``_convert_float``;
+- **bf16 / fp8 elementwise arithmetic** (``binary_op``): ``np.add`` etc. on the bit patterns.
+
+:func:`install` replaces these entry points of ``InterpreterBuilder`` by exact ones: casts through
+``ml_dtypes``' correctly rounded conversions (float8_e4m3fn saturating to +-448 with NaN kept, as
+NVIDIA's ``cvt.rn.satfinite.e4m3x2.f32``), dots as a float32 matmul of the operands upcast exactly
+(bf16, fp16 and fp8 all embed in float32) plus the accumulator, then cast to the accumulator's dtype
+(what the tensor cores compute, up to summation order), and bf16 / fp8 add, sub, mul, div computed in
+float32 and rounded to nearest even. Everything else of the interpreter is left as it is.
+
+``moe_torch`` installs it when a Triton module of its own is imported under the interpreter
+(``moe_torch/ops/triton_common.py``) and again before every launch (``check_triton_device``), so
+every interpreted launch of a ``moe_torch`` kernel is exact, with nothing to import from ``tests/``.
+The patch is process-wide: other interpreted Triton kernels in the process get the exact casts and
+dots too. On a GPU (no interpreter) it does nothing. ``tests/test_triton_interpret.py`` proves the
+patched casts bit-identical to torch and the issue's cases exact.
+
+Sources: triton-lang/triton@v3.6.0:python/triton/runtime/interpreter.py (the handlers replaced);
+the saturation rule: PTX ISA, ``cvt`` with ``.satfinite``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+
+#: triton dtype name -> the numpy / ml_dtypes type with the same bits.
+_NP_FLOATS = {"fp64": np.float64, "fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16,
+              "fp8e4nv": ml_dtypes.float8_e4m3fn, "fp8e5": ml_dtypes.float8_e5m2}
+#: Formats numpy cannot hold natively (the interpreter stores their bit patterns as uints).
+_BIT_PATTERN_FLOATS = frozenset({"bf16", "fp8e4nv", "fp8e5"})
+_FP8_E4M3_MAX = 448.0
+
+_installed = False
+
+
+def interpreting() -> bool:
+    """``True`` if ``TRITON_INTERPRET`` asks for the interpreter (as ``triton.knobs`` reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "off", "no")
+
+
+def is_installed() -> bool:
+    """``True`` once :func:`install` has patched the interpreter in this process."""
+    return _installed
+
+
+def _values(handle) -> np.ndarray:
+    """A handle's data as its float type (bit patterns viewed as bf16 / fp8)."""
+    name = handle.dtype.scalar.name
+    data = np.asarray(handle.data)
+    return data.view(_NP_FLOATS[name]) if name in _BIT_PATTERN_FLOATS else data
+
+
+def _to_float(values: np.ndarray, dst, handle_cls):
+    """``values`` (any float numpy array) rounded to nearest even into triton dtype ``dst``, as a handle."""
+    from triton.runtime.interpreter import _get_np_dtype
+
+    if dst.name == "fp8e4nv":  # finite overflow and +-inf -> +-448, NaN stays NaN (PTX cvt ... .satfinite)
+        wide = np.float64 if values.dtype == np.float64 else np.float32  # exact upcast: the clip rounds nothing
+        values = np.clip(values.astype(wide), -_FP8_E4M3_MAX, _FP8_E4M3_MAX)
+    out = np.asarray(values).astype(_NP_FLOATS[dst.name]).view(_get_np_dtype(dst))
+    return handle_cls(out, dst)
+
+
+def _float_pair(src_scalar, dst_scalar) -> bool:
+    """A float -> float cast that the interpreter gets wrong and ml_dtypes does exactly."""
+    return (src_scalar.is_floating() and dst_scalar.is_floating() and src_scalar.name in _NP_FLOATS
+            and dst_scalar.name in _NP_FLOATS and bool({src_scalar.name, dst_scalar.name} & _BIT_PATTERN_FLOATS))
+
+
+def install() -> None:
+    """Patch triton's ``InterpreterBuilder`` (casts, dots, bf16 / fp8 arithmetic) to be exact; idempotent.
+
+    A no-op unless ``TRITON_INTERPRET`` is set. Raises nothing; see the module docstring for what changes.
+    """
+    global _installed
+    if _installed or not interpreting():
+        return
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    orig_cast, orig_fp_to_fp = InterpreterBuilder.cast_impl, InterpreterBuilder.create_fp_to_fp
+    orig_dot, orig_binary = InterpreterBuilder.create_dot, InterpreterBuilder.binary_op
+
+    def cast_impl(self, src, dst_type):  # create_fp_trunc / create_fp_ext land here
+        if _float_pair(src.dtype.scalar, dst_type.scalar):
+            return _to_float(_values(src), dst_type.scalar, TensorHandle)
+        return orig_cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):  # every cast to or from fp8
+        from triton._C.libtriton import ir
+
+        rtne = rounding_mode is None or rounding_mode == ir.ROUNDING_MODE.RTNE
+        if rtne and _float_pair(src.dtype.scalar, dst_type.scalar):
+            return _to_float(_values(src), dst_type.scalar, TensorHandle)
+        return orig_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        names = {a.dtype.scalar.name, b.dtype.scalar.name, d.dtype.scalar.name}
+        if not names <= set(_NP_FLOATS):
+            return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)  # integer dots are exact already
+        acc = np.matmul(_values(a).astype(np.float32), _values(b).astype(np.float32))
+        acc = acc + _values(d).astype(np.float32)
+        return _to_float(acc, d.dtype.scalar, TensorHandle)
+
+    def binary_op(self, lhs, rhs, op):
+        name = lhs.dtype.scalar.name
+        if name in _BIT_PATTERN_FLOATS and rhs.dtype.scalar.name == name and op in _FLOAT_OPS:
+            with np.errstate(all="ignore"):
+                out = op(_values(lhs).astype(np.float32), _values(rhs).astype(np.float32))
+            return _to_float(out, lhs.dtype.scalar, TensorHandle)
+        return orig_binary(self, lhs, rhs, op)
+
+    InterpreterBuilder.cast_impl = cast_impl
+    InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+    InterpreterBuilder.create_dot = create_dot
+    InterpreterBuilder.binary_op = binary_op
+    # The class-level lambdas (create_fp_ext, create_fadd, ...) call these through `self`, so they follow.
+    _installed = True
+
+
+#: The elementwise float ops of the interpreter's ``binary_op`` (create_fadd, create_fsub, create_fmul, create_fdiv).
+_FLOAT_OPS = (np.add, np.subtract, np.multiply, np.divide)
