@@ -30,6 +30,11 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
 import numpy as np  # noqa: E402
 
 
+def _pythonpath() -> str:
+    """The repo root first, then whatever PYTHONPATH already holds (e.g. carried wheels' --target folder)."""
+    return os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def _run(cmd: list[str], env: dict, timeout_s: int, log_name: str | None = None,
          out_dir: str | None = None) -> tuple[str, object, float]:
     """Run ``cmd``; return (combined log, return code or "timeout", seconds); the log also goes to
@@ -83,7 +88,7 @@ def _pytest_groups(out_dir: str | None, timeout_s: int, groups: list[list[str]],
     ``wrapper`` (e.g. compute-sanitizer); one summary line per group (with the sanitizer's verdict).
     ``workers > 0``: each group spreads its tests over that many pytest-xdist processes (``-n``,
     ``--dist load``: test by test, so one long file no longer sets the wall time)."""
-    env = dict(os.environ, EPMOE_TEST_DEVICE="gpu", PYTHONPATH=os.getcwd())
+    env = dict(os.environ, EPMOE_TEST_DEVICE="gpu", PYTHONPATH=_pythonpath())
     xdist = ["-n", str(workers), "--dist", "load"] if workers > 0 else []
     cmds = [([*wrapper, sys.executable, "-m", "pytest", "-q", "--tb=line", "--no-header", "-p", "no:cacheprovider",
               *xdist, *g], " ".join(g)) for g in groups]
@@ -109,7 +114,7 @@ def run_memcheck(out_dir: str | None, timeout_s: int, groups: list[list[str]]) -
 
 
 def run_bench(out_dir: str | None, timeout_s: int, bench_args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    env = dict(os.environ, PYTHONPATH=_pythonpath())
     bench_out = os.path.join(out_dir or "benchmarks/results", "bench")
     cmd = [sys.executable, "benchmarks/bench.py", *bench_args.split(), "--out", bench_out]
     log, rc, dt = _run(cmd, env, timeout_s, "bench.log", out_dir)

@@ -65,8 +65,10 @@ _CHILD = textwrap.dedent(
 @pytest.fixture(scope="module")
 def child_results(tmp_path_factory):
     """Run the user's session in a fresh interpreter-mode process; its printed results."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    env.update(TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    keep = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not p.rstrip("/").endswith("tests")]
+    # The repo root (where moe_torch lives, installed or not) and carried packages; never tests/.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *keep]), TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
     cwd = tmp_path_factory.mktemp("user")
     proc = subprocess.run([sys.executable, "-c", _CHILD], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
