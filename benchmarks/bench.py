@@ -6,11 +6,24 @@ Usage (on the GPU machine, from the repo root; nothing to install there)::
     PYTHONPATH=. python3 benchmarks/bench.py                 # everything (~6 min on one H200)
     PYTHONPATH=. python3 benchmarks/bench.py --quick         # a small subset (< 2 min)
     PYTHONPATH=. python3 benchmarks/bench.py --what gemm --backends ours,torch._grouped_mm
+    PYTHONPATH=. python3 benchmarks/bench.py --preset mixtral-8x7b   # that model's shapes and routing
+    PYTHONPATH=. python3 benchmarks/bench.py --weights /ckpt/DeepSeek-V3 --what layer   # its first MoE layer
+    PYTHONPATH=. python3 benchmarks/bench.py --tiny [--preset tiny | --weights DIR]    # the CPU smoke test
+    PYTHONPATH=.:/tmp/tk python3 benchmarks/bench.py --what gemm_bwd,layer_bwd   # forward + backward (training);
+        # /tmp/tk: `python3 -m pip install --no-deps --target /tmp/tk .whl/*.whl` (tokamax, the peer, as wheels)
+
+The layer under test: by default the built-in shapes (``benchmarks/specs.py``: E=32 experts, softmax
+top-k); ``--preset NAME`` takes a model preset's layer (shapes, routing, shared experts) for every spec;
+``--weights PATH`` one MoE layer of a safetensors checkpoint (``interop/checkpoints.py``): its shapes and
+routing for every spec and its weights (router and bias included) for the layer rows; the GEMM and gate
+rows draw their own inputs of those shapes.
 
 Writes ``bench.json``, ``bench.csv`` (one row per (spec, backend), schema
 ``benchmarks/harness.py: ROW_KEYS``; rewritten after every row, so a killed run keeps what it
-had), ``bench.md`` (every row), ``bench_gemm.png`` (time vs M) and ``bench_layer.png`` (time vs T) to ``--out`` (default ``$OUT``,
-else ``benchmarks/results``), and prints the short table last.
+had), ``bench.md`` (every row), ``bench_gemm.png`` (time vs M), ``bench_layer.png`` (time vs T) and
+``bench_gate.png`` (one bar per backend) to ``--out`` (default ``$OUT``, else ``benchmarks/results``),
+and prints the short table last. On a CPU (``--tiny``) the kernels run interpreted: the tables'
+headings and the plots' titles say so, and the times measure the interpreters, not the kernels.
 
 Backends (a backend that cannot run gives a row with ``error``, and the run goes on):
 
@@ -23,19 +36,50 @@ Backends (a backend that cannot run gives a row with ``error``, and the run goes
   weight bytes as an even split, the speed-of-light stand-in).
 - layer: ``ours-torch-triton``, ``ours-jax-pallas_triton`` (jit, config static),
   ``ours-jax-pallas_mosaic_gpu`` (its grouped GEMMs on Mosaic GPU, the other stages pallas_triton),
-  ``ref-torch``, ``ref-jax`` (the references; jnp jitted); and (``quant='none'`` only) the peer
-  ``transformers-Qwen3MoeSparseMoeBlock`` (transformers' own block for this layer: softmax top-k,
-  ``norm_topk_prob=True``, our ``w13`` / ``w2`` as its ``experts.gate_up_proj`` / ``down_proj``,
-  experts implementation ``grouped_mm`` as ``from_pretrained`` picks it where it can dispatch,
-  else ``eager``) and ``transformers-Qwen3MoeSparseMoeBlock-eager`` (the per-expert loop). Its
-  router computes the logits from ``x`` with its own ``gate.weight`` (bf16 on the GPU), so its
-  row is checked against our torch reference on those same logits, and its time includes that
+  ``ref-torch``, ``ref-jax`` (the references; jnp jitted); and (``quant='none'`` only) the peer:
+  transformers' own block of the model (``transformers-<block>``: ``MixtralSparseMoeBlock`` for
+  Mixtral, ``Qwen3MoeSparseMoeBlock`` for Qwen3-MoE and the built-in shapes, ``DeepseekV3MoE`` for
+  DeepSeek-V3 and the ``tiny`` preset; :func:`build_hf_block`), holding our ``w13`` / ``w2`` as its
+  ``experts.gate_up_proj`` / ``down_proj`` (and DeepSeek-V3's shared experts), the same router weight
+  (and bias), experts implementation ``grouped_mm`` as ``from_pretrained`` picks it where it can
+  dispatch, and ``transformers-<block>-eager`` (the per-expert loop). Every row of a layer spec takes
+  the logits that block's router computes from ``x`` (bf16 for Mixtral / Qwen3-MoE, float32 for
+  DeepSeek-V3), so all are judged against one reference, our torch reference on those logits: the
+  transformers rows' ``rel_err`` is their distance from our layer. Their time includes the
   ``[T, H] x [H, E]`` router matmul (negligible next to the experts).
 - gate: ``ours-torch-triton`` (eager, and ``ours-torch-triton-cudagraph``: replayed from a CUDA
   graph), ``ours-jax-pallas_triton``, ``ref-torch``, ``ref-torch-compile`` (``torch.compile`` of the
   torch reference), ``ref-jax``.
+- gemm_bwd (on request: ``--what gemm_bwd``; bf16, uniform rows; CONTRACT.md section 8): forward +
+  backward (``d_x`` and ``d_w`` from ``d_y ~ N(0, 1)``) of ``ours-torch-triton`` and ``ref-torch``
+  (``moe_torch.grouped_gemm`` under autograd: its backward is ``grouped_gemm_dgrad`` +
+  ``grouped_gemm_wgrad`` of the same backend), ``ours-jax-pallas_triton``, ``ours-jax-pallas_mosaic_gpu``
+  (the forward on Mosaic GPU, the backward pallas_triton: there is no Mosaic GPU dgrad / wgrad; the row
+  says so) and ``ref-jax`` (``moe_pallas.grouped_gemm`` under ``jax.vjp``, jitted); peers
+  ``torch._grouped_mm`` (autograd), ``tokamax.ragged_dot-mosaic`` (tokamax's Mosaic GPU ragged dot
+  under ``jax.vjp``; tokamax is a benchmark-only peer, not a dependency: its wheels travel to the GPU
+  machine, ENVIRONMENT.md "Training and compute-bound peers", and without it the row is skipped) and
+  ``jax.lax.ragged_dot`` (``jax.vjp``, XLA); the JAX peers take the weights in their layout
+  ``[E, K, N]`` (transposed once, untimed). Judged against float32 per-expert matmuls
+  (:func:`gemm_grad_reference`).
+- layer_bwd (on request: ``--what layer_bwd``; bf16): forward + backward (gradients of ``x``,
+  ``router_logits``, ``w13``, ``w2`` from ``d_out ~ N(0, 1)``) of ``moe_forward`` under autograd /
+  ``jax.vjp`` for ``ours-torch-triton``, ``ref-torch``, ``ours-jax-pallas_triton``,
+  ``ours-jax-pallas_mosaic_gpu`` and ``ref-jax``, each with ``recompute=False`` and ``recompute=True``
+  (``-recompute`` rows); the peer transformers' block (``transformers-<block>``, grouped_mm experts,
+  built as for the layer rows) under autograd, its router included. Judged against our torch reference
+  under autograd (:func:`layer_grad_reference`); the transformers row, computed by torch's autograd
+  through transformers' own code, is the independent check of that reference.
 
-Inputs are drawn in torch on the device (bf16, ``x ~ N(0, 1)``, ``w ~ N(0, 1/K)``) and handed
+Forward + backward rows report (``harness.py``'s docstring): ``median_ms`` of the forward + backward,
+``fwd_ms`` (the forward alone), ``bwd_fwd_ratio``, ``bwd_tflops`` (the backward's 2x forward FLOPs over
+``median_ms - fwd_ms``) and ``peak_mem_mib`` (``mem_method``: the torch CUDA peak delta, or XLA's
+compiled memory analysis); each output and gradient is checked before anything is timed, and the
+tables get a "Forward + backward" section. A row that cannot run on this machine by design (a Mosaic
+GPU kernel or tokamax off a GPU, tokamax not installed) is ``skipped`` with its reason, not an error.
+
+Inputs are drawn in torch on the device (bf16, ``x ~ N(0, 1)``, ``w ~ N(0, 1/K)``, the router
+``N(0, 1/H)``, DeepSeek-V3's bias ``0.1 N(0, 1)``; or the checkpoint's weights) and handed
 to JAX through DLPack (zero-copy), so both frameworks see the same bits; FP8 codes and scales
 come from ``moe_torch``'s quantization. The reference of every row is the torch reference of
 the op (``implementation="reference"``); a row whose relative Frobenius error is over
@@ -67,8 +111,11 @@ import traceback  # noqa: E402
 
 from benchmarks import harness as H  # noqa: E402
 from benchmarks import specs as S  # noqa: E402
+from moe_contract import PRESETS, get_preset  # noqa: E402
 
-WHATS = ("gemm", "layer", "gate")
+WHATS = ("gemm", "layer", "gate", "gemm_bwd", "layer_bwd")
+#: What a run does unless ``--what`` says otherwise: the forward benches (the backward ones are asked for by name).
+DEFAULT_WHAT = "gemm,layer,gate"
 #: Tile configs tried for jax's ragged_dot_mgpu: (block_m, block_n, block_k, max_concurrent_steps,
 #: grid_block_n); the first four are those of ENVIRONMENT.md's peer table plus one wider N tile.
 MGPU_CONFIGS = ((128, 128, 64, 4, 1), (128, 256, 64, 4, 1), (64, 128, 64, 4, 2), (128, 128, 64, 5, 4))
@@ -76,16 +123,22 @@ MGPU_CONFIGS_QUICK = MGPU_CONFIGS[:2]
 #: Group rows are padded to this many if torch's grouped GEMMs reject unaligned groups (torch
 #: 2.11 should not need it: pytorch/pytorch#155466 lifted the dynamic-dimension check).
 PEER_ROW_ALIGN = 16
+#: Largest layer (elements of w13 + w2, all experts) that --tiny runs with the kernels interpreted on the
+#: CPU: the ``tiny`` preset (17 x 3 x 256 x 128 = 1.7M) fits; Qwen3-30B-A3B's layer (604M) would take hours.
+TINY_MAX_WEIGHT_ELEMENTS = 1 << 21
 
 
 class Ctx:
     """What every bench function needs: devices, options, the rows so far, the caches."""
 
-    def __init__(self, args):
+    def __init__(self, args, model: S.BenchModel | None = None, ckpt: dict | None = None):
         import torch
 
         self.args = args
+        self.model = model  # --preset / --weights: the layer whose shapes (and weights) every spec takes
+        self.ckpt = ckpt  # --weights: the layer's tensors (checkpoints.MoECheckpointLayer.arrays), else None
         self.torch_dev = torch.device("cuda" if torch.cuda.is_available() and not TINY else "cpu")
+        self.cpu = self.torch_dev.type != "cuda"  # kernels interpreted: tables and plots say so
         self.rows: list[dict] = []
         self.jit_cache: dict = {}
         self.mgpu_best: dict = {}  # (shape, M, dtype) -> config, found on the uniform spec
@@ -118,6 +171,11 @@ def progress_line(r: dict, elapsed: float) -> str:
     rates = "".join([f" {r['tflops']:.0f} TFLOP/s" if r.get("tflops") else "",
                      f" {r['gbps']:.0f} GB/s" if r.get("gbps") else "",
                      f" {r['pct_of_ceiling']:.0f}% ({r['bound']})" if r.get("pct_of_ceiling") else ""])
+    if r.get("fwd_ms"):  # a forward + backward row
+        rates += (f" | fwd {r['fwd_ms']:.4f} ms" + (f", bwd/fwd {r['bwd_fwd_ratio']:.2f}" if r.get("bwd_fwd_ratio") else "")
+                  + (f", bwd {r['bwd_tflops']:.0f} TFLOP/s" if r.get("bwd_tflops") else "")
+                  + (f", peak {r['peak_mem_mib']:.0f} MiB" if r.get("peak_mem_mib") is not None else "")
+                  + f", grad err {r.get('grad_rel_err') or 0:.1e} |")
     return f"{head} {t}{rates} err={r.get('rel_err') or 0:.1e} {r.get('timing_method')} compile={r.get('compile_s') or 0:.1f}s" + (
         f"  ({r['notes']})" if r.get("notes") else "")
 
@@ -135,7 +193,7 @@ def rel_err_t(out, ref) -> float:
 
     if not isinstance(out, torch.Tensor):
         out = torch.from_dlpack(out)
-    out, ref = out.to(ref.device).double(), ref.double()
+    out, ref = out.detach().to(ref.device).double(), ref.detach().double()  # outputs of autograd rows carry a graph
     if out.shape != ref.shape:
         raise ValueError(f"output shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}")
     if not bool(torch.isfinite(out).all()):
@@ -435,6 +493,66 @@ def bench_mgpu(ctx: Ctx, spec: S.GemmSpec, jx, jw, jgs, ref, rnote, common) -> N
 # ---------------------------------------------------------------------------------------------- layer
 
 
+def layer_weights(ctx: Ctx, spec: S.LayerSpec, config) -> tuple:
+    """``(w13, w13_scale, w2, w2_scale)`` on the device in the form ``spec.quant`` takes: the checkpoint's
+    (``--weights``: bf16; FP8 codes and block scales as stored for ``fp8_block``; an FP8 checkpoint
+    dequantized expert by expert for the other modes) or drawn (bf16, ``w ~ N(0, 1/K)``, seeded), for the
+    routed and the shared experts (``[E + S, ...]``)."""
+    import torch
+
+    import moe_torch
+
+    dev, bf16 = ctx.torch_dev, torch.bfloat16
+    ck = ctx.ckpt
+    if ck is not None and ck["w13_scale"] is not None and spec.quant == "fp8_block":
+        f32 = torch.float32
+        return ck["w13"].to(dev), ck["w13_scale"].to(dev, f32), ck["w2"].to(dev), ck["w2_scale"].to(dev, f32)
+    n = config.num_total_experts
+    w13 = torch.empty(n, 2 * spec.I, spec.H, device=dev, dtype=bf16)
+    w2 = torch.empty(n, spec.H, spec.I, device=dev, dtype=bf16)
+    g = torch.Generator(device=dev).manual_seed(2000 + spec.seed)
+    for e in range(n):  # expert by expert: no float32 temporary of the whole tensor
+        if ck is None:
+            w13[e] = (torch.randn(2 * spec.I, spec.H, generator=g, device=dev) * spec.H**-0.5).to(bf16)
+            w2[e] = (torch.randn(spec.H, spec.I, generator=g, device=dev) * spec.I**-0.5).to(bf16)
+        elif ck["w13_scale"] is None:
+            w13[e], w2[e] = ck["w13"][e].to(dev, bf16), ck["w2"][e].to(dev, bf16)
+        else:
+            for w, q, s in ((w13, ck["w13"], ck["w13_scale"]), (w2, ck["w2"], ck["w2_scale"])):
+                w[e] = moe_torch.dequantize_weight_fp8(q[e:e + 1].to(dev), s[e:e + 1].to(dev, torch.float32))[0].to(bf16)
+    return moe_torch.quantize_layer_weights(w13, w2, config)
+
+
+def layer_router(ctx: Ctx, spec: S.LayerSpec, config) -> tuple:
+    """``(router_weight [E, H] float32, e_score_correction_bias [E] float32 or None)``: the checkpoint's
+    (``--weights``) or drawn (``N(0, 1/H)``, so that the logits ``x @ W.T`` are ~ N(0, 1); the bias
+    ``0.1 * N(0, 1)``); the bias only for biased grouped top-k (the only routing that takes one)."""
+    import torch
+
+    dev = ctx.torch_dev
+    biased = config.routing == "biased_grouped_topk"
+    if ctx.ckpt is not None:
+        bias = ctx.ckpt["e_score_correction_bias"]
+        if biased and bias is None:
+            raise ValueError(f"layer_router: {config.routing} needs the checkpoint's e_score_correction_bias; it has none")
+        return (ctx.ckpt["router_weight"].to(dev, torch.float32),
+                bias.to(dev, torch.float32) if biased else None)
+    gate_w = hf_router_weight(spec, dev, torch.float32)
+    g = torch.Generator(device=dev).manual_seed(4000 + spec.seed)
+    return gate_w, (0.1 * torch.randn(spec.E, generator=g, device=dev) if biased else None)
+
+
+def router_logits(arch: str | None, x, router_weight):
+    """``[T, E]`` float32: the logits transformers' block of ``arch`` computes from ``x [T, H]``: Mixtral and
+    Qwen3-MoE in the activations' dtype (``F.linear(x, gate.weight)``, bf16 here), DeepSeek-V3 in float32
+    (it casts both operands). Our rows take these same logits, so every row of a spec has one reference."""
+    import torch
+
+    if arch in (None, "deepseek_v3"):
+        return torch.nn.functional.linear(x.float(), router_weight.float())
+    return torch.nn.functional.linear(x, router_weight.to(x.dtype)).float()
+
+
 def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
     import torch
 
@@ -443,45 +561,43 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
 
     dev, bf16 = ctx.torch_dev, torch.bfloat16
     config = spec.config()
-    key = (spec.E, spec.H, spec.I, spec.quant)
+    key = (spec.model, spec.E, spec.H, spec.I, spec.quant)
     if wcache.get("key") != key:
         wcache.clear()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        g = torch.Generator(device=dev).manual_seed(2000 + spec.seed)
-        w13 = torch.empty(spec.E, 2 * spec.I, spec.H, device=dev, dtype=bf16)
-        w2 = torch.empty(spec.E, spec.H, spec.I, device=dev, dtype=bf16)
-        for e in range(spec.E):
-            w13[e] = (torch.randn(2 * spec.I, spec.H, generator=g, device=dev) * spec.H**-0.5).to(bf16)
-            w2[e] = (torch.randn(spec.H, spec.I, generator=g, device=dev) * spec.I**-0.5).to(bf16)
-        wcache.update(key=key, w=moe_torch.quantize_layer_weights(w13, w2, config))
-        del w13, w2
+        wcache.update(key=key, w=layer_weights(ctx, spec, config), router=layer_router(ctx, spec, config))
     w13, s13, w2, s2 = wcache["w"]
+    gate_w, bias = wcache["router"]
     g = torch.Generator(device=dev).manual_seed(spec.seed)
     x = torch.randn(spec.T, spec.H, generator=g, device=dev).to(bf16)
-    logits = torch.randn(spec.T, spec.E, generator=g, device=dev)
-    ref = moe_torch.moe_forward(x, logits, w13, w2, config, w13_scale=s13, w2_scale=s2, implementation="reference")
+    with torch.no_grad():
+        logits = router_logits(spec.arch, x, gate_w)
+    ref = moe_torch.moe_forward(x, logits, w13, w2, config, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias,
+                                implementation="reference")
     common = dict(flops=spec.flops, nbytes=spec.min_bytes, dtype=spec.dtype, notes=l2_note(ctx, spec))
     for impl, name in (("triton", "ours-torch-triton"), ("reference", "ref-torch")):
         if ctx.wants(name):
             run_torch(ctx, "layer", name, spec,
                       functools.partial(moe_torch.moe_forward, x, logits, w13, w2, config, w13_scale=s13, w2_scale=s2,
-                                        implementation=impl), ref, **common)
+                                        e_score_correction_bias=bias, implementation=impl), ref, **common)
     if dev.type == "cuda" and ctx.wants("ours-torch-triton-cudagraph"):
-        bench_layer_cuda_graph(ctx, spec, x, logits, (w13, s13, w2, s2), config, ref, common)
-    jargs = (j(x), j(logits), j(w13), j(w2), j(s13), j(s2))
+        bench_layer_cuda_graph(ctx, spec, x, logits, (w13, s13, w2, s2, bias), config, ref, common)
+    jargs = (j(x), j(logits), j(w13), j(w2), j(s13), j(s2), j(bias))
     # pallas_mosaic_gpu: the grouped GEMMs on Mosaic GPU, every other stage its default (pallas_triton on a GPU)
     for impl, name in (("pallas_triton", "ours-jax-pallas_triton"), ("pallas_mosaic_gpu", "ours-jax-pallas_mosaic_gpu"),
                        ("reference", "ref-jax")):
         if ctx.wants(name):
 
-            def fn(x_, l_, w13_, w2_, s13_, s2_, impl=impl):
-                return moe_pallas.moe_forward(x_, l_, w13_, w2_, config, w13_scale=s13_, w2_scale=s2_, implementation=impl)
+            def fn(x_, l_, w13_, w2_, s13_, s2_, b_, impl=impl):
+                return moe_pallas.moe_forward(x_, l_, w13_, w2_, config, w13_scale=s13_, w2_scale=s2_,
+                                              e_score_correction_bias=b_, implementation=impl)
 
             run_jax(ctx, "layer", name, spec, fn, jargs, ref, **common)
-    del ref, jargs
+    del jargs
     if spec.quant == "none":
-        bench_layer_transformers(ctx, spec, x, w13, w2, common)
+        bench_layer_transformers(ctx, spec, x, (w13, w2, gate_w, bias), ref, common)
+    del ref
 
 
 def bench_layer_cuda_graph(ctx: Ctx, spec, x, logits, weights, config, ref, common: dict) -> None:
@@ -490,10 +606,11 @@ def bench_layer_cuda_graph(ctx: Ctx, spec, x, logits, weights, config, ref, comm
     sync on the Triton path)."""
     import moe_torch
 
-    w13, s13, w2, s2 = weights
+    w13, s13, w2, s2, bias = weights
     static_x, static_logits = x.clone(), logits.clone()
     run_torch_cuda_graph(ctx, "layer", "ours-torch-triton-cudagraph", spec, lambda: moe_torch.moe_forward(
-        static_x, static_logits, w13, w2, config, w13_scale=s13, w2_scale=s2, implementation="triton"), ref, common)
+        static_x, static_logits, w13, w2, config, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias,
+        implementation="triton"), ref, common)
 
 
 def run_torch_cuda_graph(ctx: Ctx, what: str, row_name: str, spec, forward, ref, common: dict) -> None:
@@ -523,79 +640,126 @@ def run_torch_cuda_graph(ctx: Ctx, what: str, row_name: str, spec, forward, ref,
         ctx.add(row)
 
 
-# transformers' own MoE block for the layer spec (softmax top-k, renormalised, silu): Qwen3-MoE's
-HF_BLOCK = "Qwen3MoeSparseMoeBlock"
-
-
 def hf_router_weight(spec: S.LayerSpec, device, dtype):
-    """The HF block's ``gate.weight [E, H]`` ~ N(0, 1/H), seeded: its logits ``x @ W.T`` are ~ N(0, 1) like the spec's."""
+    """A drawn router ``gate.weight [E, H]`` ~ N(0, 1/H), seeded: its logits ``x @ W.T`` are ~ N(0, 1)."""
     import torch
 
     g = torch.Generator(device=device).manual_seed(3000 + spec.seed)
     return (torch.randn(spec.E, spec.H, generator=g, device=device) * spec.H**-0.5).to(dtype)
 
 
-def build_hf_block(config, w13, w2, gate_weight, experts_implementation: str = "grouped_mm"):
-    """transformers' ``Qwen3MoeSparseMoeBlock`` holding *our* weights (shared, not copied).
+def build_hf_block(config, w13, w2, gate_weight, experts_implementation: str = "grouped_mm", *, arch: str = "qwen3_moe",
+                   e_score_correction_bias=None):
+    """transformers' MoE block of ``arch`` (:data:`benchmarks.specs.HF_BLOCKS`) holding *our* weights
+    (shared, not copied, except the shared experts' halves when ``S > 1``).
 
-    ``config``: our ``MoEConfig`` (softmax top-k with ``renormalize=True``, silu, quant 'none', no
-    shared experts). transformers 5.24 keeps the experts fused, in our layout: ``experts.gate_up_proj
-    [E, 2I, H]`` (gate rows first: ``linear(x, gate_up_proj[e]).chunk(2)``) = ``w13``, ``experts.down_proj
-    [E, H, I]`` = ``w2``; ``gate.weight [E, H]`` is the router (logits ``= F.linear(x, weight)`` in the
-    weights' dtype). Built on the meta device, so no float32 copy of the weights is ever made.
-    ``experts_implementation``: ``"grouped_mm"`` (``torch._grouped_mm``; what ``from_pretrained`` picks
-    where it can dispatch) or ``"eager"`` (the per-expert loop).
+    transformers 5.24 keeps the routed experts fused, in our layout: ``experts.gate_up_proj [E, 2I, H]``
+    (gate rows first: ``linear(x, gate_up_proj[e]).chunk(2)``) = ``w13[:E]``, ``experts.down_proj [E, H, I]``
+    = ``w2[:E]``; ``gate.weight [E, H]`` is the router. Mixtral and Qwen3-MoE compute the logits in the
+    weights' dtype (``gate_weight`` is cast to ``w13``'s); DeepSeek-V3 keeps ``gate.weight`` and its
+    ``e_score_correction_bias [E]`` in float32 and adds ``shared_experts`` (a ``DeepseekV3MLP`` of
+    intermediate ``S * I``: ``gate_proj``/``up_proj`` the halves of ``w13[E:]``, ``down_proj`` the ``w2[E:]``
+    side by side), which are our fused shared experts ``E .. E + S - 1``. Built on the meta device, so no
+    float32 copy of the weights is ever made.
+
+    Args:
+      config: our ``MoEConfig`` (quant 'none', silu): Mixtral needs softmax top-k renormalised, Qwen3-MoE
+        softmax top-k (``norm_topk_prob = renormalize``), both rsf 1 and no shared experts; DeepSeek-V3
+        biased grouped top-k.
+      w13: ``[E + S, 2I, H]``; w2: ``[E + S, H, I]``; gate_weight: ``[E, H]``;
+      e_score_correction_bias: ``[E]`` (DeepSeek-V3 only).
+      experts_implementation: ``"grouped_mm"`` (``torch._grouped_mm``; what ``from_pretrained`` picks where
+        it can dispatch) or ``"eager"`` (the per-expert loop).
+
+    Raises: ValueError (a layer the block cannot express, a wrong shape, a missing bias), naming it.
     """
     import torch
-    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    if not (config.routing == "softmax_topk" and config.renormalize and config.activation == "silu"
-            and config.quant == "none" and config.num_fused_shared_experts == 0):
-        raise ValueError(f"build_hf_block: Qwen3MoeSparseMoeBlock is softmax top-k, renormalised, silu, bf16, no "
-                         f"shared experts; got {config}")
-    E, I, H = config.num_experts, config.intermediate_size, config.hidden_size
-    shapes = {"w13": (tuple(w13.shape), (E, 2 * I, H)), "w2": (tuple(w2.shape), (E, H, I)),
+    op = "build_hf_block"
+    if arch not in S.HF_BLOCKS:
+        raise ValueError(f"{op}: arch must be one of {tuple(S.HF_BLOCKS)}; got arch={arch!r}")
+    E, I, H, Sh = config.num_experts, config.intermediate_size, config.hidden_size, config.num_fused_shared_experts
+    want = {"mixtral": ("softmax_topk", "softmax top-k, renormalised, rsf 1, no shared experts"),
+            "qwen3_moe": ("softmax_topk", "softmax top-k, rsf 1, no shared experts"),
+            "deepseek_v3": ("biased_grouped_topk", "biased grouped top-k")}[arch]
+    fits = (config.routing == want[0] and config.activation == "silu" and config.quant == "none"
+            and (arch == "deepseek_v3" or (config.routed_scaling_factor == 1.0 and Sh == 0))
+            and (arch != "mixtral" or config.renormalize))
+    if not fits:
+        raise ValueError(f"{op}: {S.HF_BLOCKS[arch]} is {want[1]}, silu, quant 'none'; got {config}")
+    shapes = {"w13": (tuple(w13.shape), (E + Sh, 2 * I, H)), "w2": (tuple(w2.shape), (E + Sh, H, I)),
               "gate_weight": (tuple(gate_weight.shape), (E, H))}
-    for name, (got, want) in shapes.items():
-        if got != want:
-            raise ValueError(f"build_hf_block: {name} must be {list(want)}; got {list(got)}")
-    hf_cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=config.topk,
-                            norm_topk_prob=True, hidden_act="silu")
+    if arch == "deepseek_v3":
+        if e_score_correction_bias is None:
+            raise ValueError(f"{op}: DeepseekV3MoE needs e_score_correction_bias [E={E}]; got None")
+        shapes["e_score_correction_bias"] = (tuple(e_score_correction_bias.shape), (E,))
+    for name, (got, exp) in shapes.items():
+        if got != exp:
+            raise ValueError(f"{op}: {name} must be {list(exp)}; got {list(got)}")
+
+    param = functools.partial(torch.nn.Parameter, requires_grad=False)
+    if arch == "mixtral":
+        from transformers.models.mixtral.configuration_mixtral import MixtralConfig as Cfg
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+
+        hf_cfg = Cfg(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=config.topk,
+                     router_jitter_noise=0.0, hidden_act="silu")
+    elif arch == "qwen3_moe":
+        from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig as Cfg
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+
+        hf_cfg = Cfg(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=config.topk,
+                     norm_topk_prob=config.renormalize, hidden_act="silu")
+    else:
+        from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config as Cfg
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as Block
+
+        hf_cfg = Cfg(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=config.topk,
+                     n_group=config.num_expert_group or 1, topk_group=config.topk_group or 1, n_shared_experts=Sh,
+                     routed_scaling_factor=config.routed_scaling_factor, norm_topk_prob=config.renormalize,
+                     hidden_act="silu")
     hf_cfg._experts_implementation = experts_implementation
     with torch.device("meta"):
-        block = Qwen3MoeSparseMoeBlock(hf_cfg)
-    block.experts.gate_up_proj = torch.nn.Parameter(w13, requires_grad=False)
-    block.experts.down_proj = torch.nn.Parameter(w2, requires_grad=False)
-    block.gate.weight = torch.nn.Parameter(gate_weight, requires_grad=False)
+        block = Block(hf_cfg)
+    block.experts.gate_up_proj = param(w13[:E])
+    block.experts.down_proj = param(w2[:E])
+    if arch == "deepseek_v3":
+        block.gate.weight = param(gate_weight.float())
+        block.gate.e_score_correction_bias = e_score_correction_bias.float()  # a buffer
+        sh = block.shared_experts
+        sh.gate_proj.weight = param(w13[E:, :I].reshape(Sh * I, H))  # a view for S = 1
+        sh.up_proj.weight = param(w13[E:, I:].reshape(Sh * I, H))
+        sh.down_proj.weight = param(w2[E:].permute(1, 0, 2).reshape(H, Sh * I))
+    else:
+        block.gate.weight = param(gate_weight.to(w13.dtype))
+    left = [n for n, t in [*block.named_parameters(), *block.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{op}: {S.HF_BLOCKS[arch]} has tensors this builder does not set: {left}")
     return block.eval()
 
 
-def bench_layer_transformers(ctx: Ctx, spec: S.LayerSpec, x, w13, w2, common: dict) -> None:
-    """transformers' block on the same x and weights; reference: our torch reference on its router's logits."""
+def bench_layer_transformers(ctx: Ctx, spec: S.LayerSpec, x, weights: tuple, ref, common: dict) -> None:
+    """transformers' block of the spec's model (``spec.arch``) on the same ``x`` and weights, timed like our
+    rows, judged against the same reference (our torch reference on the logits its router computes);
+    its rel. error is therefore against our layer."""
     import torch
 
-    import moe_torch
-
-    names = [(f"transformers-{HF_BLOCK}", "grouped_mm"), (f"transformers-{HF_BLOCK}-eager", "eager")]
-    names = [(n, impl) for n, impl in names if ctx.wants(n)]
+    names = []
+    if spec.arch is not None:
+        cls = S.HF_BLOCKS[spec.arch]
+        names = [(n, impl) for n, impl in ((f"transformers-{cls}", "grouped_mm"), (f"transformers-{cls}-eager", "eager"))
+                 if ctx.wants(n)]
+    elif ctx.wants("transformers"):
+        error_row(ctx, "layer", "transformers", spec, f"not available: no transformers block for routing "
+                  f"{spec.config().routing!r}")
     if not names:
         return
-    config = spec.config()
-    try:
-        gate_w = hf_router_weight(spec, x.device, x.dtype)
-        with torch.no_grad():
-            logits = torch.nn.functional.linear(x, gate_w)  # what the block's router computes, in x.dtype
-        ref = moe_torch.moe_forward(x, logits.float(), w13, w2, config, implementation="reference")
-    except Exception as exc:
-        for name, _ in names:
-            error_row(ctx, "layer", name, spec, "setup: " + short_error(exc))
-        return
+    w13, w2, gate_w, bias = weights
     x3 = x[None]  # [batch=1, seq=T, H]: the block's input shape
     for name, impl in names:
-        note = f"experts_implementation={impl}; includes its router matmul; ref = ours on its bf16 logits"
+        note = f"experts_implementation={impl}; includes its router matmul; ref = ours on its router's logits"
         try:
-            block = build_hf_block(config, w13, w2, gate_w, impl)
+            block = build_hf_block(spec.config(), w13, w2, gate_w, impl, arch=spec.arch, e_score_correction_bias=bias)
         except Exception as exc:
             error_row(ctx, "layer", name, spec, "setup: " + short_error(exc), notes=note)
             continue
@@ -607,6 +771,430 @@ def bench_layer_transformers(ctx: Ctx, spec: S.LayerSpec, x, w13, w2, common: di
         run_torch(ctx, "layer", name, spec, fn, ref, canon=lambda o: o.reshape(spec.T, spec.H),
                   **{**common, "notes": "; ".join(n for n in (common.get("notes"), note) if n)})
         del block
+
+
+
+# ---------------------------------------------------------------------------------------------- backward
+# Forward + backward rows (``--what gemm_bwd,layer_bwd``; CONTRACT.md section 8). Each row is checked on every
+# output first (the forward's and each gradient, against float32 / reference gradients: judge_grads), then
+# its forward + backward call is timed (median_ms), its forward alone (fwd_ms), and its peak memory taken
+# (harness.torch_peak_mib / harness.jax_memory_mib).
+
+#: tokamax's ``ragged_dot`` implementations benchmarked as peers (tokamax 0.0.17 on the H200 registers
+#: ``"mosaic"`` and ``"xla"``; ``"xla"`` is XLA's ragged_dot, already the ``jax.lax.ragged_dot`` row).
+TOKAMAX_IMPLEMENTATIONS = ("mosaic",)
+
+
+def import_tokamax():
+    """tokamax, imported for benchmarking only (not a dependency of the library): the GPU machine gets it
+    as wheels (ENVIRONMENT.md, "Training and compute-bound peers"). Its ``tokamax/_src/benchmarking.py``
+    imports ``xprof.cli.tools`` at module level; without xprof, an empty stand-in module ``xprof.cli.tools``
+    (``get_kernel_stats_tool = None``) goes into ``sys.modules`` first. Raises ImportError if tokamax is
+    not installed."""
+    import importlib.util
+    import types
+
+    try:
+        have_xprof = importlib.util.find_spec("xprof") is not None
+    except (ImportError, ValueError):
+        have_xprof = False
+    if not have_xprof and "xprof.cli.tools" not in sys.modules:
+        for name in ("xprof", "xprof.cli"):
+            sys.modules.setdefault(name, types.ModuleType(name))
+        tools = types.ModuleType("xprof.cli.tools")
+        tools.get_kernel_stats_tool = None
+        sys.modules["xprof.cli.tools"] = tools
+    import tokamax
+
+    return tokamax
+
+
+def judge_grads(row: dict, outs: dict, refs: dict) -> bool:
+    """The correctness gate of a forward + backward row: ``rel_err`` of each of ``outs`` (name -> array) against
+    ``refs`` (the same names; the first is the forward's output, the others gradients) into the row:
+    ``rel_err`` the forward's, ``grad_rel_err`` the largest gradient's, every one in ``notes``. A forward over
+    ``REL_ERR_MAX`` or a gradient over ``GRAD_REL_ERR_MAX`` marks the row WRONG, naming them: it must not be
+    timed (returns False)."""
+    errs = {name: rel_err_t(outs[name], ref) for name, ref in refs.items()}
+    first = next(iter(refs))
+    row["rel_err"] = errs[first]
+    grads = [e for name, e in errs.items() if name != first]
+    row["grad_rel_err"] = max(grads) if grads else None
+    detail = "rel err " + ", ".join(f"{name} {e:.2g}" for name, e in errs.items())
+    row["notes"] = "; ".join(x for x in (row.get("notes"), detail) if x)
+    bad = [f"{name} rel_err={e:.3g} > {H.REL_ERR_MAX if name == first else H.GRAD_REL_ERR_MAX:g}" for name, e in errs.items()
+           if not e <= (H.REL_ERR_MAX if name == first else H.GRAD_REL_ERR_MAX)]
+    if bad:
+        row["error"] = f"WRONG: {', '.join(bad)}; not timed"
+        return False
+    return True
+
+
+def bwd_row(bench: str, backend: str, spec, notes: str | None, recompute: bool | None) -> dict:
+    return H.make_row(bench, backend, spec, notes=notes, recompute=recompute)
+
+
+def run_torch_bwd(ctx: Ctx, bench: str, backend: str, spec, fwd, fwd_bwd, refs: dict, *, canon, notes: str | None = None,
+                  recompute: bool | None = None) -> dict:
+    """A torch forward + backward row: ``canon(fwd_bwd())`` (a dict like ``refs``) checked (:func:`judge_grads`),
+    then the peak memory of one ``fwd_bwd()``, its time (median_ms) and ``fwd()``'s (fwd_ms). Adds the row.
+    On a CPU (``--tiny``: kernels interpreted, times meaningless) one timed call each, so the smoke test stays short."""
+    row = bwd_row(bench, backend, spec, notes, recompute)
+    timing = dict(warmup_ms=ctx.args.warmup_ms, rep_ms=ctx.args.rep_ms, cpu_loops=1)
+    try:
+        out, compile_s = H.torch_first_call(fwd_bwd, ctx.torch_dev)
+        row["compile_s"] = compile_s
+        ok = judge_grads(row, canon(out), refs)
+        del out  # not held while timing
+        if ok:
+            row["peak_mem_mib"], row["mem_method"] = H.torch_peak_mib(fwd_bwd, ctx.torch_dev)
+            row.update(H.time_torch(fwd_bwd, ctx.torch_dev, **timing))
+            H.add_rates(row, spec.flops, spec.min_bytes, spec.dtype)
+            f = H.time_torch(fwd, ctx.torch_dev, **timing)
+            H.add_bwd_rates(row, f["median_ms"], spec.bwd_flops)
+    except Exception as exc:  # one backend's failure must not stop the run
+        row["error"] = short_error(exc)
+        if ctx.args.verbose:
+            traceback.print_exc()
+    ctx.add(row)
+    return row
+
+
+def run_jax_bwd(ctx: Ctx, bench: str, backend: str, spec, fwd, fwd_bwd, args: tuple, d_out, refs: dict, *, canon,
+                notes: str | None = None, recompute: bool | None = None) -> dict:
+    """A JAX forward + backward row: ``fwd_bwd(*args, d_out)`` jitted, its memory analysis taken, its output
+    (``canon``: a dict like ``refs``) checked (:func:`judge_grads`), then timed (median_ms), and ``fwd(*args)``
+    jitted and timed (fwd_ms). Adds the row. Compiled programs are cached by backend, static config and
+    argument shapes, ``fwd_bwd`` also by ``recompute`` (the forward alone does not depend on it: it only
+    changes what the VJP keeps, so the two rows of a backend share the forward's program)."""
+    import jax
+
+    row = bwd_row(bench, backend, spec, notes, recompute)
+    base = backend.removesuffix("-recompute")
+    key = (base, "bwd", spec_key(spec), sig(args))
+    try:
+        compiled, compile_s = H.jax_compile(fwd_bwd, *args, d_out, cache=ctx.jit_cache,
+                                            key=key + (f"fwd_bwd recompute={recompute}",))
+        row["compile_s"] = compile_s
+        row["peak_mem_mib"], row["mem_method"] = H.jax_memory_mib(compiled)  # known even if the run fails (OOM)
+        out = compiled(*args, d_out)
+        jax.block_until_ready(out)
+        ok = judge_grads(row, canon(out), refs)
+        del out
+        if ok:
+            timing = H.time_jax(compiled, (*args, d_out), rep_ms=ctx.args.rep_ms)
+            tnote = timing.pop("notes", None)
+            row.update(timing)
+            H.add_rates(row, spec.flops, spec.min_bytes, spec.dtype)
+            compiled_f, compile_f = H.jax_compile(fwd, *args, cache=ctx.jit_cache, key=key + ("fwd",))  # any recompute
+            row["compile_s"] = compile_s + compile_f
+            f = H.time_jax(compiled_f, args, rep_ms=ctx.args.rep_ms)
+            tnote = "; ".join(x for x in (tnote, f.get("notes") and "forward: " + f["notes"]) if x)
+            if tnote:
+                row["notes"] = "; ".join(x for x in (row.get("notes"), tnote) if x)
+            H.add_bwd_rates(row, f["median_ms"], spec.bwd_flops)
+    except Exception as exc:
+        row["error"] = short_error(exc)
+        if ctx.args.verbose:
+            traceback.print_exc()
+    ctx.add(row)
+    return row
+
+
+def skip_row(ctx: Ctx, bench: str, backend: str, spec, reason: str, notes: str | None = None,
+             recompute: bool | None = None) -> None:
+    """A row that does not run on this machine by design, with its reason (``harness.SKIPPED``)."""
+    row = bwd_row(bench, backend, spec, notes, recompute)
+    row["error"] = H.SKIPPED + reason
+    ctx.add(row)
+
+
+def mosaic_gpu_missing() -> str | None:
+    """Why ``pallas_mosaic_gpu`` cannot run here (None on a GPU): Mosaic GPU kernels need a Hopper GPU."""
+    import jax
+
+    backend = jax.default_backend()
+    return None if backend == "gpu" else f"pallas_mosaic_gpu needs a Hopper GPU; the JAX backend is {backend}"
+
+
+def gemm_grad_reference(x, w, d_y, expert_offsets) -> dict:
+    """The grouped GEMM's output and gradients in float32, one plain torch matmul per expert (CONTRACT.md
+    sections 4 and 8; independent of every backend benchmarked): ``{"y" [M, N], "d_x" [M, K], "d_w" [E, N, K]}``."""
+    import torch
+
+    M, K = x.shape
+    E, N, _ = w.shape
+    f32 = torch.float32
+    y = torch.zeros(M, N, dtype=f32, device=x.device)
+    d_x = torch.zeros(M, K, dtype=f32, device=x.device)
+    d_w = torch.zeros(E, N, K, dtype=f32, device=x.device)
+    offs = expert_offsets.tolist()
+    for e in range(E):
+        s, t = offs[e], offs[e + 1]
+        if t <= s:
+            continue
+        xe, we, dye = x[s:t].to(f32), w[e].to(f32), d_y[s:t].to(f32)
+        y[s:t], d_x[s:t], d_w[e] = xe @ we.T, dye @ we, dye.T @ xe
+    return {"y": y, "d_x": d_x, "d_w": d_w}
+
+
+def bench_gemm_bwd(ctx: Ctx, spec: S.GemmBwdSpec, wcache: GemmWeights) -> None:
+    """Grouped GEMM forward + backward (``d_x`` and ``d_w``) of every backend, bf16, ``d_y ~ N(0, 1)``: ours
+    (``grouped_gemm`` under autograd / ``jax.vjp``, its backward ``grouped_gemm_dgrad`` +
+    ``grouped_gemm_wgrad`` of the same backend), the references, and the peers ``torch._grouped_mm``
+    (autograd), tokamax ``ragged_dot`` (``jax.vjp``), ``jax.lax.ragged_dot`` (``jax.vjp``, XLA). Judged
+    against :func:`gemm_grad_reference`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    import moe_pallas
+    import moe_torch
+
+    dev, bf16 = ctx.torch_dev, torch.bfloat16
+    w = gemm_weights(ctx, spec, wcache).w  # [E, N, K] bf16
+    g = torch.Generator(device=dev).manual_seed(spec.seed)
+    x = torch.randn(spec.M, spec.K, generator=g, device=dev).to(bf16)
+    d_y = torch.randn(spec.M, spec.N, generator=g, device=dev).to(bf16)
+    offs = torch.from_numpy(spec.expert_offsets()).to(dev)  # [E + 1] int32
+    refs = gemm_grad_reference(x, w, d_y, offs)
+    names = ("y", "d_x", "d_w")
+    canon = lambda o: dict(zip(names, (o[0], *o[1])))  # (y, (d_x, d_w)) -> the refs' names  # noqa: E731
+    bench = "gemm_bwd"
+    note = l2_note(ctx, spec)
+
+    # ours and the references, torch: grouped_gemm under autograd
+    xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()  # leaves sharing x's and w's memory
+    for impl, name in (("triton", "ours-torch-triton"), ("reference", "ref-torch")):
+        if ctx.wants(name):
+            fwd = functools.partial(moe_torch.grouped_gemm, xl, wl, offs, implementation=impl)
+
+            def fwd_bwd(fwd=fwd):
+                y = fwd()
+                return y, torch.autograd.grad(y, (xl, wl), d_y)
+
+            run_torch_bwd(ctx, bench, name, spec, fwd, fwd_bwd, refs, canon=canon, notes=note)
+
+    # peer, torch: torch._grouped_mm autograd on our [E, N, K] weights as the column-major [E, K, N] view
+    if ctx.wants("torch._grouped_mm"):
+        ends = offs[1:].contiguous()
+
+        def gmm():
+            return torch._grouped_mm(xl, wl.transpose(1, 2), offs=ends, out_dtype=bf16)
+
+        def gmm_bwd():
+            y = gmm()
+            return y, torch.autograd.grad(y, (xl, wl), d_y)
+
+        run_torch_bwd(ctx, bench, "torch._grouped_mm", spec, gmm, gmm_bwd, refs, canon=canon,
+                      notes="; ".join(x for x in (note, "autograd; weights as the [E, K, N] view of ours (no copy)") if x))
+
+    # ours and the reference, JAX: grouped_gemm under jax.vjp
+    jx, jw, joffs, jdy = j(x), j(w), j(offs), j(d_y)
+    for impl, name in (("pallas_triton", "ours-jax-pallas_triton"), ("pallas_mosaic_gpu", "ours-jax-pallas_mosaic_gpu"),
+                       ("reference", "ref-jax")):
+        if not ctx.wants(name):
+            continue
+        inote = ("forward on Mosaic GPU; backward pallas_triton (grouped_gemm_dgrad / wgrad have no Mosaic GPU "
+                 "kernel: grouped_gemm's VJP falls back)" if impl == "pallas_mosaic_gpu" else None)
+        inote = "; ".join(x for x in (note, inote) if x) or None
+        if impl == "pallas_mosaic_gpu" and mosaic_gpu_missing():
+            skip_row(ctx, bench, name, spec, mosaic_gpu_missing(), notes=inote)
+            continue
+
+        def fwd(x_, w_, o_, impl=impl):
+            return moe_pallas.grouped_gemm(x_, w_, o_, implementation=impl)
+
+        def fwd_bwd(x_, w_, o_, d_, fwd=fwd):
+            y, vjp = jax.vjp(lambda a, b: fwd(a, b, o_), x_, w_)
+            return y, vjp(d_)
+
+        run_jax_bwd(ctx, bench, name, spec, fwd, fwd_bwd, (jx, jw, joffs), jdy, refs, canon=canon, notes=inote)
+
+    # peers, JAX: ragged_dot's own layout, rhs [E, K, N] (a transposed copy of ours made once, outside the timing)
+    want_tk = [impl for impl in TOKAMAX_IMPLEMENTATIONS if ctx.wants(f"tokamax.ragged_dot-{impl}")]
+    if not (want_tk or ctx.wants("jax.lax.ragged_dot")):
+        return
+    jgs = jnp.asarray(spec.group_sizes().astype(np.int32))  # [E] rows per expert
+    jw_kn = jax.block_until_ready(jnp.swapaxes(jw, 1, 2))  # [E, K, N]
+    canon_kn = lambda o: {"y": o[0], "d_x": o[1][0], "d_w": torch.from_dlpack(o[1][1]).transpose(1, 2)}  # noqa: E731
+    pnote = "; ".join(x for x in (note, "jax.vjp; rhs [E, K, N] (its layout; transposed once, untimed)") if x)
+    peers = []
+    if ctx.wants("jax.lax.ragged_dot"):
+        peers.append(("jax.lax.ragged_dot", lambda a, b, gs: jax.lax.ragged_dot(a, b, gs), None))
+    for impl in want_tk:
+        name = f"tokamax.ragged_dot-{impl}"
+        if impl == "mosaic" and jax.default_backend() != "gpu":
+            skip_row(ctx, bench, name, spec, f"tokamax mosaic needs an NVIDIA GPU; the JAX backend is {jax.default_backend()}",
+                     notes=pnote)
+            continue
+        try:
+            tokamax = import_tokamax()
+        except Exception as exc:
+            skip_row(ctx, bench, name, spec, f"tokamax not importable ({short_error(exc)[:160]}); it is a benchmark-only "
+                     "peer: install its wheels (ENVIRONMENT.md)", notes=pnote)
+            continue
+        peers.append((name, lambda a, b, gs, impl=impl: tokamax.ragged_dot(a, b, gs, implementation=impl),
+                      f"tokamax {getattr(tokamax, '__version__', '?')} implementation={impl!r}"))
+    for name, rd, extra in peers:
+
+        def fwd_bwd(a, b, gs, d_, rd=rd):
+            y, vjp = jax.vjp(lambda a_, b_: rd(a_, b_, gs), a, b)
+            return y, vjp(d_)
+
+        run_jax_bwd(ctx, bench, name, spec, rd, fwd_bwd, (jx, jw_kn, jgs), jdy, refs, canon=canon_kn,
+                    notes="; ".join(x for x in (pnote, extra) if x))
+    del jw_kn
+
+
+def layer_grad_reference(spec: S.LayerSpec, config, x, gate_w, bias, w13, w2, d_out) -> tuple[dict, dict]:
+    """The layer's output and gradients from our torch reference (``moe_forward(implementation="reference")``
+    under autograd) on the logits of the spec's router (:func:`router_logits`), that router included:
+    ``(ours, hf)``. ``ours``: ``out``, ``d_x`` (through the experts only: our layer takes the logits as an
+    input), ``d_router_logits``, ``d_w13``, ``d_w2``. ``hf`` (transformers' block computes the logits from
+    ``x`` itself): ``out``, ``d_x`` (both paths, float32 sum), ``d_gate_weight``, ``d_w13``, ``d_w2``."""
+    import torch
+
+    import moe_torch
+
+    x_m, x_r = x.detach().requires_grad_(), x.detach().requires_grad_()
+    gw = gate_w.detach().requires_grad_()
+    w13l, w2l = w13.detach().requires_grad_(), w2.detach().requires_grad_()
+    logits = router_logits(spec.arch, x_r, gw)
+    out = moe_torch.moe_forward(x_m, logits, w13l, w2l, config, e_score_correction_bias=bias, implementation="reference")
+    d_xm, d_logits, d_w13, d_w2, d_xr, d_gw = torch.autograd.grad(out, (x_m, logits, w13l, w2l, x_r, gw), d_out)
+    out = out.detach()
+    ours = {"out": out, "d_x": d_xm, "d_router_logits": d_logits, "d_w13": d_w13, "d_w2": d_w2}
+    hf = {"out": out, "d_x": d_xm.float() + d_xr.float(), "d_gate_weight": d_gw, "d_w13": d_w13, "d_w2": d_w2}
+    return ours, hf
+
+
+def bench_layer_bwd(ctx: Ctx, spec: S.LayerBwdSpec, wcache: dict) -> None:
+    """The layer forward + backward (gradients of ``x``, ``router_logits``, ``w13``, ``w2``) of every backend with
+    ``recompute`` False and True (``-recompute`` rows), bf16, ``d_out ~ N(0, 1)``, and the peer transformers'
+    block (grouped_mm experts: its router, experts and their weights' gradients). Judged against
+    :func:`layer_grad_reference`."""
+    import jax
+    import torch
+
+    import moe_pallas
+    import moe_torch
+
+    dev, bf16 = ctx.torch_dev, torch.bfloat16
+    config = spec.config()
+    key = (spec.model, spec.E, spec.H, spec.I, spec.quant)
+    if wcache.get("key") != key:
+        wcache.clear()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        wcache.update(key=key, w=layer_weights(ctx, spec, config), router=layer_router(ctx, spec, config))
+    w13, _, w2, _ = wcache["w"]
+    gate_w, bias = wcache["router"]
+    g = torch.Generator(device=dev).manual_seed(spec.seed)
+    x = torch.randn(spec.T, spec.H, generator=g, device=dev).to(bf16)
+    d_out = torch.randn(spec.T, spec.H, generator=g, device=dev).to(bf16)
+    with torch.no_grad():
+        logits = router_logits(spec.arch, x, gate_w)
+    refs, refs_hf = layer_grad_reference(spec, config, x, gate_w, bias, w13, w2, d_out)
+    names = tuple(refs)  # out, d_x, d_router_logits, d_w13, d_w2
+    canon = lambda o: dict(zip(names, (o[0], *o[1])))  # (out, (d_x, d_logits, d_w13, d_w2))  # noqa: E731
+    bench, note = "layer_bwd", l2_note(ctx, spec)
+    rc_note = lambda rc: "recompute=True: h recomputed in the backward (one more GEMM 1)" if rc else None  # noqa: E731
+
+    xl, ll = x.detach().requires_grad_(), logits.detach().requires_grad_()
+    w13l, w2l = w13.detach().requires_grad_(), w2.detach().requires_grad_()
+    for impl, base in (("triton", "ours-torch-triton"), ("reference", "ref-torch")):
+        for rc in (False, True):
+            name = base + ("-recompute" if rc else "")
+            if not ctx.wants(name):
+                continue
+            fwd = functools.partial(moe_torch.moe_forward, xl, ll, w13l, w2l, config, e_score_correction_bias=bias,
+                                    implementation=impl, recompute=rc)
+
+            def fwd_bwd(fwd=fwd):
+                out = fwd()
+                return out, torch.autograd.grad(out, (xl, ll, w13l, w2l), d_out)
+
+            run_torch_bwd(ctx, bench, name, spec, fwd, fwd_bwd, refs, canon=canon, recompute=rc,
+                          notes="; ".join(x for x in (note, rc_note(rc)) if x) or None)
+
+    jargs, jd = (j(x), j(logits), j(w13), j(w2), j(bias)), j(d_out)
+    for impl, base in (("pallas_triton", "ours-jax-pallas_triton"), ("pallas_mosaic_gpu", "ours-jax-pallas_mosaic_gpu"),
+                       ("reference", "ref-jax")):
+        for rc in (False, True):
+            name = base + ("-recompute" if rc else "")
+            if not ctx.wants(name):
+                continue
+            inote = "; ".join(x for x in (note, rc_note(rc), "GEMMs on Mosaic GPU, the other stages pallas_triton"
+                                          if impl == "pallas_mosaic_gpu" else None) if x) or None
+            if impl == "pallas_mosaic_gpu" and mosaic_gpu_missing():
+                skip_row(ctx, bench, name, spec, mosaic_gpu_missing(), notes=inote, recompute=rc)
+                continue
+
+            def fwd(x_, l_, w13_, w2_, b_, impl=impl, rc=rc):
+                return moe_pallas.moe_forward(x_, l_, w13_, w2_, config, e_score_correction_bias=b_, implementation=impl,
+                                              recompute=rc)
+
+            def fwd_bwd(x_, l_, w13_, w2_, b_, d_, fwd=fwd):
+                out, vjp = jax.vjp(lambda a, l, p, q: fwd(a, l, p, q, b_), x_, l_, w13_, w2_)
+                return out, vjp(d_)
+
+            run_jax_bwd(ctx, bench, name, spec, fwd, fwd_bwd, jargs, jd, refs, canon=canon, notes=inote, recompute=rc)
+    del jargs, jd
+    bench_layer_bwd_transformers(ctx, spec, x, d_out, (w13, w2, gate_w, bias), refs_hf, note)
+
+
+def bench_layer_bwd_transformers(ctx: Ctx, spec: S.LayerBwdSpec, x, d_out, weights: tuple, refs: dict,
+                                 note: str | None) -> None:
+    """transformers' block of the spec's model (:func:`build_hf_block`, grouped_mm experts) forward and forward +
+    backward: gradients of ``x`` (its router's path included), its router weight and its experts' weights (the
+    shared experts' mapped back into ``w13`` / ``w2``), judged against the reference with that router."""
+    import torch
+
+    if spec.arch is None:
+        if ctx.wants("transformers"):
+            skip_row(ctx, "layer_bwd", "transformers", spec, f"no transformers block for routing {spec.config().routing!r}")
+        return
+    name = f"transformers-{S.HF_BLOCKS[spec.arch]}"
+    if not ctx.wants(name):
+        return
+    hnote = "; ".join(x for x in (note, "experts_implementation=grouped_mm; autograd; its router (matmul and gradient) "
+                                  "included; d_x through router and experts") if x)
+    w13, w2, gate_w, bias = weights
+    config = spec.config()
+    E, I, Sh = config.num_experts, config.intermediate_size, config.num_fused_shared_experts
+    try:
+        block = build_hf_block(config, w13, w2, gate_w, "grouped_mm", arch=spec.arch, e_score_correction_bias=bias)
+    except Exception as exc:
+        error_row(ctx, "layer_bwd", name, spec, "setup: " + short_error(exc), notes=hnote)
+        return
+    for p in block.parameters():
+        p.requires_grad_(True)  # its weights are ours (shared storage); gradients come from autograd.grad, not .grad
+    params = [block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj]
+    if Sh:
+        sh = block.shared_experts
+        params += [sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight]
+    xl = x.detach().requires_grad_()
+
+    def fwd():
+        return block(xl[None])
+
+    def fwd_bwd():
+        out = fwd()
+        return out, torch.autograd.grad(out, (xl, *params), d_out[None])
+
+    def canon(o):
+        out, (d_x, d_gate, d_gu, d_down, *shared) = o
+        if shared:  # DeepSeek-V3's shared experts -> our fused experts E .. E + S - 1
+            d_g, d_u, d_d = shared
+            H_ = d_d.shape[0]
+            d_gu = torch.cat([d_gu, torch.cat([d_g.reshape(Sh, I, H_), d_u.reshape(Sh, I, H_)], 1)])
+            d_down = torch.cat([d_down, d_d.reshape(H_, Sh, I).permute(1, 0, 2)])
+        return {"out": out.reshape(spec.T, spec.H), "d_x": d_x, "d_gate_weight": d_gate, "d_w13": d_gu, "d_w2": d_down}
+
+    run_torch_bwd(ctx, "layer_bwd", name, spec, fwd, fwd_bwd, refs, canon=canon, notes=hnote)
+    del block
 
 
 # ---------------------------------------------------------------------------------------------- gate
@@ -631,6 +1219,7 @@ def bench_gate(ctx: Ctx, spec: S.GateSpec) -> None:
     logit_sets = [torch.randn(spec.T, c.num_experts, generator=g, device=dev) for _ in range(n_sets)]
     logits = logit_sets[0]
     bias = 0.1 * torch.randn(c.num_experts, generator=g, device=dev)
+    bias = bias if c.routing == "biased_grouped_topk" else None  # the only routing that takes one
 
     def dense(out):
         """(weights [T, k] f32, ids [T, k] i32) -> [T, E + S] f32 with the weights at their ids:
@@ -697,8 +1286,10 @@ def environment() -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Writes bench.json / bench.csv / bench.md / bench_gemm.png / bench_layer.png to --out.")
-    p.add_argument("--what", default="gemm,layer,gate", help=f"comma list of {', '.join(WHATS)} (default: all)")
+                                epilog="Writes bench.json / bench.csv / bench.md / bench_gemm.png / bench_layer.png / "
+                                       "bench_gate.png to --out.")
+    p.add_argument("--what", default=DEFAULT_WHAT, help=f"comma list of {', '.join(WHATS)} (default: {DEFAULT_WHAT}; "
+                   "gemm_bwd, layer_bwd: forward + backward, on request)")
     p.add_argument("--quick", action="store_true", help="a small subset (gate_up M in {256, 16384} uniform; layer T=512; gate)")
     default_out = os.path.join("/tmp", "epmoe_bench_tiny") if TINY else os.path.join(_ROOT, "benchmarks", "results")
     p.add_argument("--out", default=os.environ.get("OUT") or default_out,
@@ -709,9 +1300,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetitions / JAX iterations target, ms (default 100)")
     p.add_argument("--max-minutes", type=float, default=9.0,
                    help="stop starting new specs after this many minutes (rows written so far are kept; default 9)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a model preset: every spec takes its layer's shapes and routing (GEMMs K=H, N=2I and K=I, N=H "
+                        "over its E experts; the layer; the gate), the layer rows its transformers block as the peer "
+                        "(default: the built-in E=32 shapes). With --weights: the routing where the checkpoint has no "
+                        "config.json")
+    p.add_argument("--weights", metavar="PATH", default=None,
+                   help="one MoE layer of a Mixtral, Qwen3-MoE or DeepSeek-V3 safetensors checkpoint (file or folder): "
+                        "its shapes and routing for every spec, its weights for the layer rows (an FP8 checkpoint: "
+                        "quant none (dequantized) and fp8_block (as stored)); the peer is transformers' block of "
+                        "that model")
+    p.add_argument("--layer", type=int, default=None, help="with --weights: the layer index (default: the first MoE layer)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing rows")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # CPU smoke test: tiny shapes, interpreters
     args = p.parse_args(argv)
+    if args.layer is not None and not args.weights:
+        p.error("--layer needs --weights (it picks a layer of the checkpoint)")
     args.what = [w for w in args.what.split(",") if w]
     bad = [w for w in args.what if w not in WHATS]
     if bad:
@@ -719,23 +1323,75 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def load_model(args) -> tuple[S.BenchModel | None, dict | None]:
+    """``--preset`` / ``--weights`` -> ``(the BenchModel, the checkpoint layer's tensors or None)``;
+    ``(None, None)`` for the built-in shapes. The checkpoint's tensors are
+    ``interop.checkpoints.load_moe_layer(path).arrays("torch")`` (``w13, w2, w13_scale, w2_scale,
+    router_weight, e_score_correction_bias``: all experts, FP8 as codes and scales), its name
+    ``ckpt-<model_type>-L<layer>``; the routing comes from its config.json, else from ``--preset``.
+
+    Raises: ValueError / FileNotFoundError / OSError from the loader (no file, no MoE layer, a missing key,
+    no routing: no config.json and no --preset).
+    """
+    if args.weights:
+        from interop.checkpoints import load_moe_layer
+
+        ckpt = load_moe_layer(args.weights, layer=args.layer)
+        config = ckpt.config(get_preset(args.preset) if args.preset else None, quant="none")
+        arrays = ckpt.arrays("torch")  # all experts, the checkpoint's dtype (FP8: codes and block scales)
+        fp8 = arrays["w13_scale"] is not None
+        quants = ("none", "fp8_block") if fp8 else S.LAYER_QUANTS
+        model = S.BenchModel(name=f"ckpt-{ckpt.arch}-L{ckpt.layer}", config=config, arch=ckpt.arch, quants=quants,
+                             weights=True)
+        return model, arrays
+    if args.preset:
+        return S.preset_model(args.preset), None
+    return None, None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if TINY and args.preset and not args.weights:  # refuse before any work: the interpreters would take hours
+        n = S.preset_model(args.preset).weight_elements
+        if n > TINY_MAX_WEIGHT_ELEMENTS:
+            print(f"bench: --tiny runs the kernels interpreted on the CPU; preset {args.preset} has {n / 1e6:.0f}M weight "
+                  f"elements (at most {TINY_MAX_WEIGHT_ELEMENTS / 1e6:.1f}M here: --preset tiny); run it on a GPU",
+                  file=sys.stderr)
+            return 2
+    try:
+        model, ckpt = load_model(args)
+    except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
+        print(f"bench: --weights {args.weights}: {exc}", file=sys.stderr)
+        return 2
+    if TINY and model is not None and model.weight_elements > TINY_MAX_WEIGHT_ELEMENTS:
+        print(f"bench: --tiny runs the kernels interpreted on the CPU; {model.name} has {model.weight_elements / 1e6:.0f}M "
+              f"weight elements (at most {TINY_MAX_WEIGHT_ELEMENTS / 1e6:.1f}M here); run it on a GPU", file=sys.stderr)
+        return 2
     os.makedirs(args.out, exist_ok=True)
-    ctx = Ctx(args)
+    ctx = Ctx(args, model, ckpt)
     ctx.meta = environment()
+    if model is not None:
+        ctx.meta.update(model=model.name, model_config=repr(model.config), hf_block=S.HF_BLOCKS.get(model.arch),
+                        weights=os.path.abspath(args.weights) if args.weights else None)
     print(f"bench: {ctx.meta.get('torch_device')} / jax {ctx.meta.get('jax_devices')}; out={args.out}; what={args.what}"
-          f"{' (quick)' if args.quick else ''}{' (tiny, CPU interpreters)' if TINY else ''}", flush=True)
+          + (f"; model {model.name} (E={model.config.num_experts} topk={model.config.topk} H={model.config.hidden_size} "
+             f"I={model.config.intermediate_size} {model.config.routing} shared={model.config.num_fused_shared_experts}"
+             f"{', weights from ' + args.weights if args.weights else ''})" if model else "")
+          + f"{' (quick)' if args.quick else ''}{' (tiny, CPU interpreters)' if TINY else ''}", flush=True)
     # TINY: Triton runs interpreted; moe_torch makes the interpreter's casts and dots exact itself
     # (moe_torch/ops/triton_interpret.py), so nothing is patched here.
     patch = contextlib.nullcontext()
     plan = []
     if "gemm" in args.what:
-        plan += [("gemm", s) for s in S.gemm_specs(args.quick, TINY)]
+        plan += [("gemm", s) for s in S.gemm_specs(args.quick, TINY, model)]
     if "layer" in args.what:
-        plan += [("layer", s) for s in S.layer_specs(args.quick, TINY)]
+        plan += [("layer", s) for s in S.layer_specs(args.quick, TINY, model)]
     if "gate" in args.what:
-        plan += [("gate", s) for s in S.gate_specs(args.quick, TINY)]
+        plan += [("gate", s) for s in S.gate_specs(args.quick, TINY, model)]
+    if "gemm_bwd" in args.what:
+        plan += [("gemm_bwd", s) for s in S.gemm_bwd_specs(args.quick, TINY, model)]
+    if "layer_bwd" in args.what:
+        plan += [("layer_bwd", s) for s in S.layer_bwd_specs(args.quick, TINY, model)]
     gemm_w, layer_w = GemmWeights(), {}
     with patch:
         for bench, spec in plan:
@@ -743,12 +1399,14 @@ def main(argv=None) -> int:
                 error_row(ctx, bench, "*", spec, f"skipped: over --max-minutes={args.max_minutes}")
                 continue
             try:
-                if bench == "gemm":
-                    bench_gemm(ctx, spec, gemm_w)
-                elif bench == "layer":
+                if bench in ("gemm", "gemm_bwd"):
+                    layer_w.clear()
+                    (bench_gemm if bench == "gemm" else bench_gemm_bwd)(ctx, spec, gemm_w)
+                elif bench in ("layer", "layer_bwd"):
                     gemm_w.key = gemm_w.w = gemm_w.wq = gemm_w.ws = None
-                    bench_layer(ctx, spec, layer_w)
+                    (bench_layer if bench == "layer" else bench_layer_bwd)(ctx, spec, layer_w)
                 else:
+                    gemm_w.key = gemm_w.w = gemm_w.wq = gemm_w.ws = None
                     layer_w.clear()
                     bench_gate(ctx, spec)
             except Exception as exc:  # set-up failure (inputs, reference): one row says so, the run goes on
@@ -762,19 +1420,23 @@ def main(argv=None) -> int:
     ctx.meta["runtime_s"] = round(ctx.elapsed(), 1)
     H.write_json(rows, os.path.join(args.out, "bench.json"), ctx.meta)
     H.write_csv(rows, os.path.join(args.out, "bench.csv"))
-    pivot = H.markdown_pivot(rows)
+    pivot = H.markdown_pivot(rows, cpu=ctx.cpu)
+    bwd = H.markdown_bwd(rows, cpu=ctx.cpu)
+    bwd = f"## Forward + backward\n\n{bwd}\n\n" if bwd else ""
     with open(os.path.join(args.out, "bench.md"), "w") as f:
-        f.write(f"# bench {ctx.meta['date']} on {ctx.meta.get('torch_device')}\n\n{pivot}\n\n## All rows\n\n{H.markdown_long(rows)}\n")
+        f.write(f"# bench {ctx.meta['date']} on {ctx.meta.get('torch_device')}"
+                + (f" ({H.CPU_NOTE})" if ctx.cpu else "") + (f", model {model.name}" if model else "")
+                + f"\n\n{pivot}\n\n{bwd}## All rows\n\n{H.markdown_long(rows, cpu=ctx.cpu)}\n")
     plotted = []
-    for name, plot in (("bench_gemm.png", H.plot_gemm), ("bench_layer.png", H.plot_layer)):
+    for name, plot in (("bench_gemm.png", H.plot_gemm), ("bench_layer.png", H.plot_layer), ("bench_gate.png", H.plot_gate)):
         try:
-            if plot(rows, os.path.join(args.out, name)):
+            if plot(rows, os.path.join(args.out, name), cpu=ctx.cpu):
                 plotted.append(name)
         except Exception as exc:
             print(f"plot {name} failed: {short_error(exc)}")
     errs: dict = {}
     for r in rows:
-        if r.get("error"):
+        if r.get("error") and not H.skipped(r):
             errs.setdefault((r["bench"], r["backend"]), []).append(r)
     if errs:
         print("\nerrors (per backend: how many rows, the first message; all in bench.md):")
@@ -782,7 +1444,14 @@ def main(argv=None) -> int:
             print(f"  {bench} {backend}: {len(rs)}x, e.g. {rs[0]['spec']}: {str(rs[0]['error'])[:150]}")
     print(f"\n{H.stats_line(rows)} in {ctx.elapsed():.0f} s; wrote {args.out}/bench.{{json,csv,md}}"
           + (f" and {', '.join(plotted)}" if plotted else ""))
+    skips = {(r["bench"], r["backend"]): r["error"] for r in rows if H.skipped(r)}
+    if skips:
+        print("\nskipped (not on this machine):")
+        for (bench, backend), why in skips.items():
+            print(f"  {bench} {backend}: {why[len(H.SKIPPED):][:150]}")
     print("\n" + pivot)
+    if bwd:
+        print("\n" + bwd)
     return 1 if any(str(r.get("error") or "").startswith("WRONG") for r in rows) else 0
 
 

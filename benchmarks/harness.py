@@ -18,9 +18,25 @@ Timing (STYLE.md "Benchmarks", .library/device/METHOD.md "Time properly"):
 - ``wall_ms``: host wall clock of back-to-back calls / n, no L2 flush, every backend: the
   end-to-end time a caller sees (launch overhead and gaps included).
 
+Forward + backward rows (``bench.py --what gemm_bwd,layer_bwd``): ``median_ms`` (and p20, p80,
+``wall_ms``) time one forward + backward call, ``fwd_ms`` the forward alone (the same method);
+``bwd_ms = median_ms - fwd_ms``, ``bwd_fwd_ratio = bwd_ms / fwd_ms``, ``bwd_tflops = bwd_flops /
+bwd_ms`` (the backward is 2x the forward's FLOPs). ``peak_mem_mib``: the memory one forward +
+backward call takes on top of its inputs, MiB, as ``mem_method`` says: torch
+``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` before the call (peak reset first;
+the outputs and gradients included; CUDA only), JAX ``compiled.memory_analysis()`` temp + output
+bytes of the compiled forward + backward (what XLA plans to allocate besides the arguments; on any
+backend). Every output is checked first: the forward's against ``REL_ERR_MAX``, each gradient
+against ``GRAD_REL_ERR_MAX``; a row with a wrong one is not timed.
+
 Ceilings (ENVIRONMENT.md, "The GPU machine in numbers", one H200 measured here):
 ``pct_of_ceiling = 100 * max(flops / PEAK_FLOPS[dtype], bytes / PEAK_BW) / median``, the
 roofline floor over the measured time; ``bound`` says which term is larger.
+
+Plots (``plot_gemm``, ``plot_layer``, ``plot_gate``; matplotlib, Agg): log time axes limited to the
+measured times, the roofline floor drawn only where it does not squash them (``log_limits``), one
+legend per figure outside the panels, and on a CPU (``cpu=True``) every title says the kernels ran
+interpreted (``CPU_NOTE``); the markdown tables say so in their headings and column names.
 """
 
 from __future__ import annotations
@@ -45,12 +61,22 @@ PEAK_FLOPS = {"bf16": PEAK_BF16_FLOPS, "fp8": PEAK_FP8_FLOPS, "fp32": PEAK_BF16_
 L2_BYTES = 50e6
 #: Relative Frobenius error above which a backend's output is called wrong and not timed.
 REL_ERR_MAX = 1e-2
+#: The same for a gradient (forward + backward rows): CONTRACT.md section 8, bf16 layer gradients
+#: ``rel_fro <= 2e-2`` (a wrong gradient is off by O(1)).
+GRAD_REL_ERR_MAX = 2e-2
+#: The ``error`` prefix of a row that did not run by design (a peer or backend this machine lacks: tokamax
+#: not installed, a Mosaic GPU kernel off a GPU); its reason follows. Not a failure: tables say SKIP.
+SKIPPED = "skipped: "
 
 #: The stable row schema, in column order (CSV header, JSON keys). Fields that do not apply are None.
 ROW_KEYS = (
     "bench", "backend", "spec", "shape", "E", "M", "K", "N", "T", "H", "I", "topk", "routing", "dtype", "quant",
     "median_ms", "p20_ms", "p80_ms", "wall_ms", "tflops", "gbps", "pct_of_ceiling", "bound", "rel_err",
     "timing_method", "n_input_sets", "compile_s", "notes", "error",
+    # forward + backward rows only (module docstring): the forward's time, the backward's, their ratio, the
+    # backward's TFLOP/s, the largest gradient error, the call's peak memory and how it was measured, and
+    # the layer's recompute setting
+    "fwd_ms", "bwd_ms", "bwd_fwd_ratio", "bwd_tflops", "grad_rel_err", "peak_mem_mib", "mem_method", "recompute",
 )
 
 
@@ -78,6 +104,27 @@ def add_rates(row: dict, flops: float, nbytes: float, dtype: str) -> dict:
     row["bound"] = "compute" if t_flop >= t_byte else "memory"
     row["pct_of_ceiling"] = 100.0 * max(t_flop, t_byte) / s
     return row
+
+
+def add_bwd_rates(row: dict, fwd_ms: float | None, bwd_flops: float) -> dict:
+    """Fill ``fwd_ms``, ``bwd_ms = median_ms - fwd_ms``, ``bwd_fwd_ratio`` and ``bwd_tflops`` (``bwd_flops``
+    over ``bwd_ms``) of a forward + backward row (in place; returns row). A backward not measurably
+    longer than zero (noise) leaves the ratio and rate None."""
+    ms = row.get("median_ms")
+    row["fwd_ms"] = fwd_ms
+    if not ms or not fwd_ms or fwd_ms <= 0:
+        return row
+    bwd = ms - fwd_ms
+    row["bwd_ms"] = bwd
+    if bwd > 0:
+        row["bwd_fwd_ratio"] = bwd / fwd_ms
+        row["bwd_tflops"] = bwd_flops / (bwd * 1e-3) / 1e12 if bwd_flops else None
+    return row
+
+
+def skipped(row: dict) -> bool:
+    """Whether a row did not run by design (``error`` starts with :data:`SKIPPED`)."""
+    return str(row.get("error") or "").startswith(SKIPPED)
 
 
 def rel_fro(out, ref) -> float:
@@ -126,8 +173,9 @@ def wall_loop_ms(fn: Callable, sync: Callable[[object], None], n: int) -> float:
     return 1e3 * (time.perf_counter() - t0) / n
 
 
-def time_torch(fn: Callable, device, *, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
-    """Times a torch callable. CUDA: do_bench (events, L2 flushed). CPU: a few wall-clock loops.
+def time_torch(fn: Callable, device, *, warmup_ms: float = 25, rep_ms: float = 100, cpu_loops: int = 3) -> dict:
+    """Times a torch callable. CUDA: do_bench (events, L2 flushed). CPU: ``cpu_loops`` wall-clock loops of one
+    call (each after one untimed call).
 
     Returns dict(median_ms, p20_ms, p80_ms, wall_ms, timing_method, n_input_sets=1).
     """
@@ -140,7 +188,7 @@ def time_torch(fn: Callable, device, *, warmup_ms: float = 25, rep_ms: float = 1
         n = max(3, min(200, int(rep_ms / max(res["median_ms"], 1e-3))))
         res.update(wall_ms=wall_loop_ms(fn, sync, n), timing_method="cuda_events", n_input_sets=1)
         return res
-    loops = [wall_loop_ms(fn, sync, 1) for _ in range(3)]
+    loops = [wall_loop_ms(fn, sync, 1) for _ in range(cpu_loops)]
     res = summarize(loops)
     res.update(wall_ms=res["median_ms"], timing_method="wall_loop", n_input_sets=1)
     return res
@@ -204,6 +252,35 @@ def time_jax(compiled, args: Sequence, *, n_sets: int = 1, rep_ms: float = 100, 
     return res
 
 
+def torch_peak_mib(fn: Callable, device) -> tuple[float | None, str]:
+    """Peak memory of one ``fn()`` on top of what was allocated before it, MiB (CUDA: peak stats reset,
+    ``max_memory_allocated() - memory_allocated()`` around the call; its outputs are held until the end,
+    so they count), and the method's name; ``(None, reason)`` off CUDA."""
+    import torch
+
+    if getattr(device, "type", device) != "cuda":
+        return None, "n/a: torch.cuda memory stats only on a GPU"
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20, "torch.cuda.max_memory_allocated delta"
+
+
+def jax_memory_mib(compiled) -> tuple[float | None, str]:
+    """What XLA plans to allocate for one call of ``compiled`` besides its arguments, MiB: temp + output bytes
+    of ``compiled.memory_analysis()`` (any backend; Pallas kernels' outputs are XLA buffers, so counted;
+    a kernel's own scratch is not), and the method's name; ``(None, reason)`` if there is no analysis."""
+    try:
+        m = compiled.memory_analysis()
+        return (m.temp_size_in_bytes + m.output_size_in_bytes) / 2**20, "xla memory_analysis temp+output"
+    except Exception as exc:  # an old jaxlib or a backend without it
+        return None, f"n/a: memory_analysis failed ({type(exc).__name__})"
+
+
 def rotated(fn: Callable, n_sets: int) -> Callable:
     """``g(sets) -> [fn(*s) for s in sets]``, for timing ``fn`` on ``n_sets`` input sets in turn in one
     program (so each set has left the L2 before its next use)."""
@@ -250,29 +327,55 @@ def read_csv(path: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def markdown_long(rows: list[dict]) -> str:
-    """Every row: spec, backend, median [p20, p80] ms, TFLOP/s, GB/s, % of ceiling, rel err, method, error."""
-    out = ["| spec | backend | median ms [p20, p80] | wall ms | TFLOP/s | GB/s | % ceil | rel err | method | compile s | notes / error |",
+#: Table and plot label of timings taken on a CPU (``bench.py --tiny``): the kernels ran in the Triton and
+#: Pallas interpreters, so their times say nothing about the kernels' speed on a GPU.
+CPU_NOTE = "CPU: Triton / Pallas kernels interpreted, references eager on the CPU; not GPU timings"
+#: The line each plot panel's title gets on a CPU.
+CPU_TITLE = "[CPU timings: kernels interpreted]"
+
+
+def interpreted(backend: str, cpu: bool) -> bool:
+    """Whether ``backend``'s row timed a kernel in an interpreter: our kernels (``ours-*``) on a CPU."""
+    return cpu and backend.startswith("ours-")
+
+
+def backend_label(backend: str, cpu: bool) -> str:
+    """A backend's name in tables and plots: ``(interpreted)`` appended where it ran interpreted."""
+    return backend + " (interpreted)" if interpreted(backend, cpu) else backend
+
+
+def markdown_long(rows: list[dict], cpu: bool = False) -> str:
+    """Every row: spec, backend, median [p20, p80] ms, TFLOP/s, GB/s, % of ceiling, rel err, method, error.
+    ``cpu``: the times were taken on a CPU (header and interpreted backends say so)."""
+    where = f" ({CPU_NOTE})" if cpu else ""
+    out = [f"| spec | backend | median ms [p20, p80]{where} | wall ms | TFLOP/s | GB/s | % ceil | rel err | method | "
+           "compile s | notes / error |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = f"{_fmt(r['median_ms'])} [{_fmt(r['p20_ms'])}, {_fmt(r['p80_ms'])}]" if r.get("median_ms") else "-"
         note = " ".join(x for x in (r.get("notes"), f"ERROR {r['error']}" if r.get("error") else None) if x)
-        out.append(f"| {r['spec']} | {r['backend']} | {t} | {_fmt(r.get('wall_ms'))} | {_fmt(r.get('tflops'))} | "
+        out.append(f"| {r['spec']} | {backend_label(r['backend'], cpu)} | {t} | {_fmt(r.get('wall_ms'))} | "
+                   f"{_fmt(r.get('tflops'))} | "
                    f"{_fmt(r.get('gbps'), 0)} | {_fmt(r.get('pct_of_ceiling'))} | {_fmt(r.get('rel_err'), 2)} | "
                    f"{r.get('timing_method') or '-'} | {_fmt(r.get('compile_s'), 2)} | {note.replace('|', '/')[:160]} |")
     return "\n".join(out)
 
 
-def markdown_pivot(rows: list[dict]) -> str:
+def markdown_pivot(rows: list[dict], cpu: bool = False) -> str:
     """The short table: one line per spec, one column per backend, median ms (``ERR`` / ``WRONG``);
-    ``*`` marks the fastest. One block per bench."""
+    ``*`` marks the fastest. One block per bench. ``cpu``: the times were taken on a CPU (each block's
+    heading and the interpreted backends' columns say so)."""
     blocks = []
+    where = f"; {CPU_NOTE}" if cpu else ""
     for bench in dict.fromkeys(r["bench"] for r in rows):
         rs = [r for r in rows if r["bench"] == bench]
         backends = list(dict.fromkeys(r["backend"] for r in rs))
         specs = list(dict.fromkeys(r["spec"] for r in rs))
-        lines = [f"**{bench}** (median ms; `*` fastest; ERR = failed or not available, WRONG = rel err > {REL_ERR_MAX:g})", "",
-                 "| spec | " + " | ".join(backends) + " |", "|---" * (len(backends) + 1) + "|"]
+        what = "median ms of forward + backward" if bench.endswith("_bwd") else "median ms"
+        lines = [f"**{bench}** ({what}{where}; `*` fastest; ERR = failed or not available, WRONG = rel err > {REL_ERR_MAX:g}"
+                 + (f" or a gradient's > {GRAD_REL_ERR_MAX:g}" if bench.endswith("_bwd") else "")
+                 + (", SKIP = not on this machine (reason in bench.md)" if any(skipped(r) for r in rs) else "") + ")",
+                 "", "| spec | " + " | ".join(backend_label(b, cpu) for b in backends) + " |", "|---" * (len(backends) + 1) + "|"]
         for s in specs:
             cells = {r["backend"]: r for r in rs if r["spec"] == s}
             times = {b: r["median_ms"] for b, r in cells.items() if r.get("median_ms") and not r.get("error")}
@@ -282,6 +385,8 @@ def markdown_pivot(rows: list[dict]) -> str:
                 r = cells.get(b)
                 if r is None:
                     row.append("")
+                elif skipped(r):
+                    row.append("SKIP")
                 elif r.get("error"):
                     row.append("WRONG" if str(r["error"]).startswith("WRONG") else "ERR")
                 elif r.get("median_ms"):
@@ -294,21 +399,159 @@ def markdown_pivot(rows: list[dict]) -> str:
     return "\n\n".join(blocks)
 
 
-def plot_gemm(rows: list[dict], path: str) -> bool:
-    """Time vs M per backend, one panel per (shape, dtype); uniform solid, zipf dashed, the roofline
-    floor dotted. False if there is no timed gemm row."""
-    rs = [r for r in rows if r["bench"] == "gemm" and r.get("median_ms") and not r.get("error")]
-    if not rs:
-        return False
+# ---------------------------------------------------------------------------------------------- plots
+
+#: The roofline floor is drawn to scale only while it lies at most this many decades below the
+#: fastest time of its panel (on the H200: GEMM and layer floors within 1, the gate's 1.2); further
+#: down it would squash every measured line into the top of the axis (on a CPU it is 4 to 7 decades
+#: below), so it is left off the axis and its value is written in the panel's title instead.
+FLOOR_MAX_DECADES_BELOW = 1.5
+
+
+def floor_ms(row: dict) -> float | None:
+    """The roofline floor of a timed row, ms: ``median * pct_of_ceiling / 100`` (None if not rated)."""
+    if not row.get("median_ms") or not row.get("pct_of_ceiling"):
+        return None
+    return float(row["median_ms"]) * float(row["pct_of_ceiling"]) / 100
+
+
+def log_limits(times: Sequence[float], floors: Sequence[float]) -> tuple[tuple[float, float], bool]:
+    """Log-axis limits for ``times`` (ms), and whether ``floors`` fit on that axis: the floor joins the
+    range only while its lowest value is at most ``FLOOR_MAX_DECADES_BELOW`` decades under the fastest
+    time, so that it never squashes the measured data. Returns ``((lo, hi), floor_in_view)``."""
+    lo, hi = min(times), max(times)
+    in_view = bool(floors) and min(floors) >= lo / 10**FLOOR_MAX_DECADES_BELOW
+    if in_view:
+        lo, hi = min(lo, min(floors)), max(hi, max(floors))
+    pad = max(1.25, (hi / lo) ** 0.06)  # a margin of ~6% of the span on a log axis, at least 25%
+    return (lo / pad, hi * pad), in_view
+
+
+def _floor_title(floors: Sequence[float], in_view: bool) -> str:
+    """The title line of a roofline floor left off its axis ("" if drawn or absent)."""
+    if not floors or in_view:
+        return ""
+    lo, hi = min(floors), max(floors)
+    span = f"{lo:.2g} ms" if math.isclose(lo, hi, rel_tol=0.05) else f"{lo:.2g}-{hi:.2g} ms"
+    return f"roofline floor {span}: below the axis, not drawn"
+
+
+def _title(ax, *lines: str) -> None:
+    """A panel title of several short lines (each wrapped to the panel's width, so that neighbouring
+    panels' titles and the legend never overlap); empty lines dropped."""
+    import textwrap
+
+    ax.set_title("\n".join(textwrap.fill(x, 62) for x in lines if x), fontsize=9)
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _plain_log_labels(axis) -> None:
+    """Tick labels of a log axis as plain numbers (0.2, 1, 10): decades always, and 2 and 5 of each
+    decade when the axis spans less than two decades (else they crowd)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    lo, hi = sorted(axis.get_view_interval())
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    if hi / lo < 100:
+        axis.set_minor_locator(LogLocator(base=10, subs=(2.0, 5.0)))
+        axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    else:
+        axis.set_minor_formatter(NullFormatter())
+
+
+def _plain_log_x(ax, xs: Sequence[int]) -> None:
+    """A log x-axis with ticks at the measured values only, labelled plainly (16, 64, 4096)."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    xs = sorted(set(xs))
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(xs))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([str(x) for x in xs])
+    if len(xs) == 1:
+        ax.set_xlim(xs[0] / 2, xs[0] * 2)
+    else:
+        ax.set_xlim(xs[0] / 1.3, xs[-1] * 1.3)
+
+
+def _finish(fig, axes, n_used: int, handles: list, labels: list, cpu: bool, what: str):
+    """Unused panels off; the CPU note as the figure's title; the layout; one legend for the figure,
+    outside every axis (right of the panels: it covers no line). Returns ``fig``."""
+    for ax in list(axes.flat)[n_used:]:
+        ax.axis("off")
+    if cpu:
+        fig.suptitle(f"{what}: {CPU_NOTE}", fontsize=9, color="firebrick")
+    fig.tight_layout()
+    if handles:
+        fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.97), fontsize=7, frameon=False)
+    return fig
+
+
+def _save(fig, path: str) -> bool:
+    """Write ``fig`` (PNG; the image grows to hold the legend outside the panels) and close it; False if
+    there was no figure."""
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return True
+
+
+def _legend_entries(axes) -> tuple[list, list]:
+    """The labelled lines of all panels, each label once, in first-seen order."""
+    seen: dict = {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    labels = sorted(seen, key=lambda lab: lab.startswith("roofline"))  # the backends first (stable), the floor last
+    return [seen[lab] for lab in labels], labels
+
+
+def _timed(rows: list[dict], bench: str) -> list[dict]:
+    return [r for r in rows if r["bench"] == bench and r.get("median_ms") and not r.get("error")]
+
+
+def plot_gemm(rows: list[dict], path: str, cpu: bool = False) -> bool:
+    """:func:`gemm_figure` written to ``path`` (PNG); False if there is no timed gemm row."""
+    return _save(gemm_figure(rows, cpu), path)
+
+
+def plot_layer(rows: list[dict], path: str, cpu: bool = False) -> bool:
+    """:func:`layer_figure` written to ``path`` (PNG); False if there is no timed layer row."""
+    return _save(layer_figure(rows, cpu), path)
+
+
+def plot_gate(rows: list[dict], path: str, cpu: bool = False) -> bool:
+    """:func:`gate_figure` written to ``path`` (PNG); False if there is no timed gate row."""
+    return _save(gate_figure(rows, cpu), path)
+
+
+def gemm_figure(rows: list[dict], cpu: bool = False):
+    """Time vs M per backend, one panel per (shape, dtype); uniform solid, zipf dashed, the roofline
+    floor dotted (left off an axis it would squash: :func:`log_limits`); one legend, outside the panels.
+    ``cpu``: CPU timings (titles say so). A matplotlib figure, or None if there is no timed gemm row."""
+    rs = _timed(rows, "gemm")
+    if not rs:
+        return None
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
+
     panels = list(dict.fromkeys((r["shape"], r["dtype"]) for r in rs))
     ncol = min(2, len(panels))
     nrow = math.ceil(len(panels) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 4.5 * nrow), squeeze=False)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.0 * ncol, 4.4 * nrow), squeeze=False)
     backends = list(dict.fromkeys(r["backend"] for r in rs))
     colors = {b: plt.cm.tab10(i % 10) for i, b in enumerate(backends)}
     for ax, (shape, dtype) in zip(axes.flat, panels):
@@ -317,55 +560,103 @@ def plot_gemm(rows: list[dict], path: str) -> bool:
             for routing, ls in (("uniform", "-"), ("zipf", "--")):
                 pts = sorted((int(r["M"]), float(r["median_ms"])) for r in pr if r["backend"] == b and r["routing"] == routing)
                 if pts:
-                    ax.plot(*zip(*pts), ls, marker="o", color=colors[b], label=f"{b} ({routing})")
-        floor = {}  # roofline floor per M (uniform routing): median * pct_of_ceiling / 100
-        for r in pr:
-            if r["routing"] == "uniform" and r.get("pct_of_ceiling"):
-                floor[int(r["M"])] = float(r["median_ms"]) * float(r["pct_of_ceiling"]) / 100
-        if floor:
+                    ax.plot(*zip(*pts), ls, marker="o", ms=4, color=colors[b], label=backend_label(b, cpu))
+        floor = {int(r["M"]): floor_ms(r) for r in pr if r["routing"] == "uniform" and floor_ms(r)}
+        (lo, hi), in_view = log_limits([float(r["median_ms"]) for r in pr], list(floor.values()))
+        if floor and in_view:
             ax.plot(*zip(*sorted(floor.items())), ":", color="black", label="roofline floor (measured ceilings)")
-        k, n = pr[0]["K"], pr[0]["N"]
-        ax.set(xscale="log", yscale="log", xlabel="M (routed rows)", ylabel="median ms",
-               title=f"{shape} K={k} N={n} {dtype}")
+        r0 = pr[0]
+        parts = r0["spec"].split("/")  # gemm[/<model>]/<shape>/<dtype>/M=<M>/<routing>
+        model = f"{parts[1]} " if len(parts) == 6 else ""
+        ax.set(yscale="log", ylim=(lo, hi), xlabel="M (routed rows)", ylabel="median ms")
+        _title(ax, f"{model}{shape} E={r0['E']} K={r0['K']} N={r0['N']} {dtype}", CPU_TITLE if cpu else "",
+               _floor_title(list(floor.values()), in_view))
+        _plain_log_x(ax, [int(r["M"]) for r in pr])
+        _plain_log_labels(ax.yaxis)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    handles, labels = _legend_entries(axes)
+    handles += [Line2D([], [], color="gray", ls="-"), Line2D([], [], color="gray", ls="--")]
+    labels += ["uniform routing (solid)", "zipf routing (dashed)"]
+    return _finish(fig, axes, len(panels), handles, labels, cpu, "grouped GEMM")
 
 
-def plot_layer(rows: list[dict], path: str) -> bool:
-    """Layer forward time vs tokens T per backend, one panel per quant mode (log-log). False if there
-    is no timed layer row."""
-    rs = [r for r in rows if r["bench"] == "layer" and r.get("median_ms") and not r.get("error")]
+def layer_figure(rows: list[dict], cpu: bool = False):
+    """Layer forward time vs tokens T per backend, one panel per (model, quant) (log-log), the roofline
+    floor dotted (left off an axis it would squash); one legend, outside the panels. ``cpu``: CPU
+    timings (titles say so). A matplotlib figure, or None if there is no timed layer row."""
+    rs = _timed(rows, "layer")
     if not rs:
-        return False
-    import matplotlib
+        return None
+    plt = _pyplot()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    quants = list(dict.fromkeys(r["quant"] for r in rs))
-    fig, axes = plt.subplots(1, len(quants), figsize=(6.5 * len(quants), 4.5), squeeze=False)
+    panels = list(dict.fromkeys((r.get("shape"), r["quant"]) for r in rs))
+    ncol = min(2, len(panels))
+    nrow = math.ceil(len(panels) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.0 * ncol, 4.4 * nrow), squeeze=False)
     backends = list(dict.fromkeys(r["backend"] for r in rs))
-    colors = {b: plt.cm.tab20(i % 20) for i, b in enumerate(backends)}
-    for ax, quant in zip(axes.flat, quants):
-        pr = [r for r in rs if r["quant"] == quant]
+    colors = {b: plt.cm.tab10(i % 10) for i, b in enumerate(backends)}
+    for ax, (model, quant) in zip(axes.flat, panels):
+        pr = [r for r in rs if (r.get("shape"), r["quant"]) == (model, quant)]
         for b in dict.fromkeys(r["backend"] for r in pr):
             pts = sorted((int(r["T"]), float(r["median_ms"])) for r in pr if r["backend"] == b)
-            ax.plot(*zip(*pts), "-", marker="o", color=colors[b], label=b)
+            ax.plot(*zip(*pts), "-", marker="o", ms=4, color=colors[b], label=backend_label(b, cpu))
+        floor = {int(r["T"]): floor_ms(r) for r in pr if floor_ms(r)}
+        (lo, hi), in_view = log_limits([float(r["median_ms"]) for r in pr], list(floor.values()))
+        if floor and in_view:
+            ax.plot(*zip(*sorted(floor.items())), ":", color="black", label="roofline floor (measured ceilings)")
         r0 = pr[0]
-        ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="median ms",
-               title=f"layer E={r0['E']} topk={r0['topk']} H={r0['H']} I={r0['I']} {quant}")
+        ax.set(yscale="log", ylim=(lo, hi), xlabel="T (tokens)", ylabel="median ms")
+        _title(ax, f"layer {model + ' ' if model else ''}{r0['routing']}", f"E={r0['E']} topk={r0['topk']} H={r0['H']} "
+               f"I={r0['I']} quant {quant}", CPU_TITLE if cpu else "", _floor_title(list(floor.values()), in_view))
+        _plain_log_x(ax, [int(r["T"]) for r in pr])
+        _plain_log_labels(ax.yaxis)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    handles, labels = _legend_entries(axes)
+    return _finish(fig, axes, len(panels), handles, labels, cpu, "MoE layer forward")
+
+
+def gate_figure(rows: list[dict], cpu: bool = False):
+    """The gate: one horizontal bar per backend (median ms, whiskers p20-p80, log axis), one panel per
+    gate spec; the roofline floor a dotted vertical line where it does not squash the axis. The bars
+    are named on the axis (no legend to cover them). ``cpu``: CPU timings (titles say so). A matplotlib
+    figure, or None if there is no timed gate row."""
+    rs = _timed(rows, "gate")
+    if not rs:
+        return None
+    plt = _pyplot()
+
+    specs = list(dict.fromkeys(r["spec"] for r in rs))
+    n_bars = max(sum(1 for r in rs if r["spec"] == s) for s in specs)
+    panel_h = max(2.2, 1.2 + 0.42 * n_bars)  # inches: the title's lines and the axis label, then a bar each
+    fig, axes = plt.subplots(len(specs), 1, figsize=(8.0, panel_h * len(specs)), squeeze=False)
+    backends = list(dict.fromkeys(r["backend"] for r in rs))
+    colors = {b: plt.cm.tab10(i % 10) for i, b in enumerate(backends)}
+    for ax, spec in zip(axes.flat, specs):
+        pr = [r for r in rs if r["spec"] == spec]
+        ys = list(range(len(pr)))[::-1]  # the first row on top
+        med = [float(r["median_ms"]) for r in pr]
+        lo_err = [m - float(r["p20_ms"] or m) for m, r in zip(med, pr)]
+        hi_err = [float(r["p80_ms"] or m) - m for m, r in zip(med, pr)]
+        ax.barh(ys, med, xerr=[lo_err, hi_err], color=[colors[r["backend"]] for r in pr], height=0.6,
+                error_kw=dict(ecolor="black", capsize=2, lw=0.8))
+        ax.set_yticks(ys)
+        ax.set_yticklabels([backend_label(r["backend"], cpu) for r in pr], fontsize=8)
+        floors = [f for f in (floor_ms(r) for r in pr) if f]
+        (lo, hi), in_view = log_limits(med + [m + e for m, e in zip(med, hi_err)], floors)
+        hi *= 3  # room for the value labels right of the bars
+        if floors and in_view:
+            ax.axvline(min(floors), ls=":", color="black")
+            ax.text(min(floors), ys[0] + 0.45, " roofline floor", fontsize=7, va="bottom")
+        for y, m, e in zip(ys, med, hi_err):
+            ax.text((m + e) * 1.12, y, f"{m:.3g} ms", va="center", fontsize=7)
+        r0 = pr[0]
+        ax.set(xscale="log", xlim=(lo, hi), ylim=(-0.6, len(pr) - 0.4 + (0.5 if floors and in_view else 0)),
+               xlabel="median ms (whiskers: p20-p80)")
+        _title(ax, f"gate {r0['shape']} {r0['routing']} E={r0['E']} topk={r0['topk']} T={r0['T']}",
+               CPU_TITLE if cpu else "", _floor_title(floors, in_view))
+        _plain_log_labels(ax.xaxis)
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+    return _finish(fig, axes, len(specs), [], [], cpu, "gate")
 
 
 def int_list(parser, name: str, text: str, *, power_of_two: bool = False, most: int | None = None) -> list[int]:
@@ -384,8 +675,29 @@ def int_list(parser, name: str, text: str, *, power_of_two: bool = False, most: 
     return values
 
 
+def markdown_bwd(rows: list[dict], cpu: bool = False) -> str:
+    """The forward + backward rows (benches ``*_bwd``), one line each: forward ms, forward + backward ms,
+    backward / forward, backward TFLOP/s, peak memory (MiB, and how measured), the forward's and the
+    largest gradient's rel. error, notes or the error. "" if there is none."""
+    rs = [r for r in rows if str(r.get("bench") or "").endswith("_bwd")]
+    if not rs:
+        return ""
+    where = f" ({CPU_NOTE})" if cpu else ""
+    out = [f"| spec | backend | fwd ms{where} | fwd+bwd ms | bwd/fwd | bwd TFLOP/s | peak MiB | memory method | rel err "
+           "out / grads | notes / error |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rs:
+        note = " ".join(x for x in (r.get("notes"), f"ERROR {r['error']}" if r.get("error") else None) if x)
+        out.append(f"| {r['spec']} | {backend_label(r['backend'], cpu)} | {_fmt(r.get('fwd_ms'))} | {_fmt(r.get('median_ms'))} | "
+                   f"{_fmt(r.get('bwd_fwd_ratio'))} | {_fmt(r.get('bwd_tflops'))} | {_fmt(r.get('peak_mem_mib'), 0)} | "
+                   f"{r.get('mem_method') or '-'} | {_fmt(r.get('rel_err'), 2)} / {_fmt(r.get('grad_rel_err'), 2)} | "
+                   f"{note.replace('|', '/')[:200]} |")
+    return "\n".join(out)
+
+
 def stats_line(rows: list[dict]) -> str:
-    n_err = sum(1 for r in rows if r.get("error"))
+    n_skip = sum(1 for r in rows if skipped(r))
+    n_err = sum(1 for r in rows if r.get("error")) - n_skip
     n_wrong = sum(1 for r in rows if str(r.get("error") or "").startswith("WRONG"))
-    return f"{len(rows)} rows, {len(rows) - n_err} timed, {n_err} errors ({n_wrong} wrong results)"
+    return (f"{len(rows)} rows, {len(rows) - n_err - n_skip} timed, " + (f"{n_skip} skipped, " if n_skip else "")
+            + f"{n_err} errors ({n_wrong} wrong results)")
 

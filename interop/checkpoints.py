@@ -1,33 +1,44 @@
 """One MoE layer's weights from a Hugging Face safetensors checkpoint, in the layout both backends take.
 
-Checkpoint names (the hub's files; ``L`` the layer, ``i`` the expert):
+Checkpoint names (``L`` the layer, ``i`` the expert; an optional leading ``model.``), in the two layouts
+transformers 5.24 writes:
 
-- **Mixtral** (``model_type="mixtral"``): ``model.layers.L.block_sparse_moe.experts.i.{w1,w3,w2}.weight``
+- **per expert** (the hub's files, and ``save_pretrained``'s default ``save_original_format=True``):
+  Mixtral (``model_type="mixtral"``) ``model.layers.L.block_sparse_moe.experts.i.{w1,w3,w2}.weight``
   (``w1`` gate ``[I, H]``, ``w3`` up ``[I, H]``, ``w2`` down ``[H, I]``), router
-  ``model.layers.L.block_sparse_moe.gate.weight [E, H]``.
-- **Qwen3-MoE** (``"qwen3_moe"``) and **DeepSeek-V3** (``"deepseek_v3"``):
-  ``model.layers.L.mlp.experts.i.{gate_proj,up_proj,down_proj}.weight``, router ``mlp.gate.weight``;
-  DeepSeek-V3 adds ``mlp.gate.e_score_correction_bias [E]`` and the shared experts
-  ``mlp.shared_experts.{gate_proj,up_proj,down_proj}.weight`` (intermediate ``S * I``).
-- **DeepSeek-V3 FP8**: every projection's ``weight`` is float8_e4m3fn with a float32
-  ``weight_scale_inv [ceil(N/128), ceil(K/128)]`` beside it. Despite its name it is the
-  dequantization *multiplier* (``w ~= q * scale`` per 128x128 block), which is exactly the block
-  ``w_scale`` of CONTRACT.md section 3 (``moe_*/ops/quant``: ``[E, ceil(N/128), ceil(K/128)]``).
+  ``model.layers.L.block_sparse_moe.gate.weight [E, H]``; Qwen3-MoE (``"qwen3_moe"``) and DeepSeek-V3
+  (``"deepseek_v3"``) ``model.layers.L.mlp.experts.i.{gate_proj,up_proj,down_proj}.weight``, router
+  ``mlp.gate.weight``.
+- **fused** (``save_pretrained(save_original_format=False)``: the modules' own parameters, for every
+  family under ``mlp``): ``model.layers.L.mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows first) and
+  ``mlp.experts.down_proj [E, H, I]``, router ``mlp.gate.weight``.
 
-Assembled (numpy; FP8 as ``ml_dtypes.float8_e4m3fn``, float weights as float32, exact for bf16):
-``w13 = concat(gate, up) along N -> [E + S, 2I, H]``, ``w2 [E + S, H, I]``, block scales
-``w13_scale [E + S, 2 * ceil(I/128), ceil(H/128)]`` (gate blocks, then up blocks: needs
-``I % 128 == 0`` so the concatenation keeps the 128-row blocks), ``w2_scale [E + S, ceil(H/128),
-ceil(I/128)]``, ``router_weight [E, H]`` float32, ``e_score_correction_bias [E]``. The ``S``
-shared experts (DeepSeek-V3) become the fused shared experts ``E .. E + S - 1`` of the contract,
-the ``S * I`` intermediate split into ``S`` experts of ``I`` (the MLP is a sum over intermediate
-chunks, so this is exact).
+DeepSeek-V3 adds ``mlp.gate.e_score_correction_bias [E]`` and the shared experts
+``mlp.shared_experts.{gate_proj,up_proj,down_proj}.weight`` (intermediate ``S * I``, ``S`` =
+``n_shared_experts``). **FP8** (DeepSeek-V3's format, transformers' ``FineGrainedFP8Config``,
+``quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}``): every expert
+projection is float8_e4m3fn with a ``weight_scale_inv [ceil(N/128), ceil(K/128)]`` beside it (fused:
+``gate_up_proj_scale_inv [E, ceil(2I/128), ceil(H/128)]``, ``down_proj_scale_inv``). Despite its name
+it is the dequantization *multiplier* (``w ~= q * scale`` per 128x128 block): exactly the block
+``w_scale`` of CONTRACT.md section 3.
+
+Assembled (torch CPU tensors **in the checkpoint's dtype**: bf16 stays bf16, FP8 codes float8_e4m3fn):
+``w13 = concat(gate, up) along N -> [E + S, 2I, H]``, ``w2 [E + S, H, I]``, block scales float32
+``w13_scale [E + S, 2 * ceil(I/128), ceil(H/128)]`` (gate blocks, then up blocks: needs ``I % 128 == 0``),
+``w2_scale [E + S, ceil(H/128), ceil(I/128)]``, ``router_weight [E, H]`` (its own dtype: DeepSeek-V3
+keeps it float32), ``e_score_correction_bias [E]`` float32. The ``S`` shared experts become the fused
+shared experts ``E .. E + S - 1`` of the contract, the ``S * I`` intermediate split into ``S`` experts
+of ``I`` (the MLP is a sum over intermediate chunks, so this is exact).
+
+Routing: ``config.json`` beside the weights, read through the pinned transformers' config class
+(``MixtralConfig``, ``Qwen3MoeConfig``, ``DeepseekV3Config``), so an absent key means what transformers
+means by it (Qwen3-MoE ``norm_topk_prob`` False, DeepSeek-V3 ``routed_scaling_factor`` 2.5, ``n_group``
+8, ``n_shared_experts`` 1, ...). Reading a config.json needs transformers (the ``test`` extra); without
+a config.json the routing must come from a preset. Every error names the key, the file and what came.
 
 Files: one ``.safetensors`` file, or a folder with ``model.safetensors.index.json`` (its
-``weight_map``) or with ``*.safetensors`` files; ``config.json`` beside them, if there, gives the
-routing (``num_experts_per_tok``, ``n_group``, ``topk_group``, ``routed_scaling_factor``,
-``norm_topk_prob``). Errors (``ValueError``, ``FileNotFoundError``) name the key, the file, the
-expected shape and what came.
+``weight_map``) or with ``*.safetensors`` files. Non-finite weights are refused (``ValueError`` naming
+each tensor and its NaN / inf count) unless ``allow_nonfinite=True``.
 """
 
 from __future__ import annotations
@@ -36,29 +47,44 @@ import dataclasses
 import json
 import os
 import re
+import warnings
 
-import ml_dtypes
 import numpy as np
 
 from moe_contract.config import FP8_BLOCK, MoEConfig
 
 ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3")
 
-#: arch -> (module prefix under the layer, gate / up / down projection names, router name)
+#: arch -> (per-expert module name under the layer, gate / up / down projection names)
 _NAMES = {
-    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), "gate"),
-    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "gate"),
-    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"), "gate"),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
-_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.")
+#: The fused layout's module (transformers 5.x renames Mixtral's ``block_sparse_moe`` to ``mlp``).
+_FUSED_MODULE = "mlp"
+#: arch -> the transformers config class whose defaults an absent config.json key takes.
+_CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "deepseek_v3": "DeepseekV3Config"}
+#: transformers' ``hidden_act`` names -> the contract's activation (both gelu names are the tanh formula).
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+_LAYER_KEY = re.compile(r"^(?P<pre>(?:model\.)?layers\.(?P<L>\d+)\.(?P<module>block_sparse_moe|mlp))\.(?P<rest>.+)$")
+_FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+#: safetensors' dtype names -> torch's
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
+                       "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "I8": "int8", "U8": "uint8", "I16": "int16",
+                       "I32": "int32", "I64": "int64", "BOOL": "bool"}
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _dtype_name(t) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
 class _Files:
-    """key -> file over one file, an index, or a folder of ``*.safetensors``; tensors read on demand."""
+    """key -> file over one file, an index, or a folder of ``*.safetensors``; tensors read on demand (torch)."""
 
     def __init__(self, path: str):
         if not os.path.exists(path):
@@ -70,7 +96,7 @@ class _Files:
                 with open(index) as f:
                     try:
                         weight_map = json.load(f)["weight_map"]
-                    except (json.JSONDecodeError, KeyError) as exc:
+                    except (json.JSONDecodeError, KeyError, TypeError) as exc:
                         raise ValueError(f"load_moe_layer: {index!r} is not a safetensors index with a 'weight_map' ({exc!r})") from exc
                 self.where = {k: os.path.join(path, v) for k, v in weight_map.items()}
             else:
@@ -95,40 +121,165 @@ class _Files:
     def has(self, key: str) -> bool:
         return key in self.where
 
-    def get(self, key: str, what: str) -> np.ndarray:
-        """The tensor ``key`` as numpy (bf16 / fp16 -> float32 exactly, fp8 e4m3 -> ml_dtypes)."""
+    def _file(self, key: str, what: str):
         if key not in self.where:
             raise ValueError(f"load_moe_layer: missing key {key!r} ({what}) in {self.folder!r}")
         from safetensors import safe_open
-        import torch
 
         fn = self.where[key]
         if not os.path.exists(fn):
             raise FileNotFoundError(f"load_moe_layer: {fn!r} (listed for {key!r} in the index) does not exist")
         if fn not in self._open:
             self._open[fn] = safe_open(fn, framework="pt")
-        t = self._open[fn].get_tensor(key)
-        if t.dtype == torch.float8_e4m3fn:
-            return t.contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
-        if t.dtype in (torch.bfloat16, torch.float16):
-            return t.float().numpy()
-        return t.numpy()
+        return self._open[fn]
+
+    def get(self, key: str, what: str):
+        """The tensor ``key`` as a torch CPU tensor, in its stored dtype."""
+        return self._file(key, what).get_tensor(key)
+
+    def info(self, key: str, what: str) -> tuple[tuple[int, ...], str]:
+        """``(shape, dtype name)`` of ``key`` without reading it (``"bfloat16"``, ``"float8_e4m3fn"``, ...)."""
+        sl = self._file(key, what).get_slice(key)
+        return tuple(sl.get_shape()), _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype().lower())
+
+
+# --------------------------------------------------------------------------------------
+# config.json, read as transformers reads it
+
+
+@dataclasses.dataclass
+class _HFConfig:
+    """config.json through transformers' config class: values, and which keys were absent."""
+
+    path: str
+    raw: dict
+    cls_name: str
+    obj: object
+
+    def present(self, key: str) -> bool:
+        amap = getattr(type(self.obj), "attribute_map", {}) or {}
+        names = {key, amap.get(key)} | {a for a, c in amap.items() if c == key}
+        return any(n in self.raw for n in names if n)
+
+    def get(self, key: str):
+        return getattr(self.obj, key)
+
+    def words(self, key: str) -> str:
+        """``'n_group'=8 (absent from config.json: DeepseekV3Config's default)``."""
+        value = self.get(key)
+        return f"{key!r}={value!r}" + ("" if self.present(key) else f" (absent from config.json: {self.cls_name}'s default)")
+
+
+def _read_hf_config(arch: str, raw: dict, path: str) -> _HFConfig:
+    name = _CONFIG_CLASSES[arch]
+    try:
+        import transformers
+    except ImportError as exc:  # a test extra: needed here only
+        raise ImportError(f"load_moe_layer: reading {path!r} needs transformers (an absent key means what "
+                          f"transformers' {name} means by it): pip install transformers==5.24.0 (the 'test' extra)") from exc
+    cls = getattr(transformers, name)
+    kwargs = {k: v for k, v in raw.items() if k != "model_type"}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            obj = cls(**kwargs)
+    except Exception as exc:  # transformers' strict dataclass validation names the field
+        raise ValueError(f"load_moe_layer: transformers' {name} refuses {path!r}: {' '.join(str(exc).split())}") from exc
+    return _HFConfig(path=path, raw=raw, cls_name=name, obj=obj)
+
+
+#: arch -> MoEConfig field -> config.json key (the routing; sizes are checked against the tensors).
+_ROUTING_KEYS = {
+    "mixtral": {"topk": "num_experts_per_tok", "activation": "hidden_act"},
+    "qwen3_moe": {"topk": "num_experts_per_tok", "renormalize": "norm_topk_prob", "activation": "hidden_act"},
+    "deepseek_v3": {"topk": "num_experts_per_tok", "renormalize": "norm_topk_prob", "num_expert_group": "n_group",
+                    "topk_group": "topk_group", "routed_scaling_factor": "routed_scaling_factor",
+                    "activation": "hidden_act"},
+}
+#: arch -> tensor size -> config.json key
+_SIZE_KEYS = {
+    "mixtral": {"E": "num_local_experts", "H": "hidden_size", "I": "intermediate_size"},
+    "qwen3_moe": {"E": "num_experts", "H": "hidden_size", "I": "moe_intermediate_size"},
+    "deepseek_v3": {"E": "n_routed_experts", "H": "hidden_size", "I": "moe_intermediate_size"},
+}
+
+
+def _routing_from_config(arch: str, hf: _HFConfig) -> dict:
+    """MoEConfig routing fields from config.json (module docstring); raises naming the key."""
+    keys = _ROUTING_KEYS[arch]
+    fields = {"routing": "softmax_topk", "renormalize": True}  # Mixtral's router always renormalizes
+    if arch == "deepseek_v3":
+        fields["routing"] = "biased_grouped_topk"
+        # transformers' DeepseekV3TopkRouter is sigmoid + noaux_tc whatever these say; refuse others than those
+        for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if key in hf.raw and hf.raw[key] != want:
+                raise ValueError(f"load_moe_layer: {hf.path!r} key {key!r} must be {want!r} (DeepSeek-V3's router: "
+                                 f"sigmoid scores, biased grouped top-k); got {hf.raw[key]!r}")
+    for field, key in keys.items():
+        value = hf.get(key)
+        if field == "activation":
+            if value not in _ACTIVATIONS:
+                raise ValueError(f"load_moe_layer: {hf.path!r} key 'hidden_act' must be one of {sorted(_ACTIVATIONS)}; "
+                                 f"got {hf.words('hidden_act')}")
+            value = _ACTIVATIONS[value]
+        elif field == "renormalize":
+            value = bool(value)  # transformers: `if self.norm_topk_prob:`
+        elif field == "routed_scaling_factor":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"load_moe_layer: {hf.path!r} key 'routed_scaling_factor' must be a number; "
+                                 f"got {hf.words('routed_scaling_factor')}")
+            value = float(value)
+        fields[field] = value
+    return fields
+
+
+def _quant_from_config(raw: dict, path: str) -> str | None:
+    """``"fp8_block"`` if config.json's ``quantization_config`` is 128x128 block FP8, None if it has none;
+    refuses every other method or block size (naming the key)."""
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ValueError(f"load_moe_layer: {path!r} key 'quantization_config' must be an object; got {q!r}")
+    where = f"load_moe_layer: {path!r} key 'quantization_config."
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"{where}quant_method' must be 'fp8' (transformers' FineGrainedFP8Config: 128x128 block FP8, "
+                         f"DeepSeek-V3's format), the only quantization read here; got {method!r}")
+    block = q.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
+    if list(block or ()) != [FP8_BLOCK, FP8_BLOCK]:
+        raise ValueError(f"{where}weight_block_size' must be [{FP8_BLOCK}, {FP8_BLOCK}] (the contract's block scales); "
+                         f"got {block!r}")
+    for key, want in (("activation_scheme", "dynamic"), ("expert_dtype", "fp8"), ("fmt", "e4m3")):
+        if key in q and q[key] != want:
+            raise ValueError(f"{where}{key}' must be {want!r} (dynamic 1x128 activation groups, float8_e4m3fn "
+                             f"weights); got {q[key]!r}")
+    return "fp8_block"
+
+
+# --------------------------------------------------------------------------------------
+# The layer
 
 
 @dataclasses.dataclass
 class MoECheckpointLayer:
-    """One MoE layer's weights, assembled (module docstring): numpy, all experts (routed then shared)."""
+    """One MoE layer's weights, assembled (module docstring): torch CPU tensors in the checkpoint's
+    dtype, all experts (routed then shared)."""
 
     arch: str
     layer: int
-    w13: np.ndarray  # [E + S, 2I, H] float32, or float8_e4m3fn codes
-    w2: np.ndarray  # [E + S, H, I]
-    w13_scale: np.ndarray | None  # [E + S, 2*ceil(I/128), ceil(H/128)] float32 multiplier (FP8 checkpoints)
-    w2_scale: np.ndarray | None  # [E + S, ceil(H/128), ceil(I/128)]
-    router_weight: np.ndarray  # [E, H] float32
-    e_score_correction_bias: np.ndarray | None  # [E] float32 (DeepSeek-V3)
+    w13: object  # torch [E + S, 2I, H]: bf16 / fp16 / fp32, or float8_e4m3fn codes
+    w2: object  # torch [E + S, H, I]
+    w13_scale: object | None  # torch [E + S, 2*ceil(I/128), ceil(H/128)] float32 multiplier (FP8 checkpoints)
+    w2_scale: object | None  # torch [E + S, ceil(H/128), ceil(I/128)]
+    router_weight: object  # torch [E, H], the checkpoint's dtype
+    e_score_correction_bias: object | None  # torch [E] float32 (DeepSeek-V3)
     num_shared_experts: int
-    hf_config: dict | None
+    hf_config: dict | None  # config.json as written (None: no config.json)
+    path: str = ""
+    config_path: str | None = None
+    routing: dict | None = None  # MoEConfig routing fields from config.json (None: no config.json)
+    routing_words: dict | None = None  # MoEConfig field -> "'key'=value (absent ...: default)"
 
     @property
     def num_experts(self) -> int:
@@ -146,91 +297,162 @@ class MoECheckpointLayer:
     def is_fp8(self) -> bool:
         return self.w13_scale is not None
 
+    @property
+    def quant(self) -> str:
+        """The checkpoint's quantization as a ``MoEConfig.quant``: ``"fp8_block"`` or ``"none"``."""
+        return "fp8_block" if self.is_fp8 else "none"
+
+    @property
+    def dtype(self) -> str:
+        """The expert weights' dtype name (``"bfloat16"``, ``"float8_e4m3fn"``, ...)."""
+        return _dtype_name(self.w13)
+
     def config(self, preset=None, **overrides) -> MoEConfig:
-        """The layer's :class:`MoEConfig`: sizes from the tensors, routing from ``config.json`` (else
-        from ``preset``, a ``moe_contract.ModelPreset``); ``overrides`` (quant, ep_size, ...) last."""
-        fields = dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                      num_experts=self.num_experts, num_fused_shared_experts=self.num_shared_experts)
-        c = self.hf_config
-        if c is not None:
-            topk = c.get("num_experts_per_tok")
-            if self.arch == "mixtral":
-                fields.update(topk=topk or 2, routing="softmax_topk", renormalize=True)
-            elif self.arch == "qwen3_moe":
-                fields.update(topk=topk, routing="softmax_topk", renormalize=bool(c.get("norm_topk_prob", True)))
-            else:
-                fields.update(topk=topk, routing="biased_grouped_topk", renormalize=bool(c.get("norm_topk_prob", True)),
-                              num_expert_group=c.get("n_group"), topk_group=c.get("topk_group"),
-                              routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)))
-            if c.get("hidden_act", "silu") not in ("silu",):
-                raise ValueError(f"load_moe_layer: hidden_act must be 'silu'; got {c.get('hidden_act')!r}")
+        """The layer's :class:`MoEConfig`: sizes from the tensors, routing from ``config.json`` (else from
+        ``preset``, a ``moe_contract.ModelPreset``; ignored when there is a config.json), ``quant`` the
+        checkpoint's (:attr:`quant`) unless overridden; ``overrides`` (quant, ep_size, ...) last.
+
+        Raises: ValueError without config.json and preset, on sizes overridden to other than the
+        tensors', and on routing values the contract refuses (naming the config.json keys they came from).
+        """
+        sizes = dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                     num_experts=self.num_experts, num_fused_shared_experts=self.num_shared_experts)
+        MoEConfig.check_field_names("MoECheckpointLayer.config", overrides)
+        for name, value in sizes.items():
+            if name in overrides and overrides[name] != value:
+                raise ValueError(f"MoECheckpointLayer.config: {name} is the checkpoint's ({value}, from its tensors); "
+                                 f"got {name}={overrides[name]!r}")
+        fields = dict(sizes, quant=self.quant)
+        if self.routing is not None:
+            fields.update(self.routing)
         elif preset is not None:
             fields.update(topk=preset.topk, routing=preset.routing, renormalize=preset.renormalize,
                           num_expert_group=preset.num_expert_group, topk_group=preset.topk_group,
                           routed_scaling_factor=preset.routed_scaling_factor, activation=preset.activation)
         else:
-            raise ValueError("MoECheckpointLayer.config: no config.json beside the weights; pass a preset for the routing")
-        if fields.get("topk") is None:
-            raise ValueError("MoECheckpointLayer.config: config.json has no num_experts_per_tok")
-        if self.is_fp8 and overrides.get("quant", "fp8_block") == "fp8_per_token":
-            pass  # dequantized and requantized per channel by layer_weights
+            raise ValueError(f"MoECheckpointLayer.config: no config.json beside the weights in {self.path!r}; "
+                             f"pass a preset for the routing (topk, groups, rsf, renormalize)")
         fields.update(overrides)
-        return MoEConfig(**fields)
+        try:
+            return MoEConfig(**fields)
+        except ValueError as exc:
+            if not self.routing_words:
+                raise
+            named = [w for f, w in self.routing_words.items() if re.search(rf"\b{f}\b", str(exc)) and f not in overrides]
+            keys = "; ".join(self.routing_words.values())
+            raise ValueError(f"{exc} [from {self.config_path!r}"
+                             f"{': ' + ', '.join(named) if named else ''}; all routing keys: {keys}]") from exc
 
-    def float_weights(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(w13, w2)`` float32 (FP8 checkpoints dequantized block by block)."""
+    def _check_config(self, config: MoEConfig, op: str) -> None:
+        want = dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                    num_experts=self.num_experts, num_fused_shared_experts=self.num_shared_experts)
+        bad = {k: getattr(config, k) for k, v in want.items() if getattr(config, k) != v}
+        if bad:
+            raise ValueError(f"MoECheckpointLayer.{op}: config must match the checkpoint's sizes {want}; got {bad}")
+
+    def float_weights(self):
+        """``(w13, w2)`` as float torch tensors: the checkpoint's float dtype, or, for FP8 checkpoints,
+        the codes dequantized block by block in float32 (``q * scale``, exact)."""
         if not self.is_fp8:
             return self.w13, self.w2
         return dequantize_block(self.w13, self.w13_scale), dequantize_block(self.w2, self.w2_scale)
 
     def layer_weights(self, config: MoEConfig):
-        """:class:`interop.crosscheck.LayerWeights` for ``config``: FP8 codes and scales as stored when
-        ``config.quant='fp8_block'`` and the checkpoint is FP8, float weights otherwise."""
-        from interop.crosscheck import LayerWeights
+        """:class:`interop.crosscheck.LayerWeights` (numpy, bf16 / FP8 as ml_dtypes: the bits) for ``config``:
+        FP8 codes and scales as stored when ``config.quant='fp8_block'`` and the checkpoint is FP8, float
+        weights otherwise. Raises ValueError if ``config``'s sizes are not the checkpoint's."""
+        from interop.crosscheck import LayerWeights, to_numpy
 
+        self._check_config(config, "layer_weights")
         if self.is_fp8 and config.quant == "fp8_block":
             w13, w2, s13, s2 = self.w13, self.w2, self.w13_scale, self.w2_scale
         else:
             (w13, w2), s13, s2 = self.float_weights(), None, None
-        return LayerWeights(w13=w13, w2=w2, w13_scale=s13, w2_scale=s2, router_weight=self.router_weight,
-                            e_score_correction_bias=self.e_score_correction_bias)
+        return LayerWeights(w13=to_numpy(w13), w2=to_numpy(w2), w13_scale=to_numpy(s13), w2_scale=to_numpy(s2),
+                            router_weight=to_numpy(self.router_weight),
+                            e_score_correction_bias=to_numpy(self.e_score_correction_bias))
 
     def arrays(self, framework: str, config: MoEConfig | None = None) -> dict:
-        """This EP rank's (``config``; default: all experts) weights as jax arrays or torch tensors:
-        ``w13, w2, w13_scale, w2_scale, router_weight, e_score_correction_bias`` (scales None if float)."""
-        from interop.crosscheck import from_numpy
+        """This EP rank's (``config``; default: all experts) weights as jax arrays (default device) or torch
+        tensors (CUDA if there is one; on the CPU they share memory with this layer's tensors):
+        ``w13, w2, w13_scale, w2_scale, router_weight, e_score_correction_bias``.
 
+        dtypes: the checkpoint's (bf16 stays bf16); FP8 checkpoints give float8_e4m3fn codes and float32
+        block scales when ``config`` is None or ``config.quant == "fp8_block"``, else the codes dequantized
+        to bfloat16 (as transformers' ``dequantize=True``) and no scales; the router weight in its stored
+        dtype; the bias float32. Scales are None for float weights.
+
+        Raises: ValueError on an unknown ``framework`` or a ``config`` whose sizes are not the checkpoint's.
+        """
+        import torch
+
+        from interop.crosscheck import _torch_device, from_numpy, to_numpy
+
+        if framework not in ("jax", "torch"):
+            raise ValueError(f"MoECheckpointLayer.arrays: framework must be 'jax' or 'torch'; got {framework!r}")
+        if config is not None:
+            self._check_config(config, "arrays")
         lo, n = config.local_expert_range() if config is not None else (0, self.w13.shape[0])
         out = {"w13": self.w13[lo:lo + n], "w2": self.w2[lo:lo + n],
                "w13_scale": None if self.w13_scale is None else self.w13_scale[lo:lo + n],
                "w2_scale": None if self.w2_scale is None else self.w2_scale[lo:lo + n],
                "router_weight": self.router_weight, "e_score_correction_bias": self.e_score_correction_bias}
-        return {k: from_numpy(None if v is None else np.ascontiguousarray(v), framework) for k, v in out.items()}
+        if self.is_fp8 and config is not None and config.quant != "fp8_block":
+            out["w13"] = dequantize_block(out["w13"], out.pop("w13_scale")).to(torch.bfloat16)
+            out["w2"] = dequantize_block(out["w2"], out.pop("w2_scale")).to(torch.bfloat16)
+            out["w13_scale"] = out["w2_scale"] = None
+        if framework == "torch":
+            device = _torch_device()
+            return {k: None if v is None else v.to(device) for k, v in out.items()}
+        return {k: from_numpy(to_numpy(v), "jax") for k, v in out.items()}
 
 
-def dequantize_block(q: np.ndarray, scale: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
-    """``[..., N, K]`` FP8 codes times ``[..., ceil(N/b), ceil(K/b)]`` block multipliers, float32."""
+def dequantize_block(q, scale, block: int = FP8_BLOCK):
+    """``[..., N, K]`` FP8 codes times ``[..., ceil(N/b), ceil(K/b)]`` block multipliers, float32 (exact).
+    Takes torch tensors (returns torch) or numpy arrays (returns numpy)."""
+    import torch
+
+    if not isinstance(q, torch.Tensor):
+        from interop.crosscheck import from_numpy, to_numpy
+
+        return to_numpy(dequantize_block(from_numpy(q, "torch").cpu(), from_numpy(np.asarray(scale), "torch").cpu(), block))
     N, K = q.shape[-2:]
-    s = np.repeat(np.repeat(scale.astype(np.float32), block, axis=-2)[..., :N, :], block, axis=-1)[..., :K]
-    return q.astype(np.float32) * s
+    s = scale.float().repeat_interleave(block, dim=-2)[..., :N, :].repeat_interleave(block, dim=-1)[..., :K]
+    return q.float() * s
+
+
+def _nonfinite(t) -> tuple[int, int]:
+    """(NaN count, inf count) of a torch tensor (float8_e4m3fn has NaN codes and no inf)."""
+    import torch
+
+    if t.dtype == torch.float8_e4m3fn:
+        return int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum()), 0
+    if not t.is_floating_point():
+        return 0, 0
+    return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
 
 
 def _detect_arch(keys, hf_config: dict | None) -> str:
     if hf_config is not None and hf_config.get("model_type") in ARCHS:
         return hf_config["model_type"]
-    if hf_config is not None and hf_config.get("model_type") == "deepseek_v2":
-        raise ValueError("load_moe_layer: model_type 'deepseek_v2' is not supported (mixtral, qwen3_moe, deepseek_v3)")
+    if hf_config is not None and "model_type" in hf_config:
+        raise ValueError(f"load_moe_layer: config.json model_type must be one of {ARCHS}; got {hf_config['model_type']!r}")
     if any(".block_sparse_moe.experts." in k for k in keys):
         return "mixtral"
-    if any(k.endswith("e_score_correction_bias") or ".shared_experts." in k or k.endswith("weight_scale_inv") for k in keys):
+    if any(k.endswith(".gate.e_score_correction_bias") or ".mlp.shared_experts." in k for k in keys):
         return "deepseek_v3"
+    if any(".mlp.experts.gate_up_proj" in k for k in keys):
+        raise ValueError("load_moe_layer: the fused layout ('mlp.experts.gate_up_proj') of Mixtral and Qwen3-MoE has the "
+                         "same tensor names; put the model's config.json beside the weights, or pass arch=")
     if any(".mlp.experts." in k for k in keys):
         return "qwen3_moe"
     raise ValueError("load_moe_layer: no MoE expert weights found (expected keys like "
-                     "'model.layers.L.block_sparse_moe.experts.i.w1.weight' or 'model.layers.L.mlp.experts.i.gate_proj.weight')")
+                     "'model.layers.L.block_sparse_moe.experts.i.w1.weight', 'model.layers.L.mlp.experts.i.gate_proj.weight' "
+                     "or 'model.layers.L.mlp.experts.gate_up_proj')")
 
 
-def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None) -> MoECheckpointLayer:
+def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None, *,
+                   allow_nonfinite: bool = False) -> MoECheckpointLayer:
     """Load MoE layer ``layer`` (default: the first layer with experts) of the checkpoint at ``path``.
 
     Args:
@@ -239,105 +461,277 @@ def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None)
       layer: the decoder layer index ``L``.
       arch: ``"mixtral"``, ``"qwen3_moe"`` or ``"deepseek_v3"``; default: ``config.json``'s
         ``model_type``, else from the key names.
+      allow_nonfinite: load NaN / inf weights as they are instead of refusing them.
 
-    Returns: :class:`MoECheckpointLayer`.
+    Returns: :class:`MoECheckpointLayer` (torch CPU tensors in the checkpoint's dtype).
 
-    Raises: FileNotFoundError (no file), ValueError (no MoE layer, missing key, wrong shape or dtype,
-      FP8 without scales, ``I % 128 != 0`` with block scales), each naming the key.
+    Raises: FileNotFoundError (no file); ValueError (no MoE layer, missing or unexpected key, wrong shape,
+      non-finite values, FP8 without scales, ``I % 128 != 0`` with block scales, a config.json that
+      disagrees with the tensors or that transformers refuses, an unsupported ``hidden_act``,
+      ``quantization_config`` or DeepSeek ``scoring_func`` / ``topk_method``), each naming the key and
+      the file; TypeError (a dtype other than bf16 / fp16 / fp32 weights or float8_e4m3fn codes);
+      ImportError (a config.json and no transformers).
     """
+    import torch
+
     files = _Files(path)
     cfg_path = os.path.join(files.folder, "config.json")
-    hf_config = None
+    raw = None
     if os.path.exists(cfg_path):
         with open(cfg_path) as f:
             try:
-                hf_config = json.load(f)
+                raw = json.load(f)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"load_moe_layer: {cfg_path!r} is not valid JSON ({exc})") from exc
+        if not isinstance(raw, dict):
+            raise ValueError(f"load_moe_layer: {cfg_path!r} must hold a JSON object; got {type(raw).__name__}")
     if arch is None:
-        arch = _detect_arch(files.where, hf_config)
+        arch = _detect_arch(files.where, raw)
     if arch not in ARCHS:
         raise ValueError(f"load_moe_layer: arch must be one of {ARCHS}; got arch={arch!r}")
-    module, (g_name, u_name, d_name), r_name = _NAMES[arch]
-    layers = sorted({int(m.group(1)) for k in files.where if (m := _EXPERT_KEY.match(k)) and m.group(2) == module})
-    if not layers:
+    if raw is not None and raw.get("model_type", arch) != arch:
+        raise ValueError(f"load_moe_layer: arch={arch!r} but {cfg_path!r} says model_type={raw['model_type']!r}")
+    hf = _read_hf_config(arch, raw, cfg_path) if raw is not None else None
+    config_quant = _quant_from_config(raw, cfg_path) if raw is not None else None
+    module, (g_name, u_name, d_name) = _NAMES[arch]
+
+    # layers with experts: (prefix, layout) per layer index
+    found: dict[int, dict[str, set]] = {}
+    for k in files.where:
+        m = _LAYER_KEY.match(k)
+        if m and m.group("module") in (module, _FUSED_MODULE):
+            found.setdefault(int(m.group("L")), {}).setdefault(m.group("pre"), set()).add(m.group("rest"))
+    moe_layers = {L: mods for L, mods in found.items() if any(r.startswith("experts.") for rs in mods.values() for r in rs)}
+    if not moe_layers:
         raise ValueError(f"load_moe_layer: no '{module}.experts.*' weights for arch {arch!r} in {files.folder!r}")
+    layers = sorted(moe_layers)
     if layer is None:
         layer = layers[0]
     elif layer not in layers:
         raise ValueError(f"load_moe_layer: layer must be one of the MoE layers {layers}; got layer={layer}")
-    pre = f"model.layers.{layer}.{module}"
+    mods = {p: rs for p, rs in moe_layers[layer].items() if any(r.startswith("experts.") for r in rs)}
+    if len(mods) != 1:
+        raise ValueError(f"load_moe_layer: layer {layer} has experts under several modules {sorted(mods)}")
+    pre, rests = next(iter(mods.items()))
+    fused = any(r.startswith(("experts.gate_up_proj", "experts.down_proj")) for r in rests)
+    if fused and any(re.match(r"experts\.\d+\.", r) for r in rests):
+        raise ValueError(f"load_moe_layer: {pre}.experts has both the fused ('gate_up_proj') and the per-expert layout")
+    bad: list[tuple[str, int, int]] = []
 
-    router = files.get(f"{pre}.{r_name}.weight", "router weight [E, H]").astype(np.float32)
+    def get(key: str, what: str, shape: tuple | None = None, kind: str = "float"):
+        t = files.get(key, what)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise ValueError(f"load_moe_layer: {key} ({what}) must have shape {tuple(shape)}; got {tuple(t.shape)}")
+        name = _dtype_name(t)
+        if kind == "float" and name not in _FLOAT_DTYPES:
+            raise TypeError(f"load_moe_layer: {key} ({what}) must be one of {_FLOAT_DTYPES}; got {name}")
+        if kind == "fp8" and name != "float8_e4m3fn":
+            raise TypeError(f"load_moe_layer: {key} ({what}) must be float8_e4m3fn in an FP8 checkpoint; got {name}")
+        if kind == "scale":
+            if name not in _FLOAT_DTYPES + ("float8_e8m0fnu",):
+                raise TypeError(f"load_moe_layer: {key} ({what}) must be float32 (or bf16 / e8m0: converted exactly); "
+                                f"got {name}")
+            t = t.float()
+        nan, inf = _nonfinite(t)
+        if nan or inf:
+            bad.append((key, nan, inf))
+        return t
+
+    # router
+    router = get(f"{pre}.gate.weight", "router weight [E, H]")
     if router.ndim != 2:
-        raise ValueError(f"load_moe_layer: {pre}.{r_name}.weight must be [E, H]; got shape {router.shape}")
+        raise ValueError(f"load_moe_layer: {pre}.gate.weight must be [E, H]; got shape {tuple(router.shape)}")
     E, H = router.shape
     bias = None
-    if files.has(f"{pre}.{r_name}.e_score_correction_bias"):
-        bias = files.get(f"{pre}.{r_name}.e_score_correction_bias", "").astype(np.float32)
-        if bias.shape != (E,):
-            raise ValueError(f"load_moe_layer: {pre}.{r_name}.e_score_correction_bias must be [E={E}]; got shape {bias.shape}")
+    bias_key = f"{pre}.gate.e_score_correction_bias"
+    if files.has(bias_key):
+        if arch != "deepseek_v3":
+            raise ValueError(f"load_moe_layer: {bias_key} exists but arch {arch!r} has no router bias (only deepseek_v3)")
+        bias = get(bias_key, "router bias [E]", (E,)).float()
     elif arch == "deepseek_v3":
-        raise ValueError(f"load_moe_layer: missing key '{pre}.{r_name}.e_score_correction_bias' (DeepSeek-V3's router bias)")
+        raise ValueError(f"load_moe_layer: missing key {bias_key!r} (DeepSeek-V3's router bias) in {files.folder!r}")
 
-    first = f"{pre}.experts.0.{g_name}.weight"
-    fp8 = files.has(first + "_scale_inv") or (files.has(first) and files.get(first, "").dtype == ml_dtypes.float8_e4m3fn)
-    probe = files.get(first, "expert 0 gate projection [I, H]")
-    if probe.ndim != 2 or probe.shape[1] != H:
-        raise ValueError(f"load_moe_layer: {first} must be [I, H={H}]; got shape {probe.shape}")
-    I = probe.shape[0]
+    # experts: the probe gives I, the dtype and FP8
+    if fused:
+        first = f"{pre}.experts.gate_up_proj"
+        shape, dtype_name = files.info(first, "fused gate_up projection [E, 2I, H]")
+        if len(shape) != 3 or shape[0] != E or shape[2] != H or shape[1] % 2:
+            raise ValueError(f"load_moe_layer: {first} must be [E={E}, 2I, H={H}]; got shape {shape}")
+        I = shape[1] // 2
+    else:
+        first = f"{pre}.experts.0.{g_name}.weight"
+        shape, dtype_name = files.info(first, "expert 0 gate projection [I, H]")
+        if len(shape) != 2 or shape[1] != H:
+            raise ValueError(f"load_moe_layer: {first} must be [I, H={H}]; got shape {shape}")
+        I = shape[0]
+    scale_suffix = "_scale_inv"  # weight -> weight_scale_inv; fused gate_up_proj -> gate_up_proj_scale_inv
+    fp8 = dtype_name == "float8_e4m3fn"
+    if not fp8 and dtype_name not in _FLOAT_DTYPES:
+        raise TypeError(f"load_moe_layer: {first} must be one of {_FLOAT_DTYPES} or float8_e4m3fn; got {dtype_name}")
+    dtype = getattr(torch, dtype_name)
+    if config_quant == "fp8_block" and not fp8:
+        raise ValueError(f"load_moe_layer: {cfg_path!r} says quantization_config.quant_method='fp8' but {first} is "
+                         f"{dtype_name}, not float8_e4m3fn")
     if fp8 and I % FP8_BLOCK:
         raise ValueError(f"load_moe_layer: FP8 block scales need I % {FP8_BLOCK} == 0 to concatenate gate and up; got I={I}")
+    kind = "fp8" if fp8 else "float"
 
-    def proj(prefix: str, name: str, shape: tuple[int, int]):
-        key = f"{prefix}.{name}.weight"
-        w = files.get(key, f"[{shape[0]}, {shape[1]}] projection")
-        if w.shape != shape:
-            raise ValueError(f"load_moe_layer: {key} must have shape {shape}; got {w.shape}")
-        if not fp8:
-            if w.dtype == ml_dtypes.float8_e4m3fn:
-                raise ValueError(f"load_moe_layer: {key} is float8_e4m3fn but expert 0 is not; mixed checkpoints are not supported")
-            return w.astype(np.float32), None
-        if w.dtype != ml_dtypes.float8_e4m3fn:
-            raise ValueError(f"load_moe_layer: {key} must be float8_e4m3fn in an FP8 checkpoint; got {w.dtype}")
-        s = files.get(key + "_scale_inv", "its FP8 block scale (the dequantization multiplier)").astype(np.float32)
-        want = (_ceil_div(shape[0], FP8_BLOCK), _ceil_div(shape[1], FP8_BLOCK))
-        if s.shape != want:
-            raise ValueError(f"load_moe_layer: {key}_scale_inv must be [ceil(N/128), ceil(K/128)] = {want}; got {s.shape}")
-        return w, s
+    def check_dtype(key: str, t):
+        if t.dtype != dtype:
+            raise TypeError(f"load_moe_layer: {key} is {_dtype_name(t)} but {first} is {dtype_name}; "
+                            f"mixed dtypes are not supported")
 
-    def expert(prefix: str, inter: int):
-        g, gs = proj(prefix, g_name, (inter, H))
-        u, us = proj(prefix, u_name, (inter, H))
-        d, ds = proj(prefix, d_name, (H, inter))
-        w13 = np.concatenate([g, u], axis=0)
-        s13 = None if gs is None else np.concatenate([gs, us], axis=0)
-        return w13, s13, d, ds
-
-    parts = [expert(f"{pre}.experts.{i}", I) for i in range(E)]
-    extra = sorted({int(m.group(3)) for k in files.where if (m := _EXPERT_KEY.match(k))
-                    and int(m.group(1)) == layer and m.group(2) == module and int(m.group(3)) >= E})
-    if extra:
-        raise ValueError(f"load_moe_layer: experts {extra} exist but the router {pre}.{r_name}.weight has E={E} rows")
-
-    S = 0
+    # shared experts (DeepSeek-V3): the tensors against config.json's n_shared_experts
     shared_pre = f"{pre}.shared_experts"
-    if files.has(f"{shared_pre}.{g_name}.weight"):
-        sg = files.get(f"{shared_pre}.{g_name}.weight", "shared experts' gate projection")
-        if sg.ndim != 2 or sg.shape[1] != H or sg.shape[0] % I:
-            raise ValueError(f"load_moe_layer: {shared_pre}.{g_name}.weight must be [S * I, H] with I={I}, H={H}; got {sg.shape}")
-        S = sg.shape[0] // I
-        w13, s13, d, ds = expert(shared_pre, S * I)
-        nb = I // FP8_BLOCK if fp8 else 0
-        for k in range(S):  # shared expert k: intermediate rows / columns [k*I, (k+1)*I)
-            rows = np.r_[k * I:(k + 1) * I, S * I + k * I:S * I + (k + 1) * I]
-            ks = None if s13 is None else np.concatenate([s13[k * nb:(k + 1) * nb], s13[S * nb + k * nb:S * nb + (k + 1) * nb]])
-            kd = None if ds is None else ds[:, k * nb:(k + 1) * nb]
-            parts.append((w13[rows], ks, np.ascontiguousarray(d[:, k * I:(k + 1) * I]), kd))
+    shared_key = f"{shared_pre}.{g_name}.weight"
+    S = 0
+    if files.has(shared_key):
+        if arch != "deepseek_v3":
+            raise ValueError(f"load_moe_layer: {shared_key} exists but arch {arch!r} has no shared experts")
+        shape, _ = files.info(shared_key, "shared experts' gate projection [S*I, H]")
+        if len(shape) != 2 or shape[1] != H or shape[0] % I:
+            raise ValueError(f"load_moe_layer: {shared_key} must be [S * I, H] with I={I}, H={H}; got {shape}")
+        S = shape[0] // I
+    if hf is not None and arch == "deepseek_v3":
+        S_cfg = hf.get("n_shared_experts")
+        if S_cfg != S:
+            if S == 0:
+                raise ValueError(f"load_moe_layer: missing key {shared_key!r} (the shared experts) in {files.folder!r}: "
+                                 f"{cfg_path!r} says {hf.words('n_shared_experts')}")
+            raise ValueError(f"load_moe_layer: {shared_key} is [{S} * I={I}, H], {S} shared expert(s), but {cfg_path!r} "
+                             f"says {hf.words('n_shared_experts')}")
 
-    w13 = np.stack([p[0] for p in parts])
-    w2 = np.stack([p[2] for p in parts])
-    s13 = np.stack([p[1] for p in parts]) if fp8 else None
-    s2 = np.stack([p[3] for p in parts]) if fp8 else None
+    # config.json's sizes against the tensors
+    if hf is not None:
+        for what, value in (("E", E), ("H", H), ("I", I)):
+            key = _SIZE_KEYS[arch][what]
+            if hf.get(key) != value:
+                raise ValueError(f"load_moe_layer: {cfg_path!r} says {hf.words(key)} but the tensors have {what}={value} "
+                                 f"({first if what == 'I' else pre + '.gate.weight'}); this config.json does not belong "
+                                 f"to these weights")
+
+    # unexpected keys under the MoE module: refused, not ignored
+    s = scale_suffix if fp8 else None
+    allowed = {"gate.weight"} | ({"gate.e_score_correction_bias"} if bias is not None else set())
+    projections = ("gate_up_proj", "down_proj") if fused else (g_name, u_name, d_name)
+    if fused:
+        allowed |= {f"experts.{p}" for p in projections} | ({f"experts.{p}{s}" for p in projections} if fp8 else set())
+    else:
+        for i in range(E):
+            allowed |= {f"experts.{i}.{p}.weight" for p in projections}
+            allowed |= {f"experts.{i}.{p}.weight{s}" for p in projections} if fp8 else set()
+    if S:
+        allowed |= {f"shared_experts.{p}.weight" for p in (g_name, u_name, d_name)}
+        allowed |= {f"shared_experts.{p}.weight{s}" for p in (g_name, u_name, d_name)} if fp8 else set()
+    unexpected = sorted(r for r in moe_layers[layer][pre] if r not in allowed)
+    if unexpected:
+        extra = sorted({int(m.group(1)) for r in unexpected
+                        if (m := re.match(r"experts\.(\d+)\.", r)) and int(m.group(1)) >= E})
+        if extra:
+            raise ValueError(f"load_moe_layer: experts {extra} exist but the router {pre}.gate.weight has E={E} rows")
+        shown = ", ".join(f"'{pre}.{r}'" for r in unexpected[:6])
+        shown += f" and {len(unexpected) - 6} more" if len(unexpected) > 6 else ""
+        raise ValueError(f"load_moe_layer: unexpected key(s) {shown} for a {'FP8' if fp8 else dtype} {arch} layer "
+                         f"(refused rather than ignored)")
+
+    nI, nH = _ceil_div(I, FP8_BLOCK), _ceil_div(H, FP8_BLOCK)
+    w13 = torch.empty((E + S, 2 * I, H), dtype=dtype)
+    w2 = torch.empty((E + S, H, I), dtype=dtype)
+    s13 = torch.empty((E + S, 2 * nI, nH), dtype=torch.float32) if fp8 else None
+    s2 = torch.empty((E + S, nH, nI), dtype=torch.float32) if fp8 else None
+
+    def proj(key: str, shape: tuple, what: str):
+        w = get(key, what, shape, kind)
+        check_dtype(key, w)
+        if not fp8:
+            return w, None
+        sshape = shape[:-2] + (_ceil_div(shape[-2], FP8_BLOCK), _ceil_div(shape[-1], FP8_BLOCK))
+        return w, get(key + scale_suffix, f"FP8 block scale of {key} (the dequantization multiplier)", sshape, "scale")
+
+    if fused:
+        g, gs = proj(f"{pre}.experts.gate_up_proj", (E, 2 * I, H), "fused gate_up projection [E, 2I, H]")
+        w13[:E] = g
+        d, ds = proj(f"{pre}.experts.down_proj", (E, H, I), "fused down projection [E, H, I]")
+        w2[:E] = d
+        if fp8:
+            s13[:E], s2[:E] = gs, ds
+    else:
+        for i in range(E):
+            p = f"{pre}.experts.{i}"
+            g, gs = proj(f"{p}.{g_name}.weight", (I, H), "gate projection [I, H]")
+            u, us = proj(f"{p}.{u_name}.weight", (I, H), "up projection [I, H]")
+            d, ds = proj(f"{p}.{d_name}.weight", (H, I), "down projection [H, I]")
+            w13[i, :I], w13[i, I:], w2[i] = g, u, d
+            if fp8:
+                s13[i, :nI], s13[i, nI:], s2[i] = gs, us, ds
+    if S:
+        g, gs = proj(f"{shared_pre}.{g_name}.weight", (S * I, H), "shared experts' gate projection [S*I, H]")
+        u, us = proj(f"{shared_pre}.{u_name}.weight", (S * I, H), "shared experts' up projection [S*I, H]")
+        d, ds = proj(f"{shared_pre}.{d_name}.weight", (H, S * I), "shared experts' down projection [H, S*I]")
+        for k in range(S):  # shared expert k: intermediate rows / columns [k*I, (k+1)*I)
+            w13[E + k, :I], w13[E + k, I:] = g[k * I:(k + 1) * I], u[k * I:(k + 1) * I]
+            w2[E + k] = d[:, k * I:(k + 1) * I]
+            if fp8:
+                s13[E + k, :nI], s13[E + k, nI:] = gs[k * nI:(k + 1) * nI], us[k * nI:(k + 1) * nI]
+                s2[E + k] = ds[:, k * nI:(k + 1) * nI]
+
+    if bad and not allow_nonfinite:
+        listed = ", ".join(f"{k} ({nan} NaN, {inf} inf)" for k, nan, inf in bad[:8])
+        more = f" and {len(bad) - 8} more tensors" if len(bad) > 8 else ""
+        raise ValueError(f"load_moe_layer: non-finite values in {files.folder!r}: {listed}{more}; no stage's result "
+                         f"means anything on them (allow_nonfinite=True loads them anyway)")
+
+    routing = words = None
+    if hf is not None:
+        routing = _routing_from_config(arch, hf)
+        words = {f: hf.words(k) for f, k in _ROUTING_KEYS[arch].items()}
     return MoECheckpointLayer(arch=arch, layer=layer, w13=w13, w2=w2, w13_scale=s13, w2_scale=s2, router_weight=router,
-                              e_score_correction_bias=bias, num_shared_experts=S, hf_config=hf_config)
+                              e_score_correction_bias=bias, num_shared_experts=S, hf_config=raw, path=path,
+                              config_path=cfg_path if raw is not None else None, routing=routing, routing_words=words)
+
+
+# --------------------------------------------------------------------------------------
+# Given inputs (``epmoe check --inputs``)
+
+INPUT_KEYS = ("x", "router_logits")
+
+
+def load_inputs(path: str, config: MoEConfig) -> tuple[np.ndarray, np.ndarray | None]:
+    """``x [T, H]`` and (if present) ``router_logits [T, E]`` from a safetensors file, as float32 numpy
+    (bf16 / fp16 converted exactly), checked against ``config``.
+
+    Raises: FileNotFoundError (no file); ValueError (not safetensors, unknown or missing key, wrong
+    shape, non-finite values); TypeError (not a float dtype). Each names the file and the key.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load_inputs: {path!r} is not a file")
+    try:
+        with safe_open(path, framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as exc:
+        raise ValueError(f"load_inputs: {path!r} is not a readable safetensors file ({exc})") from exc
+    unknown = sorted(set(tensors) - set(INPUT_KEYS))
+    if unknown:
+        raise ValueError(f"load_inputs: {path!r} has key(s) {unknown}; the keys are {INPUT_KEYS} (x [T, H], "
+                         f"router_logits [T, E])")
+    if "x" not in tensors:
+        raise ValueError(f"load_inputs: {path!r} has no key 'x' (the hidden states [T, H={config.hidden_size}]); "
+                         f"got {sorted(tensors)}")
+    out = {}
+    for key, cols, name in (("x", config.hidden_size, "H"), ("router_logits", config.num_experts, "E")):
+        if key not in tensors:
+            continue
+        t = tensors[key]
+        if _dtype_name(t) not in _FLOAT_DTYPES:
+            raise TypeError(f"load_inputs: {path!r} key {key!r} must be one of {_FLOAT_DTYPES}; got {_dtype_name(t)}")
+        T = tensors["x"].shape[0] if tensors["x"].ndim == 2 else None
+        if t.ndim != 2 or t.shape[1] != cols or t.shape[0] < 1 or (key != "x" and t.shape[0] != T):
+            raise ValueError(f"load_inputs: {path!r} key {key!r} must be [T{'' if key == 'x' else '=' + str(T)}, "
+                             f"{name}={cols}] with T >= 1; got shape {tuple(t.shape)}")
+        nan, inf = _nonfinite(t)
+        if nan or inf:
+            raise ValueError(f"load_inputs: {path!r} key {key!r} has non-finite values ({nan} NaN, {inf} inf)")
+        out[key] = t.float().numpy()
+    return out["x"], out.get("router_logits")

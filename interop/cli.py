@@ -2,7 +2,8 @@
 
 `epmoe check` (the main job) runs one set of inputs through the four implementations of the
 MoE layer (jnp and torch references, Pallas and Triton kernels) stage by stage and judges every
-stage against the numerics contract (`interop/crosscheck.py`); exit 1 names the failing stage.
+stage against the numerics contract (`interop/crosscheck/`; `--backward` adds the backward stages and the
+layer's gradients); exit 1 names the failing stage.
 `epmoe demo` runs the reference MoE layer of a model preset in both frameworks (jnp and torch)
 on the same random inputs and prints what they computed and how far apart they are.
 `epmoe bench` forwards to `benchmarks/bench.py` (a GPU machine; `--tiny` is a CPU smoke test).
@@ -182,7 +183,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
         config = get_preset(args.preset).config(quant=args.quant)
     except ValueError:
         return None  # reported with the other config errors
-    need, have = args.tokens * _token_bytes(config), _host_bytes_available()
+    backward = 2 if args.backward else 1  # every stage output has a gradient beside it
+    need, have = backward * args.tokens * _token_bytes(config), _host_bytes_available()
     if need > have:
         return (f"--tokens {args.tokens} needs about {need / 2**30:.0f} GiB of host memory for the compared stage outputs "
                 f"({have / 2**30:.0f} GiB available)")
@@ -197,25 +199,51 @@ def run_check(args: argparse.Namespace) -> int:
 
     args.layer = getattr(args, "layer", None)
     args.implementations = getattr(args, "implementations", None)
+    args.backward = getattr(args, "backward", False)
+    args.inputs = getattr(args, "inputs", None)
+    # --preset / --quant given or not (the parser leaves them out when not): with --weights the
+    # checkpoint's config.json and dtype decide, and a preset's routing is taken only when asked for.
+    preset_given, quant_given = getattr(args, "preset", None), getattr(args, "quant", None)
+    args.preset, args.quant = preset_given or "tiny", quant_given or "none"
     problem = _check_args(args)
     if problem:
         print(f"epmoe check: {problem}", file=sys.stderr)
         return 2
     preset = get_preset(args.preset)
-    overrides = dict(quant=args.quant, ep_size=args.ep_size, ep_rank=args.ep_rank or 0)
-    weights = None
+    overrides = dict(ep_size=args.ep_size, ep_rank=args.ep_rank or 0)
+    if quant_given is not None or not args.weights:
+        overrides["quant"] = args.quant
+    weights = ckpt = x = logits = None
     try:
         if args.weights:
             from interop.checkpoints import load_moe_layer
 
             ckpt = load_moe_layer(args.weights, layer=args.layer)
+            if ckpt.routing is None and preset_given is None:
+                print(f"epmoe check: --weights {args.weights}: no config.json beside the weights, and the routing "
+                      f"(topk, groups, routed_scaling_factor, renormalize) is not in the tensors: put the model's "
+                      f"config.json there, or pass --preset NAME to take that preset's routing", file=sys.stderr)
+                return 2
+            if ckpt.routing is not None and preset_given is not None:
+                print(f"epmoe check: --preset {preset_given} not used: the routing comes from {ckpt.config_path}",
+                      file=sys.stderr)
             config = ckpt.config(preset, **overrides)
             weights = ckpt.layer_weights(config)
         else:
             config = preset.config(**overrides)
-    except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
+        if args.inputs:
+            from interop.checkpoints import load_inputs
+
+            x, logits = load_inputs(args.inputs, config)
+            if logits is None and weights is None:
+                print(f"epmoe check: --inputs {args.inputs} has no 'router_logits' [T, E={config.num_experts}], and "
+                      f"without --weights there is no router weight to compute them from x", file=sys.stderr)
+                return 2
+            args.tokens = x.shape[0]
+    except (ValueError, TypeError, FileNotFoundError, KeyError, OSError, ImportError) as exc:
         print(f"epmoe check: {exc}", file=sys.stderr)
         return 2
+    args.quant = config.quant
     n_weights = 3 * config.num_total_experts * config.hidden_size * config.intermediate_size
     if not gpu and (weights is None and preset.name not in CPU_PRESETS or n_weights > CPU_MAX_WEIGHT_ELEMENTS):
         print(f"epmoe check: no GPU here, so the Pallas and Triton kernels run interpreted, which takes hours at "
@@ -231,6 +259,14 @@ def run_check(args: argparse.Namespace) -> int:
     if weights is None and 2 * need > have:
         print(f"epmoe check: preset {preset.name} needs about {2 * need / 2**30:.0f} GiB of host memory for its weights "
               f"({have / 2**30:.0f} GiB available); use a larger machine", file=sys.stderr)
+        return 2
+    # --backward with float weights: up to five implementations each keep float32 wgrads and bf16 layer
+    # gradients of the weights (1.5x the float32 weights each); FP8 codes get no weight gradient.
+    grad_need = 8 * need if args.backward and config.quant == "none" else 0
+    if grad_need and (0 if weights is not None else 2 * need) + grad_need > have:
+        print(f"epmoe check: --backward holds every implementation's weight gradients, about {grad_need / 2**30:.0f} "
+              f"GiB of host memory at this size ({have / 2**30:.0f} GiB available); use an FP8 --quant (no weight "
+              f"gradients) or a larger machine", file=sys.stderr)
         return 2
     implementations = list(cc.DEFAULT_IMPLEMENTATIONS)
     if gpu and args.implementations is None:
@@ -263,11 +299,20 @@ def run_check(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
-    print(f"epmoe check: preset {preset.name}{' with weights from ' + args.weights if weights else ''}: "
+    if ckpt is not None:
+        what = (f"{ckpt.arch} layer {ckpt.layer} ({ckpt.dtype}) with weights from {args.weights}, routing from "
+                f"{ckpt.config_path or 'preset ' + preset.name + ' (no config.json)'}")
+    else:
+        what = f"preset {preset.name}"
+    inputs_words = (f"x{', router_logits' if logits is not None else ' (router_logits = x @ router weight)'} "
+                    f"from {args.inputs}" if x is not None else f"skew={args.routing} seed={args.seed}")
+    print(f"epmoe check: {what}: "
           f"H={config.hidden_size} I={config.intermediate_size} E={config.num_experts} topk={config.topk} "
-          f"routing={config.routing} shared={config.num_fused_shared_experts} quant={config.quant} "
-          f"{_ep_words(config, args)}; T={args.tokens} skew={args.routing} seed={args.seed}; "
-          f"{'GPU' if gpu else 'no GPU: kernels interpreted'}; implementations: {', '.join(implementations)}", flush=True)
+          f"routing={config.routing} renormalize={config.renormalize} rsf={config.routed_scaling_factor} "
+          f"shared={config.num_fused_shared_experts} quant={config.quant} "
+          f"{_ep_words(config, args)}; T={args.tokens} {inputs_words}; "
+          f"{'GPU' if gpu else 'no GPU: kernels interpreted'}; implementations: {', '.join(implementations)}"
+          f"{'; forward and backward' if args.backward else ''}", flush=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("starting", total=None)
@@ -280,10 +325,12 @@ def run_check(args: argparse.Namespace) -> int:
         stages = ep = None
         if config.ep_size == 1 or args.ep_rank is not None:  # one rank, stage by stage
             stages = cc.run_crosscheck(config, args.tokens, seed=args.seed, routing=args.routing,
-                                       implementations=implementations, weights=weights, progress=progress)
+                                       implementations=implementations, weights=weights, progress=progress,
+                                       x=x, router_logits=logits, backward=args.backward)
         if config.ep_size > 1:  # every rank end to end, summed, against the single device
             ep = cc.run_ep_check(config, args.tokens, seed=args.seed, routing=args.routing, implementations=implementations,
-                                 weights=weights, dtype=args.ep_dtype, progress=progress)
+                                 weights=weights, dtype=args.ep_dtype, progress=progress, x=x, router_logits=logits,
+                                 backward=args.backward)
         result = cc.merge_results(stages, ep)
     cc.render(result)
     if args.json:
@@ -316,13 +363,20 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"epmoe bench: {path} not found (the benchmarks live in the source tree, not the wheel)", file=sys.stderr)
         return 2
     tiny = "--tiny" in argv
-    if tiny:  # bench.py reads these from sys.argv at import, before torch / jax / triton import
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        os.environ["TRITON_INTERPRET"] = "1"
-    elif "-h" not in argv and "--help" not in argv and not _has_gpu():
+    if tiny:
+        # The CPU smoke test runs in a child process: it needs the interpreters (JAX on the CPU,
+        # TRITON_INTERPRET=1) set before torch / jax / triton import, and setting them here would leak
+        # into this process (a test run or a notebook), turning later Triton imports into interpreted ones.
+        import subprocess
+
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        return subprocess.run([sys.executable, path, *argv], env=env).returncode
+    if "-h" not in argv and "--help" not in argv and not _has_gpu():
         print("epmoe bench: the benchmarks time the kernels on a GPU and there is none here; "
-              "`epmoe bench --tiny` runs the CPU smoke test (interpreted, tiny shapes, timings meaningless)",
-              file=sys.stderr)
+              "`epmoe bench --tiny` runs the CPU smoke test (interpreted, tiny shapes, timings meaningless; "
+              "with --preset tiny or --weights of a tiny checkpoint)", file=sys.stderr)
         return 2
     saved = sys.argv
     sys.argv = [path, *argv]
@@ -376,7 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
         "ep_moe_forward where jax has N devices); --ep-rank r adds rank r's stage-by-stage table.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _add_input_args(check, "model preset (CPU: tiny only; with --weights, its routing, topk and groups are used)")
+    _add_input_args(check, "model preset (default: tiny; CPU: tiny only); with --weights only for a checkpoint "
+                           "without config.json, whose routing (topk, groups, rsf) it then gives")
+    for action in check._actions:  # left out when not given: run_check tells given from default
+        if action.dest in ("preset", "quant"):
+            action.default = argparse.SUPPRESS
+        if action.dest == "quant":
+            action.help += "; default: none, with --weights the checkpoint's (fp8_block for an FP8 checkpoint)"
     check.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks (E must divide)")
     check.add_argument("--ep-rank", type=int, default=None,
                        help="with --ep-size N > 1: also check this rank's experts and partial sum stage by stage "
@@ -385,10 +445,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --ep-size N > 1: input dtype of the EP summary (every rank's layer end to end, summed "
                             "in float32, vs the single device: float32 rounding with float32 inputs, the bf16 rule "
                             "with bf16); the real multi-device JAX path joins where jax has N devices")
+    check.add_argument("--backward", action="store_true",
+                       help="also the backward, judged by CONTRACT.md section 8: each backward stage (combine, GEMM 2 "
+                            "dgrad / wgrad, activation, GEMM 1 dgrad / wgrad, permute, gate: d_y, d_topk_weights, d_a, "
+                            "d_w2, d_h, d_xp, d_w13, d_x, d_router_logits) fed the reference's upstream gradient, and "
+                            "the whole layer's gradients for a seeded random d_out; FP8 layers: straight-through, no "
+                            "weight gradients; with --ep-size N > 1 the EP summary adds the ranks' gradients (d_x, "
+                            "d_router_logits summed, weight gradients as slices) vs the single device")
     check.add_argument("--json", metavar="PATH", help="also write every comparison as JSON to PATH")
     check.add_argument("--weights", metavar="PATH",
                        help="a safetensors checkpoint (file or folder with model.safetensors.index.json) of a "
-                            "Mixtral, Qwen3-MoE or DeepSeek-V3 (bf16 or FP8) model: one MoE layer's weights")
+                            "Mixtral, Qwen3-MoE or DeepSeek-V3 (bf16 or FP8) model: one MoE layer's weights; the "
+                            "routing from its config.json, read as transformers reads it (without one: --preset)")
+    check.add_argument("--inputs", metavar="FILE", default=argparse.SUPPRESS,
+                       help="a safetensors file with x [T, H] (and optionally router_logits [T, E]; without them, "
+                            "x @ the --weights router weight) to check on instead of random inputs; T is x's rows "
+                            "(--tokens is not used)")
     check.add_argument("--layer", type=int, default=argparse.SUPPRESS,
                        help="with --weights: the layer index (default: the first MoE layer)")
     check.add_argument("--implementations", metavar="LIST", default=argparse.SUPPRESS,
@@ -402,8 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="the benchmarks (benchmarks/bench.py; a GPU machine; --tiny: CPU smoke test)",
         description="Forwards every argument to benchmarks/bench.py (`epmoe bench -- --help` lists them), e.g. "
-        "`epmoe bench --quick`. Needs a GPU; `--tiny` is a CPU smoke test. Checkpoint weights (--weights) are not "
-        "supported: the benchmark draws its own inputs per spec.",
+        "`epmoe bench --quick`, `epmoe bench --preset mixtral-8x7b` (that model's shapes and routing, its "
+        "transformers block as the layer's peer) or `epmoe bench --weights PATH` (one MoE layer of a Mixtral, "
+        "Qwen3-MoE or DeepSeek-V3 safetensors checkpoint: its shapes for every spec, its weights for the layer "
+        "rows, compared against transformers' block of that model). Needs a GPU; `--tiny` is a CPU smoke test "
+        "(kernels interpreted; with --preset tiny or a tiny checkpoint).",
         add_help=False,
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)

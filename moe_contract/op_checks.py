@@ -20,6 +20,7 @@ from moe_contract.validation import (
     check_bool,
     check_choice,
     check_dtype,
+    check_nonnegative_int,
     check_per_tensor_scale,
     check_positive_int,
     check_rank,
@@ -170,6 +171,49 @@ def check_grouped_gemm(op: str, x: Any, w: Any, expert_offsets: Any, x_scale: An
     return out_dtype
 
 
+def check_grouped_gemm_dgrad(op: str, d_y: Any, w: Any, expert_offsets: Any, w_scale: Any, out_dtype: Any) -> Any:
+    """``d_y [M_cap, N]`` float, ``w [E, N, K]`` of ``d_y``'s dtype or float8_e4m3fn codes with ``w_scale``.
+    Returns the output dtype (default ``d_y.dtype``)."""
+    check_rank(op, "d_y", d_y, 2, "[M_cap, N]")
+    check_dtype(op, "d_y", d_y, FLOAT_DTYPES)
+    N = d_y.shape[1]
+    check_rank(op, "w", w, 3, f"[E, N, K] with N == d_y.shape[1] (={N})")
+    E = w.shape[0]
+    if w.shape[1] != N:
+        check_shape(op, "w", w, (None, N, None), f"[E, N, K] with N == d_y.shape[1] (={N})")
+    check_shape(op, "expert_offsets", expert_offsets, (E + 1,), f"[E + 1] = ({E + 1},) int32 for w with E={E}")
+    check_dtype(op, "expert_offsets", expert_offsets, ("int32",))
+    check_dtype(op, "w", w, (dtype_name(d_y), FP8_DTYPE))
+    if dtype_name(w) == FP8_DTYPE:
+        if w_scale is None:
+            raise ValueError(f"{op}: w_scale must be given for float8_e4m3fn w; got None")
+        check_weight_scale(op, "w_scale", w_scale, tuple(w.shape))
+    elif w_scale is not None:
+        raise ValueError(f"{op}: w_scale must be None for {dtype_name(w)} w (scales are for float8_e4m3fn); got an array")
+    out_dtype = d_y.dtype if out_dtype is None else out_dtype
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    return out_dtype
+
+
+def check_grouped_gemm_wgrad(op: str, x: Any, d_y: Any, expert_offsets: Any, out_dtype: Any) -> Any:
+    """``x [M_cap, K]`` float, ``d_y [M_cap, N]`` of ``x``'s dtype, ``expert_offsets [E + 1]`` int32.
+    Returns the output dtype (default float32)."""
+    check_rank(op, "x", x, 2, "[M_cap, K]")
+    check_dtype(op, "x", x, FLOAT_DTYPES)
+    M_cap = x.shape[0]
+    check_rank(op, "d_y", d_y, 2, f"[M_cap, N] with M_cap == x.shape[0] (={M_cap})")
+    if d_y.shape[0] != M_cap:
+        check_shape(op, "d_y", d_y, (M_cap, None), f"[M_cap, N] with M_cap == x.shape[0] (={M_cap})")
+    check_dtype(op, "d_y", d_y, (dtype_name(x),))
+    check_rank(op, "expert_offsets", expert_offsets, 1, "[E + 1] int32")
+    if expert_offsets.shape[0] < 1:
+        raise ValueError(f"{op}: expert_offsets must be [E + 1] int32 with E >= 0; got expert_offsets.shape=(0,)")
+    check_dtype(op, "expert_offsets", expert_offsets, ("int32",))
+    out_dtype = "float32" if out_dtype is None else out_dtype
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    return out_dtype
+
+
 def check_act_and_mul(op: str, h: Any, activation: str, quant: str | None, group_size: int, out_dtype: Any) -> Any:
     """Returns the output dtype (default ``h.dtype``)."""
     check_choice(op, "activation", activation, ACTIVATIONS)
@@ -203,3 +247,67 @@ def check_combine(op: str, y: Any, src2dst: Any, topk_weights: Any, routed_scali
     out_dtype = y.dtype if out_dtype is None else out_dtype
     check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
     return out_dtype
+
+
+# --- Backward of the non-GEMM stages (CONTRACT.md section 8) -----------------------------------------
+
+
+def check_act_and_mul_backward(op: str, h: Any, d_a: Any, activation: str, out_dtype: Any) -> Any:
+    """``h [M, 2*I]`` float, ``d_a [M, I]`` float (any of the float dtypes). Returns the output dtype
+    (default ``h.dtype``)."""
+    check_choice(op, "activation", activation, ACTIVATIONS)
+    check_rank(op, "h", h, 2, "[M, 2*I]")
+    check_dtype(op, "h", h, FLOAT_DTYPES)
+    M, two_i = h.shape
+    if two_i % 2:
+        raise ValueError(f"{op}: h must be [M, 2*I] with an even last dim; got h.shape=({M}, {two_i})")
+    check_shape(op, "d_a", d_a, (M, two_i // 2), f"[M, I] = ({M}, {two_i // 2}) for h [M, 2*I]")
+    check_dtype(op, "d_a", d_a, FLOAT_DTYPES)
+    out_dtype = h.dtype if out_dtype is None else out_dtype
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    return out_dtype
+
+
+def check_combine_backward(
+    op: str, d_out: Any, y: Any, src2dst: Any, topk_weights: Any, routed_scaling_factor: float
+) -> None:
+    """The forward's rules for ``y``, ``src2dst``, ``topk_weights`` and ``rsf``; ``d_out [T, H]`` float."""
+    check_combine(op, y, src2dst, topk_weights, routed_scaling_factor, None)
+    T, H = src2dst.shape[0], y.shape[1]
+    check_shape(op, "d_out", d_out, (T, H), f"[T, H] = ({T}, {H})")
+    check_dtype(op, "d_out", d_out, FLOAT_DTYPES)
+
+
+def check_permute_backward(op: str, d_xp: Any, src2dst: Any, num_tokens: Any, out_dtype: Any) -> Any:
+    """``d_xp [M_cap, H]`` float with ``M_cap == T * topk``, ``src2dst [T, topk]`` int32; ``num_tokens``
+    ``None`` or ``T``. Returns the output dtype (default ``d_xp.dtype``)."""
+    check_rank(op, "d_xp", d_xp, 2, "[M_cap, H]")
+    check_dtype(op, "d_xp", d_xp, FLOAT_DTYPES)
+    check_rank(op, "src2dst", src2dst, 2, "[T, topk]")
+    check_dtype(op, "src2dst", src2dst, ("int32",))
+    T, topk = src2dst.shape
+    if d_xp.shape[0] != T * topk:
+        raise ValueError(f"{op}: d_xp must be [M_cap, H] with M_cap == T * topk (={T * topk}); "
+                         f"got d_xp.shape=({d_xp.shape[0]}, {d_xp.shape[1]})")
+    if num_tokens is not None:
+        check_nonnegative_int(op, "num_tokens", num_tokens)
+        if num_tokens != T:
+            raise ValueError(f"{op}: num_tokens must be None or T = src2dst.shape[0] (={T}); got num_tokens={num_tokens}")
+    out_dtype = d_xp.dtype if out_dtype is None else out_dtype
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    return out_dtype
+
+
+def check_select_experts_backward(
+    op: str, router_logits: Any, topk_ids: Any, d_topk_weights: Any, **gate_kwargs: Any
+) -> None:
+    """The forward's rules (``gate_kwargs``: every ``select_experts`` keyword but ``implementation``);
+    ``topk_ids`` int32 / int64 and ``d_topk_weights`` float32, both ``[T, topk + S]``."""
+    check_select_experts(op, router_logits, **gate_kwargs)
+    T = router_logits.shape[0]
+    width = gate_kwargs["topk"] + gate_kwargs["num_fused_shared_experts"]
+    what = f"[T, topk + num_fused_shared_experts] = ({T}, {width})"
+    check_shape(op, "topk_ids", topk_ids, (T, width), what)
+    check_dtype(op, "topk_ids", topk_ids, INT_ID_DTYPES)
+    check_shape(op, "d_topk_weights", d_topk_weights, (T, width), what)
+    check_dtype(op, "d_topk_weights", d_topk_weights, ("float32",))

@@ -46,6 +46,19 @@ supported by XLA:CPU ThunkEmitter``), so on a CPU mesh the same exchange runs as
 worst-case ragged volume); the fallback is logged. GPU meshes use ``ragged_all_to_all`` when
 ``XLA_FLAGS`` holds :data:`RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG` and the dense exchange otherwise (XLA:GPU's
 native ragged op is 13x slower than either in jax 0.11.2; :func:`ep_moe_forward`'s ``exchange``).
+
+Backward (CONTRACT.md section 8, "EP"): ``jax.grad`` / ``jax.vjp`` of the layer, under ``jit``, in both
+modes and both exchanges. The expert stages and the combine run through
+:func:`moe_pallas.layer.routed_experts` (the layer's own ``custom_vjp``: the stages' backward ops, FP8
+straight-through, ``recompute``), the gate through ``select_experts``' ``custom_vjp``, and every
+collective has its transpose in JAX (``psum`` -> ``psum``, ``psum_scatter`` -> ``all_gather``,
+``all_gather`` -> ``psum_scatter``, ``all_to_all`` -> the reverse ``all_to_all``, ``ragged_all_to_all``
+-> the reverse ``ragged_all_to_all``; the dense exchange's gathers and drop-scatters transpose to
+scatter-adds and gathers). With ``check_vma=False`` the ``shard_map`` transpose divides a replicated
+output's cotangent by ``ep`` and sums a replicated input's over ``"ep"``, which with ``psum``'s
+self-transpose gives: each device's weight gradient is its slice of the single-device gradient (in
+the padded ``[ep * E_lmax, ...]`` layout, or the global ``[E + S, ...]`` one when that was passed), and
+``d_x`` / ``d_router_logits`` are the single-device ones (the sums over devices).
 """
 
 from __future__ import annotations
@@ -62,7 +75,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from moe_contract.config import MoEConfig
 from moe_contract.validation import (check_choice, check_config, check_layer_inputs, check_positive_int, check_rank,
                                       stage_implementation)
-from moe_pallas.layer import LAYER_IMPLEMENTATIONS, run_experts, run_gate
+from moe_pallas.layer import LAYER_IMPLEMENTATIONS, routed_experts, run_gate
 from moe_pallas.ops.combine import api as combine_api
 from moe_pallas.ops.combine.api import combine
 from moe_pallas.ops.common import takes_jax_arrays
@@ -227,12 +240,14 @@ def ep_moe_forward(
     implementation: str | None = None,
     out_sharding: str = "replicated",
     exchange: str | None = None,
+    recompute: bool = False,
 ) -> jax.Array:
     """One MoE layer over an ``"ep"`` mesh of ``config.ep_size`` devices: ``[T, H] -> [T, H]``.
 
     Equals the single-device layer (:func:`moe_pallas.moe_forward` with ``ep_size=1``) to float32
     rounding (CONTRACT.md section 6). Jit with ``static_argnames=("config", "mesh", "mode",
-    "implementation", "out_sharding", "exchange")``.
+    "implementation", "out_sharding", "exchange", "recompute")``. Differentiable in ``x``,
+    ``router_logits`` and float ``w13`` / ``w2`` (module docstring, "Backward").
 
     Args:
       x: ``[T, H]`` float32 / bf16 / float16, any sharding (``jit`` reshards it to the mode's
@@ -260,8 +275,15 @@ def ep_moe_forward(
         :data:`RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG`, else dense (measured on two H200s at the
         DeepSeek-V3 layer, T=4096 per device: native ragged 214 ms, decomposed ragged 16.5 ms,
         dense 18.7 ms; and for ``ep == 1``, a local copy, XLA:GPU's ragged op took 380 ms).
+      recompute: what the forward keeps for the backward (static), as :func:`moe_pallas.moe_forward`'s
+        (``False``: the routing and GEMM 1's output; ``True``: the routing only).
 
     Returns: ``out [T, H]`` in ``x.dtype``.
+
+    Gradients (CONTRACT.md section 8): ``x``, ``router_logits`` as the single-device layer's; ``w13`` /
+    ``w2`` (and zero cotangents for the scales) in the layout passed in, each device's experts' rows the
+    single-device gradient's; the padding experts' rows 0. FP8 layers: straight-through, the codes get
+    zero cotangents.
 
     T not divisible by ``ep``: where the tokens are split (``"all_to_all"``, or
     ``out_sharding="tokens"``) ``T`` is padded to ``T_pad``; padded rows are masked (no slot is
@@ -282,10 +304,12 @@ def ep_moe_forward(
         halve the dispatch bytes, not done yet).
 
     Raises: ValueError / TypeError naming the argument, before any computation (mesh size vs
-      ``config.ep_size``, mode, shapes, dtypes).
+      ``config.ep_size``, mode, shapes, dtypes, ``recompute`` not a bool).
     """
     op = "ep_moe_forward"
     check_config(op, config)
+    if not isinstance(recompute, bool):
+        raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
     ep = _check_mesh(op, config, mesh)
     check_choice(op, "mode", mode, MODES)
     check_choice(op, "out_sharding", out_sharding, OUT_SHARDINGS)
@@ -322,10 +346,18 @@ def ep_moe_forward(
 
     T, H = x.shape
     T_pad = -(-T // ep) * ep
+    extra = {}
+    if mode == "replicated":
+        # float32 across the shard_map boundary (the body casts back: exact, the forward is unchanged): the
+        # transpose sums the replicated inputs' cotangents over "ep" (a psum) in float32, rounded once, as the
+        # forward sums the partials (and moe_torch's backward all-reduce). Costs a convert of x otherwise.
+        extra = dict(in_dtypes=(x.dtype, router_logits.dtype))
+        x, router_logits = x.astype(jnp.float32), router_logits.astype(jnp.float32)
     body = functools.partial(
         _replicated_body if mode == "replicated" else _all_to_all_body,
         config=config, ep=ep, e_lmax=e_lmax, starts=starts, counts=counts,
-        implementation=implementation, out_sharding=out_sharding, T=T, T_pad=T_pad, dense=dense,
+        implementation=implementation, out_sharding=out_sharding, T=T, T_pad=T_pad, dense=dense, recompute=recompute,
+        **extra,
     )
     tokens = P() if mode == "replicated" else P(EP_AXIS)
     if mode == "all_to_all" and T_pad != T:
@@ -392,21 +424,26 @@ def _to_local_ids(ids, starts, counts, e_lmax):
     return jnp.where((local >= 0) & (local < count), local, e_lmax)
 
 
-def _experts(x, local_ids, w13, w2, w13_scale, w2_scale, *, config, e_lmax, implementation):
+def _experts(x, topk_weights, local_ids, w13, w2, w13_scale, w2_scale, *, config, e_lmax, implementation,
+             routed_scaling_factor, out_dtype, recompute):
     """This device's experts on rows ``x [R, H]`` with ids ``local_ids [R, topk]`` (``E_lmax`` = not
-    here): ``(y [R*topk, H] in permuted order, RoutingMetadata)``, the expert stages of ``moe_forward``."""
-    return run_experts(x, local_ids, w13, w2, w13_scale, w2_scale, config, implementation,
-                       num_experts=e_lmax + 1, expert_start=0, num_local_experts=e_lmax)
+    here), combined with ``topk_weights``: ``[R, H]`` in ``out_dtype``, the expert stages and combine of
+    ``moe_forward`` with its backward (:func:`moe_pallas.layer.routed_experts`)."""
+    return routed_experts(x, topk_weights, local_ids, w13, w2, config, w13_scale=w13_scale, w2_scale=w2_scale,
+                          implementation=implementation, num_experts=e_lmax + 1, expert_start=0, num_local_experts=e_lmax,
+                          routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype, recompute=recompute)
 
 
 def _replicated_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, *, config, ep, e_lmax, starts, counts,
-                     implementation, out_sharding, T, T_pad, dense):
-    """Per device: all ``T`` tokens, its own experts; partial ``[T, H]`` float32 summed over ``"ep"``."""
+                     implementation, out_sharding, T, T_pad, dense, recompute, in_dtypes):
+    """Per device: all ``T`` tokens, its own experts; partial ``[T, H]`` float32 summed over ``"ep"``.
+    ``x`` and ``router_logits`` arrive in float32 and are cast back to ``in_dtypes`` here."""
+    x, router_logits = x.astype(in_dtypes[0]), router_logits.astype(in_dtypes[1])
     topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
     local_ids = _to_local_ids(topk_ids, starts, counts, e_lmax)
-    y, meta = _experts(x, local_ids, w13, w2, w13_scale, w2_scale, config=config, e_lmax=e_lmax, implementation=implementation)
-    partial = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=jnp.float32,
-                      implementation=stage_implementation(implementation, combine_api))
+    partial = _experts(x, topk_weights, local_ids, w13, w2, w13_scale, w2_scale, config=config, e_lmax=e_lmax,
+                       implementation=implementation, routed_scaling_factor=config.combine_routed_scaling_factor,
+                       out_dtype=jnp.float32, recompute=recompute)
     if out_sharding == "replicated":
         out = jax.lax.psum(partial, EP_AXIS)
     else:  # psum_scatter splits T evenly: pad the partial to T_pad rows (zeros), sliced off outside
@@ -415,7 +452,7 @@ def _replicated_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, *, co
 
 
 def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, *, config, ep, e_lmax, starts, counts,
-                     implementation, out_sharding, T, T_pad, dense):
+                     implementation, out_sharding, T, T_pad, dense, recompute):
     """Per device: its ``T_l`` tokens; rows to the expert owners and back (module docstring)."""
     T_l, H = x.shape
     K = config.num_slots
@@ -445,10 +482,10 @@ def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, *, co
     ids_recv = exchange(ids_send, jnp.full((ep * C,), -1, jnp.int32), send_offsets, send_sizes, my_slot, recv_sizes)
 
     local_ids = _to_local_ids(ids_recv, starts, counts, e_lmax)[:, None]  # [ep*C, 1]
-    y, meta = _experts(x_recv, local_ids, w13, w2, w13_scale, w2_scale, config=config, e_lmax=e_lmax, implementation=implementation)
-    # Un-permute to receive order (weight 1, cast back to x.dtype: exact), then send each row home.
-    y_recv = combine(y, meta.src2dst, jnp.ones((ep * C, 1), jnp.float32), out_dtype=x.dtype,
-                     implementation=stage_implementation(implementation, combine_api))
+    # The experts, un-permuted to receive order (weight 1, no rsf, cast back to x.dtype: exact), then each row home.
+    y_recv = _experts(x_recv, jnp.ones((ep * C, 1), jnp.float32), local_ids, w13, w2, w13_scale, w2_scale, config=config,
+                      e_lmax=e_lmax, implementation=implementation, routed_scaling_factor=1.0, out_dtype=x.dtype,
+                      recompute=recompute)
     y_home = exchange(y_recv, jnp.zeros((C, H), x.dtype), slot_of, recv_sizes, home_offsets, send_sizes)  # [C, H], send order
     out = combine(y_home, send.src2dst, topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=x.dtype,
                   implementation=stage_implementation(implementation, combine_api))  # [T_l, H]; padding rows: 0

@@ -1,10 +1,11 @@
 """The MoE layer as a flax NNX module: :class:`MoELayer` holds one EP rank's expert weights and
-calls :func:`moe_pallas.layer.moe_forward`.
+calls :func:`moe_pallas.layer.moe_forward`; :class:`MoEBlock` adds the router of a transformers sparse-MoE
+block (``[B, S, H]`` hidden states in and out).
 
 State::
 
-    w13   [E_local, 2*I, H]  nnx.Param (bf16 / float16 / float32, quant='none')
-                             or FrozenWeight (float8_e4m3fn codes)
+    w13   [E_local, 2*I, H]  nnx.Param (bf16 / float16 / float32, quant='none'; FrozenWeight with
+                             trainable=False) or FrozenWeight (float8_e4m3fn codes)
     w2    [E_local, H, I]    same rule
     w13_scale, w2_scale      FrozenWeight float32 FP8 weight scales (None for quant='none'):
                              [E_local, N] per-channel (fp8_per_token) or
@@ -12,13 +13,20 @@ State::
     e_score_correction_bias  FrozenWeight [E] float (routing='biased_grouped_topk' only, else None)
 
 Why two Variable types: ``nnx.grad`` and ``nnx.Optimizer(..., wrt=nnx.Param)`` take
-``nnx.Param`` by default. Float weights are ordinary parameters (the reference layer is
-differentiable in them). FP8 codes are not: a gradient step on a float8_e4m3fn code is
-meaningless and the scales belong to the codes; and DeepSeek-V3's correction bias is moved by
-its load-balancing rule, not by gradients (HF holds it as a buffer). So those are
+``nnx.Param`` by default. Float weights are ordinary parameters (``trainable=True``, the default, as
+``nnx.Linear``'s kernel is): ``nnx.grad(model)`` differentiates them through
+:func:`moe_pallas.moe_forward`'s ``custom_vjp`` (CONTRACT.md section 8, every backend) and
+``nnx.Optimizer(model, optax.adamw(...), wrt=nnx.Param)`` updates them. FP8 codes are not: a
+gradient step on a float8_e4m3fn code is meaningless and the scales belong to the codes; and
+DeepSeek-V3's correction bias is moved by its load-balancing rule, not by gradients (HF holds it
+as a buffer). So those are
 :class:`FrozenWeight`, which every filter on ``nnx.Param`` leaves out, and which
 ``nnx.state`` / ``nnx.split`` still carry for checkpoints. The config and the implementation
-name are static (part of the graphdef), so a jitted model retraces only when they change.
+name (and ``recompute``) are static (part of the graphdef), so a jitted model retraces only when
+they change. An FP8 layer is straight-through: gradients reach ``x`` and the router in ``x.dtype``.
+
+Modules take jax arrays only (the functional ops take numpy too, as jnp does): a numpy ``x`` is a
+``TypeError`` naming ``jnp.asarray(x)``, as ``moe_torch``'s modules refuse what is not a torch tensor.
 
 Mirror: ``moe_torch/module.py``.
 """
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moe_contract.config import MoEConfig
@@ -36,25 +45,19 @@ from moe_contract.op_checks import check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
     FLOAT_DTYPES,
+    check_bool,
     check_config,
     check_dtype,
     check_layer_inputs,
     check_layer_weights,
+    check_rank,
     check_shape,
     dtype_name,
 )
 from moe_pallas.layer import LAYER_IMPLEMENTATIONS, WEIGHT_LAYOUT, local_weights, moe_forward
-from moe_pallas.ops.common import check_jax_arrays
+from moe_pallas.ops.common import cast_rounded, check_jax_arrays
 from moe_pallas.ops.dispatch import check_implementation
 from moe_pallas.ops.quant.api import quantize_weight_fp8
-
-#: Experts quantized at a time by :meth:`MoELayer.from_float` / :meth:`MoELayer.from_preset`:
-#: bounds the float32 temporaries of the quantization at full model size (the result is the
-#: same, since every scale layout is per expert).
-QUANT_CHUNK_EXPERTS = 16
-#: The weight quantization, jitted: one compile per chunk shape instead of op-by-op dispatch
-#: (seconds per call eagerly on a CPU). Bit-identical to the eager op (tested in test_modules.py).
-_quantize_weight_fp8 = jax.jit(quantize_weight_fp8, static_argnames=("layout",))
 
 
 class FrozenWeight(nnx.Variable):
@@ -103,14 +106,23 @@ def check_global_weights(op: str, config: MoEConfig, w13, w2) -> None:
 
 def quantize_chunked(w: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array]:
     """``w [E_local, N, K]`` float -> ``(q float8_e4m3fn, scale float32)`` in ``config.quant``'s
-    weight layout, :data:`QUANT_CHUNK_EXPERTS` experts at a time (bit-identical to one call)."""
-    layout = WEIGHT_LAYOUT[config.quant]
-    parts = [_quantize_weight_fp8(w[i : i + QUANT_CHUNK_EXPERTS], layout) for i in range(0, w.shape[0], QUANT_CHUNK_EXPERTS)]
-    if len(parts) == 1:
-        return parts[0]
-    return jnp.concatenate([p[0] for p in parts]), jnp.concatenate([p[1] for p in parts])
+    weight layout: :func:`quantize_weight_fp8`, which works a chunk of experts at a time (at most
+    one chunk's float32 copy, 1 GiB by default, beyond ``w`` and the result)."""
+    return quantize_weight_fp8(w, WEIGHT_LAYOUT[config.quant])
 
 
+def check_call_arrays(op: str, named: dict) -> None:
+    """The arrays a module is *called* with must be jax arrays (or tracers): a numpy array is a
+    ``TypeError`` that names the conversion (``jnp.asarray(x)``), a torch tensor or anything else one
+    naming what came. The modules of both packages take their own framework's arrays only (the
+    functional ops, ``moe_forward`` included, still take numpy as jnp does)."""
+    for name, value in named.items():
+        if isinstance(value, jax.Array):
+            continue
+        if isinstance(value, (np.ndarray, np.generic)):
+            raise TypeError(f"{op}: {name} must be a jax array (modules take their framework's arrays only); "
+                            f"got numpy.{type(value).__name__}: pass jnp.asarray({name})")
+        check_jax_arrays(op, {name: value}, required=True)
 
 
 class MoELayer(nnx.Module):
@@ -129,13 +141,19 @@ class MoELayer(nnx.Module):
       e_score_correction_bias: ``[E]`` float, for (and only for) ``routing='biased_grouped_topk'``.
       implementation: the backend of every stage (``None``, ``"reference"``, ``"pallas_triton"``),
         as :func:`moe_pallas.moe_forward` takes it; static.
+      trainable: ``True`` (default): float weights (``quant='none'``) are ``nnx.Param`` (``nnx.grad``
+        and optimizers over ``nnx.Param`` train them); ``False``: :class:`FrozenWeight`. FP8 codes,
+        scales and the correction bias are :class:`FrozenWeight` either way.
+      recompute: passed to :func:`moe_pallas.moe_forward` (static): ``False`` (default) keeps GEMM 1's
+        output for the backward, ``True`` only the routing (GEMM 1 recomputed in the backward).
 
-    Works eagerly and under ``nnx.jit`` (alone or inside a larger model).
+    Works eagerly and under ``nnx.jit`` (alone or inside a larger model); differentiable in ``x``,
+    ``router_logits`` and the float weights (CONTRACT.md section 8).
 
     Raises: TypeError / ValueError from :func:`check_module_weights`, before anything is stored.
 
     Source: the layout of SGLang / vLLM ``FusedMoE`` (``w13_weight``, ``w2_weight``, FP8
-    ``*_weight_scale(_inv)`` held as non-trainable parameters).
+    ``*_weight_scale(_inv)``).
     """
 
     def __init__(
@@ -148,15 +166,20 @@ class MoELayer(nnx.Module):
         w2_scale: jax.Array | None = None,
         e_score_correction_bias: jax.Array | None = None,
         implementation: str | None = None,
+        trainable: bool = True,
+        recompute: bool = False,
     ) -> None:
         op = "MoELayer"
+        check_bool(op, "trainable", trainable)
+        check_bool(op, "recompute", recompute)
         check_jax_arrays(op, dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale,
                                   e_score_correction_bias=e_score_correction_bias), required=True)
         check_module_weights(op, config, w13, w2, w13_scale, w2_scale, e_score_correction_bias)
         check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
-        weight = nnx.Param if config.quant == "none" else FrozenWeight
+        weight = nnx.Param if config.quant == "none" and trainable else FrozenWeight
         self.config = config
         self.implementation = implementation
+        self.recompute = recompute
         self.w13 = weight(jnp.asarray(w13))
         self.w2 = weight(jnp.asarray(w2))
         self.w13_scale = None if w13_scale is None else FrozenWeight(jnp.asarray(w13_scale))
@@ -173,6 +196,8 @@ class MoELayer(nnx.Module):
         *,
         e_score_correction_bias: jax.Array | None = None,
         implementation: str | None = None,
+        trainable: bool = True,
+        recompute: bool = False,
     ) -> "MoELayer":
         """This rank's layer from float weights of every expert, quantized per ``config.quant``.
 
@@ -180,6 +205,7 @@ class MoELayer(nnx.Module):
           w13: ``[E + S, 2*I, H]`` float32 / bf16 / float16, every expert (fused shared experts last).
           w2: ``[E + S, H, I]`` float.
           e_score_correction_bias: ``[E]`` float (biased_grouped_topk only).
+          implementation, trainable, recompute: as :class:`MoELayer`.
 
         Returns: a :class:`MoELayer` holding ``local_weights(w, config)``, FP8-quantized with the
         scale layout of ``config.quant`` (bit-identical to :func:`moe_pallas.quantize_layer_weights`
@@ -196,7 +222,7 @@ class MoELayer(nnx.Module):
             w13, s13 = quantize_chunked(w13, config)
             w2, s2 = quantize_chunked(w2, config)
         return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=e_score_correction_bias,
-                   implementation=implementation)
+                   implementation=implementation, trainable=trainable, recompute=recompute)
 
     @classmethod
     def from_preset(
@@ -206,6 +232,8 @@ class MoELayer(nnx.Module):
         seed: int = 0,
         dtype=jnp.bfloat16,
         implementation: str | None = None,
+        trainable: bool = True,
+        recompute: bool = False,
         **config_overrides,
     ) -> "MoELayer":
         """A layer of preset ``name`` with random weights, as the tests and benchmarks draw them.
@@ -217,6 +245,7 @@ class MoELayer(nnx.Module):
             float32), cast to ``dtype`` (round to nearest even) and quantized per ``config.quant``;
             ``moe_torch.EPMoE.from_preset`` with the same arguments holds the same bits.
           dtype: the float weights' dtype (and the ``x`` dtype ``quant='none'`` then takes).
+          implementation, trainable, recompute: as :class:`MoELayer`.
           config_overrides: :meth:`ModelPreset.config` fields (``quant``, ``ep_size``, ``ep_rank``,
             ``hidden_size``...).
 
@@ -250,15 +279,23 @@ class MoELayer(nnx.Module):
         if config.quant != "none":
             w13, s13 = quantize_chunked(w13, config)
             w2, s2 = quantize_chunked(w2, config)
-        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias, implementation=implementation)
+        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias, implementation=implementation,
+                   trainable=trainable, recompute=recompute)
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the float weights are ``nnx.Param`` (``False`` for FP8 layers: codes are FrozenWeight)."""
+        return isinstance(self.w13, nnx.Param)
 
     def __call__(self, x: jax.Array, router_logits: jax.Array) -> jax.Array:
         """``x [T, H]`` (float32 / bf16 / float16; ``w13``'s dtype for ``quant='none'``) and
         ``router_logits [T, E]`` float -> ``out [T, H]`` in ``x.dtype``: this rank's partial sum
         (the sum over EP ranks is the layer's output).
 
-        Raises: ValueError / TypeError from :func:`moe_pallas.moe_forward` (shapes, dtypes).
+        Raises: TypeError if ``x`` or ``router_logits`` is not a jax array (a numpy array: convert it with
+          ``jnp.asarray``); ValueError / TypeError from :func:`moe_pallas.moe_forward` (shapes, dtypes).
         """
+        check_call_arrays("MoELayer", dict(x=x, router_logits=router_logits))
         if self.config.quant == "none" and hasattr(x, "dtype") and dtype_name(x) != dtype_name(self.w13[...]):
             raise TypeError(f"MoELayer: x must have the layer's dtype {dtype_name(self.w13[...])} (quant='none'); "
                             f"got x.dtype={dtype_name(x)}")
@@ -276,4 +313,90 @@ class MoELayer(nnx.Module):
             w2_scale=value(self.w2_scale),
             e_score_correction_bias=value(self.e_score_correction_bias),
             implementation=self.implementation,
+            recompute=self.recompute,
         )
+
+
+class MoEBlock(nnx.Module):
+    """A transformers sparse-MoE block in NNX: the router and :class:`MoELayer`, ``[B, S, H] -> [B, S, H]``.
+
+    What ``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock`` and ``DeepseekV3MoE`` compute (transformers
+    5.24, ``models/{mixtral,qwen3_moe,deepseek_v3}/modeling_*.py``), with the experts run by our layer:
+    ``router_logits = hidden @ router_weight.T`` in the router weight's dtype (float32 accumulation,
+    rounded to that dtype: bf16 logits for a bf16 Mixtral / Qwen3 router, float32 for DeepSeek-V3, whose
+    ``gate.weight`` transformers keeps in float32), then ``layer(hidden [T, H], router_logits [T, E])``.
+    DeepSeek-V3's shared experts are the layer's fused shared experts (``config.num_fused_shared_experts``,
+    added with weight 1 as ``DeepseekV3MoE`` adds its ``shared_experts`` MLP).
+
+    Args:
+      router_weight: ``[E, H]`` float32 / bf16 / float16, the ``gate.weight`` of the block (an ``nnx.Param``:
+        ``nnx.grad`` reaches it through the gate weights, and the float experts through the layer).
+      layer: the :class:`MoELayer` (this EP rank's experts, routing, ``e_score_correction_bias``).
+
+    Under EP (``layer.config.ep_size > 1``) the output is this rank's partial sum, as the layer's.
+    :func:`interop.hf_jax.load_nnx_moe_block` builds one from a Hugging Face checkpoint directory.
+
+    Raises: TypeError (``router_weight`` not a float jax array, ``layer`` not a :class:`MoELayer`),
+      ValueError (``router_weight`` not ``[E, H]`` of the layer's config).
+
+    The torch counterpart is ``moe_torch.HFMoEBlock`` (``moe_torch/hf.py``), which ``moe_torch.patch_hf_model``
+    puts in place of a transformers block; this one is built from a checkpoint instead.
+    """
+
+    def __init__(self, router_weight: jax.Array, layer: MoELayer) -> None:
+        op = "MoEBlock"
+        if not isinstance(layer, MoELayer):
+            raise TypeError(f"{op}: layer must be a moe_pallas.MoELayer; got {type(layer).__module__}.{type(layer).__name__}")
+        check_call_arrays(op, dict(router_weight=router_weight))
+        c = layer.config
+        check_shape(op, "router_weight", router_weight, (c.num_experts, c.hidden_size),
+                    f"[E, H] = ({c.num_experts}, {c.hidden_size}) (the router of the layer's config)")
+        check_dtype(op, "router_weight", router_weight, FLOAT_DTYPES)
+        self.router_weight = nnx.Param(router_weight)
+        self.layer = layer
+
+    @property
+    def config(self) -> MoEConfig:
+        return self.layer.config
+
+    def router_logits(self, hidden_states: jax.Array) -> jax.Array:
+        """``hidden_states [B, S, H]`` (or ``[T, H]``) -> ``router_logits [B*S, E]`` in the router weight's
+        dtype (what transformers' routers return first, e.g. for an auxiliary load-balancing loss).
+
+        A float32 router multiplies at ``Precision.HIGHEST`` (IEEE float32 products, as torch's
+        ``F.linear``): XLA's GPU default for float32 dots is TF32-like (10-bit mantissas), which moved
+        the block's output 7e-5 .. 2e-4 from transformers' on an H200. bf16 / float16 routers keep the
+        default precision (their products are exact in float32 either way)."""
+        w = self.router_weight[...]
+        x = self._flat(hidden_states).astype(w.dtype)
+        precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+        logits = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32)
+        return cast_rounded(logits, w.dtype)
+
+    def __call__(self, hidden_states: jax.Array) -> jax.Array:
+        """``hidden_states [B, S, H]`` (or ``[T, H]``) -> the block's output, same shape and dtype.
+
+        ``hidden_states`` must have the layer's float dtype for ``quant='none'`` (any float dtype for FP8
+        layers, whose activations are quantized per token group / per token by the layer).
+
+        Raises: TypeError (not a jax array: a numpy array names ``jnp.asarray``; a dtype the layer does not
+          take), ValueError (not ``[B, S, H]`` / ``[T, H]`` with the config's ``H``).
+        """
+        x = self._flat(hidden_states)
+        out = self.layer(x, self.router_logits(x))
+        return out.reshape(hidden_states.shape)
+
+    def _flat(self, hidden_states) -> jax.Array:
+        op = "MoEBlock"
+        check_call_arrays(op, dict(hidden_states=hidden_states))
+        H = self.config.hidden_size
+        what = f"[B, S, H] or [T, H] with H={H}"
+        check_rank(op, "hidden_states", hidden_states, (2, 3), what)
+        check_shape(op, "hidden_states", hidden_states, (None,) * (hidden_states.ndim - 1) + (H,), what)
+        check_dtype(op, "hidden_states", hidden_states, FLOAT_DTYPES)
+        want = dtype_name(self.layer.w13[...])
+        if self.config.quant == "none" and dtype_name(hidden_states) != want:
+            raise TypeError(f"{op}: hidden_states must have the layer's dtype {want} (quant='none'); "
+                            f"got hidden_states.dtype={dtype_name(hidden_states)}")
+        return hidden_states.reshape(-1, H)

@@ -1,19 +1,21 @@
 """PyTorch side of the EP-MoE pipeline: per-stage ops (a torch reference and a Triton kernel for each
 stage, ``implementation="triton"``), the layer (``moe_forward``), torch.distributed expert parallelism
-(``ep_moe_forward``) and the module (``EPMoE``). Mirrors ``moe_pallas`` file for file; never imports it.
+(``ep_moe_forward``), the module (``EPMoE``) and transformers' MoE blocks served by it (``patch_hf_model``,
+``moe_torch/hf.py``, torch only). Mirrors ``moe_pallas`` file for file; never imports it.
 
 Under ``TRITON_INTERPRET=1`` (set before triton is imported) the Triton kernels run on CPU tensors,
 exactly: ``moe_torch/ops/triton_interpret.py`` fixes triton 3.6's interpreter's casts and dots."""
 
 from moe_contract import MoEConfig, PRESETS, get_preset
 from moe_torch.ep import ep_moe_forward
+from moe_torch.hf import HFMoEBlock, patch_hf_model
 from moe_torch.layer import local_weights, moe_forward, quantize_layer_weights
 from moe_torch.module import EPMoE
-from moe_torch.ops.activation.api import act_and_mul, gelu_tanh_and_mul, silu_and_mul
-from moe_torch.ops.combine.api import combine
-from moe_torch.ops.gate.api import select_experts
-from moe_torch.ops.grouped_gemm.api import grouped_gemm
-from moe_torch.ops.permute.api import RoutingMetadata, permute, routing_metadata
+from moe_torch.ops.activation.api import act_and_mul, act_and_mul_backward, gelu_tanh_and_mul, silu_and_mul
+from moe_torch.ops.combine.api import combine, combine_backward
+from moe_torch.ops.gate.api import select_experts, select_experts_backward
+from moe_torch.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_wgrad
+from moe_torch.ops.permute.api import RoutingMetadata, permute, permute_backward, routing_metadata
 from moe_torch.ops.quant.api import (
     dequantize_fp8,
     dequantize_weight_fp8,
@@ -24,9 +26,11 @@ from moe_torch.ops.quant.api import (
 )
 
 __all__ = [
-    "EPMoE", "MoEConfig", "PRESETS", "RoutingMetadata", "act_and_mul", "combine", "dequantize_fp8",
-    "dequantize_weight_fp8", "ep_moe_forward", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "local_weights",
-    "moe_forward", "per_token_group_quant_fp8", "per_token_quant_fp8", "permute",
-    "quantize_layer_weights", "quantize_weight_fp8", "routing_metadata", "select_experts",
+    "EPMoE", "HFMoEBlock", "MoEConfig", "PRESETS", "RoutingMetadata", "act_and_mul", "act_and_mul_backward", "combine",
+    "combine_backward", "dequantize_fp8",
+    "dequantize_weight_fp8", "ep_moe_forward", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad",
+    "local_weights",
+    "moe_forward", "patch_hf_model", "per_token_group_quant_fp8", "per_token_quant_fp8", "permute", "permute_backward",
+    "quantize_layer_weights", "quantize_weight_fp8", "routing_metadata", "select_experts", "select_experts_backward",
     "silu_and_mul", "static_quant_fp8",
 ]

@@ -38,10 +38,29 @@ sum is cast once), ``"all_to_all"`` runs the single-device combine on the home r
 equals :func:`moe_torch.moe_forward` on one device to float32 rounding (reassociation of the
 sum over slots, in ``"replicated"``).
 
-gloo (torch 2.11): ``all_reduce``, ``reduce_scatter_tensor`` and ``all_to_all_single`` with
-uneven splits (and zero-row splits) all work, so the CPU runs the same code as NCCL; should a
-backend lack ``reduce_scatter_tensor``, the reduce-scatter falls back to ``all_reduce`` plus a
-slice, with a logged warning (:func:`reduce_scatter_rows`).
+gloo (torch 2.11): ``all_reduce``, ``reduce_scatter_tensor``, ``all_gather_into_tensor`` and
+``all_to_all_single`` with uneven splits (and zero-row splits) all work, so the CPU runs the same
+code as NCCL; should a backend lack ``reduce_scatter_tensor``, the reduce-scatter falls back to
+``all_reduce`` plus a slice, with a logged warning (:func:`reduce_scatter_rows`).
+
+Backward (CONTRACT.md section 8, "EP"): differentiable in ``x``, ``router_logits`` and this rank's
+float ``w13_local`` / ``w2_local``, in both modes. The expert stages and the combine run through
+:func:`moe_torch.layer.routed_experts` (the layer's own backward, FP8 straight-through), the gate
+through ``select_experts``' backward, and each collective is an ``autograd.Function`` with its
+transpose (``torch.distributed`` collectives are not autograd-aware; ``_functional_collectives`` has
+no all-reduce with this transpose, so all four are written here alike)::
+
+    replicated:  x, router_logits: identity        -> backward: all_reduce (sum) of d_x, d_router_logits
+                 partial -> all_reduce              -> backward: identity (every rank's d_out is the same)
+                 partial -> reduce_scatter          -> backward: all_gather of the d_out rows
+    all_to_all:  rows -> all_to_all_single(splits)  -> backward: all_to_all_single(reverse splits)
+
+so each rank's weight gradient is its slice of the single-device gradient, and ``d_x``,
+``d_router_logits`` are the sums over ranks: in "replicated" every rank gets the whole ``[T, ...]``
+sum, in "all_to_all" each rank its own tokens' rows. The sums over ranks run in float32 and are cast
+once (``d_x`` of bf16 ``x``: each rank's part is already rounded to bf16). Every rank must ask for the
+same gradients (as with DDP): the backward runs collectives, which every rank has to enter; a rank
+with no tokens or no received rows still takes part (its weights get exactly-0 gradients).
 
 Sources: SGLang ``EPMoE`` (sgl-project/sglang@3f02617653b8d762affee5011e1d9b2c6c1cc0cb:
 python/sglang/srt/layers/moe/ep_moe/layer.py: local-expert routing on replicated tokens, then
@@ -60,11 +79,13 @@ import torch.distributed as dist
 from moe_contract.config import MoEConfig
 from moe_contract.op_checks import check_select_experts
 from moe_contract.validation import check_choice, check_layer_inputs, stage_implementation
-from moe_torch.layer import LAYER_IMPLEMENTATIONS, run_experts, run_gate
+from moe_torch.layer import LAYER_IMPLEMENTATIONS, routed_experts, run_gate
 from moe_torch.ops.combine import api as combine_api
 from moe_torch.ops.combine.api import combine
 from moe_torch.ops.common import takes_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
+from moe_torch.ops.permute import api as permute_api
+from moe_torch.ops.permute.api import permute
 
 log = logging.getLogger("moe_torch")
 
@@ -74,11 +95,117 @@ EP_MODES = ("replicated", "all_to_all")
 EP_OUTPUTS = ("replicated", "sharded")
 
 
-def _experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, implementation):
-    """This rank's experts (global ids) on the assignments of ``topk_ids [R, k]``: ``(y, meta)``."""
+def _experts(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, implementation, *,
+             routed_scaling_factor: float, out_dtype, recompute: bool):
+    """This rank's experts (global ids) on the assignments of ``topk_ids [R, k]``, combined with
+    ``topk_weights``: ``[R, H]`` in ``out_dtype``, differentiable (:func:`moe_torch.layer.routed_experts`)."""
     expert_start, e_local = config.local_expert_range()
-    return run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
-                       num_experts=config.num_total_experts, expert_start=expert_start, num_local_experts=e_local)
+    return routed_experts(x, topk_weights, topk_ids, w13, w2, config, w13_scale=w13_scale, w2_scale=w2_scale,
+                          implementation=implementation, num_experts=config.num_total_experts, expert_start=expert_start,
+                          num_local_experts=e_local, routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
+                          recompute=recompute)
+
+
+def _sum_over_group(t: torch.Tensor, group) -> torch.Tensor:
+    """A new tensor: the sum of ``t`` over the group, taken in float32 and cast once to ``t.dtype``."""
+    acc = t.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+    dist.all_reduce(acc, group=group)
+    return acc.to(t.dtype)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Replicated inputs (``x``, ``router_logits``): identity forward; the backward sums each gradient
+    over the group (every rank's part comes from its own experts; as Megatron-LM's
+    ``_CopyToModelParallelRegion``, megatron/core/tensor_parallel/mappings.py)."""
+
+    @staticmethod
+    def forward(ctx, group, x, router_logits):
+        ctx.group = group
+        for t, need in zip((x, router_logits), ctx.needs_input_grad[1:3]):
+            if not need:  # stays a tensor without gradient (and without this backward)
+                ctx.mark_non_differentiable(t)
+        return x, router_logits
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_x, d_logits):
+        need_x, need_logits = ctx.needs_input_grad[1:3]
+        # Always in this order on every rank (both when asked for).
+        d_x = _sum_over_group(d_x, ctx.group) if need_x else None
+        d_logits = _sum_over_group(d_logits, ctx.group) if need_logits else None
+        return None, d_x, d_logits
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """The float32 partials' sum over the group, in place; backward: identity (the output is replicated,
+    so every rank's ``d_out`` is the whole layer's and each rank's partial gets it as it is)."""
+
+    @staticmethod
+    def forward(ctx, partial, group):
+        ctx.mark_dirty(partial)
+        dist.all_reduce(partial, group=group)
+        return partial
+
+    @staticmethod
+    def backward(ctx, d_out):
+        return d_out, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """:func:`reduce_scatter_rows`; backward: the all-gather of every rank's ``d_out`` rows into ``[T, H]``."""
+
+    @staticmethod
+    def forward(ctx, partial, group, world_size, rank):
+        ctx.group, ctx.world_size, ctx.T = group, world_size, partial.shape[0]
+        out = reduce_scatter_rows(partial, group, world_size, rank)
+        return out.clone() if out._is_view() else out  # a view here would refuse in-place use by the caller
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        T, P = ctx.T, ctx.world_size
+        c = -(-T // P)
+        mine = torch.nn.functional.pad(d_out, (0, 0, 0, c - d_out.shape[0])).contiguous()  # [c, H], zero padding rows
+        full = mine.new_empty((c * P, d_out.shape[1]))
+        dist.all_gather_into_tensor(full, mine, group=ctx.group)
+        return full[:T], None, None, None
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """``all_to_all_single`` of rows ``[sum(send_splits), H] -> [sum(recv_splits), H]``; backward: the
+    reverse exchange of the gradient rows (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, rows, recv_splits, send_splits, group):
+        ctx.recv_splits, ctx.send_splits, ctx.group = recv_splits, send_splits, group
+        out = rows.new_empty((sum(recv_splits), rows.shape[1]))
+        dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        d_rows = d_out.new_empty((sum(ctx.send_splits), d_out.shape[1]))
+        dist.all_to_all_single(d_rows, d_out.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
+        return d_rows, None, None, None
+
+
+class _NoRows(torch.autograd.Function):
+    """``[0, H]`` rows that depend on ``rows [0, H]`` and ``others`` without computing anything: an owner
+    that received no rows (``others``: its weights), a home rank with no tokens (``others``: its
+    ``router_logits [0, E]``). Backward: zero gradients of the inputs' shapes (the weights' are exactly 0:
+    their experts had no rows). Keeps the rank on the autograd path, so that its backward still enters
+    the exchanges every other rank enters."""
+
+    @staticmethod
+    def forward(ctx, rows, *others):
+        ctx.like = (rows, *others)  # the gradients' shapes and dtypes
+        return rows.new_empty((0, rows.shape[1]))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        return tuple(torch.zeros_like(t) if need else None for t, need in zip(ctx.like, ctx.needs_input_grad))
 
 
 def shard_rows(T: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -150,6 +277,7 @@ def ep_moe_forward(
     e_score_correction_bias: torch.Tensor | None = None,
     implementation: str | None = None,
     out: str | None = None,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """The whole MoE layer over an EP process group: every rank calls it, each with its experts.
 
@@ -170,8 +298,16 @@ def ep_moe_forward(
       out: ``"replicated"`` (replicated mode's default: every rank gets ``[T, H]``) or
         ``"sharded"``: replicated mode, rank ``r`` gets tokens :func:`shard_rows` ``(T, P, r)``;
         all_to_all mode (its default and only layout), each rank gets its own ``[T_r, H]``.
+      recompute: what the forward keeps for the backward, as :func:`moe_torch.moe_forward`'s (``False``:
+        the routing and GEMM 1's output; ``True``: the routing only, GEMM 1 recomputed in the backward).
 
     Returns: the layer's output (the sum over every rank's experts) in ``x.dtype``, laid out per ``out``.
+
+    Gradients (when grad mode is on and an input requires grad; module docstring, "Backward"): this
+    rank's float ``w13_local`` / ``w2_local`` get their slice of the single-device gradient; ``x`` and
+    ``router_logits`` get the sum over ranks (replicated: the whole ``[T, ...]``; all_to_all: this rank's
+    ``[T_r, ...]``). FP8 layers are straight-through (the codes get none). Every rank must ask for the
+    same gradients and call ``backward``: the backward runs the transposed collectives.
 
     Bytes sent per rank per layer (``P`` ranks, ``b`` bytes per element of ``x``, ring algorithms):
       replicated + all_reduce: ``2 (P-1)/P * T*H*4`` (the float32 partial);
@@ -183,10 +319,12 @@ def ep_moe_forward(
       are copied locally by the collective.
 
     Raises: ValueError (shapes, mode / out, a config not matching the group, torch.distributed not
-      initialised, NCCL with CPU tensors), TypeError (dtypes), before any collective.
+      initialised, NCCL with CPU tensors), TypeError (dtypes; ``recompute`` not a bool), before any collective.
     """
     op = "ep_moe_forward"
     check_layer_inputs(op, config, x, router_logits, w13_local, w2_local, w13_scale, w2_scale)
+    if not isinstance(recompute, bool):
+        raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
     # The gate's rules too, here: a rank with no tokens (all_to_all) skips the gate, and every rank
     # must raise alike, or the others would wait in a collective.
     check_select_experts(op, router_logits, **config.gate_kwargs(), e_score_correction_bias=e_score_correction_bias)
@@ -199,25 +337,26 @@ def ep_moe_forward(
     rank, size = _group_rank_size(op, group, config, x)
     if mode == "replicated":
         return _replicated(x, router_logits, w13_local, w2_local, w13_scale, w2_scale, config,
-                           e_score_correction_bias, implementation, group, rank, size, out or "replicated")
+                           e_score_correction_bias, implementation, group, rank, size, out or "replicated", recompute)
     return _all_to_all(x, router_logits, w13_local, w2_local, w13_scale, w2_scale, config,
-                       e_score_correction_bias, implementation, group, size)
+                       e_score_correction_bias, implementation, group, size, recompute)
 
 
-def _replicated(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, implementation, group, rank, size, out):
+def _replicated(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, implementation, group, rank, size, out,
+                recompute):
     """SGLang EPMoE: local experts on all tokens, float32 partial, then the sum over ranks."""
+    x, router_logits = _CopyToGroup.apply(group, x, router_logits)  # backward: d_x, d_logits summed over ranks
     topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
-    y, meta = _experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation)
     # float32 partial: the sum over ranks is then the single-device float32 combine, reassociated.
-    partial = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
-                      out_dtype=torch.float32, implementation=stage_implementation(implementation, combine_api))
+    partial = _experts(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
+                       routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=torch.float32,
+                       recompute=recompute)
     if out == "replicated":
-        dist.all_reduce(partial, group=group)
-        return partial.to(x.dtype)
-    return reduce_scatter_rows(partial, group, size, rank).to(x.dtype)
+        return _AllReduceSum.apply(partial, group).to(x.dtype)
+    return _ReduceScatterRows.apply(partial, group, size, rank).to(x.dtype)
 
 
-def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, implementation, group, size):
+def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, implementation, group, size, recompute):
     """DeepEP-style: dispatch (token, slot) rows to the owner of their expert, compute, send back,
     combine at home."""
     T, H = x.shape
@@ -238,25 +377,26 @@ def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
     # The one host synchronisation of this mode: all_to_all_single takes the splits as lists.
     send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
     R = sum(recv_splits)
-    x_send = x[order // K]  # [A, H]: the token row of each assignment, in send order
+    # [A, H]: the token row of each assignment, in send order (x[order // K]); the permute stage, so that its
+    # backward sums each token's slots in float32 (permute_backward)
+    x_send, _ = permute(x, order.to(torch.int32), topk=K, implementation=stage_implementation(implementation, permute_api))
     ids_send = ids[order].to(torch.int32)  # [A] global expert ids (weights stay home)
-    x_recv = x.new_empty((R, H))
     ids_recv = torch.empty((R,), dtype=torch.int32, device=x.device)
-    works = [dist.all_to_all_single(x_recv, x_send, recv_splits, send_splits, group=group, async_op=True),
-             dist.all_to_all_single(ids_recv, ids_send, recv_splits, send_splits, group=group, async_op=True)]
-    for w in works:
-        w.wait()
-    # -- owner: one expert per received row (topk = 1); every row is local here
+    ids_work = dist.all_to_all_single(ids_recv, ids_send, recv_splits, send_splits, group=group, async_op=True)
+    x_recv = _AllToAllRows.apply(x_send, recv_splits, send_splits, group)  # [R, H]
+    ids_work.wait()
+    # -- owner: one expert per received row (topk = 1, weight 1, no rsf): y rows in receive order, x.dtype
+    # (the combine of one row with weight 1.0 in float32 is exact); every row is local here
     if R:
-        y, meta = _experts(x_recv, ids_recv[:, None], w13, w2, w13_scale, w2_scale, config, implementation)
-        y_recv = y[meta.src2dst[:, 0].long()]  # back to receive order
-    else:  # no kernel launch on zero rows
-        y_recv = x.new_empty((0, H))
+        ones = torch.ones((R, 1), dtype=torch.float32, device=x.device)
+        y_recv = _experts(x_recv, ones, ids_recv[:, None], w13, w2, w13_scale, w2_scale, config, implementation,
+                          routed_scaling_factor=1.0, out_dtype=x.dtype, recompute=recompute)
+    else:  # no kernel launch on zero rows (still on the autograd path: the backward's exchange needs this rank)
+        y_recv = _NoRows.apply(x_recv, w13, w2)
     # -- combine: the reverse exchange, then the single-device combine at home
-    y_back = x.new_empty((T * K, H))
-    dist.all_to_all_single(y_back, y_recv.contiguous(), send_splits, recv_splits, group=group)
-    if T == 0:
-        return x.new_empty((0, H))
+    y_back = _AllToAllRows.apply(y_recv, send_splits, recv_splits, group)  # [T*K, H], send order
+    if T == 0:  # [0, H], on the autograd path through both exchanges (and router_logits [0, E])
+        return _NoRows.apply(y_back, router_logits)
     src2dst = torch.empty((T * K,), dtype=torch.int32, device=x.device)
     src2dst[order] = torch.arange(T * K, dtype=torch.int32, device=x.device)
     return combine(y_back, src2dst.reshape(T, K), topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor,

@@ -16,20 +16,20 @@ from __future__ import annotations
 import torch
 
 from moe_contract.config import ACTIVATION_QUANT, WEIGHT_LAYOUT, MoEConfig
-from moe_contract.validation import check_layer_inputs, check_layer_weights, stage_implementation
+from moe_contract.validation import check_layer_inputs, check_layer_weights, check_positive_int, stage_implementation
 from moe_torch.ops.activation import api as activation_api
-from moe_torch.ops.activation.api import act_and_mul
+from moe_torch.ops.activation.api import act_and_mul, act_and_mul_backward
 from moe_torch.ops.combine import api as combine_api
 from moe_torch.ops.combine.api import combine
 from moe_torch.ops.common import takes_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
 from moe_torch.ops.gate import api as gate_api
-from moe_torch.ops.gate.api import select_experts
+from moe_torch.ops.gate.api import select_experts, select_experts_backward
 from moe_torch.ops.grouped_gemm import api as grouped_gemm_api
-from moe_torch.ops.grouped_gemm.api import grouped_gemm
+from moe_torch.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_wgrad
 from moe_torch.ops.permute import api as permute_api
-from moe_torch.ops.permute.api import permute, routing_metadata
-from moe_torch.ops.quant.api import quantize_weight_fp8
+from moe_torch.ops.permute.api import RoutingMetadata, permute, permute_backward, routing_metadata
+from moe_torch.ops.quant.api import QUANT_CHUNK_BYTES, dequantize_fp8, quantize_weight_fp8
 
 #: Every backend name any stage knows (a stage without the chosen one uses its default).
 LAYER_IMPLEMENTATIONS = tuple(dict.fromkeys(
@@ -49,8 +49,9 @@ def moe_forward(
     w2_scale: torch.Tensor | None = None,
     e_score_correction_bias: torch.Tensor | None = None,
     implementation: str | None = None,
+    recompute: bool = False,
 ) -> torch.Tensor:
-    """One MoE layer on this EP rank (``config.ep_rank``): ``[T, H] -> [T, H]``.
+    """One MoE layer on this EP rank (``config.ep_rank``): ``[T, H] -> [T, H]``, differentiable.
 
     Args:
       x: ``[T, H]`` float32 / bf16 / float16.
@@ -61,8 +62,26 @@ def moe_forward(
       config: the layer (routing, rsf placement, quant, EP).
       w13_scale, w2_scale: FP8 weight scales (see :func:`quantize_layer_weights`).
       e_score_correction_bias: ``[E]`` float, for ``routing='biased_grouped_topk'``.
-      implementation: ``"reference"`` or ``"triton"``, used by every stage that has it; a stage
-        without it uses its default (``None``). ``None``: every stage's default.
+      implementation: ``"reference"`` or ``"triton"``, used by every stage that has it (forward and
+        backward); a stage without it uses its default (``None``). ``None``: every stage's default.
+      recompute: what the forward keeps for the backward (only when a gradient can be asked for:
+        grad mode on and an input that requires grad). ``False``: the routing (``topk_weights``,
+        ``topk_ids``, ``expert_offsets``, ``src2dst``, ``dst2src``) and GEMM 1's output ``h``;
+        ``a = act(g) * u`` is recomputed from ``h``. ``True``: the routing only; the backward
+        re-permutes ``x`` and recomputes ``h`` (one more GEMM 1) and ``a``.
+
+    Activation memory kept per token (``k' = topk + S`` slots, ``b`` bytes of ``x.dtype``), besides
+    ``x`` and ``router_logits`` which autograd holds anyway: ``recompute=False``:
+    ``k' * (2*I*b + 16)`` bytes (DeepSeek-V3, bf16: 9 * (8192 + 16) = 73.9 KB); ``recompute=True``:
+    ``16 * k'`` bytes (144 B). The permuted input ``xp`` and GEMM 2's output ``y`` are never kept: the
+    routing-weight gradient uses ``<y[m], d_out[t]> = <a[m], d_out[t] @ w2[e]>`` (SonicMoE,
+    arXiv 2512.14080, section 3), so the combine's backward needs no ``y``.
+
+    Gradients (CONTRACT.md section 8): ``x``, ``router_logits`` (through ``topk_weights`` only),
+    float ``w13`` / ``w2`` (``[E_local, ...]``, this rank's slice), each accumulated in float32 and
+    returned in its input's dtype. FP8 layers: the backward is straight-through (quantization has
+    gradient identity) on the dequantized weights in ``x.dtype``; FP8 codes, weight scales and
+    ``e_score_correction_bias`` get no gradient.
 
     Returns: ``out [T, H]`` in ``x.dtype``: this rank's partial sum; the sum over EP ranks is
     the layer's output (CONTRACT.md section 6).
@@ -72,6 +91,11 @@ def moe_forward(
     op = "moe_forward"
     check_layer_inputs(op, config, x, router_logits, w13, w2, w13_scale, w2_scale)
     check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
+    if not isinstance(recompute, bool):
+        raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, router_logits, w13, w2)):
+        return _MoELayerFunction.apply(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
+                                       config, implementation, recompute)
 
     topk_weights, topk_ids = run_gate(router_logits, config, e_score_correction_bias, implementation)
     expert_start, e_local = config.local_expert_range()
@@ -91,40 +115,206 @@ def run_gate(router_logits, config: MoEConfig, e_score_correction_bias, implemen
 
 
 def run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, implementation: str | None, *,
-                num_experts: int, expert_start: int, num_local_experts: int):
+                num_experts: int, expert_start: int, num_local_experts: int, return_h: bool = False):
     """The expert stages on the assignments of ``topk_ids [R, k]`` (ids in ``[0, num_experts)``;
     ``[expert_start, expert_start + num_local_experts)`` are the local experts of ``w13``/``w2``):
     routing metadata, permute (+FP8 quant), GEMM 1, act_and_mul (+FP8 quant), GEMM 2.
 
-    Returns ``(y [R*k, H] x.dtype in permuted order, RoutingMetadata)``; rows ``>= M`` are never read."""
+    Returns ``(y [R*k, H] x.dtype in permuted order, RoutingMetadata)`` (and GEMM 1's output
+    ``h [R*k, 2I]`` with ``return_h``); rows ``>= M`` are never read."""
     meta = routing_metadata(topk_ids, num_experts, expert_start=expert_start, num_local_experts=num_local_experts,
                             implementation=stage_implementation(implementation, permute_api))
-    quant = ACTIVATION_QUANT[config.quant]
-    gemm = stage_implementation(implementation, grouped_gemm_api)
-    xq, x_scale = permute(x, meta.dst2src, topk=topk_ids.shape[1], quant=quant,
+    h = _gemm1(x, meta, topk_ids.shape[1], w13, w13_scale, config, implementation)
+    a, a_scale = _act(h, config, implementation)
+    y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype,
+                     implementation=stage_implementation(implementation, grouped_gemm_api))
+    return (y, meta, h) if return_h else (y, meta)
+
+
+def _gemm1(x, meta, k: int, w13, w13_scale, config: MoEConfig, implementation):
+    """permute (+FP8 quant) and GEMM 1: ``h [M_cap, 2I]`` in ``x.dtype``."""
+    xq, x_scale = permute(x, meta.dst2src, topk=k, quant=ACTIVATION_QUANT[config.quant],
                           implementation=stage_implementation(implementation, permute_api))
-    h = grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype, implementation=gemm)
-    a, a_scale = act_and_mul(h, activation=config.activation, quant=quant,
-                             implementation=stage_implementation(implementation, activation_api))
-    y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype, implementation=gemm)
-    return y, meta
+    return grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype,
+                        implementation=stage_implementation(implementation, grouped_gemm_api))
+
+
+def _act(h, config: MoEConfig, implementation):
+    """act_and_mul (+FP8 quant): ``(a [M_cap, I], a_scale or None)``."""
+    return act_and_mul(h, activation=config.activation, quant=ACTIVATION_QUANT[config.quant],
+                       implementation=stage_implementation(implementation, activation_api))
+
+
+class _MoELayerFunction(torch.autograd.Function):
+    """:func:`moe_forward` with the backward of CONTRACT.md section 8, built from the stages' backward
+    ops (each with the layer's ``implementation``). Forward: the stages as in :func:`moe_forward`,
+    keeping the routing and ``h`` (``recompute=False``) or the routing only. Backward, ``c`` the
+    combine's rsf (1 when the gate applied it), ``w_row[m] = c * topk_weights`` of row ``m``'s slot::
+
+        d_y0 = permute(d_out)                          gathered d_out rows [M_cap, H] (unscaled)
+        d_a0 = grouped_gemm_dgrad(d_y0, w2)            float32 [M_cap, I]   (d_out[t] @ w2[e])
+        d_topk_weights[t, j] = c * <a[m], d_a0[m]>     m = src2dst[t, j]; 0 if non-local
+        d_a = w_row * d_a0;  d_w2 = grouped_gemm_wgrad(a, w_row * d_y0)
+        d_h = act_and_mul_backward(h, d_a)
+        d_xp = grouped_gemm_dgrad(d_h, w13);  d_w13 = grouped_gemm_wgrad(permute(x), d_h)
+        d_x = permute_backward(d_xp);  d_router_logits = select_experts_backward(d_topk_weights)
+
+    FP8 layers: ``a`` is its dequantized codes (what GEMM 2 consumed), the dgrads dequantize the weight
+    codes to ``x.dtype`` (straight-through), and no weight gradient is formed (frozen codes).
+    Mirror: ``moe_pallas/layer.py`` (``jax.custom_vjp``).
+    """
+
+    @staticmethod
+    def forward(ctx, x, router_logits, w13, w2, w13_scale, w2_scale, bias, config, implementation, recompute):
+        topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
+        expert_start, e_local = config.local_expert_range()
+        y, meta, h = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
+                                 num_experts=config.num_total_experts, expert_start=expert_start,
+                                 num_local_experts=e_local, return_h=True)
+        out = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
+                      out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))
+        ctx.save_for_backward(x, router_logits, w13, w2, w13_scale, w2_scale, bias, topk_weights, topk_ids,
+                              meta.expert_offsets, meta.src2dst, meta.dst2src, None if recompute else h)
+        ctx.config, ctx.implementation, ctx.recompute = config, implementation, recompute
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        (x, router_logits, w13, w2, w13_scale, w2_scale, bias, topk_weights, topk_ids, offsets, src2dst, dst2src,
+         h) = ctx.saved_tensors
+        config, impl = ctx.config, ctx.implementation
+        need_x, need_logits, need_w13, need_w2 = ctx.needs_input_grad[:4]
+        d_x, d_topk_weights, d_w13, d_w2 = _experts_backward(
+            d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids.shape[1],
+            RoutingMetadata(offsets, src2dst, dst2src), h, config, impl, config.combine_routed_scaling_factor,
+            need_x, need_w13, need_w2)
+        d_logits = None
+        if need_logits:
+            d_logits = select_experts_backward(
+                router_logits, topk_ids, d_topk_weights, **config.gate_kwargs(), e_score_correction_bias=bias,
+                implementation=stage_implementation(impl, gate_api)).to(router_logits.dtype)
+        return d_x, d_logits, d_w13, d_w2, None, None, None, None, None, None
+
+
+def _experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: int, meta: RoutingMetadata, h,
+                      config: MoEConfig, impl, c: float, need_x: bool, need_w13: bool, need_w2: bool):
+    """The backward of the expert stages and the combine (CONTRACT.md section 8; the formulas in
+    :class:`_MoELayerFunction`), shared by it and :class:`_RoutedExpertsFunction`: ``(d_x, d_topk_weights,
+    d_w13, d_w2)``, ``None`` where not asked for (FP8 weights: always ``None``, frozen codes). ``h`` is
+    GEMM 1's output, or ``None`` (recomputed here); ``c`` the combine's scaling factor."""
+    offsets, src2dst, dst2src = meta.expert_offsets, meta.src2dst, meta.dst2src
+    fp8 = config.quant != "none"
+    need_w13, need_w2 = need_w13 and not fp8, need_w2 and not fp8  # FP8 codes are frozen (section 8)
+    gemm = stage_implementation(impl, grouped_gemm_api)
+    perm = stage_implementation(impl, permute_api)
+    T = topk_weights.shape[0]
+    dtype = x.dtype
+    if h is None:  # recompute=True: one more GEMM 1
+        h = _gemm1(x, meta, k, w13, w13_scale, config, impl)
+    a, a_scale = _act(h, config, impl)
+    a = dequantize_fp8(a, a_scale).to(dtype) if fp8 else a  # what GEMM 2 consumed, in x.dtype
+    d_y0, _ = permute(d_out.to(dtype).contiguous(), dst2src, topk=k, implementation=perm)
+    d_a0 = grouped_gemm_dgrad(d_y0, w2, offsets, w_scale=w2_scale, out_dtype=torch.float32, implementation=gemm)
+    live = dst2src >= 0
+    w_row = torch.where(live, topk_weights.reshape(-1)[dst2src.clamp(min=0).long()] * c, 0.0)  # [M_cap] float32
+    dots = (a.float() * d_a0).sum(dim=1)  # <a[m], d_out[t] @ w2[e]>, float32
+    d_topk_weights = torch.where(src2dst >= 0, c * dots[src2dst.clamp(min=0).long()], 0.0)
+    d_a = (w_row[:, None] * d_a0).to(dtype)
+    d_w2 = None
+    if need_w2:
+        d_y = (w_row[:, None] * d_y0.float()).to(dtype)
+        d_w2 = grouped_gemm_wgrad(a, d_y, offsets, implementation=gemm).to(w2.dtype)
+    d_h = act_and_mul_backward(h, d_a, activation=config.activation, out_dtype=dtype,
+                               implementation=stage_implementation(impl, activation_api))
+    d_x = d_w13 = None
+    if need_x:
+        d_xp = grouped_gemm_dgrad(d_h, w13, offsets, w_scale=w13_scale, out_dtype=dtype, implementation=gemm)
+        d_x = permute_backward(d_xp, src2dst, num_tokens=T, out_dtype=dtype, implementation=perm)
+    if need_w13:
+        xp, _ = permute(x, dst2src, topk=k, implementation=perm)
+        d_w13 = grouped_gemm_wgrad(xp, d_h, offsets, implementation=gemm).to(w13.dtype)
+    return d_x, d_topk_weights, d_w13, d_w2
+
+
+# The expert stages and the combine on a given routing, differentiable: what the EP layers (``ep.py``)
+# compose with the gate and their collectives (each of which has its own backward there).
+
+
+def routed_experts(x, topk_weights, topk_ids, w13, w2, config: MoEConfig, *, w13_scale=None, w2_scale=None,
+                   implementation: str | None = None, num_experts: int, expert_start: int, num_local_experts: int,
+                   routed_scaling_factor: float, out_dtype: torch.dtype, recompute: bool = False) -> torch.Tensor:
+    """``combine(run_experts(x, topk_ids), topk_weights)``: the layer without its gate, for ``ep.py``.
+
+    ``x [R, H]``, ``topk_weights [R, k]`` float32, ``topk_ids [R, k]`` int32 in ``[0, num_experts)``
+    (``[expert_start, expert_start + num_local_experts)`` are the experts of ``w13 [E_local, 2I, H]`` /
+    ``w2 [E_local, H, I]``, the others non-local), the combine's ``routed_scaling_factor`` and
+    ``out_dtype``. Returns ``[R, H]`` in ``out_dtype``. Differentiable in ``x``, ``topk_weights`` and float
+    ``w13`` / ``w2`` with :func:`moe_forward`'s backward (the same stages' backward ops, FP8
+    straight-through, ``recompute`` as there); ``topk_ids`` and the scales get none. No argument
+    checks: the caller validated the layer's inputs."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2)):
+        return _RoutedExpertsFunction.apply(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, config,
+                                            implementation, recompute,
+                                            (num_experts, expert_start, num_local_experts, routed_scaling_factor,
+                                             out_dtype))
+    y, meta = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation, num_experts=num_experts,
+                          expert_start=expert_start, num_local_experts=num_local_experts)
+    return combine(y, meta.src2dst, topk_weights, routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
+                   implementation=stage_implementation(implementation, combine_api))
+
+
+class _RoutedExpertsFunction(torch.autograd.Function):
+    """:func:`routed_experts` with :func:`_experts_backward` (``d_topk_weights`` returned, not turned into
+    ``d_router_logits``: the caller's gate has its own backward). Saves what :class:`_MoELayerFunction` saves."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation, recompute, spec):
+        num_experts, expert_start, num_local_experts, c, out_dtype = spec
+        y, meta, h = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
+                                 num_experts=num_experts, expert_start=expert_start,
+                                 num_local_experts=num_local_experts, return_h=True)
+        out = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=c, out_dtype=out_dtype,
+                      implementation=stage_implementation(implementation, combine_api))
+        ctx.save_for_backward(x, w13, w2, w13_scale, w2_scale, topk_weights, meta.expert_offsets, meta.src2dst,
+                              meta.dst2src, None if recompute else h)
+        ctx.config, ctx.implementation, ctx.c, ctx.k = config, implementation, c, topk_ids.shape[1]
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, w13, w2, w13_scale, w2_scale, topk_weights, offsets, src2dst, dst2src, h = ctx.saved_tensors
+        need_x, need_weights, _, need_w13, need_w2 = ctx.needs_input_grad[:5]
+        d_x, d_topk_weights, d_w13, d_w2 = _experts_backward(
+            d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, ctx.k, RoutingMetadata(offsets, src2dst, dst2src), h,
+            ctx.config, ctx.implementation, ctx.c, need_x, need_w13, need_w2)
+        return d_x, d_topk_weights if need_weights else None, None, d_w13, d_w2, None, None, None, None, None, None
 
 
 @takes_torch_tensors
 def quantize_layer_weights(
-    w13: torch.Tensor, w2: torch.Tensor, config: MoEConfig
+    w13: torch.Tensor, w2: torch.Tensor, config: MoEConfig, *, chunk_bytes: int = QUANT_CHUNK_BYTES
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Float weights -> ``(w13, w13_scale, w2, w2_scale)`` in the form ``config.quant`` takes.
 
-    ``quant='none'``: unchanged, scales ``None``. ``'fp8_per_token'``: per-output-channel
-    scales ``[E, N]``. ``'fp8_block'``: 128x128 block scales ``[E, ceil(N/128), ceil(K/128)]``.
+    ``w13 [E, 2*I, H]``, ``w2 [E, H, I]`` float (``E`` the experts given: all ``E + S``, or one
+    rank's ``E_local``). ``quant='none'``: unchanged, scales ``None``. ``'fp8_per_token'``:
+    float8_e4m3fn codes with per-output-channel scales ``[E, N]`` float32. ``'fp8_block'``: 128x128
+    block scales ``[E, ceil(N/128), ceil(K/128)]`` float32.
+
+    Memory: each weight goes through :func:`quantize_weight_fp8` (``w13`` first, then ``w2``), a
+    chunk of experts at a time: beyond the weights and the results, the peak memory is at most one
+    chunk's float32 copy (``chunk_bytes``, default 1 GiB, or one expert's copy if that is larger)
+    plus a few temporaries of the size of the chunk's scales.
+
+    Raises: ValueError / TypeError (shapes, dtypes, ``chunk_bytes`` not an int >= 1).
     """
     check_layer_weights("quantize_layer_weights", config, w13, w2)
+    check_positive_int("quantize_layer_weights", "chunk_bytes", chunk_bytes)
     if config.quant == "none":
         return w13, None, w2, None
     layout = WEIGHT_LAYOUT[config.quant]
-    w13_q, w13_scale = quantize_weight_fp8(w13, layout)
-    w2_q, w2_scale = quantize_weight_fp8(w2, layout)
+    w13_q, w13_scale = quantize_weight_fp8(w13, layout, chunk_bytes=chunk_bytes)
+    w2_q, w2_scale = quantize_weight_fp8(w2, layout, chunk_bytes=chunk_bytes)
     return w13_q, w13_scale, w2_q, w2_scale
 
 

@@ -1,16 +1,24 @@
 """The MoE layer as a ``torch.nn.Module``: :class:`EPMoE` holds one EP rank's expert weights and
 calls :func:`moe_torch.layer.moe_forward`.
 
-State (all ``nn.Parameter(requires_grad=False)``: the Triton kernels have no backward, and
-FP8 codes cannot require grad; as parameters they move with ``.to(device)``, show in
-``named_parameters()`` and round-trip through ``state_dict``)::
+State::
 
-    w13   [E_local, 2*I, H]  bf16 / float16 / float32 (quant='none') or float8_e4m3fn
-    w2    [E_local, H, I]    same dtype rule
-    w13_scale, w2_scale      float32 FP8 weight scales (None for quant='none'):
+    w13   [E_local, 2*I, H]  nn.Parameter (bf16 / float16 / float32, quant='none'; requires_grad=trainable)
+                             or a buffer (float8_e4m3fn codes)
+    w2    [E_local, H, I]    same rule
+    w13_scale, w2_scale      buffers: float32 FP8 weight scales (None for quant='none'):
                              [E_local, N] per-channel (fp8_per_token) or
                              [E_local, ceil(N/128), ceil(K/128)] blocks (fp8_block)
-    e_score_correction_bias  [E] float (routing='biased_grouped_topk' only, else None)
+    e_score_correction_bias  buffer [E] float (routing='biased_grouped_topk' only, else None)
+
+Training (``trainable=True``, the default): the float weights are ordinary trainable parameters, as
+an ``nn.Linear``'s are, so an optimizer over ``model.parameters()`` updates them; the layer's backward
+is :func:`moe_torch.moe_forward`'s (CONTRACT.md section 8, every backend). FP8 codes, their scales and
+DeepSeek-V3's correction bias are buffers: never in ``parameters()``, so no optimizer, weight decay or
+``requires_grad_()`` reaches them (a gradient step on an FP8 code is meaningless; the bias moves by its
+load-balancing rule, and transformers holds it as a buffer too); an FP8 layer is straight-through
+(gradients reach ``x`` and the router, in ``x.dtype``). Buffers and parameters alike move with
+``.to(device)`` and round-trip through ``state_dict`` under the same names.
 
 ``forward`` does nothing on the host but shape checks and launches (no ``.item()``, no
 data-dependent shapes), so it can be captured in a CUDA graph with ``implementation="triton"``
@@ -23,6 +31,7 @@ Mirror: ``moe_pallas/module.py``.
 from __future__ import annotations
 
 
+import numpy as np
 import torch
 
 from moe_contract.config import MoEConfig
@@ -31,6 +40,7 @@ from moe_contract.op_checks import check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
     FLOAT_DTYPES,
+    check_bool,
     check_choice,
     check_config,
     check_dtype,
@@ -44,11 +54,6 @@ from moe_torch.layer import LAYER_IMPLEMENTATIONS, WEIGHT_LAYOUT, local_weights,
 from moe_torch.ops.common import check_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
 from moe_torch.ops.quant.api import quantize_weight_fp8
-
-#: Experts quantized at a time by :meth:`EPMoE.from_float` / :meth:`EPMoE.from_preset`: bounds the
-#: float32 temporaries of the quantization at full model size (the result is the same, since every
-#: scale layout is per expert).
-QUANT_CHUNK_EXPERTS = 16
 
 
 def check_module_weights(
@@ -105,18 +110,81 @@ def check_global_weights(op: str, config: MoEConfig, w13, w2) -> None:
 
 def quantize_chunked(w: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [E_local, N, K]`` float -> ``(q float8_e4m3fn, scale float32)`` in ``config.quant``'s
-    weight layout, :data:`QUANT_CHUNK_EXPERTS` experts at a time (bit-identical to one call)."""
-    layout = WEIGHT_LAYOUT[config.quant]
-    parts = [quantize_weight_fp8(w[i : i + QUANT_CHUNK_EXPERTS], layout) for i in range(0, w.shape[0], QUANT_CHUNK_EXPERTS)]
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    weight layout: :func:`quantize_weight_fp8`, which works a chunk of experts at a time (at most
+    one chunk's float32 copy, 1 GiB by default, beyond ``w`` and the result)."""
+    return quantize_weight_fp8(w, WEIGHT_LAYOUT[config.quant])
 
 
 
 
-def _param(t: torch.Tensor | None) -> torch.nn.Parameter | None:
-    return None if t is None else torch.nn.Parameter(t, requires_grad=False)
+def _module_tensor(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """``module``'s own parameter or buffer ``name`` (``None`` if it has none of that name)."""
+    t = module._parameters.get(name)
+    return module._buffers.get(name) if t is None else t
+
+
+def keep_dtypes_fn(module: torch.nn.Module, fn, names) -> object:
+    """``fn`` of ``Module._apply`` (what ``.to()``, ``.half()``, ``.float()``, ``.cuda()`` apply to
+    every tensor) wrapped so that ``module``'s parameters or buffers ``names`` keep their dtype: where
+    ``fn`` would cast them, they only move to the device ``fn`` moves to. Everything else gets ``fn``.
+
+    Why: torch counts float8 as floating point, so ``model.half()`` would turn FP8 weight codes into
+    float16 numbers (and float32 scales into float16), after which the layer computes garbage or
+    raises. transformers' quantized layers keep their codes and scales under casts the same way.
+    ``fn`` is probed on an empty tensor of each kept tensor's dtype and device to learn its target.
+    """
+    kept = {id(p) for name in names if (p := _module_tensor(module, name)) is not None}
+    if not kept:
+        return fn
+
+    def apply(t):
+        if id(t) not in kept:
+            return fn(t)
+        probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+        if probe.dtype == t.dtype:
+            return fn(t)  # a move (or share_memory_, to_empty...): as asked
+        return t.detach().to(device=probe.device)  # a cast: the device only (a new tensor object, for swap_tensors)
+
+    return apply
+
+
+def check_code_dtypes_on_load(module: torch.nn.Module, state_dict, prefix: str, names, error_msgs: list) -> bool:
+    """For ``Module._load_from_state_dict``: a weight in ``state_dict`` whose FP8-ness differs from
+    ``module``'s parameter (or buffer) of that name is an error (``load_state_dict`` raises ``RuntimeError`` with
+    it, even with ``strict=False``), since ``Parameter.copy_`` would cast FP8 codes to float numbers,
+    or float weights to FP8 codes, without their scales: a silently wrong layer.
+
+    Returns ``True`` if it appended an error (the caller then loads nothing into ``module``)."""
+    before = len(error_msgs)
+    for name in names:
+        p, t = _module_tensor(module, name), state_dict.get(prefix + name)
+        if p is None or not isinstance(t, torch.Tensor):
+            continue
+        if (p.dtype == torch.float8_e4m3fn) != (t.dtype == torch.float8_e4m3fn):
+            held = "FP8 codes with scales" if p.dtype == torch.float8_e4m3fn else "float weights"
+            error_msgs.append(
+                f"dtype mismatch for {prefix}{name}: the module holds {dtype_name(p)} ({held}); the state_dict has "
+                f"{dtype_name(t)} (float weights load into a float layer, FP8 codes with their scales into an FP8 one)")
+    return len(error_msgs) > before
+
+
+def require_torch_tensors(op: str, named: dict) -> None:
+    """``TypeError`` for an argument that is not a ``torch.Tensor``, naming the conversion to use
+    (``torch.from_numpy`` for numpy): each module takes its own framework's arrays only."""
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor):
+            continue
+        if value is None:
+            raise TypeError(f"{op}: {name} must be a torch.Tensor; got None")
+        kind = f"{type(value).__module__}.{type(value).__name__}"
+        if isinstance(value, np.ndarray):
+            how = f"torch.from_numpy({name})"
+        elif hasattr(value, "__dlpack__"):
+            how = f"torch.from_dlpack({name}) (or interop.dlpack.to_torch)"
+        else:
+            how = f"torch.as_tensor({name})"
+        raise TypeError(f"{op}: {name} must be a torch.Tensor (moe_torch modules take torch tensors only); got {kind}: "
+                        f"convert it with {how}")
 
 
 class EPMoE(torch.nn.Module):
@@ -141,16 +209,34 @@ class EPMoE(torch.nn.Module):
         output; ``config.ep_rank`` / ``ep_size`` must match the group.
       ep_mode: ``"replicated"`` (the default with a group: every rank the same ``x [T, H]``,
         all-reduce) or ``"all_to_all"`` (each rank its own tokens ``x [T_r, H]``, DeepEP-style
-        dispatch / combine; a host sync per call, not CUDA-graph capturable).
+        dispatch / combine; a host sync per call, not CUDA-graph capturable). Differentiable too
+        (:func:`moe_torch.ep.ep_moe_forward`'s backward: each rank's weight gradient is its slice of
+        the single-device one; every rank must run the backward, as with DDP).
+      trainable: ``True`` (default): float weights (``quant='none'``) are ``nn.Parameter`` with
+        ``requires_grad=True``, as ``nn.Linear``'s are, so ``torch.optim.AdamW(model.parameters())``
+        trains them; inference under ``torch.no_grad()`` / ``torch.inference_mode()`` keeps no
+        activations. ``False``: frozen parameters (``requires_grad=False``). FP8 codes, scales and the
+        correction bias are buffers either way (module docstring).
+      recompute: passed to :func:`moe_torch.moe_forward`: ``False`` (default) keeps GEMM 1's output
+        for the backward, ``True`` keeps only the routing and recomputes GEMM 1 in the backward.
 
-    The tensors are held as given (no copy): ``load_state_dict`` writes into them.
-    ``.to(device)`` moves everything; ``.to(dtype)`` / ``.half()`` also cast FP8 codes and scales
-    (torch counts float8 as floating point), after which ``forward`` raises ``TypeError``.
+    Gradients (CONTRACT.md section 8): ``x``, ``router_logits`` and the float weights, from
+    :func:`moe_torch.moe_forward`'s backward (:func:`moe_torch.ep.ep_moe_forward`'s with a process
+    group) with this layer's ``implementation`` (Triton kernels included); FP8 layers straight-through
+    to ``x`` and ``router_logits`` in ``x.dtype``.
+
+    The tensors are held as given (no copy): ``load_state_dict`` writes into them (and raises
+    ``RuntimeError`` for float weights into FP8 codes or the reverse: :func:`check_code_dtypes_on_load`).
+    ``.to(device)`` moves everything. Dtype casts (``.to(dtype)``, ``.half()``, ``.bfloat16()``,
+    ``.float()``, ``model.to(torch.float16)`` around it) cast float weights (``quant='none'``) only:
+    FP8 codes, their float32 scales and the float32 ``e_score_correction_bias`` (CONTRACT.md section 1:
+    never rounded) keep their dtype and just move (:func:`keep_dtypes_fn`), as transformers' quantized
+    layers do.
 
     Raises: TypeError / ValueError from :func:`check_module_weights`, before anything is stored.
 
     Source: the layout of SGLang / vLLM ``FusedMoE`` (``w13_weight``, ``w2_weight``, FP8
-    ``*_weight_scale(_inv)`` held as non-trainable parameters).
+    ``*_weight_scale(_inv)``).
     """
 
     def __init__(
@@ -165,10 +251,14 @@ class EPMoE(torch.nn.Module):
         implementation: str | None = None,
         process_group=None,
         ep_mode: str | None = None,
+        trainable: bool = True,
+        recompute: bool = False,
     ) -> None:
         super().__init__()
         op = "EPMoE"
         check_choice(op, "ep_mode", ep_mode, (None, *EP_MODES))
+        check_bool(op, "trainable", trainable)
+        check_bool(op, "recompute", recompute)
         check_torch_tensors(op, dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale,
                                      e_score_correction_bias=e_score_correction_bias), required=True)
         check_module_weights(op, config, w13, w2, w13_scale, w2_scale, e_score_correction_bias)
@@ -177,11 +267,21 @@ class EPMoE(torch.nn.Module):
         self.implementation = implementation
         self.process_group = process_group
         self.ep_mode = ep_mode
-        self.w13 = _param(w13)
-        self.w2 = _param(w2)
-        self.register_parameter("w13_scale", _param(w13_scale))
-        self.register_parameter("w2_scale", _param(w2_scale))
-        self.register_parameter("e_score_correction_bias", _param(e_score_correction_bias))
+        self.recompute = recompute
+        if config.quant == "none":  # float weights: parameters, trainable unless asked otherwise
+            self.w13 = torch.nn.Parameter(w13.detach(), requires_grad=trainable)
+            self.w2 = torch.nn.Parameter(w2.detach(), requires_grad=trainable)
+        else:  # FP8 codes: frozen buffers (module docstring)
+            self.register_buffer("w13", w13.detach())
+            self.register_buffer("w2", w2.detach())
+        for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale),
+                        ("e_score_correction_bias", e_score_correction_bias)):
+            self.register_buffer(name, None if t is None else t.detach())
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the float weights require grad (``False`` for FP8 layers: codes are buffers)."""
+        return self.config.quant == "none" and self.w13.requires_grad
 
     @classmethod
     def from_float(
@@ -194,6 +294,8 @@ class EPMoE(torch.nn.Module):
         implementation: str | None = None,
         process_group=None,
         ep_mode: str | None = None,
+        trainable: bool = True,
+        recompute: bool = False,
     ) -> "EPMoE":
         """This rank's layer from float weights of every expert, quantized per ``config.quant``.
 
@@ -201,6 +303,7 @@ class EPMoE(torch.nn.Module):
           w13: ``[E + S, 2*I, H]`` float32 / bf16 / float16, every expert (fused shared experts last).
           w2: ``[E + S, H, I]`` float.
           e_score_correction_bias: ``[E]`` float (biased_grouped_topk only).
+          implementation, process_group, ep_mode, trainable, recompute: as :class:`EPMoE`.
 
         Returns: an :class:`EPMoE` holding ``local_weights(w, config)``, FP8-quantized with the
         scale layout of ``config.quant`` (bit-identical to :func:`moe_torch.quantize_layer_weights`
@@ -217,7 +320,8 @@ class EPMoE(torch.nn.Module):
             w13, s13 = quantize_chunked(w13, config)
             w2, s2 = quantize_chunked(w2, config)
         return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=e_score_correction_bias,
-                   implementation=implementation, process_group=process_group, ep_mode=ep_mode)
+                   implementation=implementation, process_group=process_group, ep_mode=ep_mode, trainable=trainable,
+                   recompute=recompute)
 
     @classmethod
     def from_preset(
@@ -230,6 +334,8 @@ class EPMoE(torch.nn.Module):
         implementation: str | None = None,
         process_group=None,
         ep_mode: str | None = None,
+        trainable: bool = True,
+        recompute: bool = False,
         **config_overrides,
     ) -> "EPMoE":
         """A layer of preset ``name`` with random weights, as the tests and benchmarks draw them.
@@ -242,6 +348,7 @@ class EPMoE(torch.nn.Module):
             ``moe_pallas.MoELayer.from_preset`` with the same arguments holds the same bits.
           dtype: the float weights' dtype (and the ``x`` dtype ``quant='none'`` then takes).
           device: default ``torch.get_default_device()``.
+          implementation, process_group, ep_mode, trainable, recompute: as :class:`EPMoE`.
           config_overrides: :meth:`ModelPreset.config` fields (``quant``, ``ep_size``, ``ep_rank``,
             ``hidden_size``...).
 
@@ -274,7 +381,71 @@ class EPMoE(torch.nn.Module):
             w13, s13 = quantize_chunked(w13, config)
             w2, s2 = quantize_chunked(w2, config)
         return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias, implementation=implementation,
-                   process_group=process_group, ep_mode=ep_mode)
+                   process_group=process_group, ep_mode=ep_mode, trainable=trainable, recompute=recompute)
+
+    @classmethod
+    def from_hf_block(
+        cls,
+        block: torch.nn.Module,
+        *,
+        implementation: str | None = None,
+        quant: str | None = None,
+        process_group=None,
+        ep_mode: str | None = None,
+        trainable: bool = True,
+        recompute: bool = False,
+        **config_overrides,
+    ) -> "EPMoE":
+        """This rank's layer from one transformers sparse-MoE block (``MixtralSparseMoeBlock``,
+        ``Qwen3MoeSparseMoeBlock``, ``DeepseekV3MoE``; :data:`moe_torch.hf.SUPPORTED_BLOCKS`).
+
+        The routing (top-k, renormalize = ``norm_topk_prob``, groups, ``rsf``), the activation and the
+        sizes are read from the block's router and experts (transformers fills them from the model
+        config; they are what the block computes). DeepSeek-V3's shared-expert MLP
+        (intermediate ``n_shared_experts * I``) becomes ``S = n_shared_experts`` fused shared experts
+        (``w13[E + j]`` = rows ``j*I:(j+1)*I`` of its ``gate_proj`` and ``up_proj``, ``w2[E + j]`` the
+        matching columns of ``down_proj``; exact: the MLP is the sum of those pieces). The weights are
+        copied (``torch.cat``) for DeepSeek-V3, views of the block's for the others with ``quant='none'``;
+        the routing bias is a view of the block's ``gate.e_score_correction_bias``.
+
+        Args:
+          block: the transformers block (float weights).
+          quant: ``None`` / ``"none"``, ``"fp8_per_token"`` or ``"fp8_block"`` (quantizes the experts).
+          implementation, process_group, ep_mode, trainable, recompute: as :class:`EPMoE`. With
+            ``quant='none'`` and no shared experts the layer's weights share the block's storage, so
+            training one moves the other's weights too.
+          config_overrides: :class:`MoEConfig` fields (``ep_size``, ``ep_rank``,
+            ``apply_routed_scaling_factor_on_output``); the routing fields come from the block.
+
+        Returns: an :class:`EPMoE` with ``forward(x [T, H], router_logits [T, E]) -> [T, H]`` equal to
+        ``block(x[None])[0]`` (shared experts included) when ``router_logits = block.gate(x)[0]``, and the
+        same gradients (``x``, the router through ``router_logits``, the experts; DeepSeek-V3's shared MLP
+        as the rows ``E:`` of ``w13`` / ``w2``): ``tests/test_hf_grad_parity.py``.
+
+        Raises: NotImplementedError (a block class or activation not supported), TypeError (an unknown
+          override), ValueError (inconsistent block shapes).
+        """
+        from moe_torch import hf  # here: moe_torch.hf imports this module
+
+        config, w13, w2, bias = hf.block_layer_weights(block, quant=quant, op="EPMoE.from_hf_block",
+                                                       **config_overrides)
+        return cls.from_float(config, w13, w2, e_score_correction_bias=bias, implementation=implementation,
+                              process_group=process_group, ep_mode=ep_mode, trainable=trainable, recompute=recompute)
+
+    def _frozen_dtype_names(self) -> tuple[str, ...]:
+        codes = ("w13", "w2") if self.config.quant != "none" else ()
+        return (*codes, "w13_scale", "w2_scale", "e_score_correction_bias")
+
+    def _apply(self, fn, recurse=True):
+        """``Module._apply`` with FP8 codes, scales and the routing bias kept in their dtype
+        (:func:`keep_dtypes_fn`)."""
+        return super()._apply(keep_dtypes_fn(self, fn, self._frozen_dtype_names()), recurse)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        error_msgs = args[-1]  # (local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if check_code_dtypes_on_load(self, state_dict, prefix, ("w13", "w2"), error_msgs):
+            return  # load nothing into this layer: load_state_dict raises with the message
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` (float32 / bf16 / float16; ``w13``'s dtype for ``quant='none'``) and
@@ -288,9 +459,13 @@ class EPMoE(torch.nn.Module):
         :func:`moe_torch.ep.ep_moe_forward` (``x`` and the output are ``[T_r, H]``, this rank's
         tokens, under ``ep_mode="all_to_all"``).
 
-        Raises: ValueError / TypeError from :func:`moe_torch.moe_forward` (shapes, dtypes).
+        Differentiable in ``x``, ``router_logits`` and the float weights, with ``recompute=self.recompute``.
+
+        Raises: TypeError for arrays that are not torch tensors (numpy: convert with ``torch.from_numpy``);
+          ValueError / TypeError from :func:`moe_torch.moe_forward` (shapes, dtypes).
         """
-        if self.config.quant == "none" and isinstance(x, torch.Tensor) and x.dtype != self.w13.dtype:
+        require_torch_tensors("EPMoE", dict(x=x, router_logits=router_logits))
+        if self.config.quant == "none" and x.dtype != self.w13.dtype:
             raise TypeError(f"EPMoE: x must have the layer's dtype {dtype_name(self.w13)} (quant='none'); "
                             f"got x.dtype={dtype_name(x)}")
         if self.process_group is not None or self.ep_mode is not None:
@@ -306,6 +481,7 @@ class EPMoE(torch.nn.Module):
                 w2_scale=self.w2_scale,
                 e_score_correction_bias=self.e_score_correction_bias,
                 implementation=self.implementation,
+                recompute=self.recompute,
             )
         return moe_forward(
             x,
@@ -317,11 +493,12 @@ class EPMoE(torch.nn.Module):
             w2_scale=self.w2_scale,
             e_score_correction_bias=self.e_score_correction_bias,
             implementation=self.implementation,
+            recompute=self.recompute,
         )
 
     def extra_repr(self) -> str:
         c = self.config
         return (f"H={c.hidden_size}, I={c.intermediate_size}, E={c.num_experts}, topk={c.topk}, routing={c.routing!r}, "
                 f"S={c.num_fused_shared_experts}, quant={c.quant!r}, ep={c.ep_rank}/{c.ep_size}, "
-                f"implementation={self.implementation!r}"
+                f"implementation={self.implementation!r}, trainable={self.trainable}, recompute={self.recompute}"
                 + ("" if self.process_group is None and self.ep_mode is None else f", ep_mode={self.ep_mode or 'replicated'!r}"))

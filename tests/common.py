@@ -6,11 +6,20 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 #: "cpu" in CI; "gpu" when benchmarks/gpu_check.py runs the suite on the GPU machine.
 DEVICE = os.environ.get("EPMOE_TEST_DEVICE", "cpu")
 TORCH_DEVICE = "cuda" if DEVICE == "gpu" else "cpu"
+
+#: Triton 3.6's interpreter (TRITON_INTERPRET=1) breaks on numpy >= 2.4; the GPU machine has numpy 2.5.
+TRITON_INTERPRETER_BROKEN = tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4)
+#: Marks a test that runs the Triton interpreter (itself or in a child such as ``epmoe bench --tiny``).
+needs_triton_interpreter = pytest.mark.skipif(
+    TRITON_INTERPRETER_BROKEN,
+    reason="triton 3.6's interpreter breaks on numpy >= 2.4 (triton-lang/triton#9171); the project pins numpy < 2.4, "
+           "the GPU machine has 2.5")
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "int32": jnp.int32}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int32": torch.int32,

@@ -1,7 +1,8 @@
 """The benchmark harness's CPU-safe parts: specs, row schema, rates, writers, the correctness guard.
 
 The timed GPU run itself is ``benchmarks/bench.py`` on the GPU machine; ``--tiny`` runs it on the
-CPU with the interpreters (not part of this suite: ~40 s).
+CPU with the interpreters (the whole forward run is not part of this suite: ~40 s; its forward +
+backward rows are, ``--tiny --what gemm_bwd,layer_bwd``: ~25 s of CPU).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from benchmarks import bench  # noqa: E402
 from benchmarks import harness as H  # noqa: E402
 from benchmarks import specs as S  # noqa: E402
+from common import needs_triton_interpreter  # noqa: E402
 
 
 @pytest.mark.parametrize("routing", S.ROUTINGS)
@@ -123,6 +125,8 @@ def test_writers(tmp_path):
                   for spec in S.layer_specs() for b, ms in (("ours-torch-triton", 1e-3), ("ref-torch", 1e-2))]
     assert H.plot_layer(layer_rows, str(tmp_path / "l.png")) and (tmp_path / "l.png").stat().st_size > 1000
     assert not H.plot_layer(rows, str(tmp_path / "none.png"))  # no layer rows
+    assert H.plot_gate(rows, str(tmp_path / "g.png"), cpu=True) and (tmp_path / "g.png").stat().st_size > 1000
+    assert not H.plot_gate(layer_rows, str(tmp_path / "none.png"))  # no gate rows
     assert "5 rows, 3 timed, 2 errors (1 wrong results)" == H.stats_line(rows)
 
 
@@ -172,16 +176,16 @@ def test_pad_groups():
 
 
 def test_transformers_peer_row_on_tiny_layer_specs(tmp_path):
-    """The layer peer ``transformers-Qwen3MoeSparseMoeBlock``: transformers' block with our weights agrees with
-    our reference (bf16: HF rounds its routing weights to bf16 and, eager, accumulates in bf16), is timed, and
-    comes only for quant='none'."""
+    """The layer peer ``transformers-Qwen3MoeSparseMoeBlock`` (the built-in shapes' block): transformers' block
+    with our weights agrees with our reference (bf16: HF rounds its routing weights to bf16 and, eager,
+    accumulates in bf16), is timed, and comes only for quant='none'."""
     pytest.importorskip("transformers")
     ctx = bench.Ctx(bench.parse_args(["--out", str(tmp_path), "--backends", "transformers", "--rep-ms", "2",
                                       "--warmup-ms", "1"]))
     for spec in S.layer_specs(tiny=True):
         bench.bench_layer(ctx, spec, {})
     rows = ctx.rows
-    names = {f"transformers-{bench.HF_BLOCK}", f"transformers-{bench.HF_BLOCK}-eager"}
+    names = {"transformers-Qwen3MoeSparseMoeBlock", "transformers-Qwen3MoeSparseMoeBlock-eager"}
     assert {r["backend"] for r in rows} == names
     assert {r["quant"] for r in rows} == {"none"} and len(rows) == 2 * len([s for s in S.layer_specs(tiny=True)
                                                                            if s.quant == "none"])
@@ -191,36 +195,71 @@ def test_transformers_peer_row_on_tiny_layer_specs(tmp_path):
         assert "experts_implementation=" in r["notes"]
 
 
-def test_build_hf_block_maps_our_weights():
-    """gate_up_proj = w13 (gate rows first), down_proj = w2: float32, the block equals our reference on its
-    own logits to float32 rounding; swapping the gate and up halves breaks it."""
+def _layer_case(arch: str, shared: int = 0, seed: int = 0):
+    """A small float32 layer of ``arch``'s routing: (config, w13, w2, router weight, bias, x)."""
+    import torch
+
+    from moe_contract import MoEConfig
+
+    H, I, E = 64, 32, 8
+    if arch == "deepseek_v3":
+        config = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, topk=2, routing="biased_grouped_topk",
+                           num_expert_group=4, topk_group=2, routed_scaling_factor=2.5, num_fused_shared_experts=shared)
+    else:
+        config = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, topk=2, routing="softmax_topk",
+                           renormalize=arch == "mixtral" or seed % 2 == 0)
+    g = torch.Generator().manual_seed(seed)
+    n = E + shared
+    w13 = torch.randn(n, 2 * I, H, generator=g) * H**-0.5
+    w2 = torch.randn(n, H, I, generator=g) * I**-0.5
+    gate_w = torch.randn(E, H, generator=g) * H**-0.5
+    bias = 0.1 * torch.randn(E, generator=g) if arch == "deepseek_v3" else None
+    x = torch.randn(8, H, generator=g)
+    return config, w13, w2, gate_w, bias, x
+
+
+@pytest.mark.parametrize("arch,shared,seed", [("qwen3_moe", 0, 0), ("qwen3_moe", 0, 1), ("mixtral", 0, 0),
+                                              ("deepseek_v3", 1, 0), ("deepseek_v3", 2, 1)])
+def test_build_hf_block_maps_our_weights(arch, shared, seed):
+    """gate_up_proj = w13[:E] (gate rows first), down_proj = w2[:E], DeepSeek-V3's shared experts = our fused
+    shared experts (S = 2: the S * I halves side by side), router and bias ours: in float32 the block equals our
+    reference on its own logits to float32 rounding (Qwen3 with and without norm_topk_prob); swapping the gate
+    and up halves breaks it."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import moe_torch
 
-    spec = S.LayerSpec(T=8, quant="none", E=4, topk=2, H=64, I=32)
-    config = spec.config()
-    g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(spec.E, 2 * spec.I, spec.H, generator=g) * spec.H**-0.5
-    w2 = torch.randn(spec.E, spec.H, spec.I, generator=g) * spec.I**-0.5
-    x = torch.randn(spec.T, spec.H, generator=g)
-    gate_w = bench.hf_router_weight(spec, "cpu", torch.float32)
-    logits = torch.nn.functional.linear(x, gate_w)
-    ref = moe_torch.moe_forward(x, logits, w13, w2, config, implementation="reference")
+    config, w13, w2, gate_w, bias, x = _layer_case(arch, shared, seed)
+    logits = bench.router_logits(arch, x, gate_w)
+    ref = moe_torch.moe_forward(x, logits, w13, w2, config, e_score_correction_bias=bias, implementation="reference")
     for impl in ("grouped_mm", "eager"):
-        block = bench.build_hf_block(config, w13, w2, gate_w, impl)
+        block = bench.build_hf_block(config, w13, w2, gate_w, impl, arch=arch, e_score_correction_bias=bias)
+        assert type(block).__name__ == S.HF_BLOCKS[arch]
         assert block.experts.gate_up_proj.data_ptr() == w13.data_ptr()  # shared, not copied
         with torch.no_grad():
             out = block(x[None])[0]
         assert bench.rel_err_t(out, ref) < 1e-5, impl
-    swapped = torch.cat([w13[:, spec.I:], w13[:, :spec.I]], 1)
+    I = config.intermediate_size
+    swapped = torch.cat([w13[:, I:], w13[:, :I]], 1)
     with torch.no_grad():
-        out = bench.build_hf_block(config, swapped, w2, gate_w, "eager")(x[None])[0]
+        out = bench.build_hf_block(config, swapped, w2, gate_w, "eager", arch=arch, e_score_correction_bias=bias)(x[None])[0]
     assert bench.rel_err_t(out, ref) > 0.1
-    with pytest.raises(ValueError, match="w2 must be"):
-        bench.build_hf_block(config, w13, w2[:, :, :-1], gate_w)
-    with pytest.raises(ValueError, match="softmax top-k"):
-        bench.build_hf_block(config.replace(renormalize=False), w13, w2, gate_w)
+
+
+def test_build_hf_block_refuses_what_the_block_cannot_express():
+    pytest.importorskip("transformers")
+    config, w13, w2, gate_w, bias, _ = _layer_case("deepseek_v3", 1)
+    with pytest.raises(ValueError, match=r"w2 must be \[9, 64, 32\]; got \[9, 64, 31\]"):
+        bench.build_hf_block(config, w13, w2[:, :, :-1], gate_w, arch="deepseek_v3", e_score_correction_bias=bias)
+    with pytest.raises(ValueError, match="DeepseekV3MoE needs e_score_correction_bias"):
+        bench.build_hf_block(config, w13, w2, gate_w, arch="deepseek_v3")
+    with pytest.raises(ValueError, match="Qwen3MoeSparseMoeBlock is softmax top-k"):
+        bench.build_hf_block(config, w13, w2, gate_w, arch="qwen3_moe")
+    softmax, w13, w2, gate_w, _, _ = _layer_case("qwen3_moe", seed=1)  # renormalize=False
+    with pytest.raises(ValueError, match="MixtralSparseMoeBlock is softmax top-k, renormalised"):
+        bench.build_hf_block(softmax, w13, w2, gate_w, arch="mixtral")
+    with pytest.raises(ValueError, match="arch must be one of"):
+        bench.build_hf_block(softmax, w13, w2, gate_w, arch="llama")
 
 
 def test_gpu_check_groups_and_cli_checks(tmp_path):
@@ -259,3 +298,401 @@ def test_tune_gate_argument_errors(argv, message, capsys):
         tune_gate.parse_args(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
     assert tune_gate.parse_args(["--tokens", "32,4096", "--block-t", "1,2"]).block_t == [1, 2]
+
+
+# ---------------------------------------------------------------------------------------------- --preset / --weights
+
+
+def test_specs_take_a_preset_model():
+    """--preset: every spec takes the model's layer: GEMMs gate_up (K=H, N=2I) and down (K=I, N=H) over its E
+    experts, the layer with its routing and shared expert (counted in flops and bytes), the gate with its routing;
+    spec names carry the model; the peer block follows the routing."""
+    m = S.preset_model("deepseek-v3")
+    c = m.config
+    assert (m.name, m.arch, m.quants, m.weights) == ("deepseek-v3", "deepseek_v3", S.LAYER_QUANTS, False)
+    gemms = S.gemm_specs(model=m)
+    assert {(g.shape, g.E, g.K, g.N) for g in gemms} == {("gate_up", 256, 7168, 4096), ("down", 256, 2048, 7168)}
+    assert len(gemms) == len(S.gemm_specs()) and all(g.name.startswith("gemm/deepseek-v3/") for g in gemms)
+    assert {(g.shape, g.M) for g in S.gemm_specs(quick=True, model=m)} == {("gate_up", 256), ("gate_up", 16384)}
+    layers = S.layer_specs(model=m)
+    assert [(s.T, s.quant) for s in layers] == [(s.T, s.quant) for s in S.layer_specs()]
+    spec = layers[0]
+    assert spec.config() == c and spec.arch == "deepseek_v3" and spec.name == "layer/deepseek-v3/E=256/H=7168/I=2048/none/T=32"
+    assert spec.flops == 6 * 32 * (8 + 1) * 7168 * 2048  # topk + the shared expert
+    assert spec.fields()["routing"] == "biased_grouped_topk" and spec.fields()["shape"] == "deepseek-v3"
+    assert layers[-1].config().quant == "fp8_per_token"
+    (gate,) = S.gate_specs(model=m)
+    assert gate.config() == c and gate.name == "gate/deepseek-v3/biased_grouped_topk/E=256/T=4096"
+    assert {n: S.arch_of_preset(n) for n in ("mixtral-8x7b", "qwen3-30b-a3b", "tiny")} == {
+        "mixtral-8x7b": "mixtral", "qwen3-30b-a3b": "qwen3_moe", "tiny": "deepseek_v3"}
+    assert S.layer_specs()[0].name == "layer/E=32/H=7168/I=2048/none/T=32"  # the built-in shapes keep their names
+    with pytest.raises(ValueError, match="name must be non-empty without '/'"):
+        S.BenchModel(name="a/b", config=c, arch=None)
+    with pytest.raises(ValueError, match="E, topk, H, I must be those of base"):
+        S.LayerSpec(T=4, quant="none", base=c)
+    with pytest.raises(ValueError, match="quant must be one of"):
+        S.LayerSpec(T=4, quant="fp4")
+
+
+def test_tiny_refuses_a_preset_too_large_to_interpret(tmp_path, monkeypatch, capsys):
+    """--tiny --preset deepseek-v3 would interpret an 11G-element layer on the CPU: refused before any work."""
+    monkeypatch.setattr(bench, "TINY", True)
+    assert bench.main(["--tiny", "--preset", "deepseek-v3", "--out", str(tmp_path / "o")]) == 2
+    assert "preset deepseek-v3 has 11318M weight elements" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--layer", "1"])  # --layer needs --weights
+    assert "--layer needs --weights" in capsys.readouterr().err
+
+
+def _save_hf_model(folder, arch: str, *, H: int = 64, I: int = 32, fp8: bool = False) -> None:
+    """A one-MoE-layer transformers model of ``arch`` written by ``save_pretrained`` (bf16), its weights redrawn
+    ~ N(0, 1/fan_in) (HF's N(0, 0.02) init would give near-equal router logits, i.e. near-ties at the top-k edge)
+    and DeepSeek-V3's bias ~ U[0, 0.1]. ``fp8``: the expert projections then rewritten as float8_e4m3fn codes
+    with 128x128 ``weight_scale_inv`` (DeepSeek-V3's FP8 format; needs H, I multiples of 128)."""
+    import torch
+    import transformers as tf
+
+    common = dict(vocab_size=32, hidden_size=H, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    if arch == "mixtral":
+        cfg, cls = tf.MixtralConfig(intermediate_size=I, num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2,
+                                    **common), tf.MixtralForCausalLM
+    elif arch == "qwen3_moe":
+        cfg, cls = tf.Qwen3MoeConfig(intermediate_size=2 * I, moe_intermediate_size=I, num_hidden_layers=1, num_experts=4,
+                                     num_experts_per_tok=2, norm_topk_prob=True, **common), tf.Qwen3MoeForCausalLM
+    else:
+        common.update(num_key_value_heads=2)
+        cfg, cls = tf.DeepseekV3Config(intermediate_size=2 * I, moe_intermediate_size=I, num_hidden_layers=2,
+                                       first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                                       topk_group=2, n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16,
+                                       qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, **common), tf.DeepseekV3ForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.rand(b.shape, generator=g))
+    model.to(torch.bfloat16).save_pretrained(folder)
+    if fp8:
+        from safetensors.torch import load_file, save_file
+
+        import moe_torch
+
+        path = os.path.join(folder, "model.safetensors")
+        tensors = load_file(path)
+        for key in [k for k in tensors if ".experts." in k or ".shared_experts." in k]:
+            q, scale = moe_torch.quantize_weight_fp8(tensors[key].float()[None], "block")
+            tensors[key], tensors[key + "_scale_inv"] = q[0].contiguous(), scale[0].contiguous()
+        save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoints(tmp_path_factory):
+    pytest.importorskip("transformers")
+    out = {}
+    for arch in S.HF_BLOCKS:
+        out[arch] = tmp_path_factory.mktemp(arch)
+        _save_hf_model(str(out[arch]), arch)
+    return out
+
+
+@pytest.mark.parametrize("arch", list(S.HF_BLOCKS))
+def test_bench_layer_runs_checkpoint_weights_against_their_transformers_block(arch, hf_checkpoints, tmp_path):
+    """--weights of a checkpoint written by transformers' save_pretrained: the layer rows run its weights (routed
+    and shared experts, router, bias: bit for bit), the peer is transformers' block of that model, and every row
+    is judged against our reference: the transformers rows' rel_err (their distance from our layer) is within the
+    bf16 rule and not zero (our kernels on these weights: the `epmoe bench --tiny` test below)."""
+    import torch
+    from safetensors.torch import load_file
+
+    path = str(hf_checkpoints[arch])
+    args = bench.parse_args(["--weights", path, "--out", str(tmp_path), "--backends", "transformers,ref-torch",
+                             "--rep-ms", "2", "--warmup-ms", "1"])
+    model, ckpt = bench.load_model(args)
+    L = 1 if arch == "deepseek_v3" else 0
+    assert model.name == f"ckpt-{arch}-L{L}" and model.arch == arch and model.weights
+    assert model.quants == S.LAYER_QUANTS
+    ctx = bench.Ctx(args, model, ckpt)
+    specs = S.layer_specs(tiny=True, model=model)
+    assert {s.name.split("/")[1] for s in specs} == {model.name} and specs[0].E == model.config.num_experts
+
+    # the weights the rows take are the file's
+    file = load_file(os.path.join(path, "model.safetensors"))
+    mod, (gn, un, dn) = (("block_sparse_moe", ("w1", "w3", "w2")) if arch == "mixtral"
+                         else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    pre = f"model.layers.{L}.{mod}"
+    w13, _, w2, _ = bench.layer_weights(ctx, specs[0], specs[0].config())
+    gate_w, bias = bench.layer_router(ctx, specs[0], specs[0].config())
+    assert torch.equal(w13[1], torch.cat([file[f"{pre}.experts.1.{gn}.weight"], file[f"{pre}.experts.1.{un}.weight"]]).to(w13))
+    assert torch.equal(w2[3], file[f"{pre}.experts.3.{dn}.weight"].to(w2))
+    assert torch.equal(gate_w, file[f"{pre}.gate.weight"].float().to(gate_w))
+    if arch == "deepseek_v3":
+        E = model.config.num_experts
+        assert w13.shape[0] == E + 1 and torch.equal(w2[E], file[f"{pre}.shared_experts.down_proj.weight"].to(w2))
+        assert torch.equal(bias, file[f"{pre}.gate.e_score_correction_bias"].float().to(bias))
+    else:
+        assert bias is None
+
+    layer_w: dict = {}
+    for spec in specs:
+        bench.bench_layer(ctx, spec, layer_w)
+    rows = {(r["spec"].rsplit("/", 2)[-2], int(r["T"]), r["backend"]): r for r in ctx.rows}
+    block = f"transformers-{S.HF_BLOCKS[arch]}"
+    assert {k for k in rows if k[2].startswith("transformers")} == {
+        (q, T, b) for q in ("none",) for T in (4, 16) for b in (block, block + "-eager")}
+    for key, r in rows.items():
+        assert r["error"] is None and r["median_ms"] > 0, r
+        if key[2].startswith("transformers"):
+            assert 1e-4 < r["rel_err"] < 1e-2, r
+
+
+def test_bench_layer_runs_an_fp8_checkpoint_as_stored_and_dequantized(tmp_path):
+    """An FP8 (DeepSeek-V3 format) checkpoint: quant 'fp8_block' rows run its codes and block scales as stored,
+    quant 'none' rows its dequantized weights, against which transformers' DeepseekV3MoE is the peer."""
+    import torch
+    from safetensors.torch import load_file
+
+    pytest.importorskip("transformers")
+    path = str(tmp_path / "ckpt")
+    _save_hf_model(path, "deepseek_v3", H=128, I=128, fp8=True)
+    args = bench.parse_args(["--weights", path, "--out", str(tmp_path), "--backends", "transformers,ref-torch",
+                             "--rep-ms", "2", "--warmup-ms", "1"])
+    model, ckpt = bench.load_model(args)
+    assert model.quants == ("none", "fp8_block")
+    ctx = bench.Ctx(args, model, ckpt)
+    specs = S.layer_specs(tiny=True, model=model)
+    file = load_file(os.path.join(path, "model.safetensors"))
+    q, s = file["model.layers.1.mlp.experts.2.down_proj.weight"], file["model.layers.1.mlp.experts.2.down_proj.weight_scale_inv"]
+    w13, s13, w2, s2 = bench.layer_weights(ctx, specs[-1], specs[-1].config())
+    assert specs[-1].quant == "fp8_block" and w2.dtype == torch.float8_e4m3fn
+    assert torch.equal(w2[2].view(torch.uint8).cpu(), q.view(torch.uint8)) and torch.equal(s2[2].cpu(), s)
+    w13, s13, w2, s2 = bench.layer_weights(ctx, specs[0], specs[0].config())
+    assert specs[0].quant == "none" and s2 is None and w2.dtype == torch.bfloat16
+    assert torch.equal(w2[2].cpu(), (q.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(torch.bfloat16))
+    layer_w: dict = {}
+    for spec in specs:
+        bench.bench_layer(ctx, spec, layer_w)
+    for r in ctx.rows:
+        assert r["error"] is None and r["median_ms"] > 0, r
+    assert {r["quant"] for r in ctx.rows if r["backend"].startswith("transformers-DeepseekV3MoE")} == {"none"}
+    assert {r["quant"] for r in ctx.rows if r["backend"] == "ref-torch"} == {"none", "fp8_block"}
+
+
+@needs_triton_interpreter  # `epmoe bench --tiny`: a child with TRITON_INTERPRET=1 (bench.py's TINY)
+def test_epmoe_bench_tiny_with_a_checkpoint_writes_labelled_tables_and_plots(hf_checkpoints, tmp_path, capfd):
+    """`epmoe bench --tiny --weights DIR` on the CPU end to end: exit 0, our (interpreted) Pallas kernels and the
+    DeepSeek-V3 peer on the checkpoint's layer, every row right, the tables and the plots (gate included)
+    written, the tables saying the kernels ran interpreted."""
+    from interop.cli import main
+
+    out = tmp_path / "out"
+    rc = main(["bench", "--tiny", "--weights", str(hf_checkpoints["deepseek_v3"]), "--what", "layer,gate",
+               "--backends", "transformers,ours-jax-pallas_triton", "--rep-ms", "2", "--warmup-ms", "1",
+               "--out", str(out)])
+    stdout = capfd.readouterr().out  # `epmoe bench --tiny` runs bench.py in a child process
+    assert rc == 0, stdout[-3000:]
+    assert "model ckpt-deepseek_v3-L1 (E=8 topk=2 H=64 I=32 biased_grouped_topk shared=1, weights from" in stdout
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["meta"]["model"] == "ckpt-deepseek_v3-L1" and doc["meta"]["hf_block"] == "DeepseekV3MoE"
+    got = {(r["bench"], r["backend"]) for r in doc["rows"]}
+    assert got == {("layer", "ours-jax-pallas_triton"), ("layer", "transformers-DeepseekV3MoE"),
+                   ("layer", "transformers-DeepseekV3MoE-eager"), ("gate", "ours-jax-pallas_triton")}
+    for r in doc["rows"]:
+        assert r["error"] is None and r["rel_err"] < 1e-2 and r["median_ms"] > 0, r
+    md = (out / "bench.md").read_text()
+    assert H.CPU_NOTE in md.splitlines()[0] and "| ours-jax-pallas_triton (interpreted) |" in md
+    for name in ("bench_layer.png", "bench_gate.png"):
+        assert (out / name).stat().st_size > 10_000
+
+
+# ---------------------------------------------------------------------------------------------- plots
+
+
+def _timed_rows(scale: float, floor_frac: float) -> list[dict]:
+    """Timed gemm / layer / gate rows: medians ``scale * (1..5)`` ms, each spec's roofline floor ``scale *
+    floor_frac`` ms (as add_rates gives it: ``pct_of_ceiling = 100 * floor / median``)."""
+    rows = []
+    for k, spec in enumerate(S.gemm_specs(quick=True) + S.layer_specs(quick=True) + S.gate_specs()):
+        for i, b in enumerate(("ours-torch-triton", "ref-torch", "torch._grouped_mm")):
+            ms = scale * (1 + i + k % 3)
+            rows.append(H.make_row(spec.name.split("/")[0], b, spec, median_ms=ms, p20_ms=0.9 * ms, p80_ms=1.1 * ms,
+                                   pct_of_ceiling=100 * scale * floor_frac / ms))
+    return rows
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_plots_floor_does_not_squash_the_axis_and_legends_cover_no_panel(cpu):
+    """Regression (issue 12): on the CPU the roofline floor lay 4-7 decades under the times and, drawn on the same
+    log axis, squashed every line into its top; the legends (``loc="best"``) sat over lines. Now: a floor far
+    below is left off (the axis spans the times; the title gives the floor), a floor near the times is drawn and
+    in range; each figure's one legend lies outside every panel; CPU titles say the kernels ran interpreted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scale, frac = (10.0, 1e-6) if cpu else (0.5, 0.4)
+    rows = _timed_rows(scale, frac)
+    for make in (H.gemm_figure, H.layer_figure, H.gate_figure):
+        fig = make(rows, cpu=cpu)
+        fig.canvas.draw()
+        used = [ax for ax in fig.axes if ax.axison]
+        assert used, make
+        for ax in used:
+            title = ax.get_title()
+            assert (H.CPU_TITLE in title) == cpu, title
+            assert ("below the axis, not drawn" in title) == cpu, title
+            lo, hi = ax.get_xlim() if make is H.gate_figure else ax.get_ylim()
+            dotted = [ln for ln in ax.get_lines() if ln.get_linestyle() == ":"]
+            if cpu:
+                assert lo > scale / 10 and not dotted, (make, lo)  # the axis holds the times, not the floor
+            else:
+                assert lo < scale * frac and dotted, (make, lo)  # the floor is drawn, within the axis
+            assert hi > scale
+        for legend in fig.legends:  # outside every panel: it covers no line
+            box = legend.get_window_extent()
+            for ax in used:
+                assert not box.overlaps(ax.get_window_extent()), make
+        if make is H.gate_figure:
+            assert not fig.legends and len(used[0].patches) == 3  # one bar per backend, named on the axis
+        else:
+            assert len(fig.legends) == 1 and not any(ax.get_legend() for ax in used)
+        plt.close(fig)
+
+
+def test_tables_label_cpu_timings():
+    """On the CPU the tables' headings and our (interpreted) kernels' columns say so; on the GPU nothing does."""
+    rows = _timed_rows(1.0, 0.5)
+    cpu, gpu = H.markdown_pivot(rows, cpu=True), H.markdown_pivot(rows, cpu=False)
+    assert cpu.count(H.CPU_NOTE) == 3 and "| ours-torch-triton (interpreted) | ref-torch |" in cpu
+    assert "interpreted" not in gpu and "interpreted" not in H.markdown_long(rows)
+    assert H.CPU_NOTE in H.markdown_long(rows, cpu=True).splitlines()[0]
+
+
+# ---------------------------------------------------------------------------------------------- forward + backward
+
+
+def test_bwd_specs_shapes_and_flops():
+    """--what gemm_bwd,layer_bwd: the issue's shapes (E=32, uniform rows, bf16: gate_up K=7168 N=4096 and down K=2048
+    N=7168 at M in {4096, 16384}; the layer H=7168 I=2048 topk 8 at T in {512, 4096}), the backward counted as two
+    GEMMs per forward GEMM, names apart from the forward specs; FP8 refused (its codes get no gradient)."""
+    full = S.gemm_bwd_specs()
+    assert [(g.shape, g.K, g.N, g.M, g.E, g.routing, g.dtype) for g in full] == [
+        ("gate_up", 7168, 4096, 4096, 32, "uniform", "bf16"), ("gate_up", 7168, 4096, 16384, 32, "uniform", "bf16"),
+        ("down", 2048, 7168, 4096, 32, "uniform", "bf16"), ("down", 2048, 7168, 16384, 32, "uniform", "bf16")]
+    g = full[1]
+    assert g.name == "gemm_bwd/gate_up/bf16/M=16384/uniform" and g.fwd_flops == 2 * 16384 * 4096 * 7168
+    assert g.bwd_flops == 2 * g.fwd_flops and g.flops == 3 * g.fwd_flops and g.min_bytes > S.GemmSpec(
+        shape="gate_up", E=32, K=7168, N=4096, M=16384, routing="uniform", dtype="bf16").min_bytes
+    layers = S.layer_bwd_specs()
+    assert [(s.T, s.E, s.H, s.I, s.topk, s.quant) for s in layers] == [(512, 32, 7168, 2048, 8, "none"),
+                                                                       (4096, 32, 7168, 2048, 8, "none")]
+    assert layers[0].name == "layer_bwd/E=32/H=7168/I=2048/none/T=512" and layers[0].arch == "qwen3_moe"
+    assert layers[0].fwd_flops == 6 * 512 * 8 * 7168 * 2048 and layers[0].bwd_flops == 2 * layers[0].fwd_flops
+    assert len(S.gemm_bwd_specs(quick=True)) == len(S.layer_bwd_specs(quick=True)) == 1
+    assert len(S.gemm_bwd_specs(tiny=True)) == len(S.layer_bwd_specs(tiny=True)) == 1
+    m = S.preset_model("deepseek-v3")
+    assert {(s.shape, s.E, s.K, s.N) for s in S.gemm_bwd_specs(model=m)} == {("gate_up", 256, 7168, 4096),
+                                                                            ("down", 256, 2048, 7168)}
+    assert S.layer_bwd_specs(model=m)[0].num_shared == 1
+    with pytest.raises(ValueError, match="GemmBwdSpec: dtype must be 'bf16'"):
+        S.GemmBwdSpec(shape="x", E=2, K=64, N=32, M=16, routing="uniform", dtype="fp8")
+    with pytest.raises(ValueError, match="LayerBwdSpec: quant must be 'none'"):
+        S.LayerBwdSpec(T=4, quant="fp8_per_token")
+    assert bench.parse_args(["--what", "gemm_bwd,layer_bwd"]).what == ["gemm_bwd", "layer_bwd"]
+    assert bench.parse_args([]).what == ["gemm", "layer", "gate"]  # the backward benches only on request
+
+
+def test_bwd_rates_tables_and_skipped_rows():
+    """bwd_ms = fwd+bwd - fwd, the ratio and the backward's TFLOP/s from it; skipped rows are neither timed nor
+    errors in the summary and show SKIP; the forward + backward table has a line per row."""
+    spec = S.gemm_bwd_specs()[0]
+    row = H.make_row("gemm_bwd", "x", spec, median_ms=3.0)
+    H.add_bwd_rates(row, 1.0, spec.bwd_flops)
+    assert (row["fwd_ms"], row["bwd_ms"], row["bwd_fwd_ratio"]) == (1.0, 2.0, 2.0)
+    assert row["bwd_tflops"] == pytest.approx(spec.bwd_flops / 2e-3 / 1e12)
+    noisy = H.add_bwd_rates(H.make_row("gemm_bwd", "y", spec, median_ms=1.0), 1.2, spec.bwd_flops)
+    assert noisy["bwd_ms"] == pytest.approx(-0.2) and noisy["bwd_fwd_ratio"] is None and noisy["bwd_tflops"] is None
+    skip = H.make_row("gemm_bwd", "tokamax.ragged_dot-mosaic", spec, error=H.SKIPPED + "needs a GPU")
+    bad = H.make_row("gemm_bwd", "z", spec, error="WRONG: d_w rel_err=0.1 > 0.02; not timed")
+    rows = [row, noisy, skip, bad]
+    assert H.stats_line(rows) == "4 rows, 2 timed, 1 skipped, 1 errors (1 wrong results)"
+    pivot = H.markdown_pivot(rows)
+    assert "| SKIP | WRONG |" in pivot and "median ms of forward + backward" in pivot and "a gradient's > 0.02" in pivot
+    table = H.markdown_bwd(rows)
+    assert table.count("\n") == len(rows) + 1 and "| 1 | 3 | 2 |" in table and "needs a GPU" in table
+    assert H.markdown_bwd(fake_rows()) == ""  # no backward rows: no table
+
+
+def test_bwd_guard_refuses_a_planted_wrong_gradient(tmp_path, monkeypatch):
+    """The correctness gate covers gradients: a backward whose d_w is 10% off (planted in the torch and in the JAX
+    reference wgrad) gives a WRONG row naming d_w, not timed (no time, no forward time, no memory), while the
+    forward output and d_x pass; unplanted, the same rows are timed."""
+    pytest.importorskip("torch")
+    import jax.numpy as jnp
+
+    import moe_pallas.ops.grouped_gemm.api as japi
+    import moe_torch.ops.grouped_gemm.api as tapi
+
+    args = ["--out", str(tmp_path), "--backends", "ref-torch,ref-jax", "--rep-ms", "2", "--warmup-ms", "1"]
+    spec = S.gemm_bwd_specs(tiny=True)[0]
+    good = bench.Ctx(bench.parse_args(args))
+    bench.bench_gemm_bwd(good, spec, bench.GemmWeights())
+    assert [r["backend"] for r in good.rows] == ["ref-torch", "ref-jax"]
+    for r in good.rows:
+        assert r["error"] is None and r["median_ms"] > 0 and r["fwd_ms"] > 0 and r["grad_rel_err"] < 1e-2, r
+
+    t_wgrad, j_wgrad = tapi._wgrad, japi.grouped_gemm_wgrad_reference
+    monkeypatch.setattr(tapi, "_wgrad", lambda *a: t_wgrad(*a) * 1.1)
+    monkeypatch.setattr(japi, "grouped_gemm_wgrad_reference", lambda *a: (j_wgrad(*a) * 1.1).astype(jnp.bfloat16))
+    ctx = bench.Ctx(bench.parse_args(args))
+    bench.bench_gemm_bwd(ctx, spec, bench.GemmWeights())
+    assert [r["backend"] for r in ctx.rows] == ["ref-torch", "ref-jax"]
+    for r in ctx.rows:
+        assert r["error"].startswith("WRONG: d_w rel_err=0.1") and "not timed" in r["error"], r
+        assert r["median_ms"] is None and r["fwd_ms"] is None and r["bwd_tflops"] is None, r
+        assert r["rel_err"] < 1e-2 and r["grad_rel_err"] == pytest.approx(0.1, rel=0.05), r  # y and d_x still right
+
+
+@needs_triton_interpreter  # `bench.py --tiny`: ours-torch-triton rows run in Triton's interpreter
+def test_tiny_bwd_run_every_row_correct_and_missing_peers_skipped(tmp_path):
+    """`bench.py --tiny --what gemm_bwd,layer_bwd` on the CPU (kernels interpreted): exit 0; every backend and peer
+    of the issue has its row; every row that ran is right (forward and each gradient) and timed (forward and
+    forward + backward; JAX rows with XLA's memory analysis, torch rows saying their CUDA peak is n/a here); the
+    layer with recompute False and True; Mosaic GPU and tokamax skipped with their reason, not errors."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench.py"), "--tiny", "--what",
+                          "gemm_bwd,layer_bwd", "--rep-ms", "1", "--warmup-ms", "1", "--out", str(tmp_path)],
+                         capture_output=True, text=True, cwd=root, timeout=600, env=env)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    got = {(r["bench"], r["backend"]) for r in rows}
+    ours = ("ours-jax-pallas_triton", "ours-jax-pallas_mosaic_gpu", "ref-jax", "ours-torch-triton", "ref-torch")
+    assert got == {("gemm_bwd", b) for b in (*ours, "torch._grouped_mm", "tokamax.ragged_dot-mosaic", "jax.lax.ragged_dot")} | {
+        ("layer_bwd", b + rc) for b in ours for rc in ("", "-recompute")} | {("layer_bwd", "transformers-Qwen3MoeSparseMoeBlock")}
+    skipped = {r["backend"]: r["error"] for r in rows if H.skipped(r)}
+    assert set(skipped) == {"ours-jax-pallas_mosaic_gpu", "ours-jax-pallas_mosaic_gpu-recompute", "tokamax.ragged_dot-mosaic"}
+    assert all("needs" in why and "GPU" in why for why in skipped.values()), skipped
+    for r in rows:
+        if H.skipped(r):
+            assert r["median_ms"] is None, r
+            continue
+        assert r["error"] is None, r
+        assert r["rel_err"] <= H.REL_ERR_MAX and r["grad_rel_err"] <= H.GRAD_REL_ERR_MAX, r
+        assert r["median_ms"] > 0 and r["fwd_ms"] > 0 and r["bwd_ms"] is not None, r
+        jax_row = "jax" in r["backend"]
+        assert r["mem_method"] == ("xla memory_analysis temp+output" if jax_row else
+                                   "n/a: torch.cuda memory stats only on a GPU"), r
+        assert (r["peak_mem_mib"] is not None) == jax_row, r
+        if r["bench"] == "layer_bwd" and not r["backend"].startswith("transformers"):
+            assert r["recompute"] == r["backend"].endswith("-recompute"), r
+    assert "19 rows, 15 timed, 4 skipped, 0 errors (0 wrong results)" in run.stdout
+    md = (tmp_path / "bench.md").read_text()
+    assert "## Forward + backward" in md and "| gemm_bwd/tiny/bf16/M=64/uniform | ours-torch-triton (interpreted) |" in md

@@ -6,6 +6,11 @@ one device. So this file is also a script: the test runs it once as a child proc
 (``python tests/test_ep_jax.py --child``), which computes every case and prints one JSON list;
 the parametrized tests then check each case's numbers. Argument checks and the ``ep_size=1``
 path run in-process.
+
+The child also runs the backward (CONTRACT.md section 8, "EP"; :func:`_backward_cases`): ``jax.vjp``
+of the jitted EP layer against that of the single-device layer, in both modes: each device's slice of
+the weight gradients equals the single-device gradient's (experts without rows: exactly 0), ``d_x`` and
+``d_router_logits`` the single-device ones (the sums over devices).
 """
 
 from __future__ import annotations
@@ -81,8 +86,96 @@ def _cases():
     ] if ON_GPU else [])
 
 
+def _backward_cases():
+    """(name, (preset, overrides), T, mode, out_sharding, dtype, weights form, recompute): each line's edge
+    in its comment. Mostly Mixtral routing at H=64: its programs compile in about a third of the time
+    of DeepSeek-V3's grouped top-k (the child's time is mostly XLA compiling)."""
+    tiny = ("tiny", {})
+    mixtral = ("mixtral-8x7b", {"hidden_size": 64, "intermediate_size": 32})  # E=8 (E_local 2), topk=2, no shared
+    fp8 = ("mixtral-8x7b", {"hidden_size": 64, "intermediate_size": 32, "quant": "fp8_per_token"})
+    dsv3 = ("deepseek-v3", {"hidden_size": 512, "intermediate_size": 256})
+    return [
+        # DeepSeek-V3 routing, rsf in the combine, the shared expert on the last rank (E_local 4, 4, 4, 5: padded
+        # slabs), T=7 padded to 8; the global [E + S] weights: the gradient flows back through the padding too.
+        ("tiny_T7_global_weights", tiny, 7, "all_to_all", "tokens", "float32", "global", False),
+        ("noshared_T7", mixtral, 7, "replicated", "replicated", "float32", "sharded", False),
+        ("noshared_T7", mixtral, 7, "replicated", "tokens", "float32", "sharded", False),
+        ("noshared_T7", mixtral, 7, "all_to_all", "replicated", "float32", "sharded", False),
+        # T=1: three devices hold only a padding row; at most two get rows (the others' weight gradients
+        # exactly 0); recompute=True.
+        ("noshared_T1_recompute", mixtral, 1, "all_to_all", "tokens", "float32", "sharded", True),
+        ("noshared_T7_bf16", mixtral, 7, "replicated", "replicated", "bfloat16", "sharded", False),
+        ("noshared_T7_bf16", mixtral, 7, "all_to_all", "tokens", "bfloat16", "sharded", False),
+        # FP8 weights and activations: straight-through; the codes get zero cotangents.
+        ("noshared_T7_fp8_per_token", fp8, 7, "replicated", "replicated", "float32", "sharded", False),
+        ("noshared_T7_fp8_per_token", fp8, 7, "all_to_all", "tokens", "float32", "sharded", False),
+    ] + ([
+        # GPU only: DeepSeek-V3 at H=512, I=256, bf16, the default GPU kernels (forward and backward).
+        ("dsv3_T64_bf16", dsv3, 64, "replicated", "replicated", "bfloat16", "sharded", False),
+        ("dsv3_T64_bf16", dsv3, 64, "all_to_all", "tokens", "bfloat16", "sharded", False),
+    ] if ON_GPU else [])
+
+
+def _child_backward() -> list[dict]:
+    """The backward cases (in the child): per case, each gradient's rel. Frobenius error against the
+    single-device layer's, and whether the experts without rows got exactly-0 weight gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    import moe_pallas
+    from moe_contract import get_preset, make_layer_inputs
+    from moe_pallas.ep import ep_moe_forward, make_ep_mesh, pad_expert_weights, shard_expert_weights
+
+    def rel(a, b):
+        a, b = np.asarray(jnp.asarray(a, jnp.float32), np.float64), np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+        den, num = np.linalg.norm(b), np.linalg.norm(a - b)
+        return float(num / den) if den else (0.0 if num == 0 else float("inf"))
+
+    results, refs = [], {}
+    for name, (preset, overrides), T, mode, out_sharding, dtype, form, recompute in _backward_cases():
+        config = get_preset(preset).config(**overrides)
+        impl = None if name.startswith("dsv3") else "reference"
+        dt = jnp.dtype(dtype)
+        inputs = make_layer_inputs(config, T, seed=1)
+        x, logits = jnp.asarray(inputs.x, dt), jnp.asarray(inputs.router_logits)
+        bias = jnp.asarray(inputs.e_score_correction_bias) if config.routing == "biased_grouped_topk" else None
+        w13, w13_s, w2, w2_s = moe_pallas.quantize_layer_weights(jnp.asarray(inputs.w13, dt), jnp.asarray(inputs.w2, dt), config)
+        d_out = jnp.asarray(np.random.default_rng(5).standard_normal((T, config.hidden_size)), dt)
+        if name not in refs:
+            def single(x_, l_, a_, b_):
+                return moe_pallas.moe_forward(x_, l_, a_, b_, config, w13_scale=w13_s, w2_scale=w2_s,
+                                              e_score_correction_bias=bias, implementation=impl)
+            refs[name] = jax.jit(lambda *a: jax.vjp(single, *a)[1](d_out))(x, logits, w13, w2)
+        ref = list(refs[name])
+        cfg = config.replace(ep_size=EP)
+        mesh = make_ep_mesh(EP)
+        if form == "sharded":  # gradients in the padded [ep * E_lmax, ...] layout, padding experts 0
+            args = [shard_expert_weights(w, cfg, mesh) if w is not None else None for w in (w13, w2, w13_s, w2_s)]
+            ref[2:] = [pad_expert_weights(r, cfg) for r in ref[2:]]
+        else:
+            args = [w13, w2, w13_s, w2_s]
+        for exchange in _exchanges(mode):
+            def ep(x_, l_, a_, b_):
+                return ep_moe_forward(x_, l_, a_, b_, cfg, mesh=mesh, mode=mode, w13_scale=args[2], w2_scale=args[3],
+                                      e_score_correction_bias=bias, implementation=impl, out_sharding=out_sharding,
+                                      exchange=None if exchange == "default" else exchange, recompute=recompute)
+            got = jax.jit(lambda *a: jax.vjp(ep, *a)[1](d_out))(x, logits, args[0], args[1])
+            r = {"case": name, "mode": mode, "out_sharding": out_sharding, "exchange": exchange, "dtype": dtype,
+                 "quant": config.quant, "finite": all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in got),
+                 "dtypes_kept": all(g.dtype == a.dtype for g, a in zip(got, (x, logits, args[0], args[1])))}
+            for n, g, want in zip(("d_x", "d_router_logits", "d_w13", "d_w2"), got, ref):
+                r[n] = rel(g, want)
+            # experts with no rows (the single-device gradient of the expert all 0): exactly 0 here too
+            empty = [e for e in range(ref[2].shape[0]) if not np.asarray(ref[2][e].astype(jnp.float32)).any()]
+            r["empty_experts"] = len(empty)
+            r["zero_rows_exact"] = all(not np.asarray(g[e].astype(jnp.float32)).any() for e in empty for g in got[2:])
+            results.append(r)
+    return results
+
+
 def _child() -> list[dict]:
     """Runs in the child process (4 CPU devices): every case, every mode, jitted."""
+    import functools
     import logging
 
     import jax
@@ -161,9 +254,15 @@ def _child() -> list[dict]:
                            jnp.asarray(inputs.w2), config, mesh=mesh, mode="all_to_all",
                            e_score_correction_bias=jnp.asarray(inputs.e_score_correction_bias),
                            implementation="reference").as_text()
+        # ... and its gradient: the backward adds the transposes of the two row exchanges
+        ep = functools.partial(ep_moe_forward, config=config, mesh=mesh, mode="all_to_all",
+                               e_score_correction_bias=jnp.asarray(inputs.e_score_correction_bias), implementation="reference")
+        grad_hlo = jax.jit(lambda *a: jax.vjp(ep, *a)[1](jnp.ones((7, config.hidden_size)))).lower(
+            jnp.asarray(inputs.x), jnp.asarray(inputs.router_logits), jnp.asarray(inputs.w13), jnp.asarray(inputs.w2)).as_text()
     finally:
         ep_module._ragged_exchange = dense_exchange
-    return [{"log": records, "ragged_lowered": hlo.count("ragged_all_to_all")}] + results
+    return [{"log": records, "ragged_lowered": hlo.count("ragged_all_to_all"),
+             "ragged_grad_lowered": grad_hlo.count("ragged_all_to_all"), "backward": _child_backward()}] + results
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +326,42 @@ def test_ragged_path_lowers(child_results):
     """The GPU path: both exchanges (rows + ids out, rows back) become ragged_all_to_all ops."""
     info, _ = child_results
     assert info["ragged_lowered"] >= 3, info
+
+
+def test_ragged_path_gradient_lowers(child_results):
+    """The gradient of the GPU path: the forward's three ragged exchanges plus the two rows' transposes
+    (XLA's own transpose rule of ragged_all_to_all: the reverse ragged exchange)."""
+    info, _ = child_results
+    assert info["ragged_grad_lowered"] >= info["ragged_lowered"] + 2, info
+
+
+def _backward_keys():
+    return [(name, mode, osh, exchange) for name, _, _, mode, osh, _, _, _ in _backward_cases() for exchange in _exchanges(mode)]
+
+
+@pytest.mark.parametrize("key", _backward_keys(), ids=lambda k: "-".join(k))
+def test_ep_gradients_are_slices_and_sums_of_single_device(child_results, key):
+    """CONTRACT.md section 8, EP: each device's weight-gradient slice is the single-device gradient's,
+    d_x and d_router_logits the single-device ones; float32 within 1e-5, bf16 within 2e-2; experts
+    without rows exactly 0; every cotangent finite and in its input's dtype."""
+    import tolerances
+
+    info, _ = child_results
+    r = next(b for b in info["backward"] if (b["case"], b["mode"], b["out_sharding"], b["exchange"]) == key)
+    limit = tolerances.GRAD_BF16_REL_FRO if r["dtype"] == "bfloat16" else tolerances.GRAD_F32_REL_FRO
+    assert r["finite"] and r["dtypes_kept"], r
+    for n in ("d_x", "d_router_logits", "d_w13", "d_w2"):
+        assert r[n] <= limit, (n, r)
+    assert r["zero_rows_exact"], r
+
+
+def test_ep_gradient_edges_were_exercised(child_results):
+    """T=1 leaves devices without rows (their experts' exact-0 check ran); the FP8 weights' cotangents are 0."""
+    info, _ = child_results
+    t1 = [b for b in info["backward"] if b["case"] == "noshared_T1_recompute"]
+    assert t1 and all(b["empty_experts"] >= 4 for b in t1), t1
+    fp8 = [b for b in info["backward"] if b["quant"] != "none"]
+    assert fp8 and all(b["empty_experts"] == 8 for b in fp8), fp8  # all-zero: every expert "without gradient"
 
 
 # --- in-process: ep_size=1 on one device, and the argument checks --------------------------------
@@ -347,6 +482,8 @@ def test_errors():
         rep = dict(mesh=mesh, mode="replicated", e_score_correction_bias=bias, implementation="reference")
         np.testing.assert_array_equal(np.asarray(ep_moe_forward(x, logits, w13, w2, config, exchange="ragged", **rep)),
                                       np.asarray(ep_moe_forward(x, logits, w13, w2, config, **rep)))
+    with pytest.raises(TypeError, match=r"ep_moe_forward: recompute must be a bool; got str 'yes'"):
+        ep_moe_forward(x, logits, w13, w2, config, mesh=mesh, recompute="yes", e_score_correction_bias=bias)
     with pytest.raises(ValueError, match=r"ep_moe_forward: w2 must have a leading expert axis"):
         ep_moe_forward(x, logits, w13, w2[:-1], config, mesh=mesh, e_score_correction_bias=bias)
     with pytest.raises(ValueError, match=r"ep_moe_forward: x must be \[T, H\]"):

@@ -11,6 +11,11 @@ every expert, ``implementation='reference'`` on the CPU) on the same inputs, in 
 - ``replicated_sharded``: same, reduce-scatter: rank ``r`` holds ``shard_rows(T, P, r)``;
 - ``all_to_all``: rank ``r`` holds an uneven slice of the tokens (sizes in ``SHARDS``, zeros
   included) and gets those tokens' outputs back.
+
+The same spawn runs the backward (CONTRACT.md section 8, "EP"; ``BACKWARD_CASES``): in every layout
+each rank's ``w13`` / ``w2`` gradients must equal its slice of the single-device layer's gradients, and
+its ``x`` / ``router_logits`` gradients the single-device ones (replicated: the whole ``[T, ...]``,
+after the backward's all-reduce; all_to_all: the rows of its own tokens).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ sys.path.insert(0, os.path.dirname(__file__))  # `import tolerances` in the spaw
 import moe_torch  # noqa: E402
 from moe_contract import MoEConfig, get_preset, make_layer_inputs  # noqa: E402
 from moe_torch.ep import ep_moe_forward, shard_rows  # noqa: E402
-from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, rel_fro  # noqa: E402
+from tolerances import (BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO,  # noqa: E402
+                        rel_fro)
 
 WORLD = 4
 #: Tokens per rank under ``mode='all_to_all'`` (the caller's sharding; uneven, with empty ranks).
@@ -67,11 +73,12 @@ class Case:
     routing: str = "uniform"  # "rank0": logits pick only rank 0's routed experts
     #: the EP layer's stage backends, when not the spawn's (the single-device reference keeps the spawn's)
     implementation: str | None = None
+    recompute: bool = False  # backward cases: the EP layer's (the single-device reference keeps False)
 
     @property
     def name(self) -> str:
         impl = f"-{self.implementation}" if self.implementation else ""
-        return f"{self.config}-T{self.T}-{self.quant}-{self.dtype}-{self.routing}{impl}"
+        return f"{self.config}-T{self.T}-{self.quant}-{self.dtype}-{self.routing}{impl}" + ("-recompute" * self.recompute)
 
 
 CPU_CASES = (
@@ -95,6 +102,22 @@ GPU_CASES = (
     Case("dsv3", 64, quant="fp8_block", dtype="bfloat16"),
     Case("dsv3", 64, dtype="bfloat16", routing="rank0"),
 )
+#: Backward cases (each in the three layouts), edges in the comments.
+BACKWARD_CASES = (
+    Case("tiny", 7),  # DeepSeek-V3 routing, rsf in the combine, shared expert on rank 3; T % P != 0; rank 1 no tokens
+    Case("no_shared", 1, recompute=True),  # T=1: three ranks hold no token under all_to_all; rsf on the gate
+    Case("no_shared", 16, routing="rank0"),  # ranks 1..3 get no rows: their weight gradients exactly 0
+    Case("tiny", 7, dtype="bfloat16"),  # bf16 gradients, summed over ranks in float32
+    Case("tiny", 7, quant="fp8_per_token", dtype="bfloat16"),  # FP8: straight-through (x, router_logits only)
+    Case("no_shared", 7, implementation="triton"),  # the Triton backward kernels (interpreted) between the collectives
+)
+BACKWARD_CASES = tuple(c for c in BACKWARD_CASES if c.implementation != "triton" or os.environ.get("TRITON_INTERPRET") == "1")
+GPU_BACKWARD_CASES = (
+    Case("dsv3", 64, dtype="bfloat16"),
+    Case("dsv3", 64, quant="fp8_block", dtype="bfloat16"),
+)
+GRAD_TOL = {"float32": GRAD_F32_REL_FRO, "bfloat16": GRAD_BF16_REL_FRO}
+GRAD_NAMES = ("d_x", "d_router_logits", "d_w13", "d_w2")
 
 
 def make_config(case: Case, **kw) -> MoEConfig:
@@ -184,7 +207,58 @@ def run_cases(rank: int, world: int, cases, device: str, implementation) -> dict
     return results
 
 
-def worker(rank: int, world: int, init_method: str, backend: str, device_kind: str, cases, implementation, out_path: str):
+def run_backward_cases(rank: int, world: int, cases, device: str, implementation) -> dict:
+    """This rank's gradient errors ``{case: {layout: {grad name: rel. Frobenius error vs the single-device
+    gradient's matching part}}}``, plus ``"zero_rows_exact"``: whether its experts without rows got
+    exactly-0 weight gradients (``None``: none such, or FP8)."""
+    results = {}
+    for case in cases:
+        config1, x, logits, w13, w13_s, w2, w2_s, bias = make_inputs(case, world, device)
+        fp8 = case.quant != "none"
+        leaf = lambda t: t.detach().clone().requires_grad_()
+        rng = np.random.default_rng(11)
+        d_out = torch.from_numpy(rng.standard_normal(tuple(x.shape), dtype=np.float32)).to(device, x.dtype)
+        ref_in = [leaf(x), leaf(logits), w13 if fp8 else leaf(w13), w2 if fp8 else leaf(w2)]
+        moe_torch.moe_forward(*ref_in, config1, w13_scale=w13_s, w2_scale=w2_s, e_score_correction_bias=bias,
+                              implementation=implementation).backward(d_out)
+        ref = [t.grad for t in ref_in]
+        cfg = config1.replace(ep_size=world, ep_rank=rank)
+        start, n = cfg.local_expert_range()
+        local = dict(w13_scale=_local(w13_s, cfg), w2_scale=_local(w2_s, cfg), e_score_correction_bias=bias,
+                     implementation=case.implementation or implementation, recompute=case.recompute)
+        sizes = SHARDS[case.T]
+        errs = {}
+        for layout in LAYOUTS:
+            if layout == "all_to_all":
+                lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+                rows_in = rows_out = slice(lo, hi)
+                kw = dict(mode="all_to_all")
+            else:
+                rows_in = slice(0, case.T)
+                rows_out = slice(*shard_rows(case.T, world, rank)) if layout == "replicated_sharded" else rows_in
+                kw = dict(mode="replicated", out="sharded" if layout == "replicated_sharded" else "replicated")
+            w13_l, w2_l = _local(w13, cfg), _local(w2, cfg)
+            ins = [leaf(x[rows_in]), leaf(logits[rows_in]), w13_l if fp8 else leaf(w13_l), w2_l if fp8 else leaf(w2_l)]
+            out = ep_moe_forward(*ins, cfg, **kw, **local)
+            out.mul_(1.0)  # in place, as a residual add would be: the output must not be a custom Function's view
+            out.backward(d_out[rows_out])
+            want = [ref[0][rows_in], ref[1][rows_in]] + [None if r is None else r[start:start + n] for r in ref[2:]]
+            e = {}
+            for name, t, w in zip(GRAD_NAMES, ins, want):
+                if w is None:  # FP8 codes: frozen, no gradient
+                    e[name] = 0.0 if t.grad is None else float("inf")
+                else:
+                    e[name] = rel_fro(t.grad, w) if t.grad is not None else float("inf")
+            empty = [] if fp8 else [i for i in range(n) if not want[2][i].any()]
+            e["zero_rows_exact"] = None if not empty else all(
+                not ins[j].grad[i].any() for i in empty for j in (2, 3))
+            errs[layout] = e
+        results[case.name] = errs
+    return results
+
+
+def worker(rank: int, world: int, init_method: str, backend: str, device_kind: str, cases, implementation, out_path: str,
+           backward_cases=()):
     """One process of the group: run every case, gather the results, rank 0 writes them."""
     if device_kind == "cuda":
         torch.cuda.set_device(rank)
@@ -197,6 +271,8 @@ def worker(rank: int, world: int, init_method: str, backend: str, device_kind: s
         t0 = time.perf_counter()
         mine = run_cases(rank, world, cases, device, implementation)
         mine["seconds"] = time.perf_counter() - t0
+        mine["backward"] = run_backward_cases(rank, world, backward_cases, device, implementation)
+        mine["backward_seconds"] = time.perf_counter() - t0 - mine["seconds"]
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
         if rank == 0:
@@ -212,10 +288,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(world: int, backend: str, device_kind: str, cases, implementation, out_path, timeout_s: float = 300.0) -> list:
+def spawn(world: int, backend: str, device_kind: str, cases, implementation, out_path, timeout_s: float = 300.0,
+          backward_cases=()) -> list:
     """Run :func:`worker` in ``world`` processes; the per-rank results (kills them after ``timeout_s``)."""
     init_method = f"tcp://127.0.0.1:{_free_port()}"
-    ctx = mp.start_processes(worker, args=(world, init_method, backend, device_kind, cases, implementation, str(out_path)),
+    ctx = mp.start_processes(worker, args=(world, init_method, backend, device_kind, cases, implementation, str(out_path),
+                                           backward_cases),
                              nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):  # raises ProcessRaisedException with the rank's traceback
@@ -230,7 +308,8 @@ def spawn(world: int, backend: str, device_kind: str, cases, implementation, out
 
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
-    return spawn(WORLD, "gloo", "cpu", CPU_CASES, "reference", tmp_path_factory.mktemp("ep") / "results.json")
+    return spawn(WORLD, "gloo", "cpu", CPU_CASES, "reference", tmp_path_factory.mktemp("ep") / "results.json",
+                 backward_cases=BACKWARD_CASES)
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
@@ -239,6 +318,32 @@ def test_gloo_equals_single_device(gloo_results, case, layout):
     limit = TOL[(case.quant, case.dtype)]
     errs = [r[case.name][layout] for r in gloo_results]
     assert all(np.isfinite(e) and e <= limit for e in errs), f"{case.name} {layout}: per-rank errors {errs} > {limit:.0e}"
+
+
+def _check_backward(results, case: Case, layout: str) -> None:
+    limit = GRAD_TOL[case.dtype]
+    for rank, r in enumerate(results):
+        e = r["backward"][case.name][layout]
+        for name in GRAD_NAMES:
+            assert np.isfinite(e[name]) and e[name] <= limit, \
+                f"{case.name} {layout} rank {rank} {name}: {e[name]:.3e} > {limit:.0e}"
+        assert e["zero_rows_exact"] in (None, True), \
+            f"{case.name} {layout} rank {rank}: an expert without rows got a nonzero weight gradient"
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gloo_gradients_are_slices_and_sums_of_single_device(gloo_results, case, layout):
+    """CONTRACT.md section 8, EP: weight gradients are this rank's slice of the single-device gradient; d_x
+    and d_router_logits the single-device ones (their sums over ranks, which the backward's collectives form)."""
+    _check_backward(gloo_results, case, layout)
+
+
+def test_gloo_gradients_edges_were_exercised(gloo_results):
+    """The rank-0-only case really leaves ranks without rows (their exact-zero check ran)."""
+    case = next(c for c in BACKWARD_CASES if c.routing == "rank0")
+    flags = [r["backward"][case.name]["all_to_all"]["zero_rows_exact"] for r in gloo_results]
+    assert flags[0] is None and all(f is True for f in flags[1:]), flags
 
 
 @pytest.mark.parametrize("mode", ("replicated", "all_to_all"))
@@ -268,6 +373,8 @@ def test_without_torch_distributed_is_a_value_error():
         ep_moe_forward(x, logits, w13, w2, config, mode="deepep")
     with pytest.raises(ValueError, match="out must be 'sharded'"):
         ep_moe_forward(x, logits, w13, w2, config, mode="all_to_all", out="replicated")
+    with pytest.raises(TypeError, match="ep_moe_forward: recompute must be a bool; got int 1"):
+        ep_moe_forward(x, logits, w13, w2, config, recompute=1)
 
 
 def test_module_without_group_is_unchanged():
@@ -287,7 +394,7 @@ def test_nccl_two_gpus(tmp_path):
     """Both modes over NCCL at DeepSeek-V3 routing (E=256 + 1 shared, topk 8) with H=512, I=256, bf16
     and fp8_block, the default backends (Triton kernels)."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast (inherited by the spawned processes)
-    results = spawn(2, "nccl", "cuda", GPU_CASES, None, tmp_path / "results.json")
+    results = spawn(2, "nccl", "cuda", GPU_CASES, None, tmp_path / "results.json", backward_cases=GPU_BACKWARD_CASES)
     for case in GPU_CASES:
         limit = TOL[(case.quant, case.dtype)]
         for layout in LAYOUTS:
@@ -295,3 +402,6 @@ def test_nccl_two_gpus(tmp_path):
             assert all(e <= limit for e in errs), f"{case.name} {layout}: {errs}"
     for mode in ("replicated", "all_to_all"):
         assert all(r[f"EPMoE-{mode}"][mode] <= BF16_REL_FRO for r in results)
+    for case in GPU_BACKWARD_CASES:
+        for layout in LAYOUTS:
+            _check_backward(results, case, layout)

@@ -126,8 +126,9 @@ def test_modules_equal_moe_forward_and_each_other(routing, quant, T):
 
 @pytest.mark.parametrize("framework", ["jnp", "torch"])
 def test_from_float_equals_quantize_layer_weights(framework):
-    """``from_float`` slices this rank's experts and quantizes them 16 at a time: bit-identical to one
-    eager ``quantize_layer_weights`` of the slice (E_local = 9 on rank 1 of 2, with the shared expert)."""
+    """``from_float`` slices this rank's experts and quantizes them in expert chunks (``quantize_weight_fp8``'s
+    byte budget): bit-identical to one eager ``quantize_layer_weights`` of the slice (E_local = 9 on rank 1
+    of 2, with the shared expert)."""
     config = get_preset("tiny").config(quant="fp8_block", ep_size=2, ep_rank=1)
     g = make_layer_inputs(config, 0, seed=5)
     idx = 0 if framework == "jnp" else 1
@@ -198,7 +199,8 @@ def test_torch_state_dict_round_trip(quant):
     expected = {"w13", "w2", "e_score_correction_bias"} | ({"w13_scale", "w2_scale"} if quant != "none" else set())
     sd = a.state_dict()
     assert set(sd) == expected
-    assert all(not p.requires_grad for p in a.parameters())
+    # trainable=True (default): float weights are trainable parameters; FP8 codes, scales, bias are buffers
+    assert [(n, p.requires_grad) for n, p in a.named_parameters()] == ([("w13", True), ("w2", True)] if quant == "none" else [])
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
@@ -344,31 +346,66 @@ def test_bad_weights_raise_the_layers_messages(framework):
     assert str(e.value) == f"{op}: x must have the layer's dtype bfloat16 (quant='none'); got x.dtype=float32"
 
 
+def test_nnx_module_refuses_numpy_inputs():
+    """Issue 12: each module takes its own framework's arrays only. ``MoELayer(x, router_logits)`` and
+    ``MoEBlock(hidden_states)`` with a numpy array raise a TypeError naming ``jnp.asarray`` (before,
+    ``MoELayer`` silently converted numpy); the jax arrays themselves still work."""
+    from moe_pallas.module import MoEBlock
+
+    layer = make_module("jnp", "tiny", quant="none", implementation="reference")
+    x, logits = layer_inputs(layer.config, 3)["jnp"]
+    with pytest.raises(TypeError) as e:
+        layer(np.asarray(x), logits)
+    assert str(e.value) == ("MoELayer: x must be a jax array (modules take their framework's arrays only); "
+                            "got numpy.ndarray: pass jnp.asarray(x)")
+    with pytest.raises(TypeError) as e:
+        layer(x, np.asarray(logits))
+    assert str(e.value) == ("MoELayer: router_logits must be a jax array (modules take their framework's arrays "
+                            "only); got numpy.ndarray: pass jnp.asarray(router_logits)")
+    with pytest.raises(TypeError) as e:  # another framework's array: the usual message
+        layer(x, torch.zeros(3, 16))
+    assert str(e.value) == "MoELayer: router_logits must be a jax array (moe_pallas is the JAX backend); got torch.Tensor"
+    block = MoEBlock(jnp.asarray(np.random.default_rng(0).standard_normal((16, 256)), jnp.float32), layer)
+    with pytest.raises(TypeError) as e:
+        block(np.asarray(x)[None])
+    assert str(e.value) == ("MoEBlock: hidden_states must be a jax array (modules take their framework's arrays "
+                            "only); got numpy.ndarray: pass jnp.asarray(hidden_states)")
+    assert layer(x, logits).shape == (3, 256) and block(x[None]).shape == (1, 3, 256)
+    assert_exact(block(x), block(x[None])[0], "MoEBlock: [T, H] and [B, S, H] hidden states")
+
+
 # --- CUDA graph capture (GPU machine only) -------------------------------------------------------
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or DEVICE != "gpu",
                     reason="CUDA graphs need a GPU and compiled kernels (EPMOE_TEST_DEVICE=gpu)")
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("implementation", ["triton", None])
 @pytest.mark.parametrize("quant", QUANTS)
-def test_cuda_graph_capture(quant, implementation):
+def test_cuda_graph_capture(quant, implementation, grad):
     """``EPMoE.forward`` captured in a CUDA graph (no host sync on the Triton path), replayed on new
-    inputs copied into the static buffers: bit-identical to the eager call."""
+    inputs copied into the static buffers: bit-identical to the eager call. ``no_grad``: inference
+    capture, as a user captures decode (the plain stages). ``grad``: grad mode on, so the trainable
+    (default) bf16 layer's forward is ``_MoELayerFunction``'s, which must stay capturable too (FP8 codes
+    are frozen buffers: the plain stages either way)."""
     layer = EPMoE.from_preset("tiny", seed=0, device="cuda", quant=quant, implementation=implementation)
+    assert layer.trainable == (quant == "none")
     first, second = layer_inputs(layer.config, 24, seed=1)["torch"], layer_inputs(layer.config, 24, seed=2)["torch"]
     static_x, static_logits = first[0].clone(), first[1].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture: compiles the Triton kernels
-        for _ in range(2):
-            layer(static_x, static_logits)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(static_x, static_logits)
-    for x, logits in (second, first):
-        static_x.copy_(x)
-        static_logits.copy_(logits)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_exact(static_out, layer(x, logits), f"{quant} {implementation}: graph replay vs eager")
+    with torch.set_grad_enabled(grad):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture: compiles the Triton kernels
+            for _ in range(2):
+                layer(static_x, static_logits)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = layer(static_x, static_logits)
+        assert static_out.requires_grad == (grad and layer.trainable)  # the autograd.Function was captured
+        for x, logits in (second, first):
+            static_x.copy_(x)
+            static_logits.copy_(logits)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_exact(static_out, layer(x, logits), f"{quant} {implementation} grad={grad}: graph replay vs eager")

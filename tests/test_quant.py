@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -154,3 +157,110 @@ def test_jnp_fp8_rounding_exact_even_when_division_is_not():
     for bad_y in (np.nextafter(y, np.inf), y, np.nextafter(y, -np.inf)):
         got = np.asarray(fp8_round_quotient(jnp.asarray(x), jnp.asarray(bad_y), jnp.asarray(s)))
         np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+
+
+# --- XLA's GPU compiler, emulated on the CPU ---------------------------------------------------------
+
+
+def _run_as_xla_gpu(fn, *args, div_ulps: int):
+    """``fn(*args)`` evaluated equation by equation as XLA's GPU compiler would leave it, on any device:
+
+    - a chain of float -> float converts ``A -> B -> C`` becomes ``A -> C`` (``A`` itself when ``C`` is
+      ``A``'s dtype): ``SimplifyFPConversions``, which the GPU pipeline runs under
+      ``--xla_allow_excess_precision`` (on by default), so an FP8 code's ``q.astype(float32)`` is the
+      float32 value it was made from;
+    - float division is off by ``div_ulps`` ulps (``div.full.f32``, openxla/xla#37181).
+
+    Handles ``jit`` (nested jaxprs, followed through their inputs and outputs); other primitives are
+    bound as they are."""
+    closed = jax.make_jaxpr(fn)(*args)
+    outs, _ = _eval_as_xla_gpu(closed.jaxpr, closed.consts, args, [None] * len(args), div_ulps)
+    return outs
+
+
+def _eval_as_xla_gpu(jaxpr, consts, args, arg_origins, div_ulps):
+    from jax.extend.core import Literal
+
+    env, origin = {}, {}  # origin[v]: the start A of the float convert chain whose last convert made v
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    for v, a, o in zip(jaxpr.invars, args, arg_origins):
+        env[v] = a
+        if o is not None:
+            origin[v] = o
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name, params = eqn.primitive.name, eqn.params
+        out_origins = [None] * len(eqn.outvars)
+        if name in ("jit", "pjit") and "jaxpr" in params:
+            sub = params["jaxpr"]
+            in_origins = [None if isinstance(v, Literal) else origin.get(v) for v in eqn.invars]
+            outs, out_origins = _eval_as_xla_gpu(sub.jaxpr, sub.consts, ins, in_origins, div_ulps)
+        elif name == "convert_element_type" and jnp.issubdtype(params["new_dtype"], jnp.floating):
+            chained = None if isinstance(eqn.invars[0], Literal) else origin.get(eqn.invars[0])
+            base = ins[0] if chained is None else chained
+            outs = [jnp.asarray(base).astype(params["new_dtype"])]  # the chain's start, converted once
+            out_origins = [base]
+        elif name == "div" and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
+            exact = eqn.primitive.bind(*ins, **params)
+            bits = jax.lax.bitcast_convert_type(jnp.abs(exact), jnp.int32) + div_ulps  # one step of |y|
+            outs = [jnp.copysign(jax.lax.bitcast_convert_type(jnp.maximum(bits, 0), jnp.float32), exact)]
+        else:
+            outs = eqn.primitive.bind(*ins, **params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for v, val, o in zip(eqn.outvars, outs, out_origins):
+            env[v] = val
+            if o is not None:
+                origin[v] = o
+    return [read(v) for v in jaxpr.outvars], [None if isinstance(v, Literal) else origin.get(v) for v in jaxpr.outvars]
+
+
+def _near_midpoint_bf16(groups: np.ndarray, axes: tuple[int, ...], seed: int) -> np.ndarray:
+    """``groups`` (one scale group = the elements along ``axes``) made bf16 values whose groups each
+    hold their amax once and ``+-amax * 2^-16`` at a quarter of the places: quotients a hair from the
+    FP8 midpoint ``3.5 * 2^-9``, where the H200 got 6 of 540000 block codes wrong
+    (``x = 0.0024719238 = 162 * 2^-16``: torch ``3 * 2^-9``, jnp ``4 * 2^-9``)."""
+    rng = np.random.default_rng(seed)
+    bf16 = ml_dtypes.bfloat16
+    amax_shape = tuple(1 if i in axes else n for i, n in enumerate(groups.shape))
+    amax = np.exp(rng.uniform(-6, 6, amax_shape)).astype(bf16).astype(np.float32)
+    g = groups.astype(bf16).astype(np.float32)
+    g = (g * amax / np.abs(g).max(axis=axes, keepdims=True) / 2).astype(bf16).astype(np.float32)  # all below amax,
+    first = tuple(slice(0, 1) if i in axes else slice(None) for i in range(g.ndim))
+    g[first] = amax  # which one element per group holds
+    pick = rng.random(g.shape) < 0.25
+    g[pick] = (np.broadcast_to(amax, g.shape) * 2.0**-16 * rng.choice([-1, 1], g.shape))[pick]
+    return g.astype(bf16)
+
+
+@pytest.mark.parametrize("div_ulps", [-1, 1])
+def test_jnp_fp8_codes_survive_xla_gpu_convert_folding(div_ulps):
+    """Regression (H200, jax 0.11): under ``jit`` on the GPU, XLA replaced ``q.astype(float32)`` in
+    ``fp8_round_quotient`` by the float32 quotient ``q`` was made from (``SimplifyFPConversions``), which
+    switched the repair off: the codes were those of the approximate quotient (block-scaled bf16 weights:
+    6 of 540000 codes one step off from torch's and from the CPU's). Emulated here on the CPU with a
+    1-ulp-off division: the jnp reference, the chunked weight quantization's chunk step and the
+    per-token-group quantization still give the correctly rounded quotient's codes."""
+    from moe_pallas.ops.quant import reference as jref
+
+    rng = np.random.default_rng(12)
+    w = _near_midpoint_bf16(rng.standard_normal((2, 128, 2, 128)) * np.exp(rng.uniform(-3, 3, (2, 128, 1, 1))), (1, 3), 1)
+    w = w.reshape(2, 128, 256)  # [E, N, K]: 4 blocks of 128 x 128
+    wj = jnp.asarray(w)
+    tq, ts = moe_torch.quantize_weight_fp8(torch.from_numpy(w.astype(np.float32)).to(torch.bfloat16), "block")
+    # the inputs reach the case: the approximate quotient's own code is wrong somewhere
+    y = np.abs(w.astype(np.float32)).reshape(2, 128, 2, 128) / to_numpy(ts).reshape(2, 1, 2, 1)
+    naive = np.clip((y.view(np.int32) + div_ulps).view(np.float32), 0, 448).astype(FP8).reshape(w.shape)
+    assert (naive.view(np.uint8) != (to_numpy(tq).view(np.uint8) & 0x7F)).any()
+    q, s = _run_as_xla_gpu(lambda a: jref.quantize_weight_fp8_reference(a, "block"), wj, div_ulps=div_ulps)
+    assert_exact(s, ts, "scales")
+    assert_exact(q, tq, f"reference codes, division {div_ulps:+d} ulp")
+    q, _ = _run_as_xla_gpu(lambda a: jref._quantize_weight_chunk(a, "block", 128), wj, div_ulps=div_ulps)
+    assert_exact(q, tq, f"chunk codes, division {div_ulps:+d} ulp")
+    x = _near_midpoint_bf16(rng.standard_normal((64, 2, 128)), (2,), 2).reshape(64, 256).astype(np.float32)  # T x 2 groups
+    q, _ = _run_as_xla_gpu(lambda a: jref.per_token_group_quant_fp8_reference(a, 128), jnp.asarray(x), div_ulps=div_ulps)
+    tq, _ = moe_torch.per_token_group_quant_fp8(torch.from_numpy(x), 128)
+    assert_exact(q, tq, f"per-token-group codes, division {div_ulps:+d} ulp")

@@ -84,3 +84,45 @@ def act_and_mul_config(M: int, I: int, quant: str | None, group_size: int) -> Ac
     block_m = max(1, min(rows_pow2, TARGET_TILE_ELEMENTS // block_i))
     return ActAndMulConfig(block_m=block_m, block_i=block_i, two_pass=two_pass,
                            num_warps=_num_warps(block_m * block_i), num_stages=1)
+
+
+#: Outputs per backward program (``block_m * block_i`` of ``d_a``): half the forward's target. The
+#: backward keeps five float32 tiles live (``g``, ``u``, ``d_a`` and the two results): 2048 values over
+#: 4 warps are 16 a thread per tile, where 4096 would spill.
+BACKWARD_TILE_ELEMENTS = 2048
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ActAndMulBackwardConfig:
+    """Block sizes and launch parameters of the Pallas-Triton ``act_and_mul`` backward kernel.
+
+    block_m: rows per program (a power of two).
+    block_i: columns of ``d_a [M, I]`` per program (a power of two); the program writes the same
+      columns of both halves of ``d_h [M, 2*I]``.
+    num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_m: int
+    block_i: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_i", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"ActAndMulBackwardConfig: {name} must be an int >= 1; got {name}={v!r}")
+        for name in ("block_m", "block_i", "num_warps"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                raise ValueError(
+                    f"ActAndMulBackwardConfig: {name} must be a power of two (a Triton block is); got {name}={v}")
+
+
+def act_and_mul_backward_config(M: int, I: int) -> ActAndMulBackwardConfig:
+    """The heuristic for ``h [M, 2*I]``, ``d_a [M, I]`` -> ``d_h [M, 2*I]``: column blocks of at most
+    ``MAX_BLOCK_I``, rows to fill ``BACKWARD_TILE_ELEMENTS``; 4 warps (16 values a thread per tile),
+    ``num_stages=1`` (no loop to pipeline)."""
+    block_i = min(MAX_BLOCK_I, pl.next_power_of_2(max(I, 1)))
+    block_m = max(1, min(pl.next_power_of_2(max(M, 1)), BACKWARD_TILE_ELEMENTS // block_i))
+    return ActAndMulBackwardConfig(block_m=block_m, block_i=block_i, num_warps=4, num_stages=1)

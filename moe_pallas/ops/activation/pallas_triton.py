@@ -22,6 +22,12 @@ Loads and stores are masked (``jax.experimental.pallas.triton.load/store``); ref
 arrays, so odd ``I`` and any ``M`` work. Masking pattern learned from
 jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/gpu/rms_norm.py.
 
+**Backward** (CONTRACT.md section 8), ``act_and_mul_backward_pallas_triton``, grid
+``(cdiv(M, block_m), cdiv(I, block_i))``, fused: per program ``g, u`` (the tile's columns of both
+halves of ``h``) and ``d_a`` are read once, upcast to float32, and ``d_h = [d_a * u * act'(g) |
+d_a * act(g)]`` is written once (the same ``ACTIVATION_GRADS`` as the reference: silu
+``s (1 + g (1 - s))``, gelu_tanh the derivative of the tanh formula).
+
 Mirror: ``moe_torch/ops/activation/triton.py``.
 """
 
@@ -34,8 +40,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_pallas.ops.activation.config import MAX_TILE_ELEMENTS, ActAndMulConfig, act_and_mul_config
-from moe_pallas.ops.activation.reference import ACTIVATIONS
+from moe_pallas.ops.activation.config import (
+    MAX_TILE_ELEMENTS,
+    ActAndMulBackwardConfig,
+    ActAndMulConfig,
+    act_and_mul_backward_config,
+    act_and_mul_config,
+)
+from moe_pallas.ops.activation.reference import ACTIVATION_GRADS, ACTIVATIONS
 from moe_pallas.ops.quant.reference import FP8_DTYPE, quantize_div_fp8, scale_from_amax
 
 
@@ -174,3 +186,74 @@ def act_and_mul_pallas_triton(
                    extra_inputs=(), n_col_blocks=n_groups)
     return q, scale
 
+
+
+# --------------------------------------------------------------------------------------
+# backward
+
+
+def _backward_kernel(h_ref, da_ref, dh_ref, *, activation: str, M: int, I: int, block_m: int, block_i: int):
+    """Grid ``(cdiv(M, block_m), cdiv(I, block_i))``; program ``(i, j)`` writes ``d_h[rows, cols]`` and
+    ``d_h[rows, I + cols]`` for ``rows = [i*block_m, (i+1)*block_m)``, ``cols = [j*block_i, (j+1)*block_i)``.
+
+    Refs (whole arrays): ``h_ref [M, 2*I]`` and ``da_ref [M, I]`` float in; ``dh_ref [M, 2*I]`` out.
+    """
+    i, j = pl.program_id(0), pl.program_id(1)
+    row0, col0 = i * block_m, j * block_i
+    mask = (row0 + jnp.arange(block_m) < M)[:, None] & (col0 + jnp.arange(block_i) < I)[None, :]
+    rows, cols, up = pl.ds(row0, block_m), pl.ds(col0, block_i), pl.ds(I + col0, block_i)
+    g = plgpu.load(h_ref.at[rows, cols], mask=mask, other=0.0).astype(jnp.float32)
+    u = plgpu.load(h_ref.at[rows, up], mask=mask, other=0.0).astype(jnp.float32)
+    da = plgpu.load(da_ref.at[rows, cols], mask=mask, other=0.0).astype(jnp.float32)
+    plgpu.store(dh_ref.at[rows, cols], (da * u * ACTIVATION_GRADS[activation](g)).astype(dh_ref.dtype), mask=mask)
+    plgpu.store(dh_ref.at[rows, up], (da * ACTIVATIONS[activation](g)).astype(dh_ref.dtype), mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "out_dtype", "config", "interpret"))
+def act_and_mul_backward_pallas_triton(
+    h: jax.Array,
+    d_a: jax.Array,
+    *,
+    activation: str = "silu",
+    out_dtype=None,
+    config: ActAndMulBackwardConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``d_h = [d_a * u * act'(g) | d_a * act(g)]`` in float32, cast once, as one fused Pallas-Triton kernel.
+
+    Args (validated by ``moe_pallas.ops.activation.api.act_and_mul_backward``):
+      h: ``[M, 2*I]`` float32 / bf16 / float16, gate half first.
+      d_a: ``[M, I]`` float32 / bf16 / float16.
+      activation: ``"silu"`` or ``"gelu_tanh"``.
+      out_dtype: default ``h.dtype``.
+      config: launch config (default: :func:`act_and_mul_backward_config` of the shapes).
+      interpret: run in Pallas interpret mode (default: when ``jax.default_backend() == "cpu"``).
+
+    Grid: ``(cdiv(M, block_m), cdiv(I, block_i))``, static.
+
+    Returns: ``d_h [M, 2*I]`` in ``out_dtype``.
+
+    Raises: NotImplementedError (a tile over Triton's element limit).
+    """
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    M, two_i = h.shape
+    I = two_i // 2
+    out_dtype = h.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    cfg = act_and_mul_backward_config(M, I) if config is None else config
+    if cfg.block_m * cfg.block_i > MAX_TILE_ELEMENTS:
+        raise NotImplementedError(
+            f"act_and_mul_backward[pallas_triton]: a tile of block_m * block_i = {cfg.block_m} * {cfg.block_i} "
+            f"elements is over Triton's {MAX_TILE_ELEMENTS}")
+    if M == 0 or I == 0:  # nothing to launch
+        return jnp.zeros((M, two_i), out_dtype)
+    kernel = functools.partial(_backward_kernel, activation=activation, M=M, I=I, block_m=cfg.block_m,
+                               block_i=cfg.block_i)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((M, two_i), out_dtype),
+        grid=(pl.cdiv(M, cfg.block_m), pl.cdiv(I, cfg.block_i)),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"{activation}_and_mul_backward",
+    )(h, d_a)

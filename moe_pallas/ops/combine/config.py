@@ -57,3 +57,46 @@ def combine_config(T: int, H: int, topk: int) -> CombineConfig:
     block_h = min(MAX_BLOCK_H, pl.next_power_of_2(max(H, 1)))
     block_t = max(1, min(pl.next_power_of_2(max(T, 1)), TARGET_TILE_ELEMENTS // block_h))
     return CombineConfig(block_t=block_t, block_h=block_h, num_warps=4, num_stages=1)
+
+
+#: Elements of one backward chunk ``[block_t, block_h]``: half the forward's tile. Each of the ``topk``
+#: slots gathers a ``y`` tile of this size and stores a ``d_y`` tile (``d_out`` is loaded once a chunk):
+#: 2048 float32 values over 4 warps are 16 a thread per live tile.
+BACKWARD_TILE_ELEMENTS = 2048
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CombineBackwardConfig:
+    """Block sizes and launch parameters of the Pallas-Triton ``combine`` backward kernel.
+
+    block_t: tokens per program (a power of two); a program owns its tokens' full rows (the row dot
+      products of ``d_topk_weights``) and walks the hidden dim in ``block_h`` chunks.
+    block_h: hidden columns per chunk (a power of two).
+    num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_t: int
+    block_h: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_t", "block_h", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"CombineBackwardConfig: {name} must be an int >= 1; got {name}={v!r}")
+        for name in ("block_t", "block_h", "num_warps"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                raise ValueError(
+                    f"CombineBackwardConfig: {name} must be a power of two (a Triton block is); got {name}={v}")
+
+
+def combine_backward_config(T: int, H: int, topk: int) -> CombineBackwardConfig:
+    """The heuristic for ``d_out [T, H]``, ``y [T*topk, H]`` -> ``d_y``, ``d_topk_weights``: chunks of at
+    most ``MAX_BLOCK_H`` columns, tokens to fill ``BACKWARD_TILE_ELEMENTS`` (never more than T). 4 warps
+    (16 values a thread per tile); ``num_stages=1``: data-dependent gathers and scatters."""
+    del topk  # the slot loop is unrolled; it does not change the tile
+    block_h = min(MAX_BLOCK_H, pl.next_power_of_2(max(H, 1)))
+    block_t = max(1, min(pl.next_power_of_2(max(T, 1)), BACKWARD_TILE_ELEMENTS // block_h))
+    return CombineBackwardConfig(block_t=block_t, block_h=block_h, num_warps=4, num_stages=1)

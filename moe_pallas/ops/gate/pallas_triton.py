@@ -28,6 +28,13 @@ On the GPU the Triton lowering computes ``sigmoid`` as ``1 / (1 + exp(-x))`` and
 approximately, so scores may differ from XLA's by an ulp or two: ids can then differ from the
 reference only for selection scores that are within that of a tie.
 
+**Backward** (CONTRACT.md section 8), ``select_experts_backward_pallas_triton``, the same grid and
+``[block_t, E_pad]`` tile of logits per program; nothing flows through the choice, so every routing
+mode is one code path but for softmax vs sigmoid: ``s`` is recomputed as above; over the routed slots
+(unrolled) ``w_j = s[id_j]``, ``g_j = c * d_topk_weights[t, j]`` (``c = rsf`` on output), ``D = sum w_j``
+(``+ 1e-20`` biased), ``A = sum g_j w_j``; then ``d_s[id_j] += (g_j - A / D) / D`` (renormalized; else
+``g_j``), and ``d_x = s * (d_s - sum(s * d_s))`` (softmax) or ``d_s * s * (1 - s)`` (sigmoid), float32.
+
 Mirror: ``moe_torch/ops/gate/triton.py``.
 """
 
@@ -208,3 +215,110 @@ def select_experts_pallas_triton(
         interpret=interpret,
         name=f"select_experts_{routing}",
     )(router_logits, bias)
+
+
+# --------------------------------------------------------------------------------------
+# backward
+
+
+def _gate_backward_kernel(logits_ref, ids_ref, dw_ref, dl_ref, *, T: int, E: int, topk: int, sigmoid: bool,
+                          renormalize: bool, rsf: float, rsf_on_output: bool, block_t: int, e_pad: int):
+    """Grid ``(cdiv(T, block_t),)``. Refs (whole arrays): ``logits_ref [T, E]`` float, ``ids_ref [T, topk+S]``
+    int32 / int64 and ``dw_ref [T, topk+S]`` float32 in (routed columns ``< topk`` only are read);
+    ``dl_ref [T, E]`` float32 out."""
+    t0 = pl.program_id(0) * block_t
+    row_ok = t0 + jnp.arange(block_t) < T
+    toks = pl.ds(t0, block_t)
+    col = jnp.arange(e_pad, dtype=jnp.int32)[None, :]  # [1, e_pad]
+    col_ok = col < E
+    x = plgpu.load(logits_ref.at[toks, pl.ds(jnp.int32(0), e_pad)], mask=row_ok[:, None] & col_ok,
+                   other=0.0).astype(jnp.float32)
+    x = jnp.where(col_ok, x, NEG_INF)  # padding experts: s = 0 in both modes
+    if sigmoid:
+        s = jax.nn.sigmoid(x)
+    else:
+        e = jnp.where(col_ok, jnp.exp(x - jnp.max(x, axis=1)[:, None]), 0.0)
+        s = e / jnp.sum(e, axis=1)[:, None]
+    hits, gs = [], []
+    for j in range(topk):  # slots by index (a traced int32: interpret mode wants no python int next to a slice)
+        idj = plgpu.load(ids_ref.at[toks, jnp.int32(j)], mask=row_ok, other=-1)
+        g = plgpu.load(dw_ref.at[toks, jnp.int32(j)], mask=row_ok, other=0.0)
+        hits.append(col == idj[:, None].astype(jnp.int32))  # no column for an id outside [0, E)
+        gs.append(g * jnp.float32(rsf) if rsf_on_output else g)
+    if renormalize:
+        denom = jnp.zeros((block_t,), jnp.float32)
+        acc = jnp.zeros((block_t,), jnp.float32)
+        for hit, g in zip(hits, gs):
+            w = jnp.sum(jnp.where(hit, s, 0.0), axis=1)
+            denom, acc = denom + w, acc + g * w
+        if sigmoid:
+            denom = denom + jnp.float32(1e-20)
+        denom = jnp.where(row_ok, denom, 1.0)  # padding tokens: no 0/0
+        inner = acc / denom
+        gs = [(g - inner) / denom for g in gs]
+    d_s = jnp.zeros((block_t, e_pad), jnp.float32)
+    for hit, g in zip(hits, gs):
+        d_s = d_s + jnp.where(hit, g[:, None], 0.0)
+    if sigmoid:
+        d_x = d_s * s * (1.0 - s)
+    else:
+        d_x = s * (d_s - jnp.sum(s * d_s, axis=1)[:, None])
+    plgpu.store(dl_ref.at[toks, pl.ds(jnp.int32(0), e_pad)], d_x, mask=row_ok[:, None] & col_ok)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "topk", "routing", "renormalize", "routed_scaling_factor", "apply_routed_scaling_factor_on_output", "config",
+    "interpret"))
+def select_experts_backward_pallas_triton(
+    router_logits: jax.Array,
+    topk_ids: jax.Array,
+    d_topk_weights: jax.Array,
+    *,
+    topk: int,
+    routing: str = "softmax_topk",
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    apply_routed_scaling_factor_on_output: bool = False,
+    config: GateConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``d_router_logits [T, E]`` float32, one Pallas-Triton kernel (every routing mode: the grouping only
+    shaped the choice and does not enter the gradient).
+
+    Args (validated by ``moe_pallas.ops.gate.api.select_experts_backward``):
+      router_logits: ``[T, E]`` float32 / bf16 / float16.
+      topk_ids: ``[T, topk+S]`` int32 / int64, the forward's ids.
+      d_topk_weights: ``[T, topk+S]`` float32 (the shared-expert columns ``>= topk`` are not read).
+      topk, routing, renormalize, routed_scaling_factor, apply_routed_scaling_factor_on_output: as
+        ``select_experts``; static.
+      config: launch config (default: :func:`gate_config` of the shapes, the forward's tile rule: the
+        backward keeps as many ``[block_t, E_pad]`` tiles live).
+      interpret: run in Pallas interpret mode (default: when ``jax.default_backend() == "cpu"``).
+
+    Grid: ``(cdiv(T, block_t),)``, static.
+
+    Raises: NotImplementedError (a ``block_t * E_pad`` tile over Triton's element limit).
+    """
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    T, E = router_logits.shape
+    if T == 0:
+        return jnp.zeros((0, E), jnp.float32)
+    cfg = gate_config(T, E) if config is None else config
+    e_pad = pl.next_power_of_2(E)
+    if cfg.block_t * e_pad > MAX_TILE_ELEMENTS:
+        raise NotImplementedError(
+            f"select_experts_backward[pallas_triton]: a tile of block_t * E_pad = {cfg.block_t} * {e_pad} elements "
+            f"is over Triton's {MAX_TILE_ELEMENTS}")
+    kernel = functools.partial(
+        _gate_backward_kernel, T=T, E=E, topk=topk, sigmoid=routing == "biased_grouped_topk",
+        renormalize=renormalize, rsf=float(routed_scaling_factor),
+        rsf_on_output=apply_routed_scaling_factor_on_output, block_t=cfg.block_t, e_pad=e_pad)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((T, E), jnp.float32),
+        grid=(pl.cdiv(T, cfg.block_t),),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"select_experts_backward_{routing}",
+    )(router_logits, topk_ids, d_topk_weights)

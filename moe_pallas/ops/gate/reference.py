@@ -1,4 +1,4 @@
-"""Gate (router) reference in jnp: CONTRACT.md section 1, line by line.
+"""Gate (router) reference in jnp: CONTRACT.md section 1, line by line; and its backward (section 8).
 
 Mirror: ``moe_torch/ops/gate/reference.py``.
 """
@@ -32,12 +32,15 @@ def select_experts_reference(
     apply_routed_scaling_factor_on_output: bool,
     num_fused_shared_experts: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """``router_logits [T, E]`` -> ``(topk_weights [T, topk+S] f32, topk_ids [T, topk+S] i32)``."""
-    logits = router_logits.astype(jnp.float32)
+    """``router_logits [T, E]`` -> ``(topk_weights [T, topk+S] f32, topk_ids [T, topk+S] i32)``.
+
+    (float64 logits are computed, and weighted, in float64: the tests' autodiff check of the backward.)"""
+    cdt = jnp.promote_types(router_logits.dtype, jnp.float32)
+    logits = router_logits.astype(cdt)
     T, E = logits.shape
     if routing == "biased_grouped_topk":
         scores = jax.nn.sigmoid(logits)
-        select = scores + e_score_correction_bias.astype(jnp.float32)[None, :]
+        select = scores + e_score_correction_bias.astype(cdt)[None, :]
     else:
         scores = jax.nn.softmax(logits, axis=-1)
         select = scores
@@ -66,9 +69,54 @@ def select_experts_reference(
     if num_fused_shared_experts:
         S = num_fused_shared_experts
         shared_ids = jnp.broadcast_to(jnp.arange(E, E + S, dtype=topk_ids.dtype)[None, :], (T, S))
-        shared_weights = jnp.full((T, S), 1.0 / routed_scaling_factor, jnp.float32)
+        shared_weights = jnp.full((T, S), 1.0 / routed_scaling_factor, cdt)
         topk_ids = jnp.concatenate([topk_ids, shared_ids], axis=1)
         topk_weights = jnp.concatenate([topk_weights, shared_weights], axis=1)
     if apply_routed_scaling_factor_on_output:
         topk_weights = topk_weights * jnp.float32(routed_scaling_factor)
-    return topk_weights.astype(jnp.float32), topk_ids.astype(jnp.int32)
+    return topk_weights.astype(cdt), topk_ids.astype(jnp.int32)
+
+
+def select_experts_backward_reference(
+    router_logits: jax.Array,
+    topk_ids: jax.Array,
+    d_topk_weights: jax.Array,
+    *,
+    topk: int,
+    routing: str,
+    renormalize: bool,
+    routed_scaling_factor: float,
+    apply_routed_scaling_factor_on_output: bool,
+    **_choice_only,
+) -> jax.Array:
+    """``d_router_logits [T, E]`` float32: the chain rule of :func:`select_experts_reference`'s weights
+    given the chosen ``topk_ids`` (CONTRACT.md section 8). Nothing flows through the choice, so the
+    grouping arguments (in ``_choice_only``) do not enter; the shared-expert slots (columns
+    ``>= topk``) are constants. A routed id outside ``[0, E)`` (never made by the gate) selects nothing.
+
+    Forward, per token: ``s = softmax(x)`` (or ``sigmoid(x)`` biased); ``w_j = s[id_j]``;
+    ``D = sum_j w_j`` (``+ 1e-20`` biased); ``out_j = c * w_j / D`` (``c = rsf`` on output, else 1).
+    Backward: ``g_j = c * d_out_j``; renormalized: ``d_w_j = (g_j - sum_k g_k w_k / D) / D``;
+    ``d_s[id_j] += d_w_j``; softmax: ``d_x = s * (d_s - sum(s * d_s))``; sigmoid: ``d_x = d_s * s * (1 - s)``.
+    """
+    cdt = jnp.promote_types(router_logits.dtype, jnp.float32)  # float64 only for the tests
+    logits = router_logits.astype(cdt)
+    T, E = logits.shape
+    biased = routing == "biased_grouped_topk"
+    scores = jax.nn.sigmoid(logits) if biased else jax.nn.softmax(logits, axis=-1)
+    ids = topk_ids[:, :topk]
+    valid = (ids >= 0) & (ids < E)
+    ids = jnp.where(valid, ids, 0)
+    w = jnp.where(valid, jnp.take_along_axis(scores, ids, axis=1), 0.0)  # [T, topk]
+    g = d_topk_weights[:, :topk].astype(cdt)
+    if apply_routed_scaling_factor_on_output:
+        g = g * jnp.float32(routed_scaling_factor)
+    if renormalize:
+        denom = w.sum(axis=-1, keepdims=True)
+        if biased:
+            denom = denom + 1e-20
+        g = (g - (g * w).sum(axis=-1, keepdims=True) / denom) / denom
+    d_scores = jnp.zeros((T, E), cdt).at[jnp.arange(T)[:, None], ids].add(jnp.where(valid, g, 0.0))
+    if biased:
+        return d_scores * scores * (1.0 - scores)
+    return scores * (d_scores - (scores * d_scores).sum(axis=-1, keepdims=True))

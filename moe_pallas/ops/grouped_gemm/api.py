@@ -1,21 +1,31 @@
-"""Grouped GEMM ``[M, K] x [E, N, K] -> [M, N]`` over rows grouped by expert (CONTRACT.md section 4).
+"""Grouped GEMM ``[M, K] x [E, N, K] -> [M, N]`` over rows grouped by expert (CONTRACT.md section 4),
+and its backward (section 8): :func:`grouped_gemm_dgrad`, :func:`grouped_gemm_wgrad`, and
+:func:`grouped_gemm` differentiable in ``x`` and ``w`` through ``jax.custom_vjp``.
 
 Mirror: ``moe_torch/ops/grouped_gemm/api.py``.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from moe_contract.op_checks import check_grouped_gemm
+from moe_contract.op_checks import check_grouped_gemm, check_grouped_gemm_dgrad, check_grouped_gemm_wgrad
 from moe_contract.validation import check_choice
 from moe_pallas.ops.common import resolve_dtype, takes_jax_arrays
 from moe_pallas.ops.dispatch import dispatch
 from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton
-from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
+from moe_pallas.ops.grouped_gemm.pallas_triton_backward import (grouped_gemm_dgrad_pallas_triton,
+                                                                 grouped_gemm_wgrad_pallas_triton)
+from moe_pallas.ops.grouped_gemm.reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
+                                                   grouped_gemm_wgrad_reference)
 
 IMPLEMENTATIONS = ("pallas_mosaic_gpu", "pallas_triton", "reference")
+#: The backward ops' backends (no Mosaic GPU kernel for them yet).
+DGRAD_IMPLEMENTATIONS = ("pallas_triton", "reference")
+WGRAD_IMPLEMENTATIONS = ("pallas_triton", "reference")
 
 
 def _mosaic(x, w, expert_offsets, x_scale, w_scale, out_dtype):
@@ -60,7 +70,13 @@ def grouped_gemm(
 
     Returns: ``y [M_cap, N]``.
 
-    Raises: ValueError (shapes, missing or unexpected scales), TypeError (dtypes),
+    Differentiable (``jax.custom_vjp``, under ``jax.jit`` and ``shard_map`` alike) in ``x`` and ``w`` for
+    float inputs: the backward is :func:`grouped_gemm_dgrad` and :func:`grouped_gemm_wgrad` with the same
+    ``implementation`` where they have it (else their default order), on the cotangent rounded to
+    ``x.dtype``; ``d_x`` / ``d_w`` come back in ``x``'s / ``w``'s dtype; ``expert_offsets`` gets none.
+
+    Raises: ValueError (shapes, missing or unexpected scales), TypeError (dtypes; and when a gradient is
+      asked through float8_e4m3fn inputs, which are not differentiable: CONTRACT.md section 8),
       NotImplementedError (``implementation="pallas_triton"`` with per-token-group scales whose
       group size ``K // x_scale.shape[1]`` has no power-of-two divisor >= 16;
       ``implementation="pallas_mosaic_gpu"`` off a GPU or outside its limits, see
@@ -72,9 +88,159 @@ def grouped_gemm(
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if M_cap == 0:
         return jnp.zeros((0, N), out_dtype)
-    return dispatch(op, implementation, {
+    if x_scale is None:  # float inputs: differentiable in x and w
+        return _grouped_gemm_float(x, w, expert_offsets, out_dtype, implementation)
+    return _grouped_gemm_fp8(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation)
+
+
+def _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation):
+    """The forward's dispatch (inputs validated)."""
+    return dispatch("grouped_gemm", implementation, {
         "pallas_mosaic_gpu": lambda: _mosaic(x, w, expert_offsets, x_scale, w_scale, out_dtype),
         "pallas_triton": lambda: grouped_gemm_pallas_triton(
             x, w, expert_offsets, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype),
         "reference": lambda: grouped_gemm_reference(x, w, expert_offsets, x_scale, w_scale, out_dtype),
+    })
+
+
+def _backward_implementation(implementation: str | None, available: tuple[str, ...]) -> str | None:
+    """The backward ops' backend for a forward ``implementation``: the same one where they have it,
+    else ``None`` (their default order: the Pallas-Triton kernel on a GPU, the reference on a CPU)."""
+    return implementation if implementation in available else None
+
+
+# --- Differentiable forward (CONTRACT.md section 8): thin glue over the forward and backward ops ---
+# expert_offsets is an ordinary (integer) argument that gets no cotangent; out_dtype and implementation
+# are static. The cotangent d_y is rounded to x's dtype before the backward GEMMs (the ops take one
+# float dtype, as a bf16 training step keeps its gradients in bf16); d_x and d_w come back in x's and
+# w's dtypes (custom_vjp's rule), each accumulated in float32.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped_gemm_float(x, w, expert_offsets, out_dtype, implementation):
+    return _forward(x, w, expert_offsets, None, None, out_dtype, implementation)
+
+
+def _grouped_gemm_float_fwd(x, w, expert_offsets, out_dtype, implementation):
+    return _forward(x, w, expert_offsets, None, None, out_dtype, implementation), (x, w, expert_offsets)
+
+
+def _grouped_gemm_float_bwd(out_dtype, implementation, residuals, d_y):
+    x, w, expert_offsets = residuals
+    d_y = d_y.astype(x.dtype)
+    d_x = grouped_gemm_dgrad(d_y, w, expert_offsets, out_dtype=x.dtype,
+                             implementation=_backward_implementation(implementation, DGRAD_IMPLEMENTATIONS))
+    d_w = grouped_gemm_wgrad(x, d_y, expert_offsets, out_dtype=w.dtype,
+                             implementation=_backward_implementation(implementation, WGRAD_IMPLEMENTATIONS))
+    return d_x, d_w, None
+
+
+_grouped_gemm_float.defvjp(_grouped_gemm_float_fwd, _grouped_gemm_float_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _grouped_gemm_fp8(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation):
+    return _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation)
+
+
+def _grouped_gemm_fp8_fwd(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation):
+    return _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation), None
+
+
+def _grouped_gemm_fp8_bwd(out_dtype, implementation, residuals, d_y):
+    raise TypeError(
+        "grouped_gemm: float8_e4m3fn inputs (x, w, x_scale, w_scale) are not differentiable: FP8 codes are "
+        "frozen and a gradient through them would be wrong (CONTRACT.md section 8: the backward is "
+        "straight-through, d_x = grouped_gemm_dgrad(d_y, q_w, expert_offsets, w_scale=w_scale) on the "
+        "dequantized weights); got a gradient request through an FP8 grouped_gemm")
+
+
+_grouped_gemm_fp8.defvjp(_grouped_gemm_fp8_fwd, _grouped_gemm_fp8_bwd)
+
+
+@takes_jax_arrays
+def grouped_gemm_dgrad(
+    d_y: jax.Array,
+    w: jax.Array,
+    expert_offsets: jax.Array,
+    *,
+    w_scale: jax.Array | None = None,
+    out_dtype=None,
+    implementation: str | None = None,
+) -> jax.Array:
+    """``d_x[m] = d_y[m] @ w[e(m)]``: the gradient of :func:`grouped_gemm` w.r.t. ``x`` (CONTRACT.md section 8).
+
+    Args:
+      d_y: ``[M_cap, N]`` float32 / bf16 / float16, the gradient of ``y``.
+      w: ``[E_local, N, K]``, the forward's weights as they are (no transposed copy): ``d_y``'s dtype, or
+        float8_e4m3fn codes with ``w_scale`` (straight-through: ``q_w * w_scale`` in float32, rounded to
+        ``d_y.dtype``, used as float weights).
+      expert_offsets: ``[E_local + 1]`` int32, as for :func:`grouped_gemm`; rows ``>= offsets[-1]`` are
+        zero in ``d_x`` and never read from ``d_y``.
+      w_scale: FP8 ``w`` only, float32 multiplier: ``[E_local]`` per-expert, ``[E_local, N]``
+        per-channel, or ``[E_local, ceil(N/128), ceil(K/128)]`` 128x128 blocks.
+      out_dtype: result dtype; default ``d_y.dtype``.
+      implementation: ``"pallas_triton"`` (interpreted on the CPU), ``"reference"``, or ``None`` (the
+        device's default order, ``moe_pallas.ops.dispatch``; the reference on the CPU).
+
+    Returns: ``d_x [M_cap, K]``, float32 accumulation, in ``out_dtype``.
+
+    Raises: ValueError (shapes, a missing or unexpected ``w_scale``), TypeError (dtypes),
+      NotImplementedError (``implementation="pallas_triton"`` outside its limits, see
+      ``moe_pallas/ops/grouped_gemm/pallas_triton_backward.py``).
+
+    Source: the transpose of the forward's ``y = x @ w[e].T``; tokamax ``dlhs_ragged_dot``.
+    """
+    op = "grouped_gemm_dgrad"
+    out_dtype = resolve_dtype(check_grouped_gemm_dgrad(op, d_y, w, expert_offsets, w_scale, out_dtype))
+    check_choice(op, "implementation", implementation, (None, *DGRAD_IMPLEMENTATIONS))
+    M_cap, K = d_y.shape[0], w.shape[2]
+    if M_cap == 0:
+        return jnp.zeros((0, K), out_dtype)
+    return dispatch(op, implementation, {
+        "pallas_triton": lambda: grouped_gemm_dgrad_pallas_triton(d_y, w, expert_offsets, w_scale=w_scale,
+                                                                  out_dtype=out_dtype),
+        "reference": lambda: grouped_gemm_dgrad_reference(d_y, w, expert_offsets, w_scale, out_dtype),
+    })
+
+
+@takes_jax_arrays
+def grouped_gemm_wgrad(
+    x: jax.Array,
+    d_y: jax.Array,
+    expert_offsets: jax.Array,
+    *,
+    out_dtype=jnp.float32,
+    implementation: str | None = None,
+) -> jax.Array:
+    """``d_w[e] = d_y[rows(e)].T @ x[rows(e)]``: the gradient of :func:`grouped_gemm` w.r.t. ``w`` (CONTRACT.md section 8).
+
+    A K-grouped GEMM: the contraction runs over each expert's rows ``[offsets[e], offsets[e+1])``.
+
+    Args:
+      x: ``[M_cap, K]`` float32 / bf16 / float16, the forward's input (float: the layer passes the
+        dequantized activations of an FP8 forward).
+      d_y: ``[M_cap, N]``, ``x``'s dtype, the gradient of ``y``.
+      expert_offsets: ``[E_local + 1]`` int32 (gives ``E_local``); rows ``>= offsets[-1]`` are never read.
+      out_dtype: result dtype; default float32.
+      implementation: ``"pallas_triton"`` (interpreted on the CPU), ``"reference"``, or ``None`` (the
+        device's default order; the reference on the CPU).
+
+    Returns: ``d_w [E_local, N, K]`` (the weight layout), float32 accumulation, in ``out_dtype``; an
+      expert with no rows gets exactly 0.
+
+    Raises: ValueError (shapes), TypeError (dtypes), NotImplementedError (``implementation="pallas_triton"``
+      outside its limits).
+
+    Source: the transpose of the forward's ``y = x @ w[e].T``; tokamax ``drhs_ragged_dot``.
+    """
+    op = "grouped_gemm_wgrad"
+    out_dtype = resolve_dtype(check_grouped_gemm_wgrad(op, x, d_y, expert_offsets, out_dtype))
+    check_choice(op, "implementation", implementation, (None, *WGRAD_IMPLEMENTATIONS))
+    E, N, K = expert_offsets.shape[0] - 1, d_y.shape[1], x.shape[1]
+    if x.shape[0] == 0:  # no rows: every expert is empty
+        return jnp.zeros((E, N, K), out_dtype)
+    return dispatch(op, implementation, {
+        "pallas_triton": lambda: grouped_gemm_wgrad_pallas_triton(x, d_y, expert_offsets, out_dtype=out_dtype),
+        "reference": lambda: grouped_gemm_wgrad_reference(x, d_y, expert_offsets, out_dtype),
     })

@@ -15,6 +15,9 @@ device kind (the kernels pass :func:`gpu_device_kind`, read on the host at trace
 the CPU or in interpret mode), and fall back to the heuristics (:func:`heuristic_grouped_gemm_config`,
 :func:`heuristic_mosaic_grouped_gemm_config`) when no entry matches or the nearest one breaks a
 rule of this request (scale layout, whole tiles). Mirror of ``moe_torch/ops/grouped_gemm/config.py``.
+
+The backward kernels (``pallas_triton_backward.py``) take :class:`GroupedGemmDgradConfig` and
+:class:`GroupedGemmWgradConfig`, from their heuristics only (untuned: no GPU measurements yet).
 """
 
 from __future__ import annotations
@@ -66,14 +69,21 @@ class GroupedGemmConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k", "num_warps", "num_stages"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"GroupedGemmConfig: {name} must be an int >= 1; got {name}={v!r}")
-        for name in ("block_m", "block_n", "block_k", "num_warps"):
-            v = getattr(self, name)
-            if v & (v - 1):
-                raise ValueError(f"GroupedGemmConfig: {name} must be a power of two (a Triton block is); got {name}={v}")
+        check_triton_blocks(self)
+
+
+def check_triton_blocks(cfg) -> None:
+    """``ValueError`` unless every field of a Pallas-Triton config (``block_m``, ``block_n``, ``block_k``,
+    ``num_warps``, ``num_stages``) is an int >= 1 and all but ``num_stages`` are powers of two."""
+    cls = type(cfg).__name__
+    for name in ("block_m", "block_n", "block_k", "num_warps", "num_stages"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{cls}: {name} must be an int >= 1; got {name}={v!r}")
+    for name in ("block_m", "block_n", "block_k", "num_warps"):
+        v = getattr(cfg, name)
+        if v & (v - 1):
+            raise ValueError(f"{cls}: {name} must be a power of two (a Triton block is); got {name}={v}")
 
 
 def largest_pow2_divisor(n: int) -> int:
@@ -99,6 +109,117 @@ def heuristic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: 
     if group_size is not None:
         block_k = max(MIN_DOT_BLOCK, min(block_k, largest_pow2_divisor(group_size)))
     return GroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+
+
+# --- Pallas-Triton backward kernels: ``pallas_triton_backward.py`` ---------------------------
+# No tuned entries yet (no GPU measurements): the kernels take these heuristics unless given a config.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupedGemmDgradConfig:
+    """Block sizes of the Pallas-Triton dgrad ``d_x [M_cap, K] = d_y [M_cap, N] @ w[e] [N, K]``.
+
+    A program owns a ``block_m x block_k`` tile of ``d_x`` for the rows of one expert and loops over
+    ``N`` (the contraction) in ``block_n`` steps. Names follow the weight's dims: ``block_n`` tiles
+    ``N``, ``block_k`` tiles ``K``, as in :class:`GroupedGemmConfig` (whose roles are swapped).
+
+    block_m: rows per program (power of two; >= 16 on the GPU, smaller only for interpret-mode tests).
+    block_n: the N step of the inner loop (power of two, >= 16 on the GPU); must divide 128 with
+      128x128 block weight scales (one scale per weight tile).
+    block_k: output columns of ``d_x`` per program (power of two, >= 16 on the GPU); must divide 128
+      with block weight scales.
+    num_warps, num_stages: Triton launch parameters (``num_stages`` pipelines the N loop).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        check_triton_blocks(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupedGemmWgradConfig:
+    """Block sizes of the Pallas-Triton wgrad ``d_w[e] [N, K] = d_y[rows(e)].T @ x[rows(e)]``.
+
+    A program owns a ``block_n x block_k`` tile of one expert's ``d_w[e]`` and loops over that
+    expert's rows (the contraction) in ``block_m`` steps.
+
+    block_m: rows per step of the inner loop (power of two, >= 16 on the GPU).
+    block_n: rows of the ``d_w`` tile (along ``N``; power of two, >= 16 on the GPU).
+    block_k: columns of the ``d_w`` tile (along ``K``; power of two, >= 16 on the GPU).
+    num_warps, num_stages: Triton launch parameters (``num_stages`` pipelines the row loop).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        check_triton_blocks(self)
+
+
+def _pow2_block(n: int, cap: int) -> int:
+    """``next_power_of_2(n)`` clamped to ``[MIN_DOT_BLOCK, cap]``."""
+    return max(MIN_DOT_BLOCK, min(cap, pl.next_power_of_2(max(n, 1))))
+
+
+def heuristic_grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int) -> GroupedGemmDgradConfig:
+    """Untuned first choice for the dgrad of ``d_y [M_cap, N]`` (``itemsize`` bytes a value: the dot
+    operands', i.e. ``d_y``'s, also for FP8 weights, which are dequantized to it) and ``w [E, N, K]``.
+
+    The forward's tile with N and K swapped: ``block_m`` the average rows per expert (power of two in
+    ``[16, MAX_BLOCK_M]``); ``block_k`` (output columns) up to ``MAX_BLOCK_N`` = 128, also the scale
+    block; ``block_n`` (the contraction step) one 128-byte row of ``d_y`` (``K_TILE_BYTES / itemsize``).
+    Powers of two <= 128 always divide 128, so block weight scales fit. 4 warps: a 64 x 128 float32
+    accumulator is 64 registers a thread; 3 stages: ``3 x (64 x 64 + 64 x 128) x 2`` bytes = 72 KiB of
+    shared memory at the largest bf16 tile (float32: half the N step, the same bytes)."""
+    block_m = _pow2_block(-(-max(M_cap, 1) // max(E, 1)), MAX_BLOCK_M)
+    block_k = _pow2_block(K, MAX_BLOCK_N)
+    block_n = _pow2_block(N, K_TILE_BYTES // itemsize)
+    return GroupedGemmDgradConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+
+
+#: Rows of the wgrad's ``d_w`` tile (along N), at most: 64 x 128 float32 accumulators are 64
+#: registers a thread at 4 warps (the forward's budget).
+MAX_WGRAD_BLOCK_N = 64
+#: Columns of the wgrad's ``d_w`` tile (along K), at most: 128 values of a K-major row of ``x``.
+MAX_WGRAD_BLOCK_K = 128
+
+
+def heuristic_grouped_gemm_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int) -> GroupedGemmWgradConfig:
+    """Untuned first choice for the wgrad of ``x [M_cap, K]``, ``d_y [M_cap, N]`` (``itemsize`` bytes a
+    value) into ``d_w [E, N, K]``.
+
+    ``block_n x block_k`` = up to ``64 x 128`` (the accumulator stays in registers, see
+    :data:`MAX_WGRAD_BLOCK_N`); ``block_m`` (the row step, the contraction) 128 bytes of
+    contraction per operand column (``K_TILE_BYTES / itemsize``: 64 bf16, 32 float32), at most the
+    average rows per expert rounded up to a power of two (a decode-size expert with 3 rows reads one
+    16-row step, not 64). 3 stages: ``3 x (64 x 64 + 64 x 128) x 2`` bytes = 72 KiB of shared memory
+    at the largest bf16 tile."""
+    block_n = _pow2_block(N, MAX_WGRAD_BLOCK_N)
+    block_k = _pow2_block(K, MAX_WGRAD_BLOCK_K)
+    block_m = _pow2_block(-(-max(M_cap, 1) // max(E, 1)), K_TILE_BYTES // itemsize)
+    return GroupedGemmWgradConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+
+
+def triton_backward_config_problem(op: str, cfg, w_block: bool = False, *, interpret: bool = False) -> str | None:
+    """Why ``cfg`` (a :class:`GroupedGemmDgradConfig` or :class:`GroupedGemmWgradConfig`) cannot serve a
+    request of ``op`` (``None``: it can): every dot block >= 16 on the GPU; with 128x128 weight-scale
+    blocks (dgrad of FP8 weights), ``block_n`` and ``block_k`` divide 128."""
+    small = {n: getattr(cfg, n) for n in ("block_m", "block_n", "block_k") if getattr(cfg, n) < MIN_DOT_BLOCK}
+    if small and not interpret:
+        return (f"{op}: on the GPU every dot block must be >= {MIN_DOT_BLOCK} (tensor-core tiles); "
+                f"got {', '.join(f'{n}={v}' for n, v in small.items())} (smaller blocks are for interpret mode)")
+    if w_block and (SCALE_BLOCK % cfg.block_n or SCALE_BLOCK % cfg.block_k):
+        return (f"{op}: 128x128 block weight scales need block_n and block_k to divide {SCALE_BLOCK} "
+                f"(one scale per weight tile); got block_n={cfg.block_n}, block_k={cfg.block_k}")
+    return None
 
 
 # --- Pallas Mosaic GPU (Hopper) backend: ``pallas_mosaic_gpu.py`` ---------------------------

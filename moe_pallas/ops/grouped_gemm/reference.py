@@ -10,6 +10,9 @@ weights. ``jax.lax.ragged_dot`` would be shorter, but XLA's GPU lowering compute
 group for every row (``E`` times the work), which at DeepSeek-V3 size (E=257) in float32
 takes minutes.
 
+The backward (CONTRACT.md section 8), :func:`grouped_gemm_dgrad_reference` and
+:func:`grouped_gemm_wgrad_reference`, is written out expert by expert (see the note above them).
+
 Mirror: ``moe_torch/ops/grouped_gemm/reference.py``.
 """
 
@@ -59,3 +62,135 @@ def grouped_gemm_reference(
         es = jnp.pad(expert, (0, pad)).reshape(n_chunks, chunk)
         y = jax.lax.map(lambda args: rows_times_their_experts(*args), (xs, es)).reshape(-1, N)[:M_cap]
     return cast_rounded(jnp.where(valid[:, None], y, 0.0), out_dtype)
+
+
+# --- Backward (CONTRACT.md section 8) ------------------------------------------------------------
+#
+# Written out, not autodiff: ``jax.vjp`` of a ``lax.ragged_dot`` (or of the gathering forward above)
+# asked XLA for 1.75 TiB at DeepSeek-V3-like size (ENVIRONMENT.md), because the transposes materialize
+# per-group (or per-row) products. Here the rows of each expert are contiguous, so both backward GEMMs
+# go expert by expert, ``R`` rows at a time (:func:`_window_rows`): plain float32 matmuls of one
+# ``[R, N]`` / ``[R, K]`` window against one expert's ``[N, K]`` weights, and nothing larger than the
+# result is ever live. The windows are dynamic slices of a static size ``R``, masked with ``where``
+# (never by a multiplication: a NaN in a row ``>= M`` must not leak), so the loops jit without a host
+# sync; an expert's window count ``cdiv(rows, R)`` is data (a ``while`` loop), 0 for an empty expert.
+
+
+def expert_row_ranges(expert_offsets: jax.Array, M_cap: int) -> tuple[jax.Array, jax.Array]:
+    """``(starts, ends)``, each ``[E]`` int32: expert ``e`` owns rows ``[starts[e], ends[e])``.
+
+    The forward's assignment (``e(m)`` = the first ``e`` with ``m < offsets[e+1]``, so rows before
+    ``offsets[1]`` belong to expert 0): ``ends = offsets[1:]`` and ``starts = [0, ends[:-1]]``, after
+    clipping the offsets to ``[0, M_cap]`` and making them non-decreasing as the kernels do
+    (``pallas_triton.tile_metadata``), so malformed offsets never address outside the arrays."""
+    off = jax.lax.cummax(jnp.clip(expert_offsets.astype(jnp.int32), 0, M_cap))
+    ends = off[1:]
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    return starts, ends
+
+
+def _window_rows(M_cap: int, E: int) -> int:
+    """Rows per window: the average rows per expert rounded up to a power of two, in ``[8, 256]``, at
+    most ``M_cap``. A window past an expert's last row is wasted work, at most ``E x R`` rows in all."""
+    per_expert = -(-M_cap // max(E, 1))
+    return min(M_cap, max(8, min(256, 1 << (per_expert - 1).bit_length())))
+
+
+def _window(a: jax.Array, lo: jax.Array, hi: jax.Array, R: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rows ``[lo, min(hi, lo + R))`` of ``a [M_cap, ...]`` as a static ``R``-row window: ``(start,
+    rows_ok [R], window float32 [R, ...])``, the window starting at ``start = min(lo, M_cap - R)`` (so it
+    stays inside ``a``) and zero on the rows outside ``[lo, hi)``."""
+    start = jnp.minimum(lo, a.shape[0] - R)
+    rows = start + jnp.arange(R, dtype=jnp.int32)
+    ok = (rows >= lo) & (rows < hi)
+    win = jax.lax.dynamic_slice_in_dim(a, start, R).astype(jnp.float32)
+    return start, ok, jnp.where(ok.reshape(R, *([1] * (a.ndim - 1))), win, 0.0)
+
+
+def _zeros_varying_like(shape: tuple[int, ...], *arrays: jax.Array | None) -> jax.Array:
+    """float32 zeros of ``shape``, a loop's initial carry, typed to vary over every ``shard_map`` mesh axis
+    that one of ``arrays`` varies over (``zeros_like`` keeps its argument's; the sum takes the union),
+    so that it matches what the loop body makes of them. Outside ``shard_map``: plain zeros."""
+    out = jnp.zeros(shape, jnp.float32)
+    for a in arrays:
+        if a is not None:
+            out = out + jnp.zeros_like(a, dtype=jnp.float32, shape=shape)
+    return out
+
+
+def backward_weights_reference(w: jax.Array, w_scale: jax.Array | None, e: jax.Array, dtype) -> jax.Array:
+    """``w[e] [N, K]`` as the backward GEMM uses it, float32: float weights as they are; FP8 codes
+    straight-through (CONTRACT.md section 8): ``q_w * scale_w`` (float32 product) rounded to ``dtype``
+    (``d_y``'s), then widened back to float32 (exactly)."""
+    w_e = jax.lax.dynamic_index_in_dim(w, e, keepdims=True)
+    if w_scale is None:
+        return w_e[0].astype(jnp.float32)
+    s_e = jax.lax.dynamic_index_in_dim(w_scale, e, keepdims=True)
+    return cast_rounded(dequantize_weight_fp8_reference(w_e, s_e)[0], dtype).astype(jnp.float32)
+
+
+def grouped_gemm_dgrad_reference(
+    d_y: jax.Array,
+    w: jax.Array,
+    expert_offsets: jax.Array,
+    w_scale: jax.Array | None,
+    out_dtype,
+) -> jax.Array:
+    """``d_y [M_cap, N]``, ``w [E, N, K]`` -> ``d_x [M_cap, K]``, ``d_x[m] = d_y[m] @ w[e(m)]``.
+
+    float32 accumulation (``Precision.HIGHEST``); FP8 ``w`` through :func:`backward_weights_reference`.
+    Rows ``>= M`` are zero, and their ``d_y`` never reaches the result (a window may load such rows;
+    ``where`` drops them). Expert by expert, ``R`` rows at a time (see above)."""
+    M_cap, N = d_y.shape
+    E, _, K = w.shape
+    if M_cap == 0 or E == 0:
+        return jnp.zeros((M_cap, K), out_dtype)
+    d_x = _zeros_varying_like((M_cap, K), d_y, w, expert_offsets, w_scale)
+    starts, ends = expert_row_ranges(expert_offsets, M_cap)
+    R = _window_rows(M_cap, E)
+
+    def expert(e, d_x):
+        w_e = backward_weights_reference(w, w_scale, e, d_y.dtype)  # [N, K]
+
+        def window(t, d_x):
+            start, ok, dy = _window(d_y, starts[e] + t * R, ends[e], R)
+            part = jnp.dot(dy, w_e, precision=jax.lax.Precision.HIGHEST)  # [R, K]
+            old = jax.lax.dynamic_slice_in_dim(d_x, start, R)
+            return jax.lax.dynamic_update_slice_in_dim(d_x, jnp.where(ok[:, None], part, old), start, 0)
+
+        return jax.lax.fori_loop(0, (ends[e] - starts[e] + R - 1) // R, window, d_x)
+
+    return cast_rounded(jax.lax.fori_loop(0, E, expert, d_x), out_dtype)
+
+
+def grouped_gemm_wgrad_reference(
+    x: jax.Array,
+    d_y: jax.Array,
+    expert_offsets: jax.Array,
+    out_dtype,
+) -> jax.Array:
+    """``x [M_cap, K]``, ``d_y [M_cap, N]`` -> ``d_w [E, N, K]``, ``d_w[e] = d_y[rows(e)].T @ x[rows(e)]``.
+
+    ``E = expert_offsets.shape[0] - 1``; float32 accumulation (``Precision.HIGHEST``); an expert with
+    no rows gets exactly 0; rows ``>= M`` never reach it (a window may load them; ``where`` drops
+    them). Expert by expert, ``R`` rows at a time."""
+    M_cap, K = x.shape
+    N = d_y.shape[1]
+    E = expert_offsets.shape[0] - 1
+    if M_cap == 0 or E == 0:
+        return jnp.zeros((E, N, K), out_dtype)
+    starts, ends = expert_row_ranges(expert_offsets, M_cap)
+    R = _window_rows(M_cap, E)
+
+    def expert(lo_hi):
+        lo, hi = lo_hi
+
+        def window(t, acc):
+            _, _, dy = _window(d_y, lo + t * R, hi, R)
+            _, _, xw = _window(x, lo + t * R, hi, R)
+            return acc + jax.lax.dot_general(dy, xw, (((0,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST)
+
+        acc = _zeros_varying_like((N, K), x, d_y, expert_offsets)
+        return jax.lax.fori_loop(0, (hi - lo + R - 1) // R, window, acc)
+
+    return cast_rounded(jax.lax.map(expert, (starts, ends)), out_dtype)

@@ -107,3 +107,32 @@ def permute_config(m_cap: int, H: int, quant: str | None, group_size: int) -> Pe
     block_m = max(1, min(pl.next_power_of_2(max(m_cap, 1)), TARGET_TILE_ELEMENTS // block_h))
     return PermuteConfig(block_m=block_m, block_h=block_h, two_pass=two_pass,
                          num_warps=4 if block_m * block_h <= TARGET_TILE_ELEMENTS else 8, num_stages=1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PermuteBackwardConfig:
+    """Block sizes and launch parameters of the Pallas-Triton permute backward kernel (the gather-sum of
+    ``topk`` rows of ``d_xp`` per token, the shape of ``combine``).
+
+    block_t: tokens per program (a power of two).
+    block_h: columns per program (a power of two).
+    num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_t: int
+    block_h: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self) -> None:
+        _check_pow2("PermuteBackwardConfig", self, ("block_t", "block_h", "num_warps", "num_stages"),
+                    ("block_t", "block_h", "num_warps"))
+
+
+def permute_backward_config(T: int, H: int) -> PermuteBackwardConfig:
+    """The heuristic for ``d_xp [T*topk, H]`` -> ``d_x [T, H]``: column blocks of at most ``MAX_BLOCK_H``,
+    tokens to fill ``TARGET_TILE_ELEMENTS`` float32 accumulators (never more than T); 4 warps (32 a
+    thread), ``num_stages=1`` (the slot loop is unrolled; the gathers are data-dependent)."""
+    block_h = min(MAX_BLOCK_H, pl.next_power_of_2(max(H, 1)))
+    block_t = max(1, min(pl.next_power_of_2(max(T, 1)), TARGET_TILE_ELEMENTS // block_h))
+    return PermuteBackwardConfig(block_t=block_t, block_h=block_h, num_warps=4, num_stages=1)

@@ -28,6 +28,11 @@ scale ``1e-10 / 448`` because their amax is 0.
 Masked gathers with array indices learned from
 jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/gpu/rms_norm.py (as ``combine``).
 
+Permute backward (CONTRACT.md section 8), grid ``(cdiv(T, block_t), cdiv(H, block_h))``: program
+``(i, k)`` gathers, for each slot ``j`` (unrolled), the rows ``d_xp[src2dst[t, j]]`` of its tokens
+(masked by ``src2dst >= 0``: a non-local slot reads nothing) and sums them in float32 into
+``d_x[t, k-block]``; no atomics, and rows no slot names are never read.
+
 Mirror: ``moe_torch/ops/permute/triton.py``.
 """
 
@@ -42,8 +47,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_pallas.ops.permute.config import (
     MAX_TILE_ELEMENTS,
+    PermuteBackwardConfig,
     PermuteConfig,
     RoutingMetadataConfig,
+    permute_backward_config,
     permute_config,
     routing_metadata_config,
 )
@@ -305,3 +312,77 @@ def permute_pallas_triton(
         return run(mode="quant_rows", out_shape=q_shape, extra_inputs=(s,), n_col_blocks=n_blocks), s
     return run(mode="quant", out_shape=(q_shape, jax.ShapeDtypeStruct((M_cap, n_groups), jnp.float32)),
                extra_inputs=(), n_col_blocks=n_groups)
+
+
+# --------------------------------------------------------------------------------------
+# Permute backward
+
+
+def _backward_kernel(dxp_ref, s_ref, dx_ref, *, T: int, H: int, topk: int, block_t: int, block_h: int):
+    """Grid ``(cdiv(T, block_t), cdiv(H, block_h))``; program ``(i, k)`` writes
+    ``d_x[i*block_t : (i+1)*block_t, k*block_h : (k+1)*block_h]``.
+
+    Refs (whole arrays): ``dxp_ref [M_cap, H]`` float, ``s_ref [T, topk]`` int32 (src2dst) in;
+    ``dx_ref [T, H]`` out.
+    """
+    i, k = pl.program_id(0), pl.program_id(1)
+    t0, h0 = i * block_t, k * block_h
+    tok_ok = t0 + jnp.arange(block_t) < T
+    col = h0 + jnp.arange(block_h)
+    col_ok = col < H
+    toks = pl.ds(t0, block_t)
+    acc = jnp.zeros((block_t, block_h), jnp.float32)
+    for j in range(topk):  # slots by index (a traced int32: interpret mode wants no python int next to a slice)
+        dst = plgpu.load(s_ref.at[toks, jnp.int32(j)], mask=tok_ok, other=-1)  # [block_t] int32
+        local = dst >= 0
+        rows = plgpu.load(dxp_ref.at[jnp.where(local, dst, 0)[:, None], col[None, :]],
+                          mask=local[:, None] & col_ok[None, :], other=0.0)
+        acc += rows.astype(jnp.float32)  # a non-local slot adds exactly 0
+    plgpu.store(dx_ref.at[toks, pl.ds(h0, block_h)], acc.astype(dx_ref.dtype), mask=tok_ok[:, None] & col_ok[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def permute_backward_pallas_triton(
+    d_xp: jax.Array,
+    src2dst: jax.Array,
+    *,
+    out_dtype=None,
+    config: PermuteBackwardConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``d_x[t] = sum_j d_xp[src2dst[t, j]]`` over local slots, float32, cast once, as one Pallas-Triton kernel.
+
+    Args (validated by ``moe_pallas.ops.permute.api.permute_backward``):
+      d_xp: ``[M_cap, H]`` float32 / bf16 / float16; only rows named by ``src2dst`` are read.
+      src2dst: ``[T, topk]`` int32, ``-1`` for non-local slots.
+      out_dtype: default ``d_xp.dtype``.
+      config: launch config (default: :func:`permute_backward_config` of the shapes).
+      interpret: run in Pallas interpret mode (default: when ``jax.default_backend() == "cpu"``).
+
+    Grid: ``(cdiv(T, block_t), cdiv(H, block_h))``, static.
+
+    Returns: ``d_x [T, H]`` in ``out_dtype``; a token with no local slot gets 0.
+
+    Raises: NotImplementedError (a tile over Triton's element limit).
+    """
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    T, topk = src2dst.shape
+    H = d_xp.shape[1]
+    out_dtype = d_xp.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    if T == 0 or H == 0 or topk == 0:  # nothing to launch: an empty result or a sum of no slots
+        return jnp.zeros((T, H), out_dtype)
+    cfg = permute_backward_config(T, H) if config is None else config
+    if cfg.block_t * cfg.block_h > MAX_TILE_ELEMENTS:
+        raise NotImplementedError(
+            f"permute_backward[pallas_triton]: a tile of block_t * block_h = {cfg.block_t} * {cfg.block_h} elements "
+            f"is over Triton's {MAX_TILE_ELEMENTS}")
+    kernel = functools.partial(_backward_kernel, T=T, H=H, topk=topk, block_t=cfg.block_t, block_h=cfg.block_h)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((T, H), out_dtype),
+        grid=(pl.cdiv(T, cfg.block_t), pl.cdiv(H, cfg.block_h)),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="permute_backward",
+    )(d_xp, src2dst)

@@ -1,4 +1,4 @@
-"""Permutation (dispatch) reference in jnp: CONTRACT.md section 2.
+"""Permutation (dispatch) reference in jnp, and the permute's backward: CONTRACT.md sections 2 and 8.
 
 Mirror: ``moe_torch/ops/permute/reference.py``.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_pallas.ops.common import cast_rounded
 from moe_pallas.ops.quant.reference import (
     per_token_group_quant_fp8_reference,
     per_token_quant_fp8_reference,
@@ -56,3 +57,22 @@ def permute_reference(
     if quant == "fp8_per_token":
         return per_token_quant_fp8_reference(rows)
     return per_token_group_quant_fp8_reference(rows, group_size)
+
+
+def src2dst_from_dst2src(dst2src: jax.Array, num_tokens: int, topk: int) -> jax.Array:
+    """The inverse map of :func:`permute`'s ``dst2src [M_cap]``: ``src2dst [T, topk]`` int32 with
+    ``src2dst[a // topk, a % topk] = r`` for ``dst2src[r] = a >= 0`` and ``-1`` elsewhere, as
+    :func:`routing_metadata_reference` returns it (one scatter of distinct rows)."""
+    m_cap = num_tokens * topk
+    rows = jnp.arange(dst2src.shape[0], dtype=jnp.int32)
+    target = jnp.where(dst2src >= 0, dst2src, m_cap)  # rows >= M point past the end and are dropped
+    return jnp.full((m_cap,), -1, jnp.int32).at[target].set(rows, mode="drop").reshape(num_tokens, topk)
+
+
+def permute_backward_reference(d_xp: jax.Array, src2dst: jax.Array, out_dtype) -> jax.Array:
+    """``d_x[t] = sum_j d_xp[src2dst[t, j]]`` over local slots (``src2dst >= 0``), float32, cast once:
+    ``[T, H]``; a token with no local slot gets 0, and rows no slot names are never read."""
+    cdt = jnp.promote_types(d_xp.dtype, jnp.float32)  # float64 only for the tests' autodiff check
+    valid = src2dst >= 0
+    rows = d_xp[jnp.where(valid, src2dst, 0)].astype(cdt)  # [T, topk, H]
+    return cast_rounded(jnp.where(valid[:, :, None], rows, 0.0).sum(axis=1), out_dtype)

@@ -42,6 +42,21 @@ def _next_down(m: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.where(bits > 0, bits - jnp.uint32(1), bits), jnp.float32)
 
 
+def _fp8_code_value(bits: jax.Array) -> jax.Array:
+    """The float32 value of float8_e4m3fn magnitude codes ``bits`` (uint8, 0 .. 0x7E), by integer arithmetic.
+
+    Not ``bitcast(bits, fp8).astype(float32)``: XLA folds ``bitcast(bitcast(q))`` to ``q`` and then, on
+    the GPU, drops the float32 -> FP8 -> float32 convert chain that leaves (``SimplifyFPConversions``
+    under ``--xla_allow_excess_precision``, on by default): the "code" would be the float32 quotient
+    itself. ``bits = E * 8 + M``: ``M * 2^-9`` for ``E = 0``, ``(8 + M) * 2^(E - 10)`` above (exact: <= 4
+    significant bits times a power of two built from its exponent bits)."""
+    b = bits.astype(jnp.int32)
+    e, mant = b >> 3, b & 7
+    sig = jnp.where(e > 0, mant + 8, mant)
+    pow2 = jax.lax.bitcast_convert_type((jnp.maximum(e, 1) + 117) << 23, jnp.float32)  # 2^(max(E, 1) - 10)
+    return sig.astype(jnp.float32) * pow2
+
+
 def _split_hi(v: jax.Array) -> jax.Array:
     """``v`` with its 12 low mantissa bits cleared (``v - hi`` is then exact, 12 bits)."""
     return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFFF000), jnp.float32)
@@ -62,15 +77,21 @@ def fp8_round_quotient(x: jax.Array, y: jax.Array, scale: jax.Array) -> jax.Arra
     change none of this. Valid while ``scale > ~1e-25`` (dynamic scales are >= 2.2e-13).
     Written with kernel-safe ops only (elementwise arithmetic and same-width bitcasts; the
     float32 ``nextafter`` is an integer step of the bit pattern), so the Pallas kernels call it too.
+
+    The codes' float32 values come from their bits (:func:`_fp8_code_value`), never from
+    ``q.astype(float32)``: under ``jit`` on the GPU, XLA replaces the float32 -> FP8 -> float32
+    round trip by the float32 input (``SimplifyFPConversions``, ``--xla_allow_excess_precision``),
+    which turned this repair off and left the approximate quotient's code (seen on an H200: 6 of
+    540000 block-scaled bf16 weight codes off by one against torch, all at ``3.5 * 2^-9``).
     """
     a = jnp.abs(x)
     q = jnp.clip(y, 0.0, FP8_MAX).astype(FP8_DTYPE)  # magnitudes only: RNE and the clamp are symmetric
-    qf = q.astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
+    qf = _fp8_code_value(bits)
     go_up = (y > qf) & (qf < FP8_MAX)
     go_down = (y < qf) & (qf > 0.0)
     n_bits = jnp.where(go_up, bits + jnp.uint8(1), jnp.where(go_down, bits - jnp.uint8(1), bits))
-    nf = jax.lax.bitcast_convert_type(n_bits, FP8_DTYPE).astype(jnp.float32)
+    nf = _fp8_code_value(n_bits)
     m = (qf + nf) * 0.5  # exact
     half_up = (_next_up(m) - m) * 0.5  # powers of two: exact
     half_down = (m - _next_down(m)) * 0.5
@@ -163,3 +184,55 @@ def expand_weight_scale(w_scale: jax.Array, shape: tuple[int, int, int], block: 
 def dequantize_weight_fp8_reference(q: jax.Array, w_scale: jax.Array, block: int = 128) -> jax.Array:
     """``q [E, N, K]`` fp8 with any weight-scale layout -> float32 ``[E, N, K]``."""
     return q.astype(jnp.float32) * expand_weight_scale(w_scale, q.shape, block)
+
+
+def _weight_scale_shape(shape: tuple[int, int, int], layout: str, block: int) -> tuple[int, ...]:
+    """The weight scale's shape: ``[E]``, ``[E, N]`` or ``[E, ceil(N/block), ceil(K/block)]``."""
+    E, N, K = shape
+    return {"per_expert": (E,), "per_channel": (E, N), "block": (E, -(-N // block), -(-K // block))}[layout]
+
+
+def quantize_weight_fp8_chunked(w: jax.Array, layout: str, block: int, chunk_experts: int) -> tuple[jax.Array, jax.Array]:
+    """:func:`quantize_weight_fp8_reference`, ``chunk_experts`` experts at a time, bit-identical
+    (every scale layout is per expert): a ``lax.fori_loop`` whose iteration quantizes one chunk and
+    writes its codes and scales into the result in place (``dynamic_update_slice`` of the loop
+    carry), so one chunk's temporaries are live at a time. The last chunk is the last ``n`` experts:
+    when ``n`` does not divide ``E`` it overlaps the one before (those experts are quantized twice,
+    to the same values), so that every iteration has one shape and XLA one set of buffers.
+    Jit with ``static_argnames=("layout", "block", "chunk_experts")``."""
+    if w.size == 0:
+        return quantize_weight_fp8_reference(w, layout, block)
+    E, N, K = w.shape
+    n = min(chunk_experts, E)
+    q = jnp.zeros((E, N, K), FP8_DTYPE)
+    scale = jnp.zeros(_weight_scale_shape((E, N, K), layout, block), jnp.float32)
+
+    def body(i, carry):
+        q, scale = carry
+        start = jnp.minimum(i * n, E - n)
+        q_c, scale_c = _quantize_weight_chunk(jax.lax.dynamic_slice_in_dim(w, start, n), layout, block)
+        return (jax.lax.dynamic_update_slice_in_dim(q, q_c, start, 0),
+                jax.lax.dynamic_update_slice_in_dim(scale, scale_c, start, 0))
+
+    return jax.lax.fori_loop(0, -(-E // n), body, (q, scale))
+
+
+def _quantize_weight_chunk(w: jax.Array, layout: str, block: int) -> tuple[jax.Array, jax.Array]:
+    """One chunk ``w [n, N, K]`` -> ``(q [n, N, K] fp8, scale)``: the reference's arithmetic without
+    float32 copies XLA would keep. ``max |x|`` is taken in ``w``'s own dtype (``abs`` and ``max`` are
+    exact in every float dtype and the float32 cast after them is exact too), and the block maxima
+    with ``reduce_window``, whose padding is the reference's zero padding without a padded copy."""
+    n, N, K = w.shape
+    a = jnp.abs(w)
+    if layout == "per_expert":
+        scale = scale_from_amax(a.max(axis=(1, 2)))
+        return quantize_div_fp8(w.astype(jnp.float32), scale[:, None, None]), scale
+    if layout == "per_channel":
+        scale = scale_from_amax(a.max(axis=2))
+        return quantize_div_fp8(w.astype(jnp.float32), scale[:, :, None]), scale
+    nb, kb = -(-N // block), -(-K // block)
+    amax = jax.lax.reduce_window(a, np.array(0, a.dtype), jax.lax.max, (1, block, block), (1, block, block),
+                                 ((0, 0), (0, nb * block - N), (0, kb * block - K)))
+    scale = scale_from_amax(amax)  # [n, nb, kb]
+    expanded = jnp.repeat(jnp.repeat(scale, block, axis=1)[:, :N], block, axis=2)[:, :, :K]  # broadcasts XLA fuses
+    return quantize_div_fp8(w.astype(jnp.float32), expanded), scale

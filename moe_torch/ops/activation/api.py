@@ -1,4 +1,6 @@
-"""Gated activations between the two GEMMs, optionally quantized straight to FP8 (CONTRACT.md section 4).
+"""Gated activations between the two GEMMs, optionally quantized straight to FP8 (CONTRACT.md section 4),
+and their backward (section 8): ``act_and_mul_backward``, and ``act_and_mul`` differentiable in ``h``
+(a ``torch.autograd.Function`` whose backward is ``act_and_mul_backward`` with the same implementation).
 
 Mirror: ``moe_pallas/ops/activation/api.py``.
 """
@@ -7,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_contract.op_checks import check_act_and_mul
+from moe_contract.op_checks import check_act_and_mul, check_act_and_mul_backward
 from moe_contract.validation import check_choice
-from moe_torch.ops.activation.reference import ACTIVATIONS, act_and_mul_reference
+from moe_torch.ops.activation.reference import ACTIVATIONS, act_and_mul_backward_reference, act_and_mul_reference
 from moe_torch.ops.common import resolve_dtype, takes_torch_tensors
 from moe_torch.ops.dispatch import dispatch
 
@@ -23,6 +25,40 @@ def _triton(*args):
     except ImportError as exc:
         raise NotImplementedError(f"act_and_mul: triton is not importable ({exc})") from exc
     return act_and_mul_triton(*args)
+
+
+def _triton_backward(*args):
+    """The Triton backward kernel, imported on first use."""
+    try:
+        from moe_torch.ops.activation.triton import act_and_mul_backward_triton
+    except ImportError as exc:
+        raise NotImplementedError(f"act_and_mul_backward: triton is not importable ({exc})") from exc
+    return act_and_mul_backward_triton(*args)
+
+
+class _ActAndMulFunction(torch.autograd.Function):
+    """``act_and_mul`` with a backward: ``d_h = act_and_mul_backward(h, d_out)`` (quant=None). With FP8
+    quant the codes are not differentiable: the backward raises instead of returning a wrong gradient."""
+
+    @staticmethod
+    def forward(ctx, h, run, op, activation, quant, implementation):
+        out, scale = run()
+        ctx.save_for_backward(h)
+        ctx.op, ctx.activation, ctx.quant, ctx.implementation = op, activation, quant, implementation
+        return out, scale
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out, d_scale):
+        if ctx.quant is not None:
+            raise ValueError(
+                f"{ctx.op}: no gradient through quant={ctx.quant!r} (FP8 codes are not differentiable); call it with "
+                f"quant=None for training, or act_and_mul_backward on the float h (straight-through); got a gradient "
+                f"request for h")
+        (h,) = ctx.saved_tensors
+        d_h = act_and_mul_backward(h, d_out, activation=ctx.activation, out_dtype=h.dtype,
+                                   implementation=ctx.implementation)
+        return d_h, None, None, None, None, None
 
 
 @takes_torch_tensors
@@ -48,14 +84,58 @@ def act_and_mul(
 
     Returns: ``(out [M, I], scale or None)``.
 
+    Differentiable in ``h`` (autograd, when ``h.requires_grad``): the backward is
+    :func:`act_and_mul_backward` with the same ``implementation``. With ``quant`` set the backward
+    raises ValueError (FP8 codes have no gradient; the layer's FP8 training path is straight-through).
+
     Raises: ValueError (odd last dim, ``I % group_size``), TypeError (dtype),
       NotImplementedError (``implementation="triton"`` where the kernel cannot run).
     """
     op = f"{activation}_and_mul" if activation in ACTIVATIONS else "act_and_mul"
     out_dtype = resolve_dtype(check_act_and_mul(op, h, activation, quant, group_size, out_dtype))
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
-    args = (h, activation, quant, group_size, out_dtype)
+    args = (h.detach(), activation, quant, group_size, out_dtype)
     backends = {"triton": lambda: _triton(*args), "reference": lambda: act_and_mul_reference(*args)}
+    run = lambda: dispatch(op, implementation, backends, h.device)  # noqa: E731
+    if torch.is_grad_enabled() and h.requires_grad:
+        return _ActAndMulFunction.apply(h, run, op, activation, quant, implementation)
+    return run()
+
+
+@takes_torch_tensors
+def act_and_mul_backward(
+    h: torch.Tensor,
+    d_a: torch.Tensor,
+    *,
+    activation: str = "silu",
+    out_dtype=None,
+    implementation: str | None = None,
+) -> torch.Tensor:
+    """The backward of :func:`act_and_mul` (quant=None), CONTRACT.md section 8, in float32:
+    ``g, u = h[:, :I], h[:, I:]``; ``d_u = d_a * act(g)``; ``d_g = d_a * u * act'(g)`` (silu:
+    ``s = sigmoid(g)``, ``d_g = d_a * u * s * (1 + g * (1 - s))``, ``d_u = d_a * g * s``; gelu_tanh:
+    the derivative of the tanh formula).
+
+    Args:
+      h: ``[M_cap, 2*I]`` float32 / bf16 / float16, the forward's input (gate half first).
+      d_a: ``[M_cap, I]`` float32 / bf16 / float16, the gradient of the forward's output.
+      activation: ``"silu"`` or ``"gelu_tanh"``.
+      out_dtype: default ``h.dtype``.
+      implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"`` with a
+        logged warning; CPU tensors: ``"reference"``), ``"triton"`` (one fused kernel: ``h`` and
+        ``d_a`` read once) or ``"reference"``.
+
+    Returns: ``d_h = [d_g | d_u]`` ``[M_cap, 2*I]`` in ``out_dtype``. Row by row: each row of ``d_h``
+    depends only on the same row of ``h`` and ``d_a`` (rows ``>= M`` of zeros give zeros).
+
+    Raises: ValueError (shapes), TypeError (dtypes), NotImplementedError (``implementation="triton"``
+      where the kernel cannot run).
+    """
+    op = "act_and_mul_backward"
+    out_dtype = resolve_dtype(check_act_and_mul_backward(op, h, d_a, activation, out_dtype))
+    check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    args = (h.detach(), d_a.detach(), activation, out_dtype)
+    backends = {"triton": lambda: _triton_backward(*args), "reference": lambda: act_and_mul_backward_reference(*args)}
     return dispatch(op, implementation, backends, h.device)
 
 

@@ -57,3 +57,29 @@ def act_and_mul_config(M: int, I: int, quant: str | None, group_size: int) -> Ac
     # at most 32 float32 values per thread. 1 stage: no tl.dot and no loop worth pipelining
     # through shared memory (the chunk loops only exist for groups wider than 4096).
     return ActAndMulConfig(block_m=block_m, block_n=block_n, single_chunk=single_chunk, num_warps=4, num_stages=1)
+
+
+#: Elements of one backward program's ``[BLOCK_M, BLOCK_N]`` tile: half the forward's. The backward
+#: keeps five float32 tiles live (``g``, ``u``, ``d_a`` and the two results): 2048 values over 4 warps
+#: are 16 per thread per tile, 80 registers of data, where 4096 would spill.
+BACKWARD_TILE_ELEMS = 2048
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ActAndMulBackwardConfig:
+    """``block_m`` rows x ``block_n`` columns of ``d_a [M, I]`` per program (``block_n`` a power of 2);
+    the program writes the same columns of both halves of ``d_h [M, 2*I]``."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def act_and_mul_backward_config(M: int, I: int) -> ActAndMulBackwardConfig:
+    """Heuristic config for ``h [M, 2*I]``, ``d_a [M, I]`` -> ``d_h [M, 2*I]``."""
+    block_n = min(triton.next_power_of_2(max(I, 1)), MAX_BLOCK_N)
+    # Rows per program: fill the tile, never more rows than exist (M=1).
+    block_m = max(1, min(BACKWARD_TILE_ELEMS // block_n, triton.next_power_of_2(max(M, 1))))
+    # 4 warps: at most 16 float32 values per thread per live tile. 1 stage: no loop to pipeline.
+    return ActAndMulBackwardConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1)

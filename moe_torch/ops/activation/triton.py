@@ -20,6 +20,16 @@ which equals ``0.5 * g * (1 + tanh(...))`` exactly in real arithmetic (``1 + tan
 
 Must match ``moe_torch/ops/activation/reference.py`` (float32 outputs to float32 rounding,
 FP8 codes and scales bit for bit given the same float32 activation values).
+
+**Backward** (CONTRACT.md section 8), ``_act_and_mul_backward_kernel``, one program per
+``[BLOCK_M rows] x [BLOCK_N columns]`` of ``d_a``, fused: ``h`` and ``d_a`` are read once,
+``d_h`` written once::
+
+    g, u = h[:, cols], h[:, I + cols]; da = d_a[:, cols]     (upcast to float32)
+    silu:      s = sigmoid(g);  act = g s;  act' = s (1 + g (1 - s))
+    gelu_tanh: q = sigmoid(2 c (g + 0.044715 g^3)) (= (1 + tanh z) / 2);  act = g q;
+               act' = q + 2 c g q (1 - q) (1 + 3 * 0.044715 g^2)   (1 - tanh^2 z = 4 q (1 - q))
+    d_h[:, cols] = da * u * act'     d_h[:, I + cols] = da * act   (cast once to d_h's dtype)
 """
 
 from __future__ import annotations
@@ -30,7 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_torch.ops.activation.config import ActAndMulConfig, act_and_mul_config
+from moe_torch.ops.activation.config import (
+    ActAndMulBackwardConfig,
+    ActAndMulConfig,
+    act_and_mul_backward_config,
+    act_and_mul_config,
+)
 from moe_torch.ops.quant.reference import FP8_DTYPE
 from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device, fp8_scale, quantize_fp8_tile
 
@@ -184,3 +199,83 @@ def act_and_mul_triton(
         num_stages=cfg.num_stages,
     )
     return out, scale
+
+
+# --------------------------------------------------------------------------------------
+# backward
+
+
+@triton.jit
+def _act_and_mul_backward_kernel(
+    h_ptr,  # [M, 2*I] float32 / bf16 / fp16, gate half then up half
+    d_a_ptr,  # [M, I] float32 / bf16 / fp16: gradient of out
+    d_h_ptr,  # [M, 2*I] out dtype: gradient of h (d_g | d_u)
+    M,  # int: rows
+    I,  # int: intermediate size
+    stride_h,  # int: h.stride(0)
+    stride_da,  # int: d_a.stride(0)
+    stride_dh,  # int: d_h.stride(0)
+    ACTIVATION: tl.constexpr,  # 0: silu, 1: gelu_tanh
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # columns per program (power of 2)
+):
+    """Grid ``(cdiv(M, BLOCK_M), cdiv(I, BLOCK_N))``; program ``(pid_m, pid_n)`` writes
+    ``d_h[rows, cols]`` and ``d_h[rows, I + cols]`` for ``rows = pid_m*BLOCK_M + [0, BLOCK_M)``,
+    ``cols = pid_n*BLOCK_N + [0, BLOCK_N)``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows64 = rows.to(tl.int64)  # int64: row * stride passes 2**31 for M * 2*I > 2**31 elements
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < I)[None, :]
+    g_ptrs = h_ptr + rows64[:, None] * stride_h + cols[None, :]
+    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(g_ptrs + I, mask=mask, other=0.0).to(tl.float32)
+    da = tl.load(d_a_ptr + rows64[:, None] * stride_da + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ACTIVATION == 0:
+        s = tl.sigmoid(g)
+        act = g * s
+        act_grad = s * (1.0 + g * (1.0 - s))
+    else:
+        q = tl.sigmoid(_GELU_2C * (g + _GELU_CUBIC * g * g * g))
+        act = g * q
+        act_grad = q + _GELU_2C * g * q * (1.0 - q) * (1.0 + 3.0 * _GELU_CUBIC * g * g)
+    d_ptrs = d_h_ptr + rows64[:, None] * stride_dh + cols[None, :]
+    tl.store(d_ptrs, (da * u * act_grad).to(d_h_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_ptrs + I, (da * act).to(d_h_ptr.dtype.element_ty), mask=mask)
+
+
+def act_and_mul_backward_triton(
+    h: torch.Tensor,
+    d_a: torch.Tensor,
+    activation: str,
+    out_dtype: torch.dtype,
+    config: ActAndMulBackwardConfig | None = None,
+) -> torch.Tensor:
+    """``h [M, 2*I]``, ``d_a [M, I]`` -> ``d_h [M, 2*I]`` ``out_dtype`` with the fused Triton kernel;
+    arguments as :func:`moe_torch.ops.activation.api.act_and_mul_backward` (already validated there).
+    ``d_h`` is allocated here; the inputs are only read.
+
+    Raises: NotImplementedError (no CUDA and no interpreter; too many column programs), ValueError (a
+      given ``config`` whose ``block_n`` is not a power of 2).
+    """
+    op = "act_and_mul_backward"
+    check_triton_device(op, h.device, _act_and_mul_backward_kernel)
+    M, I = h.shape[0], h.shape[1] // 2
+    h = h if h.stride(1) == 1 else h.contiguous()  # copies: the caller's tensors are untouched
+    d_a = d_a if d_a.stride(1) == 1 else d_a.contiguous()
+    cfg = config or act_and_mul_backward_config(M, I)
+    if cfg.block_n & (cfg.block_n - 1) or cfg.block_m & (cfg.block_m - 1):
+        raise ValueError(f"{op}: config must have power-of-2 block_m and block_n; got {cfg}")
+    d_h = torch.empty((M, 2 * I), dtype=out_dtype, device=h.device)
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(I, cfg.block_n))
+    if grid[1] > MAX_GRID_AXIS_1:
+        raise NotImplementedError(f"{op}: {grid[1]} column programs exceed CUDA's grid axis 1 limit {MAX_GRID_AXIS_1}")
+    if grid[0] == 0 or grid[1] == 0:
+        return d_h  # M = 0 or I = 0: nothing to compute
+    _act_and_mul_backward_kernel[grid](
+        h, d_a, d_h, M, I, h.stride(0), d_a.stride(0), d_h.stride(0),
+        ACTIVATION=ACTIVATION_CODES[activation], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return d_h

@@ -1,4 +1,6 @@
-"""Combine: un-permute the expert outputs and sum them per token (CONTRACT.md section 5).
+"""Combine: un-permute the expert outputs and sum them per token (CONTRACT.md section 5), and its
+backward (section 8): ``combine_backward``, and ``combine`` differentiable in ``y`` and ``topk_weights``
+(a ``torch.autograd.Function`` whose backward is ``combine_backward`` with the same implementation).
 
 Mirror: ``moe_pallas/ops/combine/api.py``.
 """
@@ -7,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_contract.op_checks import check_combine
+from moe_contract.op_checks import check_combine, check_combine_backward
 from moe_contract.validation import check_choice
-from moe_torch.ops.combine.reference import combine_reference
+from moe_torch.ops.combine.reference import combine_backward_reference, combine_reference
 from moe_torch.ops.common import resolve_dtype, takes_torch_tensors
 from moe_torch.ops.dispatch import dispatch
 
@@ -23,6 +25,33 @@ def _triton(*args):
     except ImportError as exc:
         raise NotImplementedError(f"combine: triton is not importable ({exc})") from exc
     return combine_triton(*args)
+
+
+def _triton_backward(*args):
+    """The Triton backward kernel, imported on first use."""
+    try:
+        from moe_torch.ops.combine.triton import combine_backward_triton
+    except ImportError as exc:
+        raise NotImplementedError(f"combine_backward: triton is not importable ({exc})") from exc
+    return combine_backward_triton(*args)
+
+
+class _CombineFunction(torch.autograd.Function):
+    """``combine`` with a backward: ``(d_y, d_topk_weights) = combine_backward(...)``; src2dst gets none."""
+
+    @staticmethod
+    def forward(ctx, y, src2dst, topk_weights, run, routed_scaling_factor, implementation):
+        ctx.save_for_backward(y, src2dst, topk_weights)
+        ctx.rsf, ctx.implementation = routed_scaling_factor, implementation
+        return run()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        y, src2dst, topk_weights = ctx.saved_tensors
+        d_y, d_w = combine_backward(d_out, y, src2dst, topk_weights, routed_scaling_factor=ctx.rsf,
+                                    implementation=ctx.implementation)
+        return d_y, None, d_w, None, None, None
 
 
 @takes_torch_tensors
@@ -49,6 +78,9 @@ def combine(
 
     Returns: ``out [T, H]``, accumulated in float32 and cast once. Tokens with no local slot get 0.
 
+    Differentiable in ``y`` and ``topk_weights`` (autograd, when either requires grad): the backward
+    is :func:`combine_backward` with the same ``implementation``.
+
     Raises: ValueError (shapes, rsf), TypeError (dtypes),
       NotImplementedError (``implementation="triton"`` where the kernel cannot run).
     """
@@ -56,8 +88,54 @@ def combine(
     out_dtype = resolve_dtype(check_combine(op, y, src2dst, topk_weights, routed_scaling_factor, out_dtype))
     T = src2dst.shape[0]
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
-    if T == 0:
-        return torch.zeros((0, y.shape[1]), dtype=out_dtype, device=y.device)
-    args = (y, src2dst, topk_weights, float(routed_scaling_factor), out_dtype)
+    rsf = float(routed_scaling_factor)
+    args = (y.detach(), src2dst, topk_weights.detach(), rsf, out_dtype)
     backends = {"triton": lambda: _triton(*args), "reference": lambda: combine_reference(*args)}
+
+    def run():
+        if T == 0:
+            return torch.zeros((0, y.shape[1]), dtype=out_dtype, device=y.device)
+        return dispatch(op, implementation, backends, y.device)
+
+    if torch.is_grad_enabled() and (y.requires_grad or topk_weights.requires_grad):
+        return _CombineFunction.apply(y, src2dst, topk_weights, run, rsf, implementation)
+    return run()
+
+
+@takes_torch_tensors
+def combine_backward(
+    d_out: torch.Tensor,
+    y: torch.Tensor,
+    src2dst: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    routed_scaling_factor: float = 1.0,
+    implementation: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of :func:`combine` (CONTRACT.md section 8), float32 math, ``c = routed_scaling_factor``:
+    ``d_y[src2dst[t, j]] = c * w[t, j] * d_out[t]`` and ``d_topk_weights[t, j] = c * <y[src2dst[t, j]], d_out[t]>``.
+
+    Args:
+      d_out: ``[T, H]`` float32 / bf16 / float16, the gradient of combine's output.
+      y: ``[M_cap, H]`` float, the second GEMM's output the forward combined (``M_cap = T * topk``);
+        only rows named by ``src2dst`` are read.
+      src2dst: ``[T, topk]`` int32, ``-1`` for non-local slots; every row is named by at most one
+        slot (as :func:`routing_metadata` makes it).
+      topk_weights: ``[T, topk]`` float32.
+      routed_scaling_factor: the ``rsf`` the forward was given (1.0 if the gate applied it).
+      implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"`` with a
+        logged warning; CPU tensors: ``"reference"``), ``"triton"`` (one kernel, a program per token
+        block: plain stores into ``d_y``, no atomics) or ``"reference"``.
+
+    Returns: ``(d_y [M_cap, H] y.dtype, d_topk_weights [T, topk] float32)``; rows of ``d_y`` that no
+    local slot names (rows ``>= M``) are 0, non-local slots get ``d_topk_weights = 0``.
+
+    Raises: ValueError (shapes, rsf), TypeError (dtypes),
+      NotImplementedError (``implementation="triton"`` where the kernel cannot run).
+    """
+    op = "combine_backward"
+    check_combine_backward(op, d_out, y, src2dst, topk_weights, routed_scaling_factor)
+    check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    args = (d_out.detach(), y.detach(), src2dst, topk_weights.detach(), float(routed_scaling_factor))
+    backends = {"triton": lambda: _triton_backward(*args), "reference": lambda: combine_backward_reference(*args)}
     return dispatch(op, implementation, backends, y.device)

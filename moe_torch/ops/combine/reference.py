@@ -1,4 +1,4 @@
-"""Combine (un-permute) reference in torch: CONTRACT.md section 5.
+"""Combine (un-permute) reference in torch, and its backward: CONTRACT.md sections 5 and 8.
 
 Mirror: ``moe_pallas/ops/combine/reference.py``.
 """
@@ -10,15 +10,49 @@ import torch
 from moe_torch.ops.common import cast_rounded
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 (the contract's arithmetic), or float64 for float64 input (the tests' autodiff check)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def combine_reference(
     y: torch.Tensor, src2dst: torch.Tensor, topk_weights: torch.Tensor, routed_scaling_factor: float, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """``out[t] = rsf * sum_j w[t, j] * y[src2dst[t, j]]`` over local slots, float32, cast once."""
+    cdt = _compute_dtype(y)
     valid = src2dst >= 0
-    rows = y[torch.where(valid, src2dst, 0).long()].float()  # [T, topk, H]
+    rows = y[torch.where(valid, src2dst, 0).long()].to(cdt)  # [T, topk, H]
     rows = torch.where(valid[:, :, None], rows, 0.0)  # a non-local slot adds nothing, even if y holds NaN
-    weights = torch.where(valid, topk_weights.float(), 0.0)
+    weights = torch.where(valid, topk_weights.to(cdt), 0.0)
     out = (weights[:, :, None] * rows).sum(dim=1)
     if routed_scaling_factor != 1.0:
         out = out * torch.tensor(routed_scaling_factor, dtype=torch.float32)
     return cast_rounded(out, out_dtype)
+
+
+def combine_backward_reference(
+    d_out: torch.Tensor,
+    y: torch.Tensor,
+    src2dst: torch.Tensor,
+    topk_weights: torch.Tensor,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d_y [M_cap, H] y.dtype, d_topk_weights [T, topk] float32)``, with ``c = float32(rsf)``:
+    ``d_y[src2dst[t, j]] = c * w[t, j] * d_out[t]`` (rows no slot names: 0) and
+    ``d_topk_weights[t, j] = c * <y[src2dst[t, j]], d_out[t]>`` (0 for non-local slots), in float32.
+    Only rows named by ``src2dst`` are read from ``y``; each row is named by at most one slot."""
+    cdt = _compute_dtype(y)
+    T, topk = src2dst.shape
+    valid = src2dst >= 0
+    dst = torch.where(valid, src2dst, 0).long()
+    c = torch.tensor(routed_scaling_factor, dtype=torch.float32)
+    do = d_out.to(cdt)
+    rows = torch.where(valid[:, :, None], y[dst].to(cdt), 0.0)  # [T, topk, H]; a non-local slot reads nothing
+    d_w = torch.where(valid, (rows * do[:, None, :]).sum(dim=2) * c, 0.0)
+    coef = torch.where(valid, topk_weights.to(cdt) * c, 0.0)  # [T, topk]
+    # Non-local slots write into one dump row past the end (cut below): no host sync for a mask.
+    M_cap = y.shape[0]
+    d_y = torch.zeros((M_cap + 1, y.shape[1]), dtype=y.dtype, device=y.device)
+    vals = cast_rounded(coef[:, :, None] * do[:, None, :], y.dtype).reshape(T * topk, y.shape[1])
+    d_y[torch.where(valid, src2dst, M_cap).long().reshape(-1)] = vals
+    return d_y[:M_cap], d_w.to(torch.promote_types(topk_weights.dtype, cdt))

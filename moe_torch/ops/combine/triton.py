@@ -14,6 +14,19 @@ gets exactly 0. Row offsets are int64 (``M_cap * H`` passes 2**31 at, e.g., T = 
 H = 7168).
 
 Must match ``moe_torch/ops/combine/reference.py`` to float32 rounding (summation order).
+
+**Backward** (CONTRACT.md section 8), ``_combine_backward_kernel``, one program per ``BLOCK_T``
+tokens, walking the hidden dim in ``BLOCK_H`` chunks (``H_CHUNKS`` of them)::
+
+    for each chunk:  do = d_out[t, cols]                     (float32, loaded once per chunk)
+        for each slot j (unrolled):  dst = src2dst[t, j]
+            d_y[dst, cols] = cast(c * w[t, j] * do)           a plain store: every row of d_y is
+                                                             named by at most one slot (no atomics)
+            dot[t, j] += sum(y[dst, cols] * do)               float32
+    d_topk_weights[t, j] = c * dot[t, j]                     (0 for a non-local slot)
+
+``d_y`` is zero-filled by the launcher first: rows no slot names (``>= M``, or padding) stay 0.
+Only rows named by a local slot are read from ``y``.
 """
 
 from __future__ import annotations
@@ -22,7 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_torch.ops.combine.config import CombineConfig, combine_config
+from moe_torch.ops.combine.config import (
+    CombineBackwardConfig,
+    CombineConfig,
+    combine_backward_config,
+    combine_config,
+)
 from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device
 
 
@@ -116,3 +134,107 @@ def combine_triton(
         num_stages=cfg.num_stages,
     )
     return out
+
+
+# --------------------------------------------------------------------------------------
+# backward
+
+
+@triton.jit
+def _combine_backward_kernel(
+    d_out_ptr,  # [T, H] float32 / bf16 / fp16: gradient of combine's output
+    y_ptr,  # [M_cap, H] float32 / bf16 / fp16: the forward's y
+    src2dst_ptr,  # [T, topk] int32: permuted row of each (token, slot), -1 if non-local
+    w_ptr,  # [T, topk] float32: topk_weights
+    d_y_ptr,  # [M_cap, H] y.dtype out (zero-filled by the launcher): gradient of y
+    d_w_ptr,  # [T, topk] float32 out: gradient of topk_weights
+    T,  # int: tokens
+    H,  # int: hidden size
+    rsf,  # float32: routed scaling factor c (used only if APPLY_RSF)
+    stride_do,  # int: d_out.stride(0)
+    stride_y,  # int: y.stride(0)
+    stride_s,  # int: src2dst.stride(0)
+    stride_w,  # int: topk_weights.stride(0)
+    stride_dy,  # int: d_y.stride(0)
+    stride_dw,  # int: d_w.stride(0)
+    TOPK: tl.constexpr,  # slots per token (the slot loop is unrolled)
+    APPLY_RSF: tl.constexpr,  # bool: rsf != 1
+    H_CHUNKS: tl.constexpr,  # cdiv(H, BLOCK_H): static loop bound (the interpreter's range(runtime) trap)
+    BLOCK_T: tl.constexpr,  # tokens per program
+    BLOCK_H: tl.constexpr,  # hidden columns per chunk (power of 2)
+    BLOCK_K: tl.constexpr,  # power of 2 >= TOPK: columns of the d_w tile
+):
+    """Grid ``(cdiv(T, BLOCK_T),)``; program ``pid`` writes ``d_w[toks, :]`` and the rows
+    ``d_y[src2dst[toks, j]]`` of its tokens ``toks = pid*BLOCK_T + [0, BLOCK_T)``."""
+    pid = tl.program_id(0)
+    toks = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_mask = toks < T
+    toks64 = toks.to(tl.int64)  # int64: token * stride passes 2**31 for large T * H
+    kcol = tl.arange(0, BLOCK_K)
+    dots = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    for c in range(H_CHUNKS):
+        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+        col_mask = cols < H
+        do = tl.load(d_out_ptr + toks64[:, None] * stride_do + cols[None, :],
+                     mask=tok_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+        for j in tl.static_range(TOPK):
+            dst = tl.load(src2dst_ptr + toks64 * stride_s + j, mask=tok_mask, other=-1)
+            wt = tl.load(w_ptr + toks64 * stride_w + j, mask=tok_mask, other=0.0)
+            local = dst >= 0
+            row = tl.where(local, dst, 0).to(tl.int64)  # int64: row * H passes 2**31
+            mask = local[:, None] & col_mask[None, :]
+            ys = tl.load(y_ptr + row[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dot = tl.sum(ys * do, axis=1)  # [BLOCK_T]; 0 for a non-local slot (nothing loaded)
+            dots += tl.where(kcol[None, :] == j, dot[:, None], 0.0)
+            coef = wt
+            if APPLY_RSF:
+                coef = wt * rsf
+            tl.store(d_y_ptr + row[:, None] * stride_dy + cols[None, :],
+                     (coef[:, None] * do).to(d_y_ptr.dtype.element_ty), mask=mask)
+    if APPLY_RSF:
+        dots = dots * rsf
+    tl.store(d_w_ptr + toks64[:, None] * stride_dw + kcol[None, :], dots,
+             mask=tok_mask[:, None] & (kcol < TOPK)[None, :])
+
+
+def combine_backward_triton(
+    d_out: torch.Tensor,
+    y: torch.Tensor,
+    src2dst: torch.Tensor,
+    topk_weights: torch.Tensor,
+    routed_scaling_factor: float,
+    config: CombineBackwardConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d_y [M_cap, H] y.dtype, d_topk_weights [T, topk] float32)`` with one Triton kernel; arguments
+    as :func:`moe_torch.ops.combine.api.combine_backward` (already validated there). Both results are
+    allocated here (``d_y`` zero-filled); the inputs are only read.
+
+    Raises: NotImplementedError (no CUDA and no interpreter), ValueError (a given ``config`` that does
+      not cover ``topk`` or has a non-power-of-2 block).
+    """
+    op = "combine_backward"
+    check_triton_device(op, y.device, _combine_backward_kernel)
+    T, topk = src2dst.shape
+    M_cap, H = y.shape
+    # Unit stride along the last dim is what the kernel indexes; copies leave the caller's tensors alone.
+    d_out = d_out if d_out.stride(1) == 1 else d_out.contiguous()
+    y = y if y.stride(1) == 1 else y.contiguous()
+    src2dst = src2dst if src2dst.stride(1) == 1 else src2dst.contiguous()
+    topk_weights = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
+    cfg = config or combine_backward_config(T, H, topk)
+    pow2 = all(v & (v - 1) == 0 for v in (cfg.block_t, cfg.block_h, cfg.block_k))
+    if not pow2 or cfg.block_k < topk:
+        raise ValueError(f"{op}: config must have power-of-2 blocks and block_k >= topk (={topk}); got {cfg}")
+    d_y = torch.zeros((M_cap, H), dtype=y.dtype, device=y.device)  # rows no slot names stay 0
+    d_w = torch.zeros((T, topk), dtype=torch.float32, device=y.device)
+    if T == 0 or topk == 0 or H == 0:
+        return d_y, d_w
+    rsf = float(routed_scaling_factor)
+    _combine_backward_kernel[(triton.cdiv(T, cfg.block_t),)](
+        d_out, y, src2dst, topk_weights, d_y, d_w, T, H, rsf,
+        d_out.stride(0), y.stride(0), src2dst.stride(0), topk_weights.stride(0), d_y.stride(0), d_w.stride(0),
+        TOPK=topk, APPLY_RSF=rsf != 1.0, H_CHUNKS=triton.cdiv(H, cfg.block_h),
+        BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return d_y, d_w

@@ -1,4 +1,4 @@
-"""Gate (router) reference in torch: CONTRACT.md section 1, line by line.
+"""Gate (router) reference in torch: CONTRACT.md section 1, line by line; and its backward (section 8).
 
 Mirror: ``moe_pallas/ops/gate/reference.py``.
 """
@@ -31,12 +31,15 @@ def select_experts_reference(
     apply_routed_scaling_factor_on_output: bool,
     num_fused_shared_experts: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``router_logits [T, E]`` -> ``(topk_weights [T, topk+S] f32, topk_ids [T, topk+S] i32)``."""
-    logits = router_logits.float()
+    """``router_logits [T, E]`` -> ``(topk_weights [T, topk+S] f32, topk_ids [T, topk+S] i32)``.
+
+    (float64 logits are computed, and weighted, in float64: the tests' autodiff check of the backward.)"""
+    cdt = torch.promote_types(router_logits.dtype, torch.float32)
+    logits = router_logits.to(cdt)
     T, E = logits.shape
     if routing == "biased_grouped_topk":
         scores = torch.sigmoid(logits)
-        select = scores + e_score_correction_bias.float()[None, :]
+        select = scores + e_score_correction_bias.to(cdt)[None, :]
     else:
         scores = torch.softmax(logits, dim=-1)
         select = scores
@@ -66,9 +69,54 @@ def select_experts_reference(
     if num_fused_shared_experts:
         S = num_fused_shared_experts
         shared_ids = torch.arange(E, E + S, device=topk_ids.device, dtype=topk_ids.dtype)[None, :].expand(T, S)
-        shared_weights = torch.full((T, S), 1.0 / routed_scaling_factor, dtype=torch.float32, device=scores.device)
+        shared_weights = torch.full((T, S), 1.0 / routed_scaling_factor, dtype=cdt, device=scores.device)
         topk_ids = torch.cat([topk_ids, shared_ids], dim=1)
         topk_weights = torch.cat([topk_weights, shared_weights], dim=1)
     if apply_routed_scaling_factor_on_output:
         topk_weights = topk_weights * torch.tensor(routed_scaling_factor, dtype=torch.float32)
-    return topk_weights.float(), topk_ids.to(torch.int32)
+    return topk_weights.to(cdt), topk_ids.to(torch.int32)
+
+
+def select_experts_backward_reference(
+    router_logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    d_topk_weights: torch.Tensor,
+    *,
+    topk: int,
+    routing: str,
+    renormalize: bool,
+    routed_scaling_factor: float,
+    apply_routed_scaling_factor_on_output: bool,
+    **_choice_only,
+) -> torch.Tensor:
+    """``d_router_logits [T, E]`` float32: the chain rule of :func:`select_experts_reference`'s weights
+    given the chosen ``topk_ids`` (CONTRACT.md section 8). Nothing flows through the choice, so the
+    grouping arguments (in ``_choice_only``) do not enter; the shared-expert slots (columns
+    ``>= topk``) are constants. A routed id outside ``[0, E)`` (never made by the gate) selects nothing.
+
+    Forward, per token: ``s = softmax(x)`` (or ``sigmoid(x)`` biased); ``w_j = s[id_j]``;
+    ``D = sum_j w_j`` (``+ 1e-20`` biased); ``out_j = c * w_j / D`` (``c = rsf`` on output, else 1).
+    Backward: ``g_j = c * d_out_j``; renormalized: ``d_w_j = (g_j - sum_k g_k w_k / D) / D``;
+    ``d_s[id_j] += d_w_j``; softmax: ``d_x = s * (d_s - sum(s * d_s))``; sigmoid: ``d_x = d_s * s * (1 - s)``.
+    """
+    cdt = torch.promote_types(router_logits.dtype, torch.float32)  # float64 only for the tests
+    logits = router_logits.to(cdt)
+    T, E = logits.shape
+    biased = routing == "biased_grouped_topk"
+    scores = torch.sigmoid(logits) if biased else torch.softmax(logits, dim=-1)
+    ids = topk_ids[:, :topk].long()
+    valid = (ids >= 0) & (ids < E)
+    ids = torch.where(valid, ids, 0)
+    w = torch.where(valid, torch.gather(scores, 1, ids), 0.0)  # [T, topk]
+    g = d_topk_weights[:, :topk].to(cdt)
+    if apply_routed_scaling_factor_on_output:
+        g = g * torch.tensor(routed_scaling_factor, dtype=torch.float32)
+    if renormalize:
+        denom = w.sum(dim=-1, keepdim=True)
+        if biased:
+            denom = denom + 1e-20
+        g = (g - (g * w).sum(dim=-1, keepdim=True) / denom) / denom
+    d_scores = torch.zeros((T, E), dtype=cdt, device=logits.device).scatter_add_(1, ids, torch.where(valid, g, 0.0))
+    if biased:
+        return d_scores * scores * (1.0 - scores)
+    return scores * (d_scores - (scores * d_scores).sum(dim=-1, keepdim=True))

@@ -20,6 +20,19 @@ The iterative argmax with lowest-index tie-break is the reference's stable desce
 with NaN ranked level with -inf, so the ids match :func:`select_experts_reference` exactly
 (given the same float32 scores); weights agree to float32 rounding (exp / sigmoid ulps).
 No atomics, no host synchronisation.
+
+**Backward** (CONTRACT.md section 8), ``_gate_backward_kernel``, grid ``(cdiv(T, BLOCK_T),)``, the
+same ``[BLOCK_T, BLOCK_E]`` tile of logits per program; nothing flows through the choice, so every
+routing mode is the same code but for softmax vs sigmoid::
+
+    s = softmax(x) or sigmoid(x), recomputed as in the forward      float32
+    pass 1 over the routed slots j < TOPK (unrolled): hit_j = (col == topk_ids[t, j])
+        w_j = sum(s * hit_j);  g_j = c * d_topk_weights[t, j]  (c = rsf on output, else 1)
+        D += w_j;  A += g_j * w_j
+    D += 1e-20 (biased); pass 2: d_s += hit_j * (renormalize ? (g_j - A / D) / D : g_j)
+    softmax: d_x = s * (d_s - sum(s * d_s));  sigmoid: d_x = d_s * s * (1 - s)   -> [T, E] float32
+
+The shared-expert slots (columns ``>= TOPK``) are constants and are not read.
 """
 
 from __future__ import annotations
@@ -198,3 +211,121 @@ def select_experts_triton(
         num_warps=cfg.num_warps, num_stages=1,
     )
     return weights, ids
+
+
+# --------------------------------------------------------------------------------------
+# backward
+
+
+@triton.jit
+def _gate_backward_kernel(
+    logits_ptr,  # [T, E] float32 / bf16 / fp16, unit column stride
+    ids_ptr,  # [T, TOPK + S] int32 / int64: topk_ids (only the routed columns < TOPK are read)
+    d_w_ptr,  # [T, TOPK + S] float32: gradient of topk_weights (routed columns only are read)
+    d_logits_ptr,  # [T, E] float32 out: gradient of router_logits
+    T,  # int: tokens
+    stride_t,  # int: row stride of logits (elements)
+    stride_ids,  # int: row stride of topk_ids
+    stride_dw,  # int: row stride of d_topk_weights
+    stride_dl,  # int: row stride of d_logits
+    rsf,  # float32: routed_scaling_factor (used only if APPLY_RSF)
+    E: tl.constexpr,  # experts
+    SIGMOID: tl.constexpr,  # bool: biased_grouped_topk (sigmoid scores, +1e-20 in the renormalization)
+    TOPK: tl.constexpr,  # routed slots
+    RENORMALIZE: tl.constexpr,
+    APPLY_RSF: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per program
+    BLOCK_E: tl.constexpr,  # power of 2 >= E
+):
+    """Grid ``(cdiv(T, BLOCK_T),)``: program ``b`` writes rows ``[b*BLOCK_T, +BLOCK_T)`` of ``d_logits``."""
+    pid = tl.program_id(0)
+    tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # int64: T * stride may pass 2**31
+    tmask = tok < T
+    col = tl.arange(0, BLOCK_E)
+    cmask = col < E
+    x = tl.load(logits_ptr + tok[:, None] * stride_t + col[None, :], mask=tmask[:, None] & cmask[None, :],
+                other=0.0).to(tl.float32)
+    x = tl.where(cmask[None, :], x, float("-inf"))  # padding experts: s = 0 in both modes
+    if SIGMOID:
+        s = tl.math.div_rn(tl.full([BLOCK_T, BLOCK_E], 1.0, tl.float32), 1.0 + tl.exp(-x))
+    else:
+        m = tl.max(x, axis=1)
+        e = tl.exp(x - m[:, None])
+        s = tl.math.div_rn(e, tl.sum(e, axis=1)[:, None])
+
+    denom = tl.zeros([BLOCK_T], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+    if RENORMALIZE:
+        for j in tl.static_range(TOPK):
+            idj = tl.load(ids_ptr + tok * stride_ids + j, mask=tmask, other=-1)
+            hit = col[None, :] == idj[:, None]  # no column for an id outside [0, E)
+            wj = tl.sum(tl.where(hit, s, 0.0), axis=1)
+            gj = tl.load(d_w_ptr + tok * stride_dw + j, mask=tmask, other=0.0)
+            if APPLY_RSF:
+                gj = gj * rsf
+            denom += wj
+            acc += gj * wj
+        if SIGMOID:
+            denom = denom + 1e-20
+        inner = tl.math.div_rn(acc, tl.where(tmask, denom, 1.0))  # padding tokens: no 0/0
+        inv = tl.math.div_rn(tl.full([BLOCK_T], 1.0, tl.float32), tl.where(tmask, denom, 1.0))
+    d_s = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        idj = tl.load(ids_ptr + tok * stride_ids + j, mask=tmask, other=-1)
+        gj = tl.load(d_w_ptr + tok * stride_dw + j, mask=tmask, other=0.0)
+        if APPLY_RSF:
+            gj = gj * rsf
+        if RENORMALIZE:
+            gj = (gj - inner) * inv
+        d_s += tl.where(col[None, :] == idj[:, None], gj[:, None], 0.0)
+    if SIGMOID:
+        d_x = d_s * s * (1.0 - s)
+    else:
+        d_x = s * (d_s - tl.sum(s * d_s, axis=1)[:, None])
+    tl.store(d_logits_ptr + tok[:, None] * stride_dl + col[None, :], d_x, mask=tmask[:, None] & cmask[None, :])
+
+
+def select_experts_backward_triton(
+    router_logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    d_topk_weights: torch.Tensor,
+    *,
+    topk: int,
+    routing: str,
+    renormalize: bool,
+    routed_scaling_factor: float,
+    apply_routed_scaling_factor_on_output: bool,
+    config: GateConfig | None = None,
+    **_choice_only,
+) -> torch.Tensor:
+    """``d_router_logits [T, E]`` float32 (``T >= 1``) with one Triton launch; arguments as
+    :func:`moe_torch.ops.gate.api.select_experts_backward` (already validated there; the grouping
+    arguments only shaped the choice and do not enter). Every routing mode is served.
+
+    Raises: NotImplementedError (no CUDA and no interpreter; ``E > 512``), ValueError (a given
+      ``config`` that does not cover ``E``).
+    """
+    op = "select_experts_backward"
+    check_triton_device(op, router_logits.device, _gate_backward_kernel)
+    T, E = router_logits.shape
+    if E > MAX_EXPERTS:
+        raise NotImplementedError(
+            f"{op}: the Triton gate holds at most {MAX_EXPERTS} experts per row in registers; got E={E}")
+    # The forward's tile rule: the backward keeps as many [block_t, block_e] tiles live (s, d_s, a hit mask).
+    cfg = config or gate_config(T, E, topk)
+    pow2 = all(v & (v - 1) == 0 for v in (cfg.block_t, cfg.block_e))
+    if not pow2 or cfg.block_e < E:
+        raise ValueError(f"{op}: config must have power-of-2 blocks and block_e >= E (={E}); got {cfg}")
+    device = router_logits.device
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
+    d_w = d_topk_weights if d_topk_weights.stride(1) == 1 else d_topk_weights.contiguous()
+    d_logits = torch.empty((T, E), dtype=torch.float32, device=device)
+    _gate_backward_kernel[(triton.cdiv(T, cfg.block_t),)](
+        logits, ids, d_w, d_logits, T, logits.stride(0), ids.stride(0), d_w.stride(0), d_logits.stride(0),
+        float(routed_scaling_factor),
+        E=E, SIGMOID=routing == "biased_grouped_topk", TOPK=topk, RENORMALIZE=bool(renormalize),
+        APPLY_RSF=bool(apply_routed_scaling_factor_on_output), BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e,
+        num_warps=cfg.num_warps, num_stages=1,
+    )
+    return d_logits

@@ -1,4 +1,8 @@
-"""Grouped GEMM ``[M, K] x [E, N, K] -> [M, N]`` over rows grouped by expert (CONTRACT.md section 4).
+"""Grouped GEMM ``[M, K] x [E, N, K] -> [M, N]`` over rows grouped by expert (CONTRACT.md section 4),
+and its backward (section 8): ``grouped_gemm_dgrad`` (``d_x``), ``grouped_gemm_wgrad`` (``d_w``), and
+``grouped_gemm`` differentiable in ``x`` and ``w`` (a ``torch.autograd.Function`` whose backward runs
+those two ops with the forward's ``implementation``; after tokamax ``_src/ops/ragged_dot/base.py``:
+the op owns its VJP, each half an op of its own).
 
 Mirror: ``moe_pallas/ops/grouped_gemm/api.py``.
 """
@@ -6,12 +10,17 @@ Mirror: ``moe_pallas/ops/grouped_gemm/api.py``.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from moe_contract.op_checks import check_grouped_gemm
+from moe_contract.op_checks import check_grouped_gemm, check_grouped_gemm_dgrad, check_grouped_gemm_wgrad
 from moe_contract.validation import check_choice
 from moe_torch.ops.common import resolve_dtype, takes_torch_tensors
 from moe_torch.ops.dispatch import dispatch
-from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
+from moe_torch.ops.grouped_gemm.reference import (
+    grouped_gemm_dgrad_reference,
+    grouped_gemm_reference,
+    grouped_gemm_wgrad_reference,
+)
 
 IMPLEMENTATIONS = ("triton", "reference")
 
@@ -23,6 +32,102 @@ def _triton(*args):
     except ImportError as exc:
         raise NotImplementedError(f"grouped_gemm: triton is not importable ({exc})") from exc
     return grouped_gemm_triton(*args)
+
+
+def _triton_dgrad(*args):
+    """The Triton dgrad kernel, imported on first use."""
+    try:
+        from moe_torch.ops.grouped_gemm.triton_backward import grouped_gemm_dgrad_triton
+    except ImportError as exc:
+        raise NotImplementedError(f"grouped_gemm_dgrad: triton is not importable ({exc})") from exc
+    return grouped_gemm_dgrad_triton(*args)
+
+
+def _triton_wgrad(*args):
+    """The Triton wgrad kernel, imported on first use."""
+    try:
+        from moe_torch.ops.grouped_gemm.triton_backward import grouped_gemm_wgrad_triton
+    except ImportError as exc:
+        raise NotImplementedError(f"grouped_gemm_wgrad: triton is not importable ({exc})") from exc
+    return grouped_gemm_wgrad_triton(*args)
+
+
+def _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation):
+    """:func:`grouped_gemm` on validated arguments (no autograd: the inputs are detached)."""
+    x, w = x.detach(), w.detach()
+    if x.shape[0] == 0:
+        return torch.zeros((0, w.shape[1]), dtype=out_dtype, device=x.device)
+    args = (x, w, expert_offsets, x_scale, w_scale, out_dtype)
+    backends = {"triton": lambda: _triton(*args), "reference": lambda: grouped_gemm_reference(*args)}
+    return dispatch("grouped_gemm", implementation, backends, x.device)
+
+
+def _dgrad(d_y, w, expert_offsets, w_scale, out_dtype, implementation):
+    """:func:`grouped_gemm_dgrad` on validated arguments."""
+    d_y, w = d_y.detach(), w.detach()
+    if d_y.shape[0] == 0:
+        return torch.zeros((0, w.shape[2]), dtype=out_dtype, device=d_y.device)
+    args = (d_y, w, expert_offsets, w_scale, out_dtype)
+    backends = {"triton": lambda: _triton_dgrad(*args), "reference": lambda: grouped_gemm_dgrad_reference(*args)}
+    return dispatch("grouped_gemm_dgrad", implementation, backends, d_y.device)
+
+
+def _wgrad(x, d_y, expert_offsets, out_dtype, implementation):
+    """:func:`grouped_gemm_wgrad` on validated arguments."""
+    x, d_y = x.detach(), d_y.detach()
+    if x.shape[0] == 0:  # no rows at all: every expert's gradient is exactly 0
+        return torch.zeros((expert_offsets.shape[0] - 1, d_y.shape[1], x.shape[1]), dtype=out_dtype, device=x.device)
+    args = (x, d_y, expert_offsets, out_dtype)
+    backends = {"triton": lambda: _triton_wgrad(*args), "reference": lambda: grouped_gemm_wgrad_reference(*args)}
+    return dispatch("grouped_gemm_wgrad", implementation, backends, x.device)
+
+
+class _GroupedGemmFunction(torch.autograd.Function):
+    """Float ``grouped_gemm`` with its backward (CONTRACT.md section 8, GEMM 1 / GEMM 2):
+    ``d_x = grouped_gemm_dgrad(d_y, w)`` in ``x.dtype``, ``d_w = grouped_gemm_wgrad(x, d_y)`` in
+    ``w.dtype``, each only if asked for, with the forward's ``implementation``. ``expert_offsets``
+    (integer) gets no gradient. ``d_y`` comes in the forward's ``out_dtype`` and is rounded to ``x.dtype``
+    first (the ops take one float dtype; as torch's own ``.to(dtype)`` backward does, and the JAX
+    mirror: no float32 copy of the weights). Once differentiable (no double backward)."""
+
+    @staticmethod
+    def forward(ctx, x, w, expert_offsets, out_dtype, implementation):
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        # Keep only what the backward reads: w for d_x, x for d_w (x is an activation: [M_cap, K]).
+        ctx.save_for_backward(x if need_dw else None, w if need_dx else None, expert_offsets)
+        ctx.dtype, ctx.implementation = x.dtype, implementation  # x.dtype == w.dtype (validated)
+        return _forward(x, w, expert_offsets, None, None, out_dtype, implementation)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_y):
+        x, w, expert_offsets = ctx.saved_tensors
+        d_y = d_y.to(ctx.dtype)
+        d_x = d_w = None
+        if ctx.needs_input_grad[0]:
+            d_x = _dgrad(d_y, w, expert_offsets, None, ctx.dtype, ctx.implementation)
+        if ctx.needs_input_grad[1]:
+            d_w = _wgrad(x, d_y, expert_offsets, ctx.dtype, ctx.implementation)
+        return d_x, d_w, None, None, None
+
+
+class _Fp8GroupedGemmFunction(torch.autograd.Function):
+    """FP8 ``grouped_gemm`` in a graph that asks for gradients (an FP8 code or a scale requires grad):
+    the forward as it is, a backward that raises (the stage-level op is not differentiable in FP8
+    codes nor scales; CONTRACT.md section 8: the layer is straight-through itself)."""
+
+    @staticmethod
+    def forward(ctx, x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation):
+        ctx.needs = [name for name, t in (("x", x), ("w", w), ("x_scale", x_scale), ("w_scale", w_scale))
+                     if t.requires_grad]
+        return _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation)
+
+    @staticmethod
+    def backward(ctx, d_y):
+        raise TypeError(
+            f"grouped_gemm: not differentiable for float8_e4m3fn inputs (FP8 codes and their scales get no gradient, "
+            f"CONTRACT.md section 8: the backward is straight-through on the float weights, grouped_gemm_dgrad / "
+            f"grouped_gemm_wgrad); got a gradient request through {', '.join(ctx.needs)}")
 
 
 @takes_torch_tensors
@@ -57,16 +162,87 @@ def grouped_gemm(
 
     Returns: ``y [M_cap, N]``.
 
+    Differentiable in ``x`` and ``w`` for float inputs (autograd, when either requires grad): the
+    backward is :func:`grouped_gemm_dgrad` (``d_x`` in ``x.dtype``) and :func:`grouped_gemm_wgrad`
+    (``d_w`` in ``w.dtype``) with the same ``implementation``. FP8 inputs are not differentiable: if an
+    FP8 code or a scale requires grad, the backward raises TypeError (never a wrong gradient).
+
     Raises: ValueError (shapes, missing or unexpected scales), TypeError (dtypes),
       NotImplementedError (``implementation="triton"`` where the kernel cannot run, e.g.
       per-token-group scales whose group ``K // x_scale.shape[1]`` has no power-of-2 divisor >= 32).
     """
     op = "grouped_gemm"
     out_dtype = resolve_dtype(check_grouped_gemm(op, x, w, expert_offsets, x_scale, w_scale, out_dtype))
-    M_cap, N = x.shape[0], w.shape[1]
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
-    if M_cap == 0:
-        return torch.zeros((0, N), dtype=out_dtype, device=x.device)
-    args = (x, w, expert_offsets, x_scale, w_scale, out_dtype)
-    backends = {"triton": lambda: _triton(*args), "reference": lambda: grouped_gemm_reference(*args)}
-    return dispatch(op, implementation, backends, x.device)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, x_scale, w_scale))
+    if grads and x_scale is None:
+        return _GroupedGemmFunction.apply(x, w, expert_offsets, out_dtype, implementation)
+    if grads:
+        return _Fp8GroupedGemmFunction.apply(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation)
+    return _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation)
+
+
+@takes_torch_tensors
+def grouped_gemm_dgrad(
+    d_y: torch.Tensor,
+    w: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    *,
+    w_scale: torch.Tensor | None = None,
+    out_dtype=None,
+    implementation: str | None = None,
+) -> torch.Tensor:
+    """The input gradient of :func:`grouped_gemm`: ``d_x[m] = d_y[m] @ w[e(m)]``, float32 accumulation.
+
+    Args:
+      d_y: ``[M_cap, N]`` float32 / bf16 / float16, the gradient of ``y``.
+      w: ``[E_local, N, K]`` (the forward's weights, read as they are: no transposed copy), ``d_y``'s
+        dtype, or float8_e4m3fn codes with ``w_scale``: straight-through, the weights dequantized
+        (``q * w_scale``, a float32 product: ``w_scale`` multiplies) and rounded to ``d_y.dtype``.
+      expert_offsets: ``[E_local + 1]`` int32, as for :func:`grouped_gemm` (non-decreasing within
+        ``[0, M_cap]``; not checked: a host sync).
+      w_scale: FP8 ``w`` only, float32: ``[E_local]``, ``[E_local, N]`` or ``[E_local, ceil(N/128), ceil(K/128)]``.
+      out_dtype: result dtype; default ``d_y.dtype``.
+      implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"`` with a
+        logged warning; CPU tensors: ``"reference"``), ``"triton"`` or ``"reference"``.
+
+    Returns: ``d_x [M_cap, K]``; rows ``>= M = expert_offsets[-1]`` are zero and their ``d_y`` is never read.
+
+    Raises: ValueError (shapes, a missing or unexpected ``w_scale``), TypeError (dtypes),
+      NotImplementedError (``implementation="triton"`` where the kernel cannot run).
+    """
+    op = "grouped_gemm_dgrad"
+    out_dtype = resolve_dtype(check_grouped_gemm_dgrad(op, d_y, w, expert_offsets, w_scale, out_dtype))
+    check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    return _dgrad(d_y, w, expert_offsets, w_scale, out_dtype, implementation)
+
+
+@takes_torch_tensors
+def grouped_gemm_wgrad(
+    x: torch.Tensor,
+    d_y: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    *,
+    out_dtype=torch.float32,
+    implementation: str | None = None,
+) -> torch.Tensor:
+    """The weight gradient of :func:`grouped_gemm`: ``d_w[e] = d_y[rows(e)].T @ x[rows(e)]`` (a
+    K-grouped GEMM: the contraction runs over each expert's rows), float32 accumulation.
+
+    Args:
+      x: ``[M_cap, K]`` float32 / bf16 / float16, the forward's input.
+      d_y: ``[M_cap, N]``, ``x``'s dtype, the gradient of ``y``.
+      expert_offsets: ``[E_local + 1]`` int32, as for :func:`grouped_gemm`.
+      out_dtype: result dtype; default float32.
+      implementation: as :func:`grouped_gemm_dgrad`.
+
+    Returns: ``d_w [E_local, N, K]`` (the weight layout); an expert with no rows gets exactly 0; rows
+    ``>= M = expert_offsets[-1]`` of ``x`` and ``d_y`` are never read.
+
+    Raises: ValueError (shapes), TypeError (dtypes), NotImplementedError (``implementation="triton"``
+      where the kernel cannot run).
+    """
+    op = "grouped_gemm_wgrad"
+    out_dtype = resolve_dtype(check_grouped_gemm_wgrad(op, x, d_y, expert_offsets, out_dtype))
+    check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    return _wgrad(x, d_y, expert_offsets, out_dtype, implementation)

@@ -153,3 +153,69 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: 
         except ValueError:
             pass  # tuned for other scale layouts: the heuristic knows the rules
     return heuristic_grouped_gemm_config(M_cap, N, K, E, bits, x_group, w_block)
+
+
+# --------------------------------------------------------------------------------------
+# Backward (CONTRACT.md section 8; kernels in ``triton_backward.py``)
+
+
+def heuristic_grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, bits: int,
+                                        w_block: bool = False) -> GroupedGemmConfig:
+    """Heuristic config of the dgrad ``d_y [M_cap, N] x w [E, N, K] -> d_x [M_cap, K]``.
+
+    dgrad is the forward's row-grouped GEMM with the roles of N and K swapped, so it takes the
+    forward's :class:`GroupedGemmConfig` and heuristic: ``block_n`` tiles ``d_x``'s K columns and
+    ``block_k`` steps over N (the reduction). ``bits``: ``d_y``'s element width (FP8 ``w`` is
+    dequantized to ``d_y``'s dtype inside the kernel, so ``tl.dot`` sees 16- or 32-bit operands);
+    ``w_block``: 128x128 weight-scale blocks, so that one reduction step lies in one block along N
+    (the same rule as the forward's K step, :func:`check_config`).
+    """
+    return heuristic_grouped_gemm_config(M_cap, K, N, E, bits, None, w_block)
+
+
+#: d_w tile rows (N): 64 is one warpgroup's wgmma M, as the forward's MAX_BLOCK_M.
+MAX_WGRAD_BLOCK_N = 64
+#: d_w tile columns (K): 64 x 128 float32 accumulator over 4 warps is 64 registers per thread, the
+#: forward's largest tile (MAX_BLOCK_N), no spilling.
+MAX_WGRAD_BLOCK_K = 128
+#: Smallest d_w tile side: tl.dot pads M and N, but tiles below 16 waste the tensor core's m16n8k16.
+MIN_WGRAD_BLOCK = 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupedGemmWgradConfig:
+    """The wgrad ``d_w[e] = d_y[rows(e)].T @ x[rows(e)]`` (a K-grouped GEMM: the contraction runs
+    over each expert's rows): one program per expert and ``block_n x block_k`` tile of ``d_w[e]``
+    (``[E, N, K]``), looping over that expert's rows ``block_m`` at a time.
+
+    Rules (:func:`check_wgrad_config`): all three blocks powers of 2; ``block_m`` (the ``tl.dot``
+    reduction) at least ``MIN_BLOCK_K[bits]`` (16 for 16- and 32-bit operands)."""
+
+    block_n: int
+    block_k: int
+    block_m: int
+    num_warps: int
+    num_stages: int
+
+
+def check_wgrad_config(op: str, cfg: GroupedGemmWgradConfig, bits: int) -> None:
+    """``ValueError`` if ``cfg`` breaks the rules of :class:`GroupedGemmWgradConfig`."""
+    blocks = (cfg.block_n, cfg.block_k, cfg.block_m)
+    pow2 = all(type(b) is int and b > 0 and b & (b - 1) == 0 for b in blocks)
+    if not pow2 or cfg.block_m < MIN_BLOCK_K[bits]:
+        raise ValueError(f"{op}: config must have power-of-2 blocks and block_m >= {MIN_BLOCK_K[bits]} (the tl.dot "
+                         f"reduction runs over rows, {bits}-bit operands); got {cfg}")
+
+
+def heuristic_grouped_gemm_wgrad_config(M_cap: int, N: int, K: int, E: int, bits: int) -> GroupedGemmWgradConfig:
+    """Heuristic config of the wgrad ``x [M_cap, K], d_y [M_cap, N] -> d_w [E, N, K]`` with ``bits``-wide
+    inputs (16 or 32)."""
+    block_n = max(MIN_WGRAD_BLOCK, min(MAX_WGRAD_BLOCK_N, triton.next_power_of_2(max(N, 1))))
+    block_k = max(MIN_WGRAD_BLOCK, min(MAX_WGRAD_BLOCK_K, triton.next_power_of_2(max(K, 1))))
+    # Rows per step: K_STEP_BYTES * 8 / bits (64 bf16, 32 float32 rows), so that one pipeline stage holds
+    # (block_n + block_k) x 128 B, as the forward's; fewer for small experts (the average rows per expert
+    # is the only size known without a host sync), never below tl.dot's minimum reduction.
+    rows_per_expert = math.ceil(max(M_cap, 1) / max(E, 1))
+    block_m = max(MIN_BLOCK_K[bits], min(K_STEP_BYTES * 8 // bits, triton.next_power_of_2(rows_per_expert)))
+    # 4 warps: one warpgroup (wgmma). 3 stages: 3 x (64 + 128) x 128 B = 72 KiB of shared memory, as the forward.
+    return GroupedGemmWgradConfig(block_n=block_n, block_k=block_k, block_m=block_m, num_warps=4, num_stages=3)

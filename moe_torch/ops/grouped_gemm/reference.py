@@ -5,6 +5,12 @@ the *dequantized* operands, which equals the contract's ``(q_x @ q_w.T) * scale_
 (with block scales applied per K block) up to float32 rounding. Rows ``>= M`` are zero.
 Reads ``expert_offsets`` on the host (a sync): this is a reference, not a kernel.
 
+The backward (CONTRACT.md section 8): ``grouped_gemm_dgrad_reference`` (``d_x[m] = d_y[m] @ w[e(m)]``)
+and ``grouped_gemm_wgrad_reference`` (``d_w[e] = d_y[rows(e)].T @ x[rows(e)]``), one matmul per expert
+as well, so that no temporary is larger than one expert's weights (``[N, K]`` float32) or its rows.
+float64 inputs (not accepted by the public ops; tests differentiate the references with
+``torch.autograd`` / ``gradcheck`` in float64) are computed in float64, everything else in float32.
+
 Mirror: ``moe_pallas/ops/grouped_gemm/reference.py``.
 """
 
@@ -14,6 +20,11 @@ import torch
 
 from moe_torch.ops.common import cast_rounded
 from moe_torch.ops.quant.reference import dequantize_fp8_reference, dequantize_weight_fp8_reference
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """float64 for float64 inputs (tests), float32 for everything else (the contract's accumulation)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def grouped_gemm_reference(
@@ -27,16 +38,69 @@ def grouped_gemm_reference(
     """``x [M_cap, K]``, ``w [E_local, N, K]``, ``expert_offsets [E_local + 1]`` -> ``y [M_cap, N]``."""
     M_cap, K = x.shape
     E, N, _ = w.shape
-    xf = x.float() if x_scale is None else dequantize_fp8_reference(x, x_scale)
-    y = torch.zeros((M_cap, N), dtype=torch.float32, device=x.device)
+    acc = _acc_dtype(x)
+    xf = x.to(acc) if x_scale is None else dequantize_fp8_reference(x, x_scale)
+    y = torch.zeros((M_cap, N), dtype=acc, device=x.device)
     offsets = expert_offsets.tolist()
     for e in range(E):
         start, end = offsets[e], offsets[e + 1]
         if end <= start:
             continue  # an expert with no rows
         if w_scale is None:
-            w_e = w[e].float()
+            w_e = w[e].to(acc)
         else:
             w_e = dequantize_weight_fp8_reference(w[e : e + 1], w_scale[e : e + 1])[0]
         y[start:end] = xf[start:end] @ w_e.T
     return cast_rounded(y, out_dtype)
+
+
+def grouped_gemm_dgrad_reference(
+    d_y: torch.Tensor,
+    w: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``d_y [M_cap, N]``, ``w [E_local, N, K]`` (float8_e4m3fn codes with ``w_scale``) -> ``d_x [M_cap, K]``.
+
+    ``d_x[m] = d_y[m] @ w[e(m)]`` with float32 accumulation; FP8 straight-through: ``w[e]`` dequantized
+    (``q * scale`` in float32) and rounded to ``d_y.dtype`` first. Rows outside
+    ``[offsets[0], offsets[-1])`` are zero and their ``d_y`` is never read."""
+    M_cap = d_y.shape[0]
+    E, _, K = w.shape
+    acc = _acc_dtype(d_y)
+    d_x = torch.zeros((M_cap, K), dtype=out_dtype, device=d_y.device)
+    offsets = expert_offsets.tolist()
+    for e in range(E):
+        start, end = offsets[e], offsets[e + 1]
+        if end <= start:
+            continue  # an expert with no rows
+        if w_scale is None:
+            w_e = w[e].to(acc)
+        else:  # the float weights the backward uses: dequantized, rounded to d_y's dtype
+            w_e = cast_rounded(dequantize_weight_fp8_reference(w[e : e + 1], w_scale[e : e + 1])[0], d_y.dtype).to(acc)
+        d_x[start:end] = cast_rounded(d_y[start:end].to(acc) @ w_e, out_dtype)
+    return d_x
+
+
+def grouped_gemm_wgrad_reference(
+    x: torch.Tensor,
+    d_y: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``x [M_cap, K]``, ``d_y [M_cap, N]``, ``expert_offsets [E_local + 1]`` -> ``d_w [E_local, N, K]``.
+
+    ``d_w[e] = d_y[rows(e)].T @ x[rows(e)]`` with float32 accumulation, rounded once to ``out_dtype``;
+    an expert with no rows gets exactly 0; rows outside ``[offsets[0], offsets[-1])`` are never read."""
+    K, N = x.shape[1], d_y.shape[1]
+    E = expert_offsets.shape[0] - 1
+    acc = _acc_dtype(x)
+    d_w = torch.zeros((E, N, K), dtype=out_dtype, device=x.device)
+    offsets = expert_offsets.tolist()
+    for e in range(E):
+        start, end = offsets[e], offsets[e + 1]
+        if end <= start:
+            continue  # an expert with no rows: exactly 0
+        d_w[e] = cast_rounded(d_y[start:end].to(acc).T @ x[start:end].to(acc), out_dtype)
+    return d_w

@@ -108,6 +108,44 @@ def _num_sms(device: torch.device) -> int:
 
 
 @triton.jit
+def _expert_row_tiles(
+    offsets_ptr,  # [E + 1] int32 expert_offsets, non-decreasing
+    M_cap,  # int: rows of the row-grouped operand
+    E,  # int: experts (E_local)
+    BLOCK_E: tl.constexpr,  # next_power_of_2(E + 1): the offsets search vector
+    BLOCK_M: tl.constexpr,  # rows per tile
+):
+    """Steps 1-2 of the module docstring: per expert (vectors over ``BLOCK_E`` lanes, 0 past ``E``)
+    ``(e_ids, starts s_e, ends t_e, first_tile s_e // BLOCK_M, n_tiles n_e, incl P_e + n_e)`` and the
+    number of work items ``total``, from the offsets clamped to ``[0, M_cap]``. Shared with the
+    backward's dgrad kernel (``triton_backward.py``)."""
+    e_ids = tl.arange(0, BLOCK_E)
+    e_valid = e_ids < E
+    starts = tl.load(offsets_ptr + e_ids, mask=e_valid, other=0)
+    ends = tl.load(offsets_ptr + e_ids + 1, mask=e_valid, other=0)
+    starts = tl.minimum(tl.maximum(starts, 0), M_cap)
+    ends = tl.minimum(tl.maximum(ends, 0), M_cap)
+    nonempty = ends > starts
+    first_tile = starts // BLOCK_M
+    n_tiles = tl.where(nonempty, (ends - 1) // BLOCK_M - first_tile + 1, 0)
+    incl = tl.cumsum(n_tiles, axis=0)  # P_e + n_e
+    total = tl.sum(n_tiles, axis=0)
+    return e_ids, starts, ends, first_tile, n_tiles, incl, total
+
+
+@triton.jit
+def _work_item(p, e_ids, starts, ends, first_tile, n_tiles, incl):
+    """Step 4 of the module docstring: work item ``p`` -> ``(expert e, its rows [row_start, row_end),
+    row tile)``, scalars pulled out of :func:`_expert_row_tiles`' vectors by a masked sum."""
+    e = tl.sum((incl <= p).to(tl.int32), axis=0)
+    this = e_ids == e
+    row_start = tl.sum(tl.where(this, starts, 0), axis=0)
+    row_end = tl.sum(tl.where(this, ends, 0), axis=0)
+    tile = tl.sum(tl.where(this, first_tile + n_tiles - incl, 0), axis=0) + p  # s_e // BM + (p - P_e)
+    return e, row_start, row_end, tile
+
+
+@triton.jit
 def _grouped_gemm_tile(
     p,  # int32: this tile's work item (row tile, expert), 0 <= p < total (see the module docstring)
     pid_n,  # int32: this tile's column tile, columns [pid_n * BLOCK_N, +BLOCK_N)
@@ -145,12 +183,7 @@ def _grouped_gemm_tile(
 ):
     """Steps 4-5 of the module docstring for one (work item ``p``, column tile ``pid_n``): the
     expert and row tile of ``p``, then ``y[owned rows, cols]`` over the whole K loop."""
-    # Step 4: this program's expert and tile (scalars pulled out of the vectors by a masked sum).
-    e = tl.sum((incl <= p).to(tl.int32), axis=0)
-    this = e_ids == e
-    row_start = tl.sum(tl.where(this, starts, 0), axis=0)
-    row_end = tl.sum(tl.where(this, ends, 0), axis=0)
-    tile = tl.sum(tl.where(this, first_tile + n_tiles - incl, 0), axis=0) + p  # s_e // BM + (p - P_e)
+    e, row_start, row_end, tile = _work_item(p, e_ids, starts, ends, first_tile, n_tiles, incl)  # step 4
 
     # Step 5: the tile's rows, of which this expert owns [row_start, row_end).
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -275,17 +308,7 @@ def _grouped_gemm_kernel(
     if not PERSISTENT and GROUP_M == 1:  # (constexpr) read first, as the default grid always has
         pid_n = tl.program_id(1)
     # Steps 1-2: tiles per expert and their prefix sums, from the offsets (clamped to [0, M_cap]).
-    e_ids = tl.arange(0, BLOCK_E)
-    e_valid = e_ids < E
-    starts = tl.load(offsets_ptr + e_ids, mask=e_valid, other=0)
-    ends = tl.load(offsets_ptr + e_ids + 1, mask=e_valid, other=0)
-    starts = tl.minimum(tl.maximum(starts, 0), M_cap)
-    ends = tl.minimum(tl.maximum(ends, 0), M_cap)
-    nonempty = ends > starts
-    first_tile = starts // BLOCK_M
-    n_tiles = tl.where(nonempty, (ends - 1) // BLOCK_M - first_tile + 1, 0)
-    incl = tl.cumsum(n_tiles, axis=0)  # P_e + n_e
-    total = tl.sum(n_tiles, axis=0)
+    e_ids, starts, ends, first_tile, n_tiles, incl, total = _expert_row_tiles(offsets_ptr, M_cap, E, BLOCK_E, BLOCK_M)
 
     n_cols = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:

@@ -92,3 +92,24 @@ def permute_config(m_cap: int, H: int, quant: str | None, group_size: int) -> Pe
     # 4 warps: every tile is at most TILE_ELEMS (block_n <= MAX_SINGLE_CHUNK == TILE_ELEMS).
     # 1 stage: a gather through a data-dependent row index, nothing for the pipeliner to prefetch.
     return PermuteConfig(block_m=block_m, block_n=block_n, single_chunk=single_chunk, num_warps=4, num_stages=1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PermuteBackwardConfig:
+    """``block_t`` tokens x ``block_h`` hidden columns of ``d_x [T, H]`` per program (the gather-sum
+    of ``topk`` rows of ``d_xp`` per token, the shape of ``combine``)."""
+
+    block_t: int
+    block_h: int
+    num_warps: int
+    num_stages: int
+
+
+def permute_backward_config(T: int, H: int) -> PermuteBackwardConfig:
+    """Heuristic config for ``d_xp [M_cap, H]``, ``src2dst [T, topk]`` -> ``d_x [T, H]``."""
+    block_h = min(triton.next_power_of_2(max(H, 1)), MAX_BLOCK_N)
+    # Tokens per program: fill the tile (TILE_ELEMS float32 accumulators), never more than T.
+    block_t = max(1, min(TILE_ELEMS // block_h, triton.next_power_of_2(max(T, 1))))
+    # 4 warps: 32 float32 accumulators per thread. 1 stage: gathers through a data-dependent row
+    # index, nothing for the pipeliner to prefetch.
+    return PermuteBackwardConfig(block_t=block_t, block_h=block_h, num_warps=4, num_stages=1)

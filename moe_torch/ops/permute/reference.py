@@ -1,4 +1,4 @@
-"""Permutation (dispatch) reference in torch: CONTRACT.md section 2.
+"""Permutation (dispatch) reference in torch, and the permute's backward: CONTRACT.md sections 2 and 8.
 
 Mirror: ``moe_pallas/ops/permute/reference.py``.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_torch.ops.common import cast_rounded
 from moe_torch.ops.quant.reference import (
     per_token_group_quant_fp8_reference,
     per_token_quant_fp8_reference,
@@ -57,3 +58,24 @@ def permute_reference(
     if quant == "fp8_per_token":
         return per_token_quant_fp8_reference(rows)
     return per_token_group_quant_fp8_reference(rows, group_size)
+
+
+def src2dst_from_dst2src(dst2src: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:
+    """The inverse map of :func:`permute`'s ``dst2src [M_cap]``: ``src2dst [T, topk]`` int32 with
+    ``src2dst[a // topk, a % topk] = r`` for ``dst2src[r] = a >= 0`` and ``-1`` elsewhere, as
+    :func:`routing_metadata_reference` returns it (one scatter of distinct rows; no host sync)."""
+    m_cap = num_tokens * topk
+    valid = dst2src >= 0
+    src2dst = torch.full((m_cap + 1,), -1, dtype=torch.int32, device=dst2src.device)
+    rows = torch.arange(dst2src.shape[0], dtype=torch.int32, device=dst2src.device)
+    src2dst[torch.where(valid, dst2src, m_cap).long()] = rows  # rows >= M go to the dump slot past the end
+    return src2dst[:m_cap].reshape(num_tokens, topk)
+
+
+def permute_backward_reference(d_xp: torch.Tensor, src2dst: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``d_x[t] = sum_j d_xp[src2dst[t, j]]`` over local slots (``src2dst >= 0``), float32, cast once:
+    ``[T, H]``; a token with no local slot gets 0, and rows no slot names are never read."""
+    cdt = torch.promote_types(d_xp.dtype, torch.float32)  # float64 only for the tests' autodiff check
+    valid = src2dst >= 0
+    rows = d_xp[torch.where(valid, src2dst, 0).long()].to(cdt)  # [T, topk, H]
+    return cast_rounded(torch.where(valid[:, :, None], rows, 0.0).sum(dim=1), out_dtype)

@@ -25,7 +25,14 @@ i.e. the reference's stable sort, bit for bit.
     per-token(-group): scale = max(amax over the span, 1e-10) * float32(1/448)   [M_cap, H // span]
                    out = cast_rne(clamp(div_rn(float32(x_row), scale), -448, 448))  float8_e4m3fn
 
-Must match ``moe_torch/ops/permute/reference.py`` exactly (metadata, rows, FP8 codes and scales).
+**permute backward** (CONTRACT.md section 8), one program per ``[BLOCK_T tokens] x [BLOCK_H columns]``,
+a gather by ``src2dst`` (no atomics)::
+
+    d_x[t, cols] = cast(sum_j d_xp[src2dst[t, j], cols])     float32 sum over the local slots
+                                                            (src2dst >= 0); none: 0
+
+Must match ``moe_torch/ops/permute/reference.py`` exactly (metadata, rows, FP8 codes and scales;
+the backward to float32 rounding).
 """
 
 from __future__ import annotations
@@ -34,7 +41,14 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_torch.ops.permute.config import PermuteConfig, RoutingConfig, permute_config, routing_config
+from moe_torch.ops.permute.config import (
+    PermuteBackwardConfig,
+    PermuteConfig,
+    RoutingConfig,
+    permute_backward_config,
+    permute_config,
+    routing_config,
+)
 from moe_torch.ops.quant.reference import FP8_DTYPE
 from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device, fp8_scale, quantize_fp8_tile
 
@@ -336,3 +350,77 @@ def permute_triton(
         num_stages=cfg.num_stages,
     )
     return out, out_scale
+
+
+# --------------------------------------------------------------------------------------
+# permute backward
+
+
+@triton.jit
+def _permute_backward_kernel(
+    d_xp_ptr,  # [M_cap, H] float32 / bf16 / fp16: gradient of the permuted rows
+    src2dst_ptr,  # [T, topk] int32: permuted row of each (token, slot), -1 if non-local
+    d_x_ptr,  # [T, H] out dtype: gradient of x
+    T,  # int: tokens
+    H,  # int: hidden size
+    stride_dxp,  # int: d_xp.stride(0)
+    stride_s,  # int: src2dst.stride(0)
+    stride_dx,  # int: d_x.stride(0)
+    TOPK: tl.constexpr,  # slots per token (the slot loop is unrolled)
+    BLOCK_T: tl.constexpr,  # tokens per program
+    BLOCK_H: tl.constexpr,  # hidden columns per program (power of 2)
+):
+    """Grid ``(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))``; program ``(pid_t, pid_h)`` writes
+    ``d_x[pid_t*BLOCK_T : +BLOCK_T, pid_h*BLOCK_H : +BLOCK_H]``."""
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_mask = toks < T
+    toks64 = toks.to(tl.int64)  # int64: token * stride passes 2**31 for large T * H
+    cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        dst = tl.load(src2dst_ptr + toks64 * stride_s + j, mask=tok_mask, other=-1)
+        local = dst >= 0
+        row = tl.where(local, dst, 0).to(tl.int64) * stride_dxp  # int64: row * H passes 2**31
+        acc += tl.load(d_xp_ptr + row[:, None] + cols[None, :], mask=local[:, None] & col_mask[None, :],
+                       other=0.0).to(tl.float32)  # a non-local slot reads nothing and adds 0
+    tl.store(d_x_ptr + toks64[:, None] * stride_dx + cols[None, :], acc.to(d_x_ptr.dtype.element_ty),
+             mask=tok_mask[:, None] & col_mask[None, :])
+
+
+def permute_backward_triton(
+    d_xp: torch.Tensor,
+    src2dst: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: PermuteBackwardConfig | None = None,
+) -> torch.Tensor:
+    """``d_xp [M_cap, H]``, ``src2dst [T, topk]`` int32 -> ``d_x [T, H]`` ``out_dtype``; arguments as
+    :func:`moe_torch.ops.permute.api.permute_backward` (already validated there). ``d_x`` is allocated
+    here; the inputs are only read.
+
+    Raises: NotImplementedError (no CUDA and no interpreter; too many hidden-dim programs),
+      ValueError (a given ``config`` with a non-power-of-2 block).
+    """
+    op = "permute_backward"
+    check_triton_device(op, d_xp.device, _permute_backward_kernel)
+    T, topk = src2dst.shape
+    H = d_xp.shape[1]
+    d_xp = d_xp if d_xp.stride(1) == 1 else d_xp.contiguous()  # copies: the caller's tensors are untouched
+    src2dst = src2dst if src2dst.stride(1) == 1 else src2dst.contiguous()
+    cfg = config or permute_backward_config(T, H)
+    if cfg.block_t & (cfg.block_t - 1) or cfg.block_h & (cfg.block_h - 1):
+        raise ValueError(f"{op}: config must have power-of-2 blocks; got {cfg}")
+    d_x = torch.empty((T, H), dtype=out_dtype, device=d_xp.device)
+    grid = (triton.cdiv(T, cfg.block_t), triton.cdiv(H, cfg.block_h))
+    if grid[1] > MAX_GRID_AXIS_1:
+        raise NotImplementedError(
+            f"{op}: {grid[1]} hidden-dim programs exceed CUDA's grid axis 1 limit {MAX_GRID_AXIS_1}")
+    if grid[0] == 0 or grid[1] == 0 or topk == 0:
+        return d_x.zero_()  # no token, no column or no slot: nothing to gather
+    _permute_backward_kernel[grid](
+        d_xp, src2dst, d_x, T, H, d_xp.stride(0), src2dst.stride(0), d_x.stride(0),
+        TOPK=topk, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return d_x

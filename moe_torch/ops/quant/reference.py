@@ -98,3 +98,57 @@ def expand_weight_scale(w_scale: torch.Tensor, shape: tuple[int, int, int], bloc
 def dequantize_weight_fp8_reference(q: torch.Tensor, w_scale: torch.Tensor, block: int = 128) -> torch.Tensor:
     """``q [E, N, K]`` fp8 with any weight-scale layout -> float32 ``[E, N, K]``."""
     return q.float() * expand_weight_scale(w_scale, tuple(q.shape), block)
+
+
+def _weight_scale_shape(shape: tuple[int, int, int], layout: str, block: int) -> tuple[int, ...]:
+    """The weight scale's shape: ``[E]``, ``[E, N]`` or ``[E, ceil(N/block), ceil(K/block)]``."""
+    E, N, K = shape
+    return {"per_expert": (E,), "per_channel": (E, N), "block": (E, -(-N // block), -(-K // block))}[layout]
+
+
+def quantize_weight_fp8_chunked(
+    w: torch.Tensor, layout: str, block: int, chunk_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_weight_fp8_reference`, ``chunk_experts`` experts at a time, bit-identical
+    (every scale layout is per expert): the codes and scales are allocated once and each chunk
+    writes its slice, through one float32 buffer of the chunk (``[n, N, K]``, or ``[n, N', K']``
+    zero-padded to multiples of ``block`` for ``"block"``) that is divided and clamped in place.
+    Alive at once beyond ``w`` and the result: that buffer and a few scale-sized temporaries.
+    ``w`` is not modified."""
+    if w.numel() == 0:
+        return quantize_weight_fp8_reference(w, layout, block)
+    E, N, K = w.shape
+    q = torch.empty((E, N, K), dtype=FP8_DTYPE, device=w.device)
+    scale = torch.empty(_weight_scale_shape((E, N, K), layout, block), dtype=torch.float32, device=w.device)
+    with torch.no_grad():  # codes cannot carry gradients; no graph may hold a chunk's buffer
+        for start in range(0, E, chunk_experts):
+            stop = min(start + chunk_experts, E)
+            _quantize_weight_chunk_into(w[start:stop], layout, block, q[start:stop], scale[start:stop])
+    return q, scale
+
+
+def _quantize_weight_chunk_into(w: torch.Tensor, layout: str, block: int, q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
+    """One chunk ``w [n, N, K]`` -> its codes into ``q_out [n, N, K]`` and scales into ``scale_out``:
+    the reference's arithmetic, with one float32 buffer instead of a tensor per step."""
+    n, N, K = w.shape
+    if layout == "block":
+        nb, kb = -(-N // block), -(-K // block)
+        pad = nb * block != N or kb * block != K
+        buf = (torch.zeros if pad else torch.empty)((n, nb * block, kb * block), dtype=torch.float32, device=w.device)
+        buf[:, :N, :K].copy_(w)  # the reference's zero padding
+        view, dims = buf.view(n, nb, block, kb, block), (2, 4)
+    else:
+        buf = torch.empty((n, N, K), dtype=torch.float32, device=w.device)
+        buf.copy_(w)
+        view, dims = buf, ((1, 2) if layout == "per_expert" else (2,))
+    # max |x| = max(max x, -min x) exactly, without an |x| temporary of the chunk's size
+    scale = scale_from_amax(torch.maximum(view.amax(dim=dims), view.amin(dim=dims).neg_()))
+    if layout == "per_expert":
+        divisor = scale[:, None, None]
+    elif layout == "per_channel":
+        divisor = scale[:, :, None]
+    else:
+        divisor = scale[:, :, None, :, None]
+    view.div_(divisor).clamp_(-FP8_MAX, FP8_MAX)  # the reference's IEEE division and clamp, in place
+    q_out.copy_(buf[:, :N, :K])  # the cast of _cast_fp8 (round to nearest even)
+    scale_out.copy_(scale)

@@ -1,0 +1,85 @@
+"""A Hugging Face checkpoint's MoE block as a flax NNX module (:class:`moe_pallas.module.MoEBlock`).
+
+The reading is :func:`interop.checkpoints.load_moe_layer` (routing from ``config.json``, the router
+weight, every expert, DeepSeek-V3's correction bias and shared experts, FP8 codes and block scales);
+this file turns it into the NNX block, so ``moe_pallas`` itself never reads files. The JAX half of
+what ``moe_torch.patch_hf_model`` does for a transformers model (``moe_torch/hf.py``); a whole model
+built around it is ``examples/jax_hf_model.py``.
+
+FP8 checkpoints stay FP8: DeepSeek-V3-style ``weight`` float8_e4m3fn + ``weight_scale_inv`` 128x128
+block multipliers become a ``quant='fp8_block'`` layer holding those very codes and scales (no
+dequantize-requantize round trip). Asking for another ``quant`` dequantizes them (and, for
+``fp8_per_token``, requantizes per channel).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from interop.checkpoints import load_moe_layer
+from moe_contract.validation import FLOAT_DTYPES, dtype_name
+from moe_pallas.module import MoEBlock, MoELayer
+from moe_pallas.ops.quant.api import dequantize_weight_fp8
+
+
+def load_nnx_moe_block(
+    path: str,
+    layer: int | None = None,
+    *,
+    implementation: str | None = None,
+    dtype=None,
+    preset=None,
+    **config_overrides,
+) -> MoEBlock:
+    """MoE layer ``layer`` of the checkpoint at ``path`` as a :class:`moe_pallas.module.MoEBlock`.
+
+    Args:
+      path: a ``.safetensors`` file or a checkpoint folder (``save_pretrained``'s output, a hub
+        snapshot: ``model.safetensors.index.json`` or ``*.safetensors``, with ``config.json``).
+      layer: the decoder layer index (default: the first layer with experts).
+      implementation: the layer's backend (``None``, ``"reference"``, ``"pallas_triton"``,
+        ``"pallas_mosaic_gpu"``), as :class:`moe_pallas.MoELayer` takes it.
+      dtype: the float expert weights' dtype (float32 / bfloat16 / float16; the hidden states the block
+        then takes for ``quant='none'``), and the router's for Mixtral / Qwen3-MoE; default: as the loader
+        returns them. DeepSeek-V3's router stays float32 (transformers keeps ``gate.weight`` in float32).
+        FP8 codes are never cast.
+      preset: a :class:`moe_contract.ModelPreset` giving the routing when there is no ``config.json``.
+      config_overrides: :class:`moe_contract.MoEConfig` fields (``quant``, ``ep_size``, ``ep_rank``...).
+        ``quant`` defaults to ``'fp8_block'`` for an FP8 checkpoint, ``'none'`` otherwise.
+
+    Returns: a :class:`MoEBlock`: ``block(hidden_states [B, S, H]) -> [B, S, H]`` (this EP rank's partial
+    sum when ``ep_size > 1``); ``block.layer`` is the :class:`MoELayer`, ``block.config`` its config.
+
+    Raises: FileNotFoundError / ValueError from ``load_moe_layer`` (naming the key or file); TypeError
+      (``dtype`` not a float dtype); ValueError / TypeError from the config and the module's checks.
+    """
+    op = "load_nnx_moe_block"
+    if dtype is not None:
+        try:
+            ok = dtype_name(dtype) in FLOAT_DTYPES
+        except TypeError:
+            ok = False
+        if not ok:
+            raise TypeError(f"{op}: dtype must be None or one of {FLOAT_DTYPES}; got dtype={dtype!r}")
+        dtype = jnp.dtype(dtype_name(dtype))
+    ck = load_moe_layer(path, layer)
+    config = ck.config(preset, **config_overrides)  # quant: the checkpoint's ('fp8_block' or 'none') unless overridden
+
+    def cast(a):
+        return a if dtype is None else a.astype(dtype)
+
+    if ck.is_fp8 and config.quant == "fp8_block":  # the checkpoint's own codes and block scales, this rank's slice
+        a = ck.arrays("jax", config)
+        moe = MoELayer(config, a["w13"], a["w2"], w13_scale=a["w13_scale"], w2_scale=a["w2_scale"],
+                       e_score_correction_bias=a["e_score_correction_bias"], implementation=implementation)
+    else:  # every expert's float weights; from_float slices this rank's and quantizes per config.quant
+        a = ck.arrays("jax")
+        w13, w2 = a["w13"], a["w2"]
+        if ck.is_fp8:
+            w13 = dequantize_weight_fp8(w13, a["w13_scale"])
+            w2 = dequantize_weight_fp8(w2, a["w2_scale"])
+        moe = MoELayer.from_float(config, cast(w13), cast(w2), e_score_correction_bias=a["e_score_correction_bias"],
+                                  implementation=implementation)
+    router = a["router_weight"]
+    router = router.astype(jnp.float32) if ck.arch == "deepseek_v3" else cast(router)
+    return MoEBlock(router, moe)
