@@ -1,0 +1,53 @@
+"""Profile target for the grouped GEMM backward kernels (Triton) under Nsight Compute, one shape.
+
+Runs ``grouped_gemm`` forward, ``grouped_gemm_dgrad`` and ``grouped_gemm_wgrad`` (torch, ``implementation="triton"``)
+on the gate_up shape (E=32, K=7168, N=4096, bf16, uniform rows; ``--m`` rows) a few times, so that ncu can pick one
+launch of each kernel:
+
+    ncu --section SpeedOfLight --section LaunchStats --section Occupancy -k regex:'grouped_gemm' \\
+        --launch-skip 3 --launch-count 3 python3 benchmarks/profile_bwd.py --m 16384
+
+Prints each op's median time (CUDA events) when run without ncu.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton.testing
+
+import moe_torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--m", type=int, default=16384)
+    p.add_argument("--e", type=int, default=32)
+    p.add_argument("--k", type=int, default=7168)
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args()
+    M, E, K, N = args.m, args.e, args.k, args.n
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, K, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(E, N, K, generator=g, device="cuda") * K**-0.5).to(torch.bfloat16)
+    d_y = torch.randn(M, N, generator=g, device="cuda").to(torch.bfloat16)
+    offsets = torch.arange(E + 1, device="cuda", dtype=torch.int32) * (M // E)
+    ops = {
+        "forward": lambda: moe_torch.grouped_gemm(x, w, offsets, implementation="triton"),
+        "dgrad": lambda: moe_torch.grouped_gemm_dgrad(d_y, w, offsets, implementation="triton"),
+        "wgrad": lambda: moe_torch.grouped_gemm_wgrad(x, d_y, offsets, implementation="triton"),
+    }
+    for _ in range(args.reps):  # ncu: --launch-skip past the first (compiling) round
+        for f in ops.values():
+            f()
+    torch.cuda.synchronize()
+    flops = 2 * M * N * K
+    for name, f in ops.items():
+        ms = triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
+        print(f"{name:8s} M={M} E={E} K={K} N={N}: {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
