@@ -73,10 +73,12 @@ Backends (a backend that cannot run gives a row with ``error``, and the run goes
 
 Forward + backward rows report (``harness.py``'s docstring): ``median_ms`` of the forward + backward,
 ``fwd_ms`` (the forward alone), ``bwd_fwd_ratio``, ``bwd_tflops`` (the backward's 2x forward FLOPs over
-``median_ms - fwd_ms``) and ``peak_mem_mib`` (``mem_method``: the torch CUDA peak delta, or XLA's
-compiled memory analysis); each output and gradient is checked before anything is timed, and the
-tables get a "Forward + backward" section. A row that cannot run on this machine by design (a Mosaic
-GPU kernel or tokamax off a GPU, tokamax not installed) is ``skipped`` with its reason, not an error.
+``median_ms - fwd_ms``), ``peak_mem_mib`` (``mem_method``: the torch CUDA peak delta, or XLA's
+compiled memory analysis, each row's own) and ``held_mib`` (what the forward holds for the backward:
+``recompute=True`` lowers this, not necessarily the one-layer peak); each output and gradient is
+checked before anything is timed, and the tables get a "Forward + backward" section. A row that cannot
+run on this machine by design (a Mosaic GPU kernel or tokamax off a GPU, tokamax not installed) is
+``skipped`` with its reason, not an error.
 
 Inputs are drawn in torch on the device (bf16, ``x ~ N(0, 1)``, ``w ~ N(0, 1/K)``, the router
 ``N(0, 1/H)``, DeepSeek-V3's bias ``0.1 N(0, 1)``; or the checkpoint's weights) and handed
@@ -141,6 +143,7 @@ class Ctx:
         self.cpu = self.torch_dev.type != "cuda"  # kernels interpreted: tables and plots say so
         self.rows: list[dict] = []
         self.jit_cache: dict = {}
+        self.torch_mem_stats = None  # harness.torch_memory_mib's counters; None: CUDA's on a GPU (tests inject a fake)
         self.mgpu_best: dict = {}  # (shape, M, dtype) -> config, found on the uniform spec
         self.t0 = time.perf_counter()
         self.filters = [f for f in (args.backends or "").split(",") if f]
@@ -175,6 +178,7 @@ def progress_line(r: dict, elapsed: float) -> str:
         rates += (f" | fwd {r['fwd_ms']:.4f} ms" + (f", bwd/fwd {r['bwd_fwd_ratio']:.2f}" if r.get("bwd_fwd_ratio") else "")
                   + (f", bwd {r['bwd_tflops']:.0f} TFLOP/s" if r.get("bwd_tflops") else "")
                   + (f", peak {r['peak_mem_mib']:.0f} MiB" if r.get("peak_mem_mib") is not None else "")
+                  + (f", held {r['held_mib']:.3g} MiB" if r.get("held_mib") is not None else "")
                   + f", grad err {r.get('grad_rel_err') or 0:.1e} |")
     return f"{head} {t}{rates} err={r.get('rel_err') or 0:.1e} {r.get('timing_method')} compile={r.get('compile_s') or 0:.1f}s" + (
         f"  ({r['notes']})" if r.get("notes") else "")
@@ -777,8 +781,9 @@ def bench_layer_transformers(ctx: Ctx, spec: S.LayerSpec, x, weights: tuple, ref
 # ---------------------------------------------------------------------------------------------- backward
 # Forward + backward rows (``--what gemm_bwd,layer_bwd``; CONTRACT.md section 8). Each row is checked on every
 # output first (the forward's and each gradient, against float32 / reference gradients: judge_grads), then
-# its forward + backward call is timed (median_ms), its forward alone (fwd_ms), and its peak memory taken
-# (harness.torch_peak_mib / harness.jax_memory_mib).
+# its forward + backward call is timed (median_ms), its forward alone (fwd_ms), and its memory taken, per row:
+# the forward + backward's peak and what the forward holds for the backward (harness.torch_memory_mib;
+# harness.jax_memory_mib of the row's own compiled forward + backward and harness.jax_held_mib).
 
 #: tokamax's ``ragged_dot`` implementations benchmarked as peers (tokamax 0.0.17 on the H200 registers
 #: ``"mosaic"`` and ``"xla"``; ``"xla"`` is XLA's ragged_dot, already the ``jax.lax.ragged_dot`` row).
@@ -837,7 +842,8 @@ def bwd_row(bench: str, backend: str, spec, notes: str | None, recompute: bool |
 def run_torch_bwd(ctx: Ctx, bench: str, backend: str, spec, fwd, fwd_bwd, refs: dict, *, canon, notes: str | None = None,
                   recompute: bool | None = None) -> dict:
     """A torch forward + backward row: ``canon(fwd_bwd())`` (a dict like ``refs``) checked (:func:`judge_grads`),
-    then the peak memory of one ``fwd_bwd()``, its time (median_ms) and ``fwd()``'s (fwd_ms). Adds the row.
+    then its memory (:func:`harness.torch_memory_mib`: the peak of one ``fwd_bwd()``, what one ``fwd()`` holds;
+    ``ctx.torch_mem_stats`` the counters), the time of ``fwd_bwd()`` (median_ms) and ``fwd()``'s (fwd_ms). Adds the row.
     On a CPU (``--tiny``: kernels interpreted, times meaningless) one timed call each, so the smoke test stays short."""
     row = bwd_row(bench, backend, spec, notes, recompute)
     timing = dict(warmup_ms=ctx.args.warmup_ms, rep_ms=ctx.args.rep_ms, cpu_loops=1)
@@ -847,7 +853,7 @@ def run_torch_bwd(ctx: Ctx, bench: str, backend: str, spec, fwd, fwd_bwd, refs: 
         ok = judge_grads(row, canon(out), refs)
         del out  # not held while timing
         if ok:
-            row["peak_mem_mib"], row["mem_method"] = H.torch_peak_mib(fwd_bwd, ctx.torch_dev)
+            row.update(H.torch_memory_mib(fwd, fwd_bwd, ctx.torch_dev, stats=ctx.torch_mem_stats))
             row.update(H.time_torch(fwd_bwd, ctx.torch_dev, **timing))
             H.add_rates(row, spec.flops, spec.min_bytes, spec.dtype)
             f = H.time_torch(fwd, ctx.torch_dev, **timing)
@@ -861,8 +867,10 @@ def run_torch_bwd(ctx: Ctx, bench: str, backend: str, spec, fwd, fwd_bwd, refs: 
 
 
 def run_jax_bwd(ctx: Ctx, bench: str, backend: str, spec, fwd, fwd_bwd, args: tuple, d_out, refs: dict, *, canon,
-                notes: str | None = None, recompute: bool | None = None) -> dict:
-    """A JAX forward + backward row: ``fwd_bwd(*args, d_out)`` jitted, its memory analysis taken, its output
+                notes: str | None = None, recompute: bool | None = None, wrt: tuple[int, ...] | None = None) -> dict:
+    """A JAX forward + backward row: ``fwd_bwd(*args, d_out)`` jitted, its memory analysis taken (this row's
+    compiled program: :func:`harness.jax_memory_mib`) and what ``jax.vjp`` of ``fwd`` in the ``wrt``
+    positions of ``args`` holds for the backward (:func:`harness.jax_held_mib`), its output
     (``canon``: a dict like ``refs``) checked (:func:`judge_grads`), then timed (median_ms), and ``fwd(*args)``
     jitted and timed (fwd_ms). Adds the row. Compiled programs are cached by backend, static config and
     argument shapes, ``fwd_bwd`` also by ``recompute`` (the forward alone does not depend on it: it only
@@ -877,6 +885,7 @@ def run_jax_bwd(ctx: Ctx, bench: str, backend: str, spec, fwd, fwd_bwd, args: tu
                                             key=key + (f"fwd_bwd recompute={recompute}",))
         row["compile_s"] = compile_s
         row["peak_mem_mib"], row["mem_method"] = H.jax_memory_mib(compiled)  # known even if the run fails (OOM)
+        row["held_mib"] = H.jax_held_mib(fwd, args, wrt)
         out = compiled(*args, d_out)
         jax.block_until_ready(out)
         ok = judge_grads(row, canon(out), refs)
@@ -1010,7 +1019,7 @@ def bench_gemm_bwd(ctx: Ctx, spec: S.GemmBwdSpec, wcache: GemmWeights) -> None:
             y, vjp = jax.vjp(lambda a, b: fwd(a, b, o_), x_, w_)
             return y, vjp(d_)
 
-        run_jax_bwd(ctx, bench, name, spec, fwd, fwd_bwd, (jx, jw, joffs), jdy, refs, canon=canon, notes=inote)
+        run_jax_bwd(ctx, bench, name, spec, fwd, fwd_bwd, (jx, jw, joffs), jdy, refs, canon=canon, notes=inote, wrt=(0, 1))
 
     # peers, JAX: ragged_dot's own layout, rhs [E, K, N] (a transposed copy of ours made once, outside the timing)
     want_tk = [impl for impl in TOKAMAX_IMPLEMENTATIONS if ctx.wants(f"tokamax.ragged_dot-{impl}")]
@@ -1044,7 +1053,7 @@ def bench_gemm_bwd(ctx: Ctx, spec: S.GemmBwdSpec, wcache: GemmWeights) -> None:
             return y, vjp(d_)
 
         run_jax_bwd(ctx, bench, name, spec, rd, fwd_bwd, (jx, jw_kn, jgs), jdy, refs, canon=canon_kn,
-                    notes="; ".join(x for x in (pnote, extra) if x))
+                    notes="; ".join(x for x in (pnote, extra) if x), wrt=(0, 1))
     del jw_kn
 
 
@@ -1140,7 +1149,8 @@ def bench_layer_bwd(ctx: Ctx, spec: S.LayerBwdSpec, wcache: dict) -> None:
                 out, vjp = jax.vjp(lambda a, l, p, q: fwd(a, l, p, q, b_), x_, l_, w13_, w2_)
                 return out, vjp(d_)
 
-            run_jax_bwd(ctx, bench, name, spec, fwd, fwd_bwd, jargs, jd, refs, canon=canon, notes=inote, recompute=rc)
+            run_jax_bwd(ctx, bench, name, spec, fwd, fwd_bwd, jargs, jd, refs, canon=canon, notes=inote, recompute=rc,
+                        wrt=(0, 1, 2, 3))
     del jargs, jd
     bench_layer_bwd_transformers(ctx, spec, x, d_out, (w13, w2, gate_w, bias), refs_hf, note)
 

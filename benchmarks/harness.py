@@ -22,11 +22,18 @@ Forward + backward rows (``bench.py --what gemm_bwd,layer_bwd``): ``median_ms`` 
 ``wall_ms``) time one forward + backward call, ``fwd_ms`` the forward alone (the same method);
 ``bwd_ms = median_ms - fwd_ms``, ``bwd_fwd_ratio = bwd_ms / fwd_ms``, ``bwd_tflops = bwd_flops /
 bwd_ms`` (the backward is 2x the forward's FLOPs). ``peak_mem_mib``: the memory one forward +
-backward call takes on top of its inputs, MiB, as ``mem_method`` says: torch
+backward call takes on top of its inputs, MiB, measured per row, as ``mem_method`` says: torch
 ``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` before the call (peak reset first;
-the outputs and gradients included; CUDA only), JAX ``compiled.memory_analysis()`` temp + output
-bytes of the compiled forward + backward (what XLA plans to allocate besides the arguments; on any
-backend). Every output is checked first: the forward's against ``REL_ERR_MAX``, each gradient
+the outputs and gradients included; CUDA only; :func:`torch_memory_mib`), JAX
+``compiled.memory_analysis()`` temp + output bytes of the compiled forward + backward (what XLA plans to
+allocate besides the arguments; on any backend; :func:`jax_memory_mib`). ``held_mib``: what the forward
+leaves allocated for the backward besides its inputs (its output and saved activations; torch:
+``memory_allocated`` delta after the forward, graph alive; JAX: the output and residuals of ``jax.vjp``,
+:func:`jax_held_mib`). The two differ in kind: the peak of one layer's forward + backward is reached in
+the backward, where ``recompute=True`` has rebuilt ``h``, so recompute need not lower it; it lowers
+``held_mib``, the memory a training step holds per layer until that layer's backward. For a grouped GEMM
+with no temporaries the peak is exactly its outputs ``y + d_x + d_w``, the same for every such backend.
+Every output is checked first: the forward's against ``REL_ERR_MAX``, each gradient
 against ``GRAD_REL_ERR_MAX``; a row with a wrong one is not timed.
 
 Ceilings (ENVIRONMENT.md, "The GPU machine in numbers", one H200 measured here):
@@ -74,9 +81,10 @@ ROW_KEYS = (
     "median_ms", "p20_ms", "p80_ms", "wall_ms", "tflops", "gbps", "pct_of_ceiling", "bound", "rel_err",
     "timing_method", "n_input_sets", "compile_s", "notes", "error",
     # forward + backward rows only (module docstring): the forward's time, the backward's, their ratio, the
-    # backward's TFLOP/s, the largest gradient error, the call's peak memory and how it was measured, and
-    # the layer's recompute setting
+    # backward's TFLOP/s, the largest gradient error, the call's peak memory, what the forward holds for the
+    # backward, how the peak was measured, and the layer's recompute setting
     "fwd_ms", "bwd_ms", "bwd_fwd_ratio", "bwd_tflops", "grad_rel_err", "peak_mem_mib", "mem_method", "recompute",
+    "held_mib",
 )
 
 
@@ -252,33 +260,122 @@ def time_jax(compiled, args: Sequence, *, n_sets: int = 1, rep_ms: float = 100, 
     return res
 
 
-def torch_peak_mib(fn: Callable, device) -> tuple[float | None, str]:
-    """Peak memory of one ``fn()`` on top of what was allocated before it, MiB (CUDA: peak stats reset,
-    ``max_memory_allocated() - memory_allocated()`` around the call; its outputs are held until the end,
-    so they count), and the method's name; ``(None, reason)`` off CUDA."""
-    import torch
+class CudaMemoryStats:
+    """torch's CUDA caching-allocator counters on ``device``, as :func:`torch_memory_mib` reads them:
+    ``sync()``, ``reset_peak()``, ``allocated()`` and ``max_allocated()`` (bytes of live tensors, not the
+    allocator's reserved pool). Any object with these four methods can stand in (the CPU tests' fake)."""
 
-    if getattr(device, "type", device) != "cuda":
-        return None, "n/a: torch.cuda memory stats only on a GPU"
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    method = "torch.cuda.max_memory_allocated delta"
+
+    def __init__(self, device) -> None:
+        self.device = device
+
+    def sync(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+
+    def reset_peak(self) -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def allocated(self) -> int:
+        import torch
+
+        return torch.cuda.memory_allocated(self.device)
+
+    def max_allocated(self) -> int:
+        import torch
+
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def torch_memory_mib(fwd: Callable, fwd_bwd: Callable, device, stats=None) -> dict:
+    """The memory of one torch forward + backward row, MiB, on top of what is allocated before each call
+    (the inputs, weights, references):
+
+    - ``peak_mem_mib``: peak of one ``fwd_bwd()`` (peak counter reset just before it, after the inputs
+      exist; ``max_allocated() - allocated()`` from before the call; its outputs and gradients are held
+      until the peak is read, so they count);
+    - ``held_mib``: what one ``fwd()`` leaves allocated with its autograd graph alive: its output and the
+      tensors saved for the backward (the memory a training step holds per layer between forward and
+      backward; what ``recompute=True`` shrinks);
+    - ``mem_method``: ``stats.method`` (or the class name), or why there is none.
+
+    ``stats``: the counters (:class:`CudaMemoryStats` interface); default: CUDA's on a CUDA ``device``,
+    else none and both values ``None``. Each call measures afresh: nothing is cached between rows."""
+    if stats is None:
+        if getattr(device, "type", device) != "cuda":
+            return dict(peak_mem_mib=None, held_mib=None, mem_method="n/a: torch.cuda memory stats only on a GPU")
+        stats = CudaMemoryStats(device)
+    stats.sync()
+    base = stats.allocated()
+    out = fwd()
+    stats.sync()
+    held = stats.allocated() - base
+    del out  # frees the graph and what it saved
+    stats.sync()
+    base = stats.allocated()
+    stats.reset_peak()
+    out = fwd_bwd()
+    stats.sync()
+    peak = stats.max_allocated() - base
     del out
-    return peak / 2**20, "torch.cuda.max_memory_allocated delta"
+    method = getattr(stats, "method", None) or type(stats).__name__
+    return dict(peak_mem_mib=peak / 2**20, held_mib=held / 2**20, mem_method=method)
 
 
 def jax_memory_mib(compiled) -> tuple[float | None, str]:
     """What XLA plans to allocate for one call of ``compiled`` besides its arguments, MiB: temp + output bytes
     of ``compiled.memory_analysis()`` (any backend; Pallas kernels' outputs are XLA buffers, so counted;
-    a kernel's own scratch is not), and the method's name; ``(None, reason)`` if there is no analysis."""
+    a kernel's own scratch is not), and the method's name; ``(None, reason)`` if there is no analysis.
+    Temp is the peak of XLA's buffer assignment (buffers freed at their last use), so for the compiled
+    forward + backward this is the call's peak. Not the device's ``memory_stats()["peak_bytes_in_use"]``:
+    that counter cannot be reset, so after the first large row every later row would read its peak."""
     try:
         m = compiled.memory_analysis()
         return (m.temp_size_in_bytes + m.output_size_in_bytes) / 2**20, "xla memory_analysis temp+output"
     except Exception as exc:  # an old jaxlib or a backend without it
         return None, f"n/a: memory_analysis failed ({type(exc).__name__})"
+
+
+def jax_held_mib(fwd: Callable, args: Sequence, wrt: Sequence[int] | None = None) -> float | None:
+    """What ``jax.vjp(fwd, *args[wrt])`` keeps between the forward and the backward besides its inputs,
+    MiB: the forward's output and its residuals (the leaves of the VJP function), counted once each, read
+    from the traced jaxpr (no compilation, no run); an input kept as a residual costs nothing and is not
+    counted. ``wrt``: the positions of ``args`` differentiated (default: all); the others are passed
+    through as arguments, not differentiated. The JAX counterpart of :func:`torch_memory_mib`'s
+    ``held_mib``; ``None`` if tracing fails."""
+    import jax
+
+    wrt = tuple(range(len(args))) if wrt is None else tuple(wrt)
+
+    def forward(*a):
+        def g(*d):
+            full = list(a)
+            for i, v in zip(wrt, d):
+                full[i] = v
+            return fwd(*full)
+
+        return jax.vjp(g, *(a[i] for i in wrt))
+
+    try:
+        closed, shapes = jax.make_jaxpr(forward, return_shape=True)(*args)
+    except Exception:
+        return None
+    jaxpr = closed.jaxpr
+    free = {id(v) for v in (*jaxpr.invars, *jaxpr.constvars)}  # inputs: already allocated
+    seen: set[int] = set()
+    total = 0
+    n_out = len(jax.tree_util.tree_leaves(shapes[0]))
+    for v in jaxpr.outvars[: n_out + len(jax.tree_util.tree_leaves(shapes[1]))]:
+        aval = getattr(v, "aval", None)
+        if aval is None or hasattr(v, "val") or id(v) in free or id(v) in seen:  # a literal, an input, or twice
+            continue
+        seen.add(id(v))
+        total += int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    return total / 2**20
 
 
 def rotated(fn: Callable, n_sets: int) -> Callable:
@@ -677,19 +774,21 @@ def int_list(parser, name: str, text: str, *, power_of_two: bool = False, most: 
 
 def markdown_bwd(rows: list[dict], cpu: bool = False) -> str:
     """The forward + backward rows (benches ``*_bwd``), one line each: forward ms, forward + backward ms,
-    backward / forward, backward TFLOP/s, peak memory (MiB, and how measured), the forward's and the
-    largest gradient's rel. error, notes or the error. "" if there is none."""
+    backward / forward, backward TFLOP/s, peak memory (MiB, and how measured), the memory the forward holds
+    for the backward (MiB), the forward's and the largest gradient's rel. error, notes or the error. ""
+    if there is none."""
     rs = [r for r in rows if str(r.get("bench") or "").endswith("_bwd")]
     if not rs:
         return ""
     where = f" ({CPU_NOTE})" if cpu else ""
-    out = [f"| spec | backend | fwd ms{where} | fwd+bwd ms | bwd/fwd | bwd TFLOP/s | peak MiB | memory method | rel err "
-           "out / grads | notes / error |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [f"| spec | backend | fwd ms{where} | fwd+bwd ms | bwd/fwd | bwd TFLOP/s | peak MiB | memory method | "
+           "held after fwd MiB | rel err out / grads | notes / error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rs:
         note = " ".join(x for x in (r.get("notes"), f"ERROR {r['error']}" if r.get("error") else None) if x)
         out.append(f"| {r['spec']} | {backend_label(r['backend'], cpu)} | {_fmt(r.get('fwd_ms'))} | {_fmt(r.get('median_ms'))} | "
                    f"{_fmt(r.get('bwd_fwd_ratio'))} | {_fmt(r.get('bwd_tflops'))} | {_fmt(r.get('peak_mem_mib'), 0)} | "
-                   f"{r.get('mem_method') or '-'} | {_fmt(r.get('rel_err'), 2)} / {_fmt(r.get('grad_rel_err'), 2)} | "
+                   f"{r.get('mem_method') or '-'} | {_fmt(r.get('held_mib'))} | "
+                   f"{_fmt(r.get('rel_err'), 2)} / {_fmt(r.get('grad_rel_err'), 2)} | "
                    f"{note.replace('|', '/')[:200]} |")
     return "\n".join(out)
 

@@ -190,9 +190,9 @@ def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k:
         d_w13, d_w2 = jnp.zeros_like(w13), jnp.zeros_like(w2)
     else:
         d_y = (w_row[:, None] * d_y0.astype(jnp.float32)).astype(dtype)
-        d_w2 = grouped_gemm_wgrad(a, d_y, offsets, implementation=gemm).astype(w2.dtype)
+        d_w2 = grouped_gemm_wgrad(a, d_y, offsets, out_dtype=w2.dtype, implementation=gemm)  # f32 accumulation, one rounding
         xp, _ = permute(x, dst2src, topk=k, implementation=perm)
-        d_w13 = grouped_gemm_wgrad(xp, d_h, offsets, implementation=gemm).astype(w13.dtype)
+        d_w13 = grouped_gemm_wgrad(xp, d_h, offsets, out_dtype=w13.dtype, implementation=gemm)
     return d_x, d_topk_weights, d_w13, d_w2
 
 

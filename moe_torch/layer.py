@@ -220,19 +220,24 @@ def _experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: i
     dots = (a.float() * d_a0).sum(dim=1)  # <a[m], d_out[t] @ w2[e]>, float32
     d_topk_weights = torch.where(src2dst >= 0, c * dots[src2dst.clamp(min=0).long()], 0.0)
     d_a = (w_row[:, None] * d_a0).to(dtype)
+    del d_a0, dots  # intermediates go as soon as they are used: the backward's peak is the wgrads'
     d_w2 = None
-    if need_w2:
+    if need_w2:  # float32 accumulation in the kernel, stored once in the weight's dtype (no float32 [E, H, I])
         d_y = (w_row[:, None] * d_y0.float()).to(dtype)
-        d_w2 = grouped_gemm_wgrad(a, d_y, offsets, implementation=gemm).to(w2.dtype)
+        d_w2 = grouped_gemm_wgrad(a, d_y, offsets, out_dtype=w2.dtype, implementation=gemm)
+        del d_y
+    del a, d_y0
     d_h = act_and_mul_backward(h, d_a, activation=config.activation, out_dtype=dtype,
                                implementation=stage_implementation(impl, activation_api))
+    del h, d_a
     d_x = d_w13 = None
     if need_x:
         d_xp = grouped_gemm_dgrad(d_h, w13, offsets, w_scale=w13_scale, out_dtype=dtype, implementation=gemm)
         d_x = permute_backward(d_xp, src2dst, num_tokens=T, out_dtype=dtype, implementation=perm)
+        del d_xp
     if need_w13:
         xp, _ = permute(x, dst2src, topk=k, implementation=perm)
-        d_w13 = grouped_gemm_wgrad(xp, d_h, offsets, implementation=gemm).to(w13.dtype)
+        d_w13 = grouped_gemm_wgrad(xp, d_h, offsets, out_dtype=w13.dtype, implementation=gemm)
     return d_x, d_topk_weights, d_w13, d_w2
 
 

@@ -662,8 +662,9 @@ def test_bwd_guard_refuses_a_planted_wrong_gradient(tmp_path, monkeypatch):
 def test_tiny_bwd_run_every_row_correct_and_missing_peers_skipped(tmp_path):
     """`bench.py --tiny --what gemm_bwd,layer_bwd` on the CPU (kernels interpreted): exit 0; every backend and peer
     of the issue has its row; every row that ran is right (forward and each gradient) and timed (forward and
-    forward + backward; JAX rows with XLA's memory analysis, torch rows saying their CUDA peak is n/a here); the
-    layer with recompute False and True; Mosaic GPU and tokamax skipped with their reason, not errors."""
+    forward + backward; JAX rows with XLA's memory analysis and what the forward holds, torch rows saying their
+    CUDA peak is n/a here); the layer with recompute False and True, the recompute rows holding less; Mosaic GPU
+    and tokamax skipped with their reason, not errors."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -690,9 +691,192 @@ def test_tiny_bwd_run_every_row_correct_and_missing_peers_skipped(tmp_path):
         jax_row = "jax" in r["backend"]
         assert r["mem_method"] == ("xla memory_analysis temp+output" if jax_row else
                                    "n/a: torch.cuda memory stats only on a GPU"), r
-        assert (r["peak_mem_mib"] is not None) == jax_row, r
+        assert (r["peak_mem_mib"] is not None) == jax_row and (r["held_mib"] is not None) == jax_row, r
         if r["bench"] == "layer_bwd" and not r["backend"].startswith("transformers"):
             assert r["recompute"] == r["backend"].endswith("-recompute"), r
+    held = {(r["spec"], r["backend"]): r["held_mib"] for r in rows if r["held_mib"] is not None}
+    layer_jax = [k for k in held if k[0].startswith("layer_bwd") and not k[1].endswith("-recompute")]
+    assert layer_jax and all(held[s, b + "-recompute"] < held[s, b] for s, b in layer_jax), held  # h not kept
     assert "19 rows, 15 timed, 4 skipped, 0 errors (0 wrong results)" in run.stdout
     md = (tmp_path / "bench.md").read_text()
     assert "## Forward + backward" in md and "| gemm_bwd/tiny/bf16/M=64/uniform | ours-torch-triton (interpreted) |" in md
+
+
+# ---------------------------------------------------------------------------------------------- memory columns
+
+
+class FakeCudaMemory:
+    """The interface of ``harness.CudaMemoryStats`` over a counting stand-in for the caching allocator:
+    ``alloc(nbytes)`` returns a buffer counted as allocated until it is garbage (as a CUDA tensor would be)."""
+
+    method = "fake counters"
+
+    class Buffer:
+        pass
+
+    def __init__(self):
+        import weakref
+
+        self._finalize = weakref.finalize
+        self.now = self.peak = 0
+
+    def alloc(self, nbytes: int):
+        buf = self.Buffer()
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+        self._finalize(buf, self._free, nbytes)
+        return buf
+
+    def _free(self, nbytes: int) -> None:
+        self.now -= nbytes
+
+    def sync(self) -> None:
+        pass
+
+    def reset_peak(self) -> None:
+        self.peak = self.now
+
+    def allocated(self) -> int:
+        return self.now
+
+    def max_allocated(self) -> int:
+        return self.peak
+
+
+MIB = 2**20
+
+
+def _fake_torch_backend(mem: FakeCudaMemory, x, d_y, *, out: int, act: int, tmp: int, grad: int, recompute: bool):
+    """A torch-like forward + backward with planted allocations (MiB): the forward allocates its output
+    ``out`` and an activation ``act`` (kept for the backward unless ``recompute``); the backward, in this
+    order: (recompute: ``act`` again), a transient ``tmp``, (recompute: ``act`` freed), the gradients
+    ``grad``; the graph (a kept ``act``) is freed when the caller drops the result. Numerically
+    ``y = 2 x``, ``d_x = 2 d_y`` (right, so the row is judged correct and measured).
+    Peak: ``out + act + max(tmp, grad)``, recompute ``out + max(act + tmp, grad)``; held after the
+    forward: ``out + act``, recompute ``out``."""
+
+    def fwd():
+        return x * 2, mem.alloc(out * MIB), None if recompute else mem.alloc(act * MIB)
+
+    def fwd_bwd():
+        y, o, h = fwd()
+        if recompute:
+            h = mem.alloc(act * MIB)
+        t = mem.alloc(tmp * MIB)
+        del t
+        if recompute:
+            h = None
+        g = mem.alloc(grad * MIB)
+        return y, (d_y * 2,), (o, h, g)
+
+    return fwd, fwd_bwd
+
+
+def test_torch_memory_is_measured_per_row_with_injected_counters(tmp_path):
+    """Each torch forward + backward row reports its own peak and held memory, from counters read around its
+    own calls (``ctx.torch_mem_stats`` injected; CUDA's on a GPU): two backends with different allocations
+    get different peaks (a large one first must not leak into the small one's: peak reset per row, nothing
+    cached per spec, no row dict shared); inputs allocated before are not counted; recompute rows differ
+    from their non-recompute twins in held memory and, here where the peak falls after ``h`` would be
+    freed, in the peak too. Expected values from the planted sizes (MiB)."""
+    import torch
+
+    mem = FakeCudaMemory()
+    inputs = mem.alloc(64 * MIB)  # the inputs and weights: allocated before, never counted  # noqa: F841
+    ctx = bench.Ctx(bench.parse_args(["--out", str(tmp_path), "--rep-ms", "1", "--warmup-ms", "1"]))
+    ctx.torch_mem_stats = mem
+    spec = S.gemm_bwd_specs(tiny=True)[0]
+    g = torch.Generator().manual_seed(0)
+    x, d_y = torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)
+    refs = {"y": x * 2, "d_x": d_y * 2}
+    canon = lambda o: {"y": o[0], "d_x": o[1][0]}  # noqa: E731
+    plans = {  # backend -> (planted sizes, expected peak, expected held)
+        "big": (dict(out=8, act=16, tmp=32, grad=4, recompute=False), 8 + 16 + 32, 8 + 16),
+        "small": (dict(out=1, act=2, tmp=1, grad=3, recompute=False), 1 + 2 + 3, 1 + 2),
+        "layer": (dict(out=1, act=4, tmp=2, grad=8, recompute=False), 1 + 4 + 8, 1 + 4),
+        "layer-recompute": (dict(out=1, act=4, tmp=2, grad=8, recompute=True), 1 + max(4 + 2, 8), 1),
+    }
+    rows = {}
+    for name, (sizes, _, _) in plans.items():
+        fwd, fwd_bwd = _fake_torch_backend(mem, x, d_y, **sizes)
+        rows[name] = bench.run_torch_bwd(ctx, "gemm_bwd", name, spec, fwd, fwd_bwd, refs, canon=canon,
+                                         recompute=sizes["recompute"])
+    assert len({id(r) for r in rows.values()}) == len(rows) and ctx.rows == list(rows.values())
+    for name, (_, peak, held) in plans.items():
+        r = rows[name]
+        assert r["error"] is None and r["median_ms"] > 0, r
+        assert (r["peak_mem_mib"], r["held_mib"], r["mem_method"]) == (peak, held, "fake counters"), (name, r)
+    assert rows["layer-recompute"]["peak_mem_mib"] < rows["layer"]["peak_mem_mib"]
+    assert mem.allocated() == 64 * MIB  # every planted buffer freed: the measurement holds nothing
+    table = H.markdown_bwd(ctx.rows)
+    assert "| 56 | fake counters | 24 |" in table and "| 6 | fake counters | 3 |" in table, table
+
+
+def test_torch_memory_off_cuda_without_counters_is_none():
+    """On the CPU with no counters injected there is no measurement (None, and the reason), not a zero."""
+    got = H.torch_memory_mib(lambda: 1, lambda: 2, "cpu")
+    assert got == dict(peak_mem_mib=None, held_mib=None, mem_method="n/a: torch.cuda memory stats only on a GPU")
+
+
+def test_jax_memory_is_each_rows_own_compiled_program(tmp_path):
+    """Each JAX forward + backward row's peak is the memory analysis of its own compiled forward + backward
+    (not another backend's, not the forward's): a backend whose program also outputs a 4 MiB array reports
+    4 MiB more than the lean one; the ``held_mib`` of a ``jax.checkpoint`` (recompute) twin is the forward's
+    output alone, less than the plain one's, which also holds ``tanh(x @ w)`` [M, N] float32."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    ctx = bench.Ctx(bench.parse_args(["--out", str(tmp_path), "--rep-ms", "1", "--warmup-ms", "1"]))
+    spec = S.gemm_bwd_specs(tiny=True)[0]
+    M, K, N = 64, 32, 128
+    g = torch.Generator().manual_seed(0)
+    x, w, d_y = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g) / K**0.5, torch.randn(M, K, generator=g)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = torch.tanh(xl @ wl) @ wl.T
+    refs = dict(zip(("y", "d_x", "d_w"), (y.detach(), *torch.autograd.grad(y, (xl, wl), d_y))))
+    canon = lambda o: dict(zip(("y", "d_x", "d_w"), (o[0], *o[1])))  # noqa: E731
+
+    def f(x_, w_):
+        return jnp.tanh(x_ @ w_) @ w_.T
+
+    def row(name, fwd, extra: bool = False, recompute=None):
+        def fwd_bwd(x_, w_, d_):
+            out, vjp = jax.vjp(fwd, x_, w_)
+            grads = vjp(d_)
+            return (out, grads, jnp.broadcast_to(x_.sum(), (1024, 1024))) if extra else (out, grads)
+
+        return bench.run_jax_bwd(ctx, "gemm_bwd", name, spec, fwd, fwd_bwd, (bench.j(x), bench.j(w)), bench.j(d_y),
+                                 refs, canon=canon, recompute=recompute, wrt=(0, 1))
+
+    lean, fat = row("lean", f), row("fat", f, extra=True)
+    plain, remat = row("plain", f, recompute=False), row("plain-recompute", jax.checkpoint(f), recompute=True)
+    for r in (lean, fat, plain, remat):
+        assert r["error"] is None and r["median_ms"] > 0 and r["mem_method"] == "xla memory_analysis temp+output", r
+    assert fat["peak_mem_mib"] - lean["peak_mem_mib"] == pytest.approx(4.0, abs=0.05), (fat, lean)
+    compiled = [v for k, v in ctx.jit_cache.items() if k[-1].startswith("fwd_bwd")]
+    assert sorted(H.jax_memory_mib(c)[0] for c in compiled) == sorted(r["peak_mem_mib"] for r in ctx.rows)
+    out_mib = M * K * 4 / MIB
+    assert remat["held_mib"] == out_mib, remat
+    assert plain["held_mib"] >= out_mib + M * N * 4 / MIB and lean["held_mib"] == plain["held_mib"], (plain, lean)
+
+
+def test_jax_layer_held_memory_drops_by_h_with_recompute():
+    """``moe_pallas.moe_forward`` (reference, bf16): what ``jax.vjp`` holds for the backward with
+    ``recompute=False`` exceeds ``recompute=True``'s by exactly GEMM 1's output ``h [T*topk, 2I]`` bf16, and
+    both hold more than the output ``[T, H]``: ``held_mib`` sees saved activations (inputs not counted)."""
+    import jax
+    import jax.numpy as jnp
+
+    import moe_pallas
+    from moe_contract import MoEConfig
+
+    T, H_, I, E, k = 48, 64, 32, 4, 2
+    c = MoEConfig(hidden_size=H_, intermediate_size=I, num_experts=E, topk=k, routing="softmax_topk", renormalize=True)
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    args = (jax.random.normal(keys[0], (T, H_), jnp.bfloat16), jax.random.normal(keys[1], (T, E)),
+            jax.random.normal(keys[2], (E, 2 * I, H_), jnp.bfloat16), jax.random.normal(keys[3], (E, H_, I), jnp.bfloat16))
+    held = {rc: H.jax_held_mib(lambda *a, rc=rc: moe_pallas.moe_forward(*a, c, implementation="reference", recompute=rc),
+                               args) for rc in (False, True)}
+    assert held[False] - held[True] == T * k * 2 * I * 2 / MIB, held
+    assert held[True] > T * H_ * 2 / MIB, held
