@@ -309,10 +309,12 @@ class MoECheckpointLayer:
 
     def config(self, preset=None, **overrides) -> MoEConfig:
         """The layer's :class:`MoEConfig`: sizes from the tensors, routing from ``config.json`` (else from
-        ``preset``, a ``moe_contract.ModelPreset``; ignored when there is a config.json), ``quant`` the
+        ``preset``, a ``moe_contract.ModelPreset`` or its name, of the checkpoint's routing family; ignored
+        when there is a config.json), ``quant`` the
         checkpoint's (:attr:`quant`) unless overridden; ``overrides`` (quant, ep_size, ...) last.
 
-        Raises: ValueError without config.json and preset, on sizes overridden to other than the
+        Raises: ValueError without config.json and preset, on a preset of the other routing family (a
+        DeepSeek-V3 preset for softmax-routed weights or the reverse), on sizes overridden to other than the
         tensors', and on routing values the contract refuses (naming the config.json keys they came from).
         """
         sizes = dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -326,6 +328,22 @@ class MoECheckpointLayer:
         if self.routing is not None:
             fields.update(self.routing)
         elif preset is not None:
+            if isinstance(preset, str):  # a preset's name, as --preset and from_preset take it
+                from moe_contract import get_preset
+
+                preset = get_preset(preset)
+            # The checkpoint's tensors fix the routing family: DeepSeek-V3's biased grouped top-k (it has an
+            # e_score_correction_bias) or softmax top-k (Mixtral, Qwen3-MoE). A preset of the other family
+            # would drop the bias or invent one (found by a new-user trial: a Mixtral preset on DeepSeek-V3
+            # weights ran and "agreed").
+            biased = self.e_score_correction_bias is not None
+            if biased != (preset.routing == "biased_grouped_topk"):
+                raise ValueError(
+                    f"MoECheckpointLayer.config: preset {preset.name!r} routes by {preset.routing!r}, but the "
+                    f"{self.arch} checkpoint in {self.path!r} "
+                    + ("has an e_score_correction_bias (biased_grouped_topk, DeepSeek-V3)" if biased else
+                       "has no e_score_correction_bias (softmax routing)")
+                    + "; pass a preset of the checkpoint's family, or put its config.json beside the weights")
             fields.update(topk=preset.topk, routing=preset.routing, renormalize=preset.renormalize,
                           num_expert_group=preset.num_expert_group, topk_group=preset.topk_group,
                           routed_scaling_factor=preset.routed_scaling_factor, activation=preset.activation)

@@ -162,7 +162,9 @@ def check_grouped_gemm(op: str, x: Any, w: Any, expert_offsets: Any, x_scale: An
         check_weight_scale(op, "w_scale", w_scale, (E, N, K))
         out_dtype = "bfloat16" if out_dtype is None else out_dtype
     else:
-        check_dtype(op, "w", w, (dtype_name(x),))
+        if dtype_name(w) != dtype_name(x):  # one compute dtype: the message names both sides
+            raise TypeError(f"{op}: w must have dtype {dtype_name(x)} (float x and w share one dtype); got "
+                            f"w.dtype={dtype_name(w)} with x.dtype={dtype_name(x)} (cast x or w)")
         for name, s in (("x_scale", x_scale), ("w_scale", w_scale)):
             if s is not None:
                 raise ValueError(f"{op}: {name} must be None for {dtype_name(x)} inputs (scales are for float8_e4m3fn); got an array")

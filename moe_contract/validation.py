@@ -196,6 +196,9 @@ def check_layer_inputs(
     check_shape(op, "w13", w13, (e_local, 2 * I, H), f"[E_local, 2*I, H] = ({e_local}, {2 * I}, {H}) (this rank's experts)")
     check_shape(op, "w2", w2, (e_local, H, I), f"[E_local, H, I] = ({e_local}, {H}, {I}) (this rank's experts)")
     if config.quant == "none":
+        if dtype_name(w13) == dtype_name(w2) != dtype_name(x):  # the weights agree: x is the odd one out
+            raise TypeError(f"{op}: x must have dtype {dtype_name(w13)} (quant='none': x, w13 and w2 share one "
+                            f"dtype; the weights are {dtype_name(w13)}); got x.dtype={dtype_name(x)}")
         for name, w in (("w13", w13), ("w2", w2)):
             if dtype_name(w) != dtype_name(x):  # one compute dtype: the message names both sides
                 raise TypeError(f"{op}: {name} must have dtype {dtype_name(x)} (quant='none': x, w13 and w2 share one "

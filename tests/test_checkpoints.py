@@ -353,6 +353,20 @@ def test_check_without_config_json_refuses_unless_preset(ckpt, capsys):
     assert "routing from preset mixtral-8x7b (no config.json)" in out and "topk=2 routing=softmax_topk" in out
 
 
+def test_preset_of_the_other_routing_family_is_refused(ckpt, capsys):
+    """New-user trial (2026-12-01): `check --weights <DeepSeek-V3 without config.json> --preset mixtral-8x7b`
+    ran softmax routing, dropped the checkpoint's e_score_correction_bias and exited 0. Now refused, both ways;
+    a preset may also be given by name."""
+    deepseek = ckpt("deepseek_v3", config_drop=("config.json",))
+    assert main(["check", "--weights", deepseek, "--preset", "mixtral-8x7b", "--tokens", "2", *REFS]) == 2
+    err = capsys.readouterr().err
+    assert "preset 'mixtral-8x7b' routes by 'softmax_topk'" in err and "has an e_score_correction_bias" in err
+    mixtral = load_moe_layer(ckpt("mixtral", config_drop=("config.json",)))
+    with pytest.raises(ValueError, match="has no e_score_correction_bias"):
+        mixtral.config("deepseek-v3")
+    assert mixtral.config("mixtral-8x7b").routing == "softmax_topk"  # by name
+
+
 # ----------------------------------------------------------------------------------------------
 # HF drop-in 5: --inputs FILE
 # ----------------------------------------------------------------------------------------------
