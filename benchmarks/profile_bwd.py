@@ -27,6 +27,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=7168)
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dgrad-configs", default="", help="';'-list of 'block_m,block_n,block_k,warps,stages,group_m' to time")
     args = p.parse_args()
     M, E, K, N = args.m, args.e, args.k, args.n
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -44,6 +45,22 @@ def main() -> None:
             f()
     torch.cuda.synchronize()
     flops = 2 * M * N * K
+    if args.dgrad_configs:  # a quick probe of dgrad tile configs (block_m, block_n over K, block_k over N, warps, stages, group_m)
+        from moe_torch.ops.grouped_gemm.config import GroupedGemmConfig, heuristic_grouped_gemm_dgrad_config
+        from moe_torch.ops.grouped_gemm.triton_backward import grouped_gemm_dgrad_triton
+
+        print("dgrad heuristic:", heuristic_grouped_gemm_dgrad_config(M, N, K, E, 16), flush=True)
+        for spec in args.dgrad_configs.split(";"):
+            bm, bn, bk, nw, ns, gm = (int(v) for v in spec.split(","))
+            cfg = GroupedGemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, group_m=gm)
+            try:
+                f = lambda: grouped_gemm_dgrad_triton(d_y, w, offsets, None, torch.bfloat16, cfg)
+                ref = ops["dgrad"]()
+                err = float((f().float() - ref.float()).norm() / ref.float().norm())
+                ms = triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
+                print(f"dgrad {spec}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s (rel diff vs default {err:.1e})", flush=True)
+            except Exception as exc:  # noqa: BLE001 - a probe: report and go on
+                print(f"dgrad {spec}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
     for name, f in ops.items():
         ms = triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
         print(f"{name:8s} M={M} E={E} K={K} N={N}: {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s", flush=True)

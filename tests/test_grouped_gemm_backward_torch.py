@@ -450,7 +450,11 @@ def test_configs(M_cap, N, K, E, bits):
     """dgrad's heuristic is the forward's with N and K swapped (and obeys the forward's rules, with
     128x128 weight blocks too); wgrad's is frozen, keyword-only, obeys its rules, and keeps its tile
     within one warpgroup's accumulator (64 x 128) and its row step at 128 bytes per row."""
-    assert heuristic_grouped_gemm_dgrad_config(M_cap, N, K, E, bits) == heuristic_grouped_gemm_config(M_cap, K, N, E, bits)
+    from moe_torch.ops.grouped_gemm.config import DGRAD_WIDE_CONFIG, DGRAD_WIDE_MIN_ROWS
+
+    wide = bits == 16 and M_cap >= DGRAD_WIDE_MIN_ROWS  # the H200-measured wide tiles (config.py)
+    want = DGRAD_WIDE_CONFIG if wide else heuristic_grouped_gemm_config(M_cap, K, N, E, bits)
+    assert heuristic_grouped_gemm_dgrad_config(M_cap, N, K, E, bits) == want
     check_config("grouped_gemm_dgrad", heuristic_grouped_gemm_dgrad_config(M_cap, N, K, E, bits, True), bits, None, True)
     c = heuristic_grouped_gemm_wgrad_config(M_cap, N, K, E, bits)
     check_wgrad_config("grouped_gemm_wgrad", c, bits)
@@ -510,12 +514,12 @@ def _wgrad_job(dtype: str, M_cap: int, N: int, K: int, E: int):
 
 #: name -> job, DeepSeek-V3-like shapes (GEMM 1's dgrad: d_h [M, 2I=4096] x w13 [E, 4096, 7168]).
 SM90_JOBS = {
-    "dgrad-bf16-64rows": _dgrad_job("bf16", "bf16", 0, 16384, 4096, 7168, 32),
+    "dgrad-bf16-wide-128x256": _dgrad_job("bf16", "bf16", 0, 16384, 4096, 7168, 32),
     "dgrad-bf16-16rows-group8-persistent": _dgrad_job("bf16", "bf16", 0, 256, 4096, 7168, 32, group_m=8,
                                                       persistent=True),
     "dgrad-fp32-ieee": _dgrad_job("fp32", "fp32", 0, 256, 4096, 7168, 32),
-    "dgrad-bf16-fp8w-block-64rows": _dgrad_job("bf16", "fp8e4nv", 3, 16384, 4096, 7168, 256),
-    "dgrad-bf16-fp8w-per_channel-64rows": _dgrad_job("bf16", "fp8e4nv", 2, 16384, 7168, 2048, 256),
+    "dgrad-bf16-fp8w-block-wide": _dgrad_job("bf16", "fp8e4nv", 3, 16384, 4096, 7168, 256),
+    "dgrad-bf16-fp8w-per_channel-wide": _dgrad_job("bf16", "fp8e4nv", 2, 16384, 7168, 2048, 256),
     "dgrad-bf16-fp8w-per_expert-16rows": _dgrad_job("bf16", "fp8e4nv", 1, 256, 4096, 7168, 32),
     "wgrad-bf16": _wgrad_job("bf16", 16384, 4096, 7168, 32),
     "wgrad-fp32-ieee": _wgrad_job("fp32", 16384, 4096, 7168, 32),
@@ -529,14 +533,14 @@ def sm90_ptx() -> dict[str, str]:
 
 @pytest.mark.parametrize("name", list(SM90_JOBS))
 def test_compiles_for_sm90(sm90_ptx, name):
-    """The backward kernels lower to sm_90 cubin: bf16 on tensor cores (wgmma for 64-row dgrad tiles
-    and for wgrad's 64 x 128 tiles, FP8 weights dequantized to bf16 first: no e4m3 MMA), float32 on
+    """The backward kernels lower to sm_90 cubin: bf16 on tensor cores (wgmma for dgrad's wide 128 x 256
+    tiles and for wgrad's 64 x 128 tiles, FP8 weights dequantized to bf16 first: no e4m3 MMA), float32 on
     neither (IEEE: no TF32); 64-bit address products."""
     ptx = sm90_ptx[name]
     assert ".target sm_90" in ptx
     if "fp32" in name:
         assert "wgmma" not in ptx and "mma.sync" not in ptx and ".tf32" not in ptx
-    elif "64rows" in name or name.startswith("wgrad"):
+    elif "wide" in name or name.startswith("wgrad"):
         assert "wgmma.mma_async.sync.aligned" in ptx and ".bf16.bf16" in ptx
         assert not re.search(r"(wgmma|mma)[^\n]*e4m3", ptx), "FP8 weights are dequantized before the MMA"
     else:

@@ -169,8 +169,25 @@ def heuristic_grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, bits
     dequantized to ``d_y``'s dtype inside the kernel, so ``tl.dot`` sees 16- or 32-bit operands);
     ``w_block``: 128x128 weight-scale blocks, so that one reduction step lies in one block along N
     (the same rule as the forward's K step, :func:`check_config`).
+
+    bf16 / float16 at ``M_cap >= DGRAD_WIDE_MIN_ROWS``: 128 x 256 tiles over 8 warps, 3 stages, ``group_m=8``
+    (:data:`DGRAD_WIDE_CONFIG`). Measured on the H200 (2026-12-01, ``benchmarks/profile_bwd.py
+    --dgrad-configs``, E=32, M=16384, uniform rows; bit-identical results): gate_up (K=7168, N=4096)
+    2.71 -> 1.76 ms (355 -> 547 TFLOP/s), down (K=2048, N=7168) 1.30 -> 0.84 ms; the forward heuristic's
+    4-warp 64 x 128 tiles left dgrad DRAM-bound (ncu: 77% DRAM, 51% SM).
     """
+    if bits == 16 and M_cap >= DGRAD_WIDE_MIN_ROWS:
+        return DGRAD_WIDE_CONFIG
     return heuristic_grouped_gemm_config(M_cap, K, N, E, bits, None, w_block)
+
+
+#: dgrad's wide tiles (see :func:`heuristic_grouped_gemm_dgrad_config`): 128 rows x 256 columns of d_x per
+#: program (two 64-row wgmma warpgroups), N stepped by 64 (inside one 128-wide weight-scale block), 3 stages
+#: (3 x (128x64 + 64x256) x 2 B = 144 KB of shared memory), group_m=8 for L2 reuse of an expert's weights.
+DGRAD_WIDE_CONFIG = GroupedGemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, group_m=8)
+#: Rows from which the wide tiles pay (measured at 16384; below, the forward heuristic's smaller tiles keep
+#: more programs per SM).
+DGRAD_WIDE_MIN_ROWS = 8192
 
 
 #: d_w tile rows (N): 64 is one warpgroup's wgmma M, as the forward's MAX_BLOCK_M.
