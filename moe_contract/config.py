@@ -15,6 +15,7 @@ permutation (section 2) takes.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Literal
 
 from moe_contract.validation import check_bool, check_choice, check_nonnegative_int, check_positive_int, check_rsf
@@ -29,6 +30,11 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 #: The FP8 block size of DeepSeek-V3 checkpoints: activations 1x128 groups, weights 128x128.
 FP8_BLOCK = 128
+
+
+#: MoEConfig's integer fields (numpy integers are taken as ints).
+_INT_FIELDS = ("hidden_size", "intermediate_size", "num_experts", "topk", "ep_size", "ep_rank", "num_expert_group",
+               "topk_group", "num_fused_shared_experts")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,6 +82,12 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         op = "MoEConfig"
+        # numpy integers (np.int64 from an array's shape or a config file read with numpy) are ints: stored as
+        # Python ints, so the config hashes and compares as one built from ints (a jit static argument).
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
+                object.__setattr__(self, name, int(value))
         for name in ("hidden_size", "intermediate_size", "num_experts", "topk", "ep_size"):
             check_positive_int(op, name, getattr(self, name))
         for name in ("renormalize", "apply_routed_scaling_factor_on_output"):

@@ -932,3 +932,22 @@ def test_misspelled_keyword_names_the_op():
         moe_torch.moe_forward(x, x, x, x, None, foo=1)
     with pytest.raises(TypeError, match=r"^moe_forward: got an unexpected keyword argument 'foo'$"):
         moe_pallas.moe_forward(1, 2, 3, 4, None, foo=1)
+
+
+def test_moe_config_takes_numpy_integers_as_ints():
+    """New-user trial (2026-12-01): MoEConfig(hidden_size=np.int64(256)) was refused ("must be an int >= 1").
+    numpy integers are ints (stored as Python ints, so the config hashes as one built from ints); numpy
+    floats and bools are still refused."""
+    import numpy as np
+
+    from moe_contract import MoEConfig
+
+    kw = dict(hidden_size=np.int64(256), intermediate_size=np.int32(128), num_experts=np.int64(8), topk=np.int64(2))
+    config = MoEConfig(**kw)
+    assert type(config.hidden_size) is int and config == MoEConfig(hidden_size=256, intermediate_size=128,
+                                                                    num_experts=8, topk=2)
+    assert hash(config) == hash(MoEConfig(hidden_size=256, intermediate_size=128, num_experts=8, topk=2))
+    with pytest.raises(ValueError, match="hidden_size must be an int >= 1"):
+        MoEConfig(**{**kw, "hidden_size": np.float64(256)})
+    with pytest.raises(ValueError, match="topk must be an int >= 1"):
+        MoEConfig(**{**kw, "topk": True})
