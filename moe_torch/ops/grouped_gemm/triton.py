@@ -376,6 +376,13 @@ def launch_grid(op: str, cfg: GroupedGemmConfig, M_cap: int, N: int, E: int, dev
     return (n_items * n_cols,)
 
 
+
+def tile_meta(cfg) -> dict:
+    """A :class:`GroupedGemmConfig`'s launch arguments (tile constexprs, launch order, warps, stages): one
+    place for the forward and the dgrad kernel (``triton_backward.py``), which tile alike."""
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                PERSISTENT=cfg.persistent, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
 def grouped_gemm_triton(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -456,12 +463,6 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config):
         W_BLOCK=W_SCALE_BLOCK if w_block else 1,
         IEEE_F32=x.dtype == torch.float32,
         BLOCK_E=triton.next_power_of_2(E + 1),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        PERSISTENT=cfg.persistent,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **tile_meta(cfg),
     )
     return out

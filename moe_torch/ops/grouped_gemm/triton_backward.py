@@ -70,6 +70,7 @@ from moe_torch.ops.grouped_gemm.config import (
     heuristic_grouped_gemm_wgrad_config,
 )
 from moe_torch.ops.grouped_gemm.triton import (
+    tile_meta,
     _MAX_EXPERTS,
     _WS_BLOCK,
     _WS_CHANNEL,
@@ -325,13 +326,7 @@ def _launch_dgrad(op, d_y, w, expert_offsets, w_scale, out, config):
         W_BLOCK=W_SCALE_BLOCK if w_block else 1,
         IEEE_F32=d_y.dtype == torch.float32,
         BLOCK_E=triton.next_power_of_2(E + 1),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        PERSISTENT=cfg.persistent,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **tile_meta(cfg),
     )
     return out
 
