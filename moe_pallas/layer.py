@@ -166,7 +166,7 @@ def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k:
     fp8 = config.quant != "none"
     # The backward GEMMs have no Mosaic GPU kernel (yet): a pallas_mosaic_gpu layer's dgrad / wgrad take
     # their default order (Pallas-Triton on a GPU, the reference on a CPU), as grouped_gemm's own VJP does.
-    gemm = impl if impl in grouped_gemm_api.DGRAD_IMPLEMENTATIONS else None
+    gemm = grouped_gemm_api.backward_implementation(impl, grouped_gemm_api.DGRAD_IMPLEMENTATIONS)
     perm = stage_implementation(impl, permute_api)
     T = topk_weights.shape[0]
     dtype = x.dtype

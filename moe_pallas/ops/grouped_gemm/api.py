@@ -103,7 +103,7 @@ def _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation):
     })
 
 
-def _backward_implementation(implementation: str | None, available: tuple[str, ...]) -> str | None:
+def backward_implementation(implementation: str | None, available: tuple[str, ...]) -> str | None:
     """The backward ops' backend for a forward ``implementation``: the same one where they have it,
     else ``None`` (their default order: the Pallas-Triton kernel on a GPU, the reference on a CPU)."""
     return implementation if implementation in available else None
@@ -129,9 +129,9 @@ def _grouped_gemm_float_bwd(out_dtype, implementation, residuals, d_y):
     x, w, expert_offsets = residuals
     d_y = d_y.astype(x.dtype)
     d_x = grouped_gemm_dgrad(d_y, w, expert_offsets, out_dtype=x.dtype,
-                             implementation=_backward_implementation(implementation, DGRAD_IMPLEMENTATIONS))
+                             implementation=backward_implementation(implementation, DGRAD_IMPLEMENTATIONS))
     d_w = grouped_gemm_wgrad(x, d_y, expert_offsets, out_dtype=w.dtype,
-                             implementation=_backward_implementation(implementation, WGRAD_IMPLEMENTATIONS))
+                             implementation=backward_implementation(implementation, WGRAD_IMPLEMENTATIONS))
     return d_x, d_w, None
 
 
