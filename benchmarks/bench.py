@@ -54,8 +54,7 @@ Backends (a backend that cannot run gives a row with ``error``, and the run goes
   backward (``d_x`` and ``d_w`` from ``d_y ~ N(0, 1)``) of ``ours-torch-triton`` and ``ref-torch``
   (``moe_torch.grouped_gemm`` under autograd: its backward is ``grouped_gemm_dgrad`` +
   ``grouped_gemm_wgrad`` of the same backend), ``ours-jax-pallas_triton``, ``ours-jax-pallas_mosaic_gpu``
-  (the forward on Mosaic GPU, the backward pallas_triton: there is no Mosaic GPU dgrad / wgrad; the row
-  says so) and ``ref-jax`` (``moe_pallas.grouped_gemm`` under ``jax.vjp``, jitted); peers
+  (forward, dgrad and wgrad on Mosaic GPU: ``pallas_mosaic_gpu_backward.py``) and ``ref-jax`` (``moe_pallas.grouped_gemm`` under ``jax.vjp``, jitted); peers
   ``torch._grouped_mm`` (autograd), ``tokamax.ragged_dot-mosaic`` (tokamax's Mosaic GPU ragged dot
   under ``jax.vjp``; tokamax is a benchmark-only peer, not a dependency: its wheels travel to the GPU
   machine, ENVIRONMENT.md "Training and compute-bound peers", and without it the row is skipped) and
@@ -1005,9 +1004,7 @@ def bench_gemm_bwd(ctx: Ctx, spec: S.GemmBwdSpec, wcache: GemmWeights) -> None:
                        ("reference", "ref-jax")):
         if not ctx.wants(name):
             continue
-        inote = ("forward on Mosaic GPU; backward pallas_triton (grouped_gemm_dgrad / wgrad have no Mosaic GPU "
-                 "kernel: grouped_gemm's VJP falls back)" if impl == "pallas_mosaic_gpu" else None)
-        inote = "; ".join(x for x in (note, inote) if x) or None
+        inote = note
         if impl == "pallas_mosaic_gpu" and mosaic_gpu_missing():
             skip_row(ctx, bench, name, spec, mosaic_gpu_missing(), notes=inote)
             continue

@@ -164,9 +164,9 @@ def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k:
     d_w2)`` (FP8 weights: zero cotangents, frozen codes). ``h`` is GEMM 1's output, or ``None``
     (recomputed here); ``c`` the combine's scaling factor."""
     fp8 = config.quant != "none"
-    # The backward GEMMs have no Mosaic GPU kernel (yet): a pallas_mosaic_gpu layer's dgrad / wgrad take
-    # their default order (Pallas-Triton on a GPU, the reference on a CPU), as grouped_gemm's own VJP does.
-    gemm = grouped_gemm_api.backward_implementation(impl, grouped_gemm_api.DGRAD_IMPLEMENTATIONS)
+    # A pallas_mosaic_gpu layer's dgrad / wgrad run the Mosaic GPU backward kernels, except the FP8 layer's
+    # straight-through dgrad, which takes the default order (Pallas-Triton on a GPU, the reference on a CPU).
+    gemm = grouped_gemm_api.backward_implementation(impl, grouped_gemm_api.DGRAD_IMPLEMENTATIONS, fp8_weights=fp8)
     perm = stage_implementation(impl, permute_api)
     T = topk_weights.shape[0]
     dtype = x.dtype

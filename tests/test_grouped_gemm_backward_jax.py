@@ -331,7 +331,7 @@ def test_validation_errors():
     with pytest.raises(TypeError, match="grouped_gemm_wgrad: expert_offsets must have dtype int32"):
         grouped_gemm_wgrad(x, d_y, offsets.astype(jnp.float32))
     with pytest.raises(ValueError, match="grouped_gemm_wgrad: implementation must be one of"):
-        grouped_gemm_wgrad(x, d_y, offsets, implementation="pallas_mosaic_gpu")
+        grouped_gemm_wgrad(x, d_y, offsets, implementation="pallas_mosaic")
 
 
 def test_config_heuristics_and_kernel_limits():

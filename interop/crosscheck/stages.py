@@ -319,9 +319,12 @@ def _combine_bwd(impl: Impl, up: Upstream):
 
 
 def _dgrad(impl: Impl, up: Upstream, name: str, d_y, w, w_scale):
+    backend = impl.op_impl("grouped_gemm", "DGRAD_IMPLEMENTATIONS")
+    if w_scale is not None and backend == "pallas_mosaic_gpu":  # no FP8 weights in the Mosaic dgrad
+        backend = impl.other_impl
     return {name: impl.api("grouped_gemm").grouped_gemm_dgrad(
         impl.native(d_y), impl.native(w), impl.native(up.ref["routing"]["expert_offsets"]),
-        w_scale=impl.native(w_scale), implementation=impl.op_impl("grouped_gemm", "DGRAD_IMPLEMENTATIONS"))}
+        w_scale=impl.native(w_scale), implementation=backend)}
 
 
 def _wgrad(impl: Impl, up: Upstream, name: str, x_rows, d_y):

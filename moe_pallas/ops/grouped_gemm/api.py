@@ -23,9 +23,9 @@ from moe_pallas.ops.grouped_gemm.reference import (grouped_gemm_dgrad_reference,
                                                    grouped_gemm_wgrad_reference)
 
 IMPLEMENTATIONS = ("pallas_mosaic_gpu", "pallas_triton", "reference")
-#: The backward ops' backends (no Mosaic GPU kernel for them yet).
-DGRAD_IMPLEMENTATIONS = ("pallas_triton", "reference")
-WGRAD_IMPLEMENTATIONS = ("pallas_triton", "reference")
+#: The backward ops' backends.
+DGRAD_IMPLEMENTATIONS = ("pallas_mosaic_gpu", "pallas_triton", "reference")
+WGRAD_IMPLEMENTATIONS = ("pallas_mosaic_gpu", "pallas_triton", "reference")
 
 
 def _mosaic(x, w, expert_offsets, x_scale, w_scale, out_dtype):
@@ -103,10 +103,25 @@ def _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation):
     })
 
 
-def backward_implementation(implementation: str | None, available: tuple[str, ...]) -> str | None:
-    """The backward ops' backend for a forward ``implementation``: the same one where they have it,
-    else ``None`` (their default order: the Pallas-Triton kernel on a GPU, the reference on a CPU)."""
+def backward_implementation(implementation: str | None, available: tuple[str, ...], *, fp8_weights: bool = False
+                            ) -> str | None:
+    """The backward ops' backend for a forward ``implementation``: the same one where it can serve them,
+    else ``None`` (their default order: the Pallas-Triton kernel on a GPU, the reference on a CPU). The
+    Mosaic GPU dgrad takes no FP8 weights (``fp8_weights``: the straight-through dgrad of an FP8 layer)."""
+    if implementation == "pallas_mosaic_gpu" and fp8_weights:
+        return None
     return implementation if implementation in available else None
+
+
+def _mosaic_backward(name: str):
+    """The Mosaic GPU backward kernel ``name`` of ``pallas_mosaic_gpu_backward.py``: GPU only."""
+    if jax.default_backend() != "gpu":
+        op = name.removesuffix("_pallas_mosaic_gpu")
+        raise NotImplementedError(f"{op}[pallas_mosaic_gpu]: needs a Hopper GPU; the default backend is "
+                                  f"{jax.default_backend()!r}")
+    from moe_pallas.ops.grouped_gemm import pallas_mosaic_gpu_backward
+
+    return getattr(pallas_mosaic_gpu_backward, name)
 
 
 # --- Differentiable forward (CONTRACT.md section 8): thin glue over the forward and backward ops ---
@@ -180,14 +195,15 @@ def grouped_gemm_dgrad(
       w_scale: FP8 ``w`` only, float32 multiplier: ``[E_local]`` per-expert, ``[E_local, N]``
         per-channel, or ``[E_local, ceil(N/128), ceil(K/128)]`` 128x128 blocks.
       out_dtype: result dtype; default ``d_y.dtype``.
-      implementation: ``"pallas_triton"`` (interpreted on the CPU), ``"reference"``, or ``None`` (the
-        device's default order, ``moe_pallas.ops.dispatch``; the reference on the CPU).
+      implementation: ``"pallas_mosaic_gpu"`` (Hopper GPUs only; 16-bit float ``d_y`` and ``w``),
+        ``"pallas_triton"`` (interpreted on the CPU), ``"reference"``, or ``None`` (the device's default
+        order, ``moe_pallas.ops.dispatch``; the reference on the CPU).
 
     Returns: ``d_x [M_cap, K]``, float32 accumulation, in ``out_dtype``.
 
     Raises: ValueError (shapes, a missing or unexpected ``w_scale``), TypeError (dtypes),
-      NotImplementedError (``implementation="pallas_triton"`` outside its limits, see
-      ``moe_pallas/ops/grouped_gemm/pallas_triton_backward.py``).
+      NotImplementedError (an explicit ``implementation`` outside its limits, see
+      ``moe_pallas/ops/grouped_gemm/pallas_triton_backward.py`` and ``pallas_mosaic_gpu_backward.py``).
 
     Source: the transpose of the forward's ``y = x @ w[e].T``; tokamax ``dlhs_ragged_dot``.
     """
@@ -198,6 +214,7 @@ def grouped_gemm_dgrad(
     if M_cap == 0:
         return jnp.zeros((0, K), out_dtype)
     return dispatch(op, implementation, {
+        "pallas_mosaic_gpu": lambda: _mosaic_dgrad(d_y, w, expert_offsets, w_scale, out_dtype),
         "pallas_triton": lambda: grouped_gemm_dgrad_pallas_triton(d_y, w, expert_offsets, w_scale=w_scale,
                                                                   out_dtype=out_dtype),
         "reference": lambda: grouped_gemm_dgrad_reference(d_y, w, expert_offsets, w_scale, out_dtype),
@@ -223,13 +240,14 @@ def grouped_gemm_wgrad(
       d_y: ``[M_cap, N]``, ``x``'s dtype, the gradient of ``y``.
       expert_offsets: ``[E_local + 1]`` int32 (gives ``E_local``); rows ``>= offsets[-1]`` are never read.
       out_dtype: result dtype; default float32.
-      implementation: ``"pallas_triton"`` (interpreted on the CPU), ``"reference"``, or ``None`` (the
-        device's default order; the reference on the CPU).
+      implementation: ``"pallas_mosaic_gpu"`` (Hopper GPUs only; 16-bit float inputs), ``"pallas_triton"``
+        (interpreted on the CPU), ``"reference"``, or ``None`` (the device's default order; the
+        reference on the CPU).
 
     Returns: ``d_w [E_local, N, K]`` (the weight layout), float32 accumulation, in ``out_dtype``; an
       expert with no rows gets exactly 0.
 
-    Raises: ValueError (shapes), TypeError (dtypes), NotImplementedError (``implementation="pallas_triton"``
+    Raises: ValueError (shapes), TypeError (dtypes), NotImplementedError (an explicit ``implementation``
       outside its limits).
 
     Source: the transpose of the forward's ``y = x @ w[e].T``; tokamax ``drhs_ragged_dot``.
@@ -241,6 +259,16 @@ def grouped_gemm_wgrad(
     if x.shape[0] == 0:  # no rows: every expert is empty
         return jnp.zeros((E, N, K), out_dtype)
     return dispatch(op, implementation, {
+        "pallas_mosaic_gpu": lambda: _mosaic_backward("grouped_gemm_wgrad_pallas_mosaic_gpu")(
+            x, d_y, expert_offsets, out_dtype=out_dtype),
         "pallas_triton": lambda: grouped_gemm_wgrad_pallas_triton(x, d_y, expert_offsets, out_dtype=out_dtype),
         "reference": lambda: grouped_gemm_wgrad_reference(x, d_y, expert_offsets, out_dtype),
     })
+
+
+def _mosaic_dgrad(d_y, w, expert_offsets, w_scale, out_dtype):
+    if w_scale is not None:
+        raise NotImplementedError("grouped_gemm_dgrad[pallas_mosaic_gpu]: FP8 weights are not served (Hopper's FP8 "
+                                  "wgmma needs K-major operands; the straight-through dgrad dequantizes): use "
+                                  "pallas_triton")
+    return _mosaic_backward("grouped_gemm_dgrad_pallas_mosaic_gpu")(d_y, w, expert_offsets, out_dtype=out_dtype)

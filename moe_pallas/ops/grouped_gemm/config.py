@@ -374,12 +374,13 @@ def triton_config_fits(cfg: GroupedGemmConfig, group_size: int | None, w_block: 
     return triton_config_problem(cfg, group_size, w_block) is None
 
 
-def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int, per_step_scales: bool) -> str | None:
+def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int, per_step_scales: bool, *,
+                          op: str = "grouped_gemm[pallas_mosaic_gpu]") -> str | None:
     """Why ``cfg`` cannot serve a Mosaic request (``None``: it can): whole TMA tiles (``N % block_n``,
     ``K % block_k``); per-step scales need ``block_n == block_k == 128``; per-step accumulation (those
     scales, or FP8 without ``fast_accum``) keeps two float32 tiles in registers, at most ``64 x 128``.
-    The one home of the config-dependent rules (``pallas_mosaic_gpu.check_supported`` raises the message)."""
-    op = "grouped_gemm[pallas_mosaic_gpu]"
+    The one home of the config-dependent rules (``pallas_mosaic_gpu.check_supported`` raises the message;
+    the dgrad passes its own ``op``, with ``N`` its output width and ``K`` its contraction)."""
     if N % cfg.block_n or K % cfg.block_k:
         return (f"{op}: needs N % block_n == 0 and K % block_k == 0 (whole TMA tiles); "
                 f"got N={N}, K={K}, block_n={cfg.block_n}, block_k={cfg.block_k}")
@@ -429,3 +430,35 @@ def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int
             return cfg
     return heuristic_mosaic_grouped_gemm_config(M_cap, N, K, E, itemsize, per_step_scales=per_step_scales,
                                                 fast_accum=fast_accum)
+
+
+def heuristic_mosaic_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, out_itemsize: int = 4
+                                  ) -> MosaicGroupedGemmConfig:
+    """The Mosaic GPU wgrad's config (``pallas_mosaic_gpu_backward.py``; not swept yet): ``block_m`` rows
+    of ``d_w[e]`` (over N) x ``block_n`` columns (over K), ``block_k`` rows of the expert per pipeline
+    step. ``128 x 128`` tiles (one warpgroup's float32 accumulator), 64 rows a step, 4 TMA stages (3 for
+    a float32 output tile, whose staging buffer takes 64 KiB of shared memory), halved where N or K is
+    not a multiple."""
+    block_m = 128 if N % 128 == 0 else 64
+    block_n = 128
+    while block_n > 8 and K % block_n:
+        block_n //= 2
+    grid_n = max(K // block_n, 1)
+    return MosaicGroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=64,
+                                   max_concurrent_steps=3 if out_itemsize == 4 else 4,
+                                   grid_block_n=4 if grid_n % 4 == 0 else 1)
+
+
+def mosaic_wgrad_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int) -> str | None:
+    """Why ``cfg`` cannot serve a Mosaic wgrad ``d_w [E, N, K]`` (``None``: it can): whole output tiles
+    (``N % block_m``, ``K % block_n``), ``block_k`` (rows per step) a multiple of 64 (wgmma's transposed A
+    operand), one float32 accumulator of at most ``128 x 128`` in a warpgroup's registers."""
+    op = "grouped_gemm_wgrad[pallas_mosaic_gpu]"
+    if N % cfg.block_m or K % cfg.block_n:
+        return (f"{op}: needs N % block_m == 0 and K % block_n == 0 (whole output tiles); "
+                f"got N={N}, K={K}, block_m={cfg.block_m}, block_n={cfg.block_n}")
+    if cfg.block_k % 64:
+        return f"{op}: block_k (rows per step) must be a multiple of 64; got {cfg}"
+    if cfg.block_m * cfg.block_n > 128 * 128:
+        return f"{op}: block_m * block_n must be <= 128 * 128 (one warpgroup's float32 accumulator); got {cfg}"
+    return None

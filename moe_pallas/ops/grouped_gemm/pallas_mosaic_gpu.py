@@ -63,7 +63,7 @@ FP8_DTYPE = jnp.float8_e4m3fn
 DEFAULT_NUM_SMS = 132
 
 
-def _num_sms() -> int:
+def num_sms() -> int:
     try:
         return jax.devices()[0].core_count
     except Exception:  # noqa: BLE001 - no device to ask (abstract lowering): Hopper's count
@@ -90,7 +90,12 @@ def _store_rows(tile, o_gmem, row0, lo, hi, n0, block_m: int, block_n: int, o_sm
 
 
 def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: int, x_kind, w_kind,
-            cfg: MosaicGroupedGemmConfig, out_dtype):
+            cfg: MosaicGroupedGemmConfig, out_dtype, dgrad: bool = False):
+    """The forward (``w [E, N, K]``: a weight tile ``[block_n, block_k]`` is transposed into ``wgmma``'s
+    ``[contraction, out]`` operand) or, with ``dgrad=True``, the dgrad ``d_x = d_y @ w[e]``: then ``x`` is
+    ``d_y``, ``N`` is the output width (``w``'s K) and ``K`` the contraction (``w``'s N), and ``w[e]``
+    is already ``[contraction, out]``: its tile ``[block_k, block_n]`` feeds ``wgmma`` as it is (an
+    MN-major B operand, which 16-bit ``wgmma`` takes)."""
     if x_kind is None:
         (o_gmem,) = refs
         xs_gmem = ws_gmem = None
@@ -114,14 +119,18 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
         e_w = jnp.minimum(e, E - 1)  # a valid expert for addressing only (the zero group reads nothing)
         in_specs = [
             plgpu.BlockSpec((bm, bk), lambda k: (tile_idx, k), delay_release=1),
-            plgpu.BlockSpec((bn, bk), lambda k: (ni, k), delay_release=1),
+            plgpu.BlockSpec((bk, bn), lambda k: (k, ni), delay_release=1) if dgrad
+            else plgpu.BlockSpec((bn, bk), lambda k: (ni, k), delay_release=1),
         ]
+
+        def w_operand(w_smem):  # wgmma's B operand, [block_k (contraction), block_n (out)]
+            return w_smem if dgrad else w_smem.transpose((1, 0))
 
         def matmul() -> jax.Array:
             if not per_step:
                 def acc_scope(acc_ref):
                     plgpu.emit_pipeline(
-                        lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0))),
+                        lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_operand(w_smem)),
                         grid=(k_steps,), in_specs=in_specs, max_concurrent_steps=cfg.max_concurrent_steps,
                     )(x_gmem, w_gmem.at[e_w])
                     return acc_ref[...]
@@ -132,7 +141,7 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
                 (k,) = idx
 
                 def part_scope(part_ref):
-                    plgpu.wgmma(part_ref, x_smem, w_smem.transpose((1, 0)))
+                    plgpu.wgmma(part_ref, x_smem, w_operand(w_smem))
                     return part_ref[...]
 
                 part = pl.run_scoped(part_scope, plgpu.ACC((bm, bn), jnp.float32))
@@ -235,9 +244,8 @@ def grouped_gemm_pallas_mosaic_gpu(
     check_supported(x, w, x_kind, w_kind, G, out_dtype, cfg)
     if M_cap == 0 or N == 0 or E == 0:
         return jnp.zeros((M_cap, N), out_dtype)
-    step_e, step_lo, step_hi = tile_metadata(expert_offsets, M_cap, E, cfg.block_m)
     m_pad = pl.cdiv(M_cap, cfg.block_m) * cfg.block_m  # scale vectors are loaded a whole tile at a time
-    inputs = [step_e, step_lo, step_hi, x, w]
+    scale_inputs = []
     if fp8:
         xs = x_scale.astype(jnp.float32)
         if x_kind == "per_tensor":
@@ -246,18 +254,31 @@ def grouped_gemm_pallas_mosaic_gpu(
             xs = jnp.pad(xs.reshape(M_cap), (0, m_pad - M_cap))
         else:  # per-token-group: [K // 128, m_pad], one contiguous row vector per K step
             xs = jnp.pad(xs.T, ((0, 0), (0, m_pad - M_cap)))
-        inputs += [xs, w_scale.astype(jnp.float32)]
+        scale_inputs = [xs, w_scale.astype(jnp.float32)]
+    return run_row_kernel(x, w, expert_offsets, scale_inputs, N_out=N, K_contract=K, x_kind=x_kind, w_kind=w_kind,
+                          cfg=cfg, out_dtype=out_dtype)
+
+
+def run_row_kernel(x, w, expert_offsets, scale_inputs, *, N_out: int, K_contract: int, x_kind, w_kind,
+                   cfg: MosaicGroupedGemmConfig, out_dtype, dgrad: bool = False) -> jax.Array:
+    """Launch :func:`_kernel` (the forward, or with ``dgrad`` the dgrad) over the row tiles of
+    ``expert_offsets``: ``[M_cap, N_out]`` in ``out_dtype``. Shared by this module and
+    ``pallas_mosaic_gpu_backward.py``."""
+    M_cap = x.shape[0]
+    E = w.shape[0]
+    step_e, step_lo, step_hi = tile_metadata(expert_offsets, M_cap, E, cfg.block_m)
     # TMA boxes tile rows by 8: an M_cap that is not a multiple of 8 runs on a padded copy of x
     # (the pad rows belong to no step, are never stored, and are sliced off).
     m_rows = -(-M_cap // 8) * 8
     if m_rows != M_cap:
-        inputs[3] = jnp.pad(x, ((0, m_rows - M_cap), (0, 0)))
-    kernel = functools.partial(_kernel, E=E, N=N, K=K, x_kind=x_kind, w_kind=w_kind, cfg=cfg, out_dtype=out_dtype)
+        x = jnp.pad(x, ((0, m_rows - M_cap), (0, 0)))
+    kernel = functools.partial(_kernel, E=E, N=N_out, K=K_contract, x_kind=x_kind, w_kind=w_kind, cfg=cfg,
+                               out_dtype=out_dtype, dgrad=dgrad)
     y = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((m_rows, N), out_dtype),
-        grid=(_num_sms(),),
+        out_type=jax.ShapeDtypeStruct((m_rows, N_out), out_dtype),
+        grid=(num_sms(),),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(*inputs)
+    )(step_e, step_lo, step_hi, x, w, *scale_inputs)
     return y if m_rows == M_cap else y[:M_cap]

@@ -1,0 +1,227 @@
+"""Mosaic GPU backward GEMMs (``moe_pallas/ops/grouped_gemm/pallas_mosaic_gpu_backward.py``, CONTRACT.md
+section 8): the dgrad ``d_x = d_y @ w[e]`` and the K-grouped wgrad ``d_w[e] = d_y[rows(e)].T @ x[rows(e)]``.
+
+Mosaic GPU neither interprets nor lowers on a CPU, so on a CPU only the host-side rules run (refusals,
+config rules, the kernel bodies trace). On the GPU (``benchmarks/gpu_check.py``): both kernels against
+float64 loops on ragged rows (empty experts, experts not aligned to the row block, all rows on one expert,
+M_cap not a multiple of 8), the unused capacity and the rows of other experts poisoned with NaN in BOTH
+operands (never read into a result), an empty expert's weight gradient exactly 0, and ``jax.grad``
+through ``grouped_gemm(implementation="pallas_mosaic_gpu")`` equal to the Pallas-Triton backward's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_pallas
+from moe_pallas.ops.grouped_gemm.config import MosaicGroupedGemmConfig, heuristic_mosaic_wgrad_config
+from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu_backward import (grouped_gemm_dgrad_pallas_mosaic_gpu,
+                                                                     grouped_gemm_wgrad_pallas_mosaic_gpu)
+from tolerances import BF16_REL_FRO, assert_rel_fro, to_numpy
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on a Hopper GPU only (no CPU interpret/lowering)")
+
+
+def _problem(seed: int, counts, m_cap: int, K: int, N: int, dtype=jnp.bfloat16):
+    """x [m_cap, K], d_y [m_cap, N] ~ N(0, 1), w [E, N, K] ~ N(0, 1/N); rows >= sum(counts) are NaN in x and d_y."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m_cap, K)).astype(np.float32)
+    dy = rng.standard_normal((m_cap, N)).astype(np.float32)
+    w = (rng.standard_normal((len(counts), N, K)) / np.sqrt(N)).astype(np.float32)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    x[offsets[-1]:] = np.nan
+    dy[offsets[-1]:] = np.nan
+    return (jnp.asarray(x, dtype), jnp.asarray(dy, dtype), jnp.asarray(w, dtype), jnp.asarray(offsets))
+
+
+def _f64_dgrad(dy, w, offsets) -> np.ndarray:
+    dy, w, offsets = (to_numpy(a) for a in (dy, w, offsets))
+    out = np.zeros((dy.shape[0], w.shape[2]))
+    for e in range(w.shape[0]):
+        s, t = offsets[e], offsets[e + 1]
+        out[s:t] = dy[s:t].astype(np.float64) @ w[e].astype(np.float64)
+    return out
+
+
+def _f64_wgrad(x, dy, offsets) -> np.ndarray:
+    x, dy, offsets = (to_numpy(a) for a in (x, dy, offsets))
+    E = offsets.shape[0] - 1
+    out = np.zeros((E, dy.shape[1], x.shape[1]))
+    for e in range(E):
+        s, t = offsets[e], offsets[e + 1]
+        out[e] = dy[s:t].astype(np.float64).T @ x[s:t].astype(np.float64)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Host-side rules (CPU and GPU)
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU refusal")
+@pytest.mark.parametrize("op", ["dgrad", "wgrad"])
+def test_refuses_off_the_gpu(op):
+    x, dy, w, offsets = _problem(0, [3, 5], 8, 128, 128)
+    with pytest.raises(NotImplementedError, match=rf"grouped_gemm_{op}\[pallas_mosaic_gpu\]: needs a Hopper GPU"):
+        if op == "dgrad":
+            moe_pallas.grouped_gemm_dgrad(dy, w, offsets, implementation="pallas_mosaic_gpu")
+        else:
+            moe_pallas.grouped_gemm_wgrad(x, dy, offsets, implementation="pallas_mosaic_gpu")
+
+
+def test_limits_raise_not_implemented():
+    x, dy, w, offsets = _problem(0, [3, 5], 8, 128, 128, jnp.float32)
+    with pytest.raises(NotImplementedError, match=r"dgrad\[pallas_mosaic_gpu\]: d_y must be bf16 or float16.*float32"):
+        grouped_gemm_dgrad_pallas_mosaic_gpu(dy, w, offsets)
+    with pytest.raises(NotImplementedError, match=r"wgrad\[pallas_mosaic_gpu\]: x must be bf16 or float16.*float32"):
+        grouped_gemm_wgrad_pallas_mosaic_gpu(x, dy, offsets)
+    x, dy, w, offsets = _problem(0, [3, 5], 8, 96, 128)  # K=96: no whole 128-wide output tile of d_w
+    with pytest.raises(NotImplementedError, match=r"K % block_n == 0.*K=96"):
+        grouped_gemm_wgrad_pallas_mosaic_gpu(x, dy, offsets, config=MosaicGroupedGemmConfig(
+            block_m=128, block_n=128, block_k=64))
+    with pytest.raises(NotImplementedError, match=r"dgrad\[pallas_mosaic_gpu\]: needs N % block_n == 0 .*N=96"):
+        grouped_gemm_dgrad_pallas_mosaic_gpu(dy, w[:, :, :96], offsets, config=MosaicGroupedGemmConfig(
+            block_m=64, block_n=128, block_k=64))
+    with pytest.raises(NotImplementedError, match=r"block_k \(rows per step\) must be a multiple of 64"):
+        grouped_gemm_wgrad_pallas_mosaic_gpu(x[:, :64], dy, offsets, config=MosaicGroupedGemmConfig(
+            block_m=64, block_n=64, block_k=32))
+
+
+def test_fp8_dgrad_is_refused_and_the_layer_falls_back():
+    """The Mosaic dgrad has no FP8 weights: explicitly asked, NotImplementedError; the layer's backward
+    rule sends an FP8 layer's dgrad to the default order instead."""
+    from moe_pallas.ops.grouped_gemm import api
+
+    assert api.backward_implementation("pallas_mosaic_gpu", api.DGRAD_IMPLEMENTATIONS) == "pallas_mosaic_gpu"
+    assert api.backward_implementation("pallas_mosaic_gpu", api.DGRAD_IMPLEMENTATIONS, fp8_weights=True) is None
+    with pytest.raises(NotImplementedError, match=r"FP8 weights are not served"):
+        api._mosaic_dgrad(None, None, None, jnp.ones(()), None)
+
+
+def test_wgrad_heuristic():
+    cfg = heuristic_mosaic_wgrad_config(16384, 4096, 7168, 32, 2, 2)
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.max_concurrent_steps) == (128, 128, 64, 4)
+    assert heuristic_mosaic_wgrad_config(16384, 4096, 7168, 32, 2, 4).max_concurrent_steps == 3
+    assert heuristic_mosaic_wgrad_config(64, 64, 96, 2, 2).block_n == 32
+
+
+def test_kernel_bodies_trace():
+    """Both kernel bodies trace on the CPU too (Python errors in them show here)."""
+    x, dy, w, offsets = _problem(1, [70, 0, 130, 9], 256, 256, 128)
+    assert jax.jit(grouped_gemm_dgrad_pallas_mosaic_gpu).trace(dy, w, offsets).jaxpr is not None
+    assert jax.jit(grouped_gemm_wgrad_pallas_mosaic_gpu).trace(x, dy, offsets).jaxpr is not None
+    assert jax.jit(grouped_gemm_wgrad_pallas_mosaic_gpu, static_argnames=("out_dtype",)).trace(
+        x[:250], dy[:250], offsets, out_dtype=jnp.bfloat16).jaxpr is not None
+
+
+# --------------------------------------------------------------------------------------
+# Numerics (GPU)
+
+SHAPES = {  # counts, M_cap, K, N
+    "one-row": ([1], 1, 128, 128),
+    "decode-empties": ([0, 3, 0, 1, 5, 0, 0, 2], 40, 256, 384),
+    "straddling": ([100, 28, 0, 257, 64], 600, 512, 256),  # experts not aligned to 64-row blocks, a tail
+    "all-on-one": ([0, 0, 203, 0], 203, 128, 256),  # every row on one expert; M_cap not a multiple of 8
+    "big-k": ([300, 211], 640, 2048, 512),
+}
+
+
+@gpu_only
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_dgrad_vs_float64(shape):
+    counts, m_cap, K, N = SHAPES[shape]
+    _, dy, w, offsets = _problem(2, counts, m_cap, K, N)
+    dx = grouped_gemm_dgrad_pallas_mosaic_gpu(dy, w, offsets)
+    assert dx.shape == (m_cap, K) and dx.dtype == jnp.bfloat16
+    got = to_numpy(dx).astype(np.float32)
+    M = int(offsets[-1])
+    assert np.isfinite(got).all() and not got[M:].any(), f"{shape}: NaN leaked or rows >= M not zero"
+    assert_rel_fro(dx, _f64_dgrad(dy, w, offsets), BF16_REL_FRO, f"{shape} dgrad vs float64")
+    dx32 = grouped_gemm_dgrad_pallas_mosaic_gpu(dy, w, offsets, out_dtype=jnp.float32)
+    assert_rel_fro(dx32, _f64_dgrad(dy, w, offsets), 1e-5, f"{shape} dgrad float32 output")
+
+
+@gpu_only
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_wgrad_vs_float64(shape, out_dtype):
+    counts, m_cap, K, N = SHAPES[shape]
+    x, dy, _, offsets = _problem(3, counts, m_cap, K, N)
+    dw = grouped_gemm_wgrad_pallas_mosaic_gpu(x, dy, offsets, out_dtype=out_dtype)
+    assert dw.shape == (len(counts), N, K) and dw.dtype == out_dtype
+    got = to_numpy(dw).astype(np.float32)
+    assert np.isfinite(got).all(), f"{shape}: a NaN of the unused capacity reached d_w"
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert not got[e].any(), f"{shape}: expert {e} has no rows; its d_w must be exactly 0"
+    tol = 1e-5 if out_dtype == jnp.float32 else BF16_REL_FRO
+    assert_rel_fro(dw, _f64_wgrad(x, dy, offsets), tol, f"{shape} wgrad vs float64")
+
+
+@gpu_only
+def test_wgrad_neighbours_nan():
+    """Rows of the neighbouring experts inside the first / last 64-row block are NaN: masked by select,
+    expert 1's gradient stays finite and exact (a multiply-by-mask would give NaN)."""
+    counts, K, N = [37, 50, 41], 128, 128
+    x, dy, _, offsets = _problem(4, counts, 128, K, N)
+    xs, dys = np.array(to_numpy(x), np.float32), np.array(to_numpy(dy), np.float32)
+    xs[:37], dys[:37], xs[87:], dys[87:] = np.nan, np.nan, np.nan, np.nan
+    x, dy = jnp.asarray(xs, jnp.bfloat16), jnp.asarray(dys, jnp.bfloat16)
+    dw = np.asarray(grouped_gemm_wgrad_pallas_mosaic_gpu(x, dy, offsets))
+    ref = dys[37:87].astype(np.float64).T @ xs[37:87].astype(np.float64)
+    assert np.isfinite(dw[1]).all()
+    assert_rel_fro(dw[1], ref, 1e-5, "expert 1 between NaN neighbours")
+
+
+@gpu_only
+def test_grad_through_grouped_gemm_matches_pallas_triton():
+    counts, m_cap, K, N = [100, 0, 37, 211], 400, 256, 384
+    x, _, w, offsets = _problem(5, counts, m_cap, K, N)
+    x = jnp.where(jnp.isnan(x), 0, x)
+    ct = jax.random.normal(jax.random.key(0), (m_cap, N), jnp.float32)
+
+    def loss(x, w, impl):
+        y = moe_pallas.grouped_gemm(x, w, offsets, implementation=impl)
+        return jnp.sum(y.astype(jnp.float32) * ct)
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(x, w, "pallas_mosaic_gpu")
+    want = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(x, w, "pallas_triton")
+    for g, r, name in zip(got, want, ("d_x", "d_w")):
+        assert g.dtype == jnp.bfloat16
+        assert_rel_fro(g, r, BF16_REL_FRO, f"{name}: Mosaic vs Pallas-Triton backward")
+
+
+@gpu_only
+@pytest.mark.parametrize("quant", ["none", "fp8_per_token"])
+def test_layer_gradients_mosaic_vs_pallas_triton(quant):
+    """A bf16 layer with implementation="pallas_mosaic_gpu" (Mosaic dgrad and wgrad; an FP8 layer's
+    straight-through dgrad falls back to Pallas-Triton) against the Pallas-Triton layer's gradients."""
+    from moe_contract import MoEConfig
+    from tolerances import GRAD_BF16_REL_FRO
+
+    config = MoEConfig(hidden_size=256, intermediate_size=128, num_experts=8, topk=2, quant=quant)
+    T = 96
+    keys = jax.random.split(jax.random.key(7), 5)
+    x = jax.random.normal(keys[0], (T, 256), jnp.float32).astype(jnp.bfloat16)
+    logits = jax.random.normal(keys[1], (T, 8), jnp.float32)
+    w13 = (jax.random.normal(keys[2], (8, 256, 256), jnp.float32) / 16).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(keys[3], (8, 256, 128), jnp.float32) / 11).astype(jnp.bfloat16)
+    ct = jax.random.normal(keys[4], (T, 256), jnp.float32)
+    if quant != "none":
+        w13q, s13 = moe_pallas.quantize_weight_fp8(w13, "per_channel")
+        w2q, s2 = moe_pallas.quantize_weight_fp8(w2, "per_channel")
+
+    def loss(x, logits, w13, w2, impl):
+        kw = {} if quant == "none" else dict(w13_scale=s13, w2_scale=s2)
+        a, b = (w13, w2) if quant == "none" else (w13q, w2q)
+        out = moe_pallas.moe_forward(x, logits, a, b, config, implementation=impl, **kw)
+        return jnp.sum(out.astype(jnp.float32) * ct)
+
+    argnums = (0, 1, 2, 3) if quant == "none" else (0, 1)
+    grad = jax.jit(jax.grad(loss, argnums=argnums), static_argnums=4)
+    got, want = grad(x, logits, w13, w2, "pallas_mosaic_gpu"), grad(x, logits, w13, w2, "pallas_triton")
+    for g, r, name in zip(got, want, ("d_x", "d_router_logits", "d_w13", "d_w2")):
+        assert_rel_fro(g, r, GRAD_BF16_REL_FRO, f"{quant} {name}: Mosaic vs Pallas-Triton layer")
