@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dgrad-configs", default="", help="';'-list of 'block_m,block_n,block_k,warps,stages,group_m' to time")
+    p.add_argument("--wgrad-configs", default="", help="';'-list of 'block_n,block_k,block_m,warps,stages' to time")
     args = p.parse_args()
     M, E, K, N = args.m, args.e, args.k, args.n
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -61,6 +62,24 @@ def main() -> None:
                 print(f"dgrad {spec}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s (rel diff vs default {err:.1e})", flush=True)
             except Exception as exc:  # noqa: BLE001 - a probe: report and go on
                 print(f"dgrad {spec}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    if args.wgrad_configs:  # a quick probe of wgrad tile configs (block_n over N, block_k over K, block_m rows, warps, stages)
+        from moe_torch.ops.grouped_gemm.config import GroupedGemmWgradConfig, heuristic_grouped_gemm_wgrad_config
+        from moe_torch.ops.grouped_gemm.triton_backward import grouped_gemm_wgrad_triton
+
+        print("wgrad heuristic:", heuristic_grouped_gemm_wgrad_config(M, N, K, E, 16), flush=True)
+        ref = ops["wgrad"]().float()
+        for spec in args.wgrad_configs.split(";"):
+            bn, bk, bm, nw, ns = (int(v) for v in spec.split(","))
+            cfg = GroupedGemmWgradConfig(block_n=bn, block_k=bk, block_m=bm, num_warps=nw, num_stages=ns)
+            for out_dtype in (torch.float32, torch.bfloat16):
+                try:
+                    f = lambda: grouped_gemm_wgrad_triton(x, d_y, offsets, out_dtype, cfg)  # noqa: E731
+                    err = float((f().float() - ref).norm() / ref.norm())
+                    ms = triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
+                    print(f"wgrad {spec} -> {str(out_dtype)[6:]}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s "
+                          f"(rel diff vs default {err:.1e})", flush=True)
+                except Exception as exc:  # noqa: BLE001 - a probe: report and go on
+                    print(f"wgrad {spec}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
     for name, f in ops.items():
         ms = triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
         print(f"{name:8s} M={M} E={E} K={K} N={N}: {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s", flush=True)

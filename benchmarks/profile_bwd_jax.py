@@ -1,0 +1,97 @@
+"""Probe of the JAX grouped GEMM backward kernels (Mosaic GPU and Pallas-Triton), one shape.
+
+Times ``grouped_gemm`` forward, ``grouped_gemm_dgrad`` and ``grouped_gemm_wgrad`` (bf16, E experts, uniform
+rows, ``--m`` rows; gate_up K=7168 N=4096 by default) for each backend, and with ``--mosaic-wgrad`` /
+``--mosaic-dgrad`` a few Mosaic GPU configs, each checked against the Pallas-Triton result:
+
+    python3 benchmarks/profile_bwd_jax.py --m 16384 --mosaic-wgrad '128,128,64,4,4;128,128,128,3,4'
+
+Config strings are ``block_m,block_n,block_k,max_concurrent_steps,grid_block_n`` (MosaicGroupedGemmConfig).
+Medians of ``benchmarks/harness.py``-style CUDA-synchronised loops; a probe, not a benchmark row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import moe_pallas
+from moe_pallas.ops.grouped_gemm.config import MosaicGroupedGemmConfig
+from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu_backward import (grouped_gemm_dgrad_pallas_mosaic_gpu,
+                                                                     grouped_gemm_wgrad_pallas_mosaic_gpu)
+
+
+def _time(f, reps: int = 20) -> float:
+    jax.block_until_ready(f())
+    jax.block_until_ready(f())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--m", type=int, default=16384)
+    p.add_argument("--e", type=int, default=32)
+    p.add_argument("--k", type=int, default=7168)
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--mosaic-wgrad", default="", help="';'-list of Mosaic wgrad configs")
+    p.add_argument("--mosaic-dgrad", default="", help="';'-list of Mosaic dgrad configs")
+    args = p.parse_args()
+    M, E, K, N = args.m, args.e, args.k, args.n
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (M, K), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (E, N, K), jnp.float32) * K**-0.5).astype(jnp.bfloat16)
+    d_y = jax.random.normal(keys[2], (M, N), jnp.float32).astype(jnp.bfloat16)
+    offsets = jnp.arange(E + 1, dtype=jnp.int32) * (M // E)
+    flops = 2 * M * N * K
+    refs = {}
+    for impl in ("pallas_triton", "pallas_mosaic_gpu"):
+        ops = {
+            "forward": jax.jit(lambda x, w, o, impl=impl: moe_pallas.grouped_gemm(x, w, o, implementation=impl)),
+            "dgrad": jax.jit(lambda d, w, o, impl=impl: moe_pallas.grouped_gemm_dgrad(d, w, o, implementation=impl)),
+            "wgrad": jax.jit(lambda x, d, o, impl=impl: moe_pallas.grouped_gemm_wgrad(
+                x, d, o, out_dtype=jnp.bfloat16, implementation=impl)),
+        }
+        operands = {"forward": (x, w, offsets), "dgrad": (d_y, w, offsets), "wgrad": (x, d_y, offsets)}
+        for name, f in ops.items():
+            try:
+                out = f(*operands[name])
+                err = _rel(out, refs[name]) if name in refs else 0.0
+                refs.setdefault(name, out)
+                ms = _time(lambda: f(*operands[name]))
+                print(f"{impl:18s} {name:8s} M={M} E={E} K={K} N={N}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s "
+                      f"(rel diff vs pallas_triton {err:.1e})", flush=True)
+            except Exception as exc:  # noqa: BLE001 - a probe: report and go on
+                print(f"{impl:18s} {name:8s}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    for flag, kind in ((args.mosaic_wgrad, "wgrad"), (args.mosaic_dgrad, "dgrad")):
+        for spec in filter(None, flag.split(";")):
+            bm, bn, bk, st, gb = (int(v) for v in spec.split(","))
+            cfg = MosaicGroupedGemmConfig(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=st, grid_block_n=gb)
+            try:
+                if kind == "wgrad":
+                    f = jax.jit(lambda: grouped_gemm_wgrad_pallas_mosaic_gpu(x, d_y, offsets, out_dtype=jnp.bfloat16,
+                                                                             config=cfg))
+                else:
+                    f = jax.jit(lambda: grouped_gemm_dgrad_pallas_mosaic_gpu(d_y, w, offsets, config=cfg))
+                err = _rel(f(), refs[kind])
+                ms = _time(f)
+                print(f"mosaic {kind} {spec}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s (rel diff {err:.1e})", flush=True)
+            except Exception as exc:  # noqa: BLE001
+                print(f"mosaic {kind} {spec}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
