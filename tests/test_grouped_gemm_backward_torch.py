@@ -458,7 +458,12 @@ def test_configs(M_cap, N, K, E, bits):
     check_config("grouped_gemm_dgrad", heuristic_grouped_gemm_dgrad_config(M_cap, N, K, E, bits, True), bits, None, True)
     c = heuristic_grouped_gemm_wgrad_config(M_cap, N, K, E, bits)
     check_wgrad_config("grouped_gemm_wgrad", c, bits)
-    assert 16 <= c.block_n <= 64 and 16 <= c.block_k <= 128 and 16 <= c.block_m <= 1024 // bits
+    from moe_torch.ops.grouped_gemm.config import WGRAD_WIDE_CONFIG
+
+    if bits == 16 and M_cap >= 8192 and M_cap >= 64 * E:  # the H200-measured wide tiles (config.py)
+        assert c == WGRAD_WIDE_CONFIG
+    else:
+        assert 16 <= c.block_n <= 64 and 16 <= c.block_k <= 128 and 16 <= c.block_m <= 1024 // bits
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.block_m = 1
     with pytest.raises(TypeError):
@@ -521,7 +526,8 @@ SM90_JOBS = {
     "dgrad-bf16-fp8w-block-wide": _dgrad_job("bf16", "fp8e4nv", 3, 16384, 4096, 7168, 256),
     "dgrad-bf16-fp8w-per_channel-wide": _dgrad_job("bf16", "fp8e4nv", 2, 16384, 7168, 2048, 256),
     "dgrad-bf16-fp8w-per_expert-16rows": _dgrad_job("bf16", "fp8e4nv", 1, 256, 4096, 7168, 32),
-    "wgrad-bf16": _wgrad_job("bf16", 16384, 4096, 7168, 32),
+    "wgrad-bf16-wide-128x256": _wgrad_job("bf16", 16384, 4096, 7168, 32),
+    "wgrad-bf16-decode": _wgrad_job("bf16", 256, 4096, 7168, 32),
     "wgrad-fp32-ieee": _wgrad_job("fp32", 16384, 4096, 7168, 32),
 }
 

@@ -34,6 +34,10 @@ MAX_BLOCK_N = 128
 #: PTX of ``tests/test_triton_grouped_gemm.py::test_compiles_for_sm90``; to be tuned on the H200.
 MIN_BLOCK_M = 16
 MAX_BLOCK_M = 64
+#: 4-bit weights (CONTRACT.md section 9): one scale per group of 32 along K. A K step of the 4-bit
+#: kernel covers whole groups (``block_k`` a multiple of 32: a power of 2 >= 32), so that every
+#: step's packed bytes and scales are whole rows of ``w_q`` and ``w_scale`` tiles.
+W4_MIN_BLOCK_K = 32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,23 +85,36 @@ def k_step_limit(x_group: int | None, w_block: bool) -> int | None:
     return min(limits) if limits else None
 
 
-def check_config(op: str, cfg: GroupedGemmConfig, bits: int, x_group: int | None, w_block: bool) -> None:
-    """``ValueError`` if ``cfg`` breaks the rules of :class:`GroupedGemmConfig` for this problem."""
+def min_block_k(bits: int, w_format: str | None = None) -> int:
+    """Smallest ``block_k``: ``tl.dot``'s minimum K for ``bits``-wide operands, and for 4-bit weights
+    (``w_format``) whole scale groups (:data:`W4_MIN_BLOCK_K`)."""
+    return max(MIN_BLOCK_K[bits], W4_MIN_BLOCK_K if w_format else 0)
+
+
+def check_config(op: str, cfg: GroupedGemmConfig, bits: int, x_group: int | None, w_block: bool,
+                 w_format: str | None = None) -> None:
+    """``ValueError`` if ``cfg`` breaks the rules of :class:`GroupedGemmConfig` for this problem
+    (``w_format``: ``"mxfp4"`` / ``"int4"`` for 4-bit weights, whose K steps cover whole groups of 32)."""
     pow2 = all(b > 0 and b & (b - 1) == 0 for b in (cfg.block_m, cfg.block_n, cfg.block_k))
     limit = k_step_limit(x_group, w_block)
+    lowest = min_block_k(bits, w_format)
     if type(cfg.group_m) is not int or cfg.group_m < 1 or type(cfg.persistent) is not bool:
         raise ValueError(f"{op}: config must have an int group_m >= 1 and a bool persistent; got {cfg}")
-    if not pow2 or cfg.block_k < MIN_BLOCK_K[bits] or (limit is not None and limit % cfg.block_k):
+    if not pow2 or cfg.block_k < lowest or (limit is not None and limit % cfg.block_k):
         raise ValueError(
-            f"{op}: config must have power-of-2 blocks, block_k >= {MIN_BLOCK_K[bits]} (tl.dot on {bits}-bit operands)"
+            f"{op}: config must have power-of-2 blocks, block_k >= {lowest} (tl.dot on {bits}-bit operands"
+            + (f"; whole {w_format} scale groups of {W4_MIN_BLOCK_K}" if w_format else "") + ")"
             + (f" and block_k dividing {limit} (one scale group per K step)" if limit else "")
             + f"; got {cfg}"
         )
 
 
 def heuristic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: int | None = None,
-                                  w_block: bool = False) -> GroupedGemmConfig:
-    """Heuristic config for ``x [M_cap, K] x w [E, N, K] -> y [M_cap, N]`` with ``bits``-wide inputs.
+                                  w_block: bool = False, w_format: str | None = None) -> GroupedGemmConfig:
+    """Heuristic config for ``x [M_cap, K] x w [E, N, K] -> y [M_cap, N]`` with ``bits``-wide inputs
+    (``x``'s width; 4-bit weights, ``w_format``, are decoded to it in the kernel, and their K step
+    is at least one scale group, :func:`min_block_k`). Untuned for 4-bit: the same tiles as ``x``'s
+    dtype, so small ``M_cap`` (decode) gets 16-row tiles as there.
 
     Raises: NotImplementedError when the scale groups are too narrow for ``tl.dot`` (a K step
     must lie inside one scale group, and ``tl.dot`` needs ``block_k >= MIN_BLOCK_K[bits]``).
@@ -111,8 +128,8 @@ def heuristic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int,
                 f"tl.dot's minimum K of {MIN_BLOCK_K[bits]} for {bits}-bit operands"
             )
         block_k = min(block_k, limit)
-    # No wider than K needs (small test and decode shapes), never below tl.dot's minimum.
-    block_k = max(MIN_BLOCK_K[bits], min(block_k, triton.next_power_of_2(max(K, 1))))
+    # No wider than K needs (small test and decode shapes), never below tl.dot's minimum (nor a 4-bit group).
+    block_k = max(min_block_k(bits, w_format), min(block_k, triton.next_power_of_2(max(K, 1))))
     # Rows per tile from the average rows per expert (M_cap is the only size known without a
     # host sync): each expert adds at most one partly-filled tile, so small experts want small tiles.
     rows_per_expert = math.ceil(max(M_cap, 1) / max(E, 1))
@@ -138,21 +155,25 @@ def tuned_entries(device_name: str) -> tuple[dict, ...]:
 
 
 def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: int | None = None,
-                        w_block: bool = False, device_name: str | None = None) -> GroupedGemmConfig:
-    """The tuned config of ``device_name`` for the same ``N``, ``K`` and dtype (``bits``) with the
-    nearest ``M_cap`` (in log2), if one is stored and fits this problem's scale layout (:func:`check_config`);
-    else :func:`heuristic_grouped_gemm_config`."""
+                        w_block: bool = False, device_name: str | None = None,
+                        w_format: str | None = None) -> GroupedGemmConfig:
+    """The tuned config of ``device_name`` for the same ``N``, ``K`` and dtype (``bits``; with 4-bit
+    weights ``"bf16_mxfp4"`` / ``"bf16_int4"``, none stored yet) with the nearest ``M_cap`` (in log2), if
+    one is stored and fits this problem's scale layout (:func:`check_config`); else
+    :func:`heuristic_grouped_gemm_config`."""
     dtype = {8: "fp8", 16: "bf16"}.get(bits)
+    if w_format is not None:  # 4-bit weights: their own entries (the bf16 ones tile another kernel)
+        dtype = f"{dtype}_{w_format}" if dtype else None
     matches = [t for t in tuned_entries(device_name) if (t["N"], t["K"], t["dtype"]) == (N, K, dtype)] if device_name else []
     if matches:
         best = min(matches, key=lambda t: abs(math.log2(max(M_cap, 1)) - math.log2(t["M_cap"])))
         cfg = GroupedGemmConfig(**best["config"])  # entries without group_m / persistent: the defaults
         try:
-            check_config("grouped_gemm", cfg, bits, x_group, w_block)
+            check_config("grouped_gemm", cfg, bits, x_group, w_block, w_format)
             return cfg
         except ValueError:
             pass  # tuned for other scale layouts: the heuristic knows the rules
-    return heuristic_grouped_gemm_config(M_cap, N, K, E, bits, x_group, w_block)
+    return heuristic_grouped_gemm_config(M_cap, N, K, E, bits, x_group, w_block, w_format)
 
 
 # --------------------------------------------------------------------------------------
@@ -224,9 +245,25 @@ def check_wgrad_config(op: str, cfg: GroupedGemmWgradConfig, bits: int) -> None:
                          f"reduction runs over rows, {bits}-bit operands); got {cfg}")
 
 
+#: wgrad's wide tiles (see :func:`heuristic_grouped_gemm_wgrad_config`): a 128 x 256 tile of d_w[e] per
+#: program over 8 warps (two wgmma warpgroups), 64 rows a step, 3 stages (3 x 64 x (128 + 256) x 2 B = 144 KiB).
+WGRAD_WIDE_CONFIG = GroupedGemmWgradConfig(block_n=128, block_k=256, block_m=64, num_warps=8, num_stages=3)
+#: Rows from which the wide tiles pay (measured at 16384, as the dgrad's).
+WGRAD_WIDE_MIN_ROWS = 8192
+
+
 def heuristic_grouped_gemm_wgrad_config(M_cap: int, N: int, K: int, E: int, bits: int) -> GroupedGemmWgradConfig:
     """Heuristic config of the wgrad ``x [M_cap, K], d_y [M_cap, N] -> d_w [E, N, K]`` with ``bits``-wide
-    inputs (16 or 32)."""
+    inputs (16 or 32).
+
+    bf16 / float16 at ``M_cap >= WGRAD_WIDE_MIN_ROWS`` with ``N >= 128``, ``K >= 256`` and at least 64
+    rows per expert on average: :data:`WGRAD_WIDE_CONFIG`. Measured on the H200 (2026-12-01,
+    ``benchmarks/profile_bwd.py --wgrad-configs``, E=32, M=16384, uniform rows, bit-identical results):
+    gate_up (K=7168, N=4096) 2.52 -> 2.23 ms with a bf16 d_w (3.27 -> 2.57 float32), down (K=2048,
+    N=7168) float32 1.68 -> 1.26 ms (bf16 1.13); 128 x 128 tiles over 4 or 8 warps and 256 x 128 were no
+    better, 64 x 256 worse (BENCHMARKS.md)."""
+    if bits == 16 and M_cap >= WGRAD_WIDE_MIN_ROWS and N >= 128 and K >= 256 and M_cap >= 64 * max(E, 1):
+        return WGRAD_WIDE_CONFIG
     block_n = max(MIN_WGRAD_BLOCK, min(MAX_WGRAD_BLOCK_N, triton.next_power_of_2(max(N, 1))))
     block_k = max(MIN_WGRAD_BLOCK, min(MAX_WGRAD_BLOCK_K, triton.next_power_of_2(max(K, 1))))
     # Rows per step: K_STEP_BYTES * 8 / bits (64 bf16, 32 float32 rows), so that one pipeline stage holds
