@@ -49,6 +49,8 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--mosaic-wgrad", default="", help="';'-list of Mosaic wgrad configs")
     p.add_argument("--mosaic-dgrad", default="", help="';'-list of Mosaic dgrad configs")
+    p.add_argument("--pt-dgrad", default="", help="';'-list of Pallas-Triton dgrad configs 'block_m,block_n,block_k,warps,stages'")
+    p.add_argument("--pt-wgrad", default="", help="';'-list of Pallas-Triton wgrad configs 'block_m,block_n,block_k,warps,stages'")
     args = p.parse_args()
     M, E, K, N = args.m, args.e, args.k, args.n
     keys = jax.random.split(jax.random.key(0), 3)
@@ -82,15 +84,38 @@ def main() -> None:
             cfg = MosaicGroupedGemmConfig(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=st, grid_block_n=gb)
             try:
                 if kind == "wgrad":
-                    f = jax.jit(lambda: grouped_gemm_wgrad_pallas_mosaic_gpu(x, d_y, offsets, out_dtype=jnp.bfloat16,
-                                                                             config=cfg))
+                    f = jax.jit(lambda cfg=cfg: grouped_gemm_wgrad_pallas_mosaic_gpu(x, d_y, offsets, out_dtype=jnp.bfloat16,
+                                                                                     config=cfg))
                 else:
-                    f = jax.jit(lambda: grouped_gemm_dgrad_pallas_mosaic_gpu(d_y, w, offsets, config=cfg))
+                    f = jax.jit(lambda cfg=cfg: grouped_gemm_dgrad_pallas_mosaic_gpu(d_y, w, offsets, config=cfg))
                 err = _rel(f(), refs[kind])
                 ms = _time(f)
                 print(f"mosaic {kind} {spec}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s (rel diff {err:.1e})", flush=True)
             except Exception as exc:  # noqa: BLE001
                 print(f"mosaic {kind} {spec}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+
+
+    from moe_pallas.ops.grouped_gemm.config import GroupedGemmDgradConfig, GroupedGemmWgradConfig
+    from moe_pallas.ops.grouped_gemm.pallas_triton_backward import (grouped_gemm_dgrad_pallas_triton,
+                                                                     grouped_gemm_wgrad_pallas_triton)
+
+    for flag, kind in ((args.pt_dgrad, "dgrad"), (args.pt_wgrad, "wgrad")):
+        for spec in filter(None, flag.split(";")):
+            bm, bn, bk, nw, ns = (int(v) for v in spec.split(","))
+            try:
+                if kind == "wgrad":
+                    cfg = GroupedGemmWgradConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                    f = jax.jit(lambda cfg=cfg: grouped_gemm_wgrad_pallas_triton(x, d_y, offsets, out_dtype=jnp.bfloat16,
+                                                                                 config=cfg))
+                else:
+                    cfg = GroupedGemmDgradConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                    f = jax.jit(lambda cfg=cfg: grouped_gemm_dgrad_pallas_triton(d_y, w, offsets, config=cfg))
+                err = _rel(f(), refs[kind])
+                ms = _time(f)
+                print(f"pallas_triton {kind} {spec}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s (rel diff {err:.1e})",
+                      flush=True)
+            except Exception as exc:  # noqa: BLE001
+                print(f"pallas_triton {kind} {spec}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
 
 if __name__ == "__main__":
