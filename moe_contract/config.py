@@ -22,11 +22,20 @@ from moe_contract.validation import check_bool, check_choice, check_nonnegative_
 
 Routing = Literal["softmax_topk", "grouped_topk", "biased_grouped_topk"]
 Quant = Literal["none", "fp8_per_token", "fp8_block"]
-Activation = Literal["silu", "gelu_tanh"]
+Activation = Literal["silu", "gelu_tanh", "swiglu_oai"]
+GateUpLayout = Literal["concatenated", "interleaved"]
 
 ROUTINGS = ("softmax_topk", "grouped_topk", "biased_grouped_topk")
 QUANTS = ("none", "fp8_per_token", "fp8_block")
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+#: Where the gate and up halves of ``h [M, 2*I]`` (and of ``w13``'s ``2*I`` rows) are (CONTRACT.md section 4):
+#: ``"concatenated"`` gate ``[:, :I]``, up ``[:, I:]``; ``"interleaved"`` (gpt-oss) gate ``[:, 0::2]``, up
+#: ``[:, 1::2]``.
+GATE_UP_LAYOUTS = ("concatenated", "interleaved")
+#: ``swiglu_oai`` (gpt-oss, transformers ``GptOssExperts``; CONTRACT.md section 4): the clamp bound of the gate
+#: (above) and of the up value (both sides), and the sigmoid's slope: ``(clamp(u) + 1) * gc * sigmoid(alpha * gc)``.
+SWIGLU_OAI_LIMIT = 7.0
+SWIGLU_OAI_ALPHA = 1.702
 
 #: The FP8 block size of DeepSeek-V3 checkpoints: activations 1x128 groups, weights 128x128.
 FP8_BLOCK = 128
@@ -54,7 +63,11 @@ class MoEConfig:
       apply_routed_scaling_factor_on_output: apply ``rsf`` in the gate (SGLang's fused gate)
         instead of in the combine step. Both give the same layer output.
       num_fused_shared_experts: ``S`` shared experts run as extra experts ``E .. E+S-1``.
-      activation: ``"silu"`` or ``"gelu_tanh"`` (the ``*_and_mul`` between the GEMMs).
+      activation: ``"silu"``, ``"gelu_tanh"`` or ``"swiglu_oai"`` (gpt-oss: ``(clamp(u, -7, 7) + 1) *
+        gc * sigmoid(1.702 * gc)``, ``gc = min(g, 7)``), the ``*_and_mul`` between the GEMMs (CONTRACT.md section 4).
+      gate_up_layout: where gate and up are in ``w13``'s ``2*I`` rows (and so in GEMM 1's output ``h``):
+        ``"concatenated"`` (the default; Mixtral, Qwen3-MoE, DeepSeek-V3: gate rows ``:I``, up rows ``I:``) or
+        ``"interleaved"`` (gpt-oss's ``gate_up_proj``: gate rows ``0::2``, up rows ``1::2``).
       quant: ``"none"`` (bf16/f32 GEMMs), ``"fp8_per_token"`` (activations per-token,
         weights per-output-channel or per-expert) or ``"fp8_block"`` (activations 1x128
         groups, weights 128x128 blocks, DeepSeek-V3 style).
@@ -76,6 +89,7 @@ class MoEConfig:
     apply_routed_scaling_factor_on_output: bool = False
     num_fused_shared_experts: int = 0
     activation: Activation = "silu"
+    gate_up_layout: GateUpLayout = "concatenated"
     quant: Quant = "none"
     ep_size: int = 1
     ep_rank: int = 0
@@ -95,6 +109,7 @@ class MoEConfig:
         check_choice(op, "routing", self.routing, ROUTINGS)
         check_choice(op, "quant", self.quant, QUANTS)
         check_choice(op, "activation", self.activation, ACTIVATIONS)
+        check_choice(op, "gate_up_layout", self.gate_up_layout, GATE_UP_LAYOUTS)
         check_routing_args(
             op,
             num_experts=self.num_experts,

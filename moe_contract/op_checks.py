@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_contract.config import check_routing_args
+from moe_contract.config import ACTIVATIONS, GATE_UP_LAYOUTS, check_routing_args
 from moe_contract.validation import (
     FLOAT_DTYPES,
     FP8_DTYPE,
@@ -33,7 +33,11 @@ from moe_contract.validation import (
 PERMUTE_QUANTS = (None, "fp8_per_token", "fp8_per_token_group", "fp8_per_tensor")
 ACT_QUANTS = (None, "fp8_per_token", "fp8_per_token_group")
 WEIGHT_LAYOUTS = ("per_expert", "per_channel", "block")
-ACTIVATIONS = ("silu", "gelu_tanh")
+#: 4-bit weight formats (CONTRACT.md section 9): packed codes ``[.., N, K // 2]`` uint8, one scale per
+#: group of ``W4_GROUP`` along ``K``, ``[.., N, K // 32]`` of the format's scale dtype.
+W4_FORMATS = ("mxfp4", "int4")
+W4_GROUP = 32
+W4_SCALE_DTYPES = {"mxfp4": "uint8", "int4": "bfloat16"}
 
 
 def check_select_experts(
@@ -142,11 +146,92 @@ def check_fp8_weight(op: str, q: Any, w_scale: Any, block: int) -> None:
     check_weight_scale(op, "w_scale", w_scale, q.shape, block)
 
 
-def check_grouped_gemm(op: str, x: Any, w: Any, expert_offsets: Any, x_scale: Any, w_scale: Any, out_dtype: Any) -> Any:
-    """Returns the output dtype (default ``x.dtype``, or ``"bfloat16"`` for FP8 inputs)."""
+def _w4_scale_what(fmt: str, shape: tuple[int, ...]) -> str:
+    names = "[E, N, K // 32]" if len(shape) == 3 else "[N, K // 32]"
+    return f"{names} = {_shape_text(shape)} {W4_SCALE_DTYPES[fmt]} (one {fmt} scale per group of {W4_GROUP} along K)"
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(int(s)) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def check_w4_format(op: str, w_format: Any, w: Any, w_name: str = "w") -> None:
+    """``w_format`` is ``"mxfp4"`` / ``"int4"`` when ``w`` is uint8 (4-bit packed codes), else ``None``."""
+    if dtype_name(w) == "uint8":
+        if w_format is None:
+            raise ValueError(f"{op}: w_format must be one of {W4_FORMATS} for uint8 {w_name} (4-bit packed codes "
+                             f"[E, N, K // 2]); got w_format=None")
+        check_choice(op, "w_format", w_format, W4_FORMATS)
+    elif w_format is not None:
+        raise ValueError(f"{op}: w_format must be None unless {w_name} holds 4-bit packed codes (uint8); got "
+                         f"w_format={w_format!r} with {w_name}.dtype={dtype_name(w)}")
+
+
+def check_w4_weight(op: str, w_q: Any, w_scale: Any, fmt: str, K: int, *, w_name: str = "w_q") -> None:
+    """4-bit packed codes ``w_q [.., N, K // 2]`` uint8 with ``w_scale [.., N, K // 32]`` (uint8 for
+    ``"mxfp4"``, bfloat16 for ``"int4"``): CONTRACT.md section 9. ``K % 32 != 0`` is a ``ValueError``."""
+    check_choice(op, "w_format", fmt, W4_FORMATS)
+    if K % W4_GROUP:
+        raise ValueError(f"{op}: K must be a multiple of {W4_GROUP} (one {fmt} scale per group of {W4_GROUP} "
+                         f"along K); got K={K}")
+    lead = tuple(int(s) for s in w_q.shape[:-1])
+    names = "[E, N, K // 2]" if len(lead) == 2 else "[N, K // 2]"
+    check_shape(op, w_name, w_q, (*lead, K // 2),
+                f"{names} = {_shape_text((*lead, K // 2))} uint8 (two 4-bit codes a byte, K={K})")
+    check_dtype(op, w_name, w_q, ("uint8",))
+    expected = (*lead, K // W4_GROUP)
+    if w_scale is None:
+        raise ValueError(f"{op}: w_scale must be given for {fmt} {w_name}: {_w4_scale_what(fmt, expected)}; got None")
+    check_shape(op, "w_scale", w_scale, expected, _w4_scale_what(fmt, expected))
+    if dtype_name(w_scale) != W4_SCALE_DTYPES[fmt]:
+        raise TypeError(f"{op}: w_scale must have dtype {W4_SCALE_DTYPES[fmt]} for {fmt} (CONTRACT.md section 9); "
+                        f"got w_scale.dtype={dtype_name(w_scale)}")
+
+
+def check_quantize_weight_4bit(op: str, w: Any, fmt: str) -> None:
+    """``w [E, N, K]`` or ``[N, K]`` float32 / bf16 / float16 with ``K % 32 == 0``, for ``fmt`` in
+    :data:`W4_FORMATS` (CONTRACT.md section 9; non-finite values are checked on the data, by the op)."""
+    check_choice(op, "w_format", fmt, W4_FORMATS)
+    check_rank(op, "w", w, (2, 3), f"[E, N, K] or [N, K] with K % {W4_GROUP} == 0")
+    check_dtype(op, "w", w, FLOAT_DTYPES)
+    K = int(w.shape[-1])
+    if K % W4_GROUP:
+        raise ValueError(f"{op}: K (=w.shape[-1]) must be a multiple of {W4_GROUP} (one {fmt} scale per group of "
+                         f"{W4_GROUP} along K); got w.shape={_shape_text(w.shape)}")
+
+
+def check_dequantize_weight_4bit(op: str, w_q: Any, w_scale: Any, fmt: str, out_dtype: Any = "float32") -> Any:
+    """``w_q [E, N, K // 2]`` (or ``[N, K // 2]``) uint8 with ``w_scale [E, N, K // 32]`` of ``fmt``'s
+    scale dtype; ``K = 2 * w_q.shape[-1]`` must be a multiple of 32. Returns ``out_dtype`` (a float dtype)."""
+    check_choice(op, "w_format", fmt, W4_FORMATS)
+    check_rank(op, "w_q", w_q, (2, 3), "[E, N, K // 2] or [N, K // 2] uint8 (two 4-bit codes a byte)")
+    check_dtype(op, "w_q", w_q, ("uint8",))
+    K = 2 * int(w_q.shape[-1])
+    if K % W4_GROUP:
+        raise ValueError(f"{op}: w_q must be [E, N, K // 2] or [N, K // 2] uint8 with K % {W4_GROUP} == 0 (one {fmt} "
+                         f"scale per group of {W4_GROUP} along K); got w_q.shape={_shape_text(w_q.shape)} (K={K})")
+    if w_scale is not None:
+        check_rank(op, "w_scale", w_scale, len(w_q.shape), _w4_scale_what(fmt, (*w_q.shape[:-1], K // W4_GROUP)))
+    check_w4_weight(op, w_q, w_scale, fmt, K)
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    return out_dtype
+
+
+def check_grouped_gemm(
+    op: str, x: Any, w: Any, expert_offsets: Any, x_scale: Any, w_scale: Any, out_dtype: Any, w_format: Any = None
+) -> Any:
+    """Returns the output dtype (default ``x.dtype``, or ``"bfloat16"`` for FP8 inputs).
+
+    ``w`` is ``[E, N, K]`` of ``x``'s float dtype, float8_e4m3fn codes (with ``x`` FP8 and both scales),
+    or 4-bit packed codes ``[E, N, K // 2]`` uint8 with ``w_format`` ``"mxfp4"`` / ``"int4"`` and
+    ``w_scale [E, N, K // 32]`` (uint8 / bfloat16; ``x`` float, no ``x_scale``: CONTRACT.md section 9)."""
     check_rank(op, "x", x, 2, "[M_cap, K]")
     check_dtype(op, "x", x, (*FLOAT_DTYPES, FP8_DTYPE))
     M_cap, K = x.shape
+    if hasattr(w, "dtype") and (dtype_name(w) == "uint8" or w_format is not None):
+        check_w4_format(op, w_format, w)
+        check_rank(op, "w", w, 3, f"[E, N, K // 2] uint8 (4-bit packed codes) with K == x.shape[1] (={K})")
+        return _check_grouped_gemm_4bit(op, x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format)
     check_rank(op, "w", w, 3, f"[E, N, K] with K == x.shape[1] (={K})")
     E, N, Kw = w.shape
     if Kw != K:
@@ -169,6 +254,32 @@ def check_grouped_gemm(op: str, x: Any, w: Any, expert_offsets: Any, x_scale: An
             if s is not None:
                 raise ValueError(f"{op}: {name} must be None for {dtype_name(x)} inputs (scales are for float8_e4m3fn); got an array")
         out_dtype = x.dtype if out_dtype is None else out_dtype
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    return out_dtype
+
+
+def _check_grouped_gemm_4bit(
+    op: str, x: Any, w: Any, expert_offsets: Any, x_scale: Any, w_scale: Any, out_dtype: Any, w_format: str
+) -> Any:
+    """:func:`check_grouped_gemm` for 4-bit ``w`` (``w`` is 3-D uint8, ``w_format`` valid)."""
+    if dtype_name(x) not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: x must have dtype {' or '.join(FLOAT_DTYPES)} with {w_format} w (4-bit weights are "
+                        f"weight-only: activations stay float); got x.dtype={dtype_name(x)}")
+    K = int(x.shape[1])
+    if K % W4_GROUP:
+        raise ValueError(f"{op}: K (=x.shape[1]) must be a multiple of {W4_GROUP} for {w_format} w (one scale per "
+                         f"group of {W4_GROUP} along K); got K={K}")
+    E, N = int(w.shape[0]), int(w.shape[1])
+    check_shape(op, "w", w, (None, None, K // 2),
+                f"[E, N, K // 2] uint8 (two 4-bit codes a byte) with K == x.shape[1] (={K})")
+    check_shape(op, "expert_offsets", expert_offsets, (E + 1,), f"[E + 1] = ({E + 1},) int32 for w with E={E}")
+    check_dtype(op, "expert_offsets", expert_offsets, ("int32",))
+    if x_scale is not None:
+        raise ValueError(f"{op}: x_scale must be None for {w_format} w (4-bit weights are weight-only); got an array")
+    if w_scale is not None:
+        check_rank(op, "w_scale", w_scale, 3, _w4_scale_what(w_format, (E, N, K // W4_GROUP)))
+    check_w4_weight(op, w, w_scale, w_format, K, w_name="w")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
     return out_dtype
 
@@ -216,9 +327,12 @@ def check_grouped_gemm_wgrad(op: str, x: Any, d_y: Any, expert_offsets: Any, out
     return out_dtype
 
 
-def check_act_and_mul(op: str, h: Any, activation: str, quant: str | None, group_size: int, out_dtype: Any) -> Any:
-    """Returns the output dtype (default ``h.dtype``)."""
+def check_act_and_mul(op: str, h: Any, activation: str, quant: str | None, group_size: int, out_dtype: Any,
+                      layout: str = "concatenated") -> Any:
+    """``h [M, 2*I]`` float, gate and up where ``layout`` says (CONTRACT.md section 4). Returns the output
+    dtype (default ``h.dtype``)."""
     check_choice(op, "activation", activation, ACTIVATIONS)
+    check_choice(op, "layout", layout, GATE_UP_LAYOUTS)
     check_rank(op, "h", h, 2, "[M, 2*I]")
     check_dtype(op, "h", h, FLOAT_DTYPES)
     M, two_i = h.shape
@@ -254,10 +368,12 @@ def check_combine(op: str, y: Any, src2dst: Any, topk_weights: Any, routed_scali
 # --- Backward of the non-GEMM stages (CONTRACT.md section 8) -----------------------------------------
 
 
-def check_act_and_mul_backward(op: str, h: Any, d_a: Any, activation: str, out_dtype: Any) -> Any:
-    """``h [M, 2*I]`` float, ``d_a [M, I]`` float (any of the float dtypes). Returns the output dtype
-    (default ``h.dtype``)."""
+def check_act_and_mul_backward(op: str, h: Any, d_a: Any, activation: str, out_dtype: Any,
+                               layout: str = "concatenated") -> Any:
+    """``h [M, 2*I]`` float (gate and up where ``layout`` says), ``d_a [M, I]`` float (any of the float
+    dtypes). Returns the output dtype (default ``h.dtype``)."""
     check_choice(op, "activation", activation, ACTIVATIONS)
+    check_choice(op, "layout", layout, GATE_UP_LAYOUTS)
     check_rank(op, "h", h, 2, "[M, 2*I]")
     check_dtype(op, "h", h, FLOAT_DTYPES)
     M, two_i = h.shape

@@ -60,10 +60,12 @@ def moe_forward(
     Args:
       x: ``[T, H]`` float32 / bf16 / float16.
       router_logits: ``[T, E]`` float (the gate's linear layer output).
-      w13: ``[E_local, 2*I, H]`` this rank's gate (rows ``:I``) and up (rows ``I:``)
-        projections, ``x.dtype`` for ``quant='none'``, float8_e4m3fn otherwise.
+      w13: ``[E_local, 2*I, H]`` this rank's gate and up projections (rows ``:I`` and ``I:``, or with
+        ``config.gate_up_layout="interleaved"`` rows ``0::2`` and ``1::2``), ``x.dtype`` for ``quant='none'``,
+        float8_e4m3fn otherwise.
       w2: ``[E_local, H, I]`` down projections, same dtype rule.
-      config: the layer (routing, rsf placement, quant, EP); a static argument under ``jit``.
+      config: the layer (routing, rsf placement, activation and gate/up layout, quant, EP); a static argument
+        under ``jit``.
       w13_scale, w2_scale: FP8 weight scales (see :func:`quantize_layer_weights`).
       e_score_correction_bias: ``[E]`` float, for ``routing='biased_grouped_topk'``.
       implementation: ``"reference"``, ``"pallas_triton"`` or ``"pallas_mosaic_gpu"`` (the GEMMs;
@@ -182,7 +184,7 @@ def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k:
     dots = jnp.sum(a.astype(jnp.float32) * d_a0, axis=1)  # <a[m], d_out[t] @ w2[e]>, float32
     d_topk_weights = jnp.where(src2dst >= 0, c * dots[jnp.maximum(src2dst, 0)], 0.0)
     d_a = (w_row[:, None] * d_a0).astype(dtype)
-    d_h = act_and_mul_backward(h, d_a, activation=config.activation, out_dtype=dtype,
+    d_h = act_and_mul_backward(h, d_a, activation=config.activation, layout=config.gate_up_layout, out_dtype=dtype,
                                implementation=stage_implementation(impl, activation_api))
     d_xp = grouped_gemm_dgrad(d_h, w13, offsets, w_scale=w13_scale, out_dtype=dtype, implementation=gemm)
     d_x = permute_backward(d_xp, src2dst, num_tokens=T, out_dtype=dtype, implementation=perm)
@@ -283,8 +285,8 @@ def _gemm1(x, meta, k: int, w13, w13_scale, config: MoEConfig, implementation):
 
 def _act(h, config: MoEConfig, implementation):
     """act_and_mul (+FP8 quant): ``(a [M_cap, I], a_scale or None)``."""
-    return act_and_mul(h, activation=config.activation, quant=ACTIVATION_QUANT[config.quant],
-                       implementation=stage_implementation(implementation, activation_api))
+    return act_and_mul(h, activation=config.activation, layout=config.gate_up_layout,
+                       quant=ACTIVATION_QUANT[config.quant], implementation=stage_implementation(implementation, activation_api))
 
 
 @takes_jax_arrays

@@ -11,7 +11,13 @@ from moe_torch.ep import ep_moe_forward
 from moe_torch.hf import HFMoEBlock, patch_hf_model
 from moe_torch.layer import local_weights, moe_forward, quantize_layer_weights
 from moe_torch.module import EPMoE
-from moe_torch.ops.activation.api import act_and_mul, act_and_mul_backward, gelu_tanh_and_mul, silu_and_mul
+from moe_torch.ops.activation.api import (
+    act_and_mul,
+    act_and_mul_backward,
+    gelu_tanh_and_mul,
+    silu_and_mul,
+    swiglu_oai_and_mul,
+)
 from moe_torch.ops.combine.api import combine, combine_backward
 from moe_torch.ops.gate.api import select_experts, select_experts_backward
 from moe_torch.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_wgrad
@@ -19,18 +25,22 @@ from moe_torch.ops.permute.api import RoutingMetadata, permute, permute_backward
 from moe_torch.ops.quant.api import (
     dequantize_fp8,
     dequantize_weight_fp8,
+    dequantize_weight_int4,
+    dequantize_weight_mxfp4,
     per_token_group_quant_fp8,
     per_token_quant_fp8,
     quantize_weight_fp8,
+    quantize_weight_int4,
+    quantize_weight_mxfp4,
     static_quant_fp8,
 )
 
 __all__ = [
     "EPMoE", "HFMoEBlock", "MoEConfig", "PRESETS", "RoutingMetadata", "act_and_mul", "act_and_mul_backward", "combine",
     "combine_backward", "dequantize_fp8",
-    "dequantize_weight_fp8", "ep_moe_forward", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad",
+    "dequantize_weight_fp8", "dequantize_weight_int4", "dequantize_weight_mxfp4", "ep_moe_forward", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad",
     "local_weights",
     "moe_forward", "patch_hf_model", "per_token_group_quant_fp8", "per_token_quant_fp8", "permute", "permute_backward",
-    "quantize_layer_weights", "quantize_weight_fp8", "routing_metadata", "select_experts", "select_experts_backward",
-    "silu_and_mul", "static_quant_fp8",
+    "quantize_layer_weights", "quantize_weight_fp8", "quantize_weight_int4", "quantize_weight_mxfp4", "routing_metadata", "select_experts", "select_experts_backward",
+    "silu_and_mul", "static_quant_fp8", "swiglu_oai_and_mul",
 ]

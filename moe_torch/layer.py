@@ -56,10 +56,11 @@ def moe_forward(
     Args:
       x: ``[T, H]`` float32 / bf16 / float16.
       router_logits: ``[T, E]`` float (the gate's linear layer output).
-      w13: ``[E_local, 2*I, H]`` this rank's gate (rows ``:I``) and up (rows ``I:``)
-        projections, ``x.dtype`` for ``quant='none'``, float8_e4m3fn otherwise.
+      w13: ``[E_local, 2*I, H]`` this rank's gate and up projections (rows ``:I`` and ``I:``, or with
+        ``config.gate_up_layout="interleaved"`` rows ``0::2`` and ``1::2``), ``x.dtype`` for ``quant='none'``,
+        float8_e4m3fn otherwise.
       w2: ``[E_local, H, I]`` down projections, same dtype rule.
-      config: the layer (routing, rsf placement, quant, EP).
+      config: the layer (routing, rsf placement, activation and gate/up layout, quant, EP).
       w13_scale, w2_scale: FP8 weight scales (see :func:`quantize_layer_weights`).
       e_score_correction_bias: ``[E]`` float, for ``routing='biased_grouped_topk'``.
       implementation: ``"reference"`` or ``"triton"``, used by every stage that has it (forward and
@@ -141,8 +142,8 @@ def _gemm1(x, meta, k: int, w13, w13_scale, config: MoEConfig, implementation):
 
 def _act(h, config: MoEConfig, implementation):
     """act_and_mul (+FP8 quant): ``(a [M_cap, I], a_scale or None)``."""
-    return act_and_mul(h, activation=config.activation, quant=ACTIVATION_QUANT[config.quant],
-                       implementation=stage_implementation(implementation, activation_api))
+    return act_and_mul(h, activation=config.activation, layout=config.gate_up_layout,
+                       quant=ACTIVATION_QUANT[config.quant], implementation=stage_implementation(implementation, activation_api))
 
 
 class _MoELayerFunction(torch.autograd.Function):
@@ -227,7 +228,7 @@ def _experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: i
         d_w2 = grouped_gemm_wgrad(a, d_y, offsets, out_dtype=w2.dtype, implementation=gemm)
         del d_y
     del a, d_y0
-    d_h = act_and_mul_backward(h, d_a, activation=config.activation, out_dtype=dtype,
+    d_h = act_and_mul_backward(h, d_a, activation=config.activation, layout=config.gate_up_layout, out_dtype=dtype,
                                implementation=stage_implementation(impl, activation_api))
     del h, d_a
     d_x = d_w13 = None

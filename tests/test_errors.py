@@ -462,7 +462,7 @@ ACTIVATION = [
     bad("silu_and_mul/odd-last-dim", lambda f: f.m.silu_and_mul(f.f(4, 7)),
         ValueError, "silu_and_mul: h must be [M, 2*I] with an even last dim", "got h.shape=(4, 7)"),
     bad("act_and_mul/activation-unknown", lambda f: f.m.act_and_mul(f.f(4, 8), activation="relu"),
-        ValueError, "act_and_mul: activation must be one of ('silu', 'gelu_tanh')", "got activation='relu'"),
+        ValueError, "act_and_mul: activation must be one of ('silu', 'gelu_tanh', 'swiglu_oai')", "got activation='relu'"),
     bad("silu_and_mul/quant-unknown", lambda f: f.m.silu_and_mul(f.f(4, 8), quant="fp8_per_tensor"),
         ValueError, "silu_and_mul: quant must be one of (None, 'fp8_per_token', 'fp8_per_token_group')", "got quant='fp8_per_tensor'"),
     bad("gelu_tanh_and_mul/I-not-divisible-by-group_size",
@@ -531,7 +531,7 @@ CONFIG = [
     bad("MoEConfig/quant-unknown", _cfg(quant="fp8"),
         ValueError, f"{MC}: quant must be one of ('none', 'fp8_per_token', 'fp8_block')", "got quant='fp8'"),
     bad("MoEConfig/activation-unknown", _cfg(activation="gelu"),
-        ValueError, f"{MC}: activation must be one of ('silu', 'gelu_tanh')", "got activation='gelu'"),
+        ValueError, f"{MC}: activation must be one of ('silu', 'gelu_tanh', 'swiglu_oai')", "got activation='gelu'"),
     bad("MoEConfig/E-not-divisible-by-ep_size", _cfg(ep_size=3),
         ValueError, f"{MC}: num_experts must be divisible by ep_size (=3)", "got num_experts=8"),
     *[

@@ -337,9 +337,18 @@ def test_validation_errors():
 def test_config_heuristics_and_kernel_limits():
     """Heuristic blocks are >= 16 (tensor-core tiles) and divide 128 (block scales); smaller blocks are
     interpret-only, and block scales refuse a tile straddling two scale blocks (NotImplementedError)."""
-    for args in [(1, 33, 64, 8, 2), (16384, 4096, 7168, 32, 2), (4096, 7168, 2048, 256, 4)]:
+    from moe_pallas.ops.grouped_gemm.config import DGRAD_WIDE_CONFIG, WGRAD_WIDE_CONFIG
+
+    for args in [(1, 33, 64, 8, 2), (8191, 4096, 7168, 32, 2), (4096, 7168, 2048, 256, 4)]:
         for cfg in (heuristic_grouped_gemm_dgrad_config(*args), heuristic_grouped_gemm_wgrad_config(*args)):
             assert min(cfg.block_m, cfg.block_n, cfg.block_k) >= 16 and 128 % cfg.block_n == 0 and 128 % cfg.block_k == 0
+    # bf16 from 8192 rows: the H200-measured wide tiles; with 128x128 weight blocks the dgrad keeps tiles dividing 128
+    big = (16384, 4096, 7168, 32, 2)
+    assert heuristic_grouped_gemm_dgrad_config(*big) == DGRAD_WIDE_CONFIG
+    assert heuristic_grouped_gemm_wgrad_config(*big) == WGRAD_WIDE_CONFIG
+    blocked = heuristic_grouped_gemm_dgrad_config(*big, True)
+    assert 128 % blocked.block_n == 0 and 128 % blocked.block_k == 0
+    assert heuristic_grouped_gemm_wgrad_config(16384, 4096, 7168, 32, 4) != WGRAD_WIDE_CONFIG  # float32: untouched
     with pytest.raises(ValueError, match="GroupedGemmWgradConfig: block_n must be a power of two"):
         GroupedGemmWgradConfig(block_m=16, block_n=24, block_k=16)
     small = GroupedGemmWgradConfig(block_m=4, block_n=16, block_k=16)

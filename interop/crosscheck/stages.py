@@ -272,13 +272,13 @@ def _gemm1(impl: Impl, up: Upstream):
 def _act(impl: Impl, up: Upstream):
     which = impl.op_impl("activation")
     h = impl.native(up.ref["gemm1"]["h"])
-    activation = up.config.activation
-    a, s = impl.mod.act_and_mul(h, activation=activation, quant=up.quant, implementation=which)
+    activation, layout = up.config.activation, up.config.gate_up_layout
+    a, s = impl.mod.act_and_mul(h, activation=activation, layout=layout, quant=up.quant, implementation=which)
     if s is None:
         return {"a": a}
     # the same implementation's float32 activation, and the framework reference's quantization of
     # it: the fused codes and scales must be exactly that (CONTRACT.md section 3)
-    a32, _ = impl.mod.act_and_mul(h, activation=activation, out_dtype=impl.f32, implementation=which)
+    a32, _ = impl.mod.act_and_mul(h, activation=activation, layout=layout, out_dtype=impl.f32, implementation=which)
     if up.quant == "fp8_per_token":
         rq, rs = impl.mod.per_token_quant_fp8(a32, implementation="reference")
     else:
@@ -344,7 +344,7 @@ def _gemm2_wgrad(impl: Impl, up: Upstream):
 def _act_bwd(impl: Impl, up: Upstream):
     d_h = impl.api("activation").act_and_mul_backward(
         impl.native(up.ref["gemm1"]["h"]), impl.native(up.ref["gemm2_dgrad"]["d_a"]), activation=up.config.activation,
-        implementation=impl.op_impl("activation"))
+        layout=up.config.gate_up_layout, implementation=impl.op_impl("activation"))
     return {"d_h": d_h}
 
 

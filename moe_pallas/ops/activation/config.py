@@ -7,6 +7,10 @@ quantization of very wide rows) and writes ``out [M, I]``. A program handles a
 ``block_m x block_i`` tile of ``out``; the heuristic aims at a tile of about
 ``TARGET_TILE_ELEMENTS`` outputs, which keeps every thread busy with a few 16-byte vectors
 without spilling the float32 intermediates of the exact FP8 rounding.
+
+The gate/up layout (concatenated or interleaved) does not change the heuristics: a program of either layout
+reads the same ``2 * rows * columns`` values of ``h`` (interleaved: one block twice as wide instead of two) and
+holds the same float32 tiles.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Grouped GEMM ``[M, K] x [E, N, K] -> [M, N]`` over rows grouped by expert (CONTRACT.md section 4),
 and its backward (section 8): :func:`grouped_gemm_dgrad`, :func:`grouped_gemm_wgrad`, and
-:func:`grouped_gemm` differentiable in ``x`` and ``w`` through ``jax.custom_vjp``.
+:func:`grouped_gemm` differentiable in ``x`` and ``w`` through ``jax.custom_vjp``; 4-bit weights
+(section 9: MXFP4, INT4 group 32), differentiable in ``x`` (straight-through).
 
 Mirror: ``moe_torch/ops/grouped_gemm/api.py``.
 """
@@ -11,16 +12,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from moe_contract.op_checks import check_grouped_gemm, check_grouped_gemm_dgrad, check_grouped_gemm_wgrad
 from moe_contract.validation import check_choice
-from moe_pallas.ops.common import resolve_dtype, takes_jax_arrays
+from moe_pallas.ops.common import cast_rounded, resolve_dtype, takes_jax_arrays
 from moe_pallas.ops.dispatch import dispatch
 from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton
 from moe_pallas.ops.grouped_gemm.pallas_triton_backward import (grouped_gemm_dgrad_pallas_triton,
                                                                  grouped_gemm_wgrad_pallas_triton)
 from moe_pallas.ops.grouped_gemm.reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
                                                    grouped_gemm_wgrad_reference)
+from moe_pallas.ops.quant.reference import dequantize_weight_4bit_reference
 
 IMPLEMENTATIONS = ("pallas_mosaic_gpu", "pallas_triton", "reference")
 #: The backward ops' backends.
@@ -47,13 +50,15 @@ def grouped_gemm(
     w_scale: jax.Array | None = None,
     out_dtype=None,
     implementation: str | None = None,
+    w_format: str | None = None,
 ) -> jax.Array:
     """``y[m] = x[m] @ w[e(m)].T``, expert ``e(m)`` given by ``expert_offsets``; float32 accumulation.
 
     Args:
       x: ``[M_cap, K]``, float32 / bf16 / float16, or float8_e4m3fn codes.
       w: ``[E_local, N, K]`` (out, in), the same float dtype as ``x``, or float8_e4m3fn when
-        ``x`` is.
+        ``x`` is; or 4-bit packed codes ``[E_local, N, K // 2]`` uint8 with ``w_format`` (two codes a
+        byte, element ``2i`` in the low nibble; CONTRACT.md section 9).
       expert_offsets: ``[E_local + 1]`` int32, rows ``[offsets[e], offsets[e+1])`` use ``w[e]``;
         rows ``>= offsets[-1]`` are not computed (zero in the result). Only the shape and dtype
         are checked: the values would need a host sync. They must be non-decreasing within
@@ -61,12 +66,18 @@ def grouped_gemm(
         never address outside ``x`` or ``y``, but the result is then undefined.
       x_scale: FP8 only, float32 dequantization multiplier: ``[]`` per-tensor, ``[M_cap, 1]``
         per-token, or ``[M_cap, K // G]`` per-token-group.
-      w_scale: FP8 only, float32: ``[E_local]`` per-expert, ``[E_local, N]`` per-output-channel,
-        or ``[E_local, ceil(N/128), ceil(K/128)]`` 128x128 blocks.
+      w_scale: FP8: float32 ``[E_local]`` per-expert, ``[E_local, N]`` per-output-channel,
+        or ``[E_local, ceil(N/128), ceil(K/128)]`` 128x128 blocks. 4-bit: ``[E_local, N, K // 32]``,
+        one per group of 32 along K: uint8 e8m0 codes (``2^(s - 127)``) for ``"mxfp4"``, bf16
+        multipliers for ``"int4"``.
       out_dtype: result dtype; default ``x.dtype`` (bf16 for FP8 inputs).
-      implementation: ``"pallas_mosaic_gpu"`` (Hopper GPUs only), ``"pallas_triton"`` (interpreted
-        on the CPU), ``"reference"``, or ``None``
+      implementation: ``"pallas_mosaic_gpu"`` (Hopper GPUs only; no 4-bit weights), ``"pallas_triton"``
+        (interpreted on the CPU), ``"reference"``, or ``None``
         (the device's default order, ``moe_pallas.ops.dispatch``; the reference on the CPU).
+      w_format: ``None`` (float / FP8 ``w``), or for uint8 ``w`` (required there) ``"mxfp4"`` (e2m1 codes,
+        OCP MX v1.0) or ``"int4"`` (offset-binary ``code - 8``, compressed-tensors ``pack-quantized``).
+        ``x`` stays float (weight-only, no ``x_scale``), ``K % 32 == 0``; the weights are dequantized in
+        float32 and rounded to ``x.dtype`` before the multiply (the Pallas-Triton kernel decodes each tile).
 
     Returns: ``y [M_cap, N]``.
 
@@ -74,33 +85,51 @@ def grouped_gemm(
     float inputs: the backward is :func:`grouped_gemm_dgrad` and :func:`grouped_gemm_wgrad` with the same
     ``implementation`` where they have it (else their default order), on the cotangent rounded to
     ``x.dtype``; ``d_x`` / ``d_w`` come back in ``x``'s / ``w``'s dtype; ``expert_offsets`` gets none.
+    4-bit weights: differentiable in ``x`` only, straight-through (CONTRACT.md section 9):
+    ``d_x = grouped_gemm_dgrad(d_y, wd)``, ``wd`` the dequantized weights rounded to ``x.dtype`` (one
+    expert's float32 decode live at a time); the codes and scales are frozen: the codes are integers (no
+    gradient), and a gradient asked through an INT4 bf16 ``w_scale`` is a TypeError (raised when
+    ``jax.grad`` / ``jax.vjp`` traces the call, as ``moe_torch`` raises for a scale that requires grad).
 
-    Raises: ValueError (shapes, missing or unexpected scales), TypeError (dtypes; and when a gradient is
-      asked through float8_e4m3fn inputs, which are not differentiable: CONTRACT.md section 8),
+    Raises: ValueError (shapes, missing or unexpected scales, ``w_format`` missing for uint8 ``w`` or
+      given for another ``w``, ``K % 32 != 0`` with 4-bit ``w``), TypeError (dtypes; and when a gradient
+      is asked through float8_e4m3fn inputs, which are not differentiable: CONTRACT.md section 8, or
+      through a 4-bit ``w_scale``),
       NotImplementedError (``implementation="pallas_triton"`` with per-token-group scales whose
       group size ``K // x_scale.shape[1]`` has no power-of-two divisor >= 16;
       ``implementation="pallas_mosaic_gpu"`` off a GPU or outside its limits, see
-      ``moe_pallas/ops/grouped_gemm/pallas_mosaic_gpu.py``).
+      ``moe_pallas/ops/grouped_gemm/pallas_mosaic_gpu.py``, or with 4-bit weights).
     """
     op = "grouped_gemm"
-    out_dtype = resolve_dtype(check_grouped_gemm(op, x, w, expert_offsets, x_scale, w_scale, out_dtype))
+    out_dtype = resolve_dtype(check_grouped_gemm(op, x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format))
     M_cap, N = x.shape[0], w.shape[1]
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if M_cap == 0:
         return jnp.zeros((0, N), out_dtype)
+    if w_format is not None:  # 4-bit weights: differentiable in x only
+        return _grouped_gemm_4bit(x, w, expert_offsets, w_scale, out_dtype, w_format, implementation)
     if x_scale is None:  # float inputs: differentiable in x and w
         return _grouped_gemm_float(x, w, expert_offsets, out_dtype, implementation)
     return _grouped_gemm_fp8(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation)
 
 
-def _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation):
+def _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation, w_format=None):
     """The forward's dispatch (inputs validated)."""
+    fmt = {} if w_format is None else {"w_format": w_format}  # float / FP8 calls stay as they were
     return dispatch("grouped_gemm", implementation, {
-        "pallas_mosaic_gpu": lambda: _mosaic(x, w, expert_offsets, x_scale, w_scale, out_dtype),
+        "pallas_mosaic_gpu": lambda: (_mosaic(x, w, expert_offsets, x_scale, w_scale, out_dtype) if w_format is None
+                                      else _mosaic_4bit(w_format)),
         "pallas_triton": lambda: grouped_gemm_pallas_triton(
-            x, w, expert_offsets, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype),
-        "reference": lambda: grouped_gemm_reference(x, w, expert_offsets, x_scale, w_scale, out_dtype),
+            x, w, expert_offsets, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype, **fmt),
+        "reference": lambda: grouped_gemm_reference(x, w, expert_offsets, x_scale, w_scale, out_dtype, **fmt),
     })
+
+
+def _mosaic_4bit(w_format: str):
+    """The Mosaic GPU kernel has no 4-bit weight path: ``NotImplementedError`` (the default order then
+    takes the Pallas-Triton kernel, with a logged warning)."""
+    raise NotImplementedError(f"grouped_gemm[pallas_mosaic_gpu]: no 4-bit weights in the Mosaic GPU kernel; got "
+                              f"w_format={w_format!r} (implementation='pallas_triton' serves them)")
 
 
 def backward_implementation(implementation: str | None, available: tuple[str, ...], *, fp8_weights: bool = False
@@ -171,6 +200,44 @@ def _grouped_gemm_fp8_bwd(out_dtype, implementation, residuals, d_y):
 
 
 _grouped_gemm_fp8.defvjp(_grouped_gemm_fp8_fwd, _grouped_gemm_fp8_bwd)
+
+
+# 4-bit weights (CONTRACT.md section 9): differentiable in x only, straight-through. symbolic_zeros=True
+# hands the forward rule each input's ``perturbed`` flag, so a gradient asked through the (bf16, INT4)
+# scale is refused while jax.grad / jax.vjp traces the call, instead of silently coming back as zero.
+# The residuals are the codes, scales and offsets (never a float copy of the weights) and a 0-size
+# array that carries x's dtype.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _grouped_gemm_4bit(x, w, expert_offsets, w_scale, out_dtype, w_format, implementation):
+    return _forward(x, w, expert_offsets, None, w_scale, out_dtype, implementation, w_format)
+
+
+def _grouped_gemm_4bit_fwd(x, w, expert_offsets, w_scale, out_dtype, w_format, implementation):
+    if w_scale.perturbed:
+        raise TypeError(f"grouped_gemm: w_scale gets no gradient: 4-bit scales are frozen ({w_format} codes and "
+                        f"scales get none, CONTRACT.md section 9; only x is differentiable); got a gradient request "
+                        f"through w_scale (take it out of the differentiated arguments, or jax.lax.stop_gradient it)")
+    x, w, expert_offsets, w_scale = x.value, w.value, expert_offsets.value, w_scale.value
+    y = _forward(x, w, expert_offsets, None, w_scale, out_dtype, implementation, w_format)
+    return y, (w, w_scale, expert_offsets, jnp.zeros((0,), x.dtype))
+
+
+def _grouped_gemm_4bit_bwd(out_dtype, w_format, implementation, residuals, d_y):
+    w, w_scale, expert_offsets, x_dtype_carrier = residuals
+    dtype = x_dtype_carrier.dtype
+    if isinstance(d_y, SymbolicZero):  # y's cotangent is a known zero (y unused): an ordinary zero array
+        d_y = jnp.zeros(d_y.shape, d_y.dtype)
+    d_y = d_y.astype(dtype)
+    # wd rounded to d_y's (x's) dtype, an expert at a time (one [N, K] float32 decode live)
+    wd = jax.lax.map(lambda e: cast_rounded(dequantize_weight_4bit_reference(e[0], e[1], w_format), dtype), (w, w_scale))
+    d_x = grouped_gemm_dgrad(d_y, wd, expert_offsets, out_dtype=dtype,
+                             implementation=backward_implementation(implementation, DGRAD_IMPLEMENTATIONS))
+    return d_x, None, None, None
+
+
+_grouped_gemm_4bit.defvjp(_grouped_gemm_4bit_fwd, _grouped_gemm_4bit_bwd, symbolic_zeros=True)
 
 
 @takes_jax_arrays

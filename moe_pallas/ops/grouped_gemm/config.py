@@ -31,6 +31,8 @@ import os
 import jax
 from jax.experimental import pallas as pl
 
+from moe_contract.op_checks import W4_GROUP  # K values per scale of 4-bit weights (CONTRACT.md section 9)
+
 #: Smallest block of a ``dot`` dimension: Hopper's tensor-core instructions (and Triton's
 #: ``tt.dot`` lowering for them) need M, N and K tiles of at least 16.
 MIN_DOT_BLOCK = 16
@@ -169,7 +171,18 @@ def _pow2_block(n: int, cap: int) -> int:
     return max(MIN_DOT_BLOCK, min(cap, pl.next_power_of_2(max(n, 1))))
 
 
-def heuristic_grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int) -> GroupedGemmDgradConfig:
+#: Wide tiles of the Pallas-Triton dgrad (see :func:`heuristic_grouped_gemm_dgrad_config`): 128 rows x 256
+#: columns of d_x per program over 8 warps (two wgmma warpgroups), N stepped by 64, 3 stages.
+DGRAD_WIDE_CONFIG = GroupedGemmDgradConfig(block_m=128, block_n=64, block_k=256, num_warps=8, num_stages=3)
+#: Wide tiles of the Pallas-Triton wgrad (see :func:`heuristic_grouped_gemm_wgrad_config`): a 128 x 256 tile
+#: of d_w[e] per program over 8 warps, 64 rows a step, 3 stages.
+WGRAD_WIDE_CONFIG = GroupedGemmWgradConfig(block_m=64, block_n=128, block_k=256, num_warps=8, num_stages=3)
+#: Rows from which the wide backward tiles pay (measured at 16384, as the Triton kernels' in moe_torch).
+WIDE_MIN_ROWS = 8192
+
+
+def heuristic_grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, w_block: bool = False
+                                        ) -> GroupedGemmDgradConfig:
     """Untuned first choice for the dgrad of ``d_y [M_cap, N]`` (``itemsize`` bytes a value: the dot
     operands', i.e. ``d_y``'s, also for FP8 weights, which are dequantized to it) and ``w [E, N, K]``.
 
@@ -178,7 +191,14 @@ def heuristic_grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, item
     block; ``block_n`` (the contraction step) one 128-byte row of ``d_y`` (``K_TILE_BYTES / itemsize``).
     Powers of two <= 128 always divide 128, so block weight scales fit. 4 warps: a 64 x 128 float32
     accumulator is 64 registers a thread; 3 stages: ``3 x (64 x 64 + 64 x 128) x 2`` bytes = 72 KiB of
-    shared memory at the largest bf16 tile (float32: half the N step, the same bytes)."""
+    shared memory at the largest bf16 tile (float32: half the N step, the same bytes).
+
+    16-bit ``d_y`` at ``M_cap >= WIDE_MIN_ROWS`` without 128x128 weight blocks (``w_block``: a 256-wide
+    tile would straddle two scale blocks) and ``K >= 256``: :data:`DGRAD_WIDE_CONFIG`. H200, 2026-12-01
+    (``benchmarks/profile_bwd_jax.py --pt-dgrad``, E=32, M=16384, uniform rows, bit-identical): gate_up
+    (K=7168, N=4096) 3.12 -> 2.27 ms, down (K=2048, N=7168) 1.77 -> 1.34 ms."""
+    if itemsize == 2 and M_cap >= WIDE_MIN_ROWS and not w_block and K >= 256:
+        return DGRAD_WIDE_CONFIG
     block_m = _pow2_block(-(-max(M_cap, 1) // max(E, 1)), MAX_BLOCK_M)
     block_k = _pow2_block(K, MAX_BLOCK_N)
     block_n = _pow2_block(N, K_TILE_BYTES // itemsize)
@@ -201,7 +221,14 @@ def heuristic_grouped_gemm_wgrad_config(M_cap: int, N: int, K: int, E: int, item
     contraction per operand column (``K_TILE_BYTES / itemsize``: 64 bf16, 32 float32), at most the
     average rows per expert rounded up to a power of two (a decode-size expert with 3 rows reads one
     16-row step, not 64). 3 stages: ``3 x (64 x 64 + 64 x 128) x 2`` bytes = 72 KiB of shared memory
-    at the largest bf16 tile."""
+    at the largest bf16 tile.
+
+    16-bit inputs at ``M_cap >= WIDE_MIN_ROWS`` with ``N >= 128``, ``K >= 256`` and at least 64 rows per
+    expert on average: :data:`WGRAD_WIDE_CONFIG`. H200, 2026-12-01 (``profile_bwd_jax.py --pt-wgrad``,
+    bf16 ``d_w``): down (K=2048, N=7168, M=16384) 1.53 -> 1.26 ms (the torch Triton kernel's probe
+    chose the same tile for gate_up: 2.52 -> 2.23 ms)."""
+    if itemsize == 2 and M_cap >= WIDE_MIN_ROWS and N >= 128 and K >= 256 and M_cap >= 64 * max(E, 1):
+        return WGRAD_WIDE_CONFIG
     block_n = _pow2_block(N, MAX_WGRAD_BLOCK_N)
     block_k = _pow2_block(K, MAX_WGRAD_BLOCK_K)
     block_m = _pow2_block(-(-max(M_cap, 1) // max(E, 1)), K_TILE_BYTES // itemsize)
@@ -349,11 +376,12 @@ def nearest_tuned(device_kind: str | None, backend: str, M_cap: int, N: int, K: 
 
 
 def triton_config_problem(cfg: GroupedGemmConfig, group_size: int | None, w_block: bool, *,
-                          interpret: bool = False) -> str | None:
+                          interpret: bool = False, w_4bit: bool = False) -> str | None:
     """Why ``cfg`` cannot serve a Pallas-Triton request (``None``: it can): every dot block >= 16 on the
     GPU; ``block_k`` divides the per-token-group size ``G``; with 128x128 weight blocks, ``block_n``
-    and ``block_k`` divide 128. The one home of these rules (``pallas_triton.check_supported`` raises
-    the message; the tuned lookup skips an entry that has one)."""
+    and ``block_k`` divide 128; with 4-bit weights (``w_4bit``), ``block_k`` is a multiple of 32 (each
+    K step holds whole scale groups). The one home of these rules (``pallas_triton.check_supported``
+    raises the message; the tuned lookup skips an entry that has one)."""
     op = "grouped_gemm[pallas_triton]"
     small = {n: getattr(cfg, n) for n in ("block_m", "block_n", "block_k") if getattr(cfg, n) < MIN_DOT_BLOCK}
     if small and not interpret:
@@ -366,6 +394,9 @@ def triton_config_problem(cfg: GroupedGemmConfig, group_size: int | None, w_bloc
     if w_block and (SCALE_BLOCK % cfg.block_n or SCALE_BLOCK % cfg.block_k):
         return (f"{op}: 128x128 block weight scales need block_n and block_k to divide {SCALE_BLOCK} "
                 f"(one scale per tile and K step); got block_n={cfg.block_n}, block_k={cfg.block_k}")
+    if w_4bit and cfg.block_k % W4_GROUP:
+        return (f"{op}: 4-bit weights need block_k to be a multiple of {W4_GROUP} (each K step decodes whole "
+                f"scale groups of {W4_GROUP}); got block_k={cfg.block_k}")
     return None
 
 

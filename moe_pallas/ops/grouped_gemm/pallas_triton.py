@@ -19,6 +19,10 @@ per-token ``[M_cap, 1]`` or per-token-group ``[M_cap, K // G]`` (always indexed 
 ``w_scale`` per-expert ``[E]``, per-output-channel ``[E, N]`` or ``128 x 128`` blocks
 ``[E, ceil(N/128), ceil(K/128)]``. Scales that vary along K (per-token-group, block) multiply each
 K step's partial sum before it is accumulated; the others multiply the finished accumulator.
+4-bit weights (CONTRACT.md section 9): ``w [E, N, K // 2]`` uint8 packed codes (``w_format`` ``"mxfp4"``
+or ``"int4"``) with ``w_scale [E, N, K // 32]`` (uint8 e8m0 / bf16), ``x`` float: each K step decodes
+its weight bytes in the kernel, one group of 32 K values at a time (:func:`_w4_group_part`), and
+feeds the float weights, rounded to ``x.dtype``, to the dots.
 
 Learned from: the tile-to-group metadata and the static grid bound ``m_tiles + num_groups - 1`` of
 jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/tpu/megablox/gmm.py (``make_group_metadata``),
@@ -44,6 +48,7 @@ from jax.experimental.pallas import triton as plgpu
 from moe_pallas.ops import common as _common  # its import applies patch_pallas_triton_offsets
 from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, GroupedGemmConfig, gpu_device_kind,
                                                  grouped_gemm_config, triton_config_problem)
+from moe_pallas.ops.quant.reference import W4_GROUP, e2m1_to_float32, e8m0_to_float32, int4_to_float32
 
 FP8_DTYPE = jnp.float8_e4m3fn
 
@@ -99,8 +104,52 @@ def tile_metadata(expert_offsets: jax.Array, M_cap: int, E: int, block_m: int) -
     return step_expert, step_lo, step_hi
 
 
+def _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok, kg, K: int, w_format: str, precision):
+    """``x[rows, kg : kg + 32] @ wd[e, cols, kg : kg + 32].T`` (float32 ``[block_m, block_n]``) for one
+    4-bit scale group starting at ``kg`` (a multiple of 32; a group at or past ``K`` adds 0).
+
+    The group's 16 weight bytes a row hold the codes of its even K columns in their low nibbles and of
+    its odd columns in their high nibbles. Re-interleaving them into one ``[block_n, 32]`` tile needs a
+    join / reshape / strided slice of a value, which the Pallas-Triton lowering does not have
+    (``slice``: "Unimplemented primitive"), so the product is taken as two dots over 16 columns each:
+    ``x[:, kg::2] @ lo.T + x[:, kg+1::2] @ hi.T``. ``x``'s even and odd columns are loaded by index
+    arrays (a gather: Triton loads are pointer tensors anyway); a strided ``pl.ds(..., stride=2)`` load
+    lowers for the GPU but has no interpret-mode rule, and a masked load with index arrays neither.
+    So the loads are unmasked, and every index points at an element that may be read: rows outside
+    ``[lo, hi)`` read row ``lo`` and a group past ``K`` reads the last group's columns, and ``where`` puts
+    zeros there (rows of other experts and rows ``>= M`` are never read).
+
+    Decoding is arithmetic: nibbles by mask and shift, e2m1 values and e8m0 powers of two from their
+    bits (``e2m1_to_float32`` / ``e8m0_to_float32``: ``s = 255`` is NaN), INT4 ``(code - 8) * scale``;
+    the float32 products are rounded to ``x.dtype`` (CONTRACT.md section 9) and the dots accumulate in
+    float32."""
+    half = W4_GROUP // 2
+    g_ok = kg < K  # the whole group is in or out (K % 32 == 0)
+    x_rows = jnp.where(row_ok, rows, lo)[:, None]  # [block_m, 1]
+    x_cols = jnp.minimum(kg, K - W4_GROUP) + 2 * jnp.arange(half)[None, :]  # [1, 16]: the group's even columns
+    x_mask = row_ok[:, None] & g_ok
+    zero_x = jnp.zeros((), x_ref.dtype)
+    x_even = jnp.where(x_mask, x_ref[x_rows, x_cols], zero_x)  # [block_m, 16]
+    x_odd = jnp.where(x_mask, x_ref[x_rows, x_cols + 1], zero_x)
+    w_mask = col_ok & g_ok
+    packed = plgpu.load(w_ref.at[e, cols_ds, pl.ds(kg // 2, half)], mask=w_mask[:, None],
+                        other=jnp.zeros((), w_ref.dtype)).astype(jnp.int32)  # [block_n, 16] bytes
+    s = plgpu.load(ws_ref.at[e, cols_ds, kg // W4_GROUP], mask=w_mask, other=jnp.zeros((), ws_ref.dtype))  # [block_n]
+    if w_format == "mxfp4":
+        scale, decode = e8m0_to_float32(s), e2m1_to_float32
+    else:
+        scale, decode = s.astype(jnp.float32), int4_to_float32
+    scale = scale[:, None]
+    dims = (((1,), (1,)), ((), ()))
+    part = jax.lax.dot_general(x_even, (decode(packed & 15) * scale).astype(x_ref.dtype), dims,
+                               precision=precision, preferred_element_type=jnp.float32)
+    return part + jax.lax.dot_general(x_odd, (decode(packed >> 4) * scale).astype(x_ref.dtype), dims,
+                                      precision=precision, preferred_element_type=jnp.float32)
+
+
 def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: int, x_scale_kind: str | None,
-            w_scale_kind: str | None, group_size: int, block_m: int, block_n: int, block_k: int, precision):
+            w_scale_kind: str | None, group_size: int, block_m: int, block_n: int, block_k: int, precision,
+            w_format: str | None = None):
     """One ``block_m x block_n`` tile of ``y`` for the rows of one expert.
 
     Grid ``(cdiv(M_cap, block_m) + E, cdiv(N, block_n))``; program ``(s, j)`` owns rows
@@ -109,9 +158,13 @@ def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: 
     Refs (whole arrays): ``expert_ref, lo_ref, hi_ref [n_steps]`` int32 (:func:`tile_metadata`);
     ``x_ref [M_cap, K]``; ``w_ref [E, N, K]``; then, for FP8, ``xs_ref`` (``[1]`` per-tensor,
     ``[M_cap]`` per-token, ``[M_cap, K // G]`` per-token-group) and ``ws_ref`` (``[E]``,
-    ``[E, N]`` or ``[E, ceil(N/128), ceil(K/128)]``) float32; last ``y_ref [M_cap, N]``.
+    ``[E, N]`` or ``[E, ceil(N/128), ceil(K/128)]``) float32; for 4-bit ``w_format``, ``w_ref [E, N, K // 2]``
+    uint8 and ``ws_ref [E, N, K // 32]`` (uint8 / bf16) instead; last ``y_ref [M_cap, N]``.
     """
-    if x_scale_kind is None:
+    if w_format is not None:
+        ws_ref, y_ref = refs
+        xs_ref = None
+    elif x_scale_kind is None:
         (y_ref,) = refs
         xs_ref = ws_ref = None
     else:
@@ -137,6 +190,11 @@ def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: 
 
         def k_step(kk, acc):
             k0 = kk * block_k
+            if w_format is not None:  # block_k is a multiple of 32: its scale groups, unrolled
+                for g in range(block_k // W4_GROUP):
+                    acc = acc + _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok,
+                                               k0 + g * W4_GROUP, K, w_format, precision)
+                return acc
             k_ok = k0 + jnp.arange(block_k) < K
             ks = pl.ds(k0, block_k)
             xt = plgpu.load(x_ref.at[rows_ds, ks], mask=row_ok[:, None] & k_ok[None, :], other=zero_x)  # [block_m, block_k]
@@ -180,16 +238,16 @@ def scale_kinds(x_scale: jax.Array | None, w_scale: jax.Array | None, K: int) ->
 
 
 def check_supported(x_kind: str | None, w_kind: str | None, group_size: int, cfg: GroupedGemmConfig,
-                    interpret: bool) -> None:
+                    interpret: bool, w_format: str | None = None) -> None:
     """Raise ``NotImplementedError`` for a valid request this backend (with ``cfg``) cannot serve
     (the rules: :func:`~moe_pallas.ops.grouped_gemm.config.triton_config_problem`)."""
     problem = triton_config_problem(cfg, group_size if x_kind == "per_token_group" else None, w_kind == "block",
-                                    interpret=interpret)
+                                    interpret=interpret, w_4bit=w_format is not None)
     if problem:
         raise NotImplementedError(problem)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "w_format"))
 def grouped_gemm_pallas_triton(
     x: jax.Array,
     w: jax.Array,
@@ -200,29 +258,36 @@ def grouped_gemm_pallas_triton(
     out_dtype=None,
     config: GroupedGemmConfig | None = None,
     interpret: bool | None = None,
+    w_format: str | None = None,
 ) -> jax.Array:
     """``y[m] = x[m] @ w[e(m)].T`` (FP8: ``(q_x @ q_w.T) * x_scale[m] * w_scale[e(m), ...]``), float32 accumulation.
 
     Args (validated by ``moe_pallas.ops.grouped_gemm.api.grouped_gemm``):
       x: ``[M_cap, K]`` float32 / bf16 / float16, or float8_e4m3fn codes.
-      w: ``[E, N, K]`` (out, in), ``x``'s dtype (float8_e4m3fn when ``x`` is).
+      w: ``[E, N, K]`` (out, in), ``x``'s dtype (float8_e4m3fn when ``x`` is); or with ``w_format``
+        4-bit packed codes ``[E, N, K // 2]`` uint8 (element ``2i`` in the low nibble), ``x`` float.
       expert_offsets: ``[E + 1]`` int32; rows ``[offsets[e], offsets[e+1])`` use ``w[e]``; rows
         ``>= offsets[-1]`` are not computed and come out zero (they are never read: a NaN there
         stays out of ``y``).
       x_scale: FP8 only, float32 dequantization multiplier (``x ~= q * scale``): ``[]``,
         ``[M_cap, 1]`` or ``[M_cap, K // G]``.
-      w_scale: FP8 only, float32 multiplier: ``[E]``, ``[E, N]`` or ``[E, ceil(N/128), ceil(K/128)]``.
+      w_scale: FP8: float32 multiplier ``[E]``, ``[E, N]`` or ``[E, ceil(N/128), ceil(K/128)]``. 4-bit:
+        ``[E, N, K // 32]``, uint8 e8m0 codes (``"mxfp4"``) or bf16 multipliers (``"int4"``).
       out_dtype: default ``x.dtype`` (bf16 for FP8 inputs).
       config: launch config (default: :func:`grouped_gemm_config` of the shapes: the tuned config of this
         GPU if one is stored and fits, else the heuristic; never a tuned one in interpret mode).
       interpret: run in Pallas interpret mode (default: when ``jax.default_backend() == "cpu"``).
+      w_format: ``None``, or ``"mxfp4"`` / ``"int4"`` for 4-bit ``w`` (CONTRACT.md section 9): each K step
+        decodes its weight tile in float32 and rounds it to ``x.dtype`` before the dots
+        (:func:`_w4_group_part`). Untuned: the heuristic config (no GPU measurement of this path yet).
 
     Grid: ``(cdiv(M_cap, block_m) + E, cdiv(N, block_n))``, static; see :func:`tile_metadata`.
 
     Returns: ``y [M_cap, N]`` in ``out_dtype``.
 
     Raises: NotImplementedError (per-token-group scales whose group size has no power-of-two
-      divisor >= 16, a config whose blocks do not fit the scale layout, blocks < 16 outside
+      divisor >= 16, a config whose blocks do not fit the scale layout (4-bit: ``block_k`` not a
+      multiple of 32), blocks < 16 outside
       interpret mode, or an FP8 array of >= 2**31 elements when this jax's lowering could not be
       patched to 64-bit offsets).
     """
@@ -234,11 +299,12 @@ def grouped_gemm_pallas_triton(
     out_dtype = (jnp.bfloat16 if fp8 else x.dtype) if out_dtype is None else jnp.dtype(out_dtype)
     x_kind, w_kind, G = scale_kinds(x_scale, w_scale, K) if fp8 else (None, None, 0)
     if config is None:  # tuned for this GPU (device kind read on the host at trace time) or the heuristic
+        # (4-bit: the heuristic only, whose block_k, a power of two >= 32 for K >= 32, holds whole groups)
         cfg = grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, G or None, w_block=w_kind == "block",
-                                  device_kind=None if interpret else gpu_device_kind())
+                                  device_kind=None if interpret or w_format else gpu_device_kind())
     else:
         cfg = config
-    check_supported(x_kind, w_kind, G, cfg, interpret)
+    check_supported(x_kind, w_kind, G, cfg, interpret, w_format)
     if not interpret:  # 64-bit offsets where jax's lowering would not give them (common.patch_pallas_triton_offsets)
         _common.pallas_triton_offsets_ok("grouped_gemm_pallas_triton", x=x, w=w)
     if M_cap == 0 or N == 0 or K == 0 or E == 0:  # nothing to launch: empty, or a sum of no terms / no expert
@@ -252,10 +318,13 @@ def grouped_gemm_pallas_triton(
         elif x_kind == "per_token":  # [M_cap, 1] -> [M_cap]: a row-vector load
             xs = xs.reshape(M_cap)
         inputs += [xs, w_scale.astype(jnp.float32)]
+    elif w_format is not None:
+        inputs.append(w_scale)
     # float32 inputs: IEEE products (the Triton default for DEFAULT precision is TF32, 10-bit mantissas).
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, E=E, N=N, K=K, x_scale_kind=x_kind, w_scale_kind=w_kind, group_size=G,
-                               block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, precision=precision)
+                               block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, precision=precision,
+                               w_format=w_format)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((M_cap, N), out_dtype),

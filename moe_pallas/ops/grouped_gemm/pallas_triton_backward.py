@@ -188,7 +188,7 @@ def grouped_gemm_dgrad_pallas_triton(
     E, _, K = w.shape
     out_dtype = d_y.dtype if out_dtype is None else jnp.dtype(out_dtype)
     w_kind = W_SCALE_KINDS[w_scale.ndim] if w.dtype == FP8_DTYPE else None
-    cfg = config or heuristic_grouped_gemm_dgrad_config(M_cap, N, K, E, d_y.dtype.itemsize)
+    cfg = config or heuristic_grouped_gemm_dgrad_config(M_cap, N, K, E, d_y.dtype.itemsize, w_kind == "block")
     problem = triton_backward_config_problem(op, cfg, w_kind == "block", interpret=interpret)
     if problem:
         raise NotImplementedError(problem)

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_pallas.ops.common import cast_rounded
-from moe_pallas.ops.quant.reference import dequantize_fp8_reference, dequantize_weight_fp8_reference
+from moe_pallas.ops.quant.reference import (dequantize_fp8_reference, dequantize_weight_4bit_reference,
+                                            dequantize_weight_fp8_reference)
 
 #: Bytes of gathered float32 weights per chunk of rows.
 _CHUNK_BYTES = 1 << 30
@@ -35,10 +36,17 @@ def grouped_gemm_reference(
     x_scale: jax.Array | None,
     w_scale: jax.Array | None,
     out_dtype,
+    w_format: str | None = None,
 ) -> jax.Array:
-    """``x [M_cap, K]``, ``w [E_local, N, K]``, ``expert_offsets [E_local + 1]`` -> ``y [M_cap, N]``."""
+    """``x [M_cap, K]``, ``w [E_local, N, K]``, ``expert_offsets [E_local + 1]`` -> ``y [M_cap, N]``.
+
+    4-bit ``w`` (``w_format`` ``"mxfp4"`` / ``"int4"``, CONTRACT.md section 9): packed codes
+    ``[E_local, N, K // 2]`` uint8 with ``w_scale [E_local, N, K // 32]``; each row's expert weights are
+    dequantized in float32 and rounded to ``x.dtype``, then multiplied as float weights."""
     M_cap, K = x.shape
     E, N, _ = w.shape
+    if E == 0 or N == 0:  # no expert (every row is past offsets[-1] = 0) or no column: nothing to gather
+        return jnp.zeros((M_cap, N), out_dtype)
     rows = jnp.arange(M_cap, dtype=jnp.int32)
     expert = jnp.searchsorted(expert_offsets[1:], rows, side="right").astype(jnp.int32)  # e(m); E past M
     valid = expert < E
@@ -46,13 +54,17 @@ def grouped_gemm_reference(
     xf = x.astype(jnp.float32) if x_scale is None else dequantize_fp8_reference(x, x_scale)
 
     def rows_times_their_experts(x_rows: jax.Array, e_rows: jax.Array) -> jax.Array:
-        if w_scale is None:
+        if w_format is not None:  # 4-bit: float32 dequantization rounded to x's dtype (section 9)
+            wd = dequantize_weight_4bit_reference(w[e_rows], w_scale[e_rows], w_format)
+            w_rows = cast_rounded(wd, x.dtype).astype(jnp.float32)
+        elif w_scale is None:
             w_rows = w[e_rows].astype(jnp.float32)  # [R, N, K]
         else:
             w_rows = dequantize_weight_fp8_reference(w[e_rows], w_scale[e_rows])
         return jnp.einsum("rk,rnk->rn", x_rows, w_rows, precision=jax.lax.Precision.HIGHEST)
 
-    chunk = max(1, min(M_cap, _CHUNK_BYTES // (N * K * 4)))
+    # 4-bit: the int32 codes and float32 values of the decode are live too (about 4x the float32 weights)
+    chunk = max(1, min(M_cap, _CHUNK_BYTES // max(1, N * K * (16 if w_format is not None else 4))))
     n_chunks = -(-M_cap // chunk)
     if n_chunks == 1:
         y = rows_times_their_experts(xf, expert)

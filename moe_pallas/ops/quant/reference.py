@@ -1,4 +1,7 @@
-"""FP8 (float8_e4m3fn) quantization reference in jnp: CONTRACT.md section 3.
+"""FP8 (float8_e4m3fn) quantization reference in jnp: CONTRACT.md section 3; 4-bit weights (MXFP4,
+INT4 group 32): section 9. Sources of the 4-bit formats: OCP Microscaling Formats (MX) Specification
+v1.0 (e2m1 codes, e8m0 scales, the ``floor(log2(amax))`` scale exponent); compressed-tensors
+``pack-quantized`` (symmetric INT4 groups, offset-binary codes packed eight to an int32).
 
 Every scale is a *dequantization multiplier*: ``x ~= q * scale``.
 Mirror: ``moe_torch/ops/quant/reference.py``.
@@ -9,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from moe_contract.op_checks import W4_GROUP  # values of one 4-bit scale group along K (CONTRACT.md section 9)
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -236,3 +241,235 @@ def _quantize_weight_chunk(w: jax.Array, layout: str, block: int) -> tuple[jax.A
     scale = scale_from_amax(amax)  # [n, nb, kb]
     expanded = jnp.repeat(jnp.repeat(scale, block, axis=1)[:, :N], block, axis=2)[:, :, :K]  # broadcasts XLA fuses
     return quantize_div_fp8(w.astype(jnp.float32), expanded), scale
+
+
+# --- 4-bit expert weights: MXFP4 and INT4 group 32 (CONTRACT.md section 9) --------------------------
+#
+# Codes are packed two a byte along K (element 2i in the low nibble, 2i + 1 in the high one), one scale per
+# group of 32 values along K. The quantizers and dequantizers below must be bit-identical to moe_torch's
+# on the CPU and the GPU, and two things in XLA stand in the way of plain float code:
+#
+# - XLA's CPU runtime flushes subnormal float32 values to zero, as inputs and as results (measured here:
+#   ``w * 2**127`` of a subnormal ``w`` gives 0), while torch keeps them (as does XLA on the GPU). MXFP4
+#   reaches subnormals for real: its smallest scale is ``2^-127``, and a group whose ``max |w|`` is below
+#   ``2^-124`` has ``s = 0``, so a subnormal weight may become a nonzero code. So every value that may be
+#   subnormal is read and written through its bits, with integer arithmetic; float operations are used
+#   only where every operand and result is normal (or where a flush provably changes nothing).
+# - XLA's GPU backend lowers float32 ``/`` to an approximate division and drops float32 -> narrow ->
+#   float32 convert pairs: no division and no such round trip appears here (the INT4 quotient's rounding
+#   is decided by exact comparisons, the bf16 rounding of the INT4 scale is done on the bits).
+#
+# The kernel-safe decoders (``e2m1_to_float32``, ``e8m0_to_float32``, ``int4_to_float32``) serve the
+# Pallas-Triton grouped GEMM, which multiplies them in float32 on its tiles.
+
+#: The e8m0 scale code that means NaN (OCP MX v1.0): its whole group dequantizes to NaN.
+E8M0_NAN = 255
+#: e2m1 rounding of a magnitude ``|v|``: the midpoints between the values ``0, 0.5, 1, 1.5, 2, 3, 4, 6``
+#: and whether a tie on one goes up. A tie goes to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
+#: 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4); the code is the number of midpoints passed (so above 5 it is
+#: 7, the value 6: saturation).
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+#: float32(2 / 15): INT4 scales are ``max(amax, 1e-10) * INT4_INV_QMAX`` (compressed-tensors divides by 7.5).
+INT4_INV_QMAX = np.float32(2.0 / 15.0)
+_F32_INF_BITS = 0x7F800000
+_F32_NAN_BITS = 0x7FC00000
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """The bit pattern of float32 ``x`` as int32 (a same-width bitcast: subnormals pass unchanged)."""
+    return jax.lax.bitcast_convert_type(x, jnp.int32)
+
+
+def _float(bits: jax.Array) -> jax.Array:
+    """float32 from an int32 bit pattern."""
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def e2m1_to_float32(code: jax.Array) -> jax.Array:
+    """float32 values of e2m1 codes (an int array, values 0..15): sign bit 3, exponent bits 2..1, mantissa
+    bit 0; ``0, 0.5, 1, 1.5, 2, 3, 4, 6`` for 0..7 and their negatives for 8..15 (8 is -0.0).
+
+    By arithmetic: exponent ``E``, mantissa ``M``: ``M * 2^-1`` for ``E = 0``, ``(2 + M) * 2^(E - 2)``
+    above, the power of two built from its exponent bits (exact). Kernel-safe."""
+    c = code.astype(jnp.int32)
+    e, m = (c >> 1) & 3, c & 1
+    sig = jnp.where(e > 0, m + 2, m)
+    mag = sig.astype(jnp.float32) * _float((jnp.maximum(e, 1) + 125) << 23)  # 2^(max(E, 1) - 2)
+    return jnp.where((c & 8) != 0, -mag, mag)
+
+
+def e8m0_to_float32(s: jax.Array) -> jax.Array:
+    """float32 ``2^(s - 127)`` of e8m0 scale codes ``s`` (an int array, 0..255), from the bits:
+    ``s = 0`` is ``2^-127`` (subnormal: bit 22), ``s = 255`` is NaN (OCP MX v1.0). Kernel-safe."""
+    b = s.astype(jnp.int32)
+    return _float(jnp.where(b == 0, 1 << 22, jnp.where(b == E8M0_NAN, _F32_NAN_BITS, b << 23)))
+
+
+def int4_to_float32(code: jax.Array) -> jax.Array:
+    """float32 ``code - 8`` of offset-binary INT4 codes (an int array, 0..15): ``-8 .. 7``. Kernel-safe."""
+    return (code.astype(jnp.int32) - 8).astype(jnp.float32)
+
+
+def pack_nibbles(codes: jax.Array) -> jax.Array:
+    """``codes [..., K]`` (ints 0..15, ``K`` even) -> ``[..., K // 2]`` uint8, element ``2i`` in the low nibble."""
+    c = codes.astype(jnp.int32).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (c[..., 0] | (c[..., 1] << 4)).astype(jnp.uint8)
+
+
+def unpack_nibbles(w_q: jax.Array) -> jax.Array:
+    """``w_q [..., K // 2]`` uint8 -> codes ``[..., K]`` int32 (the low nibble is element ``2i``)."""
+    b = w_q.astype(jnp.int32)
+    return jnp.stack([b & 15, b >> 4], axis=-1).reshape(*w_q.shape[:-1], 2 * w_q.shape[-1])
+
+
+def _group_bits(w: jax.Array) -> jax.Array:
+    """The float32 bits of ``w [..., K]`` (any float dtype: its float32 value is exact), int32 ``[..., K // 32, 32]``."""
+    return _bits(w.astype(jnp.float32)).reshape(*w.shape[:-1], w.shape[-1] // W4_GROUP, W4_GROUP)
+
+
+def _exact_scaled(P: jax.Array, X: jax.Array, negative: jax.Array) -> jax.Array:
+    """float32 ``(-1)^negative * P * 2^X``, built on the bits, for int32 ``P`` in ``[0, 2^24)`` and ``X >= -149``
+    where that value is a float32 (normal, or subnormal with ``P * 2^(X + 149)`` an integer); above the float32
+    range it is inf (IEEE overflow). ``float32(P)`` is exact and normal, its exponent field gives
+    ``floor(log2 P)``; the result's exponent is that plus ``X``; a subnormal result is the integer
+    ``P * 2^(X + 149)`` itself. ``P = 0`` gives a zero of the sign ``negative``."""
+    pb = _bits(P.astype(jnp.float32))
+    q = ((pb >> 23) - 127) + X  # the result's exponent
+    normal = ((jnp.clip(q, -126, 127) + 127) << 23) | (pb & 0x7FFFFF)
+    normal = jnp.where(q > 127, _F32_INF_BITS, normal)
+    subnormal = P << jnp.clip(X + 149, 0, 31)
+    bits = jnp.where(P == 0, 0, jnp.where(q >= -126, normal, subnormal))
+    return _float(bits | (negative.astype(jnp.int32) << 31))
+
+
+def quantize_weight_mxfp4_reference(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``w [..., N, K]`` float (``K % 32 == 0``) -> ``(w_q [..., N, K // 2] uint8, w_scale [..., N, K // 32] uint8)``.
+
+    CONTRACT.md section 9 on the exact float32 value of ``w``, per group of 32, all on the bits of ``w``
+    (``|w| = S * 2^X``, ``S < 2^24`` the significand with its implicit bit, ``X`` the exponent):
+
+    - ``amax = max |w|``: the largest magnitude bit pattern (float32 order is integer order there).
+    - ``s = clamp(floor(log2(amax)) - 2 + 127, 0, 254) = max(E_amax - 2, 0)``, ``E_amax`` the biased
+      exponent field of ``amax``: ``floor(log2)`` of a normal float32 is ``E - 127``; zero and subnormals
+      have ``E = 0`` and ``floor(log2) <= -127``, so ``s = 0``; finite ``E`` is at most 254.
+    - ``v = w / 2^(s - 127) = S * 2^p`` with ``p = X + 127 - s``, exact unless it is subnormal, where the
+      code is 0 either way. ``|v| < 8`` (``|w| < 2^(E_amax - 126)``), so for ``S >= 1``, ``p <= 2``; and
+      for ``p < -26``, ``|v| < 2^-3``. So ``S * 2^clip(p, -26, 2)`` (a normal float32, exact) lies on the
+      same side of every midpoint as ``|v|``; the code's magnitude is the number of midpoints it passes
+      (:data:`_E2M1_MIDPOINTS`).
+    - The sign bit: ``v < 0``, i.e. ``w`` negative and ``fl32(|v|) != 0``, i.e. ``S * 2^p > 2^-150``
+      (exactly ``2^-150`` rounds to the even 0).
+
+    Jittable, no host check: a group holding inf or NaN gets the NaN scale 255 (the public
+    ``quantize_weight_mxfp4`` refuses such weights on the host)."""
+    b = _group_bits(w)
+    ab = b & 0x7FFFFFFF
+    e_amax = jnp.max(ab, axis=-1) >> 23
+    s = jnp.maximum(e_amax - 2, 0)
+    e = ab >> 23
+    S = jnp.where(e > 0, (ab & 0x7FFFFF) | 0x800000, ab)
+    p = jnp.maximum(e, 1) - 150 + 127 - s[..., None]
+    a = S.astype(jnp.float32) * _float((jnp.clip(p, -26, 2) + 127) << 23)
+    mag = sum(((a >= t) if up else (a > t)).astype(jnp.int32) for t, up in _E2M1_MIDPOINTS)
+    d = -150 - p  # fl32(|v|) != 0  <=>  S > 2^d (d >= 0), S >= 1 (d < 0)
+    v_nonzero = jnp.where(d < 0, S >= 1, S > (1 << jnp.clip(d, 0, 30)))
+    codes = mag | (((b < 0) & v_nonzero).astype(jnp.int32) << 3)
+    s = jnp.where(e_amax == 255, E8M0_NAN, s)
+    return pack_nibbles(codes.reshape(w.shape)), s.astype(jnp.uint8)
+
+
+def dequantize_weight_mxfp4_reference(w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """``w_q [..., N, K // 2]`` uint8, ``w_scale [..., N, K // 32]`` uint8 -> float32 ``[..., N, K]``:
+    ``e2m1(code) * 2^(s - 127)``, NaN for ``s = 255``. Exact (at most 2 significant bits times a power of
+    two; 6 or 4 times ``2^127`` overflow to inf), built on the bits (:func:`_exact_scaled`: the results of
+    ``s <= 2`` may be subnormal). The e2m1 magnitude is ``sig * 2^(max(E, 1) - 2)`` (see :func:`e2m1_to_float32`)."""
+    c = unpack_nibbles(w_q)
+    c = c.reshape(*w_scale.shape, W4_GROUP)
+    e, m = (c >> 1) & 3, c & 1
+    sig = jnp.where(e > 0, m + 2, m)
+    s = w_scale.astype(jnp.int32)[..., None]
+    out = _exact_scaled(sig, jnp.maximum(e, 1) - 2 + s - 127, (c & 8) != 0)
+    out = jnp.where(s == E8M0_NAN, jnp.float32(jnp.nan), out)
+    return out.reshape(*w_q.shape[:-1], 2 * w_q.shape[-1])
+
+
+def int4_scale_reference(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(scale bf16, the same value in float32)`` from a group's ``amax`` (float32):
+    ``bf16_rne(max(amax, 1e-10) * float32(2 / 15))``. The product is one correctly rounded float32
+    multiplication of normal numbers (a subnormal ``amax`` loses to ``1e-10`` whether or not it is
+    flushed); the bf16 rounding is done on the bits (round half to even at bit 16, exact for these finite
+    positive values), so no float32 -> bf16 -> float32 convert pair exists for XLA to drop. A non-finite
+    ``amax`` gives the NaN scale."""
+    t = jnp.maximum(amax, AMAX_FLOOR) * INT4_INV_QMAX
+    b = _bits(t)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & ~0xFFFF
+    b = jnp.where(_bits(amax) >= _F32_INF_BITS, _F32_NAN_BITS, b)
+    scale16 = jax.lax.bitcast_convert_type((b >> 16).astype(jnp.uint16), jnp.bfloat16)
+    return scale16, _float(b)
+
+
+def _int4_midpoint(k: int) -> tuple[float, bool, np.float32]:
+    """``(m, ties_up, h)`` for the magnitude ``k + 1``: the midpoint ``m = k + 0.5`` below it, whether a tie of
+    ``rne`` on ``m`` goes up (``k`` odd: ``k + 1`` is even), and half the float32 spacing on the side of ``m``
+    that decides: above it when ties stay (``k`` even), below it when they go up."""
+    m = np.float32(k + 0.5)
+    ties_up = k % 2 == 1
+    side = np.nextafter(m, np.float32(0)) if ties_up else np.nextafter(m, np.float32(8))
+    return float(m), ties_up, np.float32(abs(m - side) / 2)
+
+
+_INT4_MIDPOINTS = tuple(_int4_midpoint(k) for k in range(8))
+
+
+def quantize_weight_int4_reference(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``w [..., N, K]`` float (``K % 32 == 0``) -> ``(w_q [..., N, K // 2] uint8, w_scale [..., N, K // 32] bf16)``.
+
+    CONTRACT.md section 9: ``scale`` from :func:`int4_scale_reference` of ``amax = max |w|`` (taken on the
+    bits); ``q = clamp(rne(fl32(w / scale)), -8, 7)`` (the correctly rounded float32 quotient, then round
+    half to even); ``code = q + 8``.
+
+    No division is computed. For ``a = |w|`` and ``s`` the scale, ``rne(fl32(a / s)) >= k + 1`` iff
+    ``fl32(a / s)`` passes the midpoint ``m = k + 0.5``, or lands on it with ``k`` odd. ``m`` has at most 4
+    significant bits, so it is an even float32 and wins the ties of float32 rounding: ``fl32(a / s) > m``
+    iff ``a / s > m + u/2`` and ``fl32(a / s) >= m`` iff ``a / s >= m - d/2`` (``u``, ``d`` the float32
+    spacings above and below ``m``). Times ``s``: ``a - m*s > (u/2)*s`` resp. ``a - m*s >= -(d/2)*s``.
+    Both products are exact (``s`` is a normal bf16 value, 8 significant bits, ``>= 1.3e-11``), so is
+    ``a - m*s`` where ``m*s/2 <= a <= 2*m*s`` (Sterbenz), and outside that range the difference is at
+    least ``m*s/2`` in magnitude, far from the right side (``~2^-22 * s``): each test is exact (a fused
+    multiply-add changes nothing, ``m*s`` being exact; a flushed subnormal ``a`` neither: it is far below
+    ``m*s``). The magnitude is the number of tests passed, at most 7 for ``w >= 0`` and 8 for ``w < 0`` (the
+    clamp); a magnitude 0 is code 8 whatever the sign.
+
+    Jittable, no host check: a group holding inf or NaN gets the NaN scale (the public
+    ``quantize_weight_int4`` refuses such weights on the host)."""
+    b = _group_bits(w)
+    ab = b & 0x7FFFFFFF
+    scale16, s = int4_scale_reference(_float(jnp.max(ab, axis=-1)))
+    s = s[..., None]
+    a = _float(ab)
+    mag = sum((((a - m * s) >= -h * s) if up else ((a - m * s) > h * s)).astype(jnp.int32)
+              for m, up, h in _INT4_MIDPOINTS)
+    q = jnp.where(b < 0, -mag, jnp.minimum(mag, 7))
+    return pack_nibbles((q + 8).reshape(w.shape)), scale16
+
+
+def dequantize_weight_int4_reference(w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """``w_q [..., N, K // 2]`` uint8, ``w_scale [..., N, K // 32]`` bf16 -> float32 ``[..., N, K]``:
+    ``float32(code - 8) * float32(scale)``, the IEEE product, exact (4 times 8 significant bits): built on
+    the bits (:func:`_exact_scaled`) for finite scales, as a subnormal bf16 scale gives subnormal products;
+    a NaN / inf scale gives the float product (NaN, or inf of the product's sign; NaN for code 8)."""
+    c = unpack_nibbles(w_q).reshape(*w_scale.shape, W4_GROUP)
+    q = c - 8
+    sb = jax.lax.bitcast_convert_type(w_scale, jnp.uint16).astype(jnp.int32)[..., None]  # bf16 bits
+    e = (sb >> 7) & 0xFF
+    sig = jnp.where(e > 0, (sb & 0x7F) | 0x80, sb & 0x7F)  # |scale| = sig * 2^(max(e, 1) - 134)
+    out = _exact_scaled(jnp.abs(q) * sig, jnp.maximum(e, 1) - 134, (q < 0) ^ ((sb >> 15) == 1))
+    out = jnp.where(e == 0xFF, q.astype(jnp.float32) * w_scale.astype(jnp.float32)[..., None], out)
+    return out.reshape(*w_q.shape[:-1], 2 * w_q.shape[-1])
+
+
+def dequantize_weight_4bit_reference(w_q: jax.Array, w_scale: jax.Array, w_format: str) -> jax.Array:
+    """:func:`dequantize_weight_mxfp4_reference` or :func:`dequantize_weight_int4_reference` by ``w_format``."""
+    if w_format == "mxfp4":
+        return dequantize_weight_mxfp4_reference(w_q, w_scale)
+    return dequantize_weight_int4_reference(w_q, w_scale)

@@ -1,4 +1,5 @@
-"""Gated activations between the two GEMMs, optionally quantized straight to FP8 (CONTRACT.md section 4),
+"""Gated activations between the two GEMMs (silu, gelu_tanh, gpt-oss's swiglu_oai; gate and up concatenated or
+interleaved), optionally quantized straight to FP8 (CONTRACT.md section 4),
 and their backward (section 8): ``act_and_mul_backward``, and ``act_and_mul`` differentiable in ``h``
 (a ``torch.autograd.Function`` whose backward is ``act_and_mul_backward`` with the same implementation).
 
@@ -37,14 +38,16 @@ def _triton_backward(*args):
 
 
 class _ActAndMulFunction(torch.autograd.Function):
-    """``act_and_mul`` with a backward: ``d_h = act_and_mul_backward(h, d_out)`` (quant=None). With FP8
-    quant the codes are not differentiable: the backward raises instead of returning a wrong gradient."""
+    """``act_and_mul`` with a backward: ``d_h = act_and_mul_backward(h, d_out)`` (quant=None, the same
+    activation and layout). With FP8 quant the codes are not differentiable: the backward raises instead of
+    returning a wrong gradient."""
 
     @staticmethod
-    def forward(ctx, h, run, op, activation, quant, implementation):
+    def forward(ctx, h, run, op, activation, layout, quant, implementation):
         out, scale = run()
         ctx.save_for_backward(h)
-        ctx.op, ctx.activation, ctx.quant, ctx.implementation = op, activation, quant, implementation
+        ctx.op, ctx.activation, ctx.layout = op, activation, layout
+        ctx.quant, ctx.implementation = quant, implementation
         return out, scale
 
     @staticmethod
@@ -56,9 +59,9 @@ class _ActAndMulFunction(torch.autograd.Function):
                 f"quant=None for training, or act_and_mul_backward on the float h (straight-through); got a gradient "
                 f"request for h")
         (h,) = ctx.saved_tensors
-        d_h = act_and_mul_backward(h, d_out, activation=ctx.activation, out_dtype=h.dtype,
+        d_h = act_and_mul_backward(h, d_out, activation=ctx.activation, layout=ctx.layout, out_dtype=h.dtype,
                                    implementation=ctx.implementation)
-        return d_h, None, None, None, None, None
+        return d_h, None, None, None, None, None, None
 
 
 @takes_torch_tensors
@@ -66,16 +69,21 @@ def act_and_mul(
     h: torch.Tensor,
     *,
     activation: str = "silu",
+    layout: str = "concatenated",
     quant: str | None = None,
     group_size: int = 128,
     out_dtype=None,
     implementation: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``out = act(h[:, :I]) * h[:, I:]`` in float32 (gate half first, then up half).
+    """``out = act(g) * u`` in float32, ``g`` and ``u`` the gate and up halves of ``h`` (CONTRACT.md section 4).
 
     Args:
       h: ``[M, 2*I]`` float32 / bf16 / float16 (the first GEMM's output).
-      activation: ``"silu"`` (``g * sigmoid(g)``) or ``"gelu_tanh"`` (GELU, tanh approximation).
+      activation: ``"silu"`` (``g * sigmoid(g)``), ``"gelu_tanh"`` (GELU, tanh approximation) or
+        ``"swiglu_oai"`` (gpt-oss, transformers ``GptOssExperts``: ``out = (uc + 1) * gc * sigmoid(1.702 * gc)``
+        with ``gc = min(g, 7)``, ``uc = clamp(u, -7, 7)``; a NaN stays NaN).
+      layout: ``"concatenated"`` (gate ``h[:, :I]``, up ``h[:, I:]``) or ``"interleaved"`` (gpt-oss's
+        ``gate_up_proj``: gate ``h[:, 0::2]``, up ``h[:, 1::2]``).
       quant: ``None``, ``"fp8_per_token"`` (scale ``[M, 1]``) or ``"fp8_per_token_group"``
         (scale ``[M, I // group_size]``), quantized from the float32 values (CONTRACT.md section 3).
       out_dtype: without quant, the result dtype (default ``h.dtype``).
@@ -88,17 +96,17 @@ def act_and_mul(
     :func:`act_and_mul_backward` with the same ``implementation``. With ``quant`` set the backward
     raises ValueError (FP8 codes have no gradient; the layer's FP8 training path is straight-through).
 
-    Raises: ValueError (odd last dim, ``I % group_size``), TypeError (dtype),
+    Raises: ValueError (odd last dim, ``I % group_size``, unknown activation or layout), TypeError (dtype),
       NotImplementedError (``implementation="triton"`` where the kernel cannot run).
     """
     op = f"{activation}_and_mul" if activation in ACTIVATIONS else "act_and_mul"
-    out_dtype = resolve_dtype(check_act_and_mul(op, h, activation, quant, group_size, out_dtype))
+    out_dtype = resolve_dtype(check_act_and_mul(op, h, activation, quant, group_size, out_dtype, layout))
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
-    args = (h.detach(), activation, quant, group_size, out_dtype)
+    args = (h.detach(), activation, quant, group_size, out_dtype, layout)
     backends = {"triton": lambda: _triton(*args), "reference": lambda: act_and_mul_reference(*args)}
     run = lambda: dispatch(op, implementation, backends, h.device)  # noqa: E731
     if torch.is_grad_enabled() and h.requires_grad:
-        return _ActAndMulFunction.apply(h, run, op, activation, quant, implementation)
+        return _ActAndMulFunction.apply(h, run, op, activation, layout, quant, implementation)
     return run()
 
 
@@ -108,33 +116,37 @@ def act_and_mul_backward(
     d_a: torch.Tensor,
     *,
     activation: str = "silu",
+    layout: str = "concatenated",
     out_dtype=None,
     implementation: str | None = None,
 ) -> torch.Tensor:
     """The backward of :func:`act_and_mul` (quant=None), CONTRACT.md section 8, in float32:
-    ``g, u = h[:, :I], h[:, I:]``; ``d_u = d_a * act(g)``; ``d_g = d_a * u * act'(g)`` (silu:
+    ``g, u`` the gate and up halves of ``h``; ``d_u = d_a * act(g)``; ``d_g = d_a * u * act'(g)`` (silu:
     ``s = sigmoid(g)``, ``d_g = d_a * u * s * (1 + g * (1 - s))``, ``d_u = d_a * g * s``; gelu_tanh:
-    the derivative of the tanh formula).
+    the derivative of the tanh formula; swiglu_oai, ``s = sigmoid(1.702 * gc)``: ``d_u = d_a * gc * s`` where
+    ``-7 <= u <= 7``, ``d_g = d_a * (uc + 1) * s * (1 + 1.702 * gc * (1 - s))`` where ``g <= 7``, else 0).
 
     Args:
-      h: ``[M_cap, 2*I]`` float32 / bf16 / float16, the forward's input (gate half first).
+      h: ``[M_cap, 2*I]`` float32 / bf16 / float16, the forward's input.
       d_a: ``[M_cap, I]`` float32 / bf16 / float16, the gradient of the forward's output.
-      activation: ``"silu"`` or ``"gelu_tanh"``.
+      activation: ``"silu"``, ``"gelu_tanh"`` or ``"swiglu_oai"``.
+      layout: where gate and up are in ``h`` (and ``d_g``, ``d_u`` go in ``d_h``): ``"concatenated"`` or
+        ``"interleaved"``, as in :func:`act_and_mul`.
       out_dtype: default ``h.dtype``.
       implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"`` with a
         logged warning; CPU tensors: ``"reference"``), ``"triton"`` (one fused kernel: ``h`` and
         ``d_a`` read once) or ``"reference"``.
 
-    Returns: ``d_h = [d_g | d_u]`` ``[M_cap, 2*I]`` in ``out_dtype``. Row by row: each row of ``d_h``
-    depends only on the same row of ``h`` and ``d_a`` (rows ``>= M`` of zeros give zeros).
+    Returns: ``d_h`` ``[M_cap, 2*I]`` in ``out_dtype`` (``[d_g | d_u]``, or ``d_g``, ``d_u`` interleaved). Row by
+    row: each row of ``d_h`` depends only on the same row of ``h`` and ``d_a`` (rows ``>= M`` of zeros give zeros).
 
-    Raises: ValueError (shapes), TypeError (dtypes), NotImplementedError (``implementation="triton"``
-      where the kernel cannot run).
+    Raises: ValueError (shapes, unknown activation or layout), TypeError (dtypes), NotImplementedError
+      (``implementation="triton"`` where the kernel cannot run).
     """
     op = "act_and_mul_backward"
-    out_dtype = resolve_dtype(check_act_and_mul_backward(op, h, d_a, activation, out_dtype))
+    out_dtype = resolve_dtype(check_act_and_mul_backward(op, h, d_a, activation, out_dtype, layout))
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
-    args = (h.detach(), d_a.detach(), activation, out_dtype)
+    args = (h.detach(), d_a.detach(), activation, out_dtype, layout)
     backends = {"triton": lambda: _triton_backward(*args), "reference": lambda: act_and_mul_backward_reference(*args)}
     return dispatch(op, implementation, backends, h.device)
 
@@ -149,3 +161,10 @@ def silu_and_mul(h: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor 
 def gelu_tanh_and_mul(h: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``gelu_tanh(h[:, :I]) * h[:, I:]``; see :func:`act_and_mul` for the arguments."""
     return act_and_mul(h, activation="gelu_tanh", **kwargs)
+
+
+@takes_torch_tensors
+def swiglu_oai_and_mul(h: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """gpt-oss's ``(clamp(u, -7, 7) + 1) * gc * sigmoid(1.702 * gc)``, ``gc = min(g, 7)``; gate and up
+    concatenated unless ``layout="interleaved"`` (gpt-oss's ``gate_up_proj``); see :func:`act_and_mul`."""
+    return act_and_mul(h, activation="swiglu_oai", **kwargs)

@@ -2,6 +2,10 @@
 
 One frozen, keyword-only dataclass and the heuristic that picks it from the problem shape
 (STYLE.md "Configs"). Every constant says why it has its value.
+
+The gate/up layout (concatenated or interleaved) does not change the heuristics: a program of either layout
+reads the same ``2 * rows * columns`` values of ``h`` (interleaved: one block twice as wide instead of two) and
+holds the same float32 tiles.
 """
 
 from __future__ import annotations

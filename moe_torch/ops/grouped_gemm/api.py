@@ -2,7 +2,8 @@
 and its backward (section 8): ``grouped_gemm_dgrad`` (``d_x``), ``grouped_gemm_wgrad`` (``d_w``), and
 ``grouped_gemm`` differentiable in ``x`` and ``w`` (a ``torch.autograd.Function`` whose backward runs
 those two ops with the forward's ``implementation``; after tokamax ``_src/ops/ragged_dot/base.py``:
-the op owns its VJP, each half an op of its own).
+the op owns its VJP, each half an op of its own). 4-bit weights (MXFP4, INT4 group 32: section 9) are
+a ``w_format`` of ``grouped_gemm``, differentiable in ``x`` only (straight-through).
 
 Mirror: ``moe_pallas/ops/grouped_gemm/api.py``.
 """
@@ -21,17 +22,18 @@ from moe_torch.ops.grouped_gemm.reference import (
     grouped_gemm_reference,
     grouped_gemm_wgrad_reference,
 )
+from moe_torch.ops.quant.reference import dequantize_weight_4bit_reference
 
 IMPLEMENTATIONS = ("triton", "reference")
 
 
-def _triton(*args):
+def _triton(*args, **kwargs):
     """The Triton backend, imported on first use (so that ``moe_torch`` imports without triton)."""
     try:
         from moe_torch.ops.grouped_gemm.triton import grouped_gemm_triton
     except ImportError as exc:
         raise NotImplementedError(f"grouped_gemm: triton is not importable ({exc})") from exc
-    return grouped_gemm_triton(*args)
+    return grouped_gemm_triton(*args, **kwargs)
 
 
 def _triton_dgrad(*args):
@@ -52,13 +54,15 @@ def _triton_wgrad(*args):
     return grouped_gemm_wgrad_triton(*args)
 
 
-def _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation):
+def _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation, w_format=None):
     """:func:`grouped_gemm` on validated arguments (no autograd: the inputs are detached)."""
     x, w = x.detach(), w.detach()
+    w_scale = w_scale.detach() if w_scale is not None else None
     if x.shape[0] == 0:
         return torch.zeros((0, w.shape[1]), dtype=out_dtype, device=x.device)
     args = (x, w, expert_offsets, x_scale, w_scale, out_dtype)
-    backends = {"triton": lambda: _triton(*args), "reference": lambda: grouped_gemm_reference(*args)}
+    fmt = {} if w_format is None else {"w_format": w_format}  # float / FP8 calls stay as they were
+    backends = {"triton": lambda: _triton(*args, **fmt), "reference": lambda: grouped_gemm_reference(*args, **fmt)}
     return dispatch("grouped_gemm", implementation, backends, x.device)
 
 
@@ -130,6 +134,29 @@ class _Fp8GroupedGemmFunction(torch.autograd.Function):
             f"grouped_gemm_wgrad); got a gradient request through {', '.join(ctx.needs)}")
 
 
+class _W4GroupedGemmFunction(torch.autograd.Function):
+    """4-bit ``grouped_gemm`` (CONTRACT.md section 9) in a graph where ``x`` requires grad: differentiable
+    in ``x`` only, straight-through: ``d_x = grouped_gemm_dgrad(d_y, wd)`` with ``wd`` the dequantized
+    weights (float32, rounded to ``x.dtype``), the forward's ``implementation``. The 4-bit codes and
+    scales are frozen (no gradient; :func:`grouped_gemm` refuses a scale that requires grad). Only the
+    codes are kept for the backward; ``wd [E_local, N, K]`` exists only while it runs."""
+
+    @staticmethod
+    def forward(ctx, x, w, expert_offsets, w_scale, out_dtype, w_format, implementation):
+        ctx.save_for_backward(w, w_scale, expert_offsets)
+        ctx.dtype, ctx.w_format, ctx.implementation = x.dtype, w_format, implementation
+        return _forward(x, w, expert_offsets, None, w_scale, out_dtype, implementation, w_format)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_y):
+        w, w_scale, expert_offsets = ctx.saved_tensors
+        d_y = d_y.to(ctx.dtype)
+        wd = dequantize_weight_4bit_reference(w, w_scale, ctx.w_format, ctx.dtype)
+        d_x = _dgrad(d_y, wd, expert_offsets, None, ctx.dtype, ctx.implementation)
+        return d_x, None, None, None, None, None, None
+
+
 @takes_torch_tensors
 def grouped_gemm(
     x: torch.Tensor,
@@ -140,13 +167,15 @@ def grouped_gemm(
     w_scale: torch.Tensor | None = None,
     out_dtype=None,
     implementation: str | None = None,
+    w_format: str | None = None,
 ) -> torch.Tensor:
     """``y[m] = x[m] @ w[e(m)].T``, expert ``e(m)`` given by ``expert_offsets``; float32 accumulation.
 
     Args:
       x: ``[M_cap, K]``, float32 / bf16 / float16, or float8_e4m3fn codes.
       w: ``[E_local, N, K]`` (out, in), the same float dtype as ``x``, or float8_e4m3fn when
-        ``x`` is.
+        ``x`` is; or 4-bit packed codes ``[E_local, N, K // 2]`` uint8 with ``w_format`` (two codes a
+        byte, element ``2i`` in the low nibble; CONTRACT.md section 9).
       expert_offsets: ``[E_local + 1]`` int32, rows ``[offsets[e], offsets[e+1])`` use ``w[e]``;
         rows ``>= offsets[-1]`` are not computed (zero in the result). Only the shape and dtype
         are checked: the values would need a host sync. They must be non-decreasing within
@@ -154,26 +183,45 @@ def grouped_gemm(
         never address outside ``x`` or ``y``, but the result is then undefined.
       x_scale: FP8 only, float32 dequantization multiplier: ``[]`` per-tensor, ``[M_cap, 1]``
         per-token, or ``[M_cap, K // G]`` per-token-group.
-      w_scale: FP8 only, float32: ``[E_local]`` per-expert, ``[E_local, N]`` per-output-channel,
-        or ``[E_local, ceil(N/128), ceil(K/128)]`` 128x128 blocks.
+      w_scale: FP8: float32 ``[E_local]`` per-expert, ``[E_local, N]`` per-output-channel,
+        or ``[E_local, ceil(N/128), ceil(K/128)]`` 128x128 blocks. 4-bit: ``[E_local, N, K // 32]``,
+        one per group of 32 along K: uint8 e8m0 codes (``2^(s - 127)``) for ``"mxfp4"``, bf16
+        multipliers for ``"int4"``.
       out_dtype: result dtype; default ``x.dtype`` (bf16 for FP8 inputs).
       implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"``
         with a logged warning; CPU tensors: ``"reference"``), ``"triton"`` or ``"reference"``.
+      w_format: ``None`` (float / FP8 ``w``), or for uint8 ``w`` (required there) ``"mxfp4"`` (e2m1 codes,
+        OCP MX v1.0) or ``"int4"`` (offset-binary ``code - 8``, compressed-tensors ``pack-quantized``).
+        ``x`` stays float (weight-only, no ``x_scale``), ``K % 32 == 0``; the weights are dequantized in
+        float32 and rounded to ``x.dtype`` before the multiply (the Triton kernel decodes each tile).
 
     Returns: ``y [M_cap, N]``.
 
     Differentiable in ``x`` and ``w`` for float inputs (autograd, when either requires grad): the
     backward is :func:`grouped_gemm_dgrad` (``d_x`` in ``x.dtype``) and :func:`grouped_gemm_wgrad`
     (``d_w`` in ``w.dtype``) with the same ``implementation``. FP8 inputs are not differentiable: if an
-    FP8 code or a scale requires grad, the backward raises TypeError (never a wrong gradient).
+    FP8 code or a scale requires grad, the backward raises TypeError (never a wrong gradient). 4-bit
+    weights: differentiable in ``x`` only, straight-through (``d_x = grouped_gemm_dgrad(d_y, wd)``, ``wd``
+    the dequantized weights in ``x.dtype``); codes and scales are frozen, and a ``w_scale`` that requires
+    grad (with grad mode on) is a TypeError.
 
-    Raises: ValueError (shapes, missing or unexpected scales), TypeError (dtypes),
+    Raises: ValueError (shapes, missing or unexpected scales, ``w_format`` missing for uint8 ``w`` or
+      given for another ``w``, ``K % 32 != 0`` with 4-bit ``w``), TypeError (dtypes, a 4-bit ``w_scale``
+      that requires grad),
       NotImplementedError (``implementation="triton"`` where the kernel cannot run, e.g.
       per-token-group scales whose group ``K // x_scale.shape[1]`` has no power-of-2 divisor >= 32).
     """
     op = "grouped_gemm"
-    out_dtype = resolve_dtype(check_grouped_gemm(op, x, w, expert_offsets, x_scale, w_scale, out_dtype))
+    out_dtype = resolve_dtype(check_grouped_gemm(op, x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format))
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    if w_format is not None:
+        if torch.is_grad_enabled() and w_scale.requires_grad:
+            raise TypeError(f"{op}: w_scale must not require grad: 4-bit scales are frozen ({w_format} codes and "
+                            f"scales get no gradient, CONTRACT.md section 9; only x is differentiable); got "
+                            f"w_scale.requires_grad=True (detach it or set requires_grad=False)")
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _W4GroupedGemmFunction.apply(x, w, expert_offsets, w_scale, out_dtype, w_format, implementation)
+        return _forward(x, w, expert_offsets, None, w_scale, out_dtype, implementation, w_format)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, x_scale, w_scale))
     if grads and x_scale is None:
         return _GroupedGemmFunction.apply(x, w, expert_offsets, out_dtype, implementation)

@@ -2,7 +2,9 @@
 
 ``y[m, :] = x[m, :] @ w[e(m)].T`` with float32 accumulation; for FP8 inputs the product of
 the *dequantized* operands, which equals the contract's ``(q_x @ q_w.T) * scale_x * scale_w``
-(with block scales applied per K block) up to float32 rounding. Rows ``>= M`` are zero.
+(with block scales applied per K block) up to float32 rounding; for 4-bit weights (MXFP4, INT4:
+CONTRACT.md section 9) the product with each expert's weights dequantized in float32 and rounded to
+``x.dtype``. Rows ``>= M`` are zero.
 Reads ``expert_offsets`` on the host (a sync): this is a reference, not a kernel.
 
 The backward (CONTRACT.md section 8): ``grouped_gemm_dgrad_reference`` (``d_x[m] = d_y[m] @ w[e(m)]``)
@@ -19,7 +21,11 @@ from __future__ import annotations
 import torch
 
 from moe_torch.ops.common import cast_rounded
-from moe_torch.ops.quant.reference import dequantize_fp8_reference, dequantize_weight_fp8_reference
+from moe_torch.ops.quant.reference import (
+    dequantize_fp8_reference,
+    dequantize_weight_4bit_reference,
+    dequantize_weight_fp8_reference,
+)
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -34,8 +40,13 @@ def grouped_gemm_reference(
     x_scale: torch.Tensor | None,
     w_scale: torch.Tensor | None,
     out_dtype: torch.dtype,
+    w_format: str | None = None,
 ) -> torch.Tensor:
-    """``x [M_cap, K]``, ``w [E_local, N, K]``, ``expert_offsets [E_local + 1]`` -> ``y [M_cap, N]``."""
+    """``x [M_cap, K]``, ``w [E_local, N, K]``, ``expert_offsets [E_local + 1]`` -> ``y [M_cap, N]``.
+
+    4-bit ``w`` (``w_format`` ``"mxfp4"`` / ``"int4"``, CONTRACT.md section 9): packed codes
+    ``[E_local, N, K // 2]`` uint8 with ``w_scale [E_local, N, K // 32]``; each expert's weights are
+    dequantized in float32 and rounded to ``x.dtype``, then multiplied as float weights."""
     M_cap, K = x.shape
     E, N, _ = w.shape
     acc = _acc_dtype(x)
@@ -46,7 +57,9 @@ def grouped_gemm_reference(
         start, end = offsets[e], offsets[e + 1]
         if end <= start:
             continue  # an expert with no rows
-        if w_scale is None:
+        if w_format is not None:  # 4-bit: float32 dequantization rounded to x's dtype (section 9)
+            w_e = dequantize_weight_4bit_reference(w[e], w_scale[e], w_format, x.dtype).to(acc)
+        elif w_scale is None:
             w_e = w[e].to(acc)
         else:
             w_e = dequantize_weight_fp8_reference(w[e : e + 1], w_scale[e : e + 1])[0]

@@ -11,6 +11,9 @@ Dataflow of one tile (one row tile of one expert x one ``BLOCK_N`` column tile):
     for k0 in range(0, K, BLOCK_K):
         a = x[rows, k0:k0+BLOCK_K]       rows not owned by this expert masked to 0
         b = w[e, cols, k0:k0+BLOCK_K].T  [BLOCK_K, BLOCK_N] (K-major in memory)
+            4-bit w (CONTRACT.md section 9): the packed bytes w_q[e, cols, k0/2 : (k0+BLOCK_K)/2] and
+            each element's group scale w_scale[e, cols, k // 32], decoded to float32 (_w4_tile),
+            rounded to x's dtype, transposed; then the 16/32-bit dot below
         16/32-bit: acc = tl.dot(a, b, acc)                        (float32 accumulation)
         FP8 with per-step scales (per-token-group x, 128x128 blocks of w):
                    acc += tl.dot(a, b) * x_scale[rows, k0 // G] * w_scale[e, cols // 128, k0 // 128]
@@ -82,11 +85,18 @@ from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device
 
 #: ``x_scale`` layout -> the kernel's ``X_SCALE`` constexpr.
 X_SCALE_CODES = {None: 0, "per_tensor": 1, "per_token": 2, "per_token_group": 3}
-#: ``w_scale`` layout -> the kernel's ``W_SCALE`` constexpr.
-W_SCALE_CODES = {None: 0, "per_expert": 1, "per_channel": 2, "block": 3}
+#: ``w_scale`` layout -> the kernel's ``W_SCALE`` constexpr; ``"mxfp4"`` and ``"int4"`` are 4-bit
+#: packed weights with one scale per group of 32 along K (CONTRACT.md section 9).
+W_SCALE_CODES = {None: 0, "per_expert": 1, "per_channel": 2, "block": 3, "mxfp4": 4, "int4": 5}
 # The same codes as constexprs, for the kernel's comparisons (triton only reads constexpr globals).
 _XS_NONE, _XS_TENSOR, _XS_ROW, _XS_GROUP = (tl.constexpr(c) for c in X_SCALE_CODES.values())
-_WS_NONE, _WS_EXPERT, _WS_CHANNEL, _WS_BLOCK = (tl.constexpr(c) for c in W_SCALE_CODES.values())
+_WS_NONE, _WS_EXPERT, _WS_CHANNEL, _WS_BLOCK, _WS_MXFP4, _WS_INT4 = (tl.constexpr(c) for c in W_SCALE_CODES.values())
+#: float32 bit patterns of the 4-bit decode (CONTRACT.md section 9): e2m1 0.5 (exponent field 126, the
+#: value of code 1), the e8m0 scale 2^-127 of ``s = 0`` (a subnormal: mantissa bit 22), a quiet NaN
+#: (the e8m0 scale 255).
+_F32_HALF_BITS = tl.constexpr(0x3F000000)
+_F32_2_POW_M127_BITS = tl.constexpr(1 << 22)
+_F32_NAN_BITS = tl.constexpr(0x7FC00000)
 #: Vector width of the offsets search: ``E + 1`` offsets in one ``tl.arange``. 4096 experts is
 #: far beyond any model (DeepSeek-V3: 256); more would make every program's search costly.
 _MAX_EXPERTS = 4095
@@ -146,6 +156,50 @@ def _work_item(p, e_ids, starts, ends, first_tile, n_tiles, incl):
 
 
 @triton.jit
+def _w4_tile(
+    w_rows,  # [BLOCK_N, 1] pointers to w_q[e, cols, 0] (uint8 [E, N, K // 2], unit stride along K // 2)
+    ws_rows,  # [BLOCK_N, 1] pointers to w_scale[e, cols, 0] (uint8 e8m0 / bf16 [E, N, K // 32])
+    stride_wsk,  # int: w_scale.stride(2)
+    k0,  # int: first K element of this step (a multiple of BLOCK_K)
+    K,  # int: reduction size (a multiple of 32)
+    col_mask,  # [BLOCK_N] bool: cols < N
+    W4: tl.constexpr,  # _WS_MXFP4 or _WS_INT4
+    BLOCK_K: tl.constexpr,  # K step: a power of 2 >= 32 (whole scale groups)
+):
+    """The float32 weights ``wd[e, cols, k0:k0+BLOCK_K]`` (``[BLOCK_N, BLOCK_K]``, zero outside
+    ``cols < N``, ``k < K``: masked bytes and scales load as 0, and ``e2m1(0) * 2^-127`` and
+    ``(0 - 8) * 0`` are 0) of 4-bit packed codes, exactly as ``dequantize_weight_mxfp4`` /
+    ``dequantize_weight_int4`` (CONTRACT.md section 9): the packed tile ``[BLOCK_N, BLOCK_K // 2]`` is
+    loaded once and its nibbles interleaved (element ``2i`` is byte ``i``'s low nibble); every element
+    reads its group's scale (``k // 32``: whole groups, as ``BLOCK_K`` is a multiple of 32).
+
+    MXFP4: e2m1 code ``c`` (sign bit 3, exponent bits 2..1, mantissa bit 0) -> float32 bits: exponent
+    field 0 is ``0`` or ``0.5`` (mantissa 0 / 1), else ``(1 + m / 2) * 2^(ex - 1)``: biased exponent
+    ``ex + 126``, mantissa ``m`` in bit 22; the e8m0 scale ``s`` -> ``2^(s - 127)`` as ``s << 23``, the
+    subnormal ``2^-127`` for ``s = 0``, NaN for ``s = 255``; their product is exact. INT4: ``float32(c - 8)
+    * float32(scale)``."""
+    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # packed byte columns
+    mask = col_mask[:, None] & (kp < K // 2)[None, :]
+    packed = tl.load(w_rows + kp[None, :], mask=mask, other=0).to(tl.int32)  # [BLOCK_N, BLOCK_K // 2]
+    codes = tl.interleave(packed & 0xF, (packed >> 4) & 0xF)  # [BLOCK_N, BLOCK_K], element 2i: low nibble
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_mask = col_mask[:, None] & (ks < K)[None, :]
+    scale = tl.load(ws_rows + (ks // 32)[None, :] * stride_wsk, mask=k_mask, other=0)  # each element's group
+    if W4 == _WS_MXFP4:
+        ex = (codes >> 1) & 3
+        man = codes & 1
+        mag = tl.where(ex == 0, man * _F32_HALF_BITS, ((ex + 126) << 23) | (man << 22))
+        value = (mag | ((codes >> 3) << 31)).to(tl.float32, bitcast=True)  # sign bit 3 -> bit 31 (code 8: -0)
+        s = scale.to(tl.int32)
+        s_bits = tl.where(s == 0, _F32_2_POW_M127_BITS, s << 23)
+        s_bits = tl.where(s == 255, _F32_NAN_BITS, s_bits)
+        wd = value * s_bits.to(tl.float32, bitcast=True)
+    else:
+        wd = (codes - 8).to(tl.float32) * scale.to(tl.float32)
+    return wd
+
+
+@triton.jit
 def _grouped_gemm_tile(
     p,  # int32: this tile's work item (row tile, expert), 0 <= p < total (see the module docstring)
     pid_n,  # int32: this tile's column tile, columns [pid_n * BLOCK_N, +BLOCK_N)
@@ -156,9 +210,9 @@ def _grouped_gemm_tile(
     n_tiles,  # [BLOCK_E] n_e
     incl,  # [BLOCK_E] P_e + n_e
     x_ptr,  # [M_cap, K] float32 / bf16 / fp16, or float8_e4m3fn codes; unit column stride
-    w_ptr,  # [E, N, K] same dtype as x (fp8 codes with fp8 x); unit stride along K
+    w_ptr,  # [E, N, K] same dtype as x (fp8 codes with fp8 x), or 4-bit codes uint8 [E, N, K // 2]; unit stride along K
     x_scale_ptr,  # FP8: float32 [] / [M_cap, 1] / [M_cap, K // G] dequant multipliers (unused otherwise)
-    w_scale_ptr,  # FP8: float32 [E] / [E, N] / [E, cdiv(N, 128), cdiv(K, 128)] (unused otherwise)
+    w_scale_ptr,  # FP8: float32 [E] / [E, N] / [E, cdiv(N, 128), cdiv(K, 128)]; 4-bit: [E, N, K // 32] (uint8 e8m0 / bf16)
     out_ptr,  # [M_cap, N] out dtype (float32 / bf16 / fp16); unit column stride
     M_cap,  # int: rows of x and y
     N,  # int: output columns
@@ -170,10 +224,10 @@ def _grouped_gemm_tile(
     stride_xsm,  # int: x_scale.stride(0) (2-D scales)
     stride_xsk,  # int: x_scale.stride(1) (per-token-group)
     stride_wse,  # int: w_scale.stride(0)
-    stride_wsn,  # int: w_scale.stride(1) (per-channel, block)
-    stride_wsk,  # int: w_scale.stride(2) (block)
+    stride_wsn,  # int: w_scale.stride(1) (per-channel, block, 4-bit)
+    stride_wsk,  # int: w_scale.stride(2) (block, 4-bit)
     X_SCALE: tl.constexpr,  # 0 none, 1 per-tensor, 2 per-row, 3 per-token-group
-    W_SCALE: tl.constexpr,  # 0 none, 1 per-expert, 2 per-output-channel, 3 128x128 blocks
+    W_SCALE: tl.constexpr,  # 0 none, 1 per-expert, 2 per-output-channel, 3 128x128 blocks, 4 mxfp4, 5 int4
     X_GROUP: tl.constexpr,  # per-token-group width G (X_SCALE == 3), else 1
     W_BLOCK: tl.constexpr,  # weight-scale block width (128) (W_SCALE == 3), else 1
     IEEE_F32: tl.constexpr,  # bool: float32 operands, multiplied in full float32 (no TF32)
@@ -202,7 +256,14 @@ def _grouped_gemm_tile(
         ks = k0 + offs_k
         k_mask = ks < K
         a = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4:
+            # 4-bit: decoded in float32 and rounded to x's dtype (CONTRACT.md section 9), then the float dot.
+            wd = _w4_tile(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn,
+                          w_scale_ptr + e64 * stride_wse + cols64[:, None] * stride_wsn, stride_wsk, k0, K, col_mask,
+                          W_SCALE, BLOCK_K)
+            b = tl.trans(wd.to(x_ptr.dtype.element_ty))  # [BLOCK_K, BLOCK_N]
+        else:
+            b = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         if X_SCALE == _XS_GROUP or W_SCALE == _WS_BLOCK:
             # Each K step lies in one scale group: scale its partial sum before accumulating.
             # max_num_imprecise_acc=BLOCK_K: the fp8 tensor-core sum is promoted to float32
@@ -264,10 +325,10 @@ def _launch_order(t, n_items, n_cols, GROUP_M: tl.constexpr):
 @triton.jit
 def _grouped_gemm_kernel(
     x_ptr,  # [M_cap, K] float32 / bf16 / fp16, or float8_e4m3fn codes; unit column stride
-    w_ptr,  # [E, N, K] same dtype as x (fp8 codes with fp8 x); unit stride along K
+    w_ptr,  # [E, N, K] same dtype as x (fp8 codes with fp8 x), or 4-bit codes uint8 [E, N, K // 2]; unit stride along K
     offsets_ptr,  # [E + 1] int32 expert_offsets, non-decreasing
     x_scale_ptr,  # FP8: float32 [] / [M_cap, 1] / [M_cap, K // G] dequant multipliers (unused otherwise)
-    w_scale_ptr,  # FP8: float32 [E] / [E, N] / [E, cdiv(N, 128), cdiv(K, 128)] (unused otherwise)
+    w_scale_ptr,  # FP8: float32 [E] / [E, N] / [E, cdiv(N, 128), cdiv(K, 128)]; 4-bit: [E, N, K // 32] (uint8 e8m0 / bf16)
     out_ptr,  # [M_cap, N] out dtype (float32 / bf16 / fp16); unit column stride
     M_cap,  # int: rows of x and y
     N,  # int: output columns
@@ -280,10 +341,10 @@ def _grouped_gemm_kernel(
     stride_xsm,  # int: x_scale.stride(0) (2-D scales)
     stride_xsk,  # int: x_scale.stride(1) (per-token-group)
     stride_wse,  # int: w_scale.stride(0)
-    stride_wsn,  # int: w_scale.stride(1) (per-channel, block)
-    stride_wsk,  # int: w_scale.stride(2) (block)
+    stride_wsn,  # int: w_scale.stride(1) (per-channel, block, 4-bit)
+    stride_wsk,  # int: w_scale.stride(2) (block, 4-bit)
     X_SCALE: tl.constexpr,  # 0 none, 1 per-tensor, 2 per-row, 3 per-token-group
-    W_SCALE: tl.constexpr,  # 0 none, 1 per-expert, 2 per-output-channel, 3 128x128 blocks
+    W_SCALE: tl.constexpr,  # 0 none, 1 per-expert, 2 per-output-channel, 3 128x128 blocks, 4 mxfp4, 5 int4
     X_GROUP: tl.constexpr,  # per-token-group width G (X_SCALE == 3), else 1
     W_BLOCK: tl.constexpr,  # weight-scale block width (128) (W_SCALE == 3), else 1
     IEEE_F32: tl.constexpr,  # bool: float32 operands, multiplied in full float32 (no TF32)
@@ -391,9 +452,12 @@ def grouped_gemm_triton(
     w_scale: torch.Tensor | None,
     out_dtype: torch.dtype,
     config: GroupedGemmConfig | None = None,
+    w_format: str | None = None,
 ) -> torch.Tensor:
     """``x [M_cap, K]``, ``w [E, N, K]``, ``expert_offsets [E + 1]`` int32 -> ``y [M_cap, N]`` ``out_dtype``;
-    arguments as :func:`moe_torch.ops.grouped_gemm.api.grouped_gemm` (already validated there).
+    arguments as :func:`moe_torch.ops.grouped_gemm.api.grouped_gemm` (already validated there). 4-bit
+    weights (``w_format`` ``"mxfp4"`` / ``"int4"``): ``w [E, N, K // 2]`` uint8 packed codes, ``w_scale
+    [E, N, K // 32]``, decoded tile by tile in the kernel (:func:`_w4_tile`) and rounded to ``x.dtype``.
 
     ``y`` is allocated here, with zeros: rows outside ``[offsets[0], offsets[-1])`` stay 0 (the
     kernel never writes them). The inputs are only read. No host sync: the grid is sized by
@@ -405,10 +469,10 @@ def grouped_gemm_triton(
       ValueError (a given ``config`` that breaks the rules of :class:`GroupedGemmConfig`).
     """
     out = torch.zeros((x.shape[0], w.shape[1]), dtype=out_dtype, device=x.device)
-    return _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config)
+    return _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config, w_format)
 
 
-def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config):
+def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=None):
     """Run the kernel into ``out [M_cap, N]`` (unit column stride); writes only owned rows and ``cols < N``.
 
     Separate from :func:`grouped_gemm_triton` so that tests can hand a poisoned, over-allocated
@@ -427,11 +491,13 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config):
     w = w if w.stride(2) == 1 else w.contiguous()
     expert_offsets = expert_offsets.contiguous()
     x_layout, w_layout, group = scale_layouts(x, x_scale, w_scale)
+    if w_format is not None:  # 4-bit weights: their scales are the format's groups of 32 along K
+        w_layout = w_format
     bits = x.element_size() * 8
     w_block = w_layout == "block"
     device_name = _device_name(x.device) if x.is_cuda else None  # host-side: no sync
-    cfg = config or _default_config(M_cap, N, K, E, bits, group, w_block, device_name)
-    check_config(op, cfg, bits, group, w_block)
+    cfg = config or _default_config(M_cap, N, K, E, bits, group, w_block, device_name, w_format=w_format)
+    check_config(op, cfg, bits, group, w_block, w_format)
     grid = launch_grid(op, cfg, M_cap, N, E, x.device)
     if M_cap == 0 or N == 0 or E == 0:
         return out  # nothing to compute: every row stays 0

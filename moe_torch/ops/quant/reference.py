@@ -1,4 +1,5 @@
-"""FP8 (float8_e4m3fn) quantization reference in torch: CONTRACT.md section 3.
+"""FP8 (float8_e4m3fn) quantization reference in torch: CONTRACT.md section 3; 4-bit weights
+(MXFP4, INT4 group 32): section 9.
 
 Every scale is a *dequantization multiplier*: ``x ~= q * scale``.
 Mirror: ``moe_pallas/ops/quant/reference.py``.
@@ -152,3 +153,158 @@ def _quantize_weight_chunk_into(w: torch.Tensor, layout: str, block: int, q_out:
     view.div_(divisor).clamp_(-FP8_MAX, FP8_MAX)  # the reference's IEEE division and clamp, in place
     q_out.copy_(buf[:, :N, :K])  # the cast of _cast_fp8 (round to nearest even)
     scale_out.copy_(scale)
+
+
+# --------------------------------------------------------------------------------------
+# 4-bit weights (CONTRACT.md section 9): MXFP4 (e2m1 codes, e8m0 scales) and INT4 (offset-binary
+# codes, bf16 scales), one scale per group of 32 along K, two codes a byte (element 2i in the low
+# nibble). Sources: OCP Microscaling Formats (MX) v1.0 (e2m1, e8m0, the floor-exponent scale);
+# compressed-tensors ``pack-quantized`` (INT4 group 32, offset binary, eight codes an int32).
+
+#: Elements of ``K`` per 4-bit scale.
+W4_GROUP = 32
+#: e2m1 code -> value, codes 0-7 and their negatives for 8-15 (code 8 is -0): OCP MX v1.0, table 5.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+#: Rounding |v| to the nearest e2m1 magnitude, ties to the even code: the code is the number of
+#: these bounds that |v| passes, ``>`` at a bound whose tie goes down (to an even code), ``>=`` where
+#: it goes up: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4; above 5 it is 6
+#: (saturation: OCP's floor exponent lets |v| reach just under 8).
+_E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+#: e8m0 scale code meaning NaN (OCP MX v1.0): its whole group dequantizes to NaN.
+E8M0_NAN = 255
+#: float32(2 / 15): INT4 scales are ``amax / 7.5`` written as an exact multiplication (CONTRACT.md section 9).
+INT4_SCALE_MUL = float(np.float32(2.0 / 15.0))
+#: INT4 codes are offset binary: ``q = code - 8`` in ``[-8, 7]``.
+INT4_OFFSET = 8
+
+
+def _float32_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """int32 bit patterns -> the float32 values they encode (a reinterpretation, no rounding)."""
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def e8m0_to_float32(s: torch.Tensor) -> torch.Tensor:
+    """e8m0 scale codes ``s`` (uint8) -> ``2^(s - 127)`` float32, exactly: ``s << 23`` for ``s >= 1``,
+    the subnormal ``2^-127`` (bits ``1 << 22``) for ``s = 0``, NaN for ``s = 255``."""
+    si = s.to(torch.int32)
+    bits = torch.where(si == 0, 1 << 22, si << 23)
+    bits = torch.where(si == E8M0_NAN, 0x7FC00000, bits)
+    return _float32_from_bits(bits)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """``codes [..., K]`` uint8 in ``[0, 16)`` -> ``[..., K // 2]`` uint8, element ``2i`` in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(w_q: torch.Tensor) -> torch.Tensor:
+    """``w_q [..., K // 2]`` uint8 -> ``codes [..., K]`` uint8 (the inverse of :func:`pack_nibbles`)."""
+    return torch.stack((w_q & 0xF, w_q >> 4), dim=-1).reshape(*w_q.shape[:-1], 2 * w_q.shape[-1])
+
+
+def _groups(t: torch.Tensor) -> torch.Tensor:
+    """``[..., K]`` -> ``[..., K // 32, 32]``."""
+    return t.reshape(*t.shape[:-1], t.shape[-1] // W4_GROUP, W4_GROUP)
+
+
+def quantize_mxfp4_rows(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``wf [..., K]`` float32, finite -> ``(codes [..., K] uint8, s [..., K // 32] uint8)``.
+
+    Per group: ``s = clamp(floor(log2(amax)) - 2 + 127, 0, 254)`` (``frexp``: ``amax = m * 2^e``,
+    ``m`` in ``[0.5, 1)``, so ``floor(log2(amax)) = e - 1``, subnormals included), ``s = 0`` for
+    ``amax == 0``; ``v = w / 2^(s - 127)`` computed as ``w * 2^(127 - s)`` (the same real number, so
+    the same float32: both are exact up to the final rounding, and ``2^(127 - s)`` is a normal float32
+    because ``s <= 252`` for every finite float32 ``amax``); the code rounds ``|v|`` to the nearest
+    e2m1 value with ties to the even code and saturates at 6; the sign bit is set where ``v < 0``."""
+    g = _groups(wf)
+    amax = g.abs().amax(dim=-1)
+    _, exp = torch.frexp(amax)
+    s = torch.clamp(exp - 1 - 2 + 127, 0, 254)
+    s = torch.where(amax == 0, 0, s)
+    v = g * _float32_from_bits((254 - s) << 23)[..., None]  # 2^(127 - s): biased exponent 254 - s >= 2
+    a = v.abs()
+    code = torch.zeros(a.shape, dtype=torch.uint8, device=wf.device)
+    for bound, tie_up in _E2M1_BOUNDS:
+        code += (a >= bound) if tie_up else (a > bound)
+    code |= (v < 0).to(torch.uint8) << 3
+    return code.reshape(wf.shape), s.to(torch.uint8)
+
+
+def dequantize_mxfp4_reference(w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``w_q [..., K // 2]`` uint8, ``w_scale [..., K // 32]`` uint8 (e8m0) -> float32 ``[..., K]``:
+    ``e2m1(code) * 2^(s - 127)``, exact in float32 (products of a 3-bit significand and a power of 2,
+    subnormal results included); a group with ``s = 255`` is NaN."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w_q.device)
+    values = table[unpack_nibbles(w_q).to(torch.int64)]
+    return (_groups(values) * e8m0_to_float32(w_scale)[..., None]).reshape(values.shape)
+
+
+def quantize_int4_rows(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``wf [..., K]`` float32, finite -> ``(codes [..., K] uint8, scale [..., K // 32] bf16)``:
+    ``scale = bf16_rne(max(amax, 1e-10) * float32(2/15))``, ``q = clamp(rne(w / float32(scale)), -8, 7)``
+    (IEEE division, round half to even), ``code = q + 8``."""
+    g = _groups(wf)
+    scale = (torch.clamp(g.abs().amax(dim=-1), min=AMAX_FLOOR) * INT4_SCALE_MUL).to(torch.bfloat16)
+    q = torch.round(g / scale.float()[..., None]).clamp_(-INT4_OFFSET, INT4_OFFSET - 1)
+    return (q + INT4_OFFSET).to(torch.uint8).reshape(wf.shape), scale
+
+
+def dequantize_int4_reference(w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``w_q [..., K // 2]`` uint8, ``w_scale [..., K // 32]`` bf16 -> float32 ``[..., K]``:
+    ``float32(code - 8) * float32(scale)``."""
+    q = unpack_nibbles(w_q).to(torch.float32) - INT4_OFFSET
+    return (_groups(q) * w_scale.float()[..., None]).reshape(q.shape)
+
+
+_W4_QUANTIZERS = {"mxfp4": (quantize_mxfp4_rows, torch.uint8), "int4": (quantize_int4_rows, torch.bfloat16)}
+_W4_DEQUANTIZERS = {"mxfp4": dequantize_mxfp4_reference, "int4": dequantize_int4_reference}
+
+
+def dequantize_weight_4bit_reference(w_q: torch.Tensor, w_scale: torch.Tensor, fmt: str,
+                                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``w_q [..., K // 2]`` uint8 with its ``w_scale [..., K // 32]`` -> ``wd [..., K]`` float32,
+    rounded to ``out_dtype`` (nearest even). 3-D weights go one expert at a time (one float32
+    temporary of ``[N, K]``)."""
+    dequant = _W4_DEQUANTIZERS[fmt]
+    if w_q.ndim < 3 or out_dtype == torch.float32:
+        return dequant(w_q, w_scale).to(out_dtype)
+    out = torch.empty((*w_q.shape[:-1], 2 * w_q.shape[-1]), dtype=out_dtype, device=w_q.device)
+    for e in range(w_q.shape[0]):
+        out[e] = dequant(w_q[e], w_scale[e])  # the float32 value, rounded to nearest even by the copy
+    return out
+
+
+def _check_finite(op: str, chunk: torch.Tensor, row0: int, shape: tuple[int, ...]) -> None:
+    """``ValueError`` naming the first non-finite element of ``chunk`` (rows ``row0..`` of ``w`` viewed
+    as ``[rows, K]``) by its index in ``w``'s ``shape``."""
+    bad = ~torch.isfinite(chunk)
+    if bool(bad.any()):
+        flat = int(torch.nonzero(bad.reshape(-1))[0, 0]) + row0 * chunk.shape[-1]
+        index = tuple(int(i) for i in np.unravel_index(flat, shape))
+        value = float(chunk.reshape(-1)[flat - row0 * chunk.shape[-1]])
+        raise ValueError(f"{op}: w must be finite (CONTRACT.md section 9: NaN and inf have no 4-bit code); got "
+                         f"w[{', '.join(map(str, index))}] = {value} (the first of {int(bad.sum())} non-finite values "
+                         f"in rows {row0}..{row0 + chunk.shape[0] - 1} of w viewed as [rows, K])")
+
+
+def quantize_weight_4bit_chunked(op: str, w: torch.Tensor, fmt: str, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [..., K]`` float -> ``(w_q [..., K // 2] uint8, w_scale [..., K // 32])`` of ``fmt``, ``chunk_rows``
+    rows of ``w`` viewed as ``[rows, K]`` at a time (every group lies in one row, so the result is
+    bit-identical for every chunk size). ``ValueError`` (naming ``op``) on a non-finite value, before
+    anything is returned; ``w`` is not modified."""
+    quantize, scale_dtype = _W4_QUANTIZERS[fmt]
+    shape, K = tuple(w.shape), w.shape[-1]
+    if w.numel() == 0:  # no rows or K == 0: nothing to quantize
+        return (torch.empty((*shape[:-1], K // 2), dtype=torch.uint8, device=w.device),
+                torch.empty((*shape[:-1], K // W4_GROUP), dtype=scale_dtype, device=w.device))
+    rows = w.reshape(-1, K)  # a view for a contiguous w
+    w_q = torch.empty((rows.shape[0], K // 2), dtype=torch.uint8, device=w.device)
+    w_scale = torch.empty((rows.shape[0], K // W4_GROUP), dtype=scale_dtype, device=w.device)
+    with torch.no_grad():  # codes carry no gradient; no graph may hold a chunk
+        for start in range(0, rows.shape[0], max(chunk_rows, 1)):
+            chunk = rows[start : start + chunk_rows].to(torch.float32)
+            _check_finite(op, chunk, start, shape)
+            codes, scale = quantize(chunk)
+            w_q[start : start + chunk.shape[0]] = pack_nibbles(codes)
+            w_scale[start : start + chunk.shape[0]] = scale
+    return w_q.reshape(*shape[:-1], K // 2), w_scale.reshape(*shape[:-1], K // W4_GROUP)
