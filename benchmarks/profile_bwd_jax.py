@@ -51,6 +51,9 @@ def main() -> None:
                    "(an ncu target: every launch of the program is a candidate, no timing loops)")
     p.add_argument("--mosaic-wgrad", default="", help="';'-list of Mosaic wgrad configs")
     p.add_argument("--mosaic-dgrad", default="", help="';'-list of Mosaic dgrad configs")
+    p.add_argument("--only-configs", action="store_true", help="skip the default backends' rows (the configs' rel diff "
+                   "is then against the first config of each kind)")
+    p.add_argument("--mosaic-fwd", default="", help="';'-list of Mosaic forward configs (a 6th value 1: warp_specialized)")
     p.add_argument("--pt-dgrad", default="", help="';'-list of Pallas-Triton dgrad configs 'block_m,block_n,block_k,warps,stages'")
     p.add_argument("--pt-wgrad", default="", help="';'-list of Pallas-Triton wgrad configs 'block_m,block_n,block_k,warps,stages'")
     args = p.parse_args()
@@ -70,7 +73,7 @@ def main() -> None:
             jax.block_until_ready(f())
         return
     refs = {}
-    for impl in ("pallas_triton", "pallas_mosaic_gpu"):
+    for impl in () if args.only_configs else ("pallas_triton", "pallas_mosaic_gpu"):
         ops = {
             "forward": jax.jit(lambda x, w, o, impl=impl: moe_pallas.grouped_gemm(x, w, o, implementation=impl)),
             "dgrad": jax.jit(lambda d, w, o, impl=impl: moe_pallas.grouped_gemm_dgrad(d, w, o, implementation=impl)),
@@ -88,17 +91,23 @@ def main() -> None:
                       f"(rel diff vs pallas_triton {err:.1e})", flush=True)
             except Exception as exc:  # noqa: BLE001 - a probe: report and go on
                 print(f"{impl:18s} {name:8s}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-    for flag, kind in ((args.mosaic_wgrad, "wgrad"), (args.mosaic_dgrad, "dgrad")):
+    for flag, kind in ((args.mosaic_wgrad, "wgrad"), (args.mosaic_dgrad, "dgrad"), (args.mosaic_fwd, "forward")):
         for spec in filter(None, flag.split(";")):
-            bm, bn, bk, st, gb = (int(v) for v in spec.split(","))
-            cfg = MosaicGroupedGemmConfig(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=st, grid_block_n=gb)
+            bm, bn, bk, st, gb, *ws = (int(v) for v in spec.split(","))
+            cfg = MosaicGroupedGemmConfig(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=st, grid_block_n=gb,
+                                          warp_specialized=bool(ws and ws[0]))
             try:
-                if kind == "wgrad":
+                if kind == "forward":
+                    from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
+
+                    f = jax.jit(lambda cfg=cfg: grouped_gemm_pallas_mosaic_gpu(x, w, offsets, config=cfg))
+                elif kind == "wgrad":
                     f = jax.jit(lambda cfg=cfg: grouped_gemm_wgrad_pallas_mosaic_gpu(x, d_y, offsets, out_dtype=jnp.bfloat16,
                                                                                      config=cfg))
                 else:
                     f = jax.jit(lambda cfg=cfg: grouped_gemm_dgrad_pallas_mosaic_gpu(d_y, w, offsets, config=cfg))
-                err = _rel(f(), refs[kind])
+                out = f()
+                err = _rel(out, refs.setdefault(kind, out))
                 ms = _time(f)
                 print(f"mosaic {kind} {spec}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s (rel diff {err:.1e})", flush=True)
             except Exception as exc:  # noqa: BLE001

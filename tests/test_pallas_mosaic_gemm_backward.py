@@ -225,3 +225,43 @@ def test_layer_gradients_mosaic_vs_pallas_triton(quant):
     got, want = grad(x, logits, w13, w2, "pallas_mosaic_gpu"), grad(x, logits, w13, w2, "pallas_triton")
     for g, r, name in zip(got, want, ("d_x", "d_router_logits", "d_w13", "d_w2")):
         assert_rel_fro(g, r, GRAD_BF16_REL_FRO, f"{quant} {name}: Mosaic vs Pallas-Triton layer")
+
+
+# --------------------------------------------------------------------------------------
+# The warp-specialized 16-bit schedule (pallas_mosaic_gpu_ws.py): forward and dgrad
+
+WS = MosaicGroupedGemmConfig(block_m=128, block_n=64, block_k=64, max_concurrent_steps=4, warp_specialized=True)
+
+
+def test_warp_specialized_rules_and_trace():
+    from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
+
+    x, dy, w, offsets = _problem(1, [100, 28, 0, 257, 64], 600, 512, 256)
+    assert jax.jit(grouped_gemm_pallas_mosaic_gpu, static_argnames=("config",)).trace(x, w, offsets, config=WS).jaxpr
+    assert jax.jit(grouped_gemm_dgrad_pallas_mosaic_gpu, static_argnames=("config",)).trace(dy, w, offsets, config=WS).jaxpr
+    with pytest.raises(NotImplementedError, match=r"N % \(2 \* block_n\) == 0"):
+        grouped_gemm_pallas_mosaic_gpu(x, w[:, :192], offsets, config=WS)  # N=192: not whole 128-wide CTA tiles
+    with pytest.raises(ValueError, match="warp_specialized must be a bool"):
+        MosaicGroupedGemmConfig(block_m=64, block_n=64, block_k=64, warp_specialized=1)
+
+
+@gpu_only
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_warp_specialized_forward_and_dgrad_vs_float64(shape):
+    from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
+
+    counts, m_cap, K, N = SHAPES[shape]
+    x, dy, w, offsets = _problem(6, counts, m_cap, K, N)
+    M = int(offsets[-1])
+    y = grouped_gemm_pallas_mosaic_gpu(x, w, offsets, config=WS)
+    got = to_numpy(y).astype(np.float32)
+    assert np.isfinite(got).all() and not got[M:].any(), f"{shape}: NaN leaked or rows >= M not zero"
+    ref = np.zeros((m_cap, N))
+    xs, ws_, o = to_numpy(x).astype(np.float64), to_numpy(w).astype(np.float64), to_numpy(offsets)
+    for e in range(len(counts)):
+        ref[o[e]:o[e + 1]] = xs[o[e]:o[e + 1]] @ ws_[e].T
+    assert_rel_fro(y, ref, BF16_REL_FRO, f"{shape} warp-specialized forward vs float64")
+    dx = grouped_gemm_dgrad_pallas_mosaic_gpu(dy, w, offsets, config=WS)
+    got = to_numpy(dx).astype(np.float32)
+    assert np.isfinite(got).all() and not got[M:].any(), f"{shape}: dgrad NaN leaked or rows >= M not zero"
+    assert_rel_fro(dx, _f64_dgrad(dy, w, offsets), BF16_REL_FRO, f"{shape} warp-specialized dgrad vs float64")

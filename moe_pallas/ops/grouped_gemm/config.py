@@ -249,6 +249,50 @@ def triton_backward_config_problem(op: str, cfg, w_block: bool = False, *, inter
     return None
 
 
+# --- Bias gradient ``d_bias[e] = sum of d_y[rows(e)]`` (``pallas_triton_backward.py``) ----------------
+
+#: Columns of ``d_bias`` per program, at most: a 32 x 256 float32 partial-sum tile is 64 registers a
+#: thread over 4 warps (the same budget as the forward's accumulator).
+MAX_DBIAS_BLOCK_N = 256
+#: Rows of ``d_y`` per step, at most; fewer for small experts (decode).
+MAX_DBIAS_BLOCK_M = 32
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupedGemmDbiasConfig:
+    """Block sizes of the Pallas-Triton bias gradient (a segment sum over each expert's rows).
+
+    A program owns ``block_n`` columns of ``d_bias[e]`` and walks expert ``e``'s rows ``block_m`` at a time
+    into a float32 ``[block_m, block_n]`` partial-sum tile, reduced over its rows once at the end.
+
+    block_m, block_n: powers of two (Triton blocks; no dot, so no tensor-core minimum).
+    num_warps: a power of two.
+    num_stages: ``d_y`` loads of the row loop in flight (software pipelining), as the wgrad's.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or (name != "num_stages" and v & (v - 1)):
+                raise ValueError(f"GroupedGemmDbiasConfig: {name} must be an int >= 1"
+                                 + ("" if name == "num_stages" else ", a power of two (a Triton block)")
+                                 + f"; got {name}={v!r}")
+
+
+def heuristic_grouped_gemm_dbias_config(M_cap: int, N: int, E: int) -> GroupedGemmDbiasConfig:
+    """``d_y [M_cap, N]`` -> ``d_bias [E, N]``: ``block_n`` up to :data:`MAX_DBIAS_BLOCK_N` (at least 16),
+    ``block_m`` the average rows per expert rounded up to a power of two, at most :data:`MAX_DBIAS_BLOCK_M`.
+    Memory-bound (every ``d_y`` element is read once); untuned (no GPU measurement yet)."""
+    block_m = min(MAX_DBIAS_BLOCK_M, pl.next_power_of_2(-(-max(M_cap, 1) // max(E, 1))))
+    block_n = max(MIN_DOT_BLOCK, min(MAX_DBIAS_BLOCK_N, pl.next_power_of_2(max(N, 1))))
+    return GroupedGemmDbiasConfig(block_m=block_m, block_n=block_n, num_warps=4)
+
+
 # --- Pallas Mosaic GPU (Hopper) backend: ``pallas_mosaic_gpu.py`` ---------------------------
 
 #: wgmma's M per warpgroup instruction: a row tile is 64 or 128 rows (one or two instructions).
@@ -274,6 +318,9 @@ class MosaicGroupedGemmConfig:
       whole K loop (faster; on the H200 its relative error was 1.9e-3 at K=2048..7168 against
       about 4e-5 for the promoted Pallas-Triton kernel, and 2e-2 over the FP8 layer; BENCHMARKS.md).
       Like ``use_fast_accum`` of ``torch._scaled_mm``.
+    warp_specialized: 16-bit forward and dgrad only (``pallas_mosaic_gpu_ws.py``): a producer warpgroup
+      loads, two consumer warpgroups each compute ``block_m x block_n`` of a ``block_m x 2*block_n`` CTA
+      tile (so ``N`` must be a multiple of ``2 * block_n``).
     """
 
     block_m: int
@@ -282,14 +329,16 @@ class MosaicGroupedGemmConfig:
     max_concurrent_steps: int = 4
     grid_block_n: int = 1
     fast_accum: bool = False
+    warp_specialized: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MosaicGroupedGemmConfig: {name} must be an int >= 1; got {name}={v!r}")
-        if not isinstance(self.fast_accum, bool):
-            raise ValueError(f"MosaicGroupedGemmConfig: fast_accum must be a bool; got fast_accum={self.fast_accum!r}")
+        for name in ("fast_accum", "warp_specialized"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MosaicGroupedGemmConfig: {name} must be a bool; got {name}={getattr(self, name)!r}")
         if self.block_m not in MOSAIC_BLOCK_M:
             raise ValueError(f"MosaicGroupedGemmConfig: block_m must be one of {MOSAIC_BLOCK_M}; got {self.block_m}")
         if self.block_n % 8 or self.block_n > 256:
@@ -319,6 +368,13 @@ def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, ite
         block_n //= 2
     grid_n = max(N // block_n, 1)
     grid_block_n = 4 if grid_n % 4 == 0 else 1
+    if itemsize == 2 and not per_step and (block_m, block_n) == (128, 128) and N % 256 == 0 and K % block_k == 0:
+        # 16-bit, >= 256 rows per expert: the warp-specialized schedule (a producer and two consumer warpgroups,
+        # 128 x 256 per CTA; 3 stages fit beside its two output buffers). H200, 2026-12-01, same-run probes
+        # (benchmarks/profile_bwd_jax.py --mosaic-fwd / --mosaic-dgrad, E=32, M=16384): gate_up forward
+        # 1.92 -> 1.74 ms, down dgrad 1.18 -> 1.01 ms (BENCHMARKS.md, session 6).
+        return MosaicGroupedGemmConfig(block_m=128, block_n=128, block_k=block_k, max_concurrent_steps=3,
+                                       grid_block_n=grid_block_n, warp_specialized=True)
     return MosaicGroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=5,
                                    grid_block_n=grid_block_n, fast_accum=fast_accum and fp8)
 
@@ -412,6 +468,13 @@ def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize
     scales, or FP8 without ``fast_accum``) keeps two float32 tiles in registers, at most ``64 x 128``.
     The one home of the config-dependent rules (``pallas_mosaic_gpu.check_supported`` raises the message;
     the dgrad passes its own ``op``, with ``N`` its output width and ``K`` its contraction)."""
+    if cfg.warp_specialized:
+        if itemsize != 2 or per_step_scales:
+            return f"{op}: the warp-specialized schedule takes 16-bit inputs only; got {itemsize}-byte values"
+        if N % (2 * cfg.block_n) or K % cfg.block_k or cfg.block_m * cfg.block_n > 128 * 128:
+            return (f"{op}: the warp-specialized schedule needs N % (2 * block_n) == 0, K % block_k == 0 and "
+                    f"block_m * block_n <= 128 * 128; got N={N}, K={K}, {cfg}")
+        return None
     if N % cfg.block_n or K % cfg.block_k:
         return (f"{op}: needs N % block_n == 0 and K % block_k == 0 (whole TMA tiles); "
                 f"got N={N}, K={K}, block_n={cfg.block_n}, block_k={cfg.block_k}")

@@ -24,7 +24,9 @@ L2 reuse of one expert's weight tiles) and for each one
    blocks ``[E, N / 128, K / 128]``) multiply each K step's partial product before it is added
    (the same paper's fine-grained scaling); the other
    layouts (per-tensor ``[]``, per-token ``[M_cap, 1]``; per-expert ``[E]``, per-channel ``[E, N]``)
-   multiply the finished accumulator in the epilogue, the activation scale indexed by ROW;
+   multiply the finished accumulator in the epilogue, the activation scale indexed by ROW; an optional
+   per-expert ``bias [E, N]`` (float32 by then) is added after them, before the one rounding
+   (CONTRACT.md section 4), loaded as the per-channel weight scale is (``WGMMA.reduce(0)`` layout);
 4. stores exactly the rows ``[lo, hi)``: the tile goes to shared memory, then a "ladder" of TMA
    stores of ``2^i`` rows each (one per set bit of ``hi - lo``), since a TMA box has a static shape.
    The zero group stores zeros the same way, so every row of ``y`` is written exactly once.
@@ -45,6 +47,7 @@ Mirror: none (a Hopper-only backend of ``moe_pallas``; ``moe_torch``'s Triton ke
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -56,6 +59,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, MosaicGroupedGemmConfig, accumulates_per_step,
                                                  gpu_device_kind, mosaic_config_problem, mosaic_grouped_gemm_config)
+from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu_ws import run_row_kernel_ws
 from moe_pallas.ops.grouped_gemm.pallas_triton import scale_kinds, tile_metadata
 
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -90,17 +94,19 @@ def _store_rows(tile, o_gmem, row0, lo, hi, n0, block_m: int, block_n: int, o_sm
 
 
 def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: int, x_kind, w_kind,
-            cfg: MosaicGroupedGemmConfig, out_dtype, dgrad: bool = False):
+            cfg: MosaicGroupedGemmConfig, out_dtype, dgrad: bool = False, has_bias: bool = False):
     """The forward (``w [E, N, K]``: a weight tile ``[block_n, block_k]`` is transposed into ``wgmma``'s
     ``[contraction, out]`` operand) or, with ``dgrad=True``, the dgrad ``d_x = d_y @ w[e]``: then ``x`` is
     ``d_y``, ``N`` is the output width (``w``'s K) and ``K`` the contraction (``w``'s N), and ``w[e]``
     is already ``[contraction, out]``: its tile ``[block_k, block_n]`` feeds ``wgmma`` as it is (an
-    MN-major B operand, which 16-bit ``wgmma`` takes)."""
+    MN-major B operand, which 16-bit ``wgmma`` takes). With ``has_bias`` (forward only) a float32
+    ``b_gmem [E, N]`` comes after the scales."""
+    *refs, o_gmem = refs
+    b_gmem = refs.pop() if has_bias else None
     if x_kind is None:
-        (o_gmem,) = refs
         xs_gmem = ws_gmem = None
     else:
-        xs_gmem, ws_gmem, o_gmem = refs
+        xs_gmem, ws_gmem = refs
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     n_steps = step_e.shape[0]
     grid_n = N // bn
@@ -169,6 +175,9 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
             elif w_kind == "per_channel":
                 sw = plgpu.load(ws_gmem.at[e_w, pl.ds(n0, bn)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
                 acc = acc * lax.broadcast_in_dim(sw, (bm, bn), [1])
+            if has_bias:  # after the scales, before the one rounding; loaded as the per-channel scale above
+                b = plgpu.load(b_gmem.at[e_w, pl.ds(n0, bn)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                acc = acc + lax.broadcast_in_dim(b, (bm, bn), [1])
             return acc.astype(out_dtype)
 
         @pl.when((lo < hi) & (e < E))
@@ -212,8 +221,10 @@ def grouped_gemm_pallas_mosaic_gpu(
     w_scale: jax.Array | None = None,
     out_dtype=None,
     config: MosaicGroupedGemmConfig | None = None,
+    bias: jax.Array | None = None,
 ) -> jax.Array:
     """``y[m] = x[m] @ w[e(m)].T`` (FP8: ``(q_x @ q_w.T) * x_scale[m, ...] * w_scale[e(m), ...]``) on Hopper.
+    With ``bias [E, N]`` (float32 / bf16 / float16): ``+ bias[e(m)]`` in float32 before the rounding.
 
     Args (validated by ``moe_pallas.ops.grouped_gemm.api.grouped_gemm``):
       x: ``[M_cap, K]`` bf16 / float16, or float8_e4m3fn codes.
@@ -239,6 +250,8 @@ def grouped_gemm_pallas_mosaic_gpu(
     if config is None:  # tuned for this GPU (device kind read on the host at trace time) or the heuristic
         cfg = mosaic_grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, per_step_scales=per_step_scales,
                                          device_kind=gpu_device_kind())
+        if bias is not None and cfg.warp_specialized:  # the warp-specialized kernel has no bias epilogue
+            cfg = dataclasses.replace(cfg, warp_specialized=False, max_concurrent_steps=5)
     else:
         cfg = config
     check_supported(x, w, x_kind, w_kind, G, out_dtype, cfg)
@@ -255,15 +268,24 @@ def grouped_gemm_pallas_mosaic_gpu(
         else:  # per-token-group: [K // 128, m_pad], one contiguous row vector per K step
             xs = jnp.pad(xs.T, ((0, 0), (0, m_pad - M_cap)))
         scale_inputs = [xs, w_scale.astype(jnp.float32)]
+    if bias is not None:  # exact widening; [E, N] float32, read a block_n slice at a time (N % block_n == 0)
+        scale_inputs = [*scale_inputs, bias.astype(jnp.float32)]
     return run_row_kernel(x, w, expert_offsets, scale_inputs, N_out=N, K_contract=K, x_kind=x_kind, w_kind=w_kind,
-                          cfg=cfg, out_dtype=out_dtype)
+                          cfg=cfg, out_dtype=out_dtype, has_bias=bias is not None)
 
 
 def run_row_kernel(x, w, expert_offsets, scale_inputs, *, N_out: int, K_contract: int, x_kind, w_kind,
-                   cfg: MosaicGroupedGemmConfig, out_dtype, dgrad: bool = False) -> jax.Array:
+                   cfg: MosaicGroupedGemmConfig, out_dtype, dgrad: bool = False, has_bias: bool = False) -> jax.Array:
     """Launch :func:`_kernel` (the forward, or with ``dgrad`` the dgrad) over the row tiles of
     ``expert_offsets``: ``[M_cap, N_out]`` in ``out_dtype``. Shared by this module and
-    ``pallas_mosaic_gpu_backward.py``."""
+    ``pallas_mosaic_gpu_backward.py``. ``cfg.warp_specialized``: the 16-bit kernel of
+    ``pallas_mosaic_gpu_ws.py`` instead (no scales, no bias)."""
+    if cfg.warp_specialized:
+        if x_kind is not None or has_bias:
+            raise NotImplementedError("grouped_gemm[pallas_mosaic_gpu]: the warp-specialized schedule takes 16-bit "
+                                      "inputs without scales or bias; use warp_specialized=False")
+        return run_row_kernel_ws(x, w, expert_offsets, N_out=N_out, K_contract=K_contract, cfg=cfg,
+                                 out_dtype=out_dtype, dgrad=dgrad, num_sms=num_sms())
     M_cap = x.shape[0]
     E = w.shape[0]
     step_e, step_lo, step_hi = tile_metadata(expert_offsets, M_cap, E, cfg.block_m)
@@ -273,7 +295,7 @@ def run_row_kernel(x, w, expert_offsets, scale_inputs, *, N_out: int, K_contract
     if m_rows != M_cap:
         x = jnp.pad(x, ((0, m_rows - M_cap), (0, 0)))
     kernel = functools.partial(_kernel, E=E, N=N_out, K=K_contract, x_kind=x_kind, w_kind=w_kind, cfg=cfg,
-                               out_dtype=out_dtype, dgrad=dgrad)
+                               out_dtype=out_dtype, dgrad=dgrad, has_bias=has_bias)
     y = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m_rows, N_out), out_dtype),

@@ -1,0 +1,159 @@
+"""Warp-specialized Hopper grouped GEMM (16-bit) in Pallas Mosaic GPU: the forward and the dgrad.
+
+The schedule of ``pallas_mosaic_gpu.py`` (a persistent ``nd_loop`` over (row step, column tile) from the
+same :func:`~moe_pallas.ops.grouped_gemm.pallas_triton.tile_metadata`, the power-of-two TMA store ladder
+that writes exactly the rows ``[lo, hi)`` of a step), with the work of a CTA split over three
+warpgroups (``MosaicGroupedGemmConfig.warp_specialized``):
+
+- a **producer** warpgroup (40 registers) issues the TMA loads of the ``x`` tile ``[block_m, block_k]``
+  and the weight tile of ``2 * block_n`` output columns, ``max_concurrent_steps`` stages ahead, across
+  work items (``plgpu.emit_pipeline_warp_specialized``);
+- two **consumer** warpgroups each own a ``[block_m, block_n]`` float32 accumulator, one half of the
+  CTA's ``block_m x 2*block_n`` tile (the same ``x`` tile, their own weight columns: half the shared-memory
+  reads per FLOP of two independent CTAs), run the ``wgmma`` s and then the epilogue of their half while
+  the producer already loads the next work item.
+
+The forward reads a weight tile ``[2*block_n, block_k]`` of ``w[e]`` (K-major, transposed in shared
+memory into ``wgmma``'s B operand); the dgrad (``x`` is ``d_y``, ``w[e]`` read as ``[N, K]`` =
+``[contraction, out]``) a tile ``[block_k, 2*block_n]`` used as it is (MN-major B). 16-bit inputs only
+(FP8's per-step promotion stays in ``pallas_mosaic_gpu.py``); ``N_out % (2 * block_n) == 0``.
+
+Learned from jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py (the
+warp-specialized pipeline with a compute context, two compute warpgroups splitting N, per-warpgroup
+epilogue buffers); the ragged rows, the zero group and the store ladder are ours.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from moe_pallas.ops.grouped_gemm.config import MosaicGroupedGemmConfig
+from moe_pallas.ops.grouped_gemm.pallas_triton import tile_metadata
+
+#: Registers of the producer warpgroup (hopper_matmul_mgpu.py's value for H100-class GPUs).
+PRODUCER_REGISTERS = 40
+#: Consumer warpgroups per CTA.
+CONSUMERS = 2
+
+
+def _transforms(minor: int, dtype) -> tuple:
+    swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _store_rows(tile, o_gmem, row0, lo, hi, n0, block_m: int, block_n: int, o_smem) -> None:
+    """Rows ``[lo, hi)`` of ``tile [block_m, block_n]`` to ``o_gmem[:, n0:n0+block_n]`` through ``o_smem``
+    (the previous item's stores from it must have been read: waited by the caller), one TMA store of
+    ``2^i`` rows per set bit of ``hi - lo``."""
+    o_smem[...] = tile
+    plgpu.commit_smem()
+    start = lo - row0
+    count = hi - lo
+    for bit in reversed(range(block_m.bit_length())):
+        rows = 1 << bit
+
+        @pl.when((count & rows) != 0)
+        def _():
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, rows)], o_gmem.at[pl.ds(row0 + start, rows), pl.ds(n0, block_n)])
+
+        start = start + (count & rows)
+
+
+def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, o_gmem, *, E: int, N: int, K: int, cfg: MosaicGroupedGemmConfig,
+            dgrad: bool):
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    cta_n = CONSUMERS * bn
+    n_steps = step_e.shape[0]
+    grid_n = N // cta_n
+    k_steps = K // bk
+    dtype, out_dtype = x_gmem.dtype, o_gmem.dtype
+    x_spec = plgpu.BlockSpec((bm, bk), lambda k: (0, k), transforms=_transforms(bk, dtype))
+    if dgrad:  # w[e] is [contraction, out]: a [bk, cta_n] tile
+        w_spec = plgpu.BlockSpec((bk, cta_n), lambda k: (k, 0), transforms=_transforms(cta_n, dtype))
+    else:  # w[e] is [out, contraction]: a [cta_n, bk] tile, transposed in shared memory
+        w_spec = plgpu.BlockSpec((cta_n, bk), lambda k: (0, k), transforms=_transforms(bk, dtype))
+
+    def get_pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k_steps,), memory_registers=PRODUCER_REGISTERS, in_specs=[x_spec, w_spec],
+            wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=cfg.max_concurrent_steps,
+            compute_context=compute_context)
+
+    ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
+    w_any = w_gmem.at[0]
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_any),
+        o_smem=plgpu.SMEM((CONSUMERS, bm, bn), out_dtype),  # untiled: the store ladder slices any row
+        collective_axes="wg",
+    )
+    def _scope(allocs, o_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((n_steps * grid_n,), collective_axes="sm")
+        def _work(info: plgpu.NDLoopInfo):
+            si, ni = plgpu.planar_snake(info.index[0], (n_steps, grid_n), 1, cfg.grid_block_n)
+            e, lo, hi = step_e[si], step_lo[si], step_hi[si]
+            row0 = lax.div(lo, jnp.int32(bm)) * bm
+            n0 = ni * cta_n
+            e_w = jnp.minimum(e, E - 1)  # addressing only: the zero group reads nothing
+            my_n0 = n0 + wg * bn  # this consumer's columns (the producer never stores)
+
+            def compute_context(eval_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                def _acc(acc_ref):
+                    eval_pipeline(acc_ref)
+                    tile = acc_ref[...].astype(out_dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous stores read
+                    _store_rows(tile, o_gmem, row0, lo, hi, my_n0, bm, bn, o_smem.at[wg])
+
+            def mma(_, x_smem, w_smem, acc_ref):
+                cols = pl.ds(wg * bn, bn)
+                b = w_smem.at[:, cols] if dgrad else w_smem.at[cols].transpose((1, 0))
+                plgpu.wgmma(acc_ref, x_smem, b)
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            w_item = w_gmem.at[e_w, :, pl.ds(n0, cta_n)] if dgrad else w_gmem.at[e_w, pl.ds(n0, cta_n), :]
+
+            @pl.when((lo < hi) & (e < E))
+            def _():
+                get_pipeline(mma, compute_context)(x_gmem.at[pl.ds(row0, bm), :], w_item, allocations=allocs)
+
+            @pl.when((lo < hi) & (e >= E) & (wg < CONSUMERS))  # unused rows: zeros, each consumer its half
+            def _():
+                zero = plgpu.layout_cast(jnp.full((bm, bn), 0, out_dtype), plgpu.Layout.WGMMA)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                _store_rows(zero, o_gmem, row0, lo, hi, my_n0, bm, bn, o_smem.at[wg])
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # every store out before the kernel ends
+
+
+def run_row_kernel_ws(x, w, expert_offsets, *, N_out: int, K_contract: int, cfg: MosaicGroupedGemmConfig, out_dtype,
+                      dgrad: bool = False, num_sms: int) -> jax.Array:
+    """``[M_cap, N_out]``: the forward (``x [M_cap, K]``, ``w [E, N, K]``) or the dgrad (``x`` = ``d_y``),
+    warp-specialized. Inputs validated by the caller (``config.mosaic_config_problem``)."""
+    M_cap = x.shape[0]
+    E = w.shape[0]
+    step_e, step_lo, step_hi = tile_metadata(expert_offsets, M_cap, E, cfg.block_m)
+    m_rows = -(-M_cap // 8) * 8  # TMA boxes tile rows by 8 (the pad rows belong to no step)
+    if m_rows != M_cap:
+        x = jnp.pad(x, ((0, m_rows - M_cap), (0, 0)))
+    kernel = functools.partial(_kernel, E=E, N=N_out, K=K_contract, cfg=cfg, dgrad=dgrad)
+    y = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((m_rows, N_out), out_dtype),
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(step_e, step_lo, step_hi, x, w)
+    return y if m_rows == M_cap else y[:M_cap]
