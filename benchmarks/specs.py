@@ -333,11 +333,15 @@ class BenchModel:
 
 def arch_of_preset(name: str) -> str | None:
     """The transformers block of a preset's layer: DeepSeek-V3's for biased grouped top-k (also the
-    ``tiny`` preset), Mixtral's for ``mixtral-*``, Qwen3-MoE's for other softmax top-k; None otherwise."""
+    ``tiny`` preset; GLM-4.5-Air's ``Glm4MoeMoE`` and Kimi K2 compute the same), Mixtral's for ``mixtral-*``,
+    Qwen3-MoE's for other softmax top-k without shared experts; None otherwise: no block of those expresses
+    ``sigmoid_topk`` (Llama 4), gpt-oss's clamped SwiGLU on interleaved gate/up, or Qwen3-Next's shared expert."""
     p = get_preset(name)
+    if p.activation != "silu" or p.gate_up_layout != "concatenated":
+        return None
     if p.routing == "biased_grouped_topk":
         return "deepseek_v3"
-    if p.routing == "softmax_topk":
+    if p.routing == "softmax_topk" and p.num_shared_experts == 0 and p.routed_scaling_factor == 1.0:
         return "mixtral" if name.startswith("mixtral") else "qwen3_moe"
     return None
 

@@ -65,6 +65,12 @@ _NAMES = {
 _FUSED_MODULE = "mlp"
 #: arch -> the transformers config class whose defaults an absent config.json key takes.
 _CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "deepseek_v3": "DeepseekV3Config"}
+#: arch -> the layer its tensors are read as (the routing family a preset for it must have).
+_FAMILY_WORDS = {
+    "mixtral": "softmax top-k routing with gate/up rows concatenated",
+    "qwen3_moe": "softmax top-k routing with gate/up rows concatenated",
+    "deepseek_v3": "biased grouped top-k routing with gate/up rows concatenated",
+}
 #: transformers' ``hidden_act`` names -> the contract's activation (both gelu names are the tanh formula).
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 _LAYER_KEY = re.compile(r"^(?P<pre>(?:model\.)?layers\.(?P<L>\d+)\.(?P<module>block_sparse_moe|mlp))\.(?P<rest>.+)$")
@@ -314,12 +320,18 @@ class MoECheckpointLayer:
         checkpoint's (:attr:`quant`) unless overridden; ``overrides`` (quant, ep_size, ...) last.
 
         Raises: ValueError without config.json and preset, on a preset of the other routing family (a
-        DeepSeek-V3 preset for softmax-routed weights or the reverse), on sizes overridden to other than the
+        DeepSeek-V3 preset for softmax-routed weights or the reverse; a sigmoid_topk or gate/up-interleaved one, Llama 4's
+        or gpt-oss's, for any of these), on sizes overridden to other than the
         tensors', and on routing values the contract refuses (naming the config.json keys they came from).
         """
         sizes = dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
                      num_experts=self.num_experts, num_fused_shared_experts=self.num_shared_experts)
         MoEConfig.check_field_names("MoECheckpointLayer.config", overrides)
+        for name in ("apply_router_weight_on_input", "shared_expert_gate"):  # other families' layer semantics
+            if overrides.get(name):
+                raise ValueError(f"MoECheckpointLayer.config: {name} is Llama 4's / Qwen3-Next's layer, whose checkpoints "
+                                 f"this loader does not read yet; the {self.arch} checkpoint's layer in {self.path!r} has "
+                                 f"none; got {name}={overrides[name]!r}")
         for name, value in sizes.items():
             if name in overrides and overrides[name] != value:
                 raise ValueError(f"MoECheckpointLayer.config: {name} is the checkpoint's ({value}, from its tensors); "
@@ -337,6 +349,14 @@ class MoECheckpointLayer:
             # would drop the bias or invent one (found by a new-user trial: a Mixtral preset on DeepSeek-V3
             # weights ran and "agreed").
             biased = self.e_score_correction_bias is not None
+            # No family read here routes by sigmoid top-k (Llama 4) or stores gate/up interleaved (gpt-oss):
+            # such a preset on these tensors would compute another model's layer (issue 15).
+            if preset.routing == "sigmoid_topk" or preset.gate_up_layout != "concatenated":
+                raise ValueError(
+                    f"MoECheckpointLayer.config: preset {preset.name!r} is another family's layer (routing "
+                    f"{preset.routing!r}, gate_up_layout {preset.gate_up_layout!r}); this {self.arch} checkpoint "
+                    f"in {self.path!r} is read as {_FAMILY_WORDS[self.arch]}; pass a preset of that family, or put its "
+                    f"config.json beside the weights")
             if biased != (preset.routing == "biased_grouped_topk"):
                 raise ValueError(
                     f"MoECheckpointLayer.config: preset {preset.name!r} routes by {preset.routing!r}, but the "

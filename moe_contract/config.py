@@ -20,12 +20,17 @@ from typing import Literal
 
 from moe_contract.validation import check_bool, check_choice, check_nonnegative_int, check_positive_int, check_rsf
 
-Routing = Literal["softmax_topk", "grouped_topk", "biased_grouped_topk"]
+Routing = Literal["softmax_topk", "grouped_topk", "biased_grouped_topk", "sigmoid_topk"]
 Quant = Literal["none", "fp8_per_token", "fp8_block"]
 Activation = Literal["silu", "gelu_tanh", "swiglu_oai"]
 GateUpLayout = Literal["concatenated", "interleaved"]
 
-ROUTINGS = ("softmax_topk", "grouped_topk", "biased_grouped_topk")
+ROUTINGS = ("softmax_topk", "grouped_topk", "biased_grouped_topk", "sigmoid_topk")
+#: The routings that split the experts into groups (``num_expert_group`` / ``topk_group`` required).
+GROUPED_ROUTINGS = ("grouped_topk", "biased_grouped_topk")
+#: The routings whose weights are ``sigmoid(logit)`` (renormalized by ``sum + 1e-20``; backward
+#: ``d_logit = d_s * s * (1 - s)``), CONTRACT.md sections 1 and 8.
+SIGMOID_ROUTINGS = ("biased_grouped_topk", "sigmoid_topk")
 QUANTS = ("none", "fp8_per_token", "fp8_block")
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 #: Where the gate and up halves of ``h [M, 2*I]`` (and of ``w13``'s ``2*I`` rows) are (CONTRACT.md section 4):
@@ -55,14 +60,23 @@ class MoEConfig:
       intermediate_size: ``I`` (``w13`` is ``[E_local, 2*I, H]``, ``w2`` is ``[E_local, H, I]``).
       num_experts: ``E``, routed experts in the model (global).
       topk: routed experts chosen per token.
-      routing: ``"softmax_topk"`` (Mixtral, Qwen3-MoE), ``"grouped_topk"`` (DeepSeek-V2) or
-        ``"biased_grouped_topk"`` (DeepSeek-V3/R1 "noaux_tc").
+      routing: ``"softmax_topk"`` (Mixtral, Qwen3-MoE), ``"grouped_topk"`` (DeepSeek-V2),
+        ``"biased_grouped_topk"`` (DeepSeek-V3/R1 "noaux_tc") or ``"sigmoid_topk"`` (Llama 4: top-k of
+        the logits, weight ``sigmoid(logit)``; no groups, no bias).
       renormalize: divide the top-k weights by their sum.
       num_expert_group / topk_group: groups of experts, and how many are kept (grouped modes).
       routed_scaling_factor: ``rsf``, applied exactly once.
       apply_routed_scaling_factor_on_output: apply ``rsf`` in the gate (SGLang's fused gate)
         instead of in the combine step. Both give the same layer output.
       num_fused_shared_experts: ``S`` shared experts run as extra experts ``E .. E+S-1``.
+      apply_router_weight_on_input: Llama 4 (vLLM's name): each routed slot's expert input is
+        ``x[t] * w[t, j]`` (float32, rounded once to ``x.dtype``) and the combine adds the routed outputs
+        with weight 1 (times ``rsf``, which must then be applied by the combine: ``True`` with
+        ``apply_routed_scaling_factor_on_output=True`` and ``rsf != 1`` is a ValueError); fused shared
+        slots keep their input unscaled and their weight in the combine (CONTRACT.md sections 1, 2, 5).
+      shared_expert_gate: Qwen3-Next: the fused shared slots' weights are multiplied by
+        ``sigmoid(shared_expert_gate_logits[t, i])`` (a layer input ``[T, S]``), so the layer adds
+        ``sigmoid(gate) * shared`` to the routed sum as ``Qwen3NextSparseMoeBlock`` does; needs ``S >= 1``.
       activation: ``"silu"``, ``"gelu_tanh"`` or ``"swiglu_oai"`` (gpt-oss: ``(clamp(u, -7, 7) + 1) *
         gc * sigmoid(1.702 * gc)``, ``gc = min(g, 7)``), the ``*_and_mul`` between the GEMMs (CONTRACT.md section 4).
       gate_up_layout: where gate and up are in ``w13``'s ``2*I`` rows (and so in GEMM 1's output ``h``):
@@ -88,6 +102,8 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     apply_routed_scaling_factor_on_output: bool = False
     num_fused_shared_experts: int = 0
+    apply_router_weight_on_input: bool = False
+    shared_expert_gate: bool = False
     activation: Activation = "silu"
     gate_up_layout: GateUpLayout = "concatenated"
     quant: Quant = "none"
@@ -104,7 +120,8 @@ class MoEConfig:
                 object.__setattr__(self, name, int(value))
         for name in ("hidden_size", "intermediate_size", "num_experts", "topk", "ep_size"):
             check_positive_int(op, name, getattr(self, name))
-        for name in ("renormalize", "apply_routed_scaling_factor_on_output"):
+        for name in ("renormalize", "apply_routed_scaling_factor_on_output", "apply_router_weight_on_input",
+                     "shared_expert_gate"):
             check_bool(op, name, getattr(self, name))
         check_choice(op, "routing", self.routing, ROUTINGS)
         check_choice(op, "quant", self.quant, QUANTS)
@@ -120,6 +137,16 @@ class MoEConfig:
             routed_scaling_factor=self.routed_scaling_factor,
             num_fused_shared_experts=self.num_fused_shared_experts,
         )
+        if self.shared_expert_gate and not self.num_fused_shared_experts:
+            raise ValueError(f"{op}: shared_expert_gate=True gates the fused shared experts, so "
+                             f"num_fused_shared_experts must be >= 1; got num_fused_shared_experts=0")
+        if (self.apply_router_weight_on_input and self.apply_routed_scaling_factor_on_output
+                and self.routed_scaling_factor != 1.0):
+            raise ValueError(
+                f"{op}: apply_router_weight_on_input=True needs the routed scaling factor in the combine "
+                f"(apply_routed_scaling_factor_on_output=False): on the gate's weights it would scale the experts' "
+                f"input, inside their nonlinearity, and the two placements would differ (CONTRACT.md section 1); "
+                f"got apply_routed_scaling_factor_on_output=True with routed_scaling_factor={self.routed_scaling_factor}")
         if self.num_experts % self.ep_size:
             raise ValueError(
                 f"{op}: num_experts must be divisible by ep_size (={self.ep_size}); "
@@ -212,10 +239,10 @@ def check_routing_args(
         raise ValueError(f"{op}: topk must be <= E (={num_experts}); got topk={topk}")
     check_nonnegative_int(op, "num_fused_shared_experts", num_fused_shared_experts)
     check_rsf(op, routed_scaling_factor)
-    if routing == "softmax_topk":
+    if routing not in GROUPED_ROUTINGS:
         for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
             if value is not None:
-                raise ValueError(f"{op}: {name} must be None for routing='softmax_topk' (it has no groups); got {name}={value!r}")
+                raise ValueError(f"{op}: {name} must be None for routing={routing!r} (it has no groups); got {name}={value!r}")
         return
     check_positive_int(op, "num_expert_group", num_expert_group)
     check_positive_int(op, "topk_group", topk_group)

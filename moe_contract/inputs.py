@@ -115,3 +115,15 @@ def draw_preset_weights(config: MoEConfig, seed: int) -> Iterator[tuple[str, int
         yield "w2", e, w2_e
     # make_layer_inputs draws x [T, H] and router_logits [T, E] before the bias: nothing at T = 0.
     yield "bias", -1, _draw_bias(np.random.default_rng(seed), config.num_experts)
+
+
+def draw_shared_expert_gate(config: MoEConfig, seed: int) -> np.ndarray | None:
+    """The shared-expert gate weight of a ``config.shared_expert_gate`` layer (Qwen3-Next's
+    ``shared_expert_gate.weight``): ``[1, H]`` float32 ~ N(0, 1/H) from ``default_rng((seed, 15))`` (its own
+    generator: the other draws are unchanged), so that ``sigmoid(x @ w.T)`` is O(1) and spread; ``None``
+    without ``config.shared_expert_gate``. Both modules' ``from_preset`` draw it here (the same bits)."""
+    if not config.shared_expert_gate:
+        return None
+    H = config.hidden_size
+    w = np.random.default_rng((seed, 15)).standard_normal((1, H), dtype=np.float32)
+    return (w * np.float32(1.0 / np.sqrt(H))).astype(np.float32)

@@ -218,20 +218,24 @@ def check_dequantize_weight_4bit(op: str, w_q: Any, w_scale: Any, fmt: str, out_
 
 
 def check_grouped_gemm(
-    op: str, x: Any, w: Any, expert_offsets: Any, x_scale: Any, w_scale: Any, out_dtype: Any, w_format: Any = None
+    op: str, x: Any, w: Any, expert_offsets: Any, x_scale: Any, w_scale: Any, out_dtype: Any, w_format: Any = None,
+    bias: Any = None,
 ) -> Any:
     """Returns the output dtype (default ``x.dtype``, or ``"bfloat16"`` for FP8 inputs).
 
     ``w`` is ``[E, N, K]`` of ``x``'s float dtype, float8_e4m3fn codes (with ``x`` FP8 and both scales),
     or 4-bit packed codes ``[E, N, K // 2]`` uint8 with ``w_format`` ``"mxfp4"`` / ``"int4"`` and
-    ``w_scale [E, N, K // 32]`` (uint8 / bfloat16; ``x`` float, no ``x_scale``: CONTRACT.md section 9)."""
+    ``w_scale [E, N, K // 32]`` (uint8 / bfloat16; ``x`` float, no ``x_scale``: CONTRACT.md section 9).
+    ``bias`` (optional, CONTRACT.md section 4): ``[E, N]`` float32, bfloat16 or ``x``'s float dtype."""
     check_rank(op, "x", x, 2, "[M_cap, K]")
     check_dtype(op, "x", x, (*FLOAT_DTYPES, FP8_DTYPE))
     M_cap, K = x.shape
     if hasattr(w, "dtype") and (dtype_name(w) == "uint8" or w_format is not None):
         check_w4_format(op, w_format, w)
         check_rank(op, "w", w, 3, f"[E, N, K // 2] uint8 (4-bit packed codes) with K == x.shape[1] (={K})")
-        return _check_grouped_gemm_4bit(op, x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format)
+        out_dtype = _check_grouped_gemm_4bit(op, x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format)
+        check_gemm_bias(op, bias, x, int(w.shape[0]), int(w.shape[1]))
+        return out_dtype
     check_rank(op, "w", w, 3, f"[E, N, K] with K == x.shape[1] (={K})")
     E, N, Kw = w.shape
     if Kw != K:
@@ -254,6 +258,33 @@ def check_grouped_gemm(
             if s is not None:
                 raise ValueError(f"{op}: {name} must be None for {dtype_name(x)} inputs (scales are for float8_e4m3fn); got an array")
         out_dtype = x.dtype if out_dtype is None else out_dtype
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    check_gemm_bias(op, bias, x, E, N)
+    return out_dtype
+
+
+def check_gemm_bias(op: str, bias: Any, x: Any, E: int, N: int) -> None:
+    """``bias`` is ``None`` or ``[E, N]`` (one row per local expert of ``w``) of dtype float32, bfloat16 or
+    ``x``'s float dtype (CONTRACT.md section 4: widened exactly to float32, added before the rounding)."""
+    if bias is None:
+        return
+    what = f"[E_local, N] = ({int(E)}, {int(N)}) (one row per expert of w [E, N, ...])"
+    check_rank(op, "bias", bias, 2, what)
+    check_shape(op, "bias", bias, (E, N), what)
+    allowed = ("float32", "bfloat16") + ((dtype_name(x),) if dtype_name(x) == "float16" else ())
+    check_dtype(op, "bias", bias, allowed)
+
+
+def check_grouped_gemm_dbias(op: str, d_y: Any, expert_offsets: Any, out_dtype: Any) -> Any:
+    """``d_y [M_cap, N]`` float, ``expert_offsets [E + 1]`` int32 (``E >= 0``). Returns the output dtype
+    (default float32)."""
+    check_rank(op, "d_y", d_y, 2, "[M_cap, N]")
+    check_dtype(op, "d_y", d_y, FLOAT_DTYPES)
+    check_rank(op, "expert_offsets", expert_offsets, 1, "[E + 1] int32")
+    if expert_offsets.shape[0] < 1:
+        raise ValueError(f"{op}: expert_offsets must be [E + 1] int32 with E >= 0; got expert_offsets.shape=(0,)")
+    check_dtype(op, "expert_offsets", expert_offsets, ("int32",))
+    out_dtype = "float32" if out_dtype is None else out_dtype
     check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
     return out_dtype
 

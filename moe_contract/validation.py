@@ -222,3 +222,44 @@ def check_layer_inputs(
                 f"{op}: {name}_scale must be 128x128 block scales [E_local, ceil(N/128), ceil(K/128)] for "
                 f"quant='fp8_block'; got {name}_scale.shape={_fmt_shape(s.shape)}"
             )
+
+
+def check_shared_expert_gate_logits(op: str, config: Any, x: Any, logits: Any) -> None:
+    """The layer input ``shared_expert_gate_logits`` (Qwen3-Next's shared-expert gate, CONTRACT.md section 1):
+    ``[T, S]`` float32 or ``x``'s dtype exactly when ``config.shared_expert_gate``, else ``None``
+    (ValueError naming it either way; TypeError for its dtype)."""
+    name = "shared_expert_gate_logits"
+    if not config.shared_expert_gate:
+        if logits is not None:
+            raise ValueError(f"{op}: {name} must be None unless config.shared_expert_gate=True (the fused shared "
+                             f"experts are then weighted by sigmoid(logit)); got an array with "
+                             f"config.shared_expert_gate=False")
+        return
+    if logits is None:
+        raise ValueError(f"{op}: {name} [T, S] must be given for config.shared_expert_gate=True (the fused shared "
+                         f"experts' weight is sigmoid(logit)); got None")
+    T, S = x.shape[0], config.num_fused_shared_experts
+    what = f"[T, S] = ({T}, {S}) (one logit per token and fused shared expert)"
+    check_rank(op, name, logits, 2, what)
+    check_shape(op, name, logits, (T, S), what)
+    check_dtype(op, name, logits, tuple(dict.fromkeys(("float32", dtype_name(x)))))
+
+
+def check_shared_expert_gate_weight(op: str, config: Any, weight: Any) -> None:
+    """A module's ``shared_expert_gate`` weight: ``[1, H]`` (transformers' ``shared_expert_gate.weight``: one
+    gate for the whole shared MLP, i.e. for all ``S`` fused shared slots) or ``[S, H]`` (one per slot), float,
+    exactly when ``config.shared_expert_gate``, else ``None`` (ValueError; TypeError for its dtype)."""
+    name = "shared_expert_gate"
+    if not config.shared_expert_gate:
+        if weight is not None:
+            raise ValueError(f"{op}: {name} must be None unless config.shared_expert_gate=True; got an array with "
+                             f"config.shared_expert_gate=False")
+        return
+    H, S = config.hidden_size, config.num_fused_shared_experts
+    what = f"[1, H] = (1, {H}) or [S, H] = ({S}, {H}) (transformers' shared_expert_gate.weight)"
+    if weight is None:
+        raise ValueError(f"{op}: {name} {what} must be given for config.shared_expert_gate=True; got None")
+    check_rank(op, name, weight, 2, what)
+    if len(weight.shape) != 2 or int(weight.shape[0]) not in (1, S) or int(weight.shape[1]) != H:
+        raise ValueError(f"{op}: {name} must be {what}; got {name}.shape={_fmt_shape(weight.shape)}")
+    check_dtype(op, name, weight, FLOAT_DTYPES)

@@ -74,7 +74,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moe_contract.config import MoEConfig
 from moe_contract.validation import (check_choice, check_config, check_layer_inputs, check_positive_int, check_rank,
-                                      stage_implementation)
+                                      check_shared_expert_gate_logits, stage_implementation)
 from moe_pallas.layer import LAYER_IMPLEMENTATIONS, routed_experts, run_gate
 from moe_pallas.ops.combine import api as combine_api
 from moe_pallas.ops.combine.api import combine
@@ -82,6 +82,7 @@ from moe_pallas.ops.common import takes_jax_arrays
 from moe_pallas.ops.dispatch import check_implementation
 from moe_pallas.ops.permute import api as permute_api
 from moe_pallas.ops.permute.api import permute, routing_metadata
+from moe_pallas.slot_weights import scaled_slot_rows, slot_weights
 
 log = logging.getLogger("moe_pallas")
 
@@ -237,6 +238,7 @@ def ep_moe_forward(
     w13_scale: jax.Array | None = None,
     w2_scale: jax.Array | None = None,
     e_score_correction_bias: jax.Array | None = None,
+    shared_expert_gate_logits: jax.Array | None = None,
     implementation: str | None = None,
     out_sharding: str = "replicated",
     exchange: str | None = None,
@@ -264,6 +266,10 @@ def ep_moe_forward(
         ``"all_to_all"`` (DeepEP-style: tokens split over devices, rows travel to expert owners).
       w13_scale, w2_scale: FP8 weight scales with the same leading expert axis as the weights.
       e_score_correction_bias: ``[E]`` float32 (``routing='biased_grouped_topk'``), replicated.
+      shared_expert_gate_logits: ``[T, S]`` float32 or ``x.dtype``, laid out as ``router_logits``, exactly when
+        ``config.shared_expert_gate`` (as :func:`moe_pallas.moe_forward`). ``config.apply_router_weight_on_input``
+        scales the expert inputs on the device that holds the token (``"all_to_all"``: before the dispatch,
+        so the rows travel scaled).
       implementation: a backend name passed to every stage that has it (``"reference"`` on a CPU;
         ``"pallas_triton"`` / ``"pallas_mosaic_gpu"`` / ``None`` on a GPU), as in ``moe_forward``.
       out_sharding: ``"replicated"`` (every device holds ``[T, H]``) or ``"tokens"`` (split over
@@ -280,7 +286,8 @@ def ep_moe_forward(
 
     Returns: ``out [T, H]`` in ``x.dtype``.
 
-    Gradients (CONTRACT.md section 8): ``x``, ``router_logits`` as the single-device layer's; ``w13`` /
+    Gradients (CONTRACT.md section 8): ``x``, ``router_logits``, ``shared_expert_gate_logits`` as the
+    single-device layer's; ``w13`` /
     ``w2`` (and zero cotangents for the scales) in the layout passed in, each device's experts' rows the
     single-device gradient's; the padding experts' rows 0. FP8 layers: straight-through, the codes get
     zero cotangents.
@@ -337,6 +344,8 @@ def ep_moe_forward(
     check_layer_inputs(
         op, config.for_rank(ep - 1), x, router_logits, per_rank["w13"], per_rank["w2"], per_rank["w13_scale"], per_rank["w2_scale"]
     )
+    check_shared_expert_gate_logits(op, config, x, shared_expert_gate_logits)
+    shared = shared_expert_gate_logits
     w13, w2 = pad_expert_weights(w13, config), pad_expert_weights(w2, config)
     w13_scale = None if w13_scale is None else pad_expert_weights(w13_scale, config)
     w2_scale = None if w2_scale is None else pad_expert_weights(w2_scale, config)
@@ -351,8 +360,9 @@ def ep_moe_forward(
         # float32 across the shard_map boundary (the body casts back: exact, the forward is unchanged): the
         # transpose sums the replicated inputs' cotangents over "ep" (a psum) in float32, rounded once, as the
         # forward sums the partials (and moe_torch's backward all-reduce). Costs a convert of x otherwise.
-        extra = dict(in_dtypes=(x.dtype, router_logits.dtype))
+        extra = dict(in_dtypes=(x.dtype, router_logits.dtype, None if shared is None else shared.dtype))
         x, router_logits = x.astype(jnp.float32), router_logits.astype(jnp.float32)
+        shared = None if shared is None else shared.astype(jnp.float32)
     body = functools.partial(
         _replicated_body if mode == "replicated" else _all_to_all_body,
         config=config, ep=ep, e_lmax=e_lmax, starts=starts, counts=counts,
@@ -363,18 +373,19 @@ def ep_moe_forward(
     if mode == "all_to_all" and T_pad != T:
         x = jnp.pad(x, ((0, T_pad - T), (0, 0)))
         router_logits = jnp.pad(router_logits, ((0, T_pad - T), (0, 0)))
+        shared = None if shared is None else jnp.pad(shared, ((0, T_pad - T), (0, 0)))
     experts = P(EP_AXIS)
     fn = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(tokens, tokens, experts, experts, experts, experts, P()),
+        in_specs=(tokens, tokens, experts, experts, experts, experts, P(), tokens),
         out_specs=P() if out_sharding == "replicated" else P(EP_AXIS),
         # Off: ragged_all_to_all types its result like `output` (a fresh zeros buffer, "replicated")
         # although every device receives different rows, and a psum of a value typed replicated
         # multiplies it by ep. The out_specs are right by construction (psum / all_gather results).
         check_vma=False,
     )
-    out = fn(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias)
+    out = fn(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias, shared)
     return out[:T] if out.shape[0] != T else out
 
 
@@ -425,25 +436,30 @@ def _to_local_ids(ids, starts, counts, e_lmax):
 
 
 def _experts(x, topk_weights, local_ids, w13, w2, w13_scale, w2_scale, *, config, e_lmax, implementation,
-             routed_scaling_factor, out_dtype, recompute):
+             routed_scaling_factor, out_dtype, recompute, input_scale=None):
     """This device's experts on rows ``x [R, H]`` with ids ``local_ids [R, topk]`` (``E_lmax`` = not
-    here), combined with ``topk_weights``: ``[R, H]`` in ``out_dtype``, the expert stages and combine of
-    ``moe_forward`` with its backward (:func:`moe_pallas.layer.routed_experts`)."""
+    here; inputs scaled by ``input_scale``, if given), combined with ``topk_weights``: ``[R, H]`` in
+    ``out_dtype``, the expert stages and combine of ``moe_forward`` with its backward
+    (:func:`moe_pallas.layer.routed_experts`)."""
     return routed_experts(x, topk_weights, local_ids, w13, w2, config, w13_scale=w13_scale, w2_scale=w2_scale,
                           implementation=implementation, num_experts=e_lmax + 1, expert_start=0, num_local_experts=e_lmax,
-                          routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype, recompute=recompute)
+                          routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype, recompute=recompute,
+                          input_scale=input_scale)
 
 
-def _replicated_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, *, config, ep, e_lmax, starts, counts,
-                     implementation, out_sharding, T, T_pad, dense, recompute, in_dtypes):
+def _replicated_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared, *, config, ep, e_lmax, starts,
+                     counts, implementation, out_sharding, T, T_pad, dense, recompute, in_dtypes):
     """Per device: all ``T`` tokens, its own experts; partial ``[T, H]`` float32 summed over ``"ep"``.
-    ``x`` and ``router_logits`` arrive in float32 and are cast back to ``in_dtypes`` here."""
+    ``x``, ``router_logits`` (and ``shared``, the shared-expert gate logits) arrive in float32 and are cast
+    back to ``in_dtypes`` here."""
     x, router_logits = x.astype(in_dtypes[0]), router_logits.astype(in_dtypes[1])
+    shared = None if shared is None else shared.astype(in_dtypes[2])
     topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
+    combine_weights, input_scale = slot_weights(topk_weights, shared, config)  # autodiff: plain jnp
     local_ids = _to_local_ids(topk_ids, starts, counts, e_lmax)
-    partial = _experts(x, topk_weights, local_ids, w13, w2, w13_scale, w2_scale, config=config, e_lmax=e_lmax,
+    partial = _experts(x, combine_weights, local_ids, w13, w2, w13_scale, w2_scale, config=config, e_lmax=e_lmax,
                        implementation=implementation, routed_scaling_factor=config.combine_routed_scaling_factor,
-                       out_dtype=jnp.float32, recompute=recompute)
+                       out_dtype=jnp.float32, recompute=recompute, input_scale=input_scale)
     if out_sharding == "replicated":
         out = jax.lax.psum(partial, EP_AXIS)
     else:  # psum_scatter splits T evenly: pad the partial to T_pad rows (zeros), sliced off outside
@@ -451,9 +467,10 @@ def _replicated_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, *, co
     return out.astype(x.dtype)  # float32 -> x.dtype once: exact for float32, one rounding for bf16
 
 
-def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, *, config, ep, e_lmax, starts, counts,
-                     implementation, out_sharding, T, T_pad, dense, recompute):
-    """Per device: its ``T_l`` tokens; rows to the expert owners and back (module docstring)."""
+def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared, *, config, ep, e_lmax, starts,
+                     counts, implementation, out_sharding, T, T_pad, dense, recompute):
+    """Per device: its ``T_l`` tokens; rows to the expert owners and back (module docstring).
+    ``apply_router_weight_on_input``: the rows are scaled at home, before the dispatch."""
     T_l, H = x.shape
     K = config.num_slots
     C = T_l * K  # send capacity: every slot of every local token, if all go to one device
@@ -462,13 +479,16 @@ def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, *, co
     permute_impl = stage_implementation(implementation, permute_api)
 
     topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
+    combine_weights, input_scale = slot_weights(topk_weights, shared, config)  # autodiff: plain jnp
     # Destination device of each slot; padding tokens (global row >= T) get `ep`: sent nowhere.
     dest = jnp.minimum(topk_ids.astype(jnp.int32) // per_rank, ep - 1)  # shared ids E.. -> last rank
     token = rank * T_l + jnp.arange(T_l, dtype=jnp.int32)
     dest = jnp.where((token < T)[:, None], dest, ep)
     # Group the (token, slot) rows by destination: the routing-metadata stage with devices as experts.
     send = routing_metadata(dest, ep + 1, expert_start=0, num_local_experts=ep, implementation=permute_impl)
-    x_send, _ = permute(x, send.dst2src, topk=K, implementation=permute_impl)  # [C, H]
+    # (apply_router_weight_on_input: the scaled slot rows x[t] * w[t, j], gathered one per assignment)
+    x_rows, k_rows = (x, K) if input_scale is None else (scaled_slot_rows(x, input_scale), 1)
+    x_send, _ = permute(x_rows, send.dst2src, topk=k_rows, implementation=permute_impl)  # [C, H]
     ids_send = jnp.where(send.dst2src >= 0, topk_ids.reshape(C).astype(jnp.int32)[jnp.maximum(send.dst2src, 0)], -1)
     send_offsets = send.expert_offsets[:-1]  # [ep]: my rows for device d start here
     send_sizes = jnp.diff(send.expert_offsets)  # [ep]
@@ -487,7 +507,7 @@ def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, *, co
                       e_lmax=e_lmax, implementation=implementation, routed_scaling_factor=1.0, out_dtype=x.dtype,
                       recompute=recompute)
     y_home = exchange(y_recv, jnp.zeros((C, H), x.dtype), slot_of, recv_sizes, home_offsets, send_sizes)  # [C, H], send order
-    out = combine(y_home, send.src2dst, topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=x.dtype,
+    out = combine(y_home, send.src2dst, combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=x.dtype,
                   implementation=stage_implementation(implementation, combine_api))  # [T_l, H]; padding rows: 0
     if out_sharding == "replicated":
         out = jax.lax.all_gather(out, EP_AXIS, axis=0, tiled=True)

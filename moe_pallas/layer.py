@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_contract.config import ACTIVATION_QUANT, WEIGHT_LAYOUT, MoEConfig
-from moe_contract.validation import check_layer_inputs, check_layer_weights, check_positive_int, stage_implementation
+from moe_contract.validation import (check_layer_inputs, check_layer_weights, check_positive_int,
+                                      check_shared_expert_gate_logits, stage_implementation)
 from moe_pallas.ops.activation import api as activation_api
 from moe_pallas.ops.activation.api import act_and_mul, act_and_mul_backward
 from moe_pallas.ops.combine import api as combine_api
@@ -33,6 +34,7 @@ from moe_pallas.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dgrad, gr
 from moe_pallas.ops.permute import api as permute_api
 from moe_pallas.ops.permute.api import permute, permute_backward, routing_metadata
 from moe_pallas.ops.quant.api import QUANT_CHUNK_BYTES, dequantize_fp8, quantize_weight_fp8
+from moe_pallas.slot_weights import scaled_slot_rows, scaled_slot_rows_backward, slot_weights, slot_weights_backward
 
 #: Every backend name any stage knows (a stage without the chosen one uses its default).
 LAYER_IMPLEMENTATIONS = tuple(dict.fromkeys(
@@ -51,6 +53,7 @@ def moe_forward(
     w13_scale: jax.Array | None = None,
     w2_scale: jax.Array | None = None,
     e_score_correction_bias: jax.Array | None = None,
+    shared_expert_gate_logits: jax.Array | None = None,
     implementation: str | None = None,
     recompute: bool = False,
 ) -> jax.Array:
@@ -68,6 +71,13 @@ def moe_forward(
         under ``jit``.
       w13_scale, w2_scale: FP8 weight scales (see :func:`quantize_layer_weights`).
       e_score_correction_bias: ``[E]`` float, for ``routing='biased_grouped_topk'``.
+      shared_expert_gate_logits: ``[T, S]`` float32 or ``x.dtype``, exactly when ``config.shared_expert_gate``
+        (Qwen3-Next: ``x @ shared_expert_gate.weight.T``, as ``router_logits`` from outside): fused shared
+        slot ``E + i`` of token ``t`` gets weight ``sigmoid(logit[t, i])`` (CONTRACT.md section 1), so the
+        layer is ``routed sum + sigmoid(gate) * shared`` as transformers' ``Qwen3NextSparseMoeBlock``.
+        With ``config.apply_router_weight_on_input`` (Llama 4) the routed weights scale each slot's expert
+        input instead of its output (sections 2, 5; :mod:`moe_pallas.slot_weights`: the scaling is a jnp op
+        before the permute kernel, not fused).
       implementation: ``"reference"``, ``"pallas_triton"`` or ``"pallas_mosaic_gpu"`` (the GEMMs;
         the other stages then take their default), used by every stage that has it; a stage without
         it uses its default (``None``). ``None``: every stage's default. The backward uses the same
@@ -85,8 +95,8 @@ def moe_forward(
     section 3), so the combine's backward needs no ``y``.
 
     Gradients (CONTRACT.md section 8): ``x``, ``router_logits`` (through ``topk_weights`` only),
-    float ``w13`` / ``w2`` (this rank's slice), each accumulated in float32 and returned in its
-    input's dtype. FP8 layers: straight-through on the dequantized weights in ``x.dtype``; FP8 codes,
+    ``shared_expert_gate_logits``, float ``w13`` / ``w2`` (this rank's slice), each accumulated in float32
+    and returned in its input's dtype. FP8 layers: straight-through on the dequantized weights in ``x.dtype``; FP8 codes,
     weight scales and ``e_score_correction_bias`` get zero cotangents.
 
     Returns: ``out [T, H]`` in ``x.dtype``: this rank's partial sum; the sum over EP ranks is
@@ -96,34 +106,38 @@ def moe_forward(
     """
     op = "moe_forward"
     check_layer_inputs(op, config, x, router_logits, w13, w2, w13_scale, w2_scale)
+    check_shared_expert_gate_logits(op, config, x, shared_expert_gate_logits)
     check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
     if not isinstance(recompute, bool):
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
     return _moe_layer(config, implementation, recompute, x, router_logits, w13, w2, w13_scale, w2_scale,
-                      e_score_correction_bias)
+                      e_score_correction_bias, shared_expert_gate_logits)
 
 
-def _layer_forward(config, implementation, x, router_logits, w13, w2, w13_scale, w2_scale, bias):
+def _layer_forward(config, implementation, x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits):
     """The stages of :func:`moe_forward`: ``(out, (topk_weights, topk_ids, meta, h))``."""
     topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
+    combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)
     expert_start, e_local = config.local_expert_range()
     y, meta, h = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
                              num_experts=config.num_total_experts, expert_start=expert_start,
-                             num_local_experts=e_local, return_h=True)
-    out = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
+                             num_local_experts=e_local, return_h=True, input_scale=input_scale)
+    out = combine(y, meta.src2dst, combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
                   out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))
     return out, (topk_weights, topk_ids, meta, h)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _moe_layer(config, implementation, recompute, x, router_logits, w13, w2, w13_scale, w2_scale, bias):
-    return _layer_forward(config, implementation, x, router_logits, w13, w2, w13_scale, w2_scale, bias)[0]
+def _moe_layer(config, implementation, recompute, x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits):
+    return _layer_forward(config, implementation, x, router_logits, w13, w2, w13_scale, w2_scale, bias,
+                          shared_logits)[0]
 
 
-def _moe_layer_fwd(config, implementation, recompute, x, router_logits, w13, w2, w13_scale, w2_scale, bias):
+def _moe_layer_fwd(config, implementation, recompute, x, router_logits, w13, w2, w13_scale, w2_scale, bias,
+                   shared_logits):
     out, (topk_weights, topk_ids, meta, h) = _layer_forward(config, implementation, x, router_logits, w13, w2,
-                                                            w13_scale, w2_scale, bias)
-    saved = (x, router_logits, w13, w2, w13_scale, w2_scale, bias, topk_weights, topk_ids, meta,
+                                                            w13_scale, w2_scale, bias, shared_logits)
+    saved = (x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, topk_weights, topk_ids, meta,
              None if recompute else h)
     return out, saved
 
@@ -142,15 +156,24 @@ def _moe_layer_bwd(config, implementation, recompute, saved, d_out):
 
     FP8 layers: ``a`` is its dequantized codes (what GEMM 2 consumed), the dgrads dequantize the weight
     codes to ``x.dtype`` (straight-through), and the codes get zero cotangents (frozen).
+
+    The 2026 families (:mod:`moe_pallas.slot_weights`): the combine takes ``combine_weights`` and the
+    permute the scaled slot rows (``apply_router_weight_on_input``), whose backward gives ``d_x`` and
+    ``d_input_scale[t, j] = <x[t], d_xp[src2dst[t, j]]>``; :func:`slot_weights_backward` turns the two
+    into ``d_topk_weights`` and ``d_shared_expert_gate_logits``.
     Mirror: ``moe_torch/layer.py`` (``_MoELayerFunction``)."""
-    x, router_logits, w13, w2, w13_scale, w2_scale, bias, topk_weights, topk_ids, meta, h = saved
-    d_x, d_topk_weights, d_w13, d_w2 = _experts_bwd(config, implementation, x, w13, w2, w13_scale, w2_scale,
-                                                    topk_weights, topk_ids.shape[1], meta, h, d_out,
-                                                    config.combine_routed_scaling_factor)
+    x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, topk_weights, topk_ids, meta, h = saved
+    combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)
+    d_x, d_combine_weights, d_w13, d_w2, d_input_scale = _experts_bwd(
+        config, implementation, x, w13, w2, w13_scale, w2_scale, combine_weights, topk_ids.shape[1], meta, h, d_out,
+        config.combine_routed_scaling_factor, input_scale=input_scale)
+    d_topk_weights, d_shared = slot_weights_backward(topk_weights, shared_logits, d_combine_weights, d_input_scale,
+                                                     config)
     d_logits = select_experts_backward(
         router_logits, topk_ids, d_topk_weights, **config.gate_kwargs(), e_score_correction_bias=bias,
         implementation=stage_implementation(implementation, gate_api)).astype(router_logits.dtype)
-    return d_x, d_logits, d_w13, d_w2, _zeros(w13_scale), _zeros(w2_scale), _zeros(bias)
+    d_shared = None if shared_logits is None else d_shared.astype(shared_logits.dtype)
+    return d_x, d_logits, d_w13, d_w2, _zeros(w13_scale), _zeros(w2_scale), _zeros(bias), d_shared
 
 
 _moe_layer.defvjp(_moe_layer_fwd, _moe_layer_bwd)
@@ -160,11 +183,15 @@ def _zeros(v):
     return None if v is None else jnp.zeros_like(v)
 
 
-def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k: int, meta, h, d_out, c: float):
+def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k: int, meta, h, d_out, c: float, *,
+                 input_scale=None):
     """The backward of the expert stages and the combine (CONTRACT.md section 8; the formulas in
     :func:`_moe_layer_bwd`), shared by it and :func:`routed_experts`: ``(d_x, d_topk_weights, d_w13,
-    d_w2)`` (FP8 weights: zero cotangents, frozen codes). ``h`` is GEMM 1's output, or ``None``
-    (recomputed here); ``c`` the combine's scaling factor."""
+    d_w2, d_input_scale)`` (FP8 weights: zero cotangents, frozen codes). ``topk_weights`` are the combine's
+    weights; ``input_scale [R, k]`` float32 or ``None``: the expert inputs' scale
+    (``apply_router_weight_on_input``), whose gradient ``d_input_scale[r, j] = <x[r], d_xp[src2dst[r, j]]>``
+    (float32) is then formed (else ``None``). ``h`` is GEMM 1's output, or ``None`` (recomputed here);
+    ``c`` the combine's scaling factor."""
     fp8 = config.quant != "none"
     # A pallas_mosaic_gpu layer's dgrad / wgrad run the Mosaic GPU backward kernels, except the FP8 layer's
     # straight-through dgrad, which takes the default order (Pallas-Triton on a GPU, the reference on a CPU).
@@ -173,7 +200,7 @@ def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k:
     T = topk_weights.shape[0]
     dtype = x.dtype
     if h is None:  # recompute=True: one more GEMM 1
-        h = _gemm1(x, meta, k, w13, w13_scale, config, impl)
+        h = _gemm1(x, meta, k, w13, w13_scale, config, impl, input_scale)
     a, a_scale = _act(h, config, impl)
     if fp8:
         a = dequantize_fp8(a, a_scale).astype(dtype)  # what GEMM 2 consumed, in x.dtype
@@ -187,15 +214,23 @@ def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k:
     d_h = act_and_mul_backward(h, d_a, activation=config.activation, layout=config.gate_up_layout, out_dtype=dtype,
                                implementation=stage_implementation(impl, activation_api))
     d_xp = grouped_gemm_dgrad(d_h, w13, offsets, w_scale=w13_scale, out_dtype=dtype, implementation=gemm)
-    d_x = permute_backward(d_xp, src2dst, num_tokens=T, out_dtype=dtype, implementation=perm)
+    d_input_scale = None
+    if input_scale is None:
+        d_x = permute_backward(d_xp, src2dst, num_tokens=T, out_dtype=dtype, implementation=perm)
+    else:  # the scaled slot rows: each slot's row gradient (float32), then their chain rule (slot_weights.py)
+        d_rows = permute_backward(d_xp, src2dst.reshape(-1, 1), num_tokens=src2dst.size, out_dtype=jnp.float32,
+                                  implementation=perm)
+        d_x, d_input_scale = scaled_slot_rows_backward(x, input_scale, d_rows)
+        d_x = d_x.astype(dtype)
     if fp8:  # frozen codes (section 8): zero cotangents of their own dtype
         d_w13, d_w2 = jnp.zeros_like(w13), jnp.zeros_like(w2)
     else:
         d_y = (w_row[:, None] * d_y0.astype(jnp.float32)).astype(dtype)
         d_w2 = grouped_gemm_wgrad(a, d_y, offsets, out_dtype=w2.dtype, implementation=gemm)  # f32 accumulation, one rounding
-        xp, _ = permute(x, dst2src, topk=k, implementation=perm)
+        x_rows, k_rows = _expert_rows(x, k, input_scale)
+        xp, _ = permute(x_rows, dst2src, topk=k_rows, implementation=perm)
         d_w13 = grouped_gemm_wgrad(xp, d_h, offsets, out_dtype=w13.dtype, implementation=gemm)
-    return d_x, d_topk_weights, d_w13, d_w2
+    return d_x, d_topk_weights, d_w13, d_w2, d_input_scale
 
 
 # The expert stages and the combine on a given routing, differentiable: what the EP layer (``ep.py``)
@@ -204,46 +239,54 @@ def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k:
 
 def routed_experts(x, topk_weights, topk_ids, w13, w2, config: MoEConfig, *, w13_scale=None, w2_scale=None,
                    implementation: str | None = None, num_experts: int, expert_start: int, num_local_experts: int,
-                   routed_scaling_factor: float, out_dtype, recompute: bool = False) -> jax.Array:
+                   routed_scaling_factor: float, out_dtype, recompute: bool = False,
+                   input_scale: jax.Array | None = None) -> jax.Array:
     """``combine(run_experts(x, topk_ids), topk_weights)``: the layer without its gate, for ``ep.py``.
 
     ``x [R, H]``, ``topk_weights [R, k]`` float32, ``topk_ids [R, k]`` int32 in ``[0, num_experts)``
     (``[expert_start, expert_start + num_local_experts)`` are the experts of ``w13 [E_local, 2I, H]`` /
     ``w2 [E_local, H, I]``, the others non-local), the combine's ``routed_scaling_factor`` and
-    ``out_dtype``. Returns ``[R, H]`` in ``out_dtype``. Differentiable (``jax.custom_vjp``) in ``x``,
-    ``topk_weights`` and float ``w13`` / ``w2`` with :func:`moe_forward`'s backward (the same stages'
-    backward ops, FP8 straight-through, ``recompute`` as there); ``topk_ids`` and the scales get zero
-    cotangents. No argument checks: the caller validated the layer's inputs."""
+    ``out_dtype``. ``topk_weights`` are the combine's weights; ``input_scale [R, k]`` float32 (or ``None``)
+    scales each slot's expert input (:func:`run_experts`). Returns ``[R, H]`` in ``out_dtype``.
+    Differentiable (``jax.custom_vjp``) in ``x``, ``topk_weights``, ``input_scale`` and float ``w13`` / ``w2``
+    with :func:`moe_forward`'s backward (the same stages' backward ops, FP8 straight-through, ``recompute``
+    as there); ``topk_ids`` and the scales get zero cotangents. No argument checks: the caller validated
+    the layer's inputs."""
     spec = (num_experts, expert_start, num_local_experts, float(routed_scaling_factor), jnp.dtype(out_dtype))
-    return _routed(config, implementation, recompute, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale)
+    return _routed(config, implementation, recompute, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale,
+                   input_scale)
 
 
-def _routed_forward(config, implementation, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale):
+def _routed_forward(config, implementation, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale):
     num_experts, expert_start, num_local_experts, c, out_dtype = spec
     y, meta, h = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
                              num_experts=num_experts, expert_start=expert_start,
-                             num_local_experts=num_local_experts, return_h=True)
+                             num_local_experts=num_local_experts, return_h=True, input_scale=input_scale)
     out = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=c, out_dtype=out_dtype,
                   implementation=stage_implementation(implementation, combine_api))
     return out, meta, h
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _routed(config, implementation, recompute, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale):
-    return _routed_forward(config, implementation, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale)[0]
+def _routed(config, implementation, recompute, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale,
+            input_scale):
+    return _routed_forward(config, implementation, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale,
+                           input_scale)[0]
 
 
-def _routed_fwd(config, implementation, recompute, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale):
+def _routed_fwd(config, implementation, recompute, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale,
+                input_scale):
     out, meta, h = _routed_forward(config, implementation, spec, x, topk_weights, topk_ids, w13, w2, w13_scale,
-                                   w2_scale)
-    return out, (x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, meta, None if recompute else h)
+                                   w2_scale, input_scale)
+    return out, (x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale, meta, None if recompute else h)
 
 
 def _routed_bwd(config, implementation, recompute, spec, saved, d_out):
-    x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, meta, h = saved
-    d_x, d_topk_weights, d_w13, d_w2 = _experts_bwd(config, implementation, x, w13, w2, w13_scale, w2_scale,
-                                                    topk_weights, topk_ids.shape[1], meta, h, d_out, spec[3])
-    return d_x, d_topk_weights, None, d_w13, d_w2, _zeros(w13_scale), _zeros(w2_scale)
+    x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale, meta, h = saved
+    d_x, d_topk_weights, d_w13, d_w2, d_input_scale = _experts_bwd(
+        config, implementation, x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids.shape[1], meta, h, d_out,
+        spec[3], input_scale=input_scale)
+    return d_x, d_topk_weights, None, d_w13, d_w2, _zeros(w13_scale), _zeros(w2_scale), d_input_scale
 
 
 _routed.defvjp(_routed_fwd, _routed_bwd)
@@ -259,24 +302,34 @@ def run_gate(router_logits, config: MoEConfig, e_score_correction_bias, implemen
 
 
 def run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, implementation: str | None, *,
-                num_experts: int, expert_start: int, num_local_experts: int, return_h: bool = False):
+                num_experts: int, expert_start: int, num_local_experts: int, return_h: bool = False, input_scale=None):
     """The expert stages on the assignments of ``topk_ids [R, k]`` (ids in ``[0, num_experts)``;
     ``[expert_start, expert_start + num_local_experts)`` are the local experts of ``w13``/``w2``):
-    routing metadata, permute (+FP8 quant), GEMM 1, act_and_mul (+FP8 quant), GEMM 2.
+    routing metadata, permute (+FP8 quant), GEMM 1, act_and_mul (+FP8 quant), GEMM 2. ``input_scale
+    [R, k]`` float32 (``apply_router_weight_on_input``, :func:`moe_pallas.slot_weights.slot_weights`): slot
+    ``(r, j)``'s expert input is ``x[r] * input_scale[r, j]`` (rounded once to ``x.dtype``).
 
     Returns ``(y [R*k, H] x.dtype in permuted order, RoutingMetadata)`` (and GEMM 1's output
     ``h [R*k, 2I]`` with ``return_h``); rows ``>= M`` are never read."""
     meta = routing_metadata(topk_ids, num_experts, expert_start=expert_start, num_local_experts=num_local_experts,
                             implementation=stage_implementation(implementation, permute_api))
-    h = _gemm1(x, meta, topk_ids.shape[1], w13, w13_scale, config, implementation)
+    h = _gemm1(x, meta, topk_ids.shape[1], w13, w13_scale, config, implementation, input_scale)
     a, a_scale = _act(h, config, implementation)
     y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype,
                      implementation=stage_implementation(implementation, grouped_gemm_api))
     return (y, meta, h) if return_h else (y, meta)
 
 
-def _gemm1(x, meta, k: int, w13, w13_scale, config: MoEConfig, implementation):
+def _expert_rows(x, k: int, input_scale):
+    """What the permute gathers from: ``(x [R, H], k)``, or with an ``input_scale [R, k]`` the scaled slot
+    rows ``(x[r] * input_scale[r, j] [R*k, H], 1)`` (:func:`moe_pallas.slot_weights.scaled_slot_rows`; not
+    fused into the permute kernel)."""
+    return (x, k) if input_scale is None else (scaled_slot_rows(x, input_scale), 1)
+
+
+def _gemm1(x, meta, k: int, w13, w13_scale, config: MoEConfig, implementation, input_scale=None):
     """permute (+FP8 quant) and GEMM 1: ``h [M_cap, 2I]`` in ``x.dtype``."""
+    x, k = _expert_rows(x, k, input_scale)
     xq, x_scale = permute(x, meta.dst2src, topk=k, quant=ACTIVATION_QUANT[config.quant],
                           implementation=stage_implementation(implementation, permute_api))
     return grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype,

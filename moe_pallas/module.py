@@ -11,6 +11,9 @@ State::
                              [E_local, N] per-channel (fp8_per_token) or
                              [E_local, ceil(N/128), ceil(K/128)] blocks (fp8_block)
     e_score_correction_bias  FrozenWeight [E] float (routing='biased_grouped_topk' only, else None)
+    shared_expert_gate       [1, H] or [S, H] nnx.Param (FrozenWeight with trainable=False;
+                             config.shared_expert_gate only, else None): Qwen3-Next's
+                             shared_expert_gate.weight; the layer computes its logits from it
 
 Why two Variable types: ``nnx.grad`` and ``nnx.Optimizer(..., wrt=nnx.Param)`` take
 ``nnx.Param`` by default. Float weights are ordinary parameters (``trainable=True``, the default, as
@@ -40,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from moe_contract.config import MoEConfig
-from moe_contract.inputs import draw_preset_weights
+from moe_contract.inputs import draw_preset_weights, draw_shared_expert_gate
 from moe_contract.op_checks import check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
@@ -52,6 +55,7 @@ from moe_contract.validation import (
     check_layer_weights,
     check_rank,
     check_shape,
+    check_shared_expert_gate_weight,
     dtype_name,
 )
 from moe_pallas.layer import LAYER_IMPLEMENTATIONS, WEIGHT_LAYOUT, local_weights, moe_forward
@@ -139,6 +143,12 @@ class MoELayer(nnx.Module):
         ``[E_local]`` per-expert also taken) or ``[E_local, ceil(N/128), ceil(K/128)]``
         (``fp8_block``); ``None`` for ``quant='none'``.
       e_score_correction_bias: ``[E]`` float, for (and only for) ``routing='biased_grouped_topk'``.
+      shared_expert_gate: for (and only for) ``config.shared_expert_gate`` (Qwen3-Next): ``[1, H]``, transformers'
+        ``shared_expert_gate.weight`` (one gate for the whole shared MLP: every fused shared slot), or ``[S, H]``
+        (one per slot), float; ``nnx.Param`` (``trainable``) or :class:`FrozenWeight`. The layer computes
+        ``shared_expert_gate_logits = x @ shared_expert_gate.T`` in its dtype (float32 accumulation, rounded to
+        it, as transformers' ``nn.Linear``), widened to float32. Llama 4's ``config.apply_router_weight_on_input``
+        needs no weight.
       implementation: the backend of every stage (``None``, ``"reference"``, ``"pallas_triton"``),
         as :func:`moe_pallas.moe_forward` takes it; static.
       trainable: ``True`` (default): float weights (``quant='none'``) are ``nnx.Param`` (``nnx.grad``
@@ -165,6 +175,7 @@ class MoELayer(nnx.Module):
         w13_scale: jax.Array | None = None,
         w2_scale: jax.Array | None = None,
         e_score_correction_bias: jax.Array | None = None,
+        shared_expert_gate: jax.Array | None = None,
         implementation: str | None = None,
         trainable: bool = True,
         recompute: bool = False,
@@ -173,8 +184,10 @@ class MoELayer(nnx.Module):
         check_bool(op, "trainable", trainable)
         check_bool(op, "recompute", recompute)
         check_jax_arrays(op, dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale,
-                                  e_score_correction_bias=e_score_correction_bias), required=True)
+                                  e_score_correction_bias=e_score_correction_bias,
+                                  shared_expert_gate=shared_expert_gate), required=True)
         check_module_weights(op, config, w13, w2, w13_scale, w2_scale, e_score_correction_bias)
+        check_shared_expert_gate_weight(op, config, shared_expert_gate)
         check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
         weight = nnx.Param if config.quant == "none" and trainable else FrozenWeight
         self.config = config
@@ -186,6 +199,8 @@ class MoELayer(nnx.Module):
         self.w2_scale = None if w2_scale is None else FrozenWeight(jnp.asarray(w2_scale))
         bias = e_score_correction_bias
         self.e_score_correction_bias = None if bias is None else FrozenWeight(jnp.asarray(bias))
+        gate = nnx.Param if trainable else FrozenWeight
+        self.shared_expert_gate = None if shared_expert_gate is None else gate(jnp.asarray(shared_expert_gate))
 
     @classmethod
     def from_float(
@@ -195,6 +210,7 @@ class MoELayer(nnx.Module):
         w2: jax.Array,
         *,
         e_score_correction_bias: jax.Array | None = None,
+        shared_expert_gate: jax.Array | None = None,
         implementation: str | None = None,
         trainable: bool = True,
         recompute: bool = False,
@@ -205,6 +221,7 @@ class MoELayer(nnx.Module):
           w13: ``[E + S, 2*I, H]`` float32 / bf16 / float16, every expert (fused shared experts last).
           w2: ``[E + S, H, I]`` float.
           e_score_correction_bias: ``[E]`` float (biased_grouped_topk only).
+          shared_expert_gate: ``[1, H]`` / ``[S, H]`` float (``config.shared_expert_gate`` only), as :class:`MoELayer`.
           implementation, trainable, recompute: as :class:`MoELayer`.
 
         Returns: a :class:`MoELayer` holding ``local_weights(w, config)``, FP8-quantized with the
@@ -222,7 +239,8 @@ class MoELayer(nnx.Module):
             w13, s13 = quantize_chunked(w13, config)
             w2, s2 = quantize_chunked(w2, config)
         return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=e_score_correction_bias,
-                   implementation=implementation, trainable=trainable, recompute=recompute)
+                   shared_expert_gate=shared_expert_gate, implementation=implementation, trainable=trainable,
+                   recompute=recompute)
 
     @classmethod
     def from_preset(
@@ -279,8 +297,10 @@ class MoELayer(nnx.Module):
         if config.quant != "none":
             w13, s13 = quantize_chunked(w13, config)
             w2, s2 = quantize_chunked(w2, config)
-        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias, implementation=implementation,
-                   trainable=trainable, recompute=recompute)
+        gate = draw_shared_expert_gate(config, seed)  # [1, H] float32, or None
+        gate = None if gate is None else jnp.asarray(gate).astype(dtype)
+        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias, shared_expert_gate=gate,
+                   implementation=implementation, trainable=trainable, recompute=recompute)
 
     @property
     def trainable(self) -> bool:
@@ -312,9 +332,27 @@ class MoELayer(nnx.Module):
             w13_scale=value(self.w13_scale),
             w2_scale=value(self.w2_scale),
             e_score_correction_bias=value(self.e_score_correction_bias),
+            shared_expert_gate_logits=self.shared_expert_gate_logits(x),
             implementation=self.implementation,
             recompute=self.recompute,
         )
+
+    def shared_expert_gate_logits(self, x: jax.Array) -> jax.Array | None:
+        """``x [T, H]`` -> ``shared_expert_gate_logits [T, S]`` float32 (``None`` without ``config.shared_expert_gate``):
+        ``x @ shared_expert_gate.T`` in the weight's dtype (float32 accumulation at ``Precision.HIGHEST``, rounded
+        to that dtype, as transformers' ``nn.Linear`` in Qwen3-Next and :meth:`MoEBlock.router_logits`), widened to
+        float32; a ``[1, H]`` weight's one logit goes to every fused shared slot."""
+        if self.shared_expert_gate is None:
+            return None
+        w = self.shared_expert_gate[...]
+        H = self.config.hidden_size
+        check_rank("MoELayer", "x", x, 2, f"[T, H] with H={H}")
+        check_shape("MoELayer", "x", x, (None, H), f"[T, H] with H={H}")
+        precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+        logits = jax.lax.dot_general(x.astype(w.dtype), w, (((1,), (1,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32)
+        logits = cast_rounded(logits, w.dtype).astype(jnp.float32)
+        return jnp.broadcast_to(logits, (x.shape[0], self.config.num_fused_shared_experts))
 
 
 class MoEBlock(nnx.Module):
@@ -326,7 +364,10 @@ class MoEBlock(nnx.Module):
     rounded to that dtype: bf16 logits for a bf16 Mixtral / Qwen3 router, float32 for DeepSeek-V3, whose
     ``gate.weight`` transformers keeps in float32), then ``layer(hidden [T, H], router_logits [T, E])``.
     DeepSeek-V3's shared experts are the layer's fused shared experts (``config.num_fused_shared_experts``,
-    added with weight 1 as ``DeepseekV3MoE`` adds its ``shared_experts`` MLP).
+    added with weight 1 as ``DeepseekV3MoE`` adds its ``shared_experts`` MLP). Qwen3-Next's
+    ``shared_expert_gate`` (``sigmoid(x @ w.T)`` times the shared MLP) is the layer's own weight
+    (:class:`MoELayer` ``shared_expert_gate``, ``config.shared_expert_gate``); Llama 4's input-scaled routing is
+    ``config.apply_router_weight_on_input``. (Loaders of those checkpoints are not written yet.)
 
     Args:
       router_weight: ``[E, H]`` float32 / bf16 / float16, the ``gate.weight`` of the block (an ``nnx.Param``:

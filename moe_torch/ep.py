@@ -78,7 +78,8 @@ import torch.distributed as dist
 
 from moe_contract.config import MoEConfig
 from moe_contract.op_checks import check_select_experts
-from moe_contract.validation import check_choice, check_layer_inputs, stage_implementation
+from moe_contract.validation import (check_choice, check_layer_inputs, check_shared_expert_gate_logits,
+                                      stage_implementation)
 from moe_torch.layer import LAYER_IMPLEMENTATIONS, routed_experts, run_gate
 from moe_torch.ops.combine import api as combine_api
 from moe_torch.ops.combine.api import combine
@@ -86,6 +87,7 @@ from moe_torch.ops.common import takes_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
 from moe_torch.ops.permute import api as permute_api
 from moe_torch.ops.permute.api import permute
+from moe_torch.slot_weights import scaled_slot_rows, slot_weights
 
 log = logging.getLogger("moe_torch")
 
@@ -96,14 +98,15 @@ EP_OUTPUTS = ("replicated", "sharded")
 
 
 def _experts(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, implementation, *,
-             routed_scaling_factor: float, out_dtype, recompute: bool):
-    """This rank's experts (global ids) on the assignments of ``topk_ids [R, k]``, combined with
-    ``topk_weights``: ``[R, H]`` in ``out_dtype``, differentiable (:func:`moe_torch.layer.routed_experts`)."""
+             routed_scaling_factor: float, out_dtype, recompute: bool, input_scale=None):
+    """This rank's experts (global ids) on the assignments of ``topk_ids [R, k]`` (inputs scaled by
+    ``input_scale``, if given), combined with ``topk_weights``: ``[R, H]`` in ``out_dtype``, differentiable
+    (:func:`moe_torch.layer.routed_experts`)."""
     expert_start, e_local = config.local_expert_range()
     return routed_experts(x, topk_weights, topk_ids, w13, w2, config, w13_scale=w13_scale, w2_scale=w2_scale,
                           implementation=implementation, num_experts=config.num_total_experts, expert_start=expert_start,
                           num_local_experts=e_local, routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
-                          recompute=recompute)
+                          recompute=recompute, input_scale=input_scale)
 
 
 def _sum_over_group(t: torch.Tensor, group) -> torch.Tensor:
@@ -114,26 +117,24 @@ def _sum_over_group(t: torch.Tensor, group) -> torch.Tensor:
 
 
 class _CopyToGroup(torch.autograd.Function):
-    """Replicated inputs (``x``, ``router_logits``): identity forward; the backward sums each gradient
-    over the group (every rank's part comes from its own experts; as Megatron-LM's
-    ``_CopyToModelParallelRegion``, megatron/core/tensor_parallel/mappings.py)."""
+    """Replicated inputs (``x``, ``router_logits``, and ``shared_expert_gate_logits`` when given): identity
+    forward; the backward sums each gradient over the group (every rank's part comes from its own experts;
+    as Megatron-LM's ``_CopyToModelParallelRegion``, megatron/core/tensor_parallel/mappings.py)."""
 
     @staticmethod
-    def forward(ctx, group, x, router_logits):
+    def forward(ctx, group, *tensors):
         ctx.group = group
-        for t, need in zip((x, router_logits), ctx.needs_input_grad[1:3]):
+        for t, need in zip(tensors, ctx.needs_input_grad[1:]):
             if not need:  # stays a tensor without gradient (and without this backward)
                 ctx.mark_non_differentiable(t)
-        return x, router_logits
+        return tensors
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, d_x, d_logits):
-        need_x, need_logits = ctx.needs_input_grad[1:3]
-        # Always in this order on every rank (both when asked for).
-        d_x = _sum_over_group(d_x, ctx.group) if need_x else None
-        d_logits = _sum_over_group(d_logits, ctx.group) if need_logits else None
-        return None, d_x, d_logits
+    def backward(ctx, *grads):
+        # Always in this order on every rank (each one asked for).
+        return (None, *(_sum_over_group(g, ctx.group) if need else None
+                        for g, need in zip(grads, ctx.needs_input_grad[1:])))
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -275,6 +276,7 @@ def ep_moe_forward(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     e_score_correction_bias: torch.Tensor | None = None,
+    shared_expert_gate_logits: torch.Tensor | None = None,
     implementation: str | None = None,
     out: str | None = None,
     recompute: bool = False,
@@ -293,6 +295,10 @@ def ep_moe_forward(
       mode: ``"replicated"`` or ``"all_to_all"`` (module docstring).
       w13_scale, w2_scale: this rank's FP8 weight scales (as :func:`moe_torch.moe_forward`).
       e_score_correction_bias: ``[E]`` float, for ``routing='biased_grouped_topk'``.
+      shared_expert_gate_logits: ``[T, S]`` / ``[T_r, S]`` float32 or ``x.dtype``, alongside ``x``, exactly
+        when ``config.shared_expert_gate`` (as :func:`moe_torch.moe_forward`). ``config.apply_router_weight_on_input``
+        scales the expert inputs on the rank that holds the token (all_to_all: before the dispatch, so the
+        rows travel scaled).
       implementation: every stage's backend (``"reference"``, ``"triton"``, ``None``), as
         :func:`moe_torch.moe_forward`.
       out: ``"replicated"`` (replicated mode's default: every rank gets ``[T, H]``) or
@@ -304,8 +310,8 @@ def ep_moe_forward(
     Returns: the layer's output (the sum over every rank's experts) in ``x.dtype``, laid out per ``out``.
 
     Gradients (when grad mode is on and an input requires grad; module docstring, "Backward"): this
-    rank's float ``w13_local`` / ``w2_local`` get their slice of the single-device gradient; ``x`` and
-    ``router_logits`` get the sum over ranks (replicated: the whole ``[T, ...]``; all_to_all: this rank's
+    rank's float ``w13_local`` / ``w2_local`` get their slice of the single-device gradient; ``x``,
+    ``router_logits`` and ``shared_expert_gate_logits`` get the sum over ranks (replicated: the whole ``[T, ...]``; all_to_all: this rank's
     ``[T_r, ...]``). FP8 layers are straight-through (the codes get none). Every rank must ask for the
     same gradients and call ``backward``: the backward runs the transposed collectives.
 
@@ -323,6 +329,7 @@ def ep_moe_forward(
     """
     op = "ep_moe_forward"
     check_layer_inputs(op, config, x, router_logits, w13_local, w2_local, w13_scale, w2_scale)
+    check_shared_expert_gate_logits(op, config, x, shared_expert_gate_logits)
     if not isinstance(recompute, bool):
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
     # The gate's rules too, here: a rank with no tokens (all_to_all) skips the gate, and every rank
@@ -337,28 +344,35 @@ def ep_moe_forward(
     rank, size = _group_rank_size(op, group, config, x)
     if mode == "replicated":
         return _replicated(x, router_logits, w13_local, w2_local, w13_scale, w2_scale, config,
-                           e_score_correction_bias, implementation, group, rank, size, out or "replicated", recompute)
+                           e_score_correction_bias, implementation, group, rank, size, out or "replicated", recompute,
+                           shared_expert_gate_logits)
     return _all_to_all(x, router_logits, w13_local, w2_local, w13_scale, w2_scale, config,
-                       e_score_correction_bias, implementation, group, size, recompute)
+                       e_score_correction_bias, implementation, group, size, recompute, shared_expert_gate_logits)
 
 
 def _replicated(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, implementation, group, rank, size, out,
-                recompute):
+                recompute, shared_logits=None):
     """SGLang EPMoE: local experts on all tokens, float32 partial, then the sum over ranks."""
-    x, router_logits = _CopyToGroup.apply(group, x, router_logits)  # backward: d_x, d_logits summed over ranks
+    # backward: d_x, d_logits (and d_shared_logits) summed over ranks
+    if shared_logits is None:
+        x, router_logits = _CopyToGroup.apply(group, x, router_logits)
+    else:
+        x, router_logits, shared_logits = _CopyToGroup.apply(group, x, router_logits, shared_logits)
     topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
+    combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)  # autograd: plain torch ops
     # float32 partial: the sum over ranks is then the single-device float32 combine, reassociated.
-    partial = _experts(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
+    partial = _experts(x, combine_weights, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
                        routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=torch.float32,
-                       recompute=recompute)
+                       recompute=recompute, input_scale=input_scale)
     if out == "replicated":
         return _AllReduceSum.apply(partial, group).to(x.dtype)
     return _ReduceScatterRows.apply(partial, group, size, rank).to(x.dtype)
 
 
-def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, implementation, group, size, recompute):
+def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, implementation, group, size, recompute,
+                shared_logits=None):
     """DeepEP-style: dispatch (token, slot) rows to the owner of their expert, compute, send back,
-    combine at home."""
+    combine at home. ``apply_router_weight_on_input``: the rows are scaled at home, before the dispatch."""
     T, H = x.shape
     K = config.num_slots
     if T:
@@ -366,6 +380,7 @@ def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
     else:  # nothing to route; the rank still takes part in every collective (and may own rows of others)
         topk_weights = torch.zeros((0, K), dtype=torch.float32, device=x.device)
         topk_ids = torch.zeros((0, K), dtype=torch.int32, device=x.device)
+    combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)  # autograd: plain torch ops
     # -- dispatch layout: owner rank of each assignment a = t*K + j (shared ids E.. belong to the last rank)
     per_rank = config.num_experts // size
     ids = topk_ids.reshape(-1)
@@ -379,7 +394,10 @@ def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
     R = sum(recv_splits)
     # [A, H]: the token row of each assignment, in send order (x[order // K]); the permute stage, so that its
     # backward sums each token's slots in float32 (permute_backward)
-    x_send, _ = permute(x, order.to(torch.int32), topk=K, implementation=stage_implementation(implementation, permute_api))
+    # (apply_router_weight_on_input: the scaled slot rows x[t] * w[t, j], gathered one per assignment)
+    x_rows, k_rows = (x, K) if input_scale is None else (scaled_slot_rows(x, input_scale), 1)
+    x_send, _ = permute(x_rows, order.to(torch.int32), topk=k_rows,
+                        implementation=stage_implementation(implementation, permute_api))
     ids_send = ids[order].to(torch.int32)  # [A] global expert ids (weights stay home)
     ids_recv = torch.empty((R,), dtype=torch.int32, device=x.device)
     ids_work = dist.all_to_all_single(ids_recv, ids_send, recv_splits, send_splits, group=group, async_op=True)
@@ -396,8 +414,8 @@ def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
     # -- combine: the reverse exchange, then the single-device combine at home
     y_back = _AllToAllRows.apply(y_recv, send_splits, recv_splits, group)  # [T*K, H], send order
     if T == 0:  # [0, H], on the autograd path through both exchanges (and router_logits [0, E])
-        return _NoRows.apply(y_back, router_logits)
+        return _NoRows.apply(y_back, router_logits, *(() if shared_logits is None else (shared_logits,)))
     src2dst = torch.empty((T * K,), dtype=torch.int32, device=x.device)
     src2dst[order] = torch.arange(T * K, dtype=torch.int32, device=x.device)
-    return combine(y_back, src2dst.reshape(T, K), topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
+    return combine(y_back, src2dst.reshape(T, K), combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
                    out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from moe_contract.config import ACTIVATION_QUANT, WEIGHT_LAYOUT, MoEConfig
-from moe_contract.validation import check_layer_inputs, check_layer_weights, check_positive_int, stage_implementation
+from moe_contract.validation import (check_layer_inputs, check_layer_weights, check_positive_int,
+                                      check_shared_expert_gate_logits, stage_implementation)
 from moe_torch.ops.activation import api as activation_api
 from moe_torch.ops.activation.api import act_and_mul, act_and_mul_backward
 from moe_torch.ops.combine import api as combine_api
@@ -30,6 +31,7 @@ from moe_torch.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dgrad, gro
 from moe_torch.ops.permute import api as permute_api
 from moe_torch.ops.permute.api import RoutingMetadata, permute, permute_backward, routing_metadata
 from moe_torch.ops.quant.api import QUANT_CHUNK_BYTES, dequantize_fp8, quantize_weight_fp8
+from moe_torch.slot_weights import scaled_slot_rows, scaled_slot_rows_backward, slot_weights, slot_weights_backward
 
 #: Every backend name any stage knows (a stage without the chosen one uses its default).
 LAYER_IMPLEMENTATIONS = tuple(dict.fromkeys(
@@ -48,6 +50,7 @@ def moe_forward(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     e_score_correction_bias: torch.Tensor | None = None,
+    shared_expert_gate_logits: torch.Tensor | None = None,
     implementation: str | None = None,
     recompute: bool = False,
 ) -> torch.Tensor:
@@ -63,6 +66,13 @@ def moe_forward(
       config: the layer (routing, rsf placement, activation and gate/up layout, quant, EP).
       w13_scale, w2_scale: FP8 weight scales (see :func:`quantize_layer_weights`).
       e_score_correction_bias: ``[E]`` float, for ``routing='biased_grouped_topk'``.
+      shared_expert_gate_logits: ``[T, S]`` float32 or ``x.dtype``, exactly when ``config.shared_expert_gate``
+        (Qwen3-Next: ``x @ shared_expert_gate.weight.T``, as ``router_logits`` from outside): fused shared
+        slot ``E + i`` of token ``t`` gets weight ``sigmoid(logit[t, i])`` (CONTRACT.md section 1), so the
+        layer is ``routed sum + sigmoid(gate) * shared`` as transformers' ``Qwen3NextSparseMoeBlock``.
+        With ``config.apply_router_weight_on_input`` (Llama 4) the routed weights scale each slot's expert
+        input instead of its output (sections 2, 5; :mod:`moe_torch.slot_weights`: the scaling is a torch
+        op before the permute kernel, not fused).
       implementation: ``"reference"`` or ``"triton"``, used by every stage that has it (forward and
         backward); a stage without it uses its default (``None``). ``None``: every stage's default.
       recompute: what the forward keeps for the backward (only when a gradient can be asked for:
@@ -79,10 +89,10 @@ def moe_forward(
     arXiv 2512.14080, section 3), so the combine's backward needs no ``y``.
 
     Gradients (CONTRACT.md section 8): ``x``, ``router_logits`` (through ``topk_weights`` only),
-    float ``w13`` / ``w2`` (``[E_local, ...]``, this rank's slice), each accumulated in float32 and
-    returned in its input's dtype. FP8 layers: the backward is straight-through (quantization has
-    gradient identity) on the dequantized weights in ``x.dtype``; FP8 codes, weight scales and
-    ``e_score_correction_bias`` get no gradient.
+    ``shared_expert_gate_logits``, float ``w13`` / ``w2`` (``[E_local, ...]``, this rank's slice), each
+    accumulated in float32 and returned in its input's dtype. FP8 layers: the backward is straight-through
+    (quantization has gradient identity) on the dequantized weights in ``x.dtype``; FP8 codes, weight scales
+    and ``e_score_correction_bias`` get no gradient.
 
     Returns: ``out [T, H]`` in ``x.dtype``: this rank's partial sum; the sum over EP ranks is
     the layer's output (CONTRACT.md section 6).
@@ -91,19 +101,23 @@ def moe_forward(
     """
     op = "moe_forward"
     check_layer_inputs(op, config, x, router_logits, w13, w2, w13_scale, w2_scale)
+    check_shared_expert_gate_logits(op, config, x, shared_expert_gate_logits)
     check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
     if not isinstance(recompute, bool):
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, router_logits, w13, w2)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, router_logits, w13, w2, shared_expert_gate_logits)):
         return _MoELayerFunction.apply(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
-                                       config, implementation, recompute)
+                                       shared_expert_gate_logits, config, implementation, recompute)
 
     topk_weights, topk_ids = run_gate(router_logits, config, e_score_correction_bias, implementation)
+    combine_weights, input_scale = slot_weights(topk_weights, shared_expert_gate_logits, config)
     expert_start, e_local = config.local_expert_range()
     y, meta = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
-                          num_experts=config.num_total_experts, expert_start=expert_start, num_local_experts=e_local)
-    return combine(y, meta.src2dst, topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=x.dtype,
-                   implementation=stage_implementation(implementation, combine_api))
+                          num_experts=config.num_total_experts, expert_start=expert_start, num_local_experts=e_local,
+                          input_scale=input_scale)
+    return combine(y, meta.src2dst, combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
+                   out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))
 
 
 # The stages of moe_forward, also composed differently by the EP layers (``ep.py``).
@@ -116,24 +130,34 @@ def run_gate(router_logits, config: MoEConfig, e_score_correction_bias, implemen
 
 
 def run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, implementation: str | None, *,
-                num_experts: int, expert_start: int, num_local_experts: int, return_h: bool = False):
+                num_experts: int, expert_start: int, num_local_experts: int, return_h: bool = False, input_scale=None):
     """The expert stages on the assignments of ``topk_ids [R, k]`` (ids in ``[0, num_experts)``;
     ``[expert_start, expert_start + num_local_experts)`` are the local experts of ``w13``/``w2``):
-    routing metadata, permute (+FP8 quant), GEMM 1, act_and_mul (+FP8 quant), GEMM 2.
+    routing metadata, permute (+FP8 quant), GEMM 1, act_and_mul (+FP8 quant), GEMM 2. ``input_scale
+    [R, k]`` float32 (``apply_router_weight_on_input``, :func:`moe_torch.slot_weights.slot_weights`): slot
+    ``(r, j)``'s expert input is ``x[r] * input_scale[r, j]`` (rounded once to ``x.dtype``).
 
     Returns ``(y [R*k, H] x.dtype in permuted order, RoutingMetadata)`` (and GEMM 1's output
     ``h [R*k, 2I]`` with ``return_h``); rows ``>= M`` are never read."""
     meta = routing_metadata(topk_ids, num_experts, expert_start=expert_start, num_local_experts=num_local_experts,
                             implementation=stage_implementation(implementation, permute_api))
-    h = _gemm1(x, meta, topk_ids.shape[1], w13, w13_scale, config, implementation)
+    h = _gemm1(x, meta, topk_ids.shape[1], w13, w13_scale, config, implementation, input_scale)
     a, a_scale = _act(h, config, implementation)
     y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype,
                      implementation=stage_implementation(implementation, grouped_gemm_api))
     return (y, meta, h) if return_h else (y, meta)
 
 
-def _gemm1(x, meta, k: int, w13, w13_scale, config: MoEConfig, implementation):
+def _expert_rows(x, k: int, input_scale):
+    """What the permute gathers from: ``(x [R, H], k)``, or with an ``input_scale [R, k]`` the scaled slot
+    rows ``(x[r] * input_scale[r, j] [R*k, H], 1)`` (:func:`moe_torch.slot_weights.scaled_slot_rows`; not
+    fused into the permute kernel)."""
+    return (x, k) if input_scale is None else (scaled_slot_rows(x, input_scale), 1)
+
+
+def _gemm1(x, meta, k: int, w13, w13_scale, config: MoEConfig, implementation, input_scale=None):
     """permute (+FP8 quant) and GEMM 1: ``h [M_cap, 2I]`` in ``x.dtype``."""
+    x, k = _expert_rows(x, k, input_scale)
     xq, x_scale = permute(x, meta.dst2src, topk=k, quant=ACTIVATION_QUANT[config.quant],
                           implementation=stage_implementation(implementation, permute_api))
     return grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype,
@@ -162,47 +186,63 @@ class _MoELayerFunction(torch.autograd.Function):
 
     FP8 layers: ``a`` is its dequantized codes (what GEMM 2 consumed), the dgrads dequantize the weight
     codes to ``x.dtype`` (straight-through), and no weight gradient is formed (frozen codes).
+
+    The 2026 families (:mod:`moe_torch.slot_weights`): the combine takes ``combine_weights`` and the
+    permute the scaled slot rows (``apply_router_weight_on_input``), whose backward gives ``d_x`` and
+    ``d_input_scale[t, j] = <x[t], d_xp[src2dst[t, j]]>``; :func:`slot_weights_backward` turns the two
+    into ``d_topk_weights`` and ``d_shared_expert_gate_logits``.
     Mirror: ``moe_pallas/layer.py`` (``jax.custom_vjp``).
     """
 
     @staticmethod
-    def forward(ctx, x, router_logits, w13, w2, w13_scale, w2_scale, bias, config, implementation, recompute):
+    def forward(ctx, x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, config, implementation,
+                recompute):
         topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
+        combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)
         expert_start, e_local = config.local_expert_range()
         y, meta, h = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
                                  num_experts=config.num_total_experts, expert_start=expert_start,
-                                 num_local_experts=e_local, return_h=True)
-        out = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
+                                 num_local_experts=e_local, return_h=True, input_scale=input_scale)
+        out = combine(y, meta.src2dst, combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
                       out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))
-        ctx.save_for_backward(x, router_logits, w13, w2, w13_scale, w2_scale, bias, topk_weights, topk_ids,
-                              meta.expert_offsets, meta.src2dst, meta.dst2src, None if recompute else h)
+        ctx.save_for_backward(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, topk_weights,
+                              topk_ids, meta.expert_offsets, meta.src2dst, meta.dst2src, None if recompute else h)
         ctx.config, ctx.implementation, ctx.recompute = config, implementation, recompute
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        (x, router_logits, w13, w2, w13_scale, w2_scale, bias, topk_weights, topk_ids, offsets, src2dst, dst2src,
-         h) = ctx.saved_tensors
+        (x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, topk_weights, topk_ids, offsets, src2dst,
+         dst2src, h) = ctx.saved_tensors
         config, impl = ctx.config, ctx.implementation
         need_x, need_logits, need_w13, need_w2 = ctx.needs_input_grad[:4]
-        d_x, d_topk_weights, d_w13, d_w2 = _experts_backward(
-            d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids.shape[1],
+        need_shared = ctx.needs_input_grad[7]
+        combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)
+        d_x, d_combine_weights, d_w13, d_w2, d_input_scale = _experts_backward(
+            d_out, x, w13, w2, w13_scale, w2_scale, combine_weights, topk_ids.shape[1],
             RoutingMetadata(offsets, src2dst, dst2src), h, config, impl, config.combine_routed_scaling_factor,
-            need_x, need_w13, need_w2)
+            need_x, need_w13, need_w2, input_scale=input_scale)
+        d_topk_weights, d_shared = slot_weights_backward(topk_weights, shared_logits, d_combine_weights, d_input_scale,
+                                                         config)
         d_logits = None
         if need_logits:
             d_logits = select_experts_backward(
                 router_logits, topk_ids, d_topk_weights, **config.gate_kwargs(), e_score_correction_bias=bias,
                 implementation=stage_implementation(impl, gate_api)).to(router_logits.dtype)
-        return d_x, d_logits, d_w13, d_w2, None, None, None, None, None, None
+        d_shared = d_shared.to(shared_logits.dtype) if need_shared else None
+        return d_x, d_logits, d_w13, d_w2, None, None, None, d_shared, None, None, None
 
 
 def _experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: int, meta: RoutingMetadata, h,
-                      config: MoEConfig, impl, c: float, need_x: bool, need_w13: bool, need_w2: bool):
+                      config: MoEConfig, impl, c: float, need_x: bool, need_w13: bool, need_w2: bool, *,
+                      input_scale=None):
     """The backward of the expert stages and the combine (CONTRACT.md section 8; the formulas in
     :class:`_MoELayerFunction`), shared by it and :class:`_RoutedExpertsFunction`: ``(d_x, d_topk_weights,
-    d_w13, d_w2)``, ``None`` where not asked for (FP8 weights: always ``None``, frozen codes). ``h`` is
-    GEMM 1's output, or ``None`` (recomputed here); ``c`` the combine's scaling factor."""
+    d_w13, d_w2, d_input_scale)``, ``None`` where not asked for (FP8 weights: always ``None``, frozen codes).
+    ``topk_weights`` are the combine's weights; ``input_scale [R, k]`` float32 or ``None``: the expert inputs'
+    scale (``apply_router_weight_on_input``), whose gradient ``d_input_scale[r, j] = <x[r], d_xp[src2dst[r, j]]>``
+    (float32) is then formed (else ``None``). ``h`` is GEMM 1's output, or ``None`` (recomputed here); ``c``
+    the combine's scaling factor."""
     offsets, src2dst, dst2src = meta.expert_offsets, meta.src2dst, meta.dst2src
     fp8 = config.quant != "none"
     need_w13, need_w2 = need_w13 and not fp8, need_w2 and not fp8  # FP8 codes are frozen (section 8)
@@ -211,7 +251,7 @@ def _experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: i
     T = topk_weights.shape[0]
     dtype = x.dtype
     if h is None:  # recompute=True: one more GEMM 1
-        h = _gemm1(x, meta, k, w13, w13_scale, config, impl)
+        h = _gemm1(x, meta, k, w13, w13_scale, config, impl, input_scale)
     a, a_scale = _act(h, config, impl)
     a = dequantize_fp8(a, a_scale).to(dtype) if fp8 else a  # what GEMM 2 consumed, in x.dtype
     d_y0, _ = permute(d_out.to(dtype).contiguous(), dst2src, topk=k, implementation=perm)
@@ -231,15 +271,23 @@ def _experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: i
     d_h = act_and_mul_backward(h, d_a, activation=config.activation, layout=config.gate_up_layout, out_dtype=dtype,
                                implementation=stage_implementation(impl, activation_api))
     del h, d_a
-    d_x = d_w13 = None
-    if need_x:
+    d_x = d_w13 = d_input_scale = None
+    if need_x or input_scale is not None:
         d_xp = grouped_gemm_dgrad(d_h, w13, offsets, w_scale=w13_scale, out_dtype=dtype, implementation=gemm)
-        d_x = permute_backward(d_xp, src2dst, num_tokens=T, out_dtype=dtype, implementation=perm)
+        if input_scale is None:
+            d_x = permute_backward(d_xp, src2dst, num_tokens=T, out_dtype=dtype, implementation=perm)
+        else:  # the scaled slot rows: each slot's row gradient (float32), then their chain rule (slot_weights.py)
+            d_rows = permute_backward(d_xp, src2dst.reshape(-1, 1), num_tokens=src2dst.numel(), out_dtype=torch.float32,
+                                      implementation=perm)
+            d_x, d_input_scale = scaled_slot_rows_backward(x, input_scale, d_rows)
+            d_x = d_x.to(dtype) if need_x else None
+            del d_rows
         del d_xp
     if need_w13:
-        xp, _ = permute(x, dst2src, topk=k, implementation=perm)
+        x_rows, k_rows = _expert_rows(x, k, input_scale)
+        xp, _ = permute(x_rows, dst2src, topk=k_rows, implementation=perm)
         d_w13 = grouped_gemm_wgrad(xp, d_h, offsets, out_dtype=w13.dtype, implementation=gemm)
-    return d_x, d_topk_weights, d_w13, d_w2
+    return d_x, d_topk_weights, d_w13, d_w2, d_input_scale
 
 
 # The expert stages and the combine on a given routing, differentiable: what the EP layers (``ep.py``)
@@ -248,23 +296,25 @@ def _experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: i
 
 def routed_experts(x, topk_weights, topk_ids, w13, w2, config: MoEConfig, *, w13_scale=None, w2_scale=None,
                    implementation: str | None = None, num_experts: int, expert_start: int, num_local_experts: int,
-                   routed_scaling_factor: float, out_dtype: torch.dtype, recompute: bool = False) -> torch.Tensor:
+                   routed_scaling_factor: float, out_dtype: torch.dtype, recompute: bool = False,
+                   input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``combine(run_experts(x, topk_ids), topk_weights)``: the layer without its gate, for ``ep.py``.
 
     ``x [R, H]``, ``topk_weights [R, k]`` float32, ``topk_ids [R, k]`` int32 in ``[0, num_experts)``
     (``[expert_start, expert_start + num_local_experts)`` are the experts of ``w13 [E_local, 2I, H]`` /
     ``w2 [E_local, H, I]``, the others non-local), the combine's ``routed_scaling_factor`` and
-    ``out_dtype``. Returns ``[R, H]`` in ``out_dtype``. Differentiable in ``x``, ``topk_weights`` and float
-    ``w13`` / ``w2`` with :func:`moe_forward`'s backward (the same stages' backward ops, FP8
-    straight-through, ``recompute`` as there); ``topk_ids`` and the scales get none. No argument
-    checks: the caller validated the layer's inputs."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2)):
-        return _RoutedExpertsFunction.apply(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, config,
+    ``out_dtype``. ``topk_weights`` are the combine's weights; ``input_scale [R, k]`` float32 (or ``None``)
+    scales each slot's expert input (:func:`run_experts`). Returns ``[R, H]`` in ``out_dtype``. Differentiable
+    in ``x``, ``topk_weights``, ``input_scale`` and float ``w13`` / ``w2`` with :func:`moe_forward`'s backward
+    (the same stages' backward ops, FP8 straight-through, ``recompute`` as there); ``topk_ids`` and the
+    scales get none. No argument checks: the caller validated the layer's inputs."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, topk_weights, w13, w2, input_scale)):
+        return _RoutedExpertsFunction.apply(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale, config,
                                             implementation, recompute,
                                             (num_experts, expert_start, num_local_experts, routed_scaling_factor,
                                              out_dtype))
     y, meta = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation, num_experts=num_experts,
-                          expert_start=expert_start, num_local_experts=num_local_experts)
+                          expert_start=expert_start, num_local_experts=num_local_experts, input_scale=input_scale)
     return combine(y, meta.src2dst, topk_weights, routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
                    implementation=stage_implementation(implementation, combine_api))
 
@@ -274,26 +324,29 @@ class _RoutedExpertsFunction(torch.autograd.Function):
     ``d_router_logits``: the caller's gate has its own backward). Saves what :class:`_MoELayerFunction` saves."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation, recompute, spec):
+    def forward(ctx, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale, config, implementation,
+                recompute, spec):
         num_experts, expert_start, num_local_experts, c, out_dtype = spec
         y, meta, h = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
                                  num_experts=num_experts, expert_start=expert_start,
-                                 num_local_experts=num_local_experts, return_h=True)
+                                 num_local_experts=num_local_experts, return_h=True, input_scale=input_scale)
         out = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=c, out_dtype=out_dtype,
                       implementation=stage_implementation(implementation, combine_api))
-        ctx.save_for_backward(x, w13, w2, w13_scale, w2_scale, topk_weights, meta.expert_offsets, meta.src2dst,
-                              meta.dst2src, None if recompute else h)
+        ctx.save_for_backward(x, w13, w2, w13_scale, w2_scale, topk_weights, input_scale, meta.expert_offsets,
+                              meta.src2dst, meta.dst2src, None if recompute else h)
         ctx.config, ctx.implementation, ctx.c, ctx.k = config, implementation, c, topk_ids.shape[1]
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        x, w13, w2, w13_scale, w2_scale, topk_weights, offsets, src2dst, dst2src, h = ctx.saved_tensors
+        x, w13, w2, w13_scale, w2_scale, topk_weights, input_scale, offsets, src2dst, dst2src, h = ctx.saved_tensors
         need_x, need_weights, _, need_w13, need_w2 = ctx.needs_input_grad[:5]
-        d_x, d_topk_weights, d_w13, d_w2 = _experts_backward(
+        need_scale = ctx.needs_input_grad[7]
+        d_x, d_topk_weights, d_w13, d_w2, d_input_scale = _experts_backward(
             d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, ctx.k, RoutingMetadata(offsets, src2dst, dst2src), h,
-            ctx.config, ctx.implementation, ctx.c, need_x, need_w13, need_w2)
-        return d_x, d_topk_weights if need_weights else None, None, d_w13, d_w2, None, None, None, None, None, None
+            ctx.config, ctx.implementation, ctx.c, need_x, need_w13, need_w2, input_scale=input_scale)
+        return (d_x, d_topk_weights if need_weights else None, None, d_w13, d_w2, None, None,
+                d_input_scale if need_scale else None, None, None, None, None)
 
 
 @takes_torch_tensors

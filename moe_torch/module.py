@@ -10,6 +10,9 @@ State::
                              [E_local, N] per-channel (fp8_per_token) or
                              [E_local, ceil(N/128), ceil(K/128)] blocks (fp8_block)
     e_score_correction_bias  buffer [E] float (routing='biased_grouped_topk' only, else None)
+    shared_expert_gate       [1, H] or [S, H] nn.Parameter (config.shared_expert_gate only, else None):
+                             Qwen3-Next's shared_expert_gate.weight; forward computes the layer's
+                             shared_expert_gate_logits = x @ shared_expert_gate.T from it
 
 Training (``trainable=True``, the default): the float weights are ordinary trainable parameters, as
 an ``nn.Linear``'s are, so an optimizer over ``model.parameters()`` updates them; the layer's backward
@@ -35,7 +38,7 @@ import numpy as np
 import torch
 
 from moe_contract.config import MoEConfig
-from moe_contract.inputs import draw_preset_weights
+from moe_contract.inputs import draw_preset_weights, draw_shared_expert_gate
 from moe_contract.op_checks import check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
@@ -46,7 +49,9 @@ from moe_contract.validation import (
     check_dtype,
     check_layer_inputs,
     check_layer_weights,
+    check_rank,
     check_shape,
+    check_shared_expert_gate_weight,
     dtype_name,
 )
 from moe_torch.ep import EP_MODES, ep_moe_forward
@@ -201,6 +206,11 @@ class EPMoE(torch.nn.Module):
         ``[E_local]`` per-expert also taken) or ``[E_local, ceil(N/128), ceil(K/128)]``
         (``fp8_block``); ``None`` for ``quant='none'``.
       e_score_correction_bias: ``[E]`` float, for (and only for) ``routing='biased_grouped_topk'``.
+      shared_expert_gate: for (and only for) ``config.shared_expert_gate`` (Qwen3-Next): ``[1, H]``, transformers'
+        ``shared_expert_gate.weight`` (one gate for the whole shared MLP: every fused shared slot), or ``[S, H]``
+        (one per slot), float; an ``nn.Parameter`` (``requires_grad=trainable``). ``forward`` computes
+        ``shared_expert_gate_logits = F.linear(x, shared_expert_gate)`` in its dtype (as transformers'
+        ``nn.Linear``), widened to float32. Llama 4's ``config.apply_router_weight_on_input`` needs no weight.
       implementation: the backend of every stage (``None``, ``"reference"``, ``"triton"``), as
         :func:`moe_torch.moe_forward` takes it.
       process_group: ``None`` (default): ``forward`` returns this rank's partial sum and moves
@@ -248,6 +258,7 @@ class EPMoE(torch.nn.Module):
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
         e_score_correction_bias: torch.Tensor | None = None,
+        shared_expert_gate: torch.Tensor | None = None,
         implementation: str | None = None,
         process_group=None,
         ep_mode: str | None = None,
@@ -260,8 +271,13 @@ class EPMoE(torch.nn.Module):
         check_bool(op, "trainable", trainable)
         check_bool(op, "recompute", recompute)
         check_torch_tensors(op, dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale,
-                                     e_score_correction_bias=e_score_correction_bias), required=True)
+                                     e_score_correction_bias=e_score_correction_bias,
+                                     shared_expert_gate=shared_expert_gate), required=True)
         check_module_weights(op, config, w13, w2, w13_scale, w2_scale, e_score_correction_bias)
+        check_shared_expert_gate_weight(op, config, shared_expert_gate)
+        if shared_expert_gate is not None and shared_expert_gate.device != w13.device:
+            raise ValueError(f"{op}: shared_expert_gate must be on w13's device ({w13.device}); "
+                             f"got shared_expert_gate.device={shared_expert_gate.device}")
         check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
         self.config = config
         self.implementation = implementation
@@ -277,6 +293,8 @@ class EPMoE(torch.nn.Module):
         for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale),
                         ("e_score_correction_bias", e_score_correction_bias)):
             self.register_buffer(name, None if t is None else t.detach())
+        self.register_parameter("shared_expert_gate", None if shared_expert_gate is None else
+                                torch.nn.Parameter(shared_expert_gate.detach(), requires_grad=trainable))
 
     @property
     def trainable(self) -> bool:
@@ -291,6 +309,7 @@ class EPMoE(torch.nn.Module):
         w2: torch.Tensor,
         *,
         e_score_correction_bias: torch.Tensor | None = None,
+        shared_expert_gate: torch.Tensor | None = None,
         implementation: str | None = None,
         process_group=None,
         ep_mode: str | None = None,
@@ -303,6 +322,7 @@ class EPMoE(torch.nn.Module):
           w13: ``[E + S, 2*I, H]`` float32 / bf16 / float16, every expert (fused shared experts last).
           w2: ``[E + S, H, I]`` float.
           e_score_correction_bias: ``[E]`` float (biased_grouped_topk only).
+          shared_expert_gate: ``[1, H]`` / ``[S, H]`` float (``config.shared_expert_gate`` only), as :class:`EPMoE`.
           implementation, process_group, ep_mode, trainable, recompute: as :class:`EPMoE`.
 
         Returns: an :class:`EPMoE` holding ``local_weights(w, config)``, FP8-quantized with the
@@ -320,8 +340,8 @@ class EPMoE(torch.nn.Module):
             w13, s13 = quantize_chunked(w13, config)
             w2, s2 = quantize_chunked(w2, config)
         return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=e_score_correction_bias,
-                   implementation=implementation, process_group=process_group, ep_mode=ep_mode, trainable=trainable,
-                   recompute=recompute)
+                   shared_expert_gate=shared_expert_gate, implementation=implementation, process_group=process_group,
+                   ep_mode=ep_mode, trainable=trainable, recompute=recompute)
 
     @classmethod
     def from_preset(
@@ -380,8 +400,11 @@ class EPMoE(torch.nn.Module):
         if config.quant != "none":
             w13, s13 = quantize_chunked(w13, config)
             w2, s2 = quantize_chunked(w2, config)
-        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias, implementation=implementation,
-                   process_group=process_group, ep_mode=ep_mode, trainable=trainable, recompute=recompute)
+        gate = draw_shared_expert_gate(config, seed)  # [1, H] float32, or None
+        gate = None if gate is None else torch.from_numpy(gate).to(device, dtype)
+        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias, shared_expert_gate=gate,
+                   implementation=implementation, process_group=process_group, ep_mode=ep_mode, trainable=trainable,
+                   recompute=recompute)
 
     @classmethod
     def from_hf_block(
@@ -459,7 +482,8 @@ class EPMoE(torch.nn.Module):
         :func:`moe_torch.ep.ep_moe_forward` (``x`` and the output are ``[T_r, H]``, this rank's
         tokens, under ``ep_mode="all_to_all"``).
 
-        Differentiable in ``x``, ``router_logits`` and the float weights, with ``recompute=self.recompute``.
+        Differentiable in ``x``, ``router_logits`` and the float weights (and ``shared_expert_gate``), with
+        ``recompute=self.recompute``.
 
         Raises: TypeError for arrays that are not torch tensors (numpy: convert with ``torch.from_numpy``);
           ValueError / TypeError from :func:`moe_torch.moe_forward` (shapes, dtypes).
@@ -468,6 +492,7 @@ class EPMoE(torch.nn.Module):
         if self.config.quant == "none" and x.dtype != self.w13.dtype:
             raise TypeError(f"EPMoE: x must have the layer's dtype {dtype_name(self.w13)} (quant='none'); "
                             f"got x.dtype={dtype_name(x)}")
+        shared_logits = self.shared_expert_gate_logits(x)
         if self.process_group is not None or self.ep_mode is not None:
             return ep_moe_forward(
                 x,
@@ -480,6 +505,7 @@ class EPMoE(torch.nn.Module):
                 w13_scale=self.w13_scale,
                 w2_scale=self.w2_scale,
                 e_score_correction_bias=self.e_score_correction_bias,
+                shared_expert_gate_logits=shared_logits,
                 implementation=self.implementation,
                 recompute=self.recompute,
             )
@@ -492,13 +518,29 @@ class EPMoE(torch.nn.Module):
             w13_scale=self.w13_scale,
             w2_scale=self.w2_scale,
             e_score_correction_bias=self.e_score_correction_bias,
+            shared_expert_gate_logits=shared_logits,
             implementation=self.implementation,
             recompute=self.recompute,
         )
+
+    def shared_expert_gate_logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x [T, H]`` -> ``shared_expert_gate_logits [T, S]`` float32 (``None`` without ``config.shared_expert_gate``):
+        ``F.linear(x, shared_expert_gate)`` in the weight's dtype (rounded to it, as transformers' ``nn.Linear``
+        in Qwen3-Next), widened to float32; a ``[1, H]`` weight's one logit goes to every fused shared slot."""
+        w = self.shared_expert_gate
+        if w is None:
+            return None
+        H = self.config.hidden_size
+        check_rank("EPMoE", "x", x, 2, f"[T, H] with H={H}")
+        check_shape("EPMoE", "x", x, (None, H), f"[T, H] with H={H}")
+        logits = torch.nn.functional.linear(x.to(w.dtype), w).float()
+        return logits.expand(x.shape[0], self.config.num_fused_shared_experts)
 
     def extra_repr(self) -> str:
         c = self.config
         return (f"H={c.hidden_size}, I={c.intermediate_size}, E={c.num_experts}, topk={c.topk}, routing={c.routing!r}, "
                 f"S={c.num_fused_shared_experts}, quant={c.quant!r}, ep={c.ep_rank}/{c.ep_size}, "
-                f"implementation={self.implementation!r}, trainable={self.trainable}, recompute={self.recompute}"
+                + ("apply_router_weight_on_input=True, " if c.apply_router_weight_on_input else "")
+                + ("shared_expert_gate=True, " if c.shared_expert_gate else "")
+                + f"implementation={self.implementation!r}, trainable={self.trainable}, recompute={self.recompute}"
                 + ("" if self.process_group is None and self.ep_mode is None else f", ep_mode={self.ep_mode or 'replicated'!r}"))

@@ -180,11 +180,11 @@ def test_backward_rule_takes_a_symbolic_zero_cotangent():
     from moe_pallas.ops.grouped_gemm import api
 
     _, w_q, w_scale, offsets, _ = problem(17, [2, 3], 6, 64, 16, "int4", "bfloat16")
-    residuals = (w_q, w_scale, offsets, jnp.zeros((0,), jnp.bfloat16))
+    residuals = (w_q, w_scale, offsets, jnp.zeros((0,), jnp.bfloat16), None)  # last: no bias (its dtype carrier)
     zero = SymbolicZero(jax.core.ShapedArray((6, 16), jnp.bfloat16))
     d_x, *rest = api._grouped_gemm_4bit_bwd(jnp.dtype(jnp.bfloat16), "int4", "reference", residuals, zero)
     assert d_x.shape == (6, 64) and d_x.dtype == jnp.bfloat16 and not to_numpy(d_x).astype(np.float32).any()
-    assert rest == [None, None, None]
+    assert rest == [None, None, None, None]
 
 
 # --- Dispatch and errors --------------------------------------------------------------------------------

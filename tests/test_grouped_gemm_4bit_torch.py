@@ -232,7 +232,7 @@ def test_default_implementation_on_cpu_is_the_reference():
 # sm_90 compilation on the CPU (tests/sm90.py: a child process without the interpreter)
 
 _INT_ARGS = ("M_cap", "N", "K", "E", "stride_xm", "stride_we", "stride_wn", "stride_om", "stride_xsm", "stride_xsk",
-             "stride_wse", "stride_wsn", "stride_wsk")
+             "stride_wse", "stride_wsn", "stride_wsk", "stride_be")
 
 
 def _w4_job(fmt: str, dtype: str, M_cap: int, N: int, K: int, E: int) -> dict:
@@ -242,10 +242,10 @@ def _w4_job(fmt: str, dtype: str, M_cap: int, N: int, K: int, E: int) -> dict:
     return {
         "module": "moe_torch.ops.grouped_gemm.triton", "kernel": "_grouped_gemm_kernel",
         "signature": {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "offsets_ptr": "*i32", "x_scale_ptr": "*fp32",
-                      "w_scale_ptr": "*u8" if fmt == "mxfp4" else "*bf16", "out_ptr": "*bf16",
+                      "w_scale_ptr": "*u8" if fmt == "mxfp4" else "*bf16", "bias_ptr": "*fp32", "out_ptr": "*bf16",
                       **{a: "i32" for a in _INT_ARGS}},
         "constexprs": {"X_SCALE": 0, "W_SCALE": W_SCALE_CODES[fmt], "X_GROUP": 1, "W_BLOCK": 1,
-                       "IEEE_F32": dtype == "fp32", "BLOCK_E": 1 << E.bit_length(), "BLOCK_M": cfg.block_m,
+                       "IEEE_F32": dtype == "fp32", "HAS_BIAS": False, "BLOCK_E": 1 << E.bit_length(), "BLOCK_M": cfg.block_m,
                        "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
                        "PERSISTENT": cfg.persistent},
         "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},

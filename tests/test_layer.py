@@ -17,6 +17,11 @@ from moe_contract import MoEConfig, PRESETS, get_preset, make_layer_inputs
 from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_rel_fro, to_numpy
 
 jit_forward = jax.jit(moe_pallas.moe_forward, static_argnames=("config", "implementation"))
+#: The presets the every-preset layer tests run at full E: all but the 2026 ones whose routing, activation and
+#: layout another preset (or llama4-scout, the one sigmoid_topk preset kept here) already runs; at full E each would
+#: add 10-25 s per quant mode to CI. Their tiny layers run in tests/test_routing_2026.py, gpt-oss's in test_swiglu_oai.py.
+LAYER_PRESETS = sorted(set(PRESETS) - {"gpt-oss-20b", "gpt-oss-120b", "llama4-maverick", "qwen3-next-80b-a3b",
+                                       "glm-4.5-air", "kimi-k2"})
 
 
 def run_layer(framework: str, config: MoEConfig, inputs, dtype: str = "float32", rank: int | None = None):
@@ -40,7 +45,7 @@ def small(preset_name: str, **overrides) -> MoEConfig:
 
 
 @pytest.mark.parametrize("quant", ["none", "fp8_per_token", "fp8_block"])
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("preset", LAYER_PRESETS)
 def test_layer_jnp_matches_torch_every_preset(preset, quant):
     config = small(preset, quant=quant)
     inputs = make_layer_inputs(config, 9, seed=1)
@@ -175,7 +180,7 @@ def test_layer_with_kernels_matches_reference(framework, quant):
 
 
 @pytest.mark.parametrize("quant", ["none", "fp8_per_token", "fp8_block"])
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("preset", LAYER_PRESETS)
 @pytest.mark.parametrize("framework", ["jnp", "torch"])
 def test_layer_with_kernels_every_preset(framework, preset, quant):
     """Every preset's routing (softmax top-k, biased grouped top-k over 256 experts + a fused shared

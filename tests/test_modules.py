@@ -36,6 +36,8 @@ ROUTINGS = {
     "grouped_topk": ("tiny", {"routing": "grouped_topk"}),
     # Mixtral: softmax top-2 of 8, no groups, no shared expert (S = 0), rsf 1
     "softmax_topk": ("mixtral-8x7b", {"hidden_size": 256, "intermediate_size": 128}),
+    # Llama 4 Scout: the top-1 logit, weight sigmoid, not renormalized, one fused shared expert (E + S = 17)
+    "sigmoid_topk": ("llama4-scout", {"hidden_size": 256, "intermediate_size": 128}),
 }
 #: What each framework calls its kernel backend.
 KERNEL_BACKEND = {"jnp": "pallas_triton", "torch": "triton"}

@@ -539,7 +539,7 @@ def test_tuned_entries_with_and_without_launch_order(tmp_path, monkeypatch):
 
 
 _INT_ARGS = ("M_cap", "N", "K", "E", "stride_xm", "stride_we", "stride_wn", "stride_om", "stride_xsm", "stride_xsk",
-             "stride_wse", "stride_wsn", "stride_wsk")
+             "stride_wse", "stride_wsn", "stride_wsk", "stride_be")
 
 
 def _gemm_job(dtype: str, x_scale: int, w_scale: int, M_cap: int, N: int, K: int, E: int, group_m: int = 1,
@@ -551,9 +551,9 @@ def _gemm_job(dtype: str, x_scale: int, w_scale: int, M_cap: int, N: int, K: int
     return {
         "module": "moe_torch.ops.grouped_gemm.triton", "kernel": "_grouped_gemm_kernel",
         "signature": {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "offsets_ptr": "*i32", "x_scale_ptr": "*fp32",
-                      "w_scale_ptr": "*fp32", "out_ptr": "*bf16", **{a: "i32" for a in _INT_ARGS}},
+                      "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16", **{a: "i32" for a in _INT_ARGS}},
         "constexprs": {"X_SCALE": x_scale, "W_SCALE": w_scale, "X_GROUP": group or 1, "W_BLOCK": 128 if w_scale == 3 else 1,
-                       "IEEE_F32": dtype == "fp32", "BLOCK_E": 1 << E.bit_length(), "BLOCK_M": cfg.block_m,
+                       "IEEE_F32": dtype == "fp32", "HAS_BIAS": False, "BLOCK_E": 1 << E.bit_length(), "BLOCK_M": cfg.block_m,
                        "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
                        "PERSISTENT": cfg.persistent},
         "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},

@@ -21,6 +21,7 @@ from interop.crosscheck.run import (
     _devices,
     _one_line,
     cast_experts,
+    check_modelled,
     make_cotangent,
     make_inputs,
 )
@@ -112,6 +113,7 @@ def run_ep_check(
     anything else is an error (a violation).
     """
     progress = progress or (lambda msg: None)
+    check_modelled("run_ep_check", config)
     names = _check_names("run_ep_check", implementations)
     if dtype not in EP_DTYPES:
         raise ValueError(f"run_ep_check: dtype must be one of {EP_DTYPES}; got {dtype!r}")

@@ -123,6 +123,21 @@ def _check_names(op: str, implementations: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(implementations))
 
 
+#: MoEConfig fields the stage table does not model yet (its stages take the gate's weights straight to the
+#: combine): a config with any of them set is refused, not checked as another layer.
+UNMODELLED_FIELDS = ("apply_router_weight_on_input", "shared_expert_gate")
+
+
+def check_modelled(op: str, config: MoEConfig) -> None:
+    """``NotImplementedError`` naming a :data:`UNMODELLED_FIELDS` field that ``config`` sets (Llama 4's input-scaled
+    routing, Qwen3-Next's shared-expert gate): their slot weights (``moe_*/slot_weights.py``) are not stages here
+    yet; ``tests/test_layer_2026.py`` checks those layers against float64 and transformers instead."""
+    on = [name for name in UNMODELLED_FIELDS if getattr(config, name)]
+    if on:
+        raise NotImplementedError(f"{op}: the stage-by-stage cross-check does not model {', '.join(on)} yet (the "
+                                  f"2026 families' slot weights); got config with {', '.join(f'{n}=True' for n in on)}")
+
+
 def _one_line(exc: Exception, limit: int = 400) -> str:
     return " ".join(str(exc).split())[:limit]
 
@@ -191,6 +206,7 @@ def run_crosscheck(
     recorded in ``skipped`` (not a violation); any other exception is an error (a violation).
     """
     progress = progress or (lambda msg: None)
+    check_modelled("run_crosscheck", config)
     names = _check_names("run_crosscheck", implementations)
     impls = {n: Impl(n) for n in names}
     ref = impls.get(UPSTREAM) or Impl(UPSTREAM)  # the upstream values always come from the jnp reference

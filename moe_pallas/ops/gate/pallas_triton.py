@@ -5,7 +5,8 @@ their logits as a ``[block_t, E_pad]`` tile (``E_pad = next_power_of_2(E)``), up
 and computes, all in registers:
 
 1. scores ``s``: softmax over the real experts (``softmax_topk``, ``grouped_topk``) or sigmoid
-   (``biased_grouped_topk``); selection scores ``c = s`` or ``c = s + bias`` (float32 bias).
+   (``biased_grouped_topk``, ``sigmoid_topk``); selection scores ``c = s``, ``c = s + bias`` (float32
+   bias) or, ``sigmoid_topk`` (Llama 4), the logit itself ``c = x``.
    NaN selection scores are mapped to -inf (they rank level with -inf, CONTRACT.md).
 2. grouped modes: per group ``g`` (a loop over ``num_expert_group``) the group score, max of
    ``c`` (``grouped_topk``) or the sum of its two largest (``biased_grouped_topk``: the largest,
@@ -17,7 +18,7 @@ and computes, all in registers:
    ``taken`` as the exclusion, experts at -inf (dropped groups, NaN) stay pickable in index
    order once nothing finite is left: the same ids as the reference's stable descending sort.
    No ``lax.top_k`` / sort: they do not lower for the GPU.
-4. weights gathered from the unbiased ``s``; renormalize (``+1e-20`` in the biased mode); the
+4. weights gathered from the unbiased ``s``; renormalize (``+1e-20`` in the sigmoid modes); the
    ``S`` fused shared-expert slots ``E..E+S-1`` with weight ``1/rsf``; ``* rsf`` when the gate
    applies it.
 
@@ -32,7 +33,7 @@ reference only for selection scores that are within that of a tie.
 ``[block_t, E_pad]`` tile of logits per program; nothing flows through the choice, so every routing
 mode is one code path but for softmax vs sigmoid: ``s`` is recomputed as above; over the routed slots
 (unrolled) ``w_j = s[id_j]``, ``g_j = c * d_topk_weights[t, j]`` (``c = rsf`` on output), ``D = sum w_j``
-(``+ 1e-20`` biased), ``A = sum g_j w_j``; then ``d_s[id_j] += (g_j - A / D) / D`` (renormalized; else
+(``+ 1e-20`` sigmoid), ``A = sum g_j w_j``; then ``d_s[id_j] += (g_j - A / D) / D`` (renormalized; else
 ``g_j``), and ``d_x = s * (d_s - sum(s * d_s))`` (softmax) or ``d_s * s * (1 - s)`` (sigmoid), float32.
 
 Mirror: ``moe_torch/ops/gate/triton.py``.
@@ -48,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from moe_contract.config import GROUPED_ROUTINGS, SIGMOID_ROUTINGS
 from moe_pallas.ops.gate.config import MAX_TILE_ELEMENTS, GateConfig, gate_config
 
 NEG_INF = float("-inf")
@@ -81,6 +83,9 @@ def _gate_kernel(logits_ref, bias_ref, w_ref, ids_ref, *, T: int, E: int, topk: 
         bias = plgpu.load(bias_ref.at[pl.ds(jnp.int32(0), e_pad)], mask=col_ok[0], other=0.0)
         s = jax.nn.sigmoid(x)
         c = s + bias[None, :]
+    elif routing == "sigmoid_topk":  # Llama 4: weights sigmoid(x), ranked by x itself (sigmoid ties where it saturates)
+        s = jax.nn.sigmoid(x)
+        c = x
     else:  # softmax as jax.nn.softmax: exp(x - max) / sum; a NaN logit makes the whole row NaN
         has_nan = jnp.max(jnp.isnan(x).astype(jnp.int32), axis=1) > 0
         m = jnp.max(jnp.where(jnp.isnan(x), NEG_INF, x), axis=1)
@@ -90,7 +95,7 @@ def _gate_kernel(logits_ref, bias_ref, w_ref, ids_ref, *, T: int, E: int, topk: 
         c = s
     c = jnp.where(jnp.isnan(c) | ~col_ok, NEG_INF, c) + 0.0  # NaN ranks level with -inf; -0.0 -> +0.0
 
-    if routing != "softmax_topk":
+    if routing in GROUPED_ROUTINGS:
         per = E // num_expert_group
         gid = col // per  # [1, e_pad]; padding lanes fall past the last group
         gcol = jnp.arange(g_pad, dtype=jnp.int32)[None, :]
@@ -133,7 +138,7 @@ def _gate_kernel(logits_ref, bias_ref, w_ref, ids_ref, *, T: int, E: int, topk: 
                                               jnp.zeros((block_t, w_pad), jnp.float32)))
     if renormalize:
         denom = jnp.sum(w, axis=1)  # slots >= topk are 0
-        if routing == "biased_grouped_topk":
+        if routing in SIGMOID_ROUTINGS:  # sigmoid weights may all underflow to 0
             denom = denom + jnp.float32(1e-20)
         w = w / denom[:, None]
     if S:
@@ -196,7 +201,7 @@ def select_experts_pallas_triton(
         raise NotImplementedError(
             f"select_experts[pallas_triton]: a tile of block_t * E_pad = {cfg.block_t} * {e_pad} elements is over "
             f"Triton's {MAX_TILE_ELEMENTS}")
-    grouped = routing != "softmax_topk"
+    grouped = routing in GROUPED_ROUTINGS
     if e_score_correction_bias is None:
         bias = jnp.zeros((E,), jnp.float32)
     else:
@@ -311,7 +316,7 @@ def select_experts_backward_pallas_triton(
             f"select_experts_backward[pallas_triton]: a tile of block_t * E_pad = {cfg.block_t} * {e_pad} elements "
             f"is over Triton's {MAX_TILE_ELEMENTS}")
     kernel = functools.partial(
-        _gate_backward_kernel, T=T, E=E, topk=topk, sigmoid=routing == "biased_grouped_topk",
+        _gate_backward_kernel, T=T, E=E, topk=topk, sigmoid=routing in SIGMOID_ROUTINGS,
         renormalize=renormalize, rsf=float(routed_scaling_factor),
         rsf_on_output=apply_routed_scaling_factor_on_output, block_t=cfg.block_t, e_pad=e_pad)
     return pl.pallas_call(

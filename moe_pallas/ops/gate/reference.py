@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_contract.config import GROUPED_ROUTINGS, SIGMOID_ROUTINGS
+
 
 def rank_descending(key: jax.Array) -> jax.Array:
     """Indices that sort ``key [..., n]`` by descending value along the last axis.
@@ -41,11 +43,14 @@ def select_experts_reference(
     if routing == "biased_grouped_topk":
         scores = jax.nn.sigmoid(logits)
         select = scores + e_score_correction_bias.astype(cdt)[None, :]
+    elif routing == "sigmoid_topk":  # Llama 4: ranked by the logit itself (sigmoid ties where it saturates)
+        scores = jax.nn.sigmoid(logits)
+        select = logits
     else:
         scores = jax.nn.softmax(logits, axis=-1)
         select = scores
 
-    if routing != "softmax_topk":
+    if routing in GROUPED_ROUTINGS:
         per_group = E // num_expert_group
         grouped = select.reshape(T, num_expert_group, per_group)
         clean = jnp.where(jnp.isnan(grouped), -jnp.inf, grouped)
@@ -62,7 +67,7 @@ def select_experts_reference(
     topk_weights = jnp.take_along_axis(scores, topk_ids, axis=1)  # unbiased scores
     if renormalize:
         denom = topk_weights.sum(axis=-1, keepdims=True)
-        if routing == "biased_grouped_topk":
+        if routing in SIGMOID_ROUTINGS:  # sigmoid weights may all underflow to 0
             denom = denom + 1e-20
         topk_weights = topk_weights / denom
 
@@ -94,16 +99,16 @@ def select_experts_backward_reference(
     grouping arguments (in ``_choice_only``) do not enter; the shared-expert slots (columns
     ``>= topk``) are constants. A routed id outside ``[0, E)`` (never made by the gate) selects nothing.
 
-    Forward, per token: ``s = softmax(x)`` (or ``sigmoid(x)`` biased); ``w_j = s[id_j]``;
-    ``D = sum_j w_j`` (``+ 1e-20`` biased); ``out_j = c * w_j / D`` (``c = rsf`` on output, else 1).
+    Forward, per token: ``s = softmax(x)`` (or ``sigmoid(x)``: biased, sigmoid_topk); ``w_j = s[id_j]``;
+    ``D = sum_j w_j`` (``+ 1e-20`` sigmoid); ``out_j = c * w_j / D`` (``c = rsf`` on output, else 1).
     Backward: ``g_j = c * d_out_j``; renormalized: ``d_w_j = (g_j - sum_k g_k w_k / D) / D``;
     ``d_s[id_j] += d_w_j``; softmax: ``d_x = s * (d_s - sum(s * d_s))``; sigmoid: ``d_x = d_s * s * (1 - s)``.
     """
     cdt = jnp.promote_types(router_logits.dtype, jnp.float32)  # float64 only for the tests
     logits = router_logits.astype(cdt)
     T, E = logits.shape
-    biased = routing == "biased_grouped_topk"
-    scores = jax.nn.sigmoid(logits) if biased else jax.nn.softmax(logits, axis=-1)
+    sigmoid = routing in SIGMOID_ROUTINGS  # sigmoid scores, + 1e-20 in the renormalization
+    scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)
     ids = topk_ids[:, :topk]
     valid = (ids >= 0) & (ids < E)
     ids = jnp.where(valid, ids, 0)
@@ -113,10 +118,10 @@ def select_experts_backward_reference(
         g = g * jnp.float32(routed_scaling_factor)
     if renormalize:
         denom = w.sum(axis=-1, keepdims=True)
-        if biased:
+        if sigmoid:
             denom = denom + 1e-20
         g = (g - (g * w).sum(axis=-1, keepdims=True) / denom) / denom
     d_scores = jnp.zeros((T, E), cdt).at[jnp.arange(T)[:, None], ids].add(jnp.where(valid, g, 0.0))
-    if biased:
+    if sigmoid:
         return d_scores * scores * (1.0 - scores)
     return scores * (d_scores - (scores * d_scores).sum(axis=-1, keepdims=True))

@@ -1,7 +1,10 @@
 """Grouped GEMM ``[M, K] x [E, N, K] -> [M, N]`` over rows grouped by expert (CONTRACT.md section 4),
 and its backward (section 8): :func:`grouped_gemm_dgrad`, :func:`grouped_gemm_wgrad`, and
 :func:`grouped_gemm` differentiable in ``x`` and ``w`` through ``jax.custom_vjp``; 4-bit weights
-(section 9: MXFP4, INT4 group 32), differentiable in ``x`` (straight-through).
+(section 9: MXFP4, INT4 group 32), differentiable in ``x`` (straight-through). An optional per-expert
+``bias [E_local, N]`` (gpt-oss) is added before the rounding (section 4); its gradient is the op
+:func:`grouped_gemm_dbias` (a segment sum of ``d_y``, section 8), and :func:`grouped_gemm` is
+differentiable in ``bias`` for float, FP8 and 4-bit weights alike.
 
 Mirror: ``moe_torch/ops/grouped_gemm/api.py``.
 """
@@ -14,30 +17,36 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from moe_contract.op_checks import check_grouped_gemm, check_grouped_gemm_dgrad, check_grouped_gemm_wgrad
+from moe_contract.op_checks import (check_grouped_gemm, check_grouped_gemm_dbias, check_grouped_gemm_dgrad,
+                                    check_grouped_gemm_wgrad)
 from moe_contract.validation import check_choice
 from moe_pallas.ops.common import cast_rounded, resolve_dtype, takes_jax_arrays
 from moe_pallas.ops.dispatch import dispatch
 from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton
-from moe_pallas.ops.grouped_gemm.pallas_triton_backward import (grouped_gemm_dgrad_pallas_triton,
+from moe_pallas.ops.grouped_gemm.pallas_triton_backward import (grouped_gemm_dbias_pallas_triton,
+                                                                 grouped_gemm_dgrad_pallas_triton,
                                                                  grouped_gemm_wgrad_pallas_triton)
-from moe_pallas.ops.grouped_gemm.reference import (grouped_gemm_dgrad_reference, grouped_gemm_reference,
-                                                   grouped_gemm_wgrad_reference)
+from moe_pallas.ops.grouped_gemm.reference import (grouped_gemm_dbias_reference, grouped_gemm_dgrad_reference,
+                                                   grouped_gemm_reference, grouped_gemm_wgrad_reference)
 from moe_pallas.ops.quant.reference import dequantize_weight_4bit_reference
 
 IMPLEMENTATIONS = ("pallas_mosaic_gpu", "pallas_triton", "reference")
 #: The backward ops' backends.
 DGRAD_IMPLEMENTATIONS = ("pallas_mosaic_gpu", "pallas_triton", "reference")
 WGRAD_IMPLEMENTATIONS = ("pallas_mosaic_gpu", "pallas_triton", "reference")
+#: The bias gradient's backends (a segment sum: no Mosaic GPU kernel; its forward maps to the default order).
+DBIAS_IMPLEMENTATIONS = ("pallas_triton", "reference")
 
 
-def _mosaic(x, w, expert_offsets, x_scale, w_scale, out_dtype):
+def _mosaic(x, w, expert_offsets, x_scale, w_scale, out_dtype, bias=None):
     """The Hopper backend: GPU only (Mosaic GPU has no CPU interpret mode for this kernel)."""
     if jax.default_backend() != "gpu":
         raise NotImplementedError(f"grouped_gemm[pallas_mosaic_gpu]: needs a Hopper GPU; the default backend is {jax.default_backend()!r}")
     from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
 
-    return grouped_gemm_pallas_mosaic_gpu(x, w, expert_offsets, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype)
+    extra = {} if bias is None else {"bias": bias}
+    return grouped_gemm_pallas_mosaic_gpu(x, w, expert_offsets, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype,
+                                          **extra)
 
 
 @takes_jax_arrays
@@ -51,8 +60,9 @@ def grouped_gemm(
     out_dtype=None,
     implementation: str | None = None,
     w_format: str | None = None,
+    bias: jax.Array | None = None,
 ) -> jax.Array:
-    """``y[m] = x[m] @ w[e(m)].T``, expert ``e(m)`` given by ``expert_offsets``; float32 accumulation.
+    """``y[m] = x[m] @ w[e(m)].T (+ bias[e(m)])``, expert ``e(m)`` given by ``expert_offsets``; float32 accumulation.
 
     Args:
       x: ``[M_cap, K]``, float32 / bf16 / float16, or float8_e4m3fn codes.
@@ -78,6 +88,10 @@ def grouped_gemm(
         OCP MX v1.0) or ``"int4"`` (offset-binary ``code - 8``, compressed-tensors ``pack-quantized``).
         ``x`` stays float (weight-only, no ``x_scale``), ``K % 32 == 0``; the weights are dequantized in
         float32 and rounded to ``x.dtype`` before the multiply (the Pallas-Triton kernel decodes each tile).
+      bias: optional ``[E_local, N]`` float32, bf16 or ``x``'s float dtype (gpt-oss's ``gate_up_proj_bias`` /
+        ``down_proj_bias``): ``bias[e]`` is widened to float32 and added to the accumulator of every row of
+        ``e`` (FP8: after the scales) before the one rounding to ``out_dtype`` (CONTRACT.md section 4); rows
+        ``>= offsets[-1]`` stay zero. Every backend serves it (Mosaic GPU in its epilogue).
 
     Returns: ``y [M_cap, N]``.
 
@@ -90,38 +104,44 @@ def grouped_gemm(
     expert's float32 decode live at a time); the codes and scales are frozen: the codes are integers (no
     gradient), and a gradient asked through an INT4 bf16 ``w_scale`` is a TypeError (raised when
     ``jax.grad`` / ``jax.vjp`` traces the call, as ``moe_torch`` raises for a scale that requires grad).
+    ``bias`` is differentiable with every kind of weights: ``d_bias = grouped_gemm_dbias(d_y)`` (the
+    cotangent as it comes, summed per expert in float32) in ``bias``'s dtype (CONTRACT.md section 8).
 
     Raises: ValueError (shapes, missing or unexpected scales, ``w_format`` missing for uint8 ``w`` or
-      given for another ``w``, ``K % 32 != 0`` with 4-bit ``w``), TypeError (dtypes; and when a gradient
-      is asked through float8_e4m3fn inputs, which are not differentiable: CONTRACT.md section 8, or
-      through a 4-bit ``w_scale``),
+      given for another ``w``, ``K % 32 != 0`` with 4-bit ``w``, ``bias`` not ``[E_local, N]``), TypeError
+      (dtypes, ``bias``'s included; and when a gradient is asked through float8_e4m3fn inputs, which are
+      not differentiable: CONTRACT.md section 8, or through a 4-bit ``w_scale``; raised when ``jax.grad`` /
+      ``jax.vjp`` traces the call),
       NotImplementedError (``implementation="pallas_triton"`` with per-token-group scales whose
       group size ``K // x_scale.shape[1]`` has no power-of-two divisor >= 16;
       ``implementation="pallas_mosaic_gpu"`` off a GPU or outside its limits, see
       ``moe_pallas/ops/grouped_gemm/pallas_mosaic_gpu.py``, or with 4-bit weights).
     """
     op = "grouped_gemm"
-    out_dtype = resolve_dtype(check_grouped_gemm(op, x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format))
+    out_dtype = resolve_dtype(check_grouped_gemm(op, x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format,
+                                                 bias))
     M_cap, N = x.shape[0], w.shape[1]
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if M_cap == 0:
         return jnp.zeros((0, N), out_dtype)
-    if w_format is not None:  # 4-bit weights: differentiable in x only
-        return _grouped_gemm_4bit(x, w, expert_offsets, w_scale, out_dtype, w_format, implementation)
-    if x_scale is None:  # float inputs: differentiable in x and w
-        return _grouped_gemm_float(x, w, expert_offsets, out_dtype, implementation)
-    return _grouped_gemm_fp8(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation)
+    if w_format is not None:  # 4-bit weights: differentiable in x (and bias)
+        return _grouped_gemm_4bit(x, w, expert_offsets, w_scale, bias, out_dtype, w_format, implementation)
+    if x_scale is None:  # float inputs: differentiable in x and w (and bias)
+        return _grouped_gemm_float(x, w, expert_offsets, bias, out_dtype, implementation)
+    return _grouped_gemm_fp8(x, w, expert_offsets, x_scale, w_scale, bias, out_dtype, implementation)
 
 
-def _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation, w_format=None):
+def _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation, w_format=None, bias=None):
     """The forward's dispatch (inputs validated)."""
-    fmt = {} if w_format is None else {"w_format": w_format}  # float / FP8 calls stay as they were
+    extra = {} if w_format is None else {"w_format": w_format}  # calls without 4-bit / bias stay as they were
+    if bias is not None:
+        extra["bias"] = bias
     return dispatch("grouped_gemm", implementation, {
-        "pallas_mosaic_gpu": lambda: (_mosaic(x, w, expert_offsets, x_scale, w_scale, out_dtype) if w_format is None
-                                      else _mosaic_4bit(w_format)),
+        "pallas_mosaic_gpu": lambda: (_mosaic(x, w, expert_offsets, x_scale, w_scale, out_dtype, bias)
+                                      if w_format is None else _mosaic_4bit(w_format)),
         "pallas_triton": lambda: grouped_gemm_pallas_triton(
-            x, w, expert_offsets, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype, **fmt),
-        "reference": lambda: grouped_gemm_reference(x, w, expert_offsets, x_scale, w_scale, out_dtype, **fmt),
+            x, w, expert_offsets, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype, **extra),
+        "reference": lambda: grouped_gemm_reference(x, w, expert_offsets, x_scale, w_scale, out_dtype, **extra),
     })
 
 
@@ -155,51 +175,80 @@ def _mosaic_backward(name: str):
 
 # --- Differentiable forward (CONTRACT.md section 8): thin glue over the forward and backward ops ---
 # expert_offsets is an ordinary (integer) argument that gets no cotangent; out_dtype and implementation
-# are static. The cotangent d_y is rounded to x's dtype before the backward GEMMs (the ops take one
-# float dtype, as a bf16 training step keeps its gradients in bf16); d_x and d_w come back in x's and
-# w's dtypes (custom_vjp's rule), each accumulated in float32.
+# are static; bias is an array or None (no leaves: its cotangent is then None). The cotangent d_y is
+# rounded to x's dtype before the backward GEMMs (the ops take one float dtype, as a bf16 training step
+# keeps its gradients in bf16); d_x and d_w come back in x's and w's dtypes (custom_vjp's rule), each
+# accumulated in float32. The bias gradient sums d_y as it comes (grouped_gemm_dbias), in bias's dtype;
+# the residuals carry that dtype in a 0-size array (never the bias itself).
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _grouped_gemm_float(x, w, expert_offsets, out_dtype, implementation):
-    return _forward(x, w, expert_offsets, None, None, out_dtype, implementation)
+def _bias_dtype_carrier(bias):
+    return None if bias is None else jnp.zeros((0,), bias.dtype)
 
 
-def _grouped_gemm_float_fwd(x, w, expert_offsets, out_dtype, implementation):
-    return _forward(x, w, expert_offsets, None, None, out_dtype, implementation), (x, w, expert_offsets)
+def _bias_grad(carrier, d_y, expert_offsets, implementation):
+    """``d_bias`` in the carried dtype (``None`` without a bias)."""
+    if carrier is None:
+        return None
+    return grouped_gemm_dbias(d_y, expert_offsets, out_dtype=carrier.dtype,
+                              implementation=backward_implementation(implementation, DBIAS_IMPLEMENTATIONS))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _grouped_gemm_float(x, w, expert_offsets, bias, out_dtype, implementation):
+    return _forward(x, w, expert_offsets, None, None, out_dtype, implementation, bias=bias)
+
+
+def _grouped_gemm_float_fwd(x, w, expert_offsets, bias, out_dtype, implementation):
+    y = _forward(x, w, expert_offsets, None, None, out_dtype, implementation, bias=bias)
+    return y, (x, w, expert_offsets, _bias_dtype_carrier(bias))
 
 
 def _grouped_gemm_float_bwd(out_dtype, implementation, residuals, d_y):
-    x, w, expert_offsets = residuals
+    x, w, expert_offsets, bias_carrier = residuals
+    d_bias = _bias_grad(bias_carrier, d_y, expert_offsets, implementation)
     d_y = d_y.astype(x.dtype)
     d_x = grouped_gemm_dgrad(d_y, w, expert_offsets, out_dtype=x.dtype,
                              implementation=backward_implementation(implementation, DGRAD_IMPLEMENTATIONS))
     d_w = grouped_gemm_wgrad(x, d_y, expert_offsets, out_dtype=w.dtype,
                              implementation=backward_implementation(implementation, WGRAD_IMPLEMENTATIONS))
-    return d_x, d_w, None
+    return d_x, d_w, None, d_bias
 
 
 _grouped_gemm_float.defvjp(_grouped_gemm_float_fwd, _grouped_gemm_float_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _grouped_gemm_fp8(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation):
-    return _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation)
+# FP8: differentiable in bias only. symbolic_zeros=True hands the forward rule each input's ``perturbed``
+# flag, so a gradient asked through an FP8 code or a scale is refused while jax.grad / jax.vjp traces the
+# call (never a wrong gradient), and one asked through bias alone is served.
 
 
-def _grouped_gemm_fp8_fwd(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation):
-    return _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation), None
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _grouped_gemm_fp8(x, w, expert_offsets, x_scale, w_scale, bias, out_dtype, implementation):
+    return _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation, bias=bias)
+
+
+def _grouped_gemm_fp8_fwd(x, w, expert_offsets, x_scale, w_scale, bias, out_dtype, implementation):
+    if any(a.perturbed for a in (x, w, x_scale, w_scale)):
+        raise TypeError(
+            "grouped_gemm: float8_e4m3fn inputs (x, w, x_scale, w_scale) are not differentiable: FP8 codes are "
+            "frozen and a gradient through them would be wrong (CONTRACT.md section 8: the backward is "
+            "straight-through, d_x = grouped_gemm_dgrad(d_y, q_w, expert_offsets, w_scale=w_scale) on the "
+            "dequantized weights); got a gradient request through an FP8 grouped_gemm")
+    x, w, expert_offsets, x_scale, w_scale = (a.value for a in (x, w, expert_offsets, x_scale, w_scale))
+    bias = None if bias is None else bias.value
+    y = _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation, bias=bias)
+    return y, (expert_offsets, _bias_dtype_carrier(bias))
 
 
 def _grouped_gemm_fp8_bwd(out_dtype, implementation, residuals, d_y):
-    raise TypeError(
-        "grouped_gemm: float8_e4m3fn inputs (x, w, x_scale, w_scale) are not differentiable: FP8 codes are "
-        "frozen and a gradient through them would be wrong (CONTRACT.md section 8: the backward is "
-        "straight-through, d_x = grouped_gemm_dgrad(d_y, q_w, expert_offsets, w_scale=w_scale) on the "
-        "dequantized weights); got a gradient request through an FP8 grouped_gemm")
+    expert_offsets, bias_carrier = residuals
+    if isinstance(d_y, SymbolicZero):  # y's cotangent is a known zero (y unused): an ordinary zero array
+        d_y = jnp.zeros(d_y.shape, d_y.dtype)
+    return None, None, None, None, None, _bias_grad(bias_carrier, d_y, expert_offsets, implementation)
 
 
-_grouped_gemm_fp8.defvjp(_grouped_gemm_fp8_fwd, _grouped_gemm_fp8_bwd)
+_grouped_gemm_fp8.defvjp(_grouped_gemm_fp8_fwd, _grouped_gemm_fp8_bwd, symbolic_zeros=True)
 
 
 # 4-bit weights (CONTRACT.md section 9): differentiable in x only, straight-through. symbolic_zeros=True
@@ -209,32 +258,34 @@ _grouped_gemm_fp8.defvjp(_grouped_gemm_fp8_fwd, _grouped_gemm_fp8_bwd)
 # array that carries x's dtype.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _grouped_gemm_4bit(x, w, expert_offsets, w_scale, out_dtype, w_format, implementation):
-    return _forward(x, w, expert_offsets, None, w_scale, out_dtype, implementation, w_format)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _grouped_gemm_4bit(x, w, expert_offsets, w_scale, bias, out_dtype, w_format, implementation):
+    return _forward(x, w, expert_offsets, None, w_scale, out_dtype, implementation, w_format, bias)
 
 
-def _grouped_gemm_4bit_fwd(x, w, expert_offsets, w_scale, out_dtype, w_format, implementation):
+def _grouped_gemm_4bit_fwd(x, w, expert_offsets, w_scale, bias, out_dtype, w_format, implementation):
     if w_scale.perturbed:
         raise TypeError(f"grouped_gemm: w_scale gets no gradient: 4-bit scales are frozen ({w_format} codes and "
                         f"scales get none, CONTRACT.md section 9; only x is differentiable); got a gradient request "
                         f"through w_scale (take it out of the differentiated arguments, or jax.lax.stop_gradient it)")
     x, w, expert_offsets, w_scale = x.value, w.value, expert_offsets.value, w_scale.value
-    y = _forward(x, w, expert_offsets, None, w_scale, out_dtype, implementation, w_format)
-    return y, (w, w_scale, expert_offsets, jnp.zeros((0,), x.dtype))
+    bias = None if bias is None else bias.value
+    y = _forward(x, w, expert_offsets, None, w_scale, out_dtype, implementation, w_format, bias)
+    return y, (w, w_scale, expert_offsets, jnp.zeros((0,), x.dtype), _bias_dtype_carrier(bias))
 
 
 def _grouped_gemm_4bit_bwd(out_dtype, w_format, implementation, residuals, d_y):
-    w, w_scale, expert_offsets, x_dtype_carrier = residuals
+    w, w_scale, expert_offsets, x_dtype_carrier, bias_carrier = residuals
     dtype = x_dtype_carrier.dtype
     if isinstance(d_y, SymbolicZero):  # y's cotangent is a known zero (y unused): an ordinary zero array
         d_y = jnp.zeros(d_y.shape, d_y.dtype)
+    d_bias = _bias_grad(bias_carrier, d_y, expert_offsets, implementation)
     d_y = d_y.astype(dtype)
     # wd rounded to d_y's (x's) dtype, an expert at a time (one [N, K] float32 decode live)
     wd = jax.lax.map(lambda e: cast_rounded(dequantize_weight_4bit_reference(e[0], e[1], w_format), dtype), (w, w_scale))
     d_x = grouped_gemm_dgrad(d_y, wd, expert_offsets, out_dtype=dtype,
                              implementation=backward_implementation(implementation, DGRAD_IMPLEMENTATIONS))
-    return d_x, None, None, None
+    return d_x, None, None, None, d_bias
 
 
 _grouped_gemm_4bit.defvjp(_grouped_gemm_4bit_fwd, _grouped_gemm_4bit_bwd, symbolic_zeros=True)
@@ -339,3 +390,41 @@ def _mosaic_dgrad(d_y, w, expert_offsets, w_scale, out_dtype):
                                   "wgmma needs K-major operands; the straight-through dgrad dequantizes): use "
                                   "pallas_triton")
     return _mosaic_backward("grouped_gemm_dgrad_pallas_mosaic_gpu")(d_y, w, expert_offsets, out_dtype=out_dtype)
+
+
+@takes_jax_arrays
+def grouped_gemm_dbias(
+    d_y: jax.Array,
+    expert_offsets: jax.Array,
+    *,
+    out_dtype=jnp.float32,
+    implementation: str | None = None,
+) -> jax.Array:
+    """``d_bias[e] = sum of d_y[rows(e)]``: the gradient of :func:`grouped_gemm` w.r.t. ``bias`` (CONTRACT.md
+    section 8), a segment sum over each expert's rows ``[offsets[e], offsets[e+1])``, float32 accumulation.
+
+    Args:
+      d_y: ``[M_cap, N]`` float32 / bf16 / float16, the gradient of ``y``.
+      expert_offsets: ``[E_local + 1]`` int32 (gives ``E_local``); rows ``>= offsets[-1]`` are never read.
+      out_dtype: result dtype (``bias``'s, in the ``custom_vjp``); default float32.
+      implementation: ``"pallas_triton"`` (interpreted on the CPU), ``"reference"``, or ``None`` (the device's
+        default order, ``moe_pallas.ops.dispatch``; the reference on the CPU).
+
+    Returns: ``d_bias [E_local, N]`` in ``out_dtype``; an expert with no rows gets exactly 0; a NaN in a row
+      ``>= M`` does not reach it.
+
+    Raises: ValueError (shapes), TypeError (dtypes), NotImplementedError (an explicit ``implementation``
+      outside its limits).
+
+    Source: the transpose of the forward's broadcast ``y[rows(e)] += bias[e]``.
+    """
+    op = "grouped_gemm_dbias"
+    out_dtype = resolve_dtype(check_grouped_gemm_dbias(op, d_y, expert_offsets, out_dtype))
+    check_choice(op, "implementation", implementation, (None, *DBIAS_IMPLEMENTATIONS))
+    E, N = expert_offsets.shape[0] - 1, d_y.shape[1]
+    if d_y.shape[0] == 0:  # no rows: every expert is empty
+        return jnp.zeros((E, N), out_dtype)
+    return dispatch(op, implementation, {
+        "pallas_triton": lambda: grouped_gemm_dbias_pallas_triton(d_y, expert_offsets, out_dtype=out_dtype),
+        "reference": lambda: grouped_gemm_dbias_reference(d_y, expert_offsets, out_dtype),
+    })

@@ -22,7 +22,9 @@ K step's partial sum before it is accumulated; the others multiply the finished 
 4-bit weights (CONTRACT.md section 9): ``w [E, N, K // 2]`` uint8 packed codes (``w_format`` ``"mxfp4"``
 or ``"int4"``) with ``w_scale [E, N, K // 32]`` (uint8 e8m0 / bf16), ``x`` float: each K step decodes
 its weight bytes in the kernel, one group of 32 K values at a time (:func:`_w4_group_part`), and
-feeds the float weights, rounded to ``x.dtype``, to the dots.
+feeds the float weights, rounded to ``x.dtype``, to the dots. An optional per-expert ``bias [E, N]``
+(CONTRACT.md section 4; passed to the kernel in float32) is added to the finished accumulator, after the
+scales, before the one rounding to the output dtype.
 
 Learned from: the tile-to-group metadata and the static grid bound ``m_tiles + num_groups - 1`` of
 jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/tpu/megablox/gmm.py (``make_group_metadata``),
@@ -149,7 +151,7 @@ def _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok, k
 
 def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: int, x_scale_kind: str | None,
             w_scale_kind: str | None, group_size: int, block_m: int, block_n: int, block_k: int, precision,
-            w_format: str | None = None):
+            w_format: str | None = None, has_bias: bool = False):
     """One ``block_m x block_n`` tile of ``y`` for the rows of one expert.
 
     Grid ``(cdiv(M_cap, block_m) + E, cdiv(N, block_n))``; program ``(s, j)`` owns rows
@@ -159,16 +161,18 @@ def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: 
     ``x_ref [M_cap, K]``; ``w_ref [E, N, K]``; then, for FP8, ``xs_ref`` (``[1]`` per-tensor,
     ``[M_cap]`` per-token, ``[M_cap, K // G]`` per-token-group) and ``ws_ref`` (``[E]``,
     ``[E, N]`` or ``[E, ceil(N/128), ceil(K/128)]``) float32; for 4-bit ``w_format``, ``w_ref [E, N, K // 2]``
-    uint8 and ``ws_ref [E, N, K // 32]`` (uint8 / bf16) instead; last ``y_ref [M_cap, N]``.
+    uint8 and ``ws_ref [E, N, K // 32]`` (uint8 / bf16) instead; with ``has_bias``, ``b_ref [E, N]`` float32;
+    last ``y_ref [M_cap, N]``.
     """
+    *refs, y_ref = refs
+    b_ref = refs.pop() if has_bias else None
     if w_format is not None:
-        ws_ref, y_ref = refs
+        (ws_ref,) = refs
         xs_ref = None
     elif x_scale_kind is None:
-        (y_ref,) = refs
         xs_ref = ws_ref = None
     else:
-        xs_ref, ws_ref, y_ref = refs
+        xs_ref, ws_ref = refs
     s, j = pl.program_id(0), pl.program_id(1)
     e, lo, hi = expert_ref[s], lo_ref[s], hi_ref[s]
 
@@ -217,6 +221,8 @@ def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: 
             acc = acc * ws_ref[e]
         elif w_scale_kind == "per_channel":
             acc = acc * plgpu.load(ws_ref.at[e, cols_ds], mask=col_ok, other=0.0)[None, :]
+        if has_bias:  # CONTRACT.md section 4: float32, after the scales, before the one rounding
+            acc = acc + plgpu.load(b_ref.at[e, cols_ds], mask=col_ok, other=0.0)[None, :]
         plgpu.store(y_ref.at[rows_ds, cols_ds], acc.astype(y_ref.dtype), mask=store_mask)
 
     @pl.when((lo < hi) & (e >= E))
@@ -259,6 +265,7 @@ def grouped_gemm_pallas_triton(
     config: GroupedGemmConfig | None = None,
     interpret: bool | None = None,
     w_format: str | None = None,
+    bias: jax.Array | None = None,
 ) -> jax.Array:
     """``y[m] = x[m] @ w[e(m)].T`` (FP8: ``(q_x @ q_w.T) * x_scale[m] * w_scale[e(m), ...]``), float32 accumulation.
 
@@ -280,6 +287,8 @@ def grouped_gemm_pallas_triton(
       w_format: ``None``, or ``"mxfp4"`` / ``"int4"`` for 4-bit ``w`` (CONTRACT.md section 9): each K step
         decodes its weight tile in float32 and rounds it to ``x.dtype`` before the dots
         (:func:`_w4_group_part`). Untuned: the heuristic config (no GPU measurement of this path yet).
+      bias: optional ``[E, N]`` float32 / bf16 / float16 (CONTRACT.md section 4): ``bias[e]`` in float32 is
+        added to the accumulator of each owned row (after the scales) before the rounding.
 
     Grid: ``(cdiv(M_cap, block_m) + E, cdiv(N, block_n))``, static; see :func:`tile_metadata`.
 
@@ -320,11 +329,13 @@ def grouped_gemm_pallas_triton(
         inputs += [xs, w_scale.astype(jnp.float32)]
     elif w_format is not None:
         inputs.append(w_scale)
+    if bias is not None:
+        inputs.append(bias.astype(jnp.float32))  # exact widening; [E, N] is small next to w
     # float32 inputs: IEEE products (the Triton default for DEFAULT precision is TF32, 10-bit mantissas).
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, E=E, N=N, K=K, x_scale_kind=x_kind, w_scale_kind=w_kind, group_size=G,
                                block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, precision=precision,
-                               w_format=w_format)
+                               w_format=w_format, has_bias=bias is not None)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((M_cap, N), out_dtype),

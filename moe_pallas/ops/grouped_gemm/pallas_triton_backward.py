@@ -22,6 +22,11 @@ Its two backward GEMMs, both reading ``w`` and the activations as they are (no t
   exact zeros. Rows ``>= M`` belong to no expert and are never read. Grid
   ``(cdiv(K, block_k), cdiv(N, block_n), E)``, static; the expert is the slowest grid dimension so
   that the programs running together share one expert's rows (in L2).
+- **dbias** ``d_bias[e] = sum of d_y[rows(e)]`` (``-> [E, N]``, the gradient of the optional per-expert
+  bias): a segment sum. Program ``(j, e)`` owns ``d_bias[e, j*block_n : (j+1)*block_n]`` and loops over
+  the expert's rows in ``block_m`` steps (masked loads of ``d_y`` tiles added into a float32
+  ``[block_m, block_n]`` partial-sum tile, reduced over its rows once at the end); the trip count is data,
+  0 for an empty expert, whose columns are then stored as exact zeros. Grid ``(cdiv(N, block_n), E)``.
 
 Learned from: the forward kernel beside this file; the wgrad's shape (a tile of one group's
 output, a loop over that group's rows) from jax-ml/jax@jax-v0.11.2:
@@ -41,7 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_pallas.ops import common as _common  # its import applies patch_pallas_triton_offsets
-from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, GroupedGemmDgradConfig, GroupedGemmWgradConfig,
+from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, GroupedGemmDbiasConfig, GroupedGemmDgradConfig,
+                                                 GroupedGemmWgradConfig, heuristic_grouped_gemm_dbias_config,
                                                  heuristic_grouped_gemm_dgrad_config,
                                                  heuristic_grouped_gemm_wgrad_config, triton_backward_config_problem)
 from moe_pallas.ops.grouped_gemm.pallas_triton import tile_metadata
@@ -263,3 +269,73 @@ def grouped_gemm_wgrad_pallas_triton(
         interpret=interpret,
         name="grouped_gemm_wgrad",
     )(starts, ends, x, d_y)
+
+
+def _dbias_kernel(start_ref, end_ref, dy_ref, db_ref, *, N: int, block_m: int, block_n: int):
+    """``block_n`` columns of ``d_bias[e]``, the float32 sum of ``d_y`` over the rows of expert ``e``.
+
+    Grid ``(cdiv(N, block_n), E)``; program ``(j, e)`` owns ``d_bias[e, j*block_n : (j+1)*block_n]``.
+
+    Refs (whole arrays): ``start_ref, end_ref [E]`` int32 (expert ``e`` owns rows ``[start_ref[e],
+    end_ref[e])``, ``reference.expert_row_ranges``); ``dy_ref [M_cap, N]`` float; ``db_ref [E, N]``.
+    """
+    j, e = pl.program_id(0), pl.program_id(1)
+    lo, hi = start_ref[e], end_ref[e]
+    n0 = j * block_n
+    n_ok = n0 + jnp.arange(block_n) < N  # [block_n]
+    ns = pl.ds(n0, block_n)
+    zero = jnp.zeros((), dy_ref.dtype)
+
+    def m_step(t, acc):
+        r0 = lo + t * block_m
+        row_ok = r0 + jnp.arange(block_m) < hi  # [block_m]: the expert's rows only (never a row >= M)
+        tile = plgpu.load(dy_ref.at[pl.ds(r0, block_m), ns], mask=row_ok[:, None] & n_ok[None, :], other=zero)
+        return acc + tile.astype(jnp.float32)  # [block_m, block_n] partial sums
+
+    # The trip count is data (0 for an empty expert: its columns are stored as zeros); int32 bounds, as the wgrad's.
+    steps = ((hi - lo + block_m - 1) // block_m).astype(jnp.int32)
+    acc = jax.lax.fori_loop(jnp.int32(0), steps, m_step, jnp.zeros((block_m, block_n), jnp.float32))
+    plgpu.store(db_ref.at[e, ns], jnp.sum(acc, axis=0).astype(db_ref.dtype), mask=n_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def grouped_gemm_dbias_pallas_triton(
+    d_y: jax.Array,
+    expert_offsets: jax.Array,
+    *,
+    out_dtype=jnp.float32,
+    config: GroupedGemmDbiasConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``d_bias[e] = sum of d_y[rows(e)]``, float32 accumulation; an expert with no rows gets exactly 0.
+
+    Args (validated by ``moe_pallas.ops.grouped_gemm.api.grouped_gemm_dbias``):
+      d_y: ``[M_cap, N]`` float32 / bf16 / float16.
+      expert_offsets: ``[E + 1]`` int32; expert ``e`` owns rows ``[offsets[e], offsets[e+1])``; rows
+        ``>= offsets[-1]`` are never read (a NaN there stays out of ``d_bias``).
+      out_dtype: default float32.
+      config: launch config (default :func:`heuristic_grouped_gemm_dbias_config`).
+      interpret: Pallas interpret mode (default: when ``jax.default_backend() == "cpu"``).
+
+    Grid: ``(cdiv(N, block_n), E)``, static.
+
+    Returns: ``d_bias [E, N]`` in ``out_dtype``.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    M_cap, N = d_y.shape
+    E = expert_offsets.shape[0] - 1
+    out_dtype = jnp.dtype(out_dtype)
+    cfg = config or heuristic_grouped_gemm_dbias_config(M_cap, N, E)
+    if M_cap == 0 or N == 0 or E == 0:  # nothing to launch: no rows (every expert empty) or an empty d_bias
+        return jnp.zeros((E, N), out_dtype)
+    starts, ends = expert_row_ranges(expert_offsets, M_cap)
+    kernel = functools.partial(_dbias_kernel, N=N, block_m=cfg.block_m, block_n=cfg.block_n)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((E, N), out_dtype),
+        grid=(pl.cdiv(N, cfg.block_n), E),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="grouped_gemm_dbias",
+    )(starts, ends, d_y)

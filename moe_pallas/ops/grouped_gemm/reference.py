@@ -2,7 +2,8 @@
 
 ``y[m, :] = x[m, :] @ w[e(m)].T`` with float32 accumulation; for FP8 inputs the product of
 the *dequantized* operands, which equals the contract's ``(q_x @ q_w.T) * scale_x * scale_w``
-(with block scales applied per K block) up to float32 rounding. Rows ``>= M`` are zero.
+(with block scales applied per K block) up to float32 rounding. An optional per-expert ``bias [E_local, N]``
+is added to the float32 accumulator before the one rounding (CONTRACT.md section 4). Rows ``>= M`` are zero.
 
 Each row gathers its own expert's weights (in chunks of rows, so temporaries stay near
 1 GiB). That is the contract read literally, and its cost is ``M_cap`` reads of one expert's
@@ -11,7 +12,8 @@ group for every row (``E`` times the work), which at DeepSeek-V3 size (E=257) in
 takes minutes.
 
 The backward (CONTRACT.md section 8), :func:`grouped_gemm_dgrad_reference` and
-:func:`grouped_gemm_wgrad_reference`, is written out expert by expert (see the note above them).
+:func:`grouped_gemm_wgrad_reference`, is written out expert by expert (see the note above them);
+:func:`grouped_gemm_dbias_reference` is a masked segment sum.
 
 Mirror: ``moe_torch/ops/grouped_gemm/reference.py``.
 """
@@ -37,12 +39,15 @@ def grouped_gemm_reference(
     w_scale: jax.Array | None,
     out_dtype,
     w_format: str | None = None,
+    bias: jax.Array | None = None,
 ) -> jax.Array:
     """``x [M_cap, K]``, ``w [E_local, N, K]``, ``expert_offsets [E_local + 1]`` -> ``y [M_cap, N]``.
 
     4-bit ``w`` (``w_format`` ``"mxfp4"`` / ``"int4"``, CONTRACT.md section 9): packed codes
     ``[E_local, N, K // 2]`` uint8 with ``w_scale [E_local, N, K // 32]``; each row's expert weights are
-    dequantized in float32 and rounded to ``x.dtype``, then multiplied as float weights."""
+    dequantized in float32 and rounded to ``x.dtype``, then multiplied as float weights. ``bias``
+    ``[E_local, N]`` (optional): each row's ``bias[e(m)]`` in float32 is added (after the FP8 scales) before
+    the rounding to ``out_dtype``."""
     M_cap, K = x.shape
     E, N, _ = w.shape
     if E == 0 or N == 0:  # no expert (every row is past offsets[-1] = 0) or no column: nothing to gather
@@ -61,7 +66,10 @@ def grouped_gemm_reference(
             w_rows = w[e_rows].astype(jnp.float32)  # [R, N, K]
         else:
             w_rows = dequantize_weight_fp8_reference(w[e_rows], w_scale[e_rows])
-        return jnp.einsum("rk,rnk->rn", x_rows, w_rows, precision=jax.lax.Precision.HIGHEST)
+        y_rows = jnp.einsum("rk,rnk->rn", x_rows, w_rows, precision=jax.lax.Precision.HIGHEST)
+        if bias is not None:  # in float32, before the one rounding (CONTRACT.md section 4)
+            y_rows = y_rows + bias[e_rows].astype(jnp.float32)
+        return y_rows
 
     # 4-bit: the int32 codes and float32 values of the decode are live too (about 4x the float32 weights)
     chunk = max(1, min(M_cap, _CHUNK_BYTES // max(1, N * K * (16 if w_format is not None else 4))))
@@ -206,3 +214,26 @@ def grouped_gemm_wgrad_reference(
         return jax.lax.fori_loop(0, (hi - lo + R - 1) // R, window, acc)
 
     return cast_rounded(jax.lax.map(expert, (starts, ends)), out_dtype)
+
+
+def grouped_gemm_dbias_reference(
+    d_y: jax.Array,
+    expert_offsets: jax.Array,
+    out_dtype,
+) -> jax.Array:
+    """``d_y [M_cap, N]``, ``expert_offsets [E + 1]`` -> ``d_bias [E, N]``, ``d_bias[e] = sum of d_y[rows(e)]``.
+
+    float32 accumulation (a ``segment_sum`` over the rows' experts, :func:`expert_row_ranges`' assignment),
+    rounded once to ``out_dtype``; an expert with no rows gets exactly 0; rows ``>= M`` are dropped by
+    ``where`` before the sum (never by a multiplication: a NaN there must not leak)."""
+    M_cap, N = d_y.shape
+    E = expert_offsets.shape[0] - 1
+    if M_cap == 0 or E == 0:
+        return jnp.zeros((E, N), out_dtype)
+    _, ends = expert_row_ranges(expert_offsets, M_cap)
+    rows = jnp.arange(M_cap, dtype=jnp.int32)
+    expert = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)  # e(m); E for rows >= M
+    valid = expert < E
+    dy = jnp.where(valid[:, None], d_y.astype(jnp.float32), 0.0)
+    d_b = jax.ops.segment_sum(dy, jnp.minimum(expert, E - 1), num_segments=E)
+    return cast_rounded(d_b, out_dtype)

@@ -82,12 +82,15 @@ def select_experts(
     Args:
       router_logits: ``[T, E]`` float32, bf16 or float16.
       topk: routed experts per token, ``1 <= topk <= E``.
-      routing: ``"softmax_topk"`` (Mixtral, Qwen3-MoE), ``"grouped_topk"`` (DeepSeek-V2:
-        softmax, group score = max) or ``"biased_grouped_topk"`` (DeepSeek-V3: sigmoid,
-        selection score ``s + e_score_correction_bias``, group score = sum of the top two,
-        dropped groups masked with -inf, weights from the unbiased ``s``).
-      renormalize: divide the weights by their sum (+1e-20 in the biased mode).
-      num_expert_group, topk_group: the grouped modes' groups (``E % num_expert_group == 0``).
+      routing: ``"softmax_topk"`` (Mixtral, Qwen3-MoE; gpt-oss's softmax over the top-k logits is this
+        with ``renormalize=True``), ``"grouped_topk"`` (DeepSeek-V2: softmax, group score = max),
+        ``"biased_grouped_topk"`` (DeepSeek-V3: sigmoid, selection score ``s + e_score_correction_bias``,
+        group score = sum of the top two, dropped groups masked with -inf, weights from the unbiased
+        ``s``) or ``"sigmoid_topk"`` (Llama 4: the top-k logits, weight ``sigmoid(logit)``; no groups,
+        no bias).
+      renormalize: divide the weights by their sum (+1e-20 in the sigmoid modes).
+      num_expert_group, topk_group: the grouped modes' groups (``E % num_expert_group == 0``); None
+        for ``softmax_topk`` and ``sigmoid_topk``.
       e_score_correction_bias: ``[E]`` float, required by (and only by) the biased mode.
       routed_scaling_factor: ``rsf``; multiplies the weights here only when
         ``apply_routed_scaling_factor_on_output``, otherwise the combine step applies it.
@@ -111,7 +114,8 @@ def select_experts(
       no interpreter, ``E > 512``, more than 16 groups).
 
     Source: DeepSeek-V3 technical report (arXiv:2412.19437) section 2.1.2; SGLang's
-    ``biased_grouped_topk`` semantics as pinned by CONTRACT.md.
+    ``biased_grouped_topk`` semantics as pinned by CONTRACT.md; ``sigmoid_topk``: transformers 5.24
+    ``models/llama4/modeling_llama4.py`` (``Llama4Router``).
     """
     op = "select_experts"
     check_select_experts(
@@ -185,8 +189,9 @@ def select_experts_backward(
     the chain rule of section 1's weight formulas given the chosen ``topk_ids`` (nothing flows through
     the choice, the kept groups or the bias).
 
-    Per token: softmax routings ``p = softmax(logits)``, ``w_j = p[id_j]``; biased ``s = sigmoid(logits)``,
-    ``w_j = s[id_j]``; renormalize ``w / sum(w)`` over the routed slots (biased: ``/ (sum + 1e-20)``);
+    Per token: softmax routings ``p = softmax(logits)``, ``w_j = p[id_j]``; sigmoid routings (biased,
+    ``sigmoid_topk``) ``s = sigmoid(logits)``, ``w_j = s[id_j]``; renormalize ``w / sum(w)`` over the routed
+    slots (sigmoid: ``/ (sum + 1e-20)``);
     times ``rsf`` when ``apply_routed_scaling_factor_on_output``. The shared-expert slots (the last
     ``num_fused_shared_experts`` columns) are constants: their gradient is ignored. Softmax couples
     all ``E`` logits: ``d_logit = p * (d_p - sum(p * d_p))``; sigmoid: ``d_logit = d_s * s * (1 - s)``.

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_contract.config import GROUPED_ROUTINGS, SIGMOID_ROUTINGS
+
 
 def rank_descending(key: torch.Tensor) -> torch.Tensor:
     """Indices that sort ``key [..., n]`` by descending value along the last dim.
@@ -40,11 +42,14 @@ def select_experts_reference(
     if routing == "biased_grouped_topk":
         scores = torch.sigmoid(logits)
         select = scores + e_score_correction_bias.to(cdt)[None, :]
+    elif routing == "sigmoid_topk":  # Llama 4: ranked by the logit itself (sigmoid ties where it saturates)
+        scores = torch.sigmoid(logits)
+        select = logits
     else:
         scores = torch.softmax(logits, dim=-1)
         select = scores
 
-    if routing != "softmax_topk":
+    if routing in GROUPED_ROUTINGS:
         per_group = E // num_expert_group
         grouped = select.reshape(T, num_expert_group, per_group)
         clean = torch.where(torch.isnan(grouped), -torch.inf, grouped)
@@ -62,7 +67,7 @@ def select_experts_reference(
     topk_weights = torch.gather(scores, 1, topk_ids)  # unbiased scores
     if renormalize:
         denom = topk_weights.sum(dim=-1, keepdim=True)
-        if routing == "biased_grouped_topk":
+        if routing in SIGMOID_ROUTINGS:  # sigmoid weights may all underflow to 0
             denom = denom + 1e-20
         topk_weights = topk_weights / denom
 
@@ -94,16 +99,16 @@ def select_experts_backward_reference(
     grouping arguments (in ``_choice_only``) do not enter; the shared-expert slots (columns
     ``>= topk``) are constants. A routed id outside ``[0, E)`` (never made by the gate) selects nothing.
 
-    Forward, per token: ``s = softmax(x)`` (or ``sigmoid(x)`` biased); ``w_j = s[id_j]``;
-    ``D = sum_j w_j`` (``+ 1e-20`` biased); ``out_j = c * w_j / D`` (``c = rsf`` on output, else 1).
+    Forward, per token: ``s = softmax(x)`` (or ``sigmoid(x)``: biased, sigmoid_topk); ``w_j = s[id_j]``;
+    ``D = sum_j w_j`` (``+ 1e-20`` sigmoid); ``out_j = c * w_j / D`` (``c = rsf`` on output, else 1).
     Backward: ``g_j = c * d_out_j``; renormalized: ``d_w_j = (g_j - sum_k g_k w_k / D) / D``;
     ``d_s[id_j] += d_w_j``; softmax: ``d_x = s * (d_s - sum(s * d_s))``; sigmoid: ``d_x = d_s * s * (1 - s)``.
     """
     cdt = torch.promote_types(router_logits.dtype, torch.float32)  # float64 only for the tests
     logits = router_logits.to(cdt)
     T, E = logits.shape
-    biased = routing == "biased_grouped_topk"
-    scores = torch.sigmoid(logits) if biased else torch.softmax(logits, dim=-1)
+    sigmoid = routing in SIGMOID_ROUTINGS  # sigmoid scores, + 1e-20 in the renormalization
+    scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
     ids = topk_ids[:, :topk].long()
     valid = (ids >= 0) & (ids < E)
     ids = torch.where(valid, ids, 0)
@@ -113,10 +118,10 @@ def select_experts_backward_reference(
         g = g * torch.tensor(routed_scaling_factor, dtype=torch.float32)
     if renormalize:
         denom = w.sum(dim=-1, keepdim=True)
-        if biased:
+        if sigmoid:
             denom = denom + 1e-20
         g = (g - (g * w).sum(dim=-1, keepdim=True) / denom) / denom
     d_scores = torch.zeros((T, E), dtype=cdt, device=logits.device).scatter_add_(1, ids, torch.where(valid, g, 0.0))
-    if biased:
+    if sigmoid:
         return d_scores * scores * (1.0 - scores)
     return scores * (d_scores - (scores * d_scores).sum(dim=-1, keepdim=True))

@@ -6,6 +6,7 @@ Grid ``(cdiv(T, BLOCK_T),)``; program ``b`` owns tokens ``[b*BLOCK_T, +BLOCK_T)`
     x = float32(logits)                                  (bf16 / fp16 upcast exactly)
     softmax modes: s = exp(x - max x) / sum  (IEEE div)  sel = s
     biased mode:   s = 1 / (1 + exp(-x))  (IEEE div)     sel = s + float32(bias)
+    sigmoid_topk:  s = 1 / (1 + exp(-x))  (IEEE div)     sel = x  (Llama 4: the logit ranks)
     grouped modes (G constexpr groups of PER contiguous experts, unrolled over g):
         clean = sel with NaN -> -inf
         group score = max(clean in g)  (grouped_topk)  or  top1 + top2 of clean in g  (biased)
@@ -13,7 +14,7 @@ Grid ``(cdiv(T, BLOCK_T),)``; program ``b`` owns tokens ``[b*BLOCK_T, +BLOCK_T)`
         sel = -inf outside kept groups                   (not 0: c may be negative)
     sel NaN -> -inf; TOPK iterations of: m = max(alive sel); idx = min index with sel == m among
         alive; alive[idx] = False; w = s[idx] (UNBIASED scores)
-    renormalize: w / sum(w)  (+1e-20 in the biased mode); rsf on output: w * float32(rsf)
+    renormalize: w / sum(w)  (+1e-20 in the sigmoid modes); rsf on output: w * float32(rsf)
     fused shared experts: slots topk..topk+S-1 = ids E..E+S-1, weight float32(1/rsf) (* rsf)
 
 The iterative argmax with lowest-index tie-break is the reference's stable descending argsort
@@ -29,7 +30,7 @@ routing mode is the same code but for softmax vs sigmoid::
     pass 1 over the routed slots j < TOPK (unrolled): hit_j = (col == topk_ids[t, j])
         w_j = sum(s * hit_j);  g_j = c * d_topk_weights[t, j]  (c = rsf on output, else 1)
         D += w_j;  A += g_j * w_j
-    D += 1e-20 (biased); pass 2: d_s += hit_j * (renormalize ? (g_j - A / D) / D : g_j)
+    D += 1e-20 (sigmoid modes); pass 2: d_s += hit_j * (renormalize ? (g_j - A / D) / D : g_j)
     softmax: d_x = s * (d_s - sum(s * d_s));  sigmoid: d_x = d_s * s * (1 - s)   -> [T, E] float32
 
 The shared-expert slots (columns ``>= TOPK``) are constants and are not read.
@@ -41,11 +42,12 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_contract.config import GROUPED_ROUTINGS, SIGMOID_ROUTINGS
 from moe_torch.ops.gate.config import MAX_EXPERTS, MAX_GROUPS, GateConfig, gate_config
 from moe_torch.ops.triton_common import check_triton_device
 
 #: ``routing`` name -> the kernel's ``ROUTING`` constexpr.
-ROUTING_CODES = {"softmax_topk": 0, "grouped_topk": 1, "biased_grouped_topk": 2}
+ROUTING_CODES = {"softmax_topk": 0, "grouped_topk": 1, "biased_grouped_topk": 2, "sigmoid_topk": 3}
 
 
 @triton.jit
@@ -59,8 +61,8 @@ def _gate_kernel(
     rsf,  # float32: routed_scaling_factor (used only if APPLY_RSF)
     shared_w,  # float32: float32(1 / rsf), the shared experts' weight before scaling
     E: tl.constexpr,  # experts
-    ROUTING: tl.constexpr,  # 0 softmax_topk, 1 grouped_topk, 2 biased_grouped_topk
-    G: tl.constexpr,  # num_expert_group (1 for softmax_topk)
+    ROUTING: tl.constexpr,  # 0 softmax_topk, 1 grouped_topk, 2 biased_grouped_topk, 3 sigmoid_topk
+    G: tl.constexpr,  # num_expert_group (1 for softmax_topk and sigmoid_topk)
     TOPK_GROUP: tl.constexpr,  # groups kept
     TOPK: tl.constexpr,  # routed slots
     S: tl.constexpr,  # fused shared experts
@@ -86,6 +88,9 @@ def _gate_kernel(
         scores = tl.math.div_rn(tl.full([BLOCK_T, BLOCK_E], 1.0, tl.float32), 1.0 + tl.exp(-x))
         bias = tl.load(bias_ptr + col, mask=cmask, other=0.0)
         sel = scores + bias[None, :]
+    elif ROUTING == 3:  # Llama 4: weights sigmoid(x), ranked by x itself (sigmoid rounds large logits to ties)
+        scores = tl.math.div_rn(tl.full([BLOCK_T, BLOCK_E], 1.0, tl.float32), 1.0 + tl.exp(-x))
+        sel = x
     else:
         m = tl.max(x, axis=1)
         e = tl.exp(x - m[:, None])  # padding columns: exp(-inf) = 0
@@ -94,7 +99,7 @@ def _gate_kernel(
     sel = tl.where(sel != sel, float("-inf"), sel)  # NaN ranks level with -inf
     sel = tl.where(cmask[None, :], sel, float("-inf"))
 
-    if ROUTING != 0:
+    if ROUTING == 1 or ROUTING == 2:
         PER: tl.constexpr = E // G
         gcol = tl.arange(0, BLOCK_G)
         gscore = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
@@ -137,7 +142,7 @@ def _gate_kernel(
 
     if RENORMALIZE:
         denom = tl.sum(out_w, axis=1)  # padding slots are 0
-        if ROUTING == 2:
+        if ROUTING == 2 or ROUTING == 3:  # sigmoid weights may all underflow to 0
             denom = denom + 1e-20
         out_w = tl.math.div_rn(out_w, denom[:, None])
     if APPLY_RSF:
@@ -182,7 +187,7 @@ def select_experts_triton(
     T, E = router_logits.shape
     if E > MAX_EXPERTS:
         raise NotImplementedError(f"{op}: the Triton gate holds at most {MAX_EXPERTS} experts per row in registers; got E={E}")
-    G = num_expert_group if routing != "softmax_topk" else 1
+    G = num_expert_group if routing in GROUPED_ROUTINGS else 1
     if G > MAX_GROUPS:
         raise NotImplementedError(f"{op}: the Triton gate handles at most {MAX_GROUPS} expert groups; got {G}")
     S = num_fused_shared_experts
@@ -230,7 +235,7 @@ def _gate_backward_kernel(
     stride_dl,  # int: row stride of d_logits
     rsf,  # float32: routed_scaling_factor (used only if APPLY_RSF)
     E: tl.constexpr,  # experts
-    SIGMOID: tl.constexpr,  # bool: biased_grouped_topk (sigmoid scores, +1e-20 in the renormalization)
+    SIGMOID: tl.constexpr,  # bool: biased_grouped_topk / sigmoid_topk (sigmoid scores, +1e-20 in the renormalization)
     TOPK: tl.constexpr,  # routed slots
     RENORMALIZE: tl.constexpr,
     APPLY_RSF: tl.constexpr,
@@ -324,7 +329,7 @@ def select_experts_backward_triton(
     _gate_backward_kernel[(triton.cdiv(T, cfg.block_t),)](
         logits, ids, d_w, d_logits, T, logits.stride(0), ids.stride(0), d_w.stride(0), d_logits.stride(0),
         float(routed_scaling_factor),
-        E=E, SIGMOID=routing == "biased_grouped_topk", TOPK=topk, RENORMALIZE=bool(renormalize),
+        E=E, SIGMOID=routing in SIGMOID_ROUTINGS, TOPK=topk, RENORMALIZE=bool(renormalize),
         APPLY_RSF=bool(apply_routed_scaling_factor_on_output), BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e,
         num_warps=cfg.num_warps, num_stages=1,
     )

@@ -273,3 +273,48 @@ def heuristic_grouped_gemm_wgrad_config(M_cap: int, N: int, K: int, E: int, bits
     block_m = max(MIN_BLOCK_K[bits], min(K_STEP_BYTES * 8 // bits, triton.next_power_of_2(rows_per_expert)))
     # 4 warps: one warpgroup (wgmma). 3 stages: 3 x (64 + 128) x 128 B = 72 KiB of shared memory, as the forward.
     return GroupedGemmWgradConfig(block_n=block_n, block_k=block_k, block_m=block_m, num_warps=4, num_stages=3)
+
+
+# --------------------------------------------------------------------------------------
+# Bias gradient ``d_bias[e] = sum of d_y[rows(e)]`` (CONTRACT.md section 8; kernel in ``triton_backward.py``)
+
+#: Columns of ``d_bias`` per program, at most: a 32 x 256 float32 partial-sum tile is 64 registers a
+#: thread over 4 warps, and 256 bf16 values are 512 contiguous bytes of a ``d_y`` row per load.
+MAX_DBIAS_BLOCK_N = 256
+#: Rows of ``d_y`` per step, at most (the tile above); fewer for small experts (decode).
+MAX_DBIAS_BLOCK_M = 32
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupedGemmDbiasConfig:
+    """The bias gradient (a segment sum over each expert's rows): one program per expert and ``block_n``
+    columns of ``d_bias [E, N]``, walking that expert's rows ``block_m`` at a time into a float32
+    ``[block_m, block_n]`` partial-sum tile that is reduced over its rows once at the end.
+
+    Rules (:func:`check_dbias_config`): ``block_m``, ``block_n`` and ``num_warps`` powers of 2 (Triton
+    blocks; no ``tl.dot``, so no tensor-core minimum); ``num_stages`` an int >= 1."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    #: ``d_y`` loads of the row loop in flight (software pipelining), as the wgrad's 3.
+    num_stages: int = 3
+
+
+def check_dbias_config(op: str, cfg: GroupedGemmDbiasConfig) -> None:
+    """``ValueError`` if ``cfg`` breaks the rules of :class:`GroupedGemmDbiasConfig`."""
+    values = (cfg.block_m, cfg.block_n, cfg.num_warps)
+    ok = all(type(v) is int and v > 0 and v & (v - 1) == 0 for v in values)
+    if not ok or type(cfg.num_stages) is not int or cfg.num_stages < 1:
+        raise ValueError(f"{op}: config must have power-of-2 block_m, block_n and num_warps and num_stages >= 1; "
+                         f"got {cfg}")
+
+
+def heuristic_grouped_gemm_dbias_config(M_cap: int, N: int, E: int) -> GroupedGemmDbiasConfig:
+    """``d_y [M_cap, N]`` -> ``d_bias [E, N]``: ``block_n`` up to :data:`MAX_DBIAS_BLOCK_N` columns, ``block_m`` the
+    average rows per expert (the only size known without a host sync) rounded up to a power of 2, at
+    most :data:`MAX_DBIAS_BLOCK_M`. Memory-bound (each ``d_y`` element is read once); untuned."""
+    rows_per_expert = math.ceil(max(M_cap, 1) / max(E, 1))
+    block_m = min(MAX_DBIAS_BLOCK_M, triton.next_power_of_2(rows_per_expert))
+    block_n = max(16, min(MAX_DBIAS_BLOCK_N, triton.next_power_of_2(max(N, 1))))
+    return GroupedGemmDbiasConfig(block_m=block_m, block_n=block_n, num_warps=4)

@@ -4,12 +4,14 @@
 the *dequantized* operands, which equals the contract's ``(q_x @ q_w.T) * scale_x * scale_w``
 (with block scales applied per K block) up to float32 rounding; for 4-bit weights (MXFP4, INT4:
 CONTRACT.md section 9) the product with each expert's weights dequantized in float32 and rounded to
-``x.dtype``. Rows ``>= M`` are zero.
+``x.dtype``. An optional per-expert ``bias [E_local, N]`` is added to the float32 accumulator before the one
+rounding (CONTRACT.md section 4). Rows ``>= M`` are zero.
 Reads ``expert_offsets`` on the host (a sync): this is a reference, not a kernel.
 
 The backward (CONTRACT.md section 8): ``grouped_gemm_dgrad_reference`` (``d_x[m] = d_y[m] @ w[e(m)]``)
 and ``grouped_gemm_wgrad_reference`` (``d_w[e] = d_y[rows(e)].T @ x[rows(e)]``), one matmul per expert
-as well, so that no temporary is larger than one expert's weights (``[N, K]`` float32) or its rows.
+as well, and ``grouped_gemm_dbias_reference`` (``d_bias[e] = sum of d_y[rows(e)]``), so that no
+temporary is larger than one expert's weights (``[N, K]`` float32) or its rows.
 float64 inputs (not accepted by the public ops; tests differentiate the references with
 ``torch.autograd`` / ``gradcheck`` in float64) are computed in float64, everything else in float32.
 
@@ -41,12 +43,15 @@ def grouped_gemm_reference(
     w_scale: torch.Tensor | None,
     out_dtype: torch.dtype,
     w_format: str | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [M_cap, K]``, ``w [E_local, N, K]``, ``expert_offsets [E_local + 1]`` -> ``y [M_cap, N]``.
 
     4-bit ``w`` (``w_format`` ``"mxfp4"`` / ``"int4"``, CONTRACT.md section 9): packed codes
     ``[E_local, N, K // 2]`` uint8 with ``w_scale [E_local, N, K // 32]``; each expert's weights are
-    dequantized in float32 and rounded to ``x.dtype``, then multiplied as float weights."""
+    dequantized in float32 and rounded to ``x.dtype``, then multiplied as float weights. ``bias``
+    ``[E_local, N]`` (optional): ``bias[e]`` widened to the accumulator's dtype is added to the rows of
+    ``e`` (after the FP8 scales) before the rounding to ``out_dtype``."""
     M_cap, K = x.shape
     E, N, _ = w.shape
     acc = _acc_dtype(x)
@@ -63,7 +68,10 @@ def grouped_gemm_reference(
             w_e = w[e].to(acc)
         else:
             w_e = dequantize_weight_fp8_reference(w[e : e + 1], w_scale[e : e + 1])[0]
-        y[start:end] = xf[start:end] @ w_e.T
+        part = xf[start:end] @ w_e.T
+        if bias is not None:  # in the accumulator's dtype, before the one rounding (CONTRACT.md section 4)
+            part = part + bias[e].to(acc)
+        y[start:end] = part
     return cast_rounded(y, out_dtype)
 
 
@@ -117,3 +125,26 @@ def grouped_gemm_wgrad_reference(
             continue  # an expert with no rows: exactly 0
         d_w[e] = cast_rounded(d_y[start:end].to(acc).T @ x[start:end].to(acc), out_dtype)
     return d_w
+
+
+def grouped_gemm_dbias_reference(
+    d_y: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``d_y [M_cap, N]``, ``expert_offsets [E_local + 1]`` -> ``d_bias [E_local, N]``.
+
+    ``d_bias[e] = sum of d_y[rows(e)]`` accumulated in float32 (float64 for float64 ``d_y``), rounded once
+    to ``out_dtype``; an expert with no rows gets exactly 0; rows outside ``[offsets[0], offsets[-1])``
+    are never read."""
+    N = d_y.shape[1]
+    E = expert_offsets.shape[0] - 1
+    acc = _acc_dtype(d_y)
+    d_b = torch.zeros((E, N), dtype=out_dtype, device=d_y.device)
+    offsets = expert_offsets.tolist()
+    for e in range(E):
+        start, end = offsets[e], offsets[e + 1]
+        if end <= start:
+            continue  # an expert with no rows: exactly 0
+        d_b[e] = cast_rounded(d_y[start:end].to(acc).sum(dim=0), out_dtype)
+    return d_b

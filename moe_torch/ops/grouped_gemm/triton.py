@@ -19,6 +19,7 @@ Dataflow of one tile (one row tile of one expert x one ``BLOCK_N`` column tile):
                    acc += tl.dot(a, b) * x_scale[rows, k0 // G] * w_scale[e, cols // 128, k0 // 128]
     FP8: acc *= x_scale (per-tensor [] or per-row [M_cap, 1], indexed BY ROW) * w_scale (per-expert
          [E] or per-output-channel [E, N], of this program's expert)
+    bias (optional, [E, N] float32 / bf16 / fp16): acc += float32(bias[e, cols])   (after the scales)
     y[rows owned, cols < N] = cast_rne(acc)
 
 The activation scale is always indexed by the permuted *row* ``m``, never by the expert id
@@ -213,6 +214,7 @@ def _grouped_gemm_tile(
     w_ptr,  # [E, N, K] same dtype as x (fp8 codes with fp8 x), or 4-bit codes uint8 [E, N, K // 2]; unit stride along K
     x_scale_ptr,  # FP8: float32 [] / [M_cap, 1] / [M_cap, K // G] dequant multipliers (unused otherwise)
     w_scale_ptr,  # FP8: float32 [E] / [E, N] / [E, cdiv(N, 128), cdiv(K, 128)]; 4-bit: [E, N, K // 32] (uint8 e8m0 / bf16)
+    bias_ptr,  # HAS_BIAS: [E, N] float32 / bf16 / fp16, unit column stride (unused otherwise)
     out_ptr,  # [M_cap, N] out dtype (float32 / bf16 / fp16); unit column stride
     M_cap,  # int: rows of x and y
     N,  # int: output columns
@@ -226,11 +228,13 @@ def _grouped_gemm_tile(
     stride_wse,  # int: w_scale.stride(0)
     stride_wsn,  # int: w_scale.stride(1) (per-channel, block, 4-bit)
     stride_wsk,  # int: w_scale.stride(2) (block, 4-bit)
+    stride_be,  # int: bias.stride(0) (HAS_BIAS)
     X_SCALE: tl.constexpr,  # 0 none, 1 per-tensor, 2 per-row, 3 per-token-group
     W_SCALE: tl.constexpr,  # 0 none, 1 per-expert, 2 per-output-channel, 3 128x128 blocks, 4 mxfp4, 5 int4
     X_GROUP: tl.constexpr,  # per-token-group width G (X_SCALE == 3), else 1
     W_BLOCK: tl.constexpr,  # weight-scale block width (128) (W_SCALE == 3), else 1
     IEEE_F32: tl.constexpr,  # bool: float32 operands, multiplied in full float32 (no TF32)
+    HAS_BIAS: tl.constexpr,  # bool: add bias[e] to the float32 accumulator before the rounding
     BLOCK_M: tl.constexpr,  # rows per tile (power of 2)
     BLOCK_N: tl.constexpr,  # columns per tile (power of 2)
     BLOCK_K: tl.constexpr,  # K step (power of 2; divides X_GROUP's and W_BLOCK's powers of 2)
@@ -294,6 +298,8 @@ def _grouped_gemm_tile(
         acc = acc * tl.load(w_scale_ptr + e64 * stride_wse)
     if W_SCALE == _WS_CHANNEL:
         acc = acc * tl.load(w_scale_ptr + e64 * stride_wse + cols64 * stride_wsn, mask=col_mask, other=0.0)[None, :]
+    if HAS_BIAS:  # CONTRACT.md section 4: widened to float32, added after the scales, before the one rounding
+        acc = acc + tl.load(bias_ptr + e64 * stride_be + cols64, mask=col_mask, other=0.0).to(tl.float32)[None, :]
 
     out_ptrs = out_ptr + rows64[:, None] * stride_om + cols64[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -329,6 +335,7 @@ def _grouped_gemm_kernel(
     offsets_ptr,  # [E + 1] int32 expert_offsets, non-decreasing
     x_scale_ptr,  # FP8: float32 [] / [M_cap, 1] / [M_cap, K // G] dequant multipliers (unused otherwise)
     w_scale_ptr,  # FP8: float32 [E] / [E, N] / [E, cdiv(N, 128), cdiv(K, 128)]; 4-bit: [E, N, K // 32] (uint8 e8m0 / bf16)
+    bias_ptr,  # HAS_BIAS: [E, N] float32 / bf16 / fp16, unit column stride (unused otherwise)
     out_ptr,  # [M_cap, N] out dtype (float32 / bf16 / fp16); unit column stride
     M_cap,  # int: rows of x and y
     N,  # int: output columns
@@ -343,11 +350,13 @@ def _grouped_gemm_kernel(
     stride_wse,  # int: w_scale.stride(0)
     stride_wsn,  # int: w_scale.stride(1) (per-channel, block, 4-bit)
     stride_wsk,  # int: w_scale.stride(2) (block, 4-bit)
+    stride_be,  # int: bias.stride(0) (HAS_BIAS)
     X_SCALE: tl.constexpr,  # 0 none, 1 per-tensor, 2 per-row, 3 per-token-group
     W_SCALE: tl.constexpr,  # 0 none, 1 per-expert, 2 per-output-channel, 3 128x128 blocks, 4 mxfp4, 5 int4
     X_GROUP: tl.constexpr,  # per-token-group width G (X_SCALE == 3), else 1
     W_BLOCK: tl.constexpr,  # weight-scale block width (128) (W_SCALE == 3), else 1
     IEEE_F32: tl.constexpr,  # bool: float32 operands, multiplied in full float32 (no TF32)
+    HAS_BIAS: tl.constexpr,  # bool: add bias[e] (per output column) before the rounding (CONTRACT.md section 4)
     BLOCK_E: tl.constexpr,  # next_power_of_2(E + 1): the offsets search vector
     BLOCK_M: tl.constexpr,  # rows per tile (power of 2)
     BLOCK_N: tl.constexpr,  # columns per tile (power of 2)
@@ -377,21 +386,24 @@ def _grouped_gemm_kernel(
             p, pid_n = _launch_order(t, total, n_cols, GROUP_M)
             _grouped_gemm_tile(
                 p, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
-                out_ptr, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm, stride_xsk, stride_wse,
-                stride_wsn, stride_wsk, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K)
+                bias_ptr, out_ptr, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm, stride_xsk,
+                stride_wse, stride_wsn, stride_wsk, stride_be, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32, HAS_BIAS,
+                BLOCK_M, BLOCK_N, BLOCK_K)
     elif GROUP_M == 1:
         if pid < total:  # step 3: programs past the last work item do nothing
             _grouped_gemm_tile(
                 pid, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
-                out_ptr, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm, stride_xsk, stride_wse,
-                stride_wsn, stride_wsk, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K)
+                bias_ptr, out_ptr, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm, stride_xsk,
+                stride_wse, stride_wsn, stride_wsk, stride_be, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32, HAS_BIAS,
+                BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         if pid < total * n_cols:  # step 3, on the 1-D grid
             p, pid_n = _launch_order(pid, total, n_cols, GROUP_M)
             _grouped_gemm_tile(
                 p, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
-                out_ptr, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm, stride_xsk, stride_wse,
-                stride_wsn, stride_wsk, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K)
+                bias_ptr, out_ptr, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm, stride_xsk,
+                stride_wse, stride_wsn, stride_wsk, stride_be, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32, HAS_BIAS,
+                BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def scale_layouts(x: torch.Tensor, x_scale, w_scale) -> tuple[str | None, str | None, int | None]:
@@ -453,26 +465,29 @@ def grouped_gemm_triton(
     out_dtype: torch.dtype,
     config: GroupedGemmConfig | None = None,
     w_format: str | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [M_cap, K]``, ``w [E, N, K]``, ``expert_offsets [E + 1]`` int32 -> ``y [M_cap, N]`` ``out_dtype``;
     arguments as :func:`moe_torch.ops.grouped_gemm.api.grouped_gemm` (already validated there). 4-bit
     weights (``w_format`` ``"mxfp4"`` / ``"int4"``): ``w [E, N, K // 2]`` uint8 packed codes, ``w_scale
     [E, N, K // 32]``, decoded tile by tile in the kernel (:func:`_w4_tile`) and rounded to ``x.dtype``.
+    ``bias [E, N]`` (optional; float32 / bf16 / fp16): widened to float32 and added to each owned row's
+    accumulator (after the FP8 scales) before the rounding (CONTRACT.md section 4).
 
     ``y`` is allocated here, with zeros: rows outside ``[offsets[0], offsets[-1])`` stay 0 (the
     kernel never writes them). The inputs are only read. No host sync: the grid is sized by
     ``M_cap`` and ``E``, and ``expert_offsets`` is read by the kernel.
 
     Raises: NotImplementedError (no CUDA and no interpreter; FP8 before sm_89; per-token-group
-      scales too narrow for ``tl.dot``; ``expert_offsets`` on another device; more than 4095
+      scales too narrow for ``tl.dot``; ``expert_offsets`` or ``bias`` on another device; more than 4095
       experts; too many column tiles),
       ValueError (a given ``config`` that breaks the rules of :class:`GroupedGemmConfig`).
     """
     out = torch.zeros((x.shape[0], w.shape[1]), dtype=out_dtype, device=x.device)
-    return _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config, w_format)
+    return _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config, w_format, bias)
 
 
-def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=None):
+def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=None, bias=None):
     """Run the kernel into ``out [M_cap, N]`` (unit column stride); writes only owned rows and ``cols < N``.
 
     Separate from :func:`grouped_gemm_triton` so that tests can hand a poisoned, over-allocated
@@ -484,11 +499,15 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=No
     if expert_offsets.device != x.device:  # the kernel reads the offsets itself (no host sync)
         raise NotImplementedError(f"{op}: the Triton kernel needs expert_offsets on x's device ({x.device}); "
                                   f"got {expert_offsets.device}")
+    if bias is not None and bias.device != x.device:  # read by the kernel, as the offsets
+        raise NotImplementedError(f"{op}: the Triton kernel needs bias on x's device ({x.device}); got {bias.device}")
     if E > _MAX_EXPERTS:
         raise NotImplementedError(f"{op}: the Triton kernel's expert search serves at most {_MAX_EXPERTS} experts; got E={E}")
     # Unit stride along K is what the kernel indexes; copies leave the caller's tensors alone.
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(2) == 1 else w.contiguous()
+    if bias is not None and bias.stride(1) != 1:  # unit stride along N, as the kernel indexes it
+        bias = bias.contiguous()
     expert_offsets = expert_offsets.contiguous()
     x_layout, w_layout, group = scale_layouts(x, x_scale, w_scale)
     if w_format is not None:  # 4-bit weights: their scales are the format's groups of 32 along K
@@ -511,6 +530,7 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=No
         expert_offsets,
         xs,
         ws,
+        bias if bias is not None else out,  # never read without a bias
         out,
         M_cap,
         N,
@@ -523,11 +543,13 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=No
         xs_strides[0],
         xs_strides[1],
         *ws_strides,
+        bias.stride(0) if bias is not None else 0,
         X_SCALE=X_SCALE_CODES[x_layout],
         W_SCALE=W_SCALE_CODES[w_layout],
         X_GROUP=group or 1,
         W_BLOCK=W_SCALE_BLOCK if w_block else 1,
         IEEE_F32=x.dtype == torch.float32,
+        HAS_BIAS=bias is not None,
         BLOCK_E=triton.next_power_of_2(E + 1),
         **tile_meta(cfg),
     )

@@ -44,12 +44,18 @@ Given the forward ``y[m] = x[m] @ w[e(m)].T`` (``x [M_cap, K]``, ``w [E, N, K]``
   expert is serial in its rows: under skewed routing one expert's programs take longest (a split
   over rows with a second reduction pass is the known remedy; not done yet).
 
+* **dbias** ``d_bias[e] = sum of d_y[rows(e)]`` -> ``[E, N]`` (the gradient of the optional per-expert
+  bias, CONTRACT.md section 8): a segment sum. Grid ``(cdiv(N, BLOCK_N), E)``: program ``(j, e)`` walks
+  the expert's rows ``BLOCK_M`` at a time into a float32 ``[BLOCK_M, BLOCK_N]`` partial-sum tile (rows
+  ``>= t_e`` masked to 0: never read) and reduces it over its rows once at the end; every element of
+  ``d_bias`` is written, an empty expert's as exactly 0.
+
 Offsets ``row * stride``, ``n * stride`` and ``e * N * K`` are int64 (``M_cap * K`` passes 2**31 at 300k
 rows of H=7168, ``E * N * K`` at E=256, N=7168, K=2048). Precondition (not checked: a host sync):
 ``expert_offsets`` non-decreasing within ``[0, M_cap]``; other values are clamped, never dereferenced.
 
 Must match ``moe_torch/ops/grouped_gemm/reference.py`` (``grouped_gemm_dgrad_reference``,
-``grouped_gemm_wgrad_reference``) within CONTRACT.md section 8.
+``grouped_gemm_wgrad_reference``, ``grouped_gemm_dbias_reference``) within CONTRACT.md section 8.
 """
 
 from __future__ import annotations
@@ -63,9 +69,12 @@ import triton.language as tl
 from moe_torch.ops.grouped_gemm.config import (
     W_SCALE_BLOCK,
     GroupedGemmConfig,
+    GroupedGemmDbiasConfig,
     GroupedGemmWgradConfig,
     check_config,
+    check_dbias_config,
     check_wgrad_config,
+    heuristic_grouped_gemm_dbias_config,
     heuristic_grouped_gemm_dgrad_config,
     heuristic_grouped_gemm_wgrad_config,
 )
@@ -88,6 +97,7 @@ from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device
 #: Heuristic configs looked up once per problem (host path of every backward step).
 _dgrad_config = functools.cache(heuristic_grouped_gemm_dgrad_config)
 _wgrad_config = functools.cache(heuristic_grouped_gemm_wgrad_config)
+_dbias_config = functools.cache(heuristic_grouped_gemm_dbias_config)
 
 
 @triton.jit
@@ -381,6 +391,80 @@ def _launch_wgrad(op, x, d_y, expert_offsets, out, config):
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         BLOCK_M=cfg.block_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+@triton.jit
+def _grouped_gemm_dbias_kernel(
+    dy_ptr,  # [M_cap, N] float32 / bf16 / fp16; unit column stride
+    offsets_ptr,  # [E + 1] int32 expert_offsets, non-decreasing
+    out_ptr,  # [E, N] out dtype; unit column stride
+    M_cap,  # int: rows of d_y
+    N,  # int: columns of d_y and d_bias
+    stride_dym,  # int: d_y.stride(0)
+    stride_oe,  # int: out.stride(0)
+    BLOCK_M: tl.constexpr,  # rows of d_y per step (power of 2)
+    BLOCK_N: tl.constexpr,  # columns per program (power of 2)
+):
+    """Grid ``(cdiv(N, BLOCK_N), E)``: program ``(j, e)`` writes ``d_bias[e, j * BLOCK_N : (j + 1) * BLOCK_N]``,
+    the float32 sum of ``d_y`` over the expert's rows (its partial-sum tile reduced once at the end)."""
+    pid_n = tl.program_id(0)
+    e = tl.program_id(1)
+    start = tl.minimum(tl.maximum(tl.load(offsets_ptr + e), 0), M_cap)  # clamped: never outside d_y
+    end = tl.minimum(tl.maximum(tl.load(offsets_ptr + e + 1), 0), M_cap)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    offs_m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):  # no step for an expert with no rows: its sum stays exactly 0
+        rows = m0 + offs_m
+        rows64 = rows.to(tl.int64)  # int64: row * stride passes 2**31 for large M_cap * N
+        tile = tl.load(dy_ptr + rows64[:, None] * stride_dym + cols[None, :],
+                       mask=(rows < end)[:, None] & col_mask[None, :], other=0.0)  # rows >= end are never read
+        acc += tile.to(tl.float32)  # upcast right after the load: float32 accumulation
+    d_b = tl.sum(acc, axis=0)
+    tl.store(out_ptr + e.to(tl.int64) * stride_oe + cols, d_b.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def grouped_gemm_dbias_triton(
+    d_y: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: GroupedGemmDbiasConfig | None = None,
+) -> torch.Tensor:
+    """``d_y [M_cap, N]`` float, ``expert_offsets [E + 1]`` int32 -> ``d_bias [E, N]`` ``out_dtype``; arguments
+    as :func:`moe_torch.ops.grouped_gemm.api.grouped_gemm_dbias` (already validated there). ``config``
+    default: :func:`heuristic_grouped_gemm_dbias_config`.
+
+    The kernel writes every element of ``d_bias`` (``torch.empty`` here): experts with no rows get exactly 0;
+    rows of ``d_y`` outside ``[offsets[0], offsets[-1])`` are never read. No host sync.
+
+    Raises: NotImplementedError (no CUDA and no interpreter; ``expert_offsets`` on another device; more
+      experts or column tiles than CUDA's grid allows), ValueError (a ``config`` breaking the rules).
+    """
+    op = "grouped_gemm_dbias"
+    out = torch.empty((expert_offsets.shape[0] - 1, d_y.shape[1]), dtype=out_dtype, device=d_y.device)
+    check_triton_device(op, d_y.device, _grouped_gemm_dbias_kernel)
+    M_cap, N = d_y.shape
+    E = out.shape[0]
+    if expert_offsets.device != d_y.device:
+        raise NotImplementedError(f"{op}: the Triton kernel needs expert_offsets on d_y's device ({d_y.device}); "
+                                  f"got {expert_offsets.device}")
+    d_y = d_y if d_y.stride(1) == 1 else d_y.contiguous()
+    expert_offsets = expert_offsets.contiguous()
+    cfg = config or _dbias_config(M_cap, N, E)
+    check_dbias_config(op, cfg)
+    if E > MAX_GRID_AXIS_1:
+        raise NotImplementedError(f"{op}: {E} experts exceed CUDA's grid axis 1 limit {MAX_GRID_AXIS_1}")
+    if E == 0 or N == 0:
+        return out  # an empty d_bias
+    _grouped_gemm_dbias_kernel[(triton.cdiv(N, cfg.block_n), E)](
+        d_y, expert_offsets, out, M_cap, N, d_y.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
