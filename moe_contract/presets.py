@@ -9,18 +9,10 @@ Kimi K2) say per value where it comes from: the model's ``config.json`` (for Lla
 ``text_config``), checked against the defaults and docs of transformers 5.24's config classes
 (``models/<family>/configuration_*.py``) and the routers of its modeling files.
 
-A preset describes the layer as far as :class:`MoEConfig` can express it. Some of the 2026 families
-compute more than that (a comment at each such preset; ``config()`` builds the layer without it):
-
-=====================  ====================================================================================
-preset                 what the layer does not compute yet
-=====================  ====================================================================================
-``gpt-oss-*``          the experts' biases (``gate_up_proj_bias [E, 2I]``, ``down_proj_bias [E, H]``); the
-                       router's own bias is in the logits, which the layer takes as input
-``llama4-*``           the router weight applied to the expert's *input* (``x * sigmoid(logit)``, then the
-                       expert), not to its output; the shared expert is unweighted and fuses as it is
-``qwen3-next-*``       the shared expert's gate: ``sigmoid(x @ shared_expert_gate.T) * shared_expert(x)``
-=====================  ====================================================================================
+A preset describes the whole layer: Llama 4's router weight on the expert input
+(``apply_router_weight_on_input``), Qwen3-Next's shared-expert gate (``shared_expert_gate``), gpt-oss's
+interleaved gate/up rows and clamped SwiGLU; the routers' own biases (gpt-oss) are in the logits, which
+the layer takes as input.
 """
 
 from __future__ import annotations
@@ -49,6 +41,8 @@ class ModelPreset:
     num_shared_experts: int = 0
     activation: str = "silu"
     gate_up_layout: str = "concatenated"
+    apply_router_weight_on_input: bool = False
+    shared_expert_gate: bool = False
 
     def config(self, **overrides) -> MoEConfig:
         """The layer config (shared experts fused); ``overrides`` set quant, EP, rsf placement..."""
@@ -65,6 +59,8 @@ class ModelPreset:
             num_fused_shared_experts=self.num_shared_experts,
             activation=self.activation,
             gate_up_layout=self.gate_up_layout,
+            apply_router_weight_on_input=self.apply_router_weight_on_input,
+            shared_expert_gate=self.shared_expert_gate,
         )
         MoEConfig.check_field_names(f"ModelPreset.config (preset {self.name!r})", overrides)
         fields.update(overrides)
@@ -156,7 +152,7 @@ _PRESETS = (
         routing="sigmoid_topk",  # tf Llama4Router: topk of the logits, sigmoid of the chosen
         renormalize=False,  # tf Llama4Router: no renormalization
         num_shared_experts=1,  # tf Llama4TextMoe.shared_expert = Llama4TextMLP(config): intermediate_size = I
-        # not computed yet: router weight applied to the expert input (x * sigmoid(logit)), not its output
+        apply_router_weight_on_input=True,  # tf Llama4TextMoe: routed_in = x * sigmoid(top logit); unweighted outputs
     ),
     ModelPreset(
         name="llama4-maverick",
@@ -168,7 +164,7 @@ _PRESETS = (
         routing="sigmoid_topk",  # as llama4-scout (tf Llama4Router)
         renormalize=False,
         num_shared_experts=1,  # tf Llama4TextMoe.shared_expert: intermediate_size = I
-        # not computed yet: router weight applied to the expert input (x * sigmoid(logit)), not its output
+        apply_router_weight_on_input=True,  # as llama4-scout
     ),
     ModelPreset(
         name="qwen3-next-80b-a3b",
@@ -180,7 +176,7 @@ _PRESETS = (
         routing="softmax_topk",  # tf Qwen3NextTopKRouter: softmax, topk, / sum if norm_topk_prob
         renormalize=True,  # cfg norm_topk_prob true (= tf default)
         num_shared_experts=1,  # cfg shared_expert_intermediate_size 512 (= tf default) = I: one shared expert
-        # not computed yet: shared-expert gate sigmoid(x @ shared_expert_gate.T) on the shared expert's output
+        shared_expert_gate=True,  # tf Qwen3NextSparseMoeBlock: sigmoid(x @ shared_expert_gate.T) * shared_expert(x)
     ),
     ModelPreset(
         name="glm-4.5-air",

@@ -449,7 +449,12 @@ def test_every_preset_tiny_layer_runs_in_both_frameworks(name):
     p = get_preset(name)
     full = p.config()
     assert isinstance(full, MoEConfig) and full.num_experts == p.num_experts
-    config = p.config(hidden_size=32, intermediate_size=16, num_experts=_tiny_num_experts(p))
+    # Llama 4's router weight on the input and Qwen3-Next's shared gate are the layer's (tests/test_layer_2026.py
+    # judges them against their own float64 loop and transformers' blocks); here the plain-combine layer
+    assert full.apply_router_weight_on_input == name.startswith("llama4")
+    assert full.shared_expert_gate == name.startswith("qwen3-next")
+    config = p.config(hidden_size=32, intermediate_size=16, num_experts=_tiny_num_experts(p),
+                      apply_router_weight_on_input=False, shared_expert_gate=False)
     inputs = make_layer_inputs(config, 5, seed=7, routing="zipf")
     bias = inputs.e_score_correction_bias if config.routing == "biased_grouped_topk" else None
     w, ids = tgate.select_experts_reference(torch.from_numpy(inputs.router_logits),
