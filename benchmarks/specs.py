@@ -35,7 +35,7 @@ import math
 import numpy as np
 
 from moe_contract import MoEConfig, get_preset
-from moe_contract.config import QUANTS
+from moe_contract.config import QUANTS, W4_QUANTS
 
 #: name -> (K, N) of the expert weight ``[E, N, K]``.
 GEMM_SHAPES = {"gate_up": (7168, 4096), "down": (2048, 7168)}
@@ -48,6 +48,9 @@ LAYER_T = (32, 512, 4096)
 GEMM_BWD_M = (4096, 16384)
 LAYER_BWD_T = (512, 4096)
 LAYER_QUANTS = ("none", "fp8_per_token")
+#: The layer quant modes the layer rows can time: the 4-bit weight-only modes (``mxfp4`` / ``int4``) are not
+#: among them yet (their rows would need their own byte model: 4.25 / 4.5 bits a weight, not FP8's 8).
+BENCH_QUANTS = tuple(q for q in QUANTS if q not in W4_QUANTS)
 #: Zipf exponent of the expert popularity (rank r gets p ~ r^-ZIPF_S): with s=1.2 and E=32 the
 #: top expert takes ~25% of the rows and the tail experts few or none at M=256.
 ZIPF_S = 1.2
@@ -140,8 +143,9 @@ class LayerSpec:
     arch: str | None = "qwen3_moe"
 
     def __post_init__(self) -> None:
-        if self.quant not in QUANTS:
-            raise ValueError(f"LayerSpec: quant must be one of {QUANTS}; got quant={self.quant!r}")
+        if self.quant not in BENCH_QUANTS:
+            raise ValueError(f"LayerSpec: quant must be one of {BENCH_QUANTS} (the 4-bit modes {W4_QUANTS} are not "
+                             f"timed yet); got quant={self.quant!r}")
         if self.arch is not None and self.arch not in HF_BLOCKS:
             raise ValueError(f"LayerSpec: arch must be one of {tuple(HF_BLOCKS)} or None; got arch={self.arch!r}")
         b = self.base
@@ -320,9 +324,10 @@ class BenchModel:
         if self.config.quant != "none" or self.config.ep_size != 1:
             raise ValueError(f"BenchModel: config must have quant='none' and ep_size=1; got quant={self.config.quant!r}, "
                              f"ep_size={self.config.ep_size}")
-        bad = [q for q in self.quants if q not in QUANTS]
+        bad = [q for q in self.quants if q not in BENCH_QUANTS]
         if bad or not self.quants:
-            raise ValueError(f"BenchModel: quants must be a non-empty tuple of {QUANTS}; got {self.quants!r}")
+            raise ValueError(f"BenchModel: quants must be a non-empty tuple of {BENCH_QUANTS} (the 4-bit modes "
+                             f"{W4_QUANTS} are not timed yet); got {self.quants!r}")
 
     @property
     def weight_elements(self) -> int:

@@ -22,16 +22,43 @@ projection is float8_e4m3fn with a ``weight_scale_inv [ceil(N/128), ceil(K/128)]
 it is the dequantization *multiplier* (``w ~= q * scale`` per 128x128 block): exactly the block
 ``w_scale`` of CONTRACT.md section 3.
 
+The 2026 families (issue 15), read by the same rules (``arch`` in brackets; config.json ``model_type``):
+
+- **GLM-4.5 / GLM-4.5-Air** (``glm4_moe``): DeepSeek-V3's names and router (``mlp.gate.weight`` float32,
+  ``mlp.gate.e_score_correction_bias``, ``mlp.shared_experts.*``), config class ``Glm4MoeConfig``.
+- **Kimi K2** (``deepseek_v3``; ``model_type="kimi_k2"``): DeepSeek-V3's checkpoint format exactly (its
+  config.json names ``"architectures": ["DeepseekV3ForCausalLM"]``, and the released files are 128x128 block
+  FP8). transformers 5.24 has no ``kimi_k2`` config class (it knows ``kimi_k25``, whose text model is a
+  ``deepseek_v3`` config), so its config.json is read through ``DeepseekV3Config``: the keys are DeepSeek-V3's
+  (``n_group`` 1, ``topk_group`` 1, ``routed_scaling_factor`` 2.827, ``scoring_func`` "sigmoid", ``topk_method``
+  "noaux_tc"); :attr:`MoECheckpointLayer.model_type` keeps ``"kimi_k2"``.
+- **Qwen3-Next** (``qwen3_next``): Qwen3-MoE's per-expert names, plus the shared expert
+  ``mlp.shared_expert.{gate_proj,up_proj,down_proj}.weight`` (intermediate ``shared_expert_intermediate_size``,
+  ``S`` times ``I``) and its gate ``mlp.shared_expert_gate.weight [1, H]`` (:attr:`MoECheckpointLayer.shared_expert_gate`;
+  the layer's ``config.shared_expert_gate``). Multi-token-prediction weights (``mtp.*``) are not decoder layers.
+- **Llama 4** (``llama4``; ``model_type="llama4"`` with the text model's keys under ``text_config``, as the hub's
+  Scout / Maverick, or ``"llama4_text"``, as ``Llama4ForCausalLM.save_pretrained`` writes): the module is
+  ``feed_forward``, the experts are fused and stored in-by-out, ``feed_forward.experts.gate_up_proj [E, H, 2I]``
+  (gate columns first) and ``feed_forward.experts.down_proj [E, I, H]`` (transposed here: ``w13[e] =
+  gate_up_proj[e].T``, ``w2[e] = down_proj[e].T``), the router ``feed_forward.router.weight [E, H]``, one shared
+  expert ``feed_forward.shared_expert.{gate_proj,up_proj,down_proj}.weight`` (intermediate ``I``); the
+  multimodal checkpoint's names start ``language_model.model.layers.L``. Per-expert names
+  (``feed_forward.experts.i.{gate_proj,up_proj,down_proj}.weight``) are read too. The routing is sigmoid top-k
+  with the router weight on the expert input (``apply_router_weight_on_input``); Maverick's dense layers
+  (``feed_forward.{gate,up,down}_proj``) have no experts and are not MoE layers.
+
 Assembled (torch CPU tensors **in the checkpoint's dtype**: bf16 stays bf16, FP8 codes float8_e4m3fn):
 ``w13 = concat(gate, up) along N -> [E + S, 2I, H]``, ``w2 [E + S, H, I]``, block scales float32
 ``w13_scale [E + S, 2 * ceil(I/128), ceil(H/128)]`` (gate blocks, then up blocks: needs ``I % 128 == 0``),
 ``w2_scale [E + S, ceil(H/128), ceil(I/128)]``, ``router_weight [E, H]`` (its own dtype: DeepSeek-V3
-keeps it float32), ``e_score_correction_bias [E]`` float32. The ``S`` shared experts become the fused
+and GLM-4.5 keep it float32), ``e_score_correction_bias [E]`` float32, Qwen3-Next's ``shared_expert_gate [1, H]``
+(its own dtype). The ``S`` shared experts become the fused
 shared experts ``E .. E + S - 1`` of the contract, the ``S * I`` intermediate split into ``S`` experts
 of ``I`` (the MLP is a sum over intermediate chunks, so this is exact).
 
 Routing: ``config.json`` beside the weights, read through the pinned transformers' config class
-(``MixtralConfig``, ``Qwen3MoeConfig``, ``DeepseekV3Config``), so an absent key means what transformers
+(``MixtralConfig``, ``Qwen3MoeConfig``, ``DeepseekV3Config``, ``Glm4MoeConfig``, ``Qwen3NextConfig``,
+``Llama4TextConfig``), so an absent key means what transformers
 means by it (Qwen3-MoE ``norm_topk_prob`` False, DeepSeek-V3 ``routed_scaling_factor`` 2.5, ``n_group``
 8, ``n_shared_experts`` 1, ...). Reading a config.json needs transformers (the ``test`` extra); without
 a config.json the routing must come from a preset. Every error names the key, the file and what came.
@@ -53,27 +80,60 @@ import numpy as np
 
 from moe_contract.config import FP8_BLOCK, MoEConfig
 
-ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3")
-
-#: arch -> (per-expert module name under the layer, gate / up / down projection names)
-_NAMES = {
-    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "llama4")
+#: config.json ``model_type`` -> the arch its tensors are read as.
+MODEL_TYPES = {
+    "mixtral": "mixtral",
+    "qwen3_moe": "qwen3_moe",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",  # Kimi K2: DeepseekV3ForCausalLM's checkpoints; transformers 5.24 has no kimi_k2 class
+    "glm4_moe": "glm4_moe",
+    "qwen3_next": "qwen3_next",
+    "llama4": "llama4",  # the hub's Llama 4 (multimodal): the text model's keys under text_config
+    "llama4_text": "llama4",  # Llama4ForCausalLM.save_pretrained
 }
-#: The fused layout's module (transformers 5.x renames Mixtral's ``block_sparse_moe`` to ``mlp``).
-_FUSED_MODULE = "mlp"
-#: arch -> the transformers config class whose defaults an absent config.json key takes.
-_CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "deepseek_v3": "DeepseekV3Config"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arch:
+    """Where one arch keeps its MoE layer's tensors, and what its layer computes beyond its routing."""
+
+    module: str  # the MoE module under the decoder layer (per-expert layout)
+    projections: tuple[str, str, str]  # the per-expert gate / up / down projection names
+    router: str = "gate"  # the router module under the MoE module
+    shared: str | None = None  # the shared-expert MLP module
+    biased: bool = False  # the router has an e_score_correction_bias [E] (biased grouped top-k)
+    shared_gate: bool = False  # Qwen3-Next: shared_expert_gate.weight [1, H] scales the shared MLP's output
+    fused_module: str = "mlp"  # the fused layout's module (transformers 5.x renames Mixtral's block_sparse_moe)
+    fused_in_by_out: bool = False  # Llama 4: fused experts [E, H, 2I] / [E, I, H] (x @ w), not [E, 2I, H] / [E, H, I]
+    config_class: str = ""  # the transformers config class whose defaults an absent config.json key takes
+
+
+_GUD = ("gate_proj", "up_proj", "down_proj")
+_ARCHS = {
+    "mixtral": _Arch("block_sparse_moe", ("w1", "w3", "w2"), config_class="MixtralConfig"),
+    "qwen3_moe": _Arch("mlp", _GUD, config_class="Qwen3MoeConfig"),
+    "deepseek_v3": _Arch("mlp", _GUD, shared="shared_experts", biased=True, config_class="DeepseekV3Config"),
+    "glm4_moe": _Arch("mlp", _GUD, shared="shared_experts", biased=True, config_class="Glm4MoeConfig"),
+    "qwen3_next": _Arch("mlp", _GUD, shared="shared_expert", shared_gate=True, config_class="Qwen3NextConfig"),
+    "llama4": _Arch("feed_forward", _GUD, router="router", shared="shared_expert", fused_module="feed_forward",
+                    fused_in_by_out=True, config_class="Llama4TextConfig"),
+}
 #: arch -> the layer its tensors are read as (the routing family a preset for it must have).
 _FAMILY_WORDS = {
     "mixtral": "softmax top-k routing with gate/up rows concatenated",
     "qwen3_moe": "softmax top-k routing with gate/up rows concatenated",
     "deepseek_v3": "biased grouped top-k routing with gate/up rows concatenated",
+    "glm4_moe": "biased grouped top-k routing with gate/up rows concatenated",
+    "qwen3_next": "softmax top-k routing with a sigmoid-gated shared expert (shared_expert_gate)",
+    "llama4": "sigmoid top-k routing with the router weight on the expert input (apply_router_weight_on_input)",
 }
 #: transformers' ``hidden_act`` names -> the contract's activation (both gelu names are the tanh formula).
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
-_LAYER_KEY = re.compile(r"^(?P<pre>(?:model\.)?layers\.(?P<L>\d+)\.(?P<module>block_sparse_moe|mlp))\.(?P<rest>.+)$")
+#: A decoder layer's MoE module key: ``[language_model.][model.]layers.L.<module>.<rest>`` (the multimodal Llama 4's
+#: text model is ``language_model.model``; transformers 5's VLMs name it ``model.language_model``).
+_LAYER_KEY = re.compile(r"^(?P<pre>(?:(?:language_model|model)\.){0,2}layers\.(?P<L>\d+)\."
+                        r"(?P<module>block_sparse_moe|mlp|feed_forward))\.(?P<rest>.+)$")
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 #: safetensors' dtype names -> torch's
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
@@ -177,12 +237,19 @@ class _HFConfig:
 
 
 def _read_hf_config(arch: str, raw: dict, path: str) -> _HFConfig:
-    name = _CONFIG_CLASSES[arch]
+    name = _ARCHS[arch].config_class
     try:
         import transformers
     except ImportError as exc:  # a test extra: needed here only
         raise ImportError(f"load_moe_layer: reading {path!r} needs transformers (an absent key means what "
                           f"transformers' {name} means by it): pip install transformers==5.24.0 (the 'test' extra)") from exc
+    if raw.get("model_type") == "llama4":  # Llama4Config: the text model's keys are text_config's
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(f"load_moe_layer: {path!r} (model_type 'llama4') must have a 'text_config' object (the "
+                             f"text model's keys, read through transformers' {name}); got "
+                             f"{'no text_config' if text is None else repr(text)[:80]}")
+        raw, path = text, f"{path}: text_config"
     cls = getattr(transformers, name)
     kwargs = {k: v for k, v in raw.items() if k != "model_type"}
     try:
@@ -201,12 +268,18 @@ _ROUTING_KEYS = {
     "deepseek_v3": {"topk": "num_experts_per_tok", "renormalize": "norm_topk_prob", "num_expert_group": "n_group",
                     "topk_group": "topk_group", "routed_scaling_factor": "routed_scaling_factor",
                     "activation": "hidden_act"},
+    "qwen3_next": {"topk": "num_experts_per_tok", "renormalize": "norm_topk_prob", "activation": "hidden_act"},
+    "llama4": {"topk": "num_experts_per_tok", "activation": "hidden_act"},
 }
+_ROUTING_KEYS["glm4_moe"] = _ROUTING_KEYS["deepseek_v3"]  # Glm4MoeTopkRouter is DeepseekV3TopkRouter
 #: arch -> tensor size -> config.json key
 _SIZE_KEYS = {
     "mixtral": {"E": "num_local_experts", "H": "hidden_size", "I": "intermediate_size"},
     "qwen3_moe": {"E": "num_experts", "H": "hidden_size", "I": "moe_intermediate_size"},
     "deepseek_v3": {"E": "n_routed_experts", "H": "hidden_size", "I": "moe_intermediate_size"},
+    "glm4_moe": {"E": "n_routed_experts", "H": "hidden_size", "I": "moe_intermediate_size"},
+    "qwen3_next": {"E": "num_experts", "H": "hidden_size", "I": "moe_intermediate_size"},
+    "llama4": {"E": "num_local_experts", "H": "hidden_size", "I": "intermediate_size"},  # Llama4TextExperts.expert_dim
 }
 
 
@@ -214,13 +287,17 @@ def _routing_from_config(arch: str, hf: _HFConfig) -> dict:
     """MoEConfig routing fields from config.json (module docstring); raises naming the key."""
     keys = _ROUTING_KEYS[arch]
     fields = {"routing": "softmax_topk", "renormalize": True}  # Mixtral's router always renormalizes
-    if arch == "deepseek_v3":
+    if _ARCHS[arch].biased:
         fields["routing"] = "biased_grouped_topk"
-        # transformers' DeepseekV3TopkRouter is sigmoid + noaux_tc whatever these say; refuse others than those
+        # transformers' DeepseekV3TopkRouter (and GLM's copy) is sigmoid + noaux_tc whatever these say; refuse others
         for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
             if key in hf.raw and hf.raw[key] != want:
                 raise ValueError(f"load_moe_layer: {hf.path!r} key {key!r} must be {want!r} (DeepSeek-V3's router: "
                                  f"sigmoid scores, biased grouped top-k); got {hf.raw[key]!r}")
+    if arch == "qwen3_next":
+        fields["shared_expert_gate"] = True  # Qwen3NextSparseMoeBlock: sigmoid(x @ shared_expert_gate.T) * shared
+    if arch == "llama4":  # Llama4Router: top-k of the logits, sigmoid of the chosen, no renormalization
+        fields.update(routing="sigmoid_topk", renormalize=False, apply_router_weight_on_input=True)
     for field, key in keys.items():
         value = hf.get(key)
         if field == "activation":
@@ -272,20 +349,22 @@ class MoECheckpointLayer:
     """One MoE layer's weights, assembled (module docstring): torch CPU tensors in the checkpoint's
     dtype, all experts (routed then shared)."""
 
-    arch: str
+    arch: str  # the layout read (ARCHS); Kimi K2's is "deepseek_v3" (model_type says "kimi_k2")
     layer: int
     w13: object  # torch [E + S, 2I, H]: bf16 / fp16 / fp32, or float8_e4m3fn codes
     w2: object  # torch [E + S, H, I]
     w13_scale: object | None  # torch [E + S, 2*ceil(I/128), ceil(H/128)] float32 multiplier (FP8 checkpoints)
     w2_scale: object | None  # torch [E + S, ceil(H/128), ceil(I/128)]
     router_weight: object  # torch [E, H], the checkpoint's dtype
-    e_score_correction_bias: object | None  # torch [E] float32 (DeepSeek-V3)
+    e_score_correction_bias: object | None  # torch [E] float32 (DeepSeek-V3, GLM-4.5, Kimi K2)
     num_shared_experts: int
     hf_config: dict | None  # config.json as written (None: no config.json)
     path: str = ""
     config_path: str | None = None
     routing: dict | None = None  # MoEConfig routing fields from config.json (None: no config.json)
     routing_words: dict | None = None  # MoEConfig field -> "'key'=value (absent ...: default)"
+    shared_expert_gate: object | None = None  # torch [1, H], the checkpoint's dtype (Qwen3-Next), else None
+    model_type: str | None = None  # config.json's model_type ("kimi_k2" for Kimi K2's deepseek_v3 layout)
 
     @property
     def num_experts(self) -> int:
@@ -319,19 +398,21 @@ class MoECheckpointLayer:
         when there is a config.json), ``quant`` the
         checkpoint's (:attr:`quant`) unless overridden; ``overrides`` (quant, ep_size, ...) last.
 
-        Raises: ValueError without config.json and preset, on a preset of the other routing family (a
-        DeepSeek-V3 preset for softmax-routed weights or the reverse; a sigmoid_topk or gate/up-interleaved one, Llama 4's
-        or gpt-oss's, for any of these), on sizes overridden to other than the
-        tensors', and on routing values the contract refuses (naming the config.json keys they came from).
+        Raises: ValueError without config.json and preset, on a preset of another family (a DeepSeek-V3 preset
+        for softmax-routed weights or the reverse; a sigmoid_topk one (Llama 4's) for any but a Llama 4 checkpoint
+        and the reverse; one whose ``shared_expert_gate`` / ``apply_router_weight_on_input`` differ from the
+        checkpoint's :attr:`layer_semantics`; a gate/up-interleaved one, gpt-oss's), on sizes or
+        :attr:`layer_semantics` overridden to other than the checkpoint's, and on routing values the contract
+        refuses (naming the config.json keys they came from).
         """
         sizes = dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
                      num_experts=self.num_experts, num_fused_shared_experts=self.num_shared_experts)
         MoEConfig.check_field_names("MoECheckpointLayer.config", overrides)
-        for name in ("apply_router_weight_on_input", "shared_expert_gate"):  # other families' layer semantics
-            if overrides.get(name):
-                raise ValueError(f"MoECheckpointLayer.config: {name} is Llama 4's / Qwen3-Next's layer, whose checkpoints "
-                                 f"this loader does not read yet; the {self.arch} checkpoint's layer in {self.path!r} has "
-                                 f"none; got {name}={overrides[name]!r}")
+        semantics = self.layer_semantics
+        for name, value in semantics.items():  # what the checkpoint's block computes (Llama 4's, Qwen3-Next's)
+            if name in overrides and overrides[name] != value:
+                raise ValueError(f"MoECheckpointLayer.config: {name} is the {self.arch} checkpoint's ({value}: "
+                                 f"{_FAMILY_WORDS[self.arch]}) in {self.path!r}; got {name}={overrides[name]!r}")
         for name, value in sizes.items():
             if name in overrides and overrides[name] != value:
                 raise ValueError(f"MoECheckpointLayer.config: {name} is the checkpoint's ({value}, from its tensors); "
@@ -349,9 +430,11 @@ class MoECheckpointLayer:
             # would drop the bias or invent one (found by a new-user trial: a Mixtral preset on DeepSeek-V3
             # weights ran and "agreed").
             biased = self.e_score_correction_bias is not None
-            # No family read here routes by sigmoid top-k (Llama 4) or stores gate/up interleaved (gpt-oss):
-            # such a preset on these tensors would compute another model's layer (issue 15).
-            if preset.routing == "sigmoid_topk" or preset.gate_up_layout != "concatenated":
+            # Sigmoid top-k with the router weight on the input (Llama 4), the sigmoid-gated shared expert (Qwen3-Next)
+            # and the interleaved gate/up rows (gpt-oss, not read here) are the tensors' family too: a preset that
+            # differs in any of them would compute another model's layer (issue 15).
+            if (preset.gate_up_layout != "concatenated" or (preset.routing == "sigmoid_topk") != (self.arch == "llama4")
+                    or any(bool(getattr(preset, n)) != v for n, v in semantics.items())):
                 raise ValueError(
                     f"MoECheckpointLayer.config: preset {preset.name!r} is another family's layer (routing "
                     f"{preset.routing!r}, gate_up_layout {preset.gate_up_layout!r}); this {self.arch} checkpoint "
@@ -366,7 +449,8 @@ class MoECheckpointLayer:
                     + "; pass a preset of the checkpoint's family, or put its config.json beside the weights")
             fields.update(topk=preset.topk, routing=preset.routing, renormalize=preset.renormalize,
                           num_expert_group=preset.num_expert_group, topk_group=preset.topk_group,
-                          routed_scaling_factor=preset.routed_scaling_factor, activation=preset.activation)
+                          routed_scaling_factor=preset.routed_scaling_factor, activation=preset.activation,
+                          **semantics)
         else:
             raise ValueError(f"MoECheckpointLayer.config: no config.json beside the weights in {self.path!r}; "
                              f"pass a preset for the routing (topk, groups, rsf, renormalize)")
@@ -380,6 +464,13 @@ class MoECheckpointLayer:
             keys = "; ".join(self.routing_words.values())
             raise ValueError(f"{exc} [from {self.config_path!r}"
                              f"{': ' + ', '.join(named) if named else ''}; all routing keys: {keys}]") from exc
+
+    @property
+    def layer_semantics(self) -> dict:
+        """The :class:`MoEConfig` fields the checkpoint's block fixes beyond its routing:
+        ``apply_router_weight_on_input`` (Llama 4) and ``shared_expert_gate`` (Qwen3-Next's gate weight is here)."""
+        return dict(apply_router_weight_on_input=self.arch == "llama4",
+                    shared_expert_gate=self.shared_expert_gate is not None)
 
     def _check_config(self, config: MoEConfig, op: str) -> None:
         want = dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -398,7 +489,7 @@ class MoECheckpointLayer:
     def layer_weights(self, config: MoEConfig):
         """:class:`interop.crosscheck.LayerWeights` (numpy, bf16 / FP8 as ml_dtypes: the bits) for ``config``:
         FP8 codes and scales as stored when ``config.quant='fp8_block'`` and the checkpoint is FP8, float
-        weights otherwise. Raises ValueError if ``config``'s sizes are not the checkpoint's."""
+        weights otherwise; the router weight, the correction bias and Qwen3-Next's ``shared_expert_gate``. Raises ValueError if ``config``'s sizes are not the checkpoint's."""
         from interop.crosscheck import LayerWeights, to_numpy
 
         self._check_config(config, "layer_weights")
@@ -406,14 +497,17 @@ class MoECheckpointLayer:
             w13, w2, s13, s2 = self.w13, self.w2, self.w13_scale, self.w2_scale
         else:
             (w13, w2), s13, s2 = self.float_weights(), None, None
+        # Qwen3-Next's shared-expert gate weight: the check computes its logits from it, not from a seeded one
+        gate = {} if self.shared_expert_gate is None else {"shared_expert_gate": to_numpy(self.shared_expert_gate)}
         return LayerWeights(w13=to_numpy(w13), w2=to_numpy(w2), w13_scale=to_numpy(s13), w2_scale=to_numpy(s2),
                             router_weight=to_numpy(self.router_weight),
-                            e_score_correction_bias=to_numpy(self.e_score_correction_bias))
+                            e_score_correction_bias=to_numpy(self.e_score_correction_bias), **gate)
 
     def arrays(self, framework: str, config: MoEConfig | None = None) -> dict:
         """This EP rank's (``config``; default: all experts) weights as jax arrays (default device) or torch
         tensors (CUDA if there is one; on the CPU they share memory with this layer's tensors):
-        ``w13, w2, w13_scale, w2_scale, router_weight, e_score_correction_bias``.
+        ``w13, w2, w13_scale, w2_scale, router_weight, e_score_correction_bias, shared_expert_gate`` (Qwen3-Next's
+        ``[1, H]``, its stored dtype; None for the other families).
 
         dtypes: the checkpoint's (bf16 stays bf16); FP8 checkpoints give float8_e4m3fn codes and float32
         block scales when ``config`` is None or ``config.quant == "fp8_block"``, else the codes dequantized
@@ -434,7 +528,8 @@ class MoECheckpointLayer:
         out = {"w13": self.w13[lo:lo + n], "w2": self.w2[lo:lo + n],
                "w13_scale": None if self.w13_scale is None else self.w13_scale[lo:lo + n],
                "w2_scale": None if self.w2_scale is None else self.w2_scale[lo:lo + n],
-               "router_weight": self.router_weight, "e_score_correction_bias": self.e_score_correction_bias}
+               "router_weight": self.router_weight, "e_score_correction_bias": self.e_score_correction_bias,
+               "shared_expert_gate": self.shared_expert_gate}
         if self.is_fp8 and config is not None and config.quant != "fp8_block":
             out["w13"] = dequantize_block(out["w13"], out.pop("w13_scale")).to(torch.bfloat16)
             out["w2"] = dequantize_block(out["w2"], out.pop("w2_scale")).to(torch.bfloat16)
@@ -471,22 +566,44 @@ def _nonfinite(t) -> tuple[int, int]:
 
 
 def _detect_arch(keys, hf_config: dict | None) -> str:
-    if hf_config is not None and hf_config.get("model_type") in ARCHS:
-        return hf_config["model_type"]
+    if hf_config is not None and hf_config.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[hf_config["model_type"]]
     if hf_config is not None and "model_type" in hf_config:
-        raise ValueError(f"load_moe_layer: config.json model_type must be one of {ARCHS}; got {hf_config['model_type']!r}")
+        raise ValueError(f"load_moe_layer: config.json model_type must be one of {tuple(MODEL_TYPES)}; got "
+                         f"{hf_config['model_type']!r}")
     if any(".block_sparse_moe.experts." in k for k in keys):
         return "mixtral"
+    if any(".feed_forward.experts." in k for k in keys):
+        return "llama4"
+    if any(k.endswith(".mlp.shared_expert_gate.weight") for k in keys):
+        return "qwen3_next"
     if any(k.endswith(".gate.e_score_correction_bias") or ".mlp.shared_experts." in k for k in keys):
-        return "deepseek_v3"
+        return "deepseek_v3"  # GLM-4.5's tensors have the same names (its config.json tells them apart)
     if any(".mlp.experts.gate_up_proj" in k for k in keys):
         raise ValueError("load_moe_layer: the fused layout ('mlp.experts.gate_up_proj') of Mixtral and Qwen3-MoE has the "
                          "same tensor names; put the model's config.json beside the weights, or pass arch=")
     if any(".mlp.experts." in k for k in keys):
         return "qwen3_moe"
     raise ValueError("load_moe_layer: no MoE expert weights found (expected keys like "
-                     "'model.layers.L.block_sparse_moe.experts.i.w1.weight', 'model.layers.L.mlp.experts.i.gate_proj.weight' "
-                     "or 'model.layers.L.mlp.experts.gate_up_proj')")
+                     "'model.layers.L.block_sparse_moe.experts.i.w1.weight', 'model.layers.L.mlp.experts.i.gate_proj.weight', "
+                     "'model.layers.L.mlp.experts.gate_up_proj' or 'model.layers.L.feed_forward.experts.gate_up_proj')")
+
+
+def _shared_from_config(arch: str, hf: _HFConfig, I: int) -> tuple[int, str] | None:
+    """``(S, the key's words)``: the shared experts config.json says the layer has (``S * I`` the shared MLP's
+    intermediate); None for the families without shared experts."""
+    if arch in ("deepseek_v3", "glm4_moe"):
+        return hf.get("n_shared_experts"), hf.words("n_shared_experts")
+    if arch == "qwen3_next":
+        size = hf.get("shared_expert_intermediate_size")
+        words = hf.words("shared_expert_intermediate_size")
+        if size % I:
+            raise ValueError(f"load_moe_layer: {hf.path!r} says {words}, not a multiple of the experts' I={I} "
+                             f"(the shared expert is read as fused experts of I)")
+        return size // I, words
+    if arch == "llama4":  # Llama4TextMoe.shared_expert = Llama4TextMLP(config): intermediate_size, one expert of I
+        return 1, f"{hf.words('intermediate_size')} (Llama4TextMoe's shared_expert: one expert of I)"
+    return None
 
 
 def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None, *,
@@ -497,18 +614,19 @@ def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None,
       path: a ``.safetensors`` file, or a folder (``model.safetensors.index.json`` or ``*.safetensors``,
         optionally ``config.json``).
       layer: the decoder layer index ``L``.
-      arch: ``"mixtral"``, ``"qwen3_moe"`` or ``"deepseek_v3"``; default: ``config.json``'s
-        ``model_type``, else from the key names.
+      arch: one of :data:`ARCHS` (``"mixtral"``, ``"qwen3_moe"``, ``"deepseek_v3"``, ``"glm4_moe"``, ``"qwen3_next"``,
+        ``"llama4"``) or a :data:`MODEL_TYPES` name (``"kimi_k2"`` reads as ``"deepseek_v3"``); default:
+        ``config.json``'s ``model_type``, else from the key names.
       allow_nonfinite: load NaN / inf weights as they are instead of refusing them.
 
     Returns: :class:`MoECheckpointLayer` (torch CPU tensors in the checkpoint's dtype).
 
     Raises: FileNotFoundError (no file); ValueError (no MoE layer, missing or unexpected key, wrong shape,
-      non-finite values, FP8 without scales, ``I % 128 != 0`` with block scales, a config.json that
-      disagrees with the tensors or that transformers refuses, an unsupported ``hidden_act``,
-      ``quantization_config`` or DeepSeek ``scoring_func`` / ``topk_method``), each naming the key and
-      the file; TypeError (a dtype other than bf16 / fp16 / fp32 weights or float8_e4m3fn codes);
-      ImportError (a config.json and no transformers).
+      non-finite values, FP8 without scales, ``I % 128 != 0`` with block scales, FP8 Llama 4 fused experts, a
+      config.json that disagrees with the tensors or that transformers refuses, an unsupported ``hidden_act``,
+      ``quantization_config`` or DeepSeek ``scoring_func`` / ``topk_method``, a Llama 4 config.json without
+      ``text_config``), each naming the key and the file; TypeError (a dtype other than bf16 / fp16 / fp32 weights
+      or float8_e4m3fn codes); ImportError (a config.json and no transformers).
     """
     import torch
 
@@ -525,19 +643,23 @@ def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None,
             raise ValueError(f"load_moe_layer: {cfg_path!r} must hold a JSON object; got {type(raw).__name__}")
     if arch is None:
         arch = _detect_arch(files.where, raw)
+    arch = MODEL_TYPES.get(arch, arch) if isinstance(arch, str) else arch
     if arch not in ARCHS:
-        raise ValueError(f"load_moe_layer: arch must be one of {ARCHS}; got arch={arch!r}")
-    if raw is not None and raw.get("model_type", arch) != arch:
-        raise ValueError(f"load_moe_layer: arch={arch!r} but {cfg_path!r} says model_type={raw['model_type']!r}")
+        raise ValueError(f"load_moe_layer: arch must be one of {ARCHS} (or a model_type of {tuple(MODEL_TYPES)}); "
+                         f"got arch={arch!r}")
+    model_type = raw.get("model_type") if raw is not None else None
+    if model_type is not None and MODEL_TYPES.get(model_type) != arch:
+        raise ValueError(f"load_moe_layer: arch={arch!r} but {cfg_path!r} says model_type={model_type!r}")
     hf = _read_hf_config(arch, raw, cfg_path) if raw is not None else None
     config_quant = _quant_from_config(raw, cfg_path) if raw is not None else None
-    module, (g_name, u_name, d_name) = _NAMES[arch]
+    A = _ARCHS[arch]
+    module, (g_name, u_name, d_name) = A.module, A.projections
 
     # layers with experts: (prefix, layout) per layer index
     found: dict[int, dict[str, set]] = {}
     for k in files.where:
         m = _LAYER_KEY.match(k)
-        if m and m.group("module") in (module, _FUSED_MODULE):
+        if m and m.group("module") in (module, A.fused_module):
             found.setdefault(int(m.group("L")), {}).setdefault(m.group("pre"), set()).add(m.group("rest"))
     moe_layers = {L: mods for L, mods in found.items() if any(r.startswith("experts.") for rs in mods.values() for r in rs)}
     if not moe_layers:
@@ -554,6 +676,7 @@ def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None,
     fused = any(r.startswith(("experts.gate_up_proj", "experts.down_proj")) for r in rests)
     if fused and any(re.match(r"experts\.\d+\.", r) for r in rests):
         raise ValueError(f"load_moe_layer: {pre}.experts has both the fused ('gate_up_proj') and the per-expert layout")
+    in_by_out = fused and A.fused_in_by_out
     bad: list[tuple[str, int, int]] = []
 
     def get(key: str, what: str, shape: tuple | None = None, kind: str = "float"):
@@ -576,26 +699,36 @@ def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None,
         return t
 
     # router
-    router = get(f"{pre}.gate.weight", "router weight [E, H]")
+    router_key = f"{pre}.{A.router}.weight"
+    router = get(router_key, "router weight [E, H]")
     if router.ndim != 2:
-        raise ValueError(f"load_moe_layer: {pre}.gate.weight must be [E, H]; got shape {tuple(router.shape)}")
+        raise ValueError(f"load_moe_layer: {router_key} must be [E, H]; got shape {tuple(router.shape)}")
     E, H = router.shape
     bias = None
     bias_key = f"{pre}.gate.e_score_correction_bias"
     if files.has(bias_key):
-        if arch != "deepseek_v3":
-            raise ValueError(f"load_moe_layer: {bias_key} exists but arch {arch!r} has no router bias (only deepseek_v3)")
+        if not A.biased:
+            raise ValueError(f"load_moe_layer: {bias_key} exists but arch {arch!r} has no router bias (only "
+                             f"{', '.join(a for a, x in _ARCHS.items() if x.biased)})")
         bias = get(bias_key, "router bias [E]", (E,)).float()
-    elif arch == "deepseek_v3":
-        raise ValueError(f"load_moe_layer: missing key {bias_key!r} (DeepSeek-V3's router bias) in {files.folder!r}")
+    elif A.biased:
+        raise ValueError(f"load_moe_layer: missing key {bias_key!r} (the {arch} router's e_score_correction_bias) in "
+                         f"{files.folder!r}")
 
     # experts: the probe gives I, the dtype and FP8
     if fused:
         first = f"{pre}.experts.gate_up_proj"
-        shape, dtype_name = files.info(first, "fused gate_up projection [E, 2I, H]")
-        if len(shape) != 3 or shape[0] != E or shape[2] != H or shape[1] % 2:
-            raise ValueError(f"load_moe_layer: {first} must be [E={E}, 2I, H={H}]; got shape {shape}")
-        I = shape[1] // 2
+        if in_by_out:  # Llama 4: x @ gate_up_proj[e], gate columns first
+            shape, dtype_name = files.info(first, "fused gate_up projection [E, H, 2I] (in-by-out)")
+            if len(shape) != 3 or shape[0] != E or shape[1] != H or shape[2] % 2:
+                raise ValueError(f"load_moe_layer: {first} must be [E={E}, H={H}, 2I] (Llama 4's in-by-out layout); "
+                                 f"got shape {shape}")
+            I = shape[2] // 2
+        else:
+            shape, dtype_name = files.info(first, "fused gate_up projection [E, 2I, H]")
+            if len(shape) != 3 or shape[0] != E or shape[2] != H or shape[1] % 2:
+                raise ValueError(f"load_moe_layer: {first} must be [E={E}, 2I, H={H}]; got shape {shape}")
+            I = shape[1] // 2
     else:
         first = f"{pre}.experts.0.{g_name}.weight"
         shape, dtype_name = files.info(first, "expert 0 gate projection [I, H]")
@@ -610,6 +743,10 @@ def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None,
     if config_quant == "fp8_block" and not fp8:
         raise ValueError(f"load_moe_layer: {cfg_path!r} says quantization_config.quant_method='fp8' but {first} is "
                          f"{dtype_name}, not float8_e4m3fn")
+    if fp8 and in_by_out:
+        raise ValueError(f"load_moe_layer: {first} is float8_e4m3fn in Llama 4's in-by-out fused layout, whose block "
+                         f"scales would be transposed too; no such checkpoint format is read here (bf16 / fp16 / fp32 "
+                         f"fused, or per-expert weights with 128x128 weight_scale_inv)")
     if fp8 and I % FP8_BLOCK:
         raise ValueError(f"load_moe_layer: FP8 block scales need I % {FP8_BLOCK} == 0 to concatenate gate and up; got I={I}")
     kind = "fp8" if fp8 else "float"
@@ -619,38 +756,43 @@ def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None,
             raise TypeError(f"load_moe_layer: {key} is {_dtype_name(t)} but {first} is {dtype_name}; "
                             f"mixed dtypes are not supported")
 
-    # shared experts (DeepSeek-V3): the tensors against config.json's n_shared_experts
-    shared_pre = f"{pre}.shared_experts"
-    shared_key = f"{shared_pre}.{g_name}.weight"
+    # shared experts (DeepSeek-V3, GLM-4.5, Qwen3-Next, Llama 4): the tensors against config.json
+    shared_pre = f"{pre}.{A.shared}" if A.shared else None
+    shared_key = f"{shared_pre}.{g_name}.weight" if A.shared else None
     S = 0
-    if files.has(shared_key):
-        if arch != "deepseek_v3":
-            raise ValueError(f"load_moe_layer: {shared_key} exists but arch {arch!r} has no shared experts")
+    if A.shared and files.has(shared_key):
         shape, _ = files.info(shared_key, "shared experts' gate projection [S*I, H]")
-        if len(shape) != 2 or shape[1] != H or shape[0] % I:
-            raise ValueError(f"load_moe_layer: {shared_key} must be [S * I, H] with I={I}, H={H}; got {shape}")
+        if len(shape) != 2 or shape[1] != H or shape[0] % I or shape[0] == 0:
+            raise ValueError(f"load_moe_layer: {shared_key} must be [S * I, H] with I={I}, H={H}, S >= 1; got {shape}")
         S = shape[0] // I
-    if hf is not None and arch == "deepseek_v3":
-        S_cfg = hf.get("n_shared_experts")
-        if S_cfg != S:
-            if S == 0:
-                raise ValueError(f"load_moe_layer: missing key {shared_key!r} (the shared experts) in {files.folder!r}: "
-                                 f"{cfg_path!r} says {hf.words('n_shared_experts')}")
-            raise ValueError(f"load_moe_layer: {shared_key} is [{S} * I={I}, H], {S} shared expert(s), but {cfg_path!r} "
-                             f"says {hf.words('n_shared_experts')}")
+    said = _shared_from_config(arch, hf, I) if hf is not None else None
+    if said is not None and said[0] != S:
+        S_cfg, words = said
+        if S == 0:
+            raise ValueError(f"load_moe_layer: missing key {shared_key!r} (the shared experts) in {files.folder!r}: "
+                             f"{cfg_path!r} says {words}")
+        raise ValueError(f"load_moe_layer: {shared_key} is [{S} * I={I}, H], {S} shared expert(s), but {cfg_path!r} "
+                         f"says {words}")
+    if S == 0 and A.shared and arch in ("qwen3_next", "llama4"):  # their blocks always hold one (config.json or not)
+        raise ValueError(f"load_moe_layer: missing key {shared_key!r} (the shared expert: {arch}'s block always has "
+                         f"one) in {files.folder!r}")
+    shared_gate = None
+    if A.shared_gate:  # Qwen3-Next: sigmoid(x @ shared_expert_gate.weight.T) scales the shared expert's output
+        shared_gate = get(f"{pre}.shared_expert_gate.weight", "the shared expert's gate [1, H]", (1, H))
 
     # config.json's sizes against the tensors
     if hf is not None:
         for what, value in (("E", E), ("H", H), ("I", I)):
             key = _SIZE_KEYS[arch][what]
             if hf.get(key) != value:
-                raise ValueError(f"load_moe_layer: {cfg_path!r} says {hf.words(key)} but the tensors have {what}={value} "
-                                 f"({first if what == 'I' else pre + '.gate.weight'}); this config.json does not belong "
+                raise ValueError(f"load_moe_layer: {hf.path!r} says {hf.words(key)} but the tensors have {what}={value} "
+                                 f"({first if what == 'I' else router_key}); this config.json does not belong "
                                  f"to these weights")
 
     # unexpected keys under the MoE module: refused, not ignored
     s = scale_suffix if fp8 else None
-    allowed = {"gate.weight"} | ({"gate.e_score_correction_bias"} if bias is not None else set())
+    allowed = {f"{A.router}.weight"} | ({"gate.e_score_correction_bias"} if bias is not None else set())
+    allowed |= {"shared_expert_gate.weight"} if shared_gate is not None else set()
     projections = ("gate_up_proj", "down_proj") if fused else (g_name, u_name, d_name)
     if fused:
         allowed |= {f"experts.{p}" for p in projections} | ({f"experts.{p}{s}" for p in projections} if fp8 else set())
@@ -659,14 +801,14 @@ def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None,
             allowed |= {f"experts.{i}.{p}.weight" for p in projections}
             allowed |= {f"experts.{i}.{p}.weight{s}" for p in projections} if fp8 else set()
     if S:
-        allowed |= {f"shared_experts.{p}.weight" for p in (g_name, u_name, d_name)}
-        allowed |= {f"shared_experts.{p}.weight{s}" for p in (g_name, u_name, d_name)} if fp8 else set()
+        allowed |= {f"{A.shared}.{p}.weight" for p in (g_name, u_name, d_name)}
+        allowed |= {f"{A.shared}.{p}.weight{s}" for p in (g_name, u_name, d_name)} if fp8 else set()
     unexpected = sorted(r for r in moe_layers[layer][pre] if r not in allowed)
     if unexpected:
         extra = sorted({int(m.group(1)) for r in unexpected
                         if (m := re.match(r"experts\.(\d+)\.", r)) and int(m.group(1)) >= E})
         if extra:
-            raise ValueError(f"load_moe_layer: experts {extra} exist but the router {pre}.gate.weight has E={E} rows")
+            raise ValueError(f"load_moe_layer: experts {extra} exist but the router {router_key} has E={E} rows")
         shown = ", ".join(f"'{pre}.{r}'" for r in unexpected[:6])
         shown += f" and {len(unexpected) - 6} more" if len(unexpected) > 6 else ""
         raise ValueError(f"load_moe_layer: unexpected key(s) {shown} for a {'FP8' if fp8 else dtype} {arch} layer "
@@ -686,7 +828,12 @@ def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None,
         sshape = shape[:-2] + (_ceil_div(shape[-2], FP8_BLOCK), _ceil_div(shape[-1], FP8_BLOCK))
         return w, get(key + scale_suffix, f"FP8 block scale of {key} (the dequantization multiplier)", sshape, "scale")
 
-    if fused:
+    if in_by_out:  # Llama 4: w13[e] = gate_up_proj[e].T, w2[e] = down_proj[e].T (float only, checked above)
+        g, _ = proj(f"{pre}.experts.gate_up_proj", (E, H, 2 * I), "fused gate_up projection [E, H, 2I] (in-by-out)")
+        w13[:E] = g.transpose(1, 2)
+        d, _ = proj(f"{pre}.experts.down_proj", (E, I, H), "fused down projection [E, I, H] (in-by-out)")
+        w2[:E] = d.transpose(1, 2)
+    elif fused:
         g, gs = proj(f"{pre}.experts.gate_up_proj", (E, 2 * I, H), "fused gate_up projection [E, 2I, H]")
         w13[:E] = g
         d, ds = proj(f"{pre}.experts.down_proj", (E, H, I), "fused down projection [E, H, I]")
@@ -725,7 +872,8 @@ def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None,
         words = {f: hf.words(k) for f, k in _ROUTING_KEYS[arch].items()}
     return MoECheckpointLayer(arch=arch, layer=layer, w13=w13, w2=w2, w13_scale=s13, w2_scale=s2, router_weight=router,
                               e_score_correction_bias=bias, num_shared_experts=S, hf_config=raw, path=path,
-                              config_path=cfg_path if raw is not None else None, routing=routing, routing_words=words)
+                              config_path=cfg_path if raw is not None else None, routing=routing, routing_words=words,
+                              shared_expert_gate=shared_gate, model_type=model_type)
 
 
 # --------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from moe_contract import PRESETS, get_preset, make_layer_inputs
-from moe_contract.config import QUANTS
+from moe_contract.config import ACTIVATIONS, GATE_UP_LAYOUTS, QUANTS
 from moe_contract.inputs import ROUTING_SKEWS
 
 
@@ -114,9 +114,8 @@ def run_demo(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------
 # epmoe check
 
-#: On a CPU the kernels run interpreted: per (preset x implementation) this is what fits in minutes.
-CPU_PRESETS = ("tiny",)
-#: Largest weights (elements of w13 + w2, all experts) the CPU interpreters are asked to run from a checkpoint.
+#: Largest weights (elements of w13 + w2, all experts) the CPU interpreters are asked to run: the tiny preset, any
+#: preset its layer options make small (``--hidden-size``, ...), or a checkpoint's layer.
 CPU_MAX_WEIGHT_ELEMENTS = 1 << 24
 #: Tokens the CPU (interpreted kernels) takes in ``check``: T=16 takes about 10 s on 2 cores.
 CPU_MAX_TOKENS = 512
@@ -124,6 +123,30 @@ CPU_MAX_TOKENS = 512
 
 def _quant_arg(value: str) -> str:
     return value.replace("-", "_")
+
+
+#: ``check``'s layer options: (MoEConfig field, option, type, help). Each overrides the preset's value (shapes to run
+#: a preset small, e.g. on a CPU; the layer semantics of the 2026 families); with --weights the checkpoint decides.
+LAYER_OPTIONS = (
+    ("hidden_size", "--hidden-size", int, "H, the hidden size"),
+    ("intermediate_size", "--intermediate-size", int, "I, the expert intermediate size"),
+    ("num_experts", "--num-experts", int, "E, the routed experts (the preset's groups must divide it)"),
+    ("topk", "--topk", int, "K, the routed experts per token"),
+    ("num_fused_shared_experts", "--num-shared-experts", int, "S, the fused shared experts"),
+    ("activation", "--activation", str, "the act_and_mul between the GEMMs (" + ", ".join(ACTIVATIONS) + ")"),
+    ("gate_up_layout", "--gate-up-layout", str, "where gate and up are in w13's 2I rows (" + ", ".join(GATE_UP_LAYOUTS)
+     + "; gpt-oss: interleaved)"),
+    ("apply_router_weight_on_input", "--apply-router-weight-on-input", bool,
+     "Llama 4: the routed weights scale the experts' input, the combine adds their outputs with weight 1"),
+    ("shared_expert_gate", "--shared-expert-gate", bool,
+     "Qwen3-Next: the fused shared experts weighted by sigmoid(shared_expert_gate_logits) (seeded x @ gate weight)"),
+    ("expert_bias", "--expert-bias", bool, "gpt-oss: per-expert biases of both GEMMs (w13_bias, w2_bias)"),
+)
+
+
+def _layer_overrides(args: argparse.Namespace) -> dict:
+    """The MoEConfig fields ``check``'s layer options set (:data:`LAYER_OPTIONS`; those not given are left out)."""
+    return {field: getattr(args, field) for field, *_ in LAYER_OPTIONS if getattr(args, field, None) is not None}
 
 
 def _routing_arg(value: str) -> str:
@@ -179,9 +202,12 @@ def _check_args(args: argparse.Namespace) -> str | None:
                 tempfile.TemporaryFile(dir=parent).close()
             except OSError as exc:
                 return f"--json: cannot write under {parent!r} ({exc.strerror or exc})"
+    if args.weights and _layer_overrides(args):
+        names = [opt for field, opt, *_ in LAYER_OPTIONS if field in _layer_overrides(args)]
+        return f"{', '.join(names)}: not used with --weights (the checkpoint and its config.json give the layer)"
     try:
-        config = get_preset(args.preset).config(quant=args.quant)
-    except ValueError:
+        config = get_preset(args.preset).config(quant=args.quant, **_layer_overrides(args))
+    except (ValueError, TypeError):
         return None  # reported with the other config errors
     backward = 2 if args.backward else 1  # every stage output has a gradient beside it
     need, have = backward * args.tokens * _token_bytes(config), _host_bytes_available()
@@ -210,7 +236,7 @@ def run_check(args: argparse.Namespace) -> int:
         print(f"epmoe check: {problem}", file=sys.stderr)
         return 2
     preset = get_preset(args.preset)
-    overrides = dict(ep_size=args.ep_size, ep_rank=args.ep_rank or 0)
+    overrides = dict(ep_size=args.ep_size, ep_rank=args.ep_rank or 0, **_layer_overrides(args))
     if quant_given is not None or not args.weights:
         overrides["quant"] = args.quant
     weights = ckpt = x = logits = None
@@ -245,11 +271,12 @@ def run_check(args: argparse.Namespace) -> int:
         return 2
     args.quant = config.quant
     n_weights = 3 * config.num_total_experts * config.hidden_size * config.intermediate_size
-    if not gpu and (weights is None and preset.name not in CPU_PRESETS or n_weights > CPU_MAX_WEIGHT_ELEMENTS):
+    if not gpu and n_weights > CPU_MAX_WEIGHT_ELEMENTS:
         print(f"epmoe check: no GPU here, so the Pallas and Triton kernels run interpreted, which takes hours at "
               f"the size of {'these weights' if weights is not None else 'preset ' + preset.name} "
-              f"({n_weights / 1e6:.0f}M weight elements); use --preset tiny on a CPU, or run on a GPU machine",
-              file=sys.stderr)
+              f"({n_weights / 1e6:.0f}M weight elements, at most {CPU_MAX_WEIGHT_ELEMENTS / 1e6:.0f}M here); use "
+              f"--preset tiny on a CPU{'' if weights is not None else ' (or shrink this one: --hidden-size, --intermediate-size, --num-experts)'}, "
+              f"or run on a GPU machine", file=sys.stderr)
         return 2
     if not gpu and args.tokens > CPU_MAX_TOKENS:
         print(f"epmoe check: no GPU here, so the kernels run interpreted; --tokens {args.tokens} would take hours "
@@ -309,8 +336,10 @@ def run_check(args: argparse.Namespace) -> int:
     print(f"epmoe check: {what}: "
           f"H={config.hidden_size} I={config.intermediate_size} E={config.num_experts} topk={config.topk} "
           f"routing={config.routing} renormalize={config.renormalize} rsf={config.routed_scaling_factor} "
-          f"shared={config.num_fused_shared_experts} quant={config.quant} "
-          f"{_ep_words(config, args)}; T={args.tokens} {inputs_words}; "
+          f"shared={config.num_fused_shared_experts} activation={config.activation}"
+          f"{'' if config.gate_up_layout == 'concatenated' else ' (' + config.gate_up_layout + ')'} "
+          f"{''.join(f'{n}=True ' for n in ('apply_router_weight_on_input', 'shared_expert_gate', 'expert_bias') if getattr(config, n, False))}"
+          f"quant={config.quant} {_ep_words(config, args)}; T={args.tokens} {inputs_words}; "
           f"{'GPU' if gpu else 'no GPU: kernels interpreted'}; implementations: {', '.join(implementations)}"
           f"{'; forward and backward' if args.backward else ''}", flush=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
@@ -323,15 +352,23 @@ def run_check(args: argparse.Namespace) -> int:
                 print(f"  .. {msg}", file=sys.stderr, flush=True)
 
         stages = ep = None
-        if config.ep_size == 1 or args.ep_rank is not None:  # one rank, stage by stage
-            stages = cc.run_crosscheck(config, args.tokens, seed=args.seed, routing=args.routing,
-                                       implementations=implementations, weights=weights, progress=progress,
-                                       x=x, router_logits=logits, backward=args.backward)
-        if config.ep_size > 1:  # every rank end to end, summed, against the single device
-            ep = cc.run_ep_check(config, args.tokens, seed=args.seed, routing=args.routing, implementations=implementations,
-                                 weights=weights, dtype=args.ep_dtype, progress=progress, x=x, router_logits=logits,
-                                 backward=args.backward)
-        result = cc.merge_results(stages, ep)
+        try:
+            if config.ep_size == 1 or args.ep_rank is not None:  # one rank, stage by stage
+                stages = cc.run_crosscheck(config, args.tokens, seed=args.seed, routing=args.routing,
+                                           implementations=implementations, weights=weights, progress=progress,
+                                           x=x, router_logits=logits, backward=args.backward)
+            if config.ep_size > 1:  # every rank end to end, summed, against the single device
+                ep = cc.run_ep_check(config, args.tokens, seed=args.seed, routing=args.routing,
+                                     implementations=implementations, weights=weights, dtype=args.ep_dtype,
+                                     progress=progress, x=x, router_logits=logits, backward=args.backward)
+        except (NotImplementedError, ValueError) as exc:  # a layer the check cannot take, or bad values: one line
+            refused = f"epmoe check: {type(exc).__name__}: {' '.join(str(exc).split())}"
+        else:
+            refused = None
+            result = cc.merge_results(stages, ep)
+    if refused:
+        print(refused, file=sys.stderr)
+        return 2
     cc.render(result)
     if args.json:
         import json
@@ -424,19 +461,33 @@ def build_parser() -> argparse.ArgumentParser:
         "by stage (gate, routing metadata, permute+quant, GEMM 1, activation+quant, GEMM 2, combine, and the "
         "whole layer), every implementation fed the jnp reference's output of the previous stage. Prints a "
         "table per stage and pair, judged by CONTRACT.md section 7; exit 1 names the violating stage(s), "
-        "2 on bad arguments. Without a GPU the kernels run interpreted (tiny preset only). With --ep-size N > 1: "
+        "2 on bad arguments or a layer the check cannot take. Without a GPU the kernels run interpreted (the tiny "
+        "preset, or any preset shrunk by the layer options, at most 16M weight elements). With --ep-size N > 1: "
         "every implementation runs every rank's experts end to end and the N partial outputs, summed in float32, "
         "are judged against its single-device layer and the other implementations' sums (and JAX's multi-device "
         "ep_moe_forward where jax has N devices); --ep-rank r adds rank r's stage-by-stage table.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _add_input_args(check, "model preset (default: tiny; CPU: tiny only); with --weights only for a checkpoint "
+    _add_input_args(check, "model preset (default: tiny; CPU: tiny, or any preset made small by the layer "
+                           "options); with --weights only for a checkpoint "
                            "without config.json, whose routing (topk, groups, rsf) it then gives")
     for action in check._actions:  # left out when not given: run_check tells given from default
         if action.dest in ("preset", "quant"):
             action.default = argparse.SUPPRESS
         if action.dest == "quant":
             action.help += "; default: none, with --weights the checkpoint's (fp8_block for an FP8 checkpoint)"
+    layer = check.add_argument_group(
+        "layer options", "override the preset's layer (not with --weights): its shapes (any preset runs on a CPU once "
+        "small enough, e.g. --hidden-size 64 --intermediate-size 32 --num-experts 16) and its semantics")
+    for field, option, kind, what in LAYER_OPTIONS:
+        if kind is bool:
+            layer.add_argument(option, dest=field, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=what + " (default: the preset's)")
+        else:
+            choices = {"activation": ACTIVATIONS, "gate_up_layout": GATE_UP_LAYOUTS}.get(field)
+            layer.add_argument(option, dest=field, type=kind, default=argparse.SUPPRESS, choices=choices,
+                               metavar=None if choices else what.split(",")[0].split()[0],
+                               help=what + " (default: the preset's)")
     check.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks (E must divide)")
     check.add_argument("--ep-rank", type=int, default=None,
                        help="with --ep-size N > 1: also check this rank's experts and partial sum stage by stage "
@@ -448,7 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--backward", action="store_true",
                        help="also the backward, judged by CONTRACT.md section 8: each backward stage (combine, GEMM 2 "
                             "dgrad / wgrad, activation, GEMM 1 dgrad / wgrad, permute, gate: d_y, d_topk_weights, d_a, "
-                            "d_w2, d_h, d_xp, d_w13, d_x, d_router_logits) fed the reference's upstream gradient, and "
+                            "d_w2, d_h, d_xp, d_w13, d_x, d_router_logits; the 2026 families also slot_weights_bwd, "
+                            "scaled_slot_rows_bwd, gemm*_dbias) fed the reference's upstream gradient, and "
                             "the whole layer's gradients for a seeded random d_out; FP8 layers: straight-through, no "
                             "weight gradients; with --ep-size N > 1 the EP summary adds the ranks' gradients (d_x, "
                             "d_router_logits summed, weight gradients as slices) vs the single device")

@@ -33,6 +33,13 @@ def load_nnx_moe_block(
 ) -> MoEBlock:
     """MoE layer ``layer`` of the checkpoint at ``path`` as a :class:`moe_pallas.module.MoEBlock`.
 
+    Families (:func:`interop.checkpoints.load_moe_layer`): Mixtral, Qwen3-MoE, DeepSeek-V3 and Kimi K2 (its layout),
+    GLM-4.5 (``glm4_moe``: DeepSeek-V3's routing and shared experts), Qwen3-Next (the shared expert fused, its
+    ``shared_expert_gate [1, H]`` the layer's ``shared_expert_gate`` weight: ``config.shared_expert_gate``) and
+    Llama 4 (sigmoid top-k on the expert input: ``config.apply_router_weight_on_input``; the shared expert fused).
+    The block returns the hidden states only, for every family (``MoEBlock.router_logits(x)`` gives the logits that
+    transformers' ``Llama4TextMoe`` returns beside them).
+
     Args:
       path: a ``.safetensors`` file or a checkpoint folder (``save_pretrained``'s output, a hub
         snapshot: ``model.safetensors.index.json`` or ``*.safetensors``, with ``config.json``).
@@ -40,8 +47,9 @@ def load_nnx_moe_block(
       implementation: the layer's backend (``None``, ``"reference"``, ``"pallas_triton"``,
         ``"pallas_mosaic_gpu"``), as :class:`moe_pallas.MoELayer` takes it.
       dtype: the float expert weights' dtype (float32 / bfloat16 / float16; the hidden states the block
-        then takes for ``quant='none'``), and the router's for Mixtral / Qwen3-MoE; default: as the loader
-        returns them. DeepSeek-V3's router stays float32 (transformers keeps ``gate.weight`` in float32).
+        then takes for ``quant='none'``), and the router's (and Qwen3-Next's shared-expert gate's) for the
+        softmax and Llama 4 families; default: as the loader returns them. DeepSeek-V3's and GLM-4.5's routers
+        stay float32 (transformers keeps their ``gate.weight`` in float32).
         FP8 codes are never cast.
       preset: a :class:`moe_contract.ModelPreset` giving the routing when there is no ``config.json``.
       config_overrides: :class:`moe_contract.MoEConfig` fields (``quant``, ``ep_size``, ``ep_rank``...).
@@ -70,16 +78,20 @@ def load_nnx_moe_block(
 
     if ck.is_fp8 and config.quant == "fp8_block":  # the checkpoint's own codes and block scales, this rank's slice
         a = ck.arrays("jax", config)
+        gate = None if a["shared_expert_gate"] is None else cast(a["shared_expert_gate"])
         moe = MoELayer(config, a["w13"], a["w2"], w13_scale=a["w13_scale"], w2_scale=a["w2_scale"],
-                       e_score_correction_bias=a["e_score_correction_bias"], implementation=implementation)
+                       e_score_correction_bias=a["e_score_correction_bias"], shared_expert_gate=gate,
+                       implementation=implementation)
     else:  # every expert's float weights; from_float slices this rank's and quantizes per config.quant
         a = ck.arrays("jax")
         w13, w2 = a["w13"], a["w2"]
         if ck.is_fp8:
             w13 = dequantize_weight_fp8(w13, a["w13_scale"])
             w2 = dequantize_weight_fp8(w2, a["w2_scale"])
+        gate = None if a["shared_expert_gate"] is None else cast(a["shared_expert_gate"])
         moe = MoELayer.from_float(config, cast(w13), cast(w2), e_score_correction_bias=a["e_score_correction_bias"],
-                                  implementation=implementation)
+                                  shared_expert_gate=gate, implementation=implementation)
     router = a["router_weight"]
-    router = router.astype(jnp.float32) if ck.arch == "deepseek_v3" else cast(router)
+    # DeepSeek-V3's and GLM-4.5's routers are float32 (transformers' _keep_in_fp32_modules_strict: gate.weight)
+    router = router.astype(jnp.float32) if ck.e_score_correction_bias is not None else cast(router)
     return MoEBlock(router, moe)

@@ -21,7 +21,7 @@ from typing import Literal
 from moe_contract.validation import check_bool, check_choice, check_nonnegative_int, check_positive_int, check_rsf
 
 Routing = Literal["softmax_topk", "grouped_topk", "biased_grouped_topk", "sigmoid_topk"]
-Quant = Literal["none", "fp8_per_token", "fp8_block"]
+Quant = Literal["none", "fp8_per_token", "fp8_block", "mxfp4", "int4"]
 Activation = Literal["silu", "gelu_tanh", "swiglu_oai"]
 GateUpLayout = Literal["concatenated", "interleaved"]
 
@@ -31,7 +31,14 @@ GROUPED_ROUTINGS = ("grouped_topk", "biased_grouped_topk")
 #: The routings whose weights are ``sigmoid(logit)`` (renormalized by ``sum + 1e-20``; backward
 #: ``d_logit = d_s * s * (1 - s)``), CONTRACT.md sections 1 and 8.
 SIGMOID_ROUTINGS = ("biased_grouped_topk", "sigmoid_topk")
-QUANTS = ("none", "fp8_per_token", "fp8_block")
+QUANTS = ("none", "fp8_per_token", "fp8_block", "mxfp4", "int4")
+#: The FP8 quant modes (float8_e4m3fn weight codes with float32 scales; activations quantized too: section 3).
+FP8_QUANTS = ("fp8_per_token", "fp8_block")
+#: The 4-bit weight-only quant modes (CONTRACT.md section 9): packed codes ``[E, N, K // 2]`` uint8 with one scale
+#: per group of :data:`W4_GROUP` along ``K`` (``[E, N, K // 32]``: uint8 e8m0 for ``"mxfp4"``, bf16 for ``"int4"``);
+#: activations stay ``x``'s float dtype. The mode's name is the grouped GEMM's ``w_format``.
+W4_QUANTS = ("mxfp4", "int4")
+W4_GROUP = 32
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 #: Where the gate and up halves of ``h [M, 2*I]`` (and of ``w13``'s ``2*I`` rows) are (CONTRACT.md section 4):
 #: ``"concatenated"`` gate ``[:, :I]``, up ``[:, I:]``; ``"interleaved"`` (gpt-oss) gate ``[:, 0::2]``, up
@@ -82,9 +89,16 @@ class MoEConfig:
       gate_up_layout: where gate and up are in ``w13``'s ``2*I`` rows (and so in GEMM 1's output ``h``):
         ``"concatenated"`` (the default; Mixtral, Qwen3-MoE, DeepSeek-V3: gate rows ``:I``, up rows ``I:``) or
         ``"interleaved"`` (gpt-oss's ``gate_up_proj``: gate rows ``0::2``, up rows ``1::2``).
+      expert_bias: gpt-oss (transformers ``GptOssExperts``' ``gate_up_proj_bias [E, 2I]`` / ``down_proj_bias
+        [E, H]``): the layer takes ``w13_bias [E_local, 2I]`` and ``w2_bias [E_local, H]`` (required exactly when
+        set), added by GEMM 1 and GEMM 2 before their rounding; the combine weights ``y = a @ w2.T + b2`` whole
+        (CONTRACT.md sections 4, 5, 8). The fused shared experts' rows are the bias tensors' rows ``E..E+S-1``.
       quant: ``"none"`` (bf16/f32 GEMMs), ``"fp8_per_token"`` (activations per-token,
-        weights per-output-channel or per-expert) or ``"fp8_block"`` (activations 1x128
-        groups, weights 128x128 blocks, DeepSeek-V3 style).
+        weights per-output-channel or per-expert), ``"fp8_block"`` (activations 1x128
+        groups, weights 128x128 blocks, DeepSeek-V3 style), or the weight-only 4-bit modes ``"mxfp4"``
+        (gpt-oss) / ``"int4"`` (group 32, bf16 scales; Kimi K2-Thinking): packed codes with one scale per
+        group of 32 along ``K``, activations in ``x``'s float dtype (CONTRACT.md section 9; ``H`` and ``I``
+        multiples of 32).
       ep_size / ep_rank: expert parallelism; see the module docstring for the placement.
 
     Raises:
@@ -104,6 +118,7 @@ class MoEConfig:
     num_fused_shared_experts: int = 0
     apply_router_weight_on_input: bool = False
     shared_expert_gate: bool = False
+    expert_bias: bool = False
     activation: Activation = "silu"
     gate_up_layout: GateUpLayout = "concatenated"
     quant: Quant = "none"
@@ -121,7 +136,7 @@ class MoEConfig:
         for name in ("hidden_size", "intermediate_size", "num_experts", "topk", "ep_size"):
             check_positive_int(op, name, getattr(self, name))
         for name in ("renormalize", "apply_routed_scaling_factor_on_output", "apply_router_weight_on_input",
-                     "shared_expert_gate"):
+                     "shared_expert_gate", "expert_bias"):
             check_bool(op, name, getattr(self, name))
         check_choice(op, "routing", self.routing, ROUTINGS)
         check_choice(op, "quant", self.quant, QUANTS)
@@ -160,6 +175,13 @@ class MoEConfig:
                     raise ValueError(
                         f"{op}: {name} must be a multiple of {FP8_BLOCK} for quant='fp8_block'; "
                         f"got {name}={getattr(self, name)}"
+                    )
+        if self.quant in W4_QUANTS:
+            for name in ("hidden_size", "intermediate_size"):
+                if getattr(self, name) % W4_GROUP:
+                    raise ValueError(
+                        f"{op}: {name} must be a multiple of {W4_GROUP} for quant={self.quant!r} (one 4-bit weight "
+                        f"scale per group of {W4_GROUP} along K: H for w13, I for w2); got {name}={getattr(self, name)}"
                     )
 
     @property
@@ -268,7 +290,9 @@ def check_routing_args(
         )
 
 
-#: The activation quantization each layer quant mode uses (CONTRACT.md section 3).
-ACTIVATION_QUANT = {"none": None, "fp8_per_token": "fp8_per_token", "fp8_block": "fp8_per_token_group"}
-#: The weight-scale layout each FP8 layer quant mode stores.
+#: The activation quantization each layer quant mode uses (CONTRACT.md section 3; the 4-bit modes are
+#: weight-only: none).
+ACTIVATION_QUANT = {"none": None, "fp8_per_token": "fp8_per_token", "fp8_block": "fp8_per_token_group",
+                    "mxfp4": None, "int4": None}
+#: The weight-scale layout each FP8 layer quant mode stores (the 4-bit modes: :data:`W4_QUANTS`, groups of 32).
 WEIGHT_LAYOUT = {"fp8_per_token": "per_channel", "fp8_block": "block"}

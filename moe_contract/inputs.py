@@ -23,7 +23,9 @@ class LayerInputs:
     """Global (all-rank) float32 inputs of one layer.
 
     x: [T, H]; router_logits: [T, E]; w13: [E + S, 2*I, H]; w2: [E + S, H, I];
-    e_score_correction_bias: [E] (used by biased_grouped_topk only).
+    e_score_correction_bias: [E] (used by biased_grouped_topk only);
+    shared_expert_gate_logits: [T, S] (``config.shared_expert_gate`` only, else None:
+    :func:`shared_expert_gate_logits`).
     """
 
     x: np.ndarray
@@ -31,6 +33,7 @@ class LayerInputs:
     w13: np.ndarray
     w2: np.ndarray
     e_score_correction_bias: np.ndarray
+    shared_expert_gate_logits: np.ndarray | None = None
 
 
 def _expert_generators(seed: int, num_total_experts: int) -> list[np.random.Generator]:
@@ -65,7 +68,9 @@ def make_layer_inputs(config: MoEConfig, num_tokens: int, seed: int = 0, routing
 
     ``x``, ``router_logits`` and the bias come from ``default_rng(seed)``; expert ``e``'s weights from its
     own generator (``SeedSequence(seed).spawn``), drawn on all cores (numpy's generators release the
-    GIL), so a DeepSeek-V3-size layer (11G float32 values) is drawn in seconds, not minutes.
+    GIL), so a DeepSeek-V3-size layer (11G float32 values) is drawn in seconds, not minutes. A
+    ``config.shared_expert_gate`` layer also gets ``shared_expert_gate_logits [T, S]``
+    (:func:`shared_expert_gate_logits`; its own generator, so the other draws are unchanged).
     ``routing`` skews the router logits: ``"uniform"`` (none), ``"zipf"`` (expert ``e``
     gets a logit bonus of ``-1.2 * log(e + 1)``, so a few experts take most rows) or
     ``"one-expert"`` (expert 0 gets +30, so every token picks it first).
@@ -92,7 +97,8 @@ def make_layer_inputs(config: MoEConfig, num_tokens: int, seed: int = 0, routing
     w2 = np.empty((E_all, H, I), f32)
     gens = _expert_generators(seed, E_all)
     for_each_expert(lambda e: _draw_expert(gens[e], w13[e], w2[e]), E_all)
-    return LayerInputs(x=x, router_logits=logits.astype(f32), w13=w13, w2=w2, e_score_correction_bias=bias)
+    return LayerInputs(x=x, router_logits=logits.astype(f32), w13=w13, w2=w2, e_score_correction_bias=bias,
+                       shared_expert_gate_logits=shared_expert_gate_logits(config, x, seed))
 
 
 def draw_preset_weights(config: MoEConfig, seed: int) -> Iterator[tuple[str, int, np.ndarray]]:
@@ -127,3 +133,31 @@ def draw_shared_expert_gate(config: MoEConfig, seed: int) -> np.ndarray | None:
     H = config.hidden_size
     w = np.random.default_rng((seed, 15)).standard_normal((1, H), dtype=np.float32)
     return (w * np.float32(1.0 / np.sqrt(H))).astype(np.float32)
+
+
+def shared_expert_gate_logits(config: MoEConfig, x: np.ndarray, seed: int) -> np.ndarray | None:
+    """The layer input ``shared_expert_gate_logits [T, S]`` float32 of a ``config.shared_expert_gate`` layer
+    (``None`` without): ``x [T, H] @ draw_shared_expert_gate(config, seed).T`` in float32, the gate's one logit
+    per token given to every fused shared slot, as the modules compute them from their ``[1, H]`` gate weight
+    (``EPMoE.shared_expert_gate_logits``); O(1) and spread (the weight is ~ N(0, 1/H))."""
+    gate = draw_shared_expert_gate(config, seed)
+    if gate is None:
+        return None
+    logits = np.asarray(x, np.float32) @ gate.T  # [T, 1]
+    return np.ascontiguousarray(np.broadcast_to(logits, (x.shape[0], config.num_fused_shared_experts)), np.float32)
+
+
+def draw_expert_biases(config: MoEConfig, seed: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The per-expert biases of a ``config.expert_bias`` layer (gpt-oss's ``gate_up_proj_bias`` /
+    ``down_proj_bias``): ``(w13_bias [E + S, 2*I], w2_bias [E + S, H])`` float32 ~ N(0, 1/4) from
+    ``default_rng((seed, 16))`` (their own generator: the other draws are unchanged), every expert of the layer
+    (a rank takes its slice, ``local_weights``); ``None`` without ``config.expert_bias``. Both modules'
+    ``from_preset`` draw them here (the same bits)."""
+    if not config.expert_bias:
+        return None
+    E_all, H, I = config.num_total_experts, config.hidden_size, config.intermediate_size
+    rng = np.random.default_rng((seed, 16))
+    half = np.float32(0.5)
+    b13 = rng.standard_normal((E_all, 2 * I), dtype=np.float32) * half
+    b2 = rng.standard_normal((E_all, H), dtype=np.float32) * half
+    return b13.astype(np.float32), b2.astype(np.float32)

@@ -11,8 +11,9 @@ Kimi K2) say per value where it comes from: the model's ``config.json`` (for Lla
 
 A preset describes the whole layer: Llama 4's router weight on the expert input
 (``apply_router_weight_on_input``), Qwen3-Next's shared-expert gate (``shared_expert_gate``), gpt-oss's
-interleaved gate/up rows and clamped SwiGLU; the routers' own biases (gpt-oss) are in the logits, which
-the layer takes as input.
+interleaved gate/up rows, clamped SwiGLU and per-expert biases (``expert_bias``); the routers' own biases
+(gpt-oss) are in the logits, which the layer takes as input. gpt-oss ships its experts in MXFP4:
+``config(quant="mxfp4")``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class ModelPreset:
     gate_up_layout: str = "concatenated"
     apply_router_weight_on_input: bool = False
     shared_expert_gate: bool = False
+    expert_bias: bool = False
 
     def config(self, **overrides) -> MoEConfig:
         """The layer config (shared experts fused); ``overrides`` set quant, EP, rsf placement..."""
@@ -61,6 +63,7 @@ class ModelPreset:
             gate_up_layout=self.gate_up_layout,
             apply_router_weight_on_input=self.apply_router_weight_on_input,
             shared_expert_gate=self.shared_expert_gate,
+            expert_bias=self.expert_bias,
         )
         MoEConfig.check_field_names(f"ModelPreset.config (preset {self.name!r})", overrides)
         fields.update(overrides)
@@ -127,7 +130,7 @@ _PRESETS = (
         renormalize=True,
         activation="swiglu_oai",  # tf GptOssExperts._apply_gate; cfg swiglu_limit 7.0, tf swiglu_alpha 1.702
         gate_up_layout="interleaved",  # tf GptOssExperts: gate_up[..., ::2] gate, [..., 1::2] up
-        # not computed yet: expert biases (gate_up_proj_bias [E, 2I], down_proj_bias [E, H])
+        expert_bias=True,  # tf GptOssExperts: gate_up_proj_bias [E, 2I], down_proj_bias [E, H], always (no cfg switch)
     ),
     ModelPreset(
         name="gpt-oss-120b",
@@ -140,7 +143,7 @@ _PRESETS = (
         renormalize=True,
         activation="swiglu_oai",
         gate_up_layout="interleaved",
-        # not computed yet: expert biases (gate_up_proj_bias [E, 2I], down_proj_bias [E, H])
+        expert_bias=True,  # as gpt-oss-20b (tf GptOssExperts)
     ),
     ModelPreset(
         name="llama4-scout",

@@ -193,6 +193,11 @@ def check_layer_inputs(
     T = x.shape[0]
     check_shape(op, "router_logits", router_logits, (T, E), f"[T, E] = ({T}, {E})")
     check_dtype(op, "router_logits", router_logits, FLOAT_DTYPES)
+    from moe_contract.config import W4_QUANTS
+
+    if config.quant in W4_QUANTS:
+        _check_w4_layer_weights(op, config, e_local, w13, w2, w13_scale, w2_scale)
+        return
     check_shape(op, "w13", w13, (e_local, 2 * I, H), f"[E_local, 2*I, H] = ({e_local}, {2 * I}, {H}) (this rank's experts)")
     check_shape(op, "w2", w2, (e_local, H, I), f"[E_local, H, I] = ({e_local}, {H}, {I}) (this rank's experts)")
     if config.quant == "none":
@@ -222,6 +227,51 @@ def check_layer_inputs(
                 f"{op}: {name}_scale must be 128x128 block scales [E_local, ceil(N/128), ceil(K/128)] for "
                 f"quant='fp8_block'; got {name}_scale.shape={_fmt_shape(s.shape)}"
             )
+
+
+#: The dtype of a 4-bit layer's weight scales, per quant mode (CONTRACT.md section 9).
+W4_SCALE_DTYPE = {"mxfp4": "uint8", "int4": "bfloat16"}
+
+
+def _check_w4_layer_weights(op: str, config: Any, e_local: int, w13: Any, w2: Any, w13_scale: Any, w2_scale: Any) -> None:
+    """A 4-bit layer's weights (CONTRACT.md section 9, ``config.quant`` ``"mxfp4"`` / ``"int4"``): packed codes
+    ``w13 [E_local, 2*I, H // 2]`` / ``w2 [E_local, H, I // 2]`` uint8 with scales ``[E_local, 2*I, H // 32]`` /
+    ``[E_local, H, I // 32]`` (uint8 e8m0 for mxfp4, bf16 for int4), as :func:`quantize_layer_weights` makes them."""
+    H, I, fmt = config.hidden_size, config.intermediate_size, config.quant
+    for name, w, s, N, K in (("w13", w13, w13_scale, 2 * I, H), ("w2", w2, w2_scale, H, I)):
+        packed = (e_local, N, K // 2)
+        check_shape(op, name, w, packed, f"[E_local, {'2*I, H' if name == 'w13' else 'H, I'} // 2] = "
+                                         f"{_fmt_shape(packed)} uint8 ({fmt} packed codes, two a byte; this rank's experts)")
+        check_dtype(op, name, w, ("uint8",))
+        groups = (e_local, N, K // 32)
+        what = (f"[E_local, {'2*I, H' if name == 'w13' else 'H, I'} // 32] = {_fmt_shape(groups)} {W4_SCALE_DTYPE[fmt]} "
+                f"(one {fmt} scale per group of 32 along K)")
+        if s is None:
+            raise ValueError(f"{op}: {name}_scale {what} must be given for quant={fmt!r}; got None")
+        check_rank(op, f"{name}_scale", s, 3, what)
+        check_shape(op, f"{name}_scale", s, groups, what)
+        check_dtype(op, f"{name}_scale", s, (W4_SCALE_DTYPE[fmt],))
+
+
+def check_expert_biases(op: str, config: Any, x: Any, w13_bias: Any, w2_bias: Any) -> None:
+    """The layer inputs ``w13_bias [E_local, 2*I]`` and ``w2_bias [E_local, H]`` (gpt-oss's ``gate_up_proj_bias`` /
+    ``down_proj_bias``, this rank's experts; CONTRACT.md section 4): given exactly when ``config.expert_bias``
+    (ValueError naming the argument either way), float32, bfloat16 or ``x``'s float dtype (TypeError)."""
+    _, e_local = config.local_expert_range()
+    H, I = config.hidden_size, config.intermediate_size
+    for name, b, N, hf in (("w13_bias", w13_bias, 2 * I, "gate_up_proj_bias"), ("w2_bias", w2_bias, H, "down_proj_bias")):
+        what = f"[E_local, {'2*I' if name == 'w13_bias' else 'H'}] = ({e_local}, {N}) (this rank's experts)"
+        if not config.expert_bias:
+            if b is not None:
+                raise ValueError(f"{op}: {name} must be None unless config.expert_bias=True (gpt-oss's per-expert "
+                                 f"biases); got an array with config.expert_bias=False")
+            continue
+        if b is None:
+            raise ValueError(f"{op}: {name} {what} must be given for config.expert_bias=True (gpt-oss's {hf}); "
+                             f"got None")
+        check_rank(op, name, b, 2, what)
+        check_shape(op, name, b, (e_local, N), what)
+        check_dtype(op, name, b, tuple(dict.fromkeys(("float32", "bfloat16", dtype_name(x)))))
 
 
 def check_shared_expert_gate_logits(op: str, config: Any, x: Any, logits: Any) -> None:

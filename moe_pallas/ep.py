@@ -73,9 +73,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moe_contract.config import MoEConfig
-from moe_contract.validation import (check_choice, check_config, check_layer_inputs, check_positive_int, check_rank,
-                                      check_shared_expert_gate_logits, stage_implementation)
-from moe_pallas.layer import LAYER_IMPLEMENTATIONS, routed_experts, run_gate
+from moe_contract.validation import (check_choice, check_config, check_expert_biases, check_layer_inputs,
+                                      check_positive_int, check_rank, check_shared_expert_gate_logits,
+                                      stage_implementation)
+from moe_pallas.layer import LAYER_IMPLEMENTATIONS, check_w4_implementation, routed_experts, run_gate
 from moe_pallas.ops.combine import api as combine_api
 from moe_pallas.ops.combine.api import combine
 from moe_pallas.ops.common import takes_jax_arrays
@@ -182,11 +183,11 @@ def pad_expert_weights(w: jax.Array, config: MoEConfig) -> jax.Array:
 
 @takes_jax_arrays
 def shard_expert_weights(w: jax.Array, config: MoEConfig, mesh: Mesh) -> jax.Array:
-    """Put a global expert tensor (weight or FP8 weight scale) onto the mesh, sharded over experts.
+    """Put a global expert tensor (weight, weight scale or expert bias) onto the mesh, sharded over experts.
 
     Args:
       w: ``[E + S, ...]`` (e.g. ``w13 [E + S, 2I, H]``, ``w2 [E + S, H, I]``, scales ``[E + S]``,
-        ``[E + S, N]`` or ``[E + S, nb, kb]``), any dtype.
+        ``[E + S, N]`` or ``[E + S, nb, kb]``, 4-bit codes and scales, biases ``[E + S, N]``), any dtype.
       config: the layer; ``config.ep_size`` must equal the mesh's ``"ep"`` size.
       mesh: from :func:`make_ep_mesh`.
 
@@ -237,6 +238,8 @@ def ep_moe_forward(
     mode: str = "replicated",
     w13_scale: jax.Array | None = None,
     w2_scale: jax.Array | None = None,
+    w13_bias: jax.Array | None = None,
+    w2_bias: jax.Array | None = None,
     e_score_correction_bias: jax.Array | None = None,
     shared_expert_gate_logits: jax.Array | None = None,
     implementation: str | None = None,
@@ -249,7 +252,7 @@ def ep_moe_forward(
     Equals the single-device layer (:func:`moe_pallas.moe_forward` with ``ep_size=1``) to float32
     rounding (CONTRACT.md section 6). Jit with ``static_argnames=("config", "mesh", "mode",
     "implementation", "out_sharding", "exchange", "recompute")``. Differentiable in ``x``,
-    ``router_logits`` and float ``w13`` / ``w2`` (module docstring, "Backward").
+    ``router_logits``, float ``w13`` / ``w2`` and the expert biases (module docstring, "Backward").
 
     Args:
       x: ``[T, H]`` float32 / bf16 / float16, any sharding (``jit`` reshards it to the mode's
@@ -257,14 +260,17 @@ def ep_moe_forward(
       router_logits: ``[T, E]`` float.
       w13: ``[ep * E_lmax, 2I, H]`` from :func:`shard_expert_weights` (preferred: padded and placed
         once), or the global ``[E + S, 2I, H]`` (padded inside, on every call). ``x.dtype`` for
-        ``quant='none'``, float8_e4m3fn otherwise.
-      w2: ``[ep * E_lmax, H, I]`` or ``[E + S, H, I]``, the same way.
+        ``quant='none'``, float8_e4m3fn for FP8, packed 4-bit codes (``[..., 2I, H // 2]`` uint8) for
+        ``quant='mxfp4'`` / ``'int4'``.
+      w2: ``[ep * E_lmax, H, I]`` or ``[E + S, H, I]`` (4-bit ``[..., H, I // 2]``), the same way.
       config: the layer; ``config.ep_size`` must equal the mesh's ``"ep"`` size (``ep_rank`` is ignored:
         every device is its own rank).
       mesh: a mesh with an ``"ep"`` axis (:func:`make_ep_mesh`).
       mode: ``"replicated"`` (SGLang EPMoE: every device sees all tokens, sums partial outputs) or
         ``"all_to_all"`` (DeepEP-style: tokens split over devices, rows travel to expert owners).
-      w13_scale, w2_scale: FP8 weight scales with the same leading expert axis as the weights.
+      w13_scale, w2_scale: FP8 / 4-bit weight scales with the same leading expert axis as the weights.
+      w13_bias, w2_bias: the expert biases ``[.., 2I]`` / ``[.., H]`` (``config.expert_bias`` exactly, as
+        :func:`moe_pallas.moe_forward`), with the same leading expert axis as the weights (padded, or ``E + S``).
       e_score_correction_bias: ``[E]`` float32 (``routing='biased_grouped_topk'``), replicated.
       shared_expert_gate_logits: ``[T, S]`` float32 or ``x.dtype``, laid out as ``router_logits``, exactly when
         ``config.shared_expert_gate`` (as :func:`moe_pallas.moe_forward`). ``config.apply_router_weight_on_input``
@@ -288,9 +294,9 @@ def ep_moe_forward(
 
     Gradients (CONTRACT.md section 8): ``x``, ``router_logits``, ``shared_expert_gate_logits`` as the
     single-device layer's; ``w13`` /
-    ``w2`` (and zero cotangents for the scales) in the layout passed in, each device's experts' rows the
-    single-device gradient's; the padding experts' rows 0. FP8 layers: straight-through, the codes get
-    zero cotangents.
+    ``w2``, the expert biases (and zero cotangents for the scales) in the layout passed in, each device's
+    experts' rows the single-device gradient's; the padding experts' rows 0. FP8 and 4-bit layers:
+    straight-through, the codes get zero cotangents (4-bit: none).
 
     T not divisible by ``ep``: where the tokens are split (``"all_to_all"``, or
     ``out_sharding="tokens"``) ``T`` is padded to ``T_pad``; padded rows are masked (no slot is
@@ -327,9 +333,11 @@ def ep_moe_forward(
             check_choice(op, "exchange", exchange, EXCHANGES)
         dense = True
     check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
+    check_w4_implementation(op, config, implementation)
     e_lmax, starts, counts = _local_counts(config)
     e_all = config.num_total_experts
-    arrays = {"w13": w13, "w2": w2, "w13_scale": w13_scale, "w2_scale": w2_scale}
+    arrays = {"w13": w13, "w2": w2, "w13_scale": w13_scale, "w2_scale": w2_scale, "w13_bias": w13_bias,
+              "w2_bias": w2_bias}
     for name, a in arrays.items():
         if a is None:
             continue
@@ -344,11 +352,14 @@ def ep_moe_forward(
     check_layer_inputs(
         op, config.for_rank(ep - 1), x, router_logits, per_rank["w13"], per_rank["w2"], per_rank["w13_scale"], per_rank["w2_scale"]
     )
+    check_expert_biases(op, config.for_rank(ep - 1), x, per_rank["w13_bias"], per_rank["w2_bias"])
     check_shared_expert_gate_logits(op, config, x, shared_expert_gate_logits)
     shared = shared_expert_gate_logits
     w13, w2 = pad_expert_weights(w13, config), pad_expert_weights(w2, config)
     w13_scale = None if w13_scale is None else pad_expert_weights(w13_scale, config)
     w2_scale = None if w2_scale is None else pad_expert_weights(w2_scale, config)
+    w13_bias = None if w13_bias is None else pad_expert_weights(w13_bias, config)
+    w2_bias = None if w2_bias is None else pad_expert_weights(w2_bias, config)
 
     if mode == "all_to_all" and dense and exchange is None and ep > 1:
         _log_cpu_fallback()
@@ -378,14 +389,14 @@ def ep_moe_forward(
     fn = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(tokens, tokens, experts, experts, experts, experts, P(), tokens),
+        in_specs=(tokens, tokens, experts, experts, experts, experts, P(), tokens, experts, experts),
         out_specs=P() if out_sharding == "replicated" else P(EP_AXIS),
         # Off: ragged_all_to_all types its result like `output` (a fresh zeros buffer, "replicated")
         # although every device receives different rows, and a psum of a value typed replicated
         # multiplies it by ep. The out_specs are right by construction (psum / all_gather results).
         check_vma=False,
     )
-    out = fn(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias, shared)
+    out = fn(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias, shared, w13_bias, w2_bias)
     return out[:T] if out.shape[0] != T else out
 
 
@@ -436,19 +447,19 @@ def _to_local_ids(ids, starts, counts, e_lmax):
 
 
 def _experts(x, topk_weights, local_ids, w13, w2, w13_scale, w2_scale, *, config, e_lmax, implementation,
-             routed_scaling_factor, out_dtype, recompute, input_scale=None):
+             routed_scaling_factor, out_dtype, recompute, input_scale=None, biases=(None, None)):
     """This device's experts on rows ``x [R, H]`` with ids ``local_ids [R, topk]`` (``E_lmax`` = not
-    here; inputs scaled by ``input_scale``, if given), combined with ``topk_weights``: ``[R, H]`` in
-    ``out_dtype``, the expert stages and combine of ``moe_forward`` with its backward
-    (:func:`moe_pallas.layer.routed_experts`)."""
+    here; inputs scaled by ``input_scale``, if given; ``biases``: this device's ``(w13_bias, w2_bias)``),
+    combined with ``topk_weights``: ``[R, H]`` in ``out_dtype``, the expert stages and combine of
+    ``moe_forward`` with its backward (:func:`moe_pallas.layer.routed_experts`)."""
     return routed_experts(x, topk_weights, local_ids, w13, w2, config, w13_scale=w13_scale, w2_scale=w2_scale,
                           implementation=implementation, num_experts=e_lmax + 1, expert_start=0, num_local_experts=e_lmax,
                           routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype, recompute=recompute,
-                          input_scale=input_scale)
+                          input_scale=input_scale, w13_bias=biases[0], w2_bias=biases[1])
 
 
-def _replicated_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared, *, config, ep, e_lmax, starts,
-                     counts, implementation, out_sharding, T, T_pad, dense, recompute, in_dtypes):
+def _replicated_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared, w13_bias, w2_bias, *, config, ep,
+                     e_lmax, starts, counts, implementation, out_sharding, T, T_pad, dense, recompute, in_dtypes):
     """Per device: all ``T`` tokens, its own experts; partial ``[T, H]`` float32 summed over ``"ep"``.
     ``x``, ``router_logits`` (and ``shared``, the shared-expert gate logits) arrive in float32 and are cast
     back to ``in_dtypes`` here."""
@@ -459,7 +470,7 @@ def _replicated_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, share
     local_ids = _to_local_ids(topk_ids, starts, counts, e_lmax)
     partial = _experts(x, combine_weights, local_ids, w13, w2, w13_scale, w2_scale, config=config, e_lmax=e_lmax,
                        implementation=implementation, routed_scaling_factor=config.combine_routed_scaling_factor,
-                       out_dtype=jnp.float32, recompute=recompute, input_scale=input_scale)
+                       out_dtype=jnp.float32, recompute=recompute, input_scale=input_scale, biases=(w13_bias, w2_bias))
     if out_sharding == "replicated":
         out = jax.lax.psum(partial, EP_AXIS)
     else:  # psum_scatter splits T evenly: pad the partial to T_pad rows (zeros), sliced off outside
@@ -467,8 +478,8 @@ def _replicated_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, share
     return out.astype(x.dtype)  # float32 -> x.dtype once: exact for float32, one rounding for bf16
 
 
-def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared, *, config, ep, e_lmax, starts,
-                     counts, implementation, out_sharding, T, T_pad, dense, recompute):
+def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared, w13_bias, w2_bias, *, config, ep,
+                     e_lmax, starts, counts, implementation, out_sharding, T, T_pad, dense, recompute):
     """Per device: its ``T_l`` tokens; rows to the expert owners and back (module docstring).
     ``apply_router_weight_on_input``: the rows are scaled at home, before the dispatch."""
     T_l, H = x.shape
@@ -505,7 +516,7 @@ def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, share
     # The experts, un-permuted to receive order (weight 1, no rsf, cast back to x.dtype: exact), then each row home.
     y_recv = _experts(x_recv, jnp.ones((ep * C, 1), jnp.float32), local_ids, w13, w2, w13_scale, w2_scale, config=config,
                       e_lmax=e_lmax, implementation=implementation, routed_scaling_factor=1.0, out_dtype=x.dtype,
-                      recompute=recompute)
+                      recompute=recompute, biases=(w13_bias, w2_bias))
     y_home = exchange(y_recv, jnp.zeros((C, H), x.dtype), slot_of, recv_sizes, home_offsets, send_sizes)  # [C, H], send order
     out = combine(y_home, send.src2dst, combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=x.dtype,
                   implementation=stage_implementation(implementation, combine_api))  # [T_l, H]; padding rows: 0

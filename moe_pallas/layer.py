@@ -4,9 +4,12 @@ Dataflow (``S`` fused shared experts, ``topk' = topk + S``, ``M_cap = T * topk'`
 
     router_logits [T, E] --select_experts--> topk_weights, topk_ids [T, topk']
     topk_ids --routing_metadata--> expert_offsets [E_local+1], src2dst [T, topk'], dst2src [M_cap]
-    x [T, H] --permute (+FP8 quant)--> [M_cap, H] --grouped_gemm w13--> [M_cap, 2I]
-      --act_and_mul (+FP8 quant)--> [M_cap, I] --grouped_gemm w2--> [M_cap, H]
+    x [T, H] --permute (+FP8 quant)--> [M_cap, H] --grouped_gemm w13 (+ w13_bias)--> [M_cap, 2I]
+      --act_and_mul (+FP8 quant)--> [M_cap, I] --grouped_gemm w2 (+ w2_bias)--> [M_cap, H]
       --combine (x rsf unless the gate applied it)--> out [T, H]
+
+Weights: float (``quant='none'``), FP8 codes with scales, or 4-bit packed codes with group scales
+(``quant='mxfp4'`` / ``'int4'``, weight-only: the grouped GEMM decodes them, CONTRACT.md section 9).
 
 Mirror: ``moe_torch/layer.py``.
 """
@@ -18,22 +21,24 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_contract.config import ACTIVATION_QUANT, WEIGHT_LAYOUT, MoEConfig
-from moe_contract.validation import (check_layer_inputs, check_layer_weights, check_positive_int,
+from moe_contract.config import ACTIVATION_QUANT, FP8_QUANTS, W4_QUANTS, WEIGHT_LAYOUT, MoEConfig
+from moe_contract.validation import (check_expert_biases, check_layer_inputs, check_layer_weights, check_positive_int,
                                       check_shared_expert_gate_logits, stage_implementation)
 from moe_pallas.ops.activation import api as activation_api
 from moe_pallas.ops.activation.api import act_and_mul, act_and_mul_backward
 from moe_pallas.ops.combine import api as combine_api
 from moe_pallas.ops.combine.api import combine
-from moe_pallas.ops.common import takes_jax_arrays
+from moe_pallas.ops.common import cast_rounded, takes_jax_arrays
 from moe_pallas.ops.dispatch import check_implementation
 from moe_pallas.ops.gate import api as gate_api
 from moe_pallas.ops.gate.api import select_experts, select_experts_backward
 from moe_pallas.ops.grouped_gemm import api as grouped_gemm_api
-from moe_pallas.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_wgrad
+from moe_pallas.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dbias, grouped_gemm_dgrad, grouped_gemm_wgrad
 from moe_pallas.ops.permute import api as permute_api
 from moe_pallas.ops.permute.api import permute, permute_backward, routing_metadata
-from moe_pallas.ops.quant.api import QUANT_CHUNK_BYTES, dequantize_fp8, quantize_weight_fp8
+from moe_pallas.ops.quant.api import (QUANT_CHUNK_BYTES, dequantize_fp8, quantize_weight_fp8, quantize_weight_int4,
+                                      quantize_weight_mxfp4)
+from moe_pallas.ops.quant.reference import dequantize_weight_4bit_reference
 from moe_pallas.slot_weights import scaled_slot_rows, scaled_slot_rows_backward, slot_weights, slot_weights_backward
 
 #: Every backend name any stage knows (a stage without the chosen one uses its default).
@@ -52,6 +57,8 @@ def moe_forward(
     *,
     w13_scale: jax.Array | None = None,
     w2_scale: jax.Array | None = None,
+    w13_bias: jax.Array | None = None,
+    w2_bias: jax.Array | None = None,
     e_score_correction_bias: jax.Array | None = None,
     shared_expert_gate_logits: jax.Array | None = None,
     implementation: str | None = None,
@@ -65,11 +72,19 @@ def moe_forward(
       router_logits: ``[T, E]`` float (the gate's linear layer output).
       w13: ``[E_local, 2*I, H]`` this rank's gate and up projections (rows ``:I`` and ``I:``, or with
         ``config.gate_up_layout="interleaved"`` rows ``0::2`` and ``1::2``), ``x.dtype`` for ``quant='none'``,
-        float8_e4m3fn otherwise.
-      w2: ``[E_local, H, I]`` down projections, same dtype rule.
-      config: the layer (routing, rsf placement, activation and gate/up layout, quant, EP); a static argument
-        under ``jit``.
-      w13_scale, w2_scale: FP8 weight scales (see :func:`quantize_layer_weights`).
+        float8_e4m3fn for the FP8 modes; ``quant='mxfp4'`` / ``'int4'``: packed 4-bit codes
+        ``[E_local, 2*I, H // 2]`` uint8 (CONTRACT.md section 9).
+      w2: ``[E_local, H, I]`` down projections, same dtype rule (4-bit: ``[E_local, H, I // 2]`` uint8).
+      config: the layer (routing, rsf placement, activation and gate/up layout, expert biases, quant, EP); a
+        static argument under ``jit``.
+      w13_scale, w2_scale: the weight scales (see :func:`quantize_layer_weights`): FP8 float32; 4-bit
+        ``[E_local, 2*I, H // 32]`` / ``[E_local, H, I // 32]``, uint8 e8m0 (mxfp4) or bf16 (int4).
+      w13_bias, w2_bias: ``[E_local, 2*I]`` / ``[E_local, H]`` float32, bf16 or ``x.dtype``, exactly when
+        ``config.expert_bias`` (gpt-oss's ``gate_up_proj_bias`` / ``down_proj_bias``, this rank's rows, the
+        fused shared experts' included): GEMM 1 computes ``h = xp @ w13[e].T + w13_bias[e]`` and GEMM 2
+        ``y = a @ w2[e].T + w2_bias[e]``, each bias added to the float32 accumulator before the rounding
+        (CONTRACT.md section 4); the combine weights the whole ``y``, bias included, as transformers'
+        ``GptOssExperts`` (``(a @ down_proj + down_proj_bias) * routing_weight``; section 5).
       e_score_correction_bias: ``[E]`` float, for ``routing='biased_grouped_topk'``.
       shared_expert_gate_logits: ``[T, S]`` float32 or ``x.dtype``, exactly when ``config.shared_expert_gate``
         (Qwen3-Next: ``x @ shared_expert_gate.weight.T``, as ``router_logits`` from outside): fused shared
@@ -79,9 +94,9 @@ def moe_forward(
         input instead of its output (sections 2, 5; :mod:`moe_pallas.slot_weights`: the scaling is a jnp op
         before the permute kernel, not fused).
       implementation: ``"reference"``, ``"pallas_triton"`` or ``"pallas_mosaic_gpu"`` (the GEMMs;
-        the other stages then take their default), used by every stage that has it; a stage without
-        it uses its default (``None``). ``None``: every stage's default. The backward uses the same
-        choice for each stage's backward op.
+        the other stages then take their default; no 4-bit weights: NotImplementedError), used by every
+        stage that has it; a stage without it uses its default (``None``). ``None``: every stage's default.
+        The backward uses the same choice for each stage's backward op.
       recompute: what the forward keeps for the backward (a static argument). ``False``: the routing
         (``topk_weights``, ``topk_ids``, ``expert_offsets``, ``src2dst``, ``dst2src``) and GEMM 1's
         output ``h``; ``a = act(g) * u`` is recomputed from ``h``. ``True``: the routing only; the
@@ -95,9 +110,12 @@ def moe_forward(
     section 3), so the combine's backward needs no ``y``.
 
     Gradients (CONTRACT.md section 8): ``x``, ``router_logits`` (through ``topk_weights`` only),
-    ``shared_expert_gate_logits``, float ``w13`` / ``w2`` (this rank's slice), each accumulated in float32
-    and returned in its input's dtype. FP8 layers: straight-through on the dequantized weights in ``x.dtype``; FP8 codes,
-    weight scales and ``e_score_correction_bias`` get zero cotangents.
+    ``shared_expert_gate_logits``, float ``w13`` / ``w2`` (this rank's slice), ``w13_bias`` / ``w2_bias``
+    (``grouped_gemm_dbias`` of ``d_h`` / of the weighted ``d_y``), each accumulated in float32 and returned in
+    its input's dtype. FP8 and 4-bit layers: straight-through on the dequantized weights in ``x.dtype`` (4-bit:
+    each weight dequantized whole, ``[E_local, N, K]`` of ``x.dtype``, an expert at a time, for its dgrad); FP8
+    codes, weight scales and ``e_score_correction_bias`` get zero cotangents, 4-bit codes and scales none
+    (integers; the expert biases do get theirs).
 
     Returns: ``out [T, H]`` in ``x.dtype``: this rank's partial sum; the sum over EP ranks is
     the layer's output (CONTRACT.md section 6). Jit with ``static_argnames=("config",)``.
@@ -106,39 +124,52 @@ def moe_forward(
     """
     op = "moe_forward"
     check_layer_inputs(op, config, x, router_logits, w13, w2, w13_scale, w2_scale)
+    check_expert_biases(op, config, x, w13_bias, w2_bias)
     check_shared_expert_gate_logits(op, config, x, shared_expert_gate_logits)
     check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
+    check_w4_implementation(op, config, implementation)
     if not isinstance(recompute, bool):
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
     return _moe_layer(config, implementation, recompute, x, router_logits, w13, w2, w13_scale, w2_scale,
-                      e_score_correction_bias, shared_expert_gate_logits)
+                      e_score_correction_bias, shared_expert_gate_logits, w13_bias, w2_bias)
 
 
-def _layer_forward(config, implementation, x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits):
+def check_w4_implementation(op: str, config: MoEConfig, implementation: str | None) -> None:
+    """``NotImplementedError`` for 4-bit weights with ``implementation="pallas_mosaic_gpu"``: the Mosaic GPU grouped
+    GEMM has no 4-bit weight path (``"pallas_triton"`` or ``None`` serve them), raised before anything runs."""
+    if config.quant in W4_QUANTS and implementation == "pallas_mosaic_gpu":
+        raise NotImplementedError(f"{op}: implementation='pallas_mosaic_gpu' has no 4-bit weight GEMM (quant="
+                                  f"{config.quant!r}); use implementation='pallas_triton' or None")
+
+
+def _layer_forward(config, implementation, x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits,
+                   w13_bias, w2_bias):
     """The stages of :func:`moe_forward`: ``(out, (topk_weights, topk_ids, meta, h))``."""
     topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
     combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)
     expert_start, e_local = config.local_expert_range()
     y, meta, h = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
                              num_experts=config.num_total_experts, expert_start=expert_start,
-                             num_local_experts=e_local, return_h=True, input_scale=input_scale)
+                             num_local_experts=e_local, return_h=True, input_scale=input_scale,
+                             w13_bias=w13_bias, w2_bias=w2_bias)
     out = combine(y, meta.src2dst, combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
                   out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))
     return out, (topk_weights, topk_ids, meta, h)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _moe_layer(config, implementation, recompute, x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits):
+def _moe_layer(config, implementation, recompute, x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits,
+               w13_bias, w2_bias):
     return _layer_forward(config, implementation, x, router_logits, w13, w2, w13_scale, w2_scale, bias,
-                          shared_logits)[0]
+                          shared_logits, w13_bias, w2_bias)[0]
 
 
 def _moe_layer_fwd(config, implementation, recompute, x, router_logits, w13, w2, w13_scale, w2_scale, bias,
-                   shared_logits):
+                   shared_logits, w13_bias, w2_bias):
     out, (topk_weights, topk_ids, meta, h) = _layer_forward(config, implementation, x, router_logits, w13, w2,
-                                                            w13_scale, w2_scale, bias, shared_logits)
-    saved = (x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, topk_weights, topk_ids, meta,
-             None if recompute else h)
+                                                            w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias)
+    saved = (x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias, topk_weights,
+             topk_ids, meta, None if recompute else h)
     return out, saved
 
 
@@ -148,32 +179,38 @@ def _moe_layer_bwd(config, implementation, recompute, saved, d_out):
 
         d_y0 = permute(d_out)                          gathered d_out rows [M_cap, H] (unscaled)
         d_a0 = grouped_gemm_dgrad(d_y0, w2)            float32 [M_cap, I]   (d_out[t] @ w2[e])
-        d_topk_weights[t, j] = c * <a[m], d_a0[m]>     m = src2dst[t, j]; 0 if non-local
-        d_a = w_row * d_a0;  d_w2 = grouped_gemm_wgrad(a, w_row * d_y0)
-        d_h = act_and_mul_backward(h, d_a)
+        d_topk_weights[t, j] = c * <y[m], d_out[t]>    m = src2dst[t, j]; 0 if non-local, where
+                             = c * (<a[m], d_a0[m]> + <w2_bias[e], d_y0[m]>)   (the bias term with expert_bias)
+        d_y = w_row * d_y0;  d_a = w_row * d_a0;  d_w2 = grouped_gemm_wgrad(a, d_y)
+        d_w2_bias = grouped_gemm_dbias(d_y)
+        d_h = act_and_mul_backward(h, d_a);  d_w13_bias = grouped_gemm_dbias(d_h)
         d_xp = grouped_gemm_dgrad(d_h, w13);  d_w13 = grouped_gemm_wgrad(permute(x), d_h)
         d_x = permute_backward(d_xp);  d_router_logits = select_experts_backward(d_topk_weights)
 
     FP8 layers: ``a`` is its dequantized codes (what GEMM 2 consumed), the dgrads dequantize the weight
-    codes to ``x.dtype`` (straight-through), and the codes get zero cotangents (frozen).
+    codes to ``x.dtype`` (straight-through), and the codes get zero cotangents (frozen). 4-bit layers
+    (weight-only): the dgrads run on the weights dequantized to ``x.dtype`` (an expert at a time, ``jax.lax.map``),
+    and the codes and scales get none. The expert biases get theirs with every kind of weights.
 
     The 2026 families (:mod:`moe_pallas.slot_weights`): the combine takes ``combine_weights`` and the
     permute the scaled slot rows (``apply_router_weight_on_input``), whose backward gives ``d_x`` and
     ``d_input_scale[t, j] = <x[t], d_xp[src2dst[t, j]]>``; :func:`slot_weights_backward` turns the two
     into ``d_topk_weights`` and ``d_shared_expert_gate_logits``.
     Mirror: ``moe_torch/layer.py`` (``_MoELayerFunction``)."""
-    x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, topk_weights, topk_ids, meta, h = saved
+    (x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias, topk_weights, topk_ids,
+     meta, h) = saved
     combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)
-    d_x, d_combine_weights, d_w13, d_w2, d_input_scale = _experts_bwd(
+    d_x, d_combine_weights, d_w13, d_w2, d_input_scale, d_b13, d_b2 = _experts_bwd(
         config, implementation, x, w13, w2, w13_scale, w2_scale, combine_weights, topk_ids.shape[1], meta, h, d_out,
-        config.combine_routed_scaling_factor, input_scale=input_scale)
+        config.combine_routed_scaling_factor, input_scale=input_scale, w13_bias=w13_bias, w2_bias=w2_bias)
     d_topk_weights, d_shared = slot_weights_backward(topk_weights, shared_logits, d_combine_weights, d_input_scale,
                                                      config)
     d_logits = select_experts_backward(
         router_logits, topk_ids, d_topk_weights, **config.gate_kwargs(), e_score_correction_bias=bias,
         implementation=stage_implementation(implementation, gate_api)).astype(router_logits.dtype)
     d_shared = None if shared_logits is None else d_shared.astype(shared_logits.dtype)
-    return d_x, d_logits, d_w13, d_w2, _zeros(w13_scale), _zeros(w2_scale), _zeros(bias), d_shared
+    d_s13, d_s2 = _scale_cotangents(config, w13_scale, w2_scale)
+    return d_x, d_logits, d_w13, d_w2, d_s13, d_s2, _zeros(bias), d_shared, d_b13, d_b2
 
 
 _moe_layer.defvjp(_moe_layer_fwd, _moe_layer_bwd)
@@ -183,37 +220,78 @@ def _zeros(v):
     return None if v is None else jnp.zeros_like(v)
 
 
+def _scale_cotangents(config: MoEConfig, w13_scale, w2_scale):
+    """The weight scales' cotangents: zeros for FP8 (float32), none for the 4-bit modes (frozen integers /
+    their scales: ``None``, as the grouped GEMM's own 4-bit rule gives them)."""
+    if config.quant in W4_QUANTS:
+        return None, None
+    return _zeros(w13_scale), _zeros(w2_scale)
+
+
+def dgrad_weight(w, w_scale, config: MoEConfig, dtype):
+    """The ``(w, w_scale)`` the straight-through dgrad reads: float and FP8 weights as they are (the FP8 dgrad
+    dequantizes its codes itself); 4-bit codes dequantized in float32 and rounded to ``dtype`` (CONTRACT.md
+    section 9: ``d_x = d_y @ wd[e]``, ``wd`` in ``d_y``'s dtype), an expert at a time (one ``[N, K]`` float32
+    decode live), ``[E_local, N, K]`` of ``dtype`` in all."""
+    if config.quant not in W4_QUANTS:
+        return w, w_scale
+    fmt = config.quant
+    return jax.lax.map(lambda e: cast_rounded(dequantize_weight_4bit_reference(e[0], e[1], fmt), dtype),
+                       (w, w_scale)), None
+
+
+def _bias_dots(d_y0, w2_bias, offsets):
+    """``<w2_bias[e(m)], d_y0[m]>`` per permuted row ``m`` (float32 ``[M_cap]``; rows ``>= M``: not meaningful, never
+    read): the bias part of ``<y[m], d_out[t]>``. The expert of each row is searched in ``offsets``."""
+    rows = jnp.arange(d_y0.shape[0], dtype=offsets.dtype)
+    expert = jnp.minimum(jnp.searchsorted(offsets[1:], rows, side="right"), offsets.shape[0] - 2)
+    return jnp.sum(d_y0.astype(jnp.float32) * w2_bias.astype(jnp.float32)[expert], axis=1)
+
+
 def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k: int, meta, h, d_out, c: float, *,
-                 input_scale=None):
+                 input_scale=None, w13_bias=None, w2_bias=None):
     """The backward of the expert stages and the combine (CONTRACT.md section 8; the formulas in
     :func:`_moe_layer_bwd`), shared by it and :func:`routed_experts`: ``(d_x, d_topk_weights, d_w13,
-    d_w2, d_input_scale)`` (FP8 weights: zero cotangents, frozen codes). ``topk_weights`` are the combine's
-    weights; ``input_scale [R, k]`` float32 or ``None``: the expert inputs' scale
-    (``apply_router_weight_on_input``), whose gradient ``d_input_scale[r, j] = <x[r], d_xp[src2dst[r, j]]>``
-    (float32) is then formed (else ``None``). ``h`` is GEMM 1's output, or ``None`` (recomputed here);
-    ``c`` the combine's scaling factor."""
-    fp8 = config.quant != "none"
+    d_w2, d_input_scale, d_w13_bias, d_w2_bias)`` (FP8 weights: zero cotangents, frozen codes; 4-bit: ``None``).
+    ``topk_weights`` are the combine's weights; ``input_scale [R, k]`` float32 or ``None``: the expert inputs'
+    scale (``apply_router_weight_on_input``), whose gradient ``d_input_scale[r, j] = <x[r], d_xp[src2dst[r, j]]>``
+    (float32) is then formed (else ``None``). ``w13_bias`` / ``w2_bias``: the GEMMs' biases
+    (``config.expert_bias``) or ``None``; their gradients are ``grouped_gemm_dbias`` of ``d_h`` and of
+    ``d_y = w_row * d_y0`` (float32), in each bias's dtype (``None`` without). ``h`` is GEMM 1's output, or
+    ``None`` (recomputed here); ``c`` the combine's scaling factor."""
+    fp8 = config.quant in FP8_QUANTS
     # A pallas_mosaic_gpu layer's dgrad / wgrad run the Mosaic GPU backward kernels, except the FP8 layer's
     # straight-through dgrad, which takes the default order (Pallas-Triton on a GPU, the reference on a CPU).
     gemm = grouped_gemm_api.backward_implementation(impl, grouped_gemm_api.DGRAD_IMPLEMENTATIONS, fp8_weights=fp8)
+    dbias = grouped_gemm_api.backward_implementation(impl, grouped_gemm_api.DBIAS_IMPLEMENTATIONS)
     perm = stage_implementation(impl, permute_api)
     T = topk_weights.shape[0]
     dtype = x.dtype
     if h is None:  # recompute=True: one more GEMM 1
-        h = _gemm1(x, meta, k, w13, w13_scale, config, impl, input_scale)
+        h = _gemm1(x, meta, k, w13, w13_scale, config, impl, input_scale, w13_bias)
     a, a_scale = _act(h, config, impl)
-    if fp8:
+    if a_scale is not None:
         a = dequantize_fp8(a, a_scale).astype(dtype)  # what GEMM 2 consumed, in x.dtype
     offsets, src2dst, dst2src = meta.expert_offsets, meta.src2dst, meta.dst2src
     d_y0, _ = permute(d_out.astype(dtype), dst2src, topk=k, implementation=perm)
-    d_a0 = grouped_gemm_dgrad(d_y0, w2, offsets, w_scale=w2_scale, out_dtype=jnp.float32, implementation=gemm)
+    w2_d, s2_d = dgrad_weight(w2, w2_scale, config, dtype)
+    d_a0 = grouped_gemm_dgrad(d_y0, w2_d, offsets, w_scale=s2_d, out_dtype=jnp.float32, implementation=gemm)
     w_row = jnp.where(dst2src >= 0, topk_weights.reshape(-1)[jnp.maximum(dst2src, 0)] * c, 0.0)  # [M_cap] f32
     dots = jnp.sum(a.astype(jnp.float32) * d_a0, axis=1)  # <a[m], d_out[t] @ w2[e]>, float32
+    if w2_bias is not None:  # y = a @ w2.T + b2: <y[m], d_out[t]> has the bias's part too
+        dots = dots + _bias_dots(d_y0, w2_bias, offsets)
     d_topk_weights = jnp.where(src2dst >= 0, c * dots[jnp.maximum(src2dst, 0)], 0.0)
     d_a = (w_row[:, None] * d_a0).astype(dtype)
+    d_y = None  # GEMM 2's output gradient, float32: for d_w2 (float weights) and d_w2_bias
+    if w2_bias is not None or config.quant == "none":
+        d_y = w_row[:, None] * d_y0.astype(jnp.float32)
+    d_b2 = None if w2_bias is None else grouped_gemm_dbias(d_y, offsets, out_dtype=w2_bias.dtype, implementation=dbias)
     d_h = act_and_mul_backward(h, d_a, activation=config.activation, layout=config.gate_up_layout, out_dtype=dtype,
                                implementation=stage_implementation(impl, activation_api))
-    d_xp = grouped_gemm_dgrad(d_h, w13, offsets, w_scale=w13_scale, out_dtype=dtype, implementation=gemm)
+    d_b13 = None if w13_bias is None else grouped_gemm_dbias(d_h, offsets, out_dtype=w13_bias.dtype,
+                                                             implementation=dbias)
+    w13_d, s13_d = dgrad_weight(w13, w13_scale, config, dtype)
+    d_xp = grouped_gemm_dgrad(d_h, w13_d, offsets, w_scale=s13_d, out_dtype=dtype, implementation=gemm)
     d_input_scale = None
     if input_scale is None:
         d_x = permute_backward(d_xp, src2dst, num_tokens=T, out_dtype=dtype, implementation=perm)
@@ -224,13 +302,15 @@ def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k:
         d_x = d_x.astype(dtype)
     if fp8:  # frozen codes (section 8): zero cotangents of their own dtype
         d_w13, d_w2 = jnp.zeros_like(w13), jnp.zeros_like(w2)
+    elif config.quant in W4_QUANTS:  # frozen 4-bit codes (section 9): integers, no cotangent
+        d_w13 = d_w2 = None
     else:
-        d_y = (w_row[:, None] * d_y0.astype(jnp.float32)).astype(dtype)
-        d_w2 = grouped_gemm_wgrad(a, d_y, offsets, out_dtype=w2.dtype, implementation=gemm)  # f32 accumulation, one rounding
+        d_w2 = grouped_gemm_wgrad(a, d_y.astype(dtype), offsets, out_dtype=w2.dtype,
+                                  implementation=gemm)  # f32 accumulation, one rounding
         x_rows, k_rows = _expert_rows(x, k, input_scale)
         xp, _ = permute(x_rows, dst2src, topk=k_rows, implementation=perm)
         d_w13 = grouped_gemm_wgrad(xp, d_h, offsets, out_dtype=w13.dtype, implementation=gemm)
-    return d_x, d_topk_weights, d_w13, d_w2, d_input_scale
+    return d_x, d_topk_weights, d_w13, d_w2, d_input_scale, d_b13, d_b2
 
 
 # The expert stages and the combine on a given routing, differentiable: what the EP layer (``ep.py``)
@@ -240,28 +320,32 @@ def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k:
 def routed_experts(x, topk_weights, topk_ids, w13, w2, config: MoEConfig, *, w13_scale=None, w2_scale=None,
                    implementation: str | None = None, num_experts: int, expert_start: int, num_local_experts: int,
                    routed_scaling_factor: float, out_dtype, recompute: bool = False,
-                   input_scale: jax.Array | None = None) -> jax.Array:
+                   input_scale: jax.Array | None = None, w13_bias: jax.Array | None = None,
+                   w2_bias: jax.Array | None = None) -> jax.Array:
     """``combine(run_experts(x, topk_ids), topk_weights)``: the layer without its gate, for ``ep.py``.
 
     ``x [R, H]``, ``topk_weights [R, k]`` float32, ``topk_ids [R, k]`` int32 in ``[0, num_experts)``
     (``[expert_start, expert_start + num_local_experts)`` are the experts of ``w13 [E_local, 2I, H]`` /
-    ``w2 [E_local, H, I]``, the others non-local), the combine's ``routed_scaling_factor`` and
-    ``out_dtype``. ``topk_weights`` are the combine's weights; ``input_scale [R, k]`` float32 (or ``None``)
-    scales each slot's expert input (:func:`run_experts`). Returns ``[R, H]`` in ``out_dtype``.
-    Differentiable (``jax.custom_vjp``) in ``x``, ``topk_weights``, ``input_scale`` and float ``w13`` / ``w2``
-    with :func:`moe_forward`'s backward (the same stages' backward ops, FP8 straight-through, ``recompute``
-    as there); ``topk_ids`` and the scales get zero cotangents. No argument checks: the caller validated
-    the layer's inputs."""
+    ``w2 [E_local, H, I]`` (4-bit: packed codes), the others non-local), the combine's ``routed_scaling_factor``
+    and ``out_dtype``. ``topk_weights`` are the combine's weights; ``input_scale [R, k]`` float32 (or ``None``)
+    scales each slot's expert input (:func:`run_experts`); ``w13_bias [E_local, 2I]`` / ``w2_bias [E_local, H]``
+    (``config.expert_bias``) the GEMMs' biases. Returns ``[R, H]`` in ``out_dtype``.
+    Differentiable (``jax.custom_vjp``) in ``x``, ``topk_weights``, ``input_scale``, float ``w13`` / ``w2`` and the
+    biases with :func:`moe_forward`'s backward (the same stages' backward ops, FP8 / 4-bit straight-through,
+    ``recompute`` as there); ``topk_ids`` and the scales get zero cotangents (4-bit: none). No argument checks:
+    the caller validated the layer's inputs."""
     spec = (num_experts, expert_start, num_local_experts, float(routed_scaling_factor), jnp.dtype(out_dtype))
     return _routed(config, implementation, recompute, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale,
-                   input_scale)
+                   input_scale, w13_bias, w2_bias)
 
 
-def _routed_forward(config, implementation, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale):
+def _routed_forward(config, implementation, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale,
+                    w13_bias, w2_bias):
     num_experts, expert_start, num_local_experts, c, out_dtype = spec
     y, meta, h = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
                              num_experts=num_experts, expert_start=expert_start,
-                             num_local_experts=num_local_experts, return_h=True, input_scale=input_scale)
+                             num_local_experts=num_local_experts, return_h=True, input_scale=input_scale,
+                             w13_bias=w13_bias, w2_bias=w2_bias)
     out = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=c, out_dtype=out_dtype,
                   implementation=stage_implementation(implementation, combine_api))
     return out, meta, h
@@ -269,24 +353,26 @@ def _routed_forward(config, implementation, spec, x, topk_weights, topk_ids, w13
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _routed(config, implementation, recompute, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale,
-            input_scale):
+            input_scale, w13_bias, w2_bias):
     return _routed_forward(config, implementation, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale,
-                           input_scale)[0]
+                           input_scale, w13_bias, w2_bias)[0]
 
 
 def _routed_fwd(config, implementation, recompute, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale,
-                input_scale):
+                input_scale, w13_bias, w2_bias):
     out, meta, h = _routed_forward(config, implementation, spec, x, topk_weights, topk_ids, w13, w2, w13_scale,
-                                   w2_scale, input_scale)
-    return out, (x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale, meta, None if recompute else h)
+                                   w2_scale, input_scale, w13_bias, w2_bias)
+    return out, (x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale, w13_bias, w2_bias, meta,
+                 None if recompute else h)
 
 
 def _routed_bwd(config, implementation, recompute, spec, saved, d_out):
-    x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale, meta, h = saved
-    d_x, d_topk_weights, d_w13, d_w2, d_input_scale = _experts_bwd(
+    x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale, w13_bias, w2_bias, meta, h = saved
+    d_x, d_topk_weights, d_w13, d_w2, d_input_scale, d_b13, d_b2 = _experts_bwd(
         config, implementation, x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids.shape[1], meta, h, d_out,
-        spec[3], input_scale=input_scale)
-    return d_x, d_topk_weights, None, d_w13, d_w2, _zeros(w13_scale), _zeros(w2_scale), d_input_scale
+        spec[3], input_scale=input_scale, w13_bias=w13_bias, w2_bias=w2_bias)
+    d_s13, d_s2 = _scale_cotangents(config, w13_scale, w2_scale)
+    return d_x, d_topk_weights, None, d_w13, d_w2, d_s13, d_s2, d_input_scale, d_b13, d_b2
 
 
 _routed.defvjp(_routed_fwd, _routed_bwd)
@@ -302,22 +388,30 @@ def run_gate(router_logits, config: MoEConfig, e_score_correction_bias, implemen
 
 
 def run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, implementation: str | None, *,
-                num_experts: int, expert_start: int, num_local_experts: int, return_h: bool = False, input_scale=None):
+                num_experts: int, expert_start: int, num_local_experts: int, return_h: bool = False, input_scale=None,
+                w13_bias=None, w2_bias=None):
     """The expert stages on the assignments of ``topk_ids [R, k]`` (ids in ``[0, num_experts)``;
     ``[expert_start, expert_start + num_local_experts)`` are the local experts of ``w13``/``w2``):
-    routing metadata, permute (+FP8 quant), GEMM 1, act_and_mul (+FP8 quant), GEMM 2. ``input_scale
-    [R, k]`` float32 (``apply_router_weight_on_input``, :func:`moe_pallas.slot_weights.slot_weights`): slot
-    ``(r, j)``'s expert input is ``x[r] * input_scale[r, j]`` (rounded once to ``x.dtype``).
+    routing metadata, permute (+FP8 quant), GEMM 1 (+ ``w13_bias``), act_and_mul (+FP8 quant), GEMM 2
+    (+ ``w2_bias``); 4-bit weights (``config.quant`` mxfp4 / int4) go to the grouped GEMM as its ``w_format``.
+    ``input_scale [R, k]`` float32 (``apply_router_weight_on_input``, :func:`moe_pallas.slot_weights.slot_weights`):
+    slot ``(r, j)``'s expert input is ``x[r] * input_scale[r, j]`` (rounded once to ``x.dtype``).
 
     Returns ``(y [R*k, H] x.dtype in permuted order, RoutingMetadata)`` (and GEMM 1's output
     ``h [R*k, 2I]`` with ``return_h``); rows ``>= M`` are never read."""
     meta = routing_metadata(topk_ids, num_experts, expert_start=expert_start, num_local_experts=num_local_experts,
                             implementation=stage_implementation(implementation, permute_api))
-    h = _gemm1(x, meta, topk_ids.shape[1], w13, w13_scale, config, implementation, input_scale)
+    h = _gemm1(x, meta, topk_ids.shape[1], w13, w13_scale, config, implementation, input_scale, w13_bias)
     a, a_scale = _act(h, config, implementation)
     y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype,
-                     implementation=stage_implementation(implementation, grouped_gemm_api))
+                     implementation=stage_implementation(implementation, grouped_gemm_api),
+                     w_format=w_format(config), bias=w2_bias)
     return (y, meta, h) if return_h else (y, meta)
+
+
+def w_format(config: MoEConfig) -> str | None:
+    """The grouped GEMM's ``w_format`` of the layer's weights: ``config.quant`` for the 4-bit modes, else ``None``."""
+    return config.quant if config.quant in W4_QUANTS else None
 
 
 def _expert_rows(x, k: int, input_scale):
@@ -327,13 +421,14 @@ def _expert_rows(x, k: int, input_scale):
     return (x, k) if input_scale is None else (scaled_slot_rows(x, input_scale), 1)
 
 
-def _gemm1(x, meta, k: int, w13, w13_scale, config: MoEConfig, implementation, input_scale=None):
-    """permute (+FP8 quant) and GEMM 1: ``h [M_cap, 2I]`` in ``x.dtype``."""
+def _gemm1(x, meta, k: int, w13, w13_scale, config: MoEConfig, implementation, input_scale=None, w13_bias=None):
+    """permute (+FP8 quant) and GEMM 1 (+ ``w13_bias``): ``h [M_cap, 2I]`` in ``x.dtype``."""
     x, k = _expert_rows(x, k, input_scale)
     xq, x_scale = permute(x, meta.dst2src, topk=k, quant=ACTIVATION_QUANT[config.quant],
                           implementation=stage_implementation(implementation, permute_api))
     return grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype,
-                        implementation=stage_implementation(implementation, grouped_gemm_api))
+                        implementation=stage_implementation(implementation, grouped_gemm_api),
+                        w_format=w_format(config), bias=w13_bias)
 
 
 def _act(h, config: MoEConfig, implementation):
@@ -351,19 +446,28 @@ def quantize_layer_weights(
     ``w13 [E, 2*I, H]``, ``w2 [E, H, I]`` float (``E`` the experts given: all ``E + S``, or one
     rank's ``E_local``). ``quant='none'``: unchanged, scales ``None``. ``'fp8_per_token'``:
     float8_e4m3fn codes with per-output-channel scales ``[E, N]`` float32. ``'fp8_block'``: 128x128
-    block scales ``[E, ceil(N/128), ceil(K/128)]`` float32.
+    block scales ``[E, ceil(N/128), ceil(K/128)]`` float32. ``'mxfp4'`` / ``'int4'`` (CONTRACT.md section 9,
+    :func:`quantize_weight_mxfp4` / :func:`quantize_weight_int4`): packed codes ``[E, N, K // 2]`` uint8 with
+    one scale per group of 32 along ``K``, ``[E, N, K // 32]`` uint8 e8m0 / bf16 (an offline step: the 4-bit
+    quantizers check the weights are finite on the host, so this one is not traceable for those modes).
 
-    Memory: each weight goes through :func:`quantize_weight_fp8` (``w13`` first, then ``w2``), a
-    chunk of experts at a time: beyond the weights and the results, the peak memory is at most one
-    chunk's float32 copy (``chunk_bytes``, default 1 GiB, or one expert's copy if that is larger)
+    Memory: each weight goes through its quantizer (``w13`` first, then ``w2``), a chunk at a time (of
+    experts for FP8, of rows for 4-bit): beyond the weights and the results, the peak memory is at most one
+    chunk's float32 copy (``chunk_bytes``, default 1 GiB, or one expert's / row's copy if that is larger)
     plus a few temporaries of the size of the chunk's scales.
 
-    Raises: ValueError / TypeError (shapes, dtypes, ``chunk_bytes`` not an int >= 1).
+    Raises: ValueError / TypeError (shapes, dtypes, ``chunk_bytes`` not an int >= 1; 4-bit: a non-finite
+      weight).
     """
     check_layer_weights("quantize_layer_weights", config, w13, w2)
     check_positive_int("quantize_layer_weights", "chunk_bytes", chunk_bytes)
     if config.quant == "none":
         return w13, None, w2, None
+    if config.quant in W4_QUANTS:
+        quantize = quantize_weight_mxfp4 if config.quant == "mxfp4" else quantize_weight_int4
+        w13_q, w13_scale = quantize(w13, chunk_bytes=chunk_bytes)
+        w2_q, w2_scale = quantize(w2, chunk_bytes=chunk_bytes)
+        return w13_q, w13_scale, w2_q, w2_scale
     layout = WEIGHT_LAYOUT[config.quant]
     w13_q, w13_scale = quantize_weight_fp8(w13, layout, chunk_bytes=chunk_bytes)
     w2_q, w2_scale = quantize_weight_fp8(w2, layout, chunk_bytes=chunk_bytes)

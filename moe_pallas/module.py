@@ -5,11 +5,16 @@ block (``[B, S, H]`` hidden states in and out).
 State::
 
     w13   [E_local, 2*I, H]  nnx.Param (bf16 / float16 / float32, quant='none'; FrozenWeight with
-                             trainable=False) or FrozenWeight (float8_e4m3fn codes)
-    w2    [E_local, H, I]    same rule
-    w13_scale, w2_scale      FrozenWeight float32 FP8 weight scales (None for quant='none'):
+                             trainable=False) or FrozenWeight (float8_e4m3fn codes; 4-bit: packed uint8
+                             codes [E_local, 2*I, H // 2])
+    w2    [E_local, H, I]    same rule (4-bit: [E_local, H, I // 2])
+    w13_scale, w2_scale      FrozenWeight weight scales (None for quant='none'): float32 FP8
                              [E_local, N] per-channel (fp8_per_token) or
-                             [E_local, ceil(N/128), ceil(K/128)] blocks (fp8_block)
+                             [E_local, ceil(N/128), ceil(K/128)] blocks (fp8_block); 4-bit
+                             [E_local, N, K // 32] uint8 e8m0 (mxfp4) or bf16 (int4)
+    w13_bias, w2_bias        [E_local, 2*I] / [E_local, H] nnx.Param (FrozenWeight with trainable=False;
+                             config.expert_bias only, else None), with any weights (FP8 and 4-bit layers
+                             train them too): gpt-oss's gate_up_proj_bias / down_proj_bias
     e_score_correction_bias  FrozenWeight [E] float (routing='biased_grouped_topk' only, else None)
     shared_expert_gate       [1, H] or [S, H] nnx.Param (FrozenWeight with trainable=False;
                              config.shared_expert_gate only, else None): Qwen3-Next's
@@ -19,8 +24,8 @@ Why two Variable types: ``nnx.grad`` and ``nnx.Optimizer(..., wrt=nnx.Param)`` t
 ``nnx.Param`` by default. Float weights are ordinary parameters (``trainable=True``, the default, as
 ``nnx.Linear``'s kernel is): ``nnx.grad(model)`` differentiates them through
 :func:`moe_pallas.moe_forward`'s ``custom_vjp`` (CONTRACT.md section 8, every backend) and
-``nnx.Optimizer(model, optax.adamw(...), wrt=nnx.Param)`` updates them. FP8 codes are not: a
-gradient step on a float8_e4m3fn code is meaningless and the scales belong to the codes; and
+``nnx.Optimizer(model, optax.adamw(...), wrt=nnx.Param)`` updates them. FP8 and 4-bit codes are not: a
+gradient step on a float8_e4m3fn or 4-bit code is meaningless and the scales belong to the codes; and
 DeepSeek-V3's correction bias is moved by its load-balancing rule, not by gradients (HF holds it
 as a buffer). So those are
 :class:`FrozenWeight`, which every filter on ``nnx.Param`` leaves out, and which
@@ -43,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from moe_contract.config import MoEConfig
-from moe_contract.inputs import draw_preset_weights, draw_shared_expert_gate
+from moe_contract.inputs import draw_expert_biases, draw_preset_weights, draw_shared_expert_gate
 from moe_contract.op_checks import check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
@@ -51,6 +56,7 @@ from moe_contract.validation import (
     check_bool,
     check_config,
     check_dtype,
+    check_expert_biases,
     check_layer_inputs,
     check_layer_weights,
     check_rank,
@@ -58,36 +64,40 @@ from moe_contract.validation import (
     check_shared_expert_gate_weight,
     dtype_name,
 )
-from moe_pallas.layer import LAYER_IMPLEMENTATIONS, WEIGHT_LAYOUT, local_weights, moe_forward
+from moe_pallas.layer import LAYER_IMPLEMENTATIONS, WEIGHT_LAYOUT, check_w4_implementation, local_weights, moe_forward
 from moe_pallas.ops.common import cast_rounded, check_jax_arrays
 from moe_pallas.ops.dispatch import check_implementation
-from moe_pallas.ops.quant.api import quantize_weight_fp8
+from moe_pallas.ops.quant.api import quantize_weight_fp8, quantize_weight_int4, quantize_weight_mxfp4
 
 
 class FrozenWeight(nnx.Variable):
-    """Layer state no gradient step updates: FP8 weight codes, their scales, the gate's correction bias."""
+    """Layer state no gradient step updates: FP8 / 4-bit weight codes, their scales, the gate's correction bias."""
 
 
-def check_module_weights(op: str, config: MoEConfig, w13, w2, w13_scale, w2_scale, e_score_correction_bias) -> None:
+def check_module_weights(op: str, config: MoEConfig, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
+                         w13_bias=None, w2_bias=None) -> None:
     """The weights of one EP rank against ``config``, with the layer's own rules and messages.
 
     ``quant='none'``: ``w13``, ``w2`` float (one dtype), no scales. FP8: float8_e4m3fn codes with
-    the scale layout of the quant mode. ``e_score_correction_bias`` ``[E]`` float exactly when
-    ``routing='biased_grouped_topk'``.
+    the scale layout of the quant mode; 4-bit: packed uint8 codes with group scales. ``e_score_correction_bias``
+    ``[E]`` float exactly when ``routing='biased_grouped_topk'``; ``w13_bias [E_local, 2*I]`` / ``w2_bias
+    [E_local, H]`` exactly when ``config.expert_bias`` (float32, bf16, or the float weights' dtype; a quantized
+    layer: any float dtype, checked against ``x`` when called).
 
     Raises: TypeError (not a MoEConfig, not arrays, dtypes), ValueError (shapes, missing or
-      unexpected scales or bias).
+      unexpected scales or biases).
     """
     check_config(op, config)
     if config.quant == "none":
         check_layer_weights(op, config, w13, w2)
         x_dtype = w13.dtype
-    else:
-        x_dtype = jnp.bfloat16
+    else:  # activations of any float dtype: a float16 bias goes with float16 x
+        x_dtype = jnp.float16 if w13_bias is not None and dtype_name(w13_bias) == "float16" else jnp.bfloat16
     # Shape-only stand-ins for x and router_logits (the checks read .shape and .dtype only).
     x = jax.ShapeDtypeStruct((0, config.hidden_size), x_dtype)
     logits = jax.ShapeDtypeStruct((0, config.num_experts), jnp.float32)
     check_layer_inputs(op, config, x, logits, w13, w2, w13_scale, w2_scale)
+    check_expert_biases(op, config, x, w13_bias, w2_bias)
     check_select_experts(
         op,
         logits,
@@ -108,10 +118,33 @@ def check_global_weights(op: str, config: MoEConfig, w13, w2) -> None:
     check_dtype(op, "w2", w2, FLOAT_DTYPES)
 
 
+def check_global_biases(op: str, config: MoEConfig, w13_bias, w2_bias) -> None:
+    """Expert biases of every expert: ``w13_bias [E + S, 2*I]``, ``w2_bias [E + S, H]`` float (before slicing),
+    exactly when ``config.expert_bias`` (ValueError naming the argument either way; TypeError for dtypes)."""
+    E_all, H, I = config.num_total_experts, config.hidden_size, config.intermediate_size
+    for name, b, N in (("w13_bias", w13_bias, 2 * I), ("w2_bias", w2_bias, H)):
+        what = f"[E + S, {'2*I' if name == 'w13_bias' else 'H'}] = ({E_all}, {N}) (every expert of the layer)"
+        if not config.expert_bias:
+            if b is not None:
+                raise ValueError(f"{op}: {name} must be None unless config.expert_bias=True; got an array with "
+                                 f"config.expert_bias=False")
+            continue
+        if b is None:
+            raise ValueError(f"{op}: {name} {what} must be given for config.expert_bias=True; got None")
+        check_shape(op, name, b, (E_all, N), what)
+        check_dtype(op, name, b, FLOAT_DTYPES)
+
+
 def quantize_chunked(w: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array]:
-    """``w [E_local, N, K]`` float -> ``(q float8_e4m3fn, scale float32)`` in ``config.quant``'s
-    weight layout: :func:`quantize_weight_fp8`, which works a chunk of experts at a time (at most
-    one chunk's float32 copy, 1 GiB by default, beyond ``w`` and the result)."""
+    """``w [E_local, N, K]`` float -> ``(codes, scale)`` in ``config.quant``'s form: FP8 (``q`` float8_e4m3fn,
+    ``scale`` float32 in the mode's weight layout: :func:`quantize_weight_fp8`, a chunk of experts at a time)
+    or 4-bit (packed uint8 codes ``[E_local, N, K // 2]`` with ``[E_local, N, K // 32]`` scales:
+    :func:`quantize_weight_mxfp4` / :func:`quantize_weight_int4`, a chunk of rows at a time); at most one
+    chunk's float32 copy, 1 GiB by default, beyond ``w`` and the result."""
+    if config.quant == "mxfp4":
+        return quantize_weight_mxfp4(w)
+    if config.quant == "int4":
+        return quantize_weight_int4(w)
     return quantize_weight_fp8(w, WEIGHT_LAYOUT[config.quant])
 
 
@@ -136,12 +169,16 @@ class MoELayer(nnx.Module):
       config: the layer (:class:`moe_contract.MoEConfig`: routing, rsf, quant, EP rank); static.
       w13: ``[E_local, 2*I, H]`` this rank's gate (rows ``:I``) and up projections: bf16 /
         float16 / float32 for ``quant='none'`` (then ``x`` must have this dtype), float8_e4m3fn
-        otherwise.
-      w2: ``[E_local, H, I]`` down projections, same dtype as ``w13``.
-      w13_scale, w2_scale: float32 dequantization multipliers (``w ~= q * scale``), as
-        :func:`moe_pallas.quantize_layer_weights` makes them: ``[E_local, N]`` (``fp8_per_token``;
+        for the FP8 modes, packed 4-bit codes ``[E_local, 2*I, H // 2]`` uint8 for ``'mxfp4'`` / ``'int4'``.
+      w2: ``[E_local, H, I]`` down projections, same dtype as ``w13`` (4-bit: ``[E_local, H, I // 2]``).
+      w13_scale, w2_scale: dequantization multipliers (``w ~= q * scale``), as
+        :func:`moe_pallas.quantize_layer_weights` makes them: float32 ``[E_local, N]`` (``fp8_per_token``;
         ``[E_local]`` per-expert also taken) or ``[E_local, ceil(N/128), ceil(K/128)]``
-        (``fp8_block``); ``None`` for ``quant='none'``.
+        (``fp8_block``); 4-bit ``[E_local, N, K // 32]`` uint8 e8m0 (``mxfp4``) or bf16 (``int4``);
+        ``None`` for ``quant='none'``.
+      w13_bias, w2_bias: for (and only for) ``config.expert_bias`` (gpt-oss): ``[E_local, 2*I]`` / ``[E_local, H]``
+        float (``gate_up_proj_bias`` / ``down_proj_bias`` of this rank's experts); ``nnx.Param`` (``trainable``,
+        whatever the weights are: FP8 and 4-bit layers train their biases too) or :class:`FrozenWeight`.
       e_score_correction_bias: ``[E]`` float, for (and only for) ``routing='biased_grouped_topk'``.
       shared_expert_gate: for (and only for) ``config.shared_expert_gate`` (Qwen3-Next): ``[1, H]``, transformers'
         ``shared_expert_gate.weight`` (one gate for the whole shared MLP: every fused shared slot), or ``[S, H]``
@@ -151,14 +188,14 @@ class MoELayer(nnx.Module):
         needs no weight.
       implementation: the backend of every stage (``None``, ``"reference"``, ``"pallas_triton"``),
         as :func:`moe_pallas.moe_forward` takes it; static.
-      trainable: ``True`` (default): float weights (``quant='none'``) are ``nnx.Param`` (``nnx.grad``
-        and optimizers over ``nnx.Param`` train them); ``False``: :class:`FrozenWeight`. FP8 codes,
-        scales and the correction bias are :class:`FrozenWeight` either way.
+      trainable: ``True`` (default): float weights (``quant='none'``) and the expert biases are ``nnx.Param``
+        (``nnx.grad`` and optimizers over ``nnx.Param`` train them); ``False``: :class:`FrozenWeight`. FP8 /
+        4-bit codes, scales and the correction bias are :class:`FrozenWeight` either way.
       recompute: passed to :func:`moe_pallas.moe_forward` (static): ``False`` (default) keeps GEMM 1's
         output for the backward, ``True`` only the routing (GEMM 1 recomputed in the backward).
 
     Works eagerly and under ``nnx.jit`` (alone or inside a larger model); differentiable in ``x``,
-    ``router_logits`` and the float weights (CONTRACT.md section 8).
+    ``router_logits``, the float weights and the expert biases (CONTRACT.md section 8).
 
     Raises: TypeError / ValueError from :func:`check_module_weights`, before anything is stored.
 
@@ -174,6 +211,8 @@ class MoELayer(nnx.Module):
         *,
         w13_scale: jax.Array | None = None,
         w2_scale: jax.Array | None = None,
+        w13_bias: jax.Array | None = None,
+        w2_bias: jax.Array | None = None,
         e_score_correction_bias: jax.Array | None = None,
         shared_expert_gate: jax.Array | None = None,
         implementation: str | None = None,
@@ -183,12 +222,13 @@ class MoELayer(nnx.Module):
         op = "MoELayer"
         check_bool(op, "trainable", trainable)
         check_bool(op, "recompute", recompute)
-        check_jax_arrays(op, dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale,
-                                  e_score_correction_bias=e_score_correction_bias,
+        check_jax_arrays(op, dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale, w13_bias=w13_bias,
+                                  w2_bias=w2_bias, e_score_correction_bias=e_score_correction_bias,
                                   shared_expert_gate=shared_expert_gate), required=True)
-        check_module_weights(op, config, w13, w2, w13_scale, w2_scale, e_score_correction_bias)
+        check_module_weights(op, config, w13, w2, w13_scale, w2_scale, e_score_correction_bias, w13_bias, w2_bias)
         check_shared_expert_gate_weight(op, config, shared_expert_gate)
         check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
+        check_w4_implementation(op, config, implementation)
         weight = nnx.Param if config.quant == "none" and trainable else FrozenWeight
         self.config = config
         self.implementation = implementation
@@ -201,6 +241,8 @@ class MoELayer(nnx.Module):
         self.e_score_correction_bias = None if bias is None else FrozenWeight(jnp.asarray(bias))
         gate = nnx.Param if trainable else FrozenWeight
         self.shared_expert_gate = None if shared_expert_gate is None else gate(jnp.asarray(shared_expert_gate))
+        self.w13_bias = None if w13_bias is None else gate(jnp.asarray(w13_bias))  # trainable with any weights
+        self.w2_bias = None if w2_bias is None else gate(jnp.asarray(w2_bias))
 
     @classmethod
     def from_float(
@@ -209,6 +251,8 @@ class MoELayer(nnx.Module):
         w13: jax.Array,
         w2: jax.Array,
         *,
+        w13_bias: jax.Array | None = None,
+        w2_bias: jax.Array | None = None,
         e_score_correction_bias: jax.Array | None = None,
         shared_expert_gate: jax.Array | None = None,
         implementation: str | None = None,
@@ -220,25 +264,32 @@ class MoELayer(nnx.Module):
         Args:
           w13: ``[E + S, 2*I, H]`` float32 / bf16 / float16, every expert (fused shared experts last).
           w2: ``[E + S, H, I]`` float.
+          w13_bias, w2_bias: ``[E + S, 2*I]`` / ``[E + S, H]`` float, every expert's (``config.expert_bias`` only;
+            gpt-oss's ``gate_up_proj_bias`` / ``down_proj_bias``); this rank's rows are kept, never quantized.
           e_score_correction_bias: ``[E]`` float (biased_grouped_topk only).
           shared_expert_gate: ``[1, H]`` / ``[S, H]`` float (``config.shared_expert_gate`` only), as :class:`MoELayer`.
           implementation, trainable, recompute: as :class:`MoELayer`.
 
-        Returns: a :class:`MoELayer` holding ``local_weights(w, config)``, FP8-quantized with the
-        scale layout of ``config.quant`` (bit-identical to :func:`moe_pallas.quantize_layer_weights`
-        of the slice); for ``quant='none'`` the slices themselves.
+        Returns: a :class:`MoELayer` holding ``local_weights(w, config)``, FP8- or 4-bit-quantized in the form of
+        ``config.quant`` (bit-identical to :func:`moe_pallas.quantize_layer_weights` of the slice); for
+        ``quant='none'`` the slices themselves.
 
-        Raises: TypeError / ValueError naming the argument (global shapes, dtypes, bias).
+        Raises: TypeError / ValueError naming the argument (global shapes, dtypes, biases).
         """
         op = "MoELayer.from_float"
-        check_jax_arrays(op, dict(w13=w13, w2=w2, e_score_correction_bias=e_score_correction_bias), required=True)
+        check_jax_arrays(op, dict(w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias,
+                                  e_score_correction_bias=e_score_correction_bias), required=True)
         check_global_weights(op, config, w13, w2)
+        check_global_biases(op, config, w13_bias, w2_bias)
         w13, w2 = local_weights(jnp.asarray(w13), config), local_weights(jnp.asarray(w2), config)
+        b13 = None if w13_bias is None else local_weights(jnp.asarray(w13_bias), config)
+        b2 = None if w2_bias is None else local_weights(jnp.asarray(w2_bias), config)
         s13 = s2 = None
         if config.quant != "none":
             w13, s13 = quantize_chunked(w13, config)
             w2, s2 = quantize_chunked(w2, config)
-        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=e_score_correction_bias,
+        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2,
+                   e_score_correction_bias=e_score_correction_bias,
                    shared_expert_gate=shared_expert_gate, implementation=implementation, trainable=trainable,
                    recompute=recompute)
 
@@ -260,7 +311,9 @@ class MoELayer(nnx.Module):
           name: a :data:`moe_contract.PRESETS` name (``"tiny"``, ``"deepseek-v3"``...).
           seed: the numpy seed: the weights are this rank's slice of
             ``make_layer_inputs(config, num_tokens=0, seed)`` (``~ N(0, 1/K)``, bias ``~ N(0, 0.01)``
-            float32), cast to ``dtype`` (round to nearest even) and quantized per ``config.quant``;
+            float32), cast to ``dtype`` (round to nearest even) and quantized per ``config.quant``; the expert
+            biases (``config.expert_bias``: gpt-oss's presets) this rank's slice of
+            :func:`moe_contract.inputs.draw_expert_biases`, cast to ``dtype``;
             ``moe_torch.EPMoE.from_preset`` with the same arguments holds the same bits.
           dtype: the float weights' dtype (and the ``x`` dtype ``quant='none'`` then takes).
           implementation, trainable, recompute: as :class:`MoELayer`.
@@ -299,12 +352,15 @@ class MoELayer(nnx.Module):
             w2, s2 = quantize_chunked(w2, config)
         gate = draw_shared_expert_gate(config, seed)  # [1, H] float32, or None
         gate = None if gate is None else jnp.asarray(gate).astype(dtype)
-        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias, shared_expert_gate=gate,
-                   implementation=implementation, trainable=trainable, recompute=recompute)
+        biases = draw_expert_biases(config, seed)  # ([E + S, 2I], [E + S, H]) float32, or None
+        b13, b2 = (None, None) if biases is None else (local_weights(jnp.asarray(b).astype(dtype), config)
+                                                       for b in biases)
+        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, e_score_correction_bias=bias,
+                   shared_expert_gate=gate, implementation=implementation, trainable=trainable, recompute=recompute)
 
     @property
     def trainable(self) -> bool:
-        """Whether the float weights are ``nnx.Param`` (``False`` for FP8 layers: codes are FrozenWeight)."""
+        """Whether the float weights are ``nnx.Param`` (``False`` for FP8 / 4-bit layers: codes are FrozenWeight)."""
         return isinstance(self.w13, nnx.Param)
 
     def __call__(self, x: jax.Array, router_logits: jax.Array) -> jax.Array:
@@ -331,6 +387,8 @@ class MoELayer(nnx.Module):
             self.config,
             w13_scale=value(self.w13_scale),
             w2_scale=value(self.w2_scale),
+            w13_bias=value(self.w13_bias),
+            w2_bias=value(self.w2_bias),
             e_score_correction_bias=value(self.e_score_correction_bias),
             shared_expert_gate_logits=self.shared_expert_gate_logits(x),
             implementation=self.implementation,

@@ -43,12 +43,13 @@ gloo (torch 2.11): ``all_reduce``, ``reduce_scatter_tensor``, ``all_gather_into_
 code as NCCL; should a backend lack ``reduce_scatter_tensor``, the reduce-scatter falls back to
 ``all_reduce`` plus a slice, with a logged warning (:func:`reduce_scatter_rows`).
 
-Backward (CONTRACT.md section 8, "EP"): differentiable in ``x``, ``router_logits`` and this rank's
-float ``w13_local`` / ``w2_local``, in both modes. The expert stages and the combine run through
-:func:`moe_torch.layer.routed_experts` (the layer's own backward, FP8 straight-through), the gate
-through ``select_experts``' backward, and each collective is an ``autograd.Function`` with its
-transpose (``torch.distributed`` collectives are not autograd-aware; ``_functional_collectives`` has
-no all-reduce with this transpose, so all four are written here alike)::
+Backward (CONTRACT.md section 8, "EP"): differentiable in ``x``, ``router_logits``, this rank's
+float ``w13_local`` / ``w2_local`` and its expert biases (``config.expert_bias``), in both modes.
+The expert stages and the combine run through :func:`moe_torch.layer.routed_experts` (the layer's
+own backward, FP8 / 4-bit straight-through), the gate through ``select_experts``' backward, and each
+collective is an ``autograd.Function`` with its transpose (``torch.distributed`` collectives are not
+autograd-aware; ``_functional_collectives`` has no all-reduce with this transpose, so all four are
+written here alike)::
 
     replicated:  x, router_logits: identity        -> backward: all_reduce (sum) of d_x, d_router_logits
                  partial -> all_reduce              -> backward: identity (every rank's d_out is the same)
@@ -78,8 +79,8 @@ import torch.distributed as dist
 
 from moe_contract.config import MoEConfig
 from moe_contract.op_checks import check_select_experts
-from moe_contract.validation import (check_choice, check_layer_inputs, check_shared_expert_gate_logits,
-                                      stage_implementation)
+from moe_contract.validation import (check_choice, check_expert_biases, check_layer_inputs,
+                                      check_shared_expert_gate_logits, stage_implementation)
 from moe_torch.layer import LAYER_IMPLEMENTATIONS, routed_experts, run_gate
 from moe_torch.ops.combine import api as combine_api
 from moe_torch.ops.combine.api import combine
@@ -98,15 +99,15 @@ EP_OUTPUTS = ("replicated", "sharded")
 
 
 def _experts(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, implementation, *,
-             routed_scaling_factor: float, out_dtype, recompute: bool, input_scale=None):
+             routed_scaling_factor: float, out_dtype, recompute: bool, input_scale=None, biases=(None, None)):
     """This rank's experts (global ids) on the assignments of ``topk_ids [R, k]`` (inputs scaled by
-    ``input_scale``, if given), combined with ``topk_weights``: ``[R, H]`` in ``out_dtype``, differentiable
-    (:func:`moe_torch.layer.routed_experts`)."""
+    ``input_scale``, if given; ``biases``: this rank's ``(w13_bias, w2_bias)``), combined with ``topk_weights``:
+    ``[R, H]`` in ``out_dtype``, differentiable (:func:`moe_torch.layer.routed_experts`)."""
     expert_start, e_local = config.local_expert_range()
     return routed_experts(x, topk_weights, topk_ids, w13, w2, config, w13_scale=w13_scale, w2_scale=w2_scale,
                           implementation=implementation, num_experts=config.num_total_experts, expert_start=expert_start,
                           num_local_experts=e_local, routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
-                          recompute=recompute, input_scale=input_scale)
+                          recompute=recompute, input_scale=input_scale, w13_bias=biases[0], w2_bias=biases[1])
 
 
 def _sum_over_group(t: torch.Tensor, group) -> torch.Tensor:
@@ -275,6 +276,8 @@ def ep_moe_forward(
     mode: str = "replicated",
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
     e_score_correction_bias: torch.Tensor | None = None,
     shared_expert_gate_logits: torch.Tensor | None = None,
     implementation: str | None = None,
@@ -288,12 +291,16 @@ def ep_moe_forward(
         ``mode="all_to_all"``: ``[T_r, H]``, this rank's tokens (``T_r`` may differ per rank, and be 0).
       router_logits: ``[T, E]`` / ``[T_r, E]`` float, alongside ``x``.
       w13_local: ``[E_local, 2*I, H]`` this rank's experts (:func:`moe_torch.local_weights`),
-        ``x.dtype`` for ``quant='none'``, float8_e4m3fn otherwise; ``w2_local`` ``[E_local, H, I]``.
+        ``x.dtype`` for ``quant='none'``, float8_e4m3fn for FP8, packed 4-bit codes ``[E_local, 2*I, H // 2]``
+        uint8 for ``quant='mxfp4'`` / ``'int4'``; ``w2_local`` ``[E_local, H, I]`` (4-bit ``[E_local, H, I // 2]``).
       config: the layer; ``config.ep_size`` / ``config.ep_rank`` must be the group's size and
         this process's rank in it.
       group: the EP process group (``None``: the default group). NCCL wants CUDA tensors, gloo CPU ones.
       mode: ``"replicated"`` or ``"all_to_all"`` (module docstring).
-      w13_scale, w2_scale: this rank's FP8 weight scales (as :func:`moe_torch.moe_forward`).
+      w13_scale, w2_scale: this rank's weight scales (FP8, 4-bit; as :func:`moe_torch.moe_forward`).
+      w13_bias, w2_bias: this rank's expert biases ``[E_local, 2*I]`` / ``[E_local, H]``
+        (:func:`moe_torch.local_weights` of the global ``[E + S, ...]``), exactly when ``config.expert_bias``
+        (as :func:`moe_torch.moe_forward`).
       e_score_correction_bias: ``[E]`` float, for ``routing='biased_grouped_topk'``.
       shared_expert_gate_logits: ``[T, S]`` / ``[T_r, S]`` float32 or ``x.dtype``, alongside ``x``, exactly
         when ``config.shared_expert_gate`` (as :func:`moe_torch.moe_forward`). ``config.apply_router_weight_on_input``
@@ -310,7 +317,8 @@ def ep_moe_forward(
     Returns: the layer's output (the sum over every rank's experts) in ``x.dtype``, laid out per ``out``.
 
     Gradients (when grad mode is on and an input requires grad; module docstring, "Backward"): this
-    rank's float ``w13_local`` / ``w2_local`` get their slice of the single-device gradient; ``x``,
+    rank's float ``w13_local`` / ``w2_local`` and its expert biases get their slice of the single-device gradient;
+    ``x``,
     ``router_logits`` and ``shared_expert_gate_logits`` get the sum over ranks (replicated: the whole ``[T, ...]``; all_to_all: this rank's
     ``[T_r, ...]``). FP8 layers are straight-through (the codes get none). Every rank must ask for the
     same gradients and call ``backward``: the backward runs the transposed collectives.
@@ -329,6 +337,7 @@ def ep_moe_forward(
     """
     op = "ep_moe_forward"
     check_layer_inputs(op, config, x, router_logits, w13_local, w2_local, w13_scale, w2_scale)
+    check_expert_biases(op, config, x, w13_bias, w2_bias)
     check_shared_expert_gate_logits(op, config, x, shared_expert_gate_logits)
     if not isinstance(recompute, bool):
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
@@ -342,16 +351,18 @@ def ep_moe_forward(
         raise ValueError(f"{op}: out must be 'sharded' (or None) for mode='all_to_all' (each rank gets its own "
                          f"tokens back); got out='replicated'")
     rank, size = _group_rank_size(op, group, config, x)
+    biases = (w13_bias, w2_bias)
     if mode == "replicated":
         return _replicated(x, router_logits, w13_local, w2_local, w13_scale, w2_scale, config,
                            e_score_correction_bias, implementation, group, rank, size, out or "replicated", recompute,
-                           shared_expert_gate_logits)
+                           shared_expert_gate_logits, biases)
     return _all_to_all(x, router_logits, w13_local, w2_local, w13_scale, w2_scale, config,
-                       e_score_correction_bias, implementation, group, size, recompute, shared_expert_gate_logits)
+                       e_score_correction_bias, implementation, group, size, recompute, shared_expert_gate_logits,
+                       biases)
 
 
 def _replicated(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, implementation, group, rank, size, out,
-                recompute, shared_logits=None):
+                recompute, shared_logits=None, biases=(None, None)):
     """SGLang EPMoE: local experts on all tokens, float32 partial, then the sum over ranks."""
     # backward: d_x, d_logits (and d_shared_logits) summed over ranks
     if shared_logits is None:
@@ -363,14 +374,14 @@ def _replicated(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
     # float32 partial: the sum over ranks is then the single-device float32 combine, reassociated.
     partial = _experts(x, combine_weights, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
                        routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=torch.float32,
-                       recompute=recompute, input_scale=input_scale)
+                       recompute=recompute, input_scale=input_scale, biases=biases)
     if out == "replicated":
         return _AllReduceSum.apply(partial, group).to(x.dtype)
     return _ReduceScatterRows.apply(partial, group, size, rank).to(x.dtype)
 
 
 def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, implementation, group, size, recompute,
-                shared_logits=None):
+                shared_logits=None, biases=(None, None)):
     """DeepEP-style: dispatch (token, slot) rows to the owner of their expert, compute, send back,
     combine at home. ``apply_router_weight_on_input``: the rows are scaled at home, before the dispatch."""
     T, H = x.shape
@@ -408,9 +419,9 @@ def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
     if R:
         ones = torch.ones((R, 1), dtype=torch.float32, device=x.device)
         y_recv = _experts(x_recv, ones, ids_recv[:, None], w13, w2, w13_scale, w2_scale, config, implementation,
-                          routed_scaling_factor=1.0, out_dtype=x.dtype, recompute=recompute)
+                          routed_scaling_factor=1.0, out_dtype=x.dtype, recompute=recompute, biases=biases)
     else:  # no kernel launch on zero rows (still on the autograd path: the backward's exchange needs this rank)
-        y_recv = _NoRows.apply(x_recv, w13, w2)
+        y_recv = _NoRows.apply(x_recv, w13, w2, *(b for b in biases if b is not None))
     # -- combine: the reverse exchange, then the single-device combine at home
     y_back = _AllToAllRows.apply(y_recv, send_splits, recv_splits, group)  # [T*K, H], send order
     if T == 0:  # [0, H], on the autograd path through both exchanges (and router_logits [0, E])

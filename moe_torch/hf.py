@@ -2,40 +2,73 @@
 block of a transformers model by an :class:`HFMoEBlock`, and :meth:`moe_torch.EPMoE.from_hf_block`
 builds one :class:`moe_torch.EPMoE` from one block.
 
-Supported (transformers 5.24, read from ``models/{mixtral,qwen3_moe,deepseek_v3}/modeling_*.py``):
+Supported (transformers 5.24, read from ``models/{mixtral,qwen3_moe,deepseek_v3,glm4_moe,qwen3_next,llama4}/
+modeling_*.py``):
 
-==========================  ==========================================================================
-block                       routing
-==========================  ==========================================================================
-``MixtralSparseMoeBlock``   softmax top-k, always renormalized (training: ``router_jitter_noise``)
-``Qwen3MoeSparseMoeBlock``  softmax top-k, renormalized iff ``norm_topk_prob``
-``DeepseekV3MoE``           sigmoid + ``e_score_correction_bias``, ``n_group`` / ``topk_group`` groups,
-                            ``norm_topk_prob``, ``routed_scaling_factor``; plus the shared-expert MLP
-==========================  ==========================================================================
+============================  ========================================================================
+block                         routing, and what else it computes
+============================  ========================================================================
+``MixtralSparseMoeBlock``     softmax top-k, always renormalized (training: ``router_jitter_noise``)
+``Qwen3MoeSparseMoeBlock``    softmax top-k, renormalized iff ``norm_topk_prob``
+``DeepseekV3MoE``             sigmoid + ``e_score_correction_bias``, ``n_group`` / ``topk_group`` groups,
+                              ``norm_topk_prob``, ``routed_scaling_factor``; plus the shared-expert MLP.
+                              Also Kimi K2 (its checkpoints say ``model_type="kimi_k2"`` and load as
+                              ``DeepseekV3ForCausalLM``: ``n_group = topk_group = 1``, rsf 2.827)
+``Glm4MoeMoE``                GLM-4.5 / GLM-4.5-Air: DeepseekV3MoE's computation (``Glm4MoeTopkRouter`` is
+                              ``DeepseekV3TopkRouter`` line for line; ``n_group = topk_group = 1`` in the
+                              released configs)
+``Qwen3NextSparseMoeBlock``   softmax top-k, renormalized iff ``norm_topk_prob``; plus the shared-expert MLP
+                              ``shared_expert`` scaled by ``sigmoid(x @ shared_expert_gate.weight.T)``
+                              (``shared_expert_gate [1, H]``, an ``nn.Linear`` without bias)
+``Llama4TextMoe``             sigmoid top-k (``Llama4Router``: top-k of the logits, sigmoid of the chosen,
+                              no renormalization) applied to the expert *input* (``x * sigmoid(logit)``, then
+                              the expert, outputs summed unweighted: ``apply_router_weight_on_input``); plus
+                              the shared-expert MLP ``shared_expert``
+============================  ========================================================================
 
-transformers' layout, which is ours (CONTRACT.md, Names): ``block.gate.weight [E, H]`` (the router:
-``router_logits = x @ weight.T``; DeepSeek-V3 in float32), ``block.experts.gate_up_proj [E, 2*I, H]``
-(``gate, up = linear(x, gate_up_proj[e]).chunk(2)``: gate rows first = our ``w13``),
-``block.experts.down_proj [E, H, I]`` (our ``w2``), DeepSeek-V3's ``block.gate.e_score_correction_bias
-[E]`` float32 buffer and ``block.shared_experts`` (an MLP of intermediate ``n_shared_experts * I``,
-added unweighted). Every block's ``forward`` takes ``[B, S, H]`` and returns ``[B, S, H]`` (a tensor,
-no router logits: transformers records those with a forward hook on the router module).
+transformers' layout, which is ours (CONTRACT.md, Names), for all but Llama 4: ``block.gate.weight [E, H]``
+(the router: ``router_logits = x @ weight.T``; DeepSeek-V3 and GLM-4.5 in float32),
+``block.experts.gate_up_proj [E, 2*I, H]`` (``gate, up = linear(x, gate_up_proj[e]).chunk(2)``: gate rows
+first = our ``w13``), ``block.experts.down_proj [E, H, I]`` (our ``w2``), DeepSeek-V3's / GLM-4.5's
+``block.gate.e_score_correction_bias [E]`` float32 buffer and ``block.shared_experts`` (an MLP of
+intermediate ``n_shared_experts * I``, added unweighted), Qwen3-Next's ``block.shared_expert`` (intermediate
+``shared_expert_intermediate_size``, a multiple of ``I``) and ``block.shared_expert_gate``. Llama 4
+(``Llama4TextExperts``) stores its experts in-by-out for ``torch.bmm``: ``experts.gate_up_proj [E, H, 2*I]``
+(``gate, up = (x @ gate_up_proj[e]).chunk(2, -1)``: gate *columns* first) and ``experts.down_proj [E, I, H]``,
+so ``w13 = gate_up_proj.transpose(1, 2)`` and ``w2 = down_proj.transpose(1, 2)`` (views); its router is
+``block.router`` (``Llama4Router``, an ``nn.Linear [E, H]`` without bias, in the model's dtype) and its shared
+MLP ``block.shared_expert`` (intermediate ``I``).
 
-:class:`HFMoEBlock` keeps what transformers names and hooks: the router module itself as ``gate``
-(its forward hook records ``router_logits`` for ``output_router_logits`` and the aux loss; its own
-top-k is computed and discarded), the expert tensors, as the very ``Parameter`` objects of the
-block (no copy), under ``experts.gate_up_proj`` / ``experts.down_proj``, and DeepSeek-V3's
-``shared_experts`` MLP as it is. So ``state_dict()`` and ``named_parameters()`` have transformers'
-names and tensors, and ``save_pretrained`` of a patched float model loads back into the unpatched
-class. Its forward: ``router_logits = gate(x)[0]``, then :func:`moe_torch.moe_forward` on them and
-the experts (routing as the block's router does it, CONTRACT.md section 1), then ``+ shared_experts(x)``.
+What each block's ``forward`` returns, and so what :class:`HFMoEBlock` returns in its place: ``[B, S, H]``
+(a tensor; transformers records the router logits with a forward hook on the router module) for all but
+Llama 4; ``Llama4TextMoe`` returns a tuple ``(out [B*S, H], router_logits [B*S, E])`` (flattened tokens: its
+decoder layer views the output back to ``[B, S, H]``).
+
+:class:`HFMoEBlock` keeps what transformers names and hooks: the router module itself as ``gate`` (Llama 4:
+``router``; its forward hook records ``router_logits`` for ``output_router_logits`` and the aux loss; its own
+top-k is computed and discarded), the expert tensors, as the very ``Parameter`` objects of the block (no
+copy), under ``experts.gate_up_proj`` / ``experts.down_proj`` (Llama 4's in their in-by-out shape; the layer
+reads them through transposed views, which the Triton GEMM copies to the ``[E, N, K]`` layout per call),
+and the shared MLP (``shared_experts`` / ``shared_expert``) and Qwen3-Next's ``shared_expert_gate`` as they
+are (plain torch modules, run beside the layer as transformers runs them). So ``state_dict()`` and
+``named_parameters()`` have transformers' names and tensors, and ``save_pretrained`` of a patched float model
+loads back into the unpatched class. Its forward: ``router_logits = gate(x)[0]`` (Llama 4:
+``router(x)[1]``), then :func:`moe_torch.moe_forward` on them and the routed experts (routing as the block's
+router does it, CONTRACT.md section 1; Llama 4 with ``apply_router_weight_on_input``), then the shared MLP as
+the block adds it (``+ shared_experts(x)``; Qwen3-Next ``+ sigmoid(shared_expert_gate(x)) * shared_expert(x)``;
+Llama 4 ``shared_expert(x) + routed``).
+
+:meth:`moe_torch.EPMoE.from_hf_block` (:func:`block_layer_weights`) fuses the shared MLP instead: ``S``
+fused shared experts of intermediate ``I`` (Qwen3-Next's gated by the layer's ``shared_expert_gate`` weight,
+``config.shared_expert_gate``; Llama 4's with ``config.apply_router_weight_on_input``, unscaled).
 
 ``quant='fp8_per_token'`` / ``'fp8_block'`` replaces the float experts by FP8 codes
 (``experts.gate_up_proj`` / ``experts.down_proj`` float8_e4m3fn) and float32 dequantization
 multipliers ``experts.gate_up_proj_scale_inv`` / ``experts.down_proj_scale_inv`` (transformers'
-FP8 experts' names; ``[E, N]`` per channel, or ``[E, ceil(N/128), ceil(K/128)]`` blocks); the router
-and DeepSeek-V3's shared MLP stay float. Such a model's ``save_pretrained`` raises (the unpatched
-class would read the codes as float weights, without their scales); ``state_dict()`` /
+FP8 experts' names; ``[E, N]`` per channel, or ``[E, ceil(N/128), ceil(K/128)]`` blocks); the router,
+the shared MLPs and Qwen3-Next's shared gate stay float. Llama 4's codes are held in the layer's layout
+(``[E, 2*I, H]`` / ``[E, H, I]``, not its in-by-out float shapes). Such a model's ``save_pretrained`` raises
+(the unpatched class would read the codes as float weights, without their scales); ``state_dict()`` /
 ``load_state_dict`` work between models patched alike, and ``load_state_dict`` refuses float weights
 into FP8 codes.
 
@@ -52,7 +85,7 @@ import logging
 
 import torch
 
-from moe_contract.config import QUANTS, MoEConfig
+from moe_contract.config import MoEConfig
 from moe_contract.validation import check_bool, check_choice, dtype_name
 from moe_torch.layer import LAYER_IMPLEMENTATIONS, moe_forward
 from moe_torch.module import check_code_dtypes_on_load, keep_dtypes_fn, quantize_chunked, require_torch_tensors
@@ -64,20 +97,27 @@ log = logging.getLogger("moe_torch")
 SUPPORTED_BLOCKS = {
     "MixtralSparseMoeBlock": "transformers.models.mixtral.modeling_mixtral",
     "Qwen3MoeSparseMoeBlock": "transformers.models.qwen3_moe.modeling_qwen3_moe",
-    "DeepseekV3MoE": "transformers.models.deepseek_v3.modeling_deepseek_v3",
+    "DeepseekV3MoE": "transformers.models.deepseek_v3.modeling_deepseek_v3",  # DeepSeek-V3 and Kimi K2
+    "Glm4MoeMoE": "transformers.models.glm4_moe.modeling_glm4_moe",
+    "Qwen3NextSparseMoeBlock": "transformers.models.qwen3_next.modeling_qwen3_next",
+    "Llama4TextMoe": "transformers.models.llama4.modeling_llama4",
+}
+
+#: Each served block's child modules in transformers 5.24 (a block holding anything else is refused).
+BLOCK_MODULES = {
+    "MixtralSparseMoeBlock": ("gate", "experts"),
+    "Qwen3MoeSparseMoeBlock": ("gate", "experts"),
+    "DeepseekV3MoE": ("experts", "gate", "shared_experts"),
+    "Glm4MoeMoE": ("experts", "gate", "shared_experts"),
+    "Qwen3NextSparseMoeBlock": ("gate", "experts", "shared_expert", "shared_expert_gate"),
+    "Llama4TextMoe": ("experts", "router", "shared_expert"),
 }
 
 #: transformers 5.24 MoE blocks of the 2026 families that are recognised but not served (issue 15): class name ->
 #: what they compute that is not read yet. ``read_block`` and ``patch_hf_model`` refuse them with this reason.
 UNSERVED_BLOCKS = {
-    "Llama4TextMoe": "Llama 4 (routing='sigmoid_topk', preset llama4-scout) is not read here yet: its router weight "
-                     "scales the expert input (x * sigmoid(logit), then the expert) and its experts are stored "
-                     "[E, H, 2I]",
     "GptOssMLP": "gpt-oss (softmax_topk renormalized, swiglu_oai, interleaved gate/up; preset gpt-oss-20b) is not read "
                  "here yet: its experts have biases and are stored [E, H, 2I]",
-    "Qwen3NextSparseMoeBlock": "Qwen3-Next (preset qwen3-next-80b-a3b) is not read here yet: its shared expert's "
-                               "output is scaled by sigmoid(x @ shared_expert_gate.T)",
-    "Glm4MoeMoE": "GLM-4.5 (DeepSeek-V3's routing, preset glm-4.5-air) is not read here yet",
 }
 
 #: transformers activation classes (``ACT2CLS`` in ``transformers/activations.py``) -> ours.
@@ -101,13 +141,27 @@ class _Block:
     """What one transformers block computes, read from its modules."""
 
     name: str  # the class name
-    config: MoEConfig  # the routed experts (S = 0), quant 'none'
+    config: MoEConfig  # the routed experts (S = 0), quant 'none' (Llama 4: apply_router_weight_on_input)
+    router_name: str  # the router module's name: "gate", or Llama 4's "router"
     gate: torch.nn.Module  # the router module
-    gate_up_proj: torch.Tensor  # [E, 2I, H]
-    down_proj: torch.Tensor  # [E, H, I]
-    shared_experts: torch.nn.Module | None  # DeepSeek-V3's MLP
+    gate_up_proj: torch.Tensor  # [E, 2I, H] (Llama 4: [E, H, 2I], in_by_out)
+    down_proj: torch.Tensor  # [E, H, I] (Llama 4: [E, I, H], in_by_out)
+    in_by_out: bool  # Llama 4's experts, stored for x @ w (torch.bmm)
+    shared_name: str | None  # "shared_experts" (DeepSeek-V3, GLM-4.5) / "shared_expert" (Qwen3-Next, Llama 4)
+    shared_experts: torch.nn.Module | None  # the shared MLP
     num_shared_experts: int  # its intermediate / I
+    shared_expert_gate: torch.nn.Module | None  # Qwen3-Next's nn.Linear(H, 1, bias=False)
     jitter_noise: float  # Mixtral's training-time input jitter
+
+    @property
+    def w13(self) -> torch.Tensor:
+        """``[E, 2I, H]`` (a transposed view of Llama 4's ``[E, H, 2I]``)."""
+        return self.gate_up_proj.transpose(1, 2) if self.in_by_out else self.gate_up_proj
+
+    @property
+    def w2(self) -> torch.Tensor:
+        """``[E, H, I]`` (a transposed view of Llama 4's ``[E, I, H]``)."""
+        return self.down_proj.transpose(1, 2) if self.in_by_out else self.down_proj
 
 
 def _activation(op: str, name: str, where: str, act_fn) -> str:
@@ -125,11 +179,29 @@ def _shape(op: str, name: str, what: str, t, expected: tuple) -> None:
         raise ValueError(f"{op}: {name}: {what} must be {expected}; got {got}")
 
 
+def _shared_mlp(op: str, name: str, where: str, shared: torch.nn.Module, H: int, I: int, act: str) -> int:
+    """The number ``S`` of experts of intermediate ``I`` that the shared MLP ``shared`` (``gate_proj`` / ``up_proj``
+    ``[S*I, H]``, ``down_proj [H, S*I]``, no biases, the experts' activation) is."""
+    i_shared = shared.gate_proj.weight.shape[0]
+    if i_shared == 0 or i_shared % I:
+        raise ValueError(f"{op}: {name}: {where}'s intermediate size (={i_shared}) must be a positive multiple of the "
+                         f"experts' (I={I})")
+    _shape(op, name, f"{where}.gate_proj.weight", shared.gate_proj.weight, (i_shared, H))
+    _shape(op, name, f"{where}.up_proj.weight", shared.up_proj.weight, (i_shared, H))
+    _shape(op, name, f"{where}.down_proj.weight", shared.down_proj.weight, (H, i_shared))
+    if any(getattr(shared, p).bias is not None for p in ("gate_proj", "up_proj", "down_proj")):
+        raise NotImplementedError(f"{op}: {name}: {where} with biases are not supported")
+    act_fn = shared.act_fn if hasattr(shared, "act_fn") else getattr(shared, "activation_fn", None)  # Llama 4's name
+    if _activation(op, name, f"{where}.act_fn", act_fn) != act:
+        raise NotImplementedError(f"{op}: {name}: {where}: its activation differs from the experts'")
+    return i_shared // I
+
+
 def read_block(block: torch.nn.Module, op: str = "read_block") -> _Block:
     """The routing, sizes and weights of one supported transformers block.
 
-    Raises: NotImplementedError (not a supported block class; an unsupported activation or
-      expert layout), ValueError (shapes that disagree with the block's sizes).
+    Raises: NotImplementedError (not a supported block class; an unsupported activation, router or expert
+      bias), ValueError (shapes that disagree with the block's sizes).
     """
     name = supported_block_name(block)
     if name is None and type(block).__name__ in UNSERVED_BLOCKS:
@@ -139,75 +211,105 @@ def read_block(block: torch.nn.Module, op: str = "read_block") -> _Block:
         raise NotImplementedError(
             f"{op}: block must be one of transformers' {sorted(SUPPORTED_BLOCKS)}; got "
             f"{type(block).__module__}.{type(block).__name__}")
-    known = {"gate", "experts"} | ({"shared_experts"} if name == "DeepseekV3MoE" else set())
+    known = set(BLOCK_MODULES[name])
     if set(block._modules) != known or block._parameters or block._buffers:
         raise NotImplementedError(
             f"{op}: {name} holds {sorted(block._modules)} (and {len(block._parameters)} parameter(s) / "
             f"{len(block._buffers)} buffer(s) of its own); this layer knows transformers 5.24's {sorted(known)}, "
             f"nothing else")
-    gate, experts = block.gate, block.experts
-    E, H, I = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
-    _shape(op, name, "experts.gate_up_proj [E, 2*I, H]", experts.gate_up_proj, (E, 2 * I, H))
-    _shape(op, name, "experts.down_proj [E, H, I]", experts.down_proj, (E, H, I))
-    _shape(op, name, "gate.weight [E, H]", gate.weight, (E, H))
+    llama4 = name == "Llama4TextMoe"
+    router_name = "router" if llama4 else "gate"
+    gate, experts = getattr(block, router_name), block.experts
+    if llama4:  # Llama4TextExperts: in-by-out, for torch.bmm(x, gate_up_proj)
+        E, H, I = experts.num_experts, experts.hidden_size, experts.expert_dim
+        _shape(op, name, "experts.gate_up_proj [E, H, 2*I] (in-by-out)", experts.gate_up_proj, (E, H, 2 * I))
+        _shape(op, name, "experts.down_proj [E, I, H] (in-by-out)", experts.down_proj, (E, I, H))
+        if gate.bias is not None:
+            raise NotImplementedError(f"{op}: {name}: a router with a bias is not supported (Llama4Router has none)")
+    else:
+        E, H, I = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
+        _shape(op, name, "experts.gate_up_proj [E, 2*I, H]", experts.gate_up_proj, (E, 2 * I, H))
+        _shape(op, name, "experts.down_proj [E, H, I]", experts.down_proj, (E, H, I))
+    _shape(op, name, f"{router_name}.weight [E, H]", gate.weight, (E, H))
     act = _activation(op, name, "experts.act_fn", experts.act_fn)
     fields = dict(hidden_size=H, intermediate_size=I, num_experts=E, topk=gate.top_k, activation=act)
-    shared, n_shared, jitter = None, 0, 0.0
+    shared_name, shared, n_shared, shared_gate, jitter = None, None, 0, None, 0.0
     if name == "MixtralSparseMoeBlock":
         cfg = MoEConfig(**fields, routing="softmax_topk", renormalize=True)  # its router always divides by the sum
         jitter = float(block.jitter_noise)
     elif name == "Qwen3MoeSparseMoeBlock":
         cfg = MoEConfig(**fields, routing="softmax_topk", renormalize=bool(gate.norm_topk_prob))
-    else:  # DeepseekV3MoE: rsf folded into the gate's weights, as transformers' router does
+    elif name == "Qwen3NextSparseMoeBlock":  # Qwen3NextTopKRouter: Qwen3-MoE's; plus the gated shared MLP
+        cfg = MoEConfig(**fields, routing="softmax_topk", renormalize=bool(gate.norm_topk_prob))
+        shared_name, shared_gate = "shared_expert", block.shared_expert_gate
+        _shape(op, name, "shared_expert_gate.weight [1, H]", shared_gate.weight, (1, H))
+        if shared_gate.bias is not None:
+            raise NotImplementedError(f"{op}: {name}: a shared_expert_gate with a bias is not supported "
+                                      f"(transformers' has none)")
+    elif llama4:  # Llama4Router: topk of the logits, sigmoid of the chosen; the weight scales the expert input
+        cfg = MoEConfig(**fields, routing="sigmoid_topk", renormalize=False, apply_router_weight_on_input=True)
+        shared_name = "shared_expert"
+    else:  # DeepseekV3MoE, Glm4MoeMoE: rsf folded into the gate's weights, as transformers' router does
         _shape(op, name, "gate.e_score_correction_bias [E]", gate.e_score_correction_bias, (E,))
         cfg = MoEConfig(**fields, routing="biased_grouped_topk", renormalize=bool(gate.norm_topk_prob),
                         num_expert_group=gate.num_group, topk_group=gate.topk_group,
                         routed_scaling_factor=float(gate.routed_scaling_factor),
                         apply_routed_scaling_factor_on_output=True)
-        shared = block.shared_experts
-        i_shared = shared.gate_proj.weight.shape[0]
-        if i_shared % I:
-            raise ValueError(f"{op}: {name}: shared_experts' intermediate size (={i_shared}) must be a multiple of "
-                             f"the experts' (I={I})")
-        n_shared = i_shared // I
-        _shape(op, name, "shared_experts.up_proj.weight", shared.up_proj.weight, (i_shared, H))
-        _shape(op, name, "shared_experts.down_proj.weight", shared.down_proj.weight, (H, i_shared))
-        if any(getattr(shared, p).bias is not None for p in ("gate_proj", "up_proj", "down_proj")):
-            raise NotImplementedError(f"{op}: {name}: shared_experts with biases are not supported")
-        if _activation(op, name, "shared_experts.act_fn", shared.act_fn) != act:
-            raise NotImplementedError(f"{op}: {name}: shared_experts' activation differs from the experts'")
-    return _Block(name, cfg, gate, experts.gate_up_proj, experts.down_proj, shared, n_shared, jitter)
+        shared_name = "shared_experts"
+    if shared_name is not None:
+        shared = getattr(block, shared_name)
+        n_shared = _shared_mlp(op, name, shared_name, shared, H, I, act)
+    return _Block(name, cfg, router_name, gate, experts.gate_up_proj, experts.down_proj, llama4, shared_name, shared,
+                  n_shared, shared_gate, jitter)
+
+
+#: The ``quant`` choices of the drop-ins: the float weights as they are, or the routed experts in FP8 (the layer's
+#: 4-bit weight formats, MXFP4 / INT4, are checkpoint formats and not offered as a conversion here).
+HF_QUANTS = ("none", "fp8_per_token", "fp8_block")
 
 
 def _quant(op: str, quant: str | None) -> str:
     quant = "none" if quant is None else quant
-    check_choice(op, "quant", quant, QUANTS)
+    check_choice(op, "quant", quant, HF_QUANTS)
     return quant
 
 
 def block_layer_weights(block: torch.nn.Module, *, quant: str | None = None, op: str = "block_layer_weights",
-                        **config_overrides):
+                        with_shared_expert_gate: bool = False, **config_overrides):
     """One block as the layer's float inputs: ``(config, w13 [E + S, 2*I, H], w2 [E + S, H, I],
-    e_score_correction_bias [E] or None)``, DeepSeek-V3's shared MLP as ``S = n_shared_experts``
-    fused shared experts (rows / columns ``j*I:(j+1)*I`` of its projections). Used by
-    :meth:`moe_torch.EPMoE.from_hf_block`.
+    e_score_correction_bias [E] or None)``, and with ``with_shared_expert_gate=True`` a fifth item,
+    ``shared_expert_gate [1, H]`` or None. The shared MLP (DeepSeek-V3's / GLM-4.5's ``shared_experts``, Qwen3-Next's
+    and Llama 4's ``shared_expert``) becomes ``S = intermediate / I`` fused shared experts (rows / columns
+    ``j*I:(j+1)*I`` of its projections: exact, the MLP is the sum of those pieces). Llama 4's in-by-out experts
+    are transposed (a copy). Qwen3-Next's config has ``shared_expert_gate=True`` and its gate weight is
+    transformers' ``shared_expert_gate.weight [1, H]`` (one logit for every fused shared slot); Llama 4's has
+    ``apply_router_weight_on_input=True``. Used by :meth:`moe_torch.EPMoE.from_hf_block`.
 
     Raises: as :func:`read_block`; TypeError for an override that is not a :class:`MoEConfig` field;
-      ValueError for a routing field among the overrides (those come from the block).
+      ValueError for a routing field among the overrides (those come from the block); NotImplementedError for
+      Qwen3-Next's block without ``with_shared_expert_gate=True`` (the four items cannot carry its gate weight).
     """
     b = read_block(block, op)
+    check_bool(op, "with_shared_expert_gate", with_shared_expert_gate)
+    if b.shared_expert_gate is not None and not with_shared_expert_gate:
+        raise NotImplementedError(
+            f"{op}: {b.name}'s shared_expert_gate [1, H] is a weight of the layer that (config, w13, w2, bias) cannot "
+            f"carry; call moe_torch.hf.block_layer_weights(block, with_shared_expert_gate=True) -> (config, w13, w2, "
+            f"bias, shared_expert_gate) and pass EPMoE.from_float(config, w13, w2, shared_expert_gate=...)")
     MoEConfig.check_field_names(op, config_overrides)
     routing_fields = set(b.config.gate_kwargs()) - {"apply_routed_scaling_factor_on_output"}
     from_block = routing_fields | {"hidden_size", "intermediate_size", "num_experts", "activation", "quant",
-                                   "num_fused_shared_experts"}
+                                   "num_fused_shared_experts", "apply_router_weight_on_input", "shared_expert_gate"}
     fixed = sorted(from_block & set(config_overrides))
     if fixed:
         raise ValueError(f"{op}: {fixed} come from the block ({b.name}); overrides may set ep_size, ep_rank, "
                          f"apply_routed_scaling_factor_on_output; got {sorted(config_overrides)}")
     config = b.config.replace(quant=_quant(op, quant), num_fused_shared_experts=b.num_shared_experts,
-                              **config_overrides)
-    w13, w2 = b.gate_up_proj.detach(), b.down_proj.detach()
-    bias = None
+                              shared_expert_gate=b.shared_expert_gate is not None, **config_overrides)
+    w13, w2 = b.w13.detach(), b.w2.detach()
+    if b.in_by_out:  # Llama 4: the layer's [E, N, K] layout, contiguous (the GEMMs read K with unit stride)
+        w13, w2 = w13.contiguous(), w2.contiguous()
+    bias = gate = None
     if b.shared_experts is not None:
         I, sh = config.intermediate_size, b.shared_experts
         g, u, d = sh.gate_proj.weight.detach(), sh.up_proj.weight.detach(), sh.down_proj.weight.detach()
@@ -218,23 +320,31 @@ def block_layer_weights(block: torch.nn.Module, *, quant: str | None = None, op:
         w2 = torch.cat([w2, *(p.to(w2.dtype) for p in parts2)])
     if config.routing == "biased_grouped_topk":
         bias = b.gate.e_score_correction_bias.detach()
-    return config, w13, w2, bias
+    if b.shared_expert_gate is not None:
+        gate = b.shared_expert_gate.weight.detach()
+    return (config, w13, w2, bias, gate) if with_shared_expert_gate else (config, w13, w2, bias)
 
 
 class HFExperts(torch.nn.Module):
     """The expert weights of an :class:`HFMoEBlock` under transformers' names (no forward of its own).
 
-    ``gate_up_proj [E, 2*I, H]`` and ``down_proj [E, H, I]``: for ``quant='none'`` the transformers
-    block's own ``Parameter`` objects (its dtype, its ``requires_grad``: trainable as in transformers); for
-    FP8 float8_e4m3fn codes with float32 ``gate_up_proj_scale_inv`` / ``down_proj_scale_inv``
-    (dequantization multipliers, ``w ~= q * scale``): frozen buffers (never in ``parameters()``, so no
-    optimizer touches them), kept in their dtype under ``.to(dtype)`` / ``.half()``
-    (:func:`moe_torch.module.keep_dtypes_fn`).
+    ``gate_up_proj [E, 2*I, H]`` and ``down_proj [E, H, I]`` (Llama 4's float experts ``in_by_out``:
+    ``[E, H, 2*I]`` and ``[E, I, H]``, as ``Llama4TextExperts`` holds them; :attr:`w13` / :attr:`w2` are the
+    layer's views of either): for ``quant='none'`` the transformers block's own ``Parameter`` objects (its dtype,
+    its ``requires_grad``: trainable as in transformers); for FP8 float8_e4m3fn codes in the layer's layout with
+    float32 ``gate_up_proj_scale_inv`` / ``down_proj_scale_inv`` (dequantization multipliers, ``w ~= q * scale``):
+    frozen buffers (never in ``parameters()``, so no optimizer touches them), kept in their dtype under
+    ``.to(dtype)`` / ``.half()`` (:func:`moe_torch.module.keep_dtypes_fn`).
     """
 
-    def __init__(self, gate_up_proj, down_proj, gate_up_proj_scale_inv=None, down_proj_scale_inv=None) -> None:
+    def __init__(self, gate_up_proj, down_proj, gate_up_proj_scale_inv=None, down_proj_scale_inv=None, *,
+                 in_by_out: bool = False) -> None:
         super().__init__()
-        self.num_experts, two_i, self.hidden_dim = gate_up_proj.shape
+        self.in_by_out = in_by_out
+        if in_by_out:
+            self.num_experts, self.hidden_dim, two_i = gate_up_proj.shape
+        else:
+            self.num_experts, two_i, self.hidden_dim = gate_up_proj.shape
         self.intermediate_dim = two_i // 2
         tensors = dict(gate_up_proj=gate_up_proj, down_proj=down_proj, gate_up_proj_scale_inv=gate_up_proj_scale_inv,
                        down_proj_scale_inv=down_proj_scale_inv)
@@ -243,6 +353,17 @@ class HFExperts(torch.nn.Module):
                 self.register_parameter(name, t)
             else:
                 self.register_buffer(name, None if t is None else t.detach())
+
+    @property
+    def w13(self) -> torch.Tensor:
+        """The layer's ``w13 [E, 2*I, H]``: ``gate_up_proj``, or a transposed view of Llama 4's (autograd reaches the
+        parameter through it)."""
+        return self.gate_up_proj.transpose(1, 2) if self.in_by_out else self.gate_up_proj
+
+    @property
+    def w2(self) -> torch.Tensor:
+        """The layer's ``w2 [E, H, I]``: ``down_proj``, or a transposed view of Llama 4's."""
+        return self.down_proj.transpose(1, 2) if self.in_by_out else self.down_proj
 
     @property
     def quantized(self) -> bool:
@@ -260,24 +381,26 @@ class HFExperts(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"E={self.num_experts}, H={self.hidden_dim}, I={self.intermediate_dim}, "
-                f"dtype={dtype_name(self.gate_up_proj)}")
+                f"dtype={dtype_name(self.gate_up_proj)}" + (", in_by_out=True" if self.in_by_out else ""))
 
 
 class HFMoEBlock(torch.nn.Module):
     """A transformers sparse-MoE block computed by :func:`moe_torch.moe_forward`:
-    ``forward(hidden_states [B, S, H]) -> [B, S, H]`` in ``hidden_states.dtype``, as the block it
-    replaces (module docstring: what is kept, and the names).
+    ``forward(hidden_states [B, S, H])`` returns what the block it replaces returns, in ``hidden_states.dtype``:
+    ``[B, S, H]``, or for ``Llama4TextMoe`` the tuple ``(out [B*S, H], router_logits [B*S, E])`` (module
+    docstring: what is kept, and the names).
 
-    Attributes: ``gate`` (transformers' router module), ``experts`` (:class:`HFExperts`),
-    ``shared_experts`` (DeepSeek-V3's MLP, else absent), ``moe_config`` (:class:`MoEConfig` of the
-    routed experts), ``implementation`` and ``recompute`` (settable), ``replaces`` (the class name it
-    replaced).
+    Attributes: ``gate`` (transformers' router module; Llama 4: ``router``), ``experts`` (:class:`HFExperts`),
+    ``shared_experts`` (DeepSeek-V3's / GLM-4.5's MLP) or ``shared_expert`` (Qwen3-Next's, Llama 4's), Qwen3-Next's
+    ``shared_expert_gate``, ``moe_config`` (:class:`MoEConfig` of the routed experts), ``implementation`` and
+    ``recompute`` (settable), ``replaces`` (the class name it replaced).
 
     Gradients: every backend (the Triton kernels included) is differentiable through
     :func:`moe_torch.moe_forward`'s backward (CONTRACT.md section 8): ``hidden_states``, the router's
-    weight (through ``router_logits``), float experts, DeepSeek-V3's shared MLP (plain torch) equal
-    transformers' block's gradients (``tests/test_hf_grad_parity.py``). FP8 experts are frozen and
-    straight-through (gradients reach ``hidden_states`` and the router).
+    weight (through ``router_logits``), float experts (Llama 4's through the transposed views), the shared MLP and
+    Qwen3-Next's shared gate (plain torch) equal transformers' block's gradients (``tests/test_hf_grad_parity.py``,
+    ``tests/test_hf_2026.py``). FP8 experts are frozen and straight-through (gradients reach ``hidden_states`` and
+    the router).
     """
 
     def __init__(self, block: torch.nn.Module, *, implementation: str | None = None,
@@ -298,32 +421,45 @@ class HFMoEBlock(torch.nn.Module):
         self.implementation = implementation
         self.recompute = recompute
         self.jitter_noise = b.jitter_noise
+        self._router_name, self._shared_name = b.router_name, b.shared_name
         if quant == "none":
-            experts = HFExperts(b.gate_up_proj, b.down_proj)
-        else:
-            q13, s13 = quantize_chunked(b.gate_up_proj.detach(), self.moe_config)
-            q2, s2 = quantize_chunked(b.down_proj.detach(), self.moe_config)
+            experts = HFExperts(b.gate_up_proj, b.down_proj, in_by_out=b.in_by_out)
+        else:  # codes in the layer's [E, N, K] layout (Llama 4's too: a new tensor either way)
+            q13, s13 = quantize_chunked(b.w13.detach().contiguous(), self.moe_config)
+            q2, s2 = quantize_chunked(b.w2.detach().contiguous(), self.moe_config)
             experts = HFExperts(q13, q2, s13, s2)
-        children = dict(gate=b.gate, experts=experts, shared_experts=b.shared_experts)
+        children = {b.router_name: b.gate, "experts": experts}
+        if b.shared_name is not None:
+            children[b.shared_name] = b.shared_experts
+        if b.shared_expert_gate is not None:
+            children["shared_expert_gate"] = b.shared_expert_gate
         for name in block._modules:  # the block's order: state_dict() lists the keys as transformers does
             self.add_module(name, children[name])
         self.train(block.training)  # a new module is in training mode; the model may be in eval mode
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor):
         require_torch_tensors("HFMoEBlock", dict(hidden_states=hidden_states))
         shape = hidden_states.shape
         if self.training and self.jitter_noise > 0:  # MixtralSparseMoeBlock's training-time jitter, drawn as it does
             j = self.jitter_noise
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - j, 1.0 + j)
         x = hidden_states.reshape(-1, shape[-1])
-        router_logits = self.gate(x)[0]  # through the router module: its hook records router_logits
+        router = getattr(self, self._router_name)
+        # Through the router module, so that its hook records router_logits: Llama4Router returns
+        # (scores, logits), the others (logits, weights, ids).
+        router_logits = router(x)[1 if self.replaces == "Llama4TextMoe" else 0]
         ex = self.experts
-        bias = self.gate.e_score_correction_bias if self.moe_config.routing == "biased_grouped_topk" else None
-        out = moe_forward(x, router_logits, ex.gate_up_proj, ex.down_proj, self.moe_config,
+        bias = router.e_score_correction_bias if self.moe_config.routing == "biased_grouped_topk" else None
+        out = moe_forward(x, router_logits, ex.w13, ex.w2, self.moe_config,
                           w13_scale=ex.gate_up_proj_scale_inv, w2_scale=ex.down_proj_scale_inv,
                           e_score_correction_bias=bias, implementation=self.implementation, recompute=self.recompute)
+        if self.replaces == "Llama4TextMoe":  # out = shared_expert(x); out.add_(routed), flat tokens
+            return self.shared_expert(x) + out, router_logits
+        if self.replaces == "Qwen3NextSparseMoeBlock":  # routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            return (out + shared).reshape(shape)
         out = out.reshape(shape)
-        if hasattr(self, "shared_experts"):
+        if self._shared_name is not None:  # DeepseekV3MoE / Glm4MoeMoE: + shared_experts(x)
             out = out + self.shared_experts(hidden_states)
         return out
 
@@ -331,7 +467,8 @@ class HFMoEBlock(torch.nn.Module):
         c = self.moe_config
         return (f"replaces={self.replaces}, E={c.num_experts}, topk={c.topk}, routing={c.routing!r}, "
                 f"renormalize={c.renormalize}, quant={c.quant!r}, implementation={self.implementation!r}, "
-                f"recompute={self.recompute}")
+                f"recompute={self.recompute}"
+                + (", apply_router_weight_on_input=True" if c.apply_router_weight_on_input else ""))
 
 
 def _refuse_save_pretrained(model_class: str, quant: str, *args, **kwargs):
@@ -347,8 +484,9 @@ def patch_hf_model(model: torch.nn.Module, implementation: str | None = None,
     """Replace every supported sparse-MoE block of a transformers model by an :class:`HFMoEBlock`, in place.
 
     Args:
-      model: a transformers model (``MixtralForCausalLM``, ``Qwen3MoeModel``... any ``nn.Module``
-        holding :data:`SUPPORTED_BLOCKS`).
+      model: a transformers model (``MixtralForCausalLM``, ``Qwen3MoeModel``, ``DeepseekV3ForCausalLM`` (Kimi K2
+        too), ``Glm4MoeForCausalLM``, ``Qwen3NextForCausalLM``, ``Llama4ForCausalLM``,
+        ``Llama4ForConditionalGeneration``... any ``nn.Module`` holding :data:`SUPPORTED_BLOCKS`).
       implementation: the layer's backend, as :func:`moe_torch.moe_forward` takes it (``None``: the
         reference on a CPU, the fastest backend on CUDA; ``"reference"``; ``"triton"``).
       quant: ``None`` / ``"none"`` (the float weights themselves, no copy), ``"fp8_per_token"`` or
@@ -359,7 +497,7 @@ def patch_hf_model(model: torch.nn.Module, implementation: str | None = None,
 
     The patched model trains like the original (every backend has a backward; FP8 experts are frozen
     buffers, straight-through): its parameters' gradients equal transformers' (float32 within 1e-5,
-    ``tests/test_hf_grad_parity.py``).
+    ``tests/test_hf_grad_parity.py``, ``tests/test_hf_2026.py``).
 
     Returns: ``model`` (patched in place). Its logits equal the unpatched model's to the contract
     (float32: a few ulps of summation order; bf16: CONTRACT.md section 7), ``state_dict()`` keeps
@@ -386,7 +524,7 @@ def patch_hf_model(model: torch.nn.Module, implementation: str | None = None,
         elif supported_block_name(module) is not None:
             targets.append((path, module))
         elif (all(isinstance(getattr(module, a, None), torch.nn.Module) for a in ("gate", "experts"))
-              or type(module).__name__ in UNSERVED_BLOCKS):  # Llama 4's and gpt-oss's hold `router`, not `gate`
+              or type(module).__name__ in UNSERVED_BLOCKS):  # gpt-oss's holds `router`, not `gate`
             unsupported.append((path, type(module).__name__))  # transformers' MoE blocks hold `gate` and `experts`
         else:
             continue

@@ -4,19 +4,24 @@ Dataflow (``S`` fused shared experts, ``topk' = topk + S``, ``M_cap = T * topk'`
 
     router_logits [T, E] --select_experts--> topk_weights, topk_ids [T, topk']
     topk_ids --routing_metadata--> expert_offsets [E_local+1], src2dst [T, topk'], dst2src [M_cap]
-    x [T, H] --permute (+FP8 quant)--> [M_cap, H] --grouped_gemm w13--> [M_cap, 2I]
-      --act_and_mul (+FP8 quant)--> [M_cap, I] --grouped_gemm w2--> [M_cap, H]
+    x [T, H] --permute (+FP8 quant)--> [M_cap, H] --grouped_gemm w13 (+ w13_bias)--> [M_cap, 2I]
+      --act_and_mul (+FP8 quant)--> [M_cap, I] --grouped_gemm w2 (+ w2_bias)--> [M_cap, H]
       --combine (x rsf unless the gate applied it)--> out [T, H]
+
+Weights: float (``quant='none'``), FP8 codes with scales, or 4-bit packed codes with group scales
+(``quant='mxfp4'`` / ``'int4'``, weight-only: the grouped GEMM decodes them, CONTRACT.md section 9).
 
 Mirror: ``moe_pallas/layer.py``.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from moe_contract.config import ACTIVATION_QUANT, WEIGHT_LAYOUT, MoEConfig
-from moe_contract.validation import (check_layer_inputs, check_layer_weights, check_positive_int,
+from moe_contract.config import ACTIVATION_QUANT, W4_QUANTS, WEIGHT_LAYOUT, MoEConfig
+from moe_contract.validation import (check_expert_biases, check_layer_inputs, check_layer_weights, check_positive_int,
                                       check_shared_expert_gate_logits, stage_implementation)
 from moe_torch.ops.activation import api as activation_api
 from moe_torch.ops.activation.api import act_and_mul, act_and_mul_backward
@@ -27,10 +32,12 @@ from moe_torch.ops.dispatch import check_implementation
 from moe_torch.ops.gate import api as gate_api
 from moe_torch.ops.gate.api import select_experts, select_experts_backward
 from moe_torch.ops.grouped_gemm import api as grouped_gemm_api
-from moe_torch.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_wgrad
+from moe_torch.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dbias, grouped_gemm_dgrad, grouped_gemm_wgrad
 from moe_torch.ops.permute import api as permute_api
 from moe_torch.ops.permute.api import RoutingMetadata, permute, permute_backward, routing_metadata
-from moe_torch.ops.quant.api import QUANT_CHUNK_BYTES, dequantize_fp8, quantize_weight_fp8
+from moe_torch.ops.quant.api import (QUANT_CHUNK_BYTES, dequantize_fp8, quantize_weight_fp8, quantize_weight_int4,
+                                     quantize_weight_mxfp4)
+from moe_torch.ops.quant.reference import dequantize_weight_4bit_reference
 from moe_torch.slot_weights import scaled_slot_rows, scaled_slot_rows_backward, slot_weights, slot_weights_backward
 
 #: Every backend name any stage knows (a stage without the chosen one uses its default).
@@ -49,6 +56,8 @@ def moe_forward(
     *,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
     e_score_correction_bias: torch.Tensor | None = None,
     shared_expert_gate_logits: torch.Tensor | None = None,
     implementation: str | None = None,
@@ -61,10 +70,18 @@ def moe_forward(
       router_logits: ``[T, E]`` float (the gate's linear layer output).
       w13: ``[E_local, 2*I, H]`` this rank's gate and up projections (rows ``:I`` and ``I:``, or with
         ``config.gate_up_layout="interleaved"`` rows ``0::2`` and ``1::2``), ``x.dtype`` for ``quant='none'``,
-        float8_e4m3fn otherwise.
-      w2: ``[E_local, H, I]`` down projections, same dtype rule.
-      config: the layer (routing, rsf placement, activation and gate/up layout, quant, EP).
-      w13_scale, w2_scale: FP8 weight scales (see :func:`quantize_layer_weights`).
+        float8_e4m3fn for the FP8 modes; ``quant='mxfp4'`` / ``'int4'``: packed 4-bit codes
+        ``[E_local, 2*I, H // 2]`` uint8 (CONTRACT.md section 9).
+      w2: ``[E_local, H, I]`` down projections, same dtype rule (4-bit: ``[E_local, H, I // 2]`` uint8).
+      config: the layer (routing, rsf placement, activation and gate/up layout, expert biases, quant, EP).
+      w13_scale, w2_scale: the weight scales (see :func:`quantize_layer_weights`): FP8 float32; 4-bit
+        ``[E_local, 2*I, H // 32]`` / ``[E_local, H, I // 32]``, uint8 e8m0 (mxfp4) or bf16 (int4).
+      w13_bias, w2_bias: ``[E_local, 2*I]`` / ``[E_local, H]`` float32, bf16 or ``x.dtype``, exactly when
+        ``config.expert_bias`` (gpt-oss's ``gate_up_proj_bias`` / ``down_proj_bias``, this rank's rows, the
+        fused shared experts' included): GEMM 1 computes ``h = xp @ w13[e].T + w13_bias[e]`` and GEMM 2
+        ``y = a @ w2[e].T + w2_bias[e]``, each bias added to the float32 accumulator before the rounding
+        (CONTRACT.md section 4); the combine weights the whole ``y``, bias included, as transformers'
+        ``GptOssExperts`` (``(a @ down_proj + down_proj_bias) * routing_weight``; section 5).
       e_score_correction_bias: ``[E]`` float, for ``routing='biased_grouped_topk'``.
       shared_expert_gate_logits: ``[T, S]`` float32 or ``x.dtype``, exactly when ``config.shared_expert_gate``
         (Qwen3-Next: ``x @ shared_expert_gate.weight.T``, as ``router_logits`` from outside): fused shared
@@ -89,10 +106,12 @@ def moe_forward(
     arXiv 2512.14080, section 3), so the combine's backward needs no ``y``.
 
     Gradients (CONTRACT.md section 8): ``x``, ``router_logits`` (through ``topk_weights`` only),
-    ``shared_expert_gate_logits``, float ``w13`` / ``w2`` (``[E_local, ...]``, this rank's slice), each
-    accumulated in float32 and returned in its input's dtype. FP8 layers: the backward is straight-through
-    (quantization has gradient identity) on the dequantized weights in ``x.dtype``; FP8 codes, weight scales
-    and ``e_score_correction_bias`` get no gradient.
+    ``shared_expert_gate_logits``, float ``w13`` / ``w2`` (``[E_local, ...]``, this rank's slice), ``w13_bias``
+    / ``w2_bias`` (``grouped_gemm_dbias`` of ``d_h`` / of the weighted ``d_y``), each accumulated in float32 and
+    returned in its input's dtype. FP8 and 4-bit layers: the backward is straight-through (quantization has
+    gradient identity) on the dequantized weights in ``x.dtype`` (4-bit: each weight dequantized whole,
+    ``[E_local, N, K]`` of ``x.dtype``, around its dgrad only); weight codes, weight scales and
+    ``e_score_correction_bias`` get no gradient (the expert biases do).
 
     Returns: ``out [T, H]`` in ``x.dtype``: this rank's partial sum; the sum over EP ranks is
     the layer's output (CONTRACT.md section 6).
@@ -101,21 +120,22 @@ def moe_forward(
     """
     op = "moe_forward"
     check_layer_inputs(op, config, x, router_logits, w13, w2, w13_scale, w2_scale)
+    check_expert_biases(op, config, x, w13_bias, w2_bias)
     check_shared_expert_gate_logits(op, config, x, shared_expert_gate_logits)
     check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
     if not isinstance(recompute, bool):
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (x, router_logits, w13, w2, shared_expert_gate_logits)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (
+            x, router_logits, w13, w2, shared_expert_gate_logits, w13_bias, w2_bias)):
         return _MoELayerFunction.apply(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
-                                       shared_expert_gate_logits, config, implementation, recompute)
+                                       shared_expert_gate_logits, w13_bias, w2_bias, config, implementation, recompute)
 
     topk_weights, topk_ids = run_gate(router_logits, config, e_score_correction_bias, implementation)
     combine_weights, input_scale = slot_weights(topk_weights, shared_expert_gate_logits, config)
     expert_start, e_local = config.local_expert_range()
     y, meta = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
                           num_experts=config.num_total_experts, expert_start=expert_start, num_local_experts=e_local,
-                          input_scale=input_scale)
+                          input_scale=input_scale, w13_bias=w13_bias, w2_bias=w2_bias)
     return combine(y, meta.src2dst, combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
                    out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))
 
@@ -130,22 +150,30 @@ def run_gate(router_logits, config: MoEConfig, e_score_correction_bias, implemen
 
 
 def run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, implementation: str | None, *,
-                num_experts: int, expert_start: int, num_local_experts: int, return_h: bool = False, input_scale=None):
+                num_experts: int, expert_start: int, num_local_experts: int, return_h: bool = False, input_scale=None,
+                w13_bias=None, w2_bias=None):
     """The expert stages on the assignments of ``topk_ids [R, k]`` (ids in ``[0, num_experts)``;
     ``[expert_start, expert_start + num_local_experts)`` are the local experts of ``w13``/``w2``):
-    routing metadata, permute (+FP8 quant), GEMM 1, act_and_mul (+FP8 quant), GEMM 2. ``input_scale
-    [R, k]`` float32 (``apply_router_weight_on_input``, :func:`moe_torch.slot_weights.slot_weights`): slot
-    ``(r, j)``'s expert input is ``x[r] * input_scale[r, j]`` (rounded once to ``x.dtype``).
+    routing metadata, permute (+FP8 quant), GEMM 1 (+ ``w13_bias``), act_and_mul (+FP8 quant), GEMM 2
+    (+ ``w2_bias``); 4-bit weights (``config.quant`` mxfp4 / int4) go to the grouped GEMM as its ``w_format``.
+    ``input_scale [R, k]`` float32 (``apply_router_weight_on_input``, :func:`moe_torch.slot_weights.slot_weights`):
+    slot ``(r, j)``'s expert input is ``x[r] * input_scale[r, j]`` (rounded once to ``x.dtype``).
 
     Returns ``(y [R*k, H] x.dtype in permuted order, RoutingMetadata)`` (and GEMM 1's output
     ``h [R*k, 2I]`` with ``return_h``); rows ``>= M`` are never read."""
     meta = routing_metadata(topk_ids, num_experts, expert_start=expert_start, num_local_experts=num_local_experts,
                             implementation=stage_implementation(implementation, permute_api))
-    h = _gemm1(x, meta, topk_ids.shape[1], w13, w13_scale, config, implementation, input_scale)
+    h = _gemm1(x, meta, topk_ids.shape[1], w13, w13_scale, config, implementation, input_scale, w13_bias)
     a, a_scale = _act(h, config, implementation)
     y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype,
-                     implementation=stage_implementation(implementation, grouped_gemm_api))
+                     implementation=stage_implementation(implementation, grouped_gemm_api),
+                     w_format=w_format(config), bias=w2_bias)
     return (y, meta, h) if return_h else (y, meta)
+
+
+def w_format(config: MoEConfig) -> str | None:
+    """The grouped GEMM's ``w_format`` of the layer's weights: ``config.quant`` for the 4-bit modes, else ``None``."""
+    return config.quant if config.quant in W4_QUANTS else None
 
 
 def _expert_rows(x, k: int, input_scale):
@@ -155,13 +183,14 @@ def _expert_rows(x, k: int, input_scale):
     return (x, k) if input_scale is None else (scaled_slot_rows(x, input_scale), 1)
 
 
-def _gemm1(x, meta, k: int, w13, w13_scale, config: MoEConfig, implementation, input_scale=None):
-    """permute (+FP8 quant) and GEMM 1: ``h [M_cap, 2I]`` in ``x.dtype``."""
+def _gemm1(x, meta, k: int, w13, w13_scale, config: MoEConfig, implementation, input_scale=None, w13_bias=None):
+    """permute (+FP8 quant) and GEMM 1 (+ ``w13_bias``): ``h [M_cap, 2I]`` in ``x.dtype``."""
     x, k = _expert_rows(x, k, input_scale)
     xq, x_scale = permute(x, meta.dst2src, topk=k, quant=ACTIVATION_QUANT[config.quant],
                           implementation=stage_implementation(implementation, permute_api))
     return grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype,
-                        implementation=stage_implementation(implementation, grouped_gemm_api))
+                        implementation=stage_implementation(implementation, grouped_gemm_api),
+                        w_format=w_format(config), bias=w13_bias)
 
 
 def _act(h, config: MoEConfig, implementation):
@@ -178,14 +207,18 @@ class _MoELayerFunction(torch.autograd.Function):
 
         d_y0 = permute(d_out)                          gathered d_out rows [M_cap, H] (unscaled)
         d_a0 = grouped_gemm_dgrad(d_y0, w2)            float32 [M_cap, I]   (d_out[t] @ w2[e])
-        d_topk_weights[t, j] = c * <a[m], d_a0[m]>     m = src2dst[t, j]; 0 if non-local
-        d_a = w_row * d_a0;  d_w2 = grouped_gemm_wgrad(a, w_row * d_y0)
-        d_h = act_and_mul_backward(h, d_a)
+        d_topk_weights[t, j] = c * <y[m], d_out[t]>    m = src2dst[t, j]; 0 if non-local, where
+                             = c * (<a[m], d_a0[m]> + <w2_bias[e], d_y0[m]>)   (the bias term with expert_bias)
+        d_y = w_row * d_y0;  d_a = w_row * d_a0;  d_w2 = grouped_gemm_wgrad(a, d_y)
+        d_w2_bias = grouped_gemm_dbias(d_y)
+        d_h = act_and_mul_backward(h, d_a);  d_w13_bias = grouped_gemm_dbias(d_h)
         d_xp = grouped_gemm_dgrad(d_h, w13);  d_w13 = grouped_gemm_wgrad(permute(x), d_h)
         d_x = permute_backward(d_xp);  d_router_logits = select_experts_backward(d_topk_weights)
 
     FP8 layers: ``a`` is its dequantized codes (what GEMM 2 consumed), the dgrads dequantize the weight
-    codes to ``x.dtype`` (straight-through), and no weight gradient is formed (frozen codes).
+    codes to ``x.dtype`` (straight-through), and no weight gradient is formed (frozen codes). 4-bit layers
+    (weight-only): the dgrads run on the weights dequantized to ``x.dtype`` (each alive only around its dgrad),
+    no weight gradient either. The expert biases get theirs with every kind of weights.
 
     The 2026 families (:mod:`moe_torch.slot_weights`): the combine takes ``combine_weights`` and the
     permute the scaled slot rows (``apply_router_weight_on_input``), whose backward gives ``d_x`` and
@@ -195,85 +228,134 @@ class _MoELayerFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, config, implementation,
-                recompute):
+    def forward(ctx, x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias, config,
+                implementation, recompute):
         topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
         combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)
         expert_start, e_local = config.local_expert_range()
         y, meta, h = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
                                  num_experts=config.num_total_experts, expert_start=expert_start,
-                                 num_local_experts=e_local, return_h=True, input_scale=input_scale)
+                                 num_local_experts=e_local, return_h=True, input_scale=input_scale,
+                                 w13_bias=w13_bias, w2_bias=w2_bias)
         out = combine(y, meta.src2dst, combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
                       out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))
-        ctx.save_for_backward(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, topk_weights,
-                              topk_ids, meta.expert_offsets, meta.src2dst, meta.dst2src, None if recompute else h)
+        ctx.save_for_backward(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias,
+                              topk_weights, topk_ids, meta.expert_offsets, meta.src2dst, meta.dst2src,
+                              None if recompute else h)
         ctx.config, ctx.implementation, ctx.recompute = config, implementation, recompute
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        (x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, topk_weights, topk_ids, offsets, src2dst,
-         dst2src, h) = ctx.saved_tensors
+        (x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias, topk_weights, topk_ids,
+         offsets, src2dst, dst2src, h) = ctx.saved_tensors
         config, impl = ctx.config, ctx.implementation
         need_x, need_logits, need_w13, need_w2 = ctx.needs_input_grad[:4]
-        need_shared = ctx.needs_input_grad[7]
+        need_shared, need_b13, need_b2 = ctx.needs_input_grad[7:10]
         combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)
-        d_x, d_combine_weights, d_w13, d_w2, d_input_scale = _experts_backward(
+        g = _experts_backward(
             d_out, x, w13, w2, w13_scale, w2_scale, combine_weights, topk_ids.shape[1],
             RoutingMetadata(offsets, src2dst, dst2src), h, config, impl, config.combine_routed_scaling_factor,
-            need_x, need_w13, need_w2, input_scale=input_scale)
-        d_topk_weights, d_shared = slot_weights_backward(topk_weights, shared_logits, d_combine_weights, d_input_scale,
-                                                         config)
+            need_x, need_w13, need_w2, input_scale=input_scale, w13_bias=w13_bias, w2_bias=w2_bias,
+            need_w13_bias=need_b13, need_w2_bias=need_b2)
+        d_topk_weights, d_shared = slot_weights_backward(topk_weights, shared_logits, g.d_topk_weights,
+                                                         g.d_input_scale, config)
         d_logits = None
         if need_logits:
             d_logits = select_experts_backward(
                 router_logits, topk_ids, d_topk_weights, **config.gate_kwargs(), e_score_correction_bias=bias,
                 implementation=stage_implementation(impl, gate_api)).to(router_logits.dtype)
         d_shared = d_shared.to(shared_logits.dtype) if need_shared else None
-        return d_x, d_logits, d_w13, d_w2, None, None, None, d_shared, None, None, None
+        return (g.d_x, d_logits, g.d_w13, g.d_w2, None, None, None, d_shared, g.d_w13_bias, g.d_w2_bias, None, None,
+                None)
+
+
+class ExpertGrads(NamedTuple):
+    """What :func:`_experts_backward` returns (``None`` where not asked for, or frozen)."""
+
+    d_x: torch.Tensor | None
+    d_topk_weights: torch.Tensor
+    d_w13: torch.Tensor | None
+    d_w2: torch.Tensor | None
+    d_input_scale: torch.Tensor | None
+    d_w13_bias: torch.Tensor | None
+    d_w2_bias: torch.Tensor | None
+
+
+def dgrad_weight(w, w_scale, config: MoEConfig, dtype):
+    """The ``(w, w_scale)`` the straight-through dgrad reads: float and FP8 weights as they are (the FP8 dgrad
+    dequantizes its codes itself); 4-bit codes dequantized in float32 and rounded to ``dtype`` (CONTRACT.md
+    section 9: ``d_x = d_y @ wd[e]``, ``wd`` in ``d_y``'s dtype), ``[E_local, N, K]`` while the caller holds it."""
+    if config.quant not in W4_QUANTS:
+        return w, w_scale
+    return dequantize_weight_4bit_reference(w, w_scale, config.quant, dtype), None
+
+
+def _bias_dots(d_y0, w2_bias, offsets):
+    """``<w2_bias[e(m)], d_y0[m]>`` per permuted row ``m`` (float32 ``[M_cap]``; rows ``>= M``: not meaningful, never
+    read): the bias part of ``<y[m], d_out[t]>``. The expert of each row from ``offsets`` (a search, no host sync);
+    one ``[M_cap, H]`` float32 gather of the bias rows lives while it runs."""
+    rows = torch.arange(d_y0.shape[0], device=d_y0.device, dtype=offsets.dtype)
+    expert = torch.searchsorted(offsets[1:].contiguous(), rows, right=True).clamp(max=offsets.shape[0] - 2)
+    return (d_y0.float() * w2_bias.float()[expert]).sum(dim=1)
 
 
 def _experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: int, meta: RoutingMetadata, h,
                       config: MoEConfig, impl, c: float, need_x: bool, need_w13: bool, need_w2: bool, *,
-                      input_scale=None):
+                      input_scale=None, w13_bias=None, w2_bias=None, need_w13_bias: bool = False,
+                      need_w2_bias: bool = False) -> ExpertGrads:
     """The backward of the expert stages and the combine (CONTRACT.md section 8; the formulas in
-    :class:`_MoELayerFunction`), shared by it and :class:`_RoutedExpertsFunction`: ``(d_x, d_topk_weights,
-    d_w13, d_w2, d_input_scale)``, ``None`` where not asked for (FP8 weights: always ``None``, frozen codes).
-    ``topk_weights`` are the combine's weights; ``input_scale [R, k]`` float32 or ``None``: the expert inputs'
-    scale (``apply_router_weight_on_input``), whose gradient ``d_input_scale[r, j] = <x[r], d_xp[src2dst[r, j]]>``
-    (float32) is then formed (else ``None``). ``h`` is GEMM 1's output, or ``None`` (recomputed here); ``c``
-    the combine's scaling factor."""
+    :class:`_MoELayerFunction`), shared by it and :class:`_RoutedExpertsFunction`: :class:`ExpertGrads`, ``None``
+    where not asked for (FP8 and 4-bit weights: always ``None``, frozen codes). ``topk_weights`` are the combine's
+    weights; ``input_scale [R, k]`` float32 or ``None``: the expert inputs' scale (``apply_router_weight_on_input``),
+    whose gradient ``d_input_scale[r, j] = <x[r], d_xp[src2dst[r, j]]>`` (float32) is then formed (else ``None``).
+    ``w13_bias`` / ``w2_bias``: the GEMMs' biases (``config.expert_bias``) or ``None``; their gradients are
+    ``grouped_gemm_dbias`` of ``d_h`` and of ``d_y = w_row * d_y0`` (float32), in each bias's dtype. ``h`` is GEMM
+    1's output, or ``None`` (recomputed here); ``c`` the combine's scaling factor."""
     offsets, src2dst, dst2src = meta.expert_offsets, meta.src2dst, meta.dst2src
-    fp8 = config.quant != "none"
-    need_w13, need_w2 = need_w13 and not fp8, need_w2 and not fp8  # FP8 codes are frozen (section 8)
+    frozen = config.quant != "none"
+    need_w13, need_w2 = need_w13 and not frozen, need_w2 and not frozen  # FP8 / 4-bit codes are frozen
+    need_w13_bias, need_w2_bias = need_w13_bias and w13_bias is not None, need_w2_bias and w2_bias is not None
     gemm = stage_implementation(impl, grouped_gemm_api)
     perm = stage_implementation(impl, permute_api)
     T = topk_weights.shape[0]
     dtype = x.dtype
     if h is None:  # recompute=True: one more GEMM 1
-        h = _gemm1(x, meta, k, w13, w13_scale, config, impl, input_scale)
+        h = _gemm1(x, meta, k, w13, w13_scale, config, impl, input_scale, w13_bias)
     a, a_scale = _act(h, config, impl)
-    a = dequantize_fp8(a, a_scale).to(dtype) if fp8 else a  # what GEMM 2 consumed, in x.dtype
+    a = dequantize_fp8(a, a_scale).to(dtype) if a_scale is not None else a  # what GEMM 2 consumed, in x.dtype
     d_y0, _ = permute(d_out.to(dtype).contiguous(), dst2src, topk=k, implementation=perm)
-    d_a0 = grouped_gemm_dgrad(d_y0, w2, offsets, w_scale=w2_scale, out_dtype=torch.float32, implementation=gemm)
+    w2_d, s2_d = dgrad_weight(w2, w2_scale, config, dtype)
+    d_a0 = grouped_gemm_dgrad(d_y0, w2_d, offsets, w_scale=s2_d, out_dtype=torch.float32, implementation=gemm)
+    del w2_d, s2_d
     live = dst2src >= 0
     w_row = torch.where(live, topk_weights.reshape(-1)[dst2src.clamp(min=0).long()] * c, 0.0)  # [M_cap] float32
     dots = (a.float() * d_a0).sum(dim=1)  # <a[m], d_out[t] @ w2[e]>, float32
+    if w2_bias is not None:  # y = a @ w2.T + b2: <y[m], d_out[t]> has the bias's part too
+        dots = dots + _bias_dots(d_y0, w2_bias, offsets)
     d_topk_weights = torch.where(src2dst >= 0, c * dots[src2dst.clamp(min=0).long()], 0.0)
     d_a = (w_row[:, None] * d_a0).to(dtype)
     del d_a0, dots  # intermediates go as soon as they are used: the backward's peak is the wgrads'
-    d_w2 = None
-    if need_w2:  # float32 accumulation in the kernel, stored once in the weight's dtype (no float32 [E, H, I])
-        d_y = (w_row[:, None] * d_y0.float()).to(dtype)
-        d_w2 = grouped_gemm_wgrad(a, d_y, offsets, out_dtype=w2.dtype, implementation=gemm)
+    d_w2 = d_w2_bias = None
+    if need_w2 or need_w2_bias:  # float32 accumulation in the kernels, stored once in the weight's / bias's dtype
+        d_y = w_row[:, None] * d_y0.float()
+        if need_w2_bias:
+            d_w2_bias = grouped_gemm_dbias(d_y, offsets, out_dtype=w2_bias.dtype, implementation=gemm)
+        if need_w2:  # (no float32 [E, H, I]); the float32 d_y goes before the wgrad runs
+            d_y = d_y.to(dtype)
+            d_w2 = grouped_gemm_wgrad(a, d_y, offsets, out_dtype=w2.dtype, implementation=gemm)
         del d_y
     del a, d_y0
     d_h = act_and_mul_backward(h, d_a, activation=config.activation, layout=config.gate_up_layout, out_dtype=dtype,
                                implementation=stage_implementation(impl, activation_api))
     del h, d_a
+    d_w13_bias = grouped_gemm_dbias(d_h, offsets, out_dtype=w13_bias.dtype, implementation=gemm) if need_w13_bias \
+        else None
     d_x = d_w13 = d_input_scale = None
     if need_x or input_scale is not None:
-        d_xp = grouped_gemm_dgrad(d_h, w13, offsets, w_scale=w13_scale, out_dtype=dtype, implementation=gemm)
+        w13_d, s13_d = dgrad_weight(w13, w13_scale, config, dtype)
+        d_xp = grouped_gemm_dgrad(d_h, w13_d, offsets, w_scale=s13_d, out_dtype=dtype, implementation=gemm)
+        del w13_d, s13_d
         if input_scale is None:
             d_x = permute_backward(d_xp, src2dst, num_tokens=T, out_dtype=dtype, implementation=perm)
         else:  # the scaled slot rows: each slot's row gradient (float32), then their chain rule (slot_weights.py)
@@ -287,7 +369,7 @@ def _experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: i
         x_rows, k_rows = _expert_rows(x, k, input_scale)
         xp, _ = permute(x_rows, dst2src, topk=k_rows, implementation=perm)
         d_w13 = grouped_gemm_wgrad(xp, d_h, offsets, out_dtype=w13.dtype, implementation=gemm)
-    return d_x, d_topk_weights, d_w13, d_w2, d_input_scale
+    return ExpertGrads(d_x, d_topk_weights, d_w13, d_w2, d_input_scale, d_w13_bias, d_w2_bias)
 
 
 # The expert stages and the combine on a given routing, differentiable: what the EP layers (``ep.py``)
@@ -297,24 +379,28 @@ def _experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: i
 def routed_experts(x, topk_weights, topk_ids, w13, w2, config: MoEConfig, *, w13_scale=None, w2_scale=None,
                    implementation: str | None = None, num_experts: int, expert_start: int, num_local_experts: int,
                    routed_scaling_factor: float, out_dtype: torch.dtype, recompute: bool = False,
-                   input_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   input_scale: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
+                   w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``combine(run_experts(x, topk_ids), topk_weights)``: the layer without its gate, for ``ep.py``.
 
     ``x [R, H]``, ``topk_weights [R, k]`` float32, ``topk_ids [R, k]`` int32 in ``[0, num_experts)``
     (``[expert_start, expert_start + num_local_experts)`` are the experts of ``w13 [E_local, 2I, H]`` /
-    ``w2 [E_local, H, I]``, the others non-local), the combine's ``routed_scaling_factor`` and
-    ``out_dtype``. ``topk_weights`` are the combine's weights; ``input_scale [R, k]`` float32 (or ``None``)
-    scales each slot's expert input (:func:`run_experts`). Returns ``[R, H]`` in ``out_dtype``. Differentiable
-    in ``x``, ``topk_weights``, ``input_scale`` and float ``w13`` / ``w2`` with :func:`moe_forward`'s backward
-    (the same stages' backward ops, FP8 straight-through, ``recompute`` as there); ``topk_ids`` and the
+    ``w2 [E_local, H, I]`` (4-bit: packed codes), the others non-local), the combine's ``routed_scaling_factor``
+    and ``out_dtype``. ``topk_weights`` are the combine's weights; ``input_scale [R, k]`` float32 (or ``None``)
+    scales each slot's expert input (:func:`run_experts`); ``w13_bias [E_local, 2I]`` / ``w2_bias [E_local, H]``
+    (``config.expert_bias``) the GEMMs' biases. Returns ``[R, H]`` in ``out_dtype``. Differentiable in ``x``,
+    ``topk_weights``, ``input_scale``, float ``w13`` / ``w2`` and the biases with :func:`moe_forward`'s backward
+    (the same stages' backward ops, FP8 / 4-bit straight-through, ``recompute`` as there); ``topk_ids`` and the
     scales get none. No argument checks: the caller validated the layer's inputs."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, topk_weights, w13, w2, input_scale)):
-        return _RoutedExpertsFunction.apply(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale, config,
-                                            implementation, recompute,
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, topk_weights, w13, w2, input_scale, w13_bias, w2_bias)):
+        return _RoutedExpertsFunction.apply(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale,
+                                            w13_bias, w2_bias, config, implementation, recompute,
                                             (num_experts, expert_start, num_local_experts, routed_scaling_factor,
                                              out_dtype))
     y, meta = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation, num_experts=num_experts,
-                          expert_start=expert_start, num_local_experts=num_local_experts, input_scale=input_scale)
+                          expert_start=expert_start, num_local_experts=num_local_experts, input_scale=input_scale,
+                          w13_bias=w13_bias, w2_bias=w2_bias)
     return combine(y, meta.src2dst, topk_weights, routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
                    implementation=stage_implementation(implementation, combine_api))
 
@@ -324,29 +410,32 @@ class _RoutedExpertsFunction(torch.autograd.Function):
     ``d_router_logits``: the caller's gate has its own backward). Saves what :class:`_MoELayerFunction` saves."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale, config, implementation,
-                recompute, spec):
+    def forward(ctx, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, input_scale, w13_bias, w2_bias, config,
+                implementation, recompute, spec):
         num_experts, expert_start, num_local_experts, c, out_dtype = spec
         y, meta, h = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
                                  num_experts=num_experts, expert_start=expert_start,
-                                 num_local_experts=num_local_experts, return_h=True, input_scale=input_scale)
+                                 num_local_experts=num_local_experts, return_h=True, input_scale=input_scale,
+                                 w13_bias=w13_bias, w2_bias=w2_bias)
         out = combine(y, meta.src2dst, topk_weights, routed_scaling_factor=c, out_dtype=out_dtype,
                       implementation=stage_implementation(implementation, combine_api))
-        ctx.save_for_backward(x, w13, w2, w13_scale, w2_scale, topk_weights, input_scale, meta.expert_offsets,
-                              meta.src2dst, meta.dst2src, None if recompute else h)
+        ctx.save_for_backward(x, w13, w2, w13_scale, w2_scale, topk_weights, input_scale, w13_bias, w2_bias,
+                              meta.expert_offsets, meta.src2dst, meta.dst2src, None if recompute else h)
         ctx.config, ctx.implementation, ctx.c, ctx.k = config, implementation, c, topk_ids.shape[1]
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        x, w13, w2, w13_scale, w2_scale, topk_weights, input_scale, offsets, src2dst, dst2src, h = ctx.saved_tensors
+        (x, w13, w2, w13_scale, w2_scale, topk_weights, input_scale, w13_bias, w2_bias, offsets, src2dst, dst2src,
+         h) = ctx.saved_tensors
         need_x, need_weights, _, need_w13, need_w2 = ctx.needs_input_grad[:5]
-        need_scale = ctx.needs_input_grad[7]
-        d_x, d_topk_weights, d_w13, d_w2, d_input_scale = _experts_backward(
+        need_scale, need_b13, need_b2 = ctx.needs_input_grad[7:10]
+        g = _experts_backward(
             d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, ctx.k, RoutingMetadata(offsets, src2dst, dst2src), h,
-            ctx.config, ctx.implementation, ctx.c, need_x, need_w13, need_w2, input_scale=input_scale)
-        return (d_x, d_topk_weights if need_weights else None, None, d_w13, d_w2, None, None,
-                d_input_scale if need_scale else None, None, None, None, None)
+            ctx.config, ctx.implementation, ctx.c, need_x, need_w13, need_w2, input_scale=input_scale,
+            w13_bias=w13_bias, w2_bias=w2_bias, need_w13_bias=need_b13, need_w2_bias=need_b2)
+        return (g.d_x, g.d_topk_weights if need_weights else None, None, g.d_w13, g.d_w2, None, None,
+                g.d_input_scale if need_scale else None, g.d_w13_bias, g.d_w2_bias, None, None, None, None)
 
 
 @takes_torch_tensors
@@ -358,19 +447,27 @@ def quantize_layer_weights(
     ``w13 [E, 2*I, H]``, ``w2 [E, H, I]`` float (``E`` the experts given: all ``E + S``, or one
     rank's ``E_local``). ``quant='none'``: unchanged, scales ``None``. ``'fp8_per_token'``:
     float8_e4m3fn codes with per-output-channel scales ``[E, N]`` float32. ``'fp8_block'``: 128x128
-    block scales ``[E, ceil(N/128), ceil(K/128)]`` float32.
+    block scales ``[E, ceil(N/128), ceil(K/128)]`` float32. ``'mxfp4'`` / ``'int4'`` (CONTRACT.md section 9,
+    :func:`quantize_weight_mxfp4` / :func:`quantize_weight_int4`): packed codes ``[E, N, K // 2]`` uint8 with
+    one scale per group of 32 along ``K``, ``[E, N, K // 32]`` uint8 e8m0 / bf16.
 
-    Memory: each weight goes through :func:`quantize_weight_fp8` (``w13`` first, then ``w2``), a
-    chunk of experts at a time: beyond the weights and the results, the peak memory is at most one
-    chunk's float32 copy (``chunk_bytes``, default 1 GiB, or one expert's copy if that is larger)
+    Memory: each weight goes through its quantizer (``w13`` first, then ``w2``), a chunk at a time (of
+    experts for FP8, of rows for 4-bit): beyond the weights and the results, the peak memory is at most one
+    chunk's float32 copy (``chunk_bytes``, default 1 GiB, or one expert's / row's copy if that is larger)
     plus a few temporaries of the size of the chunk's scales.
 
-    Raises: ValueError / TypeError (shapes, dtypes, ``chunk_bytes`` not an int >= 1).
+    Raises: ValueError / TypeError (shapes, dtypes, ``chunk_bytes`` not an int >= 1; 4-bit: a non-finite
+      weight).
     """
     check_layer_weights("quantize_layer_weights", config, w13, w2)
     check_positive_int("quantize_layer_weights", "chunk_bytes", chunk_bytes)
     if config.quant == "none":
         return w13, None, w2, None
+    if config.quant in W4_QUANTS:
+        quantize = quantize_weight_mxfp4 if config.quant == "mxfp4" else quantize_weight_int4
+        w13_q, w13_scale = quantize(w13, chunk_bytes=chunk_bytes)
+        w2_q, w2_scale = quantize(w2, chunk_bytes=chunk_bytes)
+        return w13_q, w13_scale, w2_q, w2_scale
     layout = WEIGHT_LAYOUT[config.quant]
     w13_q, w13_scale = quantize_weight_fp8(w13, layout, chunk_bytes=chunk_bytes)
     w2_q, w2_scale = quantize_weight_fp8(w2, layout, chunk_bytes=chunk_bytes)

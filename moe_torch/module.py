@@ -4,11 +4,15 @@ calls :func:`moe_torch.layer.moe_forward`.
 State::
 
     w13   [E_local, 2*I, H]  nn.Parameter (bf16 / float16 / float32, quant='none'; requires_grad=trainable)
-                             or a buffer (float8_e4m3fn codes)
-    w2    [E_local, H, I]    same rule
-    w13_scale, w2_scale      buffers: float32 FP8 weight scales (None for quant='none'):
+                             or a buffer (float8_e4m3fn codes; 4-bit: packed uint8 codes [E_local, 2*I, H // 2])
+    w2    [E_local, H, I]    same rule (4-bit: [E_local, H, I // 2])
+    w13_scale, w2_scale      buffers: the weight scales (None for quant='none'): float32 FP8
                              [E_local, N] per-channel (fp8_per_token) or
-                             [E_local, ceil(N/128), ceil(K/128)] blocks (fp8_block)
+                             [E_local, ceil(N/128), ceil(K/128)] blocks (fp8_block); 4-bit
+                             [E_local, N, K // 32] uint8 e8m0 (mxfp4) or bf16 (int4)
+    w13_bias, w2_bias        [E_local, 2*I] / [E_local, H] nn.Parameter (config.expert_bias only, else None;
+                             requires_grad=trainable, with any weights: FP8 and 4-bit layers train them too):
+                             gpt-oss's gate_up_proj_bias / down_proj_bias
     e_score_correction_bias  buffer [E] float (routing='biased_grouped_topk' only, else None)
     shared_expert_gate       [1, H] or [S, H] nn.Parameter (config.shared_expert_gate only, else None):
                              Qwen3-Next's shared_expert_gate.weight; forward computes the layer's
@@ -16,8 +20,8 @@ State::
 
 Training (``trainable=True``, the default): the float weights are ordinary trainable parameters, as
 an ``nn.Linear``'s are, so an optimizer over ``model.parameters()`` updates them; the layer's backward
-is :func:`moe_torch.moe_forward`'s (CONTRACT.md section 8, every backend). FP8 codes, their scales and
-DeepSeek-V3's correction bias are buffers: never in ``parameters()``, so no optimizer, weight decay or
+is :func:`moe_torch.moe_forward`'s (CONTRACT.md section 8, every backend). FP8 and 4-bit codes, their scales
+and DeepSeek-V3's correction bias are buffers: never in ``parameters()``, so no optimizer, weight decay or
 ``requires_grad_()`` reaches them (a gradient step on an FP8 code is meaningless; the bias moves by its
 load-balancing rule, and transformers holds it as a buffer too); an FP8 layer is straight-through
 (gradients reach ``x`` and the router, in ``x.dtype``). Buffers and parameters alike move with
@@ -38,7 +42,7 @@ import numpy as np
 import torch
 
 from moe_contract.config import MoEConfig
-from moe_contract.inputs import draw_preset_weights, draw_shared_expert_gate
+from moe_contract.inputs import draw_expert_biases, draw_preset_weights, draw_shared_expert_gate
 from moe_contract.op_checks import check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
@@ -47,6 +51,7 @@ from moe_contract.validation import (
     check_choice,
     check_config,
     check_dtype,
+    check_expert_biases,
     check_layer_inputs,
     check_layer_weights,
     check_rank,
@@ -58,7 +63,7 @@ from moe_torch.ep import EP_MODES, ep_moe_forward
 from moe_torch.layer import LAYER_IMPLEMENTATIONS, WEIGHT_LAYOUT, local_weights, moe_forward
 from moe_torch.ops.common import check_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
-from moe_torch.ops.quant.api import quantize_weight_fp8
+from moe_torch.ops.quant.api import quantize_weight_fp8, quantize_weight_int4, quantize_weight_mxfp4
 
 
 def check_module_weights(
@@ -69,33 +74,39 @@ def check_module_weights(
     w13_scale,
     w2_scale,
     e_score_correction_bias,
+    w13_bias=None,
+    w2_bias=None,
 ) -> None:
     """The weights of one EP rank against ``config``, with the layer's own rules and messages.
 
     ``quant='none'``: ``w13``, ``w2`` float (one dtype), no scales. FP8: float8_e4m3fn codes with
-    the scale layout of the quant mode. ``e_score_correction_bias`` ``[E]`` float exactly when
-    ``routing='biased_grouped_topk'``. All tensors on ``w13``'s device.
+    the scale layout of the quant mode; 4-bit: packed uint8 codes with group scales. ``e_score_correction_bias``
+    ``[E]`` float exactly when ``routing='biased_grouped_topk'``; ``w13_bias [E_local, 2*I]`` / ``w2_bias
+    [E_local, H]`` exactly when ``config.expert_bias`` (float32, bf16, or the float weights' dtype; a quantized
+    layer: any float dtype, checked against ``x`` when called). All tensors on ``w13``'s device.
 
     Raises: TypeError (not a MoEConfig, not tensors, dtypes), ValueError (shapes, missing or
-      unexpected scales or bias, devices).
+      unexpected scales or biases, devices).
     """
     check_config(op, config)
     if config.quant == "none":
         check_layer_weights(op, config, w13, w2)
         x_dtype = w13.dtype
-    else:
-        x_dtype = torch.bfloat16
+    else:  # activations of any float dtype: a float16 bias goes with float16 x
+        x_dtype = w13_bias.dtype if w13_bias is not None and w13_bias.dtype == torch.float16 else torch.bfloat16
     # Shape-only stand-ins for x and router_logits (the checks read .shape and .dtype only).
     x = torch.empty((0, config.hidden_size), dtype=x_dtype, device="meta")
     logits = torch.empty((0, config.num_experts), dtype=torch.float32, device="meta")
     check_layer_inputs(op, config, x, logits, w13, w2, w13_scale, w2_scale)
+    check_expert_biases(op, config, x, w13_bias, w2_bias)
     check_select_experts(
         op,
         logits,
         **config.gate_kwargs(),
         e_score_correction_bias=e_score_correction_bias,
     )
-    named = (("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale), ("e_score_correction_bias", e_score_correction_bias))
+    named = (("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale), ("e_score_correction_bias", e_score_correction_bias),
+             ("w13_bias", w13_bias), ("w2_bias", w2_bias))
     for name, t in named:
         if t is not None and t.device != w13.device:
             raise ValueError(f"{op}: {name} must be on w13's device ({w13.device}); got {name}.device={t.device}")
@@ -113,10 +124,33 @@ def check_global_weights(op: str, config: MoEConfig, w13, w2) -> None:
     check_dtype(op, "w2", w2, FLOAT_DTYPES)
 
 
+def check_global_biases(op: str, config: MoEConfig, w13_bias, w2_bias) -> None:
+    """Expert biases of every expert: ``w13_bias [E + S, 2*I]``, ``w2_bias [E + S, H]`` float (before slicing),
+    exactly when ``config.expert_bias`` (ValueError naming the argument either way; TypeError for dtypes)."""
+    E_all, H, I = config.num_total_experts, config.hidden_size, config.intermediate_size
+    for name, b, N in (("w13_bias", w13_bias, 2 * I), ("w2_bias", w2_bias, H)):
+        what = f"[E + S, {'2*I' if name == 'w13_bias' else 'H'}] = ({E_all}, {N}) (every expert of the layer)"
+        if not config.expert_bias:
+            if b is not None:
+                raise ValueError(f"{op}: {name} must be None unless config.expert_bias=True; got an array with "
+                                 f"config.expert_bias=False")
+            continue
+        if b is None:
+            raise ValueError(f"{op}: {name} {what} must be given for config.expert_bias=True; got None")
+        check_shape(op, name, b, (E_all, N), what)
+        check_dtype(op, name, b, FLOAT_DTYPES)
+
+
 def quantize_chunked(w: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [E_local, N, K]`` float -> ``(q float8_e4m3fn, scale float32)`` in ``config.quant``'s
-    weight layout: :func:`quantize_weight_fp8`, which works a chunk of experts at a time (at most
-    one chunk's float32 copy, 1 GiB by default, beyond ``w`` and the result)."""
+    """``w [E_local, N, K]`` float -> ``(codes, scale)`` in ``config.quant``'s form: FP8 (``q`` float8_e4m3fn,
+    ``scale`` float32 in the mode's weight layout: :func:`quantize_weight_fp8`, a chunk of experts at a time)
+    or 4-bit (packed uint8 codes ``[E_local, N, K // 2]`` with ``[E_local, N, K // 32]`` scales:
+    :func:`quantize_weight_mxfp4` / :func:`quantize_weight_int4`, a chunk of rows at a time); at most one
+    chunk's float32 copy, 1 GiB by default, beyond ``w`` and the result."""
+    if config.quant == "mxfp4":
+        return quantize_weight_mxfp4(w)
+    if config.quant == "int4":
+        return quantize_weight_int4(w)
     return quantize_weight_fp8(w, WEIGHT_LAYOUT[config.quant])
 
 
@@ -153,11 +187,21 @@ def keep_dtypes_fn(module: torch.nn.Module, fn, names) -> object:
     return apply
 
 
+def _code_kind(t: torch.Tensor) -> str:
+    """What a weight tensor holds, by dtype: FP8 codes, 4-bit packed codes (uint8) or float weights."""
+    if t.dtype == torch.float8_e4m3fn:
+        return "FP8 codes with scales"
+    if t.dtype == torch.uint8:
+        return "4-bit packed codes with scales"
+    return "float weights"
+
+
 def check_code_dtypes_on_load(module: torch.nn.Module, state_dict, prefix: str, names, error_msgs: list) -> bool:
-    """For ``Module._load_from_state_dict``: a weight in ``state_dict`` whose FP8-ness differs from
-    ``module``'s parameter (or buffer) of that name is an error (``load_state_dict`` raises ``RuntimeError`` with
-    it, even with ``strict=False``), since ``Parameter.copy_`` would cast FP8 codes to float numbers,
-    or float weights to FP8 codes, without their scales: a silently wrong layer.
+    """For ``Module._load_from_state_dict``: a weight in ``state_dict`` whose kind (float weights, FP8 codes,
+    4-bit packed uint8 codes) differs from ``module``'s parameter (or buffer) of that name is an error
+    (``load_state_dict`` raises ``RuntimeError`` with it, even with ``strict=False``), since ``Parameter.copy_``
+    would cast FP8 / 4-bit codes to float numbers, or float weights to codes, without their scales: a silently
+    wrong layer.
 
     Returns ``True`` if it appended an error (the caller then loads nothing into ``module``)."""
     before = len(error_msgs)
@@ -165,11 +209,11 @@ def check_code_dtypes_on_load(module: torch.nn.Module, state_dict, prefix: str, 
         p, t = _module_tensor(module, name), state_dict.get(prefix + name)
         if p is None or not isinstance(t, torch.Tensor):
             continue
-        if (p.dtype == torch.float8_e4m3fn) != (t.dtype == torch.float8_e4m3fn):
-            held = "FP8 codes with scales" if p.dtype == torch.float8_e4m3fn else "float weights"
+        if _code_kind(p) != _code_kind(t):
             error_msgs.append(
-                f"dtype mismatch for {prefix}{name}: the module holds {dtype_name(p)} ({held}); the state_dict has "
-                f"{dtype_name(t)} (float weights load into a float layer, FP8 codes with their scales into an FP8 one)")
+                f"dtype mismatch for {prefix}{name}: the module holds {dtype_name(p)} ({_code_kind(p)}); the state_dict "
+                f"has {dtype_name(t)} (float weights load into a float layer, FP8 or 4-bit codes with their scales into "
+                f"a layer of that quant)")
     return len(error_msgs) > before
 
 
@@ -199,12 +243,16 @@ class EPMoE(torch.nn.Module):
       config: the layer (:class:`moe_contract.MoEConfig`: routing, rsf, quant, EP rank).
       w13: ``[E_local, 2*I, H]`` this rank's gate (rows ``:I``) and up projections: bf16 /
         float16 / float32 for ``quant='none'`` (then ``x`` must have this dtype), float8_e4m3fn
-        otherwise.
-      w2: ``[E_local, H, I]`` down projections, same dtype as ``w13``.
-      w13_scale, w2_scale: float32 dequantization multipliers (``w ~= q * scale``), as
-        :func:`moe_torch.quantize_layer_weights` makes them: ``[E_local, N]`` (``fp8_per_token``;
+        for the FP8 modes, packed 4-bit codes ``[E_local, 2*I, H // 2]`` uint8 for ``'mxfp4'`` / ``'int4'``.
+      w2: ``[E_local, H, I]`` down projections, same dtype as ``w13`` (4-bit: ``[E_local, H, I // 2]``).
+      w13_scale, w2_scale: dequantization multipliers (``w ~= q * scale``), as
+        :func:`moe_torch.quantize_layer_weights` makes them: float32 ``[E_local, N]`` (``fp8_per_token``;
         ``[E_local]`` per-expert also taken) or ``[E_local, ceil(N/128), ceil(K/128)]``
-        (``fp8_block``); ``None`` for ``quant='none'``.
+        (``fp8_block``); 4-bit ``[E_local, N, K // 32]`` uint8 e8m0 (``mxfp4``) or bf16 (``int4``);
+        ``None`` for ``quant='none'``.
+      w13_bias, w2_bias: for (and only for) ``config.expert_bias`` (gpt-oss): ``[E_local, 2*I]`` / ``[E_local, H]``
+        float (``gate_up_proj_bias`` / ``down_proj_bias`` of this rank's experts), ``nn.Parameter``
+        (``requires_grad=trainable``) whatever the weights are: FP8 and 4-bit layers train their biases too.
       e_score_correction_bias: ``[E]`` float, for (and only for) ``routing='biased_grouped_topk'``.
       shared_expert_gate: for (and only for) ``config.shared_expert_gate`` (Qwen3-Next): ``[1, H]``, transformers'
         ``shared_expert_gate.weight`` (one gate for the whole shared MLP: every fused shared slot), or ``[S, H]``
@@ -222,18 +270,18 @@ class EPMoE(torch.nn.Module):
         dispatch / combine; a host sync per call, not CUDA-graph capturable). Differentiable too
         (:func:`moe_torch.ep.ep_moe_forward`'s backward: each rank's weight gradient is its slice of
         the single-device one; every rank must run the backward, as with DDP).
-      trainable: ``True`` (default): float weights (``quant='none'``) are ``nn.Parameter`` with
-        ``requires_grad=True``, as ``nn.Linear``'s are, so ``torch.optim.AdamW(model.parameters())``
+      trainable: ``True`` (default): float weights (``quant='none'``) and the expert biases are ``nn.Parameter``
+        with ``requires_grad=True``, as ``nn.Linear``'s are, so ``torch.optim.AdamW(model.parameters())``
         trains them; inference under ``torch.no_grad()`` / ``torch.inference_mode()`` keeps no
-        activations. ``False``: frozen parameters (``requires_grad=False``). FP8 codes, scales and the
+        activations. ``False``: frozen parameters (``requires_grad=False``). FP8 / 4-bit codes, scales and the
         correction bias are buffers either way (module docstring).
       recompute: passed to :func:`moe_torch.moe_forward`: ``False`` (default) keeps GEMM 1's output
         for the backward, ``True`` keeps only the routing and recomputes GEMM 1 in the backward.
 
-    Gradients (CONTRACT.md section 8): ``x``, ``router_logits`` and the float weights, from
+    Gradients (CONTRACT.md section 8): ``x``, ``router_logits``, the float weights and the expert biases, from
     :func:`moe_torch.moe_forward`'s backward (:func:`moe_torch.ep.ep_moe_forward`'s with a process
-    group) with this layer's ``implementation`` (Triton kernels included); FP8 layers straight-through
-    to ``x`` and ``router_logits`` in ``x.dtype``.
+    group) with this layer's ``implementation`` (Triton kernels included); FP8 and 4-bit layers
+    straight-through to ``x`` and ``router_logits`` in ``x.dtype``.
 
     The tensors are held as given (no copy): ``load_state_dict`` writes into them (and raises
     ``RuntimeError`` for float weights into FP8 codes or the reverse: :func:`check_code_dtypes_on_load`).
@@ -257,6 +305,8 @@ class EPMoE(torch.nn.Module):
         *,
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
         e_score_correction_bias: torch.Tensor | None = None,
         shared_expert_gate: torch.Tensor | None = None,
         implementation: str | None = None,
@@ -270,10 +320,10 @@ class EPMoE(torch.nn.Module):
         check_choice(op, "ep_mode", ep_mode, (None, *EP_MODES))
         check_bool(op, "trainable", trainable)
         check_bool(op, "recompute", recompute)
-        check_torch_tensors(op, dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale,
-                                     e_score_correction_bias=e_score_correction_bias,
+        check_torch_tensors(op, dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale, w13_bias=w13_bias,
+                                     w2_bias=w2_bias, e_score_correction_bias=e_score_correction_bias,
                                      shared_expert_gate=shared_expert_gate), required=True)
-        check_module_weights(op, config, w13, w2, w13_scale, w2_scale, e_score_correction_bias)
+        check_module_weights(op, config, w13, w2, w13_scale, w2_scale, e_score_correction_bias, w13_bias, w2_bias)
         check_shared_expert_gate_weight(op, config, shared_expert_gate)
         if shared_expert_gate is not None and shared_expert_gate.device != w13.device:
             raise ValueError(f"{op}: shared_expert_gate must be on w13's device ({w13.device}); "
@@ -287,9 +337,11 @@ class EPMoE(torch.nn.Module):
         if config.quant == "none":  # float weights: parameters, trainable unless asked otherwise
             self.w13 = torch.nn.Parameter(w13.detach(), requires_grad=trainable)
             self.w2 = torch.nn.Parameter(w2.detach(), requires_grad=trainable)
-        else:  # FP8 codes: frozen buffers (module docstring)
+        else:  # FP8 / 4-bit codes: frozen buffers (module docstring)
             self.register_buffer("w13", w13.detach())
             self.register_buffer("w2", w2.detach())
+        for name, b in (("w13_bias", w13_bias), ("w2_bias", w2_bias)):  # trainable with any weights
+            self.register_parameter(name, None if b is None else torch.nn.Parameter(b.detach(), requires_grad=trainable))
         for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale),
                         ("e_score_correction_bias", e_score_correction_bias)):
             self.register_buffer(name, None if t is None else t.detach())
@@ -298,7 +350,7 @@ class EPMoE(torch.nn.Module):
 
     @property
     def trainable(self) -> bool:
-        """Whether the float weights require grad (``False`` for FP8 layers: codes are buffers)."""
+        """Whether the float weights require grad (``False`` for FP8 / 4-bit layers: codes are buffers)."""
         return self.config.quant == "none" and self.w13.requires_grad
 
     @classmethod
@@ -308,6 +360,8 @@ class EPMoE(torch.nn.Module):
         w13: torch.Tensor,
         w2: torch.Tensor,
         *,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
         e_score_correction_bias: torch.Tensor | None = None,
         shared_expert_gate: torch.Tensor | None = None,
         implementation: str | None = None,
@@ -321,25 +375,33 @@ class EPMoE(torch.nn.Module):
         Args:
           w13: ``[E + S, 2*I, H]`` float32 / bf16 / float16, every expert (fused shared experts last).
           w2: ``[E + S, H, I]`` float.
+          w13_bias, w2_bias: ``[E + S, 2*I]`` / ``[E + S, H]`` float, every expert's (``config.expert_bias`` only;
+            gpt-oss's ``gate_up_proj_bias`` / ``down_proj_bias``); this rank's rows are kept (views), never
+            quantized.
           e_score_correction_bias: ``[E]`` float (biased_grouped_topk only).
           shared_expert_gate: ``[1, H]`` / ``[S, H]`` float (``config.shared_expert_gate`` only), as :class:`EPMoE`.
           implementation, process_group, ep_mode, trainable, recompute: as :class:`EPMoE`.
 
-        Returns: an :class:`EPMoE` holding ``local_weights(w, config)``, FP8-quantized with the
-        scale layout of ``config.quant`` (bit-identical to :func:`moe_torch.quantize_layer_weights`
-        of the slice); for ``quant='none'`` the slices themselves (views, no copy).
+        Returns: an :class:`EPMoE` holding ``local_weights(w, config)``, FP8- or 4-bit-quantized in the form of
+        ``config.quant`` (bit-identical to :func:`moe_torch.quantize_layer_weights` of the slice); for
+        ``quant='none'`` the slices themselves (views, no copy).
 
-        Raises: TypeError / ValueError naming the argument (global shapes, dtypes, bias).
+        Raises: TypeError / ValueError naming the argument (global shapes, dtypes, biases).
         """
         op = "EPMoE.from_float"
-        check_torch_tensors(op, dict(w13=w13, w2=w2, e_score_correction_bias=e_score_correction_bias), required=True)
+        check_torch_tensors(op, dict(w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias,
+                                     e_score_correction_bias=e_score_correction_bias), required=True)
         check_global_weights(op, config, w13, w2)
+        check_global_biases(op, config, w13_bias, w2_bias)
         w13, w2 = local_weights(w13, config), local_weights(w2, config)
+        b13 = None if w13_bias is None else local_weights(w13_bias, config)
+        b2 = None if w2_bias is None else local_weights(w2_bias, config)
         s13 = s2 = None
         if config.quant != "none":
             w13, s13 = quantize_chunked(w13, config)
             w2, s2 = quantize_chunked(w2, config)
-        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=e_score_correction_bias,
+        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2,
+                   e_score_correction_bias=e_score_correction_bias,
                    shared_expert_gate=shared_expert_gate, implementation=implementation, process_group=process_group,
                    ep_mode=ep_mode, trainable=trainable, recompute=recompute)
 
@@ -364,7 +426,9 @@ class EPMoE(torch.nn.Module):
           name: a :data:`moe_contract.PRESETS` name (``"tiny"``, ``"deepseek-v3"``...).
           seed: the numpy seed: the weights are this rank's slice of
             ``make_layer_inputs(config, num_tokens=0, seed)`` (``~ N(0, 1/K)``, bias ``~ N(0, 0.01)``
-            float32), cast to ``dtype`` (round to nearest even) and quantized per ``config.quant``;
+            float32), cast to ``dtype`` (round to nearest even) and quantized per ``config.quant``; the expert
+            biases (``config.expert_bias``: gpt-oss's presets) this rank's slice of
+            :func:`moe_contract.inputs.draw_expert_biases`, cast to ``dtype``;
             ``moe_pallas.MoELayer.from_preset`` with the same arguments holds the same bits.
           dtype: the float weights' dtype (and the ``x`` dtype ``quant='none'`` then takes).
           device: default ``torch.get_default_device()``.
@@ -402,9 +466,12 @@ class EPMoE(torch.nn.Module):
             w2, s2 = quantize_chunked(w2, config)
         gate = draw_shared_expert_gate(config, seed)  # [1, H] float32, or None
         gate = None if gate is None else torch.from_numpy(gate).to(device, dtype)
-        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias, shared_expert_gate=gate,
-                   implementation=implementation, process_group=process_group, ep_mode=ep_mode, trainable=trainable,
-                   recompute=recompute)
+        biases = draw_expert_biases(config, seed)  # ([E + S, 2I], [E + S, H]) float32, or None
+        b13, b2 = (None, None) if biases is None else (
+            local_weights(torch.from_numpy(b).to(device, dtype), config).contiguous() for b in biases)
+        return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, e_score_correction_bias=bias,
+                   shared_expert_gate=gate, implementation=implementation, process_group=process_group, ep_mode=ep_mode,
+                   trainable=trainable, recompute=recompute)
 
     @classmethod
     def from_hf_block(
@@ -420,7 +487,9 @@ class EPMoE(torch.nn.Module):
         **config_overrides,
     ) -> "EPMoE":
         """This rank's layer from one transformers sparse-MoE block (``MixtralSparseMoeBlock``,
-        ``Qwen3MoeSparseMoeBlock``, ``DeepseekV3MoE``; :data:`moe_torch.hf.SUPPORTED_BLOCKS`).
+        ``Qwen3MoeSparseMoeBlock``, ``DeepseekV3MoE`` (also Kimi K2's), ``Glm4MoeMoE``, ``Llama4TextMoe``,
+        ``Qwen3NextSparseMoeBlock``; :data:`moe_torch.hf.SUPPORTED_BLOCKS`). Llama 4's router weight on the
+        input and Qwen3-Next's shared-expert gate (its ``shared_expert_gate [1, H]`` weight) come with it.
 
         The routing (top-k, renormalize = ``norm_topk_prob``, groups, ``rsf``), the activation and the
         sizes are read from the block's router and experts (transformers fills them from the model
@@ -450,10 +519,11 @@ class EPMoE(torch.nn.Module):
         """
         from moe_torch import hf  # here: moe_torch.hf imports this module
 
-        config, w13, w2, bias = hf.block_layer_weights(block, quant=quant, op="EPMoE.from_hf_block",
-                                                       **config_overrides)
-        return cls.from_float(config, w13, w2, e_score_correction_bias=bias, implementation=implementation,
-                              process_group=process_group, ep_mode=ep_mode, trainable=trainable, recompute=recompute)
+        config, w13, w2, bias, gate = hf.block_layer_weights(block, quant=quant, op="EPMoE.from_hf_block",
+                                                             with_shared_expert_gate=True, **config_overrides)
+        return cls.from_float(config, w13, w2, e_score_correction_bias=bias, shared_expert_gate=gate,
+                              implementation=implementation, process_group=process_group, ep_mode=ep_mode,
+                              trainable=trainable, recompute=recompute)
 
     def _frozen_dtype_names(self) -> tuple[str, ...]:
         codes = ("w13", "w2") if self.config.quant != "none" else ()
@@ -482,8 +552,8 @@ class EPMoE(torch.nn.Module):
         :func:`moe_torch.ep.ep_moe_forward` (``x`` and the output are ``[T_r, H]``, this rank's
         tokens, under ``ep_mode="all_to_all"``).
 
-        Differentiable in ``x``, ``router_logits`` and the float weights (and ``shared_expert_gate``), with
-        ``recompute=self.recompute``.
+        Differentiable in ``x``, ``router_logits`` and the float weights (and ``shared_expert_gate``, the expert
+        biases), with ``recompute=self.recompute``.
 
         Raises: TypeError for arrays that are not torch tensors (numpy: convert with ``torch.from_numpy``);
           ValueError / TypeError from :func:`moe_torch.moe_forward` (shapes, dtypes).
@@ -504,6 +574,8 @@ class EPMoE(torch.nn.Module):
                 mode=self.ep_mode or "replicated",
                 w13_scale=self.w13_scale,
                 w2_scale=self.w2_scale,
+                w13_bias=self.w13_bias,
+                w2_bias=self.w2_bias,
                 e_score_correction_bias=self.e_score_correction_bias,
                 shared_expert_gate_logits=shared_logits,
                 implementation=self.implementation,
@@ -517,6 +589,8 @@ class EPMoE(torch.nn.Module):
             self.config,
             w13_scale=self.w13_scale,
             w2_scale=self.w2_scale,
+            w13_bias=self.w13_bias,
+            w2_bias=self.w2_bias,
             e_score_correction_bias=self.e_score_correction_bias,
             shared_expert_gate_logits=shared_logits,
             implementation=self.implementation,
@@ -542,5 +616,6 @@ class EPMoE(torch.nn.Module):
                 f"S={c.num_fused_shared_experts}, quant={c.quant!r}, ep={c.ep_rank}/{c.ep_size}, "
                 + ("apply_router_weight_on_input=True, " if c.apply_router_weight_on_input else "")
                 + ("shared_expert_gate=True, " if c.shared_expert_gate else "")
+                + ("expert_bias=True, " if c.expert_bias else "")
                 + f"implementation={self.implementation!r}, trainable={self.trainable}, recompute={self.recompute}"
                 + ("" if self.process_group is None and self.ep_mode is None else f", ep_mode={self.ep_mode or 'replicated'!r}"))

@@ -23,7 +23,7 @@ def test_demo_runs_and_agrees(args, capsys):
     assert "preset tiny" in out
 
 
-@pytest.mark.parametrize("args", [["demo", "--preset", "nope"], ["demo", "--quant", "int4"], ["frobnicate"]])
+@pytest.mark.parametrize("args", [["demo", "--preset", "nope"], ["demo", "--quant", "int8"], ["frobnicate"]])
 def test_bad_arguments_exit_2(args, capsys):
     with pytest.raises(SystemExit) as info:
         main(args)

@@ -529,7 +529,8 @@ CONFIG = [
         for name, v in (("hidden_size", 0), ("intermediate_size", -4), ("num_experts", 0), ("ep_size", 0), ("hidden_size", 8.0))
     ],
     bad("MoEConfig/quant-unknown", _cfg(quant="fp8"),
-        ValueError, f"{MC}: quant must be one of ('none', 'fp8_per_token', 'fp8_block')", "got quant='fp8'"),
+        ValueError, f"{MC}: quant must be one of ('none', 'fp8_per_token', 'fp8_block', 'mxfp4', 'int4')",
+        "got quant='fp8'"),
     bad("MoEConfig/activation-unknown", _cfg(activation="gelu"),
         ValueError, f"{MC}: activation must be one of ('silu', 'gelu_tanh', 'swiglu_oai')", "got activation='gelu'"),
     bad("MoEConfig/E-not-divisible-by-ep_size", _cfg(ep_size=3),

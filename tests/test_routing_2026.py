@@ -453,8 +453,10 @@ def test_every_preset_tiny_layer_runs_in_both_frameworks(name):
     # judges them against their own float64 loop and transformers' blocks); here the plain-combine layer
     assert full.apply_router_weight_on_input == name.startswith("llama4")
     assert full.shared_expert_gate == name.startswith("qwen3-next")
+    # gpt-oss's expert biases likewise (tests/test_layer_gpt_oss.py: against float64 and GptOssMLP)
+    assert full.expert_bias == name.startswith("gpt-oss")
     config = p.config(hidden_size=32, intermediate_size=16, num_experts=_tiny_num_experts(p),
-                      apply_router_weight_on_input=False, shared_expert_gate=False)
+                      apply_router_weight_on_input=False, shared_expert_gate=False, expert_bias=False)
     inputs = make_layer_inputs(config, 5, seed=7, routing="zipf")
     bias = inputs.e_score_correction_bias if config.routing == "biased_grouped_topk" else None
     w, ids = tgate.select_experts_reference(torch.from_numpy(inputs.router_logits),
@@ -507,20 +509,21 @@ def test_checkpoint_refuses_presets_of_other_families():
     assert layer.config("mixtral-8x7b").routing == "softmax_topk"  # the checkpoint's own family still works
 
 
-def test_transformers_llama4_block_is_refused_by_name():
-    """``patch_hf_model`` on a model holding transformers' ``Llama4TextMoe``: before issue 15 a ValueError "no
+def test_transformers_gpt_oss_block_is_refused_by_name():
+    """``patch_hf_model`` on a model holding transformers' ``GptOssMLP``: before issue 15 a ValueError "no
     sparse-MoE block" (its router is ``router``, not ``gate``); now NotImplementedError naming the block and
-    what it computes that is not read (the router weight on the expert input); ``EPMoE.from_hf_block`` alike."""
-    from transformers.models.llama4.configuration_llama4 import Llama4TextConfig
-    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+    what it computes that is not read (expert biases, the in-by-out layout); ``EPMoE.from_hf_block`` alike.
+    (Llama 4's ``Llama4TextMoe``, refused here before, is served now: ``tests/test_hf_2026.py``.)"""
+    from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-    cfg = Llama4TextConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=1,
-                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), Llama4TextMoe(cfg))
-    with pytest.raises(NotImplementedError, match=r"Llama4TextMoe.*router weight scales the expert input"):
+    cfg = GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=1,
+                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), GptOssMLP(cfg))
+    with pytest.raises(NotImplementedError, match=r"GptOssMLP.*its experts have biases"):
         moe_torch.patch_hf_model(model)
-    assert isinstance(model[1], Llama4TextMoe)  # nothing was changed
-    with pytest.raises(NotImplementedError, match=r"Llama4TextMoe is not served: .*sigmoid_topk"):
+    assert isinstance(model[1], GptOssMLP)  # nothing was changed
+    with pytest.raises(NotImplementedError, match=r"GptOssMLP is not served: .*swiglu_oai"):
         moe_torch.EPMoE.from_hf_block(model[1])
 
 

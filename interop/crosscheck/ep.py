@@ -22,6 +22,7 @@ from interop.crosscheck.run import (
     _one_line,
     cast_experts,
     check_modelled,
+    expert_biases,
     make_cotangent,
     make_inputs,
 )
@@ -34,7 +35,7 @@ from interop.crosscheck.stages import (
     layer_vjp,
     pairs,
 )
-from moe_contract.config import MoEConfig
+from moe_contract.config import FP8_QUANTS, MoEConfig
 from moe_contract.tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO
 
 EP_DTYPES = ("float32", "bfloat16")
@@ -46,7 +47,13 @@ EP_SUM = "ep_sum"
 #: for ``d_x`` / ``d_router_logits`` (summed over ranks) and ``f"{grad}: {EP_SLICES_VS_SINGLE}"`` for the
 #: weight gradients (each rank's, against its slice of the single device's).
 EP_SUMMED_GRADS = ("d_x", "d_router_logits")
+#: Summed like ``EP_SUMMED_GRADS``, where the layer has the input: Qwen3-Next's shared-expert gate (section 8's EP
+#: line: the sum over ranks; only the last rank, which owns the fused shared experts, gives it nonzero).
+EP_GATE_GRADS = ("d_shared_expert_gate_logits",)
+_SUMMED = EP_SUMMED_GRADS + EP_GATE_GRADS
 EP_SLICED_GRADS = ("d_w13", "d_w2")
+#: Sliced like ``EP_SLICED_GRADS``, where the layer has them: gpt-oss's expert biases (``config.expert_bias``).
+EP_BIAS_GRADS = ("d_w13_bias", "d_w2_bias")
 EP_SLICES_VS_SINGLE = "rank slices vs single-device"
 
 
@@ -58,8 +65,8 @@ def ep_grad_output(grad: str, against_single: bool = True) -> str:
     """The ``Comparison.output`` of an EP backward row: ``grad`` against the single device (or, with
     ``against_single=False``, the implementations' summed / sliced gradient against each other)."""
     if not against_single:
-        return f"{grad}: {EP_SUM}" if grad in EP_SUMMED_GRADS else f"{grad}: rank slices"
-    return f"{grad}: {EP_SUM_VS_SINGLE if grad in EP_SUMMED_GRADS else EP_SLICES_VS_SINGLE}"
+        return f"{grad}: {EP_SUM}" if grad in _SUMMED else f"{grad}: rank slices"
+    return f"{grad}: {EP_SUM_VS_SINGLE if grad in _SUMMED else EP_SLICES_VS_SINGLE}"
 
 
 def _matmul_precision(impl: Impl, dtype: str):
@@ -128,13 +135,17 @@ def run_ep_check(
     progress("ep: inputs")
     inputs_given = x is not None
     inputs, given_s13, given_s2 = make_inputs(config, num_tokens, seed, routing, weights, x, router_logits)
-    fp8 = config.quant != "none"
+    fp8 = config.quant in FP8_QUANTS  # the FP8 rows of section 7 (4-bit weights: the bf16 rows, section 9)
+    quantized = config.quant != "none"  # weight codes (FP8 or 4-bit): frozen, no weight gradient
     act_dt = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
     x = inputs.x.astype(act_dt)
     logits = inputs.router_logits.astype(np.float32)
     bias = inputs.e_score_correction_bias.astype(np.float32) if config.routing == "biased_grouped_topk" else None
+    shared = inputs.shared_expert_gate_logits  # [T, S] float32 (shared_expert_gate layers), else None
     d_out = make_cotangent(num_tokens, config.hidden_size, seed, act_dt) if backward else None
-    if fp8 and given_s13 is not None:  # FP8 codes and scales as given
+    biases = expert_biases(config, seed, weights)  # bf16 [E+S, ...] (a model's values), or None
+    biases = None if biases is None else tuple(b.astype(act_dt) for b in biases)
+    if quantized and given_s13 is not None:  # FP8 codes and scales as given
         w13_g, w2_g = inputs.w13, inputs.w2
     else:  # float weights: a model's bf16 values, held in the compute dtype
         w13_g = cast_experts(cast_experts(inputs.w13, ml_dtypes.bfloat16), act_dt)
@@ -148,22 +159,25 @@ def run_ep_check(
     timings: dict[str, float] = {}
 
     def global_weights(impl: Impl):
-        """(w13, w13_scale, w2, w2_scale) of every expert, native to ``impl``."""
-        if fp8 and given_s13 is not None:
+        """(w13, w13_scale, w2, w2_scale, w13_bias, w2_bias) of every expert, native to ``impl`` (biases None
+        without ``config.expert_bias``)."""
+        b13, b2 = (None, None) if biases is None else (impl.native(b) for b in biases)
+        if quantized and given_s13 is not None:
             return (impl.native(w13_g), impl.native(np.asarray(given_s13, np.float32)), impl.native(w2_g),
-                    impl.native(np.asarray(given_s2, np.float32)))
+                    impl.native(np.asarray(given_s2, np.float32)), b13, b2)
         w13, s13, w2, s2 = impl.mod.quantize_layer_weights(impl.native(w13_g), impl.native(w2_g), single_cfg)
-        return w13, s13, w2, s2
+        return w13, s13, w2, s2, b13, b2
 
     def forward(impl: Impl, cfg: MoEConfig, w):
         """This rank's output (float32 numpy), and with ``backward`` its gradients (numpy)."""
         if not backward:
             out = impl.mod.moe_forward(impl.native(x), impl.native(logits), w[0], w[2], cfg, w13_scale=w[1],
-                                       w2_scale=w[3], e_score_correction_bias=impl.native(bias),
-                                       implementation=impl.impl)
+                                       w2_scale=w[3], w13_bias=w[4], w2_bias=w[5],
+                                       e_score_correction_bias=impl.native(bias),
+                                       shared_expert_gate_logits=impl.native(shared), implementation=impl.impl)
             return to_numpy(out).astype(np.float32), None
-        out, grads = layer_vjp(impl, cfg, impl.native(x), impl.native(logits), w, impl.native(bias),
-                               impl.native(d_out))
+        out, grads = layer_vjp(impl, cfg, impl.native(x), impl.native(logits), w[:4], impl.native(bias),
+                               impl.native(d_out), impl.native(shared), None if w[4] is None else w[4:])
         return to_numpy(out).astype(np.float32), {k: to_numpy(v) for k, v in grads.items() if v is not None}
 
     for n in names:
@@ -184,7 +198,7 @@ def run_ep_check(
                     out_r, g_r = forward(impl, cfg_r, w_r)
                     total += out_r  # float32 sum over ranks (section 6)
                     for k, v in (g_r or {}).items():
-                        if k in EP_SUMMED_GRADS:  # the transpose of the forward's sum: summed in float32
+                        if k in _SUMMED:  # the transpose of the forward's sum: summed in float32
                             g_ranks[k] = g_ranks.get(k, 0) + v.astype(np.float32)
                         else:
                             g_ranks.setdefault(k, []).append((cfg_r.local_expert_range(), v))
@@ -221,8 +235,9 @@ def run_ep_check(
             try:
                 with _matmul_precision(impl, dtype):
                     out = fwd(impl.native(x), impl.native(logits), w_all[0], w_all[2], config, mesh=mesh, mode=mode,
-                              w13_scale=w_all[1], w2_scale=w_all[3], e_score_correction_bias=impl.native(bias),
-                              implementation=impl.impl)
+                              w13_scale=w_all[1], w2_scale=w_all[3], w13_bias=w_all[4], w2_bias=w_all[5],
+                              e_score_correction_bias=impl.native(bias),
+                              shared_expert_gate_logits=impl.native(shared), implementation=impl.impl)
                 real[(n, mode)] = to_numpy(out).astype(np.float32)
             except NotImplementedError as exc:
                 notes.append(f"{n} ep_moe_forward[{mode}]: skipped ({_one_line(exc, 200)})")
@@ -233,8 +248,9 @@ def run_ep_check(
     if backward and N > 1:
         notes.append("backward: each rank's moe_forward gradients (summed / sliced); the gradients of the "
                      "multi-device ep_moe_forward are not run here")
-        if fp8:
-            notes.append("backward: FP8 layer: the weight codes are frozen, no weight gradient (CONTRACT.md section 8)")
+        if quantized:
+            notes.append(f"backward: {'FP8' if fp8 else '4-bit'} layer: the weight codes are frozen, no weight "
+                         f"gradient (CONTRACT.md section {8 if fp8 else 9})")
 
     # ---- compare
     same_limit = F32_REL_FRO if dtype == "float32" else (FP8_REL_FRO if fp8 else BF16_REL_FRO)
@@ -281,11 +297,11 @@ def _ep_backward_comparisons(names, single_grads, rank_grads, dtype: str) -> lis
         if n not in rank_grads:
             continue
         whole[n] = {}
-        for grad in EP_SUMMED_GRADS + EP_SLICED_GRADS:
+        for grad in _SUMMED + EP_SLICED_GRADS + EP_BIAS_GRADS:
             if grad not in rank_grads[n]:
                 continue
             ref = single_grads[n][grad]
-            if grad in EP_SUMMED_GRADS:  # the ranks' float32 sum against the single device's (exact in float32)
+            if grad in _SUMMED:  # the ranks' float32 sum against the single device's (exact in float32)
                 got, ref = rank_grads[n][grad], ref.astype(np.float32)
                 m = compare_float(got, ref)
                 ok = "error" not in m and m["rel_fro"] <= limit

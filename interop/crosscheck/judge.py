@@ -28,6 +28,12 @@ SELF = "own float32, requantized"
 #: The pseudo-implementation of the empty-expert rule: the weight gradient of an expert with no rows is exactly 0.
 NO_ROWS = "0 for experts with no rows"
 PSEUDO = (SELF, NO_ROWS)
+#: Outputs judged as the gate's weights (float32, elementwise rel <= GATE_WEIGHT_RTOL): the gate's, and what
+#: ``slot_weights`` makes of them (the shared gate's sigmoid, the weights moved onto the input), section 1.
+GATE_WEIGHT_OUTPUTS = ("topk_weights", "combine_weights", "input_scale")
+#: Forward stages whose float outputs are bit-identical by the contract: the permute (a gather, + the exact FP8
+#: quantization) and the scaled slot rows (one float32 multiply, one rounding to x's dtype: section 2).
+BIT_EXACT_STAGES = ("permute", "scaled_slot_rows")
 
 
 @dataclasses.dataclass
@@ -166,7 +172,7 @@ def _judge_forward(stage, key, a_name, b_name, va, vb, fp8, oa, ob, M) -> Compar
     if vb.dtype.kind in "iu":
         m = compare_exact(va, vb)
         return Comparison(stage, key, a_name, b_name, "exact", m.get("mismatches") == 0, m, "exactly equal")
-    if key == "topk_weights":
+    if key in GATE_WEIGHT_OUTPUTS:
         m = compare_gate_weights(va, vb)
         ok = "error" not in m and m["max_rel"] <= GATE_WEIGHT_RTOL
         return Comparison(stage, key, a_name, b_name, "gate_weights", ok, m, f"rel <= {GATE_WEIGHT_RTOL:.0e}")
@@ -190,7 +196,7 @@ def _judge_forward(stage, key, a_name, b_name, va, vb, fp8, oa, ob, M) -> Compar
         ok = m["rel_fro"] <= FP8_REL_FRO
         return Comparison(stage, key, a_name, b_name, "fp8_dequantized", ok, m,
                           f"dequantized rel <= {FP8_REL_FRO:.0e} (fused; exp ulps)")
-    if vb.dtype == ml_dtypes.float8_e4m3fn or key.endswith("scale") or (stage == "permute"):
+    if vb.dtype == ml_dtypes.float8_e4m3fn or key.endswith("scale") or stage in BIT_EXACT_STAGES:
         m = compare_exact(va, vb)
         if vb.dtype == ml_dtypes.float8_e4m3fn:
             m.setdefault("bytes_equal_pct", 100.0 * (1 - m.get("mismatches", 1) / max(vb.size, 1)))

@@ -110,7 +110,7 @@ def _render_stages(result: CrossCheckResult, comparisons: list[Comparison], cons
     console.print(table)
     words = {SELF: "act: fused FP8 codes and scales = the reference quantization of the same implementation's "
                    "float32 activation: ",
-             NO_ROWS: "weight gradients (wgrad, layer) of the experts with no rows exactly 0: "}
+             NO_ROWS: "weight (and bias) gradients (wgrad, dbias, layer) of the experts with no rows exactly 0: "}
     for pseudo, by_impl in own.items():
         cells = [f"{n} [green]yes[/green]" if all(c.ok for c in cs) else
                  f"{n} [bold red]NO ({'; '.join(f'{c.stage}/{c.output}: {c.summary()}' for c in cs if not c.ok)})[/bold red]"

@@ -29,7 +29,7 @@ from interop.crosscheck.stages import (
     Upstream,
 )
 from moe_contract.config import MoEConfig
-from moe_contract.inputs import LayerInputs, for_each_expert, make_layer_inputs
+from moe_contract.inputs import LayerInputs, for_each_expert, make_layer_inputs, shared_expert_gate_logits
 
 # --------------------------------------------------------------------------------------
 # Inputs
@@ -41,6 +41,10 @@ class LayerWeights:
 
     ``w13_scale`` / ``w2_scale``: given with FP8 codes (e.g. a DeepSeek-V3 FP8 checkpoint), else None.
     ``router_weight [E, H]``: the gate's linear layer; when given, ``router_logits = x @ router_weight.T``.
+    ``shared_expert_gate [1, H]`` or ``[S, H]``: Qwen3-Next's shared-expert gate weight; when given,
+    ``shared_expert_gate_logits = x @ shared_expert_gate.T`` (else the seeded one of
+    :func:`moe_contract.inputs.shared_expert_gate_logits`).
+    ``w13_bias [E+S, 2I]``, ``w2_bias [E+S, H]``: gpt-oss's expert biases (``config.expert_bias``; required then).
     """
 
     w13: np.ndarray
@@ -49,6 +53,9 @@ class LayerWeights:
     w2_scale: np.ndarray | None = None
     router_weight: np.ndarray | None = None
     e_score_correction_bias: np.ndarray | None = None
+    shared_expert_gate: np.ndarray | None = None
+    w13_bias: np.ndarray | None = None
+    w2_bias: np.ndarray | None = None
 
 
 def cast_experts(w: np.ndarray, dtype) -> np.ndarray:
@@ -65,7 +72,10 @@ def make_inputs(config: MoEConfig, num_tokens: int, seed: int, routing: str, wei
 
     ``x [T, H]`` and ``router_logits [T, E]`` (float, e.g. :func:`interop.checkpoints.load_inputs`) replace
     the random ones; without ``router_logits`` they are ``x @ router_weight.T`` (``weights`` must have the
-    router then). Raises ValueError on shapes other than ``[num_tokens, H]`` / ``[num_tokens, E]``.
+    router then). A ``config.shared_expert_gate`` layer's ``shared_expert_gate_logits [T, S]`` are ``x`` times the
+    seeded gate weight (:func:`moe_contract.inputs.shared_expert_gate_logits`), given ``x`` or not, or with
+    ``weights.shared_expert_gate`` ``bf16(x) @ shared_expert_gate.T`` (as the router logits).
+    Raises ValueError on shapes other than ``[num_tokens, H]`` / ``[num_tokens, E]``.
     """
     T, H, E = num_tokens, config.hidden_size, config.num_experts
     if x is not None and (x.ndim != 2 or x.shape != (T, H)):
@@ -79,8 +89,9 @@ def make_inputs(config: MoEConfig, num_tokens: int, seed: int, routing: str, wei
     if weights is None:
         inputs = make_layer_inputs(config, num_tokens, seed=seed, routing=routing)
         if x is not None:
-            inputs = dataclasses.replace(inputs, x=np.asarray(x, np.float32),
-                                         router_logits=np.asarray(router_logits, np.float32))
+            x = np.asarray(x, np.float32)
+            inputs = dataclasses.replace(inputs, x=x, router_logits=np.asarray(router_logits, np.float32),
+                                         shared_expert_gate_logits=shared_expert_gate_logits(config, x, seed))
         return inputs, None, None
     rng = np.random.default_rng(seed)
     if x is None:
@@ -96,13 +107,43 @@ def make_inputs(config: MoEConfig, num_tokens: int, seed: int, routing: str, wei
     bias = weights.e_score_correction_bias
     if bias is None:
         bias = np.zeros((config.num_experts,), np.float32)
+    shared = shared_expert_gate_logits(config, x, seed)
+    if shared is not None and weights.shared_expert_gate is not None:  # the layer's own gate weight, [1, H] or [S, H]
+        gate = np.asarray(weights.shared_expert_gate).astype(np.float32)
+        xb = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+        shared = np.ascontiguousarray(np.broadcast_to(xb @ gate.T, shared.shape), np.float32)
     inputs = LayerInputs(x=x, router_logits=logits, w13=weights.w13, w2=weights.w2,
-                         e_score_correction_bias=bias.astype(np.float32))
+                         e_score_correction_bias=bias.astype(np.float32), shared_expert_gate_logits=shared)
     return inputs, weights.w13_scale, weights.w2_scale
 
 
 #: How the backward's cotangent is drawn (for the docs and the JSON's meta).
 COTANGENT = "d_out [T, H] ~ N(0, 1) from numpy default_rng((seed, 8)), in the activation dtype"
+
+
+def expert_biases(config: MoEConfig, seed: int, weights: LayerWeights | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """A ``config.expert_bias`` layer's ``(w13_bias [E+S, 2I], w2_bias [E+S, H])`` of every expert, bf16 (a model's
+    values, as the weights): the given ``weights``' or, for random weights, :func:`moe_contract.inputs.draw_expert_biases`;
+    None without ``config.expert_bias``. Raises ValueError for given weights without their biases (never dropped)."""
+    if not getattr(config, "expert_bias", False):
+        return None
+    if weights is not None:
+        if weights.w13_bias is None or weights.w2_bias is None:
+            raise ValueError("make_inputs: config.expert_bias=True needs the layer's biases (LayerWeights.w13_bias "
+                             "[E+S, 2I], w2_bias [E+S, H]); the given weights have none")
+        b13, b2 = weights.w13_bias, weights.w2_bias
+    else:
+        from moe_contract.inputs import draw_expert_biases
+
+        b13, b2 = draw_expert_biases(config, seed)
+    return tuple(np.asarray(b).astype(np.float32).astype(ml_dtypes.bfloat16) for b in (b13, b2))
+
+
+def shared_logits_source(weights: LayerWeights | None) -> str:
+    """Where :func:`make_inputs` took a ``shared_expert_gate`` layer's ``shared_expert_gate_logits`` from (the meta)."""
+    if weights is not None and weights.shared_expert_gate is not None:
+        return "bf16(x) @ the given shared_expert_gate.T"
+    return "x @ the seeded gate weight (moe_contract.inputs.shared_expert_gate_logits)"
 
 
 def make_cotangent(num_tokens: int, hidden_size: int, seed: int, dtype=ml_dtypes.bfloat16) -> np.ndarray:
@@ -123,19 +164,26 @@ def _check_names(op: str, implementations: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(implementations))
 
 
-#: MoEConfig fields the stage table does not model yet (its stages take the gate's weights straight to the
-#: combine): a config with any of them set is refused, not checked as another layer.
-UNMODELLED_FIELDS = ("apply_router_weight_on_input", "shared_expert_gate")
+#: MoEConfig fields the stage table does not model yet: a config with any of them set is refused, not checked as
+#: another layer (e.g. per-expert biases dropped). Modelled: ``apply_router_weight_on_input`` and
+#: ``shared_expert_gate`` (the ``slot_weights`` / ``scaled_slot_rows`` stages and their backward), ``expert_bias``
+#: (the GEMMs' ``bias=``, the ``gemm*_dbias`` stages), the 4-bit quant modes (``w_format=``, section 9).
+UNMODELLED_FIELDS: tuple[str, ...] = ()
+#: Quant modes the stage table does not model yet.
+UNMODELLED_QUANTS: tuple[str, ...] = ()
 
 
 def check_modelled(op: str, config: MoEConfig) -> None:
-    """``NotImplementedError`` naming a :data:`UNMODELLED_FIELDS` field that ``config`` sets (Llama 4's input-scaled
-    routing, Qwen3-Next's shared-expert gate): their slot weights (``moe_*/slot_weights.py``) are not stages here
-    yet; ``tests/test_layer_2026.py`` checks those layers against float64 and transformers instead."""
-    on = [name for name in UNMODELLED_FIELDS if getattr(config, name)]
+    """``NotImplementedError`` naming a :data:`UNMODELLED_FIELDS` field that ``config`` sets, or a
+    :data:`UNMODELLED_QUANTS` quant mode: the stage table would check another layer than the one asked for."""
+    on = [name for name in UNMODELLED_FIELDS if getattr(config, name, False)]
     if on:
-        raise NotImplementedError(f"{op}: the stage-by-stage cross-check does not model {', '.join(on)} yet (the "
-                                  f"2026 families' slot weights); got config with {', '.join(f'{n}=True' for n in on)}")
+        raise NotImplementedError(f"{op}: the stage-by-stage cross-check does not model {', '.join(on)} yet (it "
+                                  f"would drop them and check another layer); got config with "
+                                  f"{', '.join(f'{n}={getattr(config, n)!r}' for n in on)}")
+    if config.quant in UNMODELLED_QUANTS:
+        raise NotImplementedError(f"{op}: the stage-by-stage cross-check does not model the 4-bit weight modes "
+                                  f"{UNMODELLED_QUANTS} yet; got quant={config.quant!r}")
 
 
 def _one_line(exc: Exception, limit: int = 400) -> str:
@@ -221,8 +269,12 @@ def run_crosscheck(
     up = Upstream(
         config, x=inputs.x.astype(bf16), logits=inputs.router_logits.astype(np.float32),
         bias=inputs.e_score_correction_bias.astype(np.float32) if config.routing == "biased_grouped_topk" else None,
-        d_out=make_cotangent(num_tokens, config.hidden_size, seed) if backward else None)
-    fp8 = up.fp8
+        d_out=make_cotangent(num_tokens, config.hidden_size, seed) if backward else None,
+        shared_logits=inputs.shared_expert_gate_logits)
+    fp8 = up.fp8  # FP8 codes: the FP8 rows of section 7 (4-bit weights are judged by the bf16 rows, section 9)
+    biases = expert_biases(config, seed, weights)
+    if biases is not None:  # this rank's rows
+        up.b13, up.b2 = (np.ascontiguousarray(b[start:start + e_local]) for b in biases)
 
     def each(stage: Stage):
         """Run ``stage`` for the jnp reference first (its output feeds the next stage), then the rest (the
@@ -230,13 +282,16 @@ def run_crosscheck(
         rest = [n for n in names if n != UPSTREAM and (not stage.references_only or n in REFERENCE.values())]
         for n in [UPSTREAM] + rest:
             out = runner(stage.name, impls.get(n) or ref, lambda impl: stage.run(impl, up))
+            if n == UPSTREAM and out is None and UPSTREAM in runner.skipped:  # the reference cannot serve the layer
+                raise NotImplementedError(f"run_crosscheck: the jnp reference cannot run stage {stage.name} (it feeds "
+                                          f"every other implementation): {runner.skipped[UPSTREAM]}")
             if n == UPSTREAM and out is None:
                 raise RuntimeError(f"run_crosscheck: the jnp reference failed at stage {stage.name}: "
                                    f"{runner.errors or runner.skipped}")
         up.ref[stage.name] = runner.outputs[stage.name][UPSTREAM]
 
     # ---- weights: this rank's float weights, or their FP8 quantization (references: there is no kernel)
-    if fp8 and given_s13 is not None:
+    if up.quantized and given_s13 is not None:
         up.w13 = np.ascontiguousarray(inputs.w13[start:start + e_local])
         up.w2 = np.ascontiguousarray(inputs.w2[start:start + e_local])
         up.s13 = np.ascontiguousarray(given_s13[start:start + e_local]).astype(np.float32)
@@ -244,7 +299,7 @@ def run_crosscheck(
     else:
         up.w13_float = cast_experts(inputs.w13[start:start + e_local], bf16)
         up.w2_float = cast_experts(inputs.w2[start:start + e_local], bf16)
-        if fp8:
+        if up.quantized:
             each(WEIGHTS_STAGE)
             wq = up.ref[WEIGHTS_STAGE.name]
             up.w13, up.s13, up.w2, up.s2 = wq["w13"], wq["w13_scale"], wq["w2"], wq["w2_scale"]
@@ -256,6 +311,8 @@ def run_crosscheck(
     notes: list[str] = []
     run_stages = [WEIGHTS_STAGE] if WEIGHTS_STAGE.name in up.ref else []
     for stage in FORWARD_STAGES + (BACKWARD_STAGES if backward else ()):
+        if not stage.applies(config):  # a stage of the 2026 families' slot weights, which this layer has not
+            continue
         why = stage.skip(up)
         if why:
             notes.append(f"{stage.name}: not run: {why}")
@@ -276,6 +333,11 @@ def run_crosscheck(
         "inputs": "given" if inputs_given else "random",
         "timings_s": runner.timings, "runtime_s": round(time.perf_counter() - t_start, 2), "devices": _devices(),
     }
+    if config.shared_expert_gate:
+        meta["shared_expert_gate_logits"] = shared_logits_source(weights)
+    if biases is not None:
+        meta["expert_biases"] = ("given" if weights is not None else
+                                 "seeded (moe_contract.inputs.draw_expert_biases)") + ", rounded to bf16"
     if backward:
         meta["backward"] = {"cotangent": COTANGENT, "stages": [s.name for s in run_stages if s.backward],
                             "notes": notes}

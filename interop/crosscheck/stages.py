@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from interop.crosscheck.convert import from_numpy, to_numpy
-from moe_contract.config import ACTIVATION_QUANT, WEIGHT_LAYOUT, MoEConfig
+from moe_contract.config import ACTIVATION_QUANT, FP8_QUANTS, W4_QUANTS, WEIGHT_LAYOUT, MoEConfig
 from moe_contract.validation import stage_implementation
 
 #: name -> (framework, implementation argument of the stage ops, implementation for stages without it)
@@ -92,6 +92,17 @@ class Impl:
         """The stage's ``ops/<stage>/api.py`` of this framework: the home of its (backward) ops."""
         return op_api(self.framework, stage)
 
+    @property
+    def layer(self):
+        """``moe_pallas.layer`` or ``moe_torch.layer`` (the layer's own helpers, e.g. ``dgrad_weight``)."""
+        return importlib.import_module(f"{'moe_pallas' if self.framework == 'jax' else 'moe_torch'}.layer")
+
+    @property
+    def slots(self):
+        """``moe_pallas.slot_weights`` or ``moe_torch.slot_weights``: the 2026 families' slot weights and scaled
+        rows (plain framework ops, no kernel: every backend's layer runs them)."""
+        return importlib.import_module(f"{'moe_pallas' if self.framework == 'jax' else 'moe_torch'}.slot_weights")
+
     def native(self, a):
         return from_numpy(a, self.framework)
 
@@ -132,21 +143,34 @@ class Impl:
         return out.detach(), grads
 
 
-def layer_vjp(impl: Impl, config: MoEConfig, x, logits, weights: tuple, bias, d_out) -> tuple[Any, dict[str, Any]]:
-    """``moe_forward`` of ``impl`` (native arrays; ``weights = (w13, w13_scale, w2, w2_scale)``) and its
-    gradients for ``d_out``: ``d_x``, ``d_router_logits`` and, for float weights, ``d_w13``, ``d_w2``
-    (FP8 codes are frozen: no weight gradient, CONTRACT.md section 8)."""
+def layer_vjp(impl: Impl, config: MoEConfig, x, logits, weights: tuple, bias, d_out,
+              shared_logits=None, expert_biases: tuple | None = None) -> tuple[Any, dict[str, Any]]:
+    """``moe_forward`` of ``impl`` (native arrays; ``weights = (w13, w13_scale, w2, w2_scale)``;
+    ``shared_logits``: ``shared_expert_gate_logits [T, S]`` of a ``config.shared_expert_gate`` layer, else None;
+    ``expert_biases``: ``(w13_bias, w2_bias)`` of a ``config.expert_bias`` layer, else None) and its gradients for
+    ``d_out``: ``d_x``, ``d_router_logits``, ``d_shared_expert_gate_logits`` (with ``shared_logits``), ``d_w13_bias``,
+    ``d_w2_bias`` (with ``expert_biases``) and, for float weights, ``d_w13``, ``d_w2`` (FP8 and 4-bit codes are
+    frozen: no weight gradient, CONTRACT.md sections 8, 9)."""
     w13, s13, w2, s2 = weights
-    fp8 = config.quant != "none"
+    frozen = config.quant != "none"
+    named = {"d_x": x, "d_router_logits": logits}
+    if shared_logits is not None:
+        named["d_shared_expert_gate_logits"] = shared_logits
+    if expert_biases is not None:
+        named["d_w13_bias"], named["d_w2_bias"] = expert_biases
+    if not frozen:
+        named["d_w13"], named["d_w2"] = w13, w2
+    names = tuple(named)
 
-    def forward(x, logits, *w):
-        w13_, w2_ = (w13, w2) if fp8 else w
-        return impl.mod.moe_forward(x, logits, w13_, w2_, config, w13_scale=s13, w2_scale=s2,
-                                    e_score_correction_bias=bias, implementation=impl.impl)
+    def forward(*primals):
+        p = dict(zip(names, primals))
+        return impl.mod.moe_forward(
+            p["d_x"], p["d_router_logits"], p.get("d_w13", w13), p.get("d_w2", w2), config, w13_scale=s13,
+            w2_scale=s2, w13_bias=p.get("d_w13_bias"), w2_bias=p.get("d_w2_bias"), e_score_correction_bias=bias,
+            shared_expert_gate_logits=p.get("d_shared_expert_gate_logits"), implementation=impl.impl)
 
-    primals = (x, logits) if fp8 else (x, logits, w13, w2)
-    out, grads = impl.vjp(forward, primals, d_out)
-    return out, dict(zip(("d_x", "d_router_logits", "d_w13", "d_w2"), grads))
+    out, grads = impl.vjp(forward, tuple(named.values()), d_out)
+    return out, dict(zip(names, grads))
 
 
 # --------------------------------------------------------------------------------------
@@ -158,10 +182,12 @@ class Upstream:
     """The inputs of this rank (numpy; bf16 / FP8 as ml_dtypes) and the jnp reference's outputs so far.
 
     ``x [T, H]`` bf16, ``logits [T, E]`` float32, ``bias [E]`` float32 (``biased_grouped_topk``) or None;
-    ``w13 [E_local, 2I, H]``, ``w2 [E_local, H, I]``: bf16, or FP8 codes with ``s13`` / ``s2``;
+    ``w13 [E_local, 2I, H]``, ``w2 [E_local, H, I]``: bf16, or FP8 / 4-bit codes with ``s13`` / ``s2``;
+    ``b13 [E_local, 2I]``, ``b2 [E_local, H]`` bf16: the expert biases of a ``config.expert_bias`` layer, else None;
     ``d_out [T, H]`` bf16: the cotangent of the layer's output (backward stages; None forward only);
+    ``shared_logits [T, S]`` float32: ``shared_expert_gate_logits`` of a ``config.shared_expert_gate`` layer, else None;
     ``w13_float`` / ``w2_float``: this rank's float (bf16) weights, quantized by the ``weights`` stage
-    in the FP8 modes (unless a checkpoint gave codes and scales);
+    in the FP8 and 4-bit modes (unless a checkpoint gave codes and scales);
     ``ref[stage][output]``: the jnp reference's outputs of the stages run so far.
     """
 
@@ -170,12 +196,15 @@ class Upstream:
     logits: np.ndarray
     bias: np.ndarray | None
     d_out: np.ndarray | None = None
+    shared_logits: np.ndarray | None = None
     w13: np.ndarray | None = None
     s13: np.ndarray | None = None
     w2: np.ndarray | None = None
     s2: np.ndarray | None = None
     w13_float: np.ndarray | None = None
     w2_float: np.ndarray | None = None
+    b13: np.ndarray | None = None
+    b2: np.ndarray | None = None
     ref: dict[str, dict[str, np.ndarray]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -185,7 +214,22 @@ class Upstream:
 
     @property
     def fp8(self) -> bool:
+        """FP8 codes (weights and activations; section 3), judged by the FP8 rows of section 7."""
+        return self.config.quant in FP8_QUANTS
+
+    @property
+    def quantized(self) -> bool:
+        """Weight codes (FP8 or 4-bit): the ``weights`` stage makes them, and they are frozen (no weight gradient)."""
         return self.config.quant != "none"
+
+    @property
+    def w_format(self) -> str | None:
+        """The grouped GEMM's ``w_format``: ``"mxfp4"`` / ``"int4"`` for 4-bit weights (section 9), else None."""
+        return self.config.quant if self.config.quant in W4_QUANTS else None
+
+    @property
+    def expert_biases(self) -> tuple | None:
+        return None if self.b13 is None else (self.b13, self.b2)
 
     @property
     def M(self) -> int:
@@ -196,15 +240,26 @@ class Upstream:
     def weights(self) -> tuple:
         return self.w13, self.s13, self.w2, self.s2
 
+    @property
+    def combine_weights(self) -> np.ndarray:
+        """The combine's weights: the ``slot_weights`` stage's (the 2026 families), else the gate's."""
+        return self.ref.get("slot_weights", self.ref["gate"]).get("combine_weights", self.ref["gate"]["topk_weights"])
+
+    @property
+    def input_scale(self) -> np.ndarray | None:
+        """The expert inputs' scale ``[T, k']`` float32 (``apply_router_weight_on_input``), else None."""
+        return self.ref.get("slot_weights", {}).get("input_scale")
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One stage: ``run(impl, up) -> {output: array}`` in ``impl``'s framework on ``up``'s values.
 
     ``rows``: outputs indexed by permuted row (``[M_cap, ...]``): compared on rows ``< M`` (rows ``>= M``
-    are never read, section 2). ``weight_grads``: ``[E_local, N, K]`` weight gradients (an expert with
-    no rows must get exactly 0, section 8). ``skip(up)``: why the stage does not run on these inputs
-    (None: it runs). ``backward``: judged by section 8 (else section 7).
+    are never read, section 2). ``weight_grads``: ``[E_local, N, K]`` weight gradients and ``[E_local, N]`` bias
+    gradients (an expert with no rows must get exactly 0, section 8). ``skip(up)``: why the stage does not run on these inputs
+    (None: it runs; a note says why not). ``applies(config)``: whether the layer has the stage at all (the
+    2026 families' slot-weight stages; no note where it has not). ``backward``: judged by section 8 (else 7).
     """
 
     name: str
@@ -215,6 +270,7 @@ class Stage:
     skip: Callable[[Upstream], str | None] = lambda up: None
     backward: bool = False
     references_only: bool = False
+    applies: Callable[[MoEConfig], bool] = lambda config: True
 
 
 # ---- forward (moe_*/layer.py, in order) ----
@@ -222,7 +278,12 @@ class Stage:
 def _weights(impl: Impl, up: Upstream):
     """``quantize_weight_fp8`` of this rank's float weights, a few experts at a time (<= 1 GiB of float32
     temporaries on the device: a DeepSeek-V3 w13 whole would need 30 GB beside the other framework's
-    memory), back to the host."""
+    memory), back to the host; the 4-bit modes: ``quantize_layer_weights`` (``quantize_weight_mxfp4`` /
+    ``quantize_weight_int4``, chunked inside)."""
+    if up.w_format is not None:
+        q13, s13, q2, s2 = (to_numpy(t) for t in impl.mod.quantize_layer_weights(
+            impl.native(up.w13_float), impl.native(up.w2_float), up.config))
+        return {"w13": q13, "w13_scale": s13, "w2": q2, "w2_scale": s2}
     layout = WEIGHT_LAYOUT[up.config.quant]
 
     def chunks(w: np.ndarray):
@@ -243,6 +304,22 @@ def _gate(impl: Impl, up: Upstream):
     return {"topk_weights": w, "topk_ids": ids}
 
 
+def _slot_weights(impl: Impl, up: Upstream):
+    """CONTRACT.md section 1 (``shared_expert_gate``, ``apply_router_weight_on_input``): the gate's weights ->
+    the combine's weights and the expert inputs' scale (``moe_*/slot_weights.py``, the layer's own op)."""
+    combine_weights, input_scale = impl.slots.slot_weights(
+        impl.native(up.ref["gate"]["topk_weights"]), impl.native(up.shared_logits), up.config)
+    out = {"combine_weights": combine_weights}
+    if input_scale is not None:
+        out["input_scale"] = input_scale
+    return out
+
+
+def _scaled_slot_rows(impl: Impl, up: Upstream):
+    """Section 2: row ``t*k' + j`` is ``round(float32(x[t]) * input_scale[t, j])`` (one rounding)."""
+    return {"scaled_rows": impl.slots.scaled_slot_rows(impl.native(up.x), impl.native(up.input_scale))}
+
+
 def _routing(impl: Impl, up: Upstream):
     start, e_local = up.config.local_expert_range()
     meta = impl.mod.routing_metadata(
@@ -252,21 +329,25 @@ def _routing(impl: Impl, up: Upstream):
 
 
 def _permute(impl: Impl, up: Upstream):
-    xq, xs = impl.mod.permute(impl.native(up.x), impl.native(up.ref["routing"]["dst2src"]),
-                              topk=up.config.num_slots, quant=up.quant, implementation=impl.op_impl("permute"))
+    # apply_router_weight_on_input: the permute gathers the reference's scaled slot rows, one per assignment
+    # (topk=1), as the layer does (moe_*/layer.py: _expert_rows)
+    rows, k = ((up.x, up.config.num_slots) if up.input_scale is None
+               else (up.ref["scaled_slot_rows"]["scaled_rows"], 1))
+    xq, xs = impl.mod.permute(impl.native(rows), impl.native(up.ref["routing"]["dst2src"]),
+                              topk=k, quant=up.quant, implementation=impl.op_impl("permute"))
     return {"x_permuted": xq, "x_scale": xs} if xs is not None else {"x_permuted": xq}
 
 
-def _gemm(impl: Impl, up: Upstream, name: str, x_rows, x_scale, w, w_scale):
+def _gemm(impl: Impl, up: Upstream, name: str, x_rows, x_scale, w, w_scale, bias):
     return {name: impl.mod.grouped_gemm(
         impl.native(x_rows), impl.native(w), impl.native(up.ref["routing"]["expert_offsets"]),
         x_scale=impl.native(x_scale), w_scale=impl.native(w_scale), out_dtype=impl.bf16,
-        implementation=impl.op_impl("grouped_gemm"))}
+        w_format=up.w_format, bias=impl.native(bias), implementation=impl.op_impl("grouped_gemm"))}
 
 
 def _gemm1(impl: Impl, up: Upstream):
     p = up.ref["permute"]
-    return _gemm(impl, up, "h", p["x_permuted"], p.get("x_scale"), up.w13, up.s13)
+    return _gemm(impl, up, "h", p["x_permuted"], p.get("x_scale"), up.w13, up.s13, up.b13)
 
 
 def _act(impl: Impl, up: Upstream):
@@ -288,12 +369,12 @@ def _act(impl: Impl, up: Upstream):
 
 def _gemm2(impl: Impl, up: Upstream):
     a = up.ref["act"]
-    return _gemm(impl, up, "y", a["a"], a.get("a_scale"), up.w2, up.s2)
+    return _gemm(impl, up, "y", a["a"], a.get("a_scale"), up.w2, up.s2, up.b2)
 
 
 def _combine(impl: Impl, up: Upstream):
     out = impl.mod.combine(impl.native(up.ref["gemm2"]["y"]), impl.native(up.ref["routing"]["src2dst"]),
-                           impl.native(up.ref["gate"]["topk_weights"]),
+                           impl.native(up.combine_weights),
                            routed_scaling_factor=up.config.combine_routed_scaling_factor, out_dtype=impl.bf16,
                            implementation=impl.op_impl("combine"))
     return {"out": out}
@@ -304,7 +385,8 @@ def _layer(impl: Impl, up: Upstream):
     out = impl.mod.moe_forward(
         impl.native(up.x), impl.native(up.logits), impl.native(up.w13), impl.native(up.w2), up.config,
         w13_scale=impl.native(up.s13), w2_scale=impl.native(up.s2), e_score_correction_bias=impl.native(up.bias),
-        implementation=impl.impl)
+        shared_expert_gate_logits=impl.native(up.shared_logits), w13_bias=impl.native(up.b13),
+        w2_bias=impl.native(up.b2), implementation=impl.impl)
     return {"out": out}
 
 
@@ -313,18 +395,37 @@ def _layer(impl: Impl, up: Upstream):
 def _combine_bwd(impl: Impl, up: Upstream):
     d_y, d_w = impl.api("combine").combine_backward(
         impl.native(up.d_out), impl.native(up.ref["gemm2"]["y"]), impl.native(up.ref["routing"]["src2dst"]),
-        impl.native(up.ref["gate"]["topk_weights"]), routed_scaling_factor=up.config.combine_routed_scaling_factor,
+        impl.native(up.combine_weights), routed_scaling_factor=up.config.combine_routed_scaling_factor,
         implementation=impl.op_impl("combine"))
-    return {"d_y": d_y, "d_topk_weights": d_w}
+    # the 2026 families: the gradient of the combine's weights, which slot_weights_bwd turns into the gate's
+    return {"d_y": d_y, "d_combine_weights" if _slot_weighted(up.config) else "d_topk_weights": d_w}
 
 
 def _dgrad(impl: Impl, up: Upstream, name: str, d_y, w, w_scale):
     backend = impl.op_impl("grouped_gemm", "DGRAD_IMPLEMENTATIONS")
     if w_scale is not None and backend == "pallas_mosaic_gpu":  # no FP8 weights in the Mosaic dgrad
         backend = impl.other_impl
+    w, w_scale = impl.native(w), impl.native(w_scale)
+    if up.w_format is not None:  # 4-bit: straight-through on the decoded weights in d_y's dtype, as the layer does
+        w, w_scale = impl.layer.dgrad_weight(w, w_scale, up.config, impl.bf16)
     return {name: impl.api("grouped_gemm").grouped_gemm_dgrad(
-        impl.native(d_y), impl.native(w), impl.native(up.ref["routing"]["expert_offsets"]),
-        w_scale=impl.native(w_scale), implementation=backend)}
+        impl.native(d_y), w, impl.native(up.ref["routing"]["expert_offsets"]),
+        w_scale=w_scale, implementation=backend)}
+
+
+def _dbias(impl: Impl, up: Upstream, name: str, d_y):
+    """Section 8's ``d_bias[e] = sum_p d_y[p]`` over the rows of ``e`` (float32)."""
+    return {name: impl.api("grouped_gemm").grouped_gemm_dbias(
+        impl.native(d_y), impl.native(up.ref["routing"]["expert_offsets"]),
+        implementation=impl.op_impl("grouped_gemm", "DBIAS_IMPLEMENTATIONS"))}
+
+
+def _gemm2_dbias(impl: Impl, up: Upstream):
+    return _dbias(impl, up, "d_w2_bias", up.ref["combine_bwd"]["d_y"])
+
+
+def _gemm1_dbias(impl: Impl, up: Upstream):
+    return _dbias(impl, up, "d_w13_bias", up.ref["act_bwd"]["d_h"])
 
 
 def _wgrad(impl: Impl, up: Upstream, name: str, x_rows, d_y):
@@ -357,71 +458,142 @@ def _gemm1_wgrad(impl: Impl, up: Upstream):
 
 
 def _permute_bwd(impl: Impl, up: Upstream):
+    src2dst = up.ref["routing"]["src2dst"]
+    if up.input_scale is not None:  # the scaled slot rows: one gradient row per assignment, float32 (layer.py)
+        d_rows = impl.api("permute").permute_backward(
+            impl.native(up.ref["gemm1_dgrad"]["d_xp"]), impl.native(src2dst.reshape(-1, 1)), num_tokens=src2dst.size,
+            out_dtype=impl.f32, implementation=impl.op_impl("permute"))
+        return {"d_rows": d_rows}
     d_x = impl.api("permute").permute_backward(
-        impl.native(up.ref["gemm1_dgrad"]["d_xp"]), impl.native(up.ref["routing"]["src2dst"]),
+        impl.native(up.ref["gemm1_dgrad"]["d_xp"]), impl.native(src2dst),
         num_tokens=up.x.shape[0], implementation=impl.op_impl("permute"))
     return {"d_x": d_x}
 
 
+def _scaled_slot_rows_bwd(impl: Impl, up: Upstream):
+    """Section 8, weight on the input: ``d_x[t] = sum_j w[t, j] * d_rows[t*k' + j]``, ``d_input_scale[t, j] =
+    <x[t], d_rows[t*k' + j]>`` (float32)."""
+    d_x, d_scale = impl.slots.scaled_slot_rows_backward(
+        impl.native(up.x), impl.native(up.input_scale), impl.native(up.ref["permute_bwd"]["d_rows"]))
+    return {"d_x": d_x, "d_input_scale": d_scale}
+
+
+def _slot_weights_bwd(impl: Impl, up: Upstream):
+    """Section 8: the combine's weight gradient (and the input scale's) -> the gate's ``d_topk_weights`` and the
+    shared gate's ``d_logit = d_w * w_gate * g * (1 - g)``."""
+    d_scale = up.ref.get("scaled_slot_rows_bwd", {}).get("d_input_scale")
+    d_w, d_shared = impl.slots.slot_weights_backward(
+        impl.native(up.ref["gate"]["topk_weights"]), impl.native(up.shared_logits),
+        impl.native(up.ref["combine_bwd"]["d_combine_weights"]), impl.native(d_scale), up.config)
+    out = {"d_topk_weights": d_w}
+    if d_shared is not None:
+        out["d_shared_expert_gate_logits"] = d_shared
+    return out
+
+
 def _gate_bwd(impl: Impl, up: Upstream):
+    d_w = up.ref.get("slot_weights_bwd", up.ref["combine_bwd"])["d_topk_weights"]
     d = impl.api("gate").select_experts_backward(
         impl.native(up.logits), impl.native(up.ref["gate"]["topk_ids"]),
-        impl.native(up.ref["combine_bwd"]["d_topk_weights"]), **up.config.gate_kwargs(),
+        impl.native(d_w), **up.config.gate_kwargs(),
         e_score_correction_bias=impl.native(up.bias), implementation=impl.op_impl("gate"))
     return {"d_router_logits": d}
 
 
 def _layer_bwd(impl: Impl, up: Upstream):
+    biases = None if up.expert_biases is None else tuple(impl.native(b) for b in up.expert_biases)
     _, grads = layer_vjp(impl, up.config, impl.native(up.x), impl.native(up.logits),
-                         tuple(impl.native(w) for w in up.weights), impl.native(up.bias), impl.native(up.d_out))
+                         tuple(impl.native(w) for w in up.weights), impl.native(up.bias), impl.native(up.d_out),
+                         impl.native(up.shared_logits), biases)
     return grads
 
 
+# ---- which layers have a stage (Stage.applies) ----
+
+def _slot_weighted(config: MoEConfig) -> bool:
+    """The layer moves or changes the gate's weights (``moe_*/slot_weights.py``): Llama 4 / Qwen3-Next."""
+    return config.apply_router_weight_on_input or config.shared_expert_gate
+
+
+def _input_scaled(config: MoEConfig) -> bool:
+    return config.apply_router_weight_on_input
+
+
+def _biased(config: MoEConfig) -> bool:
+    return bool(getattr(config, "expert_bias", False))
+
+
 def _no_fp8_wgrad(up: Upstream) -> str | None:
-    return ("FP8 layer: the weight codes are frozen, no weight gradient is formed (CONTRACT.md section 8)"
-            if up.fp8 else None)
+    if not up.quantized:
+        return None
+    return (f"{'FP8' if up.fp8 else '4-bit'} layer: the weight codes are frozen, no weight gradient is formed "
+            f"(CONTRACT.md section {8 if up.fp8 else 9})")
 
 
-#: The FP8 modes' weight quantization (references only: there is no kernel; not run when a checkpoint
+#: The FP8 and 4-bit modes' weight quantization (references only: there is no kernel; not run when a checkpoint
 #: gives FP8 codes and scales, nor for float layers).
-WEIGHTS_STAGE = Stage("weights", "float w13, w2 --quantize_weight_fp8--> codes + scales (FP8 modes; references only)",
-                      _weights, references_only=True)
+WEIGHTS_STAGE = Stage("weights", "float w13, w2 --quantize_weight_fp8 (4-bit: _mxfp4 / _int4)--> codes + scales "
+                      "(FP8 and 4-bit modes; references only)", _weights, references_only=True)
 
 #: The forward stages after ``weights``, in the order of ``moe_*/layer.py``.
 FORWARD_STAGES = (
     Stage("gate", "router_logits --select_experts--> topk_weights, topk_ids", _gate),
+    Stage("slot_weights", "topk_weights, shared_expert_gate_logits --slot_weights--> combine_weights, input_scale "
+          "(shared_expert_gate / apply_router_weight_on_input layers; a framework op on every backend)",
+          _slot_weights, applies=_slot_weighted),
     Stage("routing", "topk_ids --routing_metadata--> expert_offsets, src2dst, dst2src", _routing, rows=("dst2src",)),
-    Stage("permute", "x, dst2src --permute (+FP8 quant)--> x_permuted, x_scale", _permute,
+    Stage("scaled_slot_rows", "x, input_scale --scaled_slot_rows--> scaled_rows [T*k', H] (apply_router_weight_on_input "
+          "layers; a framework op on every backend)", _scaled_slot_rows, applies=_input_scaled),
+    Stage("permute", "x (or scaled_rows), dst2src --permute (+FP8 quant)--> x_permuted, x_scale", _permute,
           rows=("x_permuted", "x_scale")),
-    Stage("gemm1", "x_permuted, w13 --grouped_gemm--> h", _gemm1, rows=("h",)),
+    Stage("gemm1", "x_permuted, w13 (+ w13_bias) --grouped_gemm--> h", _gemm1, rows=("h",)),
     Stage("act", "h --act_and_mul (+FP8 quant)--> a, a_scale", _act, rows=("a", "a_scale", "a_f32")),
-    Stage("gemm2", "a, w2 --grouped_gemm--> y", _gemm2, rows=("y",)),
-    Stage("combine", "y, src2dst, topk_weights --combine--> out", _combine),
+    Stage("gemm2", "a, w2 (+ w2_bias) --grouped_gemm--> y", _gemm2, rows=("y",)),
+    Stage("combine", "y, src2dst, topk_weights (or combine_weights) --combine--> out", _combine),
     Stage("layer", "x, router_logits, weights --moe_forward--> out (end to end, nothing shared)", _layer),
 )
 
 #: The backward stages (``--backward``), in the order the gradient flows; ``d_out [T, H]`` a seeded random cotangent.
 BACKWARD_STAGES = (
-    Stage("combine_bwd", "d_out, y, src2dst, topk_weights --combine_backward--> d_y, d_topk_weights", _combine_bwd,
-          rows=("d_y",), backward=True),
+    Stage("combine_bwd", "d_out, y, src2dst, topk_weights (or combine_weights) --combine_backward--> d_y, "
+          "d_topk_weights (or d_combine_weights)", _combine_bwd, rows=("d_y",), backward=True),
     Stage("gemm2_dgrad", "d_y, w2 --grouped_gemm_dgrad--> d_a", _gemm2_dgrad, rows=("d_a",), backward=True),
     Stage("gemm2_wgrad", "a, d_y --grouped_gemm_wgrad--> d_w2 (float weights only)", _gemm2_wgrad,
           weight_grads=("d_w2",), skip=_no_fp8_wgrad, backward=True),
+    Stage("gemm2_dbias", "d_y --grouped_gemm_dbias--> d_w2_bias (expert_bias layers)", _gemm2_dbias,
+          weight_grads=("d_w2_bias",), backward=True, applies=_biased),
     Stage("act_bwd", "h, d_a --act_and_mul_backward--> d_h", _act_bwd, rows=("d_h",), backward=True),
     Stage("gemm1_dgrad", "d_h, w13 --grouped_gemm_dgrad--> d_xp", _gemm1_dgrad, rows=("d_xp",), backward=True),
     Stage("gemm1_wgrad", "x_permuted, d_h --grouped_gemm_wgrad--> d_w13 (float weights only)", _gemm1_wgrad,
           weight_grads=("d_w13",), skip=_no_fp8_wgrad, backward=True),
-    Stage("permute_bwd", "d_xp, src2dst --permute_backward--> d_x", _permute_bwd, backward=True),
+    Stage("gemm1_dbias", "d_h --grouped_gemm_dbias--> d_w13_bias (expert_bias layers)", _gemm1_dbias,
+          weight_grads=("d_w13_bias",), backward=True, applies=_biased),
+    Stage("permute_bwd", "d_xp, src2dst --permute_backward--> d_x (or d_rows [T*k', H] float32, the scaled slot "
+          "rows')", _permute_bwd, backward=True),
+    Stage("scaled_slot_rows_bwd", "x, input_scale, d_rows --scaled_slot_rows_backward--> d_x, d_input_scale "
+          "(apply_router_weight_on_input layers)", _scaled_slot_rows_bwd, backward=True, applies=_input_scaled),
+    Stage("slot_weights_bwd", "topk_weights, shared_expert_gate_logits, d_combine_weights, d_input_scale "
+          "--slot_weights_backward--> d_topk_weights, d_shared_expert_gate_logits", _slot_weights_bwd,
+          backward=True, applies=_slot_weighted),
     Stage("gate_bwd", "router_logits, topk_ids, d_topk_weights --select_experts_backward--> d_router_logits",
           _gate_bwd, backward=True),
-    Stage("layer_bwd", "d_out --vjp of moe_forward--> d_x, d_router_logits, d_w13, d_w2 (end to end)", _layer_bwd,
-          weight_grads=("d_w13", "d_w2"), backward=True),
+    Stage("layer_bwd", "d_out --vjp of moe_forward--> d_x, d_router_logits, (d_shared_expert_gate_logits, "
+          "d_w13_bias, d_w2_bias,) d_w13, d_w2 (end to end)", _layer_bwd,
+          weight_grads=("d_w13", "d_w2", "d_w13_bias", "d_w2_bias"), backward=True),
 )
 
 STAGE_TABLE = {s.name: s for s in (WEIGHTS_STAGE,) + FORWARD_STAGES + BACKWARD_STAGES}
 #: Forward stage names in order (``weights``: the FP8 modes' weight quantization, references only).
 STAGES = ("weights",) + tuple(s.name for s in FORWARD_STAGES)
 BACKWARD_STAGE_NAMES = tuple(s.name for s in BACKWARD_STAGES)
+#: The stages only a layer that moves or changes the gate's weights has (``Stage.applies``; CONTRACT.md sections
+#: 1, 2, 5, 8): ``slot_weights`` and its backward (``shared_expert_gate`` or ``apply_router_weight_on_input``),
+#: ``scaled_slot_rows`` and its backward (``apply_router_weight_on_input``).
+SLOT_WEIGHT_STAGES = tuple(s.name for s in FORWARD_STAGES + BACKWARD_STAGES if s.applies in (_slot_weighted, _input_scaled))
+#: The stages only a layer with expert biases has (``config.expert_bias``, gpt-oss; sections 4, 8): the bias gradients.
+BIAS_STAGES = tuple(s.name for s in BACKWARD_STAGES if s.applies is _biased)
+#: Every stage a layer may lack (``Stage.applies``).
+OPTIONAL_STAGES = SLOT_WEIGHT_STAGES + BIAS_STAGES
 #: The stage names of the expert-parallel summary (``run_ep_check``): every rank end to end, summed.
 EP_STAGE = "ep"
 EP_BACKWARD_STAGE = "ep_bwd"
