@@ -425,7 +425,7 @@ class MoEBlock(nnx.Module):
     added with weight 1 as ``DeepseekV3MoE`` adds its ``shared_experts`` MLP). Qwen3-Next's
     ``shared_expert_gate`` (``sigmoid(x @ w.T)`` times the shared MLP) is the layer's own weight
     (:class:`MoELayer` ``shared_expert_gate``, ``config.shared_expert_gate``); Llama 4's input-scaled routing is
-    ``config.apply_router_weight_on_input``. (Loaders of those checkpoints are not written yet.)
+    ``config.apply_router_weight_on_input`` (both read from checkpoints by :func:`interop.hf_jax.load_nnx_moe_block`).
 
     Args:
       router_weight: ``[E, H]`` float32 / bf16 / float16, the ``gate.weight`` of the block (an ``nnx.Param``:
