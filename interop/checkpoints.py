@@ -46,6 +46,16 @@ The 2026 families (issue 15), read by the same rules (``arch`` in brackets; conf
   (``feed_forward.experts.i.{gate_proj,up_proj,down_proj}.weight``) are read too. The routing is sigmoid top-k
   with the router weight on the expert input (``apply_router_weight_on_input``); Maverick's dense layers
   (``feed_forward.{gate,up,down}_proj``) have no experts and are not MoE layers.
+- **gpt-oss** (``gpt_oss``; read by ``_load_gpt_oss``): ``mlp.router.weight [E, H]`` and ``mlp.router.bias [E]``
+  (:attr:`MoECheckpointLayer.router_bias`: the logits are ``x @ W.T + b``), ``mlp.experts.gate_up_proj_bias [E, 2I]``
+  / ``mlp.experts.down_proj_bias [E, H]`` (``w13_bias`` / ``w2_bias``), and the experts either as the released
+  MXFP4 (``quantization_config.quant_method="mxfp4"``) ``mlp.experts.gate_up_proj_blocks [E, 2I, H/32, 16]`` uint8 /
+  ``_scales [E, 2I, H/32]`` uint8 e8m0 and ``down_proj_blocks [E, H, I/32, 16]`` / ``_scales [E, H, I/32]`` -- the
+  layer's ``quant="mxfp4"`` codes ``[E, N, K/2]`` reshaped and scales as stored, bit for bit (CONTRACT.md section 9;
+  transformers' ``convert_moe_packed_tensors`` dequantizes them to the transpose of ours) -- or as float
+  ``mlp.experts.gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]`` (``GptOssExperts``' in-by-out, transposed here;
+  gate / up interleaved, kept: ``gate_up_layout="interleaved"``). Routing softmax top-k renormalized,
+  ``swiglu_oai`` (config.json's ``swiglu_alpha`` 1.702 / ``swiglu_limit`` 7.0 checked), ``expert_bias``.
 
 Assembled (torch CPU tensors **in the checkpoint's dtype**: bf16 stays bf16, FP8 codes float8_e4m3fn):
 ``w13 = concat(gate, up) along N -> [E + S, 2I, H]``, ``w2 [E + S, H, I]``, block scales float32
@@ -80,7 +90,7 @@ import numpy as np
 
 from moe_contract.config import FP8_BLOCK, MoEConfig
 
-ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "llama4")
+ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "llama4", "gpt_oss")
 #: config.json ``model_type`` -> the arch its tensors are read as.
 MODEL_TYPES = {
     "mixtral": "mixtral",
@@ -91,6 +101,7 @@ MODEL_TYPES = {
     "qwen3_next": "qwen3_next",
     "llama4": "llama4",  # the hub's Llama 4 (multimodal): the text model's keys under text_config
     "llama4_text": "llama4",  # Llama4ForCausalLM.save_pretrained
+    "gpt_oss": "gpt_oss",
 }
 
 
@@ -118,6 +129,8 @@ _ARCHS = {
     "qwen3_next": _Arch("mlp", _GUD, shared="shared_expert", shared_gate=True, config_class="Qwen3NextConfig"),
     "llama4": _Arch("feed_forward", _GUD, router="router", shared="shared_expert", fused_module="feed_forward",
                     fused_in_by_out=True, config_class="Llama4TextConfig"),
+    # gpt-oss: fused experts only, read by _load_gpt_oss (MXFP4 blocks / scales or float, biases, a biased router)
+    "gpt_oss": _Arch("mlp", _GUD, router="router", fused_in_by_out=True, config_class="GptOssConfig"),
 }
 #: arch -> the layer its tensors are read as (the routing family a preset for it must have).
 _FAMILY_WORDS = {
@@ -127,6 +140,7 @@ _FAMILY_WORDS = {
     "glm4_moe": "biased grouped top-k routing with gate/up rows concatenated",
     "qwen3_next": "softmax top-k routing with a sigmoid-gated shared expert (shared_expert_gate)",
     "llama4": "sigmoid top-k routing with the router weight on the expert input (apply_router_weight_on_input)",
+    "gpt_oss": "softmax top-k routing (a router with a bias), swiglu_oai on interleaved gate/up rows, expert biases",
 }
 #: transformers' ``hidden_act`` names -> the contract's activation (both gelu names are the tanh formula).
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
@@ -270,6 +284,7 @@ _ROUTING_KEYS = {
                     "activation": "hidden_act"},
     "qwen3_next": {"topk": "num_experts_per_tok", "renormalize": "norm_topk_prob", "activation": "hidden_act"},
     "llama4": {"topk": "num_experts_per_tok", "activation": "hidden_act"},
+    "gpt_oss": {"topk": "num_experts_per_tok"},  # the activation is GptOssExperts' swiglu (checked: alpha, limit)
 }
 _ROUTING_KEYS["glm4_moe"] = _ROUTING_KEYS["deepseek_v3"]  # Glm4MoeTopkRouter is DeepseekV3TopkRouter
 #: arch -> tensor size -> config.json key
@@ -280,7 +295,10 @@ _SIZE_KEYS = {
     "glm4_moe": {"E": "n_routed_experts", "H": "hidden_size", "I": "moe_intermediate_size"},
     "qwen3_next": {"E": "num_experts", "H": "hidden_size", "I": "moe_intermediate_size"},
     "llama4": {"E": "num_local_experts", "H": "hidden_size", "I": "intermediate_size"},  # Llama4TextExperts.expert_dim
+    "gpt_oss": {"E": "num_local_experts", "H": "hidden_size", "I": "intermediate_size"},
 }
+#: gpt-oss's swiglu constants (GptOssConfig swiglu_alpha, swiglu_limit) that the contract's swiglu_oai computes.
+_SWIGLU_OAI = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 
 
 def _routing_from_config(arch: str, hf: _HFConfig) -> dict:
@@ -298,6 +316,12 @@ def _routing_from_config(arch: str, hf: _HFConfig) -> dict:
         fields["shared_expert_gate"] = True  # Qwen3NextSparseMoeBlock: sigmoid(x @ shared_expert_gate.T) * shared
     if arch == "llama4":  # Llama4Router: top-k of the logits, sigmoid of the chosen, no renormalization
         fields.update(routing="sigmoid_topk", renormalize=False, apply_router_weight_on_input=True)
+    if arch == "gpt_oss":  # GptOssTopKRouter: softmax of the top-k logits (= renormalized); GptOssExperts' swiglu
+        for key, want in _SWIGLU_OAI.items():
+            if hf.get(key) != want:
+                raise ValueError(f"load_moe_layer: {hf.path!r} key {key!r} must be {want} (the contract's swiglu_oai); "
+                                 f"got {hf.words(key)}")
+        fields.update(activation="swiglu_oai", gate_up_layout="interleaved", expert_bias=True)
     for field, key in keys.items():
         value = hf.get(key)
         if field == "activation":
@@ -326,9 +350,11 @@ def _quant_from_config(raw: dict, path: str) -> str | None:
         raise ValueError(f"load_moe_layer: {path!r} key 'quantization_config' must be an object; got {q!r}")
     where = f"load_moe_layer: {path!r} key 'quantization_config."
     method = q.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's (transformers' Mxfp4Config): *_blocks / *_scales of the experts
+        return "mxfp4"
     if method != "fp8":
         raise ValueError(f"{where}quant_method' must be 'fp8' (transformers' FineGrainedFP8Config: 128x128 block FP8, "
-                         f"DeepSeek-V3's format), the only quantization read here; got {method!r}")
+                         f"DeepSeek-V3's format) or 'mxfp4' (gpt-oss's); got {method!r}")
     block = q.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
     if list(block or ()) != [FP8_BLOCK, FP8_BLOCK]:
         raise ValueError(f"{where}weight_block_size' must be [{FP8_BLOCK}, {FP8_BLOCK}] (the contract's block scales); "
@@ -365,6 +391,12 @@ class MoECheckpointLayer:
     routing_words: dict | None = None  # MoEConfig field -> "'key'=value (absent ...: default)"
     shared_expert_gate: object | None = None  # torch [1, H], the checkpoint's dtype (Qwen3-Next), else None
     model_type: str | None = None  # config.json's model_type ("kimi_k2" for Kimi K2's deepseek_v3 layout)
+    # gpt-oss: the router's bias [E] and the experts' biases [E, 2I] / [E, H] (the checkpoint's dtype), else None.
+    # Its MXFP4 experts: w13 uint8 codes [E, 2I, H/2], w13_scale uint8 e8m0 [E, 2I, H/32], w2 [E, H, I/2],
+    # w2_scale [E, H, I/32] (quant "mxfp4", CONTRACT.md section 9).
+    router_bias: object | None = None
+    w13_bias: object | None = None
+    w2_bias: object | None = None
 
     @property
     def num_experts(self) -> int:
@@ -372,20 +404,25 @@ class MoECheckpointLayer:
 
     @property
     def hidden_size(self) -> int:
-        return self.w13.shape[2]
+        return self.router_weight.shape[1]
 
     @property
     def intermediate_size(self) -> int:
-        return self.w2.shape[2]
+        return self.w13.shape[1] // 2
+
+    @property
+    def is_mxfp4(self) -> bool:
+        """gpt-oss's MXFP4 experts (uint8 packed codes and e8m0 scales)."""
+        return _dtype_name(self.w13) == "uint8"
 
     @property
     def is_fp8(self) -> bool:
-        return self.w13_scale is not None
+        return self.w13_scale is not None and not self.is_mxfp4
 
     @property
     def quant(self) -> str:
-        """The checkpoint's quantization as a ``MoEConfig.quant``: ``"fp8_block"`` or ``"none"``."""
-        return "fp8_block" if self.is_fp8 else "none"
+        """The checkpoint's quantization as a ``MoEConfig.quant``: ``"fp8_block"``, ``"mxfp4"`` or ``"none"``."""
+        return "fp8_block" if self.is_fp8 else "mxfp4" if self.is_mxfp4 else "none"
 
     @property
     def dtype(self) -> str:
@@ -433,7 +470,8 @@ class MoECheckpointLayer:
             # Sigmoid top-k with the router weight on the input (Llama 4), the sigmoid-gated shared expert (Qwen3-Next)
             # and the interleaved gate/up rows (gpt-oss, not read here) are the tensors' family too: a preset that
             # differs in any of them would compute another model's layer (issue 15).
-            if (preset.gate_up_layout != "concatenated" or (preset.routing == "sigmoid_topk") != (self.arch == "llama4")
+            layout = "interleaved" if self.arch == "gpt_oss" else "concatenated"
+            if (preset.gate_up_layout != layout or (preset.routing == "sigmoid_topk") != (self.arch == "llama4")
                     or any(bool(getattr(preset, n)) != v for n, v in semantics.items())):
                 raise ValueError(
                     f"MoECheckpointLayer.config: preset {preset.name!r} is another family's layer (routing "
@@ -450,7 +488,7 @@ class MoECheckpointLayer:
             fields.update(topk=preset.topk, routing=preset.routing, renormalize=preset.renormalize,
                           num_expert_group=preset.num_expert_group, topk_group=preset.topk_group,
                           routed_scaling_factor=preset.routed_scaling_factor, activation=preset.activation,
-                          **semantics)
+                          gate_up_layout=preset.gate_up_layout, **semantics)
         else:
             raise ValueError(f"MoECheckpointLayer.config: no config.json beside the weights in {self.path!r}; "
                              f"pass a preset for the routing (topk, groups, rsf, renormalize)")
@@ -468,9 +506,10 @@ class MoECheckpointLayer:
     @property
     def layer_semantics(self) -> dict:
         """The :class:`MoEConfig` fields the checkpoint's block fixes beyond its routing:
-        ``apply_router_weight_on_input`` (Llama 4) and ``shared_expert_gate`` (Qwen3-Next's gate weight is here)."""
+        ``apply_router_weight_on_input`` (Llama 4), ``shared_expert_gate`` (Qwen3-Next's gate weight is here) and
+        ``expert_bias`` (gpt-oss's expert biases are here)."""
         return dict(apply_router_weight_on_input=self.arch == "llama4",
-                    shared_expert_gate=self.shared_expert_gate is not None)
+                    shared_expert_gate=self.shared_expert_gate is not None, expert_bias=self.w13_bias is not None)
 
     def _check_config(self, config: MoEConfig, op: str) -> None:
         want = dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -481,7 +520,12 @@ class MoECheckpointLayer:
 
     def float_weights(self):
         """``(w13, w2)`` as float torch tensors: the checkpoint's float dtype, or, for FP8 checkpoints,
-        the codes dequantized block by block in float32 (``q * scale``, exact)."""
+        the codes dequantized block by block in float32 (``q * scale``, exact; MXFP4: ``code * 2^(scale - 127)``
+        per 32 values, float32, exact)."""
+        if self.is_mxfp4:
+            from moe_torch import dequantize_weight_mxfp4
+
+            return dequantize_weight_mxfp4(self.w13, self.w13_scale), dequantize_weight_mxfp4(self.w2, self.w2_scale)
         if not self.is_fp8:
             return self.w13, self.w2
         return dequantize_block(self.w13, self.w13_scale), dequantize_block(self.w2, self.w2_scale)
@@ -489,10 +533,15 @@ class MoECheckpointLayer:
     def layer_weights(self, config: MoEConfig):
         """:class:`interop.crosscheck.LayerWeights` (numpy, bf16 / FP8 as ml_dtypes: the bits) for ``config``:
         FP8 codes and scales as stored when ``config.quant='fp8_block'`` and the checkpoint is FP8, float
-        weights otherwise; the router weight, the correction bias and Qwen3-Next's ``shared_expert_gate``. Raises ValueError if ``config``'s sizes are not the checkpoint's."""
+        weights otherwise; the router weight, the correction bias and Qwen3-Next's ``shared_expert_gate``. Raises ValueError if ``config``'s sizes are not the checkpoint's; NotImplementedError for gpt-oss (its router's bias has no place in ``LayerWeights``, whose logits are ``x @ router_weight.T``)."""
         from interop.crosscheck import LayerWeights, to_numpy
 
         self._check_config(config, "layer_weights")
+        if self.router_bias is not None:
+            raise NotImplementedError(
+                f"MoECheckpointLayer.layer_weights: the {self.arch} checkpoint in {self.path!r} has a router bias "
+                f"(router logits x @ W.T + b), which LayerWeights (logits x @ router_weight.T) cannot carry; use "
+                f"arrays('torch') / arrays('jax') and compute the logits with the bias")
         if self.is_fp8 and config.quant == "fp8_block":
             w13, w2, s13, s2 = self.w13, self.w2, self.w13_scale, self.w2_scale
         else:
@@ -507,7 +556,10 @@ class MoECheckpointLayer:
         """This EP rank's (``config``; default: all experts) weights as jax arrays (default device) or torch
         tensors (CUDA if there is one; on the CPU they share memory with this layer's tensors):
         ``w13, w2, w13_scale, w2_scale, router_weight, e_score_correction_bias, shared_expert_gate`` (Qwen3-Next's
-        ``[1, H]``, its stored dtype; None for the other families).
+        ``[1, H]``, its stored dtype; None for the other families), ``router_bias [E]``, ``w13_bias [n, 2I]``,
+        ``w2_bias [n, H]`` (gpt-oss's, this rank's experts' biases; None for the other families). gpt-oss's MXFP4
+        checkpoints give the uint8 codes and e8m0 scales as stored when ``config`` is None or
+        ``config.quant == "mxfp4"``, else the codes dequantized to bfloat16 (as transformers' ``dequantize=True``).
 
         dtypes: the checkpoint's (bf16 stays bf16); FP8 checkpoints give float8_e4m3fn codes and float32
         block scales when ``config`` is None or ``config.quant == "fp8_block"``, else the codes dequantized
@@ -529,7 +581,15 @@ class MoECheckpointLayer:
                "w13_scale": None if self.w13_scale is None else self.w13_scale[lo:lo + n],
                "w2_scale": None if self.w2_scale is None else self.w2_scale[lo:lo + n],
                "router_weight": self.router_weight, "e_score_correction_bias": self.e_score_correction_bias,
-               "shared_expert_gate": self.shared_expert_gate}
+               "shared_expert_gate": self.shared_expert_gate, "router_bias": self.router_bias,
+               "w13_bias": None if self.w13_bias is None else self.w13_bias[lo:lo + n],
+               "w2_bias": None if self.w2_bias is None else self.w2_bias[lo:lo + n]}
+        if self.is_mxfp4 and config is not None and config.quant != "mxfp4":
+            from moe_torch import dequantize_weight_mxfp4
+
+            out["w13"] = dequantize_weight_mxfp4(out["w13"], out["w13_scale"]).to(torch.bfloat16)
+            out["w2"] = dequantize_weight_mxfp4(out["w2"], out["w2_scale"]).to(torch.bfloat16)
+            out["w13_scale"] = out["w2_scale"] = None
         if self.is_fp8 and config is not None and config.quant != "fp8_block":
             out["w13"] = dequantize_block(out["w13"], out.pop("w13_scale")).to(torch.bfloat16)
             out["w2"] = dequantize_block(out["w2"], out.pop("w2_scale")).to(torch.bfloat16)
@@ -573,6 +633,9 @@ def _detect_arch(keys, hf_config: dict | None) -> str:
                          f"{hf_config['model_type']!r}")
     if any(".block_sparse_moe.experts." in k for k in keys):
         return "mixtral"
+    if any(k.endswith((".mlp.router.weight", ".mlp.experts.gate_up_proj_blocks", ".mlp.experts.gate_up_proj_bias"))
+           for k in keys):
+        return "gpt_oss"
     if any(".feed_forward.experts." in k for k in keys):
         return "llama4"
     if any(k.endswith(".mlp.shared_expert_gate.weight") for k in keys):
@@ -606,6 +669,107 @@ def _shared_from_config(arch: str, hf: _HFConfig, I: int) -> tuple[int, str] | N
     return None
 
 
+def _load_gpt_oss(files: _Files, pre: str, rests: set, layer: int, hf: _HFConfig | None, raw: dict | None, path: str,
+                  cfg_path: str, config_quant: str | None, model_type: str | None,
+                  allow_nonfinite: bool) -> MoECheckpointLayer:
+    """gpt-oss's MoE layer (module docstring of :func:`load_moe_layer`): MXFP4 ``*_blocks`` / ``*_scales`` as the
+    layer's packed codes and e8m0 scales (the bytes as stored, reshaped), or float fused experts transposed from
+    ``GptOssExperts``' in-by-out ``[E, H, 2I]`` / ``[E, I, H]``; the router's weight and bias; the expert biases."""
+    bad: list[tuple[str, int, int]] = []
+
+    def get(key: str, what: str, shape: tuple | None, kind: str = "float"):
+        t = files.get(key, what)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise ValueError(f"load_moe_layer: {key} ({what}) must have shape {tuple(shape)}; got {tuple(t.shape)}")
+        name = _dtype_name(t)
+        if kind == "float" and name not in _FLOAT_DTYPES:
+            raise TypeError(f"load_moe_layer: {key} ({what}) must be one of {_FLOAT_DTYPES}; got {name}")
+        if kind in ("codes", "scales") and name != "uint8":
+            raise TypeError(f"load_moe_layer: {key} ({what}) must be uint8 in an MXFP4 checkpoint; got {name}")
+        nan, inf = (int((t == 255).sum()), 0) if kind == "scales" else _nonfinite(t)  # e8m0 0xFF is NaN
+        if nan or inf:
+            bad.append((key, nan, inf))
+        return t
+
+    router_key = f"{pre}.router.weight"
+    router = get(router_key, "router weight [E, H]", None)
+    if router.ndim != 2:
+        raise ValueError(f"load_moe_layer: {router_key} must be [E, H]; got shape {tuple(router.shape)}")
+    E, H = router.shape
+    router_bias = get(f"{pre}.router.bias", "router bias [E] (GptOssTopKRouter: logits x @ W.T + b)", (E,))
+    gu, dn = f"{pre}.experts.gate_up_proj", f"{pre}.experts.down_proj"
+    mxfp4 = any(r.endswith(("_blocks", "_scales")) for r in rests)
+    if mxfp4:
+        first = gu + "_blocks"
+        shape, _ = files.info(first, "gate_up projection's MXFP4 codes [E, 2I, H/32, 16]")
+        if len(shape) != 4 or shape[0] != E or shape[1] % 2 or shape[2] * 32 != H or shape[3] != 16:
+            raise ValueError(f"load_moe_layer: {first} must be [E={E}, 2I, H/32={H / 32:g}, 16] (MXFP4 codes, two per "
+                             f"byte, groups of 32 along H); got shape {shape}")
+        I = shape[1] // 2
+        if I % 32:
+            raise ValueError(f"load_moe_layer: MXFP4 needs I % 32 == 0 (the down projection's groups); got I={I}")
+    else:
+        first = gu
+        shape, _ = files.info(first, "fused gate_up projection [E, H, 2I] (GptOssExperts: in-by-out, gate/up "
+                                     "columns interleaved)")
+        if len(shape) != 3 or shape[0] != E or shape[1] != H or shape[2] % 2:
+            raise ValueError(f"load_moe_layer: {first} must be [E={E}, H={H}, 2I] (GptOssExperts' in-by-out "
+                             f"layout); got shape {shape}")
+        I = shape[2] // 2
+    if config_quant == "mxfp4" and not mxfp4:
+        raise ValueError(f"load_moe_layer: {cfg_path!r} says quantization_config.quant_method='mxfp4' but {pre}.experts "
+                         f"has no gate_up_proj_blocks / _scales (float experts)")
+    if config_quant == "fp8_block":
+        raise ValueError(f"load_moe_layer: {cfg_path!r} says quantization_config.quant_method='fp8'; gpt-oss "
+                         f"checkpoints are read as MXFP4 or float")
+    if hf is not None:
+        for what, value in (("E", E), ("H", H), ("I", I)):
+            key = _SIZE_KEYS["gpt_oss"][what]
+            if hf.get(key) != value:
+                raise ValueError(f"load_moe_layer: {hf.path!r} says {hf.words(key)} but the tensors have {what}={value} "
+                                 f"({first if what == 'I' else router_key}); this config.json does not belong "
+                                 f"to these weights")
+    proj = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales") if mxfp4 else (
+        "gate_up_proj", "down_proj")
+    allowed = {"router.weight", "router.bias", "experts.gate_up_proj_bias", "experts.down_proj_bias"}
+    allowed |= {f"experts.{p}" for p in proj}
+    unexpected = sorted(r for r in rests if r not in allowed)
+    if unexpected:
+        shown = ", ".join(f"'{pre}.{r}'" for r in unexpected[:6])
+        raise ValueError(f"load_moe_layer: unexpected key(s) {shown} for a {'MXFP4' if mxfp4 else 'float'} gpt_oss "
+                         f"layer (refused rather than ignored)")
+    if mxfp4:  # the checkpoint's [E, N, K/32, 16] bytes are the layer's [E, N, K/2] codes; scales [E, N, K/32] as they are
+        w13 = get(gu + "_blocks", "gate_up projection's MXFP4 codes [E, 2I, H/32, 16]", (E, 2 * I, H // 32, 16),
+                  "codes").reshape(E, 2 * I, H // 2)
+        s13 = get(gu + "_scales", "gate_up projection's e8m0 scales [E, 2I, H/32]", (E, 2 * I, H // 32), "scales")
+        w2 = get(dn + "_blocks", "down projection's MXFP4 codes [E, H, I/32, 16]", (E, H, I // 32, 16),
+                 "codes").reshape(E, H, I // 2)
+        s2 = get(dn + "_scales", "down projection's e8m0 scales [E, H, I/32]", (E, H, I // 32), "scales")
+    else:
+        g = get(gu, "fused gate_up projection [E, H, 2I] (in-by-out)", (E, H, 2 * I))
+        d = get(dn, "fused down projection [E, I, H] (in-by-out)", (E, I, H))
+        if g.dtype != d.dtype:
+            raise TypeError(f"load_moe_layer: {dn} is {_dtype_name(d)} but {gu} is {_dtype_name(g)}; mixed dtypes are "
+                            f"not supported")
+        w13, w2 = g.transpose(1, 2).contiguous(), d.transpose(1, 2).contiguous()  # interleaved gate/up rows kept
+        s13 = s2 = None
+    b13 = get(f"{gu}_bias", "gate_up projection's bias [E, 2I] (interleaved gate/up)", (E, 2 * I))
+    b2 = get(f"{dn}_bias", "down projection's bias [E, H]", (E, H))
+    if bad and not allow_nonfinite:
+        listed = ", ".join(f"{k} ({nan} NaN, {inf} inf)" for k, nan, inf in bad[:8])
+        raise ValueError(f"load_moe_layer: non-finite values in {files.folder!r}: {listed}; no stage's result "
+                         f"means anything on them (allow_nonfinite=True loads them anyway)")
+    routing = words = None
+    if hf is not None:
+        routing = _routing_from_config("gpt_oss", hf)
+        words = {f: hf.words(k) for f, k in _ROUTING_KEYS["gpt_oss"].items()}
+    return MoECheckpointLayer(arch="gpt_oss", layer=layer, w13=w13, w2=w2, w13_scale=s13, w2_scale=s2,
+                              router_weight=router, e_score_correction_bias=None, num_shared_experts=0, hf_config=raw,
+                              path=path, config_path=cfg_path if raw is not None else None, routing=routing,
+                              routing_words=words, model_type=model_type, router_bias=router_bias, w13_bias=b13,
+                              w2_bias=b2)
+
+
 def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None, *,
                    allow_nonfinite: bool = False) -> MoECheckpointLayer:
     """Load MoE layer ``layer`` (default: the first layer with experts) of the checkpoint at ``path``.
@@ -615,7 +779,7 @@ def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None,
         optionally ``config.json``).
       layer: the decoder layer index ``L``.
       arch: one of :data:`ARCHS` (``"mixtral"``, ``"qwen3_moe"``, ``"deepseek_v3"``, ``"glm4_moe"``, ``"qwen3_next"``,
-        ``"llama4"``) or a :data:`MODEL_TYPES` name (``"kimi_k2"`` reads as ``"deepseek_v3"``); default:
+        ``"llama4"``, ``"gpt_oss"``) or a :data:`MODEL_TYPES` name (``"kimi_k2"`` reads as ``"deepseek_v3"``); default:
         ``config.json``'s ``model_type``, else from the key names.
       allow_nonfinite: load NaN / inf weights as they are instead of refusing them.
 
@@ -673,6 +837,12 @@ def load_moe_layer(path: str, layer: int | None = None, arch: str | None = None,
     if len(mods) != 1:
         raise ValueError(f"load_moe_layer: layer {layer} has experts under several modules {sorted(mods)}")
     pre, rests = next(iter(mods.items()))
+    if arch == "gpt_oss":
+        return _load_gpt_oss(files, pre, rests, layer, hf, raw, path, cfg_path, config_quant, model_type,
+                             allow_nonfinite)
+    if config_quant == "mxfp4":
+        raise ValueError(f"load_moe_layer: {cfg_path!r} says quantization_config.quant_method='mxfp4' (gpt-oss's "
+                         f"format) but arch is {arch!r}; MXFP4 is read for gpt_oss checkpoints only")
     fused = any(r.startswith(("experts.gate_up_proj", "experts.down_proj")) for r in rests)
     if fused and any(re.match(r"experts\.\d+\.", r) for r in rests):
         raise ValueError(f"load_moe_layer: {pre}.experts has both the fused ('gate_up_proj') and the per-expert layout")

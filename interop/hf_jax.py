@@ -71,6 +71,11 @@ def load_nnx_moe_block(
             raise TypeError(f"{op}: dtype must be None or one of {FLOAT_DTYPES}; got dtype={dtype!r}")
         dtype = jnp.dtype(dtype_name(dtype))
     ck = load_moe_layer(path, layer)
+    if ck.router_bias is not None:  # gpt-oss: MoEBlock's router is x @ W.T, without a bias
+        raise NotImplementedError(f"{op}: the {ck.arch} checkpoint at {path!r} has a router bias (GptOssTopKRouter: "
+                                  f"x @ W.T + b), which MoEBlock does not add; build MoELayer from "
+                                  f"interop.checkpoints.load_moe_layer(path).arrays('jax') and add the bias to the "
+                                  f"router logits")
     config = ck.config(preset, **config_overrides)  # quant: the checkpoint's ('fp8_block' or 'none') unless overridden
 
     def cast(a):

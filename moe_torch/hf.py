@@ -2,7 +2,7 @@
 block of a transformers model by an :class:`HFMoEBlock`, and :meth:`moe_torch.EPMoE.from_hf_block`
 builds one :class:`moe_torch.EPMoE` from one block.
 
-Supported (transformers 5.24, read from ``models/{mixtral,qwen3_moe,deepseek_v3,glm4_moe,qwen3_next,llama4}/
+Supported (transformers 5.24, read from ``models/{mixtral,qwen3_moe,deepseek_v3,glm4_moe,qwen3_next,llama4,gpt_oss}/
 modeling_*.py``):
 
 ============================  ========================================================================
@@ -24,6 +24,9 @@ block                         routing, and what else it computes
                               no renormalization) applied to the expert *input* (``x * sigmoid(logit)``, then
                               the expert, outputs summed unweighted: ``apply_router_weight_on_input``); plus
                               the shared-expert MLP ``shared_expert``
+``GptOssMLP``                 gpt-oss: softmax of the top-k logits (``GptOssTopKRouter``: softmax top-k,
+                              renormalized; logits ``F.linear(x, router.weight, router.bias)``), ``swiglu_oai``
+                              on interleaved gate/up columns, per-expert biases (``expert_bias``)
 ============================  ========================================================================
 
 transformers' layout, which is ours (CONTRACT.md, Names), for all but Llama 4: ``block.gate.weight [E, H]``
@@ -37,12 +40,19 @@ intermediate ``n_shared_experts * I``, added unweighted), Qwen3-Next's ``block.s
 (``gate, up = (x @ gate_up_proj[e]).chunk(2, -1)``: gate *columns* first) and ``experts.down_proj [E, I, H]``,
 so ``w13 = gate_up_proj.transpose(1, 2)`` and ``w2 = down_proj.transpose(1, 2)`` (views); its router is
 ``block.router`` (``Llama4Router``, an ``nn.Linear [E, H]`` without bias, in the model's dtype) and its shared
-MLP ``block.shared_expert`` (intermediate ``I``).
+MLP ``block.shared_expert`` (intermediate ``I``). gpt-oss (``GptOssExperts``) is in-by-out too:
+``experts.gate_up_proj [E, H, 2*I]`` (gate / up *columns* interleaved, ``0::2`` / ``1::2``: ``w13 =
+gate_up_proj.transpose(1, 2)`` keeps them as the interleaved rows of ``config.gate_up_layout='interleaved'``),
+``experts.down_proj [E, I, H]``, ``experts.gate_up_proj_bias [E, 2*I]`` / ``experts.down_proj_bias [E, H]`` (the layer's
+``w13_bias`` / ``w2_bias``); its router is ``block.router`` (weight ``[E, H]`` and bias ``[E]``). Only the float
+``GptOssExperts`` is served (transformers' MXFP4 experts class is refused naming it: load with
+``Mxfp4Config(dequantize=True)``, or read the codes with ``interop.checkpoints.load_moe_layer``).
 
 What each block's ``forward`` returns, and so what :class:`HFMoEBlock` returns in its place: ``[B, S, H]``
 (a tensor; transformers records the router logits with a forward hook on the router module) for all but
-Llama 4; ``Llama4TextMoe`` returns a tuple ``(out [B*S, H], router_logits [B*S, E])`` (flattened tokens: its
-decoder layer views the output back to ``[B, S, H]``).
+Llama 4 and gpt-oss; ``Llama4TextMoe`` returns a tuple ``(out [B*S, H], router_logits [B*S, E])`` (flattened tokens:
+its decoder layer views the output back to ``[B, S, H]``), ``GptOssMLP`` ``(out [B, S, H], router_scores [B*S, topk])``
+(its router's own softmax of the top-k logits).
 
 :class:`HFMoEBlock` keeps what transformers names and hooks: the router module itself as ``gate`` (Llama 4:
 ``router``; its forward hook records ``router_logits`` for ``output_router_logits`` and the aux loss; its own
@@ -101,6 +111,7 @@ SUPPORTED_BLOCKS = {
     "Glm4MoeMoE": "transformers.models.glm4_moe.modeling_glm4_moe",
     "Qwen3NextSparseMoeBlock": "transformers.models.qwen3_next.modeling_qwen3_next",
     "Llama4TextMoe": "transformers.models.llama4.modeling_llama4",
+    "GptOssMLP": "transformers.models.gpt_oss.modeling_gpt_oss",
 }
 
 #: Each served block's child modules in transformers 5.24 (a block holding anything else is refused).
@@ -111,14 +122,16 @@ BLOCK_MODULES = {
     "Glm4MoeMoE": ("experts", "gate", "shared_experts"),
     "Qwen3NextSparseMoeBlock": ("gate", "experts", "shared_expert", "shared_expert_gate"),
     "Llama4TextMoe": ("experts", "router", "shared_expert"),
+    "GptOssMLP": ("router", "experts"),
 }
 
-#: transformers 5.24 MoE blocks of the 2026 families that are recognised but not served (issue 15): class name ->
-#: what they compute that is not read yet. ``read_block`` and ``patch_hf_model`` refuse them with this reason.
-UNSERVED_BLOCKS = {
-    "GptOssMLP": "gpt-oss (softmax_topk renormalized, swiglu_oai, interleaved gate/up; preset gpt-oss-20b) is not read "
-                 "here yet: its experts have biases and are stored [E, H, 2I]",
-}
+#: transformers 5.24 MoE blocks of the 2026 families that are recognised but not served: class name -> what they
+#: compute that is not read yet. ``read_block`` and ``patch_hf_model`` refuse them with this reason. (Empty since
+#: gpt-oss's ``GptOssMLP`` is served.)
+UNSERVED_BLOCKS: dict[str, str] = {}
+
+#: gpt-oss's ``GptOssExperts`` constants that ``swiglu_oai`` computes (CONTRACT.md section 4): (alpha, limit).
+_SWIGLU_OAI = (1.702, 7.0)
 
 #: transformers activation classes (``ACT2CLS`` in ``transformers/activations.py``) -> ours.
 _ACTIVATIONS = {
@@ -152,6 +165,8 @@ class _Block:
     num_shared_experts: int  # its intermediate / I
     shared_expert_gate: torch.nn.Module | None  # Qwen3-Next's nn.Linear(H, 1, bias=False)
     jitter_noise: float  # Mixtral's training-time input jitter
+    gate_up_proj_bias: torch.Tensor | None = None  # gpt-oss: [E, 2I] (interleaved gate/up, as the rows of w13)
+    down_proj_bias: torch.Tensor | None = None  # gpt-oss: [E, H]
 
     @property
     def w13(self) -> torch.Tensor:
@@ -217,10 +232,26 @@ def read_block(block: torch.nn.Module, op: str = "read_block") -> _Block:
             f"{op}: {name} holds {sorted(block._modules)} (and {len(block._parameters)} parameter(s) / "
             f"{len(block._buffers)} buffer(s) of its own); this layer knows transformers 5.24's {sorted(known)}, "
             f"nothing else")
-    llama4 = name == "Llama4TextMoe"
-    router_name = "router" if llama4 else "gate"
+    llama4, gpt_oss = name == "Llama4TextMoe", name == "GptOssMLP"
+    router_name = "router" if llama4 or gpt_oss else "gate"
     gate, experts = getattr(block, router_name), block.experts
-    if llama4:  # Llama4TextExperts: in-by-out, for torch.bmm(x, gate_up_proj)
+    if gpt_oss:  # GptOssExperts: in-by-out [E, H, 2I] / [E, I, H], interleaved gate/up columns, biases; router biased
+        if type(experts).__name__ != "GptOssExperts":
+            raise NotImplementedError(
+                f"{op}: {name}.experts is {type(experts).__name__}; the float GptOssExperts is served (transformers' "
+                f"MXFP4 experts hold packed codes: load with quantization_config=Mxfp4Config(dequantize=True), or read "
+                f"the checkpoint's codes with interop.checkpoints.load_moe_layer)")
+        E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+        _shape(op, name, "experts.gate_up_proj [E, H, 2*I] (in-by-out)", experts.gate_up_proj, (E, H, 2 * I))
+        _shape(op, name, "experts.down_proj [E, I, H] (in-by-out)", experts.down_proj, (E, I, H))
+        _shape(op, name, "experts.gate_up_proj_bias [E, 2*I]", experts.gate_up_proj_bias, (E, 2 * I))
+        _shape(op, name, "experts.down_proj_bias [E, H]", experts.down_proj_bias, (E, H))
+        _shape(op, name, "router.bias [E]", gate.bias, (E,))
+        if (float(experts.alpha), float(experts.limit)) != _SWIGLU_OAI:
+            raise NotImplementedError(
+                f"{op}: {name}: experts.alpha / experts.limit (swiglu_alpha / swiglu_limit) must be {_SWIGLU_OAI} "
+                f"(swiglu_oai's constants); got ({experts.alpha}, {experts.limit})")
+    elif llama4:  # Llama4TextExperts: in-by-out, for torch.bmm(x, gate_up_proj)
         E, H, I = experts.num_experts, experts.hidden_size, experts.expert_dim
         _shape(op, name, "experts.gate_up_proj [E, H, 2*I] (in-by-out)", experts.gate_up_proj, (E, H, 2 * I))
         _shape(op, name, "experts.down_proj [E, I, H] (in-by-out)", experts.down_proj, (E, I, H))
@@ -231,7 +262,7 @@ def read_block(block: torch.nn.Module, op: str = "read_block") -> _Block:
         _shape(op, name, "experts.gate_up_proj [E, 2*I, H]", experts.gate_up_proj, (E, 2 * I, H))
         _shape(op, name, "experts.down_proj [E, H, I]", experts.down_proj, (E, H, I))
     _shape(op, name, f"{router_name}.weight [E, H]", gate.weight, (E, H))
-    act = _activation(op, name, "experts.act_fn", experts.act_fn)
+    act = "swiglu_oai" if gpt_oss else _activation(op, name, "experts.act_fn", experts.act_fn)
     fields = dict(hidden_size=H, intermediate_size=I, num_experts=E, topk=gate.top_k, activation=act)
     shared_name, shared, n_shared, shared_gate, jitter = None, None, 0, None, 0.0
     if name == "MixtralSparseMoeBlock":
@@ -246,6 +277,9 @@ def read_block(block: torch.nn.Module, op: str = "read_block") -> _Block:
         if shared_gate.bias is not None:
             raise NotImplementedError(f"{op}: {name}: a shared_expert_gate with a bias is not supported "
                                       f"(transformers' has none)")
+    elif gpt_oss:  # GptOssTopKRouter: softmax of the top-k logits (= softmax, top-k, renormalized); bias in the logits
+        cfg = MoEConfig(**fields, routing="softmax_topk", renormalize=True, gate_up_layout="interleaved",
+                        expert_bias=True)
     elif llama4:  # Llama4Router: topk of the logits, sigmoid of the chosen; the weight scales the expert input
         cfg = MoEConfig(**fields, routing="sigmoid_topk", renormalize=False, apply_router_weight_on_input=True)
         shared_name = "shared_expert"
@@ -259,8 +293,9 @@ def read_block(block: torch.nn.Module, op: str = "read_block") -> _Block:
     if shared_name is not None:
         shared = getattr(block, shared_name)
         n_shared = _shared_mlp(op, name, shared_name, shared, H, I, act)
-    return _Block(name, cfg, router_name, gate, experts.gate_up_proj, experts.down_proj, llama4, shared_name, shared,
-                  n_shared, shared_gate, jitter)
+    biases = (experts.gate_up_proj_bias, experts.down_proj_bias) if gpt_oss else (None, None)
+    return _Block(name, cfg, router_name, gate, experts.gate_up_proj, experts.down_proj, llama4 or gpt_oss, shared_name,
+                  shared, n_shared, shared_gate, jitter, *biases)
 
 
 #: The ``quant`` choices of the drop-ins: the float weights as they are, or the routed experts in FP8 (the layer's
@@ -275,7 +310,7 @@ def _quant(op: str, quant: str | None) -> str:
 
 
 def block_layer_weights(block: torch.nn.Module, *, quant: str | None = None, op: str = "block_layer_weights",
-                        with_shared_expert_gate: bool = False, **config_overrides):
+                        with_shared_expert_gate: bool = False, with_expert_biases: bool = False, **config_overrides):
     """One block as the layer's float inputs: ``(config, w13 [E + S, 2*I, H], w2 [E + S, H, I],
     e_score_correction_bias [E] or None)``, and with ``with_shared_expert_gate=True`` a fifth item,
     ``shared_expert_gate [1, H]`` or None. The shared MLP (DeepSeek-V3's / GLM-4.5's ``shared_experts``, Qwen3-Next's
@@ -285,12 +320,28 @@ def block_layer_weights(block: torch.nn.Module, *, quant: str | None = None, op:
     transformers' ``shared_expert_gate.weight [1, H]`` (one logit for every fused shared slot); Llama 4's has
     ``apply_router_weight_on_input=True``. Used by :meth:`moe_torch.EPMoE.from_hf_block`.
 
+    ``with_expert_biases=True`` appends ``(w13_bias [E, 2*I], w2_bias [E, H])`` (gpt-oss's ``gate_up_proj_bias`` /
+    ``down_proj_bias``, views; None for the other blocks) for ``EPMoE.from_float(..., w13_bias=, w2_bias=)``.
+    gpt-oss (``GptOssMLP``): ``w13 = gate_up_proj.transpose(1, 2)`` (a contiguous copy, the interleaved gate/up rows
+    kept: ``config.gate_up_layout='interleaved'``), ``w2 = down_proj.transpose(1, 2)``, ``config.expert_bias=True``,
+    ``activation='swiglu_oai'``; the router's logits are ``F.linear(x, router.weight, router.bias)`` (its bias
+    included: ``block.router(x)[0]``).
+
     Raises: as :func:`read_block`; TypeError for an override that is not a :class:`MoEConfig` field;
       ValueError for a routing field among the overrides (those come from the block); NotImplementedError for
-      Qwen3-Next's block without ``with_shared_expert_gate=True`` (the four items cannot carry its gate weight).
+      Qwen3-Next's block without ``with_shared_expert_gate=True`` (the four items cannot carry its gate weight), and
+      gpt-oss's without ``with_expert_biases=True`` (nor its biases).
     """
     b = read_block(block, op)
     check_bool(op, "with_shared_expert_gate", with_shared_expert_gate)
+    check_bool(op, "with_expert_biases", with_expert_biases)
+    if b.gate_up_proj_bias is not None and not with_expert_biases:
+        raise NotImplementedError(
+            f"{op}: {b.name}'s expert biases (experts.gate_up_proj_bias [E, 2I], experts.down_proj_bias [E, H]) are "
+            f"weights of the layer that this call cannot pass; call moe_torch.hf.block_layer_weights(block, "
+            f"with_shared_expert_gate=True, with_expert_biases=True) -> (config, w13, w2, bias, shared_expert_gate, "
+            f"w13_bias, w2_bias) and EPMoE.from_float(config, w13, w2, w13_bias=w13_bias, w2_bias=w2_bias), or "
+            f"patch_hf_model / HFMoEBlock(block)")
     if b.shared_expert_gate is not None and not with_shared_expert_gate:
         raise NotImplementedError(
             f"{op}: {b.name}'s shared_expert_gate [1, H] is a weight of the layer that (config, w13, w2, bias) cannot "
@@ -299,7 +350,8 @@ def block_layer_weights(block: torch.nn.Module, *, quant: str | None = None, op:
     MoEConfig.check_field_names(op, config_overrides)
     routing_fields = set(b.config.gate_kwargs()) - {"apply_routed_scaling_factor_on_output"}
     from_block = routing_fields | {"hidden_size", "intermediate_size", "num_experts", "activation", "quant",
-                                   "num_fused_shared_experts", "apply_router_weight_on_input", "shared_expert_gate"}
+                                   "num_fused_shared_experts", "apply_router_weight_on_input", "shared_expert_gate",
+                                   "gate_up_layout", "expert_bias"}
     fixed = sorted(from_block & set(config_overrides))
     if fixed:
         raise ValueError(f"{op}: {fixed} come from the block ({b.name}); overrides may set ep_size, ep_rank, "
@@ -307,7 +359,7 @@ def block_layer_weights(block: torch.nn.Module, *, quant: str | None = None, op:
     config = b.config.replace(quant=_quant(op, quant), num_fused_shared_experts=b.num_shared_experts,
                               shared_expert_gate=b.shared_expert_gate is not None, **config_overrides)
     w13, w2 = b.w13.detach(), b.w2.detach()
-    if b.in_by_out:  # Llama 4: the layer's [E, N, K] layout, contiguous (the GEMMs read K with unit stride)
+    if b.in_by_out:  # Llama 4, gpt-oss: the layer's [E, N, K] layout, contiguous (the GEMMs read K with unit stride)
         w13, w2 = w13.contiguous(), w2.contiguous()
     bias = gate = None
     if b.shared_experts is not None:
@@ -322,7 +374,11 @@ def block_layer_weights(block: torch.nn.Module, *, quant: str | None = None, op:
         bias = b.gate.e_score_correction_bias.detach()
     if b.shared_expert_gate is not None:
         gate = b.shared_expert_gate.weight.detach()
-    return (config, w13, w2, bias, gate) if with_shared_expert_gate else (config, w13, w2, bias)
+    out = (config, w13, w2, bias, gate) if with_shared_expert_gate else (config, w13, w2, bias)
+    if with_expert_biases:
+        biases = (b.gate_up_proj_bias, b.down_proj_bias)
+        out += tuple(None if t is None else t.detach() for t in biases)
+    return out
 
 
 class HFExperts(torch.nn.Module):
@@ -334,11 +390,13 @@ class HFExperts(torch.nn.Module):
     its ``requires_grad``: trainable as in transformers); for FP8 float8_e4m3fn codes in the layer's layout with
     float32 ``gate_up_proj_scale_inv`` / ``down_proj_scale_inv`` (dequantization multipliers, ``w ~= q * scale``):
     frozen buffers (never in ``parameters()``, so no optimizer touches them), kept in their dtype under
-    ``.to(dtype)`` / ``.half()`` (:func:`moe_torch.module.keep_dtypes_fn`).
+    ``.to(dtype)`` / ``.half()`` (:func:`moe_torch.module.keep_dtypes_fn`). gpt-oss's ``gate_up_proj_bias [E, 2*I]``
+    and ``down_proj_bias [E, H]`` (``GptOssExperts``' own ``Parameter`` objects; None for the other blocks), trainable
+    with float or FP8 experts.
     """
 
     def __init__(self, gate_up_proj, down_proj, gate_up_proj_scale_inv=None, down_proj_scale_inv=None, *,
-                 in_by_out: bool = False) -> None:
+                 in_by_out: bool = False, gate_up_proj_bias=None, down_proj_bias=None) -> None:
         super().__init__()
         self.in_by_out = in_by_out
         if in_by_out:
@@ -346,7 +404,9 @@ class HFExperts(torch.nn.Module):
         else:
             self.num_experts, two_i, self.hidden_dim = gate_up_proj.shape
         self.intermediate_dim = two_i // 2
-        tensors = dict(gate_up_proj=gate_up_proj, down_proj=down_proj, gate_up_proj_scale_inv=gate_up_proj_scale_inv,
+        # GptOssExperts' order (gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias): state_dict() as its
+        tensors = dict(gate_up_proj=gate_up_proj, gate_up_proj_bias=gate_up_proj_bias, down_proj=down_proj,
+                       down_proj_bias=down_proj_bias, gate_up_proj_scale_inv=gate_up_proj_scale_inv,
                        down_proj_scale_inv=down_proj_scale_inv)
         for name, t in tensors.items():  # a Parameter as it is (transformers' own), anything else a frozen buffer
             if isinstance(t, torch.nn.Parameter):
@@ -387,8 +447,8 @@ class HFExperts(torch.nn.Module):
 class HFMoEBlock(torch.nn.Module):
     """A transformers sparse-MoE block computed by :func:`moe_torch.moe_forward`:
     ``forward(hidden_states [B, S, H])`` returns what the block it replaces returns, in ``hidden_states.dtype``:
-    ``[B, S, H]``, or for ``Llama4TextMoe`` the tuple ``(out [B*S, H], router_logits [B*S, E])`` (module
-    docstring: what is kept, and the names).
+    ``[B, S, H]``, or for ``Llama4TextMoe`` the tuple ``(out [B*S, H], router_logits [B*S, E])``, for ``GptOssMLP``
+    ``(out [B, S, H], router_scores [B*S, topk])`` (module docstring: what is kept, and the names).
 
     Attributes: ``gate`` (transformers' router module; Llama 4: ``router``), ``experts`` (:class:`HFExperts`),
     ``shared_experts`` (DeepSeek-V3's / GLM-4.5's MLP) or ``shared_expert`` (Qwen3-Next's, Llama 4's), Qwen3-Next's
@@ -422,12 +482,13 @@ class HFMoEBlock(torch.nn.Module):
         self.recompute = recompute
         self.jitter_noise = b.jitter_noise
         self._router_name, self._shared_name = b.router_name, b.shared_name
+        biases = dict(gate_up_proj_bias=b.gate_up_proj_bias, down_proj_bias=b.down_proj_bias)
         if quant == "none":
-            experts = HFExperts(b.gate_up_proj, b.down_proj, in_by_out=b.in_by_out)
-        else:  # codes in the layer's [E, N, K] layout (Llama 4's too: a new tensor either way)
+            experts = HFExperts(b.gate_up_proj, b.down_proj, in_by_out=b.in_by_out, **biases)
+        else:  # codes in the layer's [E, N, K] layout (Llama 4's and gpt-oss's too: a new tensor either way)
             q13, s13 = quantize_chunked(b.w13.detach().contiguous(), self.moe_config)
             q2, s2 = quantize_chunked(b.w2.detach().contiguous(), self.moe_config)
-            experts = HFExperts(q13, q2, s13, s2)
+            experts = HFExperts(q13, q2, s13, s2, **biases)
         children = {b.router_name: b.gate, "experts": experts}
         if b.shared_name is not None:
             children[b.shared_name] = b.shared_experts
@@ -447,12 +508,17 @@ class HFMoEBlock(torch.nn.Module):
         router = getattr(self, self._router_name)
         # Through the router module, so that its hook records router_logits: Llama4Router returns
         # (scores, logits), the others (logits, weights, ids).
-        router_logits = router(x)[1 if self.replaces == "Llama4TextMoe" else 0]
+        # GptOssTopKRouter returns (logits incl. its bias, scores [T, topk], ids).
+        routed = router(x)
+        router_logits = routed[1 if self.replaces == "Llama4TextMoe" else 0]
         ex = self.experts
         bias = router.e_score_correction_bias if self.moe_config.routing == "biased_grouped_topk" else None
         out = moe_forward(x, router_logits, ex.w13, ex.w2, self.moe_config,
                           w13_scale=ex.gate_up_proj_scale_inv, w2_scale=ex.down_proj_scale_inv,
+                          w13_bias=ex.gate_up_proj_bias, w2_bias=ex.down_proj_bias,
                           e_score_correction_bias=bias, implementation=self.implementation, recompute=self.recompute)
+        if self.replaces == "GptOssMLP":  # (out [B, S, H], router_scores [B*S, topk]: the router's own)
+            return out.reshape(shape), routed[1]
         if self.replaces == "Llama4TextMoe":  # out = shared_expert(x); out.add_(routed), flat tokens
             return self.shared_expert(x) + out, router_logits
         if self.replaces == "Qwen3NextSparseMoeBlock":  # routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)

@@ -514,16 +514,20 @@ class EPMoE(torch.nn.Module):
         same gradients (``x``, the router through ``router_logits``, the experts; DeepSeek-V3's shared MLP
         as the rows ``E:`` of ``w13`` / ``w2``): ``tests/test_hf_grad_parity.py``.
 
+        gpt-oss's ``GptOssMLP`` comes with its expert biases (``w13_bias`` / ``w2_bias``); its router's bias is
+        in the caller's ``router_logits = block.router(x)[0]``, as for every block.
+
         Raises: NotImplementedError (a block class or activation not supported), TypeError (an unknown
           override), ValueError (inconsistent block shapes).
         """
         from moe_torch import hf  # here: moe_torch.hf imports this module
 
-        config, w13, w2, bias, gate = hf.block_layer_weights(block, quant=quant, op="EPMoE.from_hf_block",
-                                                             with_shared_expert_gate=True, **config_overrides)
-        return cls.from_float(config, w13, w2, e_score_correction_bias=bias, shared_expert_gate=gate,
-                              implementation=implementation, process_group=process_group, ep_mode=ep_mode,
-                              trainable=trainable, recompute=recompute)
+        config, w13, w2, bias, gate, b13, b2 = hf.block_layer_weights(
+            block, quant=quant, op="EPMoE.from_hf_block", with_shared_expert_gate=True, with_expert_biases=True,
+            **config_overrides)
+        return cls.from_float(config, w13, w2, w13_bias=b13, w2_bias=b2, e_score_correction_bias=bias,
+                              shared_expert_gate=gate, implementation=implementation, process_group=process_group,
+                              ep_mode=ep_mode, trainable=trainable, recompute=recompute)
 
     def _frozen_dtype_names(self) -> tuple[str, ...]:
         codes = ("w13", "w2") if self.config.quant != "none" else ()

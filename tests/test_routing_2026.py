@@ -509,22 +509,19 @@ def test_checkpoint_refuses_presets_of_other_families():
     assert layer.config("mixtral-8x7b").routing == "softmax_topk"  # the checkpoint's own family still works
 
 
-def test_transformers_gpt_oss_block_is_refused_by_name():
+def test_transformers_gpt_oss_block_is_served():
     """``patch_hf_model`` on a model holding transformers' ``GptOssMLP``: before issue 15 a ValueError "no
-    sparse-MoE block" (its router is ``router``, not ``gate``); now NotImplementedError naming the block and
-    what it computes that is not read (expert biases, the in-by-out layout); ``EPMoE.from_hf_block`` alike.
-    (Llama 4's ``Llama4TextMoe``, refused here before, is served now: ``tests/test_hf_2026.py``.)"""
+    sparse-MoE block" (its router is ``router``, not ``gate``), then NotImplementedError naming the block; now it is
+    served (``tests/test_hf_gpt_oss.py`` holds it against transformers), by ``EPMoE.from_hf_block`` too."""
     from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
     cfg = GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=1,
                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), GptOssMLP(cfg))
-    with pytest.raises(NotImplementedError, match=r"GptOssMLP.*its experts have biases"):
-        moe_torch.patch_hf_model(model)
-    assert isinstance(model[1], GptOssMLP)  # nothing was changed
-    with pytest.raises(NotImplementedError, match=r"GptOssMLP is not served: .*swiglu_oai"):
-        moe_torch.EPMoE.from_hf_block(model[1])
+    assert moe_torch.EPMoE.from_hf_block(model[1]).config.expert_bias
+    moe_torch.patch_hf_model(model)
+    assert isinstance(model[1], moe_torch.HFMoEBlock) and model[1].replaces == "GptOssMLP"
 
 
 def test_benchmark_peer_blocks_of_new_presets():
