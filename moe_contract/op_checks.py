@@ -275,11 +275,10 @@ def check_gemm_bias(op: str, bias: Any, x: Any, E: int, N: int) -> None:
     check_dtype(op, "bias", bias, allowed)
 
 
-def check_grouped_gemm_dbias(op: str, d_y: Any, expert_offsets: Any, out_dtype: Any) -> Any:
-    """``d_y [M_cap, N]`` float, ``expert_offsets [E + 1]`` int32 (``E >= 0``). Returns the output dtype
-    (default float32)."""
-    check_rank(op, "d_y", d_y, 2, "[M_cap, N]")
-    check_dtype(op, "d_y", d_y, FLOAT_DTYPES)
+
+def _check_offsets_and_float32_out(op: str, expert_offsets: Any, out_dtype: Any) -> Any:
+    """``expert_offsets [E + 1]`` int32 (``E >= 0``) and a float ``out_dtype`` (default float32), returned: the
+    common tail of the weight- and bias-gradient checks."""
     check_rank(op, "expert_offsets", expert_offsets, 1, "[E + 1] int32")
     if expert_offsets.shape[0] < 1:
         raise ValueError(f"{op}: expert_offsets must be [E + 1] int32 with E >= 0; got expert_offsets.shape=(0,)")
@@ -287,6 +286,13 @@ def check_grouped_gemm_dbias(op: str, d_y: Any, expert_offsets: Any, out_dtype: 
     out_dtype = "float32" if out_dtype is None else out_dtype
     check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
     return out_dtype
+
+def check_grouped_gemm_dbias(op: str, d_y: Any, expert_offsets: Any, out_dtype: Any) -> Any:
+    """``d_y [M_cap, N]`` float, ``expert_offsets [E + 1]`` int32 (``E >= 0``). Returns the output dtype
+    (default float32)."""
+    check_rank(op, "d_y", d_y, 2, "[M_cap, N]")
+    check_dtype(op, "d_y", d_y, FLOAT_DTYPES)
+    return _check_offsets_and_float32_out(op, expert_offsets, out_dtype)
 
 
 def _check_grouped_gemm_4bit(
@@ -349,13 +355,7 @@ def check_grouped_gemm_wgrad(op: str, x: Any, d_y: Any, expert_offsets: Any, out
     if d_y.shape[0] != M_cap:
         check_shape(op, "d_y", d_y, (M_cap, None), f"[M_cap, N] with M_cap == x.shape[0] (={M_cap})")
     check_dtype(op, "d_y", d_y, (dtype_name(x),))
-    check_rank(op, "expert_offsets", expert_offsets, 1, "[E + 1] int32")
-    if expert_offsets.shape[0] < 1:
-        raise ValueError(f"{op}: expert_offsets must be [E + 1] int32 with E >= 0; got expert_offsets.shape=(0,)")
-    check_dtype(op, "expert_offsets", expert_offsets, ("int32",))
-    out_dtype = "float32" if out_dtype is None else out_dtype
-    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
-    return out_dtype
+    return _check_offsets_and_float32_out(op, expert_offsets, out_dtype)
 
 
 def check_act_and_mul(op: str, h: Any, activation: str, quant: str | None, group_size: int, out_dtype: Any,

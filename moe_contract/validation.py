@@ -313,3 +313,19 @@ def check_shared_expert_gate_weight(op: str, config: Any, weight: Any) -> None:
     if len(weight.shape) != 2 or int(weight.shape[0]) not in (1, S) or int(weight.shape[1]) != H:
         raise ValueError(f"{op}: {name} must be {what}; got {name}.shape={_fmt_shape(weight.shape)}")
     check_dtype(op, name, weight, FLOAT_DTYPES)
+
+def check_global_biases(op: str, config: MoEConfig, w13_bias, w2_bias) -> None:
+    """Expert biases of every expert: ``w13_bias [E + S, 2*I]``, ``w2_bias [E + S, H]`` float (before slicing),
+    exactly when ``config.expert_bias`` (ValueError naming the argument either way; TypeError for dtypes)."""
+    E_all, H, I = config.num_total_experts, config.hidden_size, config.intermediate_size
+    for name, b, N in (("w13_bias", w13_bias, 2 * I), ("w2_bias", w2_bias, H)):
+        what = f"[E + S, {'2*I' if name == 'w13_bias' else 'H'}] = ({E_all}, {N}) (every expert of the layer)"
+        if not config.expert_bias:
+            if b is not None:
+                raise ValueError(f"{op}: {name} must be None unless config.expert_bias=True; got an array with "
+                                 f"config.expert_bias=False")
+            continue
+        if b is None:
+            raise ValueError(f"{op}: {name} {what} must be given for config.expert_bias=True; got None")
+        check_shape(op, name, b, (E_all, N), what)
+        check_dtype(op, name, b, FLOAT_DTYPES)

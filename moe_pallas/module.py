@@ -57,6 +57,7 @@ from moe_contract.validation import (
     check_config,
     check_dtype,
     check_expert_biases,
+    check_global_biases,
     check_layer_inputs,
     check_layer_weights,
     check_rank,
@@ -116,23 +117,6 @@ def check_global_weights(op: str, config: MoEConfig, w13, w2) -> None:
     check_shape(op, "w2", w2, (E_all, H, I), what2)
     check_dtype(op, "w13", w13, FLOAT_DTYPES)
     check_dtype(op, "w2", w2, FLOAT_DTYPES)
-
-
-def check_global_biases(op: str, config: MoEConfig, w13_bias, w2_bias) -> None:
-    """Expert biases of every expert: ``w13_bias [E + S, 2*I]``, ``w2_bias [E + S, H]`` float (before slicing),
-    exactly when ``config.expert_bias`` (ValueError naming the argument either way; TypeError for dtypes)."""
-    E_all, H, I = config.num_total_experts, config.hidden_size, config.intermediate_size
-    for name, b, N in (("w13_bias", w13_bias, 2 * I), ("w2_bias", w2_bias, H)):
-        what = f"[E + S, {'2*I' if name == 'w13_bias' else 'H'}] = ({E_all}, {N}) (every expert of the layer)"
-        if not config.expert_bias:
-            if b is not None:
-                raise ValueError(f"{op}: {name} must be None unless config.expert_bias=True; got an array with "
-                                 f"config.expert_bias=False")
-            continue
-        if b is None:
-            raise ValueError(f"{op}: {name} {what} must be given for config.expert_bias=True; got None")
-        check_shape(op, name, b, (E_all, N), what)
-        check_dtype(op, name, b, FLOAT_DTYPES)
 
 
 def quantize_chunked(w: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array]:
