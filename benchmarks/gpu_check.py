@@ -204,7 +204,7 @@ def check_preset(name: str, quant: str, T: int, seed: int = 0, kernels: bool = F
         """quantize_layer_weights, a few experts at a time (bounded temporaries at DeepSeek-V3 size)."""
         if quant == "none":
             return w13_, None, w2_, None
-        return (*mod.module.quantize_chunked(w13_, config), *mod.module.quantize_chunked(w2_, config))
+        return mod.quantize_layer_weights(w13_, w2_, config)
 
     row = {"preset": name, "quant": quant, "T": T}
     # torch reference

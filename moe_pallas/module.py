@@ -65,10 +65,10 @@ from moe_contract.validation import (
     check_shared_expert_gate_weight,
     dtype_name,
 )
-from moe_pallas.layer import LAYER_IMPLEMENTATIONS, WEIGHT_LAYOUT, check_w4_implementation, local_weights, moe_forward
+from moe_pallas.layer import (LAYER_IMPLEMENTATIONS, check_w4_implementation, local_weights, moe_forward,
+                               quantize_layer_weights)
 from moe_pallas.ops.common import cast_rounded, check_jax_arrays
 from moe_pallas.ops.dispatch import check_implementation
-from moe_pallas.ops.quant.api import quantize_weight_fp8, quantize_weight_int4, quantize_weight_mxfp4
 
 
 class FrozenWeight(nnx.Variable):
@@ -117,19 +117,6 @@ def check_global_weights(op: str, config: MoEConfig, w13, w2) -> None:
     check_shape(op, "w2", w2, (E_all, H, I), what2)
     check_dtype(op, "w13", w13, FLOAT_DTYPES)
     check_dtype(op, "w2", w2, FLOAT_DTYPES)
-
-
-def quantize_chunked(w: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array]:
-    """``w [E_local, N, K]`` float -> ``(codes, scale)`` in ``config.quant``'s form: FP8 (``q`` float8_e4m3fn,
-    ``scale`` float32 in the mode's weight layout: :func:`quantize_weight_fp8`, a chunk of experts at a time)
-    or 4-bit (packed uint8 codes ``[E_local, N, K // 2]`` with ``[E_local, N, K // 32]`` scales:
-    :func:`quantize_weight_mxfp4` / :func:`quantize_weight_int4`, a chunk of rows at a time); at most one
-    chunk's float32 copy, 1 GiB by default, beyond ``w`` and the result."""
-    if config.quant == "mxfp4":
-        return quantize_weight_mxfp4(w)
-    if config.quant == "int4":
-        return quantize_weight_int4(w)
-    return quantize_weight_fp8(w, WEIGHT_LAYOUT[config.quant])
 
 
 def check_call_arrays(op: str, named: dict) -> None:
@@ -270,8 +257,7 @@ class MoELayer(nnx.Module):
         b2 = None if w2_bias is None else local_weights(jnp.asarray(w2_bias), config)
         s13 = s2 = None
         if config.quant != "none":
-            w13, s13 = quantize_chunked(w13, config)
-            w2, s2 = quantize_chunked(w2, config)
+            w13, s13, w2, s2 = quantize_layer_weights(w13, w2, config)
         return cls(config, w13, w2, w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2,
                    e_score_correction_bias=e_score_correction_bias,
                    shared_expert_gate=shared_expert_gate, implementation=implementation, trainable=trainable,
@@ -332,8 +318,7 @@ class MoELayer(nnx.Module):
         del parts
         s13 = s2 = None
         if config.quant != "none":
-            w13, s13 = quantize_chunked(w13, config)
-            w2, s2 = quantize_chunked(w2, config)
+            w13, s13, w2, s2 = quantize_layer_weights(w13, w2, config)
         gate = draw_shared_expert_gate(config, seed)  # [1, H] float32, or None
         gate = None if gate is None else jnp.asarray(gate).astype(dtype)
         biases = draw_expert_biases(config, seed)  # ([E + S, 2I], [E + S, H]) float32, or None

@@ -97,8 +97,8 @@ import torch
 
 from moe_contract.config import MoEConfig
 from moe_contract.validation import check_bool, check_choice, dtype_name
-from moe_torch.layer import LAYER_IMPLEMENTATIONS, moe_forward
-from moe_torch.module import check_code_dtypes_on_load, keep_dtypes_fn, quantize_chunked, require_torch_tensors
+from moe_torch.layer import LAYER_IMPLEMENTATIONS, moe_forward, quantize_layer_weights
+from moe_torch.module import check_code_dtypes_on_load, keep_dtypes_fn, require_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
 
 log = logging.getLogger("moe_torch")
@@ -486,8 +486,8 @@ class HFMoEBlock(torch.nn.Module):
         if quant == "none":
             experts = HFExperts(b.gate_up_proj, b.down_proj, in_by_out=b.in_by_out, **biases)
         else:  # codes in the layer's [E, N, K] layout (Llama 4's and gpt-oss's too: a new tensor either way)
-            q13, s13 = quantize_chunked(b.w13.detach().contiguous(), self.moe_config)
-            q2, s2 = quantize_chunked(b.w2.detach().contiguous(), self.moe_config)
+            q13, s13, q2, s2 = quantize_layer_weights(b.w13.detach().contiguous(), b.w2.detach().contiguous(),
+                                                      self.moe_config)
             experts = HFExperts(q13, q2, s13, s2, **biases)
         children = {b.router_name: b.gate, "experts": experts}
         if b.shared_name is not None:
