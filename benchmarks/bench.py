@@ -3,14 +3,16 @@ speed-of-light stand-in, every row checked against a reference before it is time
 
 Usage (on the GPU machine, from the repo root; nothing to install there)::
 
-    PYTHONPATH=. python3 benchmarks/bench.py                 # everything (~6 min on one H200)
+    PYTHONPATH=. python3 benchmarks/bench.py                 # everything (~6 min on one H200 before the fp8_block rows)
     PYTHONPATH=. python3 benchmarks/bench.py --quick         # a small subset (< 2 min)
     PYTHONPATH=. python3 benchmarks/bench.py --what gemm --backends ours,torch._grouped_mm
     PYTHONPATH=. python3 benchmarks/bench.py --preset mixtral-8x7b   # that model's shapes and routing
     PYTHONPATH=. python3 benchmarks/bench.py --weights /ckpt/DeepSeek-V3 --what layer   # its first MoE layer
     PYTHONPATH=. python3 benchmarks/bench.py --tiny [--preset tiny | --weights DIR]    # the CPU smoke test
     PYTHONPATH=.:/tmp/tk python3 benchmarks/bench.py --what gemm_bwd,layer_bwd   # forward + backward (training);
-        # /tmp/tk: `python3 -m pip install --no-deps --target /tmp/tk .whl/*.whl` (tokamax, the peer, as wheels)
+        # /tmp/tk: `python3 -m pip install --no-deps --target /tmp/tk .whl/*.whl` (tokamax, the peer of the bf16
+        # gemm and gemm_bwd rows, as wheels; with it on PYTHONPATH the forward run times it too)
+    PYTHONPATH=. python3 benchmarks/bench.py --what decode   # gpt-oss-120b's layer at T in {1, 8, 64, 512}: bf16 / MXFP4 / INT4
 
 The layer under test: by default the built-in shapes (``benchmarks/specs.py``: E=32 experts, softmax
 top-k); ``--preset NAME`` takes a model preset's layer (shapes, routing, shared experts) for every spec;
@@ -27,11 +29,15 @@ headings and the plots' titles say so, and the times measure the interpreters, n
 
 Backends (a backend that cannot run gives a row with ``error``, and the run goes on):
 
-- gemm: ``ours-torch-triton`` (``moe_torch.grouped_gemm(implementation="triton")``),
+- gemm (dtypes ``bf16``, ``fp8`` per-token x per-channel, ``fp8_block`` 1x128 x 128x128 blocks:
+  ``specs.GemmSpec``): ``ours-torch-triton`` (``moe_torch.grouped_gemm(implementation="triton")``),
   ``ours-jax-pallas_triton`` and ``ours-jax-pallas_mosaic_gpu`` (``moe_pallas.grouped_gemm``,
-  jitted), ``torch._grouped_mm`` (bf16), ``torch._scaled_grouped_mm`` (fp8 rowwise),
+  jitted), ``torch._grouped_mm`` (bf16), ``torch._scaled_grouped_mm`` (fp8 rowwise; for ``fp8_block``
+  a skip row: torch has no grouped GEMM with 1x128 x 128x128 float32 scales, :data:`FP8_BLOCK_NO_PEER`),
   ``jax.lax.ragged_dot`` (bf16, as ``ragged_dot_general`` on our ``[E, N, K]`` weights),
-  ``jax-ragged_dot_mgpu`` (bf16, jax's Pallas Mosaic GPU kernel, best of a few tile configs) and
+  ``jax-ragged_dot_mgpu`` (bf16, jax's Pallas Mosaic GPU kernel, best of a few tile configs),
+  ``tokamax.ragged_dot-mosaic`` (bf16, tokamax's Mosaic GPU ragged dot on ``[E, K, N]`` weights, transposed
+  once, untimed; skipped off a GPU or without tokamax, as in gemm_bwd below) and
   ``sol-torch.bmm`` (bf16 ``[E, M/E, K] x [E, K, N]``, uniform routing only: the same FLOPs and
   weight bytes as an even split, the speed-of-light stand-in).
 - layer: ``ours-torch-triton``, ``ours-jax-pallas_triton`` (jit, config static),
@@ -69,6 +75,14 @@ Backends (a backend that cannot run gives a row with ``error``, and the run goes
   built as for the layer rows) under autograd, its router included. Judged against our torch reference
   under autograd (:func:`layer_grad_reference`); the transformers row, computed by torch's autograd
   through transformers' own code, is the independent check of that reference.
+- decode (on request: ``--what decode``; :func:`benchmarks.specs.decode_specs`): the layer rows (same
+  backends, CUDA-graph row included) at T in {1, 8, 64, 512} with bf16, MXFP4 and INT4 expert weights, of
+  gpt-oss-120b's layer (E=128, topk 4, H=I=2880, router and expert biases, clamped SwiGLU on interleaved
+  gate/up; or ``--preset``'s layer). A row's bytes are the weights of the experts its tokens actually reach
+  (their 4.25 / 4.5 bits a weight for MXFP4 / INT4, scales included), so ``pct_of_ceiling`` is the share of
+  the copy bandwidth on those bytes; the JAX rows rotate over input sets that reach other experts (the L2
+  holds one step's 4-bit weights). The peer is transformers' ``GptOssMLP`` (grouped_mm experts) on the bf16
+  weights; its MXFP4 path needs the hub's kernels (no network on the GPU machine): skipped with the reason.
 
 Forward + backward rows report (``harness.py``'s docstring): ``median_ms`` of the forward + backward,
 ``fwd_ms`` (the forward alone), ``bwd_fwd_ratio``, ``bwd_tflops`` (the backward's 2x forward FLOPs over
@@ -104,6 +118,7 @@ if _ROOT not in sys.path:
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import subprocess  # noqa: E402
@@ -113,8 +128,9 @@ import traceback  # noqa: E402
 from benchmarks import harness as H  # noqa: E402
 from benchmarks import specs as S  # noqa: E402
 from moe_contract import PRESETS, get_preset  # noqa: E402
+from moe_contract.config import SWIGLU_OAI_LIMIT  # noqa: E402
 
-WHATS = ("gemm", "layer", "gate", "gemm_bwd", "layer_bwd")
+WHATS = ("gemm", "layer", "gate", "gemm_bwd", "layer_bwd", "decode")
 #: What a run does unless ``--what`` says otherwise: the forward benches (the backward ones are asked for by name).
 DEFAULT_WHAT = "gemm,layer,gate"
 #: Tile configs tried for jax's ragged_dot_mgpu: (block_m, block_n, block_k, max_concurrent_steps,
@@ -124,6 +140,13 @@ MGPU_CONFIGS_QUICK = MGPU_CONFIGS[:2]
 #: Group rows are padded to this many if torch's grouped GEMMs reject unaligned groups (torch
 #: 2.11 should not need it: pytorch/pytorch#155466 lifted the dynamic-dimension check).
 PEER_ROW_ALIGN = 16
+#: Why the ``fp8_block`` GEMM rows have no peer (their ``torch._scaled_grouped_mm`` row is a skip): torch 2.11's
+#: grouped FP8 GEMMs (``torch._scaled_grouped_mm``, ``torch.nn.functional.scaled_grouped_mm``) take rowwise float32
+#: scales (``[M]`` x ``[E, N]``; ``torch/_meta_registrations.py``) or MXFP8 / NVFP4 block scales, no 1x128 x
+#: 128x128 float32 blocks (ENVIRONMENT.md: no block-scaled path on Hopper); DeepGEMM and SGLang's kernels are not
+#: on the GPU machine, which has no network.
+FP8_BLOCK_NO_PEER = ("no peer: torch's grouped FP8 GEMMs take rowwise float32 scales ([M] x [E, N]) or MXFP8/NVFP4 "
+                     "blocks, not 1x128 x 128x128 float32 blocks (DeepGEMM, SGLang: not on the GPU machine)")
 #: Largest layer (elements of w13 + w2, all experts) that --tiny runs with the kernels interpreted on the
 #: CPU: the ``tiny`` preset (17 x 3 x 256 x 128 = 1.7M) fits; Qwen3-30B-A3B's layer (604M) would take hours.
 TINY_MAX_WEIGHT_ELEMENTS = 1 << 21
@@ -334,8 +357,9 @@ def gemm_weights(ctx: Ctx, spec: S.GemmSpec, cache: GemmWeights) -> GemmWeights:
     for e in range(spec.E):  # expert by expert: no float32 temporary of the whole tensor
         w[e] = (torch.randn(spec.N, spec.K, generator=g, device=ctx.torch_dev) * spec.K**-0.5).to(torch.bfloat16)
     cache.w = w
-    if spec.dtype == "fp8":
-        cache.wq, cache.ws = moe_torch.quantize_weight_fp8(w, "per_channel")  # [E, N, K] e4m3, [E, N] f32
+    if spec.dtype in ("fp8", "fp8_block"):
+        # [E, N, K] e4m3 and float32 scales: fp8 [E, N] per output channel, fp8_block [E, ceil(N/128), K/128]
+        cache.wq, cache.ws = moe_torch.quantize_weight_fp8(w, "per_channel" if spec.dtype == "fp8" else "block")
         cache.w = None
         del w
     cache.key = key
@@ -362,15 +386,16 @@ def bench_gemm(ctx: Ctx, spec: S.GemmSpec, wcache: GemmWeights) -> None:
     import moe_torch
 
     dev, bf16 = ctx.torch_dev, torch.bfloat16
-    fp8 = spec.dtype == "fp8"
+    fp8 = spec.dtype != "bf16"  # FP8 codes and float32 scales: "fp8" or "fp8_block"
+    block = spec.dtype == "fp8_block"
     W = gemm_weights(ctx, spec, wcache)
     g = torch.Generator(device=dev).manual_seed(spec.seed)
     x = torch.randn(spec.M, spec.K, generator=g, device=dev).to(bf16)
     sizes = spec.group_sizes()
     offs = torch.from_numpy(spec.expert_offsets()).to(dev)  # [E + 1] int32, the contract's offsets
     ends = offs[1:].contiguous()  # [E] int32 cumulative ends, torch's `offs`
-    if fp8:
-        xq, xs = moe_torch.per_token_quant_fp8(x)  # [M, K] e4m3, [M, 1] f32
+    if fp8:  # [M, K] e4m3 and float32 scales: fp8 [M, 1] per token, fp8_block [M, K/128] per 1x128 group
+        xq, xs = moe_torch.per_token_group_quant_fp8(x, S.FP8_BLOCK) if block else moe_torch.per_token_quant_fp8(x)
         wq, ws = W.wq, W.ws
         del x
         x = None
@@ -405,7 +430,9 @@ def bench_gemm(ctx: Ctx, spec: S.GemmSpec, wcache: GemmWeights) -> None:
 
     # peers, torch: grouped GEMMs on our [E, N, K] weights as the column-major [E, K, N] view
     peer = "torch._scaled_grouped_mm" if fp8 else "torch._grouped_mm"
-    if ctx.wants(peer):
+    if block and ctx.wants(peer):
+        skip_row(ctx, "gemm", peer, spec, FP8_BLOCK_NO_PEER, notes=rnote)
+    elif ctx.wants(peer):
         wt = wq.transpose(1, 2)  # [E, K, N], column-major: no copy
 
         def call(a, a_scale, ends_):
@@ -442,6 +469,14 @@ def bench_gemm(ctx: Ctx, spec: S.GemmSpec, wcache: GemmWeights) -> None:
                     (jx, jw, jgs), ref, notes="; ".join(x for x in (rnote, "ragged_dot_general on [E, N, K]") if x), **common)
         if ctx.wants("jax-ragged_dot_mgpu"):
             bench_mgpu(ctx, spec, jx, jw, jgs, ref, rnote, common)
+        # tokamax's ragged_dot in its layout, rhs [E, K, N] (a transposed copy of ours made once, untimed)
+        tnote = "; ".join(x for x in (rnote, "rhs [E, K, N] (its layout; transposed once, untimed)") if x)
+        tk = tokamax_ragged_dots(ctx, "gemm", spec, tnote)
+        if tk:
+            jw_kn = jax.block_until_ready(jnp.swapaxes(jw, 1, 2))
+            for name, rd, extra in tk:
+                run_jax(ctx, "gemm", name, spec, rd, (jx, jw_kn, jgs), ref, notes=f"{tnote}; {extra}", **common)
+            del jw_kn
 
     # speed of light: the same FLOPs and weight bytes as an even split, as one batched matmul
     if not fp8 and spec.routing == "uniform" and spec.M % spec.E == 0 and ctx.wants("sol-torch.bmm"):
@@ -545,23 +580,67 @@ def layer_router(ctx: Ctx, spec: S.LayerSpec, config) -> tuple:
     return gate_w, (0.1 * torch.randn(spec.E, generator=g, device=dev) if biased else None)
 
 
-def router_logits(arch: str | None, x, router_weight):
-    """``[T, E]`` float32: the logits transformers' block of ``arch`` computes from ``x [T, H]``: Mixtral and
-    Qwen3-MoE in the activations' dtype (``F.linear(x, gate.weight)``, bf16 here), DeepSeek-V3 in float32
-    (it casts both operands). Our rows take these same logits, so every row of a spec has one reference."""
+def router_logits(arch: str | None, x, router_weight, router_bias=None):
+    """``[T, E]`` float32: the logits transformers' block of ``arch`` computes from ``x [T, H]``: Mixtral,
+    Qwen3-MoE and gpt-oss in the activations' dtype (``F.linear(x, gate.weight)``, bf16 here; gpt-oss's
+    ``GptOssTopKRouter`` adds its ``bias [E]``), DeepSeek-V3 in float32 (it casts both operands). Our rows take
+    these same logits, so every row of a spec has one reference."""
     import torch
 
     if arch in (None, "deepseek_v3"):
-        return torch.nn.functional.linear(x.float(), router_weight.float())
-    return torch.nn.functional.linear(x, router_weight.to(x.dtype)).float()
+        return torch.nn.functional.linear(x.float(), router_weight.float(),
+                                          None if router_bias is None else router_bias.float())
+    return torch.nn.functional.linear(x, router_weight.to(x.dtype),
+                                      None if router_bias is None else router_bias.to(x.dtype)).float()
+
+
+def layer_extras(ctx: Ctx, spec: S.LayerSpec, config) -> dict:
+    """The drawn tensors a layer's semantics need beyond ``x``, the logits and the weights (seeded, bf16-exact):
+    gpt-oss's router bias ``[E]`` (``spec.arch == 'gpt_oss'``; ``0.1 N(0, 1)``) and expert biases ``w13_bias
+    [E + S, 2I]`` / ``w2_bias [E + S, H]`` (``config.expert_bias``; bf16 ``0.1 N(0, 1)``, the scale of a GEMM
+    output); Qwen3-Next's shared-expert gate weight ``[S, H]`` (``config.shared_expert_gate``; ``N(0, 1/H)``).
+    Absent keys: the layer has no such tensor."""
+    import torch
+
+    dev, bf16 = ctx.torch_dev, torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(5000 + spec.seed)
+    out = {}
+    n = config.num_total_experts
+    if spec.arch == "gpt_oss":
+        out["router_bias"] = (0.1 * torch.randn(spec.E, generator=g, device=dev)).to(bf16).float()
+    if config.expert_bias:
+        out["w13_bias"] = (0.1 * torch.randn(n, 2 * spec.I, generator=g, device=dev)).to(bf16)
+        out["w2_bias"] = (0.1 * torch.randn(n, spec.H, generator=g, device=dev)).to(bf16)
+    if config.shared_expert_gate:
+        S_ = config.num_fused_shared_experts
+        out["shared_gate"] = (torch.randn(S_, spec.H, generator=g, device=dev) * spec.H**-0.5).to(bf16)
+    return out
+
+
+def touched_experts(logits, config, bias) -> int:
+    """Routed experts that at least one token of ``logits [T, E]`` reaches (the reference gate's ``topk_ids``)."""
+    import torch
+
+    import moe_torch
+
+    _, ids = moe_torch.select_experts(logits, **config.gate_kwargs(), e_score_correction_bias=bias,
+                                      implementation="reference")
+    return int(torch.unique(ids[ids < config.num_experts]).numel())
 
 
 def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
+    """The layer rows of ``spec`` (bench ``layer``; a :class:`~benchmarks.specs.DecodeSpec`: bench ``decode``).
+
+    Decode rows: the spec's ``touched`` is set from the routing of the row's tokens (the mean over the input
+    sets), so their bytes are the weights actually read; the JAX rows rotate over enough input sets (other
+    tokens, other experts) that a set's weights have left the L2 before its next use (torch's ``do_bench``
+    flushes the L2 between calls)."""
     import torch
 
     import moe_pallas
     import moe_torch
 
+    bench = "decode" if isinstance(spec, S.DecodeSpec) else "layer"
     dev, bf16 = ctx.torch_dev, torch.bfloat16
     config = spec.config()
     key = (spec.model, spec.E, spec.H, spec.I, spec.quant)
@@ -569,51 +648,76 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
         wcache.clear()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        wcache.update(key=key, w=layer_weights(ctx, spec, config), router=layer_router(ctx, spec, config))
+        wcache.update(key=key, w=layer_weights(ctx, spec, config), router=layer_router(ctx, spec, config),
+                      extras=layer_extras(ctx, spec, config))
     w13, s13, w2, s2 = wcache["w"]
     gate_w, bias = wcache["router"]
+    ex = wcache["extras"]
+    rb, b13, b2, sg = ex.get("router_bias"), ex.get("w13_bias"), ex.get("w2_bias"), ex.get("shared_gate")
     g = torch.Generator(device=dev).manual_seed(spec.seed)
-    x = torch.randn(spec.T, spec.H, generator=g, device=dev).to(bf16)
+    n_sets = S.rotation_sets(spec.min_bytes, H.L2_BYTES) if bench == "decode" and dev.type == "cuda" else 1
+    xs = [torch.randn(spec.T, spec.H, generator=g, device=dev).to(bf16) for _ in range(n_sets)]
     with torch.no_grad():
-        logits = router_logits(spec.arch, x, gate_w)
-    ref = moe_torch.moe_forward(x, logits, w13, w2, config, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias,
+        lgs = [router_logits(spec.arch, x, gate_w, rb) for x in xs]
+        sgls = [None if sg is None else torch.nn.functional.linear(x.float(), sg.float()) for x in xs]
+    x, logits, sgl = xs[0], lgs[0], sgls[0]
+    notes = l2_note(ctx, spec) if bench == "layer" else None
+    if bench == "decode":
+        touched = [touched_experts(lg, config, bias) for lg in lgs]
+        spec = dataclasses.replace(spec, touched=sum(touched) / len(touched))
+        notes = (f"bytes: the weights of the {spec.touched:g} experts the tokens reach"
+                 + (f" (mean of {n_sets} input sets; JAX rotates over them, torch's do_bench flushes the L2)"
+                    if n_sets > 1 else ""))
+    kw = dict(w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, e_score_correction_bias=bias)
+    ref = moe_torch.moe_forward(x, logits, w13, w2, config, **kw, shared_expert_gate_logits=sgl,
                                 implementation="reference")
-    common = dict(flops=spec.flops, nbytes=spec.min_bytes, dtype=spec.dtype, notes=l2_note(ctx, spec))
+    common = dict(flops=spec.flops, nbytes=spec.min_bytes, dtype=spec.dtype, notes=notes)
     for impl, name in (("triton", "ours-torch-triton"), ("reference", "ref-torch")):
         if ctx.wants(name):
-            run_torch(ctx, "layer", name, spec,
-                      functools.partial(moe_torch.moe_forward, x, logits, w13, w2, config, w13_scale=s13, w2_scale=s2,
-                                        e_score_correction_bias=bias, implementation=impl), ref, **common)
+            run_torch(ctx, bench, name, spec,
+                      functools.partial(moe_torch.moe_forward, x, logits, w13, w2, config, **kw,
+                                        shared_expert_gate_logits=sgl, implementation=impl), ref, **common)
     if dev.type == "cuda" and ctx.wants("ours-torch-triton-cudagraph"):
-        bench_layer_cuda_graph(ctx, spec, x, logits, (w13, s13, w2, s2, bias), config, ref, common)
-    jargs = (j(x), j(logits), j(w13), j(w2), j(s13), j(s2), j(bias))
+        bench_layer_cuda_graph(ctx, spec, x, logits, (w13, w2), dict(kw, shared_expert_gate_logits=sgl), config, ref, common,
+                               bench=bench)
+    jsets = [(j(x_), j(l_), j(w13), j(w2), j(s13), j(s2), j(bias), j(b13), j(b2), j(s_))
+             for x_, l_, s_ in zip(xs, lgs, sgls)]
     # pallas_mosaic_gpu: the grouped GEMMs on Mosaic GPU, every other stage its default (pallas_triton on a GPU)
     for impl, name in (("pallas_triton", "ours-jax-pallas_triton"), ("pallas_mosaic_gpu", "ours-jax-pallas_mosaic_gpu"),
                        ("reference", "ref-jax")):
-        if ctx.wants(name):
+        if ctx.wants(name) and impl == "pallas_mosaic_gpu" and spec.quant in ("mxfp4", "int4"):
+            skip_row(ctx, bench, name, spec, f"the Mosaic GPU grouped GEMM has no 4-bit weights ({spec.quant}); "
+                     f"moe_forward's default serves them with Pallas-Triton (the ours-jax-pallas_triton row)")
+        elif ctx.wants(name):
 
-            def fn(x_, l_, w13_, w2_, s13_, s2_, b_, impl=impl):
-                return moe_pallas.moe_forward(x_, l_, w13_, w2_, config, w13_scale=s13_, w2_scale=s2_,
-                                              e_score_correction_bias=b_, implementation=impl)
+            def fn(x_, l_, w13_, w2_, s13_, s2_, b_, b13_, b2_, sgl_, impl=impl):
+                return moe_pallas.moe_forward(x_, l_, w13_, w2_, config, w13_scale=s13_, w2_scale=s2_, w13_bias=b13_,
+                                              w2_bias=b2_, e_score_correction_bias=b_, shared_expert_gate_logits=sgl_,
+                                              implementation=impl)
 
-            run_jax(ctx, "layer", name, spec, fn, jargs, ref, **common)
-    del jargs
+            run_jax(ctx, bench, name, spec, fn, jsets[0], ref, rot_sets=jsets if n_sets > 1 else None, **common)
+    del jsets
     if spec.quant == "none":
-        bench_layer_transformers(ctx, spec, x, (w13, w2, gate_w, bias), ref, common)
+        bench_layer_transformers(ctx, spec, x, (w13, w2, gate_w, bias, rb, b13, b2), ref, common, bench=bench)
+    elif bench == "decode" and spec.arch is not None and ctx.wants("transformers"):
+        skip_row(ctx, bench, f"transformers-{S.HF_BLOCKS[spec.arch]}", spec,
+                 f"transformers' {S.HF_BLOCKS[spec.arch]} runs float weights only here (its {spec.quant} path needs the "
+                 f"hub's kernels, which the machine cannot download)" if spec.quant in ("mxfp4", "int4") else
+                 f"transformers' {S.HF_BLOCKS[spec.arch]} holds float weights; this row's weights are {spec.quant}")
     del ref
 
 
-def bench_layer_cuda_graph(ctx: Ctx, spec, x, logits, weights, config, ref, common: dict) -> None:
+def bench_layer_cuda_graph(ctx: Ctx, spec, x, logits, weights: tuple, kw: dict, config, ref, common: dict,
+                           bench: str = "layer") -> None:
     """The Triton layer captured once in a CUDA graph and replayed (how SGLang/vLLM run decode): the
     launch overhead of the eager row goes away. Also the GPU proof that the layer captures (no host
-    sync on the Triton path)."""
+    sync on the Triton path). ``kw``: moe_forward's weight-side keywords (scales, biases, gate logits)."""
     import moe_torch
 
-    w13, s13, w2, s2, bias = weights
+    w13, w2 = weights
     static_x, static_logits = x.clone(), logits.clone()
-    run_torch_cuda_graph(ctx, "layer", "ours-torch-triton-cudagraph", spec, lambda: moe_torch.moe_forward(
-        static_x, static_logits, w13, w2, config, w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias,
-        implementation="triton"), ref, common)
+    run_torch_cuda_graph(ctx, bench, "ours-torch-triton-cudagraph", spec, lambda: moe_torch.moe_forward(
+        static_x, static_logits, w13, w2, config, **kw, implementation="triton"), ref, common)
 
 
 def run_torch_cuda_graph(ctx: Ctx, what: str, row_name: str, spec, forward, ref, common: dict) -> None:
@@ -652,7 +756,7 @@ def hf_router_weight(spec: S.LayerSpec, device, dtype):
 
 
 def build_hf_block(config, w13, w2, gate_weight, experts_implementation: str = "grouped_mm", *, arch: str = "qwen3_moe",
-                   e_score_correction_bias=None):
+                   e_score_correction_bias=None, router_bias=None, w13_bias=None, w2_bias=None):
     """transformers' MoE block of ``arch`` (:data:`benchmarks.specs.HF_BLOCKS`) holding *our* weights
     (shared, not copied, except the shared experts' halves when ``S > 1``).
 
@@ -671,6 +775,10 @@ def build_hf_block(config, w13, w2, gate_weight, experts_implementation: str = "
         biased grouped top-k.
       w13: ``[E + S, 2I, H]``; w2: ``[E + S, H, I]``; gate_weight: ``[E, H]``;
       e_score_correction_bias: ``[E]`` (DeepSeek-V3 only).
+      router_bias, w13_bias, w2_bias: gpt-oss only (``GptOssMLP``): ``router.bias [E]``, ``experts.gate_up_proj_bias
+        [E, 2I]``, ``experts.down_proj_bias [E, H]``. gpt-oss keeps its experts transposed (``gate_up_proj [E, H, 2I]``,
+        gate/up interleaved along ``2I`` as our ``gate_up_layout='interleaved'`` rows; ``down_proj [E, I, H]``):
+        the block gets the transposed views of ``w13`` / ``w2`` (no copy).
       experts_implementation: ``"grouped_mm"`` (``torch._grouped_mm``; what ``from_pretrained`` picks where
         it can dispatch) or ``"eager"`` (the per-expert loop).
 
@@ -684,18 +792,28 @@ def build_hf_block(config, w13, w2, gate_weight, experts_implementation: str = "
     E, I, H, Sh = config.num_experts, config.intermediate_size, config.hidden_size, config.num_fused_shared_experts
     want = {"mixtral": ("softmax_topk", "softmax top-k, renormalised, rsf 1, no shared experts"),
             "qwen3_moe": ("softmax_topk", "softmax top-k, rsf 1, no shared experts"),
-            "deepseek_v3": ("biased_grouped_topk", "biased grouped top-k")}[arch]
-    fits = (config.routing == want[0] and config.activation == "silu" and config.quant == "none"
+            "deepseek_v3": ("biased_grouped_topk", "biased grouped top-k"),
+            "gpt_oss": ("softmax_topk", "softmax top-k renormalised, rsf 1, no shared experts, swiglu_oai on interleaved "
+                                        "gate/up rows, expert biases")}[arch]
+    act, layout = ("swiglu_oai", "interleaved") if arch == "gpt_oss" else ("silu", "concatenated")
+    fits = (config.routing == want[0] and config.activation == act and config.gate_up_layout == layout
+            and config.quant == "none" and config.expert_bias == (arch == "gpt_oss")
             and (arch == "deepseek_v3" or (config.routed_scaling_factor == 1.0 and Sh == 0))
-            and (arch != "mixtral" or config.renormalize))
+            and (arch not in ("mixtral", "gpt_oss") or config.renormalize))
     if not fits:
-        raise ValueError(f"{op}: {S.HF_BLOCKS[arch]} is {want[1]}, silu, quant 'none'; got {config}")
+        raise ValueError(f"{op}: {S.HF_BLOCKS[arch]} is {want[1]}, {act}, quant 'none'; got {config}")
     shapes = {"w13": (tuple(w13.shape), (E + Sh, 2 * I, H)), "w2": (tuple(w2.shape), (E + Sh, H, I)),
               "gate_weight": (tuple(gate_weight.shape), (E, H))}
     if arch == "deepseek_v3":
         if e_score_correction_bias is None:
             raise ValueError(f"{op}: DeepseekV3MoE needs e_score_correction_bias [E={E}]; got None")
         shapes["e_score_correction_bias"] = (tuple(e_score_correction_bias.shape), (E,))
+    if arch == "gpt_oss":
+        for name, t, exp in (("router_bias", router_bias, (E,)), ("w13_bias", w13_bias, (E, 2 * I)),
+                             ("w2_bias", w2_bias, (E, H))):
+            if t is None:
+                raise ValueError(f"{op}: GptOssMLP needs {name} {list(exp)}; got None")
+            shapes[name] = (tuple(t.shape), exp)
     for name, (got, exp) in shapes.items():
         if got != exp:
             raise ValueError(f"{op}: {name} must be {list(exp)}; got {list(got)}")
@@ -713,6 +831,12 @@ def build_hf_block(config, w13, w2, gate_weight, experts_implementation: str = "
 
         hf_cfg = Cfg(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=config.topk,
                      norm_topk_prob=config.renormalize, hidden_act="silu")
+    elif arch == "gpt_oss":
+        from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig as Cfg
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as Block
+
+        hf_cfg = Cfg(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=config.topk,
+                     swiglu_limit=SWIGLU_OAI_LIMIT)  # swiglu_alpha is GptOssExperts' 1.702 = SWIGLU_OAI_ALPHA
     else:
         from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config as Cfg
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as Block
@@ -724,8 +848,14 @@ def build_hf_block(config, w13, w2, gate_weight, experts_implementation: str = "
     hf_cfg._experts_implementation = experts_implementation
     with torch.device("meta"):
         block = Block(hf_cfg)
-    block.experts.gate_up_proj = param(w13[:E])
-    block.experts.down_proj = param(w2[:E])
+    if arch == "gpt_oss":
+        ex, dt = block.experts, w13.dtype
+        ex.gate_up_proj, ex.down_proj = param(w13.transpose(1, 2)), param(w2.transpose(1, 2))
+        ex.gate_up_proj_bias, ex.down_proj_bias = param(w13_bias.to(dt)), param(w2_bias.to(dt))
+        block.router.weight, block.router.bias = param(gate_weight.to(dt)), param(router_bias.to(dt))
+    else:
+        block.experts.gate_up_proj = param(w13[:E])
+        block.experts.down_proj = param(w2[:E])
     if arch == "deepseek_v3":
         block.gate.weight = param(gate_weight.float())
         block.gate.e_score_correction_bias = e_score_correction_bias.float()  # a buffer
@@ -733,7 +863,7 @@ def build_hf_block(config, w13, w2, gate_weight, experts_implementation: str = "
         sh.gate_proj.weight = param(w13[E:, :I].reshape(Sh * I, H))  # a view for S = 1
         sh.up_proj.weight = param(w13[E:, I:].reshape(Sh * I, H))
         sh.down_proj.weight = param(w2[E:].permute(1, 0, 2).reshape(H, Sh * I))
-    else:
+    elif arch != "gpt_oss":
         block.gate.weight = param(gate_weight.to(w13.dtype))
     left = [n for n, t in [*block.named_parameters(), *block.named_buffers()] if t.is_meta]
     if left:
@@ -741,10 +871,12 @@ def build_hf_block(config, w13, w2, gate_weight, experts_implementation: str = "
     return block.eval()
 
 
-def bench_layer_transformers(ctx: Ctx, spec: S.LayerSpec, x, weights: tuple, ref, common: dict) -> None:
+def bench_layer_transformers(ctx: Ctx, spec: S.LayerSpec, x, weights: tuple, ref, common: dict,
+                             bench: str = "layer") -> None:
     """transformers' block of the spec's model (``spec.arch``) on the same ``x`` and weights, timed like our
     rows, judged against the same reference (our torch reference on the logits its router computes);
-    its rel. error is therefore against our layer."""
+    its rel. error is therefore against our layer. ``weights``: ``(w13, w2, gate_w, e_score_correction_bias,
+    router_bias, w13_bias, w2_bias)`` (the last three None where the layer has none)."""
     import torch
 
     names = []
@@ -753,25 +885,27 @@ def bench_layer_transformers(ctx: Ctx, spec: S.LayerSpec, x, weights: tuple, ref
         names = [(n, impl) for n, impl in ((f"transformers-{cls}", "grouped_mm"), (f"transformers-{cls}-eager", "eager"))
                  if ctx.wants(n)]
     elif ctx.wants("transformers"):
-        error_row(ctx, "layer", "transformers", spec, f"not available: no transformers block for routing "
+        error_row(ctx, bench, "transformers", spec, f"not available: no transformers block for routing "
                   f"{spec.config().routing!r}")
     if not names:
         return
-    w13, w2, gate_w, bias = weights
+    w13, w2, gate_w, bias, rb, b13, b2 = weights
     x3 = x[None]  # [batch=1, seq=T, H]: the block's input shape
     for name, impl in names:
         note = f"experts_implementation={impl}; includes its router matmul; ref = ours on its router's logits"
         try:
-            block = build_hf_block(spec.config(), w13, w2, gate_w, impl, arch=spec.arch, e_score_correction_bias=bias)
+            block = build_hf_block(spec.config(), w13, w2, gate_w, impl, arch=spec.arch, e_score_correction_bias=bias,
+                                   router_bias=rb, w13_bias=b13, w2_bias=b2)
         except Exception as exc:
-            error_row(ctx, "layer", name, spec, "setup: " + short_error(exc), notes=note)
+            error_row(ctx, bench, name, spec, "setup: " + short_error(exc), notes=note)
             continue
 
         def fn(block=block):
             with torch.no_grad():
                 return block(x3)
 
-        run_torch(ctx, "layer", name, spec, fn, ref, canon=lambda o: o.reshape(spec.T, spec.H),
+        run_torch(ctx, bench, name, spec, fn, ref,  # GptOssMLP returns (out, router_scores)
+                  canon=lambda o: (o[0] if isinstance(o, tuple) else o).reshape(spec.T, spec.H),
                   **{**common, "notes": "; ".join(n for n in (common.get("notes"), note) if n)})
         del block
 
@@ -784,8 +918,9 @@ def bench_layer_transformers(ctx: Ctx, spec: S.LayerSpec, x, weights: tuple, ref
 # the forward + backward's peak and what the forward holds for the backward (harness.torch_memory_mib;
 # harness.jax_memory_mib of the row's own compiled forward + backward and harness.jax_held_mib).
 
-#: tokamax's ``ragged_dot`` implementations benchmarked as peers (tokamax 0.0.17 on the H200 registers
-#: ``"mosaic"`` and ``"xla"``; ``"xla"`` is XLA's ragged_dot, already the ``jax.lax.ragged_dot`` row).
+#: tokamax's ``ragged_dot`` implementations benchmarked as peers of the bf16 ``gemm`` rows (forward) and of the
+#: ``gemm_bwd`` rows (under ``jax.vjp``) (tokamax 0.0.17 on the H200 registers ``"mosaic"`` and ``"xla"``;
+#: ``"xla"`` is XLA's ragged_dot, already the ``jax.lax.ragged_dot`` row).
 TOKAMAX_IMPLEMENTATIONS = ("mosaic",)
 
 
@@ -811,6 +946,37 @@ def import_tokamax():
     import tokamax
 
     return tokamax
+
+
+def tokamax_wanted(ctx: Ctx) -> list[str]:
+    """The :data:`TOKAMAX_IMPLEMENTATIONS` whose row (``tokamax.ragged_dot-<impl>``) ``--backends`` asks for."""
+    return [impl for impl in TOKAMAX_IMPLEMENTATIONS if ctx.wants(f"tokamax.ragged_dot-{impl}")]
+
+
+def tokamax_ragged_dots(ctx: Ctx, bench: str, spec, notes: str | None) -> list[tuple]:
+    """tokamax's ``ragged_dot`` as a peer of ``bench``'s rows of ``spec``: ``(row name, fn, note)`` for each
+    implementation of :func:`tokamax_wanted` that can run here, ``fn(lhs [M, K], rhs [E, K, N], group_sizes [E]
+    int32) -> [M, N]`` (its layout: ``rhs`` K-major per group), the note naming tokamax's version. Where one cannot
+    run by design (``mosaic`` off an NVIDIA GPU; tokamax not importable: a benchmark-only peer whose wheels travel
+    to the GPU machine, ENVIRONMENT.md), a skip row with ``notes`` instead."""
+    import jax
+
+    peers = []
+    for impl in tokamax_wanted(ctx):
+        name = f"tokamax.ragged_dot-{impl}"
+        if impl == "mosaic" and jax.default_backend() != "gpu":
+            skip_row(ctx, bench, name, spec, f"tokamax mosaic needs an NVIDIA GPU; the JAX backend is {jax.default_backend()}",
+                     notes=notes)
+            continue
+        try:
+            tokamax = import_tokamax()
+        except Exception as exc:
+            skip_row(ctx, bench, name, spec, f"tokamax not importable ({short_error(exc)[:160]}); it is a benchmark-only "
+                     "peer: install its wheels (ENVIRONMENT.md)", notes=notes)
+            continue
+        peers.append((name, lambda a, b, gs, impl=impl: tokamax.ragged_dot(a, b, gs, implementation=impl),
+                      f"tokamax {getattr(tokamax, '__version__', '?')} implementation={impl!r}"))
+    return peers
 
 
 def judge_grads(row: dict, outs: dict, refs: dict) -> bool:
@@ -1019,8 +1185,7 @@ def bench_gemm_bwd(ctx: Ctx, spec: S.GemmBwdSpec, wcache: GemmWeights) -> None:
         run_jax_bwd(ctx, bench, name, spec, fwd, fwd_bwd, (jx, jw, joffs), jdy, refs, canon=canon, notes=inote, wrt=(0, 1))
 
     # peers, JAX: ragged_dot's own layout, rhs [E, K, N] (a transposed copy of ours made once, outside the timing)
-    want_tk = [impl for impl in TOKAMAX_IMPLEMENTATIONS if ctx.wants(f"tokamax.ragged_dot-{impl}")]
-    if not (want_tk or ctx.wants("jax.lax.ragged_dot")):
+    if not (tokamax_wanted(ctx) or ctx.wants("jax.lax.ragged_dot")):
         return
     jgs = jnp.asarray(spec.group_sizes().astype(np.int32))  # [E] rows per expert
     jw_kn = jax.block_until_ready(jnp.swapaxes(jw, 1, 2))  # [E, K, N]
@@ -1029,20 +1194,7 @@ def bench_gemm_bwd(ctx: Ctx, spec: S.GemmBwdSpec, wcache: GemmWeights) -> None:
     peers = []
     if ctx.wants("jax.lax.ragged_dot"):
         peers.append(("jax.lax.ragged_dot", lambda a, b, gs: jax.lax.ragged_dot(a, b, gs), None))
-    for impl in want_tk:
-        name = f"tokamax.ragged_dot-{impl}"
-        if impl == "mosaic" and jax.default_backend() != "gpu":
-            skip_row(ctx, bench, name, spec, f"tokamax mosaic needs an NVIDIA GPU; the JAX backend is {jax.default_backend()}",
-                     notes=pnote)
-            continue
-        try:
-            tokamax = import_tokamax()
-        except Exception as exc:
-            skip_row(ctx, bench, name, spec, f"tokamax not importable ({short_error(exc)[:160]}); it is a benchmark-only "
-                     "peer: install its wheels (ENVIRONMENT.md)", notes=pnote)
-            continue
-        peers.append((name, lambda a, b, gs, impl=impl: tokamax.ragged_dot(a, b, gs, implementation=impl),
-                      f"tokamax {getattr(tokamax, '__version__', '?')} implementation={impl!r}"))
+    peers += tokamax_ragged_dots(ctx, bench, spec, pnote)
     for name, rd, extra in peers:
 
         def fwd_bwd(a, b, gs, d_, rd=rd):
@@ -1318,11 +1470,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "quant none (dequantized) and fp8_block (as stored)); the peer is transformers' block of "
                         "that model")
     p.add_argument("--layer", type=int, default=None, help="with --weights: the layer index (default: the first MoE layer)")
+    p.add_argument("--gemm-dtypes", default="", help=f"comma list of {', '.join(S.GEMM_DTYPES)}: only these gemm specs "
+                   "(default: all of the run's)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing rows")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # CPU smoke test: tiny shapes, interpreters
     args = p.parse_args(argv)
     if args.layer is not None and not args.weights:
         p.error("--layer needs --weights (it picks a layer of the checkpoint)")
+    args.gemm_dtypes = [d for d in args.gemm_dtypes.split(",") if d]
+    if [d for d in args.gemm_dtypes if d not in S.GEMM_DTYPES]:
+        p.error(f"--gemm-dtypes: unknown {[d for d in args.gemm_dtypes if d not in S.GEMM_DTYPES]}; choose from "
+                f"{S.GEMM_DTYPES}")
     args.what = [w for w in args.what.split(",") if w]
     bad = [w for w in args.what if w not in WHATS]
     if bad:
@@ -1347,7 +1505,7 @@ def load_model(args) -> tuple[S.BenchModel | None, dict | None]:
         config = ckpt.config(get_preset(args.preset) if args.preset else None, quant="none")
         arrays = ckpt.arrays("torch")  # all experts, the checkpoint's dtype (FP8: codes and block scales)
         fp8 = arrays["w13_scale"] is not None
-        quants = ("none", "fp8_block") if fp8 else S.LAYER_QUANTS
+        quants = ("none", "fp8_block") if fp8 else S.layer_quants(config)  # those its sizes allow
         model = S.BenchModel(name=f"ckpt-{ckpt.arch}-L{ckpt.layer}", config=config, arch=ckpt.arch, quants=quants,
                              weights=True)
         return model, arrays
@@ -1390,7 +1548,8 @@ def main(argv=None) -> int:
     patch = contextlib.nullcontext()
     plan = []
     if "gemm" in args.what:
-        plan += [("gemm", s) for s in S.gemm_specs(args.quick, TINY, model)]
+        plan += [("gemm", s) for s in S.gemm_specs(args.quick, TINY, model)
+                 if not args.gemm_dtypes or s.dtype in args.gemm_dtypes]
     if "layer" in args.what:
         plan += [("layer", s) for s in S.layer_specs(args.quick, TINY, model)]
     if "gate" in args.what:
@@ -1399,6 +1558,8 @@ def main(argv=None) -> int:
         plan += [("gemm_bwd", s) for s in S.gemm_bwd_specs(args.quick, TINY, model)]
     if "layer_bwd" in args.what:
         plan += [("layer_bwd", s) for s in S.layer_bwd_specs(args.quick, TINY, model)]
+    if "decode" in args.what:
+        plan += [("decode", s) for s in S.decode_specs(args.quick, TINY, model)]
     gemm_w, layer_w = GemmWeights(), {}
     with patch:
         for bench, spec in plan:
@@ -1409,9 +1570,9 @@ def main(argv=None) -> int:
                 if bench in ("gemm", "gemm_bwd"):
                     layer_w.clear()
                     (bench_gemm if bench == "gemm" else bench_gemm_bwd)(ctx, spec, gemm_w)
-                elif bench in ("layer", "layer_bwd"):
+                elif bench in ("layer", "layer_bwd", "decode"):
                     gemm_w.key = gemm_w.w = gemm_w.wq = gemm_w.ws = None
-                    (bench_layer if bench == "layer" else bench_layer_bwd)(ctx, spec, layer_w)
+                    (bench_layer_bwd if bench == "layer_bwd" else bench_layer)(ctx, spec, layer_w)
                 else:
                     gemm_w.key = gemm_w.w = gemm_w.wq = gemm_w.ws = None
                     layer_w.clear()

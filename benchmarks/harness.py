@@ -63,7 +63,7 @@ PEAK_BF16_FLOPS = 680e12
 PEAK_FP8_FLOPS = 1223e12
 #: device-to-device copy on the H200, bytes read + written per second.
 PEAK_BW = 4.27e12
-PEAK_FLOPS = {"bf16": PEAK_BF16_FLOPS, "fp8": PEAK_FP8_FLOPS, "fp32": PEAK_BF16_FLOPS}
+PEAK_FLOPS = {"bf16": PEAK_BF16_FLOPS, "fp8": PEAK_FP8_FLOPS, "fp8_block": PEAK_FP8_FLOPS, "fp32": PEAK_BF16_FLOPS}
 #: H200 L2 cache, 50 MB (for the rotation of small inputs).
 L2_BYTES = 50e6
 #: Relative Frobenius error above which a backend's output is called wrong and not timed.

@@ -8,10 +8,14 @@ Shapes (ENVIRONMENT.md, "The GPU machine in numbers"):
 
 - grouped GEMM: ``E = 32`` experts (DeepSeek-V3's 256 over EP = 8), ``[M, K] x [E, N, K]``,
   ``gate_up`` (K=7168, N=4096 = 2 * I) and ``down`` (K=2048, N=7168), M in {256, 2048, 16384}
-  routed rows, rows per expert ``uniform`` or ``zipf``-skewed, bf16 or fp8 (per-token activation
-  scales ``[M, 1]`` x per-output-channel weight scales ``[E, N]``).
+  routed rows, rows per expert ``uniform`` or ``zipf``-skewed, dtype ``bf16``, ``fp8`` (per-token
+  activation scales ``[M, 1]`` x per-output-channel weight scales ``[E, N]``) or ``fp8_block``
+  (DeepSeek-V3's: activation scales per ``1 x 128`` group ``[M, K/128]`` x weight scales per
+  ``128 x 128`` block ``[E, ceil(N/128), K/128]``, CONTRACT.md sections 3-4; ``K % 128 == 0``). FP8 codes
+  are float8_e4m3fn, scales float32; ``min_bytes`` counts the scales. ``--quick``: bf16 and fp8 only.
 - layer: E=32, topk=8, H=7168, I=2048, softmax top-k with renormalisation, T in {32, 512, 4096},
-  quant ``none`` or ``fp8_per_token``.
+  quant ``none``, ``fp8_per_token`` or ``fp8_block`` (:data:`LAYER_QUANTS`; a model's layer: those its
+  sizes allow, :func:`layer_quants`).
 - gate: DeepSeek-V3's biased grouped top-k (E=256, 8 groups keep 4, topk 8, rsf 2.5, one fused
   shared expert), T=4096.
 - backward (training, CONTRACT.md section 8; ``bench.py --what gemm_bwd,layer_bwd``): the grouped
@@ -35,32 +39,45 @@ import math
 import numpy as np
 
 from moe_contract import MoEConfig, get_preset
-from moe_contract.config import QUANTS, W4_QUANTS
+from moe_contract.config import FP8_BLOCK, QUANTS
 
 #: name -> (K, N) of the expert weight ``[E, N, K]``.
 GEMM_SHAPES = {"gate_up": (7168, 4096), "down": (2048, 7168)}
 GEMM_M = (256, 2048, 16384)
 GEMM_E = 32
 ROUTINGS = ("uniform", "zipf")
-GEMM_DTYPES = ("bf16", "fp8")
+#: The grouped GEMM rows' dtypes: ``bf16``; ``fp8`` per-token x per-output-channel scales; ``fp8_block`` 1x128
+#: activation groups x 128x128 weight blocks (DeepSeek-V3). ``--quick`` times :data:`GEMM_DTYPES_QUICK`.
+GEMM_DTYPES = ("bf16", "fp8", "fp8_block")
+GEMM_DTYPES_QUICK = ("bf16", "fp8")
 LAYER_T = (32, 512, 4096)
 #: The backward specs' sizes: routed rows of the grouped GEMM, tokens of the layer.
 GEMM_BWD_M = (4096, 16384)
 LAYER_BWD_T = (512, 4096)
-LAYER_QUANTS = ("none", "fp8_per_token")
-#: The layer quant modes the layer rows can time: the 4-bit weight-only modes (``mxfp4`` / ``int4``) are not
-#: among them yet (their rows would need their own byte model: 4.25 / 4.5 bits a weight, not FP8's 8).
-BENCH_QUANTS = tuple(q for q in QUANTS if q not in W4_QUANTS)
+#: The layer rows' quant modes (a model's layer: those its sizes allow, :func:`layer_quants`).
+LAYER_QUANTS = ("none", "fp8_per_token", "fp8_block")
+#: The layer quant modes the layer rows can time (every mode of the contract).
+BENCH_QUANTS = tuple(QUANTS)
+#: Bytes a weight element costs in each layer quant mode, its scales included (CONTRACT.md sections 3 and 9):
+#: bf16 2; FP8 1 (its float32 scales are one per output channel or per 128x128 block: < 0.1%, not counted);
+#: MXFP4 half a byte + one e8m0 byte per 32 (4.25 bits); INT4 half a byte + one bf16 scale per 32 (4.5 bits).
+WEIGHT_BYTES = {"none": 2.0, "fp8_per_token": 1.0, "fp8_block": 1.0, "mxfp4": 0.5 + 1 / 32, "int4": 0.5 + 2 / 32}
+#: The decode rows (``bench.py --what decode``): tokens per step and weight formats; the layer is gpt-oss-120b's
+#: (E=128, topk 4, H=I=2880) unless ``--preset`` names another.
+DECODE_T = (1, 8, 64, 512)
+DECODE_QUANTS = ("none", "mxfp4", "int4")
+DECODE_PRESET = "gpt-oss-120b"
 #: Zipf exponent of the expert popularity (rank r gets p ~ r^-ZIPF_S): with s=1.2 and E=32 the
 #: top expert takes ~25% of the rows and the tail experts few or none at M=256.
 ZIPF_S = 1.2
 
 #: The transformers 5.24 MoE block of each checkpoint ``model_type``: the peer of the layer rows
 #: (``transformers.models.<model_type>.modeling_<model_type>``).
-HF_BLOCKS = {"mixtral": "MixtralSparseMoeBlock", "qwen3_moe": "Qwen3MoeSparseMoeBlock", "deepseek_v3": "DeepseekV3MoE"}
+HF_BLOCKS = {"mixtral": "MixtralSparseMoeBlock", "qwen3_moe": "Qwen3MoeSparseMoeBlock", "deepseek_v3": "DeepseekV3MoE",
+             "gpt_oss": "GptOssMLP"}
 
 #: Bytes per element of the operands of each dtype name.
-ITEMSIZE = {"bf16": 2, "fp8": 1, "fp32": 4}
+ITEMSIZE = {"bf16": 2, "fp8": 1, "fp8_block": 1, "fp32": 4}
 
 
 def group_sizes(M: int, E: int, routing: str, seed: int = 0) -> np.ndarray:
@@ -84,7 +101,16 @@ def group_sizes(M: int, E: int, routing: str, seed: int = 0) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GemmSpec:
-    """One grouped GEMM ``y [M, N] = x [M, K] @ w[e].T`` with ``w [E, N, K]``."""
+    """One grouped GEMM ``y [M, N] = x [M, K] @ w[e].T`` with ``w [E, N, K]``, ``y`` bf16.
+
+    ``dtype`` (:data:`GEMM_DTYPES`): ``"bf16"``; ``"fp8"``: float8_e4m3fn ``x`` and ``w`` with float32
+    scales ``[M, 1]`` (per token) and ``[E, N]`` (per output channel); ``"fp8_block"``: float8_e4m3fn with
+    float32 scales ``[M, K/128]`` (per ``1 x 128`` group of ``x``) and ``[E, ceil(N/128), K/128]`` (per
+    ``128 x 128`` block of ``w``), DeepSeek-V3's layout (CONTRACT.md sections 3-4).
+
+    Raises: ValueError (``dtype`` not in :data:`GEMM_DTYPES`; ``fp8_block`` with ``K % 128 != 0``: the
+    activation groups must tile ``K``).
+    """
 
     shape: str  # "gate_up" | "down" | "tiny"
     E: int
@@ -92,9 +118,16 @@ class GemmSpec:
     N: int
     M: int
     routing: str  # "uniform" | "zipf"
-    dtype: str  # "bf16" | "fp8"
+    dtype: str  # "bf16" | "fp8" | "fp8_block"
     seed: int = 0
     model: str = ""  # BenchModel.name ("": the default shapes)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in GEMM_DTYPES:
+            raise ValueError(f"GemmSpec: dtype must be one of {GEMM_DTYPES}; got dtype={self.dtype!r}")
+        if self.dtype == "fp8_block" and self.K % FP8_BLOCK:
+            raise ValueError(f"GemmSpec: K must be a multiple of {FP8_BLOCK} for dtype='fp8_block' (x is quantized per "
+                             f"1x{FP8_BLOCK} group along K); got K={self.K}")
 
     @property
     def name(self) -> str:
@@ -113,10 +146,17 @@ class GemmSpec:
 
     @property
     def min_bytes(self) -> float:
-        """x read once, the weights of experts that got rows read once, y (bf16) written once, scales."""
+        """x read once, the weights of experts that got rows read once, y (bf16) written once, and the float32
+        scales: ``fp8`` ``[M, 1]`` and ``[E, N]``; ``fp8_block`` ``[M, K/128]`` and the ``ceil(N/128) * K/128``
+        blocks of each expert that got rows."""
         b = ITEMSIZE[self.dtype]
         active = int((self.group_sizes() > 0).sum())
-        scales = (self.M + self.E * self.N) * 4 if self.dtype == "fp8" else 0
+        scales = 0
+        if self.dtype == "fp8":
+            scales = (self.M + self.E * self.N) * 4
+        elif self.dtype == "fp8_block":
+            kb, nb = -(-self.K // FP8_BLOCK), -(-self.N // FP8_BLOCK)
+            scales = (self.M * kb + active * nb * kb) * 4
         return float(self.M * self.K * b + active * self.N * self.K * b + self.M * self.N * 2 + scales)
 
     def fields(self) -> dict:
@@ -132,7 +172,7 @@ class LayerSpec:
     None where transformers has none (plain grouped top-k)."""
 
     T: int
-    quant: str  # "none" | "fp8_per_token" | "fp8_block"
+    quant: str  # "none" | "fp8_per_token" | "fp8_block" | "mxfp4" | "int4"
     E: int = 32
     topk: int = 8
     H: int = 7168
@@ -141,11 +181,15 @@ class LayerSpec:
     model: str = ""  # BenchModel.name ("": the default layer)
     base: MoEConfig | None = None  # routing and sizes (quant 'none'); None: softmax top-k, renormalised
     arch: str | None = "qwen3_moe"
+    #: Routed experts the row's tokens actually reach (set by the benchmark from its routing); None: the
+    #: expected number under uniform routing (:attr:`min_bytes`).
+    touched: int | None = None
 
     def __post_init__(self) -> None:
         if self.quant not in BENCH_QUANTS:
-            raise ValueError(f"LayerSpec: quant must be one of {BENCH_QUANTS} (the 4-bit modes {W4_QUANTS} are not "
-                             f"timed yet); got quant={self.quant!r}")
+            raise ValueError(f"LayerSpec: quant must be one of {BENCH_QUANTS}; got quant={self.quant!r}")
+        if self.touched is not None and not 0 <= self.touched <= self.E:
+            raise ValueError(f"LayerSpec: touched must be None or in [0, E={self.E}]; got touched={self.touched!r}")
         if self.arch is not None and self.arch not in HF_BLOCKS:
             raise ValueError(f"LayerSpec: arch must be one of {tuple(HF_BLOCKS)} or None; got arch={self.arch!r}")
         b = self.base
@@ -159,7 +203,9 @@ class LayerSpec:
 
     @property
     def dtype(self) -> str:
-        return "fp8" if self.quant != "none" else "bf16"
+        """The GEMMs' input dtype (the roofline's peak FLOP/s): FP8 for the FP8 modes; bf16 for ``none`` and the
+        4-bit weight-only modes (their weights are decoded to bf16 in the kernel)."""
+        return "fp8" if self.quant.startswith("fp8") else "bf16"
 
     def config(self) -> MoEConfig:
         if self.base is not None:
@@ -178,16 +224,34 @@ class LayerSpec:
         return 6.0 * self.T * (self.topk + self.num_shared) * self.H * self.I
 
     @property
+    def hit_experts(self) -> float:
+        """Experts whose weights the layer must read: the routed experts the tokens reach (:attr:`touched`,
+        else the expected number under uniform routing, ``E (1 - (1 - topk/E)^T)``) and the shared experts."""
+        routed = self.touched if self.touched is not None else self.E * (1.0 - (1.0 - self.topk / self.E) ** self.T)
+        return routed + self.num_shared
+
+    @property
     def min_bytes(self) -> float:
-        """Weights of the experts expected to get a row (uniform routing) and of the shared experts,
-        x read and out written (bf16)."""
-        wb = ITEMSIZE[self.dtype]
-        hit = self.E * (1.0 - (1.0 - self.topk / self.E) ** self.T) + self.num_shared
-        return float(hit * 3 * self.H * self.I * wb + 2 * self.T * self.H * 2)
+        """Weights of :attr:`hit_experts` (:data:`WEIGHT_BYTES` of the quant mode a weight, scales included;
+        with expert biases, their ``2I + H`` bf16 values), ``x`` read and ``out`` written (bf16)."""
+        wb = WEIGHT_BYTES[self.quant]
+        bias = (2 * self.I + self.H) * 2 if self.base is not None and self.base.expert_bias else 0
+        return float(self.hit_experts * (3 * self.H * self.I * wb + bias) + 2 * self.T * self.H * 2)
 
     def fields(self) -> dict:
         return dict(E=self.E, T=self.T, H=self.H, I=self.I, topk=self.topk, quant=self.quant, dtype=self.dtype,
                     routing=self.config().routing, shape=self.model or None)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeSpec(LayerSpec):
+    """One MoE layer forward at decode sizes (``bench.py --what decode``): the layer of :class:`LayerSpec`,
+    where the weights the step reads are the floor. The benchmark sets :attr:`touched` from the routing of
+    its tokens, so the row's bytes (and its % of the copy ceiling) are those of the experts actually read."""
+
+    @property
+    def name(self) -> str:
+        return "decode" + super().name[len("layer"):]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -326,8 +390,7 @@ class BenchModel:
                              f"ep_size={self.config.ep_size}")
         bad = [q for q in self.quants if q not in BENCH_QUANTS]
         if bad or not self.quants:
-            raise ValueError(f"BenchModel: quants must be a non-empty tuple of {BENCH_QUANTS} (the 4-bit modes "
-                             f"{W4_QUANTS} are not timed yet); got {self.quants!r}")
+            raise ValueError(f"BenchModel: quants must be a non-empty tuple of {BENCH_QUANTS}; got {self.quants!r}")
 
     @property
     def weight_elements(self) -> int:
@@ -339,9 +402,11 @@ class BenchModel:
 def arch_of_preset(name: str) -> str | None:
     """The transformers block of a preset's layer: DeepSeek-V3's for biased grouped top-k (also the
     ``tiny`` preset; GLM-4.5-Air's ``Glm4MoeMoE`` and Kimi K2 compute the same), Mixtral's for ``mixtral-*``,
-    Qwen3-MoE's for other softmax top-k without shared experts; None otherwise: no block of those expresses
-    ``sigmoid_topk`` (Llama 4), gpt-oss's clamped SwiGLU on interleaved gate/up, or Qwen3-Next's shared expert."""
+    Qwen3-MoE's for other softmax top-k without shared experts, gpt-oss's ``GptOssMLP`` for ``gpt-oss-*``; None
+    otherwise: no block of those expresses ``sigmoid_topk`` (Llama 4) or Qwen3-Next's shared expert."""
     p = get_preset(name)
+    if name.startswith("gpt-oss"):
+        return "gpt_oss"
     if p.activation != "silu" or p.gate_up_layout != "concatenated":
         return None
     if p.routing == "biased_grouped_topk":
@@ -351,44 +416,81 @@ def arch_of_preset(name: str) -> str | None:
     return None
 
 
+def layer_quants(config: MoEConfig, quants: tuple[str, ...] = LAYER_QUANTS) -> tuple[str, ...]:
+    """The modes of ``quants`` that ``config``'s layer can take (``config.replace(quant=q)`` valid): ``fp8_block``
+    needs H and I multiples of 128 (gpt-oss's 2880 are not), the 4-bit modes multiples of 32."""
+    out = []
+    for q in quants:
+        try:
+            config.replace(quant=q)
+        except ValueError:
+            continue
+        out.append(q)
+    return tuple(out)
+
+
 def preset_model(name: str) -> BenchModel:
-    """The :class:`BenchModel` of preset ``name`` (``ValueError`` listing the presets if unknown)."""
-    return BenchModel(name=name, config=get_preset(name).config(), arch=arch_of_preset(name))
+    """The :class:`BenchModel` of preset ``name``, its layer rows in the :data:`LAYER_QUANTS` its sizes allow
+    (:func:`layer_quants`). Raises ValueError (listing the presets) if ``name`` is unknown."""
+    config = get_preset(name).config()
+    return BenchModel(name=name, config=config, arch=arch_of_preset(name), quants=layer_quants(config))
 
 
 def gemm_specs(quick: bool = False, tiny: bool = False, model: BenchModel | None = None) -> list[GemmSpec]:
-    """Full: 2 shapes x 3 M x 2 routings x 2 dtypes = 24. Quick: gate_up, M in {256, 16384}, uniform (4).
-    Tiny (CPU smoke test): E=4, K=64, N=32, M in {16, 64}. With ``model``: its ``gate_up`` (K=H, N=2I) and
-    ``down`` (K=I, N=H) over its E routed experts, the same M (tiny: 16, 64) and routings."""
+    """Full: 2 shapes x 3 M x 2 routings x 3 dtypes (:data:`GEMM_DTYPES`) = 36. Quick: gate_up, M in {256,
+    16384}, uniform, bf16 and fp8 (:data:`GEMM_DTYPES_QUICK`; 4). Tiny (CPU smoke test): E=4, K=64, N=32, M in
+    {16, 64}; ``fp8_block`` at K=256, N=160 (two K-blocks, an N tail). With ``model``: its ``gate_up`` (K=H,
+    N=2I) and ``down`` (K=I, N=H) over its E routed experts, the same M (tiny: 16, 64) and routings;
+    ``fp8_block`` only for a shape with ``K % 128 == 0``."""
     ms = (16, 64) if tiny else (256, 16384) if quick else GEMM_M
     routings = ("uniform",) if quick else ROUTINGS
+    dtypes = GEMM_DTYPES_QUICK if quick else GEMM_DTYPES
     if model is not None:
         c = model.config
         shapes = {"gate_up": (c.hidden_size, 2 * c.intermediate_size), "down": (c.intermediate_size, c.hidden_size)}
         if quick:
             shapes.pop("down")
         return [GemmSpec(shape=s, E=c.num_experts, K=k, N=n, M=M, routing=r, dtype=d, model=model.name)
-                for d in GEMM_DTYPES for s, (k, n) in shapes.items() for M in ms for r in routings]
+                for d in dtypes for s, (k, n) in shapes.items() for M in ms for r in routings
+                if d != "fp8_block" or k % FP8_BLOCK == 0]
     if tiny:
-        return [GemmSpec(shape="tiny", E=4, K=64, N=32, M=M, routing=r, dtype=d)
-                for d in GEMM_DTYPES for M in ms for r in ROUTINGS]
+        return [GemmSpec(shape="tiny", E=4, K=(2 * FP8_BLOCK if d == "fp8_block" else 64),
+                         N=(FP8_BLOCK + 32 if d == "fp8_block" else 32), M=M, routing=r, dtype=d)
+                for d in dtypes for M in ms for r in ROUTINGS]
     shapes = ("gate_up",) if quick else tuple(GEMM_SHAPES)
     return [GemmSpec(shape=s, E=GEMM_E, K=GEMM_SHAPES[s][0], N=GEMM_SHAPES[s][1], M=M, routing=r, dtype=d)
-            for d in GEMM_DTYPES for s in shapes for M in ms for r in routings]
+            for d in dtypes for s in shapes for M in ms for r in routings]
 
 
 def layer_specs(quick: bool = False, tiny: bool = False, model: BenchModel | None = None) -> list[LayerSpec]:
-    """Full: T in {32, 512, 4096} x quant {none, fp8_per_token} = 6. Quick: T=512, both quants. Tiny: E=4,
-    topk=2, H=64, I=32, T in {4, 16}. With ``model``: its layer (routing, shared experts, peer block) and
-    its quant modes, at the same T."""
+    """Full: T in {32, 512, 4096} x quant :data:`LAYER_QUANTS` (none, fp8_per_token, fp8_block) = 9. Quick:
+    T=512, every quant (3). Tiny: E=4, topk=2, H=64, I=32 (``fp8_block``: H=I=128, its block), T in {4, 16}.
+    With ``model``: its layer (routing, shared experts, peer block) and its quant modes, at the same T."""
     ts = (4, 16) if tiny else (512,) if quick else LAYER_T
     if model is not None:
         c = model.config
         return [LayerSpec(T=T, quant=q, E=c.num_experts, topk=c.topk, H=c.hidden_size, I=c.intermediate_size,
                           model=model.name, base=c, arch=model.arch) for q in model.quants for T in ts]
     if tiny:
-        return [LayerSpec(T=T, quant=q, E=4, topk=2, H=64, I=32) for q in LAYER_QUANTS for T in ts]
+        return [LayerSpec(T=T, quant=q, E=4, topk=2, H=FP8_BLOCK if q == "fp8_block" else 64,
+                          I=FP8_BLOCK if q == "fp8_block" else 32) for q in LAYER_QUANTS for T in ts]
     return [LayerSpec(T=T, quant=q) for q in LAYER_QUANTS for T in ts]
+
+
+def decode_specs(quick: bool = False, tiny: bool = False, model: BenchModel | None = None) -> list[DecodeSpec]:
+    """The decode rows: T in :data:`DECODE_T` x quant in :data:`DECODE_QUANTS` (quick: T in {1, 64}, bf16 and
+    MXFP4) of ``model``'s layer, by default gpt-oss-120b's (:data:`DECODE_PRESET`: E=128, topk 4, H=I=2880,
+    clamped SwiGLU, expert biases). Tiny (CPU): gpt-oss's layer at E=4, topk 2, H=64, I=32, T in {1, 4}."""
+    ts = (1, 4) if tiny else (1, 64) if quick else DECODE_T
+    qs = DECODE_QUANTS[:2] if quick else DECODE_QUANTS
+    if model is None:
+        model = preset_model(DECODE_PRESET)
+        if tiny:
+            c = model.config.replace(num_experts=4, topk=2, hidden_size=64, intermediate_size=32)
+            model = BenchModel(name="gpt-oss-tiny", config=c, arch=model.arch)
+    c = model.config
+    return [DecodeSpec(T=T, quant=q, E=c.num_experts, topk=c.topk, H=c.hidden_size, I=c.intermediate_size,
+                       model=model.name, base=c, arch=model.arch) for q in qs for T in ts]
 
 
 def gemm_bwd_specs(quick: bool = False, tiny: bool = False, model: BenchModel | None = None) -> list[GemmBwdSpec]:

@@ -14,7 +14,8 @@ Usage (GPU machine, repo root)::
      "dtype": "fp8", "fast_accum": false, "config": {...every field...}, "ms": 0.26, "heuristic_ms": 0.27,
      "configs_timed": 9, "complete": true}
 
-``fast_accum`` is ``null`` for bf16 and for Pallas-Triton. ``complete`` is false when ``--max-minutes``
+``fast_accum`` is ``null`` for bf16 and for Pallas-Triton. Entries with a ``"kind"`` (the backend choices of
+``benchmarks/tune_backend.py``) are kept as they are. ``complete`` is false when ``--max-minutes``
 ran out inside that sweep (the entry is the best of what was timed, never slower than the heuristic
 it was timed against). Entries already in the output file (or in ``--merge``) are kept unless this
 run tunes the same key again; ``--resume`` skips keys that already have a complete entry, so a sweep
@@ -247,15 +248,18 @@ def main() -> int:
     path = os.path.join(args.out, dev.replace(" ", "_") + ".json")
     merge = args.merge or path
     entries: dict[tuple, dict] = {}
+    others: list[dict] = []  # entries with a "kind" (backend choices, benchmarks/tune_backend.py): kept as they are
     if os.path.exists(merge):
         with open(merge) as f:
-            entries = {entry_key(e): e for e in json.load(f)}
-        print(f"kept {len(entries)} entries of {merge}", flush=True)
+            loaded = json.load(f)
+        entries = {entry_key(e): e for e in loaded if "kind" not in e}
+        others = [e for e in loaded if "kind" in e]
+        print(f"kept {len(entries)} launch configs and {len(others)} other entries of {merge}", flush=True)
     tuned_now: list[tuple] = []
 
     def write():
         with open(path, "w") as f:
-            json.dump(list(entries.values()), f, indent=1)
+            json.dump(others + list(entries.values()), f, indent=1)
 
     print(f"device {dev}; backends {backends}; dtypes {dtypes}; M {ms}; output {path}", flush=True)
     pool = concurrent.futures.ThreadPoolExecutor(max(1, args.jobs))

@@ -532,25 +532,26 @@ class MoECheckpointLayer:
 
     def layer_weights(self, config: MoEConfig):
         """:class:`interop.crosscheck.LayerWeights` (numpy, bf16 / FP8 as ml_dtypes: the bits) for ``config``:
-        FP8 codes and scales as stored when ``config.quant='fp8_block'`` and the checkpoint is FP8, float
-        weights otherwise; the router weight, the correction bias and Qwen3-Next's ``shared_expert_gate``. Raises ValueError if ``config``'s sizes are not the checkpoint's; NotImplementedError for gpt-oss (its router's bias has no place in ``LayerWeights``, whose logits are ``x @ router_weight.T``)."""
+        the codes and scales as stored when the checkpoint is FP8 and ``config.quant='fp8_block'``, or gpt-oss
+        MXFP4 and ``config.quant='mxfp4'`` (uint8 codes, uint8 e8m0 scales), float weights otherwise; the router
+        weight, the correction bias, Qwen3-Next's ``shared_expert_gate``, and gpt-oss's router bias
+        (``router_bias [E]`` float32: the check's logits are ``x @ router_weight.T + router_bias``) and expert biases
+        (``w13_bias [E, 2I]`` / ``w2_bias [E, H]``, the stored dtype). Raises ValueError if ``config``'s sizes are
+        not the checkpoint's."""
         from interop.crosscheck import LayerWeights, to_numpy
 
         self._check_config(config, "layer_weights")
-        if self.router_bias is not None:
-            raise NotImplementedError(
-                f"MoECheckpointLayer.layer_weights: the {self.arch} checkpoint in {self.path!r} has a router bias "
-                f"(router logits x @ W.T + b), which LayerWeights (logits x @ router_weight.T) cannot carry; use "
-                f"arrays('torch') / arrays('jax') and compute the logits with the bias")
-        if self.is_fp8 and config.quant == "fp8_block":
+        if (self.is_fp8 and config.quant == "fp8_block") or (self.is_mxfp4 and config.quant == "mxfp4"):
             w13, w2, s13, s2 = self.w13, self.w2, self.w13_scale, self.w2_scale
         else:
             (w13, w2), s13, s2 = self.float_weights(), None, None
         # Qwen3-Next's shared-expert gate weight: the check computes its logits from it, not from a seeded one
         gate = {} if self.shared_expert_gate is None else {"shared_expert_gate": to_numpy(self.shared_expert_gate)}
+        router_bias = None if self.router_bias is None else to_numpy(self.router_bias.float())
         return LayerWeights(w13=to_numpy(w13), w2=to_numpy(w2), w13_scale=to_numpy(s13), w2_scale=to_numpy(s2),
                             router_weight=to_numpy(self.router_weight),
-                            e_score_correction_bias=to_numpy(self.e_score_correction_bias), **gate)
+                            e_score_correction_bias=to_numpy(self.e_score_correction_bias), router_bias=router_bias,
+                            w13_bias=to_numpy(self.w13_bias), w2_bias=to_numpy(self.w2_bias), **gate)
 
     def arrays(self, framework: str, config: MoEConfig | None = None) -> dict:
         """This EP rank's (``config``; default: all experts) weights as jax arrays (default device) or torch

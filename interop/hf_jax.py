@@ -9,7 +9,9 @@ built around it is ``examples/jax_hf_model.py``.
 FP8 checkpoints stay FP8: DeepSeek-V3-style ``weight`` float8_e4m3fn + ``weight_scale_inv`` 128x128
 block multipliers become a ``quant='fp8_block'`` layer holding those very codes and scales (no
 dequantize-requantize round trip). Asking for another ``quant`` dequantizes them (and, for
-``fp8_per_token``, requantizes per channel).
+``fp8_per_token``, requantizes per channel). gpt-oss's MXFP4 checkpoints likewise: ``*_blocks`` / ``*_scales``
+become a ``quant='mxfp4'`` layer holding the file's e2m1 codes and e8m0 scales bit for bit; its router's bias is
+:class:`MoEBlock`'s ``router_bias``, its expert biases the layer's ``w13_bias`` / ``w2_bias``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 from interop.checkpoints import load_moe_layer
 from moe_contract.validation import FLOAT_DTYPES, dtype_name
 from moe_pallas.module import MoEBlock, MoELayer
-from moe_pallas.ops.quant.api import dequantize_weight_fp8
+from moe_pallas.ops.quant.api import dequantize_weight_fp8, dequantize_weight_mxfp4
 
 
 def load_nnx_moe_block(
@@ -36,7 +38,12 @@ def load_nnx_moe_block(
     Families (:func:`interop.checkpoints.load_moe_layer`): Mixtral, Qwen3-MoE, DeepSeek-V3 and Kimi K2 (its layout),
     GLM-4.5 (``glm4_moe``: DeepSeek-V3's routing and shared experts), Qwen3-Next (the shared expert fused, its
     ``shared_expert_gate [1, H]`` the layer's ``shared_expert_gate`` weight: ``config.shared_expert_gate``) and
-    Llama 4 (sigmoid top-k on the expert input: ``config.apply_router_weight_on_input``; the shared expert fused).
+    Llama 4 (sigmoid top-k on the expert input: ``config.apply_router_weight_on_input``; the shared expert fused) and
+    gpt-oss (``gpt_oss``: the router's ``router.bias [E]`` the block's ``router_bias``, float32; the experts'
+    ``gate_up_proj_bias [E, 2I]`` / ``down_proj_bias [E, H]`` the layer's ``w13_bias`` / ``w2_bias``,
+    ``config.expert_bias``; interleaved gate/up rows, ``swiglu_oai``; MXFP4 experts as the file's codes and scales,
+    ``quant='mxfp4'``, float experts transposed from ``GptOssExperts``' in-by-out layout). Its block equals
+    transformers 5.24's ``GptOssMLP`` (``tests/test_hf_gpt_oss.py``).
     The block returns the hidden states only, for every family (``MoEBlock.router_logits(x)`` gives the logits that
     transformers' ``Llama4TextMoe`` returns beside them).
 
@@ -47,13 +54,16 @@ def load_nnx_moe_block(
       implementation: the layer's backend (``None``, ``"reference"``, ``"pallas_triton"``,
         ``"pallas_mosaic_gpu"``), as :class:`moe_pallas.MoELayer` takes it.
       dtype: the float expert weights' dtype (float32 / bfloat16 / float16; the hidden states the block
-        then takes for ``quant='none'``), and the router's (and Qwen3-Next's shared-expert gate's) for the
-        softmax and Llama 4 families; default: as the loader returns them. DeepSeek-V3's and GLM-4.5's routers
-        stay float32 (transformers keeps their ``gate.weight`` in float32).
-        FP8 codes are never cast.
+        then takes for ``quant='none'``), and the router's (and Qwen3-Next's shared-expert gate's, gpt-oss's expert
+        biases') for the softmax and Llama 4 families and gpt-oss; default: as the loader returns them (FP8 and
+        MXFP4 experts asked for another ``quant``: dequantized exactly, float32). DeepSeek-V3's and GLM-4.5's
+        routers stay float32 (transformers keeps their ``gate.weight`` in float32). gpt-oss's router bias is
+        rounded to ``dtype`` (the value transformers would hold) and kept in float32.
+        FP8 and MXFP4 codes are never cast.
       preset: a :class:`moe_contract.ModelPreset` giving the routing when there is no ``config.json``.
       config_overrides: :class:`moe_contract.MoEConfig` fields (``quant``, ``ep_size``, ``ep_rank``...).
-        ``quant`` defaults to ``'fp8_block'`` for an FP8 checkpoint, ``'none'`` otherwise.
+        ``quant`` defaults to ``'fp8_block'`` for an FP8 checkpoint, ``'mxfp4'`` for gpt-oss's MXFP4 one,
+        ``'none'`` otherwise.
 
     Returns: a :class:`MoEBlock`: ``block(hidden_states [B, S, H]) -> [B, S, H]`` (this EP rank's partial
     sum when ``ep_size > 1``); ``block.layer`` is the :class:`MoELayer`, ``block.config`` its config.
@@ -71,32 +81,37 @@ def load_nnx_moe_block(
             raise TypeError(f"{op}: dtype must be None or one of {FLOAT_DTYPES}; got dtype={dtype!r}")
         dtype = jnp.dtype(dtype_name(dtype))
     ck = load_moe_layer(path, layer)
-    if ck.router_bias is not None:  # gpt-oss: MoEBlock's router is x @ W.T, without a bias
-        raise NotImplementedError(f"{op}: the {ck.arch} checkpoint at {path!r} has a router bias (GptOssTopKRouter: "
-                                  f"x @ W.T + b), which MoEBlock does not add; build MoELayer from "
-                                  f"interop.checkpoints.load_moe_layer(path).arrays('jax') and add the bias to the "
-                                  f"router logits")
-    config = ck.config(preset, **config_overrides)  # quant: the checkpoint's ('fp8_block' or 'none') unless overridden
+    # quant: the checkpoint's ('fp8_block', 'mxfp4' or 'none') unless overridden
+    config = ck.config(preset, **config_overrides)
 
     def cast(a):
         return a if dtype is None else a.astype(dtype)
 
-    if ck.is_fp8 and config.quant == "fp8_block":  # the checkpoint's own codes and block scales, this rank's slice
+    def optional(a, name):  # Qwen3-Next's shared-expert gate, gpt-oss's expert biases: None for the other families
+        return None if a[name] is None else cast(a[name])
+
+    # the checkpoint's own codes and scales (FP8 128x128 blocks, MXFP4 e8m0 groups), this rank's slice
+    if (ck.is_fp8 and config.quant == "fp8_block") or (ck.is_mxfp4 and config.quant == "mxfp4"):
         a = ck.arrays("jax", config)
-        gate = None if a["shared_expert_gate"] is None else cast(a["shared_expert_gate"])
         moe = MoELayer(config, a["w13"], a["w2"], w13_scale=a["w13_scale"], w2_scale=a["w2_scale"],
-                       e_score_correction_bias=a["e_score_correction_bias"], shared_expert_gate=gate,
-                       implementation=implementation)
+                       w13_bias=optional(a, "w13_bias"), w2_bias=optional(a, "w2_bias"),
+                       e_score_correction_bias=a["e_score_correction_bias"],
+                       shared_expert_gate=optional(a, "shared_expert_gate"), implementation=implementation)
     else:  # every expert's float weights; from_float slices this rank's and quantizes per config.quant
         a = ck.arrays("jax")
         w13, w2 = a["w13"], a["w2"]
         if ck.is_fp8:
             w13 = dequantize_weight_fp8(w13, a["w13_scale"])
             w2 = dequantize_weight_fp8(w2, a["w2_scale"])
-        gate = None if a["shared_expert_gate"] is None else cast(a["shared_expert_gate"])
-        moe = MoELayer.from_float(config, cast(w13), cast(w2), e_score_correction_bias=a["e_score_correction_bias"],
-                                  shared_expert_gate=gate, implementation=implementation)
+        elif ck.is_mxfp4:  # exact in float32
+            w13 = dequantize_weight_mxfp4(w13, a["w13_scale"])
+            w2 = dequantize_weight_mxfp4(w2, a["w2_scale"])
+        moe = MoELayer.from_float(config, cast(w13), cast(w2), w13_bias=optional(a, "w13_bias"),
+                                  w2_bias=optional(a, "w2_bias"), e_score_correction_bias=a["e_score_correction_bias"],
+                                  shared_expert_gate=optional(a, "shared_expert_gate"), implementation=implementation)
     router = a["router_weight"]
     # DeepSeek-V3's and GLM-4.5's routers are float32 (transformers' _keep_in_fp32_modules_strict: gate.weight)
     router = router.astype(jnp.float32) if ck.e_score_correction_bias is not None else cast(router)
-    return MoEBlock(router, moe)
+    # gpt-oss's GptOssTopKRouter.bias: the value transformers holds in dtype, widened to float32 (exact)
+    router_bias = None if a["router_bias"] is None else cast(a["router_bias"]).astype(jnp.float32)
+    return MoEBlock(router, moe, router_bias=router_bias)

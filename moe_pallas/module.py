@@ -395,23 +395,34 @@ class MoEBlock(nnx.Module):
     ``shared_expert_gate`` (``sigmoid(x @ w.T)`` times the shared MLP) is the layer's own weight
     (:class:`MoELayer` ``shared_expert_gate``, ``config.shared_expert_gate``); Llama 4's input-scaled routing is
     ``config.apply_router_weight_on_input`` (both read from checkpoints by :func:`interop.hf_jax.load_nnx_moe_block`).
+    gpt-oss's ``GptOssMLP`` has a router with a bias (transformers 5.24 ``GptOssTopKRouter``,
+    ``models/gpt_oss/modeling_gpt_oss.py``: ``router_logits = F.linear(hidden_states, weight, bias)``): give it as
+    ``router_bias``; its expert biases and clamped SwiGLU are the layer's (``config.expert_bias``,
+    ``activation='swiglu_oai'``, ``gate_up_layout='interleaved'``). ``GptOssTopKRouter``'s softmax over the top-k
+    logits is the contract's ``softmax_topk`` with ``renormalize=True``.
 
     Args:
       router_weight: ``[E, H]`` float32 / bf16 / float16, the ``gate.weight`` of the block (an ``nnx.Param``:
         ``nnx.grad`` reaches it through the gate weights, and the float experts through the layer).
       layer: the :class:`MoELayer` (this EP rank's experts, routing, ``e_score_correction_bias``).
+      router_bias: ``None`` (default: no bias, every family but gpt-oss) or ``[E]`` float32, the router's bias
+        (gpt-oss's ``router.bias``; a bf16 checkpoint's values widen to float32 exactly); an ``nnx.Param``, trained
+        as ``GptOssTopKRouter.bias`` is. The logits are then ``x @ router_weight.T + router_bias``: the bias is added
+        to the float32 accumulator and the sum rounded once to the router weight's dtype (:meth:`router_logits`).
 
     Under EP (``layer.config.ep_size > 1``) the output is this rank's partial sum, as the layer's.
     :func:`interop.hf_jax.load_nnx_moe_block` builds one from a Hugging Face checkpoint directory.
 
-    Raises: TypeError (``router_weight`` not a float jax array, ``layer`` not a :class:`MoELayer`),
-      ValueError (``router_weight`` not ``[E, H]`` of the layer's config).
+    Raises: TypeError (``router_weight`` not a float jax array, ``router_bias`` not a float32 jax array, ``layer``
+      not a :class:`MoELayer`), ValueError (``router_weight`` not ``[E, H]``, ``router_bias`` not ``[E]`` of the
+      layer's config), on the host, before anything is stored.
 
     The torch counterpart is ``moe_torch.HFMoEBlock`` (``moe_torch/hf.py``), which ``moe_torch.patch_hf_model``
-    puts in place of a transformers block; this one is built from a checkpoint instead.
+    puts in place of a transformers block (it keeps transformers' router module, ``GptOssTopKRouter``'s bias
+    included); this one is built from a checkpoint instead. ``moe_torch/module.py`` has no block class.
     """
 
-    def __init__(self, router_weight: jax.Array, layer: MoELayer) -> None:
+    def __init__(self, router_weight: jax.Array, layer: MoELayer, *, router_bias: jax.Array | None = None) -> None:
         op = "MoEBlock"
         if not isinstance(layer, MoELayer):
             raise TypeError(f"{op}: layer must be a moe_pallas.MoELayer; got {type(layer).__module__}.{type(layer).__name__}")
@@ -420,7 +431,13 @@ class MoEBlock(nnx.Module):
         check_shape(op, "router_weight", router_weight, (c.num_experts, c.hidden_size),
                     f"[E, H] = ({c.num_experts}, {c.hidden_size}) (the router of the layer's config)")
         check_dtype(op, "router_weight", router_weight, FLOAT_DTYPES)
+        if router_bias is not None:  # gpt-oss: GptOssTopKRouter's bias, logits x @ W.T + b
+            check_call_arrays(op, dict(router_bias=router_bias))
+            check_shape(op, "router_bias", router_bias, (c.num_experts,),
+                        f"[E] = ({c.num_experts},) float32 (the router's bias, one per expert of the layer's config)")
+            check_dtype(op, "router_bias", router_bias, ("float32",))
         self.router_weight = nnx.Param(router_weight)
+        self.router_bias = None if router_bias is None else nnx.Param(router_bias)
         self.layer = layer
 
     @property
@@ -429,7 +446,9 @@ class MoEBlock(nnx.Module):
 
     def router_logits(self, hidden_states: jax.Array) -> jax.Array:
         """``hidden_states [B, S, H]`` (or ``[T, H]``) -> ``router_logits [B*S, E]`` in the router weight's
-        dtype (what transformers' routers return first, e.g. for an auxiliary load-balancing loss).
+        dtype (what transformers' routers return first, e.g. for an auxiliary load-balancing loss): ``x @ W.T``, or
+        with a ``router_bias`` ``x @ W.T + router_bias`` (gpt-oss's ``GptOssTopKRouter``), the float32 bias added to
+        the float32 accumulator before the one rounding to the weight's dtype (as ``F.linear``'s fused bias).
 
         A float32 router multiplies at ``Precision.HIGHEST`` (IEEE float32 products, as torch's
         ``F.linear``): XLA's GPU default for float32 dots is TF32-like (10-bit mantissas), which moved
@@ -440,6 +459,8 @@ class MoEBlock(nnx.Module):
         precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
         logits = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)
+        if self.router_bias is not None:
+            logits = logits + self.router_bias[...]
         return cast_rounded(logits, w.dtype)
 
     def __call__(self, hidden_states: jax.Array) -> jax.Array:

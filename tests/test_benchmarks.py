@@ -7,6 +7,7 @@ backward rows are, ``--tiny --what gemm_bwd,layer_bwd``: ~25 s of CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -47,10 +48,10 @@ def test_group_sizes_rejects_unknown_routing():
 
 def test_spec_counts_and_fields():
     full, quick = S.gemm_specs(), S.gemm_specs(quick=True)
-    assert len(full) == 2 * 3 * 2 * 2 and len(set(full)) == len(full)
+    assert len(full) == 2 * 3 * 2 * 3 and len(set(full)) == len(full)  # shapes x M x routings x dtypes
     assert len(quick) == 4 and set(quick) <= set(full)
     assert {(s.K, s.N) for s in full} == {(7168, 4096), (2048, 7168)} and {s.E for s in full} == {32}
-    assert len(S.layer_specs()) == 6 and len(S.layer_specs(quick=True)) == 2
+    assert len(S.layer_specs()) == 9 and len(S.layer_specs(quick=True)) == 3  # T x (none, fp8_per_token, fp8_block)
     for spec in full + S.gemm_specs(tiny=True):
         offs = spec.expert_offsets()
         assert offs.dtype == np.int32 and offs.shape == (spec.E + 1,) and offs[0] == 0 and offs[-1] == spec.M
@@ -173,6 +174,117 @@ def test_pad_groups():
     idx, ends = bench.pad_groups(sizes, 16)
     np.testing.assert_array_equal(ends, [16, 16, 48, 64])
     np.testing.assert_array_equal(idx, list(range(3)) + list(range(16, 33)) + list(range(48, 64)))
+
+
+def test_fp8_block_gemm_specs_bytes_and_validation():
+    """fp8_block GEMM specs (DeepSeek-V3: x in 1x128 groups, w in 128x128 blocks): in the full run at both shapes,
+    every M and routing, not in --quick; the tiny ones tile K by 128 (two K-blocks) with an N tail; min_bytes counts
+    the 1-byte codes and the float32 scales [M, K/128] and [experts with rows, ceil(N/128), K/128]; the roofline takes
+    the FP8 peak; K not a multiple of 128 or an unknown dtype is refused; a model whose K is not (gpt-oss: H = I =
+    2880) gets neither fp8_block GEMMs nor fp8_block layer rows, DeepSeek-V3 both."""
+    full = [s for s in S.gemm_specs() if s.dtype == "fp8_block"]
+    assert {(s.shape, s.K, s.N, s.M, s.routing) for s in full} == {
+        (sh, *S.GEMM_SHAPES[sh], M, r) for sh in S.GEMM_SHAPES for M in S.GEMM_M for r in S.ROUTINGS}
+    assert full[0].name == "gemm/gate_up/fp8_block/M=256/uniform"
+    assert {s.dtype for s in S.gemm_specs(quick=True)} == {"bf16", "fp8"}
+    tiny = [s for s in S.gemm_specs(tiny=True) if s.dtype == "fp8_block"]
+    assert len(tiny) == 4 and {(s.K, s.N) for s in tiny} == {(256, 160)}
+    spec = S.GemmSpec(shape="x", E=8, K=384, N=200, M=5, routing="zipf", dtype="fp8_block")
+    active = int((spec.group_sizes() > 0).sum())
+    assert 1 <= active <= 5
+    codes, out = 5 * 384 + active * 200 * 384, 5 * 200 * 2
+    assert spec.min_bytes == codes + out + (5 * 3 + active * 2 * 3) * 4  # K/128 = 3, ceil(200/128) = 2
+    assert spec.flops == 2 * 5 * 200 * 384 and H.PEAK_FLOPS["fp8_block"] == H.PEAK_FP8_FLOPS
+    with pytest.raises(ValueError, match=r"K must be a multiple of 128 for dtype='fp8_block' \(x is quantized per "
+                                         r"1x128 group along K\); got K=64"):
+        S.GemmSpec(shape="x", E=2, K=64, N=32, M=4, routing="uniform", dtype="fp8_block")
+    with pytest.raises(ValueError, match="GemmSpec: dtype must be one of"):
+        S.GemmSpec(shape="x", E=2, K=64, N=32, M=4, routing="uniform", dtype="fp4")
+    gpt = S.preset_model("gpt-oss-20b")
+    assert gpt.quants == ("none", "fp8_per_token") and {s.dtype for s in S.gemm_specs(model=gpt)} == {"bf16", "fp8"}
+    ds = S.preset_model("deepseek-v3")
+    assert ds.quants == S.LAYER_QUANTS == ("none", "fp8_per_token", "fp8_block")
+    blocks = {(s.shape, s.K) for s in S.gemm_specs(model=ds) if s.dtype == "fp8_block"}
+    assert blocks == {("gate_up", 7168), ("down", 2048)}
+    assert [(s.H, s.I) for s in S.layer_specs(tiny=True) if s.quant == "fp8_block"] == [(128, 128)] * 2  # its block
+
+
+@needs_triton_interpreter  # ours-torch-triton runs in Triton's interpreter
+def test_fp8_block_gemm_rows_judged_and_tokamax_peer_skipped_on_cpu(tmp_path, monkeypatch):
+    """bench_gemm on a tiny fp8_block spec (CPU, kernels interpreted): our three backends have rows, Triton and
+    Pallas-Triton judged right against the reference and timed (FP8 rates), Mosaic GPU 'not available', and
+    torch._scaled_grouped_mm a skip row (torch has no 128x128 block-scaled grouped GEMM); nothing else. A bf16
+    spec's tokamax ragged_dot peer is a skip row on the CPU (needs an NVIDIA GPU), and on a GPU without tokamax
+    too (not importable). The gate judges the fp8_block rows: a Triton GEMM that scales every K-block by the first
+    one's weight scale (K-block promotion left out), or by the first activation group's scale, is WRONG, not timed."""
+    import jax
+
+    import moe_torch
+
+    args = ["--out", str(tmp_path), "--rep-ms", "1", "--warmup-ms", "1"]
+    spec = next(s for s in S.gemm_specs(tiny=True) if s.dtype == "fp8_block" and s.M == 64 and s.routing == "zipf")
+    ctx = bench.Ctx(bench.parse_args(args))
+    bench.bench_gemm(ctx, spec, bench.GemmWeights())
+    rows = {r["backend"]: r for r in ctx.rows}
+    assert list(rows) == ["ours-torch-triton", "ours-jax-pallas_triton", "ours-jax-pallas_mosaic_gpu",
+                          "torch._scaled_grouped_mm"]
+    for name in ("ours-torch-triton", "ours-jax-pallas_triton"):
+        r = rows[name]
+        assert r["error"] is None and r["dtype"] == "fp8_block" and r["K"] == 256 and r["N"] == 160, r
+        assert r["rel_err"] is not None and r["rel_err"] < 1e-3 and r["median_ms"] > 0, r
+        assert r["tflops"] == pytest.approx(spec.flops / r["median_ms"] / 1e9), r
+    assert rows["ours-jax-pallas_mosaic_gpu"]["error"].startswith("not available")
+    peer = rows["torch._scaled_grouped_mm"]
+    assert H.skipped(peer) and "128x128" in peer["error"] and peer["median_ms"] is None, peer
+
+    bf16 = next(s for s in S.gemm_specs(tiny=True) if s.dtype == "bf16")
+    ctx = bench.Ctx(bench.parse_args(args + ["--backends", "tokamax"]))
+    bench.bench_gemm(ctx, bf16, bench.GemmWeights())
+    (tk,) = ctx.rows
+    assert tk["backend"] == "tokamax.ragged_dot-mosaic" and H.skipped(tk) and "needs an NVIDIA GPU" in tk["error"], tk
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+    def no_tokamax():
+        raise ImportError("No module named 'tokamax'")
+
+    monkeypatch.setattr(bench, "import_tokamax", no_tokamax)
+    assert bench.tokamax_ragged_dots(ctx, "gemm", bf16, None) == []
+    assert H.skipped(ctx.rows[-1]) and "tokamax not importable" in ctx.rows[-1]["error"], ctx.rows[-1]
+    monkeypatch.undo()
+
+    real = moe_torch.grouped_gemm
+    for plant in ("w", "x"):
+
+        def planted(x, w, offs, *, x_scale=None, w_scale=None, implementation=None, plant=plant, **kw):
+            if implementation == "triton":
+                if plant == "w":
+                    w_scale = w_scale[:, :, :1].expand_as(w_scale).contiguous()
+                else:
+                    x_scale = x_scale[:, :1].expand_as(x_scale).contiguous()
+            return real(x, w, offs, x_scale=x_scale, w_scale=w_scale, implementation=implementation, **kw)
+
+        monkeypatch.setattr(moe_torch, "grouped_gemm", planted)
+        ctx = bench.Ctx(bench.parse_args(args + ["--backends", "ours-torch-triton"]))
+        bench.bench_gemm(ctx, spec, bench.GemmWeights())
+        (bad,) = ctx.rows
+        assert bad["error"].startswith("WRONG") and bad["median_ms"] is None and bad["rel_err"] > 3e-2, (plant, bad)
+
+
+@needs_triton_interpreter  # ours-torch-triton runs in Triton's interpreter
+def test_fp8_block_layer_rows_on_cpu(tmp_path):
+    """The layer rows serve quant 'fp8_block' (weights in 128x128 blocks from quantize_layer_weights, activations in
+    1x128 groups): the tiny spec (H = I = 128) runs our Triton layer and the reference, judged and timed."""
+    import torch
+
+    ctx = bench.Ctx(bench.parse_args(["--out", str(tmp_path), "--rep-ms", "1", "--warmup-ms", "1", "--backends",
+                                      "ours-torch-triton,ref-torch"]))
+    spec = next(s for s in S.layer_specs(tiny=True) if s.quant == "fp8_block")
+    w13, s13, w2, s2 = bench.layer_weights(ctx, spec, spec.config())
+    assert w13.dtype == torch.float8_e4m3fn and tuple(s13.shape) == (4, 2, 1) and tuple(s2.shape) == (4, 1, 1)
+    bench.bench_layer(ctx, spec, {})
+    assert [r["backend"] for r in ctx.rows] == ["ours-torch-triton", "ref-torch"]
+    for r in ctx.rows:
+        assert r["error"] is None and r["quant"] == "fp8_block" and r["rel_err"] < 1e-3 and r["median_ms"] > 0, r
 
 
 def test_transformers_peer_row_on_tiny_layer_specs(tmp_path):
@@ -320,7 +432,7 @@ def test_specs_take_a_preset_model():
     assert spec.config() == c and spec.arch == "deepseek_v3" and spec.name == "layer/deepseek-v3/E=256/H=7168/I=2048/none/T=32"
     assert spec.flops == 6 * 32 * (8 + 1) * 7168 * 2048  # topk + the shared expert
     assert spec.fields()["routing"] == "biased_grouped_topk" and spec.fields()["shape"] == "deepseek-v3"
-    assert layers[-1].config().quant == "fp8_per_token"
+    assert layers[-1].config().quant == "fp8_block"
     (gate,) = S.gate_specs(model=m)
     assert gate.config() == c and gate.name == "gate/deepseek-v3/biased_grouped_topk/E=256/T=4096"
     assert {n: S.arch_of_preset(n) for n in ("mixtral-8x7b", "qwen3-30b-a3b", "tiny")} == {
@@ -394,13 +506,18 @@ def _save_hf_model(folder, arch: str, *, H: int = 64, I: int = 32, fp8: bool = F
 def hf_checkpoints(tmp_path_factory):
     pytest.importorskip("transformers")
     out = {}
-    for arch in S.HF_BLOCKS:
+    for arch in CKPT_ARCHS:
         out[arch] = tmp_path_factory.mktemp(arch)
         _save_hf_model(str(out[arch]), arch)
     return out
 
 
-@pytest.mark.parametrize("arch", list(S.HF_BLOCKS))
+#: The checkpoint families ``bench.py --weights`` reads (gpt-oss's MXFP4 checkpoints are not among them; its
+#: layer is benchmarked from its preset: ``--what decode``).
+CKPT_ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3")
+
+
+@pytest.mark.parametrize("arch", CKPT_ARCHS)
 def test_bench_layer_runs_checkpoint_weights_against_their_transformers_block(arch, hf_checkpoints, tmp_path):
     """--weights of a checkpoint written by transformers' save_pretrained: the layer rows run its weights (routed
     and shared experts, router, bias: bit for bit), the peer is transformers' block of that model, and every row
@@ -415,7 +532,7 @@ def test_bench_layer_runs_checkpoint_weights_against_their_transformers_block(ar
     model, ckpt = bench.load_model(args)
     L = 1 if arch == "deepseek_v3" else 0
     assert model.name == f"ckpt-{arch}-L{L}" and model.arch == arch and model.weights
-    assert model.quants == S.LAYER_QUANTS
+    assert model.quants == ("none", "fp8_per_token")  # H=64, I=32: no 128x128 blocks (fp8_block)
     ctx = bench.Ctx(args, model, ckpt)
     specs = S.layer_specs(tiny=True, model=model)
     assert {s.name.split("/")[1] for s in specs} == {model.name} and specs[0].E == model.config.num_experts
@@ -880,3 +997,99 @@ def test_jax_layer_held_memory_drops_by_h_with_recompute():
                                args) for rc in (False, True)}
     assert held[False] - held[True] == T * k * 2 * I * 2 / MIB, held
     assert held[True] > T * H_ * 2 / MIB, held
+
+
+# ---------------------------------------------------------------------------------------------- decode rows
+
+
+def test_decode_specs_bytes_are_the_weights_read():
+    """--what decode: gpt-oss-120b's layer (E=128, topk 4, H=I=2880, expert biases) at T in {1, 8, 64, 512} with
+    bf16, MXFP4 and INT4 weights; a row's bytes are its hit experts' weights at 2 / (0.5 + 1/32) / (0.5 + 2/32)
+    bytes a weight (4.25 / 4.5 bits: the scales included) plus their biases, and x / out; setting ``touched`` (the
+    experts the tokens actually reach) replaces the uniform-routing expectation; MXFP4 at T=1 reads about 4x fewer
+    bytes than bf16. Quick: T in {1, 64}, bf16 and MXFP4; tiny: gpt-oss's semantics at E=4, H=64, I=32."""
+    specs = S.decode_specs()
+    assert [(s.T, s.quant) for s in specs] == [(T, q) for q in ("none", "mxfp4", "int4") for T in (1, 8, 64, 512)]
+    s = specs[4]
+    assert s.name == "decode/gpt-oss-120b/E=128/H=2880/I=2880/mxfp4/T=1" and s.arch == "gpt_oss" and s.dtype == "bf16"
+    H_, I_ = 2880, 2880
+    per_expert = 3 * H_ * I_ * (0.5 + 1 / 32) + (2 * I_ + H_) * 2
+    hit = 128 * (1 - (1 - 4 / 128) ** 1)  # = topk at T=1
+    assert s.min_bytes == pytest.approx(hit * per_expert + 2 * 1 * H_ * 2)
+    t = dataclasses.replace(s, touched=3)
+    assert t.min_bytes == pytest.approx(3 * per_expert + 2 * H_ * 2) and t.name == s.name
+    int4 = dataclasses.replace(specs[8], touched=3)
+    assert int4.min_bytes == pytest.approx(3 * (3 * H_ * I_ * (0.5 + 2 / 32) + (2 * I_ + H_) * 2) + 2 * H_ * 2)
+    assert 3.7 < specs[0].min_bytes / s.min_bytes < 3.8  # bf16 / MXFP4 at T=1
+    with pytest.raises(ValueError, match=r"touched must be None or in \[0, E=128\]; got touched=129"):
+        dataclasses.replace(s, touched=129)
+    assert [(q.T, q.quant) for q in S.decode_specs(quick=True)] == [(1, "none"), (64, "none"), (1, "mxfp4"), (64, "mxfp4")]
+    tiny = S.decode_specs(tiny=True)
+    c = tiny[0].config()
+    assert (c.num_experts, c.topk, c.hidden_size, c.intermediate_size) == (4, 2, 64, 32)
+    assert (c.activation, c.gate_up_layout, c.expert_bias) == ("swiglu_oai", "interleaved", True)
+    kimi = S.decode_specs(model=S.preset_model("kimi-k2"))
+    assert {q.E for q in kimi} == {384} and kimi[0].arch == "deepseek_v3"
+
+
+def test_build_hf_block_gpt_oss_maps_our_weights():
+    """transformers' GptOssMLP holding our weights (w13 [E, 2I, H] with gate/up interleaved rows -> its transposed
+    gate_up_proj [E, H, 2I], views, no copy; biases; router weight and bias) equals our reference on its router's
+    logits in float32 (its output is (hidden, router_scores)); the concatenated layout's weights break it."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import moe_torch
+    from moe_contract import get_preset
+
+    config = get_preset("gpt-oss-20b").config().replace(num_experts=8, topk=2, hidden_size=64, intermediate_size=32)
+    g = torch.Generator().manual_seed(7)
+    E, H_, I_ = 8, 64, 32
+    w13, w2 = torch.randn(E, 2 * I_, H_, generator=g) * H_**-0.5, torch.randn(E, H_, I_, generator=g) * I_**-0.5
+    gate_w, rb = torch.randn(E, H_, generator=g) * H_**-0.5, 0.1 * torch.randn(E, generator=g)
+    b13, b2 = 0.1 * torch.randn(E, 2 * I_, generator=g), 0.1 * torch.randn(E, H_, generator=g)
+    x = torch.randn(8, H_, generator=g)
+    logits = bench.router_logits("gpt_oss", x, gate_w, rb)
+    ref = moe_torch.moe_forward(x, logits, w13, w2, config, w13_bias=b13, w2_bias=b2, implementation="reference")
+    for impl in ("grouped_mm", "eager"):
+        block = bench.build_hf_block(config, w13, w2, gate_w, impl, arch="gpt_oss", router_bias=rb, w13_bias=b13,
+                                     w2_bias=b2)
+        assert type(block).__name__ == "GptOssMLP" and block.experts.gate_up_proj.data_ptr() == w13.data_ptr()
+        with torch.no_grad():
+            out = block(x[None])[0].reshape(8, H_)
+        assert (out - ref).norm() / ref.norm() < 1e-5, impl
+    wrong = moe_torch.moe_forward(x, logits, w13, w2, config.replace(gate_up_layout="concatenated"), w13_bias=b13,
+                                  w2_bias=b2, implementation="reference")
+    assert (out - wrong).norm() / ref.norm() > 0.05
+    with pytest.raises(ValueError, match="GptOssMLP needs router_bias"):
+        bench.build_hf_block(config, w13, w2, gate_w, arch="gpt_oss", w13_bias=b13, w2_bias=b2)
+
+
+@needs_triton_interpreter  # ours-torch-triton runs in Triton's interpreter
+def test_tiny_decode_rows_judged_with_touched_bytes(tmp_path, monkeypatch):
+    """bench.py --tiny --what decode (gpt-oss's layer at E=4, topk 2, H=64, I=32; T in {1, 4}): our Triton and
+    reference rows of bf16, MXFP4 and INT4 weights are judged right and timed, their bytes those of the experts
+    the tokens reach (named in the notes; T=1 reaches topk=2 experts), transformers' GptOssMLP is the bf16 rows'
+    peer (judged within the bf16 rule) and a skip row for the 4-bit ones, Mosaic GPU a skip row for 4-bit."""
+    monkeypatch.setattr(bench, "TINY", True)  # the tiny specs (bench.py reads --tiny from sys.argv at import)
+    rc = bench.main(["--tiny", "--what", "decode", "--out", str(tmp_path), "--rep-ms", "1", "--warmup-ms", "1",
+                     "--backends", "ours-torch-triton,ref-torch,transformers,mosaic"])
+    assert rc == 0
+    rows = json.load(open(tmp_path / "bench.json"))
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    assert {r["bench"] for r in rows} == {"decode"}
+    by = {(r["backend"], r["quant"], r["T"]): r for r in rows}
+    for q in ("none", "mxfp4", "int4"):
+        for T in (1, 4):
+            r = by[("ours-torch-triton", q, T)]
+            assert r["error"] is None and r["rel_err"] < 1e-2 and r["median_ms"] > 0, r
+            spec = next(s for s in S.decode_specs(tiny=True) if s.quant == q and s.T == T)
+            touched = int(r["notes"].split("the ")[2].split(" experts")[0])
+            assert (touched == 2) if T == 1 else (2 <= touched <= 4)
+            assert r["gbps"] == pytest.approx(dataclasses.replace(spec, touched=touched).min_bytes / r["median_ms"] / 1e6)
+            mosaic = by[("ours-jax-pallas_mosaic_gpu", q, T)]
+            if q != "none":
+                assert mosaic["error"].startswith(H.SKIPPED) and "no 4-bit weights" in mosaic["error"]
+                assert by[("transformers-GptOssMLP", q, T)]["error"].startswith(H.SKIPPED)
+            else:
+                hf = by[("transformers-GptOssMLP", q, T)]
+                assert hf["error"] is None and 0 < hf["rel_err"] < 1e-2, hf

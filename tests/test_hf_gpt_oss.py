@@ -18,7 +18,11 @@ sections 7 and 8, ``tests/tolerances.py``):
   ``[E, N, K/32, 16]`` blocks) gives those codes and scales bit for bit, transformers' own
   ``convert_moe_packed_tensors`` of the file's blocks equals our dequantization (the orientation), and its layer
   (``quant="mxfp4"``) equals ``GptOssMLP`` holding the dequantized weights; a float checkpoint
-  (``save_pretrained``) equals the block; each missing tensor and a wrong ``swiglu_limit`` are named.
+  (``save_pretrained``) equals the block; each missing tensor and a wrong ``swiglu_limit`` are named;
+- the router's bias (issue 15; both refused before): ``interop.hf_jax.load_nnx_moe_block`` of both checkpoints
+  (``MoEBlock.router_bias``) equals ``GptOssMLP``, output and ``nnx.grad``; the bias moves the routing (dropped, the
+  experts chosen and the output differ); ``epmoe check --weights`` of both passes, its logits ``GptOssTopKRouter``'s
+  (``LayerWeights.router_bias``); a bad ``router_bias`` is refused on the host.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 import moe_torch
 from moe_torch.hf import HFMoEBlock, block_layer_weights, patch_hf_model
 from moe_torch.module import EPMoE
-from tolerances import F32_REL_FRO, GRAD_F32_REL_FRO, assert_exact, assert_rel_fro, rel_fro
+from tolerances import BF16_REL_FRO, F32_REL_FRO, GRAD_F32_REL_FRO, assert_exact, assert_rel_fro, rel_fro
 
 transformers = pytest.importorskip("transformers")
 from interop.checkpoints import load_moe_layer  # noqa: E402
@@ -282,8 +286,6 @@ def test_loader_reads_mxfp4_codes_and_equals_the_block(tmp_path):
     f = ck.arrays("torch", cfg.replace(quant="none"))
     assert f["w13_scale"] is None and f["w13"].dtype == torch.bfloat16
     assert_exact(f["w13"].float(), wd13.to(torch.bfloat16).float(), "dequantized w13")
-    with pytest.raises(NotImplementedError, match=r"router bias"):
-        ck.layer_weights(cfg)
 
 
 def test_loader_reads_a_float_gpt_oss_checkpoint(tmp_path):
@@ -304,10 +306,6 @@ def test_loader_reads_a_float_gpt_oss_checkpoint(tmp_path):
         want = block(x)[0][0]
         got = layer(x[0], block.router(x[0])[0])
     assert_rel_fro(got, want, F32_REL_FRO, "float checkpoint layer vs GptOssMLP")
-    from interop.hf_jax import load_nnx_moe_block
-
-    with pytest.raises(NotImplementedError, match=r"router bias"):
-        load_nnx_moe_block(str(tmp_path))
 
 
 @pytest.mark.parametrize("suffix", ["router.weight", "router.bias", "experts.gate_up_proj_blocks",
@@ -328,3 +326,174 @@ def test_loader_gpt_oss_config_errors_name_the_key(config_set, match, tmp_path):
     folder, _ = mxfp4_checkpoint(gpt_oss_block(), tmp_path, config_set=config_set)
     with pytest.raises(ValueError, match=match):
         load_moe_layer(folder).config()
+
+
+# ----------------------------------------------------------------------------------------------
+# The router's bias: load_nnx_moe_block (MoEBlock.router_bias) and `epmoe check --weights` (LayerWeights.router_bias)
+# ----------------------------------------------------------------------------------------------
+
+
+def _jax(t):
+    import jax.numpy as jnp
+
+    return jnp.asarray(t.detach().cpu().numpy())
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_checkpoints(tmp_path_factory):
+    """``{"mxfp4": (folder, GptOssMLP holding the file's experts dequantized), "float": (folder, the saved model's
+    GptOssMLP)}``: a synthetic MXFP4 checkpoint (:func:`mxfp4_checkpoint`) and ``GptOssForCausalLM.save_pretrained``."""
+    block = gpt_oss_block(4)
+    folder, _ = mxfp4_checkpoint(block, tmp_path_factory.mktemp("mxfp4"))
+    wd13, wd2 = load_moe_layer(folder).float_weights()  # exact in float32
+    deq = copy.deepcopy(block)
+    with torch.no_grad():
+        deq.experts.gate_up_proj.copy_(wd13.transpose(1, 2))
+        deq.experts.down_proj.copy_(wd2.transpose(1, 2))
+    model = gpt_oss_model(6)
+    saved = tmp_path_factory.mktemp("float")
+    model.save_pretrained(saved)
+    return {"mxfp4": (folder, deq), "float": (str(saved), model.model.layers[0].mlp)}
+
+
+@pytest.mark.parametrize("kind", ["mxfp4", "float"])
+def test_load_nnx_moe_block_gpt_oss_equals_gpt_oss_mlp(kind, gpt_oss_checkpoints):
+    """Named regression (issue 15): ``load_nnx_moe_block`` of a gpt-oss checkpoint raised NotImplementedError
+    ("router bias"). Now the block holds the file's ``router.bias`` as ``router_bias`` (float32), the expert biases
+    (``config.expert_bias``), and for MXFP4 the file's codes and e8m0 scales bit for bit (``quant="mxfp4"``); its output
+    and ``nnx.grad`` of x, the router weight and bias, both expert biases (and the float experts) equal
+    ``GptOssMLP``'s ``.backward()`` within 1e-5 (float32; the MXFP4 block against ``GptOssMLP`` on the dequantized
+    experts)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from interop.hf_jax import load_nnx_moe_block
+
+    folder, block = gpt_oss_checkpoints[kind]
+    block = copy.deepcopy(block)  # .backward() below accumulates into its parameters' .grad
+    ck = load_moe_layer(folder)
+    ours = load_nnx_moe_block(folder)
+    c = ours.config
+    assert (c.quant, c.routing, c.renormalize, c.activation, c.gate_up_layout, c.expert_bias, c.topk) == (
+        "mxfp4" if kind == "mxfp4" else "none", "softmax_topk", True, "swiglu_oai", "interleaved", True, TOPK)
+    assert ours.router_bias[...].dtype == jnp.float32 and isinstance(ours.router_bias, nnx.Param)
+    assert_exact(ours.router_bias[...], block.router.bias.detach(), "router_bias: the file's router.bias")
+    assert_exact(ours.layer.w13_bias[...], ck.w13_bias, "w13_bias: the file's gate_up_proj_bias")
+    assert_exact(ours.layer.w2_bias[...], ck.w2_bias, "w2_bias: the file's down_proj_bias")
+    if kind == "mxfp4":  # the file's bytes: no dequantize-requantize round trip
+        for name in ("w13", "w2", "w13_scale", "w2_scale"):
+            assert_exact(getattr(ours.layer, name)[...], getattr(ck, name), f"{name}: the file's MXFP4 bytes")
+    x, d_out = _inputs(seed=12)
+    want_y, want = block_grads(block, x, d_out)
+
+    def loss(m, xs):
+        out = m(xs)
+        return jnp.sum(out * _jax(d_out)), out
+
+    (_, out), (g, g_x) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(ours, _jax(x))
+    assert float(want_y[0].detach().abs().mean()) > 0.1
+    assert_rel_fro(out, want_y[0], F32_REL_FRO, f"{kind}: load_nnx_moe_block vs GptOssMLP")
+    pairs = {"x": (g_x, want["x"]), "router.weight": (g.router_weight[...], want["router.weight"]),
+             "router.bias": (g.router_bias[...], want["router.bias"]),
+             "experts.gate_up_proj_bias": (g.layer.w13_bias[...], want["experts.gate_up_proj_bias"]),
+             "experts.down_proj_bias": (g.layer.w2_bias[...], want["experts.down_proj_bias"])}
+    if kind == "float":  # in-by-out [E, H, 2I] / [E, I, H]: ours is the transpose
+        pairs["experts.gate_up_proj"] = (g.layer.w13[...], want["experts.gate_up_proj"].transpose(1, 2))
+        pairs["experts.down_proj"] = (g.layer.w2[...], want["experts.down_proj"].transpose(1, 2))
+    for name, (got, w) in pairs.items():
+        assert_rel_fro(got, w, GRAD_F32_REL_FRO, f"{kind}: d_{name}")
+
+
+def test_router_bias_changes_the_routing(gpt_oss_checkpoints):
+    """The bias moves the choice of experts: the block's routing (``select_experts`` of ``router_logits``, which
+    equal ``GptOssTopKRouter``'s logits) is ``router_indices`` for every token; the same block without its bias
+    chooses other experts for some tokens and its output is far outside the contract, so a dropped bias cannot pass."""
+    import moe_pallas
+    from interop.hf_jax import load_nnx_moe_block
+    from moe_pallas.module import MoEBlock
+
+    folder, block = gpt_oss_checkpoints["float"]
+    ours = load_nnx_moe_block(folder)
+    bare = MoEBlock(ours.router_weight[...], ours.layer)  # the same block, no router bias
+    assert bare.router_bias is None
+    x, _ = _inputs(T=32, seed=13)
+    with torch.no_grad():
+        want_logits, _, want_ids = block.router(x[0])
+        want = block(x)[0]
+    logits = ours.router_logits(_jax(x))
+    assert_rel_fro(logits, want_logits, F32_REL_FRO, "router_logits vs GptOssTopKRouter (x @ W.T + b)")
+    kw = ours.config.gate_kwargs()
+    ids = np.sort(np.asarray(moe_pallas.select_experts(logits, **kw)[1]), axis=1)
+    bare_ids = np.sort(np.asarray(moe_pallas.select_experts(bare.router_logits(_jax(x)), **kw)[1]), axis=1)
+    theirs = np.sort(want_ids.numpy(), axis=1)
+    assert_exact(ids, theirs, "experts chosen with the router bias vs GptOssTopKRouter's router_indices")
+    moved = int((bare_ids != theirs).any(axis=1).sum())
+    # measured: 5 of 32 tokens route differently, output rel_fro 0.37
+    assert moved >= 2, f"without the bias only {moved} of 32 tokens route differently"
+    assert_rel_fro(ours(_jax(x)), want, F32_REL_FRO, "with the router bias")
+    assert rel_fro(bare(_jax(x)), want) > 10 * BF16_REL_FRO  # far outside even the bf16 rule
+
+
+@pytest.mark.parametrize("kind,extra", [("mxfp4", ["--ep-size", "2", "--ep-rank", "1"]), ("float", [])])
+def test_check_weights_of_a_gpt_oss_checkpoint_passes(kind, extra, gpt_oss_checkpoints, capsys):
+    """Named regression (issue 15): ``MoECheckpointLayer.layer_weights`` raised NotImplementedError for gpt-oss (no
+    place for the router bias), so ``epmoe check --weights`` refused. Now ``LayerWeights`` carries ``router_bias``
+    (float32) and the expert biases (MXFP4: the file's uint8 codes and e8m0 scales, which the check runs on as they
+    are, as an FP8 checkpoint's); the check's router logits are ``GptOssTopKRouter``'s on its bf16 ``x``
+    (``bf16(x) @ W.T + b``), and the check passes: MXFP4 on the file's codes (rank 1's stage table and the EP summary
+    of both ranks), the float checkpoint."""
+    from interop.cli import main
+    from interop.crosscheck import make_inputs
+
+    folder, block = gpt_oss_checkpoints[kind]
+    ck = load_moe_layer(folder)
+    cfg = ck.config()
+    lw = ck.layer_weights(cfg)
+    assert lw.router_bias.dtype == np.float32
+    assert_exact(lw.router_bias, block.router.bias.detach(), "LayerWeights.router_bias")
+    assert_exact(lw.w13_bias, ck.w13_bias, "LayerWeights.w13_bias")
+    assert_exact(lw.w2_bias, ck.w2_bias, "LayerWeights.w2_bias")
+    if kind == "mxfp4":
+        assert lw.w13.dtype == lw.w13_scale.dtype == np.uint8
+        assert_exact(lw.w13, ck.w13, "MXFP4 codes as stored")
+        assert_exact(lw.w2_scale, ck.w2_scale, "e8m0 scales as stored")
+    inputs, _, _ = make_inputs(cfg, 8, 0, "uniform", lw)
+    xb = torch.from_numpy(inputs.x).to(torch.bfloat16).float()
+    with torch.no_grad():
+        want = torch.nn.functional.linear(xb, block.router.weight, block.router.bias)
+    assert_rel_fro(inputs.router_logits, want, F32_REL_FRO, "the check's router logits vs GptOssTopKRouter")
+    assert main(["check", "--weights", folder, "--tokens", "3", "--implementations", "jnp-reference,torch-reference",
+                 *extra]) == 0
+    out = capsys.readouterr().out
+    assert "gpt_oss layer 0" in out and "expert_bias=True" in out and f"quant={cfg.quant}" in out
+    assert "within the contract" in out
+
+
+@pytest.mark.parametrize("shape,dtype,numpy_array,error,match", [
+    ((E + 1,), "float32", False, ValueError, r"MoEBlock: router_bias must be \[E\] = \(4,\) float32 .*got "
+                                             r"router_bias\.shape=\(5,\)"),
+    ((1, E), "float32", False, ValueError, r"MoEBlock: router_bias must be \[E\] = \(4,\) .*got router_bias\.shape=\(1, 4\)"),
+    ((E,), "bfloat16", False, TypeError, r"MoEBlock: router_bias must have dtype float32; got router_bias\.dtype=bfloat16"),
+    ((E,), "float32", True, TypeError, r"MoEBlock: router_bias must be a jax array .*jnp\.asarray\(router_bias\)"),
+])
+def test_moe_block_router_bias_checked_on_the_host(shape, dtype, numpy_array, error, match, gpt_oss_checkpoints):
+    """A bad ``router_bias`` raises at construction, naming the argument, the expectation and what came; so does
+    the cross-check's ``LayerWeights.router_bias`` of another shape."""
+    import jax.numpy as jnp
+
+    from interop.crosscheck import make_inputs
+    from interop.hf_jax import load_nnx_moe_block
+    from moe_pallas.module import MoEBlock
+
+    ours = load_nnx_moe_block(gpt_oss_checkpoints["float"][0])
+    bias = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    bias = bias if numpy_array else jnp.asarray(bias).astype(dtype)
+    with pytest.raises(error, match=match):
+        MoEBlock(ours.router_weight[...], ours.layer, router_bias=bias)
+    if error is ValueError:
+        ck = load_moe_layer(gpt_oss_checkpoints["float"][0])
+        lw = ck.layer_weights(ck.config())
+        lw.router_bias = np.asarray(bias)
+        with pytest.raises(ValueError, match=rf"make_inputs: weights\.router_bias must be \[E\] = \(4,\) .*got shape "
+                                             rf"{re.escape(str(tuple(shape)))}"):
+            make_inputs(ck.config(), 3, 0, "uniform", lw)

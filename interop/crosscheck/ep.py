@@ -145,7 +145,7 @@ def run_ep_check(
     d_out = make_cotangent(num_tokens, config.hidden_size, seed, act_dt) if backward else None
     biases = expert_biases(config, seed, weights)  # bf16 [E+S, ...] (a model's values), or None
     biases = None if biases is None else tuple(b.astype(act_dt) for b in biases)
-    if quantized and given_s13 is not None:  # FP8 codes and scales as given
+    if quantized and given_s13 is not None:  # FP8 / 4-bit codes and scales as given
         w13_g, w2_g = inputs.w13, inputs.w2
     else:  # float weights: a model's bf16 values, held in the compute dtype
         w13_g = cast_experts(cast_experts(inputs.w13, ml_dtypes.bfloat16), act_dt)
@@ -162,9 +162,10 @@ def run_ep_check(
         """(w13, w13_scale, w2, w2_scale, w13_bias, w2_bias) of every expert, native to ``impl`` (biases None
         without ``config.expert_bias``)."""
         b13, b2 = (None, None) if biases is None else (impl.native(b) for b in biases)
-        if quantized and given_s13 is not None:
-            return (impl.native(w13_g), impl.native(np.asarray(given_s13, np.float32)), impl.native(w2_g),
-                    impl.native(np.asarray(given_s2, np.float32)), b13, b2)
+        if quantized and given_s13 is not None:  # FP8 multipliers float32; 4-bit (MXFP4 e8m0 uint8) scales as stored
+            sd = np.float32 if fp8 else given_s13.dtype
+            return (impl.native(w13_g), impl.native(np.asarray(given_s13, sd)), impl.native(w2_g),
+                    impl.native(np.asarray(given_s2, sd)), b13, b2)
         w13, s13, w2, s2 = impl.mod.quantize_layer_weights(impl.native(w13_g), impl.native(w2_g), single_cfg)
         return w13, s13, w2, s2, b13, b2
 

@@ -39,8 +39,14 @@ from moe_contract.inputs import LayerInputs, for_each_expert, make_layer_inputs,
 class LayerWeights:
     """Global float (or FP8) weights of one layer: ``w13 [E+S, 2I, H]``, ``w2 [E+S, H, I]``, numpy.
 
-    ``w13_scale`` / ``w2_scale``: given with FP8 codes (e.g. a DeepSeek-V3 FP8 checkpoint), else None.
-    ``router_weight [E, H]``: the gate's linear layer; when given, ``router_logits = x @ router_weight.T``.
+    ``w13_scale`` / ``w2_scale``: given with FP8 codes (e.g. a DeepSeek-V3 FP8 checkpoint; float32 multipliers) or
+    4-bit codes (gpt-oss's MXFP4 checkpoint: uint8 ``[E+S, N, K/2]`` codes, uint8 e8m0 ``[E+S, N, K/32]`` scales),
+    else None.
+    ``router_weight [E, H]``: the gate's linear layer; when given, ``router_logits = x @ router_weight.T``
+    (``+ router_bias``).
+    ``router_bias [E]`` float32: the router's bias (gpt-oss's ``GptOssTopKRouter.bias``), added to the logits
+    computed from ``router_weight`` (one set of logits, given to both frameworks' implementations alike); None:
+    no bias. Refused without ``router_weight`` (ValueError in :func:`make_inputs`).
     ``shared_expert_gate [1, H]`` or ``[S, H]``: Qwen3-Next's shared-expert gate weight; when given,
     ``shared_expert_gate_logits = x @ shared_expert_gate.T`` (else the seeded one of
     :func:`moe_contract.inputs.shared_expert_gate_logits`).
@@ -56,6 +62,7 @@ class LayerWeights:
     shared_expert_gate: np.ndarray | None = None
     w13_bias: np.ndarray | None = None
     w2_bias: np.ndarray | None = None
+    router_bias: np.ndarray | None = None
 
 
 def cast_experts(w: np.ndarray, dtype) -> np.ndarray:
@@ -71,13 +78,24 @@ def make_inputs(config: MoEConfig, num_tokens: int, seed: int, routing: str, wei
     """The float32 layer inputs (``LayerInputs``) plus the FP8 weights given, if any.
 
     ``x [T, H]`` and ``router_logits [T, E]`` (float, e.g. :func:`interop.checkpoints.load_inputs`) replace
-    the random ones; without ``router_logits`` they are ``x @ router_weight.T`` (``weights`` must have the
-    router then). A ``config.shared_expert_gate`` layer's ``shared_expert_gate_logits [T, S]`` are ``x`` times the
-    seeded gate weight (:func:`moe_contract.inputs.shared_expert_gate_logits`), given ``x`` or not, or with
+    the random ones; without ``router_logits`` they are ``bf16(x) @ router_weight.T (+ router_bias)`` in float32
+    (``weights`` must have the router then). A ``config.shared_expert_gate`` layer's ``shared_expert_gate_logits
+    [T, S]`` are ``x`` times the seeded gate weight (:func:`moe_contract.inputs.shared_expert_gate_logits`), given ``x`` or not, or with
     ``weights.shared_expert_gate`` ``bf16(x) @ shared_expert_gate.T`` (as the router logits).
-    Raises ValueError on shapes other than ``[num_tokens, H]`` / ``[num_tokens, E]``.
+    Raises ValueError on shapes other than ``[num_tokens, H]`` / ``[num_tokens, E]``, on a ``weights.router_bias``
+    not ``[E]`` or without ``weights.router_weight``; TypeError on a ``router_bias`` not float32.
     """
     T, H, E = num_tokens, config.hidden_size, config.num_experts
+    rb = None if weights is None else weights.router_bias
+    if rb is not None:  # gpt-oss's router bias: checked on the host, never dropped
+        if weights.router_weight is None:
+            raise ValueError("make_inputs: weights.router_bias needs weights.router_weight (the logits are "
+                             "x @ router_weight.T + router_bias); got a bias without the router weight")
+        if np.ndim(rb) != 1 or np.shape(rb) != (E,):
+            raise ValueError(f"make_inputs: weights.router_bias must be [E] = ({E},) (the router's bias); got shape "
+                             f"{np.shape(rb)}")
+        if np.asarray(rb).dtype != np.float32:
+            raise TypeError(f"make_inputs: weights.router_bias must have dtype float32; got {np.asarray(rb).dtype}")
     if x is not None and (x.ndim != 2 or x.shape != (T, H)):
         raise ValueError(f"make_inputs: x must be [T={T}, H={H}]; got shape {x.shape}")
     if router_logits is not None and (x is None or router_logits.shape != (T, E)):
@@ -102,6 +120,8 @@ def make_inputs(config: MoEConfig, num_tokens: int, seed: int, routing: str, wei
     elif weights.router_weight is not None:
         xb = x.astype(ml_dtypes.bfloat16).astype(np.float32)
         logits = (xb @ weights.router_weight.astype(np.float32).T).astype(np.float32)
+        if weights.router_bias is not None:  # gpt-oss: GptOssTopKRouter's logits x @ W.T + b
+            logits = logits + np.asarray(weights.router_bias, np.float32)
     else:
         logits = rng.standard_normal((num_tokens, config.num_experts), dtype=np.float32)
     bias = weights.e_score_correction_bias
@@ -294,8 +314,10 @@ def run_crosscheck(
     if up.quantized and given_s13 is not None:
         up.w13 = np.ascontiguousarray(inputs.w13[start:start + e_local])
         up.w2 = np.ascontiguousarray(inputs.w2[start:start + e_local])
-        up.s13 = np.ascontiguousarray(given_s13[start:start + e_local]).astype(np.float32)
-        up.s2 = np.ascontiguousarray(given_s2[start:start + e_local]).astype(np.float32)
+        # FP8 multipliers as float32; 4-bit scales (MXFP4 uint8 e8m0) as stored: a cast would change their meaning
+        scale_dtype = np.float32 if fp8 else given_s13.dtype
+        up.s13 = np.ascontiguousarray(given_s13[start:start + e_local]).astype(scale_dtype)
+        up.s2 = np.ascontiguousarray(given_s2[start:start + e_local]).astype(scale_dtype)
     else:
         up.w13_float = cast_experts(inputs.w13[start:start + e_local], bf16)
         up.w2_float = cast_experts(inputs.w2[start:start + e_local], bf16)

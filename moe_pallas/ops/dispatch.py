@@ -3,15 +3,17 @@
 ``implementation=None`` tries the op's backends in the default order for the current
 device; a backend that cannot serve a *valid* request raises ``NotImplementedError`` and the
 next one is tried, with a logged warning (never silently). An explicit ``implementation``
-runs that backend only, and its ``NotImplementedError`` reaches the caller.
+runs that backend only, and its ``NotImplementedError`` reaches the caller. An op may pass its
+own default order (``order=``): the grouped GEMMs take theirs per shape and layout from a measured
+table per device kind (``moe_pallas/ops/grouped_gemm/backend_table.py``).
 
-Mirror: ``moe_torch/ops/dispatch.py``.
+Mirror: ``moe_torch/ops/dispatch.py`` (no ``order=`` there: one GPU backend, Triton).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -35,12 +37,15 @@ def default_order() -> tuple[str, ...]:
     return GPU_ORDER if jax.default_backend() == "gpu" else CPU_ORDER
 
 
-def dispatch(op: str, implementation: str | None, backends: Mapping[str, Callable[[], Any]]) -> Any:
-    """Run ``backends[implementation]()``, or with ``None`` the first default backend that serves."""
+def dispatch(op: str, implementation: str | None, backends: Mapping[str, Callable[[], Any]], *,
+             order: Sequence[str] | None = None) -> Any:
+    """Run ``backends[implementation]()``, or with ``None`` the first backend of the default order that serves:
+    ``order`` (backend names; the op's own, e.g. the grouped GEMM's measured choice first), else
+    :func:`default_order`. Names ``backends`` lacks are skipped; the last one left runs unguarded."""
     check_implementation(op, implementation, tuple(backends))
     if implementation is not None:
         return backends[implementation]()
-    order = [name for name in default_order() if name in backends] or ["reference"]
+    order = [name for name in (default_order() if order is None else order) if name in backends] or ["reference"]
     for name in order[:-1]:
         try:
             return backends[name]()

@@ -22,6 +22,7 @@ from moe_contract.op_checks import (check_grouped_gemm, check_grouped_gemm_dbias
 from moe_contract.validation import check_choice
 from moe_pallas.ops.common import cast_rounded, resolve_dtype, takes_jax_arrays
 from moe_pallas.ops.dispatch import dispatch
+from moe_pallas.ops.grouped_gemm import backend_table
 from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton
 from moe_pallas.ops.grouped_gemm.pallas_triton_backward import (grouped_gemm_dbias_pallas_triton,
                                                                  grouped_gemm_dgrad_pallas_triton,
@@ -82,8 +83,11 @@ def grouped_gemm(
         multipliers for ``"int4"``.
       out_dtype: result dtype; default ``x.dtype`` (bf16 for FP8 inputs).
       implementation: ``"pallas_mosaic_gpu"`` (Hopper GPUs only; no 4-bit weights), ``"pallas_triton"``
-        (interpreted on the CPU), ``"reference"``, or ``None``
-        (the device's default order, ``moe_pallas.ops.dispatch``; the reference on the CPU).
+        (interpreted on the CPU), ``"reference"``, or ``None``: on a GPU the backend measured fastest for this
+        layout and shape on this device kind (the nearest ``M_cap`` of the same ``N``, ``K`` and layout in
+        ``tuned/<device kind>.json``, ``backend_table.py``), else the heuristic order (Mosaic GPU first; FP8 with
+        128x128 weight blocks Pallas-Triton first); one that cannot serve falls through the rest of the order
+        with a logged warning. The reference on the CPU.
       w_format: ``None`` (float / FP8 ``w``), or for uint8 ``w`` (required there) ``"mxfp4"`` (e2m1 codes,
         OCP MX v1.0) or ``"int4"`` (offset-binary ``code - 8``, compressed-tensors ``pack-quantized``).
         ``x`` stays float (weight-only, no ``x_scale``), ``K % 32 == 0``; the weights are dequantized in
@@ -131,12 +135,23 @@ def grouped_gemm(
     return _grouped_gemm_fp8(x, w, expert_offsets, x_scale, w_scale, bias, out_dtype, implementation)
 
 
+def _default_order(op: str, implementation: str | None, layout: str, M_cap: int, N: int, K: int):
+    """The order ``dispatch`` tries when ``implementation`` is ``None``: per op, layout and shape
+    (``backend_table.default_order``: the measured table of this device kind, else its heuristic); ``None``
+    (unused, no table read) for an explicit ``implementation``."""
+    if implementation is not None:
+        return None
+    return backend_table.default_order(op, layout, M_cap=M_cap, N=N, K=K)
+
+
 def _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation, w_format=None, bias=None):
-    """The forward's dispatch (inputs validated)."""
+    """The forward's dispatch (inputs validated); the default order from ``backend_table``."""
     extra = {} if w_format is None else {"w_format": w_format}  # calls without 4-bit / bias stay as they were
     if bias is not None:
         extra["bias"] = bias
-    return dispatch("grouped_gemm", implementation, {
+    order = _default_order("grouped_gemm", implementation, backend_table.gemm_layout(x, x_scale, w_scale, w_format),
+                           M_cap=x.shape[0], N=w.shape[1], K=x.shape[1])
+    return dispatch("grouped_gemm", implementation, order=order, backends={
         "pallas_mosaic_gpu": lambda: (_mosaic(x, w, expert_offsets, x_scale, w_scale, out_dtype, bias)
                                       if w_format is None else _mosaic_4bit(w_format)),
         "pallas_triton": lambda: grouped_gemm_pallas_triton(
@@ -314,8 +329,9 @@ def grouped_gemm_dgrad(
         per-channel, or ``[E_local, ceil(N/128), ceil(K/128)]`` 128x128 blocks.
       out_dtype: result dtype; default ``d_y.dtype``.
       implementation: ``"pallas_mosaic_gpu"`` (Hopper GPUs only; 16-bit float ``d_y`` and ``w``),
-        ``"pallas_triton"`` (interpreted on the CPU), ``"reference"``, or ``None`` (the device's default
-        order, ``moe_pallas.ops.dispatch``; the reference on the CPU).
+        ``"pallas_triton"`` (interpreted on the CPU), ``"reference"``, or ``None`` (on a GPU the measured
+        choice of ``backend_table.py`` for op ``"grouped_gemm_dgrad"``, else Mosaic GPU, Pallas-Triton; the
+        reference on the CPU).
 
     Returns: ``d_x [M_cap, K]``, float32 accumulation, in ``out_dtype``.
 
@@ -331,7 +347,9 @@ def grouped_gemm_dgrad(
     M_cap, K = d_y.shape[0], w.shape[2]
     if M_cap == 0:
         return jnp.zeros((0, K), out_dtype)
-    return dispatch(op, implementation, {
+    order = _default_order(op, implementation, backend_table.dgrad_layout(d_y, w_scale),
+                           M_cap=M_cap, N=d_y.shape[1], K=K)
+    return dispatch(op, implementation, order=order, backends={
         "pallas_mosaic_gpu": lambda: _mosaic_dgrad(d_y, w, expert_offsets, w_scale, out_dtype),
         "pallas_triton": lambda: grouped_gemm_dgrad_pallas_triton(d_y, w, expert_offsets, w_scale=w_scale,
                                                                   out_dtype=out_dtype),
@@ -359,8 +377,9 @@ def grouped_gemm_wgrad(
       expert_offsets: ``[E_local + 1]`` int32 (gives ``E_local``); rows ``>= offsets[-1]`` are never read.
       out_dtype: result dtype; default float32.
       implementation: ``"pallas_mosaic_gpu"`` (Hopper GPUs only; 16-bit float inputs), ``"pallas_triton"``
-        (interpreted on the CPU), ``"reference"``, or ``None`` (the device's default order; the
-        reference on the CPU).
+        (interpreted on the CPU), ``"reference"``, or ``None`` (on a GPU the measured choice of
+        ``backend_table.py`` for op ``"grouped_gemm_wgrad"``, else Mosaic GPU, Pallas-Triton; the reference
+        on the CPU).
 
     Returns: ``d_w [E_local, N, K]`` (the weight layout), float32 accumulation, in ``out_dtype``; an
       expert with no rows gets exactly 0.
@@ -376,7 +395,8 @@ def grouped_gemm_wgrad(
     E, N, K = expert_offsets.shape[0] - 1, d_y.shape[1], x.shape[1]
     if x.shape[0] == 0:  # no rows: every expert is empty
         return jnp.zeros((E, N, K), out_dtype)
-    return dispatch(op, implementation, {
+    order = _default_order(op, implementation, backend_table.wgrad_layout(x), M_cap=x.shape[0], N=N, K=K)
+    return dispatch(op, implementation, order=order, backends={
         "pallas_mosaic_gpu": lambda: _mosaic_backward("grouped_gemm_wgrad_pallas_mosaic_gpu")(
             x, d_y, expert_offsets, out_dtype=out_dtype),
         "pallas_triton": lambda: grouped_gemm_wgrad_pallas_triton(x, d_y, expert_offsets, out_dtype=out_dtype),

@@ -15,6 +15,8 @@ device kind (the kernels pass :func:`gpu_device_kind`, read on the host at trace
 the CPU or in interpret mode), and fall back to the heuristics (:func:`heuristic_grouped_gemm_config`,
 :func:`heuristic_mosaic_grouped_gemm_config`) when no entry matches or the nearest one breaks a
 rule of this request (scale layout, whole tiles). Mirror of ``moe_torch/ops/grouped_gemm/config.py``.
+The same file holds the measured backend choices (entries with ``"kind": "backend_choice"``, written by
+``benchmarks/tune_backend.py``, read by ``backend_table.py``); launch configs have no ``"kind"``.
 
 The backward kernels (``pallas_triton_backward.py``) take :class:`GroupedGemmDgradConfig` and
 :class:`GroupedGemmWgradConfig`, from their heuristics only (untuned: no GPU measurements yet).
@@ -399,14 +401,31 @@ def gpu_device_kind() -> str | None:
         return None
 
 
+def tuned_path(device_kind: str) -> str:
+    """The tuned file of ``device_kind``: ``TUNED_DIR/<device kind with spaces as _>.json``."""
+    return os.path.join(TUNED_DIR, device_kind.replace(" ", "_") + ".json")
+
+
 @functools.cache
 def tuned_entries(device_kind: str) -> tuple[dict, ...]:
-    """The tuned entries of ``device_kind`` (e.g. ``"NVIDIA H200"``), ``()`` if none were stored."""
-    path = os.path.join(TUNED_DIR, device_kind.replace(" ", "_") + ".json")
+    """Every entry of the tuned file of ``device_kind`` (e.g. ``"NVIDIA H200"``), ``()`` if none was stored.
+
+    The file is one JSON list of objects: launch configs (no ``"kind"`` key; :func:`nearest_tuned`) and
+    backend choices (``"kind": "backend_choice"``; ``backend_table.py``). ``ValueError`` naming the file
+    if it is not valid JSON or not a list of objects."""
+    path = tuned_path(device_kind)
     if not os.path.exists(path):
         return ()
     with open(path) as f:
-        return tuple(json.load(f))
+        try:
+            entries = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"tuned table {path}: not valid JSON ({exc})") from exc
+    if not isinstance(entries, list) or not all(isinstance(t, dict) for t in entries):
+        raise ValueError(f"tuned table {path}: must be a JSON list of objects (launch configs and backend "
+                         f"choices); got {type(entries).__name__}"
+                         + ("" if not isinstance(entries, list) else " with a non-object entry"))
+    return tuple(entries)
 
 
 def _dtype_key(itemsize: int) -> str | None:
@@ -416,14 +435,16 @@ def _dtype_key(itemsize: int) -> str | None:
 
 def nearest_tuned(device_kind: str | None, backend: str, M_cap: int, N: int, K: int, itemsize: int,
                   fast_accum: bool | None = None) -> dict | None:
-    """The ``"config"`` dict of the tuned entry of ``backend`` for the same ``N``, ``K``, dtype (and, when
-    not ``None``, ``fast_accum``) with the nearest ``M_cap`` in log2 (ties: the first stored); ``None``
-    if ``device_kind`` is ``None`` or nothing matches."""
+    """The ``"config"`` dict of the tuned launch config of ``backend`` for the same ``N``, ``K``, dtype (and,
+    when not ``None``, ``fast_accum``) with the nearest ``M_cap`` in log2 (ties: the first stored); ``None``
+    if ``device_kind`` is ``None`` or nothing matches. Entries with a ``"kind"`` (backend choices) are not
+    launch configs and are skipped."""
     dtype = _dtype_key(itemsize)
     if device_kind is None or dtype is None:
         return None
     matches = [t for t in tuned_entries(device_kind)
-               if (t.get("backend"), t["N"], t["K"], t["dtype"]) == (backend, N, K, dtype)
+               if "kind" not in t  # a launch config (backend choices carry "kind": backend_table.py)
+               and (t.get("backend"), t["N"], t["K"], t["dtype"]) == (backend, N, K, dtype)
                and (fast_accum is None or bool(t.get("fast_accum")) == fast_accum)]
     if not matches:
         return None

@@ -12,8 +12,9 @@ Dataflow of one tile (one row tile of one expert x one ``BLOCK_N`` column tile):
         a = x[rows, k0:k0+BLOCK_K]       rows not owned by this expert masked to 0
         b = w[e, cols, k0:k0+BLOCK_K].T  [BLOCK_K, BLOCK_N] (K-major in memory)
             4-bit w (CONTRACT.md section 9): the packed bytes w_q[e, cols, k0/2 : (k0+BLOCK_K)/2] and
-            each element's group scale w_scale[e, cols, k // 32], decoded to float32 (_w4_tile),
-            rounded to x's dtype, transposed; then the 16/32-bit dot below
+            their groups' scales w_scale[e, cols, k0/32 : (k0+BLOCK_K)/32], decoded to float32 (_w4_tiles),
+            rounded to x's dtype: the low nibbles (even K) and the high nibbles (odd K), each dotted with
+            x's even / odd columns (two 16/32-bit dots)
         16/32-bit: acc = tl.dot(a, b, acc)                        (float32 accumulation)
         FP8 with per-step scales (per-token-group x, 128x128 blocks of w):
                    acc += tl.dot(a, b) * x_scale[rows, k0 // G] * w_scale[e, cols // 128, k0 // 128]
@@ -98,6 +99,7 @@ _WS_NONE, _WS_EXPERT, _WS_CHANNEL, _WS_BLOCK, _WS_MXFP4, _WS_INT4 = (tl.constexp
 _F32_HALF_BITS = tl.constexpr(0x3F000000)
 _F32_2_POW_M127_BITS = tl.constexpr(1 << 22)
 _F32_NAN_BITS = tl.constexpr(0x7FC00000)
+_F32_2_POW_23_BITS = tl.constexpr(0x4B000000)  # 2^23: its float32 mantissa bits hold an integer 0 .. 2^23 - 1 exactly
 #: Vector width of the offsets search: ``E + 1`` offsets in one ``tl.arange``. 4096 experts is
 #: far beyond any model (DeepSeek-V3: 256); more would make every program's search costly.
 _MAX_EXPERTS = 4095
@@ -157,7 +159,7 @@ def _work_item(p, e_ids, starts, ends, first_tile, n_tiles, incl):
 
 
 @triton.jit
-def _w4_tile(
+def _w4_tiles(
     w_rows,  # [BLOCK_N, 1] pointers to w_q[e, cols, 0] (uint8 [E, N, K // 2], unit stride along K // 2)
     ws_rows,  # [BLOCK_N, 1] pointers to w_scale[e, cols, 0] (uint8 e8m0 / bf16 [E, N, K // 32])
     stride_wsk,  # int: w_scale.stride(2)
@@ -165,39 +167,51 @@ def _w4_tile(
     K,  # int: reduction size (a multiple of 32)
     col_mask,  # [BLOCK_N] bool: cols < N
     W4: tl.constexpr,  # _WS_MXFP4 or _WS_INT4
+    BLOCK_N: tl.constexpr,  # columns per tile
     BLOCK_K: tl.constexpr,  # K step: a power of 2 >= 32 (whole scale groups)
+    DTYPE: tl.constexpr,  # x's dtype: the decoded weights are rounded to it
 ):
-    """The float32 weights ``wd[e, cols, k0:k0+BLOCK_K]`` (``[BLOCK_N, BLOCK_K]``, zero outside
-    ``cols < N``, ``k < K``: masked bytes and scales load as 0, and ``e2m1(0) * 2^-127`` and
-    ``(0 - 8) * 0`` are 0) of 4-bit packed codes, exactly as ``dequantize_weight_mxfp4`` /
-    ``dequantize_weight_int4`` (CONTRACT.md section 9): the packed tile ``[BLOCK_N, BLOCK_K // 2]`` is
-    loaded once and its nibbles interleaved (element ``2i`` is byte ``i``'s low nibble); every element
-    reads its group's scale (``k // 32``: whole groups, as ``BLOCK_K`` is a multiple of 32).
+    """``(w_even, w_odd)``: the weights ``wd[e, cols, k0 + 2i]`` and ``wd[e, cols, k0 + 2i + 1]`` (``[BLOCK_N,
+    BLOCK_K // 2]`` each, in ``DTYPE``; zero outside ``cols < N``, ``k < K``: masked bytes and scales load as 0, and
+    ``e2m1(0) * 2^-127`` and ``(0 - 8) * 0`` are 0) of 4-bit packed codes, exactly as ``dequantize_weight_mxfp4`` /
+    ``dequantize_weight_int4`` (CONTRACT.md section 9): byte ``i`` of a row holds element ``2i`` in its low nibble
+    and ``2i + 1`` in its high nibble, so the two halves are the low and the high nibbles of one loaded tile and
+    the caller pairs them with ``x``'s even and odd columns (no interleave: its join / reshape costs a layout
+    conversion). Each group of 32 elements (16 bytes) has one scale: ``[BLOCK_N, BLOCK_K // 32]`` are loaded and
+    decoded once, then broadcast over their 16 bytes.
 
-    MXFP4: e2m1 code ``c`` (sign bit 3, exponent bits 2..1, mantissa bit 0) -> float32 bits: exponent
-    field 0 is ``0`` or ``0.5`` (mantissa 0 / 1), else ``(1 + m / 2) * 2^(ex - 1)``: biased exponent
-    ``ex + 126``, mantissa ``m`` in bit 22; the e8m0 scale ``s`` -> ``2^(s - 127)`` as ``s << 23``, the
-    subnormal ``2^-127`` for ``s = 0``, NaN for ``s = 255``; their product is exact. INT4: ``float32(c - 8)
-    * float32(scale)``."""
-    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # packed byte columns
-    mask = col_mask[:, None] & (kp < K // 2)[None, :]
-    packed = tl.load(w_rows + kp[None, :], mask=mask, other=0).to(tl.int32)  # [BLOCK_N, BLOCK_K // 2]
-    codes = tl.interleave(packed & 0xF, (packed >> 4) & 0xF)  # [BLOCK_N, BLOCK_K], element 2i: low nibble
-    ks = k0 + tl.arange(0, BLOCK_K)
-    k_mask = col_mask[:, None] & (ks < K)[None, :]
-    scale = tl.load(ws_rows + (ks // 32)[None, :] * stride_wsk, mask=k_mask, other=0)  # each element's group
+    MXFP4: code ``c`` -> magnitude ``q = c & 7`` as float32 bits, ``0`` / ``0.5`` for ``q = 0 / 1`` and
+    ``(q << 22) + bits(0.5)`` above (exponent ``(q >> 1) + 126``, mantissa bit ``q & 1``: 1, 1.5, 2, 3, 4, 6), sign
+    bit 3 -> bit 31 (code 8 is -0.0); the e8m0 scale ``s`` -> ``2^(s - 127)`` as ``s << 23``, the subnormal ``2^-127``
+    for ``s = 0``, NaN for ``s = 255``; their product is exact. INT4: ``c - 8`` as ``float32(2^23 + c) - (2^23 + 8)``
+    (exact; no int-to-float conversion), times ``float32(scale)``, rounded once to ``DTYPE``."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    kp = k0 // 2 + tl.arange(0, HALF)  # packed byte columns
+    packed = tl.load(w_rows + kp[None, :], mask=col_mask[:, None] & (kp < K // 2)[None, :], other=0).to(tl.int32)
+    kg = k0 // 32 + tl.arange(0, GROUPS)  # scale groups of this step
+    scale = tl.load(ws_rows + kg[None, :] * stride_wsk, mask=col_mask[:, None] & (kg < K // 32)[None, :], other=0)
     if W4 == _WS_MXFP4:
-        ex = (codes >> 1) & 3
-        man = codes & 1
-        mag = tl.where(ex == 0, man * _F32_HALF_BITS, ((ex + 126) << 23) | (man << 22))
-        value = (mag | ((codes >> 3) << 31)).to(tl.float32, bitcast=True)  # sign bit 3 -> bit 31 (code 8: -0)
         s = scale.to(tl.int32)
         s_bits = tl.where(s == 0, _F32_2_POW_M127_BITS, s << 23)
-        s_bits = tl.where(s == 255, _F32_NAN_BITS, s_bits)
-        wd = value * s_bits.to(tl.float32, bitcast=True)
+        sv = tl.where(s == 255, _F32_NAN_BITS, s_bits).to(tl.float32, bitcast=True)
     else:
-        wd = (codes - 8).to(tl.float32) * scale.to(tl.float32)
-    return wd
+        sv = scale.to(tl.float32)
+    sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, HALF))  # each byte's group
+    lo = _w4_decode(packed & 0xF, W4) * sv
+    hi = _w4_decode((packed >> 4) & 0xF, W4) * sv
+    return lo.to(DTYPE), hi.to(DTYPE)
+
+
+@triton.jit
+def _w4_decode(c, W4: tl.constexpr):
+    """float32 value of 4-bit codes ``c`` (int32, 0..15) before the scale (:func:`_w4_tiles`)."""
+    if W4 == _WS_MXFP4:
+        q = c & 7
+        mag = tl.where(q < 2, q * _F32_HALF_BITS, (q << 22) + _F32_HALF_BITS)
+        return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+    else:
+        return (c | _F32_2_POW_23_BITS).to(tl.float32, bitcast=True) - 8388616.0  # 2^23 + c - (2^23 + 8)
 
 
 @triton.jit
@@ -259,35 +273,45 @@ def _grouped_gemm_tile(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < K
-        a = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4:
-            # 4-bit: decoded in float32 and rounded to x's dtype (CONTRACT.md section 9), then the float dot.
-            wd = _w4_tile(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn,
-                          w_scale_ptr + e64 * stride_wse + cols64[:, None] * stride_wsn, stride_wsk, k0, K, col_mask,
-                          W_SCALE, BLOCK_K)
-            b = tl.trans(wd.to(x_ptr.dtype.element_ty))  # [BLOCK_K, BLOCK_N]
+            # 4-bit: decoded in float32 and rounded to x's dtype (CONTRACT.md section 9); x's even columns meet
+            # the low nibbles, its odd columns the high ones (_w4_tiles), in two float dots.
+            w_even, w_odd = _w4_tiles(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn,
+                                      w_scale_ptr + e64 * stride_wse + cols64[:, None] * stride_wsn, stride_wsk, k0, K,
+                                      col_mask, W_SCALE, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+            kh = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # the even columns of this step
+            h_mask = row_mask[:, None] & (kh < K)[None, :]
+            a_even = tl.load(x_rows + kh[None, :], mask=h_mask, other=0.0)
+            a_odd = tl.load(x_rows + (kh + 1)[None, :], mask=h_mask, other=0.0)
+            if IEEE_F32:  # float32 x: full float32 products (no TF32)
+                acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision="ieee")
+                acc = tl.dot(a_odd, tl.trans(w_odd), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a_even, tl.trans(w_even), acc)
+                acc = tl.dot(a_odd, tl.trans(w_odd), acc)
         else:
+            a = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if X_SCALE == _XS_GROUP or W_SCALE == _WS_BLOCK:
-            # Each K step lies in one scale group: scale its partial sum before accumulating.
-            # max_num_imprecise_acc=BLOCK_K: the fp8 tensor-core sum is promoted to float32
-            # every step (DeepSeek-V3 report, sec. 3.3.2, "increasing accumulation precision").
-            part = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
-            if X_SCALE == _XS_GROUP:
-                sx = tl.load(x_scale_ptr + rows64 * stride_xsm + (k0 // X_GROUP) * stride_xsk, mask=row_mask,
-                             other=0.0)
-                part = part * sx[:, None]
-            if W_SCALE == _WS_BLOCK:
-                sw = tl.load(w_scale_ptr + e64 * stride_wse + (cols // W_BLOCK) * stride_wsn
-                             + (k0 // W_BLOCK) * stride_wsk, mask=col_mask, other=0.0)
-                part = part * sw[None, :]
-            acc += part
-        elif IEEE_F32:
-            acc = tl.dot(a, b, acc, input_precision="ieee")  # TF32 would miss float32 accuracy
-        elif X_SCALE != _XS_NONE:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)  # FP8: promoted every step, as above
-        else:
-            acc = tl.dot(a, b, acc)  # bf16 / fp16 tensor cores, float32 accumulation
+            if X_SCALE == _XS_GROUP or W_SCALE == _WS_BLOCK:
+                # Each K step lies in one scale group: scale its partial sum before accumulating.
+                # max_num_imprecise_acc=BLOCK_K: the fp8 tensor-core sum is promoted to float32
+                # every step (DeepSeek-V3 report, sec. 3.3.2, "increasing accumulation precision").
+                part = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
+                if X_SCALE == _XS_GROUP:
+                    sx = tl.load(x_scale_ptr + rows64 * stride_xsm + (k0 // X_GROUP) * stride_xsk, mask=row_mask,
+                                 other=0.0)
+                    part = part * sx[:, None]
+                if W_SCALE == _WS_BLOCK:
+                    sw = tl.load(w_scale_ptr + e64 * stride_wse + (cols // W_BLOCK) * stride_wsn
+                                 + (k0 // W_BLOCK) * stride_wsk, mask=col_mask, other=0.0)
+                    part = part * sw[None, :]
+                acc += part
+            elif IEEE_F32:
+                acc = tl.dot(a, b, acc, input_precision="ieee")  # TF32 would miss float32 accuracy
+            elif X_SCALE != _XS_NONE:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)  # FP8: promoted every step, as above
+            else:
+                acc = tl.dot(a, b, acc)  # bf16 / fp16 tensor cores, float32 accumulation
 
     # Scales constant over K, applied once.
     if X_SCALE == _XS_TENSOR:
@@ -470,7 +494,7 @@ def grouped_gemm_triton(
     """``x [M_cap, K]``, ``w [E, N, K]``, ``expert_offsets [E + 1]`` int32 -> ``y [M_cap, N]`` ``out_dtype``;
     arguments as :func:`moe_torch.ops.grouped_gemm.api.grouped_gemm` (already validated there). 4-bit
     weights (``w_format`` ``"mxfp4"`` / ``"int4"``): ``w [E, N, K // 2]`` uint8 packed codes, ``w_scale
-    [E, N, K // 32]``, decoded tile by tile in the kernel (:func:`_w4_tile`) and rounded to ``x.dtype``.
+    [E, N, K // 32]``, decoded tile by tile in the kernel (:func:`_w4_tiles`) and rounded to ``x.dtype``.
     ``bias [E, N]`` (optional; float32 / bf16 / fp16): widened to float32 and added to each owned row's
     accumulator (after the FP8 scales) before the rounding (CONTRACT.md section 4).
 

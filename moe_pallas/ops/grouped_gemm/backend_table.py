@@ -1,0 +1,204 @@
+"""Which backend the grouped GEMMs run by default on a GPU: a measured table per device kind, a heuristic elsewhere.
+
+``implementation=None`` on a GPU tries the backends in the order :func:`default_order` gives for the
+request's op, layout and shape (``moe_pallas.ops.dispatch.dispatch(..., order=...)``):
+
+1. The table's choice first: the entry of the device kind (``jax.devices()[0].device_kind``, e.g.
+   ``"NVIDIA H200"``) with the same ``op``, ``layout``, ``N`` and ``K`` and the nearest ``M_cap`` in log2
+   (ties: the first stored), as :func:`~moe_pallas.ops.grouped_gemm.config.nearest_tuned` picks launch
+   configs. Then the rest of the heuristic order, so a choice that cannot serve a request
+   (``NotImplementedError``) falls through it with the dispatch's logged warning.
+2. No entry for the op, layout, ``N`` and ``K`` (or no file for the device kind): :func:`heuristic_order`,
+   ``GPU_ORDER`` except where a measurement says otherwise (FP8 with 128x128 weight blocks: Pallas-Triton
+   first).
+
+On the CPU the order is ``CPU_ORDER`` (the reference; kernels only interpreted when asked for by name).
+
+**The table** is the tuned file of the device kind, ``tuned/<device kind with spaces as _>.json`` beside
+this module (:data:`~moe_pallas.ops.grouped_gemm.config.TUNED_DIR`; one JSON list that also holds the
+launch configs of ``benchmarks/tune_jax_gemm.py``, which have no ``"kind"``). A backend choice is an
+entry with ``"kind": "backend_choice"``, written by ``benchmarks/tune_backend.py`` from benchmark rows
+where both JAX kernels timed the same GEMM and both were correct::
+
+    {"kind": "backend_choice", "op": "grouped_gemm", "layout": "fp8_block", "device": "NVIDIA H200",
+     "E": 32, "N": 4096, "K": 7168, "M_cap": 16384, "backend": "pallas_triton",
+     "ms": {"pallas_triton": 1.72, "pallas_mosaic_gpu": 2.90}, "routings": ["uniform"],
+     "source": "issue 14, ...", "date": "2026-12-01", "command": "python3 benchmarks/bench.py ..."}
+
+Required: ``kind``, ``op`` (one of :data:`OPS`), ``layout`` (see :func:`gemm_layout`), ``E``, ``N``, ``K``,
+``M_cap`` (ints >= 1; ``E`` is recorded, not matched), ``backend`` (one of :data:`KERNEL_BACKENDS`), ``ms``
+(median ms of each backend timed, at least two; ``backend`` the fastest of them), and the provenance
+``source`` (the file the numbers came from), ``date``, ``command``. Optional: ``device``, ``routings``
+(row distributions averaged into ``ms``), ``git``, ``measured``, ``note``. A malformed entry is a
+``ValueError`` naming the file and the entry (never skipped: the table is part of the tree).
+
+No mirror in ``moe_torch``: its only GPU backend is Triton.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from moe_pallas.ops.dispatch import CPU_ORDER, GPU_ORDER
+from moe_pallas.ops.grouped_gemm import config as gemm_config
+from moe_pallas.ops.grouped_gemm.config import gpu_device_kind
+from moe_pallas.ops.grouped_gemm.pallas_triton import scale_kinds
+
+#: The ``"kind"`` of a backend-choice entry in the tuned file.
+BACKEND_CHOICE = "backend_choice"
+#: The ops a backend choice can be stored for (the public functions of ``api.py``).
+OPS = ("grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad")
+#: The backends a table can choose (the reference is never a measured choice: it is always last).
+KERNEL_BACKENDS = ("pallas_mosaic_gpu", "pallas_triton")
+#: Keys every backend choice has, and the optional ones.
+REQUIRED_KEYS = ("kind", "op", "layout", "E", "N", "K", "M_cap", "backend", "ms", "source", "date", "command")
+OPTIONAL_KEYS = ("device", "routings", "git", "measured", "note")
+#: Short names of the float dtypes in layouts.
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float8_e4m3fn": "fp8"}
+
+#: FP8 with 128x128 weight blocks (DeepSeek-V3: 1x128 activation groups x 128x128 weight blocks) on Pallas-Triton
+#: first. H200, E=32, M=16384, uniform rows, median ms (issue 14's table; BENCHMARKS.md, "The JAX grouped GEMM's
+#: default backend on the H200"): gate_up (K=7168, N=4096) Pallas-Triton 1.72, Mosaic GPU 2.90; down (K=2048,
+#: N=7168) 0.87 vs 1.54. Mosaic's per-K-step scales hold two float32 accumulators in one warpgroup's registers,
+#: so its tile is 64 x 128 (config.py).
+FP8_BLOCK_ORDER = ("pallas_triton", "pallas_mosaic_gpu", "reference")
+
+
+def _dtype_name(dtype) -> str:
+    name = jnp.dtype(dtype).name
+    return DTYPE_NAMES.get(name, name)
+
+
+def gemm_layout(x: jax.Array, x_scale: jax.Array | None, w_scale: jax.Array | None, w_format: str | None) -> str:
+    """The forward's layout key, from ``x``'s dtype and the scales' shapes as the kernels read them
+    (``pallas_triton.scale_kinds``): ``"bf16"`` / ``"f16"`` / ``"f32"`` (float ``x`` and ``w``); FP8
+    ``"fp8_block"`` (``w_scale [E, ceil(N/128), ceil(K/128)]``, whatever ``x_scale`` is; DeepSeek-V3 pairs it
+    with 1x128 groups), else ``"fp8_" +`` the activation scale's kind: ``"fp8_per_tensor"`` (``[]``),
+    ``"fp8_per_token"`` (``[M_cap, 1]``), ``"fp8_per_token_group"`` (``[M_cap, K // G]``), with per-expert or
+    per-channel weight scales (both applied in the epilogue); 4-bit weights ``"<x dtype>_<w_format>"``
+    (``"bf16_mxfp4"``, ``"bf16_int4"``)."""
+    dtype = _dtype_name(x.dtype)
+    if w_format is not None:
+        return f"{dtype}_{w_format}"
+    if x_scale is None:
+        return dtype
+    x_kind, w_kind, _ = scale_kinds(x_scale, w_scale, x.shape[1])
+    return "fp8_block" if w_kind == "block" else f"fp8_{x_kind}"
+
+
+def dgrad_layout(d_y: jax.Array, w_scale: jax.Array | None) -> str:
+    """The dgrad's layout key: ``d_y``'s dtype (``"bf16"``, ...), with FP8 weights ``"<d_y dtype>_fp8_<w kind>"``
+    (``"bf16_fp8_per_expert"``, ``"bf16_fp8_per_channel"``, ``"bf16_fp8_block"``: dequantized to ``d_y``'s dtype)."""
+    dtype = _dtype_name(d_y.dtype)
+    if w_scale is None:
+        return dtype
+    return f"{dtype}_fp8_" + {1: "per_expert", 2: "per_channel", 3: "block"}[w_scale.ndim]
+
+
+def wgrad_layout(x: jax.Array) -> str:
+    """The wgrad's layout key: the inputs' dtype (``"bf16"``, ...)."""
+    return _dtype_name(x.dtype)
+
+
+def heuristic_order(op: str, layout: str) -> tuple[str, ...]:
+    """The GPU order where the table has no entry: ``GPU_ORDER`` (Mosaic GPU, Pallas-Triton, reference),
+    except the forward with FP8 128x128 weight blocks: :data:`FP8_BLOCK_ORDER` (measured, see there)."""
+    if op == "grouped_gemm" and layout == "fp8_block":
+        return FP8_BLOCK_ORDER
+    return GPU_ORDER
+
+
+def entry_problem(t: dict) -> str | None:
+    """Why ``t`` is not a valid backend choice (``None``: it is); see the module docstring."""
+    missing = [k for k in REQUIRED_KEYS if k not in t]
+    if missing:
+        return f"missing keys {missing}"
+    unknown = sorted(set(t) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
+    if unknown:
+        return f"unknown keys {unknown} (allowed: {REQUIRED_KEYS + OPTIONAL_KEYS})"
+    if t["op"] not in OPS:
+        return f"op must be one of {OPS}; got op={t['op']!r}"
+    if not isinstance(t["layout"], str) or not t["layout"]:
+        return f"layout must be a non-empty string; got layout={t['layout']!r}"
+    for k in ("E", "N", "K", "M_cap"):
+        if not isinstance(t[k], int) or isinstance(t[k], bool) or t[k] < 1:
+            return f"{k} must be an int >= 1; got {k}={t[k]!r}"
+    if t["backend"] not in KERNEL_BACKENDS:
+        return f"backend must be one of {KERNEL_BACKENDS}; got backend={t['backend']!r}"
+    ms = t["ms"]
+    if (not isinstance(ms, dict) or len(ms) < 2 or not set(ms) <= set(KERNEL_BACKENDS)
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                       for v in ms.values())):
+        return (f"ms must map at least two of {KERNEL_BACKENDS} to their measured median ms (> 0); "
+                f"got ms={ms!r}")
+    if t["backend"] not in ms or ms[t["backend"]] > min(ms.values()):
+        return f"backend must be the fastest in ms; got backend={t['backend']!r}, ms={ms!r}"
+    for k in ("source", "date", "command"):
+        if not isinstance(t[k], str) or not t[k]:
+            return f"{k} (provenance) must be a non-empty string; got {k}={t[k]!r}"
+    return None
+
+
+def check_entries(entries: Sequence[dict], where: str) -> list[dict]:
+    """The backend choices of ``entries`` (a tuned file's list), each checked; ``ValueError`` naming ``where``
+    (the file) and the entry's index for a malformed one or an unknown ``"kind"``."""
+    out = []
+    for i, t in enumerate(entries):
+        if "kind" not in t:  # a launch config (config.nearest_tuned)
+            continue
+        if t["kind"] != BACKEND_CHOICE:
+            raise ValueError(f"tuned table {where}: entry {i} has kind={t['kind']!r}; the known kind is "
+                             f"{BACKEND_CHOICE!r} (launch configs have no 'kind')")
+        problem = entry_problem(t)
+        if problem is not None:
+            raise ValueError(f"tuned table {where}: backend choice entry {i} is malformed: {problem}; entry: {t}")
+        out.append(t)
+    return out
+
+
+def backend_choices(device_kind: str) -> list[dict]:
+    """The checked backend choices of ``device_kind``'s tuned file (``[]`` without a file). The file is read once
+    (``config.tuned_entries`` caches it); the check runs at each lookup (trace time; a few dozen entries)."""
+    return check_entries(gemm_config.tuned_entries(device_kind), gemm_config.tuned_path(device_kind))
+
+
+def nearest_backend_choice(device_kind: str | None, op: str, layout: str, M_cap: int, N: int, K: int) -> dict | None:
+    """The backend choice of ``device_kind`` for the same ``op``, ``layout``, ``N`` and ``K`` with the nearest
+    ``M_cap`` in log2 (ties: the first stored); ``None`` without a device kind or a match."""
+    if device_kind is None:
+        return None
+    matches = [t for t in backend_choices(device_kind)
+               if (t["op"], t["layout"], t["N"], t["K"]) == (op, layout, N, K)]
+    if not matches:
+        return None
+    log_m = math.log2(max(M_cap, 1))
+    return min(matches, key=lambda t: abs(log_m - math.log2(t["M_cap"])))
+
+
+def gpu_order(op: str, layout: str, M_cap: int, N: int, K: int, device_kind: str | None) -> tuple[str, ...]:
+    """The GPU order: the table's choice (:func:`nearest_backend_choice`) first, then the rest of
+    :func:`heuristic_order`; the heuristic order alone where the table has no entry."""
+    heuristic = heuristic_order(op, layout)
+    entry = nearest_backend_choice(device_kind, op, layout, M_cap, N, K)
+    if entry is None:
+        return heuristic
+    return (entry["backend"], *(name for name in heuristic if name != entry["backend"]))
+
+
+def on_gpu() -> bool:
+    """Whether JAX's default backend is a GPU (the tests patch this to run the GPU lookup on a CPU)."""
+    return jax.default_backend() == "gpu"
+
+
+def default_order(op: str, layout: str, *, M_cap: int, N: int, K: int) -> tuple[str, ...]:
+    """The order ``implementation=None`` tries for ``op`` (one of :data:`OPS`) on ``layout`` with ``M_cap`` rows,
+    ``N`` output columns and contraction ``K`` (the forward's names: the dgrad's output is ``[M_cap, K]``, the
+    wgrad's ``[E, N, K]``): ``CPU_ORDER`` off a GPU, else :func:`gpu_order` for this device kind (read on the host
+    at trace time). Raises ``ValueError`` (naming the file) if the device kind's table is malformed."""
+    if not on_gpu():
+        return CPU_ORDER
+    return gpu_order(op, layout, M_cap, N, K, gpu_device_kind())
