@@ -525,13 +525,14 @@ def test_transformers_gpt_oss_block_is_served():
 
 
 def test_benchmark_peer_blocks_of_new_presets():
-    """The benchmark's transformers peer (``arch_of_preset``): none for presets no Mixtral / Qwen3-MoE /
-    DeepSeek-V3 block expresses (before: gpt-oss and Qwen3-Next got Qwen3-MoE's, whose builder then refused
-    them); DeepSeek-V3's block for GLM-4.5-Air and Kimi K2 (the same computation)."""
+    """The benchmark's transformers peer (``arch_of_preset``): gpt-oss's own ``GptOssMLP`` for gpt-oss; none for
+    presets no Mixtral / Qwen3-MoE / DeepSeek-V3 / gpt-oss block expresses (before: gpt-oss and Qwen3-Next got
+    Qwen3-MoE's, whose builder then refused them); DeepSeek-V3's block for GLM-4.5-Air and Kimi K2 (the same
+    computation)."""
     from benchmarks import specs as S
 
     got = {n: S.arch_of_preset(n) for n in NEW_PRESETS}
-    assert got == {"gpt-oss-20b": None, "gpt-oss-120b": None, "llama4-scout": None, "llama4-maverick": None,
+    assert got == {"gpt-oss-20b": "gpt_oss", "gpt-oss-120b": "gpt_oss", "llama4-scout": None, "llama4-maverick": None,
                    "qwen3-next-80b-a3b": None, "glm-4.5-air": "deepseek_v3", "kimi-k2": "deepseek_v3"}
     assert {n: S.arch_of_preset(n) for n in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")} == {
         "mixtral-8x7b": "mixtral", "qwen3-30b-a3b": "qwen3_moe", "deepseek-v3": "deepseek_v3"}
