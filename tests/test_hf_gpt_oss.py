@@ -37,6 +37,7 @@ import pytest
 import torch
 
 import moe_torch
+from common import TORCH_DEVICE
 from moe_torch.hf import HFMoEBlock, block_layer_weights, patch_hf_model
 from moe_torch.module import EPMoE
 from tolerances import BF16_REL_FRO, F32_REL_FRO, GRAD_F32_REL_FRO, assert_exact, assert_rel_fro, rel_fro
@@ -108,13 +109,13 @@ def _inputs(T: int = 7, seed: int = 5):
 
 @pytest.mark.parametrize("implementation", ["reference", "triton"])
 def test_hf_block_outputs_and_gradients_equal_gpt_oss_mlp(implementation):
-    block = gpt_oss_block()
+    block = gpt_oss_block().to(TORCH_DEVICE)
     ours = HFMoEBlock(copy.deepcopy(block), implementation=implementation)
     assert ours.replaces == "GptOssMLP" and list(ours.state_dict()) == list(block.state_dict())
     c = ours.moe_config
     assert (c.routing, c.renormalize, c.activation, c.gate_up_layout, c.expert_bias, c.topk) == (
         "softmax_topk", True, "swiglu_oai", "interleaved", True, TOPK)
-    x, d_out = _inputs()
+    x, d_out = (t.to(TORCH_DEVICE) for t in _inputs())
     want_y, want = block_grads(block, x, d_out)
     got_y, got = block_grads(ours, x, d_out)
     # GptOssMLP returns (out [B, S, H], router_scores [B*S, topk]): the same tuple, the router's own scores

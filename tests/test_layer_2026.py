@@ -34,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `import tolerances` (and in spawned processes)
 sys.path.insert(0, ROOT)
 
+from common import TORCH_DEVICE  # noqa: E402
 from moe_contract import MoEConfig  # noqa: E402
 from tolerances import (BF16_REL_FRO, F32_REL_FRO, GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO, rel_fro)  # noqa: E402
 
@@ -125,21 +126,23 @@ def loop_grads(config: MoEConfig, inputs: dict):
     return out.detach().numpy(), {n: leaves[n].grad.numpy() for n in names}
 
 
-def torch_layer(config: MoEConfig, inputs: dict, implementation: str, *, recompute: bool = False, dtype="float32"):
-    """``(out, grads)`` of ``moe_torch.moe_forward`` (autograd, ``.backward(d_out)``) in ``dtype``."""
+def torch_layer(config: MoEConfig, inputs: dict, implementation: str, *, recompute: bool = False, dtype="float32",
+                device: str = TORCH_DEVICE):
+    """``(out, grads)`` of ``moe_torch.moe_forward`` (autograd, ``.backward(d_out)``) in ``dtype`` on ``device``
+    (the suite's torch device by default: CUDA in GPU mode, where the Triton kernels need CUDA tensors); numpy out."""
     import torch
 
     import moe_torch
 
     dt = getattr(torch, dtype)
     names = [n for n in GRADS if inputs[n] is not None]
-    leaves = {n: torch.from_numpy(inputs[n]).to(dt if n not in ("router_logits", "shared_expert_gate_logits") else
-                                                 torch.float32).requires_grad_() for n in names}
+    leaves = {n: torch.from_numpy(inputs[n]).to(device, dt if n not in ("router_logits", "shared_expert_gate_logits")
+                                                 else torch.float32).requires_grad_() for n in names}
     out = moe_torch.moe_forward(leaves["x"], leaves["router_logits"], leaves["w13"], leaves["w2"], config,
                                 shared_expert_gate_logits=leaves.get("shared_expert_gate_logits"),
                                 implementation=implementation, recompute=recompute)
-    out.backward(torch.from_numpy(inputs["d_out"]).to(dt))
-    return out.detach().float().numpy(), {n: leaves[n].grad.float().numpy() for n in names}
+    out.backward(torch.from_numpy(inputs["d_out"]).to(device, dt))
+    return out.detach().float().cpu().numpy(), {n: leaves[n].grad.float().cpu().numpy() for n in names}
 
 
 def jax_layer(config: MoEConfig, inputs: dict, implementation: str, *, recompute: bool = False, dtype="float32",
@@ -354,13 +357,13 @@ def test_torch_module_equals_llama4_block(implementation):
 
     import moe_torch
 
-    block = _hf_llama4()
+    block = _hf_llama4().to(TORCH_DEVICE)
     w13, w2 = _llama4_weights(block)
     rng = np.random.default_rng(6)
-    x = torch.from_numpy(rng.standard_normal((6, H), dtype=np.float32))
-    d_out = torch.from_numpy(rng.standard_normal((6, H), dtype=np.float32))
+    x = torch.from_numpy(rng.standard_normal((6, H), dtype=np.float32)).to(TORCH_DEVICE)
+    d_out = torch.from_numpy(rng.standard_normal((6, H), dtype=np.float32)).to(TORCH_DEVICE)
     ref_out, theirs = _hf_grads_llama4(block, x, d_out)
-    layer = moe_torch.EPMoE.from_float(LLAMA4, w13, w2, implementation=implementation)
+    layer = moe_torch.EPMoE.from_float(LLAMA4, w13, w2, implementation=implementation).to(TORCH_DEVICE)
     xl = x.clone().requires_grad_()
     router = block.router.weight.detach().clone().requires_grad_()
     out = layer(xl, torch.nn.functional.linear(xl, router))
@@ -378,14 +381,14 @@ def test_torch_module_equals_qwen3_next_block(implementation):
 
     import moe_torch
 
-    block = _hf_qwen3_next()
+    block = _hf_qwen3_next().to(TORCH_DEVICE)
     w13, w2 = _qwen3_next_weights(block)
     rng = np.random.default_rng(7)
-    x = torch.from_numpy(rng.standard_normal((6, H), dtype=np.float32))
-    d_out = torch.from_numpy(rng.standard_normal((6, H), dtype=np.float32))
+    x = torch.from_numpy(rng.standard_normal((6, H), dtype=np.float32)).to(TORCH_DEVICE)
+    d_out = torch.from_numpy(rng.standard_normal((6, H), dtype=np.float32)).to(TORCH_DEVICE)
     ref_out, theirs = _hf_grads_qwen3_next(block, x, d_out)
     layer = moe_torch.EPMoE.from_float(QWEN3_NEXT, w13, w2, shared_expert_gate=block.shared_expert_gate.weight.detach(),
-                                       implementation=implementation)
+                                       implementation=implementation).to(TORCH_DEVICE)
     xl = x.clone().requires_grad_()
     router = block.gate.weight.detach().clone().requires_grad_()
     out = layer(xl, torch.nn.functional.linear(xl, router))
@@ -611,7 +614,7 @@ def _torch_ep_worker(rank: int, world: int, init_method: str, out_path: str):
         for name, T, shards in EP_CASES:
             config1 = CONFIGS[name]
             inputs = make_inputs(config1, T=T, seed=11)
-            ref_out, ref = torch_layer(config1, inputs, "reference")
+            ref_out, ref = torch_layer(config1, inputs, "reference", device="cpu")  # gloo: the CPU
             cfg = config1.replace(ep_size=world, ep_rank=rank)
             start, n = cfg.local_expert_range()
             for mode in ("replicated", "all_to_all"):

@@ -34,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `import tolerances` (and in spawned processes)
 sys.path.insert(0, ROOT)
 
+from common import TORCH_DEVICE  # noqa: E402
 from moe_contract import MoEConfig  # noqa: E402
 from tolerances import (BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO,  # noqa: E402
                         rel_fro)
@@ -144,10 +145,11 @@ def quantize(framework: str, config: MoEConfig, inputs: dict):
 
 
 def torch_layer(config: MoEConfig, inputs: dict, implementation: str, *, recompute: bool = False, dtype="float32",
-                bias_dtype=None, codes: dict | None = None):
-    """``(out, grads)`` of ``moe_torch.moe_forward`` (autograd, ``.backward(d_out)``): ``x`` and float weights in
-    ``dtype``, the biases in ``bias_dtype`` (default ``dtype``), router logits float32; 4-bit ``codes`` (from
-    :func:`quantize`) instead of the float weights (then no weight gradients)."""
+                bias_dtype=None, codes: dict | None = None, device: str = TORCH_DEVICE):
+    """``(out, grads)`` of ``moe_torch.moe_forward`` (autograd, ``.backward(d_out)``) on ``device`` (the suite's
+    torch device by default: CUDA in GPU mode, where the Triton kernels need CUDA tensors; numpy out): ``x`` and
+    float weights in ``dtype``, the biases in ``bias_dtype`` (default ``dtype``), router logits float32; 4-bit
+    ``codes`` (from :func:`quantize`, moved to ``device``) instead of the float weights (then no weight gradients)."""
     import torch
 
     import moe_torch
@@ -155,16 +157,17 @@ def torch_layer(config: MoEConfig, inputs: dict, implementation: str, *, recompu
     dt, bdt = getattr(torch, dtype), getattr(torch, bias_dtype or dtype)
     names = [n for n in GRADS if codes is None or n not in ("w13", "w2")]
     cast = {"router_logits": torch.float32, "w13_bias": bdt, "w2_bias": bdt}
-    leaves = {n: torch.from_numpy(inputs[n]).to(cast.get(n, dt)).requires_grad_() for n in names}
-    w = codes if codes is not None else {"w13": leaves["w13"], "w2": leaves["w2"]}
+    leaves = {n: torch.from_numpy(inputs[n]).to(device, cast.get(n, dt)).requires_grad_() for n in names}
+    w = ({k: v.to(device) for k, v in codes.items()} if codes is not None else
+         {"w13": leaves["w13"], "w2": leaves["w2"]})
     out = moe_torch.moe_forward(leaves["x"], leaves["router_logits"], w["w13"], w["w2"], config,
                                 w13_scale=w.get("w13_scale"), w2_scale=w.get("w2_scale"),
                                 w13_bias=leaves["w13_bias"], w2_bias=leaves["w2_bias"],
                                 implementation=implementation, recompute=recompute)
-    out.backward(torch.from_numpy(inputs["d_out"]).to(dt))
+    out.backward(torch.from_numpy(inputs["d_out"]).to(device, dt))
     for n in ("w13_bias", "w2_bias"):
         assert leaves[n].grad.dtype == bdt, (n, leaves[n].grad.dtype)
-    return out.detach().float().numpy(), {n: leaves[n].grad.float().numpy() for n in names}
+    return out.detach().float().cpu().numpy(), {n: leaves[n].grad.float().cpu().numpy() for n in names}
 
 
 def jax_layer(config: MoEConfig, inputs: dict, implementation: str, *, recompute: bool = False, dtype="float32",
@@ -404,7 +407,7 @@ def test_torch_module_equals_gpt_oss_mlp(implementation, quant):
 
     import moe_torch
 
-    x, d_out = _xd(6)
+    x, d_out = (t.to(TORCH_DEVICE) for t in _xd(6))
     if quant == "none":
         block = _hf_gpt_oss()
         w = _our_weights(block)
@@ -419,6 +422,7 @@ def test_torch_module_equals_gpt_oss_mlp(implementation, quant):
         layer = moe_torch.EPMoE(config, q13, q2, w13_scale=s13, w2_scale=s2, w13_bias=w["w13_bias"],
                                 w2_bias=w["w2_bias"], implementation=implementation)
         assert {n for n, _ in layer.named_parameters()} == {"w13_bias", "w2_bias"}
+    block, layer = block.to(TORCH_DEVICE), layer.to(TORCH_DEVICE)
     ref_out, theirs = _hf_grads(block, x, d_out)
     xl = x.clone().requires_grad_()
     rw = block.router.weight.detach().clone().requires_grad_()
@@ -756,7 +760,7 @@ def _torch_ep_worker(rank: int, world: int, init_method: str, out_path: str):
             codes = None
             if config1.quant != "none":
                 codes, _ = quantize("torch", config1, inputs)
-            ref_out, ref = torch_layer(config1, inputs, "reference", codes=codes)
+            ref_out, ref = torch_layer(config1, inputs, "reference", codes=codes, device="cpu")  # gloo: the CPU
             cfg = config1.replace(ep_size=world, ep_rank=rank)
             start, n = cfg.local_expert_range()
             for mode in ("replicated", "all_to_all"):

@@ -72,6 +72,9 @@ class CrossCheckResult:
     comparisons: list[Comparison]
     skipped: dict[str, str]  # implementation -> why it did not run
     errors: dict[str, str]  # "stage/implementation" -> the exception
+    #: implementation -> why it cannot serve this layer (its NotImplementedError), for a backend that came from the
+    #: CLI's default list (not named in --implementations): reported, not a violation (``epmoe check`` fills it).
+    not_served: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -84,7 +87,7 @@ class CrossCheckResult:
 
     def to_json(self) -> dict:
         return {"meta": self.meta, "ok": self.ok, "failed_stages": self.failed_stages, "skipped": self.skipped,
-                "errors": self.errors, "tolerances": TOLERANCES,
+                "not_served": self.not_served, "errors": self.errors, "tolerances": TOLERANCES,
                 "comparisons": [dataclasses.asdict(c) for c in self.comparisons]}
 
 

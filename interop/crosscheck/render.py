@@ -52,6 +52,8 @@ def render(result: CrossCheckResult, console=None) -> None:
         console.print(f"[yellow]{note}[/yellow]")
     for name, why in result.skipped.items():
         console.print(f"[yellow]skipped {name}[/yellow] (NotImplementedError at {why})")
+    for name, why in result.not_served.items():
+        console.print(f"[yellow]{name}: not served: {why}[/yellow] (a default implementation; not a violation)")
     for where, why in result.errors.items():
         console.print(f"[bold red]error at {where}[/bold red]: {why}")
     if result.ok:
