@@ -4,7 +4,16 @@ Times ``y[e] = x[e] @ wd[e].T`` for ``E`` experts with ``R`` rows each (``x [E, 
 with e8m0 / bf16 scales ``[E, N, K // 32]``) with variants of the decode, against the same GEMM on bf16 weights and
 against the copy ceiling of the weight bytes. Each variant is checked against the float reference first.
 
-    PYTHONPATH=. python3 benchmarks/probe_w4.py [--E 111] [--R 2] [--N 5760] [--K 2880]
+    PYTHONPATH=. python3 benchmarks/probe_w4.py [--E 111] [--R 2] [--N 5760] [--K 2880] [--quick]
+    PROBE_ONLY=mxfp4:2:64:128:4 ncu --kernel-name _k --launch-count 1 --section SpeedOfLight python3 benchmarks/probe_w4.py
+
+Variants (``VARIANT``): 0 the bf16 weights (the bandwidth reference); 1 Triton's ``tl.dot_scaled(bf16, e2m1)``
+(MXFP4 only; GPU only: the interpreter has no ``dot_scaled``); 2 the library's decode (``moe_torch``'s
+``_w4_tiles``: low / high nibbles against x's even / odd columns, one scale per group of 32); 3 as 2 with A and B
+swapped (``y^T = wd @ x^T``: the weights as the wide MMA operand); 4 as 1 swapped. Session 7's numbers and the
+``ncu`` reading are in BENCHMARKS.md ("2026-12-01, session 7"). ``PROBE_ONLY=fmt:variant:block_n:block_k:warps``
+runs that one config once (for ``ncu``). The default E=111, R=2 is gpt-oss-120b's gate_up at T=64 (111 experts
+reached, ~2 rows each).
 """
 
 from __future__ import annotations
@@ -164,7 +173,7 @@ def main():
                     continue
                 ms = triton.testing.do_bench(fn, warmup=25, rep=100)
                 nb = (w.numel() * 2) if variant == 0 else nbytes4
-                print(f"{fmt:6s} v{variant} {bm}x{bn}x{bk} w{warps} s{stages}: {ms*1e3:8.1f} us  {nb/ms/1e9:7.0f} GB/s "
+                print(f"{fmt:6s} v{variant} {bm}x{bn}x{bk} w{warps} s{stages}: {ms*1e3:8.1f} us  {nb/ms/1e6:7.0f} GB/s "
                       f"{100*nb/ms/1e-3/PEAK_BW:5.1f}% err={err:.1e}", flush=True)
             except Exception as exc:
                 print(f"{fmt} v{variant} {bm}x{bn}x{bk}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)

@@ -38,6 +38,13 @@ def _host_bytes_needed(config) -> int:
     return 4 * 3 * E_all * H * I
 
 
+def _host_bytes_needed_bf16(config) -> int:
+    """Host bytes of ``check`` with its random weights drawn straight into bf16 (``weights_dtype="bfloat16"``):
+    the bf16 layer (2 bytes a weight), a converted copy of it (torch's host copy on the way to the device) and the
+    two references' codes (FP8: 1 byte a weight each; at most as much as one more bf16 copy): 3x the bf16 bytes."""
+    return 3 * (_host_bytes_needed(config) // 2)
+
+
 def _host_bytes_available() -> int:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -283,14 +290,25 @@ def run_check(args: argparse.Namespace) -> int:
               f"(at most {CPU_MAX_TOKENS} on a CPU)", file=sys.stderr)
         return 2
     need, have = _host_bytes_needed(config), _host_bytes_available()
-    if weights is None and 2 * need > have:
+    # The check rounds the random float32 weights to bf16 before any stage (the EP summary too with --ep-dtype
+    # bfloat16): where the float32 layer does not fit, draw them straight into bf16 (the same values).
+    weights_need, weights_dtype = 2 * need, "float32"
+    bf16_check = config.ep_size == 1 or args.ep_dtype == "bfloat16"
+    if weights is None and 2 * need > have and bf16_check:
+        weights_need, weights_dtype = _host_bytes_needed_bf16(config), "bfloat16"
+        if weights_need > have:
+            print(f"epmoe check: preset {preset.name} needs about {2 * need / 2**30:.0f} GiB of host memory for its "
+                  f"weights, about {weights_need / 2**30:.0f} GiB with them drawn in bf16 ({have / 2**30:.0f} GiB "
+                  f"available); use a larger machine", file=sys.stderr)
+            return 2
+    if weights is None and weights_need > have:
         print(f"epmoe check: preset {preset.name} needs about {2 * need / 2**30:.0f} GiB of host memory for its weights "
               f"({have / 2**30:.0f} GiB available); use a larger machine", file=sys.stderr)
         return 2
     # --backward with float weights: up to five implementations each keep float32 wgrads and bf16 layer
     # gradients of the weights (1.5x the float32 weights each); FP8 codes get no weight gradient.
     grad_need = 8 * need if args.backward and config.quant == "none" else 0
-    if grad_need and (0 if weights is not None else 2 * need) + grad_need > have:
+    if grad_need and (0 if weights is not None else weights_need) + grad_need > have:
         print(f"epmoe check: --backward holds every implementation's weight gradients, about {grad_need / 2**30:.0f} "
               f"GiB of host memory at this size ({have / 2**30:.0f} GiB available); use an FP8 --quant (no weight "
               f"gradients) or a larger machine", file=sys.stderr)
@@ -342,6 +360,10 @@ def run_check(args: argparse.Namespace) -> int:
           f"quant={config.quant} {_ep_words(config, args)}; T={args.tokens} {inputs_words}; "
           f"{'GPU' if gpu else 'no GPU: kernels interpreted'}; implementations: {', '.join(implementations)}"
           f"{'; forward and backward' if args.backward else ''}", flush=True)
+    if weights_dtype != "float32":
+        print(f"weights drawn in bf16 (the float32 weights would need {2 * need / 2**30:.0f} GiB of host memory, "
+              f"{have / 2**30:.0f} available; the check rounds them to bf16 first, so the values are the same)",
+              flush=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("starting", total=None)
@@ -356,11 +378,13 @@ def run_check(args: argparse.Namespace) -> int:
             if config.ep_size == 1 or args.ep_rank is not None:  # one rank, stage by stage
                 stages = cc.run_crosscheck(config, args.tokens, seed=args.seed, routing=args.routing,
                                            implementations=implementations, weights=weights, progress=progress,
-                                           x=x, router_logits=logits, backward=args.backward)
+                                           x=x, router_logits=logits, backward=args.backward,
+                                           weights_dtype=weights_dtype)
             if config.ep_size > 1:  # every rank end to end, summed, against the single device
                 ep = cc.run_ep_check(config, args.tokens, seed=args.seed, routing=args.routing,
                                      implementations=implementations, weights=weights, dtype=args.ep_dtype,
-                                     progress=progress, x=x, router_logits=logits, backward=args.backward)
+                                     progress=progress, x=x, router_logits=logits, backward=args.backward,
+                                     weights_dtype=weights_dtype)
         except (NotImplementedError, ValueError) as exc:  # a layer the check cannot take, or bad values: one line
             refused = f"epmoe check: {type(exc).__name__}: {' '.join(str(exc).split())}"
         else:

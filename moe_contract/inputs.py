@@ -16,13 +16,18 @@ import numpy as np
 from moe_contract.config import MoEConfig
 
 ROUTING_SKEWS = ("uniform", "zipf", "one-expert")
+#: The dtypes :func:`make_layer_inputs` holds ``w13`` / ``w2`` in: ``"float32"`` (the draw), or ``"bfloat16"`` (each
+#: expert drawn in float32 as for ``"float32"`` and rounded to bf16, round-to-nearest-even, into a bf16 array: the
+#: same values as ``w.astype(ml_dtypes.bfloat16)`` of the float32 draw, at 2 bytes a weight on the host).
+WEIGHT_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerInputs:
     """Global (all-rank) float32 inputs of one layer.
 
-    x: [T, H]; router_logits: [T, E]; w13: [E + S, 2*I, H]; w2: [E + S, H, I];
+    x: [T, H]; router_logits: [T, E]; w13: [E + S, 2*I, H]; w2: [E + S, H, I] (float32, or ml_dtypes bfloat16
+    when drawn with ``weights_dtype="bfloat16"``, :func:`make_layer_inputs`);
     e_score_correction_bias: [E] (used by biased_grouped_topk only);
     shared_expert_gate_logits: [T, S] (``config.shared_expert_gate`` only, else None:
     :func:`shared_expert_gate_logits`).
@@ -63,7 +68,8 @@ def _draw_bias(rng: np.random.Generator, E: int) -> np.ndarray:
     return (rng.standard_normal((E,), dtype=np.float32) * np.float32(0.1)).astype(np.float32)
 
 
-def make_layer_inputs(config: MoEConfig, num_tokens: int, seed: int = 0, routing: str = "uniform") -> LayerInputs:
+def make_layer_inputs(config: MoEConfig, num_tokens: int, seed: int = 0, routing: str = "uniform",
+                      weights_dtype: str = "float32") -> LayerInputs:
     """Random float32 inputs for ``config`` with ``T = num_tokens``.
 
     ``x``, ``router_logits`` and the bias come from ``default_rng(seed)``; expert ``e``'s weights from its
@@ -74,11 +80,18 @@ def make_layer_inputs(config: MoEConfig, num_tokens: int, seed: int = 0, routing
     ``routing`` skews the router logits: ``"uniform"`` (none), ``"zipf"`` (expert ``e``
     gets a logit bonus of ``-1.2 * log(e + 1)``, so a few experts take most rows) or
     ``"one-expert"`` (expert 0 gets +30, so every token picks it first).
+    ``weights_dtype`` (:data:`WEIGHT_DTYPES`): ``"bfloat16"`` holds ``w13`` / ``w2`` as ml_dtypes bfloat16, each
+    expert drawn in float32 by its generator (as ``"float32"`` draws it) and rounded to bf16 into a preallocated
+    array: exactly ``w.astype(ml_dtypes.bfloat16)`` of the float32 draw, without the float32 layer on the host
+    (2 bytes a weight, plus one float32 expert per thread); every other input is unchanged.
 
-    Raises: ValueError for an unknown ``routing``, or ``num_tokens`` / ``seed`` not an int >= 0.
+    Raises: ValueError for an unknown ``routing`` or ``weights_dtype``, or ``num_tokens`` / ``seed`` not an int >= 0.
     """
     if routing not in ROUTING_SKEWS:
         raise ValueError(f"make_layer_inputs: routing must be one of {ROUTING_SKEWS}; got routing={routing!r}")
+    if weights_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"make_layer_inputs: weights_dtype must be one of {WEIGHT_DTYPES}; got "
+                         f"weights_dtype={weights_dtype!r}")
     for name, v in (("num_tokens", num_tokens), ("seed", seed)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
             raise ValueError(f"make_layer_inputs: {name} must be an int >= 0; got {name}={v!r}")
@@ -93,10 +106,23 @@ def make_layer_inputs(config: MoEConfig, num_tokens: int, seed: int = 0, routing
     elif routing == "one-expert":
         logits[:, 0] += 30.0
     bias = _draw_bias(rng, E)
-    w13 = np.empty((E_all, 2 * I, H), f32)
-    w2 = np.empty((E_all, H, I), f32)
     gens = _expert_generators(seed, E_all)
-    for_each_expert(lambda e: _draw_expert(gens[e], w13[e], w2[e]), E_all)
+    if weights_dtype == "float32":
+        w13 = np.empty((E_all, 2 * I, H), f32)
+        w2 = np.empty((E_all, H, I), f32)
+        for_each_expert(lambda e: _draw_expert(gens[e], w13[e], w2[e]), E_all)
+    else:
+        import ml_dtypes
+
+        w13 = np.empty((E_all, 2 * I, H), ml_dtypes.bfloat16)
+        w2 = np.empty((E_all, H, I), ml_dtypes.bfloat16)
+
+        def draw_bf16(e: int) -> None:  # expert e in float32 (its generator), rounded into the bf16 arrays
+            w13_e, w2_e = np.empty((2 * I, H), f32), np.empty((H, I), f32)
+            _draw_expert(gens[e], w13_e, w2_e)
+            w13[e], w2[e] = w13_e, w2_e
+
+        for_each_expert(draw_bf16, E_all)
     return LayerInputs(x=x, router_logits=logits.astype(f32), w13=w13, w2=w2, e_score_correction_bias=bias,
                        shared_expert_gate_logits=shared_expert_gate_logits(config, x, seed))
 

@@ -162,3 +162,99 @@ def test_check_adds_the_reference_a_kernel_is_judged_against(capsys):
     out = capsys.readouterr().out
     assert "implementations: jnp-reference, triton, torch-reference" in out
     assert "all 0 comparisons" not in out and "within the contract" in out
+
+
+# --------------------------------------------------------------------------------------
+# epmoe check: random weights drawn in bf16 where the float32 ones do not fit (issue 15: llama4-maverick, kimi-k2)
+
+GIB = 1 << 30
+
+
+def _fake_host(monkeypatch, available_gib: int, weights_gib: int = 40) -> None:
+    """The float32 weights ``weights_gib`` GiB (the float32 path needs 2x, the bf16 draw 1.5x), the host
+    ``available_gib`` GiB free."""
+    import interop.cli as cli
+
+    monkeypatch.setattr(cli, "_host_bytes_needed", lambda config: weights_gib * GIB)
+    monkeypatch.setattr(cli, "_host_bytes_available", lambda: available_gib * GIB)
+
+
+def test_make_layer_inputs_bf16_weights_are_the_float32_draw_rounded():
+    """weights_dtype="bfloat16": w13 / w2 bit-identical to the float32 draw's astype(bf16); every other input equal."""
+    import ml_dtypes
+    import numpy as np
+
+    from moe_contract import get_preset, make_layer_inputs
+
+    config = get_preset("tiny").config(num_fused_shared_experts=1, shared_expert_gate=True)
+    want = make_layer_inputs(config, 5, seed=7, routing="zipf")
+    got = make_layer_inputs(config, 5, seed=7, routing="zipf", weights_dtype="bfloat16")
+    for name in ("w13", "w2"):
+        a, b = getattr(want, name), getattr(got, name)
+        assert b.dtype == ml_dtypes.bfloat16 and b.shape == a.shape
+        assert np.array_equal(b.view(np.uint16), a.astype(ml_dtypes.bfloat16).view(np.uint16))
+    for name in ("x", "router_logits", "e_score_correction_bias", "shared_expert_gate_logits"):
+        assert np.array_equal(getattr(got, name), getattr(want, name))
+    with pytest.raises(ValueError, match="weights_dtype must be one of"):
+        make_layer_inputs(config, 5, weights_dtype="float16")
+
+
+@pytest.mark.parametrize("extra", [
+    ["--quant", "int4"],  # kimi-k2's mode: the 4-bit codes quantized from the bf16 weights
+    ["--quant", "fp8-block", "--ep-size", "2", "--ep-rank", "1", "--ep-dtype", "bfloat16"],  # and the EP summary
+])
+def test_check_draws_the_weights_in_bf16_where_float32_does_not_fit(extra, monkeypatch, tmp_path, capsys):
+    """float32 path 80 GiB > 70 GiB available >= 60 GiB of the bf16 draw: the check runs (rc 0) on weights drawn
+    straight into bf16, says so, and every comparison is the same as the float32 path's (it rounds to bf16 first)."""
+    import json
+
+    import ml_dtypes
+    import numpy as np
+
+    import interop.crosscheck.run as run
+    from moe_contract import get_preset, make_layer_inputs
+
+    args = ["check", "--tokens", "3", "--seed", "3", "--implementations", "jnp-reference,torch-reference", *extra]
+    assert main(args + ["--json", str(tmp_path / "f32.json")]) == 0  # fits here: the float32 draw, as before
+    assert "weights drawn in bf16" not in capsys.readouterr().out
+    real, drawn = run.make_layer_inputs, []
+    monkeypatch.setattr(run, "make_layer_inputs", lambda *a, **k: drawn.append(real(*a, **k)) or drawn[-1])
+    _fake_host(monkeypatch, available_gib=70)
+    assert main(args + ["--json", str(tmp_path / "bf16.json")]) == 0
+    out = capsys.readouterr().out
+    assert "weights drawn in bf16 (the float32 weights would need 80 GiB of host memory, 70 available" in out
+    assert "within the contract" in out
+    want = make_layer_inputs(get_preset("tiny").config(), 3, seed=3)
+    assert len(drawn) == (2 if "--ep-size" in extra else 1)  # the stage table and the EP summary each draw
+    for inputs in drawn:
+        for name in ("w13", "w2"):
+            w = getattr(inputs, name)
+            assert w.dtype == ml_dtypes.bfloat16
+            assert np.array_equal(w.view(np.uint16), getattr(want, name).astype(ml_dtypes.bfloat16).view(np.uint16))
+    f32, bf16 = (json.loads((tmp_path / f).read_text()) for f in ("f32.json", "bf16.json"))
+    assert bf16["meta"]["weights"] == "random (make_layer_inputs), drawn in bfloat16"
+    assert f32["meta"]["weights"] == "random (make_layer_inputs)"
+    assert bf16["ok"] and bf16["comparisons"] == f32["comparisons"] and len(f32["comparisons"]) > 10
+
+
+def test_check_refuses_when_even_the_bf16_draw_does_not_fit(monkeypatch, capsys):
+    """50 GiB available < 60 GiB (bf16 draw) < 80 GiB (float32): exit 2 before any work, naming both sizes."""
+    from interop import crosscheck as cc
+
+    _fake_host(monkeypatch, available_gib=50)
+    monkeypatch.setattr(cc, "run_crosscheck", lambda *a, **k: pytest.fail("ran despite the refusal"))
+    assert main(["check", "--tokens", "2", "--quant", "int4"]) == 2
+    assert ("epmoe check: preset tiny needs about 80 GiB of host memory for its weights, about 60 GiB with them "
+            "drawn in bf16 (50 GiB available); use a larger machine") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [["--ep-size", "2"], ["--ep-size", "2", "--ep-rank", "0", "--ep-dtype", "float32"]])
+def test_check_with_float32_ep_inputs_refuses_as_before(extra, monkeypatch, capsys):
+    """--ep-dtype float32 (the EP summary's default) holds the weights in float32: no bf16 draw, today's refusal."""
+    from interop import crosscheck as cc
+
+    _fake_host(monkeypatch, available_gib=70)
+    monkeypatch.setattr(cc, "run_ep_check", lambda *a, **k: pytest.fail("ran despite the refusal"))
+    assert main(["check", "--tokens", "2", *extra]) == 2
+    assert capsys.readouterr().err == ("epmoe check: preset tiny needs about 80 GiB of host memory for its weights "
+                                       "(70 GiB available); use a larger machine\n")

@@ -92,6 +92,7 @@ def run_ep_check(
     x: np.ndarray | None = None,
     router_logits: np.ndarray | None = None,
     backward: bool = False,
+    weights_dtype: str = "float32",
 ) -> CrossCheckResult:
     """The expert-parallel summary (package docstring, stage ``"ep"``): for each implementation, the sum over
     the ``config.ep_size`` ranks of its per-rank layer against its single-device layer, and the
@@ -114,6 +115,9 @@ def run_ep_check(
         with bf16), each rank's ``d_w13`` / ``d_w2`` against its slice of the single device's (float
         weights; FP8 codes get none), and the implementations' against each other (``GRAD_BF16_REL_FRO``).
         The real multi-device path's gradients are not run (a note says so).
+      weights_dtype: ``"bfloat16"`` draws the random weights straight into bf16 (:func:`make_inputs`): the same
+        values (they are rounded to bf16 first either way), without the float32 layer on the host; with
+        ``dtype="bfloat16"`` they are used as drawn (no copy). Random weights only.
 
     Returns: :class:`CrossCheckResult` with stage ``"ep"`` (and ``"ep_bwd"``) comparisons; ``meta["ep"]``
     holds notes (what was skipped and why). A backend raising ``NotImplementedError`` is skipped,
@@ -134,7 +138,8 @@ def run_ep_check(
 
     progress("ep: inputs")
     inputs_given = x is not None
-    inputs, given_s13, given_s2 = make_inputs(config, num_tokens, seed, routing, weights, x, router_logits)
+    inputs, given_s13, given_s2 = make_inputs(config, num_tokens, seed, routing, weights, x, router_logits,
+                                              weights_dtype)
     fp8 = config.quant in FP8_QUANTS  # the FP8 rows of section 7 (4-bit weights: the bf16 rows, section 9)
     quantized = config.quant != "none"  # weight codes (FP8 or 4-bit): frozen, no weight gradient
     act_dt = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
@@ -146,6 +151,8 @@ def run_ep_check(
     biases = expert_biases(config, seed, weights)  # bf16 [E+S, ...] (a model's values), or None
     biases = None if biases is None else tuple(b.astype(act_dt) for b in biases)
     if quantized and given_s13 is not None:  # FP8 / 4-bit codes and scales as given
+        w13_g, w2_g = inputs.w13, inputs.w2
+    elif weights is None and inputs.w13.dtype == act_dt == ml_dtypes.bfloat16:  # drawn in bf16: as they are
         w13_g, w2_g = inputs.w13, inputs.w2
     else:  # float weights: a model's bf16 values, held in the compute dtype
         w13_g = cast_experts(cast_experts(inputs.w13, ml_dtypes.bfloat16), act_dt)
@@ -282,6 +289,8 @@ def run_ep_check(
         "timings_s": {EP_STAGE: timings}, "runtime_s": round(time.perf_counter() - t_start, 2), "devices": _devices(),
         "ep": {"ep_size": N, "dtype": dtype, "notes": notes, "backward": backward},
     }
+    if weights_dtype != "float32":
+        meta["weights"] += f", drawn in {weights_dtype}"
     if backward:
         meta["ep"]["cotangent"] = COTANGENT
     return CrossCheckResult(meta=meta, comparisons=comparisons, skipped=skipped, errors=errors)

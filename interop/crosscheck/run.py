@@ -74,8 +74,11 @@ def cast_experts(w: np.ndarray, dtype) -> np.ndarray:
 
 
 def make_inputs(config: MoEConfig, num_tokens: int, seed: int, routing: str, weights: LayerWeights | None,
-                x: np.ndarray | None = None, router_logits: np.ndarray | None = None):
+                x: np.ndarray | None = None, router_logits: np.ndarray | None = None, weights_dtype: str = "float32"):
     """The float32 layer inputs (``LayerInputs``) plus the FP8 weights given, if any.
+
+    ``weights_dtype="bfloat16"``: random weights held as their bf16 rounding (``make_layer_inputs``'s
+    ``weights_dtype``: the values every stage takes, without the float32 layer on the host); random weights only.
 
     ``x [T, H]`` and ``router_logits [T, E]`` (float, e.g. :func:`interop.checkpoints.load_inputs`) replace
     the random ones; without ``router_logits`` they are ``bf16(x) @ router_weight.T (+ router_bias)`` in float32
@@ -83,9 +86,13 @@ def make_inputs(config: MoEConfig, num_tokens: int, seed: int, routing: str, wei
     [T, S]`` are ``x`` times the seeded gate weight (:func:`moe_contract.inputs.shared_expert_gate_logits`), given ``x`` or not, or with
     ``weights.shared_expert_gate`` ``bf16(x) @ shared_expert_gate.T`` (as the router logits).
     Raises ValueError on shapes other than ``[num_tokens, H]`` / ``[num_tokens, E]``, on a ``weights.router_bias``
-    not ``[E]`` or without ``weights.router_weight``; TypeError on a ``router_bias`` not float32.
+    not ``[E]`` or without ``weights.router_weight``, on ``weights_dtype`` other than ``"float32"`` with given
+    ``weights`` (they come as they are); TypeError on a ``router_bias`` not float32.
     """
     T, H, E = num_tokens, config.hidden_size, config.num_experts
+    if weights is not None and weights_dtype != "float32":
+        raise ValueError(f"make_inputs: weights_dtype={weights_dtype!r} draws random weights; the given weights are "
+                         f"used as they are (weights_dtype='float32')")
     rb = None if weights is None else weights.router_bias
     if rb is not None:  # gpt-oss's router bias: checked on the host, never dropped
         if weights.router_weight is None:
@@ -105,7 +112,7 @@ def make_inputs(config: MoEConfig, num_tokens: int, seed: int, routing: str, wei
         raise ValueError("make_inputs: x without router_logits needs the router weight (weights.router_weight) "
                          "to compute them; random weights have none")
     if weights is None:
-        inputs = make_layer_inputs(config, num_tokens, seed=seed, routing=routing)
+        inputs = make_layer_inputs(config, num_tokens, seed=seed, routing=routing, weights_dtype=weights_dtype)
         if x is not None:
             x = np.asarray(x, np.float32)
             inputs = dataclasses.replace(inputs, x=x, router_logits=np.asarray(router_logits, np.float32),
@@ -252,6 +259,7 @@ def run_crosscheck(
     x: np.ndarray | None = None,
     router_logits: np.ndarray | None = None,
     backward: bool = False,
+    weights_dtype: str = "float32",
 ) -> CrossCheckResult:
     """Run one set of inputs through ``implementations`` stage by stage and compare (package docstring).
 
@@ -269,6 +277,9 @@ def run_crosscheck(
       x, router_logits: given inputs ``[T, H]`` / ``[T, E]`` instead of random ones (:func:`make_inputs`).
       backward: also the backward stages (``BACKWARD_STAGES``) and the layer's gradients, judged by
         CONTRACT.md section 8; ``meta["backward"]`` says what was drawn and which stages did not run.
+      weights_dtype: ``"bfloat16"`` draws the random weights straight into bf16 (:func:`make_inputs`): the
+        same bf16 values every stage takes from the float32 draw (the stages never see the float32 weights),
+        with 2 bytes a weight on the host instead of 4 + 2; the quant modes quantize these. Random weights only.
 
     Returns: :class:`CrossCheckResult`. A backend that raises ``NotImplementedError`` at a stage is
     recorded in ``skipped`` (not a violation); any other exception is an error (a violation).
@@ -283,7 +294,8 @@ def run_crosscheck(
 
     progress("inputs")
     inputs_given = x is not None
-    inputs, given_s13, given_s2 = make_inputs(config, num_tokens, seed, routing, weights, x, router_logits)
+    inputs, given_s13, given_s2 = make_inputs(config, num_tokens, seed, routing, weights, x, router_logits,
+                                              weights_dtype)
     bf16 = ml_dtypes.bfloat16
     start, e_local = config.local_expert_range()
     up = Upstream(
@@ -319,8 +331,12 @@ def run_crosscheck(
         up.s13 = np.ascontiguousarray(given_s13[start:start + e_local]).astype(scale_dtype)
         up.s2 = np.ascontiguousarray(given_s2[start:start + e_local]).astype(scale_dtype)
     else:
-        up.w13_float = cast_experts(inputs.w13[start:start + e_local], bf16)
-        up.w2_float = cast_experts(inputs.w2[start:start + e_local], bf16)
+        if weights is None and inputs.w13.dtype == bf16:  # drawn in bf16: this rank's experts as they are (no copy)
+            up.w13_float = np.ascontiguousarray(inputs.w13[start:start + e_local])
+            up.w2_float = np.ascontiguousarray(inputs.w2[start:start + e_local])
+        else:
+            up.w13_float = cast_experts(inputs.w13[start:start + e_local], bf16)
+            up.w2_float = cast_experts(inputs.w2[start:start + e_local], bf16)
         if up.quantized:
             each(WEIGHTS_STAGE)
             wq = up.ref[WEIGHTS_STAGE.name]
@@ -355,6 +371,8 @@ def run_crosscheck(
         "inputs": "given" if inputs_given else "random",
         "timings_s": runner.timings, "runtime_s": round(time.perf_counter() - t_start, 2), "devices": _devices(),
     }
+    if weights_dtype != "float32":
+        meta["weights"] += f", drawn in {weights_dtype}"
     if config.shared_expert_gate:
         meta["shared_expert_gate_logits"] = shared_logits_source(weights)
     if biases is not None:
