@@ -2,7 +2,7 @@
 
 Usage (GPU machine, repo root)::
 
-    PYTHONPATH=. python3 benchmarks/tune_triton_gemm.py [--out moe_torch/ops/grouped_gemm/tuned] [--quick] [--full]
+    PYTHONPATH=. python3 benchmarks/tune_triton_gemm.py [--out moe_torch/ops/grouped_gemm/tuned] [--quick] [--full] [--tma]
 
 For each problem of the benchmark's grouped GEMM set (E=32; (K=7168, N=4096) and (K=2048, N=7168);
 M in {256, 2048, 16384}; rows split uniformly; bf16, and FP8 per-token x per-channel) every config
@@ -15,7 +15,10 @@ computes a wrong answer is never chosen). The file ``<device>.json`` holds one e
 
 Two passes per problem (at most 18 + 3 x 5 = 33 configs): the tile shapes x stages in the default
 launch order, then every launch order (``group_m`` x ``persistent``) for the :data:`TOP_K` fastest
-tiles. ``--full`` times the whole product instead (108 configs per problem).
+tiles. ``--full`` times the whole product instead (108 configs per problem). ``--tma`` (opt-in, bf16
+problems only) adds a third pass: the opt-in TMA variant (``GroupedGemmConfig.tma``; ``warp_specialize``
+too on 8-warp tiles) of the :data:`TOP_K` fastest configs so far, in each one's launch order and also
+persistent with ``group_m=8`` (at most 3 x 4 = 12 more configs per problem).
 
 ``moe_torch.ops.grouped_gemm.config.grouped_gemm_config`` reads it (nearest M_cap, same N, K, dtype).
 """
@@ -71,6 +74,15 @@ def launch_orders() -> list[dict]:
     return [dict(group_m=g, persistent=p) for p in SEARCH_SPACE["persistent"] for g in SEARCH_SPACE["group_m"]]
 
 
+def tma_variants(cfg: GroupedGemmConfig) -> list[GroupedGemmConfig]:
+    """The opt-in TMA variants of a (pointer-kernel) config for ``--tma``: ``tma=True`` in ``cfg``'s launch
+    order and persistent with ``group_m=8``, each also with ``warp_specialize=True`` on 8 warps (4 warps fail
+    to compile for sm_90 with it: ``check_config``)."""
+    orders = [dict(), dict(group_m=8, persistent=True)]
+    specs = [dict(tma=True)] + ([dict(tma=True, warp_specialize=True)] if cfg.num_warps >= 8 else [])
+    return [dataclasses.replace(cfg, **o, **s) for o in orders for s in specs]
+
+
 def problems(quick: bool):
     for (K, N), M, dtype in itertools.product(SHAPES, MS, ("bf16", "fp8")):
         if quick and M == 2048:
@@ -83,6 +95,8 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "moe_torch/ops/grouped_gemm/tuned"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--full", action="store_true", help="time every config of SEARCH_SPACE (108 per problem)")
+    parser.add_argument("--tma", action="store_true",
+                        help="bf16: also time the opt-in TMA variant (tma, warp_specialize) of the fastest configs")
     args = parser.parse_args()
     dev = torch.cuda.get_device_name()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -128,6 +142,11 @@ def main() -> int:
             for tile, order in itertools.product(sorted(first, key=timed.get)[:TOP_K], orders[1:]):
                 cfg = dataclasses.replace(tile, **order)
                 timed[cfg] = bench(cfg)
+        if args.tma and dtype == "bf16":  # third pass (opt-in): the TMA variant of the fastest configs
+            for best in sorted(timed, key=timed.get)[:TOP_K]:
+                for variant in tma_variants(best):
+                    if variant not in timed:
+                        timed[variant] = bench(variant)
         print(f"  timed {len(timed)} configs", flush=True)
         ms, cfg = min((heur_ms, heur), *((t, c) for c, t in timed.items()), key=lambda mc: mc[0])
         entry = {"device": dev, "E": E, "N": N, "K": K, "M_cap": M, "dtype": dtype,

@@ -38,6 +38,9 @@ MAX_BLOCK_M = 64
 #: kernel covers whole groups (``block_k`` a multiple of 32: a power of 2 >= 32), so that every
 #: step's packed bytes and scales are whole rows of ``w_q`` and ``w_scale`` tiles.
 W4_MIN_BLOCK_K = 32
+#: Largest block side of the TMA variant (``GroupedGemmConfig.tma``): a TMA box has at most 256 elements
+#: per dimension (CUDA driver API, ``cuTensorMapEncodeTiled``: ``boxDim[i] <= 256``).
+TMA_MAX_BLOCK = 256
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,6 +70,22 @@ class GroupedGemmConfig:
     #: work items, and the offsets' prefix sums once per program. Rules: a bool; False (default) keeps
     #: one program per tile.
     persistent: bool = False
+    #: Opt-in TMA variant (``_grouped_gemm_tma_kernel`` in ``triton.py``; findings in its module docstring,
+    #: "Hopper: what Triton 3.6 offers"): ``x`` and ``w`` tiles loaded through host-side tensor descriptors
+    #: (Hopper's TMA engine), the store still the masked pointer store. Why: a dense Triton 3.6 matmul with
+    #: TMA loads and 128 x 256 tiles reached 720 TFLOP/s bf16 on the H200 (ENVIRONMENT.md, dense 8192^3), the pointer
+    #: grouped GEMM ~540;
+    #: unmeasured on the grouped GEMM. Rules: a bool; serves 16-bit (bf16 / fp16) forwards without bias only
+    #: (:func:`check_config`: FP8, float32, 4-bit weights, bias and the dgrad kernel are refused, naming the
+    #: field); every block <= :data:`TMA_MAX_BLOCK`. False (default) keeps the pointer kernel.
+    tma: bool = False
+    #: ``tl.range(0, K, block_k, warp_specialize=True)`` on the TMA variant's K loop (Triton's automatic warp
+    #: specialization: a producer partition issuing the TMA loads, consumers running the MMAs). Documented
+    #: "Blackwell only" in Triton 3.6, yet its sm_90 pipeline runs ``add_hopper_warpspec``: to be measured.
+    #: Compiled for sm_90 on the CPU: 4 warps fail in the compiler (refused), 8 warps give PTX identical to
+    #: ``warp_specialize=False`` (no producer partition, no ``setmaxnreg``): a no-op until a GPU says otherwise.
+    #: Rules: a bool; needs ``tma=True`` and ``num_warps >= 8``. False (default) leaves the loop unannotated.
+    warp_specialize: bool = False
 
 
 def _pow2_divisor(n: int) -> int:
@@ -92,14 +111,37 @@ def min_block_k(bits: int, w_format: str | None = None) -> int:
 
 
 def check_config(op: str, cfg: GroupedGemmConfig, bits: int, x_group: int | None, w_block: bool,
-                 w_format: str | None = None) -> None:
+                 w_format: str | None = None, *, bias: bool = False, forward: bool = True) -> None:
     """``ValueError`` if ``cfg`` breaks the rules of :class:`GroupedGemmConfig` for this problem
-    (``w_format``: ``"mxfp4"`` / ``"int4"`` for 4-bit weights, whose K steps cover whole groups of 32)."""
+    (``w_format``: ``"mxfp4"`` / ``"int4"`` for 4-bit weights, whose K steps cover whole groups of 32);
+    ``NotImplementedError`` if ``cfg.tma`` / ``cfg.warp_specialize`` (the opt-in TMA variant) is asked of a
+    request that variant does not serve: ``bits != 16`` (FP8, float32), 4-bit weights, ``bias``, or not the
+    forward kernel (``forward=False``: the dgrad kernel, which tiles alike but has no TMA variant)."""
     pow2 = all(b > 0 and b & (b - 1) == 0 for b in (cfg.block_m, cfg.block_n, cfg.block_k))
     limit = k_step_limit(x_group, w_block)
     lowest = min_block_k(bits, w_format)
     if type(cfg.group_m) is not int or cfg.group_m < 1 or type(cfg.persistent) is not bool:
         raise ValueError(f"{op}: config must have an int group_m >= 1 and a bool persistent; got {cfg}")
+    if type(cfg.tma) is not bool or type(cfg.warp_specialize) is not bool:
+        raise ValueError(f"{op}: config must have a bool tma and a bool warp_specialize; got {cfg}")
+    if cfg.warp_specialize and not cfg.tma:
+        raise ValueError(f"{op}: config warp_specialize=True needs tma=True (it annotates the TMA variant's K loop); "
+                         f"got {cfg}")
+    if cfg.tma:
+        field = "tma=True" + (" (and warp_specialize=True)" if cfg.warp_specialize else "")
+        refused = ("the dgrad kernel (forward only)" if not forward
+                   else f"{w_format} 4-bit weights" if w_format
+                   else "FP8 operands" if bits == 8
+                   else "float32 operands" if bits == 32
+                   else "a bias" if bias else None)
+        if refused:
+            raise NotImplementedError(f"{op}: config {field} serves 16-bit (bf16 / fp16) forwards without bias only; "
+                                      f"got {refused}")
+        if cfg.warp_specialize and cfg.num_warps < 8:
+            raise NotImplementedError(f"{op}: config warp_specialize=True needs num_warps >= 8: with 4 warps triton 3.6's "
+                                      f"sm_90 pass NVGPUWarpSpecialization fails to compile the kernel; got {cfg}")
+        if max(cfg.block_m, cfg.block_n, cfg.block_k) > TMA_MAX_BLOCK:
+            raise ValueError(f"{op}: config tma=True needs every block <= {TMA_MAX_BLOCK} (a TMA box's side); got {cfg}")
     if not pow2 or cfg.block_k < lowest or (limit is not None and limit % cfg.block_k):
         raise ValueError(
             f"{op}: config must have power-of-2 blocks, block_k >= {lowest} (tl.dot on {bits}-bit operands"
@@ -156,11 +198,11 @@ def tuned_entries(device_name: str) -> tuple[dict, ...]:
 
 def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: int | None = None,
                         w_block: bool = False, device_name: str | None = None,
-                        w_format: str | None = None) -> GroupedGemmConfig:
+                        w_format: str | None = None, bias: bool = False) -> GroupedGemmConfig:
     """The tuned config of ``device_name`` for the same ``N``, ``K`` and dtype (``bits``; with 4-bit
     weights ``"bf16_mxfp4"`` / ``"bf16_int4"``, none stored yet) with the nearest ``M_cap`` (in log2), if
-    one is stored and fits this problem's scale layout (:func:`check_config`); else
-    :func:`heuristic_grouped_gemm_config`."""
+    one is stored and fits this problem's scale layout and ``bias`` (:func:`check_config`: a tuned ``tma``
+    entry is skipped for a request with a bias); else :func:`heuristic_grouped_gemm_config`."""
     dtype = {8: "fp8", 16: "bf16"}.get(bits)
     if w_format is not None:  # 4-bit weights: their own entries (the bf16 ones tile another kernel)
         dtype = f"{dtype}_{w_format}" if dtype else None
@@ -169,10 +211,10 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: 
         best = min(matches, key=lambda t: abs(math.log2(max(M_cap, 1)) - math.log2(t["M_cap"])))
         cfg = GroupedGemmConfig(**best["config"])  # entries without group_m / persistent: the defaults
         try:
-            check_config("grouped_gemm", cfg, bits, x_group, w_block, w_format)
+            check_config("grouped_gemm", cfg, bits, x_group, w_block, w_format, bias=bias)
             return cfg
-        except ValueError:
-            pass  # tuned for other scale layouts: the heuristic knows the rules
+        except (ValueError, NotImplementedError):
+            pass  # tuned for other scale layouts (or a TMA entry, a request with bias): the heuristic knows the rules
     return heuristic_grouped_gemm_config(M_cap, N, K, E, bits, x_group, w_block, w_format)
 
 

@@ -64,6 +64,42 @@ every tile (work item, column tile) is computed exactly once, whatever the order
   pid + #programs, ...`` below ``total * n_cols`` in the same order (``group_m`` applies): no
   idle programs launched, and steps 1-2 (offsets load, prefix sums) once per program, not per tile.
 
+TMA variant (opt-in: ``GroupedGemmConfig(tma=True)``, ``_grouped_gemm_tma_kernel``; the default configs never
+select it). 16-bit (bf16 / fp16) forwards without bias only; the same work items, grids and launch orders.
+``x`` and ``w`` tiles come through host-side tensor descriptors (``triton.tools.tensor_descriptor.
+TensorDescriptor``, zero padding): ``x [M_cap, K]`` in ``[BLOCK_M, BLOCK_K]`` boxes loaded at ``[tile *
+BLOCK_M, k0]`` (the whole row tile: rows of other experts, and of no expert, are computed but never stored;
+rows past ``M_cap`` and the K tail are zero-filled by the descriptor's bounds), ``w`` viewed as ``[E * N, K]``
+in ``[BLOCK_N, BLOCK_K]`` boxes at ``[e * N + pid_n * BLOCK_N, k0]`` (the N tail reads the next expert's rows:
+computed, never stored). The store stays the masked pointer store. The K loop is ``tl.range(0, K, BLOCK_K,
+warp_specialize=cfg.warp_specialize)``. Refused on the host before launch: by ``check_config``
+(``NotImplementedError`` naming ``tma=True``) FP8, float32, 4-bit weights, a bias, the dgrad kernel, and
+``warp_specialize`` below 8 warps; (``ValueError``) blocks over 256 (a TMA box side), ``warp_specialize``
+without ``tma``; by ``_tma_descriptors`` (``NotImplementedError``) a base address or row stride of ``x`` or
+``w`` not a multiple of 16 bytes (contiguous inputs: ``K * itemsize % 16 != 0``, e.g. odd K), ``w.stride(0)
+!= N * w.stride(1)``, ``K == 0``, and ``M_cap`` or ``E * N`` of 2**31 or more (int32 TMA coordinates).
+
+Hopper: what Triton 3.6 offers (issue 14; read in the installed triton 3.6.0 and compiled for sm_90 on a
+CPU, ``tests/test_triton_gemm_tma.py``; nothing here is measured on a GPU yet):
+
+* TMA: device-side ``tl.make_tensor_descriptor`` (needs ``triton.set_allocator`` for the descriptor's global
+  scratch) and host-side ``TensorDescriptor`` kernel arguments (the launcher encodes the ``CUtensorMap``,
+  ``backends/nvidia/driver.py: make_tensordesc_arg``; no allocator). The interpreter implements both
+  (``runtime/interpreter.py``: descriptor loads become masked loads, with TMA's alignment asserts). This
+  kernel uses host-side descriptors: simplest, and they run in the interpreter. On sm_90 they lower to
+  ``cp.async.bulk.tensor`` + mbarriers feeding ``wgmma`` (64x128 / 4 warps, 128x256 / 8 warps, persistent too).
+* ``tl.range(..., warp_specialize=True)``: documented "only supported on Blackwell", but the sm_90 pipeline
+  (``backends/nvidia/compiler.py: make_ttgir``, capability 9) runs ``nvidia.passes.hopper.add_hopper_warpspec``.
+  On this kernel it fails to compile with 4 warps (``NVGPUWarpSpecialization``: refused by ``check_config``)
+  and with 8 warps yields PTX identical to ``warp_specialize=False`` (no producer partition, no
+  ``setmaxnreg``): a no-op here. Hand-written warp specialization on Hopper needs Gluon or Mosaic GPU.
+* Persistent kernels: plain ``tl.range(pid, tiles, num_programs)`` loops (``persistent=True`` above); ``tl.range``
+  also has ``flatten=`` (nested-loop fusion, run on sm_90 by ``add_fuse_nested_loops``), not used here.
+* Left to measure on the H200 (``benchmarks/tune_triton_gemm.py --tma``): the TMA variant against the pointer
+  kernel at M=16384 (a dense Triton 3.6 TMA matmul reached 720 TFLOP/s bf16 there, the pointer grouped GEMM
+  ~540), its wider tiles (128x256 / 8 warps), persistent + ``group_m``, whether ``warp_specialize`` on 8 warps
+  changes anything at run time (the PTX says no), and ``compute-sanitizer`` on the new kernel.
+
 Offsets ``row * stride`` and ``e * N * K`` are int64 (both pass
 2**31: ``M_cap * K`` at 300k rows of H=7168, ``E * N * K`` at E=256, N=7168, K=2048).
 
@@ -430,6 +466,137 @@ def _grouped_gemm_kernel(
                 BLOCK_M, BLOCK_N, BLOCK_K)
 
 
+@triton.jit
+def _grouped_gemm_tma_tile(
+    p,  # int32: this tile's work item (row tile, expert), 0 <= p < total (see the module docstring)
+    pid_n,  # int32: this tile's column tile, columns [pid_n * BLOCK_N, +BLOCK_N)
+    e_ids,  # [BLOCK_E] expert ids 0..BLOCK_E-1
+    starts,  # [BLOCK_E] s_e, clamped (0 past E)
+    ends,  # [BLOCK_E] t_e, clamped (0 past E)
+    first_tile,  # [BLOCK_E] s_e // BLOCK_M
+    n_tiles,  # [BLOCK_E] n_e
+    incl,  # [BLOCK_E] P_e + n_e
+    x_desc,  # tensor descriptor over x [M_cap, K] bf16 / fp16, block [BLOCK_M, BLOCK_K], zero padding
+    w_desc,  # tensor descriptor over w viewed as [E * N, K] (same dtype), block [BLOCK_N, BLOCK_K], zero padding
+    out_ptr,  # [M_cap, N] out dtype (float32 / bf16 / fp16); unit column stride
+    N,  # int: output columns
+    K,  # int: reduction size
+    stride_om,  # int: out.stride(0)
+    BLOCK_M: tl.constexpr,  # rows per tile (power of 2, <= 256: a TMA box side)
+    BLOCK_N: tl.constexpr,  # columns per tile (power of 2, <= 256)
+    BLOCK_K: tl.constexpr,  # K step (power of 2, <= 256)
+    WARP_SPECIALIZE: tl.constexpr,  # bool: tl.range(..., warp_specialize=True) on the K loop
+):
+    """The TMA variant of :func:`_grouped_gemm_tile` (16-bit operands, no scales, no bias): the same work
+    item and store, with the whole ``[BLOCK_M, BLOCK_K]`` row tile of ``x`` loaded at ``[tile * BLOCK_M, k0]``
+    (rows of other experts, or of no expert, are loaded and computed but never stored; rows past ``M_cap``
+    and the K tail are zero-filled by the descriptor's bounds) and the weight tile at ``[e * N + pid_n *
+    BLOCK_N, k0]`` of ``w``'s ``[E * N, K]`` view (columns past ``N`` read the next expert's rows, or zeros
+    past ``E * N``: computed, never stored)."""
+    e, row_start, row_end, tile = _work_item(p, e_ids, starts, ends, first_tile, n_tiles, incl)  # step 4
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = (rows >= row_start) & (rows < row_end)
+    rows64 = rows.to(tl.int64)  # int64: row * stride_om passes 2**31 for large M_cap * N
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    m0 = tile * BLOCK_M  # int32 TMA coordinates: M_cap and E * N are < 2**31 (checked on the host)
+    n0 = e * N + pid_n * BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+        a = x_desc.load([m0, k0])  # [BLOCK_M, BLOCK_K]
+        b = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K] (K-major, as w)
+        acc = tl.dot(a, b.T, acc)  # bf16 / fp16 tensor cores, float32 accumulation
+
+    out_ptrs = out_ptr + rows64[:, None] * stride_om + cols.to(tl.int64)[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _grouped_gemm_tma_kernel(
+    x_desc,  # tensor descriptor over x [M_cap, K] bf16 / fp16, block [BLOCK_M, BLOCK_K]
+    w_desc,  # tensor descriptor over w viewed as [E * N, K], block [BLOCK_N, BLOCK_K]
+    offsets_ptr,  # [E + 1] int32 expert_offsets, non-decreasing
+    out_ptr,  # [M_cap, N] out dtype (float32 / bf16 / fp16); unit column stride
+    M_cap,  # int: rows of x and y
+    N,  # int: output columns
+    K,  # int: reduction size
+    E,  # int: experts (E_local)
+    stride_om,  # int: out.stride(0)
+    BLOCK_E: tl.constexpr,  # next_power_of_2(E + 1): the offsets search vector
+    BLOCK_M: tl.constexpr,  # rows per tile (power of 2, <= 256)
+    BLOCK_N: tl.constexpr,  # columns per tile (power of 2, <= 256)
+    BLOCK_K: tl.constexpr,  # K step (power of 2, <= 256)
+    GROUP_M: tl.constexpr,  # launch-order swizzle (GroupedGemmConfig.group_m); 1: grid axis 0 = work item
+    PERSISTENT: tl.constexpr,  # bool: each program loops over tiles with a stride of the grid size
+    WARP_SPECIALIZE: tl.constexpr,  # bool: GroupedGemmConfig.warp_specialize
+):
+    """:func:`_grouped_gemm_kernel`'s grids and launch orders (same ``launch_grid``), each tile computed by
+    :func:`_grouped_gemm_tma_tile`."""
+    pid = tl.program_id(0)
+    if not PERSISTENT and GROUP_M == 1:  # (constexpr) read first, as the default grid always has
+        pid_n = tl.program_id(1)
+    e_ids, starts, ends, first_tile, n_tiles, incl, total = _expert_row_tiles(offsets_ptr, M_cap, E, BLOCK_E, BLOCK_M)
+
+    n_cols = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        for t in tl.range(pid, total * n_cols, tl.num_programs(0)):
+            p, pid_n = _launch_order(t, total, n_cols, GROUP_M)
+            _grouped_gemm_tma_tile(p, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_desc, w_desc, out_ptr,
+                                   N, K, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, WARP_SPECIALIZE)
+    elif GROUP_M == 1:
+        if pid < total:  # step 3: programs past the last work item do nothing
+            _grouped_gemm_tma_tile(pid, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_desc, w_desc, out_ptr,
+                                   N, K, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, WARP_SPECIALIZE)
+    else:
+        if pid < total * n_cols:  # step 3, on the 1-D grid
+            p, pid_n = _launch_order(pid, total, n_cols, GROUP_M)
+            _grouped_gemm_tma_tile(p, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_desc, w_desc, out_ptr,
+                                   N, K, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, WARP_SPECIALIZE)
+
+
+#: TMA's alignment rule (CUDA driver API ``cuTensorMapEncodeTiled``; triton ``tools/tensor_descriptor.py``
+#: asserts the same): the global base address and every stride but the innermost are multiples of 16 bytes.
+TMA_ALIGN_BYTES = 16
+#: TMA coordinates are int32: ``M_cap`` and the weight view's ``E * N`` rows must stay below this.
+_MAX_TMA_ROWS = 2**31 - 1
+
+
+def _tma_descriptors(op: str, x: torch.Tensor, w: torch.Tensor, cfg: GroupedGemmConfig):
+    """Host-side tensor descriptors ``(x_desc, w_desc)`` of the TMA variant: ``x [M_cap, K]`` in
+    ``[block_m, block_k]`` boxes, ``w [E, N, K]`` viewed as ``[E * N, K]`` in ``[block_n, block_k]`` boxes, both
+    zero-padded outside their bounds. Host-side (``triton.tools.tensor_descriptor.TensorDescriptor``): the
+    launcher encodes the ``CUtensorMap`` (no ``triton.set_allocator``, which device-side
+    ``tl.make_tensor_descriptor`` would need for its global scratch), and the interpreter turns it into masked
+    loads.
+
+    Raises: NotImplementedError (what TMA cannot address: a base address or the row stride of ``x`` or ``w``
+      not a multiple of 16 bytes, i.e. ``K * itemsize`` not one for contiguous inputs; ``w`` whose experts are
+      not ``N`` rows apart (``w.stride(0) != N * w.stride(1)``: no ``[E * N, K]`` view); ``K == 0`` (a TMA
+      dimension must be positive); ``M_cap`` or ``E * N`` of 2**31 or more (int32 coordinates))."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M_cap, K = x.shape
+    E, N, _ = w.shape
+    size = x.element_size()
+    need = f"{TMA_ALIGN_BYTES}-byte aligned base addresses and row strides (TMA)"
+    for name, t, stride in (("x", x, x.stride(0)), ("w", w, w.stride(1))):
+        if t.data_ptr() % TMA_ALIGN_BYTES or (stride * size) % TMA_ALIGN_BYTES:
+            raise NotImplementedError(f"{op}: config tma=True needs {need}; got {name} at address offset "
+                                      f"{t.data_ptr() % TMA_ALIGN_BYTES} with a row stride of {stride * size} bytes")
+    if E > 1 and w.stride(0) != N * w.stride(1):
+        raise NotImplementedError(f"{op}: config tma=True views w [E, N, K] as [E * N, K], so it needs "
+                                  f"w.stride(0) == N * w.stride(1) (={N * w.stride(1)}); got w.stride()={w.stride()}")
+    if K == 0:
+        raise NotImplementedError(f"{op}: config tma=True needs K > 0 (a TMA dimension must be positive); got K=0")
+    if max(M_cap, E * N) > _MAX_TMA_ROWS:
+        raise NotImplementedError(f"{op}: config tma=True addresses rows by int32 TMA coordinates, so M_cap and "
+                                  f"E * N must be below 2**31; got M_cap={M_cap}, E * N={E * N}")
+    x_desc = TensorDescriptor(x, [M_cap, K], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor(w, [E * N, K], [w.stride(1), 1], [cfg.block_n, cfg.block_k])
+    return x_desc, w_desc
+
+
 def scale_layouts(x: torch.Tensor, x_scale, w_scale) -> tuple[str | None, str | None, int | None]:
     """Names of validated FP8 scale layouts: ``(x layout, w layout, G)``, ``G`` the per-token-group
     width (``None`` otherwise). A ``[M_cap, 1]`` scale is per-token (one group of K columns)."""
@@ -505,7 +672,9 @@ def grouped_gemm_triton(
     Raises: NotImplementedError (no CUDA and no interpreter; FP8 before sm_89; per-token-group
       scales too narrow for ``tl.dot``; ``expert_offsets`` or ``bias`` on another device; more than 4095
       experts; too many column tiles),
-      ValueError (a given ``config`` that breaks the rules of :class:`GroupedGemmConfig`).
+      ValueError (a given ``config`` that breaks the rules of :class:`GroupedGemmConfig`);
+      with ``config.tma`` also NotImplementedError for what the TMA variant does not serve (module
+      docstring, "TMA variant": FP8, float32, 4-bit, bias; unaligned base or row strides of ``x`` / ``w``).
     """
     out = torch.zeros((x.shape[0], w.shape[1]), dtype=out_dtype, device=x.device)
     return _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config, w_format, bias)
@@ -539,11 +708,18 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=No
     bits = x.element_size() * 8
     w_block = w_layout == "block"
     device_name = _device_name(x.device) if x.is_cuda else None  # host-side: no sync
-    cfg = config or _default_config(M_cap, N, K, E, bits, group, w_block, device_name, w_format=w_format)
-    check_config(op, cfg, bits, group, w_block, w_format)
+    cfg = config or _default_config(M_cap, N, K, E, bits, group, w_block, device_name, w_format=w_format,
+                                    bias=bias is not None)
+    check_config(op, cfg, bits, group, w_block, w_format, bias=bias is not None)
     grid = launch_grid(op, cfg, M_cap, N, E, x.device)
     if M_cap == 0 or N == 0 or E == 0:
         return out  # nothing to compute: every row stays 0
+    if cfg.tma:  # the opt-in TMA variant (16-bit, no scales, no bias: check_config)
+        x_desc, w_desc = _tma_descriptors(op, x, w, cfg)
+        _grouped_gemm_tma_kernel[grid](
+            x_desc, w_desc, expert_offsets, out, M_cap, N, K, E, out.stride(0),
+            BLOCK_E=triton.next_power_of_2(E + 1), WARP_SPECIALIZE=cfg.warp_specialize, **tile_meta(cfg))
+        return out
     xs = x_scale if x_scale is not None else out  # never read without FP8
     ws = w_scale if w_scale is not None else out
     xs_strides = (*xs.stride(), 0, 0)[:2] if x_scale is not None else (0, 0)  # () for a per-tensor scale

@@ -323,7 +323,7 @@ def _launch_dgrad(op, d_y, w, expert_offsets, w_scale, out, config):
     bits = d_y.element_size() * 8
     w_block = layout == "block"
     cfg = config or _dgrad_config(M_cap, N, K, E, bits, w_block)
-    check_config(op, cfg, bits, None, w_block)
+    check_config(op, cfg, bits, None, w_block, forward=False)  # forward=False: no TMA variant here
     grid = launch_grid(op, cfg, M_cap, K, E, d_y.device)  # the forward's grid with K output columns
     if M_cap == 0 or K == 0 or E == 0:
         return out  # nothing to compute: every row stays 0

@@ -1,0 +1,192 @@
+"""The opt-in TMA variant of the Triton grouped GEMM (``GroupedGemmConfig(tma=True)``,
+``_grouped_gemm_tma_kernel`` in ``moe_torch/ops/grouped_gemm/triton.py``) against the torch reference
+and a float64 loop (CONTRACT.md sections 4 and 7), its refusals (each naming the field), and its sm_90
+lowering (TMA copies and wgmma; what ``warp_specialize`` does there).
+
+On the CPU the kernel runs in Triton's interpreter, which turns the host-side tensor descriptors into
+masked loads (zero outside the bounds, as TMA); on the GPU machine (``EPMOE_TEST_DEVICE=gpu``) the same
+tests run compiled. Unused capacity rows of ``x`` are NaN: the variant loads and computes whole row tiles,
+so a NaN that reached ``y`` would show a row stored that must not be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from common import TORCH_DEVICE, to_torch
+from moe_torch.ops.grouped_gemm import config as gemm_config
+from moe_torch.ops.grouped_gemm.config import GroupedGemmConfig, check_config, grouped_gemm_config
+from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
+from moe_torch.ops.grouped_gemm.triton import _launch, grouped_gemm_triton
+from sm90 import compile_sm90
+from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro
+from test_triton_grouped_gemm import assert_guards_untouched, float64_grouped_gemm, make_problem
+
+TMA = GroupedGemmConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=3, tma=True)
+
+#: counts per expert, M_cap, K, N, block_k; the comment says which edge (block_m = block_n = 16).
+SHAPES = {
+    "ragged-empties": ([5, 0, 19, 0, 3], 32, 48, 40, 32),  # ragged, empty experts, unused capacity, K tail 16 of 32, N tail
+    "all-on-one": ([0, 0, 27, 0], 27, 64, 32, 32),  # every row on one expert, M_cap = 27 not a multiple of 16
+    "m-cap-k-tail": ([7, 11, 3], 23, 24, 24, 16),  # M_cap 23, K = 24 (tail of 8 with block_k 16), N tail of 8
+    "one-row": ([1], 1, 16, 16, 16),  # M = 1 (decode), one whole tile of 15 zero-filled rows
+}
+#: Launch orders the variant runs under (it shares the pointer kernel's): the default 2-D grid, and a
+#: persistent non-power-of-2 group (4 programs in the interpreter, each looping over several tiles).
+ORDERS = {"g1": dict(), "g3-persistent": dict(group_m=3, persistent=True)}
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tma_matches_reference(shape, dtype, order):
+    """float32 output within F32_REL_FRO of the torch reference and of float64 on the same (rounded) values;
+    the ``x.dtype`` output within BF16_REL_FRO of float64; only owned rows are written (a NaN-poisoned,
+    over-allocated output keeps NaN in unowned rows and guards); inputs untouched."""
+    counts, m_cap, K, N, block_k = SHAPES[shape]
+    cfg = dataclasses.replace(TMA, block_k=block_k, **ORDERS[order])
+    x_np, w_np, off_np = make_problem(len(shape) + K, counts, m_cap, K, N)
+    x, w, offsets = to_torch(x_np, dtype), to_torch(w_np, dtype), to_torch(off_np)
+    before = [t.clone() for t in (x, w, offsets)]
+    M = int(off_np[-1])
+    ref64 = float64_grouped_gemm(x.float().cpu().numpy().astype(np.float64), w.float().cpu().numpy(), off_np)
+
+    f32 = grouped_gemm_triton(x, w, offsets, None, None, torch.float32, cfg)
+    ref32 = grouped_gemm_reference(x, w, offsets, None, None, torch.float32)
+    assert_rel_fro(f32[:M], ref32[:M], F32_REL_FRO, "TMA float32 output vs torch reference")
+    assert_rel_fro(f32, ref64, F32_REL_FRO, "TMA float32 output vs float64")
+    assert not f32[M:].any(), "rows >= M are zero"
+
+    buf = torch.full((m_cap + 1, N + 15), float("nan"), dtype=x.dtype, device=x.device)
+    view = buf[:m_cap, :N]
+    _launch("grouped_gemm", x, w, offsets, None, None, view, cfg)
+    assert_guards_untouched(buf, m_cap, N)
+    assert torch.isnan(view[M:].float()).all(), "rows >= M never written"
+    assert torch.isfinite(view[:M].float()).all()
+    assert_rel_fro(view[:M], ref64[:M], BF16_REL_FRO, f"TMA {dtype} output vs float64")
+    for t, b in zip((x, w, offsets), before):
+        assert_exact(t, b, "input unchanged")
+
+
+def test_tma_no_rows_at_all():
+    """All experts empty: nothing is stored (the poisoned output stays NaN), zeros from the public launcher."""
+    x_np, w_np, off_np = make_problem(3, [0, 0, 0], 8, 32, 16)
+    x, w, offsets = to_torch(x_np, "bfloat16"), to_torch(w_np, "bfloat16"), to_torch(off_np)
+    assert not grouped_gemm_triton(x, w, offsets, None, None, torch.float32, TMA).any()
+    out = torch.full((8, 16), float("nan"), dtype=torch.float32, device=x.device)
+    _launch("grouped_gemm", x, w, offsets, None, None, out, TMA)
+    assert torch.isnan(out).all()
+
+
+def test_tma_defaults_off():
+    """The new fields default to off, in the dataclass and in every heuristic config: the pointer kernel."""
+    cfg = GroupedGemmConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=3)
+    assert (cfg.tma, cfg.warp_specialize) == (False, False)
+    for bits in (8, 16, 32):
+        heur = grouped_gemm_config(2048, 4096, 7168, 32, bits)
+        assert (heur.tma, heur.warp_specialize) == (False, False)
+
+
+def _problem(dtype="bfloat16", K=32):
+    x_np, w_np, off_np = make_problem(5, [3, 4], 8, K, 16)
+    return to_torch(x_np, dtype), to_torch(w_np, dtype), to_torch(off_np)
+
+
+def test_tma_refuses_requests_it_does_not_serve():
+    """FP8, float32, 4-bit weights, a bias and the dgrad kernel: NotImplementedError naming ``tma=True``
+    and what came, from check_config, before any launch."""
+    for kwargs, what in [(dict(bits=8), "FP8"), (dict(bits=32), "float32"), (dict(bits=16, w_format="mxfp4"), "mxfp4"),
+                         (dict(bits=16, bias=True), "bias"), (dict(bits=16, forward=False), "dgrad")]:
+        bits = kwargs.pop("bits")
+        with pytest.raises(NotImplementedError, match=f"config tma=True .*{what}"):
+            check_config("grouped_gemm", dataclasses.replace(TMA, block_k=32), bits, None, False,
+                         kwargs.pop("w_format", None), **kwargs)
+    x, w, offsets = _problem("float32")
+    with pytest.raises(NotImplementedError, match="grouped_gemm: config tma=True .*float32"):
+        grouped_gemm_triton(x, w, offsets, None, None, torch.float32, TMA)
+    x, w, offsets = _problem()
+    bias = torch.randn(2, 16, device=x.device)
+    with pytest.raises(NotImplementedError, match="grouped_gemm: config tma=True .*bias"):
+        grouped_gemm_triton(x, w, offsets, None, None, torch.float32, TMA, bias=bias)
+
+
+def test_tma_config_rules():
+    """warp_specialize needs tma (ValueError) and 8 warps (NotImplementedError: sm_90 compile failure);
+    non-bool fields and blocks past a TMA box side (256) are ValueError; a valid TMA config passes."""
+    check_config("grouped_gemm", TMA, 16, None, False)
+    check_config("grouped_gemm", dataclasses.replace(TMA, num_warps=8, warp_specialize=True), 16, None, False)
+    with pytest.raises(ValueError, match="warp_specialize=True needs tma=True"):
+        check_config("grouped_gemm", dataclasses.replace(TMA, tma=False, warp_specialize=True), 16, None, False)
+    with pytest.raises(NotImplementedError, match="warp_specialize=True needs num_warps >= 8"):
+        check_config("grouped_gemm", dataclasses.replace(TMA, warp_specialize=True), 16, None, False)
+    for bad in (dict(tma=1), dict(warp_specialize=None)):
+        with pytest.raises(ValueError, match="bool tma and a bool warp_specialize"):
+            check_config("grouped_gemm", dataclasses.replace(TMA, **bad), 16, None, False)
+    with pytest.raises(ValueError, match="every block <= 256"):
+        check_config("grouped_gemm", dataclasses.replace(TMA, block_n=512), 16, None, False)
+
+
+def test_tma_refuses_what_tma_cannot_address():
+    """Host-side NotImplementedError before launch: a row stride not a multiple of 16 bytes (K = 36 bf16:
+    72 B), a base address off 16 bytes, experts not N rows apart in w (no [E * N, K] view)."""
+    x, w, offsets = _problem(K=36)
+    with pytest.raises(NotImplementedError, match="16-byte aligned .*x .*row stride of 72 bytes"):
+        grouped_gemm_triton(x, w, offsets, None, None, torch.float32, TMA)
+    x, w, offsets = _problem()
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape)
+    shifted.copy_(x)
+    with pytest.raises(NotImplementedError, match="16-byte aligned .*x at address offset 2"):
+        grouped_gemm_triton(shifted, w, offsets, None, None, torch.float32, TMA)
+    wide = torch.zeros(2, 24, 32, dtype=w.dtype, device=w.device)
+    wide[:, :16] = w
+    with pytest.raises(NotImplementedError, match=r"w.stride\(0\) == N \* w.stride\(1\)"):
+        grouped_gemm_triton(x, wide[:, :16], offsets, None, None, torch.float32, TMA)
+
+
+def test_tuned_tma_entry_skipped_for_bias(tmp_path, monkeypatch):
+    """A tuned bf16 entry with tma=True is the default without bias; with a bias the heuristic (no TMA)."""
+    entry = {"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 16384, "dtype": "bf16",
+             "config": dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True)}
+    (tmp_path / "Test_GPU.json").write_text(__import__("json").dumps([entry]))
+    monkeypatch.setattr(gemm_config, "TUNED_DIR", str(tmp_path))
+    gemm_config.tuned_entries.cache_clear()
+    try:
+        plain = grouped_gemm_config(16384, 4096, 7168, 32, 16, device_name="Test GPU")
+        with_bias = grouped_gemm_config(16384, 4096, 7168, 32, 16, device_name="Test GPU", bias=True)
+    finally:
+        gemm_config.tuned_entries.cache_clear()
+    assert plain == GroupedGemmConfig(**entry["config"])
+    assert not with_bias.tma
+
+
+# --------------------------------------------------------------------------------------
+# sm_90 lowering on the CPU (child process without the interpreter; tests/sm90.py)
+
+
+def _tma_job(bm, bn, bk, warps, ws, persistent=False, group_m=1):
+    return {"signature": {"x_desc": f"tensordesc<bf16[{bm}, {bk}]>", "w_desc": f"tensordesc<bf16[{bn}, {bk}]>",
+                          "offsets_ptr": "*i32", "out_ptr": "*bf16", "M_cap": "i32", "N": "i32", "K": "i32", "E": "i32",
+                          "stride_om": "i32"},
+            "constexprs": {"BLOCK_E": 64, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
+                           "PERSISTENT": persistent, "WARP_SPECIALIZE": ws},
+            "options": {"num_warps": warps, "num_stages": 3}}
+
+
+@pytest.mark.skipif(TORCH_DEVICE != "cpu", reason="compiles in a child process; the GPU run compiles for real")
+def test_tma_compiles_for_sm90():
+    """The variant lowers to TMA copies (``cp.async.bulk.tensor``) feeding ``wgmma`` (bf16), in the default and
+    the persistent grouped order. ``warp_specialize=True`` at 8 warps gives PTX identical to False in triton 3.6
+    on sm_90 (no producer partition, no ``setmaxnreg``): the finding of the module docstring; if a new triton
+    changes that, this test says so and the docstring must be updated."""
+    jobs = {"64x128": _tma_job(64, 128, 64, 4, False), "128x256-persistent-g8": _tma_job(128, 256, 64, 8, False, True, 8),
+            "128x256-persistent-g8-ws": _tma_job(128, 256, 64, 8, True, True, 8)}
+    ptx = compile_sm90(jobs, "moe_torch.ops.grouped_gemm.triton", "_grouped_gemm_tma_kernel")
+    for name, p in ptx.items():
+        assert ".target sm_90" in p and "cp.async.bulk.tensor" in p, name
+        assert "wgmma.mma_async.sync.aligned" in p and ".bf16.bf16" in p, name
+    assert ptx["128x256-persistent-g8-ws"] == ptx["128x256-persistent-g8"], "warp_specialize became effective on sm_90"
+    assert "setmaxnreg" not in ptx["128x256-persistent-g8-ws"]
