@@ -154,7 +154,8 @@ def run_cli_checks(out_dir: str | None, specs: list[str], tokens: int) -> list[d
             row = {"check": f"{preset}:{quant}", "T": tokens, "rc": rc, "seconds": round(dt, 1)}
             if os.path.exists(jpath):
                 data = json.load(open(jpath))
-                row.update(ok=data["ok"], failed_stages=data["failed_stages"], skipped=data["skipped"], errors=data["errors"])
+                row.update(ok=data["ok"], failed_stages=data["failed_stages"], skipped=data["skipped"], errors=data["errors"],
+                           not_served=data.get("not_served") or {})
                 worst: dict[str, float] = {}
                 for c in data["comparisons"]:
                     err = c["metrics"].get("rel_fro")
@@ -165,7 +166,8 @@ def run_cli_checks(out_dir: str | None, specs: list[str], tokens: int) -> list[d
             results.append(row)
             print(f"epmoe check {preset} {quant} T={tokens}: rc={rc} ({dt:.0f} s)"
                   + (f" failed={row.get('failed_stages')} skipped={list(row.get('skipped', {}))}" if rc != 0 else
-                     f", {row.get('n_comparisons')} comparisons, layer max rel err {row.get('max_rel_fro', {}).get('layer', float('nan')):.1e}"),
+                     f", {row.get('n_comparisons')} comparisons, layer max rel err {row.get('max_rel_fro', {}).get('layer', float('nan')):.1e}")
+                  + (f"; not served: {', '.join(row['not_served'])}" if row.get("not_served") else ""),
                   flush=True)
             import torch
 

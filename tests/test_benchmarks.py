@@ -383,6 +383,7 @@ def test_gpu_check_groups_and_cli_checks(tmp_path):
     (row,) = gpu_check.run_cli_checks(str(tmp_path), ["tiny:fp8_block"], tokens=4)
     assert row["check"] == "tiny:fp8_block" and row["rc"] == 0 and row["ok"] is True, row
     assert row["failed_stages"] == [] and row["max_rel_fro"]["layer"] < 2e-2 and row["n_comparisons"] > 50
+    assert row["not_served"] == {}  # every default implementation served (a GPU adds Mosaic GPU, which may not)
     assert "===== epmoe check --preset tiny --quant fp8_block --tokens 4: rc=0" in (tmp_path / "checks.log").read_text()
 
 
