@@ -688,6 +688,8 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
         if ctx.wants(name) and impl == "pallas_mosaic_gpu" and spec.quant in ("mxfp4", "int4"):
             skip_row(ctx, bench, name, spec, f"the Mosaic GPU grouped GEMM has no 4-bit weights ({spec.quant}); "
                      f"moe_forward's default serves them with Pallas-Triton (the ours-jax-pallas_triton row)")
+        elif ctx.wants(name) and impl == "pallas_mosaic_gpu" and mosaic_gpu_missing():
+            skip_row(ctx, bench, name, spec, mosaic_gpu_missing())
         elif ctx.wants(name):
 
             def fn(x_, l_, w13_, w2_, s13_, s2_, b_, b13_, b2_, sgl_, impl=impl):
@@ -699,11 +701,15 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
     del jsets
     if spec.quant == "none":
         bench_layer_transformers(ctx, spec, x, (w13, w2, gate_w, bias, rb, b13, b2), ref, common, bench=bench)
-    elif bench == "decode" and spec.arch is not None and ctx.wants("transformers"):
-        skip_row(ctx, bench, f"transformers-{S.HF_BLOCKS[spec.arch]}", spec,
-                 f"transformers' {S.HF_BLOCKS[spec.arch]} runs float weights only here (its {spec.quant} path needs the "
-                 f"hub's kernels, which the machine cannot download)" if spec.quant in ("mxfp4", "int4") else
-                 f"transformers' {S.HF_BLOCKS[spec.arch]} holds float weights; this row's weights are {spec.quant}")
+    elif bench == "decode" and spec.arch is not None:
+        block = S.HF_BLOCKS[spec.arch]
+        why = {"mxfp4": f"transformers' {block} runs float weights only here (its MXFP4 path needs the hub's kernels, "
+                        f"which the GPU machine cannot download)",
+               "int4": f"transformers' {block} has no INT4 expert path"}.get(
+            spec.quant, f"transformers' {block} holds float weights; this row's weights are {spec.quant}")
+        for name in (f"transformers-{block}", f"transformers-{block}-eager"):
+            if ctx.wants(name):
+                skip_row(ctx, bench, name, spec, why)
     del ref
 
 
@@ -1465,7 +1471,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: the built-in E=32 shapes). With --weights: the routing where the checkpoint has no "
                         "config.json")
     p.add_argument("--weights", metavar="PATH", default=None,
-                   help="one MoE layer of a Mixtral, Qwen3-MoE or DeepSeek-V3 safetensors checkpoint (file or folder): "
+                   help="one MoE layer of a Mixtral, Qwen3-MoE, DeepSeek-V3 (Kimi K2, GLM-4.5), Qwen3-Next, Llama 4 or "
+                        "gpt-oss safetensors checkpoint (file or folder): "
                         "its shapes and routing for every spec, its weights for the layer rows (an FP8 checkpoint: "
                         "quant none (dequantized) and fp8_block (as stored)); the peer is transformers' block of "
                         "that model")

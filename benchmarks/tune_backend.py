@@ -187,12 +187,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def device_is_cpu(meta: dict) -> bool:
+    """Whether a run's meta says it ran on a CPU (bench.py's ``torch_device`` / ``jax_devices``)."""
+    torch_dev = str(meta.get("torch_device") or "")
+    jax_devs = " ".join(map(str, meta.get("jax_devices") or []))
+    return torch_dev.lower() == "cpu" or (bool(jax_devs) and "cuda" not in jax_devs and "gpu" not in jax_devs.lower())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     new: list[dict] = []
     devices = set()
     for path in args.results:
-        rows, meta = read_results(path)
+        try:
+            rows, meta = read_results(path)
+        except (OSError, ValueError) as exc:  # no such file, not JSON / CSV rows
+            print(f"tune_backend: cannot read {path}: {exc}", file=sys.stderr)
+            return 2
+        if meta.get("tiny") or device_is_cpu(meta):
+            print(f"tune_backend: {path} is a CPU run (kernels interpreted): its times choose nothing on a GPU",
+                  file=sys.stderr)
+            return 2
+        if not any(r.get("bench") in ("gemm", "gemm_bwd") for r in rows):
+            print(f"{path}: no gemm / gemm_bwd rows (benches {sorted({str(r.get('bench')) for r in rows})}): nothing "
+                  f"to take from it", flush=True)
+            continue
         device = args.device or meta.get("jax_device_kind") or meta.get("torch_device")
         if not device:
             print(f"tune_backend: {path} names no device (no meta): pass --device", file=sys.stderr)
@@ -209,6 +228,9 @@ def main(argv=None) -> int:
         found = measurements(rows, args.layouts)
         git = meta.get("git") or (None if meta else args.git)
         new = merge(new, [make_entry(k, m, device, source, date, command, git) for k, m in found.items()])
+    if not devices:
+        print("tune_backend: no gemm rows in the files given: nothing to write", file=sys.stderr)
+        return 1
     if len(devices) != 1:
         print(f"tune_backend: the files are of different devices {sorted(devices)}: one table per device kind "
               f"(pass --device to override)", file=sys.stderr)

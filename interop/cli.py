@@ -534,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", metavar="PATH", help="also write every comparison as JSON to PATH")
     check.add_argument("--weights", metavar="PATH",
                        help="a safetensors checkpoint (file or folder with model.safetensors.index.json) of a "
-                            "Mixtral, Qwen3-MoE or DeepSeek-V3 (bf16 or FP8) model: one MoE layer's weights; the "
+                            "Mixtral, Qwen3-MoE, DeepSeek-V3 (bf16 or FP8), Kimi K2, GLM-4.5, Qwen3-Next, Llama 4 "
+                            "or gpt-oss (MXFP4 as stored) model: one MoE layer's weights; the "
                             "routing from its config.json, read as transformers reads it (without one: --preset)")
     check.add_argument("--inputs", metavar="FILE", default=argparse.SUPPRESS,
                        help="a safetensors file with x [T, H] (and optionally router_logits [T, E]; without them, "

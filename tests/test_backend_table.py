@@ -395,3 +395,29 @@ def test_tune_backend_csv_needs_provenance_and_refuses_to_write_a_bad_table(tmp_
         tune_backend.main(args[:-4] + ["--date", "2026-11-30", "--command", "bench", "--layouts", "fp8_block"])
     assert json.loads((tmp_path / "Test_GPU.json").read_text()) == bad  # untouched
     assert tune_backend.parse_args(["f.json", "--layouts", "bf16,fp8_block"]).layouts == {"bf16", "fp8_block"}
+
+
+def test_tune_backend_refuses_cpu_runs_missing_files_and_runs_without_gemm_rows(tmp_path, capsys):
+    """A new user's trial (session 7): a missing file ended in a traceback, a CPU (--tiny) run with made-up Mosaic
+    times was written into cpu.json, and a decode-only run said just "nothing timed by both backends". Now: a clean
+    error (rc 2) naming the file; a CPU run is refused (its interpreted times choose nothing on a GPU); a run with no
+    gemm rows says so and nothing is written (rc 1)."""
+    PT, MG = "ours-jax-pallas_triton", "ours-jax-pallas_mosaic_gpu"
+    assert tune_backend.main([str(tmp_path / "nope.json"), "--out", str(tmp_path)]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    rows = [bench_row("gemm/gate_up/bf16/M=256/uniform", PT, 0.48, M=256),
+            bench_row("gemm/gate_up/bf16/M=256/uniform", MG, 0.44, M=256)]
+    meta = {"date": "2026-12-01T00:00:00", "argv": ["bench.py", "--tiny"], "torch_device": "cpu",
+            "jax_devices": ["cpu:0"], "tiny": True}
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}))
+    assert tune_backend.main([str(path), "--out", str(tmp_path)]) == 2
+    assert "is a CPU run" in capsys.readouterr().err and not (tmp_path / "cpu.json.tmp").exists()
+    decode = [dict(r, bench="decode", spec=r["spec"].replace("gemm/", "decode/")) for r in rows]
+    meta_gpu = dict(meta, torch_device="NVIDIA H200", jax_devices=["cuda:0"], tiny=False)
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps({"meta": meta_gpu, "rows": decode}))
+    assert tune_backend.main([str(path), "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr()
+    assert "no gemm / gemm_bwd rows" in out.out and "nothing to write" in out.err
+    assert not (tmp_path / "NVIDIA_H200.json").exists()
