@@ -281,7 +281,7 @@ def run_check(args: argparse.Namespace) -> int:
     if not gpu and n_weights > CPU_MAX_WEIGHT_ELEMENTS:
         print(f"epmoe check: no GPU here, so the Pallas and Triton kernels run interpreted, which takes hours at "
               f"the size of {'these weights' if weights is not None else 'preset ' + preset.name} "
-              f"({n_weights / 1e6:.0f}M weight elements, at most {CPU_MAX_WEIGHT_ELEMENTS / 1e6:.0f}M here); use "
+              f"({n_weights / 1e6:.0f}M weight elements, at most {CPU_MAX_WEIGHT_ELEMENTS / 1e6:.1f}M here); use "
               f"--preset tiny on a CPU{'' if weights is not None else ' (or shrink this one: --hidden-size, --intermediate-size, --num-experts)'}, "
               f"or run on a GPU machine", file=sys.stderr)
         return 2
@@ -489,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
         "whole layer), every implementation fed the jnp reference's output of the previous stage. Prints a "
         "table per stage and pair, judged by CONTRACT.md section 7; exit 1 names the violating stage(s), "
         "2 on bad arguments or a layer the check cannot take. Without a GPU the kernels run interpreted (the tiny "
-        "preset, or any preset shrunk by the layer options, at most 16M weight elements). With --ep-size N > 1: "
+        "preset, or any preset shrunk by the layer options, at most 16.8M weight elements). With --ep-size N > 1: "
         "every implementation runs every rank's experts end to end and the N partial outputs, summed in float32, "
         "are judged against its single-device layer and the other implementations' sums (and JAX's multi-device "
         "ep_moe_forward where jax has N devices); --ep-rank r adds rank r's stage-by-stage table.",
