@@ -533,8 +533,8 @@ def bench_mgpu(ctx: Ctx, spec: S.GemmSpec, jx, jw, jgs, ref, rnote, common) -> N
 
 def layer_weights(ctx: Ctx, spec: S.LayerSpec, config) -> tuple:
     """``(w13, w13_scale, w2, w2_scale)`` on the device in the form ``spec.quant`` takes: the checkpoint's
-    (``--weights``: bf16; FP8 codes and block scales as stored for ``fp8_block``; an FP8 checkpoint
-    dequantized expert by expert for the other modes) or drawn (bf16, ``w ~ N(0, 1/K)``, seeded), for the
+    (``--weights``: bf16; FP8 codes and block scales as stored for ``fp8_block``, gpt-oss's MXFP4 codes and e8m0
+    scales as stored for ``mxfp4``; a quantized checkpoint dequantized expert by expert for the other modes) or drawn (bf16, ``w ~ N(0, 1/K)``, seeded), for the
     routed and the shared experts (``[E + S, ...]``)."""
     import torch
 
@@ -542,9 +542,10 @@ def layer_weights(ctx: Ctx, spec: S.LayerSpec, config) -> tuple:
 
     dev, bf16 = ctx.torch_dev, torch.bfloat16
     ck = ctx.ckpt
-    if ck is not None and ck["w13_scale"] is not None and spec.quant == "fp8_block":
-        f32 = torch.float32
-        return ck["w13"].to(dev), ck["w13_scale"].to(dev, f32), ck["w2"].to(dev), ck["w2_scale"].to(dev, f32)
+    stored = None if ck is None else ck.get("format")  # "fp8_block" / "mxfp4": the file's codes and scales
+    if stored is not None and spec.quant == stored:  # the checkpoint's own codes and scales, as stored
+        f = torch.float32 if stored == "fp8_block" else None
+        return ck["w13"].to(dev), ck["w13_scale"].to(dev, f), ck["w2"].to(dev), ck["w2_scale"].to(dev, f)
     n = config.num_total_experts
     w13 = torch.empty(n, 2 * spec.I, spec.H, device=dev, dtype=bf16)
     w2 = torch.empty(n, spec.H, spec.I, device=dev, dtype=bf16)
@@ -553,8 +554,11 @@ def layer_weights(ctx: Ctx, spec: S.LayerSpec, config) -> tuple:
         if ck is None:
             w13[e] = (torch.randn(2 * spec.I, spec.H, generator=g, device=dev) * spec.H**-0.5).to(bf16)
             w2[e] = (torch.randn(spec.H, spec.I, generator=g, device=dev) * spec.I**-0.5).to(bf16)
-        elif ck["w13_scale"] is None:
+        elif stored is None:
             w13[e], w2[e] = ck["w13"][e].to(dev, bf16), ck["w2"][e].to(dev, bf16)
+        elif stored == "mxfp4":  # exact: e2m1 x 2^k fits bf16
+            for w, q, s in ((w13, ck["w13"], ck["w13_scale"]), (w2, ck["w2"], ck["w2_scale"])):
+                w[e] = moe_torch.dequantize_weight_mxfp4(q[e:e + 1].to(dev), s[e:e + 1].to(dev))[0].to(bf16)
         else:
             for w, q, s in ((w13, ck["w13"], ck["w13_scale"]), (w2, ck["w2"], ck["w2_scale"])):
                 w[e] = moe_torch.dequantize_weight_fp8(q[e:e + 1].to(dev), s[e:e + 1].to(dev, torch.float32))[0].to(bf16)
@@ -599,10 +603,16 @@ def layer_extras(ctx: Ctx, spec: S.LayerSpec, config) -> dict:
     gpt-oss's router bias ``[E]`` (``spec.arch == 'gpt_oss'``; ``0.1 N(0, 1)``) and expert biases ``w13_bias
     [E + S, 2I]`` / ``w2_bias [E + S, H]`` (``config.expert_bias``; bf16 ``0.1 N(0, 1)``, the scale of a GEMM
     output); Qwen3-Next's shared-expert gate weight ``[S, H]`` (``config.shared_expert_gate``; ``N(0, 1/H)``).
-    Absent keys: the layer has no such tensor."""
+    With ``--weights``: the checkpoint's own tensors of these. Absent keys: the layer has no such tensor."""
     import torch
 
     dev, bf16 = ctx.torch_dev, torch.bfloat16
+    ck = ctx.ckpt
+    if ck is not None:  # --weights: the checkpoint's own (router_bias [E] float32; biases and gate as stored)
+        out = {k: ck[v].to(dev) for k, v in (("router_bias", "router_bias"), ("w13_bias", "w13_bias"),
+                                             ("w2_bias", "w2_bias"), ("shared_gate", "shared_expert_gate"))
+               if ck.get(v) is not None}
+        return out
     g = torch.Generator(device=dev).manual_seed(5000 + spec.seed)
     out = {}
     n = config.num_total_experts
@@ -1510,9 +1520,9 @@ def load_model(args) -> tuple[S.BenchModel | None, dict | None]:
 
         ckpt = load_moe_layer(args.weights, layer=args.layer)
         config = ckpt.config(get_preset(args.preset) if args.preset else None, quant="none")
-        arrays = ckpt.arrays("torch")  # all experts, the checkpoint's dtype (FP8: codes and block scales)
-        fp8 = arrays["w13_scale"] is not None
-        quants = ("none", "fp8_block") if fp8 else S.layer_quants(config)  # those its sizes allow
+        arrays = ckpt.arrays("torch")  # all experts, the checkpoint's dtype (FP8 / MXFP4: codes and scales)
+        arrays["format"] = "fp8_block" if ckpt.is_fp8 else "mxfp4" if ckpt.is_mxfp4 else None
+        quants = ("none", arrays["format"]) if arrays["format"] else S.layer_quants(config)  # those its sizes allow
         model = S.BenchModel(name=f"ckpt-{ckpt.arch}-L{ckpt.layer}", config=config, arch=ckpt.arch, quants=quants,
                              weights=True)
         return model, arrays

@@ -1094,3 +1094,43 @@ def test_tiny_decode_rows_judged_with_touched_bytes(tmp_path, monkeypatch):
             else:
                 hf = by[("transformers-GptOssMLP", q, T)]
                 assert hf["error"] is None and 0 < hf["rel_err"] < 1e-2, hf
+
+
+@needs_triton_interpreter  # ours-torch-triton runs in Triton's interpreter
+def test_bench_weights_of_a_gpt_oss_mxfp4_checkpoint(tmp_path, monkeypatch):
+    """--weights of gpt-oss's MXFP4 checkpoint (a new user's trial, session 7): the layer rows run the file's codes
+    and e8m0 scales as stored (quant mxfp4) and their exact bf16 dequantization (quant none), with the file's router
+    bias and expert biases (before: an MXFP4 checkpoint was taken for FP8 and its biases were drawn at random); every
+    row is judged against our reference on those tensors, and transformers' GptOssMLP holding them is the peer."""
+    pytest.importorskip("transformers")
+    import torch
+
+    import moe_torch
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_hf_gpt_oss import gpt_oss_block, mxfp4_checkpoint
+
+    folder, stored = mxfp4_checkpoint(gpt_oss_block(4), tmp_path / "ckpt")
+    args = bench.parse_args(["--weights", str(folder), "--out", str(tmp_path / "o"), "--rep-ms", "1",
+                             "--warmup-ms", "1", "--backends", "ours-torch-triton,ref-torch,transformers"])
+    model, ckpt = bench.load_model(args)
+    os.makedirs(args.out)
+    assert model.arch == "gpt_oss" and model.quants == ("none", "mxfp4") and ckpt["format"] == "mxfp4"
+    ctx = bench.Ctx(args, model, ckpt)
+    specs = S.layer_specs(tiny=True, model=model)
+    w13, s13, w2, s2 = bench.layer_weights(ctx, next(s for s in specs if s.quant == "mxfp4"), model.config)
+    assert torch.equal(w13.cpu(), stored["w13"][0].cpu()) and torch.equal(s13.cpu(), stored["w13"][1].cpu())
+    wf13, _, _, _ = bench.layer_weights(ctx, specs[0], model.config.replace(quant="none"))
+    ref13 = moe_torch.dequantize_weight_mxfp4(stored["w13"][0], stored["w13"][1]).to(torch.bfloat16)
+    assert torch.equal(wf13.cpu(), ref13.cpu())
+    ex = bench.layer_extras(ctx, specs[0], model.config)
+    assert torch.equal(ex["router_bias"].cpu(), ckpt["router_bias"].cpu()) and set(ex) == {"router_bias", "w13_bias",
+                                                                                            "w2_bias"}
+    monkeypatch.setattr(bench, "TINY", True)
+    for spec in specs[:1] + [s for s in specs if s.quant == "mxfp4"][:1]:
+        bench.bench_layer(ctx, spec, {})
+    rows = {(r["backend"], r["quant"]): r for r in ctx.rows}
+    for q in ("none", "mxfp4"):
+        r = rows[("ours-torch-triton", q)]
+        assert r["error"] is None and r["rel_err"] < 1e-2, r
+    hf = rows[("transformers-GptOssMLP", "none")]
+    assert hf["error"] is None and hf["rel_err"] < 1e-2, hf
