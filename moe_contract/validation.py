@@ -253,25 +253,35 @@ def _check_w4_layer_weights(op: str, config: Any, e_local: int, w13: Any, w2: An
         check_dtype(op, f"{name}_scale", s, (W4_SCALE_DTYPE[fmt],))
 
 
+def _check_bias_pair(op: str, config: Any, w13_bias: Any, w2_bias: Any, rows: int, rows_name: str, whose: str,
+                     dtypes: tuple[str, ...], hf_words: bool) -> None:
+    """``w13_bias [rows, 2*I]`` and ``w2_bias [rows, H]``, given exactly when ``config.expert_bias`` (ValueError
+    naming the argument either way), of a dtype in ``dtypes`` (TypeError); ``hf_words``: the messages name gpt-oss's
+    tensors. Shared by :func:`check_expert_biases` (this rank's) and :func:`check_global_biases` (every expert's)."""
+    H, I = config.hidden_size, config.intermediate_size
+    for name, b, N, hf in (("w13_bias", w13_bias, 2 * I, "gate_up_proj_bias"), ("w2_bias", w2_bias, H, "down_proj_bias")):
+        what = f"[{rows_name}, {'2*I' if name == 'w13_bias' else 'H'}] = ({rows}, {N}) ({whose})"
+        if not config.expert_bias:
+            if b is not None:
+                note = " (gpt-oss's per-expert biases)" if hf_words else ""
+                raise ValueError(f"{op}: {name} must be None unless config.expert_bias=True{note}; got an array "
+                                 f"with config.expert_bias=False")
+            continue
+        if b is None:
+            note = f" (gpt-oss's {hf})" if hf_words else ""
+            raise ValueError(f"{op}: {name} {what} must be given for config.expert_bias=True{note}; got None")
+        check_rank(op, name, b, 2, what)
+        check_shape(op, name, b, (rows, N), what)
+        check_dtype(op, name, b, dtypes)
+
+
 def check_expert_biases(op: str, config: Any, x: Any, w13_bias: Any, w2_bias: Any) -> None:
     """The layer inputs ``w13_bias [E_local, 2*I]`` and ``w2_bias [E_local, H]`` (gpt-oss's ``gate_up_proj_bias`` /
     ``down_proj_bias``, this rank's experts; CONTRACT.md section 4): given exactly when ``config.expert_bias``
     (ValueError naming the argument either way), float32, bfloat16 or ``x``'s float dtype (TypeError)."""
     _, e_local = config.local_expert_range()
-    H, I = config.hidden_size, config.intermediate_size
-    for name, b, N, hf in (("w13_bias", w13_bias, 2 * I, "gate_up_proj_bias"), ("w2_bias", w2_bias, H, "down_proj_bias")):
-        what = f"[E_local, {'2*I' if name == 'w13_bias' else 'H'}] = ({e_local}, {N}) (this rank's experts)"
-        if not config.expert_bias:
-            if b is not None:
-                raise ValueError(f"{op}: {name} must be None unless config.expert_bias=True (gpt-oss's per-expert "
-                                 f"biases); got an array with config.expert_bias=False")
-            continue
-        if b is None:
-            raise ValueError(f"{op}: {name} {what} must be given for config.expert_bias=True (gpt-oss's {hf}); "
-                             f"got None")
-        check_rank(op, name, b, 2, what)
-        check_shape(op, name, b, (e_local, N), what)
-        check_dtype(op, name, b, tuple(dict.fromkeys(("float32", "bfloat16", dtype_name(x)))))
+    _check_bias_pair(op, config, w13_bias, w2_bias, e_local, "E_local", "this rank's experts",
+                     tuple(dict.fromkeys(("float32", "bfloat16", dtype_name(x)))), hf_words=True)
 
 
 def check_shared_expert_gate_logits(op: str, config: Any, x: Any, logits: Any) -> None:
@@ -314,18 +324,9 @@ def check_shared_expert_gate_weight(op: str, config: Any, weight: Any) -> None:
         raise ValueError(f"{op}: {name} must be {what}; got {name}.shape={_fmt_shape(weight.shape)}")
     check_dtype(op, name, weight, FLOAT_DTYPES)
 
+
 def check_global_biases(op: str, config: MoEConfig, w13_bias, w2_bias) -> None:
     """Expert biases of every expert: ``w13_bias [E + S, 2*I]``, ``w2_bias [E + S, H]`` float (before slicing),
     exactly when ``config.expert_bias`` (ValueError naming the argument either way; TypeError for dtypes)."""
-    E_all, H, I = config.num_total_experts, config.hidden_size, config.intermediate_size
-    for name, b, N in (("w13_bias", w13_bias, 2 * I), ("w2_bias", w2_bias, H)):
-        what = f"[E + S, {'2*I' if name == 'w13_bias' else 'H'}] = ({E_all}, {N}) (every expert of the layer)"
-        if not config.expert_bias:
-            if b is not None:
-                raise ValueError(f"{op}: {name} must be None unless config.expert_bias=True; got an array with "
-                                 f"config.expert_bias=False")
-            continue
-        if b is None:
-            raise ValueError(f"{op}: {name} {what} must be given for config.expert_bias=True; got None")
-        check_shape(op, name, b, (E_all, N), what)
-        check_dtype(op, name, b, FLOAT_DTYPES)
+    _check_bias_pair(op, config, w13_bias, w2_bias, config.num_total_experts, "E + S", "every expert of the layer",
+                     FLOAT_DTYPES, hf_words=False)
