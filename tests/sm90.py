@@ -22,8 +22,11 @@ from triton.compiler import ASTSource
 ptx = []
 for job in json.loads(sys.stdin.read()):
     kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
-    signature = {**job["signature"], **{k: "constexpr" for k in job["constexprs"]}}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=job["constexprs"]),
+    # parameters a job leaves out take their defaults, as constexprs (e.g. the GEMM's TMA-only x_desc=None)
+    constexprs = {**{p.name: p.default for p in kernel.params if p.has_default and p.name not in job["signature"]},
+                  **job["constexprs"]}
+    signature = {**job["signature"], **{k: "constexpr" for k in constexprs}}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options=job["options"])
     assert compiled.asm["cubin"], "no cubin"
     ptx.append(compiled.asm["ptx"])

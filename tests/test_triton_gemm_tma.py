@@ -1,5 +1,5 @@
 """The opt-in TMA variant of the Triton grouped GEMM (``GroupedGemmConfig(tma=True)``,
-``_grouped_gemm_tma_kernel`` in ``moe_torch/ops/grouped_gemm/triton.py``) against the torch reference
+``_grouped_gemm_kernel`` with ``TMA=True`` in ``moe_torch/ops/grouped_gemm/triton.py``) against the torch reference
 and a float64 loop (CONTRACT.md sections 4 and 7), its refusals (each naming the field), and its sm_90
 lowering (TMA copies and wgmma; what ``warp_specialize`` does there).
 
@@ -167,12 +167,17 @@ def test_tuned_tma_entry_skipped_for_bias(tmp_path, monkeypatch):
 # sm_90 lowering on the CPU (child process without the interpreter; tests/sm90.py)
 
 
+_INT_ARGS = ("M_cap", "N", "K", "E", "stride_xm", "stride_we", "stride_wn", "stride_om", "stride_xsm", "stride_xsk",
+             "stride_wse", "stride_wsn", "stride_wsk", "stride_be")
+
+
 def _tma_job(bm, bn, bk, warps, ws, persistent=False, group_m=1):
-    return {"signature": {"x_desc": f"tensordesc<bf16[{bm}, {bk}]>", "w_desc": f"tensordesc<bf16[{bn}, {bk}]>",
-                          "offsets_ptr": "*i32", "out_ptr": "*bf16", "M_cap": "i32", "N": "i32", "K": "i32", "E": "i32",
-                          "stride_om": "i32"},
-            "constexprs": {"BLOCK_E": 64, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
-                           "PERSISTENT": persistent, "WARP_SPECIALIZE": ws},
+    return {"signature": {"x_ptr": "*bf16", "w_ptr": "*bf16", "offsets_ptr": "*i32", "x_scale_ptr": "*fp32",
+                          "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16", **{a: "i32" for a in _INT_ARGS},
+                          "x_desc": f"tensordesc<bf16[{bm}, {bk}]>", "w_desc": f"tensordesc<bf16[{bn}, {bk}]>"},
+            "constexprs": {"X_SCALE": 0, "W_SCALE": 0, "X_GROUP": 1, "W_BLOCK": 1, "IEEE_F32": False, "HAS_BIAS": False,
+                           "BLOCK_E": 64, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
+                           "PERSISTENT": persistent, "TMA": True, "WARP_SPECIALIZE": ws},
             "options": {"num_warps": warps, "num_stages": 3}}
 
 
@@ -184,7 +189,7 @@ def test_tma_compiles_for_sm90():
     changes that, this test says so and the docstring must be updated."""
     jobs = {"64x128": _tma_job(64, 128, 64, 4, False), "128x256-persistent-g8": _tma_job(128, 256, 64, 8, False, True, 8),
             "128x256-persistent-g8-ws": _tma_job(128, 256, 64, 8, True, True, 8)}
-    ptx = compile_sm90(jobs, "moe_torch.ops.grouped_gemm.triton", "_grouped_gemm_tma_kernel")
+    ptx = compile_sm90(jobs, "moe_torch.ops.grouped_gemm.triton", "_grouped_gemm_kernel")
     for name, p in ptx.items():
         assert ".target sm_90" in p and "cp.async.bulk.tensor" in p, name
         assert "wgmma.mma_async.sync.aligned" in p and ".bf16.bf16" in p, name

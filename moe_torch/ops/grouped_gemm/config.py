@@ -70,7 +70,7 @@ class GroupedGemmConfig:
     #: work items, and the offsets' prefix sums once per program. Rules: a bool; False (default) keeps
     #: one program per tile.
     persistent: bool = False
-    #: Opt-in TMA variant (``_grouped_gemm_tma_kernel`` in ``triton.py``; findings in its module docstring,
+    #: Opt-in TMA variant (``_grouped_gemm_kernel`` with ``TMA`` in ``triton.py``; findings in its module docstring,
     #: "Hopper: what Triton 3.6 offers"): ``x`` and ``w`` tiles loaded through host-side tensor descriptors
     #: (Hopper's TMA engine), the store still the masked pointer store. Why: a dense Triton 3.6 matmul with
     #: TMA loads and 128 x 256 tiles reached 720 TFLOP/s bf16 on the H200 (ENVIRONMENT.md, dense 8192^3), the pointer

@@ -64,7 +64,7 @@ every tile (work item, column tile) is computed exactly once, whatever the order
   pid + #programs, ...`` below ``total * n_cols`` in the same order (``group_m`` applies): no
   idle programs launched, and steps 1-2 (offsets load, prefix sums) once per program, not per tile.
 
-TMA variant (opt-in: ``GroupedGemmConfig(tma=True)``, ``_grouped_gemm_tma_kernel``; the default configs never
+TMA variant (opt-in: ``GroupedGemmConfig(tma=True)``: ``_grouped_gemm_kernel`` with ``TMA``; the default configs never
 select it). 16-bit (bf16 / fp16) forwards without bias only; the same work items, grids and launch orders.
 ``x`` and ``w`` tiles come through host-side tensor descriptors (``triton.tools.tensor_descriptor.
 TensorDescriptor``, zero padding): ``x [M_cap, K]`` in ``[BLOCK_M, BLOCK_K]`` boxes loaded at ``[tile *
@@ -266,6 +266,8 @@ def _grouped_gemm_tile(
     w_scale_ptr,  # FP8: float32 [E] / [E, N] / [E, cdiv(N, 128), cdiv(K, 128)]; 4-bit: [E, N, K // 32] (uint8 e8m0 / bf16)
     bias_ptr,  # HAS_BIAS: [E, N] float32 / bf16 / fp16, unit column stride (unused otherwise)
     out_ptr,  # [M_cap, N] out dtype (float32 / bf16 / fp16); unit column stride
+    x_desc,  # TMA: tensor descriptor over x [M_cap, K], block [BLOCK_M, BLOCK_K], zero padding (else None)
+    w_desc,  # TMA: tensor descriptor over w viewed as [E * N, K], block [BLOCK_N, BLOCK_K] (else None)
     M_cap,  # int: rows of x and y
     N,  # int: output columns
     K,  # int: reduction size
@@ -288,6 +290,8 @@ def _grouped_gemm_tile(
     BLOCK_M: tl.constexpr,  # rows per tile (power of 2)
     BLOCK_N: tl.constexpr,  # columns per tile (power of 2)
     BLOCK_K: tl.constexpr,  # K step (power of 2; divides X_GROUP's and W_BLOCK's powers of 2)
+    TMA: tl.constexpr,  # bool: the opt-in TMA variant (16-bit, no scales, no bias: check_config)
+    WARP_SPECIALIZE: tl.constexpr,  # bool: tl.range(..., warp_specialize=True) on the TMA variant's K loop
 ):
     """Steps 4-5 of the module docstring for one (work item ``p``, column tile ``pid_n``): the
     expert and row tile of ``p``, then ``y[owned rows, cols]`` over the whole K loop."""
@@ -306,48 +310,59 @@ def _grouped_gemm_tile(
     x_rows = x_ptr + rows64[:, None] * stride_xm  # [BLOCK_M, 1]
     w_cols = w_ptr + e64 * stride_we + cols64[None, :] * stride_wn  # [1, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        k_mask = ks < K
-        if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4:
-            # 4-bit: decoded in float32 and rounded to x's dtype (CONTRACT.md section 9); x's even columns meet
-            # the low nibbles, its odd columns the high ones (_w4_tiles), in two float dots.
-            w_even, w_odd = _w4_tiles(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn,
-                                      w_scale_ptr + e64 * stride_wse + cols64[:, None] * stride_wsn, stride_wsk, k0, K,
-                                      col_mask, W_SCALE, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
-            kh = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # the even columns of this step
-            h_mask = row_mask[:, None] & (kh < K)[None, :]
-            a_even = tl.load(x_rows + kh[None, :], mask=h_mask, other=0.0)
-            a_odd = tl.load(x_rows + (kh + 1)[None, :], mask=h_mask, other=0.0)
-            if IEEE_F32:  # float32 x: full float32 products (no TF32)
-                acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision="ieee")
-                acc = tl.dot(a_odd, tl.trans(w_odd), acc, input_precision="ieee")
+    if TMA:
+        # The whole [BLOCK_M, BLOCK_K] row tile of x at [tile * BLOCK_M, k0] (rows of other experts, or of none,
+        # are loaded and computed but never stored; rows past M_cap and the K tail are zero-filled by the
+        # descriptor's bounds) and the weight tile at [e * N + pid_n * BLOCK_N, k0] of w's [E * N, K] view (columns
+        # past N read the next expert's rows, or zeros past E * N: computed, never stored). int32 coordinates:
+        # M_cap and E * N are < 2**31 (checked on the host).
+        m0 = tile * BLOCK_M
+        n0 = e * N + pid_n * BLOCK_N
+        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+            acc = tl.dot(x_desc.load([m0, k0]), w_desc.load([n0, k0]).T, acc)  # float32 accumulation
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < K
+            if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4:
+                # 4-bit: decoded in float32 and rounded to x's dtype (CONTRACT.md section 9); x's even columns meet
+                # the low nibbles, its odd columns the high ones (_w4_tiles), in two float dots.
+                w_even, w_odd = _w4_tiles(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn,
+                                          w_scale_ptr + e64 * stride_wse + cols64[:, None] * stride_wsn, stride_wsk, k0, K,
+                                          col_mask, W_SCALE, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+                kh = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # the even columns of this step
+                h_mask = row_mask[:, None] & (kh < K)[None, :]
+                a_even = tl.load(x_rows + kh[None, :], mask=h_mask, other=0.0)
+                a_odd = tl.load(x_rows + (kh + 1)[None, :], mask=h_mask, other=0.0)
+                if IEEE_F32:  # float32 x: full float32 products (no TF32)
+                    acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision="ieee")
+                    acc = tl.dot(a_odd, tl.trans(w_odd), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a_even, tl.trans(w_even), acc)
+                    acc = tl.dot(a_odd, tl.trans(w_odd), acc)
             else:
-                acc = tl.dot(a_even, tl.trans(w_even), acc)
-                acc = tl.dot(a_odd, tl.trans(w_odd), acc)
-        else:
-            a = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            if X_SCALE == _XS_GROUP or W_SCALE == _WS_BLOCK:
-                # Each K step lies in one scale group: scale its partial sum before accumulating.
-                # max_num_imprecise_acc=BLOCK_K: the fp8 tensor-core sum is promoted to float32
-                # every step (DeepSeek-V3 report, sec. 3.3.2, "increasing accumulation precision").
-                part = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
-                if X_SCALE == _XS_GROUP:
-                    sx = tl.load(x_scale_ptr + rows64 * stride_xsm + (k0 // X_GROUP) * stride_xsk, mask=row_mask,
-                                 other=0.0)
-                    part = part * sx[:, None]
-                if W_SCALE == _WS_BLOCK:
-                    sw = tl.load(w_scale_ptr + e64 * stride_wse + (cols // W_BLOCK) * stride_wsn
-                                 + (k0 // W_BLOCK) * stride_wsk, mask=col_mask, other=0.0)
-                    part = part * sw[None, :]
-                acc += part
-            elif IEEE_F32:
-                acc = tl.dot(a, b, acc, input_precision="ieee")  # TF32 would miss float32 accuracy
-            elif X_SCALE != _XS_NONE:
-                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)  # FP8: promoted every step, as above
-            else:
-                acc = tl.dot(a, b, acc)  # bf16 / fp16 tensor cores, float32 accumulation
+                a = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                if X_SCALE == _XS_GROUP or W_SCALE == _WS_BLOCK:
+                    # Each K step lies in one scale group: scale its partial sum before accumulating.
+                    # max_num_imprecise_acc=BLOCK_K: the fp8 tensor-core sum is promoted to float32
+                    # every step (DeepSeek-V3 report, sec. 3.3.2, "increasing accumulation precision").
+                    part = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
+                    if X_SCALE == _XS_GROUP:
+                        sx = tl.load(x_scale_ptr + rows64 * stride_xsm + (k0 // X_GROUP) * stride_xsk, mask=row_mask,
+                                     other=0.0)
+                        part = part * sx[:, None]
+                    if W_SCALE == _WS_BLOCK:
+                        sw = tl.load(w_scale_ptr + e64 * stride_wse + (cols // W_BLOCK) * stride_wsn
+                                     + (k0 // W_BLOCK) * stride_wsk, mask=col_mask, other=0.0)
+                        part = part * sw[None, :]
+                    acc += part
+                elif IEEE_F32:
+                    acc = tl.dot(a, b, acc, input_precision="ieee")  # TF32 would miss float32 accuracy
+                elif X_SCALE != _XS_NONE:
+                    acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)  # FP8: promoted every step, as above
+                else:
+                    acc = tl.dot(a, b, acc)  # bf16 / fp16 tensor cores, float32 accumulation
 
     # Scales constant over K, applied once.
     if X_SCALE == _XS_TENSOR:
@@ -423,6 +438,10 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,  # K step (power of 2; divides X_GROUP's and W_BLOCK's powers of 2)
     GROUP_M: tl.constexpr,  # launch-order swizzle (GroupedGemmConfig.group_m); 1: grid axis 0 = work item
     PERSISTENT: tl.constexpr,  # bool: each program loops over tiles with a stride of the grid size
+    TMA: tl.constexpr = False,  # bool: GroupedGemmConfig.tma (x_desc / w_desc given)
+    WARP_SPECIALIZE: tl.constexpr = False,  # bool: GroupedGemmConfig.warp_specialize
+    x_desc=None,  # TMA: tensor descriptor over x [M_cap, K], block [BLOCK_M, BLOCK_K] (_tma_descriptors)
+    w_desc=None,  # TMA: tensor descriptor over w viewed as [E * N, K], block [BLOCK_N, BLOCK_K]
 ):
     """Computes the tiles (work item ``p``, column tile ``pid_n``) of its launch order (module
     docstring, "Launch order"); each writes only the rows of its row tile that its expert owns.
@@ -446,113 +465,26 @@ def _grouped_gemm_kernel(
             p, pid_n = _launch_order(t, total, n_cols, GROUP_M)
             _grouped_gemm_tile(
                 p, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
-                bias_ptr, out_ptr, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm, stride_xsk,
-                stride_wse, stride_wsn, stride_wsk, stride_be, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32, HAS_BIAS,
-                BLOCK_M, BLOCK_N, BLOCK_K)
+                bias_ptr, out_ptr, x_desc, w_desc, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm,
+                stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_be, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32,
+                HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, TMA, WARP_SPECIALIZE)
     elif GROUP_M == 1:
         if pid < total:  # step 3: programs past the last work item do nothing
             _grouped_gemm_tile(
                 pid, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
-                bias_ptr, out_ptr, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm, stride_xsk,
-                stride_wse, stride_wsn, stride_wsk, stride_be, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32, HAS_BIAS,
-                BLOCK_M, BLOCK_N, BLOCK_K)
+                bias_ptr, out_ptr, x_desc, w_desc, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm,
+                stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_be, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32,
+                HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, TMA, WARP_SPECIALIZE)
     else:
         if pid < total * n_cols:  # step 3, on the 1-D grid
             p, pid_n = _launch_order(pid, total, n_cols, GROUP_M)
             _grouped_gemm_tile(
                 p, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
-                bias_ptr, out_ptr, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm, stride_xsk,
-                stride_wse, stride_wsn, stride_wsk, stride_be, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32, HAS_BIAS,
-                BLOCK_M, BLOCK_N, BLOCK_K)
+                bias_ptr, out_ptr, x_desc, w_desc, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm,
+                stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_be, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32,
+                HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, TMA, WARP_SPECIALIZE)
 
 
-@triton.jit
-def _grouped_gemm_tma_tile(
-    p,  # int32: this tile's work item (row tile, expert), 0 <= p < total (see the module docstring)
-    pid_n,  # int32: this tile's column tile, columns [pid_n * BLOCK_N, +BLOCK_N)
-    e_ids,  # [BLOCK_E] expert ids 0..BLOCK_E-1
-    starts,  # [BLOCK_E] s_e, clamped (0 past E)
-    ends,  # [BLOCK_E] t_e, clamped (0 past E)
-    first_tile,  # [BLOCK_E] s_e // BLOCK_M
-    n_tiles,  # [BLOCK_E] n_e
-    incl,  # [BLOCK_E] P_e + n_e
-    x_desc,  # tensor descriptor over x [M_cap, K] bf16 / fp16, block [BLOCK_M, BLOCK_K], zero padding
-    w_desc,  # tensor descriptor over w viewed as [E * N, K] (same dtype), block [BLOCK_N, BLOCK_K], zero padding
-    out_ptr,  # [M_cap, N] out dtype (float32 / bf16 / fp16); unit column stride
-    N,  # int: output columns
-    K,  # int: reduction size
-    stride_om,  # int: out.stride(0)
-    BLOCK_M: tl.constexpr,  # rows per tile (power of 2, <= 256: a TMA box side)
-    BLOCK_N: tl.constexpr,  # columns per tile (power of 2, <= 256)
-    BLOCK_K: tl.constexpr,  # K step (power of 2, <= 256)
-    WARP_SPECIALIZE: tl.constexpr,  # bool: tl.range(..., warp_specialize=True) on the K loop
-):
-    """The TMA variant of :func:`_grouped_gemm_tile` (16-bit operands, no scales, no bias): the same work
-    item and store, with the whole ``[BLOCK_M, BLOCK_K]`` row tile of ``x`` loaded at ``[tile * BLOCK_M, k0]``
-    (rows of other experts, or of no expert, are loaded and computed but never stored; rows past ``M_cap``
-    and the K tail are zero-filled by the descriptor's bounds) and the weight tile at ``[e * N + pid_n *
-    BLOCK_N, k0]`` of ``w``'s ``[E * N, K]`` view (columns past ``N`` read the next expert's rows, or zeros
-    past ``E * N``: computed, never stored)."""
-    e, row_start, row_end, tile = _work_item(p, e_ids, starts, ends, first_tile, n_tiles, incl)  # step 4
-
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = (rows >= row_start) & (rows < row_end)
-    rows64 = rows.to(tl.int64)  # int64: row * stride_om passes 2**31 for large M_cap * N
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    m0 = tile * BLOCK_M  # int32 TMA coordinates: M_cap and E * N are < 2**31 (checked on the host)
-    n0 = e * N + pid_n * BLOCK_N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
-        a = x_desc.load([m0, k0])  # [BLOCK_M, BLOCK_K]
-        b = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K] (K-major, as w)
-        acc = tl.dot(a, b.T, acc)  # bf16 / fp16 tensor cores, float32 accumulation
-
-    out_ptrs = out_ptr + rows64[:, None] * stride_om + cols.to(tl.int64)[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
-
-@triton.jit
-def _grouped_gemm_tma_kernel(
-    x_desc,  # tensor descriptor over x [M_cap, K] bf16 / fp16, block [BLOCK_M, BLOCK_K]
-    w_desc,  # tensor descriptor over w viewed as [E * N, K], block [BLOCK_N, BLOCK_K]
-    offsets_ptr,  # [E + 1] int32 expert_offsets, non-decreasing
-    out_ptr,  # [M_cap, N] out dtype (float32 / bf16 / fp16); unit column stride
-    M_cap,  # int: rows of x and y
-    N,  # int: output columns
-    K,  # int: reduction size
-    E,  # int: experts (E_local)
-    stride_om,  # int: out.stride(0)
-    BLOCK_E: tl.constexpr,  # next_power_of_2(E + 1): the offsets search vector
-    BLOCK_M: tl.constexpr,  # rows per tile (power of 2, <= 256)
-    BLOCK_N: tl.constexpr,  # columns per tile (power of 2, <= 256)
-    BLOCK_K: tl.constexpr,  # K step (power of 2, <= 256)
-    GROUP_M: tl.constexpr,  # launch-order swizzle (GroupedGemmConfig.group_m); 1: grid axis 0 = work item
-    PERSISTENT: tl.constexpr,  # bool: each program loops over tiles with a stride of the grid size
-    WARP_SPECIALIZE: tl.constexpr,  # bool: GroupedGemmConfig.warp_specialize
-):
-    """:func:`_grouped_gemm_kernel`'s grids and launch orders (same ``launch_grid``), each tile computed by
-    :func:`_grouped_gemm_tma_tile`."""
-    pid = tl.program_id(0)
-    if not PERSISTENT and GROUP_M == 1:  # (constexpr) read first, as the default grid always has
-        pid_n = tl.program_id(1)
-    e_ids, starts, ends, first_tile, n_tiles, incl, total = _expert_row_tiles(offsets_ptr, M_cap, E, BLOCK_E, BLOCK_M)
-
-    n_cols = tl.cdiv(N, BLOCK_N)
-    if PERSISTENT:
-        for t in tl.range(pid, total * n_cols, tl.num_programs(0)):
-            p, pid_n = _launch_order(t, total, n_cols, GROUP_M)
-            _grouped_gemm_tma_tile(p, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_desc, w_desc, out_ptr,
-                                   N, K, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, WARP_SPECIALIZE)
-    elif GROUP_M == 1:
-        if pid < total:  # step 3: programs past the last work item do nothing
-            _grouped_gemm_tma_tile(pid, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_desc, w_desc, out_ptr,
-                                   N, K, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, WARP_SPECIALIZE)
-    else:
-        if pid < total * n_cols:  # step 3, on the 1-D grid
-            p, pid_n = _launch_order(pid, total, n_cols, GROUP_M)
-            _grouped_gemm_tma_tile(p, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_desc, w_desc, out_ptr,
-                                   N, K, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, WARP_SPECIALIZE)
 
 
 #: TMA's alignment rule (CUDA driver API ``cuTensorMapEncodeTiled``; triton ``tools/tensor_descriptor.py``
@@ -714,12 +646,8 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=No
     grid = launch_grid(op, cfg, M_cap, N, E, x.device)
     if M_cap == 0 or N == 0 or E == 0:
         return out  # nothing to compute: every row stays 0
-    if cfg.tma:  # the opt-in TMA variant (16-bit, no scales, no bias: check_config)
-        x_desc, w_desc = _tma_descriptors(op, x, w, cfg)
-        _grouped_gemm_tma_kernel[grid](
-            x_desc, w_desc, expert_offsets, out, M_cap, N, K, E, out.stride(0),
-            BLOCK_E=triton.next_power_of_2(E + 1), WARP_SPECIALIZE=cfg.warp_specialize, **tile_meta(cfg))
-        return out
+    # the opt-in TMA variant (16-bit, no scales, no bias: check_config) loads x and w through descriptors
+    x_desc, w_desc = _tma_descriptors(op, x, w, cfg) if cfg.tma else (None, None)
     xs = x_scale if x_scale is not None else out  # never read without FP8
     ws = w_scale if w_scale is not None else out
     xs_strides = (*xs.stride(), 0, 0)[:2] if x_scale is not None else (0, 0)  # () for a per-tensor scale
@@ -751,6 +679,10 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=No
         IEEE_F32=x.dtype == torch.float32,
         HAS_BIAS=bias is not None,
         BLOCK_E=triton.next_power_of_2(E + 1),
+        TMA=cfg.tma,
+        WARP_SPECIALIZE=cfg.warp_specialize,
+        x_desc=x_desc,
+        w_desc=w_desc,
         **tile_meta(cfg),
     )
     return out
