@@ -10,7 +10,8 @@ against the copy ceiling of the weight bytes. Each variant is checked against th
 Variants (``VARIANT``): 0 the bf16 weights (the bandwidth reference); 1 Triton's ``tl.dot_scaled(bf16, e2m1)``
 (MXFP4 only; GPU only: the interpreter has no ``dot_scaled``); 2 the library's decode (``moe_torch``'s
 ``_w4_tiles``: low / high nibbles against x's even / odd columns, one scale per group of 32); 3 as 2 with A and B
-swapped (``y^T = wd @ x^T``: the weights as the wide MMA operand); 4 as 1 swapped. Session 7's numbers and the
+swapped (``y^T = wd @ x^T``: the weights as the wide MMA operand); 4 as 1 swapped; 5 the library's tile as it is now
+(``_w4_tiles``: on a GPU the packed asm decode, two codes per instruction). Session 7's numbers and the
 ``ncu`` reading are in BENCHMARKS.md ("2026-12-01, session 7"). ``PROBE_ONLY=fmt:variant:block_n:block_k:warps``
 runs that one config once (for ``ncu``). The default E=111, R=2 is gpt-oss-120b's gate_up at T=64 (111 experts
 reached, ~2 rows each).
@@ -27,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+from moe_torch.ops.grouped_gemm.triton import _w4_tiles  # noqa: E402
 
 PEAK_BW = 4.27e12
 VARIANTS = [(0, 16, 64, 128, 4, 4)]
@@ -92,6 +95,14 @@ def _k(x_ptr, w_ptr, s_ptr, y_ptr, R, N, K, VARIANT: tl.constexpr, MX: tl.conste
             kg = k0 // 32 + tl.arange(0, G)
             s = tl.load(s_rows + kg[None, :], mask=cmask[:, None] & (kg < K // 32)[None, :], other=0)
             acc_t = tl.dot_scaled(wq, s, "e2m1", tl.trans(a), None, "bf16", acc_t)
+        elif VARIANT == 5:  # the library's tile (moe_torch _w4_tiles: the packed asm decode on a GPU)
+            kp = k0 // 2 + tl.arange(0, HALF)
+            km = (kp < K // 2)
+            a_e = tl.load(x_rows + (2 * kp)[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+            a_o = tl.load(x_rows + (2 * kp + 1)[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+            lo, hi = _w4_tiles(w_rows, s_rows, 1, k0, K, cmask, 4 if MX else 5, BLOCK_N, BLOCK_K, tl.bfloat16)
+            acc = tl.dot(a_e, tl.trans(lo), acc)
+            acc = tl.dot(a_o, tl.trans(hi), acc)
         elif VARIANT == 3:  # swap AB with the v2 decode: y^T [BN, BM] += lo @ x_even^T + hi @ x_odd^T
             kp = k0 // 2 + tl.arange(0, HALF)
             km = (kp < K // 2)
@@ -120,7 +131,7 @@ def _k(x_ptr, w_ptr, s_ptr, y_ptr, R, N, K, VARIANT: tl.constexpr, MX: tl.conste
             hi = _decode(wq >> 4, sv, MX).to(tl.bfloat16)
             acc = tl.dot(a_e, tl.trans(lo), acc)
             acc = tl.dot(a_o, tl.trans(hi), acc)
-    if VARIANT >= 3:
+    if VARIANT == 3 or VARIANT == 4:
         acc = tl.trans(acc_t)
     out = y_ptr + e64 * R * N + rows[:, None] * N + cols[None, :]
     tl.store(out, acc.to(tl.bfloat16), mask=rmask[:, None] & cmask[None, :])
@@ -133,6 +144,7 @@ def main():
     p.add_argument("--N", type=int, default=5760)
     p.add_argument("--K", type=int, default=2880)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--variants", default="0,1,2,3,4,5", help="comma-separated variant numbers to time")
     a = p.parse_args()
     import moe_torch
     dev = "cuda"
@@ -148,12 +160,14 @@ def main():
         ref = torch.bmm(x.float(), wd.float().transpose(1, 2))
         nbytes4 = wq.numel() + ws.numel() * ws.element_size()
         for variant, bm, bn, bk, warps, stages in VARIANTS if a.quick else [
+                (5, 16, 64, 64, 4, 3), (5, 16, 128, 64, 4, 3), (5, 16, 128, 128, 4, 3), (5, 16, 64, 128, 4, 4),
+                (5, 16, 256, 64, 8, 3), (5, 16, 128, 256, 4, 3), (5, 16, 256, 128, 8, 3), (5, 16, 128, 128, 8, 3),
                 (3, 16, 64, 128, 4, 3), (3, 16, 128, 128, 4, 3), (3, 16, 128, 256, 4, 3), (3, 16, 64, 256, 4, 4),
                 (3, 16, 128, 128, 8, 3), (3, 16, 256, 128, 8, 3),
                 (4, 16, 64, 128, 4, 3), (4, 16, 128, 128, 4, 3), (4, 16, 128, 256, 4, 3), (4, 16, 128, 128, 8, 3),
                 (4, 16, 256, 128, 8, 3),
                 (0, 16, 64, 128, 4, 4), (1, 16, 64, 128, 4, 3), (2, 16, 64, 128, 4, 3)]:
-            if variant in (1, 4) and fmt != "mxfp4":
+            if (variant in (1, 4) and fmt != "mxfp4") or str(variant) not in a.variants.split(","):
                 continue
             only = os.environ.get("PROBE_ONLY")  # "fmt:variant:bn:bk:warps" (ncu: one launch of one config)
             if only and only != f"{fmt}:{variant}:{bn}:{bk}:{warps}":

@@ -248,6 +248,9 @@ def test_lowers_for_cuda(fmt, dtype):
         text = jax.jit(g).trace(S((M, K), dtype), S((E, N, K // 2), jnp.uint8), S((E + 1,), jnp.int32),
                                 S((E, N, K // 32), s_dtype)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1, text[:2000]
+    # bf16 x decodes by the packed PTX (moe_contract/w4_packed_asm.py), the other dtypes by the float32 decode
+    packed = "fma.rn.bf16x2" in text and ("0x01C001C0" if fmt == "mxfp4" else "0x43004300") in text
+    assert packed == (dtype == jnp.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", [None, *FORMATS])

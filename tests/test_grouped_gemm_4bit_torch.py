@@ -254,8 +254,9 @@ def _w4_job(fmt: str, dtype: str, M_cap: int, N: int, K: int, E: int) -> dict:
 
 def test_compiles_for_sm90():
     """The 4-bit kernels lower to sm_90 (gpt-oss-like shapes, N = 2 * 2880 over K = 2880, E = 32): many rows per
-    expert on wgmma, decode (M_cap = 8) on mma.sync, float32 x on neither (IEEE); the decoded weights are rounded
-    to bf16 (cvt.rn) and the e8m0 multiply keeps subnormals (no .ftz)."""
+    expert on wgmma, decode (M_cap = 8) on mma.sync, float32 x on neither (IEEE); bf16 x decodes by the packed asm
+    (moe_contract/w4_packed_asm.py: lop3 / fma.rn.bf16x2, two codes an instruction), float32 x by the float32 decode,
+    and no multiply flushes subnormals (no .ftz)."""
     from sm90 import compile_sm90
 
     jobs = {"mxfp4-bf16-64rows": _w4_job("mxfp4", "bf16", 16384, 5760, 2880, 32),
@@ -267,4 +268,5 @@ def test_compiles_for_sm90():
     assert "wgmma" not in ptx["mxfp4-fp32"] and "mma.sync" not in ptx["mxfp4-fp32"] and ".tf32" not in ptx["mxfp4-fp32"]
     for name, text in ptx.items():
         assert ".target sm_90" in text and ".ftz" not in text, name
-        assert "cvt.rn.bf16" in text or "bf16" not in name, name
+        packed = "fma.rn.bf16x2" in text and ("0x01C001C0" if "mxfp4" in name else "0x43004300") in text
+        assert packed == ("bf16" in name), name

@@ -47,10 +47,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, PACKED_ASM_HALF_CONSTRAINTS,
+                                      PACKED_HALF_ASM)
 from moe_pallas.ops import common as _common  # its import applies patch_pallas_triton_offsets
 from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, GroupedGemmConfig, gpu_device_kind,
                                                  grouped_gemm_config, triton_config_problem)
-from moe_pallas.ops.quant.reference import W4_GROUP, e2m1_to_float32, e8m0_to_float32, int4_to_float32
+from moe_pallas.ops.quant.reference import (E8M0_NAN, W4_GROUP, e2m1_to_float32, e8m0_to_float32,
+                                            int4_to_float32)
 
 FP8_DTYPE = jnp.float8_e4m3fn
 
@@ -106,7 +109,8 @@ def tile_metadata(expert_offsets: jax.Array, M_cap: int, E: int, block_m: int) -
     return step_expert, step_lo, step_hi
 
 
-def _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok, kg, K: int, w_format: str, precision):
+def _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok, kg, K: int, w_format: str, precision,
+                   packed_decode: bool = False):
     """``x[rows, kg : kg + 32] @ wd[e, cols, kg : kg + 32].T`` (float32 ``[block_m, block_n]``) for one
     4-bit scale group starting at ``kg`` (a multiple of 32; a group at or past ``K`` adds 0).
 
@@ -121,10 +125,12 @@ def _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok, k
     ``[lo, hi)`` read row ``lo`` and a group past ``K`` reads the last group's columns, and ``where`` puts
     zeros there (rows of other experts and rows ``>= M`` are never read).
 
-    Decoding is arithmetic: nibbles by mask and shift, e2m1 values and e8m0 powers of two from their
-    bits (``e2m1_to_float32`` / ``e8m0_to_float32``: ``s = 255`` is NaN), INT4 ``(code - 8) * scale``;
-    the float32 products are rounded to ``x.dtype`` (CONTRACT.md section 9) and the dots accumulate in
-    float32."""
+    Decoding (CONTRACT.md section 9): with ``packed_decode`` (bf16 ``x`` on a GPU) by the packed PTX of
+    ``moe_contract/w4_packed_asm.py`` (``plgpu.elementwise_inline_asm``, 4 bytes a call, two codes an instruction;
+    the e8m0 scale as the bf16 ``2^(s - 127)``); else (interpret mode, float16 / float32 ``x``) arithmetic:
+    nibbles by mask and shift, e2m1 values and e8m0 powers of two from their bits (``e2m1_to_float32`` /
+    ``e8m0_to_float32``: ``s = 255`` is NaN), INT4 ``(code - 8) * scale``, the float32 products rounded to
+    ``x.dtype``. The same values either way; the dots accumulate in float32."""
     half = W4_GROUP // 2
     g_ok = kg < K  # the whole group is in or out (K % 32 == 0)
     x_rows = jnp.where(row_ok, rows, lo)[:, None]  # [block_m, 1]
@@ -134,15 +140,29 @@ def _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok, k
     x_even = jnp.where(x_mask, x_ref[x_rows, x_cols], zero_x)  # [block_m, 16]
     x_odd = jnp.where(x_mask, x_ref[x_rows, x_cols + 1], zero_x)
     w_mask = col_ok & g_ok
-    packed = plgpu.load(w_ref.at[e, cols_ds, pl.ds(kg // 2, half)], mask=w_mask[:, None],
-                        other=jnp.zeros((), w_ref.dtype)).astype(jnp.int32)  # [block_n, 16] bytes
+    packed_u8 = plgpu.load(w_ref.at[e, cols_ds, pl.ds(kg // 2, half)], mask=w_mask[:, None],
+                           other=jnp.zeros((), w_ref.dtype))  # [block_n, 16] bytes
     s = plgpu.load(ws_ref.at[e, cols_ds, kg // W4_GROUP], mask=w_mask, other=jnp.zeros((), ws_ref.dtype))  # [block_n]
+    dims = (((1,), (1,)), ((), ()))
+    if packed_decode:
+        if w_format == "mxfp4":
+            b = s.astype(jnp.int32)
+            bits = jnp.where(b == 0, BF16_E8M0_ZERO_BITS, jnp.where(b == E8M0_NAN, BF16_NAN_BITS, b << 7))
+            sb = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+        else:
+            sb = s.astype(jnp.bfloat16)
+        sb = jnp.broadcast_to(sb[:, None], (sb.shape[0], half))
+        w_lo, w_hi = (plgpu.elementwise_inline_asm(  # one call a nibble: jax's lowering returns one result
+            PACKED_HALF_ASM[w_format, which], args=[packed_u8, sb], constraints=PACKED_ASM_HALF_CONSTRAINTS, pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(packed_u8.shape, jnp.bfloat16)])[0] for which in ("low", "high"))
+        part = jax.lax.dot_general(x_even, w_lo, dims, precision=precision, preferred_element_type=jnp.float32)
+        return part + jax.lax.dot_general(x_odd, w_hi, dims, precision=precision, preferred_element_type=jnp.float32)
+    packed = packed_u8.astype(jnp.int32)
     if w_format == "mxfp4":
         scale, decode = e8m0_to_float32(s), e2m1_to_float32
     else:
         scale, decode = s.astype(jnp.float32), int4_to_float32
     scale = scale[:, None]
-    dims = (((1,), (1,)), ((), ()))
     part = jax.lax.dot_general(x_even, (decode(packed & 15) * scale).astype(x_ref.dtype), dims,
                                precision=precision, preferred_element_type=jnp.float32)
     return part + jax.lax.dot_general(x_odd, (decode(packed >> 4) * scale).astype(x_ref.dtype), dims,
@@ -151,7 +171,7 @@ def _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok, k
 
 def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: int, x_scale_kind: str | None,
             w_scale_kind: str | None, group_size: int, block_m: int, block_n: int, block_k: int, precision,
-            w_format: str | None = None, has_bias: bool = False):
+            w_format: str | None = None, has_bias: bool = False, packed_decode: bool = False):
     """One ``block_m x block_n`` tile of ``y`` for the rows of one expert.
 
     Grid ``(cdiv(M_cap, block_m) + E, cdiv(N, block_n))``; program ``(s, j)`` owns rows
@@ -197,7 +217,7 @@ def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: 
             if w_format is not None:  # block_k is a multiple of 32: its scale groups, unrolled
                 for g in range(block_k // W4_GROUP):
                     acc = acc + _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok,
-                                               k0 + g * W4_GROUP, K, w_format, precision)
+                                               k0 + g * W4_GROUP, K, w_format, precision, packed_decode)
                 return acc
             k_ok = k0 + jnp.arange(block_k) < K
             ks = pl.ds(k0, block_k)
@@ -335,7 +355,9 @@ def grouped_gemm_pallas_triton(
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, E=E, N=N, K=K, x_scale_kind=x_kind, w_scale_kind=w_kind, group_size=G,
                                block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, precision=precision,
-                               w_format=w_format, has_bias=bias is not None)
+                               w_format=w_format, has_bias=bias is not None,
+                               # the packed PTX decode: bf16 x, compiled (interpret mode has no inline asm)
+                               packed_decode=w_format is not None and not interpret and x.dtype == jnp.bfloat16)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((M_cap, N), out_dtype),

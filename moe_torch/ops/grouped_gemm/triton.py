@@ -117,6 +117,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, INT4_PACKED_ASM, MXFP4_PACKED_ASM,
+                                      PACKED_ASM_CONSTRAINTS)
 from moe_torch.ops.grouped_gemm.config import W_SCALE_BLOCK, GroupedGemmConfig, check_config, grouped_gemm_config
 from moe_torch.ops.quant.reference import FP8_DTYPE
 from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device
@@ -136,6 +138,19 @@ _F32_HALF_BITS = tl.constexpr(0x3F000000)
 _F32_2_POW_M127_BITS = tl.constexpr(1 << 22)
 _F32_NAN_BITS = tl.constexpr(0x7FC00000)
 _F32_2_POW_23_BITS = tl.constexpr(0x4B000000)  # 2^23: its float32 mantissa bits hold an integer 0 .. 2^23 - 1 exactly
+#: bf16 bit patterns of the e8m0 scales 2^-127 (``s = 0``, a subnormal: mantissa bit 6) and 255 (a quiet NaN).
+_BF16_2_POW_M127_BITS = tl.constexpr(BF16_E8M0_ZERO_BITS)
+_BF16_NAN_BITS = tl.constexpr(BF16_NAN_BITS)
+_PACKED_CONSTRAINTS = tl.constexpr(PACKED_ASM_CONSTRAINTS)
+
+# The packed decode of 4-bit codes to bf16 on 32-bit registers (``_w4_tiles`` with bf16 ``x`` on a GPU; the
+# interpreter cannot run inline PTX and takes the float32 decode): the PTX of ``moe_contract/w4_packed_asm.py``,
+# shared with the Pallas-Triton kernel.
+_MXFP4_PACKED_ASM = tl.constexpr(MXFP4_PACKED_ASM)
+_INT4_PACKED_ASM = tl.constexpr(INT4_PACKED_ASM)
+#: Whether ``_w4_tiles`` decodes bf16 tiles with the packed asm above: everywhere but the interpreter (which has
+#: no inline PTX; it runs the float32 decode, whose values are the same, CONTRACT.md section 9).
+_W4_PACKED = tl.constexpr(not triton.knobs.runtime.interpret)
 #: Vector width of the offsets search: ``E + 1`` offsets in one ``tl.arange``. 4096 experts is
 #: far beyond any model (DeepSeek-V3: 256); more would make every program's search costly.
 _MAX_EXPERTS = 4095
@@ -224,9 +239,25 @@ def _w4_tiles(
     HALF: tl.constexpr = BLOCK_K // 2
     GROUPS: tl.constexpr = BLOCK_K // 32
     kp = k0 // 2 + tl.arange(0, HALF)  # packed byte columns
-    packed = tl.load(w_rows + kp[None, :], mask=col_mask[:, None] & (kp < K // 2)[None, :], other=0).to(tl.int32)
+    packed_u8 = tl.load(w_rows + kp[None, :], mask=col_mask[:, None] & (kp < K // 2)[None, :], other=0)
+    packed = packed_u8.to(tl.int32)
     kg = k0 // 32 + tl.arange(0, GROUPS)  # scale groups of this step
     scale = tl.load(ws_rows + kg[None, :] * stride_wsk, mask=col_mask[:, None] & (kg < K // 32)[None, :], other=0)
+    if _W4_PACKED and DTYPE == tl.bfloat16:  # the packed asm decode (above), with the scales as bf16
+        if W4 == _WS_MXFP4:
+            s = scale.to(tl.int32)
+            s_bits = tl.where(s == 0, _BF16_2_POW_M127_BITS, tl.where(s == 255, _BF16_NAN_BITS, s << 7))
+            sb = s_bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            sb = scale.to(tl.bfloat16)
+        sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, HALF))
+        if W4 == _WS_MXFP4:
+            lo, hi = tl.inline_asm_elementwise(_MXFP4_PACKED_ASM, _PACKED_CONSTRAINTS, [packed_u8, sb],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_INT4_PACKED_ASM, _PACKED_CONSTRAINTS, [packed_u8, sb],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return lo, hi
     if W4 == _WS_MXFP4:
         s = scale.to(tl.int32)
         s_bits = tl.where(s == 0, _F32_2_POW_M127_BITS, s << 23)

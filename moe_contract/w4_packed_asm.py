@@ -1,0 +1,99 @@
+"""PTX of the packed 4-bit -> bf16 decode inside the grouped GEMMs' Triton kernels (CONTRACT.md section 9).
+
+Framework-free text, shared by ``moe_torch/ops/grouped_gemm/triton.py`` (``tl.inline_asm_elementwise``) and
+``moe_pallas/ops/grouped_gemm/pallas_triton.py`` (``plgpu.elementwise_inline_asm``), both with ``pack=4``. The
+interpreters cannot run inline PTX: there the kernels take their float32 decode, whose values are the same.
+
+Operands of one asm call (4 packed bytes = 8 codes; registers are 32-bit):
+
+* ``$4``: the 4 bytes (uint8 x 4). Byte ``i`` holds element ``2i`` of its row in its low nibble and ``2i + 1`` in
+  its high nibble (the checkpoint layout, as stored).
+* ``$5``, ``$6``: each byte's scale as bf16 (bf16x2: ``$5`` = the scales of bytes 0-1, ``$6`` = bytes 2-3). MXFP4's
+  e8m0 code ``s`` becomes the bf16 ``2^(s - 127)`` (bits ``s << 7``; ``s = 0`` the subnormal ``0x0040``, ``s = 255``
+  NaN) before the call; INT4's scale is bf16 already.
+* Results: ``$0``, ``$1`` the low nibbles' values (bf16x2: bytes 0-1, bytes 2-3), ``$2``, ``$3`` the high nibbles'.
+
+``prmt`` spreads bytes 0-1 (2-3) into the low bytes of the two 16-bit halves of ``t0`` (``t1``), so every further
+instruction decodes two codes at once (the idea of Marlin's dequantization, IST-DASLab/marlin
+``marlin/marlin_cuda_kernel.cu: dequant``, worked out anew here for e2m1 / offset INT4 and bf16). Per 8 codes:
+MXFP4 26 instructions, INT4 16, where the float32 decode takes ~17 a code (the sm_90 SASS of the kernels' K loop:
+438 against 943 instructions a 128 x 64 step for MXFP4, 318 against 565 for INT4).
+
+MXFP4 (e2m1: sign bit 3, exponent bits 2-1, mantissa bit 0): the three magnitude bits go to bf16 bits 8-6 (the two
+low exponent bits and the top mantissa bit) and the sign to bit 15. That bf16 is ``e2m1 * 2^-126`` (code 1, 0.5, is
+the subnormal ``0x0040``); ``* 2^126`` (``0x7E80``) restores the e2m1 value exactly and ``* 2^(s - 127)`` applies the
+scale: a product of a 2-bit significand and a power of two, so the one rounding of ``fma.rn.bf16x2`` changes nothing
+where the reference's float32 value fits bf16, and over/underflows alike where it does not. The ``-0.0`` addend
+keeps a product of ``-0.0`` (code 8) negative, as the reference.
+
+INT4 (offset binary, ``code - 8``): ``(t & 0xF) | 0x4300`` is the bf16 ``128 + code`` (``0x4300`` = 128.0, whose
+mantissa step is 1); ``* 1 - 136`` makes ``code - 8`` exactly and ``* scale`` rounds once, as the reference (an
+exact float32 product rounded to bf16). The high nibbles are shifted down by 4 first.
+
+``tests/test_w4_packed_decode.py`` executes these strings in a small PTX interpreter against the contract's
+dequantization for every byte value and a spread of scales (bit for bit); the GPU runs of the 4-bit GEMM tests
+execute them compiled.
+"""
+
+from __future__ import annotations
+
+_PROLOGUE = """{{
+.reg .b32 t0, t1, a, b, k0, k1, k2, k3;
+mov.b32 k0, 0x80008000;
+mov.b32 k1, 0x7E807E80;
+mov.b32 k2, 0x3F803F80;
+mov.b32 k3, 0xC308C308;
+prmt.b32 t0, {src}, 0, 0x4140;
+prmt.b32 t1, {src}, 0, 0x4342;
+"""
+# k0 = (-0.0, -0.0), k1 = (2^126, 2^126), k2 = (1.0, 1.0), k3 = (-136.0, -136.0) as bf16x2.
+
+_MXFP4_NIBBLES = """shl.b32 a, {t}, {mag_shift};
+shl.b32 b, {t}, {sign_shift};
+and.b32 b, b, 0x80008000;
+lop3.b32 a, a, 0x01C001C0, b, 0xEA;
+fma.rn.bf16x2 a, a, k1, k0;
+fma.rn.bf16x2 {out}, a, {scale}, k0;
+"""
+# lop3 0xEA: (a & b) | c. Low nibble: magnitude bits 2-0 << 6, sign bit 3 << 12; high nibble: << 2 and << 8.
+
+_INT4_NIBBLES = """{shift}lop3.b32 a, {src}, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 a, a, k2, k3;
+fma.rn.bf16x2 {out}, a, {scale}, k0;
+"""
+
+
+def _render(w_format: str, nibbles: tuple[str, ...]) -> str:
+    """The asm of one call returning the values of ``nibbles`` (``"low"`` / ``"high"``, in that order): two bf16x2
+    results each (bytes 0-1, bytes 2-3), then the operands: the packed bytes, the two scale pairs."""
+    n_out = 2 * len(nibbles)
+    src, scales = f"${n_out}", (f"${n_out + 1}", f"${n_out + 2}")
+    body = []
+    for i, which in enumerate(nibbles):
+        high = which == "high"
+        for j, t in enumerate(("t0", "t1")):
+            out = f"${2 * i + j}"
+            if w_format == "mxfp4":
+                body.append(_MXFP4_NIBBLES.format(t=t, out=out, scale=scales[j], mag_shift=2 if high else 6,
+                                                  sign_shift=8 if high else 12))
+            else:
+                body.append(_INT4_NIBBLES.format(shift=f"shr.u32 b, {t}, 4;\n" if high else "", src="b" if high else t,
+                                                 out=out, scale=scales[j]))
+    return _PROLOGUE.format(src=src) + "".join(body) + "}"
+
+
+#: Both nibbles in one call (moe_torch's ``tl.inline_asm_elementwise`` with two results): ``$0, $1`` low,
+#: ``$2, $3`` high, operands ``$4`` (bytes), ``$5, $6`` (scales); constraints :data:`PACKED_ASM_CONSTRAINTS`.
+MXFP4_PACKED_ASM = _render("mxfp4", ("low", "high"))
+INT4_PACKED_ASM = _render("int4", ("low", "high"))
+PACKED_ASM_CONSTRAINTS = "=r,=r,=r,=r,r,r,r"
+
+#: One nibble a call (moe_pallas: jax 0.11.2's lowering of ``plgpu.elementwise_inline_asm`` returns one result
+#: only, ``jax/_src/pallas/triton/primitives.py: _elementwise_inline_asm_lowering``): ``$0, $1`` the values,
+#: operands ``$2`` (bytes), ``$3, $4`` (scales); constraints :data:`PACKED_ASM_HALF_CONSTRAINTS`.
+PACKED_HALF_ASM = {(fmt, which): _render(fmt, (which,)) for fmt in ("mxfp4", "int4") for which in ("low", "high")}
+PACKED_ASM_HALF_CONSTRAINTS = "=r,=r,r,r,r"
+
+#: bf16 bits of the e8m0 scale codes 0 (``2^-127``, a subnormal) and 255 (NaN); code ``s`` else is ``s << 7``.
+BF16_E8M0_ZERO_BITS = 0x0040
+BF16_NAN_BITS = 0x7FC0

@@ -1,0 +1,202 @@
+"""The packed 4-bit -> bf16 decode of the grouped GEMMs' Triton kernels (``moe_contract/w4_packed_asm.py``:
+``MXFP4_PACKED_ASM``, ``INT4_PACKED_ASM``, used by moe_torch's Triton and moe_pallas' Pallas-Triton kernels), run on
+the CPU.
+
+The interpreter cannot execute inline PTX, so these tests execute the kernel's asm strings themselves in a small
+PTX interpreter (the few instructions they use: ``mov``, ``prmt``, ``shl``, ``shr``, ``and``, ``lop3``,
+``fma.rn.bf16x2``, with the PTX ISA's semantics) for every byte value and a spread of scales, and compare the
+result bit for bit with the contract's dequantization (CONTRACT.md section 9, ``dequantize_weight_mxfp4`` /
+``dequantize_weight_int4`` rounded to bf16). The GPU tests of the 4-bit GEMMs run the compiled asm.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from moe_torch import dequantize_weight_int4, dequantize_weight_mxfp4
+from moe_contract import w4_packed_asm
+
+
+def _bf16_round(v: np.ndarray) -> np.ndarray:
+    """float64 -> bf16 bit patterns (uint32, low 16 bits), round to nearest even, subnormals kept, overflow to
+    inf, NaN -> 0x7FC0 (the GPU's canonical NaN differs; callers compare NaN-aware)."""
+    v = np.asarray(v, np.float64)
+    out = np.zeros(v.shape, np.uint32)
+    sign = np.signbit(v).astype(np.uint32) << 15
+    a = np.abs(v)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+        quantum = np.exp2(np.maximum(e, -126.0) - 7.0)  # the bf16 spacing at |v| (subnormals: 2^-133)
+        r = np.rint(a / quantum) * quantum  # round half to even
+    r32 = r.astype(np.float32)  # exact: r has at most 8 significant bits and lies in float32's range or is inf
+    bits = (r32.view(np.uint32) >> 16).astype(np.uint32)
+    bits = np.where(r >= 2.0**128, 0x7F80, bits)
+    out = bits | sign
+    return np.where(np.isnan(v), 0x7FC0, out).astype(np.uint32)
+
+
+def _bf16_value(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Execute ``asm`` (one ``{ ... }`` block) on uint32 arrays; ``regs`` holds ``$n`` inputs, returns all registers."""
+    regs = {k: np.asarray(v, np.uint32) for k, v in regs.items()}
+    shape = next(iter(regs.values())).shape
+
+    def val(tok: str) -> np.ndarray:
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return np.full(shape, int(tok, 0) & 0xFFFFFFFF, np.uint32)
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        args = [a.strip() for a in rest.split(",")]
+        d, src = args[0], args[1:]
+        if op == "mov.b32":
+            r = val(src[0])
+        elif op == "shl.b32":
+            r = (val(src[0]).astype(np.uint64) << int(src[1], 0)).astype(np.uint32)
+        elif op == "shr.u32":
+            r = val(src[0]) >> np.uint32(int(src[1], 0))
+        elif op == "and.b32":
+            r = val(src[0]) & val(src[1])
+        elif op == "lop3.b32":
+            a, b, c, lut = val(src[0]), val(src[1]), val(src[2]), int(src[3], 0)
+            r = np.zeros(shape, np.uint32)
+            for idx in range(8):  # bit index = a<<2 | b<<1 | c (a = 0xF0, b = 0xCC, c = 0xAA)
+                if (lut >> idx) & 1:
+                    ma = a if idx & 4 else ~a
+                    mb = b if idx & 2 else ~b
+                    mc = c if idx & 1 else ~c
+                    r |= ma & mb & mc
+        elif op == "prmt.b32":  # default mode: bytes {b, a}, 4-bit selectors, bit 3 = replicate the sign
+            a, b, c = val(src[0]), val(src[1]), val(src[2])
+            pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+            r = np.zeros(shape, np.uint32)
+            for i in range(4):
+                sel = (c >> (4 * i)) & 0xF
+                byte = np.choose(sel & 7, pool)
+                byte = np.where(sel & 8, np.where(byte & 0x80, 0xFF, 0), byte)
+                r |= (byte.astype(np.uint32) << (8 * i))
+        elif op == "fma.rn.bf16x2":
+            a, b, c = val(src[0]), val(src[1]), val(src[2])
+            halves = []
+            for sh in (0, 16):
+                x, y, z = (_bf16_value((t >> sh) & 0xFFFF) for t in (a, b, c))
+                with np.errstate(invalid="ignore", over="ignore"):
+                    halves.append(_bf16_round(x * y + z))  # exact in float64, then one rounding
+            r = halves[0] | (halves[1] << 16)
+        else:
+            raise AssertionError(f"PTX op {op!r} not modelled")
+        regs[d] = r.astype(np.uint32)
+    return regs
+
+
+def _decode(asm: str, codes: np.ndarray, scale_bits: np.ndarray, n_results: int = 2):
+    """codes uint8 [n, 4] (one asm call each), scale_bits uint16 [n, 4] (bf16 scale of each byte) -> the bf16 bits
+    [n, 4] of each result (``n_results`` of them: low and high nibbles, or one), operands numbered after them."""
+    c = codes.astype(np.uint32)
+    packed = c[:, 0] | c[:, 1] << 8 | c[:, 2] << 16 | c[:, 3] << 24
+    s = scale_bits.astype(np.uint32)
+    n = 2 * n_results
+    regs = _run_ptx(asm, {f"${n}": packed, f"${n + 1}": s[:, 0] | s[:, 1] << 16, f"${n + 2}": s[:, 2] | s[:, 3] << 16})
+    split = lambda r: [(regs[r] >> sh) & 0xFFFF for sh in (0, 16)]  # noqa: E731
+    return tuple(np.stack(split(f"${2 * i}") + split(f"${2 * i + 1}"), axis=1) for i in range(n_results))
+
+
+def _decode_all_ways(w_format: str, codes: np.ndarray, scale_bits: np.ndarray):
+    """(lo, hi) from the fused asm (moe_torch), checked equal to the one-nibble asm pair (moe_pallas)."""
+    fused = w4_packed_asm.MXFP4_PACKED_ASM if w_format == "mxfp4" else w4_packed_asm.INT4_PACKED_ASM
+    lo, hi = _decode(fused, codes, scale_bits)
+    (lo1,) = _decode(w4_packed_asm.PACKED_HALF_ASM[w_format, "low"], codes, scale_bits, 1)
+    (hi1,) = _decode(w4_packed_asm.PACKED_HALF_ASM[w_format, "high"], codes, scale_bits, 1)
+    assert np.array_equal(lo, lo1) and np.array_equal(hi, hi1)
+    return lo, hi
+
+
+def _same_bits(got: np.ndarray, want: np.ndarray) -> bool:
+    nan_g = (got & 0x7F80) == 0x7F80
+    nan_g &= (got & 0x7F) != 0
+    nan_w = ((want & 0x7F80) == 0x7F80) & ((want & 0x7F) != 0)
+    return bool(np.array_equal(nan_g, nan_w) and np.array_equal(np.where(nan_g, 0, got), np.where(nan_w, 0, want)))
+
+
+def _every_byte_with(scales: list) -> tuple[np.ndarray, np.ndarray]:
+    """Every byte value, 4 to an asm call, with every scale of ``scales``: codes [n, 4] uint8, scale index [n, 4]."""
+    rng = np.random.default_rng(0)
+    codes, sidx = [], []
+    for j in range(len(scales)):
+        perm = rng.permutation(256).astype(np.uint8).reshape(64, 4)
+        codes.append(perm)
+        # each call's 4 bytes get different scales too (the asm must pair element i with scale i)
+        sidx.append((j + np.arange(4)[None, :] * np.ones((64, 1), int)) % len(scales))
+    return np.concatenate(codes), np.concatenate(sidx)
+
+
+def _reference(dequant, codes: np.ndarray, scale_t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The contract's dequantization of each byte with its own scale: bf16 bits of the low / high nibbles."""
+    n = codes.size
+    wq = torch.from_numpy(codes.reshape(n, 1, 1).copy())  # [N=n rows... ] as [E=n, N=1, K/2=1]
+    wq = torch.from_numpy(np.repeat(codes.reshape(n, 1, 1), 16, axis=2))  # a whole group of 32 values per byte
+    wd = dequant(wq, scale_t.reshape(n, 1, 1)).to(torch.bfloat16)  # [n, 1, 32]
+    bits = wd.view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
+    return bits[:, 0, 0].reshape(codes.shape), bits[:, 0, 1].reshape(codes.shape)
+
+
+E8M0_SCALES = [0, 1, 2, 64, 100, 119, 126, 127, 128, 129, 140, 200, 253, 254, 255]
+
+
+def test_mxfp4_packed_decode_matches_the_contract_for_every_byte_and_scale():
+    codes, sidx = _every_byte_with(E8M0_SCALES)
+    s = np.array(E8M0_SCALES, np.uint32)[sidx]
+    # the kernels' e8m0 -> bf16 bits: 2^-127 subnormal for 0, NaN for 255, else s << 7
+    s_bits = np.where(s == 0, w4_packed_asm.BF16_E8M0_ZERO_BITS, np.where(s == 255, w4_packed_asm.BF16_NAN_BITS, s << 7))
+    lo, hi = _decode_all_ways("mxfp4", codes, s_bits)
+    want_lo, want_hi = _reference(dequantize_weight_mxfp4, codes, torch.from_numpy(s.astype(np.uint8)))
+    assert _same_bits(lo, want_lo) and _same_bits(hi, want_hi)
+    # spot values: byte 0x9F = high nibble 9 (-0.5), low 15 (-6) at scale 2^0; code 8 is -0.0
+    one = np.full((1, 4), 127)
+    lo, hi = _decode_all_ways("mxfp4", np.array([[0x9F, 0x08, 0x21, 0x7A]], np.uint8), one << 7)
+    assert [_bf16_value(v) for v in lo[0]] == [-6.0, -0.0, 0.5, -1.0]
+    assert [_bf16_value(v) for v in hi[0]] == [-0.5, 0.0, 1.0, 6.0]
+    assert lo[0, 1] == 0x8000  # -0.0, as the reference's code 8
+
+
+def test_int4_packed_decode_matches_the_contract_for_every_byte_and_scale():
+    bf16_scales = torch.tensor([1.0, -1.0, 0.0078125, 3.140625, -0.0017, 1e-30, 2e-39, 1e38, -7.5e37, 0.333, 1e-40,
+                                65504.0, float("nan"), 2.0**-126, 0.5], dtype=torch.bfloat16)
+    codes, sidx = _every_byte_with(list(range(len(bf16_scales))))
+    s_bits = (bf16_scales.view(torch.int16).numpy().astype(np.uint32) & 0xFFFF)[sidx]
+    lo, hi = _decode_all_ways("int4", codes, s_bits)
+    want_lo, want_hi = _reference(dequantize_weight_int4, codes, bf16_scales[torch.from_numpy(sidx)])
+    assert _same_bits(lo, want_lo) and _same_bits(hi, want_hi)
+    lo, hi = _decode_all_ways("int4", np.array([[0x0F, 0x80, 0x78, 0xF0]], np.uint8),
+                     np.full((1, 4), 0x4000))  # scale 2.0
+    assert [_bf16_value(v) for v in lo[0]] == [14.0, -16.0, 0.0, -16.0]
+    assert [_bf16_value(v) for v in hi[0]] == [-16.0, 0.0, -2.0, 14.0]
+
+
+ALL_ASM = {"MXFP4_PACKED_ASM": w4_packed_asm.MXFP4_PACKED_ASM, "INT4_PACKED_ASM": w4_packed_asm.INT4_PACKED_ASM,
+           **{f"PACKED_HALF_ASM[{k}]": v for k, v in w4_packed_asm.PACKED_HALF_ASM.items()}}
+
+
+@pytest.mark.parametrize("asm_name", sorted(ALL_ASM))
+def test_packed_decode_asm_uses_only_modelled_instructions(asm_name):
+    """The interpreter above must model every instruction of the kernels' asm (a new one fails here by name), and
+    the operands are exactly those the constraints declare."""
+    asm = ALL_ASM[asm_name]
+    ops = {line.split()[0] for line in asm.splitlines()
+           if line.strip() and line.strip() not in "{}" and not line.startswith(".reg")}
+    assert ops <= {"mov.b32", "prmt.b32", "shl.b32", "shr.u32", "and.b32", "lop3.b32", "fma.rn.bf16x2"}, ops
+    constraints = (w4_packed_asm.PACKED_ASM_HALF_CONSTRAINTS if "HALF" in asm_name
+                   else w4_packed_asm.PACKED_ASM_CONSTRAINTS)
+    assert {int(n) for n in re.findall(r"\$(\d+)", asm)} == set(range(len(constraints.split(","))))
