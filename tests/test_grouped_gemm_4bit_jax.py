@@ -92,7 +92,11 @@ def test_reference_matches_float64_on_the_dequantized_weights(fmt, dtype):
     assert_rel_fro(y, f64_loop(x, wd, offsets), TOL[dtype], f"reference {fmt} {dtype} vs float64")
     # weights rounded to x's dtype before the product (CONTRACT.md section 9): the float path on them is the same
     y_float = grouped_gemm_reference(x, dequantize(w_q, w_scale, fmt, dtype), offsets, None, None, jnp.dtype(dtype))
-    assert_exact(y, y_float, f"reference {fmt} {dtype} vs the float reference on wd in {dtype}")
+    what = f"reference {fmt} {dtype} vs the float reference on wd in {dtype}"
+    if jax.default_backend() == "cpu":
+        assert_exact(y, y_float, what)
+    else:  # XLA's GPU dots of two compilations may sum in other orders (seen: 4 float32 ulps on the H200)
+        assert_rel_fro(y, y_float, 1e-6, what)
 
 
 # --- The Pallas-Triton kernel, interpreted --------------------------------------------------------------

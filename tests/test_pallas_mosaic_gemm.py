@@ -89,6 +89,28 @@ def test_heuristic():
     assert not mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2, fast_accum=True).fast_accum  # bf16: no such thing
 
 
+def test_bug_warp_specialized_default_fits_shared_memory_with_float32_outputs():
+    """The H200 GPU suite (session 8): ``test_bf16_vs_float64[big-k-None]`` (M_cap=640, K=2048, N=512, two experts)
+    with ``out_dtype=float32`` took the warp-specialized default of 3 stages and Mosaic refused it at compile time
+    ("kernel exceeds available shared memory: smem_bytes=278576 > max_smem_bytes=232448"; the dgrad alike). Its two
+    output tiles are float32 there: the default now runs 2 stages, and the rule refuses 3 on the host by name."""
+    from moe_pallas.ops.grouped_gemm.config import MOSAIC_MAX_SMEM_BYTES, mosaic_config_problem, ws_smem_bytes
+
+    bf16_out = mosaic_grouped_gemm_config(640, 512, 2048, 2, 2)
+    f32_out = mosaic_grouped_gemm_config(640, 512, 2048, 2, 2, out_itemsize=4)
+    assert bf16_out.warp_specialized and bf16_out.max_concurrent_steps == 3
+    assert f32_out.warp_specialized and f32_out.max_concurrent_steps == 2
+    assert ws_smem_bytes(bf16_out, 2, 4) + 48 == 278576  # the bytes Mosaic reported
+    assert ws_smem_bytes(f32_out, 2, 4) < MOSAIC_MAX_SMEM_BYTES
+    assert mosaic_config_problem(bf16_out, 512, 2048, 2, False, out_itemsize=2) is None
+    problem = mosaic_config_problem(bf16_out, 512, 2048, 2, False, out_itemsize=4)
+    assert problem and "shared memory" in problem and "4-byte outputs" in problem
+    x = jnp.ones((640, 2048), jnp.bfloat16)
+    w = jnp.ones((2, 512, 2048), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="shared memory"):
+        pallas_mosaic_gpu.check_supported(x, w, None, None, 0, jnp.float32, bf16_out)
+
+
 def _mosaic(block_m, block_n, block_k, steps, snake, fast_accum=False) -> dict:
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=steps, grid_block_n=snake,
                 fast_accum=fast_accum)

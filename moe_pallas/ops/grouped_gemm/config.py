@@ -347,8 +347,25 @@ class MosaicGroupedGemmConfig:
             raise ValueError(f"MosaicGroupedGemmConfig: block_n must be a multiple of 8 up to 256; got {self.block_n}")
 
 
+#: Shared memory one CTA may use on sm_90 (``cudaDevAttrMaxSharedMemoryPerBlockOptin`` of the H100 / H200: 227 KiB),
+#: the limit Mosaic GPU enforces at compile time ("kernel exceeds available shared memory").
+MOSAIC_MAX_SMEM_BYTES = 232448
+#: Room left for the pipeline's barriers and Mosaic's own scratch beside the estimate below.
+_SMEM_SLACK_BYTES = 1024
+
+
+def ws_smem_bytes(cfg: MosaicGroupedGemmConfig, itemsize: int, out_itemsize: int) -> int:
+    """Shared memory of the warp-specialized kernel (``pallas_mosaic_gpu_ws.py``): ``max_concurrent_steps`` stages of
+    an ``x`` tile ``[block_m, block_k]`` and a weight tile ``[2 * block_n, block_k]``, plus one ``[block_m, block_n]``
+    output buffer per consumer warpgroup (2) in the output dtype (H200, 2026-12-01: 128 x 128 x 64 over 3 stages
+    with float32 outputs asked 278576 bytes = this + 48)."""
+    stages = cfg.max_concurrent_steps * (cfg.block_m + 2 * cfg.block_n) * cfg.block_k * itemsize
+    return stages + 2 * cfg.block_m * cfg.block_n * out_itemsize
+
+
 def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *,
-                                         per_step_scales: bool = False, fast_accum: bool = False) -> MosaicGroupedGemmConfig:
+                                         per_step_scales: bool = False, fast_accum: bool = False,
+                                         out_itemsize: int = 2) -> MosaicGroupedGemmConfig:
     """Heuristic from a sweep on the H200 (2026-11-30, BENCHMARKS.md; E=32, K/N of the benchmark).
 
     One accumulator (16-bit inputs, or FP8 with ``fast_accum``): experts averaging < 256 rows get
@@ -357,7 +374,8 @@ def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, ite
     everywhere. Per-K-step accumulation (FP8 by default, and per-token-group / block scales) holds
     two ``[block_m, block_n]`` float32 accumulators in one warpgroup's registers, so the tile is
     ``64 x 128`` (64 + 64 registers a thread) and ``block_k = 128`` (one scale group per step).
-    The per-step variant has not been swept yet."""
+    The per-step variant has not been swept yet. ``out_itemsize``: the output's bytes a value (the warp-specialized
+    schedule keeps two output tiles in shared memory: with float32 outputs it runs 2 stages, not 3)."""
     fp8 = itemsize == 1
     per_step = per_step_scales or (fp8 and not fast_accum)
     block_k = 128 if per_step else MOSAIC_K_STEP_BYTES // itemsize
@@ -375,8 +393,11 @@ def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, ite
         # 128 x 256 per CTA; 3 stages fit beside its two output buffers). H200, 2026-12-01, same-run probes
         # (benchmarks/profile_bwd_jax.py --mosaic-fwd / --mosaic-dgrad, E=32, M=16384): gate_up forward
         # 1.92 -> 1.74 ms, down dgrad 1.18 -> 1.01 ms (BENCHMARKS.md, session 6).
-        return MosaicGroupedGemmConfig(block_m=128, block_n=128, block_k=block_k, max_concurrent_steps=3,
-                                       grid_block_n=grid_block_n, warp_specialized=True)
+        cfg = MosaicGroupedGemmConfig(block_m=128, block_n=128, block_k=block_k, max_concurrent_steps=3,
+                                      grid_block_n=grid_block_n, warp_specialized=True)
+        while cfg.max_concurrent_steps > 2 and ws_smem_bytes(cfg, itemsize, out_itemsize) > _ws_smem_budget():
+            cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
+        return cfg
     return MosaicGroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=5,
                                    grid_block_n=grid_block_n, fast_accum=fast_accum and fp8)
 
@@ -482,8 +503,12 @@ def triton_config_fits(cfg: GroupedGemmConfig, group_size: int | None, w_block: 
     return triton_config_problem(cfg, group_size, w_block) is None
 
 
+def _ws_smem_budget() -> int:
+    return MOSAIC_MAX_SMEM_BYTES - _SMEM_SLACK_BYTES
+
+
 def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int, per_step_scales: bool, *,
-                          op: str = "grouped_gemm[pallas_mosaic_gpu]") -> str | None:
+                          op: str = "grouped_gemm[pallas_mosaic_gpu]", out_itemsize: int = 2) -> str | None:
     """Why ``cfg`` cannot serve a Mosaic request (``None``: it can): whole TMA tiles (``N % block_n``,
     ``K % block_k``); per-step scales need ``block_n == block_k == 128``; per-step accumulation (those
     scales, or FP8 without ``fast_accum``) keeps two float32 tiles in registers, at most ``64 x 128``.
@@ -495,6 +520,11 @@ def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize
         if N % (2 * cfg.block_n) or K % cfg.block_k or cfg.block_m * cfg.block_n > 128 * 128:
             return (f"{op}: the warp-specialized schedule needs N % (2 * block_n) == 0, K % block_k == 0 and "
                     f"block_m * block_n <= 128 * 128; got N={N}, K={K}, {cfg}")
+        smem = ws_smem_bytes(cfg, itemsize, out_itemsize)
+        if smem > _ws_smem_budget():
+            return (f"{op}: the warp-specialized schedule needs about {smem} bytes of shared memory with "
+                    f"{out_itemsize}-byte outputs, over the {_ws_smem_budget()} an sm_90 CTA can use: fewer "
+                    f"max_concurrent_steps; got {cfg}")
         return None
     if N % cfg.block_n or K % cfg.block_k:
         return (f"{op}: needs N % block_n == 0 and K % block_k == 0 (whole TMA tiles); "
@@ -513,9 +543,10 @@ def accumulates_per_step(itemsize: int, per_step_scales: bool, cfg: MosaicGroupe
     return per_step_scales or (itemsize == 1 and not cfg.fast_accum)
 
 
-def mosaic_config_fits(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int, per_step_scales: bool) -> bool:
+def mosaic_config_fits(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int, per_step_scales: bool,
+                       out_itemsize: int = 2) -> bool:
     """Whether ``cfg`` keeps the rules of :func:`mosaic_config_problem`."""
-    return mosaic_config_problem(cfg, N, K, itemsize, per_step_scales) is None
+    return mosaic_config_problem(cfg, N, K, itemsize, per_step_scales, out_itemsize=out_itemsize) is None
 
 
 def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, group_size: int | None = None, *,
@@ -533,7 +564,8 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, group
 
 
 def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *, per_step_scales: bool = False,
-                               fast_accum: bool = False, device_kind: str | None = None) -> MosaicGroupedGemmConfig:
+                               fast_accum: bool = False, device_kind: str | None = None,
+                               out_itemsize: int = 2) -> MosaicGroupedGemmConfig:
     """The Mosaic GPU config: the tuned one of ``device_kind`` for the same ``fast_accum`` (FP8; 16-bit
     entries have none) if one is stored and fits this request (:func:`mosaic_config_fits`), else
     :func:`heuristic_mosaic_grouped_gemm_config`. ``device_kind=None``: the heuristic."""
@@ -541,10 +573,10 @@ def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int
     tuned = nearest_tuned(device_kind, MOSAIC_BACKEND, M_cap, N, K, itemsize, fast_accum if itemsize == 1 else None)
     if tuned is not None:
         cfg = MosaicGroupedGemmConfig(**{**tuned, "fast_accum": fast_accum})
-        if mosaic_config_fits(cfg, N, K, itemsize, per_step_scales):
+        if mosaic_config_fits(cfg, N, K, itemsize, per_step_scales, out_itemsize):
             return cfg
     return heuristic_mosaic_grouped_gemm_config(M_cap, N, K, E, itemsize, per_step_scales=per_step_scales,
-                                                fast_accum=fast_accum)
+                                                fast_accum=fast_accum, out_itemsize=out_itemsize)
 
 
 def heuristic_mosaic_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, out_itemsize: int = 4

@@ -204,7 +204,8 @@ def check_supported(x: jax.Array, w: jax.Array, x_kind, w_kind, G: int, out_dtyp
         raise NotImplementedError(f"{op}: out_dtype must be bf16, float16 or float32; got {out_dtype}")
     if x_kind == "per_token_group" and G != SCALE_BLOCK:
         raise NotImplementedError(f"{op}: per-token-group activation scales need G == {SCALE_BLOCK}; got G={G}")
-    problem = mosaic_config_problem(cfg, N, K, x.dtype.itemsize, x_kind == "per_token_group" or w_kind == "block")
+    problem = mosaic_config_problem(cfg, N, K, x.dtype.itemsize, x_kind == "per_token_group" or w_kind == "block",
+                                    out_itemsize=jnp.dtype(out_dtype).itemsize)
     if problem:
         raise NotImplementedError(problem)
     if (K * x.dtype.itemsize) % 16:
@@ -249,7 +250,7 @@ def grouped_gemm_pallas_mosaic_gpu(
     per_step_scales = x_kind == "per_token_group" or w_kind == "block"
     if config is None:  # tuned for this GPU (device kind read on the host at trace time) or the heuristic
         cfg = mosaic_grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, per_step_scales=per_step_scales,
-                                         device_kind=gpu_device_kind())
+                                         device_kind=gpu_device_kind(), out_itemsize=jnp.dtype(out_dtype).itemsize)
         if bias is not None and cfg.warp_specialized:  # the warp-specialized kernel has no bias epilogue
             cfg = dataclasses.replace(cfg, warp_specialized=False, max_concurrent_steps=5)
     else:

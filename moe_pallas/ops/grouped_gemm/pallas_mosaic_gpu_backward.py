@@ -96,8 +96,9 @@ def grouped_gemm_dgrad_pallas_mosaic_gpu(
     M_cap, N = d_y.shape
     E, _, K = w.shape
     out_dtype = d_y.dtype if out_dtype is None else jnp.dtype(out_dtype)
-    cfg = config or heuristic_mosaic_grouped_gemm_config(M_cap, K, N, E, d_y.dtype.itemsize)
-    problem = mosaic_config_problem(cfg, K, N, d_y.dtype.itemsize, False, op=op)
+    cfg = config or heuristic_mosaic_grouped_gemm_config(M_cap, K, N, E, d_y.dtype.itemsize,
+                                                         out_itemsize=jnp.dtype(out_dtype).itemsize)
+    problem = mosaic_config_problem(cfg, K, N, d_y.dtype.itemsize, False, op=op, out_itemsize=jnp.dtype(out_dtype).itemsize)
     if problem:
         raise NotImplementedError(problem)
     if M_cap == 0 or K == 0:
