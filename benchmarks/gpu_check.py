@@ -123,17 +123,17 @@ def run_bench(out_dir: str | None, timeout_s: int, bench_args: str) -> str:
 
 
 def run_cli_checks(out_dir: str | None, specs: list[str], tokens: int) -> list[dict]:
-    """``epmoe check --preset P --quant Q --tokens T`` at full size for each ``P:Q`` in ``specs``, in this
-    process (one import, one JAX compile cache); the tables go to ``$OUT/checks.log``. One dict per check:
-    exit code, seconds, failed stages, skipped implementations, the largest relative error per stage."""
-    import contextlib
+    """``epmoe check --preset P --quant Q --tokens T`` at full size for each ``P:Q`` in ``specs``, each in a child
+    process (so that one check's host memory is given back before the next: in one process, Kimi K2's check after
+    Llama 4 Maverick's was killed by the host's out-of-memory killer on the 128 GiB machine, session 8); the tables
+    go to ``$OUT/checks.log``. One dict per check: exit code, seconds, failed stages, skipped implementations, the
+    largest relative error per stage."""
     import io
     import json
     import tempfile
 
-    from interop import cli
-
     results = []
+    env = dict(os.environ, PYTHONPATH=_pythonpath())
     log = open(os.path.join(out_dir, "checks.log"), "w") if out_dir else io.StringIO()
     with log, tempfile.TemporaryDirectory() as tmp:
         for spec in specs:
@@ -141,15 +141,11 @@ def run_cli_checks(out_dir: str | None, specs: list[str], tokens: int) -> list[d
             quant = quant or "none"
             jpath = os.path.join(tmp, f"{preset}_{quant}.json")
             argv = ["check", "--preset", preset, "--quant", quant, "--tokens", str(tokens), "--json", jpath]
-            t0 = time.perf_counter()
-            buf = io.StringIO()
-            try:
-                with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-                    rc = cli.main(argv)
-            except BaseException as exc:  # noqa: BLE001 - one check's crash must not hide the others
-                rc = f"{type(exc).__name__}: {exc}"[:300]
-            dt = time.perf_counter() - t0
-            log.write(f"\n===== epmoe {' '.join(argv[:-2])}: rc={rc} ({dt:.0f} s) =====\n{buf.getvalue()}")
+            cmd = [sys.executable, "-c", "import sys; from interop import cli; sys.exit(cli.main(sys.argv[1:]))", *argv]
+            text, rc, dt = _run(cmd, env, 3600)
+            if isinstance(rc, int) and rc < 0:  # killed by a signal (e.g. the out-of-memory killer: -9)
+                rc = f"killed by signal {-rc}"
+            log.write(f"\n===== epmoe {' '.join(argv[:-2])}: rc={rc} ({dt:.0f} s) =====\n{text}")
             log.flush()
             row = {"check": f"{preset}:{quant}", "T": tokens, "rc": rc, "seconds": round(dt, 1)}
             if os.path.exists(jpath):
@@ -169,9 +165,6 @@ def run_cli_checks(out_dir: str | None, specs: list[str], tokens: int) -> list[d
                      f", {row.get('n_comparisons')} comparisons, layer max rel err {row.get('max_rel_fro', {}).get('layer', float('nan')):.1e}")
                   + (f"; not served: {', '.join(row['not_served'])}" if row.get("not_served") else ""),
                   flush=True)
-            import torch
-
-            torch.cuda.empty_cache()
     return results
 
 

@@ -376,11 +376,14 @@ def test_build_hf_block_refuses_what_the_block_cannot_express():
 
 def test_gpu_check_groups_and_cli_checks(tmp_path):
     """benchmarks/gpu_check.py's pieces that need no GPU: ';'-split test groups (shell quoting inside a
-    group) and `epmoe check` run in-process per preset:quant, summarised per check, tables to checks.log."""
+    group) and `epmoe check` run per preset:quant in a child process each (session 8: in one process Kimi K2's
+    full-size check after Llama 4 Maverick's was killed for host memory), summarised per check, tables to checks.log;
+    a check that fails (an unknown preset) is reported with its exit code and the next one still runs."""
     from benchmarks import gpu_check
 
     assert gpu_check._groups("a.py b.py; c.py -k 'not slow' ;") == [["a.py", "b.py"], ["c.py", "-k", "not slow"]]
-    (row,) = gpu_check.run_cli_checks(str(tmp_path), ["tiny:fp8_block"], tokens=4)
+    bad, row = gpu_check.run_cli_checks(str(tmp_path), ["no-such-model:none", "tiny:fp8_block"], tokens=4)
+    assert bad["check"] == "no-such-model:none" and bad["rc"] not in (0, "timeout") and "ok" not in bad, bad
     assert row["check"] == "tiny:fp8_block" and row["rc"] == 0 and row["ok"] is True, row
     assert row["failed_stages"] == [] and row["max_rel_fro"]["layer"] < 2e-2 and row["n_comparisons"] > 50
     assert row["not_served"] == {}  # every default implementation served (a GPU adds Mosaic GPU, which may not)
