@@ -145,6 +145,7 @@ def main():
     p.add_argument("--K", type=int, default=2880)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--variants", default="0,1,2,3,4,5", help="comma-separated variant numbers to time")
+    p.add_argument("--configs", default="", help="variant:block_m:block_n:block_k:warps:stages,... instead of the list")
     a = p.parse_args()
     import moe_torch
     dev = "cuda"
@@ -159,7 +160,8 @@ def main():
         wd = deq(wq, ws).bfloat16()
         ref = torch.bmm(x.float(), wd.float().transpose(1, 2))
         nbytes4 = wq.numel() + ws.numel() * ws.element_size()
-        for variant, bm, bn, bk, warps, stages in VARIANTS if a.quick else [
+        configs = [tuple(int(v) for v in c.split(":")) for c in a.configs.split(",") if c]
+        for variant, bm, bn, bk, warps, stages in configs or VARIANTS if a.quick else configs or [
                 (5, 16, 64, 64, 4, 3), (5, 16, 128, 64, 4, 3), (5, 16, 128, 128, 4, 3), (5, 16, 64, 128, 4, 4),
                 (5, 16, 256, 64, 8, 3), (5, 16, 128, 256, 4, 3), (5, 16, 256, 128, 8, 3), (5, 16, 128, 128, 8, 3),
                 (3, 16, 64, 128, 4, 3), (3, 16, 128, 128, 4, 3), (3, 16, 128, 256, 4, 3), (3, 16, 64, 256, 4, 4),

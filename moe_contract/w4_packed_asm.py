@@ -16,11 +16,12 @@ Operands of one asm call (4 packed bytes = 8 codes; registers are 32-bit):
 ``prmt`` spreads bytes 0-1 (2-3) into the low bytes of the two 16-bit halves of ``t0`` (``t1``), so every further
 instruction decodes two codes at once (the idea of Marlin's dequantization, IST-DASLab/marlin
 ``marlin/marlin_cuda_kernel.cu: dequant``, worked out anew here for e2m1 / offset INT4 and bf16). Per 8 codes:
-MXFP4 26 instructions, INT4 16, where the float32 decode takes ~17 a code (the sm_90 SASS of the kernels' K loop:
-438 against 943 instructions a 128 x 64 step for MXFP4, 318 against 565 for INT4).
+MXFP4 22 instructions, INT4 16, where the float32 decode takes ~17 a code (the sm_90 SASS of the torch kernel's K
+loop, a 16 x 128 x 64 step over 4 warps: 943 instructions for MXFP4 with the float32 decode, 314 with this one and
+the scale table; ``benchmarks/probe_w4.py``).
 
 MXFP4 (e2m1: sign bit 3, exponent bits 2-1, mantissa bit 0): the three magnitude bits go to bf16 bits 8-6 (the two
-low exponent bits and the top mantissa bit) and the sign to bit 15. That bf16 is ``e2m1 * 2^-126`` (code 1, 0.5, is
+low exponent bits and the top mantissa bit) and the sign to bit 15 (two shifted copies of ``t`` masked together). That bf16 is ``e2m1 * 2^-126`` (code 1, 0.5, is
 the subnormal ``0x0040``); ``* 2^126`` (``0x7E80``) restores the e2m1 value exactly and ``* 2^(s - 127)`` applies the
 scale: a product of a 2-bit significand and a power of two, so the one rounding of ``fma.rn.bf16x2`` changes nothing
 where the reference's float32 value fits bf16, and over/underflows alike where it does not. The ``-0.0`` addend
@@ -48,14 +49,22 @@ prmt.b32 t1, {src}, 0, 0x4342;
 """
 # k0 = (-0.0, -0.0), k1 = (2^126, 2^126), k2 = (1.0, 1.0), k3 = (-136.0, -136.0) as bf16x2.
 
-_MXFP4_NIBBLES = """shl.b32 a, {t}, {mag_shift};
-shl.b32 b, {t}, {sign_shift};
-and.b32 b, b, 0x80008000;
-lop3.b32 a, a, 0x01C001C0, b, 0xEA;
+_MXFP4_LOW = """shl.b32 a, {t}, 6;
+shl.b32 b, {t}, 12;
+lop3.b32 a, a, b, 0x81C081C0, 0xA8;
 fma.rn.bf16x2 a, a, k1, k0;
 fma.rn.bf16x2 {out}, a, {scale}, k0;
 """
-# lop3 0xEA: (a & b) | c. Low nibble: magnitude bits 2-0 << 6, sign bit 3 << 12; high nibble: << 2 and << 8.
+# Low nibble: magnitude bits 2-0 << 6 (to bf16 bits 8-6), sign bit 3 << 12 (to bit 15); lop3 0xA8 is (a | b) & c:
+# each shifted copy is zero where the other one's wanted bits land (t holds zero bytes between its two bytes).
+_MXFP4_HIGH = """and.b32 b, {t}, 0x00F000F0;
+mul.lo.u32 a, b, 0x104;
+and.b32 a, a, 0x81C081C0;
+fma.rn.bf16x2 a, a, k1, k0;
+fma.rn.bf16x2 {out}, a, {scale}, k0;
+"""
+# High nibble, masked: (b << 2) + (b << 8) in one multiply (the two copies do not overlap, so the sum is their OR):
+# magnitude bits 6-4 to bits 8-6, sign bit 7 to bit 15.
 
 _INT4_NIBBLES = """{shift}lop3.b32 a, {src}, 0x000F000F, 0x43004300, 0xEA;
 fma.rn.bf16x2 a, a, k2, k3;
@@ -74,8 +83,7 @@ def _render(w_format: str, nibbles: tuple[str, ...]) -> str:
         for j, t in enumerate(("t0", "t1")):
             out = f"${2 * i + j}"
             if w_format == "mxfp4":
-                body.append(_MXFP4_NIBBLES.format(t=t, out=out, scale=scales[j], mag_shift=2 if high else 6,
-                                                  sign_shift=8 if high else 12))
+                body.append((_MXFP4_HIGH if high else _MXFP4_LOW).format(t=t, out=out, scale=scales[j]))
             else:
                 body.append(_INT4_NIBBLES.format(shift=f"shr.u32 b, {t}, 4;\n" if high else "", src="b" if high else t,
                                                  out=out, scale=scales[j]))
@@ -97,3 +105,9 @@ PACKED_ASM_HALF_CONSTRAINTS = "=r,=r,r,r,r"
 #: bf16 bits of the e8m0 scale codes 0 (``2^-127``, a subnormal) and 255 (NaN); code ``s`` else is ``s << 7``.
 BF16_E8M0_ZERO_BITS = 0x0040
 BF16_NAN_BITS = 0x7FC0
+
+
+def e8m0_bf16_bits() -> list[int]:
+    """The bf16 bit pattern of ``2^(s - 127)`` for every e8m0 code ``s`` (0..255): the table the kernels gather the
+    MXFP4 scales from (the arithmetic per element costs more where the compiler redoes it after the broadcast)."""
+    return [BF16_E8M0_ZERO_BITS if s == 0 else BF16_NAN_BITS if s == 255 else s << 7 for s in range(256)]

@@ -253,7 +253,7 @@ def test_lowers_for_cuda(fmt, dtype):
                                 S((E, N, K // 32), s_dtype)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1, text[:2000]
     # bf16 x decodes by the packed PTX (moe_contract/w4_packed_asm.py), the other dtypes by the float32 decode
-    packed = "fma.rn.bf16x2" in text and ("0x01C001C0" if fmt == "mxfp4" else "0x43004300") in text
+    packed = "fma.rn.bf16x2" in text and ("0x81C081C0" if fmt == "mxfp4" else "0x43004300") in text
     assert packed == (dtype == jnp.bfloat16)
 
 

@@ -243,7 +243,9 @@ def _w4_job(fmt: str, dtype: str, M_cap: int, N: int, K: int, E: int) -> dict:
         "module": "moe_torch.ops.grouped_gemm.triton", "kernel": "_grouped_gemm_kernel",
         "signature": {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "offsets_ptr": "*i32", "x_scale_ptr": "*fp32",
                       "w_scale_ptr": "*u8" if fmt == "mxfp4" else "*bf16", "bias_ptr": "*fp32", "out_ptr": "*bf16",
-                      **{a: "i32" for a in _INT_ARGS}},
+                      **{a: "i32" for a in _INT_ARGS},
+                      # as _launch: the e8m0 -> bf16 table of the packed MXFP4 decode with bf16 x
+                      **({"e8m0_lut": "*bf16"} if fmt == "mxfp4" and dtype == "bf16" else {})},
         "constexprs": {"X_SCALE": 0, "W_SCALE": W_SCALE_CODES[fmt], "X_GROUP": 1, "W_BLOCK": 1,
                        "IEEE_F32": dtype == "fp32", "HAS_BIAS": False, "BLOCK_E": 1 << E.bit_length(), "BLOCK_M": cfg.block_m,
                        "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
@@ -268,5 +270,7 @@ def test_compiles_for_sm90():
     assert "wgmma" not in ptx["mxfp4-fp32"] and "mma.sync" not in ptx["mxfp4-fp32"] and ".tf32" not in ptx["mxfp4-fp32"]
     for name, text in ptx.items():
         assert ".target sm_90" in text and ".ftz" not in text, name
-        packed = "fma.rn.bf16x2" in text and ("0x01C001C0" if "mxfp4" in name else "0x43004300") in text
+        packed = "fma.rn.bf16x2" in text and ("0x81C081C0" if "mxfp4" in name else "0x43004300") in text
         assert packed == ("bf16" in name), name
+    # the MXFP4 scales come from the table: no per-element e8m0 special cases (s == 0, s == 255) left in the loop
+    assert "32704" not in ptx["mxfp4-bf16-64rows"] and "0x7FC0" not in ptx["mxfp4-bf16-64rows"]

@@ -3,7 +3,7 @@
 the CPU.
 
 The interpreter cannot execute inline PTX, so these tests execute the kernel's asm strings themselves in a small
-PTX interpreter (the few instructions they use: ``mov``, ``prmt``, ``shl``, ``shr``, ``and``, ``lop3``,
+PTX interpreter (the few instructions they use: ``mov``, ``prmt``, ``shl``, ``shr``, ``mul.lo``, ``and``, ``lop3``,
 ``fma.rn.bf16x2``, with the PTX ISA's semantics) for every byte value and a spread of scales, and compare the
 result bit for bit with the contract's dequantization (CONTRACT.md section 9, ``dequantize_weight_mxfp4`` /
 ``dequantize_weight_int4`` rounded to bf16). The GPU tests of the 4-bit GEMMs run the compiled asm.
@@ -67,6 +67,8 @@ def _run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             r = (val(src[0]).astype(np.uint64) << int(src[1], 0)).astype(np.uint32)
         elif op == "shr.u32":
             r = val(src[0]) >> np.uint32(int(src[1], 0))
+        elif op == "mul.lo.u32":
+            r = ((val(src[0]).astype(np.uint64) * val(src[1]).astype(np.uint64)) & 0xFFFFFFFF).astype(np.uint32)
         elif op == "and.b32":
             r = val(src[0]) & val(src[1])
         elif op == "lop3.b32":
@@ -196,7 +198,19 @@ def test_packed_decode_asm_uses_only_modelled_instructions(asm_name):
     asm = ALL_ASM[asm_name]
     ops = {line.split()[0] for line in asm.splitlines()
            if line.strip() and line.strip() not in "{}" and not line.startswith(".reg")}
-    assert ops <= {"mov.b32", "prmt.b32", "shl.b32", "shr.u32", "and.b32", "lop3.b32", "fma.rn.bf16x2"}, ops
+    assert ops <= {"mov.b32", "prmt.b32", "shl.b32", "shr.u32", "mul.lo.u32", "and.b32", "lop3.b32", "fma.rn.bf16x2"}, ops
     constraints = (w4_packed_asm.PACKED_ASM_HALF_CONSTRAINTS if "HALF" in asm_name
                    else w4_packed_asm.PACKED_ASM_CONSTRAINTS)
     assert {int(n) for n in re.findall(r"\$(\d+)", asm)} == set(range(len(constraints.split(","))))
+
+
+def test_e8m0_table_is_the_contract_scale_of_every_code():
+    """The kernels gather MXFP4 scales from ``e8m0_bf16_bits`` (moe_torch's ``e8m0_bf16_table``, moe_pallas' input):
+    ``2^(s - 127)`` exactly for s = 0..254 (s = 0 the bf16 subnormal 2^-127), NaN for 255."""
+    from moe_torch.ops.grouped_gemm.triton import e8m0_bf16_table
+
+    bits = np.array(w4_packed_asm.e8m0_bf16_bits(), np.uint32)
+    values = _bf16_value(bits)
+    assert np.array_equal(values[:255], np.exp2(np.arange(255) - 127.0)) and np.isnan(values[255])
+    table = e8m0_bf16_table(torch.device("cpu"))
+    assert table.dtype == torch.bfloat16 and np.array_equal(table.view(torch.int16).numpy().astype(np.uint32) & 0xFFFF, bits)

@@ -47,13 +47,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, PACKED_ASM_HALF_CONSTRAINTS,
-                                      PACKED_HALF_ASM)
+from moe_contract.w4_packed_asm import PACKED_ASM_HALF_CONSTRAINTS, PACKED_HALF_ASM, e8m0_bf16_bits
 from moe_pallas.ops import common as _common  # its import applies patch_pallas_triton_offsets
 from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, GroupedGemmConfig, gpu_device_kind,
                                                  grouped_gemm_config, triton_config_problem)
-from moe_pallas.ops.quant.reference import (E8M0_NAN, W4_GROUP, e2m1_to_float32, e8m0_to_float32,
-                                            int4_to_float32)
+from moe_pallas.ops.quant.reference import W4_GROUP, e2m1_to_float32, e8m0_to_float32, int4_to_float32
 
 FP8_DTYPE = jnp.float8_e4m3fn
 
@@ -110,7 +108,7 @@ def tile_metadata(expert_offsets: jax.Array, M_cap: int, E: int, block_m: int) -
 
 
 def _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok, kg, K: int, w_format: str, precision,
-                   packed_decode: bool = False):
+                   packed_decode: bool = False, lut_ref=None):
     """``x[rows, kg : kg + 32] @ wd[e, cols, kg : kg + 32].T`` (float32 ``[block_m, block_n]``) for one
     4-bit scale group starting at ``kg`` (a multiple of 32; a group at or past ``K`` adds 0).
 
@@ -127,7 +125,7 @@ def _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok, k
 
     Decoding (CONTRACT.md section 9): with ``packed_decode`` (bf16 ``x`` on a GPU) by the packed PTX of
     ``moe_contract/w4_packed_asm.py`` (``plgpu.elementwise_inline_asm``, 4 bytes a call, two codes an instruction;
-    the e8m0 scale as the bf16 ``2^(s - 127)``); else (interpret mode, float16 / float32 ``x``) arithmetic:
+    the e8m0 scale as the bf16 ``2^(s - 127)``, gathered from ``lut_ref``, bf16 ``[256]``); else (interpret mode, float16 / float32 ``x``) arithmetic:
     nibbles by mask and shift, e2m1 values and e8m0 powers of two from their bits (``e2m1_to_float32`` /
     ``e8m0_to_float32``: ``s = 255`` is NaN), INT4 ``(code - 8) * scale``, the float32 products rounded to
     ``x.dtype``. The same values either way; the dots accumulate in float32."""
@@ -145,10 +143,8 @@ def _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok, k
     s = plgpu.load(ws_ref.at[e, cols_ds, kg // W4_GROUP], mask=w_mask, other=jnp.zeros((), ws_ref.dtype))  # [block_n]
     dims = (((1,), (1,)), ((), ()))
     if packed_decode:
-        if w_format == "mxfp4":
-            b = s.astype(jnp.int32)
-            bits = jnp.where(b == 0, BF16_E8M0_ZERO_BITS, jnp.where(b == E8M0_NAN, BF16_NAN_BITS, b << 7))
-            sb = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+        if w_format == "mxfp4":  # 2^(s - 127) as bf16, gathered from the table (e8m0_bf16_bits)
+            sb = lut_ref[s.astype(jnp.int32)]
         else:
             sb = s.astype(jnp.bfloat16)
         sb = jnp.broadcast_to(sb[:, None], (sb.shape[0], half))
@@ -181,13 +177,16 @@ def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: 
     ``x_ref [M_cap, K]``; ``w_ref [E, N, K]``; then, for FP8, ``xs_ref`` (``[1]`` per-tensor,
     ``[M_cap]`` per-token, ``[M_cap, K // G]`` per-token-group) and ``ws_ref`` (``[E]``,
     ``[E, N]`` or ``[E, ceil(N/128), ceil(K/128)]``) float32; for 4-bit ``w_format``, ``w_ref [E, N, K // 2]``
-    uint8 and ``ws_ref [E, N, K // 32]`` (uint8 / bf16) instead; with ``has_bias``, ``b_ref [E, N]`` float32;
+    uint8 and ``ws_ref [E, N, K // 32]`` (uint8 / bf16) instead, then for the packed MXFP4 decode ``lut_ref [256]``
+    bf16 (``2^(s - 127)`` by e8m0 code); with ``has_bias``, ``b_ref [E, N]`` float32;
     last ``y_ref [M_cap, N]``.
     """
     *refs, y_ref = refs
     b_ref = refs.pop() if has_bias else None
+    lut_ref = None
     if w_format is not None:
-        (ws_ref,) = refs
+        ws_ref, *lut = refs  # the e8m0 table follows the scales for the packed MXFP4 decode
+        lut_ref = lut[0] if lut else None
         xs_ref = None
     elif x_scale_kind is None:
         xs_ref = ws_ref = None
@@ -217,7 +216,7 @@ def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: 
             if w_format is not None:  # block_k is a multiple of 32: its scale groups, unrolled
                 for g in range(block_k // W4_GROUP):
                     acc = acc + _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok,
-                                               k0 + g * W4_GROUP, K, w_format, precision, packed_decode)
+                                               k0 + g * W4_GROUP, K, w_format, precision, packed_decode, lut_ref)
                 return acc
             k_ok = k0 + jnp.arange(block_k) < K
             ks = pl.ds(k0, block_k)
@@ -349,15 +348,17 @@ def grouped_gemm_pallas_triton(
         inputs += [xs, w_scale.astype(jnp.float32)]
     elif w_format is not None:
         inputs.append(w_scale)
+    # the packed PTX decode: bf16 x, compiled (interpret mode has no inline asm); MXFP4 gathers its scales from a table
+    packed_decode = w_format is not None and not interpret and x.dtype == jnp.bfloat16
+    if packed_decode and w_format == "mxfp4":
+        inputs.append(jax.lax.bitcast_convert_type(jnp.asarray(e8m0_bf16_bits(), jnp.uint16), jnp.bfloat16))
     if bias is not None:
         inputs.append(bias.astype(jnp.float32))  # exact widening; [E, N] is small next to w
     # float32 inputs: IEEE products (the Triton default for DEFAULT precision is TF32, 10-bit mantissas).
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, E=E, N=N, K=K, x_scale_kind=x_kind, w_scale_kind=w_kind, group_size=G,
                                block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, precision=precision,
-                               w_format=w_format, has_bias=bias is not None,
-                               # the packed PTX decode: bf16 x, compiled (interpret mode has no inline asm)
-                               packed_decode=w_format is not None and not interpret and x.dtype == jnp.bfloat16)
+                               w_format=w_format, has_bias=bias is not None, packed_decode=packed_decode)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((M_cap, N), out_dtype),
