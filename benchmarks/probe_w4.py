@@ -11,7 +11,9 @@ Variants (``VARIANT``): 0 the bf16 weights (the bandwidth reference); 1 Triton's
 (MXFP4 only; GPU only: the interpreter has no ``dot_scaled``); 2 the library's decode (``moe_torch``'s
 ``_w4_tiles``: low / high nibbles against x's even / odd columns, one scale per group of 32); 3 as 2 with A and B
 swapped (``y^T = wd @ x^T``: the weights as the wide MMA operand); 4 as 1 swapped; 5 the library's tile as it is now
-(``_w4_tiles``: on a GPU the packed asm decode, two codes per instruction). Session 7's numbers and the
+(``_w4_tiles``: on a GPU the packed asm decode, two codes per instruction) in this probe's loop; 6 the library's
+kernel itself through ``grouped_gemm_triton`` (its launch, table scales and contiguous x loads; includes a copy of
+``y``, ~2 us). Session 7's numbers and the
 ``ncu`` reading are in BENCHMARKS.md ("2026-12-01, session 7"). ``PROBE_ONLY=fmt:variant:block_n:block_k:warps``
 runs that one config once (for ``ncu``). The default E=111, R=2 is gpt-oss-120b's gate_up at T=64 (111 experts
 reached, ~2 rows each).
@@ -144,7 +146,7 @@ def main():
     p.add_argument("--N", type=int, default=5760)
     p.add_argument("--K", type=int, default=2880)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--variants", default="0,1,2,3,4,5", help="comma-separated variant numbers to time")
+    p.add_argument("--variants", default="0,1,2,3,4,5,6", help="comma-separated variant numbers to time")
     p.add_argument("--configs", default="", help="variant:block_m:block_n:block_k:warps:stages,... instead of the list")
     a = p.parse_args()
     import moe_torch
@@ -169,7 +171,7 @@ def main():
                 (4, 16, 64, 128, 4, 3), (4, 16, 128, 128, 4, 3), (4, 16, 128, 256, 4, 3), (4, 16, 128, 128, 8, 3),
                 (4, 16, 256, 128, 8, 3),
                 (0, 16, 64, 128, 4, 4), (1, 16, 64, 128, 4, 3), (2, 16, 64, 128, 4, 3)]:
-            if (variant in (1, 4) and fmt != "mxfp4") or str(variant) not in a.variants.split(","):
+            if (variant in (1, 4) and fmt != "mxfp4") or (not configs and str(variant) not in a.variants.split(",")):
                 continue
             only = os.environ.get("PROBE_ONLY")  # "fmt:variant:bn:bk:warps" (ncu: one launch of one config)
             if only and only != f"{fmt}:{variant}:{bn}:{bk}:{warps}":
@@ -178,8 +180,18 @@ def main():
             wa = w if variant == 0 else wq
             grid = (triton.cdiv(N, bn), E)
             try:
-                fn = lambda: _k[grid](x, wa, ws, y, R, N, K, VARIANT=variant, MX=fmt == "mxfp4", BLOCK_M=bm, BLOCK_N=bn,
-                                      BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                if variant == 6:  # the library's kernel itself (grouped_gemm_triton: table scales, contiguous x)
+                    from moe_torch.ops.grouped_gemm.config import GroupedGemmConfig
+                    from moe_torch.ops.grouped_gemm.triton import grouped_gemm_triton
+
+                    cfg = GroupedGemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                    offs = (torch.arange(E + 1, device=dev, dtype=torch.int32) * R)
+                    x2 = x.reshape(E * R, K)
+                    fn = lambda: y.view(E * R, N).copy_(grouped_gemm_triton(x2, wq, offs, None, ws, torch.bfloat16, cfg,
+                                                                            w_format=fmt))
+                else:
+                    fn = lambda: _k[grid](x, wa, ws, y, R, N, K, VARIANT=variant, MX=fmt == "mxfp4", BLOCK_M=bm,
+                                          BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 fn()
                 torch.cuda.synchronize()
                 refv = ref if variant else torch.bmm(x.float(), w.float().transpose(1, 2))
