@@ -256,6 +256,29 @@ def test_compare_helpers():
         cc.run_crosscheck(TINY.config(), 2, implementations=("cuda",))
 
 
+def test_bug_compare_exact_of_4bit_codes_stays_in_chunks():
+    """Session 8 on the GPU machine: ``epmoe check --preset kimi-k2 --quant int4`` at full size was killed for host
+    memory: judging the references' INT4 codes widened each whole uint8 array to int64 (8x its bytes, 45 GB a side
+    for Kimi K2's w13). Now the temporaries stay near ``EXACT_CHUNK`` elements; the result is unchanged, the first
+    mismatch found in a later chunk included."""
+    import tracemalloc
+
+    from interop.crosscheck import judge
+
+    n = 4 * judge.EXACT_CHUNK + 5
+    a = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    b = a.copy()
+    b[[3 * judge.EXACT_CHUNK + 2, n - 1]] ^= 0x11
+    tracemalloc.start()
+    m = judge.compare_exact(a, b)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert m == {"mismatches": 2, "size": n, "first_index": 3 * judge.EXACT_CHUNK + 2,
+                 "first_values": [int(a[3 * judge.EXACT_CHUNK + 2]), int(b[3 * judge.EXACT_CHUNK + 2])]}
+    assert peak < 4 * judge.EXACT_CHUNK, peak  # widening the whole arrays took 16x n bytes
+    assert judge.compare_exact(a.astype(np.int32), b)["mismatches"] == 2  # mixed integer dtypes: widened per chunk
+
+
 # --------------------------------------------------------------------------------------
 # Expert parallelism: every rank's layer summed against the single device (stage "ep")
 
