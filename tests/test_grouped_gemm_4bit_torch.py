@@ -274,3 +274,15 @@ def test_compiles_for_sm90():
         assert packed == ("bf16" in name), name
     # the MXFP4 scales come from the table: no per-element e8m0 special cases (s == 0, s == 255) left in the loop
     assert "32704" not in ptx["mxfp4-bf16-64rows"] and "0x7FC0" not in ptx["mxfp4-bf16-64rows"]
+
+
+def test_heuristic_k_step_of_4bit_weights():
+    """bf16 x with 4-bit weights steps K by 128 (the measured choice, BENCHMARKS.md session 8: 5% faster than 64 at
+    gpt-oss-120b's decode); float32 x keeps its 16-bit sibling's step; never wider than K needs."""
+    from moe_torch.ops.grouped_gemm.config import heuristic_grouped_gemm_config
+
+    for fmt in ("mxfp4", "int4"):
+        cfg = heuristic_grouped_gemm_config(256, 5760, 2880, 128, 16, w_format=fmt)
+        assert (cfg.block_m, cfg.block_n, cfg.block_k) == (16, 128, 128)
+        assert heuristic_grouped_gemm_config(256, 5760, 2880, 128, 32, w_format=fmt).block_k == 32
+        assert heuristic_grouped_gemm_config(8, 64, 64, 4, 16, w_format=fmt).block_k == 64

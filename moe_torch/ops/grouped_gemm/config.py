@@ -38,6 +38,8 @@ MAX_BLOCK_M = 64
 #: kernel covers whole groups (``block_k`` a multiple of 32: a power of 2 >= 32), so that every
 #: step's packed bytes and scales are whole rows of ``w_q`` and ``w_scale`` tiles.
 W4_MIN_BLOCK_K = 32
+#: The heuristic K step with 4-bit weights (16-bit ``x``: 128 K values, 256 bytes of ``x`` and 64 of codes a row).
+W4_BLOCK_K = 128
 #: Largest block side of the TMA variant (``GroupedGemmConfig.tma``): a TMA box has at most 256 elements
 #: per dimension (CUDA driver API, ``cuTensorMapEncodeTiled``: ``boxDim[i] <= 256``).
 TMA_MAX_BLOCK = 256
@@ -155,8 +157,10 @@ def heuristic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int,
                                   w_block: bool = False, w_format: str | None = None) -> GroupedGemmConfig:
     """Heuristic config for ``x [M_cap, K] x w [E, N, K] -> y [M_cap, N]`` with ``bits``-wide inputs
     (``x``'s width; 4-bit weights, ``w_format``, are decoded to it in the kernel, and their K step
-    is at least one scale group, :func:`min_block_k`). Untuned for 4-bit: the same tiles as ``x``'s
-    dtype, so small ``M_cap`` (decode) gets 16-row tiles as there.
+    is at least one scale group, :func:`min_block_k`). 4-bit: the tiles of ``x``'s dtype (small ``M_cap``, decode,
+    gets 16-row tiles), with 16-bit ``x`` 128-wide K steps: H200, 2026-12-01, ``benchmarks/probe_w4.py`` variant 6 (this kernel,
+    gpt-oss-120b's gate_up at T=64: 111 experts x 2 rows, N=5760, K=2880), 16 x 128 tiles over 4 warps, K step 64
+    -> 128: MXFP4 608 -> 576 us, INT4 569 -> 556 us (BENCHMARKS.md, session 8).
 
     Raises: NotImplementedError when the scale groups are too narrow for ``tl.dot`` (a K step
     must lie inside one scale group, and ``tl.dot`` needs ``block_k >= MIN_BLOCK_K[bits]``).
@@ -170,6 +174,8 @@ def heuristic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int,
                 f"tl.dot's minimum K of {MIN_BLOCK_K[bits]} for {bits}-bit operands"
             )
         block_k = min(block_k, limit)
+    if w_format is not None and bits == 16:
+        block_k = W4_BLOCK_K  # the packed decode's per-step overhead halves (measured: see the docstring)
     # No wider than K needs (small test and decode shapes), never below tl.dot's minimum (nor a 4-bit group).
     block_k = max(min_block_k(bits, w_format), min(block_k, triton.next_power_of_2(max(K, 1))))
     # Rows per tile from the average rows per expert (M_cap is the only size known without a
