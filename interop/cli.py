@@ -129,7 +129,8 @@ CPU_MAX_TOKENS = 512
 
 
 def _quant_arg(value: str) -> str:
-    return value.replace("-", "_")
+    """``--quant`` as written by people: ``fp8-block``, ``MXFP4`` (the checkpoint's spelling) -> the contract's name."""
+    return value.replace("-", "_").lower()
 
 
 #: ``check``'s layer options: (MoEConfig field, option, type, help). Each overrides the preset's value (shapes to run

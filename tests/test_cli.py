@@ -35,6 +35,9 @@ def test_demo_accepts_dashed_quant():
     from interop.cli import build_parser
 
     assert build_parser().parse_args(["demo", "--quant", "fp8-block"]).quant == "fp8_block"
+    # the new-user trial of session 7: "--quant MXFP4" (gpt-oss's own spelling) was refused
+    assert build_parser().parse_args(["check", "--quant", "MXFP4"]).quant == "mxfp4"
+    assert build_parser().parse_args(["check", "--quant", "FP8-Block"]).quant == "fp8_block"
 
 
 def test_tokens_must_be_positive(capsys):
