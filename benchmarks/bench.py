@@ -711,7 +711,7 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
     del jsets
     if spec.quant == "none":
         bench_layer_transformers(ctx, spec, x, (w13, w2, gate_w, bias, rb, b13, b2), ref, common, bench=bench)
-    elif bench == "decode" and spec.arch is not None:
+    elif spec.arch is not None:  # quantized rows (decode and layer): the peer's columns say why they are empty
         block = S.HF_BLOCKS[spec.arch]
         why = {"mxfp4": f"transformers' {block} runs float weights only here (its MXFP4 path needs the hub's kernels, "
                         f"which the GPU machine cannot download)",
