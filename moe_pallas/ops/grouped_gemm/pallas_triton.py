@@ -47,11 +47,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_contract.w4_packed_asm import PACKED_ASM_HALF_CONSTRAINTS, PACKED_HALF_ASM, e8m0_bf16_bits
+from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, PACKED_ASM_HALF_CONSTRAINTS,
+                                      PACKED_HALF_ASM)
 from moe_pallas.ops import common as _common  # its import applies patch_pallas_triton_offsets
 from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, GroupedGemmConfig, gpu_device_kind,
                                                  grouped_gemm_config, triton_config_problem)
-from moe_pallas.ops.quant.reference import W4_GROUP, e2m1_to_float32, e8m0_to_float32, int4_to_float32
+from moe_pallas.ops.quant.reference import (E8M0_NAN, W4_GROUP, e2m1_to_float32, e8m0_to_float32,
+                                            int4_to_float32)
 
 FP8_DTYPE = jnp.float8_e4m3fn
 
@@ -108,7 +110,7 @@ def tile_metadata(expert_offsets: jax.Array, M_cap: int, E: int, block_m: int) -
 
 
 def _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok, kg, K: int, w_format: str, precision,
-                   packed_decode: bool = False, lut_ref=None):
+                   packed_decode: bool = False):
     """``x[rows, kg : kg + 32] @ wd[e, cols, kg : kg + 32].T`` (float32 ``[block_m, block_n]``) for one
     4-bit scale group starting at ``kg`` (a multiple of 32; a group at or past ``K`` adds 0).
 
@@ -125,7 +127,7 @@ def _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok, k
 
     Decoding (CONTRACT.md section 9): with ``packed_decode`` (bf16 ``x`` on a GPU) by the packed PTX of
     ``moe_contract/w4_packed_asm.py`` (``plgpu.elementwise_inline_asm``, 4 bytes a call, two codes an instruction;
-    the e8m0 scale as the bf16 ``2^(s - 127)``, gathered from ``lut_ref``, bf16 ``[256]``); else (interpret mode, float16 / float32 ``x``) arithmetic:
+    the e8m0 scale as the bf16 ``2^(s - 127)``); else (interpret mode, float16 / float32 ``x``) arithmetic:
     nibbles by mask and shift, e2m1 values and e8m0 powers of two from their bits (``e2m1_to_float32`` /
     ``e8m0_to_float32``: ``s = 255`` is NaN), INT4 ``(code - 8) * scale``, the float32 products rounded to
     ``x.dtype``. The same values either way; the dots accumulate in float32."""
@@ -143,8 +145,11 @@ def _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok, k
     s = plgpu.load(ws_ref.at[e, cols_ds, kg // W4_GROUP], mask=w_mask, other=jnp.zeros((), ws_ref.dtype))  # [block_n]
     dims = (((1,), (1,)), ((), ()))
     if packed_decode:
-        if w_format == "mxfp4":  # 2^(s - 127) as bf16, gathered from the table (e8m0_bf16_bits)
-            sb = lut_ref[s.astype(jnp.int32)]
+        if w_format == "mxfp4":  # 2^(s - 127) as bf16 from its bits. A table gather (as the torch kernel's) made
+            # this kernel's MXFP4 decode rows 2-11% slower on the H200 (INT4, without it, unchanged; session 8)
+            b = s.astype(jnp.int32)
+            bits = jnp.where(b == 0, BF16_E8M0_ZERO_BITS, jnp.where(b == E8M0_NAN, BF16_NAN_BITS, b << 7))
+            sb = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
         else:
             sb = s.astype(jnp.bfloat16)
         sb = jnp.broadcast_to(sb[:, None], (sb.shape[0], half))
@@ -177,16 +182,13 @@ def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: 
     ``x_ref [M_cap, K]``; ``w_ref [E, N, K]``; then, for FP8, ``xs_ref`` (``[1]`` per-tensor,
     ``[M_cap]`` per-token, ``[M_cap, K // G]`` per-token-group) and ``ws_ref`` (``[E]``,
     ``[E, N]`` or ``[E, ceil(N/128), ceil(K/128)]``) float32; for 4-bit ``w_format``, ``w_ref [E, N, K // 2]``
-    uint8 and ``ws_ref [E, N, K // 32]`` (uint8 / bf16) instead, then for the packed MXFP4 decode ``lut_ref [256]``
-    bf16 (``2^(s - 127)`` by e8m0 code); with ``has_bias``, ``b_ref [E, N]`` float32;
+    uint8 and ``ws_ref [E, N, K // 32]`` (uint8 / bf16) instead; with ``has_bias``, ``b_ref [E, N]`` float32;
     last ``y_ref [M_cap, N]``.
     """
     *refs, y_ref = refs
     b_ref = refs.pop() if has_bias else None
-    lut_ref = None
     if w_format is not None:
-        ws_ref, *lut = refs  # the e8m0 table follows the scales for the packed MXFP4 decode
-        lut_ref = lut[0] if lut else None
+        (ws_ref,) = refs
         xs_ref = None
     elif x_scale_kind is None:
         xs_ref = ws_ref = None
@@ -216,7 +218,7 @@ def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: 
             if w_format is not None:  # block_k is a multiple of 32: its scale groups, unrolled
                 for g in range(block_k // W4_GROUP):
                     acc = acc + _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok,
-                                               k0 + g * W4_GROUP, K, w_format, precision, packed_decode, lut_ref)
+                                               k0 + g * W4_GROUP, K, w_format, precision, packed_decode)
                 return acc
             k_ok = k0 + jnp.arange(block_k) < K
             ks = pl.ds(k0, block_k)
@@ -348,10 +350,8 @@ def grouped_gemm_pallas_triton(
         inputs += [xs, w_scale.astype(jnp.float32)]
     elif w_format is not None:
         inputs.append(w_scale)
-    # the packed PTX decode: bf16 x, compiled (interpret mode has no inline asm); MXFP4 gathers its scales from a table
+    # the packed PTX decode: bf16 x, compiled (interpret mode has no inline asm)
     packed_decode = w_format is not None and not interpret and x.dtype == jnp.bfloat16
-    if packed_decode and w_format == "mxfp4":
-        inputs.append(jax.lax.bitcast_convert_type(jnp.asarray(e8m0_bf16_bits(), jnp.uint16), jnp.bfloat16))
     if bias is not None:
         inputs.append(bias.astype(jnp.float32))  # exact widening; [E, N] is small next to w
     # float32 inputs: IEEE products (the Triton default for DEFAULT precision is TF32, 10-bit mantissas).
