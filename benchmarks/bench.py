@@ -1626,14 +1626,14 @@ def main(argv=None) -> int:
     if errs:
         print("\nerrors (per backend: how many rows, the first message; all in bench.md):")
         for (bench, backend), rs in errs.items():
-            print(f"  {bench} {backend}: {len(rs)}x, e.g. {rs[0]['spec']}: {str(rs[0]['error'])[:150]}")
+            print(f"  {bench} {backend}: {len(rs)}x, e.g. {rs[0]['spec']}: {str(rs[0]['error'])[:400]}")
     print(f"\n{H.stats_line(rows)} in {ctx.elapsed():.0f} s; wrote {args.out}/bench.{{json,csv,md}}"
           + (f" and {', '.join(plotted)}" if plotted else ""))
     skips = {(r["bench"], r["backend"]): r["error"] for r in rows if H.skipped(r)}
     if skips:
         print("\nskipped (not on this machine):")
         for (bench, backend), why in skips.items():
-            print(f"  {bench} {backend}: {why[len(H.SKIPPED):][:150]}")
+            print(f"  {bench} {backend}: {why[len(H.SKIPPED):]}")  # whole: the reasons are written to be read
     print("\n" + pivot)
     if bwd:
         print("\n" + bwd)
