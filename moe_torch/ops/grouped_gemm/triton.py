@@ -12,9 +12,10 @@ Dataflow of one tile (one row tile of one expert x one ``BLOCK_N`` column tile):
         a = x[rows, k0:k0+BLOCK_K]       rows not owned by this expert masked to 0
         b = w[e, cols, k0:k0+BLOCK_K].T  [BLOCK_K, BLOCK_N] (K-major in memory)
             4-bit w (CONTRACT.md section 9): the packed bytes w_q[e, cols, k0/2 : (k0+BLOCK_K)/2] and
-            their groups' scales w_scale[e, cols, k0/32 : (k0+BLOCK_K)/32], decoded to float32 (_w4_tiles),
-            rounded to x's dtype: the low nibbles (even K) and the high nibbles (odd K), each dotted with
-            x's even / odd columns (two 16/32-bit dots)
+            their groups' scales w_scale[e, cols, k0/32 : (k0+BLOCK_K)/32], decoded (_w4_tiles) to x's
+            dtype: bf16 x on a GPU on packed registers, two codes a PTX instruction (moe_contract/
+            w4_packed_asm.py), else in float32 then rounded; the same values. The low nibbles (even K) and
+            the high nibbles (odd K) are dotted with x's even / odd columns (two 16/32-bit dots)
         16/32-bit: acc = tl.dot(a, b, acc)                        (float32 accumulation)
         FP8 with per-step scales (per-token-group x, 128x128 blocks of w):
                    acc += tl.dot(a, b) * x_scale[rows, k0 // G] * w_scale[e, cols // 128, k0 // 128]
@@ -236,7 +237,10 @@ def _w4_tiles(
     ``(q << 22) + bits(0.5)`` above (exponent ``(q >> 1) + 126``, mantissa bit ``q & 1``: 1, 1.5, 2, 3, 4, 6), sign
     bit 3 -> bit 31 (code 8 is -0.0); the e8m0 scale ``s`` -> ``2^(s - 127)`` as ``s << 23``, the subnormal ``2^-127``
     for ``s = 0``, NaN for ``s = 255``; their product is exact. INT4: ``c - 8`` as ``float32(2^23 + c) - (2^23 + 8)``
-    (exact; no int-to-float conversion), times ``float32(scale)``, rounded once to ``DTYPE``."""
+    (exact; no int-to-float conversion), times ``float32(scale)``, rounded once to ``DTYPE``.
+
+    bf16 ``DTYPE`` outside the interpreter: the same values from the packed PTX of ``moe_contract/w4_packed_asm.py``
+    (4 bytes a call; MXFP4 scales as bf16 from ``e8m0_lut`` when given, else from their bits)."""
     HALF: tl.constexpr = BLOCK_K // 2
     GROUPS: tl.constexpr = BLOCK_K // 32
     kp = k0 // 2 + tl.arange(0, HALF)  # packed byte columns
