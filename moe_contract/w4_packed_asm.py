@@ -108,6 +108,7 @@ BF16_NAN_BITS = 0x7FC0
 
 
 def e8m0_bf16_bits() -> list[int]:
-    """The bf16 bit pattern of ``2^(s - 127)`` for every e8m0 code ``s`` (0..255): the table the kernels gather the
-    MXFP4 scales from (the arithmetic per element costs more where the compiler redoes it after the broadcast)."""
+    """The bf16 bit pattern of ``2^(s - 127)`` for every e8m0 code ``s`` (0..255): the table moe_torch's Triton kernel
+    gathers the MXFP4 scales from (the arithmetic per element costs more there, where the compiler redoes it after
+    the broadcast; the Pallas-Triton kernel, one scale a group and row, was slower with a table)."""
     return [BF16_E8M0_ZERO_BITS if s == 0 else BF16_NAN_BITS if s == 255 else s << 7 for s in range(256)]

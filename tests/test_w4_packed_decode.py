@@ -205,7 +205,7 @@ def test_packed_decode_asm_uses_only_modelled_instructions(asm_name):
 
 
 def test_e8m0_table_is_the_contract_scale_of_every_code():
-    """The kernels gather MXFP4 scales from ``e8m0_bf16_bits`` (moe_torch's ``e8m0_bf16_table``, moe_pallas' input):
+    """The Triton kernel gathers MXFP4 scales from ``e8m0_bf16_bits`` (moe_torch's ``e8m0_bf16_table``):
     ``2^(s - 127)`` exactly for s = 0..254 (s = 0 the bf16 subnormal 2^-127), NaN for 255."""
     from moe_torch.ops.grouped_gemm.triton import e8m0_bf16_table
 
@@ -214,3 +214,19 @@ def test_e8m0_table_is_the_contract_scale_of_every_code():
     assert np.array_equal(values[:255], np.exp2(np.arange(255) - 127.0)) and np.isnan(values[255])
     table = e8m0_bf16_table(torch.device("cpu"))
     assert table.dtype == torch.bfloat16 and np.array_equal(table.view(torch.int16).numpy().astype(np.uint32) & 0xFFFF, bits)
+
+
+def test_e8m0_table_is_not_built_inside_a_cuda_graph_capture(monkeypatch):
+    """A first MXFP4 launch inside CUDA-graph capture cannot copy the table to the device: the launcher gets None
+    (the kernel then decodes the scales from their bits, the same values) instead of a capture error; a table built
+    before the capture is used in it."""
+    from moe_torch.ops.grouped_gemm import triton as gg
+
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(gg, "_E8M0_TABLES", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert gg.e8m0_bf16_table(dev) is None
+    built = gg.e8m0_bf16_table(torch.device("cpu"))  # not a CUDA device: built whatever the capture state
+    assert built is not None and built.shape == (256,)
+    gg._E8M0_TABLES[dev] = built  # as if built by an eager launch before the capture
+    assert gg.e8m0_bf16_table(dev) is built

@@ -654,11 +654,23 @@ def grouped_gemm_triton(
     return _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config, w_format, bias)
 
 
-@functools.cache
-def e8m0_bf16_table(device: torch.device) -> torch.Tensor:
+_E8M0_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def e8m0_bf16_table(device: torch.device) -> torch.Tensor | None:
     """bf16 ``[256]``: the value ``2^(s - 127)`` of each e8m0 code ``s`` (``s = 0`` the subnormal ``2^-127``, ``s = 255``
-    NaN; CONTRACT.md section 9), built once per device from ``moe_contract/w4_packed_asm.py: e8m0_bf16_bits``."""
-    return torch.tensor(e8m0_bf16_bits(), dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(device)
+    NaN; CONTRACT.md section 9), built once per device from ``moe_contract/w4_packed_asm.py: e8m0_bf16_bits``.
+
+    ``None`` while a CUDA graph is being captured on ``device`` and no table was built before: the copy to the
+    device cannot be captured, so such a launch decodes the scales from their bits (the same values) and the graph
+    keeps doing so on replay."""
+    table = _E8M0_TABLES.get(device)
+    if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        table = torch.tensor(e8m0_bf16_bits(), dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(device)
+        _E8M0_TABLES[device] = table
+    return table
 
 
 def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=None, bias=None):
