@@ -17,12 +17,12 @@ Operands of one asm call (4 packed bytes = 8 codes; registers are 32-bit):
 instruction decodes two codes at once (the idea of Marlin's dequantization, IST-DASLab/marlin
 ``marlin/marlin_cuda_kernel.cu: dequant``, worked out anew here for e2m1 / offset INT4 and bf16). Per 8 codes:
 MXFP4 22 instructions, INT4 16, where the float32 decode takes ~17 a code (the sm_90 SASS of the torch kernel's K
-loop, a 16 x 128 x 64 step over 4 warps: 943 instructions for MXFP4 with the float32 decode, 314 with this one and
-the scale table; ``benchmarks/probe_w4.py``).
+loop, a 16 x 128 x 64 step over 4 warps: 943 instructions for MXFP4 with the float32 decode, 316 with this one and
+the scale table; BENCHMARKS.md, session 8).
 
 MXFP4 (e2m1: sign bit 3, exponent bits 2-1, mantissa bit 0): the three magnitude bits go to bf16 bits 8-6 (the two
-low exponent bits and the top mantissa bit) and the sign to bit 15 (two shifted copies of ``t`` masked together). That bf16 is ``e2m1 * 2^-126`` (code 1, 0.5, is
-the subnormal ``0x0040``); ``* 2^126`` (``0x7E80``) restores the e2m1 value exactly and ``* 2^(s - 127)`` applies the
+low exponent bits and the top mantissa bit) and the sign to bit 15 (two shifted copies of ``t`` masked together).
+That bf16 is ``e2m1 * 2^-126`` (code 1, 0.5, is the subnormal ``0x0040``); ``* 2^126`` (``0x7E80``) restores the e2m1 value exactly and ``* 2^(s - 127)`` applies the
 scale: a product of a 2-bit significand and a power of two, so the one rounding of ``fma.rn.bf16x2`` changes nothing
 where the reference's float32 value fits bf16, and over/underflows alike where it does not. The ``-0.0`` addend
 keeps a product of ``-0.0`` (code 8) negative, as the reference.
