@@ -21,9 +21,7 @@ after the backward's all-reduce; all_to_all: the rows of its own tokens).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import socket
 import sys
 import time
 
@@ -31,11 +29,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))  # `import tolerances` in the spawned processes too
 
 import moe_torch  # noqa: E402
+from gloo_ranks import gather_to_file, spawn_ranks  # noqa: E402
 from moe_contract import MoEConfig, get_preset, make_layer_inputs  # noqa: E402
 from moe_torch.ep import ep_moe_forward, shard_rows  # noqa: E402
 from tolerances import (BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO,  # noqa: E402
@@ -273,37 +271,16 @@ def worker(rank: int, world: int, init_method: str, backend: str, device_kind: s
         mine["seconds"] = time.perf_counter() - t0
         mine["backward"] = run_backward_cases(rank, world, backward_cases, device, implementation)
         mine["backward_seconds"] = time.perf_counter() - t0 - mine["seconds"]
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(gathered, f, indent=1)
+        gather_to_file(mine, rank, world, out_path)
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(world: int, backend: str, device_kind: str, cases, implementation, out_path, timeout_s: float = 300.0,
           backward_cases=()) -> list:
     """Run :func:`worker` in ``world`` processes; the per-rank results (kills them after ``timeout_s``)."""
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    ctx = mp.start_processes(worker, args=(world, init_method, backend, device_kind, cases, implementation, str(out_path),
-                                           backward_cases),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1.0):  # raises ProcessRaisedException with the rank's traceback
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"EP processes still running after {timeout_s:.0f} s (a collective deadlocked?)")
-    with open(out_path) as f:
-        return json.load(f)
+    return spawn_ranks(worker, world, (backend, device_kind, cases, implementation, str(out_path), backward_cases),
+                       out_path, timeout_s)
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -35,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `import tolera
 sys.path.insert(0, ROOT)
 
 from common import TORCH_DEVICE  # noqa: E402
+from gloo_ranks import gather_to_file, spawn_ranks  # noqa: E402
 from moe_contract import MoEConfig  # noqa: E402
 from tolerances import (BF16_REL_FRO, F32_REL_FRO, GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO, rel_fro)  # noqa: E402
 
@@ -637,11 +636,7 @@ def _torch_ep_worker(rank: int, world: int, init_method: str, out_path: str):
                     errs[k] = rel_fro(leaf.grad, ref[k][start:start + n]) if ref[k][start:start + n].any() else \
                         float(leaf.grad.abs().sum())
                 results[f"{name}-T{T}-{mode}"] = errs
-        gathered = [None] * world
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(gathered, f)
+        gather_to_file(results, rank, world, out_path)
     finally:
         dist.destroy_process_group()
 
@@ -650,22 +645,8 @@ def test_torch_ep_two_ranks_equal_single_device(tmp_path):
     """``moe_torch.ep.ep_moe_forward`` on 2 gloo ranks, both modes (all_to_all with ``recompute``): each rank's
     output rows and the gradients of its x / router_logits / shared_expert_gate_logits rows (replicated: every
     rank the whole, summed over ranks) and of its expert slice equal the single-device layer's."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out_path = tmp_path / "ep.json"
-    ctx = mp.start_processes(_torch_ep_worker, args=(EP_WORLD, f"tcp://127.0.0.1:{port}", str(out_path)),
-                             nprocs=EP_WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail("EP processes still running after 240 s")
-    results = json.loads(out_path.read_text())
+    results = spawn_ranks(_torch_ep_worker, EP_WORLD, (str(out_path),), out_path)
     assert len(results) == EP_WORLD and len(results[0]) == 2 * len(EP_CASES)
     for rank, mine in enumerate(results):
         for case, errs in mine.items():
