@@ -1150,3 +1150,18 @@ def test_bench_weights_of_a_gpt_oss_mxfp4_checkpoint(tmp_path, monkeypatch):
         assert r["error"] is None and r["rel_err"] < 1e-2, r
     hf = rows[("transformers-GptOssMLP", "none")]
     assert hf["error"] is None and hf["rel_err"] < 1e-2, hf
+
+
+def test_sass_gemm_counts_the_k_loop_of_the_4bit_decode():
+    """benchmarks/sass_gemm.py (the instruction counts of BENCHMARKS.md session 8) on the CPU: the MXFP4 K loop
+    decodes on packed registers (HMUL2 on bf16 pairs, no float32 -> bf16 conversions), and the e8m0 table shortens
+    it (the scales' selects go)."""
+    from benchmarks import sass_gemm
+
+    with_table = sass_gemm.hottest_loop(sass_gemm.compile_sass("mxfp4", 16, 128, 64, 4, 3))
+    ops = sass_gemm.opcodes(with_table)
+    assert ops["HMUL2"] >= 32 and ops["HMMA"] == 16 and "F2FP" not in ops, ops
+    without = sass_gemm.hottest_loop(sass_gemm.compile_sass("mxfp4", 16, 128, 64, 4, 3, table=False))
+    assert len(with_table) < len(without)
+    with pytest.raises(ValueError, match="no backward branch"):
+        sass_gemm.hottest_loop("        /*0000*/                   EXIT ;\n")

@@ -1,0 +1,133 @@
+"""Count the sm_90 SASS instructions of the Triton grouped GEMM's K loop, on a machine without a GPU.
+
+The 4-bit decode at small M is bound by how many instructions each K step issues (BENCHMARKS.md, sessions 7-8), and
+that count can be read off the compiled kernel: ``triton.compile`` for sm_90 (no driver needed), the cubin
+disassembled by triton's bundled ``nvdisasm``, the loop found as the longest backward branch. Integer arguments are
+specialized as a real launch of gpt-oss-120b's gate_up specializes them (pointers, N, K and the strides of contiguous
+tensors divisible by 16), so the loads vectorize as they do on the GPU.
+
+    PYTHONPATH=. python3 benchmarks/sass_gemm.py [--format mxfp4|int4|bf16] [--block 16x128x64] [--warps 4]
+        [--stages 3] [--no-table] [--sass FILE]
+
+Prints the loop's instruction count, the count per weight element and per lane (``instructions x 32 x warps /
+(block_n x block_k)``), and the most frequent opcodes. Session 8 (moe_torch at e40566a): MXFP4 16x128x64 over 4 warps,
+3 stages: 316 a step (943 with the float32 decode of session 7); INT4 273 (565).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: The kernel's integer arguments; those divisible by 16 in a real launch (gpt-oss: N=5760, K=2880) are marked so.
+INT_ARGS = ("M_cap", "N", "K", "E", "stride_xm", "stride_we", "stride_wn", "stride_om", "stride_xsm", "stride_xsk",
+            "stride_wse", "stride_wsn", "stride_wsk", "stride_be")
+DIVISIBLE_BY_16 = {"x_ptr", "w_ptr", "offsets_ptr", "x_scale_ptr", "w_scale_ptr", "bias_ptr", "out_ptr", "e8m0_lut",
+                   "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om", "stride_wse", "stride_be"}
+_INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
+
+
+def compile_sass(fmt: str, block_m: int, block_n: int, block_k: int, warps: int, stages: int, table: bool = True) -> str:
+    """The SASS (text) of ``moe_torch``'s ``_grouped_gemm_kernel`` for bf16 ``x`` and ``fmt`` weights, for sm_90.
+    ``table``: MXFP4 with the e8m0 table argument (as the launcher passes it on a GPU). Under ``TRITON_INTERPRET=1``
+    (the test suite) the kernels are interpreter functions, so the compile runs in a child process without it."""
+    import triton
+
+    if triton.knobs.runtime.interpret:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "kernel.sass")
+            cmd = [sys.executable, os.path.abspath(__file__), "--format", fmt, "--block", f"{block_m}x{block_n}x{block_k}",
+                   "--warps", str(warps), "--stages", str(stages), "--sass", out] + ([] if table else ["--no-table"])
+            subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
+            with open(out) as f:
+                return f.read()
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moe_torch.ops.grouped_gemm.triton import W_SCALE_CODES, _grouped_gemm_kernel as kernel
+
+    w4 = fmt in ("mxfp4", "int4")
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8" if w4 else "*bf16", "offsets_ptr": "*i32", "x_scale_ptr": "*fp32",
+           "w_scale_ptr": "*u8" if fmt == "mxfp4" else "*bf16", "bias_ptr": "*fp32", "out_ptr": "*bf16",
+           **{n: "i32" for n in INT_ARGS}}
+    if fmt == "mxfp4" and table:
+        sig["e8m0_lut"] = "*bf16"
+    const = dict(X_SCALE=0, W_SCALE=W_SCALE_CODES[fmt if w4 else None], X_GROUP=1, W_BLOCK=1, IEEE_F32=False,
+                 HAS_BIAS=False, BLOCK_E=256, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
+                 PERSISTENT=False)
+    const.update({p.name: p.default for p in kernel.params if p.has_default and p.name not in sig and p.name not in const})
+    sig.update({k: "constexpr" for k in const})
+    names = [p.name for p in kernel.params]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE_BY_16 if n in sig}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+
+
+def hottest_loop(sass: str) -> list[str]:
+    """The instructions of the longest loop: from a label to the backward branch that returns to it."""
+    where, count, label = {}, 0, re.compile(r"\s*\.L_x_(\d+):")
+    instructions = []
+    for line in sass.splitlines():
+        m = label.match(line)
+        if m:
+            where[m.group(1)] = count
+        elif _INSTRUCTION.match(line):
+            instructions.append(line)
+            count += 1
+    best = (0, 0, -1)
+    for i, line in enumerate(instructions):
+        m = re.search(r"BRA[^;]*\.L_x_(\d+)", line)
+        if m and m.group(1) in where and where[m.group(1)] <= i and i + 1 - where[m.group(1)] > best[0]:
+            best = (i + 1 - where[m.group(1)], where[m.group(1)], i)
+    if best[0] == 0:
+        raise ValueError("sass_gemm: no backward branch (loop) in the kernel's SASS")
+    return instructions[best[1]:best[2] + 1]
+
+
+def opcodes(loop: list[str]) -> collections.Counter:
+    """Opcode (without modifiers) of each instruction, predicates dropped."""
+    names = (re.sub(r"^\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split()[0].split(".")[0] for line in loop)
+    return collections.Counter(names)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--format", default="mxfp4", choices=("mxfp4", "int4", "bf16"), help="the weights (x is bf16)")
+    p.add_argument("--block", default="16x128x64", help="BLOCK_MxBLOCK_NxBLOCK_K")
+    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--no-table", action="store_true", help="MXFP4 without the e8m0 table (scales from their bits)")
+    p.add_argument("--sass", default=None, help="also write the whole SASS here")
+    a = p.parse_args(argv)
+    try:
+        bm, bn, bk = (int(v) for v in a.block.split("x"))
+    except ValueError:
+        p.error(f"--block must be BLOCK_MxBLOCK_NxBLOCK_K, e.g. 16x128x64; got {a.block!r}")
+    sass = compile_sass(a.format, bm, bn, bk, a.warps, a.stages, table=not a.no_table)
+    if a.sass:
+        with open(a.sass, "w") as f:
+            f.write(sass)
+    loop = hottest_loop(sass)
+    per_lane = len(loop) * 32 * a.warps / (bn * bk)
+    print(f"{a.format} {bm}x{bn}x{bk}, {a.warps} warps, {a.stages} stages: K loop {len(loop)} instructions a step "
+          f"({bn * bk} weights): {per_lane:.2f} lane-instructions a weight")
+    print("  " + ", ".join(f"{k} {v}" for k, v in opcodes(loop).most_common(16)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
