@@ -8,8 +8,9 @@ against the copy ceiling of the weight bytes. Each variant is checked against th
     PROBE_ONLY=mxfp4:2:64:128:4 ncu --kernel-name _k --launch-count 1 --section SpeedOfLight python3 benchmarks/probe_w4.py
 
 Variants (``VARIANT``): 0 the bf16 weights (the bandwidth reference); 1 Triton's ``tl.dot_scaled(bf16, e2m1)``
-(MXFP4 only; GPU only: the interpreter has no ``dot_scaled``); 2 the library's decode (``moe_torch``'s
-``_w4_tiles``: low / high nibbles against x's even / odd columns, one scale per group of 32); 3 as 2 with A and B
+(MXFP4 only; GPU only: the interpreter has no ``dot_scaled``); 2 the library's float32 decode (``moe_torch``'s
+``_w4_tiles`` for float32, rounded to bf16: low / high nibbles against x's even / odd columns, one scale per group
+of 32; session 7's decode); 3 as 2 with A and B
 swapped (``y^T = wd @ x^T``: the weights as the wide MMA operand); 4 as 1 swapped; 5 the library's tile as it is now
 (``_w4_tiles``: on a GPU the packed asm decode, two codes per instruction) in this probe's loop; 6 the library's
 kernel itself through ``grouped_gemm_triton`` (its launch, table scales and contiguous x loads; includes a copy of
@@ -35,27 +36,6 @@ from moe_torch.ops.grouped_gemm.triton import _w4_tiles  # noqa: E402
 
 PEAK_BW = 4.27e12
 VARIANTS = [(0, 16, 64, 128, 4, 4)]
-
-
-@triton.jit
-def _scale_f32(s, MX: tl.constexpr):
-    if MX:
-        b = s.to(tl.int32)
-        bits = tl.where(b == 0, 1 << 22, tl.where(b == 255, 0x7FC00000, b << 23))
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return s.to(tl.float32)
-
-
-@triton.jit
-def _decode(c, sv, MX: tl.constexpr):
-    if MX:
-        q = c & 7
-        mag = tl.where(q < 2, q * 0x3F000000, (q << 22) + 0x3F000000)
-        v = (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-    else:
-        v = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-    return v * sv
 
 
 @triton.jit
@@ -97,42 +77,22 @@ def _k(x_ptr, w_ptr, s_ptr, y_ptr, R, N, K, VARIANT: tl.constexpr, MX: tl.conste
             kg = k0 // 32 + tl.arange(0, G)
             s = tl.load(s_rows + kg[None, :], mask=cmask[:, None] & (kg < K // 32)[None, :], other=0)
             acc_t = tl.dot_scaled(wq, s, "e2m1", tl.trans(a), None, "bf16", acc_t)
-        elif VARIANT == 5:  # the library's tile (moe_torch _w4_tiles: the packed asm decode on a GPU)
+        else:  # 2, 3, 5: the library's tile (moe_torch _w4_tiles) against x's even / odd columns
             kp = k0 // 2 + tl.arange(0, HALF)
             km = (kp < K // 2)
             a_e = tl.load(x_rows + (2 * kp)[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
             a_o = tl.load(x_rows + (2 * kp + 1)[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            lo, hi = _w4_tiles(w_rows, s_rows, 1, k0, K, cmask, 4 if MX else 5, BLOCK_N, BLOCK_K, tl.bfloat16)
-            acc = tl.dot(a_e, tl.trans(lo), acc)
-            acc = tl.dot(a_o, tl.trans(hi), acc)
-        elif VARIANT == 3:  # swap AB with the v2 decode: y^T [BN, BM] += lo @ x_even^T + hi @ x_odd^T
-            kp = k0 // 2 + tl.arange(0, HALF)
-            km = (kp < K // 2)
-            a_e = tl.load(x_rows + (2 * kp)[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            a_o = tl.load(x_rows + (2 * kp + 1)[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            wq = tl.load(w_rows + kp[None, :], mask=cmask[:, None] & km[None, :], other=0).to(tl.int32)
-            kg = k0 // 32 + tl.arange(0, G)
-            s = tl.load(s_rows + kg[None, :], mask=cmask[:, None] & (kg < K // 32)[None, :], other=0)
-            sv = _scale_f32(s, MX)
-            sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, HALF))
-            lo = _decode(wq & 15, sv, MX).to(tl.bfloat16)
-            hi = _decode(wq >> 4, sv, MX).to(tl.bfloat16)
-            acc_t = tl.dot(lo, tl.trans(a_e), acc_t)
-            acc_t = tl.dot(hi, tl.trans(a_o), acc_t)
-        else:  # 2: even/odd split, per-group scales broadcast by reshape, cheap decode
-            kp = k0 // 2 + tl.arange(0, HALF)
-            km = (kp < K // 2)
-            a_e = tl.load(x_rows + (2 * kp)[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            a_o = tl.load(x_rows + (2 * kp + 1)[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            wq = tl.load(w_rows + kp[None, :], mask=cmask[:, None] & km[None, :], other=0).to(tl.int32)
-            kg = k0 // 32 + tl.arange(0, G)
-            s = tl.load(s_rows + kg[None, :], mask=cmask[:, None] & (kg < K // 32)[None, :], other=0)
-            sv = _scale_f32(s, MX)
-            sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, HALF))
-            lo = _decode(wq & 15, sv, MX).to(tl.bfloat16)
-            hi = _decode(wq >> 4, sv, MX).to(tl.bfloat16)
-            acc = tl.dot(a_e, tl.trans(lo), acc)
-            acc = tl.dot(a_o, tl.trans(hi), acc)
+            if VARIANT == 5:  # bf16: the packed asm decode on a GPU
+                lo, hi = _w4_tiles(w_rows, s_rows, 1, k0, K, cmask, 4 if MX else 5, BLOCK_N, BLOCK_K, tl.bfloat16)
+            else:  # 2, 3: the float32 decode (session 7's), rounded to bf16
+                lo, hi = _w4_tiles(w_rows, s_rows, 1, k0, K, cmask, 4 if MX else 5, BLOCK_N, BLOCK_K, tl.float32)
+                lo, hi = lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+            if VARIANT == 3:  # swap AB: y^T [BN, BM] += lo @ x_even^T + hi @ x_odd^T
+                acc_t = tl.dot(lo, tl.trans(a_e), acc_t)
+                acc_t = tl.dot(hi, tl.trans(a_o), acc_t)
+            else:
+                acc = tl.dot(a_e, tl.trans(lo), acc)
+                acc = tl.dot(a_o, tl.trans(hi), acc)
     if VARIANT == 3 or VARIANT == 4:
         acc = tl.trans(acc_t)
     out = y_ptr + e64 * R * N + rows[:, None] * N + cols[None, :]
