@@ -245,7 +245,6 @@ def _w4_tiles(
     GROUPS: tl.constexpr = BLOCK_K // 32
     kp = k0 // 2 + tl.arange(0, HALF)  # packed byte columns
     packed_u8 = tl.load(w_rows + kp[None, :], mask=col_mask[:, None] & (kp < K // 2)[None, :], other=0)
-    packed = packed_u8.to(tl.int32)
     kg = k0 // 32 + tl.arange(0, GROUPS)  # scale groups of this step
     scale = tl.load(ws_rows + kg[None, :] * stride_wsk, mask=col_mask[:, None] & (kg < K // 32)[None, :], other=0)
     if _W4_PACKED and DTYPE == tl.bfloat16:  # the packed asm decode (above), with the scales as bf16
@@ -274,6 +273,7 @@ def _w4_tiles(
     else:
         sv = scale.to(tl.float32)
     sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, HALF))  # each byte's group
+    packed = packed_u8.to(tl.int32)
     lo = _w4_decode(packed & 0xF, W4) * sv
     hi = _w4_decode((packed >> 4) & 0xF, W4) * sv
     return lo.to(DTYPE), hi.to(DTYPE)
@@ -366,8 +366,8 @@ def _grouped_gemm_tile(
             ks = k0 + offs_k
             k_mask = ks < K
             if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4:
-                # 4-bit: decoded in float32 and rounded to x's dtype (CONTRACT.md section 9); x's even columns meet
-                # the low nibbles, its odd columns the high ones (_w4_tiles), in two float dots.
+                # 4-bit: decoded to x's dtype (CONTRACT.md section 9; _w4_tiles); x's even columns meet the low
+                # nibbles, its odd columns the high ones, in two float dots.
                 w_even, w_odd = _w4_tiles(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn,
                                           w_scale_ptr + e64 * stride_wse + cols64[:, None] * stride_wsn, stride_wsk, k0, K,
                                           col_mask, W_SCALE, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, e8m0_lut)
@@ -525,8 +525,6 @@ def _grouped_gemm_kernel(
                 bias_ptr, out_ptr, x_desc, w_desc, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm,
                 stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_be, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32,
                 HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, TMA, WARP_SPECIALIZE, e8m0_lut)
-
-
 
 
 #: TMA's alignment rule (CUDA driver API ``cuTensorMapEncodeTiled``; triton ``tools/tensor_descriptor.py``
