@@ -21,8 +21,8 @@ per-token ``[M_cap, 1]`` or per-token-group ``[M_cap, K // G]`` (always indexed 
 K step's partial sum before it is accumulated; the others multiply the finished accumulator.
 4-bit weights (CONTRACT.md section 9): ``w [E, N, K // 2]`` uint8 packed codes (``w_format`` ``"mxfp4"``
 or ``"int4"``) with ``w_scale [E, N, K // 32]`` (uint8 e8m0 / bf16), ``x`` float: each K step decodes
-its weight bytes in the kernel, one group of 32 K values at a time (:func:`_w4_group_part`), and
-feeds the float weights, rounded to ``x.dtype``, to the dots. An optional per-expert ``bias [E, N]``
+its weight bytes in the kernel (:func:`_w4_step_part`: bf16 ``x`` compiled on packed registers, else in float32)
+and feeds the weights, in ``x.dtype``, to the dots. An optional per-expert ``bias [E, N]``
 (CONTRACT.md section 4; passed to the kernel in float32) is added to the finished accumulator, after the
 scales, before the one rounding to the output dtype.
 
@@ -109,65 +109,48 @@ def tile_metadata(expert_offsets: jax.Array, M_cap: int, E: int, block_m: int) -
     return step_expert, step_lo, step_hi
 
 
-def _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok, kg, K: int, w_format: str, precision,
-                   packed_decode: bool = False):
-    """``x[rows, kg : kg + 32] @ wd[e, cols, kg : kg + 32].T`` (float32 ``[block_m, block_n]``) for one
-    4-bit scale group starting at ``kg`` (a multiple of 32; a group at or past ``K`` adds 0).
+def _w4_step_part(x_ref, w_ref, ws_ref, e, rows_ds, row_ok, cols_ds, col_ok, k0, K: int, w_format: str,
+                  block_m: int, block_n: int, block_k: int, precision, packed_decode: bool):
+    """``x[rows, k0 : k0 + block_k] @ wd[e, cols, k0 : k0 + block_k].T`` (float32 ``[block_m, block_n]``) for one K
+    step of 4-bit weights with the packed decode (bf16 ``x``, compiled): ``x``'s tile loaded once and split into its
+    even / odd columns in registers (reshape + split), the step's packed bytes and its ``block_k // 32`` scales per
+    row (broadcast over their 16 bytes), decoded by ``PACKED_HALF_ASM`` into the low / high nibbles' values, and two
+    dots. Masked: rows outside ``[lo, hi)``, columns ``>= N`` and K past ``K`` read zeros (code 0 with scale 0 is 0)."""
+    half, groups = block_k // 2, block_k // W4_GROUP
+    k_ok = k0 + jnp.arange(block_k) < K
+    xt = plgpu.load(x_ref.at[rows_ds, pl.ds(k0, block_k)], mask=row_ok[:, None] & k_ok[None, :],
+                    other=jnp.zeros((), x_ref.dtype))  # [block_m, block_k]
+    x_even, x_odd = (p.reshape(block_m, half) for p in jnp.split(xt.reshape(block_m, half, 2), 2, axis=2))
+    kp_ok = k0 // 2 + jnp.arange(half) < K // 2
+    packed_u8 = plgpu.load(w_ref.at[e, cols_ds, pl.ds(k0 // 2, half)], mask=col_ok[:, None] & kp_ok[None, :],
+                           other=jnp.zeros((), w_ref.dtype))  # [block_n, half]
+    kg_ok = k0 // W4_GROUP + jnp.arange(groups) < K // W4_GROUP
+    s = plgpu.load(ws_ref.at[e, cols_ds, pl.ds(k0 // W4_GROUP, groups)], mask=col_ok[:, None] & kg_ok[None, :],
+                   other=jnp.zeros((), ws_ref.dtype))  # [block_n, groups]
+    def per_byte(v):  # [block_n, groups] -> [block_n, half]: each group's value over its 16 bytes
+        return jnp.broadcast_to(v[:, :, None], (block_n, groups, W4_GROUP // 2)).reshape(block_n, half)
 
-    The group's 16 weight bytes a row hold the codes of its even K columns in their low nibbles and of
-    its odd columns in their high nibbles. Re-interleaving them into one ``[block_n, 32]`` tile needs a
-    join / reshape / strided slice of a value, which the Pallas-Triton lowering does not have
-    (``slice``: "Unimplemented primitive"), so the product is taken as two dots over 16 columns each:
-    ``x[:, kg::2] @ lo.T + x[:, kg+1::2] @ hi.T``. ``x``'s even and odd columns are loaded by index
-    arrays (a gather: Triton loads are pointer tensors anyway); a strided ``pl.ds(..., stride=2)`` load
-    lowers for the GPU but has no interpret-mode rule, and a masked load with index arrays neither.
-    So the loads are unmasked, and every index points at an element that may be read: rows outside
-    ``[lo, hi)`` read row ``lo`` and a group past ``K`` reads the last group's columns, and ``where`` puts
-    zeros there (rows of other experts and rows ``>= M`` are never read).
-
-    Decoding (CONTRACT.md section 9): with ``packed_decode`` (bf16 ``x`` on a GPU) by the packed PTX of
-    ``moe_contract/w4_packed_asm.py`` (``plgpu.elementwise_inline_asm``, 4 bytes a call, two codes an instruction;
-    the e8m0 scale as the bf16 ``2^(s - 127)``); else (interpret mode, float16 / float32 ``x``) arithmetic:
-    nibbles by mask and shift, e2m1 values and e8m0 powers of two from their bits (``e2m1_to_float32`` /
-    ``e8m0_to_float32``: ``s = 255`` is NaN), INT4 ``(code - 8) * scale``, the float32 products rounded to
-    ``x.dtype``. The same values either way; the dots accumulate in float32."""
-    half = W4_GROUP // 2
-    g_ok = kg < K  # the whole group is in or out (K % 32 == 0)
-    x_rows = jnp.where(row_ok, rows, lo)[:, None]  # [block_m, 1]
-    x_cols = jnp.minimum(kg, K - W4_GROUP) + 2 * jnp.arange(half)[None, :]  # [1, 16]: the group's even columns
-    x_mask = row_ok[:, None] & g_ok
-    zero_x = jnp.zeros((), x_ref.dtype)
-    x_even = jnp.where(x_mask, x_ref[x_rows, x_cols], zero_x)  # [block_m, 16]
-    x_odd = jnp.where(x_mask, x_ref[x_rows, x_cols + 1], zero_x)
-    w_mask = col_ok & g_ok
-    packed_u8 = plgpu.load(w_ref.at[e, cols_ds, pl.ds(kg // 2, half)], mask=w_mask[:, None],
-                           other=jnp.zeros((), w_ref.dtype))  # [block_n, 16] bytes
-    s = plgpu.load(ws_ref.at[e, cols_ds, kg // W4_GROUP], mask=w_mask, other=jnp.zeros((), ws_ref.dtype))  # [block_n]
-    dims = (((1,), (1,)), ((), ()))
     if packed_decode:
-        if w_format == "mxfp4":  # 2^(s - 127) as bf16 from its bits. A table gather (as the torch kernel's) made
-            # this kernel's MXFP4 decode rows 2-11% slower on the H200 (INT4, without it, unchanged; session 8)
+        if w_format == "mxfp4":
             b = s.astype(jnp.int32)
             bits = jnp.where(b == 0, BF16_E8M0_ZERO_BITS, jnp.where(b == E8M0_NAN, BF16_NAN_BITS, b << 7))
             sb = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
         else:
             sb = s.astype(jnp.bfloat16)
-        sb = jnp.broadcast_to(sb[:, None], (sb.shape[0], half))
-        w_lo, w_hi = (plgpu.elementwise_inline_asm(  # one call a nibble: jax's lowering returns one result
-            PACKED_HALF_ASM[w_format, which], args=[packed_u8, sb], constraints=PACKED_ASM_HALF_CONSTRAINTS, pack=4,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(packed_u8.shape, jnp.bfloat16)])[0] for which in ("low", "high"))
-        part = jax.lax.dot_general(x_even, w_lo, dims, precision=precision, preferred_element_type=jnp.float32)
-        return part + jax.lax.dot_general(x_odd, w_hi, dims, precision=precision, preferred_element_type=jnp.float32)
-    packed = packed_u8.astype(jnp.int32)
-    if w_format == "mxfp4":
-        scale, decode = e8m0_to_float32(s), e2m1_to_float32
-    else:
-        scale, decode = s.astype(jnp.float32), int4_to_float32
-    scale = scale[:, None]
-    part = jax.lax.dot_general(x_even, (decode(packed & 15) * scale).astype(x_ref.dtype), dims,
-                               precision=precision, preferred_element_type=jnp.float32)
-    return part + jax.lax.dot_general(x_odd, (decode(packed >> 4) * scale).astype(x_ref.dtype), dims,
-                                      precision=precision, preferred_element_type=jnp.float32)
+        w_lo, w_hi = (plgpu.elementwise_inline_asm(
+            PACKED_HALF_ASM[w_format, which], args=[packed_u8, per_byte(sb)], constraints=PACKED_ASM_HALF_CONSTRAINTS,
+            pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(packed_u8.shape, jnp.bfloat16)])[0]
+            for which in ("low", "high"))
+    else:  # interpret mode, float16 / float32 x: the float32 decode, rounded to x's dtype
+        scale, decode = (e8m0_to_float32(s), e2m1_to_float32) if w_format == "mxfp4" else \
+            (s.astype(jnp.float32), int4_to_float32)
+        scale = per_byte(scale)
+        packed = packed_u8.astype(jnp.int32)
+        w_lo = (decode(packed & 15) * scale).astype(x_ref.dtype)
+        w_hi = (decode(packed >> 4) * scale).astype(x_ref.dtype)
+    dims = (((1,), (1,)), ((), ()))
+    part = jax.lax.dot_general(x_even, w_lo, dims, precision=precision, preferred_element_type=jnp.float32)
+    return part + jax.lax.dot_general(x_odd, w_hi, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: int, x_scale_kind: str | None,
@@ -215,11 +198,9 @@ def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: 
 
         def k_step(kk, acc):
             k0 = kk * block_k
-            if w_format is not None:  # block_k is a multiple of 32: its scale groups, unrolled
-                for g in range(block_k // W4_GROUP):
-                    acc = acc + _w4_group_part(x_ref, w_ref, ws_ref, e, rows, row_ok, lo, cols_ds, col_ok,
-                                               k0 + g * W4_GROUP, K, w_format, precision, packed_decode)
-                return acc
+            if w_format is not None:  # the whole K step at once (as moe_torch's kernel)
+                return acc + _w4_step_part(x_ref, w_ref, ws_ref, e, rows_ds, row_ok, cols_ds, col_ok, k0, K, w_format,
+                                           block_m, block_n, block_k, precision, packed_decode)
             k_ok = k0 + jnp.arange(block_k) < K
             ks = pl.ds(k0, block_k)
             xt = plgpu.load(x_ref.at[rows_ds, ks], mask=row_ok[:, None] & k_ok[None, :], other=zero_x)  # [block_m, block_k]
@@ -306,8 +287,8 @@ def grouped_gemm_pallas_triton(
         GPU if one is stored and fits, else the heuristic; never a tuned one in interpret mode).
       interpret: run in Pallas interpret mode (default: when ``jax.default_backend() == "cpu"``).
       w_format: ``None``, or ``"mxfp4"`` / ``"int4"`` for 4-bit ``w`` (CONTRACT.md section 9): each K step
-        decodes its weight tile in float32 and rounds it to ``x.dtype`` before the dots
-        (:func:`_w4_group_part`). Untuned: the heuristic config (no GPU measurement of this path yet).
+        decodes its weight tile to ``x.dtype`` before the dots (:func:`_w4_step_part`). Untuned: the heuristic
+        config.
       bias: optional ``[E, N]`` float32 / bf16 / float16 (CONTRACT.md section 4): ``bias[e]`` in float32 is
         added to the accumulator of each owned row (after the scales) before the rounding.
 
