@@ -35,7 +35,8 @@ _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
 
 
 def compile_sass(fmt: str, block_m: int, block_n: int, block_k: int, warps: int, stages: int, table: bool = True) -> str:
-    """The SASS (text) of ``moe_torch``'s ``_grouped_gemm_kernel`` for bf16 ``x`` and ``fmt`` weights, for sm_90.
+    """The SASS (text) of ``moe_torch``'s ``_grouped_gemm_kernel`` for bf16 ``x`` and ``fmt`` weights (``fp8_block``:
+    FP8 ``x`` and ``w``), for sm_90.
     ``table``: MXFP4 with the e8m0 table argument (as the launcher passes it on a GPU). Under ``TRITON_INTERPRET=1``
     (the test suite) the kernels are interpreter functions, so the compile runs in a child process without it."""
     import triton
@@ -52,15 +53,19 @@ def compile_sass(fmt: str, block_m: int, block_n: int, block_k: int, warps: int,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from moe_torch.ops.grouped_gemm.triton import W_SCALE_CODES, _grouped_gemm_kernel as kernel
+    from moe_torch.ops.grouped_gemm.triton import W_SCALE_CODES, X_SCALE_CODES, _grouped_gemm_kernel as kernel
 
     w4 = fmt in ("mxfp4", "int4")
-    sig = {"x_ptr": "*bf16", "w_ptr": "*u8" if w4 else "*bf16", "offsets_ptr": "*i32", "x_scale_ptr": "*fp32",
-           "w_scale_ptr": "*u8" if fmt == "mxfp4" else "*bf16", "bias_ptr": "*fp32", "out_ptr": "*bf16",
+    fp8 = fmt == "fp8_block"  # DeepSeek-V3's FP8: x per 1 x 128 group, w per 128 x 128 block, float32 scales
+    code = "*fp8e4nv" if fp8 else "*bf16"
+    sig = {"x_ptr": code, "w_ptr": "*u8" if w4 else code, "offsets_ptr": "*i32", "x_scale_ptr": "*fp32",
+           "w_scale_ptr": {"mxfp4": "*u8", "fp8_block": "*fp32"}.get(fmt, "*bf16"), "bias_ptr": "*fp32", "out_ptr": "*bf16",
            **{n: "i32" for n in INT_ARGS}}
     if fmt == "mxfp4" and table:
         sig["e8m0_lut"] = "*bf16"
-    const = dict(X_SCALE=0, W_SCALE=W_SCALE_CODES[fmt if w4 else None], X_GROUP=1, W_BLOCK=1, IEEE_F32=False,
+    const = dict(X_SCALE=X_SCALE_CODES["per_token_group" if fp8 else None],
+                 W_SCALE=W_SCALE_CODES["block" if fp8 else fmt if w4 else None], X_GROUP=128 if fp8 else 1,
+                 W_BLOCK=128 if fp8 else 1, IEEE_F32=False,
                  HAS_BIAS=False, BLOCK_E=256, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
                  PERSISTENT=False)
     const.update({p.name: p.default for p in kernel.params if p.has_default and p.name not in sig and p.name not in const})
@@ -106,7 +111,8 @@ def opcodes(loop: list[str]) -> collections.Counter:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--format", default="mxfp4", choices=("mxfp4", "int4", "bf16"), help="the weights (x is bf16)")
+    p.add_argument("--format", default="mxfp4", choices=("mxfp4", "int4", "bf16", "fp8_block"),
+                   help="the weights (x is bf16; fp8_block: x and w FP8 with DeepSeek-V3's 1 x 128 / 128 x 128 scales)")
     p.add_argument("--block", default="16x128x64", help="BLOCK_MxBLOCK_NxBLOCK_K")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)

@@ -3,7 +3,7 @@
 Usage (GPU machine, repo root)::
 
     PYTHONPATH=. python3 benchmarks/tune_jax_gemm.py [--out DIR] [--backends pallas_triton,pallas_mosaic_gpu]
-        [--quick] [--max-minutes 8] [--dtypes bf16,fp8] [--ms 256,2048,16384] [--resume] [--jobs 8]
+        [--quick] [--max-minutes 8] [--dtypes bf16,fp8,fp8_block] [--ms 256,2048,16384] [--resume] [--jobs 8]
 
 ``--out`` defaults to ``$OUT`` if set, else ``moe_pallas/ops/grouped_gemm/tuned`` (where
 ``moe_pallas.ops.grouped_gemm.config.tuned_entries`` reads). The file is ``<device kind>.json``
@@ -22,9 +22,11 @@ run tunes the same key again; ``--resume`` skips keys that already have a comple
 can be split over several commands.
 
 Problems: the benchmark's grouped GEMM set (E=32; (K=7168, N=4096) and (K=2048, N=7168); M in
-{256, 2048, 16384} (``--quick``: 256 and 16384); rows split uniformly; bf16, and FP8 per-token
-activation x per-channel weight scales), bf16 output. Search space: :data:`TRITON_SPACE`
-(minus tiles whose float32 accumulator exceeds :data:`MAX_ACC_REGS` registers a thread) and
+{256, 2048, 16384} (``--quick``: 256 and 16384); rows split uniformly; bf16, FP8 per-token
+activation x per-channel weight scales (``fp8``), and FP8 with DeepSeek-V3's 1 x 128 activation groups x
+128 x 128 weight blocks (``fp8_block``, Pallas-Triton only, ``block_n`` dividing 128)), bf16 output. Search space: :data:`TRITON_SPACE`
+(minus tiles whose float32 accumulator exceeds :data:`MAX_ACC_REGS` registers a thread; then the grouped
+launch orders :data:`GROUP_MS` of the :data:`TOP_K` fastest) and
 :data:`MOSAIC_SPACE` (FP8 with promoted accumulation: 64 x 128 tiles only, the per-step path's
 register rule; FP8 with ``fast_accum``: every tile).
 
@@ -62,6 +64,7 @@ from moe_pallas.ops.grouped_gemm.config import (  # noqa: E402
     TRITON_BACKEND,
     GroupedGemmConfig,
     MosaicGroupedGemmConfig,
+    grouped_gemm_config,
     heuristic_grouped_gemm_config,
     heuristic_mosaic_grouped_gemm_config,
 )
@@ -70,10 +73,13 @@ from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference  # noqa
 E = 32
 SHAPES = ((7168, 4096), (2048, 7168))  # (K, N): gate_up and down of the benchmark
 MS = (256, 2048, 16384)
-DTYPES = ("bf16", "fp8")
+DTYPES = ("bf16", "fp8", "fp8_block")
 BACKENDS = (TRITON_BACKEND, MOSAIC_BACKEND)
 #: Pallas-Triton: block_k is fixed by the dtype (64 bf16, 128 fp8: 128-byte K rows).
 TRITON_SPACE = {"block_m": (32, 64, 128), "block_n": (64, 128, 256), "num_warps": (4, 8), "num_stages": (3, 4)}
+#: Pallas-Triton's second pass: these launch orders (``group_m``) of the TOP_K fastest tiles of the first.
+GROUP_MS = (4, 8)
+TOP_K = 3
 #: Float32 accumulator registers a thread, at most: ``block_m * block_n / (32 * num_warps)``. 128 x 256
 #: over 4 warps is 256 a thread (spills); everything else in TRITON_SPACE is <= 128.
 MAX_ACC_REGS = 128
@@ -92,6 +98,8 @@ def triton_candidates(dtype: str) -> list[GroupedGemmConfig]:
         kw = dict(zip(keys, values))
         if kw["block_m"] * kw["block_n"] // (32 * kw["num_warps"]) > MAX_ACC_REGS:
             continue
+        if dtype == "fp8_block" and 128 % kw["block_n"]:
+            continue  # 128 x 128 weight blocks: block_n divides 128 (triton_config_problem)
         out.append(GroupedGemmConfig(block_k=block_k, **kw))
     return out
 
@@ -109,12 +117,19 @@ def mosaic_candidates(dtype: str, fast_accum: bool | None) -> list[MosaicGrouped
 
 
 def variants(backend: str, dtype: str) -> list[bool | None]:
-    """The ``fast_accum`` values tuned separately: Mosaic FP8 has two accumulation modes."""
+    """The ``fast_accum`` values tuned separately: Mosaic FP8 has two accumulation modes. FP8 blocks: Pallas-Triton
+    only (Mosaic GPU is 1.2-1.7x slower on every FP8-block row: BENCHMARKS.md session 7)."""
+    if dtype == "fp8_block":
+        return [None] if backend == TRITON_BACKEND else []
     return [False, True] if (backend == MOSAIC_BACKEND and dtype == "fp8") else [None]
 
 
 def heuristic(backend: str, M: int, N: int, K: int, dtype: str, fast_accum: bool | None):
+    """The config the library runs today without this problem's entry (for FP8 blocks: the per-token
+    ``fp8`` entry where it fits, as :func:`grouped_gemm_config` does)."""
     itemsize = 2 if dtype == "bf16" else 1
+    if dtype == "fp8_block":
+        return grouped_gemm_config(M, N, K, E, 1, 128, w_block=True, device_kind=jax.devices()[0].device_kind)
     if backend == TRITON_BACKEND:
         return heuristic_grouped_gemm_config(M, N, K, E, itemsize)
     return heuristic_mosaic_grouped_gemm_config(M, N, K, E, itemsize, fast_accum=bool(fast_accum))
@@ -144,6 +159,11 @@ def make_problem(K: int, N: int, M: int, dtype: str, seed: int = 0):
     off = jnp.arange(E + 1, dtype=jnp.int32) * (M // E)
     if dtype == "bf16":
         return x, w, off, None, None
+    if dtype == "fp8_block":  # DeepSeek-V3: x per 1 x 128 group, w per 128 x 128 block
+        xq, xs = moe_pallas.per_token_group_quant_fp8(x, 128)
+        wq, ws = moe_pallas.quantize_weight_fp8(w, "block")
+        del w
+        return xq, wq, off, xs, ws
     xq, xs = moe_pallas.per_token_quant_fp8(x)
     wq, ws = moe_pallas.quantize_weight_fp8(w, "per_channel")
     del w
@@ -152,7 +172,8 @@ def make_problem(K: int, N: int, M: int, dtype: str, seed: int = 0):
 
 def short(cfg) -> str:
     if isinstance(cfg, GroupedGemmConfig):
-        return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+        return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+                + (f" g{cfg.group_m}" if cfg.group_m > 1 else ""))
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} c{cfg.max_concurrent_steps} g{cfg.grid_block_n}"
             + (" fast" if cfg.fast_accum else ""))
 
@@ -285,6 +306,13 @@ def main() -> int:
                                      else mosaic_candidates(dtype, fast_accum)) if c != heur]
                 timed, complete = sweep(backend, cands, args_, ref, ref_norm, deadline, pool)
                 timed.update(heur_timed)
+                if backend == TRITON_BACKEND and timed:  # second pass: the grouped launch orders of the TOP_K tiles
+                    again = [dataclasses.replace(c, group_m=g) for c in sorted(timed, key=timed.get)[:TOP_K]
+                             for g in GROUP_MS]
+                    more, complete2 = sweep(backend, [c for c in again if c not in timed], args_, ref, ref_norm,
+                                            deadline, pool)
+                    timed.update(more)
+                    complete = complete and complete2
                 if not timed:
                     print("  no correct config timed: no entry", flush=True)
                     continue

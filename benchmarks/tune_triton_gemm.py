@@ -3,9 +3,11 @@
 Usage (GPU machine, repo root)::
 
     PYTHONPATH=. python3 benchmarks/tune_triton_gemm.py [--out moe_torch/ops/grouped_gemm/tuned] [--quick] [--full] [--tma]
+        [--dtypes bf16,fp8,fp8_block] [--ms 256,2048,16384]
 
 For each problem of the benchmark's grouped GEMM set (E=32; (K=7168, N=4096) and (K=2048, N=7168);
-M in {256, 2048, 16384}; rows split uniformly; bf16, and FP8 per-token x per-channel) every config
+M in {256, 2048, 16384}; rows split uniformly; bf16, FP8 per-token x per-channel (``fp8``), and FP8 with
+DeepSeek-V3's 1 x 128 activation groups x 128 x 128 weight blocks (``fp8_block``)) every config
 of :func:`candidates` (from :data:`SEARCH_SPACE`) is timed with ``triton.testing.do_bench`` (CUDA
 events, median) after a correctness check against the heuristic config's output (a config that
 computes a wrong answer is never chosen). The file ``<device>.json`` holds one entry per problem::
@@ -20,7 +22,8 @@ problems only) adds a third pass: the opt-in TMA variant (``GroupedGemmConfig.tm
 too on 8-warp tiles) of the :data:`TOP_K` fastest configs so far, in each one's launch order and also
 persistent with ``group_m=8`` (at most 3 x 4 = 12 more configs per problem).
 
-``moe_torch.ops.grouped_gemm.config.grouped_gemm_config`` reads it (nearest M_cap, same N, K, dtype).
+``moe_torch.ops.grouped_gemm.config.grouped_gemm_config`` reads it (nearest M_cap, same N, K, dtype). Entries of
+problems this run does not tune (other ``--dtypes`` / ``--ms``) are kept.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import triton.testing
 
 from moe_torch.ops.grouped_gemm.config import GroupedGemmConfig, heuristic_grouped_gemm_config
 from moe_torch.ops.grouped_gemm.triton import grouped_gemm_triton
+from moe_torch.ops.quant.api import per_token_group_quant_fp8, quantize_weight_fp8
 
 #: block_m x block_n x num_warps x num_stages x group_m x persistent (GroupedGemmConfig's fields);
 #: block_k is fixed by the dtype (128-byte K rows). The last two are the launch order (group_m = 1,
@@ -83,11 +87,18 @@ def tma_variants(cfg: GroupedGemmConfig) -> list[GroupedGemmConfig]:
     return [dataclasses.replace(cfg, **o, **s) for o in orders for s in specs]
 
 
-def problems(quick: bool):
-    for (K, N), M, dtype in itertools.product(SHAPES, MS, ("bf16", "fp8")):
+DTYPES = ("bf16", "fp8", "fp8_block")
+
+
+def problems(quick: bool, dtypes=DTYPES, ms=MS):
+    for (K, N), M, dtype in itertools.product(SHAPES, ms, dtypes):
         if quick and M == 2048:
             continue
         yield K, N, M, dtype
+
+
+def entry_key(e: dict) -> tuple:
+    return e["E"], e["N"], e["K"], e["M_cap"], e["dtype"]
 
 
 def main() -> int:
@@ -97,13 +108,22 @@ def main() -> int:
     parser.add_argument("--full", action="store_true", help="time every config of SEARCH_SPACE (108 per problem)")
     parser.add_argument("--tma", action="store_true",
                         help="bf16: also time the opt-in TMA variant (tma, warp_specialize) of the fastest configs")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of {', '.join(DTYPES)}")
+    parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma list of M (rows)")
     args = parser.parse_args()
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if unknown := set(dtypes) - set(DTYPES):
+        parser.error(f"unknown dtypes {sorted(unknown)}; choose from {DTYPES}")
     dev = torch.cuda.get_device_name()
     g = torch.Generator(device="cuda").manual_seed(0)
-    entries = []
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, dev.replace(" ", "_") + ".json")
-    for K, N, M, dtype in problems(args.quick):
+    kept = {}
+    if os.path.exists(path):  # entries of problems not tuned now stay
+        with open(path) as f:
+            kept = {entry_key(e): e for e in json.load(f)}
+    entries = []
+    for K, N, M, dtype in problems(args.quick, dtypes, [int(m) for m in args.ms.split(",") if m]):
         x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
         w = (torch.randn(E, N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
         off = (torch.arange(E + 1, device="cuda", dtype=torch.int32) * (M // E)).contiguous()
@@ -114,10 +134,15 @@ def main() -> int:
             ws = w.float().abs().amax(2) / 448
             w = (w.float() / ws[:, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
             kw = dict(x_scale=xs, w_scale=ws)
+        elif dtype == "fp8_block":  # DeepSeek-V3: x per 1 x 128 group, w per 128 x 128 block
+            x, xs = per_token_group_quant_fp8(x, 128)
+            w, ws = quantize_weight_fp8(w, "block")
+            kw = dict(x_scale=xs, w_scale=ws)
         ref = grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16).float()
-        bits = 8 if dtype == "fp8" else 16
+        bits = 16 if dtype == "bf16" else 8
         block_k = 128 * 8 // bits
-        heur = heuristic_grouped_gemm_config(M, N, K, E, bits)
+        x_group, w_block = (128, True) if dtype == "fp8_block" else (None, False)
+        heur = heuristic_grouped_gemm_config(M, N, K, E, bits, x_group, w_block)
         run = lambda cfg: grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16, cfg)  # noqa: E731
         heur_ms = triton.testing.do_bench(lambda: run(heur), warmup=25, rep=100, return_mode="median")
 
@@ -152,9 +177,10 @@ def main() -> int:
         entry = {"device": dev, "E": E, "N": N, "K": K, "M_cap": M, "dtype": dtype,
                  "config": dataclasses.asdict(cfg), "ms": round(ms, 4), "heuristic_ms": round(heur_ms, 4)}
         entries.append(entry)
+        kept.pop(entry_key(entry), None)
         print(json.dumps(entry), flush=True)
         with open(path, "w") as f:  # after every problem: a run cut short keeps what it found
-            json.dump(entries, f, indent=1)
+            json.dump(list(kept.values()) + entries, f, indent=1)
     print(f"wrote {path}")
     return 0
 

@@ -305,6 +305,14 @@ HF_QUANTS = ("none", "fp8_per_token", "fp8_block")
 
 def _quant(op: str, quant: str | None) -> str:
     quant = "none" if quant is None else quant
+    if quant in ("mxfp4", "int4"):  # the layer's 4-bit modes: say where they are served
+        raise ValueError(
+            f"{op}: quant must be one of {HF_QUANTS}; got quant={quant!r}: the transformers drop-ins do not convert "
+            f"float experts to 4-bit. A 4-bit layer of one block: config, w13, w2, *rest = "
+            f"moe_torch.hf.block_layer_weights(block, with_shared_expert_gate=True, with_expert_biases=True), then "
+            f"moe_torch.EPMoE.from_float("
+            f"config.replace(quant={quant!r}), w13, w2, ...); a gpt-oss MXFP4 checkpoint: "
+            f"interop.checkpoints.load_moe_layer")
     check_choice(op, "quant", quant, HF_QUANTS)
     return quant
 

@@ -232,6 +232,24 @@ def test_bad_inputs():
         gg(x.astype(jnp.float8_e4m3fn), w_q, offsets, w_scale=w_scale, w_format="int4")
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int32_packed_codes_are_a_type_error_naming_the_uint8_view(fmt):
+    """compressed-tensors' ``weight_packed`` is int32 ``[N, K // 8]``; given as ``w`` it is a TypeError saying to view it
+    as uint8 (it was a ValueError telling the user to drop ``w_format``). The uint8 view is the quantizer's codes:
+    same GEMM bit for bit."""
+    x, w_q, w_scale, offsets, _ = problem(11, [3, 2], 6, 64, 8, fmt, "bfloat16")
+    E, N, half_k = w_q.shape
+    packed = jax.lax.bitcast_convert_type(w_q.reshape(E, N, half_k // 4, 4), jnp.int32)  # [E, N, K // 8], little-endian
+    with pytest.raises(TypeError, match=rf"grouped_gemm: w must have dtype uint8 for w_format='{fmt}' .*view it as "
+                                        r"uint8.*got w.dtype=int32"):
+        moe_pallas.grouped_gemm(x, packed, offsets, w_scale=w_scale, w_format=fmt)
+    with pytest.raises(TypeError, match=r"grouped_gemm: w must have dtype uint8 .*got w.dtype=int8"):
+        moe_pallas.grouped_gemm(x, w_q.astype(jnp.int8), offsets, w_scale=w_scale, w_format=fmt)
+    unpacked = jax.lax.bitcast_convert_type(packed, jnp.uint8).reshape(E, N, half_k)
+    np.testing.assert_array_equal(np.asarray(moe_pallas.grouped_gemm(x, unpacked, offsets, w_scale=w_scale, w_format=fmt)),
+                                  np.asarray(moe_pallas.grouped_gemm(x, w_q, offsets, w_scale=w_scale, w_format=fmt)))
+
+
 # --- The CUDA lowering (abstract H200) ------------------------------------------------------------------
 
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", 132, "cuda"))

@@ -221,6 +221,22 @@ def test_bad_inputs():
     assert gg(x, w_q, offsets, w_scale=sbf, w_format="int4").shape == (4, 8)  # the valid call beside them
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int32_packed_codes_are_a_type_error_naming_the_uint8_view(fmt):
+    """compressed-tensors' ``weight_packed`` is int32 ``[N, K // 8]``; given as ``w`` it is a TypeError saying to view it
+    as uint8 (it was a ValueError telling the user to drop ``w_format``). The uint8 view is the quantizer's codes:
+    same GEMM bit for bit."""
+    x, w_q, w_scale, offsets = problem(11, [3, 2], 8, 64, 6, fmt, torch.bfloat16)
+    packed = w_q.view(torch.int32)  # [E, N, K // 8]: eight codes an int32, element i at bits 4i (little-endian)
+    with pytest.raises(TypeError, match=rf"grouped_gemm: w must have dtype uint8 for w_format='{fmt}' .*view it as "
+                                        r"uint8.*got w.dtype=int32"):
+        moe_torch.grouped_gemm(x, packed, offsets, w_scale=w_scale, w_format=fmt)
+    with pytest.raises(TypeError, match=r"grouped_gemm: w must have dtype uint8 .*got w.dtype=int8"):
+        moe_torch.grouped_gemm(x, w_q.view(torch.int8), offsets, w_scale=w_scale, w_format=fmt)
+    assert torch.equal(moe_torch.grouped_gemm(x, packed.view(torch.uint8), offsets, w_scale=w_scale, w_format=fmt),
+                       moe_torch.grouped_gemm(x, w_q, offsets, w_scale=w_scale, w_format=fmt))
+
+
 @pytest.mark.skipif(TORCH_DEVICE != "cpu", reason="CUDA tensors default to the Triton kernel")
 def test_default_implementation_on_cpu_is_the_reference():
     x, w_q, w_scale, offsets = problem(6, [2, 3], 16, 32, 6, "int4", torch.bfloat16)

@@ -407,6 +407,28 @@ def test_patch_errors_name_the_model():
     assert not blocks(model)
 
 
+@pytest.mark.parametrize("quant", ["mxfp4", "int4"])
+def test_drop_in_4bit_quant_names_the_layer_route(quant):
+    """The drop-ins convert experts to FP8 only. ``quant='mxfp4'`` / ``'int4'`` (the layer's and ``epmoe check``'s
+    4-bit modes) raised listing the FP8 choices and nothing else; it now names the route to a 4-bit layer of the
+    block, the model unchanged, and that route runs: its output equals the float layer on the dequantized experts."""
+    model = float_model("mixtral")
+    with pytest.raises(ValueError, match=rf"quant='{quant}': the transformers drop-ins do not convert float experts "
+                                         rf"to 4-bit.*EPMoE.from_float\(config.replace\(quant='{quant}'\)"):
+        patch_hf_model(model, quant=quant)
+    assert not blocks(model)
+    block = model.model.layers[0].mlp
+    config, w13, w2, *_ = moe_torch.hf.block_layer_weights(block, with_shared_expert_gate=True, with_expert_biases=True)
+    layer = EPMoE.from_float(config.replace(quant=quant), w13, w2, implementation="reference")
+    dequantize = getattr(moe_torch, f"dequantize_weight_{quant}")
+    float_layer = EPMoE.from_float(config, dequantize(layer.w13, layer.w13_scale), dequantize(layer.w2, layer.w2_scale),
+                                   implementation="reference")
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).to(TORCH_DEVICE)
+    with torch.no_grad():
+        router_logits = block.gate(x)[0]
+        assert rel_fro(layer(x, router_logits), float_layer(x, router_logits)) < F32_REL_FRO
+
+
 # --- EPMoE module rules (issue item 8; the numpy rule) ---------------------------------------------
 
 

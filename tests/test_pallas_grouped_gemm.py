@@ -127,6 +127,33 @@ def test_row_tile_straddling_two_experts():
     assert ex.tolist() == [0, 1, 1, 2] and lo.tolist() == [0, 3, 4, 0] and hi.tolist() == [3, 4, 6, 0]
 
 
+@pytest.mark.parametrize("group_m", [2, 3, 8])
+def test_grouped_launch_order_same_result(group_m):
+    """``group_m > 1`` (the 1-D grid in the grouped launch order) computes every (step, column tile) once: the
+    same output, bit for bit, as the 2-D grid, with ragged experts (one empty), a row tile straddling two experts,
+    unused NaN-poisoned capacity and a column tail (N=40 over 16-wide tiles); 3 does not divide the 9 steps."""
+    x, w, offsets = problem(5, [7, 0, 12, 3], 26, 32, 40)
+    base = GroupedGemmConfig(block_m=4, block_n=16, block_k=16)
+    want = grouped_gemm_pallas_triton(x, w, offsets, config=base, interpret=True)
+    got = grouped_gemm_pallas_triton(x, w, offsets, config=GroupedGemmConfig(block_m=4, block_n=16, block_k=16,
+                                                                             group_m=group_m), interpret=True)
+    assert_exact(got, want, f"group_m={group_m} vs the 2-D grid")
+    assert_rel_fro(want, grouped_gemm_reference(x, w, offsets, None, None, jnp.float32), F32_REL_FRO, "vs reference")
+
+
+@pytest.mark.parametrize("n_steps,n_cols,group_m", [(9, 3, 2), (9, 3, 3), (7, 5, 8), (1, 4, 8), (12, 1, 4)])
+def test_launch_order_is_a_bijection(n_steps, n_cols, group_m):
+    t = jnp.arange(n_steps * n_cols)
+    s, j = pallas_triton._launch_order(t, n_steps, n_cols, group_m)
+    pairs = sorted(zip(to_numpy(s).tolist(), to_numpy(j).tolist()))
+    assert pairs == [(a, b) for a in range(n_steps) for b in range(n_cols)]
+
+
+def test_group_m_must_be_a_positive_int():
+    with pytest.raises(ValueError, match="group_m must be an int >= 1; got group_m=0"):
+        GroupedGemmConfig(block_m=16, block_n=16, block_k=16, group_m=0)
+
+
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_unused_capacity_is_zero_and_never_read(dtype):
     """(3) M_cap = 32 with 16 valid rows, NaN-poisoned unused input rows: rows < 16 equal the
@@ -233,6 +260,32 @@ def test_fp8_block_scales_applied_per_k_block():
     assert_rel_fro(y, blockwise, F32_REL_FRO, "block scales per K block")
 
 
+@pytest.mark.parametrize("block_n", [16, 128])
+def test_fp8_block_scale_of_each_column_tile(block_n):
+    """Each column tile reads its own 128 x 128 block's scale per K step (one scale a tile, folded into the row
+    scales): every block of w gets its own scale (2^-12 .. 2^12, so a tile reading its neighbour's is off by >= 4x),
+    over 3 column blocks (the last one partial) x 2 K blocks and 2 experts, against the blockwise formula."""
+    rng = np.random.default_rng(1)
+    E, N, K, rows = 2, 320, 256, [5, 3]
+    mags = np.exp2(rng.permutation(np.arange(-12, 13, 2))[:E * 3 * 2].reshape(E, 3, 2)).astype(np.float32)
+    w = rng.standard_normal((E, N, K)).astype(np.float32) * np.repeat(np.repeat(mags, 128, 1)[:, :N], 128, 2)
+    x = rng.standard_normal((sum(rows), K)).astype(np.float32)
+    off = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+    xq, xs = moe_pallas.per_token_group_quant_fp8(jnp.asarray(x), 128)
+    wq, ws = moe_pallas.quantize_weight_fp8(jnp.asarray(w), "block")
+    qx, qw = to_numpy(xq).astype(np.float64), to_numpy(wq).astype(np.float64)
+    sx, sw = to_numpy(xs).astype(np.float64), to_numpy(ws).astype(np.float64)
+    expected = np.zeros((sum(rows), N))
+    for e in range(E):
+        r = slice(off[e], off[e + 1])
+        for b in range(2):
+            k = slice(b * 128, (b + 1) * 128)
+            expected[r] += (qx[r, k] @ qw[e][:, k].T) * sx[r, b:b + 1] * np.repeat(sw[e, :, b], 128)[None, :N]
+    y = grouped_gemm_pallas_triton(xq, wq, jnp.asarray(off), x_scale=xs, w_scale=ws, out_dtype=jnp.float32,
+                                   config=GroupedGemmConfig(block_m=16, block_n=block_n, block_k=128))
+    assert_rel_fro(y, expected, F32_REL_FRO, f"block_n={block_n}")
+
+
 def test_fp8_unsupported_combinations_raise():
     """Valid requests this backend does not serve: a NotImplementedError with the reason."""
     x, w, offsets = problem(1, [3, 2], 8, 48, 32, poison=False)
@@ -334,6 +387,25 @@ def test_tuned_lookup_nearest_m_cap_and_fallbacks(tmp_path, monkeypatch):
     assert grouped_gemm_config(256, 4096, 7168, 32, 2) == heur(256, 4096, 7168, 32, 2)
     assert grouped_gemm_config(256, 4096, 7168, 32, 2, device_kind="Other GPU") == heur(256, 4096, 7168, 32, 2)
     assert gemm_config.tuned_entries("Other GPU") == ()
+
+
+def test_tuned_lookup_fp8_block_entries_first_then_fp8(tmp_path, monkeypatch):
+    """FP8 with 128 x 128 weight blocks takes the nearest M_cap among its own entries (``"fp8_block"``) and the
+    per-token ``"fp8"`` ones where they fit, its own at equal distance; per-token requests never take
+    ``fp8_block`` entries."""
+    block = dict(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3)
+    small = dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    use_tuned_file(tmp_path, monkeypatch, [
+        tuned_entry("pallas_triton", 4096, 7168, 16384, "fp8", TUNED_FP8_SMALL),
+        tuned_entry("pallas_triton", 4096, 7168, 256, "fp8", small),
+        tuned_entry("pallas_triton", 4096, 7168, 16384, "fp8_block", block),
+        tuned_entry("pallas_triton", 7168, 2048, 16384, "fp8", TUNED_FP8_SMALL),
+    ])
+    cfg = functools.partial(grouped_gemm_config, device_kind="Test GPU")
+    assert cfg(16384, 4096, 7168, 32, 1, 128, w_block=True) == GroupedGemmConfig(**block)
+    assert cfg(16384, 4096, 7168, 32, 1, 128) == GroupedGemmConfig(**TUNED_FP8_SMALL)
+    assert cfg(16384, 7168, 2048, 32, 1, 128, w_block=True) == GroupedGemmConfig(**TUNED_FP8_SMALL)
+    assert cfg(256, 4096, 7168, 32, 1, 128, w_block=True) == GroupedGemmConfig(**small)  # the nearer M_cap
 
 
 def test_tuned_lookup_without_a_file_is_the_heuristic(tmp_path, monkeypatch):

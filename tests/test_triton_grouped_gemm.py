@@ -234,6 +234,33 @@ def test_fp8_block_scales_applied_per_k_block():
     assert_rel_fro(y, blockwise, F32_REL_FRO, "blockwise")
 
 
+@pytest.mark.parametrize("block_n", [32, 128, 256])
+def test_fp8_block_scale_of_each_column_tile(block_n):
+    """Tiles no wider than a weight block read one block scale per K step (folded into the row scales), wider
+    ones a scale per column: every 128 x 128 block of w gets its own scale (2^-12 .. 2^12, so a tile reading its
+    neighbour's scale is off by >= 4x), over 3 column blocks (the last one partial) x 2 K blocks and 2 experts,
+    against the blockwise formula in float64."""
+    rng = np.random.default_rng(1)
+    E, N, K, rows = 2, 320, 256, [5, 3]
+    mags = np.exp2(rng.permutation(np.arange(-12, 13, 2))[:E * 3 * 2].reshape(E, 3, 2)).astype(np.float32)
+    w = rng.standard_normal((E, N, K)).astype(np.float32) * np.repeat(np.repeat(mags, 128, 1)[:, :N], 128, 2)
+    x = rng.standard_normal((sum(rows), K)).astype(np.float32)
+    off = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+    xq, xs = moe_torch.per_token_group_quant_fp8(to_torch(x), 128)
+    wq, ws = moe_torch.quantize_weight_fp8(to_torch(w), "block")
+    qx, qw = to_numpy(xq).astype(np.float64), to_numpy(wq).astype(np.float64)
+    sx, sw = to_numpy(xs).astype(np.float64), to_numpy(ws).astype(np.float64)
+    expected = np.zeros((sum(rows), N))
+    for e in range(E):
+        r = slice(off[e], off[e + 1])
+        for b in range(2):
+            k = slice(b * 128, (b + 1) * 128)
+            expected[r] += (qx[r, k] @ qw[e][:, k].T) * sx[r, b:b + 1] * np.repeat(sw[e, :, b], 128)[None, :N]
+    cfg = GroupedGemmConfig(block_m=16, block_n=block_n, block_k=128, num_warps=4, num_stages=2)
+    y = grouped_gemm_triton(xq, wq, to_torch(off), xs, ws, torch.float32, cfg)
+    assert_rel_fro(y, expected, F32_REL_FRO, f"block_n={block_n}")
+
+
 def test_fp8_group_64_and_narrow_groups(caplog):
     """Per-token-group G = 64 runs with a 64-wide K step; G = 16 is narrower than tl.dot's FP8
     minimum K (32): NotImplementedError with the reason for ``implementation="triton"``, and the
@@ -531,6 +558,35 @@ def test_tuned_entries_with_and_without_launch_order(tmp_path, monkeypatch):
         gemm_config.tuned_entries.cache_clear()
     assert old == GroupedGemmConfig(**base) and (old.group_m, old.persistent) == (1, False)
     assert new == GroupedGemmConfig(**base, group_m=8, persistent=True)
+
+
+def test_tuned_fp8_block_entries_first_then_fp8(tmp_path, monkeypatch):
+    """FP8 with 128 x 128 weight blocks takes the nearest M_cap among its own tuned entries (``"fp8_block"``) and
+    the per-token ``"fp8"`` ones, its own at equal distance (session 9: an ``fp8_block`` entry tuned at M=16384
+    alone must not replace the ``fp8`` one of M=256 there); per-token requests never take ``fp8_block`` entries."""
+    per_token = {"block_m": 64, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 4}
+    small = {"block_m": 16, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3}
+    block = {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3}
+    entries = [{"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 16384, "dtype": "fp8", "config": per_token},
+               {"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 256, "dtype": "fp8", "config": small},
+               {"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 16384, "dtype": "fp8_block", "config": block},
+               {"device": "Test GPU", "E": 32, "N": 7168, "K": 2048, "M_cap": 16384, "dtype": "fp8", "config": per_token}]
+    (tmp_path / "Test_GPU.json").write_text(json.dumps(entries))
+    monkeypatch.setattr(gemm_config, "TUNED_DIR", str(tmp_path))
+    gemm_config.tuned_entries.cache_clear()
+    try:
+        got_block = grouped_gemm_config(16384, 4096, 7168, 32, 8, 128, True, device_name="Test GPU")
+        got_token = grouped_gemm_config(16384, 4096, 7168, 32, 8, None, False, device_name="Test GPU")
+        got_fallback = grouped_gemm_config(16384, 7168, 2048, 32, 8, 128, True, device_name="Test GPU")
+        got_small = grouped_gemm_config(256, 4096, 7168, 32, 8, 128, True, device_name="Test GPU")
+        got_mid = grouped_gemm_config(4096, 4096, 7168, 32, 8, 128, True, device_name="Test GPU")
+    finally:
+        gemm_config.tuned_entries.cache_clear()
+    assert got_block == GroupedGemmConfig(**block)
+    assert got_token == GroupedGemmConfig(**per_token)
+    assert got_fallback == GroupedGemmConfig(**per_token)
+    assert got_small == GroupedGemmConfig(**small)  # M=256: the fp8 entry of 256 is nearer than fp8_block's 16384
+    assert got_mid == GroupedGemmConfig(**block)  # log2 4096 = 12: nearer 16384 (14) than 256 (8)
 
 
 # --------------------------------------------------------------------------------------

@@ -64,6 +64,10 @@ class GroupedGemmConfig:
       weight scales and the group size ``G`` with per-token-group activation scales (each
       K step then lies inside one scale group).
     num_warps, num_stages: Triton launch parameters (``num_stages`` software-pipelines the K loop).
+    group_m: launch order. 1: the 2-D grid, row-tile steps fastest (all of ``x`` read again for every
+      column tile); ``G > 1``: a 1-D grid in which ``G`` consecutive row-tile steps sweep all column
+      tiles together (their ``x`` tiles stay in L2), as moe_torch's ``group_m`` (triton-lang/triton
+      ``python/tutorials/03-matrix-multiplication.py``, ``GROUP_SIZE_M``). Never changes the result.
     """
 
     block_m: int
@@ -71,6 +75,7 @@ class GroupedGemmConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    group_m: int = 1
 
     def __post_init__(self) -> None:
         check_triton_blocks(self)
@@ -78,9 +83,10 @@ class GroupedGemmConfig:
 
 def check_triton_blocks(cfg) -> None:
     """``ValueError`` unless every field of a Pallas-Triton config (``block_m``, ``block_n``, ``block_k``,
-    ``num_warps``, ``num_stages``) is an int >= 1 and all but ``num_stages`` are powers of two."""
+    ``num_warps``, ``num_stages``, ``group_m`` where it has one) is an int >= 1 and all but ``num_stages`` and
+    ``group_m`` are powers of two."""
     cls = type(cfg).__name__
-    for name in ("block_m", "block_n", "block_k", "num_warps", "num_stages"):
+    for name in ("block_m", "block_n", "block_k", "num_warps", "num_stages") + (("group_m",) if hasattr(cfg, "group_m") else ()):
         v = getattr(cfg, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{cls}: {name} must be an int >= 1; got {name}={v!r}")
@@ -455,22 +461,23 @@ def _dtype_key(itemsize: int) -> str | None:
 
 
 def nearest_tuned(device_kind: str | None, backend: str, M_cap: int, N: int, K: int, itemsize: int,
-                  fast_accum: bool | None = None) -> dict | None:
+                  fast_accum: bool | None = None, dtypes: tuple[str, ...] | None = None) -> dict | None:
     """The ``"config"`` dict of the tuned launch config of ``backend`` for the same ``N``, ``K``, dtype (and,
-    when not ``None``, ``fast_accum``) with the nearest ``M_cap`` in log2 (ties: the first stored); ``None``
-    if ``device_kind`` is ``None`` or nothing matches. Entries with a ``"kind"`` (backend choices) are not
-    launch configs and are skipped."""
-    dtype = _dtype_key(itemsize)
-    if device_kind is None or dtype is None:
+    when not ``None``, ``fast_accum``) with the nearest ``M_cap`` in log2 (ties: the earlier key of ``dtypes``,
+    then the first stored); ``None`` if ``device_kind`` is ``None`` or nothing matches. Entries with a
+    ``"kind"`` (backend choices) are not launch configs and are skipped. ``dtypes``: the entries' keys (default
+    from ``itemsize``: ``("bf16",)`` / ``("fp8",)``; ``"fp8_block"``: FP8 tuned with 128 x 128 weight blocks)."""
+    dtypes = dtypes or (_dtype_key(itemsize),)
+    if device_kind is None or None in dtypes:
         return None
     matches = [t for t in tuned_entries(device_kind)
                if "kind" not in t  # a launch config (backend choices carry "kind": backend_table.py)
-               and (t.get("backend"), t["N"], t["K"], t["dtype"]) == (backend, N, K, dtype)
+               and (t.get("backend"), t["N"], t["K"]) == (backend, N, K) and t["dtype"] in dtypes
                and (fast_accum is None or bool(t.get("fast_accum")) == fast_accum)]
     if not matches:
         return None
     log_m = math.log2(max(M_cap, 1))
-    return min(matches, key=lambda t: abs(log_m - math.log2(max(t["M_cap"], 1))))["config"]
+    return min(matches, key=lambda t: (abs(log_m - math.log2(max(t["M_cap"], 1))), dtypes.index(t["dtype"])))["config"]
 
 
 def triton_config_problem(cfg: GroupedGemmConfig, group_size: int | None, w_block: bool, *,
@@ -553,9 +560,11 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, group
                         w_block: bool = False, device_kind: str | None = None) -> GroupedGemmConfig:
     """The Pallas-Triton config: the tuned one of ``device_kind`` (:func:`nearest_tuned`) if one is
     stored and fits this request (:func:`triton_config_fits`; ``w_block``: 128x128 block weight
-    scales), else :func:`heuristic_grouped_gemm_config`. ``device_kind=None`` (the CPU, interpret
-    mode): the heuristic."""
-    tuned = nearest_tuned(device_kind, TRITON_BACKEND, M_cap, N, K, itemsize)
+    scales), else :func:`heuristic_grouped_gemm_config`. FP8 with 128 x 128 weight blocks looks up its own
+    entries (``"fp8_block"``) and the per-token ``"fp8"`` ones (the nearest ``M_cap``; ``fp8_block`` at equal
+    distance). ``device_kind=None`` (the CPU, interpret mode): the heuristic."""
+    dtypes = ("fp8_block", "fp8") if (w_block and itemsize == 1) else None
+    tuned = nearest_tuned(device_kind, TRITON_BACKEND, M_cap, N, K, itemsize, dtypes=dtypes)
     if tuned is not None:
         cfg = GroupedGemmConfig(**tuned)
         if triton_config_fits(cfg, group_size, w_block):

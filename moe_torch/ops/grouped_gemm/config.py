@@ -206,15 +206,19 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: 
                         w_block: bool = False, device_name: str | None = None,
                         w_format: str | None = None, bias: bool = False) -> GroupedGemmConfig:
     """The tuned config of ``device_name`` for the same ``N``, ``K`` and dtype (``bits``; with 4-bit
-    weights ``"bf16_mxfp4"`` / ``"bf16_int4"``, none stored yet) with the nearest ``M_cap`` (in log2), if
+    weights ``"bf16_mxfp4"`` / ``"bf16_int4"``, none stored yet; FP8 with 128 x 128 weight blocks ``"fp8_block"``
+    and the per-token ``"fp8"`` ones, ``fp8_block`` first at equal distance) with the nearest ``M_cap`` (in log2), if
     one is stored and fits this problem's scale layout and ``bias`` (:func:`check_config`: a tuned ``tma``
     entry is skipped for a request with a bias); else :func:`heuristic_grouped_gemm_config`."""
     dtype = {8: "fp8", 16: "bf16"}.get(bits)
+    keys = (dtype,)
     if w_format is not None:  # 4-bit weights: their own entries (the bf16 ones tile another kernel)
-        dtype = f"{dtype}_{w_format}" if dtype else None
-    matches = [t for t in tuned_entries(device_name) if (t["N"], t["K"], t["dtype"]) == (N, K, dtype)] if device_name else []
-    if matches:
-        best = min(matches, key=lambda t: abs(math.log2(max(M_cap, 1)) - math.log2(t["M_cap"])))
+        keys = (f"{dtype}_{w_format}" if dtype else None,)
+    elif dtype == "fp8" and w_block:  # 128 x 128 weight blocks: their own entries, and the per-token ones
+        keys = ("fp8_block", "fp8")
+    matches = [t for t in tuned_entries(device_name) if (t["N"], t["K"]) == (N, K) and t["dtype"] in keys] if device_name else []
+    if matches:  # the nearest M_cap; at equal distance the first key's entry
+        best = min(matches, key=lambda t: (abs(math.log2(max(M_cap, 1)) - math.log2(t["M_cap"])), keys.index(t["dtype"])))
         cfg = GroupedGemmConfig(**best["config"])  # entries without group_m / persistent: the defaults
         try:
             check_config("grouped_gemm", cfg, bits, x_group, w_block, w_format, bias=bias)
