@@ -162,6 +162,10 @@ def check_w4_format(op: str, w_format: Any, w: Any, w_name: str = "w") -> None:
             raise ValueError(f"{op}: w_format must be one of {W4_FORMATS} for uint8 {w_name} (4-bit packed codes "
                              f"[E, N, K // 2]); got w_format=None")
         check_choice(op, "w_format", w_format, W4_FORMATS)
+    elif w_format is not None and dtype_name(w).startswith(("int", "uint")):  # codes of another integer type
+        raise TypeError(f"{op}: {w_name} must have dtype uint8 for w_format={w_format!r} (4-bit packed codes, two a "
+                        f"byte, [E, N, K // 2]; compressed-tensors' int32 weight_packed [N, K // 8] is these bytes: "
+                        f"view it as uint8, CONTRACT.md section 9); got {w_name}.dtype={dtype_name(w)}")
     elif w_format is not None:
         raise ValueError(f"{op}: w_format must be None unless {w_name} holds 4-bit packed codes (uint8); got "
                          f"w_format={w_format!r} with {w_name}.dtype={dtype_name(w)}")
