@@ -289,3 +289,18 @@ def test_bug_reference_with_no_local_experts_returns_zeros(fmt):
     for impl in ("reference", "pallas_triton"):
         y = moe_pallas.grouped_gemm(x, w, jnp.zeros((1,), jnp.int32), implementation=impl, **kw)
         assert y.shape == (3, 4) and y.dtype == jnp.bfloat16 and not to_numpy(y).astype(np.float32).any()
+
+
+def test_heuristic_k_step_of_4bit_weights():
+    """bf16 / float16 x with INT4 weights: 128-wide K steps, never wider than K needs (measured faster at every
+    decode T; MXFP4 only at T=1, so it keeps 64: BENCHMARKS.md session 9); float32 x keeps its 32; the untuned
+    default of ``grouped_gemm_pallas_triton`` asks for it (``w_format``)."""
+    from moe_pallas.ops.grouped_gemm.config import grouped_gemm_config, heuristic_grouped_gemm_config
+
+    assert heuristic_grouped_gemm_config(256, 5760, 2880, 128, 2, w_format="int4").block_k == 128
+    assert heuristic_grouped_gemm_config(256, 5760, 2880, 128, 2, w_format="mxfp4").block_k == 64
+    assert grouped_gemm_config(256, 5760, 2880, 128, 2, device_kind="NVIDIA H200", w_format="int4").block_k == 128
+    for fmt in ("mxfp4", "int4"):
+        assert heuristic_grouped_gemm_config(256, 5760, 2880, 128, 4, w_format=fmt).block_k == 32
+        assert heuristic_grouped_gemm_config(8, 64, 64, 4, 2, w_format=fmt).block_k == 64
+    assert heuristic_grouped_gemm_config(256, 5760, 2880, 128, 2).block_k == 64  # bf16 weights: 128-byte rows

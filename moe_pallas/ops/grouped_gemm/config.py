@@ -35,6 +35,9 @@ from jax.experimental import pallas as pl
 
 from moe_contract.op_checks import W4_GROUP  # K values per scale of 4-bit weights (CONTRACT.md section 9)
 
+#: The heuristic K step with 4-bit weights and 16-bit ``x`` (128 K values: 256 bytes of ``x``, 64 of codes a row).
+W4_BLOCK_K = 128
+
 #: Smallest block of a ``dot`` dimension: Hopper's tensor-core instructions (and Triton's
 #: ``tt.dot`` lowering for them) need M, N and K tiles of at least 16.
 MIN_DOT_BLOCK = 16
@@ -102,13 +105,17 @@ def largest_pow2_divisor(n: int) -> int:
 
 
 def heuristic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int,
-                                  group_size: int | None = None) -> GroupedGemmConfig:
+                                  group_size: int | None = None, w_format: str | None = None) -> GroupedGemmConfig:
     """The heuristic: a config for ``x [M_cap, K]`` (``itemsize`` bytes a value) x ``w [E, N, K]``.
 
     ``block_m``: the average rows per expert, ``M_cap / E``, rounded up to a power of two and
     clamped to ``[16, MAX_BLOCK_M]`` (at decode sizes most experts get a handful of rows).
     ``block_k``: ``K_TILE_BYTES / itemsize`` (128 for FP8: one weight-scale block), at most
     ``group_size``'s largest power-of-two divisor for per-token-group scales.
+    INT4 weights with 16-bit ``x``: ``block_k`` 128 (:data:`W4_BLOCK_K`); MXFP4 keeps 64. Measured on the H200
+    (BENCHMARKS.md session 9, gpt-oss-120b's decode layer at T = 1 / 8 / 64 / 512, ms, K step 64 -> 128): INT4
+    0.260 / 0.496 / 1.693 / 3.069 -> 0.194 / 0.420 / 1.555 / 2.953; MXFP4 0.248 / 0.410 / 1.473 / 2.833 -> 0.202 /
+    0.428 / 1.579 / 3.063 (faster at T=1 only).
     ``num_stages=3``: three K steps in flight; at the largest tiles (fp8, 64x128 + 128x128 bytes,
     or bf16 64x64 + 128x64 x 2 bytes) that is under 80 KiB of the H200's 228 KiB shared memory.
     """
@@ -118,6 +125,8 @@ def heuristic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: 
     block_k = max(MIN_DOT_BLOCK, min(K_TILE_BYTES // itemsize, pl.next_power_of_2(max(K, 1))))
     if group_size is not None:
         block_k = max(MIN_DOT_BLOCK, min(block_k, largest_pow2_divisor(group_size)))
+    if w_format == "int4" and itemsize == 2:
+        block_k = max(W4_GROUP, min(W4_BLOCK_K, pl.next_power_of_2(max(K, 1))))
     return GroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
 
 
@@ -557,19 +566,20 @@ def mosaic_config_fits(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: i
 
 
 def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, group_size: int | None = None, *,
-                        w_block: bool = False, device_kind: str | None = None) -> GroupedGemmConfig:
+                        w_block: bool = False, device_kind: str | None = None,
+                        w_format: str | None = None) -> GroupedGemmConfig:
     """The Pallas-Triton config: the tuned one of ``device_kind`` (:func:`nearest_tuned`) if one is
     stored and fits this request (:func:`triton_config_fits`; ``w_block``: 128x128 block weight
     scales), else :func:`heuristic_grouped_gemm_config`. FP8 with 128 x 128 weight blocks looks up its own
     entries (``"fp8_block"``) and the per-token ``"fp8"`` ones (the nearest ``M_cap``; ``fp8_block`` at equal
     distance). ``device_kind=None`` (the CPU, interpret mode): the heuristic."""
     dtypes = ("fp8_block", "fp8") if (w_block and itemsize == 1) else None
-    tuned = nearest_tuned(device_kind, TRITON_BACKEND, M_cap, N, K, itemsize, dtypes=dtypes)
+    tuned = None if w_format else nearest_tuned(device_kind, TRITON_BACKEND, M_cap, N, K, itemsize, dtypes=dtypes)
     if tuned is not None:
         cfg = GroupedGemmConfig(**tuned)
         if triton_config_fits(cfg, group_size, w_block):
             return cfg
-    return heuristic_grouped_gemm_config(M_cap, N, K, E, itemsize, group_size)
+    return heuristic_grouped_gemm_config(M_cap, N, K, E, itemsize, group_size, w_format)
 
 
 def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *, per_step_scales: bool = False,

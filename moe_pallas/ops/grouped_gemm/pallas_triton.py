@@ -334,7 +334,7 @@ def grouped_gemm_pallas_triton(
     if config is None:  # tuned for this GPU (device kind read on the host at trace time) or the heuristic
         # (4-bit: the heuristic only, whose block_k, a power of two >= 32 for K >= 32, holds whole groups)
         cfg = grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, G or None, w_block=w_kind == "block",
-                                  device_kind=None if interpret or w_format else gpu_device_kind())
+                                  device_kind=None if interpret or w_format else gpu_device_kind(), w_format=w_format)
     else:
         cfg = config
     check_supported(x_kind, w_kind, G, cfg, interpret, w_format)
