@@ -34,7 +34,8 @@ DIVISIBLE_BY_16 = {"x_ptr", "w_ptr", "offsets_ptr", "x_scale_ptr", "w_scale_ptr"
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
 
 
-def compile_sass(fmt: str, block_m: int, block_n: int, block_k: int, warps: int, stages: int, table: bool = True) -> str:
+def compile_sass(fmt: str, block_m: int, block_n: int, block_k: int, warps: int, stages: int, table: bool = True,
+                 tma: bool = False) -> str:
     """The SASS (text) of ``moe_torch``'s ``_grouped_gemm_kernel`` for bf16 ``x`` and ``fmt`` weights (``fp8_block``:
     FP8 ``x`` and ``w``), for sm_90.
     ``table``: MXFP4 with the e8m0 table argument (as the launcher passes it on a GPU). Under ``TRITON_INTERPRET=1``
@@ -46,7 +47,8 @@ def compile_sass(fmt: str, block_m: int, block_n: int, block_k: int, warps: int,
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "kernel.sass")
             cmd = [sys.executable, os.path.abspath(__file__), "--format", fmt, "--block", f"{block_m}x{block_n}x{block_k}",
-                   "--warps", str(warps), "--stages", str(stages), "--sass", out] + ([] if table else ["--no-table"])
+                   "--warps", str(warps), "--stages", str(stages), "--sass", out] + ([] if table else ["--no-table"]) \
+                + (["--tma"] if tma else [])
             subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
             with open(out) as f:
                 return f.read()
@@ -63,11 +65,15 @@ def compile_sass(fmt: str, block_m: int, block_n: int, block_k: int, warps: int,
            **{n: "i32" for n in INT_ARGS}}
     if fmt == "mxfp4" and table:
         sig["e8m0_lut"] = "*bf16"
+    if tma:  # the TMA variant: x and w tiles through host-side tensor descriptors
+        t = code[1:]
+        sig["x_desc"] = f"tensordesc<{t}[{block_m}, {block_k}]>"
+        sig["w_desc"] = f"tensordesc<{t}[{block_n}, {block_k}]>"
     const = dict(X_SCALE=X_SCALE_CODES["per_token_group" if fp8 else None],
                  W_SCALE=W_SCALE_CODES["block" if fp8 else fmt if w4 else None], X_GROUP=128 if fp8 else 1,
                  W_BLOCK=128 if fp8 else 1, IEEE_F32=False,
                  HAS_BIAS=False, BLOCK_E=256, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
-                 PERSISTENT=False)
+                 PERSISTENT=False, TMA=tma)
     const.update({p.name: p.default for p in kernel.params if p.has_default and p.name not in sig and p.name not in const})
     sig.update({k: "constexpr" for k in const})
     names = [p.name for p in kernel.params]
@@ -117,19 +123,22 @@ def main(argv=None) -> int:
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--no-table", action="store_true", help="MXFP4 without the e8m0 table (scales from their bits)")
+    p.add_argument("--tma", action="store_true", help="the TMA variant (bf16 / fp8_block weights)")
     p.add_argument("--sass", default=None, help="also write the whole SASS here")
     a = p.parse_args(argv)
     try:
         bm, bn, bk = (int(v) for v in a.block.split("x"))
     except ValueError:
         p.error(f"--block must be BLOCK_MxBLOCK_NxBLOCK_K, e.g. 16x128x64; got {a.block!r}")
-    sass = compile_sass(a.format, bm, bn, bk, a.warps, a.stages, table=not a.no_table)
+    if a.tma and a.format in ("mxfp4", "int4"):
+        p.error("--tma: the TMA variant takes bf16 or fp8_block weights, not 4-bit ones")
+    sass = compile_sass(a.format, bm, bn, bk, a.warps, a.stages, table=not a.no_table, tma=a.tma)
     if a.sass:
         with open(a.sass, "w") as f:
             f.write(sass)
     loop = hottest_loop(sass)
     per_lane = len(loop) * 32 * a.warps / (bn * bk)
-    print(f"{a.format} {bm}x{bn}x{bk}, {a.warps} warps, {a.stages} stages: K loop {len(loop)} instructions a step "
+    print(f"{a.format}{' TMA' if a.tma else ''} {bm}x{bn}x{bk}, {a.warps} warps, {a.stages} stages: K loop {len(loop)} instructions a step "
           f"({bn * bk} weights): {per_lane:.2f} lane-instructions a weight")
     print("  " + ", ".join(f"{k} {v}" for k, v in opcodes(loop).most_common(16)))
     return 0

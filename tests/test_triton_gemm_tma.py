@@ -72,6 +72,36 @@ def test_tma_matches_reference(shape, dtype, order):
         assert_exact(t, b, "input unchanged")
 
 
+@pytest.mark.parametrize("layout", ["per_token_group-block", "per_token-per_channel"])
+@pytest.mark.parametrize("block_n", [16, 256])
+def test_tma_fp8_same_as_pointer_kernel(layout, block_n):
+    """FP8 through the TMA variant: DeepSeek-V3's 1 x 128 groups x 128 x 128 blocks (the per-step promotion; a
+    16-wide tile reads one block scale, a 256-wide one a scale per column) and per-token x per-channel (scales
+    after the loop), on ragged experts (one empty), unused capacity and an N tail (N=272: two whole weight
+    blocks and a partial one), 2 K blocks: the pointer kernel's output within F32_REL_FRO (the same products;
+    the dots may sum them in another order: 1-ulp differences in the interpreter's matmul), and the torch
+    reference's within FP8_REL_FRO."""
+    from moe_torch import per_token_group_quant_fp8, per_token_quant_fp8, quantize_weight_fp8
+    from tolerances import FP8_REL_FRO
+
+    counts, m_cap, K, N = [9, 0, 22, 4], 40, 256, 272
+    x_np, w_np, off_np = make_problem(11, counts, m_cap, K, N)
+    x_np[int(off_np[-1]):] = 1.0  # unused capacity: finite (the quantizers reject NaN)
+    x, w, offsets = to_torch(x_np), to_torch(w_np), to_torch(off_np)
+    if layout == "per_token_group-block":
+        (xq, xs), (wq, ws) = per_token_group_quant_fp8(x, 128), quantize_weight_fp8(w, "block")
+    else:
+        (xq, xs), (wq, ws) = per_token_quant_fp8(x), quantize_weight_fp8(w, "per_channel")
+    cfg = GroupedGemmConfig(block_m=16, block_n=block_n, block_k=128, num_warps=4, num_stages=3)
+    want = grouped_gemm_triton(xq, wq, offsets, xs, ws, torch.float32, cfg)
+    got = grouped_gemm_triton(xq, wq, offsets, xs, ws, torch.float32, dataclasses.replace(cfg, tma=True))
+    M = int(off_np[-1])
+    assert_rel_fro(got, want, F32_REL_FRO, f"TMA vs pointer kernel, fp8 {layout}")
+    assert not got[M:].any(), "rows >= M are zero"
+    ref = grouped_gemm_reference(xq, wq, offsets, xs, ws, torch.float32)
+    assert_rel_fro(got[:M], ref[:M], FP8_REL_FRO, f"TMA fp8 {layout} vs the torch reference")
+
+
 def test_tma_no_rows_at_all():
     """All experts empty: nothing is stored (the poisoned output stays NaN), zeros from the public launcher."""
     x_np, w_np, off_np = make_problem(3, [0, 0, 0], 8, 32, 16)
@@ -97,9 +127,9 @@ def _problem(dtype="bfloat16", K=32):
 
 
 def test_tma_refuses_requests_it_does_not_serve():
-    """FP8, float32, 4-bit weights, a bias and the dgrad kernel: NotImplementedError naming ``tma=True``
+    """float32, 4-bit weights, a bias and the dgrad kernel: NotImplementedError naming ``tma=True``
     and what came, from check_config, before any launch."""
-    for kwargs, what in [(dict(bits=8), "FP8"), (dict(bits=32), "float32"), (dict(bits=16, w_format="mxfp4"), "mxfp4"),
+    for kwargs, what in [(dict(bits=32), "float32"), (dict(bits=16, w_format="mxfp4"), "mxfp4"),
                          (dict(bits=16, bias=True), "bias"), (dict(bits=16, forward=False), "dgrad")]:
         bits = kwargs.pop("bits")
         with pytest.raises(NotImplementedError, match=f"config tma=True .*{what}"):
@@ -171,11 +201,14 @@ _INT_ARGS = ("M_cap", "N", "K", "E", "stride_xm", "stride_we", "stride_wn", "str
              "stride_wse", "stride_wsn", "stride_wsk", "stride_be")
 
 
-def _tma_job(bm, bn, bk, warps, ws, persistent=False, group_m=1):
-    return {"signature": {"x_ptr": "*bf16", "w_ptr": "*bf16", "offsets_ptr": "*i32", "x_scale_ptr": "*fp32",
+def _tma_job(bm, bn, bk, warps, ws, persistent=False, group_m=1, fp8_block=False):
+    t = "fp8e4nv" if fp8_block else "bf16"
+    return {"signature": {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "offsets_ptr": "*i32", "x_scale_ptr": "*fp32",
                           "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16", **{a: "i32" for a in _INT_ARGS},
-                          "x_desc": f"tensordesc<bf16[{bm}, {bk}]>", "w_desc": f"tensordesc<bf16[{bn}, {bk}]>"},
-            "constexprs": {"X_SCALE": 0, "W_SCALE": 0, "X_GROUP": 1, "W_BLOCK": 1, "IEEE_F32": False, "HAS_BIAS": False,
+                          "x_desc": f"tensordesc<{t}[{bm}, {bk}]>", "w_desc": f"tensordesc<{t}[{bn}, {bk}]>"},
+            "constexprs": {"X_SCALE": 3 if fp8_block else 0, "W_SCALE": 3 if fp8_block else 0,
+                           "X_GROUP": 128 if fp8_block else 1, "W_BLOCK": 128 if fp8_block else 1, "IEEE_F32": False,
+                           "HAS_BIAS": False,
                            "BLOCK_E": 64, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
                            "PERSISTENT": persistent, "TMA": True, "WARP_SPECIALIZE": ws},
             "options": {"num_warps": warps, "num_stages": 3}}
@@ -188,10 +221,12 @@ def test_tma_compiles_for_sm90():
     on sm_90 (no producer partition, no ``setmaxnreg``): the finding of the module docstring; if a new triton
     changes that, this test says so and the docstring must be updated."""
     jobs = {"64x128": _tma_job(64, 128, 64, 4, False), "128x256-persistent-g8": _tma_job(128, 256, 64, 8, False, True, 8),
-            "128x256-persistent-g8-ws": _tma_job(128, 256, 64, 8, True, True, 8)}
+            "128x256-persistent-g8-ws": _tma_job(128, 256, 64, 8, True, True, 8),
+            "fp8-block-64x128-g8": _tma_job(64, 128, 128, 4, False, group_m=8, fp8_block=True)}
     ptx = compile_sm90(jobs, "moe_torch.ops.grouped_gemm.triton", "_grouped_gemm_kernel")
     for name, p in ptx.items():
         assert ".target sm_90" in p and "cp.async.bulk.tensor" in p, name
-        assert "wgmma.mma_async.sync.aligned" in p and ".bf16.bf16" in p, name
+        assert "wgmma.mma_async.sync.aligned" in p, name
+        assert (".e4m3.e4m3" if name.startswith("fp8") else ".bf16.bf16") in p, name
     assert ptx["128x256-persistent-g8-ws"] == ptx["128x256-persistent-g8"], "warp_specialize became effective on sm_90"
     assert "setmaxnreg" not in ptx["128x256-persistent-g8-ws"]

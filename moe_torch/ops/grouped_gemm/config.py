@@ -76,16 +76,17 @@ class GroupedGemmConfig:
     #: "Hopper: what Triton 3.6 offers"): ``x`` and ``w`` tiles loaded through host-side tensor descriptors
     #: (Hopper's TMA engine), the store still the masked pointer store. Why: a dense Triton 3.6 matmul with
     #: TMA loads and 128 x 256 tiles reached 720 TFLOP/s bf16 on the H200 (ENVIRONMENT.md, dense 8192^3), the pointer
-    #: grouped GEMM ~540;
-    #: unmeasured on the grouped GEMM. Rules: a bool; serves 16-bit (bf16 / fp16) forwards without bias only
-    #: (:func:`check_config`: FP8, float32, 4-bit weights, bias and the dgrad kernel are refused, naming the
+    #: grouped GEMM ~540; on the grouped GEMM (BENCHMARKS.md session 9) it is the H200's tuned bf16 choice at
+    #: M=16384 (gate_up 1.832 -> 1.423 ms). Rules: a bool; serves 16-bit (bf16 / fp16) and FP8 forwards without
+    #: bias only (:func:`check_config`: float32, 4-bit weights, bias and the dgrad kernel are refused, naming the
     #: field); every block <= :data:`TMA_MAX_BLOCK`. False (default) keeps the pointer kernel.
     tma: bool = False
     #: ``tl.range(0, K, block_k, warp_specialize=True)`` on the TMA variant's K loop (Triton's automatic warp
     #: specialization: a producer partition issuing the TMA loads, consumers running the MMAs). Documented
     #: "Blackwell only" in Triton 3.6, yet its sm_90 pipeline runs ``add_hopper_warpspec``: to be measured.
     #: Compiled for sm_90 on the CPU: 4 warps fail in the compiler (refused), 8 warps give PTX identical to
-    #: ``warp_specialize=False`` (no producer partition, no ``setmaxnreg``): a no-op until a GPU says otherwise.
+    #: ``warp_specialize=False`` (no producer partition, no ``setmaxnreg``): a no-op (on the H200 the tuner's
+    #: winners have it on for gate_up and off for down, within run-to-run noise of each other).
     #: Rules: a bool; needs ``tma=True`` and ``num_warps >= 8``. False (default) leaves the loop unannotated.
     warp_specialize: bool = False
 
@@ -116,9 +117,10 @@ def check_config(op: str, cfg: GroupedGemmConfig, bits: int, x_group: int | None
                  w_format: str | None = None, *, bias: bool = False, forward: bool = True) -> None:
     """``ValueError`` if ``cfg`` breaks the rules of :class:`GroupedGemmConfig` for this problem
     (``w_format``: ``"mxfp4"`` / ``"int4"`` for 4-bit weights, whose K steps cover whole groups of 32);
-    ``NotImplementedError`` if ``cfg.tma`` / ``cfg.warp_specialize`` (the opt-in TMA variant) is asked of a
-    request that variant does not serve: ``bits != 16`` (FP8, float32), 4-bit weights, ``bias``, or not the
-    forward kernel (``forward=False``: the dgrad kernel, which tiles alike but has no TMA variant)."""
+    ``NotImplementedError`` if ``cfg.tma`` / ``cfg.warp_specialize`` (the TMA variant) is asked of a request that
+    variant does not serve: float32 operands, 4-bit weights, ``bias``, or not the forward kernel (``forward=False``:
+    the dgrad kernel, which tiles alike but has no TMA variant). 16-bit and FP8 (every scale layout) forwards are
+    served."""
     pow2 = all(b > 0 and b & (b - 1) == 0 for b in (cfg.block_m, cfg.block_n, cfg.block_k))
     limit = k_step_limit(x_group, w_block)
     lowest = min_block_k(bits, w_format)
@@ -133,12 +135,11 @@ def check_config(op: str, cfg: GroupedGemmConfig, bits: int, x_group: int | None
         field = "tma=True" + (" (and warp_specialize=True)" if cfg.warp_specialize else "")
         refused = ("the dgrad kernel (forward only)" if not forward
                    else f"{w_format} 4-bit weights" if w_format
-                   else "FP8 operands" if bits == 8
                    else "float32 operands" if bits == 32
                    else "a bias" if bias else None)
         if refused:
-            raise NotImplementedError(f"{op}: config {field} serves 16-bit (bf16 / fp16) forwards without bias only; "
-                                      f"got {refused}")
+            raise NotImplementedError(f"{op}: config {field} serves 16-bit (bf16 / fp16) and FP8 forwards without bias "
+                                      f"only; got {refused}")
         if cfg.warp_specialize and cfg.num_warps < 8:
             raise NotImplementedError(f"{op}: config warp_specialize=True needs num_warps >= 8: with 4 warps triton 3.6's "
                                       f"sm_90 pass NVGPUWarpSpecialization fails to compile the kernel; got {cfg}")

@@ -65,8 +65,10 @@ every tile (work item, column tile) is computed exactly once, whatever the order
   pid + #programs, ...`` below ``total * n_cols`` in the same order (``group_m`` applies): no
   idle programs launched, and steps 1-2 (offsets load, prefix sums) once per program, not per tile.
 
-TMA variant (opt-in: ``GroupedGemmConfig(tma=True)``: ``_grouped_gemm_kernel`` with ``TMA``; the default configs never
-select it). 16-bit (bf16 / fp16) forwards without bias only; the same work items, grids and launch orders.
+TMA variant (``GroupedGemmConfig(tma=True)``: ``_grouped_gemm_kernel`` with ``TMA``; the heuristic never selects it,
+the H200's tuned bf16 entries at M=16384 do). 16-bit (bf16 / fp16) and FP8 forwards (every scale layout: the
+scales load through pointers as in the pointer kernel) without bias only; the same work items, grids and launch
+orders.
 ``x`` and ``w`` tiles come through host-side tensor descriptors (``triton.tools.tensor_descriptor.
 TensorDescriptor``, zero padding): ``x [M_cap, K]`` in ``[BLOCK_M, BLOCK_K]`` boxes loaded at ``[tile *
 BLOCK_M, k0]`` (the whole row tile: rows of other experts, and of no expert, are computed but never stored;
@@ -74,14 +76,14 @@ rows past ``M_cap`` and the K tail are zero-filled by the descriptor's bounds), 
 in ``[BLOCK_N, BLOCK_K]`` boxes at ``[e * N + pid_n * BLOCK_N, k0]`` (the N tail reads the next expert's rows:
 computed, never stored). The store stays the masked pointer store. The K loop is ``tl.range(0, K, BLOCK_K,
 warp_specialize=cfg.warp_specialize)``. Refused on the host before launch: by ``check_config``
-(``NotImplementedError`` naming ``tma=True``) FP8, float32, 4-bit weights, a bias, the dgrad kernel, and
+(``NotImplementedError`` naming ``tma=True``) float32, 4-bit weights, a bias, the dgrad kernel, and
 ``warp_specialize`` below 8 warps; (``ValueError``) blocks over 256 (a TMA box side), ``warp_specialize``
 without ``tma``; by ``_tma_descriptors`` (``NotImplementedError``) a base address or row stride of ``x`` or
 ``w`` not a multiple of 16 bytes (contiguous inputs: ``K * itemsize % 16 != 0``, e.g. odd K), ``w.stride(0)
 != N * w.stride(1)``, ``K == 0``, and ``M_cap`` or ``E * N`` of 2**31 or more (int32 TMA coordinates).
 
 Hopper: what Triton 3.6 offers (issue 14; read in the installed triton 3.6.0 and compiled for sm_90 on a
-CPU, ``tests/test_triton_gemm_tma.py``; nothing here is measured on a GPU yet):
+CPU, ``tests/test_triton_gemm_tma.py``; measured on the H200 where said):
 
 * TMA: device-side ``tl.make_tensor_descriptor`` (needs ``triton.set_allocator`` for the descriptor's global
   scratch) and host-side ``TensorDescriptor`` kernel arguments (the launcher encodes the ``CUtensorMap``,
@@ -96,10 +98,11 @@ CPU, ``tests/test_triton_gemm_tma.py``; nothing here is measured on a GPU yet):
   ``setmaxnreg``): a no-op here. Hand-written warp specialization on Hopper needs Gluon or Mosaic GPU.
 * Persistent kernels: plain ``tl.range(pid, tiles, num_programs)`` loops (``persistent=True`` above); ``tl.range``
   also has ``flatten=`` (nested-loop fusion, run on sm_90 by ``add_fuse_nested_loops``), not used here.
-* Left to measure on the H200 (``benchmarks/tune_triton_gemm.py --tma``): the TMA variant against the pointer
-  kernel at M=16384 (a dense Triton 3.6 TMA matmul reached 720 TFLOP/s bf16 there, the pointer grouped GEMM
-  ~540), its wider tiles (128x256 / 8 warps), persistent + ``group_m``, whether ``warp_specialize`` on 8 warps
-  changes anything at run time (the PTX says no), and ``compute-sanitizer`` on the new kernel.
+* Measured (H200, ``benchmarks/tune_triton_gemm.py --dtypes bf16 --ms 16384 --tma``, BENCHMARKS.md session 9):
+  the TMA variant at 128x256 / 8 warps, persistent, ``group_m`` 4 beats every pointer config at M=16384: gate_up
+  (K=7168, N=4096) 1.832 -> 1.423 ms, down (K=2048, N=7168) 1.012 -> 0.830 (``torch._grouped_mm`` 1.477 / 0.807 in
+  the bench). The tuner keeps the winner only: gate_up's has ``warp_specialize`` on, down's off; with identical
+  PTX the difference between the two is run-to-run noise. Not run: ``compute-sanitizer`` on the TMA variant.
 
 Offsets ``row * stride`` and ``e * N * K`` are int64 (both pass
 2**31: ``M_cap * K`` at 300k rows of H=7168, ``E * N * K`` at E=256, N=7168, K=2048).
@@ -291,6 +294,36 @@ def _w4_decode(c, W4: tl.constexpr):
 
 
 @triton.jit
+def _promote_step(acc, part, k0, rows64, row_mask, cols, col_mask, e64, pid_n, x_scale_ptr, w_scale_ptr, stride_xsm,
+                  stride_xsk, stride_wse, stride_wsn, stride_wsk, X_SCALE: tl.constexpr, W_SCALE: tl.constexpr,
+                  X_GROUP: tl.constexpr, W_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``acc + part * scales`` for the FP8 K step at ``k0`` whose scales vary along K (per-token-group ``x``
+    scales ``[M_cap, K // X_GROUP]`` and / or 128 x 128 weight blocks ``[E, cdiv(N, W_BLOCK), cdiv(K, W_BLOCK)]``;
+    the step lies in one group and one block). Where the tile's columns lie in one weight block (``BLOCK_N <=
+    W_BLOCK``, powers of 2) its weight scale is one scalar, folded into the row scales, so the promotion is one
+    FFMA an element (was FMUL + FFMA and a per-column scale gather: SASS a step 290 -> 212 at 64x128x128 over 4
+    warps, 306 -> 184 at 128x128x128 over 8; ``benchmarks/sass_gemm.py --format fp8_block``)."""
+    if W_SCALE == _WS_BLOCK and BLOCK_N <= W_BLOCK:
+        sw = tl.load(w_scale_ptr + e64 * stride_wse + ((pid_n * BLOCK_N) // W_BLOCK) * stride_wsn
+                     + (k0 // W_BLOCK) * stride_wsk)
+        if X_SCALE == _XS_GROUP:
+            sx = tl.load(x_scale_ptr + rows64 * stride_xsm + (k0 // X_GROUP) * stride_xsk, mask=row_mask, other=0.0)
+            acc += part * (sx * sw)[:, None]
+        else:
+            acc += part * sw
+    else:
+        if X_SCALE == _XS_GROUP:
+            sx = tl.load(x_scale_ptr + rows64 * stride_xsm + (k0 // X_GROUP) * stride_xsk, mask=row_mask, other=0.0)
+            part = part * sx[:, None]
+        if W_SCALE == _WS_BLOCK:
+            sw = tl.load(w_scale_ptr + e64 * stride_wse + (cols // W_BLOCK) * stride_wsn + (k0 // W_BLOCK) * stride_wsk,
+                         mask=col_mask, other=0.0)
+            part = part * sw[None, :]
+        acc += part
+    return acc
+
+
+@triton.jit
 def _grouped_gemm_tile(
     p,  # int32: this tile's work item (row tile, expert), 0 <= p < total (see the module docstring)
     pid_n,  # int32: this tile's column tile, columns [pid_n * BLOCK_N, +BLOCK_N)
@@ -330,7 +363,7 @@ def _grouped_gemm_tile(
     BLOCK_M: tl.constexpr,  # rows per tile (power of 2)
     BLOCK_N: tl.constexpr,  # columns per tile (power of 2)
     BLOCK_K: tl.constexpr,  # K step (power of 2; divides X_GROUP's and W_BLOCK's powers of 2)
-    TMA: tl.constexpr,  # bool: the opt-in TMA variant (16-bit, no scales, no bias: check_config)
+    TMA: tl.constexpr,  # bool: the TMA variant (16-bit or FP8, no bias, no 4-bit: check_config)
     WARP_SPECIALIZE: tl.constexpr,  # bool: tl.range(..., warp_specialize=True) on the TMA variant's K loop
     e8m0_lut,  # None, or bf16 [256] 2^(s - 127) by e8m0 code (the packed MXFP4 decode's scales)
 ):
@@ -360,7 +393,15 @@ def _grouped_gemm_tile(
         m0 = tile * BLOCK_M
         n0 = e * N + pid_n * BLOCK_N
         for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
-            acc = tl.dot(x_desc.load([m0, k0]), w_desc.load([n0, k0]).T, acc)  # float32 accumulation
+            if X_SCALE == _XS_GROUP or W_SCALE == _WS_BLOCK:  # FP8, scales along K: promoted every step, as below
+                part = tl.dot(x_desc.load([m0, k0]), w_desc.load([n0, k0]).T, max_num_imprecise_acc=BLOCK_K)
+                acc = _promote_step(acc, part, k0, rows64, row_mask, cols, col_mask, e64, pid_n, x_scale_ptr,
+                                    w_scale_ptr, stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk,
+                                    X_SCALE, W_SCALE, X_GROUP, W_BLOCK, BLOCK_N)
+            elif X_SCALE != _XS_NONE:  # FP8, scales after the loop
+                acc = tl.dot(x_desc.load([m0, k0]), w_desc.load([n0, k0]).T, acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(x_desc.load([m0, k0]), w_desc.load([n0, k0]).T, acc)  # float32 accumulation
     else:
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
@@ -389,29 +430,9 @@ def _grouped_gemm_tile(
                     # max_num_imprecise_acc=BLOCK_K: the fp8 tensor-core sum is promoted to float32
                     # every step (DeepSeek-V3 report, sec. 3.3.2, "increasing accumulation precision").
                     part = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
-                    if W_SCALE == _WS_BLOCK and BLOCK_N <= W_BLOCK:
-                        # The tile's columns lie in one weight block (powers of 2): one scale for the tile, folded
-                        # into the row scales, so the promotion is one FFMA an element (was FMUL + FFMA and a
-                        # per-column scale gather: SASS a step 290 -> 212 at 64x128x128 over 4 warps, 306 -> 184 at
-                        # 128x128x128 over 8; benchmarks/sass_gemm.py --format fp8_block).
-                        sw = tl.load(w_scale_ptr + e64 * stride_wse + ((pid_n * BLOCK_N) // W_BLOCK) * stride_wsn
-                                     + (k0 // W_BLOCK) * stride_wsk)
-                        if X_SCALE == _XS_GROUP:
-                            sx = tl.load(x_scale_ptr + rows64 * stride_xsm + (k0 // X_GROUP) * stride_xsk,
-                                         mask=row_mask, other=0.0)
-                            acc += part * (sx * sw)[:, None]
-                        else:
-                            acc += part * sw
-                    else:
-                        if X_SCALE == _XS_GROUP:
-                            sx = tl.load(x_scale_ptr + rows64 * stride_xsm + (k0 // X_GROUP) * stride_xsk,
-                                         mask=row_mask, other=0.0)
-                            part = part * sx[:, None]
-                        if W_SCALE == _WS_BLOCK:
-                            sw = tl.load(w_scale_ptr + e64 * stride_wse + (cols // W_BLOCK) * stride_wsn
-                                         + (k0 // W_BLOCK) * stride_wsk, mask=col_mask, other=0.0)
-                            part = part * sw[None, :]
-                        acc += part
+                    acc = _promote_step(acc, part, k0, rows64, row_mask, cols, col_mask, e64, pid_n, x_scale_ptr,
+                                        w_scale_ptr, stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk,
+                                        X_SCALE, W_SCALE, X_GROUP, W_BLOCK, BLOCK_N)
                 elif IEEE_F32:
                     acc = tl.dot(a, b, acc, input_precision="ieee")  # TF32 would miss float32 accuracy
                 elif X_SCALE != _XS_NONE:
@@ -719,7 +740,7 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=No
     grid = launch_grid(op, cfg, M_cap, N, E, x.device)
     if M_cap == 0 or N == 0 or E == 0:
         return out  # nothing to compute: every row stays 0
-    # the opt-in TMA variant (16-bit, no scales, no bias: check_config) loads x and w through descriptors
+    # the TMA variant (16-bit or FP8, no bias, no 4-bit: check_config) loads x and w through descriptors
     x_desc, w_desc = _tma_descriptors(op, x, w, cfg) if cfg.tma else (None, None)
     # the packed MXFP4 decode reads its scales' bf16 values from a table (the interpreter decodes in float32)
     lut = e8m0_bf16_table(x.device) if w_format == "mxfp4" and x.dtype == torch.bfloat16 and x.is_cuda else None
