@@ -18,8 +18,9 @@ Usage (GPU machine, repo root)::
 ``benchmarks/tune_backend.py``) are kept as they are. ``complete`` is false when ``--max-minutes``
 ran out inside that sweep (the entry is the best of what was timed, never slower than the heuristic
 it was timed against). Entries already in the output file (or in ``--merge``) are kept unless this
-run tunes the same key again; ``--resume`` skips keys that already have a complete entry, so a sweep
-can be split over several commands.
+run tunes the same key again (a new output file, e.g. in ``$OUT``, starts from the table in the tree, so it
+is the whole table); ``--resume`` skips keys that already have a complete entry, so a sweep can be split
+over several commands. A file of moe_torch's tuner (same file name, entries without ``"backend"``) is refused.
 
 Problems: the benchmark's grouped GEMM set (E=32; (K=7168, N=4096) and (K=2048, N=7168); M in
 {256, 2048, 16384} (``--quick``: 256 and 16384); rows split uniformly; bf16, FP8 per-token
@@ -68,6 +69,7 @@ from moe_pallas.ops.grouped_gemm.config import (  # noqa: E402
     heuristic_grouped_gemm_config,
     heuristic_mosaic_grouped_gemm_config,
 )
+from moe_pallas.ops.grouped_gemm.config import TUNED_DIR  # noqa: E402
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference  # noqa: E402
 
 E = 32
@@ -241,6 +243,23 @@ def sweep(backend: str, cfgs: list, args_: tuple, ref: jax.Array, ref_norm: floa
     return timed, finished
 
 
+def kept_entries(path: str, merge: str | None = None, tuned_dir: str = TUNED_DIR) -> tuple[str | None, dict, list]:
+    """``(file read, launch configs by entry_key, other entries)`` a run writing ``path`` keeps: ``merge`` if given,
+    else the file's own, else for a new file (e.g. in ``$OUT``) the table of the same name in ``tuned_dir`` (the
+    tree's), so the written file is always the whole table. Entries with a ``"kind"`` (backend choices,
+    ``benchmarks/tune_backend.py``) are kept as they are. ``ValueError`` for a moe_torch table
+    (``tune_triton_gemm.py`` writes the same file name; its launch configs have no ``"backend"``)."""
+    src = merge or (path if os.path.exists(path) else os.path.join(tuned_dir, os.path.basename(path)))
+    if not os.path.exists(src):
+        return None, {}, []
+    with open(src) as f:
+        loaded = json.load(f)
+    if foreign := [e for e in loaded if "kind" not in e and "backend" not in e]:
+        raise ValueError(f"{src} is not a JAX table: {len(foreign)} entries have no \"backend\" (moe_torch's "
+                         f"tune_triton_gemm.py writes such entries under the same file name); give another --out or --merge")
+    return src, {entry_key(e): e for e in loaded if "kind" not in e}, [e for e in loaded if "kind" in e]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "moe_pallas/ops/grouped_gemm/tuned")
@@ -267,14 +286,12 @@ def main() -> int:
     dev = jax.devices()[0].device_kind
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, dev.replace(" ", "_") + ".json")
-    merge = args.merge or path
-    entries: dict[tuple, dict] = {}
-    others: list[dict] = []  # entries with a "kind" (backend choices, benchmarks/tune_backend.py): kept as they are
-    if os.path.exists(merge):
-        with open(merge) as f:
-            loaded = json.load(f)
-        entries = {entry_key(e): e for e in loaded if "kind" not in e}
-        others = [e for e in loaded if "kind" in e]
+    try:
+        merge, entries, others = kept_entries(path, args.merge)
+    except ValueError as exc:
+        print(f"tune_jax_gemm: {exc}", file=sys.stderr)
+        return 2
+    if merge:
         print(f"kept {len(entries)} launch configs and {len(others)} other entries of {merge}", flush=True)
     tuned_now: list[tuple] = []
 

@@ -23,7 +23,9 @@ too on 8-warp tiles) of the :data:`TOP_K` fastest configs so far, in each one's 
 persistent with ``group_m=8`` (at most 3 x 4 = 12 more configs per problem).
 
 ``moe_torch.ops.grouped_gemm.config.grouped_gemm_config`` reads it (nearest M_cap, same N, K, dtype). Entries of
-problems this run does not tune (other ``--dtypes`` / ``--ms``) are kept.
+problems this run does not tune (other ``--dtypes`` / ``--ms``) are kept: the output file's, or for a new file
+(e.g. in ``$OUT``, the default where set) the table in the tree's. A JAX table (``tune_jax_gemm.py`` writes the
+same file name) is refused.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 import triton
 import triton.testing
 
-from moe_torch.ops.grouped_gemm.config import GroupedGemmConfig, heuristic_grouped_gemm_config
+from moe_torch.ops.grouped_gemm.config import TUNED_DIR, GroupedGemmConfig, heuristic_grouped_gemm_config
 from moe_torch.ops.grouped_gemm.triton import grouped_gemm_triton
 from moe_torch.ops.quant.api import per_token_group_quant_fp8, quantize_weight_fp8
 
@@ -101,6 +103,22 @@ def entry_key(e: dict) -> tuple:
     return e["E"], e["N"], e["K"], e["M_cap"], e["dtype"]
 
 
+def kept_entries(path: str, tuned_dir: str = TUNED_DIR) -> dict:
+    """The entries a run writing ``path`` keeps (by :func:`entry_key`): the file's own, or for a new file (e.g. in
+    ``$OUT``) those of the table of the same name in ``tuned_dir`` (the tree's), so the written file is always the
+    whole table. ``ValueError`` for a JAX table (``tune_jax_gemm.py`` writes the same file name; its entries name a
+    ``"backend"`` or a ``"kind"``)."""
+    seed = path if os.path.exists(path) else os.path.join(tuned_dir, os.path.basename(path))
+    if not os.path.exists(seed):
+        return {}
+    with open(seed) as f:
+        loaded = json.load(f)
+    if foreign := [e for e in loaded if "backend" in e or "kind" in e]:
+        raise ValueError(f"{seed} is not a moe_torch table: {len(foreign)} entries name a JAX backend "
+                         f"(benchmarks/tune_jax_gemm.py writes such entries under the same file name); give another --out")
+    return {entry_key(e): e for e in loaded}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "moe_torch/ops/grouped_gemm/tuned"))
@@ -118,10 +136,11 @@ def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, dev.replace(" ", "_") + ".json")
-    kept = {}
-    if os.path.exists(path):  # entries of problems not tuned now stay
-        with open(path) as f:
-            kept = {entry_key(e): e for e in json.load(f)}
+    try:
+        kept = kept_entries(path)
+    except ValueError as exc:
+        print(f"tune_triton_gemm: {exc}", file=sys.stderr)
+        return 2
     entries = []
     for K, N, M, dtype in problems(args.quick, dtypes, [int(m) for m in args.ms.split(",") if m]):
         x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)

@@ -25,6 +25,7 @@ from moe_pallas.ops.grouped_gemm import pallas_triton
 from moe_pallas.ops.grouped_gemm.config import GroupedGemmConfig, grouped_gemm_config, heuristic_grouped_gemm_config
 from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton, tile_metadata
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
+from fp8_block_case import blockwise_expected, column_block_case
 from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 
 def SMALL(cfg) -> bool | None:
@@ -265,22 +266,10 @@ def test_fp8_block_scale_of_each_column_tile(block_n):
     """Each column tile reads its own 128 x 128 block's scale per K step (one scale a tile, folded into the row
     scales): every block of w gets its own scale (2^-12 .. 2^12, so a tile reading its neighbour's is off by >= 4x),
     over 3 column blocks (the last one partial) x 2 K blocks and 2 experts, against the blockwise formula."""
-    rng = np.random.default_rng(1)
-    E, N, K, rows = 2, 320, 256, [5, 3]
-    mags = np.exp2(rng.permutation(np.arange(-12, 13, 2))[:E * 3 * 2].reshape(E, 3, 2)).astype(np.float32)
-    w = rng.standard_normal((E, N, K)).astype(np.float32) * np.repeat(np.repeat(mags, 128, 1)[:, :N], 128, 2)
-    x = rng.standard_normal((sum(rows), K)).astype(np.float32)
-    off = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+    x, w, off = column_block_case()
     xq, xs = moe_pallas.per_token_group_quant_fp8(jnp.asarray(x), 128)
     wq, ws = moe_pallas.quantize_weight_fp8(jnp.asarray(w), "block")
-    qx, qw = to_numpy(xq).astype(np.float64), to_numpy(wq).astype(np.float64)
-    sx, sw = to_numpy(xs).astype(np.float64), to_numpy(ws).astype(np.float64)
-    expected = np.zeros((sum(rows), N))
-    for e in range(E):
-        r = slice(off[e], off[e + 1])
-        for b in range(2):
-            k = slice(b * 128, (b + 1) * 128)
-            expected[r] += (qx[r, k] @ qw[e][:, k].T) * sx[r, b:b + 1] * np.repeat(sw[e, :, b], 128)[None, :N]
+    expected = blockwise_expected(*(to_numpy(a) for a in (xq, wq, xs, ws)), off)
     y = grouped_gemm_pallas_triton(xq, wq, jnp.asarray(off), x_scale=xs, w_scale=ws, out_dtype=jnp.float32,
                                    config=GroupedGemmConfig(block_m=16, block_n=block_n, block_k=128))
     assert_rel_fro(y, expected, F32_REL_FRO, f"block_n={block_n}")

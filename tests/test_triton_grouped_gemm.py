@@ -33,6 +33,7 @@ from moe_torch.ops.grouped_gemm import triton as gemm_triton
 from moe_torch.ops.grouped_gemm.config import GroupedGemmConfig, check_config, grouped_gemm_config
 from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
 from moe_torch.ops.grouped_gemm.triton import _launch, _launch_order, grouped_gemm_triton, launch_grid
+from fp8_block_case import blockwise_expected, column_block_case
 from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 from sm90 import compile_sm90
 
@@ -240,22 +241,10 @@ def test_fp8_block_scale_of_each_column_tile(block_n):
     ones a scale per column: every 128 x 128 block of w gets its own scale (2^-12 .. 2^12, so a tile reading its
     neighbour's scale is off by >= 4x), over 3 column blocks (the last one partial) x 2 K blocks and 2 experts,
     against the blockwise formula in float64."""
-    rng = np.random.default_rng(1)
-    E, N, K, rows = 2, 320, 256, [5, 3]
-    mags = np.exp2(rng.permutation(np.arange(-12, 13, 2))[:E * 3 * 2].reshape(E, 3, 2)).astype(np.float32)
-    w = rng.standard_normal((E, N, K)).astype(np.float32) * np.repeat(np.repeat(mags, 128, 1)[:, :N], 128, 2)
-    x = rng.standard_normal((sum(rows), K)).astype(np.float32)
-    off = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+    x, w, off = column_block_case()
     xq, xs = moe_torch.per_token_group_quant_fp8(to_torch(x), 128)
     wq, ws = moe_torch.quantize_weight_fp8(to_torch(w), "block")
-    qx, qw = to_numpy(xq).astype(np.float64), to_numpy(wq).astype(np.float64)
-    sx, sw = to_numpy(xs).astype(np.float64), to_numpy(ws).astype(np.float64)
-    expected = np.zeros((sum(rows), N))
-    for e in range(E):
-        r = slice(off[e], off[e + 1])
-        for b in range(2):
-            k = slice(b * 128, (b + 1) * 128)
-            expected[r] += (qx[r, k] @ qw[e][:, k].T) * sx[r, b:b + 1] * np.repeat(sw[e, :, b], 128)[None, :N]
+    expected = blockwise_expected(*(to_numpy(a) for a in (xq, wq, xs, ws)), off)
     cfg = GroupedGemmConfig(block_m=16, block_n=block_n, block_k=128, num_warps=4, num_stages=2)
     y = grouped_gemm_triton(xq, wq, to_torch(off), xs, ws, torch.float32, cfg)
     assert_rel_fro(y, expected, F32_REL_FRO, f"block_n={block_n}")
