@@ -17,8 +17,8 @@ computes a wrong answer is never chosen). The file ``<device>.json`` holds one e
 
 Two passes per problem (at most 18 + 3 x 5 = 33 configs): the tile shapes x stages in the default
 launch order, then every launch order (``group_m`` x ``persistent``) for the :data:`TOP_K` fastest
-tiles. ``--full`` times the whole product instead (108 configs per problem). ``--tma`` (opt-in, bf16
-problems only) adds a third pass: the opt-in TMA variant (``GroupedGemmConfig.tma``; ``warp_specialize``
+tiles. ``--full`` times the whole product instead (108 configs per problem). ``--tma`` (opt-in; every
+dtype: the variant serves bf16 and FP8) adds a third pass: the opt-in TMA variant (``GroupedGemmConfig.tma``; ``warp_specialize``
 too on 8-warp tiles) of the :data:`TOP_K` fastest configs so far, in each one's launch order and also
 persistent with ``group_m=8`` (at most 3 x 4 = 12 more configs per problem).
 
@@ -125,7 +125,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--full", action="store_true", help="time every config of SEARCH_SPACE (108 per problem)")
     parser.add_argument("--tma", action="store_true",
-                        help="bf16: also time the opt-in TMA variant (tma, warp_specialize) of the fastest configs")
+                        help="also time the TMA variant (tma, warp_specialize) of the fastest configs")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of {', '.join(DTYPES)}")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma list of M (rows)")
     args = parser.parse_args()
@@ -173,7 +173,9 @@ def main() -> int:
                 if not err <= 1e-3:
                     print(f"  WRONG {cfg} err={err:.2e}", flush=True)
                     return float("inf")
-                return triton.testing.do_bench(lambda: run(cfg), warmup=25, rep=100, return_mode="median")
+                ms = triton.testing.do_bench(lambda: run(cfg), warmup=25, rep=100, return_mode="median")
+                print(f"  {ms:.4f} ms  {cfg}", flush=True)  # every timing in the log, not only the winner's
+                return ms
             except Exception as exc:  # noqa: BLE001 - out of shared memory etc.: not a candidate
                 print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
                 return float("inf")
@@ -186,7 +188,7 @@ def main() -> int:
             for tile, order in itertools.product(sorted(first, key=timed.get)[:TOP_K], orders[1:]):
                 cfg = dataclasses.replace(tile, **order)
                 timed[cfg] = bench(cfg)
-        if args.tma and dtype == "bf16":  # third pass (opt-in): the TMA variant of the fastest configs
+        if args.tma:  # third pass (opt-in): the TMA variant of the fastest configs
             for best in sorted(timed, key=timed.get)[:TOP_K]:
                 for variant in tma_variants(best):
                     if variant not in timed:
