@@ -113,10 +113,10 @@ def tile_metadata(expert_offsets: jax.Array, M_cap: int, E: int, block_m: int) -
 def _w4_step_part(x_ref, w_ref, ws_ref, e, rows_ds, row_ok, cols_ds, col_ok, k0, K: int, w_format: str,
                   block_m: int, block_n: int, block_k: int, precision, packed_decode: bool):
     """``x[rows, k0 : k0 + block_k] @ wd[e, cols, k0 : k0 + block_k].T`` (float32 ``[block_m, block_n]``) for one K
-    step of 4-bit weights with the packed decode (bf16 ``x``, compiled): ``x``'s tile loaded once and split into its
+    step of 4-bit weights: ``x``'s tile loaded once and split into its
     even / odd columns in registers (reshape + split), the step's packed bytes and its ``block_k // 32`` scales per
-    row (broadcast over their 16 bytes), decoded by ``PACKED_HALF_ASM`` into the low / high nibbles' values, and two
-    dots. Masked: rows outside ``[lo, hi)``, columns ``>= N`` and K past ``K`` read zeros (code 0 with scale 0 is 0)."""
+    row (broadcast over their 16 bytes), decoded into the low / high nibbles' values (``packed_decode``: bf16 ``x``,
+    compiled: by ``PACKED_HALF_ASM``, one call a nibble; else in float32, rounded to ``x.dtype``), and two dots. Masked: rows outside ``[lo, hi)``, columns ``>= N`` and K past ``K`` read zeros (code 0 with scale 0 is 0)."""
     half, groups = block_k // 2, block_k // W4_GROUP
     k_ok = k0 + jnp.arange(block_k) < K
     xt = plgpu.load(x_ref.at[rows_ds, pl.ds(k0, block_k)], mask=row_ok[:, None] & k_ok[None, :],
@@ -172,7 +172,8 @@ def _kernel(expert_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, E: int, N: int, K: 
             n_steps: int = 0):
     """One ``block_m x block_n`` tile of ``y`` for the rows of one expert.
 
-    Grid ``(cdiv(M_cap, block_m) + E, cdiv(N, block_n))``; program ``(s, j)`` owns rows
+    Grid ``(cdiv(M_cap, block_m) + E, cdiv(N, block_n))`` (``group_m > 1``: the same ``n_steps * n_cols``
+    programs on one axis, :func:`_launch_order`); program ``(s, j)`` owns rows
     ``[lo_ref[s], hi_ref[s])`` (inside one row tile) and columns ``[j*block_n, (j+1)*block_n)``.
 
     Refs (whole arrays): ``expert_ref, lo_ref, hi_ref [n_steps]`` int32 (:func:`tile_metadata`);
@@ -314,7 +315,8 @@ def grouped_gemm_pallas_triton(
       bias: optional ``[E, N]`` float32 / bf16 / float16 (CONTRACT.md section 4): ``bias[e]`` in float32 is
         added to the accumulator of each owned row (after the scales) before the rounding.
 
-    Grid: ``(cdiv(M_cap, block_m) + E, cdiv(N, block_n))``, static; see :func:`tile_metadata`.
+    Grid: ``(cdiv(M_cap, block_m) + E, cdiv(N, block_n))``, static (one axis of that size with ``config.group_m >
+    1``); see :func:`tile_metadata`.
 
     Returns: ``y [M_cap, N]`` in ``out_dtype``.
 
