@@ -177,6 +177,24 @@ def test_tma_refuses_what_tma_cannot_address():
         grouped_gemm_triton(x, wide[:, :16], offsets, None, None, torch.float32, TMA)
 
 
+def test_tuned_tma_default_falls_back_to_pointer_kernel_where_tma_cannot_address(monkeypatch):
+    """A tuned TMA default (session 9: the H200's bf16 and fp8_block entries at M=16384) never makes a request fail
+    that the pointer kernel serves: with the default config, inputs TMA cannot address (K = 36 bf16: 72-byte rows; a
+    base address off 16 bytes) run the pointer kernel with the same tiles and order (the reference's result); a
+    caller's explicit TMA config still raises (test above)."""
+    from moe_torch.ops.grouped_gemm import triton as gemm_triton
+
+    monkeypatch.setattr(gemm_triton, "_default_config", lambda *a, **k: dataclasses.replace(TMA, group_m=3))
+    x, w, offsets = _problem(K=36)
+    ref = grouped_gemm_reference(x, w, offsets, None, None, torch.float32)
+    assert_rel_fro(grouped_gemm_triton(x, w, offsets, None, None, torch.float32), ref, F32_REL_FRO, "K=36 default")
+    x, w, offsets = _problem()
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape)
+    shifted.copy_(x)
+    ref = grouped_gemm_reference(x, w, offsets, None, None, torch.float32)
+    assert_rel_fro(grouped_gemm_triton(shifted, w, offsets, None, None, torch.float32), ref, F32_REL_FRO, "offset x")
+
+
 def test_tuned_tma_entry_skipped_for_bias(tmp_path, monkeypatch):
     """A tuned bf16 entry with tma=True is the default without bias; with a bias the heuristic (no TMA)."""
     entry = {"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 16384, "dtype": "bf16",

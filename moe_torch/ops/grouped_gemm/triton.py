@@ -80,7 +80,9 @@ warp_specialize=cfg.warp_specialize)``. Refused on the host before launch: by ``
 ``warp_specialize`` below 8 warps; (``ValueError``) blocks over 256 (a TMA box side), ``warp_specialize``
 without ``tma``; by ``_tma_descriptors`` (``NotImplementedError``) a base address or row stride of ``x`` or
 ``w`` not a multiple of 16 bytes (contiguous inputs: ``K * itemsize % 16 != 0``, e.g. odd K), ``w.stride(0)
-!= N * w.stride(1)``, ``K == 0``, and ``M_cap`` or ``E * N`` of 2**31 or more (int32 TMA coordinates).
+!= N * w.stride(1)``, ``K == 0``, and ``M_cap`` or ``E * N`` of 2**31 or more (int32 TMA coordinates). Those
+refusals are for a caller's config: a tuned default (``config=None``) that such inputs cannot take runs the pointer
+kernel with the same tiles and launch order instead.
 
 Hopper: what Triton 3.6 offers (issue 14; read in the installed triton 3.6.0 and compiled for sm_90 on a
 CPU, ``tests/test_triton_gemm_tma.py``; measured on the H200 where said):
@@ -115,6 +117,7 @@ Must match ``moe_torch/ops/grouped_gemm/reference.py`` within CONTRACT.md sectio
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -741,7 +744,15 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=No
     if M_cap == 0 or N == 0 or E == 0:
         return out  # nothing to compute: every row stays 0
     # the TMA variant (16-bit or FP8, no bias, no 4-bit: check_config) loads x and w through descriptors
-    x_desc, w_desc = _tma_descriptors(op, x, w, cfg) if cfg.tma else (None, None)
+    x_desc = w_desc = None
+    if cfg.tma:
+        try:
+            x_desc, w_desc = _tma_descriptors(op, x, w, cfg)
+        except NotImplementedError:
+            if config is not None:
+                raise  # asked for by the caller: say why it cannot be served
+            # a tuned default this x / w cannot take (alignment, strides): the pointer kernel, same tiles and order
+            cfg = dataclasses.replace(cfg, tma=False, warp_specialize=False)
     # the packed MXFP4 decode reads its scales' bf16 values from a table (the interpreter decodes in float32)
     lut = e8m0_bf16_table(x.device) if w_format == "mxfp4" and x.dtype == torch.bfloat16 and x.is_cuda else None
     xs = x_scale if x_scale is not None else out  # never read without FP8
