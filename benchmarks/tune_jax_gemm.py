@@ -63,13 +63,13 @@ import moe_pallas  # noqa: E402
 from moe_pallas.ops.grouped_gemm.config import (  # noqa: E402
     MOSAIC_BACKEND,
     TRITON_BACKEND,
+    TUNED_DIR,
     GroupedGemmConfig,
     MosaicGroupedGemmConfig,
     grouped_gemm_config,
     heuristic_grouped_gemm_config,
     heuristic_mosaic_grouped_gemm_config,
 )
-from moe_pallas.ops.grouped_gemm.config import TUNED_DIR  # noqa: E402
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference  # noqa: E402
 
 E = 32

@@ -43,7 +43,7 @@ import triton.testing
 
 from moe_torch.ops.grouped_gemm.config import TUNED_DIR, GroupedGemmConfig, heuristic_grouped_gemm_config
 from moe_torch.ops.grouped_gemm.triton import grouped_gemm_triton
-from moe_torch.ops.quant.api import per_token_group_quant_fp8, quantize_weight_fp8
+from moe_torch.ops.quant.api import per_token_group_quant_fp8, per_token_quant_fp8, quantize_weight_fp8
 
 #: block_m x block_n x num_warps x num_stages x group_m x persistent (GroupedGemmConfig's fields);
 #: block_k is fixed by the dtype (128-byte K rows). The last two are the launch order (group_m = 1,
@@ -147,11 +147,9 @@ def main() -> int:
         w = (torch.randn(E, N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
         off = (torch.arange(E + 1, device="cuda", dtype=torch.int32) * (M // E)).contiguous()
         kw = {}
-        if dtype == "fp8":
-            xs = x.float().abs().amax(1, keepdim=True) / 448
-            x = (x.float() / xs).clamp(-448, 448).to(torch.float8_e4m3fn)
-            ws = w.float().abs().amax(2) / 448
-            w = (w.float() / ws[:, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        if dtype == "fp8":  # per token x per output channel (the library's quantizers, as the JAX tuner)
+            x, xs = per_token_quant_fp8(x)
+            w, ws = quantize_weight_fp8(w, "per_channel")
             kw = dict(x_scale=xs, w_scale=ws)
         elif dtype == "fp8_block":  # DeepSeek-V3: x per 1 x 128 group, w per 128 x 128 block
             x, xs = per_token_group_quant_fp8(x, 128)

@@ -82,14 +82,15 @@ class GroupedGemmConfig:
 
     def __post_init__(self) -> None:
         check_triton_blocks(self)
+        if not isinstance(self.group_m, int) or isinstance(self.group_m, bool) or self.group_m < 1:
+            raise ValueError(f"GroupedGemmConfig: group_m must be an int >= 1; got group_m={self.group_m!r}")
 
 
 def check_triton_blocks(cfg) -> None:
     """``ValueError`` unless every field of a Pallas-Triton config (``block_m``, ``block_n``, ``block_k``,
-    ``num_warps``, ``num_stages``, ``group_m`` where it has one) is an int >= 1 and all but ``num_stages`` and
-    ``group_m`` are powers of two."""
+    ``num_warps``, ``num_stages``) is an int >= 1 and all but ``num_stages`` are powers of two."""
     cls = type(cfg).__name__
-    for name in ("block_m", "block_n", "block_k", "num_warps", "num_stages") + (("group_m",) if hasattr(cfg, "group_m") else ()):
+    for name in ("block_m", "block_n", "block_k", "num_warps", "num_stages"):
         v = getattr(cfg, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{cls}: {name} must be an int >= 1; got {name}={v!r}")
