@@ -25,7 +25,8 @@ over several commands. A file of moe_torch's tuner (same file name, entries with
 Problems: the benchmark's grouped GEMM set (E=32; (K=7168, N=4096) and (K=2048, N=7168); M in
 {256, 2048, 16384} (``--quick``: 256 and 16384); rows split uniformly; bf16, FP8 per-token
 activation x per-channel weight scales (``fp8``), and FP8 with DeepSeek-V3's 1 x 128 activation groups x
-128 x 128 weight blocks (``fp8_block``, Pallas-Triton only, ``block_n`` dividing 128)), bf16 output. Search space: :data:`TRITON_SPACE`
+128 x 128 weight blocks (``fp8_block``: Pallas-Triton ``block_n`` dividing 128, Mosaic GPU 64 x 128 tiles)), bf16
+output. Search space: :data:`TRITON_SPACE`
 (minus tiles whose float32 accumulator exceeds :data:`MAX_ACC_REGS` registers a thread; then the grouped
 launch orders :data:`GROUP_MS` of the :data:`TOP_K` fastest) and
 :data:`MOSAIC_SPACE` (FP8 with promoted accumulation: 64 x 128 tiles only, the per-step path's
@@ -86,7 +87,8 @@ TOP_K = 3
 #: over 4 warps is 256 a thread (spills); everything else in TRITON_SPACE is <= 128.
 MAX_ACC_REGS = 128
 #: Pallas Mosaic GPU: block_k fixed by the dtype (64 bf16, 128 fp8).
-MOSAIC_SPACE = {"block_m": (64, 128), "block_n": (128, 256), "max_concurrent_steps": (3, 4, 5), "grid_block_n": (1, 2, 4)}
+MOSAIC_SPACE = {"block_m": (64, 128), "block_n": (128, 256), "max_concurrent_steps": (3, 4, 5), "grid_block_n": (1, 2, 4),
+                "warp_specialized": (False, True)}
 #: Relative Frobenius error of the bf16 output against the float32 reference above which a config is WRONG.
 MAX_REL_ERR = 1e-2
 ITERATIONS = 10
@@ -112,17 +114,19 @@ def mosaic_candidates(dtype: str, fast_accum: bool | None) -> list[MosaicGrouped
     out = []
     for values in itertools.product(*MOSAIC_SPACE.values()):
         kw = dict(zip(keys, values))
-        if dtype == "fp8" and not fast_accum and kw["block_m"] * kw["block_n"] > 64 * 128:
+        if dtype != "bf16" and not fast_accum and kw["block_m"] * kw["block_n"] > 64 * 128:
             continue  # per-step accumulation: two float32 tiles in one warpgroup's registers
+        if dtype == "fp8_block" and kw["block_n"] != 128:
+            continue  # per-step scales: one 128 x 128 weight block a tile and K step (mosaic_config_problem)
         out.append(MosaicGroupedGemmConfig(block_k=block_k, fast_accum=bool(fast_accum), **kw))
     return out
 
 
 def variants(backend: str, dtype: str) -> list[bool | None]:
-    """The ``fast_accum`` values tuned separately: Mosaic FP8 has two accumulation modes. FP8 blocks: Pallas-Triton
-    only (Mosaic GPU is 1.2-1.7x slower on every FP8-block row: BENCHMARKS.md session 7)."""
+    """The ``fast_accum`` values tuned separately: Mosaic FP8 per token has two accumulation modes; FP8 blocks
+    accumulate step by step (their scales change along K), so one."""
     if dtype == "fp8_block":
-        return [None] if backend == TRITON_BACKEND else []
+        return [None] if backend == TRITON_BACKEND else [False]
     return [False, True] if (backend == MOSAIC_BACKEND and dtype == "fp8") else [None]
 
 
@@ -130,6 +134,8 @@ def heuristic(backend: str, M: int, N: int, K: int, dtype: str, fast_accum: bool
     """The config the library runs today without this problem's entry (for FP8 blocks: the per-token
     ``fp8`` entry where it fits, as :func:`grouped_gemm_config` does)."""
     itemsize = 2 if dtype == "bf16" else 1
+    if dtype == "fp8_block" and backend == MOSAIC_BACKEND:
+        return heuristic_mosaic_grouped_gemm_config(M, N, K, E, 1, per_step_scales=True)
     if dtype == "fp8_block":
         return grouped_gemm_config(M, N, K, E, 1, 128, w_block=True, device_kind=jax.devices()[0].device_kind)
     if backend == TRITON_BACKEND:
@@ -177,7 +183,7 @@ def short(cfg) -> str:
         return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
                 + (f" g{cfg.group_m}" if cfg.group_m > 1 else ""))
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} c{cfg.max_concurrent_steps} g{cfg.grid_block_n}"
-            + (" fast" if cfg.fast_accum else ""))
+            + (" fast" if cfg.fast_accum else "") + (" ws" if cfg.warp_specialized else ""))
 
 
 def entry_key(e: dict) -> tuple:

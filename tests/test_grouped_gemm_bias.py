@@ -681,10 +681,10 @@ def test_mosaic_forward_with_bias_traces(case):
     assert str(with_bias.jaxpr).count(" load") == str(without.jaxpr).count(" load") + 1
 
 
-def test_mosaic_bias_leaves_the_warp_specialized_default():
-    """Many rows per expert pick the warp-specialized schedule by default, which has no bias epilogue: with a
-    bias the default config falls back to the plain kernel (it traces, with the bias load), and an explicit
-    warp-specialized config with a bias is refused (NotImplementedError: dispatch falls back)."""
+def test_mosaic_warp_specialized_default_takes_a_bias():
+    """Many rows per expert pick the warp-specialized schedule by default; it has the bias epilogue (session 10;
+    it used to fall back to the plain kernel): with a bias the default stays warp-specialized, traces with one
+    more load (the bias slice) and lowers through Mosaic GPU for CUDA on the CPU."""
     from moe_pallas.ops.grouped_gemm.config import mosaic_grouped_gemm_config
 
     S = jax.ShapeDtypeStruct
@@ -692,11 +692,28 @@ def test_mosaic_bias_leaves_the_warp_specialized_default():
     cfg = mosaic_grouped_gemm_config(M, N, K, E, 2)
     assert cfg.warp_specialized  # the premise: the default for >= 256 rows per expert
     args = (S((M, K), jnp.bfloat16), S((E, N, K), jnp.bfloat16), S((E + 1,), jnp.int32))
-    traced = jax.jit(grouped_gemm_pallas_mosaic_gpu).trace(*args, bias=S((E, N), jnp.float32))
-    assert traced.out_info.shape == (M, N) and " load" in str(traced.jaxpr)
-    with pytest.raises(NotImplementedError, match="warp-specialized schedule takes 16-bit inputs without scales or bias"):
-        jax.jit(grouped_gemm_pallas_mosaic_gpu, static_argnames=("config",)).trace(
-            *args, bias=S((E, N), jnp.float32), config=cfg)
+    f = jax.jit(grouped_gemm_pallas_mosaic_gpu, static_argnames=("config",))
+    with_bias = f.trace(*args, bias=S((E, N), jnp.float32), config=cfg)
+    assert with_bias.out_info.shape == (M, N)
+    assert str(with_bias.jaxpr).count(" load") == str(f.trace(*args, config=cfg).jaxpr).count(" load") + 1
+    assert "mosaic_gpu" in with_bias.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on a Hopper GPU only")
+def test_mosaic_warp_specialized_bias_on_gpu():
+    """On the GPU: the warp-specialized forward (bf16, N = 256 = one CTA tile of two consumers) with a bf16 bias
+    within the bf16 row of float64, ragged rows with empty experts."""
+    from moe_pallas.ops.grouped_gemm.config import MosaicGroupedGemmConfig
+
+    counts, m_cap, _, _ = SHAPES["ragged-empties"]
+    K, N = 128, 256
+    x, w, bias, _, offsets = problem(54, counts, m_cap, K, N)
+    x, w, bias = as_dtype(x, "bfloat16"), as_dtype(w, "bfloat16"), as_dtype(bias, "bfloat16")
+    cfg = MosaicGroupedGemmConfig(block_m=128, block_n=128, block_k=64, max_concurrent_steps=3, warp_specialized=True)
+    y = grouped_gemm_pallas_mosaic_gpu(jnp.asarray(x), jnp.asarray(w), jnp.asarray(offsets), bias=jnp.asarray(bias),
+                                       config=cfg)
+    check_rows(y, offsets, "mosaic ws bias")
+    assert_rel_fro(y, f64_forward(x, w, bias, offsets), BF16_REL_FRO, "mosaic ws bias")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU kernels run on a Hopper GPU only")

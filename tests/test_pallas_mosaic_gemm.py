@@ -1,9 +1,10 @@
 """Mosaic GPU grouped GEMM (``moe_pallas/ops/grouped_gemm/pallas_mosaic_gpu.py``, CONTRACT.md section 4).
 
-Mosaic GPU kernels neither interpret nor lower on a CPU (ENVIRONMENT.md), so the numerical tests
-here run on the GPU machine only (``benchmarks/gpu_check.py``); on a CPU they are skipped and
-only the host-side rules run (NotImplementedError off the GPU and outside the kernel's limits,
-config validation, the kernel traces for every dtype and scale layout).
+Mosaic GPU kernels do not interpret on a CPU (ENVIRONMENT.md), so the numerical tests here run on the
+GPU machine only (``benchmarks/gpu_check.py``); on a CPU they are skipped and only the host-side rules
+run (NotImplementedError off the GPU and outside the kernel's limits, config validation, the kernel
+traces for every dtype and scale layout, and the warp-specialized FP8 kernel lowers for CUDA:
+``lower(lowering_platforms=("cuda",))`` runs the Pallas-to-Mosaic-GPU lowering without a device).
 
 On the GPU: bf16 against a float64 loop, FP8 with all 9 scale-layout combinations against the
 jnp reference, every empty-expert pattern of E=6 in one compiled kernel, unused capacity poisoned
@@ -75,6 +76,47 @@ def test_per_step_accumulation_needs_small_tiles():
     fast = MosaicGroupedGemmConfig(block_m=128, block_n=128, block_k=128, fast_accum=True)
     assert jax.jit(grouped_gemm_pallas_mosaic_gpu, static_argnames=("config",)).trace(
         xq, wq, offsets, x_scale=xs, w_scale=ws, config=fast).jaxpr is not None
+
+
+WS_FP8 = MosaicGroupedGemmConfig(block_m=64, block_n=128, block_k=128, max_concurrent_steps=4, warp_specialized=True)
+
+
+def test_warp_specialized_fp8_rules():
+    """The warp-specialized schedule takes FP8 (each consumer warpgroup promotes its own 64 x 128 tile): per-step
+    accumulation refuses 128 x 128 consumer tiles and per-step scales need block_n == block_k == 128; ``fast_accum``
+    takes 128 x 128."""
+    from moe_pallas.ops.grouped_gemm.config import mosaic_config_problem
+
+    assert mosaic_config_problem(WS_FP8, 512, 256, 1, True) is None
+    assert mosaic_config_problem(WS_FP8, 512, 256, 1, False) is None
+    big = MosaicGroupedGemmConfig(block_m=128, block_n=128, block_k=128, max_concurrent_steps=3, warp_specialized=True)
+    assert "block_m * block_n must be <= 64 * 128" in mosaic_config_problem(big, 512, 256, 1, False)
+    import dataclasses
+    assert mosaic_config_problem(dataclasses.replace(big, fast_accum=True), 512, 256, 1, False) is None
+    narrow = MosaicGroupedGemmConfig(block_m=64, block_n=64, block_k=128, warp_specialized=True)
+    assert "per-K-step scales need block_n == block_k == 128" in mosaic_config_problem(narrow, 512, 256, 1, True)
+    assert "N % (2 * block_n) == 0" in mosaic_config_problem(WS_FP8, 384, 256, 1, True)  # 384 = 1.5 CTA tiles
+
+
+@pytest.mark.parametrize("x_layout, w_layout, fast_accum", [
+    ("per_token_group", "block", False), ("per_token", "per_channel", False), ("per_tensor", "per_expert", True)])
+def test_warp_specialized_fp8_lowers_for_cuda(x_layout, w_layout, fast_accum):
+    """The warp-specialized FP8 kernel (per-step promotion with both per-step scale kinds, epilogue scales, one
+    accumulator with ``fast_accum``) and a float32 bias lower through Mosaic GPU on the CPU: a Mosaic GPU custom
+    call per kernel, with the bias an operand."""
+    import dataclasses
+    S = jax.ShapeDtypeStruct
+    M, K, N, E = 256, 256, 512, 4
+    xs = {"per_tensor": S((), jnp.float32), "per_token": S((M, 1), jnp.float32),
+          "per_token_group": S((M, K // 128), jnp.float32)}[x_layout]
+    ws = {"per_expert": S((E,), jnp.float32), "per_channel": S((E, N), jnp.float32),
+          "block": S((E, N // 128, K // 128), jnp.float32)}[w_layout]
+    cfg = dataclasses.replace(WS_FP8, fast_accum=fast_accum)
+    f = jax.jit(grouped_gemm_pallas_mosaic_gpu, static_argnames=("config",))
+    fp8 = jnp.float8_e4m3fn
+    lowered = f.trace(S((M, K), fp8), S((E, N, K), fp8), S((E + 1,), jnp.int32), x_scale=xs, w_scale=ws,
+                      bias=S((E, N), jnp.float32), config=cfg).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_heuristic():
@@ -283,6 +325,28 @@ def test_fp8_every_scale_layout(x_layout, w_layout, fast_accum):
     y32 = grouped_gemm_pallas_mosaic_gpu(xq, wq, offsets, x_scale=xs, w_scale=ws, out_dtype=jnp.float32, config=cfg)
     limit = FP8_REL_FRO if (fast_accum and not per_step_scales) else 1e-3
     assert_rel_fro(y32, ref, limit, f"{x_layout} x {w_layout} float32 output vs reference")
+
+
+@gpu_only
+@pytest.mark.parametrize("fast_accum", [False, True])
+@pytest.mark.parametrize("x_layout, w_layout", list(itertools.product(
+    ["per_tensor", "per_token", "per_token_group"], ["per_expert", "per_channel", "block"])))
+def test_fp8_warp_specialized_every_scale_layout(x_layout, w_layout, fast_accum):
+    """The warp-specialized FP8 schedule (producer + two consumer warpgroups, 64 x 256 CTA tiles; N = 512 = two
+    CTA tiles): every scale layout against the jnp reference, as ``test_fp8_every_scale_layout``; empty experts,
+    unused capacity (NaN codes, written as zeros) and a tile straddling experts in one problem."""
+    import dataclasses
+    xq, xs, wq, ws, offsets = _fp8_problem(5, [70, 0, 130, 9, 200], 512, 512, 512, x_layout, w_layout)
+    per_step_scales = x_layout == "per_token_group" or w_layout == "block"
+    cfg = dataclasses.replace(WS_FP8, fast_accum=fast_accum)
+    y = grouped_gemm_pallas_mosaic_gpu(xq, wq, offsets, x_scale=xs, w_scale=ws, config=cfg)
+    check_rows(y, offsets, f"ws {x_layout} x {w_layout}")
+    with jax.default_matmul_precision("highest"):
+        ref = grouped_gemm_reference(xq, wq, offsets, xs, ws, jnp.float32)
+    assert_rel_fro(y, ref, FP8_REL_FRO, f"ws {x_layout} x {w_layout} vs reference")
+    y32 = grouped_gemm_pallas_mosaic_gpu(xq, wq, offsets, x_scale=xs, w_scale=ws, out_dtype=jnp.float32, config=cfg)
+    limit = FP8_REL_FRO if (fast_accum and not per_step_scales) else 1e-3
+    assert_rel_fro(y32, ref, limit, f"ws {x_layout} x {w_layout} float32 output vs reference")
 
 
 @gpu_only

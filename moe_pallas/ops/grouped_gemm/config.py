@@ -336,9 +336,10 @@ class MosaicGroupedGemmConfig:
       whole K loop (faster; on the H200 its relative error was 1.9e-3 at K=2048..7168 against
       about 4e-5 for the promoted Pallas-Triton kernel, and 2e-2 over the FP8 layer; BENCHMARKS.md).
       Like ``use_fast_accum`` of ``torch._scaled_mm``.
-    warp_specialized: 16-bit forward and dgrad only (``pallas_mosaic_gpu_ws.py``): a producer warpgroup
-      loads, two consumer warpgroups each compute ``block_m x block_n`` of a ``block_m x 2*block_n`` CTA
-      tile (so ``N`` must be a multiple of ``2 * block_n``).
+    warp_specialized: ``pallas_mosaic_gpu_ws.py`` (the forward with every input of this kernel, and the 16-bit
+      dgrad): a producer warpgroup loads, two consumer warpgroups each compute ``block_m x block_n`` of a
+      ``block_m x 2*block_n`` CTA tile (so ``N`` must be a multiple of ``2 * block_n``); with FP8's per-step
+      promotion, one consumer scales and adds its finished K step while the other's ``wgmma`` runs.
     """
 
     block_m: int
@@ -532,11 +533,16 @@ def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize
     The one home of the config-dependent rules (``pallas_mosaic_gpu.check_supported`` raises the message;
     the dgrad passes its own ``op``, with ``N`` its output width and ``K`` its contraction)."""
     if cfg.warp_specialized:
-        if itemsize != 2 or per_step_scales:
-            return f"{op}: the warp-specialized schedule takes 16-bit inputs only; got {itemsize}-byte values"
+        if itemsize not in (1, 2):
+            return f"{op}: the warp-specialized schedule takes 16-bit or FP8 inputs; got {itemsize}-byte values"
         if N % (2 * cfg.block_n) or K % cfg.block_k or cfg.block_m * cfg.block_n > 128 * 128:
             return (f"{op}: the warp-specialized schedule needs N % (2 * block_n) == 0, K % block_k == 0 and "
                     f"block_m * block_n <= 128 * 128; got N={N}, K={K}, {cfg}")
+        if per_step_scales and (cfg.block_k != SCALE_BLOCK or cfg.block_n != SCALE_BLOCK):
+            return f"{op}: per-K-step scales need block_n == block_k == {SCALE_BLOCK}; got {cfg}"
+        if accumulates_per_step(itemsize, per_step_scales, cfg) and cfg.block_m * cfg.block_n > 64 * 128:
+            return (f"{op}: per-K-step accumulation keeps two float32 tiles in each consumer warpgroup's registers: "
+                    f"block_m * block_n must be <= 64 * 128; got {cfg}")
         smem = ws_smem_bytes(cfg, itemsize, out_itemsize)
         if smem > _ws_smem_budget():
             return (f"{op}: the warp-specialized schedule needs about {smem} bytes of shared memory with "
@@ -585,12 +591,16 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, group
 
 def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *, per_step_scales: bool = False,
                                fast_accum: bool = False, device_kind: str | None = None,
-                               out_itemsize: int = 2) -> MosaicGroupedGemmConfig:
+                               out_itemsize: int = 2, w_block: bool = False) -> MosaicGroupedGemmConfig:
     """The Mosaic GPU config: the tuned one of ``device_kind`` for the same ``fast_accum`` (FP8; 16-bit
     entries have none) if one is stored and fits this request (:func:`mosaic_config_fits`), else
-    :func:`heuristic_mosaic_grouped_gemm_config`. ``device_kind=None``: the heuristic."""
+    :func:`heuristic_mosaic_grouped_gemm_config`. FP8 with 128 x 128 weight blocks (``w_block``) looks up its own
+    entries (``"fp8_block"``) and the per-token ``"fp8"`` ones, as :func:`grouped_gemm_config`.
+    ``device_kind=None``: the heuristic."""
     fast_accum = fast_accum and itemsize == 1
-    tuned = nearest_tuned(device_kind, MOSAIC_BACKEND, M_cap, N, K, itemsize, fast_accum if itemsize == 1 else None)
+    dtypes = ("fp8_block", "fp8") if (w_block and itemsize == 1) else None
+    tuned = nearest_tuned(device_kind, MOSAIC_BACKEND, M_cap, N, K, itemsize, fast_accum if itemsize == 1 else None,
+                          dtypes=dtypes)
     if tuned is not None:
         cfg = MosaicGroupedGemmConfig(**{**tuned, "fast_accum": fast_accum})
         if mosaic_config_fits(cfg, N, K, itemsize, per_step_scales, out_itemsize):

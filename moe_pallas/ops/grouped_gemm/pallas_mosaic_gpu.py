@@ -47,7 +47,6 @@ Mirror: none (a Hopper-only backend of ``moe_pallas``; ``moe_torch``'s Triton ke
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -59,7 +58,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, MosaicGroupedGemmConfig, accumulates_per_step,
                                                  gpu_device_kind, mosaic_config_problem, mosaic_grouped_gemm_config)
-from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu_ws import run_row_kernel_ws
+from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu_ws import run_row_kernel_ws, scale_epilogue, step_scale
 from moe_pallas.ops.grouped_gemm.pallas_triton import scale_kinds, tile_metadata
 
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -123,6 +122,8 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
         row0 = tile_idx * bm
         n0 = ni * bn
         e_w = jnp.minimum(e, E - 1)  # a valid expert for addressing only (the zero group reads nothing)
+        where = dict(x_kind=x_kind, w_kind=w_kind, xs_gmem=xs_gmem, ws_gmem=ws_gmem, row0=row0, n0=n0, e_w=e_w,
+                     block_m=bm, block_n=bn)
         in_specs = [
             plgpu.BlockSpec((bm, bk), lambda k: (tile_idx, k), delay_release=1),
             plgpu.BlockSpec((bk, bn), lambda k: (k, ni), delay_release=1) if dgrad
@@ -145,18 +146,14 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
 
             def step(idx, x_smem, w_smem, acc):
                 (k,) = idx
+                scale = step_scale(k, **where)  # global loads issued before the wgmma, used after it
 
                 def part_scope(part_ref):
                     plgpu.wgmma(part_ref, x_smem, w_operand(w_smem))
                     return part_ref[...]
 
                 part = pl.run_scoped(part_scope, plgpu.ACC((bm, bn), jnp.float32))
-                if x_kind == "per_token_group":  # xs_gmem: [K // 128, M_pad], row-contiguous per K group
-                    sx = plgpu.load(xs_gmem.at[k, pl.ds(row0, bm)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                    part = part * lax.broadcast_in_dim(sx, (bm, bn), [0])
-                if w_kind == "block":  # one scale for the whole tile: block_n == 128 == the K step's group
-                    part = part * ws_gmem[e_w, lax.div(n0, jnp.int32(SCALE_BLOCK)), k]
-                return acc + part
+                return acc + (part if scale is None else part * scale)
 
             zero = plgpu.layout_cast(jnp.full((bm, bn), 0, jnp.float32), plgpu.Layout.WGMMA)
             return plgpu.emit_pipeline(
@@ -165,20 +162,7 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
             )(x_gmem, w_gmem.at[e_w])
 
         def epilogue(acc: jax.Array) -> jax.Array:
-            if x_kind == "per_tensor":
-                acc = acc * xs_gmem[0]
-            elif x_kind == "per_token":  # by ROW (never by expert)
-                sx = plgpu.load(xs_gmem.at[pl.ds(row0, bm)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                acc = acc * lax.broadcast_in_dim(sx, (bm, bn), [0])
-            if w_kind == "per_expert":
-                acc = acc * ws_gmem[e_w]
-            elif w_kind == "per_channel":
-                sw = plgpu.load(ws_gmem.at[e_w, pl.ds(n0, bn)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                acc = acc * lax.broadcast_in_dim(sw, (bm, bn), [1])
-            if has_bias:  # after the scales, before the one rounding; loaded as the per-channel scale above
-                b = plgpu.load(b_gmem.at[e_w, pl.ds(n0, bn)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                acc = acc + lax.broadcast_in_dim(b, (bm, bn), [1])
-            return acc.astype(out_dtype)
+            return scale_epilogue(acc, b_gmem=b_gmem, **where).astype(out_dtype)
 
         @pl.when((lo < hi) & (e < E))
         def _():
@@ -250,9 +234,8 @@ def grouped_gemm_pallas_mosaic_gpu(
     per_step_scales = x_kind == "per_token_group" or w_kind == "block"
     if config is None:  # tuned for this GPU (device kind read on the host at trace time) or the heuristic
         cfg = mosaic_grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, per_step_scales=per_step_scales,
-                                         device_kind=gpu_device_kind(), out_itemsize=jnp.dtype(out_dtype).itemsize)
-        if bias is not None and cfg.warp_specialized:  # the warp-specialized kernel has no bias epilogue
-            cfg = dataclasses.replace(cfg, warp_specialized=False, max_concurrent_steps=5)
+                                         device_kind=gpu_device_kind(), out_itemsize=jnp.dtype(out_dtype).itemsize,
+                                         w_block=w_kind == "block")
     else:
         cfg = config
     check_supported(x, w, x_kind, w_kind, G, out_dtype, cfg)
@@ -282,11 +265,9 @@ def run_row_kernel(x, w, expert_offsets, scale_inputs, *, N_out: int, K_contract
     ``pallas_mosaic_gpu_backward.py``. ``cfg.warp_specialized``: the 16-bit kernel of
     ``pallas_mosaic_gpu_ws.py`` instead (no scales, no bias)."""
     if cfg.warp_specialized:
-        if x_kind is not None or has_bias:
-            raise NotImplementedError("grouped_gemm[pallas_mosaic_gpu]: the warp-specialized schedule takes 16-bit "
-                                      "inputs without scales or bias; use warp_specialized=False")
-        return run_row_kernel_ws(x, w, expert_offsets, N_out=N_out, K_contract=K_contract, cfg=cfg,
-                                 out_dtype=out_dtype, dgrad=dgrad, num_sms=num_sms())
+        return run_row_kernel_ws(x, w, expert_offsets, scale_inputs, N_out=N_out, K_contract=K_contract, cfg=cfg,
+                                 out_dtype=out_dtype, dgrad=dgrad, num_sms=num_sms(), x_kind=x_kind, w_kind=w_kind,
+                                 has_bias=has_bias)
     M_cap = x.shape[0]
     E = w.shape[0]
     step_e, step_lo, step_hi = tile_metadata(expert_offsets, M_cap, E, cfg.block_m)

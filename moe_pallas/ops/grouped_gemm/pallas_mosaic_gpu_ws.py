@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from moe_pallas.ops.grouped_gemm.config import MosaicGroupedGemmConfig
+from moe_pallas.ops.grouped_gemm.config import SCALE_BLOCK, MosaicGroupedGemmConfig, accumulates_per_step
 from moe_pallas.ops.grouped_gemm.pallas_triton import tile_metadata
 
 #: Registers of the producer warpgroup (hopper_matmul_mgpu.py's value for H100-class GPUs).
@@ -65,14 +65,60 @@ def _store_rows(tile, o_gmem, row0, lo, hi, n0, block_m: int, block_n: int, o_sm
         start = start + (count & rows)
 
 
-def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, o_gmem, *, E: int, N: int, K: int, cfg: MosaicGroupedGemmConfig,
-            dgrad: bool):
+def scale_epilogue(acc: jax.Array, *, x_kind, w_kind, xs_gmem, ws_gmem, b_gmem, row0, n0, e_w, block_m: int,
+                   block_n: int) -> jax.Array:
+    """The float32 epilogue of a ``[block_m, block_n]`` tile (rows from ``row0``, columns from ``n0``, expert
+    ``e_w``) before the one rounding: the scales applied once per tile (per-tensor ``xs_gmem [1]`` or per-token
+    ``[m_pad]`` by ROW; per-expert ``ws_gmem [E]`` or per-channel ``[E, N]``; the per-step kinds were applied in
+    the K loop), then the per-expert bias ``b_gmem [E, N]`` (float32). Vectors are loaded in the ``wgmma``
+    accumulator's row (``reduce(1)``) / column (``reduce(0)``) layout. Shared by both Mosaic GPU kernels."""
+    if x_kind == "per_tensor":
+        acc = acc * xs_gmem[0]
+    elif x_kind == "per_token":  # by ROW (never by expert)
+        sx = plgpu.load(xs_gmem.at[pl.ds(row0, block_m)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        acc = acc * lax.broadcast_in_dim(sx, (block_m, block_n), [0])
+    if w_kind == "per_expert":
+        acc = acc * ws_gmem[e_w]
+    elif w_kind == "per_channel":
+        sw = plgpu.load(ws_gmem.at[e_w, pl.ds(n0, block_n)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+        acc = acc * lax.broadcast_in_dim(sw, (block_m, block_n), [1])
+    if b_gmem is not None:  # after the scales, before the one rounding; loaded as the per-channel scale above
+        b = plgpu.load(b_gmem.at[e_w, pl.ds(n0, block_n)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+        acc = acc + lax.broadcast_in_dim(b, (block_m, block_n), [1])
+    return acc
+
+
+def step_scale(k, *, x_kind, w_kind, xs_gmem, ws_gmem, row0, n0, e_w, block_m: int, block_n: int):
+    """The multiplier of K step ``k``'s partial product (``None`` when no scale changes along K): the
+    per-token-group activation scales ``xs_gmem [K // 128, m_pad]`` of the tile's rows (a ``[block_m, block_n]``
+    broadcast) times the 128 x 128 weight block's scale ``ws_gmem [E, N / 128, K / 128]`` (one scalar: the
+    tile's ``block_n`` columns lie in one weight block). Issued before the step's ``wgmma`` so that the global
+    loads run while it does. Shared by both Mosaic GPU kernels."""
+    scale = None
+    if x_kind == "per_token_group":  # row-contiguous per K group
+        sx = plgpu.load(xs_gmem.at[k, pl.ds(row0, block_m)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        scale = sx
+    if w_kind == "block":
+        sw = ws_gmem[e_w, lax.div(n0, jnp.int32(SCALE_BLOCK)), k]
+        scale = sw if scale is None else scale * sw
+    if scale is not None and scale.ndim == 1:
+        scale = lax.broadcast_in_dim(scale, (block_m, block_n), [0])
+    return scale
+
+
+def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: int, cfg: MosaicGroupedGemmConfig,
+            dgrad: bool, x_kind=None, w_kind=None, has_bias: bool = False):
+    *refs, o_gmem = refs
+    b_gmem = refs.pop() if has_bias else None
+    xs_gmem, ws_gmem = refs if x_kind is not None else (None, None)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     cta_n = CONSUMERS * bn
     n_steps = step_e.shape[0]
     grid_n = N // cta_n
     k_steps = K // bk
     dtype, out_dtype = x_gmem.dtype, o_gmem.dtype
+    # FP8 accumulates K step by K step into float32 registers unless fast_accum; per-step scales need it anyway
+    per_step = accumulates_per_step(dtype.itemsize, x_kind == "per_token_group" or w_kind == "block", cfg)
     x_spec = plgpu.BlockSpec((bm, bk), lambda k: (0, k), transforms=_transforms(bk, dtype))
     if dgrad:  # w[e] is [contraction, out]: a [bk, cta_n] tile
         w_spec = plgpu.BlockSpec((bk, cta_n), lambda k: (k, 0), transforms=_transforms(cta_n, dtype))
@@ -105,21 +151,44 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, o_gmem, *, E: int, N: int,
             n0 = ni * cta_n
             e_w = jnp.minimum(e, E - 1)  # addressing only: the zero group reads nothing
             my_n0 = n0 + wg * bn  # this consumer's columns (the producer never stores)
+            where = dict(x_kind=x_kind, w_kind=w_kind, xs_gmem=xs_gmem, ws_gmem=ws_gmem, row0=row0, n0=my_n0,
+                         e_w=e_w, block_m=bm, block_n=bn)
 
-            def compute_context(eval_pipeline):
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
-                def _acc(acc_ref):
-                    eval_pipeline(acc_ref)
-                    tile = acc_ref[...].astype(out_dtype)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous stores read
-                    _store_rows(tile, o_gmem, row0, lo, hi, my_n0, bm, bn, o_smem.at[wg])
+            def store(acc):
+                acc = scale_epilogue(acc, b_gmem=b_gmem, **where)
+                tile = acc.astype(out_dtype)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous stores read
+                _store_rows(tile, o_gmem, row0, lo, hi, my_n0, bm, bn, o_smem.at[wg])
 
-            def mma(_, x_smem, w_smem, acc_ref):
+            def b_operand(w_smem):
                 cols = pl.ds(wg * bn, bn)
-                b = w_smem.at[:, cols] if dgrad else w_smem.at[cols].transpose((1, 0))
-                plgpu.wgmma(acc_ref, x_smem, b)
-                plgpu.wgmma_wait(0)
-                return acc_ref
+                return w_smem.at[:, cols] if dgrad else w_smem.at[cols].transpose((1, 0))
+
+            if per_step:
+                def compute_context(eval_pipeline):
+                    store(eval_pipeline(plgpu.layout_cast(jnp.full((bm, bn), 0, jnp.float32), plgpu.Layout.WGMMA)))
+
+                def mma(idx, x_smem, w_smem, acc):
+                    (k,) = idx
+                    scale = step_scale(k, **where)  # global loads issued before the wgmma, used after it
+
+                    def part_scope(part_ref):
+                        plgpu.wgmma(part_ref, x_smem, b_operand(w_smem))
+                        return part_ref[...]  # waits for this warpgroup's wgmma; the other consumer's may run on
+
+                    part = pl.run_scoped(part_scope, plgpu.ACC((bm, bn), jnp.float32))
+                    return acc + (part if scale is None else part * scale)
+            else:
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                    def _acc(acc_ref):
+                        eval_pipeline(acc_ref)
+                        store(acc_ref[...])
+
+                def mma(_, x_smem, w_smem, acc_ref):
+                    plgpu.wgmma(acc_ref, x_smem, b_operand(w_smem))
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
 
             w_item = w_gmem.at[e_w, :, pl.ds(n0, cta_n)] if dgrad else w_gmem.at[e_w, pl.ds(n0, cta_n), :]
 
@@ -136,17 +205,20 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, o_gmem, *, E: int, N: int,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # every store out before the kernel ends
 
 
-def run_row_kernel_ws(x, w, expert_offsets, *, N_out: int, K_contract: int, cfg: MosaicGroupedGemmConfig, out_dtype,
-                      dgrad: bool = False, num_sms: int) -> jax.Array:
-    """``[M_cap, N_out]``: the forward (``x [M_cap, K]``, ``w [E, N, K]``) or the dgrad (``x`` = ``d_y``),
-    warp-specialized. Inputs validated by the caller (``config.mosaic_config_problem``)."""
+def run_row_kernel_ws(x, w, expert_offsets, scale_inputs=(), *, N_out: int, K_contract: int,
+                      cfg: MosaicGroupedGemmConfig, out_dtype, dgrad: bool = False, num_sms: int, x_kind=None,
+                      w_kind=None, has_bias: bool = False) -> jax.Array:
+    """``[M_cap, N_out]``: the forward (``x [M_cap, K]``, ``w [E, N, K]``; FP8 with its ``scale_inputs`` as
+    ``pallas_mosaic_gpu.py`` prepares them, then the float32 ``bias [E, N]`` if ``has_bias``) or the 16-bit
+    dgrad (``x`` = ``d_y``), warp-specialized. Inputs validated by the caller (``config.mosaic_config_problem``)."""
     M_cap = x.shape[0]
     E = w.shape[0]
     step_e, step_lo, step_hi = tile_metadata(expert_offsets, M_cap, E, cfg.block_m)
     m_rows = -(-M_cap // 8) * 8  # TMA boxes tile rows by 8 (the pad rows belong to no step)
     if m_rows != M_cap:
         x = jnp.pad(x, ((0, m_rows - M_cap), (0, 0)))
-    kernel = functools.partial(_kernel, E=E, N=N_out, K=K_contract, cfg=cfg, dgrad=dgrad)
+    kernel = functools.partial(_kernel, E=E, N=N_out, K=K_contract, cfg=cfg, dgrad=dgrad, x_kind=x_kind,
+                               w_kind=w_kind, has_bias=has_bias)
     y = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m_rows, N_out), out_dtype),
@@ -155,5 +227,5 @@ def run_row_kernel_ws(x, w, expert_offsets, *, N_out: int, K_contract: int, cfg:
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(step_e, step_lo, step_hi, x, w)
+    )(step_e, step_lo, step_hi, x, w, *scale_inputs)
     return y if m_rows == M_cap else y[:M_cap]
