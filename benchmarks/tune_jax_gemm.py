@@ -4,6 +4,7 @@ Usage (GPU machine, repo root)::
 
     PYTHONPATH=. python3 benchmarks/tune_jax_gemm.py [--out DIR] [--backends pallas_triton,pallas_mosaic_gpu]
         [--quick] [--max-minutes 8] [--dtypes bf16,fp8,fp8_block] [--ms 256,2048,16384] [--resume] [--jobs 8]
+        [--fast-accum both|false|true]
 
 ``--out`` defaults to ``$OUT`` if set, else ``moe_pallas/ops/grouped_gemm/tuned`` (where
 ``moe_pallas.ops.grouped_gemm.config.tuned_entries`` reads). The file is ``<device kind>.json``
@@ -119,6 +120,10 @@ def mosaic_candidates(dtype: str, fast_accum: bool | None) -> list[MosaicGrouped
         if dtype == "fp8_block" and kw["block_n"] != 128:
             continue  # per-step scales: one 128 x 128 weight block a tile and K step (mosaic_config_problem)
         out.append(MosaicGroupedGemmConfig(block_k=block_k, fast_accum=bool(fast_accum), **kw))
+        if dtype != "bf16" and not fast_accum and kw["warp_specialized"] and kw["max_concurrent_steps"] == 3:
+            # two K blocks a step (the first's promotion overlaps the second's wgmma): 2 stages fit
+            out.append(MosaicGroupedGemmConfig(block_k=2 * block_k, fast_accum=False,
+                                               **{**kw, "max_concurrent_steps": 2}))
     return out
 
 
@@ -277,6 +282,8 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true", help="skip keys with a complete entry in the output / --merge file")
     parser.add_argument("--merge", default=None, help="tuned JSON whose entries are kept (default: the output file)")
     parser.add_argument("--jobs", type=int, default=8, help="parallel XLA compilations (1: sequential)")
+    parser.add_argument("--fast-accum", choices=("both", "false", "true"), default="both",
+                        help="Mosaic FP8 per token: which accumulation mode(s) to tune")
     args = parser.parse_args()
     backends = [b for b in args.backends.split(",") if b]
     if unknown := set(backends) - set(BACKENDS):
@@ -310,6 +317,7 @@ def main() -> int:
     try:
         for (K, N), M, dtype in itertools.product(SHAPES, ms, dtypes):
             todo = [(b, fa) for b in backends for fa in variants(b, dtype)
+                    if fa is None or args.fast_accum in ("both", str(fa).lower())
                     if not (args.resume and entries.get((b, E, N, K, M, dtype, fa), {}).get("complete"))]
             if not todo or deadline.passed():
                 continue

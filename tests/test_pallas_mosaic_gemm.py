@@ -94,29 +94,36 @@ def test_warp_specialized_fp8_rules():
     import dataclasses
     assert mosaic_config_problem(dataclasses.replace(big, fast_accum=True), 512, 256, 1, False) is None
     narrow = MosaicGroupedGemmConfig(block_m=64, block_n=64, block_k=128, warp_specialized=True)
-    assert "per-K-step scales need block_n == block_k == 128" in mosaic_config_problem(narrow, 512, 256, 1, True)
+    assert "per-K-step scales need block_n == 128" in mosaic_config_problem(narrow, 512, 256, 1, True)
     assert "N % (2 * block_n) == 0" in mosaic_config_problem(WS_FP8, 384, 256, 1, True)  # 384 = 1.5 CTA tiles
+    two_blocks = dataclasses.replace(WS_FP8, block_k=256, max_concurrent_steps=2)  # two K blocks a step
+    assert mosaic_config_problem(two_blocks, 512, 512, 1, True) is None
+    odd = dataclasses.replace(WS_FP8, block_k=64)
+    assert "takes block_k 128 or 256" in mosaic_config_problem(odd, 512, 512, 1, False)
 
 
-@pytest.mark.parametrize("x_layout, w_layout, fast_accum", [
-    ("per_token_group", "block", False), ("per_token", "per_channel", False), ("per_tensor", "per_expert", True)])
-def test_warp_specialized_fp8_lowers_for_cuda(x_layout, w_layout, fast_accum):
-    """The warp-specialized FP8 kernel (per-step promotion with both per-step scale kinds, epilogue scales, one
-    accumulator with ``fast_accum``) and a float32 bias lower through Mosaic GPU on the CPU: a Mosaic GPU custom
-    call per kernel, with the bias an operand."""
+@pytest.mark.parametrize("x_layout, w_layout, fast_accum, block_k", [
+    ("per_token_group", "block", False, 128), ("per_token_group", "block", False, 256),
+    ("per_token", "per_channel", False, 128), ("per_tensor", "per_expert", True, 128)])
+def test_warp_specialized_fp8_lowers_for_cuda(x_layout, w_layout, fast_accum, block_k):
+    """The warp-specialized FP8 kernel (per-step promotion with both per-step scale kinds, one or two K blocks a
+    step, epilogue scales, one accumulator with ``fast_accum``) and a float32 bias lower through Mosaic GPU on the
+    CPU: a Mosaic GPU custom call; two K blocks a step wait for the first block's wgmma with one still in flight."""
     import dataclasses
     S = jax.ShapeDtypeStruct
-    M, K, N, E = 256, 256, 512, 4
+    M, K, N, E = 256, 512, 512, 4
     xs = {"per_tensor": S((), jnp.float32), "per_token": S((M, 1), jnp.float32),
           "per_token_group": S((M, K // 128), jnp.float32)}[x_layout]
     ws = {"per_expert": S((E,), jnp.float32), "per_channel": S((E, N), jnp.float32),
           "block": S((E, N // 128, K // 128), jnp.float32)}[w_layout]
-    cfg = dataclasses.replace(WS_FP8, fast_accum=fast_accum)
+    cfg = dataclasses.replace(WS_FP8, fast_accum=fast_accum, block_k=block_k,
+                              max_concurrent_steps=2 if block_k == 256 else 4)
     f = jax.jit(grouped_gemm_pallas_mosaic_gpu, static_argnames=("config",))
     fp8 = jnp.float8_e4m3fn
-    lowered = f.trace(S((M, K), fp8), S((E, N, K), fp8), S((E + 1,), jnp.int32), x_scale=xs, w_scale=ws,
-                      bias=S((E, N), jnp.float32), config=cfg).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
+    text = f.trace(S((M, K), fp8), S((E, N, K), fp8), S((E + 1,), jnp.int32), x_scale=xs, w_scale=ws,
+                   bias=S((E, N), jnp.float32), config=cfg).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert ("wgmma.wait_group.sync.aligned 1" in text) == (block_k == 256)
 
 
 def test_heuristic():
@@ -328,17 +335,19 @@ def test_fp8_every_scale_layout(x_layout, w_layout, fast_accum):
 
 
 @gpu_only
-@pytest.mark.parametrize("fast_accum", [False, True])
+@pytest.mark.parametrize("fast_accum, block_k", [(False, 128), (True, 128), (False, 256)])
 @pytest.mark.parametrize("x_layout, w_layout", list(itertools.product(
     ["per_tensor", "per_token", "per_token_group"], ["per_expert", "per_channel", "block"])))
-def test_fp8_warp_specialized_every_scale_layout(x_layout, w_layout, fast_accum):
+def test_fp8_warp_specialized_every_scale_layout(x_layout, w_layout, fast_accum, block_k):
     """The warp-specialized FP8 schedule (producer + two consumer warpgroups, 64 x 256 CTA tiles; N = 512 = two
-    CTA tiles): every scale layout against the jnp reference, as ``test_fp8_every_scale_layout``; empty experts,
-    unused capacity (NaN codes, written as zeros) and a tile straddling experts in one problem."""
+    CTA tiles; one or two K blocks a pipeline step): every scale layout against the jnp reference, as
+    ``test_fp8_every_scale_layout``; empty experts, unused capacity (NaN codes, written as zeros) and a tile
+    straddling experts in one problem."""
     import dataclasses
     xq, xs, wq, ws, offsets = _fp8_problem(5, [70, 0, 130, 9, 200], 512, 512, 512, x_layout, w_layout)
     per_step_scales = x_layout == "per_token_group" or w_layout == "block"
-    cfg = dataclasses.replace(WS_FP8, fast_accum=fast_accum)
+    cfg = dataclasses.replace(WS_FP8, fast_accum=fast_accum, block_k=block_k,
+                              max_concurrent_steps=2 if block_k == 256 else 4)
     y = grouped_gemm_pallas_mosaic_gpu(xq, wq, offsets, x_scale=xs, w_scale=ws, config=cfg)
     check_rows(y, offsets, f"ws {x_layout} x {w_layout}")
     with jax.default_matmul_precision("highest"):

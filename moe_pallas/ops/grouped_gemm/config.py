@@ -538,11 +538,15 @@ def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize
         if N % (2 * cfg.block_n) or K % cfg.block_k or cfg.block_m * cfg.block_n > 128 * 128:
             return (f"{op}: the warp-specialized schedule needs N % (2 * block_n) == 0, K % block_k == 0 and "
                     f"block_m * block_n <= 128 * 128; got N={N}, K={K}, {cfg}")
-        if per_step_scales and (cfg.block_k != SCALE_BLOCK or cfg.block_n != SCALE_BLOCK):
-            return f"{op}: per-K-step scales need block_n == block_k == {SCALE_BLOCK}; got {cfg}"
-        if accumulates_per_step(itemsize, per_step_scales, cfg) and cfg.block_m * cfg.block_n > 64 * 128:
-            return (f"{op}: per-K-step accumulation keeps two float32 tiles in each consumer warpgroup's registers: "
-                    f"block_m * block_n must be <= 64 * 128; got {cfg}")
+        per_step = accumulates_per_step(itemsize, per_step_scales, cfg)
+        if per_step and cfg.block_k not in (SCALE_BLOCK, 2 * SCALE_BLOCK):
+            return (f"{op}: per-K-step accumulation in the warp-specialized schedule takes block_k {SCALE_BLOCK} or "
+                    f"{2 * SCALE_BLOCK} (one or two K blocks of {SCALE_BLOCK} a pipeline step); got {cfg}")
+        if per_step_scales and cfg.block_n != SCALE_BLOCK:
+            return f"{op}: per-K-step scales need block_n == {SCALE_BLOCK}; got {cfg}"
+        if per_step and cfg.block_m * cfg.block_n > 64 * 128:
+            return (f"{op}: per-K-step accumulation keeps the float32 tile and one per K block of a step in each "
+                    f"consumer warpgroup's registers: block_m * block_n must be <= 64 * 128; got {cfg}")
         smem = ws_smem_bytes(cfg, itemsize, out_itemsize)
         if smem > _ws_smem_budget():
             return (f"{op}: the warp-specialized schedule needs about {smem} bytes of shared memory with "

@@ -160,24 +160,34 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous stores read
                 _store_rows(tile, o_gmem, row0, lo, hi, my_n0, bm, bn, o_smem.at[wg])
 
-            def b_operand(w_smem):
+            def b_operand(w_smem, k_slice=slice(None)):  # wgmma's B operand [contraction, block_n] of this consumer
                 cols = pl.ds(wg * bn, bn)
-                return w_smem.at[:, cols] if dgrad else w_smem.at[cols].transpose((1, 0))
+                return w_smem.at[k_slice, cols] if dgrad else w_smem.at[cols, k_slice].transpose((1, 0))
 
             if per_step:
                 def compute_context(eval_pipeline):
                     store(eval_pipeline(plgpu.layout_cast(jnp.full((bm, bn), 0, jnp.float32), plgpu.Layout.WGMMA)))
 
+                halves = bk // SCALE_BLOCK  # K blocks of 128 a pipeline step: 1, or 2 (block_k = 256)
+
                 def mma(idx, x_smem, w_smem, acc):
                     (k,) = idx
-                    scale = step_scale(k, **where)  # global loads issued before the wgmma, used after it
+                    # global loads issued before the wgmmas, used after them
+                    scales = [step_scale(k * halves + h, **where) for h in range(halves)]
 
-                    def part_scope(part_ref):
-                        plgpu.wgmma(part_ref, x_smem, b_operand(w_smem))
-                        return part_ref[...]  # waits for this warpgroup's wgmma; the other consumer's may run on
+                    def parts_scope(*part_refs):
+                        for h, part_ref in enumerate(part_refs):  # every K block's wgmma in flight at once
+                            ks = pl.ds(h * SCALE_BLOCK, SCALE_BLOCK) if halves > 1 else slice(None)
+                            plgpu.wgmma(part_ref, x_smem.at[:, ks], b_operand(w_smem, ks))
+                        out = acc
+                        for h, (part_ref, scale) in enumerate(zip(part_refs, scales)):
+                            # K block h done (the later ones may still run: its promotion overlaps them;
+                            # the other consumer's wgmmas may run meanwhile too)
+                            part = plgpu.wgmma_accumulator_load(part_ref, wait_n=halves - 1 - h)
+                            out = out + (part if scale is None else part * scale)
+                        return out
 
-                    part = pl.run_scoped(part_scope, plgpu.ACC((bm, bn), jnp.float32))
-                    return acc + (part if scale is None else part * scale)
+                    return pl.run_scoped(parts_scope, *[plgpu.ACC((bm, bn), jnp.float32)] * halves)
             else:
                 def compute_context(eval_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
