@@ -290,14 +290,16 @@ def test_launch_config_lookup_skips_backend_choices(tmp_path, monkeypatch):
 
 def test_seeded_h200_table_is_valid_and_cites_its_sources():
     """The table in the tree: every entry well-formed, its source a file in the tree (or issue 14), and the
-    measured finding in it: DeepSeek-V3's FP8-block GEMMs on Pallas-Triton."""
+    measured findings in it: DeepSeek-V3's FP8-block GEMMs on Pallas-Triton at M=2048 and on the warp-specialized
+    Mosaic GPU kernel at M=16384 (session 10; Pallas-Triton before it)."""
     entries = backend_table.backend_choices("NVIDIA H200")
     assert entries
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for e in entries:
         assert e["source"].startswith("issue 14") or os.path.exists(os.path.join(root, e["source"])), e["source"]
     for N, K in ((4096, 7168), (7168, 2048)):
-        assert backend_table.gpu_order("grouped_gemm", "fp8_block", 16384, N, K, "NVIDIA H200")[0] == "pallas_triton"
+        assert backend_table.gpu_order("grouped_gemm", "fp8_block", 2048, N, K, "NVIDIA H200")[0] == "pallas_triton"
+        assert backend_table.gpu_order("grouped_gemm", "fp8_block", 16384, N, K, "NVIDIA H200")[0] == "pallas_mosaic_gpu"
         assert backend_table.gpu_order("grouped_gemm", "bf16", 16384, N, K, "NVIDIA H200")[0] == "pallas_mosaic_gpu"
 
 

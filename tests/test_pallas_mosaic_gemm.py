@@ -136,6 +136,13 @@ def test_heuristic():
     fast = mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1, fast_accum=True)
     assert (fast.block_m, fast.block_n, fast.block_k, fast.fast_accum) == (128, 128, 128, True)
     assert not mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2, fast_accum=True).fast_accum  # bf16: no such thing
+    # FP8 with per-step promotion, >= 256 rows per expert: warp-specialized (session 10), two K blocks a step with
+    # per-step scales; fewer rows keep the one-warpgroup kernel
+    assert fp8.warp_specialized and (fp8.block_k, fp8.max_concurrent_steps) == (128, 4)
+    blocks = mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1, per_step_scales=True)
+    assert blocks.warp_specialized and (blocks.block_m, blocks.block_n, blocks.block_k) == (64, 128, 256)
+    assert not mosaic_grouped_gemm_config(2048, 4096, 7168, 32, 1, per_step_scales=True).warp_specialized
+    assert not fast.warp_specialized
 
 
 def test_bug_warp_specialized_default_fits_shared_memory_with_float32_outputs():

@@ -391,7 +391,8 @@ def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, ite
     everywhere. Per-K-step accumulation (FP8 by default, and per-token-group / block scales) holds
     two ``[block_m, block_n]`` float32 accumulators in one warpgroup's registers, so the tile is
     ``64 x 128`` (64 + 64 registers a thread) and ``block_k = 128`` (one scale group per step).
-    The per-step variant has not been swept yet. ``out_itemsize``: the output's bytes a value (the warp-specialized
+    With >= 256 rows per expert, FP8 with per-step accumulation runs the warp-specialized schedule (below) and
+    16-bit inputs on 128 x 128 tiles too. ``out_itemsize``: the output's bytes a value (the warp-specialized
     schedule keeps two output tiles in shared memory: with float32 outputs it runs 2 stages, not 3)."""
     fp8 = itemsize == 1
     per_step = per_step_scales or (fp8 and not fast_accum)
@@ -405,6 +406,18 @@ def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, ite
         block_n //= 2
     grid_n = max(N // block_n, 1)
     grid_block_n = 4 if grid_n % 4 == 0 else 1
+    if fp8 and per_step and rows_per_expert >= 256 and N % 256 == 0 and K % 128 == 0:
+        # FP8 with per-step promotion, >= 256 rows per expert: the warp-specialized schedule (two consumer
+        # warpgroups of 64 x 128, so one promotes while the other's wgmma runs); per-step scales take two K
+        # blocks a step (the first's promotion overlaps the second's wgmma). H200, 2026-12-02, tune_jax_gemm.py
+        # (E=32, M=16384; BENCHMARKS.md session 10): FP8 blocks gate_up 2.13 -> 1.02 ms, down 1.14 -> 0.56;
+        # per token 1.41 -> 0.92, 0.84 -> 0.50.
+        two = per_step_scales and K % 256 == 0
+        cfg = MosaicGroupedGemmConfig(block_m=64, block_n=128, block_k=256 if two else 128,
+                                      max_concurrent_steps=2 if two else 4,
+                                      grid_block_n=2 if (N // 256) % 2 == 0 else 1, warp_specialized=True)
+        if ws_smem_bytes(cfg, itemsize, out_itemsize) <= _ws_smem_budget():
+            return cfg
     if itemsize == 2 and not per_step and (block_m, block_n) == (128, 128) and N % 256 == 0 and K % block_k == 0:
         # 16-bit, >= 256 rows per expert: the warp-specialized schedule (a producer and two consumer warpgroups,
         # 128 x 256 per CTA; 3 stages fit beside its two output buffers). H200, 2026-12-01, same-run probes
