@@ -1,4 +1,5 @@
-"""Warp-specialized Hopper grouped GEMM (16-bit) in Pallas Mosaic GPU: the forward and the dgrad.
+"""Warp-specialized Hopper grouped GEMM in Pallas Mosaic GPU: the forward (16-bit or FP8, every scale layout, bias)
+and the 16-bit dgrad.
 
 The schedule of ``pallas_mosaic_gpu.py`` (a persistent ``nd_loop`` over (row step, column tile) from the
 same :func:`~moe_pallas.ops.grouped_gemm.pallas_triton.tile_metadata`, the power-of-two TMA store ladder
@@ -13,14 +14,27 @@ warpgroups (``MosaicGroupedGemmConfig.warp_specialized``):
   reads per FLOP of two independent CTAs), run the ``wgmma`` s and then the epilogue of their half while
   the producer already loads the next work item.
 
+FP8 (``x``, ``w`` float8_e4m3fn codes, CONTRACT.md section 4): with per-step accumulation (the default; per-token-group
+``x`` scales and 128 x 128 weight blocks need it) each consumer ``wgmma`` s every K block of 128 into a fresh
+accumulator and adds it, times that block's scales (:func:`step_scale`), to its float32 register tile ("promotion",
+DeepSeek-V3 arXiv:2412.19437 section 3.3.2). The wait for a consumer's own ``wgmma`` does not stall the tensor cores:
+the other consumer's ``wgmma`` s run while it promotes (DeepGEMM's two math warpgroups on sm_90). With
+``block_k = 256`` a pipeline step holds two K blocks: both ``wgmma`` s are issued at once, the first is awaited with the
+second still in flight (``plgpu.wgmma_accumulator_load(wait_n=1)``), and its promotion overlaps the second's MMA.
+Registers: the float32 tile and one partial a K block of a step, ``block_m * block_n <= 64 * 128`` (3 x 64 of the 232
+a consumer thread gets). ``fast_accum=True`` (per-tensor / per-token ``x`` with per-expert / per-channel ``w``): one
+accumulator over K. The scales applied once (per-tensor, per-token by ROW; per-expert, per-channel) and the float32
+``bias [E, N]`` follow in :func:`scale_epilogue`, shared with the one-warpgroup kernel.
+
 The forward reads a weight tile ``[2*block_n, block_k]`` of ``w[e]`` (K-major, transposed in shared
-memory into ``wgmma``'s B operand); the dgrad (``x`` is ``d_y``, ``w[e]`` read as ``[N, K]`` =
-``[contraction, out]``) a tile ``[block_k, 2*block_n]`` used as it is (MN-major B). 16-bit inputs only
-(FP8's per-step promotion stays in ``pallas_mosaic_gpu.py``); ``N_out % (2 * block_n) == 0``.
+memory into ``wgmma``'s B operand, which FP8 ``wgmma`` needs); the dgrad (``x`` is ``d_y``, ``w[e]`` read as
+``[N, K]`` = ``[contraction, out]``) a tile ``[block_k, 2*block_n]`` used as it is (MN-major B; 16-bit only).
+``N_out % (2 * block_n) == 0``.
 
 Learned from jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py (the
 warp-specialized pipeline with a compute context, two compute warpgroups splitting N, per-warpgroup
-epilogue buffers); the ragged rows, the zero group and the store ladder are ours.
+epilogue buffers) and deepseek-ai/DeepGEMM (sm90 FP8 GEMM: per-K-block promotion in two math warpgroups); the
+ragged rows, the zero group, the store ladder and the two-K-block step are ours.
 """
 
 from __future__ import annotations
