@@ -8,6 +8,12 @@ rows, ``--m`` rows; gate_up K=7168 N=4096 by default) for each backend, and with
 
 Config strings are ``block_m,block_n,block_k,max_concurrent_steps,grid_block_n`` (MosaicGroupedGemmConfig).
 Medians of ``benchmarks/harness.py``-style CUDA-synchronised loops; a probe, not a benchmark row.
+
+``--dtype fp8`` / ``fp8_block`` (FP8 per token x per channel, or DeepSeek-V3's 1 x 128 x 128 x 128 blocks): the forward
+only (the backward GEMMs are 16-bit), each backend's default and the ``--mosaic-fwd`` configs; with ``--ncu`` the
+Mosaic GPU forward twice, an ``ncu`` target for the FP8 kernel::
+
+    ncu --set full -k regex:mosaic python3 benchmarks/profile_bwd_jax.py --ncu --dtype fp8_block
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ def main() -> None:
     p.add_argument("--mosaic-fwd", default="", help="';'-list of Mosaic forward configs (a 6th value 1: warp_specialized)")
     p.add_argument("--pt-dgrad", default="", help="';'-list of Pallas-Triton dgrad configs 'block_m,block_n,block_k,warps,stages'")
     p.add_argument("--pt-wgrad", default="", help="';'-list of Pallas-Triton wgrad configs 'block_m,block_n,block_k,warps,stages'")
+    p.add_argument("--dtype", choices=("bf16", "fp8", "fp8_block"), default="bf16",
+                   help="the forward's inputs (fp8 / fp8_block: the forward only)")
     args = p.parse_args()
     M, E, K, N = args.m, args.e, args.k, args.n
     keys = jax.random.split(jax.random.key(0), 3)
@@ -64,6 +72,9 @@ def main() -> None:
     d_y = jax.random.normal(keys[2], (M, N), jnp.float32).astype(jnp.bfloat16)
     offsets = jnp.arange(E + 1, dtype=jnp.int32) * (M // E)
     flops = 2 * M * N * K
+    if args.dtype != "bf16":
+        fp8_forward(args, x, w, offsets, flops)
+        return
     if args.ncu:
         for f in (lambda: moe_pallas.grouped_gemm(x, w, offsets, implementation="pallas_mosaic_gpu"),
                   lambda: moe_pallas.grouped_gemm_dgrad(d_y, w, offsets, implementation="pallas_mosaic_gpu"),
@@ -135,6 +146,46 @@ def main() -> None:
                       flush=True)
             except Exception as exc:  # noqa: BLE001
                 print(f"pallas_triton {kind} {spec}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+
+
+def fp8_forward(args, x, w, offsets, flops: int) -> None:
+    """The FP8 forward: quantized with the library's quantizers (``--dtype``), each backend's default and the
+    ``--mosaic-fwd`` configs (rel diff against the Pallas-Triton default); ``--ncu``: the Mosaic GPU default twice."""
+    from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
+
+    if args.dtype == "fp8_block":
+        xq, xs = moe_pallas.per_token_group_quant_fp8(x, 128)
+        wq, ws = moe_pallas.quantize_weight_fp8(w, "block")
+    else:
+        xq, xs = moe_pallas.per_token_quant_fp8(x)
+        wq, ws = moe_pallas.quantize_weight_fp8(w, "per_channel")
+    shape = f"{args.dtype} M={args.m} E={args.e} K={args.k} N={args.n}"
+    if args.ncu:
+        for _ in range(2):
+            jax.block_until_ready(moe_pallas.grouped_gemm(xq, wq, offsets, x_scale=xs, w_scale=ws,
+                                                          implementation="pallas_mosaic_gpu"))
+        return
+    ref = None
+    runs = [] if args.only_configs else [(impl, None) for impl in ("pallas_triton", "pallas_mosaic_gpu")]
+    for spec in filter(None, args.mosaic_fwd.split(";")):
+        bm, bn, bk, st, gb, *ws_flag = (int(v) for v in spec.split(","))
+        runs.append((f"mosaic {spec}", MosaicGroupedGemmConfig(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=st,
+                                                               grid_block_n=gb, warp_specialized=bool(ws_flag and ws_flag[0]))))
+    for name, cfg in runs:
+        try:
+            if cfg is None:
+                f = jax.jit(lambda impl=name: moe_pallas.grouped_gemm(xq, wq, offsets, x_scale=xs, w_scale=ws,
+                                                                     implementation=impl))
+            else:
+                f = jax.jit(lambda cfg=cfg: grouped_gemm_pallas_mosaic_gpu(xq, wq, offsets, x_scale=xs, w_scale=ws,
+                                                                          config=cfg))
+            out = f()
+            ref = out if ref is None else ref
+            ms = _time(f)
+            print(f"{name:22s} forward {shape}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s (rel diff {_rel(out, ref):.1e})",
+                  flush=True)
+        except Exception as exc:  # noqa: BLE001 - a probe: report and go on
+            print(f"{name:22s} forward {shape}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
 
 if __name__ == "__main__":
