@@ -90,7 +90,10 @@ def test_layer_matches_float64_dense_loop(preset, routing):
 
 @given(
     ep_size=st.sampled_from([1, 2, 4]),
-    T=st.integers(1, 12),
+    # T from the ends of the former range 1..12 (one token; the most tokens), so that XLA compiles each
+    # (T, config, rank) layer once: a new T per example cost a compile per rank (~0.4 s each, ~32 s of CI); the
+    # values (seed, skew) stay random.
+    T=st.sampled_from([1, 12]),
     seed=st.integers(0, 2**16),
     on_output=st.booleans(),
     skew=st.sampled_from(["uniform", "zipf", "one-expert"]),
@@ -173,8 +176,9 @@ def test_layer_with_kernels_matches_reference(framework, quant):
     w13, s13, w2, s2 = mod.quantize_layer_weights(both(inputs.w13, "bfloat16")[idx], both(inputs.w2, "bfloat16")[idx], config)
     args = (both(inputs.x, "bfloat16")[idx], both(inputs.router_logits)[idx], w13, w2, config)
     kw = dict(w13_scale=s13, w2_scale=s2, e_score_correction_bias=both(inputs.e_score_correction_bias)[idx])
-    ref = mod.moe_forward(*args, **kw, implementation="reference")
-    out = mod.moe_forward(*args, **kw, implementation=backend)
+    forward = jit_forward if framework == "jnp" else mod.moe_forward  # jitted as in run_layer: ~4x less time than eager
+    ref = forward(*args, **kw, implementation="reference")
+    out = forward(*args, **kw, implementation=backend)
     assert np.isfinite(to_numpy(out).astype(np.float32)).all()
     assert_rel_fro(out, ref, BF16_REL_FRO, f"{framework} {backend} layer vs reference")
 
@@ -194,7 +198,9 @@ def test_layer_with_kernels_every_preset(framework, preset, quant):
     bias = both(inputs.e_score_correction_bias)[idx] if config.routing == "biased_grouped_topk" else None
     args = (both(inputs.x, "bfloat16")[idx], both(inputs.router_logits)[idx], w13, w2, config)
     kw = dict(w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias)
-    ref = mod.moe_forward(*args, **kw, implementation="reference")
-    out = mod.moe_forward(*args, **kw, implementation=KERNEL_BACKEND[framework])
+    # jnp jitted, as in run_layer: the eager (op-by-op) reference took ~3 s of the ~7 s at E = 256
+    forward = jit_forward if framework == "jnp" else mod.moe_forward
+    ref = forward(*args, **kw, implementation="reference")
+    out = forward(*args, **kw, implementation=KERNEL_BACKEND[framework])
     assert np.isfinite(to_numpy(out).astype(np.float32)).all()
     assert_rel_fro(out, ref, BF16_REL_FRO, f"{preset} {quant} {framework} kernels vs reference")

@@ -88,15 +88,21 @@ def test_bug_saturation(framework):
     np.testing.assert_array_equal(deq, [[448.0, -448.0, 448.0, 448.0, 1.0]])
 
 
+#: (rows, groups, group_size) of the round-trip property: a fixed set, so that JAX compiles each shape once (a new
+#: shape per example cost ~1.3 s of XLA compile, 25 examples ~33 s of CI); the values stay random (seed, decades).
+#: The edges of the former ranges (rows 1..6, groups 1..4, group_size 1 / 8 / 128): T = 1, one group, one element
+#: per group, the 128-wide groups, odd row and group counts.
+ROUND_TRIP_SHAPES = [(1, 1, 128), (1, 4, 1), (6, 1, 8), (5, 3, 128), (6, 4, 1), (3, 2, 8)]
+
+
 @given(
-    rows=st.integers(1, 6),
-    groups=st.integers(1, 4),
-    group_size=st.sampled_from([1, 8, 128]),
+    shape=st.sampled_from(ROUND_TRIP_SHAPES),
     seed=st.integers(0, 2**31 - 1),
     decades=st.floats(0.0, 20.0),
 )
-def test_property_fp8_round_trip_within_half_a_step(rows, groups, group_size, seed, decades):
+def test_property_fp8_round_trip_within_half_a_step(shape, seed, decades):
     """|q - x/scale| <= half an FP8 step (in code units) for every element, both frameworks, same bits."""
+    rows, groups, group_size = shape
     rng = np.random.default_rng(seed)
     x = wide_range(rng, (rows, groups * group_size), decades=decades)
     jq, js = moe_pallas.per_token_group_quant_fp8(both(x)[0], group_size)
