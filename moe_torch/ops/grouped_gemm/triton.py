@@ -104,7 +104,16 @@ CPU, ``tests/test_triton_gemm_tma.py``; measured on the H200 where said):
   the TMA variant at 128x256 / 8 warps, persistent, ``group_m`` 4 beats every pointer config at M=16384: gate_up
   (K=7168, N=4096) 1.832 -> 1.423 ms, down (K=2048, N=7168) 1.012 -> 0.830 (``torch._grouped_mm`` 1.477 / 0.807 in
   the bench). The tuner keeps the winner only: gate_up's has ``warp_specialize`` on, down's off; with identical
-  PTX the difference between the two is run-to-run noise. Not run: ``compute-sanitizer`` on the TMA variant.
+  PTX the difference between the two is run-to-run noise. ``compute-sanitizer --tool memcheck`` over
+  ``tests/test_triton_gemm_tma.py`` (bf16 and FP8, the tuned TMA defaults): 0 errors (H200, session 10).
+* The FP8-block limit: ``tl.dot`` is asynchronous only when its result is the next dot's accumulator, so "scale
+  and add the finished K block while the next ``wgmma`` runs" (DeepGEMM's promotion; ``moe_pallas``'s
+  warp-specialized Mosaic GPU kernel does it) cannot be written with it. Triton 3.6's Gluon dialect
+  (``triton.experimental.gluon``; read, not compiled or run here) has the parts: ``nvidia.hopper.warpgroup_mma(a, b,
+  acc, use_acc=False, is_async=True)`` (a fresh accumulator, asynchronous), ``warpgroup_mma_wait(num_outstanding=1,
+  deps=[...])``, ``gl.warp_specialize(..., worker_num_warps, worker_num_regs)`` (producer / consumer partitions
+  with their register budgets), ``nvidia.hopper.tma`` and ``mbarrier``: a Gluon kernel is the way to the schedule
+  in the torch framework, and a backend of its own (it does not run in the interpreter).
 
 Offsets ``row * stride`` and ``e * N * K`` are int64 (both pass
 2**31: ``M_cap * K`` at 300k rows of H=7168, ``E * N * K`` at E=256, N=7168, K=2048).
