@@ -109,11 +109,14 @@ CPU, ``tests/test_triton_gemm_tma.py``; measured on the H200 where said):
 * The FP8-block limit: ``tl.dot`` is asynchronous only when its result is the next dot's accumulator, so "scale
   and add the finished K block while the next ``wgmma`` runs" (DeepGEMM's promotion; ``moe_pallas``'s
   warp-specialized Mosaic GPU kernel does it) cannot be written with it. Triton 3.6's Gluon dialect
-  (``triton.experimental.gluon``; read, not compiled or run here) has the parts: ``nvidia.hopper.warpgroup_mma(a, b,
-  acc, use_acc=False, is_async=True)`` (a fresh accumulator, asynchronous), ``warpgroup_mma_wait(num_outstanding=1,
-  deps=[...])``, ``gl.warp_specialize(..., worker_num_warps, worker_num_regs)`` (producer / consumer partitions
-  with their register budgets), ``nvidia.hopper.tma`` and ``mbarrier``: a Gluon kernel is the way to the schedule
-  in the torch framework, and a backend of its own (it does not run in the interpreter).
+  (``triton.experimental.gluon``) has the parts: ``nvidia.hopper.warpgroup_mma(a, b, acc, use_acc=False,
+  is_async=True)`` (a fresh accumulator, asynchronous), ``warpgroup_mma_wait(num_outstanding=1, deps=[...])``,
+  ``gl.warp_specialize(..., worker_num_warps, worker_num_regs)`` (producer / consumer partitions with their register
+  budgets), ``nvidia.hopper.tma`` and ``mbarrier``. Compiled for sm_90 on a CPU (``benchmarks/
+  probe_gluon_promotion.py``, not run on a GPU): two K blocks a loop step, the first awaited with the second in
+  flight, keep ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` in the SASS; promoting a block issued in the previous iteration
+  (an in-flight accumulator carried by the loop) is serialized by ``ptxas`` (C7514: the wait becomes ``0x0``). A
+  Gluon kernel is the way to the schedule in the torch framework, a backend of its own (Gluon has no interpreter).
 
 Offsets ``row * stride`` and ``e * N * K`` are int64 (both pass
 2**31: ``M_cap * K`` at 300k rows of H=7168, ``E * N * K`` at E=256, N=7168, K=2048).
