@@ -248,3 +248,23 @@ def test_tma_compiles_for_sm90():
         assert (".e4m3.e4m3" if name.startswith("fp8") else ".bf16.bf16") in p, name
     assert ptx["128x256-persistent-g8-ws"] == ptx["128x256-persistent-g8"], "warp_specialize became effective on sm_90"
     assert "setmaxnreg" not in ptx["128x256-persistent-g8-ws"]
+
+
+@pytest.mark.skipif(TORCH_DEVICE != "cpu", reason="a compile-only probe, run in a child process on the CPU")
+def test_gluon_compiles_the_overlapped_fp8_promotion_for_sm90():
+    """The module docstring's finding on Triton 3.6's Gluon (``benchmarks/probe_gluon_promotion.py``): two FP8 K
+    blocks a step, the first awaited with the second in flight, keep ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` in the sm_90
+    SASS; promoting a block issued in the previous iteration is serialized by ptxas (C7514). If a new triton changes
+    either, this test says so and the docstring must be updated."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "probe_gluon_promotion.py")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.startswith(("loop_carried", "two_blocks")))
+    assert "0x1" in lines["two_blocks"] and "no serialization warning" in lines["two_blocks"], lines
+    assert "0x1" not in lines["loop_carried"] and "C7514" in lines["loop_carried"], lines
