@@ -71,6 +71,7 @@ from moe_pallas.ops.grouped_gemm.config import (  # noqa: E402
     grouped_gemm_config,
     heuristic_grouped_gemm_config,
     heuristic_mosaic_grouped_gemm_config,
+    mosaic_grouped_gemm_config,
 )
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference  # noqa: E402
 
@@ -87,7 +88,8 @@ TOP_K = 3
 #: Float32 accumulator registers a thread, at most: ``block_m * block_n / (32 * num_warps)``. 128 x 256
 #: over 4 warps is 256 a thread (spills); everything else in TRITON_SPACE is <= 128.
 MAX_ACC_REGS = 128
-#: Pallas Mosaic GPU: block_k fixed by the dtype (64 bf16, 128 fp8).
+#: Pallas Mosaic GPU: block_k fixed by the dtype (64 bf16, 128 fp8; FP8 with per-step accumulation in the
+#: warp-specialized schedule also 256 = two K blocks a step, 2 stages: :func:`mosaic_candidates`).
 MOSAIC_SPACE = {"block_m": (64, 128), "block_n": (128, 256), "max_concurrent_steps": (3, 4, 5), "grid_block_n": (1, 2, 4),
                 "warp_specialized": (False, True)}
 #: Relative Frobenius error of the bf16 output against the float32 reference above which a config is WRONG.
@@ -136,11 +138,13 @@ def variants(backend: str, dtype: str) -> list[bool | None]:
 
 
 def heuristic(backend: str, M: int, N: int, K: int, dtype: str, fast_accum: bool | None):
-    """The config the library runs today without this problem's entry (for FP8 blocks: the per-token
-    ``fp8`` entry where it fits, as :func:`grouped_gemm_config` does)."""
+    """The config the library runs today without this problem's entry (for FP8 blocks: each backend's tuned lookup,
+    which takes the nearest ``fp8_block`` or per-token ``fp8`` entry where one fits: :func:`grouped_gemm_config`,
+    :func:`mosaic_grouped_gemm_config`; a re-tune of a stored key times against that entry)."""
     itemsize = 2 if dtype == "bf16" else 1
     if dtype == "fp8_block" and backend == MOSAIC_BACKEND:
-        return heuristic_mosaic_grouped_gemm_config(M, N, K, E, 1, per_step_scales=True)
+        return mosaic_grouped_gemm_config(M, N, K, E, 1, per_step_scales=True, w_block=True,
+                                          device_kind=jax.devices()[0].device_kind)
     if dtype == "fp8_block":
         return grouped_gemm_config(M, N, K, E, 1, 128, w_block=True, device_kind=jax.devices()[0].device_kind)
     if backend == TRITON_BACKEND:

@@ -83,8 +83,8 @@ WS_FP8 = MosaicGroupedGemmConfig(block_m=64, block_n=128, block_k=128, max_concu
 
 def test_warp_specialized_fp8_rules():
     """The warp-specialized schedule takes FP8 (each consumer warpgroup promotes its own 64 x 128 tile): per-step
-    accumulation refuses 128 x 128 consumer tiles and per-step scales need block_n == block_k == 128; ``fast_accum``
-    takes 128 x 128."""
+    accumulation refuses 128 x 128 consumer tiles and takes block_k 128 or 256 (one or two K blocks a step); per-step
+    scales need block_n == 128; ``fast_accum`` takes 128 x 128."""
     from moe_pallas.ops.grouped_gemm.config import mosaic_config_problem
 
     assert mosaic_config_problem(WS_FP8, 512, 256, 1, True) is None
@@ -206,6 +206,31 @@ def test_tuned_lookup_nearest_m_cap_and_fallbacks(tmp_path, monkeypatch):
     assert cfg(256, 2048, 7168, 32, 2) == heur(256, 2048, 7168, 32, 2)
     assert mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2) == heur(256, 4096, 7168, 32, 2)
     assert mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2, device_kind="Other GPU") == heur(256, 4096, 7168, 32, 2)
+
+
+def test_tuned_lookup_fp8_blocks_takes_its_own_then_the_per_token_entries(tmp_path, monkeypatch):
+    """FP8 with 128 x 128 weight blocks (``w_block``): the nearest ``M_cap`` over the ``fp8_block`` and the per-token
+    ``fp8`` entries, ``fp8_block`` at equal distance; per-token requests never see ``fp8_block`` entries; an entry
+    the request cannot take (a 256-wide K step where K % 256 != 0) falls back to the heuristic."""
+    ws = dict(block_m=64, block_n=128, max_concurrent_steps=2, grid_block_n=2, warp_specialized=True)
+    two, one = dict(ws, block_k=256), dict(ws, block_k=128, max_concurrent_steps=4)
+    N, K = 4096, 7168
+    use_tuned_file(tmp_path, monkeypatch, [
+        tuned_entry("pallas_mosaic_gpu", N, K, 256, "fp8", one, fast_accum=False),
+        tuned_entry("pallas_mosaic_gpu", N, K, 16384, "fp8_block", two, fast_accum=False),
+        tuned_entry("pallas_mosaic_gpu", N, K, 2048, "fp8", one, fast_accum=False),
+        tuned_entry("pallas_mosaic_gpu", N, K, 2048, "fp8_block", two, fast_accum=False),
+    ])
+    look = functools.partial(mosaic_grouped_gemm_config, N=N, K=K, E=32, itemsize=1, per_step_scales=True,
+                             device_kind="Test GPU")
+    assert look(16384, w_block=True) == MosaicGroupedGemmConfig(**two)
+    assert look(256, w_block=True) == MosaicGroupedGemmConfig(**one)  # nearest: the per-token entry at 256
+    assert look(2048, w_block=True) == MosaicGroupedGemmConfig(**two)  # equal distance: fp8_block first
+    assert look(16384) == MosaicGroupedGemmConfig(**one)  # per token: its own entries only (nearest 2048)
+    odd = mosaic_grouped_gemm_config(16384, N, K + 128, 32, 1, per_step_scales=True, w_block=True,
+                                     device_kind="Test GPU")  # no entry for this K: the heuristic
+    assert odd == mosaic_grouped_gemm_config(16384, N, K + 128, 32, 1, per_step_scales=True)
+    assert odd.block_k == 128  # K = 7296 is not a multiple of 256: one K block a step
 
 
 def test_tuned_rule_mirrors_check_supported():
@@ -348,7 +373,7 @@ def _check_fp8(xq, xs, wq, ws, offsets, cfg, name: str, one_accumulator: bool) -
 
 
 @gpu_only
-@pytest.mark.parametrize("fast_accum, block_k", [(False, 128), (True, 128), (False, 256)])
+@pytest.mark.parametrize("fast_accum, block_k", [(False, 128), (True, 128), (False, 256), (True, 256)])
 @pytest.mark.parametrize("x_layout, w_layout", list(itertools.product(
     ["per_tensor", "per_token", "per_token_group"], ["per_expert", "per_channel", "block"])))
 def test_fp8_warp_specialized_every_scale_layout(x_layout, w_layout, fast_accum, block_k):
@@ -362,6 +387,28 @@ def test_fp8_warp_specialized_every_scale_layout(x_layout, w_layout, fast_accum,
     cfg = dataclasses.replace(WS_FP8, fast_accum=fast_accum, block_k=block_k,
                               max_concurrent_steps=2 if block_k == 256 else 4)
     _check_fp8(xq, xs, wq, ws, offsets, cfg, f"ws {x_layout} x {w_layout}", fast_accum and not per_step_scales)
+
+
+@gpu_only
+@pytest.mark.parametrize("x_layout, w_layout", [("per_token_group", "block"), ("per_token", "per_channel")])
+def test_fp8_warp_specialized_with_bias(x_layout, w_layout):
+    """The warp-specialized FP8 forward with a float32 bias (added after the scales, before the one rounding): the
+    reference plus the bias of each row's expert, bf16 and float32 outputs; unused rows stay zero."""
+    import dataclasses
+    xq, xs, wq, ws, offsets = _fp8_problem(6, [70, 0, 130, 9, 200], 512, 512, 512, x_layout, w_layout)
+    bias = jnp.asarray(np.random.default_rng(7).standard_normal((5, 512)), jnp.float32)
+    cfg = dataclasses.replace(WS_FP8, block_k=256, max_concurrent_steps=2) if w_layout == "block" else WS_FP8
+    with jax.default_matmul_precision("highest"):
+        ref = grouped_gemm_reference(xq, wq, offsets, xs, ws, jnp.float32)
+    rows = np.arange(512)
+    expert = np.searchsorted(np.asarray(offsets), rows, side="right") - 1
+    used = rows < int(offsets[-1])
+    ref = ref + jnp.where(used[:, None], bias[np.minimum(expert, 4)], 0.0)
+    for out_dtype, limit in ((jnp.bfloat16, FP8_REL_FRO), (jnp.float32, 1e-3)):
+        y = grouped_gemm_pallas_mosaic_gpu(xq, wq, offsets, x_scale=xs, w_scale=ws, bias=bias, out_dtype=out_dtype,
+                                           config=cfg)
+        check_rows(y, offsets, f"ws bias {x_layout} x {w_layout}")
+        assert_rel_fro(y, ref, limit, f"ws bias {x_layout} x {w_layout} {jnp.dtype(out_dtype).name}")
 
 
 @gpu_only

@@ -61,10 +61,10 @@ OPTIONAL_KEYS = ("device", "routings", "git", "measured", "note")
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float8_e4m3fn": "fp8"}
 
 #: FP8 with 128x128 weight blocks (DeepSeek-V3: 1x128 activation groups x 128x128 weight blocks) on Pallas-Triton
-#: first. H200, E=32, M=16384, uniform rows, median ms (issue 14's table; BENCHMARKS.md, "The JAX grouped GEMM's
-#: default backend on the H200"): gate_up (K=7168, N=4096) Pallas-Triton 1.72, Mosaic GPU 2.90; down (K=2048,
-#: N=7168) 0.87 vs 1.54. Mosaic's per-K-step scales hold two float32 accumulators in one warpgroup's registers,
-#: so its tile is 64 x 128 (config.py).
+#: first where no table says otherwise. H200, E=32, M=16384, uniform rows, median ms (issue 14's table): gate_up
+#: (K=7168, N=4096) Pallas-Triton 1.72, Mosaic GPU's one-warpgroup kernel 2.90; down (K=2048, N=7168) 0.87 vs 1.54.
+#: Since session 10 Mosaic's warp-specialized FP8 kernel is faster on the H200 (1.10 / 0.56 ms, its table picks
+#: Mosaic for every FP8 key), but it was measured on no other GPU, so a GPU without a table keeps this order.
 FP8_BLOCK_ORDER = ("pallas_triton", "pallas_mosaic_gpu", "reference")
 
 

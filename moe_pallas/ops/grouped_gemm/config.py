@@ -326,7 +326,8 @@ class MosaicGroupedGemmConfig:
 
     block_m: rows per tile, 64 or 128 (multiples of wgmma's M = 64).
     block_n: output columns per tile, a multiple of 8 up to 256 (wgmma's N); must divide N.
-    block_k: K per pipeline step (must divide K): 64 for 16-bit, 128 for FP8 (128-byte rows).
+    block_k: K per pipeline step (must divide K): 64 for 16-bit, 128 for FP8 (128-byte rows); 256 for FP8 with
+      per-step accumulation in the warp-specialized schedule (two K blocks a step).
     max_concurrent_steps: TMA loads in flight (shared-memory stages).
     grid_block_n: width, in column tiles, of the planar snake over (row steps, column tiles).
     fast_accum: FP8 only. ``False`` (default): every K step (128 K values, 4 wgmma instructions)
@@ -410,8 +411,9 @@ def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, ite
         # FP8 with per-step promotion, >= 256 rows per expert: the warp-specialized schedule (two consumer
         # warpgroups of 64 x 128, so one promotes while the other's wgmma runs); per-step scales take two K
         # blocks a step (the first's promotion overlaps the second's wgmma). H200, 2026-12-02, tune_jax_gemm.py
-        # (E=32, M=16384; BENCHMARKS.md session 10): FP8 blocks gate_up 2.13 -> 1.02 ms, down 1.14 -> 0.56;
-        # per token 1.41 -> 0.92, 0.84 -> 0.50.
+        # (E=32, M=16384; BENCHMARKS.md session 10), the tuned configs (grid_block_n 4 / 2 / 2 / 2; this rule's 2 was
+        # within 1% of 4 on gate_up): FP8 blocks gate_up 2.13 -> 1.02 ms, down 1.14 -> 0.56; per token 1.41 ->
+        # 0.92, 0.84 -> 0.50.
         two = per_step_scales and K % 256 == 0
         cfg = MosaicGroupedGemmConfig(block_m=64, block_n=128, block_k=256 if two else 128,
                                       max_concurrent_steps=2 if two else 4,
@@ -541,8 +543,9 @@ def _ws_smem_budget() -> int:
 def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int, per_step_scales: bool, *,
                           op: str = "grouped_gemm[pallas_mosaic_gpu]", out_itemsize: int = 2) -> str | None:
     """Why ``cfg`` cannot serve a Mosaic request (``None``: it can): whole TMA tiles (``N % block_n``,
-    ``K % block_k``); per-step scales need ``block_n == block_k == 128``; per-step accumulation (those
-    scales, or FP8 without ``fast_accum``) keeps two float32 tiles in registers, at most ``64 x 128``.
+    ``K % block_k``); per-step scales need ``block_n == 128`` and ``block_k == 128`` (the warp-specialized
+    schedule: 128 or 256, one or two K blocks a step); per-step accumulation (those scales, or FP8 without
+    ``fast_accum``) keeps the float32 tile and a partial a K block of a step in registers, at most ``64 x 128``.
     The one home of the config-dependent rules (``pallas_mosaic_gpu.check_supported`` raises the message;
     the dgrad passes its own ``op``, with ``N`` its output width and ``K`` its contraction)."""
     if cfg.warp_specialized:

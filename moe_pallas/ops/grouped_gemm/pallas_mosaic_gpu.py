@@ -7,7 +7,8 @@ K-major). Outside the kernel, plain jnp turns the offsets into per-step metadata
 step ``s`` owns rows ``[lo_s, hi_s)`` of one ``block_m`` row tile, for expert ``e_s``, or for
 the "zero group" ``e_s == E`` of unused rows ``>= offsets[-1]``).
 
-One persistent kernel: ``grid = (number of SMs,)``; each CTA (one warpgroup) walks the work items
+One persistent kernel: ``grid = (number of SMs,)``; each CTA (one warpgroup; with ``config.warp_specialized``
+a producer and two consumer warpgroups: ``pallas_mosaic_gpu_ws.py``) walks the work items
 ``(step, column tile)`` of a ``plgpu.nd_loop`` (a planar snake over ``(steps, N / block_n)`` for
 L2 reuse of one expert's weight tiles) and for each one
 
@@ -40,7 +41,9 @@ writes zeros where no expert owns a row.
 Limits (``NotImplementedError``, so that dispatch falls back to the Pallas-Triton kernel):
 16-bit float or FP8 inputs only (no float32: ``wgmma`` would be TF32); ``N % block_n == 0``;
 ``K % block_k == 0``; per-token-group scales need ``G == 128``; block weight scales need
-``block_n == 128``.
+``block_n == 128``. The warp-specialized schedule (``pallas_mosaic_gpu_ws.py``) also needs ``N % (2 * block_n) == 0``,
+``block_k`` 128 or 256 with per-step accumulation and ``block_m * block_n <= 64 * 128`` then
+(``config.mosaic_config_problem``, the one home of these rules).
 
 Mirror: none (a Hopper-only backend of ``moe_pallas``; ``moe_torch``'s Triton kernel is its peer).
 """
@@ -262,8 +265,8 @@ def run_row_kernel(x, w, expert_offsets, scale_inputs, *, N_out: int, K_contract
                    cfg: MosaicGroupedGemmConfig, out_dtype, dgrad: bool = False, has_bias: bool = False) -> jax.Array:
     """Launch :func:`_kernel` (the forward, or with ``dgrad`` the dgrad) over the row tiles of
     ``expert_offsets``: ``[M_cap, N_out]`` in ``out_dtype``. Shared by this module and
-    ``pallas_mosaic_gpu_backward.py``. ``cfg.warp_specialized``: the 16-bit kernel of
-    ``pallas_mosaic_gpu_ws.py`` instead (no scales, no bias)."""
+    ``pallas_mosaic_gpu_backward.py``. ``cfg.warp_specialized``: the kernel of ``pallas_mosaic_gpu_ws.py``
+    instead (the same inputs: 16-bit or FP8 with its scales, a bias; the dgrad 16-bit)."""
     if cfg.warp_specialized:
         return run_row_kernel_ws(x, w, expert_offsets, scale_inputs, N_out=N_out, K_contract=K_contract, cfg=cfg,
                                  out_dtype=out_dtype, dgrad=dgrad, num_sms=num_sms(), x_kind=x_kind, w_kind=w_kind,
