@@ -102,13 +102,16 @@ def test_warp_specialized_fp8_rules():
     assert "takes block_k 128 or 256" in mosaic_config_problem(odd, 512, 512, 1, False)
 
 
-@pytest.mark.parametrize("x_layout, w_layout, fast_accum, block_k", [
-    ("per_token_group", "block", False, 128), ("per_token_group", "block", False, 256),
-    ("per_token", "per_channel", False, 128), ("per_tensor", "per_expert", True, 128)])
-def test_warp_specialized_fp8_lowers_for_cuda(x_layout, w_layout, fast_accum, block_k):
+@pytest.mark.parametrize("x_layout, w_layout, fast_accum, block_k, split_m", [
+    ("per_token_group", "block", False, 128, False), ("per_token_group", "block", False, 256, False),
+    ("per_token", "per_channel", False, 128, False), ("per_tensor", "per_expert", True, 128, False),
+    ("per_token_group", "block", False, 256, True), ("per_token", "per_channel", False, 128, True),
+    ("per_tensor", "per_expert", True, 128, True)])
+def test_warp_specialized_fp8_lowers_for_cuda(x_layout, w_layout, fast_accum, block_k, split_m):
     """The warp-specialized FP8 kernel (per-step promotion with both per-step scale kinds, one or two K blocks a
-    step, epilogue scales, one accumulator with ``fast_accum``) and a float32 bias lower through Mosaic GPU on the
-    CPU: a Mosaic GPU custom call; two K blocks a step wait for the first block's wgmma with one still in flight."""
+    step, epilogue scales, one accumulator with ``fast_accum``; consumers splitting the CTA tile's columns or rows)
+    and a float32 bias lower through Mosaic GPU on the CPU: a Mosaic GPU custom call; two K blocks a step wait for
+    the first block's wgmma with one still in flight, and so does the one accumulator (the previous step's)."""
     import dataclasses
     S = jax.ShapeDtypeStruct
     M, K, N, E = 256, 512, 512, 4
@@ -117,13 +120,13 @@ def test_warp_specialized_fp8_lowers_for_cuda(x_layout, w_layout, fast_accum, bl
     ws = {"per_expert": S((E,), jnp.float32), "per_channel": S((E, N), jnp.float32),
           "block": S((E, N // 128, K // 128), jnp.float32)}[w_layout]
     cfg = dataclasses.replace(WS_FP8, fast_accum=fast_accum, block_k=block_k,
-                              max_concurrent_steps=2 if block_k == 256 else 4)
+                              max_concurrent_steps=2 if block_k == 256 else 4, split_m=split_m)
     f = jax.jit(grouped_gemm_pallas_mosaic_gpu, static_argnames=("config",))
     fp8 = jnp.float8_e4m3fn
     text = f.trace(S((M, K), fp8), S((E, N, K), fp8), S((E + 1,), jnp.int32), x_scale=xs, w_scale=ws,
                    bias=S((E, N), jnp.float32), config=cfg).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    assert ("wgmma.wait_group.sync.aligned 1" in text) == (block_k == 256)
+    assert ("wgmma.wait_group.sync.aligned 1" in text) == (block_k == 256 or fast_accum)
 
 
 def test_heuristic():
@@ -373,31 +376,34 @@ def _check_fp8(xq, xs, wq, ws, offsets, cfg, name: str, one_accumulator: bool) -
 
 
 @gpu_only
-@pytest.mark.parametrize("fast_accum, block_k", [(False, 128), (True, 128), (False, 256), (True, 256)])
+@pytest.mark.parametrize("fast_accum, block_k, split_m", [(False, 128, False), (True, 128, False), (False, 256, False),
+                                                         (True, 256, False), (False, 256, True), (True, 128, True)])
 @pytest.mark.parametrize("x_layout, w_layout", list(itertools.product(
     ["per_tensor", "per_token", "per_token_group"], ["per_expert", "per_channel", "block"])))
-def test_fp8_warp_specialized_every_scale_layout(x_layout, w_layout, fast_accum, block_k):
-    """The warp-specialized FP8 schedule (producer + two consumer warpgroups, 64 x 256 CTA tiles; N = 512 = two
-    CTA tiles; one or two K blocks a pipeline step): every scale layout against the jnp reference, as
-    ``test_fp8_every_scale_layout``; empty experts, unused capacity (NaN codes, written as zeros) and a tile
-    straddling experts in one problem."""
+def test_fp8_warp_specialized_every_scale_layout(x_layout, w_layout, fast_accum, block_k, split_m):
+    """The warp-specialized FP8 schedule (producer + two consumer warpgroups, 64 x 256 CTA tiles, or 128 x 128 with
+    ``split_m``; N = 512 = two or four CTA tiles; one or two K blocks a pipeline step): every scale layout against
+    the jnp reference, as ``test_fp8_every_scale_layout``; empty experts, unused capacity (NaN codes, written as
+    zeros) and tiles straddling experts in one problem."""
     import dataclasses
     xq, xs, wq, ws, offsets = _fp8_problem(5, [70, 0, 130, 9, 200], 512, 512, 512, x_layout, w_layout)
     per_step_scales = x_layout == "per_token_group" or w_layout == "block"
     cfg = dataclasses.replace(WS_FP8, fast_accum=fast_accum, block_k=block_k,
-                              max_concurrent_steps=2 if block_k == 256 else 4)
+                              max_concurrent_steps=2 if block_k == 256 else 4, split_m=split_m)
     _check_fp8(xq, xs, wq, ws, offsets, cfg, f"ws {x_layout} x {w_layout}", fast_accum and not per_step_scales)
 
 
 @gpu_only
+@pytest.mark.parametrize("split_m", [False, True])
 @pytest.mark.parametrize("x_layout, w_layout", [("per_token_group", "block"), ("per_token", "per_channel")])
-def test_fp8_warp_specialized_with_bias(x_layout, w_layout):
+def test_fp8_warp_specialized_with_bias(x_layout, w_layout, split_m):
     """The warp-specialized FP8 forward with a float32 bias (added after the scales, before the one rounding): the
     reference plus the bias of each row's expert, bf16 and float32 outputs; unused rows stay zero."""
     import dataclasses
     xq, xs, wq, ws, offsets = _fp8_problem(6, [70, 0, 130, 9, 200], 512, 512, 512, x_layout, w_layout)
     bias = jnp.asarray(np.random.default_rng(7).standard_normal((5, 512)), jnp.float32)
     cfg = dataclasses.replace(WS_FP8, block_k=256, max_concurrent_steps=2) if w_layout == "block" else WS_FP8
+    cfg = dataclasses.replace(cfg, split_m=split_m)
     with jax.default_matmul_precision("highest"):
         ref = grouped_gemm_reference(xq, wq, offsets, xs, ws, jnp.float32)
     rows = np.arange(512)

@@ -246,14 +246,19 @@ def test_warp_specialized_rules_and_trace():
 
 
 @gpu_only
+@pytest.mark.parametrize("split_m", [False, True])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_warp_specialized_forward_and_dgrad_vs_float64(shape):
+def test_warp_specialized_forward_and_dgrad_vs_float64(shape, split_m):
+    """The 16-bit warp-specialized forward and dgrad, consumers splitting the CTA tile's columns (128 x 128) or rows
+    (``split_m``: 256 x 64), against float64 loops; NaN never leaks, rows >= M are zero."""
+    import dataclasses
     from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
 
+    WS_ = dataclasses.replace(WS, split_m=split_m)
     counts, m_cap, K, N = SHAPES[shape]
     x, dy, w, offsets = _problem(6, counts, m_cap, K, N)
     M = int(offsets[-1])
-    y = grouped_gemm_pallas_mosaic_gpu(x, w, offsets, config=WS)
+    y = grouped_gemm_pallas_mosaic_gpu(x, w, offsets, config=WS_)
     got = to_numpy(y).astype(np.float32)
     assert np.isfinite(got).all() and not got[M:].any(), f"{shape}: NaN leaked or rows >= M not zero"
     ref = np.zeros((m_cap, N))
@@ -261,7 +266,7 @@ def test_warp_specialized_forward_and_dgrad_vs_float64(shape):
     for e in range(len(counts)):
         ref[o[e]:o[e + 1]] = xs[o[e]:o[e + 1]] @ ws_[e].T
     assert_rel_fro(y, ref, BF16_REL_FRO, f"{shape} warp-specialized forward vs float64")
-    dx = grouped_gemm_dgrad_pallas_mosaic_gpu(dy, w, offsets, config=WS)
+    dx = grouped_gemm_dgrad_pallas_mosaic_gpu(dy, w, offsets, config=WS_)
     got = to_numpy(dx).astype(np.float32)
     assert np.isfinite(got).all() and not got[M:].any(), f"{shape}: dgrad NaN leaked or rows >= M not zero"
     assert_rel_fro(dx, _f64_dgrad(dy, w, offsets), BF16_REL_FRO, f"{shape} warp-specialized dgrad vs float64")

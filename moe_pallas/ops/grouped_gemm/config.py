@@ -341,6 +341,10 @@ class MosaicGroupedGemmConfig:
       dgrad): a producer warpgroup loads, two consumer warpgroups each compute ``block_m x block_n`` of a
       ``block_m x 2*block_n`` CTA tile (so ``N`` must be a multiple of ``2 * block_n``); with FP8's per-step
       promotion, one consumer scales and adds its finished K step while the other's ``wgmma`` runs.
+    split_m: warp-specialized only: the two consumers split the CTA tile's rows instead of its columns (a
+      ``2*block_m x block_n`` CTA tile, ``N % block_n == 0``): per K step the CTA loads ``(2*block_m + block_n) *
+      block_k`` values for ``2 * block_m * block_n`` outputs, 20% fewer than ``(block_m + 2*block_n) * block_k`` at
+      ``64 x 128`` (the producer's loads are what the FP8 kernel waits on: BENCHMARKS.md, session 11).
     """
 
     block_m: int
@@ -350,19 +354,23 @@ class MosaicGroupedGemmConfig:
     grid_block_n: int = 1
     fast_accum: bool = False
     warp_specialized: bool = False
+    split_m: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MosaicGroupedGemmConfig: {name} must be an int >= 1; got {name}={v!r}")
-        for name in ("fast_accum", "warp_specialized"):
+        for name in ("fast_accum", "warp_specialized", "split_m"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MosaicGroupedGemmConfig: {name} must be a bool; got {name}={getattr(self, name)!r}")
         if self.block_m not in MOSAIC_BLOCK_M:
             raise ValueError(f"MosaicGroupedGemmConfig: block_m must be one of {MOSAIC_BLOCK_M}; got {self.block_m}")
         if self.block_n % 8 or self.block_n > 256:
             raise ValueError(f"MosaicGroupedGemmConfig: block_n must be a multiple of 8 up to 256; got {self.block_n}")
+        if self.split_m and not self.warp_specialized:
+            raise ValueError(f"MosaicGroupedGemmConfig: split_m splits the warp-specialized CTA tile; it needs "
+                             f"warp_specialized=True; got {self}")
 
 
 #: Shared memory one CTA may use on sm_90 (``cudaDevAttrMaxSharedMemoryPerBlockOptin`` of the H100 / H200: 227 KiB),
@@ -372,12 +380,19 @@ MOSAIC_MAX_SMEM_BYTES = 232448
 _SMEM_SLACK_BYTES = 1024
 
 
+def ws_cta_tile(cfg: MosaicGroupedGemmConfig) -> tuple[int, int]:
+    """``(rows, columns)`` of the warp-specialized kernel's CTA tile: two consumer tiles of ``block_m x block_n``
+    side by side (``block_m x 2*block_n``), or one above the other with ``split_m`` (``2*block_m x block_n``)."""
+    return (2 * cfg.block_m, cfg.block_n) if cfg.split_m else (cfg.block_m, 2 * cfg.block_n)
+
+
 def ws_smem_bytes(cfg: MosaicGroupedGemmConfig, itemsize: int, out_itemsize: int) -> int:
     """Shared memory of the warp-specialized kernel (``pallas_mosaic_gpu_ws.py``): ``max_concurrent_steps`` stages of
-    an ``x`` tile ``[block_m, block_k]`` and a weight tile ``[2 * block_n, block_k]``, plus one ``[block_m, block_n]``
-    output buffer per consumer warpgroup (2) in the output dtype (H200, 2026-12-01: 128 x 128 x 64 over 3 stages
-    with float32 outputs asked 278576 bytes = this + 48)."""
-    stages = cfg.max_concurrent_steps * (cfg.block_m + 2 * cfg.block_n) * cfg.block_k * itemsize
+    the CTA's ``x`` tile ``[cta_m, block_k]`` and weight tile ``[cta_n, block_k]`` (:func:`ws_cta_tile`), plus one
+    ``[block_m, block_n]`` output buffer per consumer warpgroup (2) in the output dtype (H200, 2026-12-01: 128 x 128
+    x 64 over 3 stages with float32 outputs asked 278576 bytes = this + 48)."""
+    cta_m, cta_n = ws_cta_tile(cfg)
+    stages = cfg.max_concurrent_steps * (cta_m + cta_n) * cfg.block_k * itemsize
     return stages + 2 * cfg.block_m * cfg.block_n * out_itemsize
 
 
@@ -407,17 +422,18 @@ def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, ite
         block_n //= 2
     grid_n = max(N // block_n, 1)
     grid_block_n = 4 if grid_n % 4 == 0 else 1
-    if fp8 and per_step and rows_per_expert >= 256 and N % 256 == 0 and K % 128 == 0:
+    if fp8 and per_step and rows_per_expert >= 256 and N % 128 == 0 and K % 128 == 0:
         # FP8 with per-step promotion, >= 256 rows per expert: the warp-specialized schedule (two consumer
-        # warpgroups of 64 x 128, so one promotes while the other's wgmma runs); per-step scales take two K
-        # blocks a step (the first's promotion overlaps the second's wgmma). H200, 2026-12-02, tune_jax_gemm.py
-        # (E=32, M=16384; BENCHMARKS.md session 10), the tuned configs (grid_block_n 4 / 2 / 2 / 2; this rule's 2 was
-        # within 1% of 4 on gate_up): FP8 blocks gate_up 2.13 -> 1.02 ms, down 1.14 -> 0.56; per token 1.41 ->
-        # 0.92, 0.84 -> 0.50.
-        two = per_step_scales and K % 256 == 0
+        # warpgroups of 64 x 128, so one promotes while the other's wgmma runs), the consumers splitting the rows of
+        # a 128 x 128 CTA tile (split_m: 20% fewer loads a K step than 64 x 256), two K blocks a step where K allows
+        # (the first's promotion overlaps the second's wgmma). H200, 2026-12-02 (BENCHMARKS.md session 11,
+        # profile_bwd_jax.py, E=32, M=16384, kernel time): FP8 blocks gate_up 1.18 ms (64 x 256 CTA) -> 0.96,
+        # down 0.61 -> 0.50; per token 0.87 -> 0.83, 0.47 -> 0.43.
+        two = K % 256 == 0
         cfg = MosaicGroupedGemmConfig(block_m=64, block_n=128, block_k=256 if two else 128,
                                       max_concurrent_steps=2 if two else 4,
-                                      grid_block_n=2 if (N // 256) % 2 == 0 else 1, warp_specialized=True)
+                                      grid_block_n=4 if (N // 128) % 4 == 0 else 1, warp_specialized=True,
+                                      split_m=True)
         if ws_smem_bytes(cfg, itemsize, out_itemsize) <= _ws_smem_budget():
             return cfg
     if itemsize == 2 and not per_step and (block_m, block_n) == (128, 128) and N % 256 == 0 and K % block_k == 0:
@@ -551,9 +567,10 @@ def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize
     if cfg.warp_specialized:
         if itemsize not in (1, 2):
             return f"{op}: the warp-specialized schedule takes 16-bit or FP8 inputs; got {itemsize}-byte values"
-        if N % (2 * cfg.block_n) or K % cfg.block_k or cfg.block_m * cfg.block_n > 128 * 128:
-            return (f"{op}: the warp-specialized schedule needs N % (2 * block_n) == 0, K % block_k == 0 and "
-                    f"block_m * block_n <= 128 * 128; got N={N}, K={K}, {cfg}")
+        cta_n = ws_cta_tile(cfg)[1]
+        if N % cta_n or K % cfg.block_k or cfg.block_m * cfg.block_n > 128 * 128:
+            return (f"{op}: the warp-specialized schedule needs N % {'block_n' if cfg.split_m else '(2 * block_n)'} "
+                    f"== 0, K % block_k == 0 and block_m * block_n <= 128 * 128; got N={N}, K={K}, {cfg}")
         per_step = accumulates_per_step(itemsize, per_step_scales, cfg)
         if per_step and cfg.block_k not in (SCALE_BLOCK, 2 * SCALE_BLOCK):
             return (f"{op}: per-K-step accumulation in the warp-specialized schedule takes block_k {SCALE_BLOCK} or "

@@ -60,7 +60,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, MosaicGroupedGemmConfig, accumulates_per_step,
-                                                 gpu_device_kind, mosaic_config_problem, mosaic_grouped_gemm_config)
+                                                 gpu_device_kind, mosaic_config_problem, mosaic_grouped_gemm_config,
+                                                 ws_cta_tile)
 from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu_ws import run_row_kernel_ws, scale_epilogue, step_scale
 from moe_pallas.ops.grouped_gemm.pallas_triton import scale_kinds, tile_metadata
 
@@ -244,7 +245,8 @@ def grouped_gemm_pallas_mosaic_gpu(
     check_supported(x, w, x_kind, w_kind, G, out_dtype, cfg)
     if M_cap == 0 or N == 0 or E == 0:
         return jnp.zeros((M_cap, N), out_dtype)
-    m_pad = pl.cdiv(M_cap, cfg.block_m) * cfg.block_m  # scale vectors are loaded a whole tile at a time
+    tile_m = ws_cta_tile(cfg)[0] if cfg.warp_specialized else cfg.block_m
+    m_pad = pl.cdiv(M_cap, tile_m) * tile_m  # scale vectors are loaded a whole (CTA) tile at a time
     scale_inputs = []
     if fp8:
         xs = x_scale.astype(jnp.float32)

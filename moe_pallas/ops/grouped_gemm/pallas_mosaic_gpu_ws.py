@@ -47,13 +47,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from moe_pallas.ops.grouped_gemm.config import SCALE_BLOCK, MosaicGroupedGemmConfig, accumulates_per_step
+from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, MosaicGroupedGemmConfig, accumulates_per_step,
+                                                ws_cta_tile)
 from moe_pallas.ops.grouped_gemm.pallas_triton import tile_metadata
 
 #: Registers of the producer warpgroup (hopper_matmul_mgpu.py's value for H100-class GPUs).
 PRODUCER_REGISTERS = 40
 #: Consumer warpgroups per CTA.
 CONSUMERS = 2
+#: Registers of a consumer thread: the rest of the 64K register file, a multiple of 8 (hopper_matmul_mgpu.py's split).
+CONSUMER_REGISTERS = min(255, (65536 // 128 - PRODUCER_REGISTERS) // CONSUMERS) // 8 * 8
 
 
 def _transforms(minor: int, dtype) -> tuple:
@@ -126,107 +129,150 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
     b_gmem = refs.pop() if has_bias else None
     xs_gmem, ws_gmem = refs if x_kind is not None else (None, None)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    cta_n = CONSUMERS * bn
+    cta_m, cta_n = ws_cta_tile(cfg)
+    stages = cfg.max_concurrent_steps
     n_steps = step_e.shape[0]
     grid_n = N // cta_n
     k_steps = K // bk
     dtype, out_dtype = x_gmem.dtype, o_gmem.dtype
     # FP8 accumulates K step by K step into float32 registers unless fast_accum; per-step scales need it anyway
     per_step = accumulates_per_step(dtype.itemsize, x_kind == "per_token_group" or w_kind == "block", cfg)
-    x_spec = plgpu.BlockSpec((bm, bk), lambda k: (0, k), transforms=_transforms(bk, dtype))
-    if dgrad:  # w[e] is [contraction, out]: a [bk, cta_n] tile
-        w_spec = plgpu.BlockSpec((bk, cta_n), lambda k: (k, 0), transforms=_transforms(cta_n, dtype))
-    else:  # w[e] is [out, contraction]: a [cta_n, bk] tile, transposed in shared memory
-        w_spec = plgpu.BlockSpec((cta_n, bk), lambda k: (0, k), transforms=_transforms(bk, dtype))
+    halves = bk // SCALE_BLOCK if per_step else 1  # K blocks of 128 a pipeline step: 1, or 2 (block_k = 256)
 
-    def get_pipeline(body, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k_steps,), memory_registers=PRODUCER_REGISTERS, in_specs=[x_spec, w_spec],
-            wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=cfg.max_concurrent_steps,
-            compute_context=compute_context)
+    def item(index):
+        """The work item ``index`` of the planar snake: (expert, rows [lo, hi), CTA row0, CTA n0, addressing expert),
+        computed alike by the producer and the consumers (the same sequence of items a CTA)."""
+        si, ni = plgpu.planar_snake(index, (n_steps, grid_n), 1, cfg.grid_block_n)
+        e, lo, hi = step_e[si], step_lo[si], step_hi[si]
+        return e, lo, hi, lax.div(lo, jnp.int32(cta_m)) * cta_m, ni * cta_n, jnp.minimum(e, E - 1)
 
-    ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
-    w_any = w_gmem.at[0]
-
-    @functools.partial(
-        pl.run_scoped,
-        allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_any),
-        o_smem=plgpu.SMEM((CONSUMERS, bm, bn), out_dtype),  # untiled: the store ladder slices any row
-        collective_axes="wg",
-    )
-    def _scope(allocs, o_smem):
+    def scoped(x_smem, w_smem, o_smem, produced, consumed):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((n_steps * grid_n,), collective_axes="sm")
-        def _work(info: plgpu.NDLoopInfo):
-            si, ni = plgpu.planar_snake(info.index[0], (n_steps, grid_n), 1, cfg.grid_block_n)
-            e, lo, hi = step_e[si], step_lo[si], step_hi[si]
-            row0 = lax.div(lo, jnp.int32(bm)) * bm
-            n0 = ni * cta_n
-            e_w = jnp.minimum(e, E - 1)  # addressing only: the zero group reads nothing
-            my_n0 = n0 + wg * bn  # this consumer's columns (the producer never stores)
-            where = dict(x_kind=x_kind, w_kind=w_kind, xs_gmem=xs_gmem, ws_gmem=ws_gmem, row0=row0, n0=my_n0,
-                         e_w=e_w, block_m=bm, block_n=bn)
+        @pl.when(wg == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-            def store(acc):
-                acc = scale_epilogue(acc, b_gmem=b_gmem, **where)
-                tile = acc.astype(out_dtype)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous stores read
-                _store_rows(tile, o_gmem, row0, lo, hi, my_n0, bm, bn, o_smem.at[wg])
+            @plgpu.nd_loop((n_steps * grid_n,), collective_axes="sm", init_carry=jnp.int32(0))
+            def _items(info: plgpu.NDLoopInfo, carry):
+                e, lo, hi, row0, n0, e_w = item(info.index[0])
+                active = (lo < hi) & (e < E)
 
-            def b_operand(w_smem, k_slice=slice(None)):  # wgmma's B operand [contraction, block_n] of this consumer
-                cols = pl.ds(wg * bn, bn)
-                return w_smem.at[k_slice, cols] if dgrad else w_smem.at[cols, k_slice].transpose((1, 0))
+                @pl.when(active)
+                def _():
+                    @pl.loop(0, k_steps)
+                    def _k(k):
+                        count = carry + k
+                        slot = lax.rem(count, stages)
 
-            if per_step:
-                def compute_context(eval_pipeline):
-                    store(eval_pipeline(plgpu.layout_cast(jnp.full((bm, bn), 0, jnp.float32), plgpu.Layout.WGMMA)))
+                        @pl.when(count >= stages)  # the slot's previous step consumed by both consumers
+                        def _():
+                            plgpu.barrier_wait(consumed.at[slot])
 
-                halves = bk // SCALE_BLOCK  # K blocks of 128 a pipeline step: 1, or 2 (block_k = 256)
+                        ks = pl.ds(k * bk, bk)
+                        plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row0, cta_m), ks], x_smem.at[slot], produced.at[slot])
+                        w_tile = (w_gmem.at[e_w, ks, pl.ds(n0, cta_n)] if dgrad
+                                  else w_gmem.at[e_w, pl.ds(n0, cta_n), ks])
+                        plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], produced.at[slot])
 
-                def mma(idx, x_smem, w_smem, acc):
-                    (k,) = idx
-                    # global loads issued before the wgmmas, used after them
-                    scales = [step_scale(k * halves + h, **where) for h in range(halves)]
+                return carry + jnp.where(active, k_steps, 0)
 
-                    def parts_scope(*part_refs):
-                        for h, part_ref in enumerate(part_refs):  # every K block's wgmma in flight at once
-                            ks = pl.ds(h * SCALE_BLOCK, SCALE_BLOCK) if halves > 1 else slice(None)
-                            plgpu.wgmma(part_ref, x_smem.at[:, ks], b_operand(w_smem, ks))
-                        out = acc
-                        for h, (part_ref, scale) in enumerate(zip(part_refs, scales)):
-                            # K block h done (the later ones may still run: its promotion overlaps them;
-                            # the other consumer's wgmmas may run meanwhile too)
-                            part = plgpu.wgmma_accumulator_load(part_ref, wait_n=halves - 1 - h)
-                            out = out + (part if scale is None else part * scale)
-                        return out
+        @pl.when(wg < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
 
-                    return pl.run_scoped(parts_scope, *[plgpu.ACC((bm, bn), jnp.float32)] * halves)
-            else:
-                def compute_context(eval_pipeline):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
-                    def _acc(acc_ref):
-                        eval_pipeline(acc_ref)
-                        store(acc_ref[...])
+            @plgpu.nd_loop((n_steps * grid_n,), collective_axes="sm", init_carry=jnp.int32(0))
+            def _items(info: plgpu.NDLoopInfo, carry):
+                e, lo, hi, row0, n0, e_w = item(info.index[0])
+                active = (lo < hi) & (e < E)
+                if cfg.split_m:  # this consumer's rows of the CTA tile, all its columns
+                    my_row0, my_n0 = row0 + wg * bm, n0
+                    my_lo = jnp.clip(lo, my_row0, my_row0 + bm)
+                    my_hi = jnp.clip(hi, my_row0, my_row0 + bm)
+                else:  # all rows, this consumer's columns
+                    my_row0, my_n0, my_lo, my_hi = row0, n0 + wg * bn, lo, hi
+                where = dict(x_kind=x_kind, w_kind=w_kind, xs_gmem=xs_gmem, ws_gmem=ws_gmem, row0=my_row0, n0=my_n0,
+                             e_w=e_w, block_m=bm, block_n=bn)
 
-                def mma(_, x_smem, w_smem, acc_ref):
-                    plgpu.wgmma(acc_ref, x_smem, b_operand(w_smem))
-                    plgpu.wgmma_wait(0)
-                    return acc_ref
+                def operands(slot, k_slice=slice(None)):  # wgmma's A [block_m, contraction], B [contraction, block_n]
+                    rows = pl.ds(wg * bm, bm) if cfg.split_m else slice(None)
+                    cols = slice(None) if cfg.split_m else pl.ds(wg * bn, bn)
+                    w_slot = w_smem.at[slot]
+                    b = w_slot.at[k_slice, cols] if dgrad else w_slot.at[cols, k_slice].transpose((1, 0))
+                    return x_smem.at[slot].at[rows, k_slice], b
 
-            w_item = w_gmem.at[e_w, :, pl.ds(n0, cta_n)] if dgrad else w_gmem.at[e_w, pl.ds(n0, cta_n), :]
+                def store(acc):
+                    acc = scale_epilogue(acc, b_gmem=b_gmem, **where)
+                    tile = acc.astype(out_dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous stores read
+                    _store_rows(tile, o_gmem, my_row0, my_lo, my_hi, my_n0, bm, bn, o_smem.at[wg])
 
-            @pl.when((lo < hi) & (e < E))
-            def _():
-                get_pipeline(mma, compute_context)(x_gmem.at[pl.ds(row0, bm), :], w_item, allocations=allocs)
+                @pl.when(active)
+                def _():
+                    if per_step:
+                        def k_step(k, acc):
+                            slot = lax.rem(carry + k, stages)
+                            # global loads issued before the wgmmas, used after them
+                            scales = [step_scale(k * halves + h, **where) for h in range(halves)]
+                            plgpu.barrier_wait(produced.at[slot])
 
-            @pl.when((lo < hi) & (e >= E) & (wg < CONSUMERS))  # unused rows: zeros, each consumer its half
-            def _():
-                zero = plgpu.layout_cast(jnp.full((bm, bn), 0, out_dtype), plgpu.Layout.WGMMA)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                _store_rows(zero, o_gmem, row0, lo, hi, my_n0, bm, bn, o_smem.at[wg])
+                            def parts_scope(*part_refs):
+                                for h, part_ref in enumerate(part_refs):  # every K block's wgmma in flight at once
+                                    ks = pl.ds(h * SCALE_BLOCK, SCALE_BLOCK) if halves > 1 else slice(None)
+                                    plgpu.wgmma(part_ref, *operands(slot, ks))
+                                out = acc
+                                for h, (part_ref, scale) in enumerate(zip(part_refs, scales)):
+                                    # K block h done (the later ones may still run: its promotion overlaps them;
+                                    # the other consumer's wgmmas may run meanwhile too)
+                                    part = plgpu.wgmma_accumulator_load(part_ref, wait_n=halves - 1 - h)
+                                    if h == halves - 1:  # every wgmma of the step done: the slot is free
+                                        plgpu.barrier_arrive(consumed.at[slot])
+                                    out = out + (part if scale is None else part * scale)
+                                return out
 
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # every store out before the kernel ends
+                            return pl.run_scoped(parts_scope, *[plgpu.ACC((bm, bn), jnp.float32)] * halves)
+
+                        zero = plgpu.layout_cast(jnp.full((bm, bn), 0, jnp.float32), plgpu.Layout.WGMMA)
+                        store(lax.fori_loop(0, k_steps, k_step, zero))
+                    else:
+                        def acc_scope(acc_ref):
+                            @pl.loop(0, k_steps)
+                            def _k(k):
+                                slot = lax.rem(carry + k, stages)
+                                plgpu.barrier_wait(produced.at[slot])
+                                plgpu.wgmma(acc_ref, *operands(slot))
+                                plgpu.wgmma_wait(1)  # the previous step's wgmma done: its slot is free
+
+                                @pl.when(k > 0)
+                                def _():
+                                    plgpu.barrier_arrive(consumed.at[lax.rem(carry + k - 1, stages)])
+
+                            plgpu.wgmma_wait(0)
+                            plgpu.barrier_arrive(consumed.at[lax.rem(carry + k_steps - 1, stages)])
+                            return acc_ref[...]
+
+                        store(pl.run_scoped(acc_scope, plgpu.ACC((bm, bn), jnp.float32)))
+
+                @pl.when((lo < hi) & (e >= E))  # unused rows: zeros, each consumer its part
+                def _():
+                    zero = plgpu.layout_cast(jnp.full((bm, bn), 0, out_dtype), plgpu.Layout.WGMMA)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    _store_rows(zero, o_gmem, my_row0, my_lo, my_hi, my_n0, bm, bn, o_smem.at[wg])
+
+                return carry + jnp.where(active, k_steps, 0)
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # every store out before the kernel ends
+
+    w_shape = (stages, bk, cta_n) if dgrad else (stages, cta_n, bk)
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((stages, cta_m, bk), dtype, transforms=_transforms(bk, dtype)),
+        plgpu.SMEM(w_shape, dtype, transforms=_transforms(cta_n if dgrad else bk, dtype)),
+        plgpu.SMEM((CONSUMERS, bm, bn), out_dtype),  # untiled: the store ladder slices any row
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # the x and the weight tile of a step landed
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # both consumers done with a step's slot
+        collective_axes="wg",
+    )
 
 
 def run_row_kernel_ws(x, w, expert_offsets, scale_inputs=(), *, N_out: int, K_contract: int,
@@ -237,7 +283,7 @@ def run_row_kernel_ws(x, w, expert_offsets, scale_inputs=(), *, N_out: int, K_co
     dgrad (``x`` = ``d_y``), warp-specialized. Inputs validated by the caller (``config.mosaic_config_problem``)."""
     M_cap = x.shape[0]
     E = w.shape[0]
-    step_e, step_lo, step_hi = tile_metadata(expert_offsets, M_cap, E, cfg.block_m)
+    step_e, step_lo, step_hi = tile_metadata(expert_offsets, M_cap, E, ws_cta_tile(cfg)[0])
     m_rows = -(-M_cap // 8) * 8  # TMA boxes tile rows by 8 (the pad rows belong to no step)
     if m_rows != M_cap:
         x = jnp.pad(x, ((0, m_rows - M_cap), (0, 0)))
