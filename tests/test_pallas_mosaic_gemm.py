@@ -25,7 +25,7 @@ import pytest
 import moe_pallas
 from moe_pallas.ops.grouped_gemm import pallas_mosaic_gpu
 from moe_pallas.ops.grouped_gemm.config import (MosaicGroupedGemmConfig, heuristic_mosaic_grouped_gemm_config,
-                                                mosaic_grouped_gemm_config)
+                                                MOSAIC_MAX_SMEM_BYTES, mosaic_grouped_gemm_config, ws_smem_bytes)
 from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 from tolerances import BF16_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
@@ -134,16 +134,19 @@ def test_heuristic():
         block_m=64, block_n=256, block_k=64, max_concurrent_steps=5, grid_block_n=4)
     assert mosaic_grouped_gemm_config(256, 4096, 7168, 32, 1, per_step_scales=True).block_n == 128
     assert mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 2).block_m == 128
-    fp8 = mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1)  # promoted accumulation: 64 x 128 x 128
-    assert (fp8.block_m, fp8.block_n, fp8.block_k, fp8.fast_accum) == (64, 128, 128, False)
+    fp8 = mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1)  # promoted accumulation: 64 x 128 consumer tiles
+    assert (fp8.block_m, fp8.block_n, fp8.block_k, fp8.fast_accum) == (64, 128, 256, False)
     fast = mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1, fast_accum=True)
     assert (fast.block_m, fast.block_n, fast.block_k, fast.fast_accum) == (128, 128, 128, True)
     assert not mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2, fast_accum=True).fast_accum  # bf16: no such thing
-    # FP8 with per-step promotion, >= 256 rows per expert: warp-specialized (session 10), two K blocks a step with
-    # per-step scales; fewer rows keep the one-warpgroup kernel
-    assert fp8.warp_specialized and (fp8.block_k, fp8.max_concurrent_steps) == (128, 4)
+    # FP8 with per-step promotion, >= 256 rows per expert: warp-specialized (session 10), consumers splitting the
+    # rows of a 128 x 128 CTA tile, two K blocks a step where K % 256 == 0 (session 11); fewer rows keep the
+    # one-warpgroup kernel
+    assert fp8.warp_specialized and fp8.split_m and fp8.max_concurrent_steps == 2
     blocks = mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1, per_step_scales=True)
-    assert blocks.warp_specialized and (blocks.block_m, blocks.block_n, blocks.block_k) == (64, 128, 256)
+    assert blocks.warp_specialized and blocks.split_m and (blocks.block_m, blocks.block_n, blocks.block_k) == (64, 128, 256)
+    odd_k = mosaic_grouped_gemm_config(16384, 4096, 7296, 32, 1, per_step_scales=True)  # 7296 % 256 != 0
+    assert odd_k.split_m and (odd_k.block_k, odd_k.max_concurrent_steps) == (128, 4)
     assert not mosaic_grouped_gemm_config(2048, 4096, 7168, 32, 1, per_step_scales=True).warp_specialized
     assert not fast.warp_specialized
 
@@ -234,6 +237,24 @@ def test_tuned_lookup_fp8_blocks_takes_its_own_then_the_per_token_entries(tmp_pa
                                      device_kind="Test GPU")  # no entry for this K: the heuristic
     assert odd == mosaic_grouped_gemm_config(16384, N, K + 128, 32, 1, per_step_scales=True)
     assert odd.block_k == 128  # K = 7296 is not a multiple of 256: one K block a step
+
+
+def test_bug_split_m_entry_not_taken_with_few_rows_per_expert(tmp_path, monkeypatch):
+    """Bug (H200, session 11): the nearest tuned entry (E=32, M_cap=16384: ``split_m``, 128-row CTA tiles) served
+    DeepSeek-V3's E=256, M_cap=32768 GEMMs (128 rows per expert): its FP8-block layer went 7.04 -> 7.82 ms. Below
+    256 rows per expert the entry's tile is split by columns (64 x 256 CTA tiles), its stages fitting shared memory;
+    from 256 on it is taken as it is."""
+    split = dict(block_m=64, block_n=128, block_k=256, max_concurrent_steps=3, grid_block_n=4, warp_specialized=True,
+                 split_m=True)
+    use_tuned_file(tmp_path, monkeypatch, [tuned_entry("pallas_mosaic_gpu", 4096, 7168, 16384, "fp8_block", split,
+                                                       fast_accum=False)])
+    look = functools.partial(mosaic_grouped_gemm_config, N=4096, K=7168, itemsize=1, per_step_scales=True,
+                             w_block=True, device_kind="Test GPU")
+    assert look(16384, E=32) == MosaicGroupedGemmConfig(**split)  # 512 rows per expert
+    assert look(8192, E=32) == MosaicGroupedGemmConfig(**split)  # 256
+    few = look(32768, E=256)  # 128 rows per expert
+    assert few == MosaicGroupedGemmConfig(**{**split, "split_m": False, "max_concurrent_steps": 2})
+    assert ws_smem_bytes(few, 1, 2) <= MOSAIC_MAX_SMEM_BYTES - 1024
 
 
 def test_tuned_rule_mirrors_check_supported():
