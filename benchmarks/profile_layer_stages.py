@@ -1,0 +1,111 @@
+"""Per-kernel time of one MoE layer forward (the bench's default layer: E=32, H=7168, I=2048, top-8 softmax), JAX or
+PyTorch, on the GPU: where the layer's time goes beside its two grouped GEMMs.
+
+    python3 benchmarks/profile_layer_stages.py --framework jax --quant fp8_block --t 4096
+    python3 benchmarks/profile_layer_stages.py --framework torch --quant fp8_block --t 4096
+
+JAX: ``jax.experimental.mosaic.gpu.profiler.measure(aggregate=False)`` (CUPTI: every kernel of the jitted
+``moe_forward``, median over ``--iterations``). PyTorch: ``torch.profiler`` CUDA kernel times (mean over the
+iterations). Prints each kernel's ms and share, largest first, and the total. One framework a process (a torch
+row timed beside JAX in one process was up to 2.5x slower at small M: BENCHMARKS.md session 10). A probe, not a
+benchmark row (``bench.py --what layer`` gives those).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import numpy as np
+
+
+def _report(kernels: dict[str, float], label: str, top: int) -> None:
+    total = sum(kernels.values())
+    print(f"== {label}: {len(kernels)} kernels, {total:.3f} ms a forward", flush=True)
+    for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {ms:8.4f} ms {100 * ms / total:5.1f}%  {name[:110]}", flush=True)
+
+
+def profile_jax(args) -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.mosaic.gpu import profiler
+
+    import moe_pallas
+
+    config = moe_pallas.MoEConfig(hidden_size=args.h, intermediate_size=args.i, num_experts=args.e, topk=args.topk,
+                                  routing="softmax_topk", renormalize=True, quant=args.quant)
+    k = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(k[0], (args.t, args.h), jnp.float32).astype(jnp.bfloat16)
+    logits = jax.random.normal(k[1], (args.t, args.e), jnp.float32)
+    w13 = (jax.random.normal(k[2], (args.e, 2 * args.i, args.h), jnp.float32) * args.h**-0.5).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(k[3], (args.e, args.h, args.i), jnp.float32) * args.i**-0.5).astype(jnp.bfloat16)
+    w13, s13, w2, s2 = moe_pallas.quantize_layer_weights(w13, w2, config)
+
+    @jax.jit
+    def f(x, logits, w13, w2, s13, s2):
+        return moe_pallas.moe_forward(x, logits, w13, w2, config, w13_scale=s13, w2_scale=s2,
+                                      implementation=args.implementation)
+
+    _, timings = profiler.measure(f, aggregate=False, iterations=args.iterations)(x, logits, w13, w2, s13, s2)
+    per = collections.defaultdict(list)
+    for it in timings:
+        seen = collections.Counter()
+        for name, ms in it:
+            seen[name] += 1
+            per[f"{name} #{seen[name]}" if seen[name] > 1 else name].append(ms)
+    _report({n: float(np.median(v)) for n, v in per.items()}, f"jax {args.implementation} {args.quant} T={args.t}",
+            args.top)
+
+
+def profile_torch(args) -> None:
+    import torch
+
+    import moe_torch
+
+    dev = torch.device("cuda")
+    config = moe_torch.MoEConfig(hidden_size=args.h, intermediate_size=args.i, num_experts=args.e, topk=args.topk,
+                                 routing="softmax_topk", renormalize=True, quant=args.quant)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(args.t, args.h, generator=g, device=dev).to(torch.bfloat16)
+    logits = torch.randn(args.t, args.e, generator=g, device=dev)
+    w13 = (torch.randn(args.e, 2 * args.i, args.h, generator=g, device=dev) * args.h**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(args.e, args.h, args.i, generator=g, device=dev) * args.i**-0.5).to(torch.bfloat16)
+    w13, s13, w2, s2 = moe_torch.quantize_layer_weights(w13, w2, config)
+
+    def f():
+        return moe_torch.moe_forward(x, logits, w13, w2, config, w13_scale=s13, w2_scale=s2, implementation="triton")
+
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.iterations):
+            f()
+        torch.cuda.synchronize()
+    kernels = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if t > 0:
+            kernels[ev.key] = t / 1e3 / args.iterations
+    _report(kernels, f"torch triton {args.quant} T={args.t}", args.top)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--framework", choices=("jax", "torch"), required=True)
+    p.add_argument("--quant", default="fp8_block", choices=("none", "fp8_per_token", "fp8_block"))
+    p.add_argument("--t", type=int, default=4096)
+    p.add_argument("--e", type=int, default=32)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--h", type=int, default=7168)
+    p.add_argument("--i", type=int, default=2048)
+    p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--top", type=int, default=25, help="kernels printed")
+    p.add_argument("--implementation", default="pallas_mosaic_gpu", help="JAX: moe_forward's implementation")
+    args = p.parse_args()
+    (profile_jax if args.framework == "jax" else profile_torch)(args)
+
+
+if __name__ == "__main__":
+    main()
