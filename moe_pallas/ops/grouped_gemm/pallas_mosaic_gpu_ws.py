@@ -6,13 +6,19 @@ same :func:`~moe_pallas.ops.grouped_gemm.pallas_triton.tile_metadata`, the power
 that writes exactly the rows ``[lo, hi)`` of a step), with the work of a CTA split over three
 warpgroups (``MosaicGroupedGemmConfig.warp_specialized``):
 
-- a **producer** warpgroup (40 registers) issues the TMA loads of the ``x`` tile ``[block_m, block_k]``
-  and the weight tile of ``2 * block_n`` output columns, ``max_concurrent_steps`` stages ahead, across
-  work items (``plgpu.emit_pipeline_warp_specialized``);
-- two **consumer** warpgroups each own a ``[block_m, block_n]`` float32 accumulator, one half of the
-  CTA's ``block_m x 2*block_n`` tile (the same ``x`` tile, their own weight columns: half the shared-memory
-  reads per FLOP of two independent CTAs), run the ``wgmma`` s and then the epilogue of their half while
-  the producer already loads the next work item.
+- a **producer** warpgroup (40 registers) walks the CTA's work items and their K steps without a break and issues
+  the TMA loads of a step (the CTA's ``x`` tile and weight tile) into one of ``max_concurrent_steps`` shared-memory
+  slots, after both consumers released the slot (a ``consumed`` mbarrier of two arrivals; the loads land on the
+  slot's ``produced`` mbarrier). The loads of the next work item start while the consumers finish the current one
+  (session 10's ``plgpu.emit_pipeline_warp_specialized`` ran one pipeline a work item: drained and refilled);
+- two **consumer** warpgroups (232 registers) walk the same items, keeping the same running step count (so both
+  sides agree on a step's slot), each with a ``[block_m, block_n]`` float32 accumulator: one half of the CTA tile,
+  run the ``wgmma`` s, release the slot, then the epilogue of their half. The CTA tile is ``block_m x 2*block_n``
+  (the consumers split its columns: the same ``x`` tile, their own weight columns) or, with ``split_m``,
+  ``2*block_m x block_n`` (they split its rows: the same weight tile): per K step ``(2*block_m + block_n) * block_k``
+  values loaded instead of ``(block_m + 2*block_n) * block_k`` for as many outputs, 20% fewer at 64 x 128. The
+  producer's loads are what the FP8 kernel waited on (ncu, H200: 14% of the consumers' time on the ``produced``
+  barrier, L2 throughput 67% at 60% tensor-pipe use; BENCHMARKS.md session 11).
 
 FP8 (``x``, ``w`` float8_e4m3fn codes, CONTRACT.md section 4): with per-step accumulation (the default; per-token-group
 ``x`` scales and 128 x 128 weight blocks need it) each consumer ``wgmma`` s every K block of 128 into a fresh
@@ -26,15 +32,18 @@ a consumer thread gets). ``fast_accum=True`` (per-tensor / per-token ``x`` with 
 accumulator over K. The scales applied once (per-tensor, per-token by ROW; per-expert, per-channel) and the float32
 ``bias [E, N]`` follow in :func:`scale_epilogue`, shared with the one-warpgroup kernel.
 
-The forward reads a weight tile ``[2*block_n, block_k]`` of ``w[e]`` (K-major, transposed in shared
+The forward reads a weight tile ``[cta_n, block_k]`` of ``w[e]`` (K-major, transposed in shared
 memory into ``wgmma``'s B operand, which FP8 ``wgmma`` needs); the dgrad (``x`` is ``d_y``, ``w[e]`` read as
-``[N, K]`` = ``[contraction, out]``) a tile ``[block_k, 2*block_n]`` used as it is (MN-major B; 16-bit only).
-``N_out % (2 * block_n) == 0``.
+``[N, K]`` = ``[contraction, out]``) a tile ``[block_k, cta_n]`` used as it is (MN-major B; 16-bit only).
+``N_out % cta_n == 0`` (:func:`~moe_pallas.ops.grouped_gemm.config.ws_cta_tile`). With one accumulator (16-bit,
+``fast_accum``) a consumer keeps one step's ``wgmma`` in flight and releases the previous step's slot.
 
 Learned from jax-ml/jax@jax-v0.11.2:jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py (the
 warp-specialized pipeline with a compute context, two compute warpgroups splitting N, per-warpgroup
-epilogue buffers) and deepseek-ai/DeepGEMM (sm90 FP8 GEMM: per-K-block promotion in two math warpgroups); the
-ragged rows, the zero group, the store ladder and the two-K-block step are ours.
+epilogue buffers), jax/experimental/pallas/ops/gpu/attention_mgpu.py (a hand-written producer warpgroup with
+per-slot TMA and consumed barriers, ``set_max_registers``) and deepseek-ai/DeepGEMM (sm90 FP8 GEMM: per-K-block
+promotion in two math warpgroups, a persistent producer); the ragged rows, the zero group, the store ladder, the
+two-K-block step and the row split over ragged experts are ours.
 """
 
 from __future__ import annotations
