@@ -174,6 +174,27 @@ def fp8_wgmma_enabled() -> bool:
                      f"{_SWITCH_ON[1:]} (FP8 wgmma, the default); got {FP8_WGMMA_ENV}={raw!r}")
 
 
+#: Environment switch, read when a Pallas-Triton kernel that quantizes to FP8 is lowered (:func:`div_rn_enabled`):
+#: 1/true/on/yes divides with PTX ``div.rn.f32`` (moe_pallas/ops/quant/pallas_triton.py), unset or 0/false/off/no
+#: with the reference's repaired division (same codes, ~3x the instructions); other values raise ValueError.
+#: Opt-in until its bit-for-bit GPU check has run (written in session 11 without device time left).
+DIV_RN_ENV = "EPMOE_PALLAS_DIV_RN"
+
+
+def div_rn_enabled() -> bool:
+    """:data:`DIV_RN_ENV` read now (jit caches lowered kernels: set it before the first compile): 1/true/on/yes ->
+    True; unset, empty or 0/false/off/no -> False (any case, spaces ignored). Raises ValueError for any other value,
+    naming the variable."""
+    raw = os.environ.get(DIV_RN_ENV)
+    if raw is None:
+        return False
+    value = raw.strip().lower()
+    if value in _SWITCH_OFF or value in _SWITCH_ON:
+        return value not in _SWITCH_OFF and value != ""
+    raise ValueError(f"{DIV_RN_ENV} must be one of {_SWITCH_OFF + ('',)} (the repaired division, the default) or "
+                     f"{_SWITCH_ON[1:]} (PTX div.rn.f32); got {DIV_RN_ENV}={raw!r}")
+
+
 def _is_fp8(value) -> bool:
     from jax._src.lib.mlir import ir
 

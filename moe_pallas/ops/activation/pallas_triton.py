@@ -18,7 +18,8 @@ The FP8 codes are bit-identical to ``quant/reference.py`` applied to the same fl
 activation values: plain ``/`` is approximate (``div.full.f32``) in the Pallas-Triton
 lowering, so the kernel quantizes with the reference's own ``quantize_div_fp8``, whose
 ``fp8_round_quotient`` repairs each code to the correctly rounded quotient's (it uses only
-elementwise ops and same-width bitcasts, which lower inside a kernel).
+elementwise ops and same-width bitcasts, which lower inside a kernel), or, with ``EPMOE_PALLAS_DIV_RN=1`` on a GPU,
+with PTX ``div.rn.f32`` (the same codes in a third of the instructions: ``moe_pallas/ops/quant/pallas_triton.py``).
 
 Gate/up layout: concatenated, ``g`` and ``u`` are two ``block_m x block_i`` loads ``I`` columns apart;
 interleaved (gpt-oss), one contiguous ``block_m x 2*block_i`` load, reshaped to ``[block_m, block_i, 2]`` and
@@ -55,7 +56,8 @@ from moe_pallas.ops.activation.config import (
     act_and_mul_config,
 )
 from moe_pallas.ops.activation.reference import gated, gated_backward
-from moe_pallas.ops.quant.reference import FP8_DTYPE, quantize_div_fp8, scale_from_amax
+from moe_pallas.ops.quant.pallas_triton import kernel_div_rn, quantize_div_fp8_kernel
+from moe_pallas.ops.quant.reference import FP8_DTYPE, scale_from_amax
 
 
 def _load_gate_up(h_ref, row0, col0, row_ok, *, I: int, interleaved: bool, block_m: int, block_i: int):
@@ -75,7 +77,8 @@ def _load_gate_up(h_ref, row0, col0, row_ok, *, I: int, interleaved: bool, block
     return g, u
 
 
-def _kernel(h_ref, *refs, mode: str, activation: str, interleaved: bool, M: int, I: int, block_m: int, block_i: int):
+def _kernel(h_ref, *refs, mode: str, activation: str, interleaved: bool, M: int, I: int, block_m: int, block_i: int,
+            div_rn: bool = False):
     """One ``block_m x block_i`` tile of ``act(g) * u`` (``g``, ``u`` concatenated or ``interleaved`` in ``h``).
 
     Grid: ``(cdiv(M, block_m), n_col_blocks)``; program ``(i, j)`` owns rows
@@ -87,6 +90,8 @@ def _kernel(h_ref, *refs, mode: str, activation: str, interleaved: bool, M: int,
       column block is one scale group.
     - ``"amax"``: ``amax_ref [M, n_col_blocks]`` f32 out (first pass of two-pass per-token).
     - ``"quant_given"``: ``scale_ref [M, 1]`` f32 in, ``q_ref [M, I]`` fp8 out (second pass).
+
+    ``div_rn``: the FP8 division's form (:func:`~moe_pallas.ops.quant.pallas_triton.quantize_div_fp8_kernel`).
     """
     i, j = pl.program_id(0), pl.program_id(1)
     # Column indices next to a slice are traced int32: interpret mode rejects python ints there.
@@ -104,7 +109,7 @@ def _kernel(h_ref, *refs, mode: str, activation: str, interleaved: bool, M: int,
     if mode == "quant_given":
         scale_ref, q_ref = refs
         scale = plgpu.load(scale_ref.at[rows, jnp.int32(0)], mask=row_ok, other=1.0)
-        plgpu.store(q_ref.at[rows, cols], quantize_div_fp8(a, scale[:, None]), mask=mask)
+        plgpu.store(q_ref.at[rows, cols], quantize_div_fp8_kernel(a, scale[:, None], div_rn=div_rn), mask=mask)
         return
     amax = jnp.max(jnp.where(mask, jnp.abs(a), 0.0), axis=1)  # [block_m]
     if mode == "amax":
@@ -113,7 +118,7 @@ def _kernel(h_ref, *refs, mode: str, activation: str, interleaved: bool, M: int,
         return
     q_ref, scale_ref = refs
     scale = scale_from_amax(amax)
-    plgpu.store(q_ref.at[rows, cols], quantize_div_fp8(a, scale[:, None]), mask=mask)
+    plgpu.store(q_ref.at[rows, cols], quantize_div_fp8_kernel(a, scale[:, None], div_rn=div_rn), mask=mask)
     plgpu.store(scale_ref.at[rows, j], scale, mask=row_ok)
 
 
@@ -121,7 +126,7 @@ def _call(h, mode, activation, layout, out_shape, extra_inputs, cfg: ActAndMulCo
           interpret: bool):
     M, two_i = h.shape
     kernel = functools.partial(_kernel, mode=mode, activation=activation, interleaved=layout == "interleaved", M=M,
-                               I=two_i // 2, block_m=cfg.block_m, block_i=cfg.block_i)
+                               I=two_i // 2, block_m=cfg.block_m, block_i=cfg.block_i, div_rn=kernel_div_rn(interpret))
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,

@@ -54,7 +54,8 @@ from moe_pallas.ops.permute.config import (
     permute_config,
     routing_metadata_config,
 )
-from moe_pallas.ops.quant.reference import FP8_DTYPE, quantize_div_fp8, scale_from_amax
+from moe_pallas.ops.quant.pallas_triton import kernel_div_rn, quantize_div_fp8_kernel
+from moe_pallas.ops.quant.reference import FP8_DTYPE, scale_from_amax
 
 
 # --------------------------------------------------------------------------------------
@@ -166,7 +167,8 @@ def routing_metadata_pallas_triton(
 # Permute
 
 
-def _permute_kernel(x_ref, d_ref, *refs, mode: str, M_cap: int, H: int, topk: int, block_m: int, block_h: int):
+def _permute_kernel(x_ref, d_ref, *refs, mode: str, M_cap: int, H: int, topk: int, block_m: int, block_h: int,
+                    div_rn: bool = False):
     """Grid ``(cdiv(M_cap, block_m), n_col_blocks)``; program ``(i, k)`` owns rows
     ``[i*block_m, (i+1)*block_m)`` and columns ``[k*block_h, (k+1)*block_h)`` of ``x_permuted``.
 
@@ -178,6 +180,8 @@ def _permute_kernel(x_ref, d_ref, *refs, mode: str, M_cap: int, H: int, topk: in
     - ``"amax"``: ``amax_ref [M_cap, n_col_blocks]`` f32 out (first pass of two-pass per-token).
     - ``"quant_rows"``: ``scale_ref [M_cap, 1]`` f32 in, ``q_ref [M_cap, H]`` fp8 out (second pass).
     - ``"quant_static"``: ``scale_ref [1]`` f32 in (per-tensor), ``q_ref [M_cap, H]`` fp8 out.
+
+    ``div_rn``: the FP8 division's form (:func:`~moe_pallas.ops.quant.pallas_triton.quantize_div_fp8_kernel`).
     """
     i, k = pl.program_id(0), pl.program_id(1)
     row0, col0 = i * block_m, k * block_h
@@ -198,12 +202,12 @@ def _permute_kernel(x_ref, d_ref, *refs, mode: str, M_cap: int, H: int, topk: in
     if mode == "quant_rows":
         scale_ref, q_ref = refs
         scale = plgpu.load(scale_ref.at[rows, jnp.int32(0)], mask=row_ok, other=1.0)
-        plgpu.store(q_ref.at[rows, cols], quantize_div_fp8(a, scale[:, None]), mask=mask)
+        plgpu.store(q_ref.at[rows, cols], quantize_div_fp8_kernel(a, scale[:, None], div_rn=div_rn), mask=mask)
         return
     if mode == "quant_static":
         scale_ref, q_ref = refs
         scale = plgpu.load(scale_ref.at[pl.ds(jnp.int32(0), 1)])  # [1]
-        plgpu.store(q_ref.at[rows, cols], quantize_div_fp8(a, scale[:, None]), mask=mask)
+        plgpu.store(q_ref.at[rows, cols], quantize_div_fp8_kernel(a, scale[:, None], div_rn=div_rn), mask=mask)
         return
     amax = jnp.max(jnp.abs(a), axis=1)  # [block_m]; masked lanes are 0
     if mode == "amax":
@@ -212,7 +216,7 @@ def _permute_kernel(x_ref, d_ref, *refs, mode: str, M_cap: int, H: int, topk: in
         return
     q_ref, scale_ref = refs
     scale = scale_from_amax(amax)
-    plgpu.store(q_ref.at[rows, cols], quantize_div_fp8(a, scale[:, None]), mask=mask)
+    plgpu.store(q_ref.at[rows, cols], quantize_div_fp8_kernel(a, scale[:, None], div_rn=div_rn), mask=mask)
     plgpu.store(scale_ref.at[rows, k], scale, mask=row_ok)
 
 
@@ -220,7 +224,7 @@ def _call(x, dst2src, mode, out_shape, extra_inputs, topk: int, cfg: PermuteConf
           interpret: bool):
     M_cap = dst2src.shape[0]
     kernel = functools.partial(_permute_kernel, mode=mode, M_cap=M_cap, H=x.shape[1], topk=topk,
-                               block_m=cfg.block_m, block_h=cfg.block_h)
+                               block_m=cfg.block_m, block_h=cfg.block_h, div_rn=kernel_div_rn(interpret))
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
