@@ -591,3 +591,13 @@ def test_fp8_dots_get_max_num_imprecise_acc_when_switched_on(monkeypatch):
     monkeypatch.setenv(common.FP8_WGMMA_ENV, "maybe")
     with pytest.raises(ValueError, match=r"EPMOE_PALLAS_FP8_WGMMA must be one of .*got EPMOE_PALLAS_FP8_WGMMA='maybe'"):
         common.fp8_wgmma_enabled()
+
+
+def test_tile_metadata_has_no_loop():
+    """``tile_metadata`` maps steps to groups with one fused comparison, not a binary-search ``while`` loop (a few
+    kernel launches an iteration on the GPU, twice a layer forward: helper's HLO read of the H200 layer, session 11)."""
+    from moe_pallas.ops.grouped_gemm.pallas_triton import tile_metadata
+
+    text = jax.jit(tile_metadata, static_argnums=(1, 2, 3)).lower(
+        jax.ShapeDtypeStruct((33,), jnp.int32), 32768, 32, 128).as_text()
+    assert "stablehlo.while" not in text

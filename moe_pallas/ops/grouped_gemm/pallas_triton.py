@@ -98,7 +98,9 @@ def tile_metadata(expert_offsets: jax.Array, M_cap: int, E: int, block_m: int) -
     step_start = step_end - tiles
     n_steps = pl.cdiv(M_cap, block_m) + E
     s = jnp.arange(n_steps, dtype=jnp.int32)
-    g = jnp.searchsorted(step_end, s, side="right").astype(jnp.int32)  # E + 1 for padding steps
+    # E + 1 for padding steps. compare_all: one fused [n_steps, E + 1] comparison; the default binary search lowers
+    # to a while loop of log2(E + 1) iterations, a few kernel launches each on the GPU (same result)
+    g = jnp.searchsorted(step_end, s, side="right", method="compare_all").astype(jnp.int32)
     used = g <= E
     g = jnp.minimum(g, E)
     tile = first_tile[g] + s - step_start[g]
