@@ -31,7 +31,8 @@ output. Search space: :data:`TRITON_SPACE`
 (minus tiles whose float32 accumulator exceeds :data:`MAX_ACC_REGS` registers a thread; then the grouped
 launch orders :data:`GROUP_MS` of the :data:`TOP_K` fastest) and
 :data:`MOSAIC_SPACE` (FP8 with promoted accumulation: 64 x 128 tiles only, the per-step path's
-register rule; FP8 with ``fast_accum``: every tile).
+register rule, plus the warp-specialized two-K-block step and ``split_m`` variants; FP8 with ``fast_accum``: every
+tile; ``--ws-only``: the warp-specialized configs with planar snakes 2 / 4 wide, a short sweep).
 
 Each config: compiled ahead of time (``--jobs`` XLA compiles in parallel threads; lowering stays on
 the main thread), checked against ``grouped_gemm_reference`` computed under
@@ -89,7 +90,8 @@ TOP_K = 3
 #: over 4 warps is 256 a thread (spills); everything else in TRITON_SPACE is <= 128.
 MAX_ACC_REGS = 128
 #: Pallas Mosaic GPU: block_k fixed by the dtype (64 bf16, 128 fp8; FP8 with per-step accumulation in the
-#: warp-specialized schedule also 256 = two K blocks a step, 2 stages: :func:`mosaic_candidates`).
+#: warp-specialized schedule also 256 = two K blocks a step, 2 stages, and the consumers splitting the CTA tile's
+#: rows, ``split_m``: :func:`mosaic_candidates`; ``--ws-only`` keeps the warp-specialized configs alone).
 MOSAIC_SPACE = {"block_m": (64, 128), "block_n": (128, 256), "max_concurrent_steps": (3, 4, 5), "grid_block_n": (1, 2, 4),
                 "warp_specialized": (False, True)}
 #: Relative Frobenius error of the bf16 output against the float32 reference above which a config is WRONG.

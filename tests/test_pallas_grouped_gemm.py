@@ -601,3 +601,17 @@ def test_tile_metadata_has_no_loop():
     text = jax.jit(tile_metadata, static_argnums=(1, 2, 3)).lower(
         jax.ShapeDtypeStruct((33,), jnp.int32), 32768, 32, 128).as_text()
     assert "stablehlo.while" not in text
+
+
+def test_bug_k0_with_bias_is_the_bias():
+    """Review (session 11): with K = 0 (a sum of no terms) and a bias, the kernel returned zeros where the contract
+    (and the default implementation) gives each used row its expert's bias; rows past offsets[-1] stay zero."""
+    x = jnp.zeros((5, 0), jnp.bfloat16)
+    w = jnp.zeros((2, 8, 0), jnp.bfloat16)
+    offsets = jnp.asarray([0, 2, 4], jnp.int32)
+    bias = jnp.arange(16, dtype=jnp.float32).reshape(2, 8) - 3.5
+    y = grouped_gemm_pallas_triton(x, w, offsets, bias=bias)
+    expected = np.concatenate([np.repeat(np.asarray(bias[:1]), 2, 0), np.repeat(np.asarray(bias[1:]), 2, 0),
+                               np.zeros((1, 8))]).astype(jnp.bfloat16)
+    assert_exact(y, expected, "K=0: bias[e(m)] for used rows, 0 past offsets[-1]")
+    assert_exact(grouped_gemm_pallas_triton(x, w, offsets), np.zeros((5, 8), jnp.bfloat16), "K=0 without a bias")

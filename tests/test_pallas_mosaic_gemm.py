@@ -61,6 +61,8 @@ def test_limits_raise_not_implemented():
     (dict(block_m=32, block_n=128, block_k=64), r"block_m must be one of \(64, 128\); got 32"),
     (dict(block_m=64, block_n=100, block_k=64), r"block_n must be a multiple of 8 up to 256; got 100"),
     (dict(block_m=64, block_n=128, block_k=0), r"block_k must be an int >= 1; got block_k=0"),
+    (dict(block_m=64, block_n=128, block_k=128, warp_specialized=True, split_m=1), r"split_m must be a bool"),
+    (dict(block_m=64, block_n=128, block_k=128, split_m=True), r"split_m splits the warp-specialized CTA tile"),
 ])
 def test_config_rules(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -100,6 +102,38 @@ def test_warp_specialized_fp8_rules():
     assert mosaic_config_problem(two_blocks, 512, 512, 1, True) is None
     odd = dataclasses.replace(WS_FP8, block_k=64)
     assert "takes block_k 128 or 256" in mosaic_config_problem(odd, 512, 512, 1, False)
+
+
+def test_split_m_rules_and_heuristic():
+    """``split_m`` (consumers splitting the rows of a ``2*block_m x block_n`` CTA tile) needs ``N % block_n`` only:
+    N=384 (three 128-wide CTA tiles) is taken, N=320 refused; the heuristic takes it for FP8 with >= 256 rows per
+    expert wherever N % 128 == 0, its planar snake 1 wide when the column tiles are not a multiple of 4."""
+    import dataclasses
+    from moe_pallas.ops.grouped_gemm.config import mosaic_config_problem
+
+    split = dataclasses.replace(WS_FP8, split_m=True)
+    assert mosaic_config_problem(split, 384, 256, 1, True) is None
+    assert "N % block_n == 0" in mosaic_config_problem(split, 320, 256, 1, True)
+    cfg = mosaic_grouped_gemm_config(16384, 384, 7168, 32, 1, per_step_scales=True)
+    assert cfg.split_m and cfg.warp_specialized and cfg.grid_block_n == 1
+
+
+def test_bug_warp_specialized_one_stage_refused():
+    """Review (session 11): the persistent warp-specialized kernel with one shared-memory stage deadlocks (a consumer
+    frees a step's slot only after issuing the next step's wgmma; the producer waits for that slot to load the next
+    step). The rule refuses it on the host, by name, for both accumulation modes."""
+    import dataclasses
+    from moe_pallas.ops.grouped_gemm.config import mosaic_config_problem
+
+    for cfg in (dataclasses.replace(WS_FP8, max_concurrent_steps=1),
+                MosaicGroupedGemmConfig(block_m=128, block_n=64, block_k=64, max_concurrent_steps=1,
+                                        warp_specialized=True)):
+        for itemsize in (1, 2):
+            assert "max_concurrent_steps >= 2" in mosaic_config_problem(cfg, 512, 256, itemsize, False)
+    x, w, offsets = problem(0, [3, 5], 8, 128, 128, jnp.bfloat16)
+    one = MosaicGroupedGemmConfig(block_m=128, block_n=64, block_k=64, max_concurrent_steps=1, warp_specialized=True)
+    with pytest.raises(NotImplementedError, match=r"max_concurrent_steps >= 2"):
+        grouped_gemm_pallas_mosaic_gpu(x, w, offsets, config=one)
 
 
 @pytest.mark.parametrize("x_layout, w_layout, fast_accum, block_k, split_m", [
@@ -436,6 +470,50 @@ def test_fp8_warp_specialized_with_bias(x_layout, w_layout, split_m):
                                            config=cfg)
         check_rows(y, offsets, f"ws bias {x_layout} x {w_layout}")
         assert_rel_fro(y, ref, limit, f"ws bias {x_layout} x {w_layout} {jnp.dtype(out_dtype).name}")
+
+
+@gpu_only
+def test_bug_k0_with_bias_is_the_bias():
+    """Review (session 11): K = 0 reached the warp-specialized kernel (a barrier index of -1 with one accumulator)
+    and a bias was dropped; now the host returns each used row's expert bias, zeros past offsets[-1]."""
+    import dataclasses
+    x = jnp.zeros((5, 0), jnp.bfloat16)
+    w = jnp.zeros((2, 128, 0), jnp.bfloat16)
+    offsets = jnp.asarray([0, 2, 4], jnp.int32)
+    bias = jnp.asarray(np.random.default_rng(3).standard_normal((2, 128)), jnp.float32)
+    ws = MosaicGroupedGemmConfig(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2, warp_specialized=True)
+    for cfg in (None, ws, dataclasses.replace(ws, split_m=True)):
+        y = grouped_gemm_pallas_mosaic_gpu(x, w, offsets, bias=bias, config=cfg)
+        expected = np.concatenate([np.repeat(np.asarray(bias[:1]), 2, 0), np.repeat(np.asarray(bias[1:]), 2, 0),
+                                   np.zeros((1, 128))]).astype(jnp.bfloat16)
+        assert_exact(y, expected, f"K=0 {cfg}: bias[e(m)] for used rows, 0 past offsets[-1]")
+
+
+@gpu_only
+@pytest.mark.parametrize("split_m", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_warp_specialized_many_items_a_cta_and_an_unaligned_slot_ring(monkeypatch, split_m, fp8):
+    """Review (session 11): the GPU tests had at most one work item a CTA for FP8 and ``k_steps % stages == 0``:
+    here 2 CTAs (``num_sms`` patched) walk ~10 items each with K = 640 (5 steps of 128 over 3 stages, or 10 of 64),
+    so items start mid-ring and the producer runs into the next item; every row against the reference."""
+    import dataclasses
+    from moe_pallas.ops.grouped_gemm import pallas_mosaic_gpu
+
+    monkeypatch.setattr(pallas_mosaic_gpu, "num_sms", lambda: 2)
+    jax.clear_caches()
+    counts = [70, 0, 130, 9, 200, 41]
+    if fp8:
+        xq, xs, wq, ws, offsets = _fp8_problem(8, counts, 512, 640, 512, "per_token_group", "block")
+        cfg = dataclasses.replace(WS_FP8, max_concurrent_steps=3, split_m=split_m)
+        _check_fp8(xq, xs, wq, ws, offsets, cfg, f"ws 2 CTAs split_m={split_m}", False)
+    else:
+        x, w, offsets = problem(8, counts, 512, 640, 512, jnp.bfloat16)
+        cfg = MosaicGroupedGemmConfig(block_m=64, block_n=128, block_k=64, max_concurrent_steps=3,
+                                      warp_specialized=True, split_m=split_m)
+        y = grouped_gemm_pallas_mosaic_gpu(x, w, offsets, config=cfg)
+        check_rows(y, offsets, f"bf16 ws 2 CTAs split_m={split_m}")
+        assert_rel_fro(y, f64_loop(x, w, offsets), BF16_REL_FRO, f"bf16 ws 2 CTAs split_m={split_m}")
+    jax.clear_caches()
 
 
 @gpu_only

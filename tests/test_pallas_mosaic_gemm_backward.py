@@ -239,6 +239,12 @@ def test_warp_specialized_rules_and_trace():
     x, dy, w, offsets = _problem(1, [100, 28, 0, 257, 64], 600, 512, 256)
     assert jax.jit(grouped_gemm_pallas_mosaic_gpu, static_argnames=("config",)).trace(x, w, offsets, config=WS).jaxpr
     assert jax.jit(grouped_gemm_dgrad_pallas_mosaic_gpu, static_argnames=("config",)).trace(dy, w, offsets, config=WS).jaxpr
+    import dataclasses
+    split = dataclasses.replace(WS, split_m=True)  # consumers splitting rows: 256 x 64 CTA tiles, lowered for CUDA
+    for f, a in ((grouped_gemm_pallas_mosaic_gpu, x), (grouped_gemm_dgrad_pallas_mosaic_gpu, dy)):
+        text = jax.jit(f, static_argnames=("config",)).trace(a, w, offsets, config=split).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
     with pytest.raises(NotImplementedError, match=r"N % \(2 \* block_n\) == 0"):
         grouped_gemm_pallas_mosaic_gpu(x, w[:, :192], offsets, config=WS)  # N=192: not whole 128-wide CTA tiles
     with pytest.raises(ValueError, match="warp_specialized must be a bool"):

@@ -339,7 +339,8 @@ class MosaicGroupedGemmConfig:
       Like ``use_fast_accum`` of ``torch._scaled_mm``.
     warp_specialized: ``pallas_mosaic_gpu_ws.py`` (the forward with every input of this kernel, and the 16-bit
       dgrad): a producer warpgroup loads, two consumer warpgroups each compute ``block_m x block_n`` of a
-      ``block_m x 2*block_n`` CTA tile (so ``N`` must be a multiple of ``2 * block_n``); with FP8's per-step
+      ``block_m x 2*block_n`` CTA tile (so ``N`` must be a multiple of ``2 * block_n``; of ``block_n`` with
+      ``split_m``), over ``max_concurrent_steps >= 2`` shared-memory stages; with FP8's per-step
       promotion, one consumer scales and adds its finished K step while the other's ``wgmma`` runs.
     split_m: warp-specialized only: the two consumers split the CTA tile's rows instead of its columns (a
       ``2*block_m x block_n`` CTA tile, ``N % block_n == 0``): per K step the CTA loads ``(2*block_m + block_n) *
@@ -572,6 +573,11 @@ def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize
     if cfg.warp_specialized:
         if itemsize not in (1, 2):
             return f"{op}: the warp-specialized schedule takes 16-bit or FP8 inputs; got {itemsize}-byte values"
+        if cfg.max_concurrent_steps < 2:
+            # a consumer frees a step's slot only after issuing the next step's wgmma (one accumulator) or
+            # after the step's loads of the next item ran ahead (the persistent producer): one slot deadlocks
+            return (f"{op}: the warp-specialized schedule needs max_concurrent_steps >= 2 (shared-memory stages); "
+                    f"got {cfg}")
         cta_n = ws_cta_tile(cfg)[1]
         if N % cta_n or K % cfg.block_k or cfg.block_m * cfg.block_n > 128 * 128:
             return (f"{op}: the warp-specialized schedule needs N % {'block_n' if cfg.split_m else '(2 * block_n)'} "
@@ -637,7 +643,9 @@ def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int
     """The Mosaic GPU config: the tuned one of ``device_kind`` for the same ``fast_accum`` (FP8; 16-bit
     entries have none) if one is stored and fits this request (:func:`mosaic_config_fits`), else
     :func:`heuristic_mosaic_grouped_gemm_config`. FP8 with 128 x 128 weight blocks (``w_block``) looks up its own
-    entries (``"fp8_block"``) and the per-token ``"fp8"`` ones, as :func:`grouped_gemm_config`.
+    entries (``"fp8_block"``) and the per-token ``"fp8"`` ones, as :func:`grouped_gemm_config`. A ``split_m`` entry
+    serves requests with fewer than :data:`SPLIT_M_MIN_ROWS` rows per expert (entries are keyed by ``M_cap``, not
+    ``E``) with its tile split by columns instead, its stages cut to fit shared memory.
     ``device_kind=None``: the heuristic."""
     fast_accum = fast_accum and itemsize == 1
     dtypes = ("fp8_block", "fp8") if (w_block and itemsize == 1) else None

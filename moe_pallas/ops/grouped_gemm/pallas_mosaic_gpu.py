@@ -8,9 +8,10 @@ step ``s`` owns rows ``[lo_s, hi_s)`` of one ``block_m`` row tile, for expert ``
 the "zero group" ``e_s == E`` of unused rows ``>= offsets[-1]``).
 
 One persistent kernel: ``grid = (number of SMs,)``; each CTA (one warpgroup; with ``config.warp_specialized``
-a producer and two consumer warpgroups: ``pallas_mosaic_gpu_ws.py``) walks the work items
-``(step, column tile)`` of a ``plgpu.nd_loop`` (a planar snake over ``(steps, N / block_n)`` for
-L2 reuse of one expert's weight tiles) and for each one
+a producer and two consumer warpgroups on a CTA tile of two consumer tiles, ``block_m x 2*block_n`` or with
+``split_m`` ``2*block_m x block_n``, whose row count is then the steps' tile: ``pallas_mosaic_gpu_ws.py``) walks the
+work items ``(step, column tile)`` of a ``plgpu.nd_loop`` (a planar snake over ``(steps, N / block_n)`` for
+L2 reuse of one expert's weight tiles) and for each one (the one-warpgroup kernel)
 
 1. reads ``e, lo, hi`` (three int32 scalars from GMEM); a step with ``lo == hi`` (padding) does
    nothing;
@@ -41,7 +42,8 @@ writes zeros where no expert owns a row.
 Limits (``NotImplementedError``, so that dispatch falls back to the Pallas-Triton kernel):
 16-bit float or FP8 inputs only (no float32: ``wgmma`` would be TF32); ``N % block_n == 0``;
 ``K % block_k == 0``; per-token-group scales need ``G == 128``; block weight scales need
-``block_n == 128``. The warp-specialized schedule (``pallas_mosaic_gpu_ws.py``) also needs ``N % (2 * block_n) == 0``,
+``block_n == 128``. The warp-specialized schedule (``pallas_mosaic_gpu_ws.py``) also needs ``N % (2 * block_n) == 0``
+(``N % block_n`` with ``split_m``), at least 2 stages,
 ``block_k`` 128 or 256 with per-step accumulation and ``block_m * block_n <= 64 * 128`` then
 (``config.mosaic_config_problem``, the one home of these rules).
 
@@ -64,6 +66,7 @@ from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, MosaicGroupedGemmCo
                                                  ws_cta_tile)
 from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu_ws import run_row_kernel_ws, scale_epilogue, step_scale
 from moe_pallas.ops.grouped_gemm.pallas_triton import scale_kinds, tile_metadata
+from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 
 FP8_DTYPE = jnp.float8_e4m3fn
 #: SMs of an H100/H200 SXM; used only when the device cannot be asked (abstract lowering).
@@ -245,6 +248,8 @@ def grouped_gemm_pallas_mosaic_gpu(
     check_supported(x, w, x_kind, w_kind, G, out_dtype, cfg)
     if M_cap == 0 or N == 0 or E == 0:
         return jnp.zeros((M_cap, N), out_dtype)
+    if K == 0:  # a sum of no terms: each used row is its expert's bias (or 0); nothing to launch
+        return grouped_gemm_reference(x, w, expert_offsets, x_scale, w_scale, out_dtype, bias=bias)
     tile_m = ws_cta_tile(cfg)[0] if cfg.warp_specialized else cfg.block_m
     m_pad = pl.cdiv(M_cap, tile_m) * tile_m  # scale vectors are loaded a whole (CTA) tile at a time
     scale_inputs = []

@@ -53,6 +53,7 @@ from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, PACK
 from moe_pallas.ops import common as _common  # its import applies patch_pallas_triton_offsets
 from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, GroupedGemmConfig, gpu_device_kind,
                                                  grouped_gemm_config, triton_config_problem)
+from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 from moe_pallas.ops.quant.reference import (E8M0_NAN, W4_GROUP, e2m1_to_float32, e8m0_to_float32,
                                             int4_to_float32)
 
@@ -344,8 +345,10 @@ def grouped_gemm_pallas_triton(
     check_supported(x_kind, w_kind, G, cfg, interpret, w_format)
     if not interpret:  # 64-bit offsets where jax's lowering would not give them (common.patch_pallas_triton_offsets)
         _common.pallas_triton_offsets_ok("grouped_gemm_pallas_triton", x=x, w=w)
-    if M_cap == 0 or N == 0 or K == 0 or E == 0:  # nothing to launch: empty, or a sum of no terms / no expert
+    if M_cap == 0 or N == 0 or E == 0:  # nothing to launch: empty, or no expert
         return jnp.zeros((M_cap, N), out_dtype)
+    if K == 0:  # a sum of no terms: each used row is its expert's bias (or 0); nothing to launch
+        return grouped_gemm_reference(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=w_format, bias=bias)
     step_expert, step_lo, step_hi = tile_metadata(expert_offsets, M_cap, E, cfg.block_m)
     inputs = [step_expert, step_lo, step_hi, x, w]
     if fp8:
