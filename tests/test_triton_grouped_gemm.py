@@ -648,3 +648,55 @@ def test_compiles_for_sm90(sm90_ptx, name):
     else:
         assert "mma.sync.aligned" in ptx
     assert "mul.wide.s32" in ptx or "mul.lo.s64" in ptx
+
+
+# --------------------------------------------------------------------------------------
+# The result's rows no expert owns: zeroed after the kernel (torch.empty, no memset of the whole result)
+
+
+@pytest.mark.parametrize("offsets, owned", [
+    ([0, 4, 9], range(0, 9)),  # rows 9..11 past offsets[-1]
+    ([2, 5, 9], range(2, 9)),  # rows before offsets[0] too
+    ([0, 0, 0], []),  # every expert empty: every row zero
+    ([12], []),  # E = 0
+    ([0, 6, 3, 9], range(0, 9)),  # malformed (not non-decreasing): rows of no expert, as the GEMM kernel clamps
+    ([4, 2, 7], range(2, 7)),  # expert 0 [4, 2) empty, expert 1 [2, 7)
+    ([-3, 5, 40], range(0, 12)),  # clamped to [0, M_cap]
+])
+def test_zero_unowned_rows_exactly_the_rows_no_expert_owns(offsets, owned):
+    """On a NaN-poisoned [12, 300] result (300 columns: two column blocks with a tail), exactly the rows no expert
+    owns (the offsets clamped as the GEMM kernels clamp them) become 0; owned rows keep their NaN."""
+    out = torch.full((12, 300), float("nan"), dtype=torch.bfloat16, device=TORCH_DEVICE)
+    gemm_triton.zero_unowned_rows(out, torch.tensor(offsets, dtype=torch.int32, device=TORCH_DEVICE))
+    got = out.float().cpu()
+    for r in range(12):
+        if r in owned:
+            assert torch.isnan(got[r]).all(), f"row {r} (owned) was written"
+        else:
+            assert (got[r] == 0).all(), f"row {r} (no expert) is not zero"
+
+
+def test_result_rows_of_no_expert_are_zero_from_a_poisoned_allocation(monkeypatch):
+    """The forward and dgrad allocate their results with ``torch.empty`` now (a T=4096 layer forward memset 738 MB
+    of GEMM outputs before): with every fresh allocation NaN-poisoned, rows outside ``[offsets[0], offsets[-1])``
+    still come out 0 and the owned rows match the reference."""
+    from moe_torch.ops.grouped_gemm import triton_backward
+
+    real_empty = torch.empty
+
+    def poisoned(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(gemm_triton.torch, "empty", poisoned)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(20, 64, generator=g).to(TORCH_DEVICE, torch.bfloat16)
+    w = torch.randn(3, 48, 64, generator=g).to(TORCH_DEVICE, torch.bfloat16)
+    offsets = torch.tensor([3, 9, 9, 16], dtype=torch.int32, device=TORCH_DEVICE)
+    y = grouped_gemm_triton(x, w, offsets, None, None, torch.bfloat16)
+    ref = grouped_gemm_reference(x, w, offsets, None, None, torch.bfloat16)
+    assert not torch.isnan(y).any() and (y[:3] == 0).all() and (y[16:] == 0).all()
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    d_y = torch.randn(20, 48, generator=g).to(TORCH_DEVICE, torch.bfloat16)
+    d_x = triton_backward.grouped_gemm_dgrad_triton(d_y, w, offsets, None, torch.bfloat16)
+    assert not torch.isnan(d_x).any() and (d_x[:3] == 0).all() and (d_x[16:] == 0).all()

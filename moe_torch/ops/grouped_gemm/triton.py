@@ -2,8 +2,9 @@
 
 Shapes (contract names): ``x [M_cap, K]``, ``w [E, N, K]`` (out, in; K-major),
 ``expert_offsets [E + 1]`` int32 -> ``y [M_cap, N]``. Rows ``[offsets[e], offsets[e+1])`` use
-``w[e]``; rows ``>= offsets[-1]`` (and ``< offsets[0]``) are never read nor written by the kernel,
-and are zero in the result because the launcher allocates ``y`` with zeros (as the reference).
+``w[e]``; rows ``>= offsets[-1]`` (and ``< offsets[0]``) are never read nor written by the GEMM kernel,
+and are zero in the result: the launcher allocates ``y`` empty and :func:`zero_unowned_rows` zeroes exactly the rows
+no expert owns (as the reference's zeros; no memset of the whole result).
 
 Dataflow of one tile (one row tile of one expert x one ``BLOCK_N`` column tile)::
 
@@ -214,6 +215,57 @@ def _expert_row_tiles(
     incl = tl.cumsum(n_tiles, axis=0)  # P_e + n_e
     total = tl.sum(n_tiles, axis=0)
     return e_ids, starts, ends, first_tile, n_tiles, incl, total
+
+
+@triton.jit
+def _zero_unowned_rows_kernel(
+    out_ptr,  # [M_cap, N], unit column stride
+    offsets_ptr,  # [E + 1] int32 expert_offsets
+    M_cap,
+    N,
+    E,
+    stride_om,
+    BLOCK_E: tl.constexpr,  # next_power_of_2(E + 1)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Rows ``[pid*BLOCK_M, (pid+1)*BLOCK_M)`` of ``out`` that no expert owns (no ``e`` with ``s_e <= r < t_e``, the
+    offsets clamped to ``[0, M_cap]`` as :func:`_expert_row_tiles` clamps them, so exactly the rows the GEMM kernels
+    never write, whatever the offsets) set to 0 in every column ``< N``; owned rows are not touched. A block whose
+    rows are all owned stores nothing."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    e_ids = tl.arange(0, BLOCK_E)
+    e_valid = e_ids < E
+    starts = tl.minimum(tl.maximum(tl.load(offsets_ptr + e_ids, mask=e_valid, other=0), 0), M_cap)
+    ends = tl.minimum(tl.maximum(tl.load(offsets_ptr + e_ids + 1, mask=e_valid, other=0), 0), M_cap)
+    inside = (rows[:, None] >= starts[None, :]) & (rows[:, None] < ends[None, :]) & e_valid[None, :]
+    owned = tl.sum(inside.to(tl.int32), axis=1) > 0
+    unowned = (rows < M_cap) & (owned == 0)
+    if tl.sum(unowned.to(tl.int32), axis=0) > 0:
+        rows64 = rows.to(tl.int64)
+        zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+        for n0 in range(0, N, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :], zero,
+                     mask=unowned[:, None] & (cols < N)[None, :])
+
+
+def zero_unowned_rows(out: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    """Zero the rows of ``out [M_cap, N]`` (unit column stride) that no expert of ``expert_offsets [E + 1]`` owns
+    (:func:`_zero_unowned_rows_kernel`), in place, on ``out``'s device; returns ``out``. The GEMM launchers allocate
+    their result with ``torch.empty`` and call this after the kernel: the contract's zero rows (``>= offsets[-1]``,
+    ``< offsets[0]``) without a memset of the whole result (a T=4096 layer forward's two GEMM outputs are 738 MB).
+    No host sync (the offsets are read by the kernel); a launch whose rows are all owned stores nothing."""
+    M_cap, N = out.shape
+    if M_cap == 0 or N == 0:
+        return out
+    E = expert_offsets.shape[0] - 1
+    block_e = triton.next_power_of_2(E + 1)
+    block_m = max(2, min(64, 8192 // block_e))  # the [BLOCK_M, BLOCK_E] ownership test stays ~8K lanes
+    _zero_unowned_rows_kernel[(triton.cdiv(M_cap, block_m),)](
+        out, expert_offsets.contiguous(), M_cap, N, E, out.stride(0), BLOCK_E=block_e, BLOCK_M=block_m,
+        BLOCK_N=min(256, triton.next_power_of_2(N)))
+    return out
 
 
 @triton.jit
@@ -687,8 +739,9 @@ def grouped_gemm_triton(
     ``bias [E, N]`` (optional; float32 / bf16 / fp16): widened to float32 and added to each owned row's
     accumulator (after the FP8 scales) before the rounding (CONTRACT.md section 4).
 
-    ``y`` is allocated here, with zeros: rows outside ``[offsets[0], offsets[-1])`` stay 0 (the
-    kernel never writes them). The inputs are only read. No host sync: the grid is sized by
+    ``y`` is allocated here (``torch.empty``): the kernel writes the owned rows, then :func:`zero_unowned_rows`
+    zeroes the rows no expert owns (outside ``[offsets[0], offsets[-1])``), no memset of the whole result. The
+    inputs are only read. No host sync: the grid is sized by
     ``M_cap`` and ``E``, and ``expert_offsets`` is read by the kernel.
 
     Raises: NotImplementedError (no CUDA and no interpreter; FP8 before sm_89; per-token-group
@@ -698,8 +751,9 @@ def grouped_gemm_triton(
       with ``config.tma`` also NotImplementedError for what the TMA variant does not serve (module
       docstring, "TMA variant": FP8, float32, 4-bit, bias; unaligned base or row strides of ``x`` / ``w``).
     """
-    out = torch.zeros((x.shape[0], w.shape[1]), dtype=out_dtype, device=x.device)
-    return _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config, w_format, bias)
+    out = torch.empty((x.shape[0], w.shape[1]), dtype=out_dtype, device=x.device)
+    out = _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config, w_format, bias)
+    return zero_unowned_rows(out, expert_offsets)
 
 
 _E8M0_TABLES: dict[torch.device, torch.Tensor] = {}
