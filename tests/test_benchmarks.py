@@ -1195,3 +1195,28 @@ def test_tuners_keep_the_whole_table_and_refuse_the_other_frameworks(tmp_path):
     with pytest.raises(ValueError, match="is not a JAX table: 1 entries have no \"backend\""):
         tj.kept_entries(str(out / "T2.json"), None, str(tree))
     assert tj.kept_entries(str(out / "none.json"), None, str(tree)) == (None, {}, [])
+
+
+def test_jax_tuner_routings_and_ws_only(monkeypatch):
+    """``tune_jax_gemm.py --routings uniform,zipf`` times each config on the bench's routings (zipf made split_m's
+    128-row tiles 7% slower on a row the uniform-only tuner never saw: BENCHMARKS.md session 11): its problems carry
+    those rows per expert; an unknown routing is refused by the parser. ``--ws-only`` sweeps the warp-specialized
+    configs alone, ``split_m`` and two K blocks a step among them for FP8."""
+    import sys as _sys
+
+    import numpy as np
+
+    from benchmarks import specs
+    from benchmarks import tune_jax_gemm as tj
+
+    for routing in ("uniform", "zipf"):
+        off = np.asarray(tj.make_problem(256, 256, 512, "bf16", routing=routing)[2])
+        assert off[0] == 0 and off[-1] == 512
+        assert np.array_equal(np.diff(off), specs.group_sizes(512, tj.E, routing, 0))
+    monkeypatch.setattr(_sys, "argv", ["tune_jax_gemm.py", "--routings", "uniform,skewed"])
+    with pytest.raises(SystemExit):
+        tj.main()
+    ws = tj.mosaic_candidates("fp8_block", False, ws_only=True)
+    assert ws and all(c.warp_specialized and c.grid_block_n > 1 for c in ws)
+    assert any(c.split_m and c.block_k == 256 for c in ws) and any(not c.split_m for c in ws)
+    assert len(tj.mosaic_candidates("fp8_block", False)) > len(ws)
