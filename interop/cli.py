@@ -129,8 +129,15 @@ CPU_MAX_TOKENS = 512
 
 
 def _quant_arg(value: str) -> str:
-    """``--quant`` as written by people: ``fp8-block``, ``MXFP4`` (the checkpoint's spelling) -> the contract's name."""
-    return value.replace("-", "_").lower()
+    """``--quant`` as written by people: ``fp8-block``, ``MXFP4`` (the checkpoint's spelling), ``int-4`` -> the
+    contract's name (case, ``-`` and ``_`` ignored). Anything else: ``argparse.ArgumentTypeError`` naming the value as
+    written and the choices (``int-4`` was reported as ``'int_4'``, a spelling nobody typed)."""
+    names = {q.replace("_", ""): q for q in QUANTS}
+    key = value.lower().replace("-", "").replace("_", "")
+    if key not in names:
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(QUANTS)}; case, '-' and "
+                                         f"'_' do not matter)")
+    return names[key]
 
 
 #: ``check``'s layer options: (MoEConfig field, option, type, help). Each overrides the preset's value (shapes to run

@@ -38,6 +38,18 @@ def test_demo_accepts_dashed_quant():
     # the new-user trial of session 7: "--quant MXFP4" (gpt-oss's own spelling) was refused
     assert build_parser().parse_args(["check", "--quant", "MXFP4"]).quant == "mxfp4"
     assert build_parser().parse_args(["check", "--quant", "FP8-Block"]).quant == "fp8_block"
+    assert build_parser().parse_args(["check", "--quant", "int-4"]).quant == "int4"
+
+
+def test_bug_unknown_quant_is_reported_as_written(capsys):
+    """Session 9's new-user trial: ``--quant int-5`` was refused as ``'int_5'`` (the converted spelling); the error
+    names the value as typed and the choices."""
+    from interop.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["check", "--quant", "int-5"])
+    err = capsys.readouterr().err
+    assert "'int-5'" in err and "int_5" not in err and "fp8_block" in err
 
 
 def test_tokens_must_be_positive(capsys):
