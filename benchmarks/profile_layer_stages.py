@@ -48,6 +48,10 @@ def profile_jax(args) -> None:
                                       implementation=args.implementation)
 
     _, timings = profiler.measure(f, aggregate=False, iterations=args.iterations)(x, logits, w13, w2, s13, s2)
+    if not timings:
+        raise SystemExit("profile_layer_stages: CUPTI saw no kernel (a GPU is needed)")
+    if args.iterations == 1:  # measure returns one iteration's list unwrapped
+        timings = [timings]
     per = collections.defaultdict(list)
     for it in timings:
         seen = collections.Counter()

@@ -186,16 +186,20 @@ def kernel_fn(backend: str, cfg):
     return jax.jit(f)
 
 
+def with_routing(M: int, routing: str, seed: int = 0) -> jax.Array:
+    """``expert_offsets [E + 1]`` int32 of ``M`` rows split by ``routing`` (``benchmarks/specs.py: group_sizes``)."""
+    from benchmarks.specs import group_sizes
+
+    return jnp.asarray(np.concatenate([[0], np.cumsum(group_sizes(M, E, routing, seed))]), jnp.int32)
+
+
 def make_problem(K: int, N: int, M: int, dtype: str, seed: int = 0, routing: str = "uniform"):
     """``(x, w, offsets, x_scale, w_scale)``: x ~ N(0, 1), w ~ N(0, 1/K) (outputs O(1)), rows per expert by
     ``routing`` (``benchmarks/specs.py: group_sizes``: ``uniform`` M/E each, or the bench's ``zipf`` draw)."""
-    from benchmarks.specs import group_sizes
-
     k1, k2 = jax.random.split(jax.random.key(seed))
     x = jax.random.normal(k1, (M, K), jnp.bfloat16)
     w = (jax.random.normal(k2, (E, N, K), jnp.bfloat16) * K**-0.5).astype(jnp.bfloat16)
-    sizes = group_sizes(M, E, routing, seed)
-    off = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
+    off = with_routing(M, routing, seed)
     if dtype == "bf16":
         return x, w, off, None, None
     if dtype == "fp8_block":  # DeepSeek-V3: x per 1 x 128 group, w per 128 x 128 block
@@ -366,8 +370,9 @@ def main() -> int:
                 continue
             print(f"== K={K} N={N} M={M} {dtype}", flush=True)
             problems = []
-            for routing in routings:
-                args_ = make_problem(K, N, M, dtype, routing=routing)
+            base = make_problem(K, N, M, dtype)
+            for routing in routings:  # one x and w: the routings differ in the offsets alone
+                args_ = (base[0], base[1], with_routing(M, routing), *base[3:])
                 with jax.default_matmul_precision("highest"):
                     ref = jax.jit(grouped_gemm_reference, static_argnums=5)(*args_, jnp.float32)
                 problems.append((args_, ref, float(jnp.linalg.norm(ref))))
@@ -403,7 +408,7 @@ def main() -> int:
                 tuned_now.append(key)
                 print(json.dumps(entries[key]), flush=True)
                 write()
-            del problems, args_, ref
+            del problems, base, args_, ref
             jax.clear_caches()
     finally:
         pool.shutdown(wait=False, cancel_futures=True)

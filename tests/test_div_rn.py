@@ -20,7 +20,8 @@ from moe_pallas.ops.activation.pallas_triton import act_and_mul_pallas_triton
 from moe_pallas.ops.common import DIV_RN_ENV, div_rn_enabled
 from moe_pallas.ops.permute.pallas_triton import permute_pallas_triton
 from moe_pallas.ops.quant.pallas_triton import kernel_div_rn
-from moe_pallas.ops.quant.reference import per_token_group_quant_fp8_reference, per_token_quant_fp8_reference
+from moe_pallas.ops.quant.reference import (per_token_group_quant_fp8_reference, per_token_quant_fp8_reference,
+                                            quantize_div_fp8)
 from tolerances import assert_exact
 
 ON_GPU = DEVICE == "gpu"
@@ -37,6 +38,30 @@ def test_switch_values(monkeypatch, raw, on):
     assert div_rn_enabled() is on
     assert kernel_div_rn(interpret=False) is on
     assert kernel_div_rn(interpret=True) is False  # inline PTX has no interpret-mode rule
+
+
+def test_bug_div_rn_never_below_sm90(monkeypatch):
+    """Review (session 11): on sm_89 Triton casts float32 to e4m3 through float16 rounded toward zero (two roundings),
+    so the ``div.rn.f32`` path would miss the contract's codes there: the switch is ignored below sm_90 (the
+    repaired division's exact code arithmetic does not take that cast); with no GPU attached (lowering for CUDA on a
+    CPU) the target is Hopper."""
+    from moe_pallas.ops.quant import pallas_triton as qpt
+
+    class Dev:
+        def __init__(self, cc):
+            self.compute_capability = cc
+
+    monkeypatch.setenv(DIV_RN_ENV, "1")
+    for cc, below in (("8.9", True), ("9.0", False), ("10.0", False), ("8.0", True)):
+        monkeypatch.setattr(qpt.jax, "devices", lambda backend=None, cc=cc: [Dev(cc)])
+        assert qpt._gpu_below_sm90() is below
+        assert kernel_div_rn(interpret=False) is (not below)
+
+    def no_gpu(backend=None):
+        raise RuntimeError("no gpu")
+
+    monkeypatch.setattr(qpt.jax, "devices", no_gpu)
+    assert kernel_div_rn(interpret=False) is True
 
 
 def test_switch_refuses_other_values(monkeypatch):
@@ -73,16 +98,34 @@ def test_div_rn_codes_match_the_reference_bit_for_bit(monkeypatch, quant):
     of the same float32 values (the repaired division's codes), for random rows over many magnitudes."""
     monkeypatch.setenv(DIV_RN_ENV, "1")
     jax.clear_caches()
+    try:
+        _check_codes(quant)
+    finally:
+        jax.clear_caches()
+
+
+def _edge_rows(rng, rows: int, cols: int) -> np.ndarray:
+    """Random rows over many magnitudes, with hand-placed values: signed zeros, bf16 subnormals, values a quotient
+    lands on or next to an FP8 midpoint once the row's amax sets the scale (448 / amax), and one row of one value."""
+    a = rng.standard_normal((rows, cols)) * np.exp(rng.uniform(-6, 6, (rows, 1)))
+    a[0, :4] = [0.0, -0.0, 1e-40, -1e-39]
+    a[1, :] = 448.0 * (1.0625 + np.arange(cols) * 2.0**-12) / 1.5  # quotients through a midpoint region
+    a[1, 0] = 448.0
+    a[2, :] = 3.0
+    return a
+
+
+def _check_codes(quant: str) -> None:
     rng = np.random.default_rng(11)
     M, I, T, topk, H = 300, 512, 150, 2, 640
-    h = jnp.asarray(rng.standard_normal((M, 2 * I)) * np.exp(rng.uniform(-6, 6, (M, 1))), jnp.bfloat16)
+    h = jnp.asarray(_edge_rows(rng, M, 2 * I), jnp.bfloat16)
     q, s = act_and_mul_pallas_triton(h, activation="silu", quant=quant, group_size=128)
     a32, _ = act_and_mul_pallas_triton(h, activation="silu", out_dtype=jnp.float32)
     ref = (per_token_quant_fp8_reference(a32) if quant == "fp8_per_token"
            else per_token_group_quant_fp8_reference(a32, 128))
     assert_exact(q, ref[0], f"act_and_mul {quant} codes with div.rn.f32")
     assert_exact(s, ref[1], f"act_and_mul {quant} scales with div.rn.f32")
-    x = jnp.asarray(rng.standard_normal((T, H)) * np.exp(rng.uniform(-6, 6, (T, 1))), jnp.bfloat16)
+    x = jnp.asarray(_edge_rows(rng, T, H), jnp.bfloat16)
     dst2src = jnp.asarray(rng.permutation(T * topk), jnp.int32)
     qp, sp = permute_pallas_triton(x, dst2src, topk=topk, quant=quant, group_size=128)
     rows = x[np.asarray(dst2src) // topk].astype(jnp.float32)
@@ -90,4 +133,6 @@ def test_div_rn_codes_match_the_reference_bit_for_bit(monkeypatch, quant):
            else per_token_group_quant_fp8_reference(rows, 128))
     assert_exact(qp, ref[0], f"permute {quant} codes with div.rn.f32")
     assert_exact(sp, ref[1], f"permute {quant} scales with div.rn.f32")
-    jax.clear_caches()
+    static = jnp.float32(0.37)  # the per-tensor (static scale) permute
+    qs, _ = permute_pallas_triton(x, dst2src, topk=topk, quant="fp8_per_tensor", scale=static)
+    assert_exact(qs, quantize_div_fp8(rows, static), "permute fp8_per_tensor codes with div.rn.f32")

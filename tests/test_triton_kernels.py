@@ -268,6 +268,21 @@ def test_not_implemented_without_cuda_or_interpreter():
         check_triton_device("combine", torch.device("cpu"), kernel=object())
 
 
+def test_bug_fp8_quantization_refused_below_sm90(monkeypatch):
+    """Review (session 11): Triton 3.6 lowers the float32 -> float8_e4m3fn cast on sm_89 through float16 rounded
+    toward zero, then to e4m3: two roundings (1.0625 + 2^-20 -> 1.0 instead of 1.125), so the permute's and the
+    activation's FP8 quantization missed the contract on Ada GPUs. Quantizing kernels now need sm_90 (sm_89 keeps the
+    FP8 GEMMs, which only read codes); sm_90 passes."""
+    caps = {"cap": (8, 9)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: caps["cap"])
+    cuda = torch.device("cuda")
+    with pytest.raises(NotImplementedError, match=r"permute: FP8 quantization .* needs sm_90 .* got sm_89"):
+        check_triton_device("permute", cuda, kernel=object(), needs_fp8=True, quantizes_fp8=True)
+    check_triton_device("grouped_gemm", cuda, kernel=object(), needs_fp8=True)  # reading FP8 codes: sm_89 is fine
+    caps["cap"] = (9, 0)
+    check_triton_device("permute", cuda, kernel=object(), needs_fp8=True, quantizes_fp8=True)
+
+
 @pytest.mark.parametrize("M", [1, 7, 100, 65536])
 @pytest.mark.parametrize("I,quant,G", [(128, None, 128), (33, None, 128), (14336, None, 128), (768, "fp8_per_token", 128),
                                        (14336, "fp8_per_token", 128), (2048, "fp8_per_token_group", 128),

@@ -1,8 +1,8 @@
 """What the Triton backends of ``moe_torch`` share: the pre-launch device check, and the FP8
 quantization step of CONTRACT.md section 3 as ``@triton.jit`` helpers.
 
-Mirror: none (the JAX side's kernels share ``moe_pallas/ops/activation/pallas_triton.py``'s
-exact-rounding FP8 helpers instead).
+Mirror: ``moe_pallas/ops/quant/pallas_triton.py`` (the JAX kernels' FP8 division: the repaired quotient, or with
+``EPMOE_PALLAS_DIV_RN=1`` the same ``div.rn.f32`` as here).
 """
 
 from __future__ import annotations
@@ -49,9 +49,12 @@ def is_interpreted(kernel) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
-def check_triton_device(op: str, device: torch.device, kernel, needs_fp8: bool = False) -> None:
+def check_triton_device(op: str, device: torch.device, kernel, needs_fp8: bool = False,
+                        quantizes_fp8: bool = False) -> None:
     """``NotImplementedError`` if ``kernel`` cannot run on ``device``: CPU tensors without the
-    interpreter, or a float8_e4m3fn conversion on a GPU older than sm_89 (Ada / Hopper).
+    interpreter, a float8_e4m3fn conversion on a GPU older than sm_89 (Ada / Hopper), or (``quantizes_fp8``: the
+    kernel casts float32 quotients to FP8 codes) a GPU older than sm_90, where Triton 3.6's cast rounds twice
+    (review, session 11: 0.3% of codes off in an emulation); the dispatch then falls back to the reference.
 
     Under the interpreter it (re)installs the exact casts and dots of ``triton_interpret`` first, so
     every interpreted launch of a ``moe_torch`` kernel computes what the GPU does."""
@@ -62,7 +65,12 @@ def check_triton_device(op: str, device: torch.device, kernel, needs_fp8: bool =
             f"{op}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is imported); "
             f"got tensors on {device}"
         )
-    if needs_fp8 and device.type == "cuda":
+    if (needs_fp8 or quantizes_fp8) and device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
         if cap < (8, 9):
             raise NotImplementedError(f"{op}: float8_e4m3fn conversion needs sm_89 or newer; got sm_{cap[0]}{cap[1]}")
+        if quantizes_fp8 and cap < (9, 0):
+            raise NotImplementedError(
+                f"{op}: FP8 quantization in the Triton kernel needs sm_90 or newer: Triton lowers the float32 -> "
+                f"float8_e4m3fn cast on sm_{cap[0]}{cap[1]} through float16 rounded toward zero, then to e4m3 (two "
+                f"roundings: not the contract's cast_rne); got sm_{cap[0]}{cap[1]}")

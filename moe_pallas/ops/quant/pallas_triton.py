@@ -1,7 +1,7 @@
 """FP8 quantization inside Pallas-Triton kernels (the permute's and the activation's fused quantization).
 
 :func:`quantize_div_fp8_kernel` is the contract's ``cast_rne(clamp(x / scale, -448, 448))`` (CONTRACT.md section 4,
-``/`` correctly rounded) in one of two forms with the same result:
+``/`` correctly rounded; CONTRACT.md section 3) in one of two forms with the same result on sm_90 and newer:
 
 - the reference's :func:`~moe_pallas.ops.quant.reference.quantize_div_fp8`: an approximate quotient, then an exact
   integer repair of the codes it can move (XLA and Triton lower float32 ``/`` to ``div.full.f32``, up to 1 ulp off):
@@ -11,8 +11,13 @@
   ``jax.experimental.pallas.triton.elementwise_inline_asm``: what torch's Triton kernels emit
   (``tl.math.div_rn``, moe_torch/ops/activation/triton.py). GPU only: inline PTX has no interpret-mode rule.
 
-Which one a kernel takes is decided when it is lowered: :func:`div_rn_enabled` (``EPMOE_PALLAS_DIV_RN``) and never in
-interpret mode. Opt-in until its bit-for-bit GPU check has run.
+Which one a kernel takes is decided when it is lowered: :func:`div_rn_enabled` (``EPMOE_PALLAS_DIV_RN``), never in
+interpret mode, never for a GPU older than sm_90: Triton 3.6 lowers the float32 -> float8_e4m3fn cast on sm_89 through
+``cvt.rz.f16.f32`` then a round-to-nearest to e4m3 (two roundings: ``1.0625 + 2^-20`` becomes 1.0, not 1.125; review,
+session 11), which the repaired path's exact code arithmetic does not go through. Opt-in until its bit-for-bit GPU
+check has run. A NaN input stays NaN (``jnp.clip`` lowers to ``maxnum`` / ``minnum``, which would drop it).
+
+Mirror: ``moe_torch/ops/triton_common.py`` (``quantize_fp8_tile``: ``tl.math.div_rn``).
 """
 
 from __future__ import annotations
@@ -27,10 +32,24 @@ from moe_pallas.ops.quant.reference import FP8_DTYPE, FP8_MAX, quantize_div_fp8
 __all__ = ["quantize_div_fp8_kernel", "kernel_div_rn"]
 
 
+def _gpu_below_sm90() -> bool:
+    """Whether the attached GPU is older than sm_90 (``False`` without one: lowering for CUDA on a CPU targets
+    Hopper, the project's GPU)."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return False
+    cc = getattr(devices[0], "compute_capability", None) if devices else None
+    if not cc:
+        return False
+    major, minor, *_ = (int(v) for v in str(cc).split("."))
+    return (major, minor) < (9, 0)
+
+
 def kernel_div_rn(interpret: bool) -> bool:
-    """Whether a kernel lowered now divides with ``div.rn.f32``: never in interpret mode, else
-    :func:`~moe_pallas.ops.common.div_rn_enabled`."""
-    return (not interpret) and div_rn_enabled()
+    """Whether a kernel lowered now divides with ``div.rn.f32``: never in interpret mode nor for a GPU older than
+    sm_90 (module docstring), else :func:`~moe_pallas.ops.common.div_rn_enabled`."""
+    return (not interpret) and div_rn_enabled() and not _gpu_below_sm90()
 
 
 def quantize_div_fp8_kernel(x: jax.Array, scale: jax.Array, *, div_rn: bool) -> jax.Array:
@@ -45,4 +64,5 @@ def quantize_div_fp8_kernel(x: jax.Array, scale: jax.Array, *, div_rn: bool) -> 
     [q] = pltr.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[x.astype(jnp.float32), s],
                                       constraints="=f,f,f", pack=1,
                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
-    return jnp.clip(q, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    q = jnp.where(jnp.isnan(q), q, jnp.clip(q, -FP8_MAX, FP8_MAX))  # maxnum / minnum would turn NaN into -448
+    return q.astype(FP8_DTYPE)

@@ -33,7 +33,8 @@ group metadata (jax@jax/experimental/pallas/ops/tpu/megablox/gmm.py: ``make_grou
 grid bound ``m_tiles + num_groups - 1``), computed inside every program instead of beforehand:
 
 1. Row tiles are ``[t*BLOCK_M, (t+1)*BLOCK_M)``. Expert ``e`` owns rows ``[s_e, t_e)`` (offsets
-   clamped to ``[0, M_cap]``), so it touches row tiles ``s_e // BLOCK_M .. (t_e - 1) // BLOCK_M``:
+   clamped to ``[0, M_cap]`` and made non-decreasing, so experts never overlap: :func:`_expert_rows`), so it
+   touches row tiles ``s_e // BLOCK_M .. (t_e - 1) // BLOCK_M``:
    ``n_e`` tiles, ``n_e = 0`` for an empty expert.
 2. A *work item* is a pair (row tile, expert) with a non-empty intersection. Work items are
    numbered expert by expert: expert ``e`` has items ``[P_e, P_e + n_e)``, ``P_e = sum_{e' < e} n_e'``
@@ -192,6 +193,27 @@ def _num_sms(device: torch.device) -> int:
 
 
 @triton.jit
+def _max2(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _expert_rows(offsets_ptr, M_cap, E, BLOCK_E: tl.constexpr):
+    """``(e_ids, e_valid, starts s_e, ends t_e)`` over ``BLOCK_E`` lanes: expert ``e`` owns rows ``[s_e, t_e)``, the
+    offsets clamped to ``[0, M_cap]`` and made non-decreasing (a running max, as JAX's ``tile_metadata``), so that the
+    experts' rows never overlap, whatever the offsets: the static grid then covers every owned row (review, session
+    11: ``[0, 48, 0, 64]`` made two ranges overlap and rows 48-63 were never written), and the rows the kernels do not
+    write are exactly those :func:`_zero_unowned_rows_kernel` zeroes."""
+    e_ids = tl.arange(0, BLOCK_E)
+    e_valid = e_ids < E
+    starts = tl.minimum(tl.maximum(tl.load(offsets_ptr + e_ids, mask=e_valid, other=0), 0), M_cap)
+    ends = tl.minimum(tl.maximum(tl.load(offsets_ptr + e_ids + 1, mask=e_valid, other=0), 0), M_cap)
+    starts = tl.associative_scan(starts, 0, _max2)  # max(offsets[0..e])
+    ends = tl.maximum(tl.associative_scan(ends, 0, _max2), starts)  # max(offsets[0..e+1])
+    return e_ids, e_valid, starts, ends
+
+
+@triton.jit
 def _expert_row_tiles(
     offsets_ptr,  # [E + 1] int32 expert_offsets, non-decreasing
     M_cap,  # int: rows of the row-grouped operand
@@ -201,15 +223,10 @@ def _expert_row_tiles(
 ):
     """Steps 1-2 of the module docstring: per expert (vectors over ``BLOCK_E`` lanes, 0 past ``E``)
     ``(e_ids, starts s_e, ends t_e, first_tile s_e // BLOCK_M, n_tiles n_e, incl P_e + n_e)`` and the
-    number of work items ``total``, from the offsets clamped to ``[0, M_cap]``. Shared with the
-    backward's dgrad kernel (``triton_backward.py``)."""
-    e_ids = tl.arange(0, BLOCK_E)
-    e_valid = e_ids < E
-    starts = tl.load(offsets_ptr + e_ids, mask=e_valid, other=0)
-    ends = tl.load(offsets_ptr + e_ids + 1, mask=e_valid, other=0)
-    starts = tl.minimum(tl.maximum(starts, 0), M_cap)
-    ends = tl.minimum(tl.maximum(ends, 0), M_cap)
-    nonempty = ends > starts
+    number of work items ``total``, from :func:`_expert_rows`. Shared with the backward's dgrad kernel
+    (``triton_backward.py``)."""
+    e_ids, e_valid, starts, ends = _expert_rows(offsets_ptr, M_cap, E, BLOCK_E)
+    nonempty = (ends > starts) & e_valid
     first_tile = starts // BLOCK_M
     n_tiles = tl.where(nonempty, (ends - 1) // BLOCK_M - first_tile + 1, 0)
     incl = tl.cumsum(n_tiles, axis=0)  # P_e + n_e
@@ -229,15 +246,11 @@ def _zero_unowned_rows_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Rows ``[pid*BLOCK_M, (pid+1)*BLOCK_M)`` of ``out`` that no expert owns (no ``e`` with ``s_e <= r < t_e``, the
-    offsets clamped to ``[0, M_cap]`` as :func:`_expert_row_tiles` clamps them, so exactly the rows the GEMM kernels
-    never write, whatever the offsets) set to 0 in every column ``< N``; owned rows are not touched. A block whose
-    rows are all owned stores nothing."""
+    """Rows ``[pid*BLOCK_M, (pid+1)*BLOCK_M)`` of ``out`` that no expert owns (no ``e`` with ``s_e <= r < t_e`` from
+    :func:`_expert_rows`, as the GEMM kernels assign rows, so exactly the rows they never write, whatever the offsets)
+    set to 0 in every column ``< N``; owned rows are not touched. A block whose rows are all owned stores nothing."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    e_ids = tl.arange(0, BLOCK_E)
-    e_valid = e_ids < E
-    starts = tl.minimum(tl.maximum(tl.load(offsets_ptr + e_ids, mask=e_valid, other=0), 0), M_cap)
-    ends = tl.minimum(tl.maximum(tl.load(offsets_ptr + e_ids + 1, mask=e_valid, other=0), 0), M_cap)
+    _, e_valid, starts, ends = _expert_rows(offsets_ptr, M_cap, E, BLOCK_E)
     inside = (rows[:, None] >= starts[None, :]) & (rows[:, None] < ends[None, :]) & e_valid[None, :]
     owned = tl.sum(inside.to(tl.int32), axis=1) > 0
     unowned = (rows < M_cap) & (owned == 0)
