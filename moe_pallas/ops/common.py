@@ -160,18 +160,25 @@ _SWITCH_OFF = ("0", "false", "off", "no")
 _SWITCH_ON = ("", "1", "true", "on", "yes")
 
 
+def _switch(name: str, default: bool, off_means: str, on_means: str) -> bool:
+    """The on/off environment switch ``name`` read now: unset -> ``default``; 1/true/on/yes -> True, 0/false/off/no ->
+    False (any case, spaces ignored; empty is the default). Raises ValueError for any other value, naming the
+    variable and what each side means."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    value = raw.strip().lower()
+    if value in _SWITCH_OFF or value in _SWITCH_ON:
+        return value not in _SWITCH_OFF
+    raise ValueError(f"{name} must be one of {_SWITCH_OFF} ({off_means}) or {_SWITCH_ON[1:]} ({on_means}); "
+                     f"got {name}={raw!r}")
+
+
 def fp8_wgmma_enabled() -> bool:
     """:data:`FP8_WGMMA_ENV` read now (kernels read it when they are lowered; jit caches them, so set it
     before the first compile): unset or 1/true/on/yes -> True, 0/false/off/no -> False (any case,
     spaces ignored). Raises ValueError for any other value, naming the variable."""
-    raw = os.environ.get(FP8_WGMMA_ENV)
-    if raw is None:
-        return True
-    value = raw.strip().lower()
-    if value in _SWITCH_OFF or value in _SWITCH_ON:
-        return value not in _SWITCH_OFF
-    raise ValueError(f"{FP8_WGMMA_ENV} must be one of {_SWITCH_OFF} (FP8 dots as jax lowers them) or "
-                     f"{_SWITCH_ON[1:]} (FP8 wgmma, the default); got {FP8_WGMMA_ENV}={raw!r}")
+    return _switch(FP8_WGMMA_ENV, True, "FP8 dots as jax lowers them", "FP8 wgmma, the default")
 
 
 #: Environment switch, read when a Pallas-Triton kernel that quantizes to FP8 is lowered (:func:`div_rn_enabled`):
@@ -185,14 +192,7 @@ def div_rn_enabled() -> bool:
     """:data:`DIV_RN_ENV` read now (jit caches lowered kernels: set it before the first compile): 1/true/on/yes ->
     True; unset, empty or 0/false/off/no -> False (any case, spaces ignored). Raises ValueError for any other value,
     naming the variable."""
-    raw = os.environ.get(DIV_RN_ENV)
-    if raw is None:
-        return False
-    value = raw.strip().lower()
-    if value in _SWITCH_OFF or value in _SWITCH_ON:
-        return value not in _SWITCH_OFF and value != ""
-    raise ValueError(f"{DIV_RN_ENV} must be one of {_SWITCH_OFF + ('',)} (the repaired division, the default) or "
-                     f"{_SWITCH_ON[1:]} (PTX div.rn.f32); got {DIV_RN_ENV}={raw!r}")
+    return _switch(DIV_RN_ENV, False, "the repaired division, the default", "PTX div.rn.f32")
 
 
 def _is_fp8(value) -> bool:

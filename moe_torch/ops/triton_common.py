@@ -53,7 +53,7 @@ def check_triton_device(op: str, device: torch.device, kernel, needs_fp8: bool =
                         quantizes_fp8: bool = False) -> None:
     """``NotImplementedError`` if ``kernel`` cannot run on ``device``: CPU tensors without the
     interpreter, a float8_e4m3fn conversion on a GPU older than sm_89 (Ada / Hopper), or (``quantizes_fp8``: the
-    kernel casts float32 quotients to FP8 codes) a GPU older than sm_90, where Triton 3.6's cast rounds twice
+    kernel casts float32 quotients to FP8 codes; implies ``needs_fp8``) a GPU older than sm_90, where Triton 3.6's cast rounds twice
     (review, session 11: 0.3% of codes off in an emulation); the dispatch then falls back to the reference.
 
     Under the interpreter it (re)installs the exact casts and dots of ``triton_interpret`` first, so

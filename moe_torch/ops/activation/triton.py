@@ -219,8 +219,7 @@ def act_and_mul_triton(
       given ``config`` that cannot cover the quantization span).
     """
     op = f"{activation}_and_mul"
-    check_triton_device(op, h.device, _act_and_mul_kernel, needs_fp8=quant is not None,
-                        quantizes_fp8=quant is not None)
+    check_triton_device(op, h.device, _act_and_mul_kernel, quantizes_fp8=quant is not None)
     M, I = h.shape[0], h.shape[1] // 2
     if h.stride(1) != 1:
         h = h.contiguous()  # a copy: the caller's tensor is untouched

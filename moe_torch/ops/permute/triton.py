@@ -305,7 +305,7 @@ def permute_triton(
       programs), ValueError (a given ``config`` that cannot cover the quantization span).
     """
     op = "permute"
-    check_triton_device(op, x.device, _permute_kernel, needs_fp8=quant is not None, quantizes_fp8=quant is not None)
+    check_triton_device(op, x.device, _permute_kernel, quantizes_fp8=quant is not None)
     T, H = x.shape
     m_cap = dst2src.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()  # a copy: the caller's tensor is untouched
