@@ -648,3 +648,78 @@ def test_compiles_for_sm90(sm90_ptx, name):
     else:
         assert "mma.sync.aligned" in ptx
     assert "mul.wide.s32" in ptx or "mul.lo.s64" in ptx
+
+
+# --------------------------------------------------------------------------------------
+# The result's rows no expert owns: zeroed after the kernel (torch.empty, no memset of the whole result)
+
+
+@pytest.mark.parametrize("offsets, owned", [
+    ([0, 4, 9], range(0, 9)),  # rows 9..11 past offsets[-1]
+    ([2, 5, 9], range(2, 9)),  # rows before offsets[0] too
+    ([0, 0, 0], []),  # every expert empty: every row zero
+    ([12], []),  # E = 0
+    ([0, 6, 3, 9], range(0, 9)),  # malformed (not non-decreasing): rows of no expert, as the GEMM kernel clamps
+    ([4, 2, 7], range(4, 7)),  # made non-decreasing, [4, 4, 7]: expert 0 empty, expert 1 [4, 7)
+    ([0, 48, 0, 64], range(0, 64)),  # [0, 48, 48, 64]: no overlap, every row owned
+    ([-3, 5, 40], range(0, 12)),  # clamped to [0, M_cap]
+])
+def test_zero_unowned_rows_exactly_the_rows_no_expert_owns(offsets, owned):
+    """On a NaN-poisoned [M_cap, 300] result (300 columns: two column blocks with a tail), exactly the rows no expert
+    owns (the offsets clamped and made non-decreasing, as the GEMM kernels take them) become 0; owned rows keep their
+    NaN."""
+    m_cap = 64 if len(offsets) == 4 and offsets[-1] == 64 else 12
+    out = torch.full((m_cap, 300), float("nan"), dtype=torch.bfloat16, device=TORCH_DEVICE)
+    gemm_triton.zero_unowned_rows(out, torch.tensor(offsets, dtype=torch.int32, device=TORCH_DEVICE))
+    got = out.float().cpu()
+    for r in range(m_cap):
+        if r in owned:
+            assert torch.isnan(got[r]).all(), f"row {r} (owned) was written"
+        else:
+            assert (got[r] == 0).all(), f"row {r} (no expert) is not zero"
+
+
+def test_bug_overlapping_malformed_offsets_leave_no_row_unwritten(monkeypatch):
+    """Review (session 11): offsets ``[0, 48, 0, 64]`` (M_cap=64, 16-row tiles) made expert 0's and expert 2's
+    clamped ranges overlap, so the static grid (``cdiv(M_cap, 16) + E - 1`` work items) ran out before rows 48-63,
+    which then came back as the empty allocation's contents. The offsets are now made non-decreasing in the kernels
+    (``[0, 48, 48, 64]``, as JAX's ``tile_metadata``): every row is written, as with those offsets."""
+    real_empty = torch.empty
+    monkeypatch.setattr(gemm_triton.torch, "empty",
+                        lambda *a, **k: (lambda t: t.fill_(float("nan")) if t.is_floating_point() else t)(real_empty(*a, **k)))
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(64, 32, generator=g).to(TORCH_DEVICE, torch.bfloat16)
+    w = torch.randn(3, 16, 32, generator=g).to(TORCH_DEVICE, torch.bfloat16)
+    cfg = GroupedGemmConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)
+    bad = torch.tensor([0, 48, 0, 64], dtype=torch.int32, device=TORCH_DEVICE)
+    y = grouped_gemm_triton(x, w, bad, None, None, torch.bfloat16, cfg)
+    assert not torch.isnan(y).any(), "rows the grid never reached"
+    ref = grouped_gemm_reference(x, w, torch.tensor([0, 48, 48, 64], dtype=torch.int32, device=TORCH_DEVICE), None,
+                                 None, torch.bfloat16)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_result_rows_of_no_expert_are_zero_from_a_poisoned_allocation(monkeypatch):
+    """The forward and dgrad allocate their results with ``torch.empty`` now (a T=4096 layer forward memset 738 MB
+    of GEMM outputs before): with every fresh allocation NaN-poisoned, rows outside ``[offsets[0], offsets[-1])``
+    still come out 0 and the owned rows match the reference."""
+    from moe_torch.ops.grouped_gemm import triton_backward
+
+    real_empty = torch.empty
+
+    def poisoned(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(gemm_triton.torch, "empty", poisoned)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(20, 64, generator=g).to(TORCH_DEVICE, torch.bfloat16)
+    w = torch.randn(3, 48, 64, generator=g).to(TORCH_DEVICE, torch.bfloat16)
+    offsets = torch.tensor([3, 9, 9, 16], dtype=torch.int32, device=TORCH_DEVICE)
+    y = grouped_gemm_triton(x, w, offsets, None, None, torch.bfloat16)
+    ref = grouped_gemm_reference(x, w, offsets, None, None, torch.bfloat16)
+    assert not torch.isnan(y).any() and (y[:3] == 0).all() and (y[16:] == 0).all()
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    d_y = torch.randn(20, 48, generator=g).to(TORCH_DEVICE, torch.bfloat16)
+    d_x = triton_backward.grouped_gemm_dgrad_triton(d_y, w, offsets, None, torch.bfloat16)
+    assert not torch.isnan(d_x).any() and (d_x[:3] == 0).all() and (d_x[16:] == 0).all()

@@ -2,8 +2,9 @@
 
 Shapes (contract names): ``x [M_cap, K]``, ``w [E, N, K]`` (out, in; K-major),
 ``expert_offsets [E + 1]`` int32 -> ``y [M_cap, N]``. Rows ``[offsets[e], offsets[e+1])`` use
-``w[e]``; rows ``>= offsets[-1]`` (and ``< offsets[0]``) are never read nor written by the kernel,
-and are zero in the result because the launcher allocates ``y`` with zeros (as the reference).
+``w[e]``; rows ``>= offsets[-1]`` (and ``< offsets[0]``) are never read nor written by the GEMM kernel,
+and are zero in the result: the launcher allocates ``y`` empty and :func:`zero_unowned_rows` zeroes exactly the rows
+no expert owns (as the reference's zeros; no memset of the whole result).
 
 Dataflow of one tile (one row tile of one expert x one ``BLOCK_N`` column tile)::
 
@@ -32,7 +33,8 @@ group metadata (jax@jax/experimental/pallas/ops/tpu/megablox/gmm.py: ``make_grou
 grid bound ``m_tiles + num_groups - 1``), computed inside every program instead of beforehand:
 
 1. Row tiles are ``[t*BLOCK_M, (t+1)*BLOCK_M)``. Expert ``e`` owns rows ``[s_e, t_e)`` (offsets
-   clamped to ``[0, M_cap]``), so it touches row tiles ``s_e // BLOCK_M .. (t_e - 1) // BLOCK_M``:
+   clamped to ``[0, M_cap]`` and made non-decreasing, so experts never overlap: :func:`_expert_rows`), so it
+   touches row tiles ``s_e // BLOCK_M .. (t_e - 1) // BLOCK_M``:
    ``n_e`` tiles, ``n_e = 0`` for an empty expert.
 2. A *work item* is a pair (row tile, expert) with a non-empty intersection. Work items are
    numbered expert by expert: expert ``e`` has items ``[P_e, P_e + n_e)``, ``P_e = sum_{e' < e} n_e'``
@@ -191,6 +193,27 @@ def _num_sms(device: torch.device) -> int:
 
 
 @triton.jit
+def _max2(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _expert_rows(offsets_ptr, M_cap, E, BLOCK_E: tl.constexpr):
+    """``(e_ids, e_valid, starts s_e, ends t_e)`` over ``BLOCK_E`` lanes: expert ``e`` owns rows ``[s_e, t_e)``, the
+    offsets clamped to ``[0, M_cap]`` and made non-decreasing (a running max, as JAX's ``tile_metadata``), so that the
+    experts' rows never overlap, whatever the offsets: the static grid then covers every owned row (review, session
+    11: ``[0, 48, 0, 64]`` made two ranges overlap and rows 48-63 were never written), and the rows the kernels do not
+    write are exactly those :func:`_zero_unowned_rows_kernel` zeroes."""
+    e_ids = tl.arange(0, BLOCK_E)
+    e_valid = e_ids < E
+    starts = tl.minimum(tl.maximum(tl.load(offsets_ptr + e_ids, mask=e_valid, other=0), 0), M_cap)
+    ends = tl.minimum(tl.maximum(tl.load(offsets_ptr + e_ids + 1, mask=e_valid, other=0), 0), M_cap)
+    starts = tl.associative_scan(starts, 0, _max2)  # max(offsets[0..e])
+    ends = tl.maximum(tl.associative_scan(ends, 0, _max2), starts)  # max(offsets[0..e+1])
+    return e_ids, e_valid, starts, ends
+
+
+@triton.jit
 def _expert_row_tiles(
     offsets_ptr,  # [E + 1] int32 expert_offsets, non-decreasing
     M_cap,  # int: rows of the row-grouped operand
@@ -200,20 +223,62 @@ def _expert_row_tiles(
 ):
     """Steps 1-2 of the module docstring: per expert (vectors over ``BLOCK_E`` lanes, 0 past ``E``)
     ``(e_ids, starts s_e, ends t_e, first_tile s_e // BLOCK_M, n_tiles n_e, incl P_e + n_e)`` and the
-    number of work items ``total``, from the offsets clamped to ``[0, M_cap]``. Shared with the
-    backward's dgrad kernel (``triton_backward.py``)."""
-    e_ids = tl.arange(0, BLOCK_E)
-    e_valid = e_ids < E
-    starts = tl.load(offsets_ptr + e_ids, mask=e_valid, other=0)
-    ends = tl.load(offsets_ptr + e_ids + 1, mask=e_valid, other=0)
-    starts = tl.minimum(tl.maximum(starts, 0), M_cap)
-    ends = tl.minimum(tl.maximum(ends, 0), M_cap)
-    nonempty = ends > starts
+    number of work items ``total``, from :func:`_expert_rows`. Shared with the backward's dgrad kernel
+    (``triton_backward.py``)."""
+    e_ids, e_valid, starts, ends = _expert_rows(offsets_ptr, M_cap, E, BLOCK_E)
+    nonempty = (ends > starts) & e_valid
     first_tile = starts // BLOCK_M
     n_tiles = tl.where(nonempty, (ends - 1) // BLOCK_M - first_tile + 1, 0)
     incl = tl.cumsum(n_tiles, axis=0)  # P_e + n_e
     total = tl.sum(n_tiles, axis=0)
     return e_ids, starts, ends, first_tile, n_tiles, incl, total
+
+
+@triton.jit
+def _zero_unowned_rows_kernel(
+    out_ptr,  # [M_cap, N], unit column stride
+    offsets_ptr,  # [E + 1] int32 expert_offsets
+    M_cap,
+    N,
+    E,
+    stride_om,
+    BLOCK_E: tl.constexpr,  # next_power_of_2(E + 1)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Rows ``[pid*BLOCK_M, (pid+1)*BLOCK_M)`` of ``out`` that no expert owns (no ``e`` with ``s_e <= r < t_e`` from
+    :func:`_expert_rows`, as the GEMM kernels assign rows, so exactly the rows they never write, whatever the offsets)
+    set to 0 in every column ``< N``; owned rows are not touched. A block whose rows are all owned stores nothing."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    _, e_valid, starts, ends = _expert_rows(offsets_ptr, M_cap, E, BLOCK_E)
+    inside = (rows[:, None] >= starts[None, :]) & (rows[:, None] < ends[None, :]) & e_valid[None, :]
+    owned = tl.sum(inside.to(tl.int32), axis=1) > 0
+    unowned = (rows < M_cap) & (owned == 0)
+    if tl.sum(unowned.to(tl.int32), axis=0) > 0:
+        rows64 = rows.to(tl.int64)
+        zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+        for n0 in range(0, N, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :], zero,
+                     mask=unowned[:, None] & (cols < N)[None, :])
+
+
+def zero_unowned_rows(out: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    """Zero the rows of ``out [M_cap, N]`` (unit column stride) that no expert of ``expert_offsets [E + 1]`` owns
+    (:func:`_zero_unowned_rows_kernel`), in place, on ``out``'s device; returns ``out``. The GEMM launchers allocate
+    their result with ``torch.empty`` and call this after the kernel: the contract's zero rows (``>= offsets[-1]``,
+    ``< offsets[0]``) without a memset of the whole result (a T=4096 layer forward's two GEMM outputs are 738 MB).
+    No host sync (the offsets are read by the kernel); a launch whose rows are all owned stores nothing."""
+    M_cap, N = out.shape
+    if M_cap == 0 or N == 0:
+        return out
+    E = expert_offsets.shape[0] - 1
+    block_e = triton.next_power_of_2(E + 1)
+    block_m = max(2, min(64, 8192 // block_e))  # the [BLOCK_M, BLOCK_E] ownership test stays ~8K lanes
+    _zero_unowned_rows_kernel[(triton.cdiv(M_cap, block_m),)](
+        out, expert_offsets.contiguous(), M_cap, N, E, out.stride(0), BLOCK_E=block_e, BLOCK_M=block_m,
+        BLOCK_N=min(256, triton.next_power_of_2(N)))
+    return out
 
 
 @triton.jit
@@ -687,8 +752,9 @@ def grouped_gemm_triton(
     ``bias [E, N]`` (optional; float32 / bf16 / fp16): widened to float32 and added to each owned row's
     accumulator (after the FP8 scales) before the rounding (CONTRACT.md section 4).
 
-    ``y`` is allocated here, with zeros: rows outside ``[offsets[0], offsets[-1])`` stay 0 (the
-    kernel never writes them). The inputs are only read. No host sync: the grid is sized by
+    ``y`` is allocated here (``torch.empty``): the kernel writes the owned rows, then :func:`zero_unowned_rows`
+    zeroes the rows no expert owns (outside ``[offsets[0], offsets[-1])``), no memset of the whole result. The
+    inputs are only read. No host sync: the grid is sized by
     ``M_cap`` and ``E``, and ``expert_offsets`` is read by the kernel.
 
     Raises: NotImplementedError (no CUDA and no interpreter; FP8 before sm_89; per-token-group
@@ -698,8 +764,9 @@ def grouped_gemm_triton(
       with ``config.tma`` also NotImplementedError for what the TMA variant does not serve (module
       docstring, "TMA variant": FP8, float32, 4-bit, bias; unaligned base or row strides of ``x`` / ``w``).
     """
-    out = torch.zeros((x.shape[0], w.shape[1]), dtype=out_dtype, device=x.device)
-    return _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config, w_format, bias)
+    out = torch.empty((x.shape[0], w.shape[1]), dtype=out_dtype, device=x.device)
+    out = _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config, w_format, bias)
+    return zero_unowned_rows(out, expert_offsets)
 
 
 _E8M0_TABLES: dict[torch.device, torch.Tensor] = {}

@@ -80,6 +80,7 @@ from moe_torch.ops.grouped_gemm.config import (
 )
 from moe_torch.ops.grouped_gemm.triton import (
     tile_meta,
+    zero_unowned_rows,
     _MAX_EXPERTS,
     _WS_BLOCK,
     _WS_CHANNEL,
@@ -295,13 +296,15 @@ def grouped_gemm_dgrad_triton(
     (already validated there). ``config``: a :class:`GroupedGemmConfig` with ``block_n`` over K and
     ``block_k`` over N (default :func:`heuristic_grouped_gemm_dgrad_config`).
 
-    ``d_x`` is allocated here with zeros: rows outside ``[offsets[0], offsets[-1])`` stay 0. No host sync.
+    ``d_x`` is allocated here (``torch.empty``); the rows no expert owns (outside ``[offsets[0], offsets[-1])``)
+    are zeroed after the kernel (:func:`~moe_torch.ops.grouped_gemm.triton.zero_unowned_rows`). No host sync.
 
     Raises: NotImplementedError (no CUDA and no interpreter; ``expert_offsets`` on another device;
       more than 4095 experts; too many column tiles), ValueError (a ``config`` breaking the rules).
     """
-    out = torch.zeros((d_y.shape[0], w.shape[2]), dtype=out_dtype, device=d_y.device)
-    return _launch_dgrad("grouped_gemm_dgrad", d_y, w, expert_offsets, w_scale, out, config)
+    out = torch.empty((d_y.shape[0], w.shape[2]), dtype=out_dtype, device=d_y.device)
+    out = _launch_dgrad("grouped_gemm_dgrad", d_y, w, expert_offsets, w_scale, out, config)
+    return zero_unowned_rows(out, expert_offsets)
 
 
 def _launch_dgrad(op, d_y, w, expert_offsets, w_scale, out, config):
