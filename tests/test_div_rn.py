@@ -28,7 +28,7 @@ ON_GPU = DEVICE == "gpu"
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", 132, "cuda"))
 
 
-@pytest.mark.parametrize("raw, on", [(None, False), ("", False), ("0", False), ("off", False), (" No ", False),
+@pytest.mark.parametrize("raw, on", [(None, True), ("", True), ("0", False), ("off", False), (" No ", False),
                                      ("1", True), ("true", True), (" ON ", True), ("yes", True)])
 def test_switch_values(monkeypatch, raw, on):
     if raw is None:

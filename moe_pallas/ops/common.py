@@ -182,17 +182,17 @@ def fp8_wgmma_enabled() -> bool:
 
 
 #: Environment switch, read when a Pallas-Triton kernel that quantizes to FP8 is lowered (:func:`div_rn_enabled`):
-#: 1/true/on/yes divides with PTX ``div.rn.f32`` (moe_pallas/ops/quant/pallas_triton.py), unset or 0/false/off/no
-#: with the reference's repaired division (same codes, ~3x the instructions); other values raise ValueError.
-#: Opt-in until its bit-for-bit GPU check has run (written in session 11 without device time left).
+#: unset or 1/true/on/yes divides with PTX ``div.rn.f32`` (moe_pallas/ops/quant/pallas_triton.py; the default since
+#: its bit-for-bit GPU check passed on an H200, session 12), 0/false/off/no with the reference's repaired division
+#: (same codes, ~3x the instructions); other values raise ValueError.
 DIV_RN_ENV = "EPMOE_PALLAS_DIV_RN"
 
 
 def div_rn_enabled() -> bool:
-    """:data:`DIV_RN_ENV` read now (jit caches lowered kernels: set it before the first compile): 1/true/on/yes ->
-    True; unset, empty or 0/false/off/no -> False (any case, spaces ignored). Raises ValueError for any other value,
+    """:data:`DIV_RN_ENV` read now (jit caches lowered kernels: set it before the first compile): unset, empty or
+    1/true/on/yes -> True; 0/false/off/no -> False (any case, spaces ignored). Raises ValueError for any other value,
     naming the variable."""
-    return _switch(DIV_RN_ENV, False, "the repaired division, the default", "PTX div.rn.f32")
+    return _switch(DIV_RN_ENV, True, "the repaired division", "PTX div.rn.f32, the default")
 
 
 def _is_fp8(value) -> bool:

@@ -1,8 +1,8 @@
 """What the Triton backends of ``moe_torch`` share: the pre-launch device check, and the FP8
 quantization step of CONTRACT.md section 3 as ``@triton.jit`` helpers.
 
-Mirror: ``moe_pallas/ops/quant/pallas_triton.py`` (the JAX kernels' FP8 division: the repaired quotient, or with
-``EPMOE_PALLAS_DIV_RN=1`` the same ``div.rn.f32`` as here).
+Mirror: ``moe_pallas/ops/quant/pallas_triton.py`` (the JAX kernels' FP8 division: by default on sm_90+ the same
+``div.rn.f32`` as here; the repaired quotient in interpret mode or with ``EPMOE_PALLAS_DIV_RN=0``).
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ The FP8 codes are bit-identical to ``quant/reference.py`` applied to the same fl
 activation values: plain ``/`` is approximate (``div.full.f32``) in the Pallas-Triton
 lowering, so the kernel quantizes with the reference's own ``quantize_div_fp8``, whose
 ``fp8_round_quotient`` repairs each code to the correctly rounded quotient's (it uses only
-elementwise ops and same-width bitcasts, which lower inside a kernel), or, with ``EPMOE_PALLAS_DIV_RN=1`` on a GPU,
-with PTX ``div.rn.f32`` (the same codes in a third of the instructions: ``moe_pallas/ops/quant/pallas_triton.py``).
+elementwise ops and same-width bitcasts, which lower inside a kernel; interpret mode, and ``EPMOE_PALLAS_DIV_RN=0``),
+or, by default on an sm_90+ GPU, with PTX ``div.rn.f32`` (the same codes in a third of the instructions:
+``moe_pallas/ops/quant/pallas_triton.py``).
 
 Gate/up layout: concatenated, ``g`` and ``u`` are two ``block_m x block_i`` loads ``I`` columns apart;
 interleaved (gpt-oss), one contiguous ``block_m x 2*block_i`` load, reshaped to ``[block_m, block_i, 2]`` and
