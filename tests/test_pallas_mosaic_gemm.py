@@ -495,7 +495,10 @@ def test_bug_k0_with_bias_is_the_bias():
 def test_warp_specialized_many_items_a_cta_and_an_unaligned_slot_ring(monkeypatch, split_m, fp8):
     """Review (session 11): the GPU tests had at most one work item a CTA for FP8 and ``k_steps % stages == 0``:
     here 2 CTAs (``num_sms`` patched) walk ~10 items each with K = 640 (5 steps of 128 over 3 stages, or 10 of 64),
-    so items start mid-ring and the producer runs into the next item; every row against the reference."""
+    so items start mid-ring and the producer runs into the next item; every row against the reference. With
+    ``split_m`` (128-row CTA tiles) the counts leave one consumer's half of an item empty, both halves: expert 2's rows
+    70-127 and expert 3's 200-208 (the first half), expert 4's 384-408 (the second): that consumer runs no ``wgmma``
+    and only releases the slots (session 12)."""
     import dataclasses
     from moe_pallas.ops.grouped_gemm import pallas_mosaic_gpu
 
