@@ -209,6 +209,41 @@ def test_tile_metadata_invariants(seed):
     assert set(ex[lo < hi]) <= {e for e in range(E) if counts[e]} | {E}, "empty experts get no step"
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_tile_metadata_row_aligned_invariants(seed):
+    """``row_align`` (the warp-specialized Mosaic kernel's expert-aligned tiles): every row of [0, M_cap) owned by
+    exactly one step with its own expert; a step's rows lie in the tile that starts at ``lo // row_align *
+    row_align``; an expert with ``n`` rows from ``s`` takes ``cdiv(n + s % row_align, block_m)`` steps (not one more
+    for a tile it shares with its neighbour), worst cases included (every expert starting at ``row_align - 1`` past
+    an aligned row); the static bound holds."""
+    rng = np.random.default_rng(seed)
+    E, block_m, align = int(rng.integers(1, 9)), int(rng.choice([8, 16, 64])), 8
+    if seed == 0:  # each group 1 + 8j rows: starts at 7 mod 8 after the first, the bound's worst case
+        counts = np.full(E, 9)
+    else:
+        counts = rng.integers(0, 150, E) * (rng.random(E) < 0.7)
+    m_cap = int(counts.sum()) + int(rng.integers(0, 20))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    ex, lo, hi = (to_numpy(a) for a in tile_metadata(jnp.asarray(offsets), m_cap, E, block_m, row_align=align))
+    assert ex.shape == (-(-(m_cap + (align - 1) * (E + 1)) // block_m) + E,)
+    owner = np.full(m_cap, -1)
+    steps = np.zeros(E + 1, int)
+    for s in range(ex.size):
+        if lo[s] == hi[s]:
+            continue
+        row0 = lo[s] // align * align
+        assert lo[s] < hi[s] <= row0 + block_m, f"step {s} stays in its tile"
+        assert (owner[lo[s]:hi[s]] == -1).all(), f"step {s} overlaps another step"
+        owner[lo[s]:hi[s]] = ex[s]
+        steps[ex[s]] += 1
+    expected = np.searchsorted(offsets[1:], np.arange(m_cap), side="right")  # E for rows >= M
+    assert_exact(owner, expected, "owner of each row")
+    starts = np.concatenate([[0], offsets[1:E]])
+    for e in range(E):
+        want = -(-(counts[e] + starts[e] % align) // block_m) if counts[e] else 0  # an empty expert: no step
+        assert steps[e] == want, f"expert {e}'s steps"
+
+
 # --------------------------------------------------------------------------------------
 # FP8: every scale combination against the reference on the dequantized inputs
 

@@ -163,6 +163,47 @@ def test_warp_specialized_fp8_lowers_for_cuda(x_layout, w_layout, fast_accum, bl
     assert ("wgmma.wait_group.sync.aligned 1" in text) == (block_k == 256 or fast_accum)
 
 
+@pytest.mark.parametrize("raw, on", [(None, False), ("", False), ("0", False), (" Off ", False), ("1", True),
+                                     ("yes", True)])
+def test_aligned_tiles_switch(monkeypatch, raw, on):
+    from moe_pallas.ops.common import ALIGNED_TILES_ENV, aligned_tiles_enabled
+
+    if raw is None:
+        monkeypatch.delenv(ALIGNED_TILES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ALIGNED_TILES_ENV, raw)
+    assert aligned_tiles_enabled() is on
+    monkeypatch.setenv(ALIGNED_TILES_ENV, "8")
+    with pytest.raises(ValueError, match=f"{ALIGNED_TILES_ENV}.*got {ALIGNED_TILES_ENV}='8'"):
+        aligned_tiles_enabled()
+
+
+@pytest.mark.parametrize("split_m", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_aligned_tiles_lower_for_cuda(monkeypatch, split_m, fp8):
+    """``EPMOE_PALLAS_ALIGNED_TILES=1``: the warp-specialized kernel (FP8 blocks or bf16; columns or rows split)
+    lowers through Mosaic GPU on the CPU with expert-aligned row tiles (its GPU run: the many-items test)."""
+    import dataclasses
+    from moe_pallas.ops.common import ALIGNED_TILES_ENV
+
+    monkeypatch.setenv(ALIGNED_TILES_ENV, "1")
+    jax.clear_caches()
+    S = jax.ShapeDtypeStruct
+    M, K, N, E = 203, 512, 512, 4
+    f = jax.jit(grouped_gemm_pallas_mosaic_gpu, static_argnames=("config",))
+    if fp8:
+        cfg = dataclasses.replace(WS_FP8, block_k=256, max_concurrent_steps=2, split_m=split_m)
+        fp = jnp.float8_e4m3fn
+        traced = f.trace(S((M, K), fp), S((E, N, K), fp), S((E + 1,), jnp.int32), x_scale=S((M, K // 128), jnp.float32),
+                         w_scale=S((E, N // 128, K // 128), jnp.float32), config=cfg)
+    else:
+        cfg = MosaicGroupedGemmConfig(block_m=64, block_n=128, block_k=64, max_concurrent_steps=3,
+                                      warp_specialized=True, split_m=split_m)
+        traced = f.trace(S((M, K), jnp.bfloat16), S((E, N, K), jnp.bfloat16), S((E + 1,), jnp.int32), config=cfg)
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    jax.clear_caches()
+
+
 def test_heuristic():
     assert mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2) == MosaicGroupedGemmConfig(
         block_m=64, block_n=256, block_k=64, max_concurrent_steps=5, grid_block_n=4)
@@ -490,18 +531,22 @@ def test_bug_k0_with_bias_is_the_bias():
 
 
 @gpu_only
+@pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("split_m", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_warp_specialized_many_items_a_cta_and_an_unaligned_slot_ring(monkeypatch, split_m, fp8):
+def test_warp_specialized_many_items_a_cta_and_an_unaligned_slot_ring(monkeypatch, split_m, fp8, aligned):
     """Review (session 11): the GPU tests had at most one work item a CTA for FP8 and ``k_steps % stages == 0``:
     here 2 CTAs (``num_sms`` patched) walk ~10 items each with K = 640 (5 steps of 128 over 3 stages, or 10 of 64),
     so items start mid-ring and the producer runs into the next item; every row against the reference. With
     ``split_m`` (128-row CTA tiles) the counts leave one consumer's half of an item empty, both halves: expert 2's rows
     70-127 and expert 3's 200-208 (the first half), expert 4's 384-408 (the second): that consumer runs no ``wgmma``
-    and only releases the slots (session 12)."""
+    and only releases the slots (session 12). ``aligned``: ``EPMOE_PALLAS_ALIGNED_TILES=1``, expert-aligned row
+    tiles starting at rows 64, 200, 208, 408 (experts 2-5's first rows rounded down to 8), tiles reaching past M."""
     import dataclasses
+    from moe_pallas.ops.common import ALIGNED_TILES_ENV
     from moe_pallas.ops.grouped_gemm import pallas_mosaic_gpu
 
+    monkeypatch.setenv(ALIGNED_TILES_ENV, "1" if aligned else "0")
     monkeypatch.setattr(pallas_mosaic_gpu, "num_sms", lambda: 2)
     jax.clear_caches()
     counts = [70, 0, 130, 9, 200, 41]

@@ -195,6 +195,21 @@ def div_rn_enabled() -> bool:
     return _switch(DIV_RN_ENV, True, "the repaired division", "PTX div.rn.f32, the default")
 
 
+#: Environment switch, read when the warp-specialized Mosaic GPU grouped GEMM is traced (:func:`aligned_tiles_enabled`):
+#: 1/true/on/yes gives each expert its own row tiles, starting at its first row rounded down to 8
+#: (``tile_metadata(row_align=8)``: no tile spent on a few rows shared with a neighbour); unset or 0/false/off/no keeps
+#: the global ``t * block_m`` grid. Opt-in until its GPU check has run (written in session 12, when no GPU machine
+#: could be started); other values raise ValueError.
+ALIGNED_TILES_ENV = "EPMOE_PALLAS_ALIGNED_TILES"
+
+
+def aligned_tiles_enabled() -> bool:
+    """:data:`ALIGNED_TILES_ENV` read now (jit caches traced kernels: set it before the first compile): 1/true/on/yes
+    -> True; unset, empty or 0/false/off/no -> False (any case, spaces ignored). Raises ValueError for any other value,
+    naming the variable."""
+    return _switch(ALIGNED_TILES_ENV, False, "row tiles on the global grid, the default", "expert-aligned row tiles")
+
+
 def _is_fp8(value) -> bool:
     from jax._src.lib.mlir import ir
 

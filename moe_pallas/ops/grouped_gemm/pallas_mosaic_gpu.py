@@ -251,7 +251,9 @@ def grouped_gemm_pallas_mosaic_gpu(
     if K == 0:  # a sum of no terms: each used row is its expert's bias (or 0); nothing to launch
         return grouped_gemm_reference(x, w, expert_offsets, x_scale, w_scale, out_dtype, bias=bias)
     tile_m = ws_cta_tile(cfg)[0] if cfg.warp_specialized else cfg.block_m
-    m_pad = pl.cdiv(M_cap, tile_m) * tile_m  # scale vectors are loaded a whole (CTA) tile at a time
+    # scale vectors are loaded a whole (CTA) tile at a time; the warp-specialized kernel's tiles start at any row
+    # that is a multiple of 8 (expert-aligned tiles), so one more tile past M_cap
+    m_pad = pl.cdiv(M_cap, tile_m) * tile_m + (tile_m if cfg.warp_specialized else 0)
     scale_inputs = []
     if fp8:
         xs = x_scale.astype(jnp.float32)

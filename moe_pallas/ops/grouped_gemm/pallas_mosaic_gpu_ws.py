@@ -1,8 +1,11 @@
 """Warp-specialized Hopper grouped GEMM in Pallas Mosaic GPU: the forward (16-bit or FP8, every scale layout, bias)
 and the 16-bit dgrad.
 
-The schedule of ``pallas_mosaic_gpu.py`` (a persistent ``nd_loop`` over (row step, column tile) from the
-same :func:`~moe_pallas.ops.grouped_gemm.pallas_triton.tile_metadata`, the power-of-two TMA store ladder
+The schedule of ``pallas_mosaic_gpu.py`` (a persistent ``nd_loop`` over (row step, column tile) from
+:func:`~moe_pallas.ops.grouped_gemm.pallas_triton.tile_metadata`, with ``EPMOE_PALLAS_ALIGNED_TILES=1`` expert-aligned
+tiles (``row_align=8``: an expert's tiles start at its first row rounded down to 8, not on the global ``t * block_m``
+grid, so no tile is spent on a few rows an expert shares with its neighbour; opt-in until its GPU check has run), the
+power-of-two TMA store ladder
 that writes exactly the rows ``[lo, hi)`` of a step), with the work of a CTA split over three
 warpgroups (``MosaicGroupedGemmConfig.warp_specialized``):
 
@@ -56,12 +59,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from moe_pallas.ops.common import aligned_tiles_enabled
 from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, MosaicGroupedGemmConfig, accumulates_per_step,
                                                 ws_cta_tile)
 from moe_pallas.ops.grouped_gemm.pallas_triton import tile_metadata
 
 #: Registers of the producer warpgroup (hopper_matmul_mgpu.py's value for H100-class GPUs).
 PRODUCER_REGISTERS = 40
+#: With ``EPMOE_PALLAS_ALIGNED_TILES`` on, tiles start at each expert's first row rounded down to this
+#: (``tile_metadata(row_align=)``): TMA boxes tile rows by 8.
+ROW_ALIGN = 8
 #: Consumer warpgroups per CTA.
 CONSUMERS = 2
 #: Registers of a consumer thread: the rest of the 64K register file, a multiple of 8 (hopper_matmul_mgpu.py's split).
@@ -140,7 +147,7 @@ def step_scale(k, *, block_m: int, block_n: int, loaded=None, **where):
 
 
 def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: int, cfg: MosaicGroupedGemmConfig,
-            dgrad: bool, x_kind=None, w_kind=None, has_bias: bool = False):
+            dgrad: bool, x_kind=None, w_kind=None, has_bias: bool = False, row_align: int | None = None):
     *refs, o_gmem = refs
     b_gmem = refs.pop() if has_bias else None
     xs_gmem, ws_gmem = refs if x_kind is not None else (None, None)
@@ -160,7 +167,8 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
         computed alike by the producer and the consumers (the same sequence of items a CTA)."""
         si, ni = plgpu.planar_snake(index, (n_steps, grid_n), 1, cfg.grid_block_n)
         e, lo, hi = step_e[si], step_lo[si], step_hi[si]
-        return e, lo, hi, lax.div(lo, jnp.int32(cta_m)) * cta_m, ni * cta_n, jnp.minimum(e, E - 1)
+        tile_rows = row_align or cta_m  # expert-aligned tiles start at lo's multiple of row_align, else of cta_m
+        return e, lo, hi, lax.div(lo, jnp.int32(tile_rows)) * tile_rows, ni * cta_n, jnp.minimum(e, E - 1)
 
     def scoped(x_smem, w_smem, o_smem, produced, consumed):
         wg = lax.axis_index("wg")
@@ -322,12 +330,13 @@ def run_row_kernel_ws(x, w, expert_offsets, scale_inputs=(), *, N_out: int, K_co
     dgrad (``x`` = ``d_y``), warp-specialized. Inputs validated by the caller (``config.mosaic_config_problem``)."""
     M_cap = x.shape[0]
     E = w.shape[0]
-    step_e, step_lo, step_hi = tile_metadata(expert_offsets, M_cap, E, ws_cta_tile(cfg)[0])
+    row_align = ROW_ALIGN if aligned_tiles_enabled() else None
+    step_e, step_lo, step_hi = tile_metadata(expert_offsets, M_cap, E, ws_cta_tile(cfg)[0], row_align=row_align)
     m_rows = -(-M_cap // 8) * 8  # TMA boxes tile rows by 8 (the pad rows belong to no step)
     if m_rows != M_cap:
         x = jnp.pad(x, ((0, m_rows - M_cap), (0, 0)))
     kernel = functools.partial(_kernel, E=E, N=N_out, K=K_contract, cfg=cfg, dgrad=dgrad, x_kind=x_kind,
-                               w_kind=w_kind, has_bias=has_bias)
+                               w_kind=w_kind, has_bias=has_bias, row_align=row_align)
     y = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m_rows, N_out), out_dtype),
