@@ -163,7 +163,7 @@ def test_warp_specialized_fp8_lowers_for_cuda(x_layout, w_layout, fast_accum, bl
     assert ("wgmma.wait_group.sync.aligned 1" in text) == (block_k == 256 or fast_accum)
 
 
-@pytest.mark.parametrize("raw, on", [(None, False), ("", False), ("0", False), (" Off ", False), ("1", True),
+@pytest.mark.parametrize("raw, on", [(None, True), ("", True), ("0", False), (" Off ", False), ("1", True),
                                      ("yes", True)])
 def test_aligned_tiles_switch(monkeypatch, raw, on):
     from moe_pallas.ops.common import ALIGNED_TILES_ENV, aligned_tiles_enabled

@@ -2,9 +2,10 @@
 and the 16-bit dgrad.
 
 The schedule of ``pallas_mosaic_gpu.py`` (a persistent ``nd_loop`` over (row step, column tile) from
-:func:`~moe_pallas.ops.grouped_gemm.pallas_triton.tile_metadata`, with ``EPMOE_PALLAS_ALIGNED_TILES=1`` expert-aligned
-tiles (``row_align=8``: an expert's tiles start at its first row rounded down to 8, not on the global ``t * block_m``
-grid, so no tile is spent on a few rows an expert shares with its neighbour; opt-in until its GPU check has run), the
+:func:`~moe_pallas.ops.grouped_gemm.pallas_triton.tile_metadata`, with expert-aligned tiles by default
+(``row_align=8``: an expert's tiles start at its first row rounded down to 8, not on the global ``t * block_m``
+grid, so no tile is spent on a few rows an expert shares with its neighbour; ``EPMOE_PALLAS_ALIGNED_TILES=0``: the
+global grid), the
 power-of-two TMA store ladder
 that writes exactly the rows ``[lo, hi)`` of a step), with the work of a CTA split over three
 warpgroups (``MosaicGroupedGemmConfig.warp_specialized``):
@@ -66,7 +67,7 @@ from moe_pallas.ops.grouped_gemm.pallas_triton import tile_metadata
 
 #: Registers of the producer warpgroup (hopper_matmul_mgpu.py's value for H100-class GPUs).
 PRODUCER_REGISTERS = 40
-#: With ``EPMOE_PALLAS_ALIGNED_TILES`` on, tiles start at each expert's first row rounded down to this
+#: With ``EPMOE_PALLAS_ALIGNED_TILES`` on (the default), tiles start at each expert's first row rounded down to this
 #: (``tile_metadata(row_align=)``): TMA boxes tile rows by 8.
 ROW_ALIGN = 8
 #: Consumer warpgroups per CTA.
