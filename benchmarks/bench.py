@@ -1459,6 +1459,14 @@ def environment() -> dict:
     return meta
 
 
+def spec_wanted(spec, args: argparse.Namespace, quants: bool = True) -> bool:
+    """Whether a layer / layer_bwd / decode spec passes ``--layer-quants`` (unless ``quants`` is False: the decode
+    rows' quant modes are their own) and ``--ts`` (each empty: everything passes)."""
+    if quants and args.layer_quants and spec.quant not in args.layer_quants:
+        return False
+    return not args.ts or spec.T in args.ts
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Writes bench.json / bench.csv / bench.md / bench_gemm.png / bench_layer.png / "
@@ -1489,11 +1497,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layer", type=int, default=None, help="with --weights: the layer index (default: the first MoE layer)")
     p.add_argument("--gemm-dtypes", default="", help=f"comma list of {', '.join(S.GEMM_DTYPES)}: only these gemm specs "
                    "(default: all of the run's)")
+    p.add_argument("--layer-quants", default="", help=f"comma list of {', '.join(S.BENCH_QUANTS)}: only the layer / "
+                   "layer_bwd rows of these quant modes (default: all of the run's; e.g. fp8_block, the last ones a "
+                   "--max-minutes limit would cut)")
+    p.add_argument("--ts", default="", help="comma list of token counts T: only the layer / layer_bwd / decode rows "
+                   "of these T (default: all of the run's)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing rows")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # CPU smoke test: tiny shapes, interpreters
     args = p.parse_args(argv)
     if args.layer is not None and not args.weights:
         p.error("--layer needs --weights (it picks a layer of the checkpoint)")
+    args.layer_quants = [q for q in args.layer_quants.split(",") if q]
+    if [q for q in args.layer_quants if q not in S.BENCH_QUANTS]:
+        p.error(f"--layer-quants: unknown {[q for q in args.layer_quants if q not in S.BENCH_QUANTS]}; choose from "
+                f"{S.BENCH_QUANTS}")
+    try:
+        args.ts = [int(t) for t in args.ts.split(",") if t.strip()]
+    except ValueError:
+        p.error(f"--ts: a comma list of positive integers; got {args.ts!r}")
+    if [t for t in args.ts if t < 1]:
+        p.error(f"--ts: token counts must be >= 1; got {args.ts}")
     args.gemm_dtypes = [d for d in args.gemm_dtypes.split(",") if d]
     if [d for d in args.gemm_dtypes if d not in S.GEMM_DTYPES]:
         p.error(f"--gemm-dtypes: unknown {[d for d in args.gemm_dtypes if d not in S.GEMM_DTYPES]}; choose from "
@@ -1568,15 +1591,16 @@ def main(argv=None) -> int:
         plan += [("gemm", s) for s in S.gemm_specs(args.quick, TINY, model)
                  if not args.gemm_dtypes or s.dtype in args.gemm_dtypes]
     if "layer" in args.what:
-        plan += [("layer", s) for s in S.layer_specs(args.quick, TINY, model)]
+        plan += [("layer", s) for s in S.layer_specs(args.quick, TINY, model) if spec_wanted(s, args)]
     if "gate" in args.what:
         plan += [("gate", s) for s in S.gate_specs(args.quick, TINY, model)]
     if "gemm_bwd" in args.what:
         plan += [("gemm_bwd", s) for s in S.gemm_bwd_specs(args.quick, TINY, model)]
     if "layer_bwd" in args.what:
-        plan += [("layer_bwd", s) for s in S.layer_bwd_specs(args.quick, TINY, model)]
+        plan += [("layer_bwd", s) for s in S.layer_bwd_specs(args.quick, TINY, model) if spec_wanted(s, args)]
     if "decode" in args.what:
-        plan += [("decode", s) for s in S.decode_specs(args.quick, TINY, model)]
+        plan += [("decode", s) for s in S.decode_specs(args.quick, TINY, model)
+                 if spec_wanted(s, args, quants=False)]
     gemm_w, layer_w = GemmWeights(), {}
     with patch:
         for bench, spec in plan:

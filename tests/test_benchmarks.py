@@ -138,6 +138,22 @@ def test_parse_args(tmp_path):
         bench.parse_args(["--what", "gemmm"])
 
 
+def test_layer_quants_and_ts_filters(tmp_path):
+    """``--layer-quants`` / ``--ts`` pick the layer rows a short ``--max-minutes`` would otherwise cut (the FP8-block
+    rows come last); bad values are refused by argparse."""
+    args = bench.parse_args(["--out", str(tmp_path), "--layer-quants", "fp8_block", "--ts", "4096, 512"])
+    assert args.layer_quants == ["fp8_block"] and args.ts == [4096, 512]
+    kept = [(s.quant, s.T) for s in S.layer_specs() if bench.spec_wanted(s, args)]
+    assert kept and set(kept) == {("fp8_block", 4096), ("fp8_block", 512)}
+    everything = bench.parse_args(["--out", str(tmp_path)])
+    assert all(bench.spec_wanted(s, everything) for s in S.layer_specs())
+    decode = [s for s in S.decode_specs() if bench.spec_wanted(s, args, quants=False)]
+    assert decode == [s for s in S.decode_specs() if s.T in (4096, 512)]
+    for bad in (["--layer-quants", "fp9"], ["--ts", "512,x"], ["--ts", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--out", str(tmp_path), *bad])
+
+
 def test_guard_refuses_to_time_wrong_output(tmp_path):
     torch = pytest.importorskip("torch")
     ctx = bench.Ctx(bench.parse_args(["--out", str(tmp_path)]))
