@@ -28,9 +28,8 @@ ON_GPU = DEVICE == "gpu"
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", 132, "cuda"))
 
 
-@pytest.mark.parametrize("raw, on", [(None, True), ("", True), ("0", False), ("off", False), (" No ", False),
-                                     ("1", True), ("true", True), (" ON ", True), ("yes", True)])
-def test_switch_values(monkeypatch, raw, on):
+@pytest.mark.parametrize("raw, on", [(None, True), ("0", False), ("1", True)])  # every spelling: test_env_switches
+def test_kernels_follow_the_switch(monkeypatch, raw, on):
     if raw is None:
         monkeypatch.delenv(DIV_RN_ENV, raising=False)
     else:
@@ -62,12 +61,6 @@ def test_bug_div_rn_never_below_sm90(monkeypatch):
 
     monkeypatch.setattr(qpt.jax, "devices", no_gpu)
     assert kernel_div_rn(interpret=False) is True
-
-
-def test_switch_refuses_other_values(monkeypatch):
-    monkeypatch.setenv(DIV_RN_ENV, "2")
-    with pytest.raises(ValueError, match=f"{DIV_RN_ENV}.*got {DIV_RN_ENV}='2'"):
-        div_rn_enabled()
 
 
 def _lowered(f, *args) -> str:

@@ -243,6 +243,19 @@ def test_dgrad_launch_orders(order):
     assert_rel_fro(buf[:M, :K], ref_dx[:M], GRAD_F32_REL_FRO, order)
 
 
+@pytest.mark.parametrize("order", ["g1", "g4-persistent"])
+def test_dgrad_aligned_tiles(monkeypatch, order):
+    """``EPMOE_TRITON_ALIGNED_TILES=1``: the dgrad on each expert's own row tiles: within F32 of float64 autodiff,
+    rows >= M and columns >= K never written."""
+    counts, m_cap, K, N = SHAPES["many-tiles"]
+    x, w, d_y, offsets, M = make_problem(6, counts, m_cap, K, N, torch.bfloat16)
+    ref_dx, _ = autodiff64(x, w, d_y, offsets)
+    monkeypatch.setenv("EPMOE_TRITON_ALIGNED_TILES", "1")
+    buf = dgrad_into_poison(d_y, w, offsets, None, torch.float32, dataclasses.replace(SMALL_DGRAD, **ORDERS[order]))
+    assert torch.isnan(buf[M:]).all() and torch.isnan(buf[:, K:]).all()
+    assert_rel_fro(buf[:M, :K], ref_dx[:M], GRAD_F32_REL_FRO, f"aligned {order}")
+
+
 @settings(max_examples=10)
 @given(counts=st.lists(st.integers(0, 20), min_size=1, max_size=5), spare=st.integers(0, 4),
        dims=st.sampled_from([(16, 16), (24, 40), (40, 8)]), group_m=st.sampled_from([1, 2, 3]),

@@ -163,21 +163,6 @@ def test_warp_specialized_fp8_lowers_for_cuda(x_layout, w_layout, fast_accum, bl
     assert ("wgmma.wait_group.sync.aligned 1" in text) == (block_k == 256 or fast_accum)
 
 
-@pytest.mark.parametrize("raw, on", [(None, True), ("", True), ("0", False), (" Off ", False), ("1", True),
-                                     ("yes", True)])
-def test_aligned_tiles_switch(monkeypatch, raw, on):
-    from moe_pallas.ops.common import ALIGNED_TILES_ENV, aligned_tiles_enabled
-
-    if raw is None:
-        monkeypatch.delenv(ALIGNED_TILES_ENV, raising=False)
-    else:
-        monkeypatch.setenv(ALIGNED_TILES_ENV, raw)
-    assert aligned_tiles_enabled() is on
-    monkeypatch.setenv(ALIGNED_TILES_ENV, "8")
-    with pytest.raises(ValueError, match=f"{ALIGNED_TILES_ENV}.*got {ALIGNED_TILES_ENV}='8'"):
-        aligned_tiles_enabled()
-
-
 @pytest.mark.parametrize("split_m", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_aligned_tiles_lower_for_cuda(monkeypatch, split_m, fp8):

@@ -396,25 +396,50 @@ def test_random_group_sizes(counts, block_m, spare):
     assert_rel_fro(y, float64_grouped_gemm(x_np, w_np, off_np), F32_REL_FRO, f"counts {counts}, block_m {block_m}")
 
 
-@settings(max_examples=16)
+@settings(max_examples=24)
 @given(counts=st.lists(st.integers(0, 20), min_size=1, max_size=6), block_m=st.sampled_from([4, 8, 16]),
        spare=st.integers(0, 5), n=st.sampled_from([16, 40]), group_m=st.sampled_from([1, 2, 3, 4, 8]),
-       persistent=st.booleans())
-def test_random_group_sizes_every_launch_order(counts, block_m, spare, n, group_m, persistent):
+       persistent=st.booleans(), aligned=st.booleans())
+def test_random_group_sizes_every_launch_order(counts, block_m, spare, n, group_m, persistent, aligned):
     """Hypothesis: as above, with up to 3 column tiles (N = 40, block_n = 16) and a random launch
     order: groups of 1 to 8 work items (groups straddling experts, a smaller last group), persistent
-    or not. Every valid row exact to float64 within F32 (so no tile lost), rows >= M never written."""
+    or not, on the global row-tile grid or (``aligned``: ``EPMOE_TRITON_ALIGNED_TILES=1``) on each expert's own
+    tiles. Every valid row exact to float64 within F32 (so no tile lost), rows >= M never written, the guards
+    untouched (an aligned tile reaching past M_cap stores nothing there)."""
+    import os
+    from unittest import mock
+
     m_cap = sum(counts) + spare
     if m_cap == 0:
         return
     x_np, w_np, off_np = make_problem(len(counts) + m_cap + n, counts, m_cap, 16, n)
     cfg = GroupedGemmConfig(block_m=block_m, block_n=16, block_k=16, num_warps=4, num_stages=1, group_m=group_m,
                             persistent=persistent)
-    buf, view = poisoned_launch(to_torch(x_np), to_torch(w_np), to_torch(off_np), None, None, torch.float32, cfg)
+    with mock.patch.dict(os.environ, {"EPMOE_TRITON_ALIGNED_TILES": "1" if aligned else "0"}):
+        buf, view = poisoned_launch(to_torch(x_np), to_torch(w_np), to_torch(off_np), None, None, torch.float32, cfg)
     M = int(off_np[-1])
     assert_rel_fro(view[:M], float64_grouped_gemm(x_np, w_np, off_np)[:M], F32_REL_FRO, f"{counts}, {cfg}")
     assert torch.isnan(view[M:]).all(), "rows >= M never written"
     assert_guards_untouched(buf, m_cap, n)
+
+
+@pytest.mark.parametrize("x_layout,w_layout", [("per_token_group", "block"), ("per_token", "per_channel")])
+def test_fp8_aligned_tiles(monkeypatch, x_layout, w_layout):
+    """FP8 (per-step block scales, and per-token x per-channel) with expert-aligned tiles: each tile's scale rows
+    follow its own rows (tiles start at 5, 16 and 19, not on the 16-row grid): float32 output equal to the global
+    grid's within F32, and to the torch reference."""
+    counts, m_cap, K, N = [5, 0, 11, 3, 13], 40, 256, 160
+    x_np, w_np, off_np = make_problem(13, counts, m_cap, K, N)
+    M = int(off_np[-1])
+    xq, xs = quantize_x(to_torch(x_np), x_layout)
+    wq, ws = moe_torch.quantize_weight_fp8(to_torch(w_np), w_layout)
+    offsets = to_torch(off_np)
+    cfg = GroupedGemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=1)
+    ref32 = grouped_gemm_reference(xq, wq, offsets, xs, ws, torch.float32)
+    monkeypatch.setenv("EPMOE_TRITON_ALIGNED_TILES", "1")
+    y = grouped_gemm_triton(xq, wq, offsets, xs, ws, torch.float32, cfg)
+    assert_rel_fro(y[:M], ref32[:M], F32_REL_FRO, f"aligned fp8 {x_layout} x {w_layout}")
+    assert not y[M:].any()
 
 
 @triton.jit
@@ -588,7 +613,7 @@ _INT_ARGS = ("M_cap", "N", "K", "E", "stride_xm", "stride_we", "stride_wn", "str
 
 
 def _gemm_job(dtype: str, x_scale: int, w_scale: int, M_cap: int, N: int, K: int, E: int, group_m: int = 1,
-              persistent: bool = False):
+              persistent: bool = False, aligned: bool = False):
     bits = {"bf16": 16, "fp32": 32, "fp8e4nv": 8}[dtype]
     group = 128 if x_scale == 3 else None
     cfg = dataclasses.replace(grouped_gemm_config(M_cap, N, K, E, bits, group, w_scale == 3), group_m=group_m,
@@ -600,7 +625,7 @@ def _gemm_job(dtype: str, x_scale: int, w_scale: int, M_cap: int, N: int, K: int
         "constexprs": {"X_SCALE": x_scale, "W_SCALE": w_scale, "X_GROUP": group or 1, "W_BLOCK": 128 if w_scale == 3 else 1,
                        "IEEE_F32": dtype == "fp32", "HAS_BIAS": False, "BLOCK_E": 1 << E.bit_length(), "BLOCK_M": cfg.block_m,
                        "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
-                       "PERSISTENT": cfg.persistent},
+                       "PERSISTENT": cfg.persistent, "ALIGNED": aligned},
         "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
     }
 
@@ -622,6 +647,10 @@ SM90_JOBS = {
     "fp8-per_token-per_channel-64rows-group4": _gemm_job("fp8e4nv", 2, 2, 16384, 7168, 2048, 256, group_m=4),
     "fp8-per_token_group-block-64rows-group8-persistent": _gemm_job("fp8e4nv", 3, 3, 16384, 4096, 7168, 256,
                                                                     group_m=8, persistent=True),
+    # EPMOE_TRITON_ALIGNED_TILES: expert-aligned row tiles (other index math, the same MMA)
+    "bf16-64rows-aligned": _gemm_job("bf16", 0, 0, 16384, 4096, 7168, 32, aligned=True),
+    "fp8-per_token_group-block-64rows-group8-persistent-aligned": _gemm_job(
+        "fp8e4nv", 3, 3, 16384, 4096, 7168, 256, group_m=8, persistent=True, aligned=True),
 }
 
 

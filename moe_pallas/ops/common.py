@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_contract.env import env_switch
 from moe_contract.validation import dtype_name
 
 #: What the ops of this package take as arrays (numpy ones are converted by jnp as usual).
@@ -156,22 +156,8 @@ _OFFSETS_PATCHED = patch_pallas_triton_offsets()
 FP8_WGMMA_ENV = "EPMOE_PALLAS_FP8_WGMMA"
 #: K elements a wgmma chain sums in FP8 precision before promoting to float32 (DeepSeek-V3's 128).
 FP8_PROMOTE_EVERY = 128
-_SWITCH_OFF = ("0", "false", "off", "no")
-_SWITCH_ON = ("", "1", "true", "on", "yes")
-
-
-def _switch(name: str, default: bool, off_means: str, on_means: str) -> bool:
-    """The on/off environment switch ``name`` read now: unset -> ``default``; 1/true/on/yes -> True, 0/false/off/no ->
-    False (any case, spaces ignored; empty is the default). Raises ValueError for any other value, naming the
-    variable and what each side means."""
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    value = raw.strip().lower()
-    if value in _SWITCH_OFF or value in _SWITCH_ON:
-        return value not in _SWITCH_OFF
-    raise ValueError(f"{name} must be one of {_SWITCH_OFF} ({off_means}) or {_SWITCH_ON[1:]} ({on_means}); "
-                     f"got {name}={raw!r}")
+#: The on/off switch reader (moe_contract/env.py), shared with moe_torch's switches.
+_switch = env_switch
 
 
 def fp8_wgmma_enabled() -> bool:

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_contract.env import env_switch
 from moe_torch.ops import triton_interpret
 from moe_torch.ops.quant.reference import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX
 
@@ -22,6 +23,22 @@ FP8_MAX_C = tl.constexpr(FP8_MAX)
 #: float32 values (exactly representable), as in ``moe_torch/ops/quant/reference.py``.
 AMAX_FLOOR_C = tl.constexpr(AMAX_FLOOR)
 INV_FP8_MAX_C = tl.constexpr(INV_FP8_MAX)
+
+#: Environment switch, read when a Triton grouped GEMM (forward or dgrad) is launched (:func:`aligned_tiles_enabled`):
+#: 1/true/on/yes gives each expert its own row tiles ``[s_e + j * BLOCK_M, ...)`` (moe_torch/ops/grouped_gemm/triton.py,
+#: ``_expert_row_tiles``: no tile spent on the few rows an expert shares with a neighbour); unset or 0/false/off/no
+#: keeps the global ``t * BLOCK_M`` grid. Opt-in: written in session 12 after its GPU time was spent (the JAX Mosaic
+#: kernel's aligned tiles took DeepSeek-V3's FP8-block layer from 6.11 to 5.49 ms; this one is not timed yet).
+#: Mirror: ``EPMOE_PALLAS_ALIGNED_TILES`` (moe_pallas/ops/common.py).
+ALIGNED_TILES_ENV = "EPMOE_TRITON_ALIGNED_TILES"
+
+
+def aligned_tiles_enabled() -> bool:
+    """:data:`ALIGNED_TILES_ENV` read now: 1/true/on/yes -> True; unset, empty or 0/false/off/no -> False (any case,
+    spaces ignored). Raises ValueError for any other value, naming the variable."""
+    return env_switch(ALIGNED_TILES_ENV, False, "row tiles on the global grid, the default", "expert-aligned row tiles")
+
+
 #: CUDA's limit on grid axis 1 (axis 0 goes to 2**31 - 1 and carries the rows).
 MAX_GRID_AXIS_1 = 65535
 

@@ -142,7 +142,7 @@ from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, INT4
                                       PACKED_ASM_CONSTRAINTS, e8m0_bf16_bits)
 from moe_torch.ops.grouped_gemm.config import W_SCALE_BLOCK, GroupedGemmConfig, check_config, grouped_gemm_config
 from moe_torch.ops.quant.reference import FP8_DTYPE
-from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device
+from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device
 
 #: ``x_scale`` layout -> the kernel's ``X_SCALE`` constexpr.
 X_SCALE_CODES = {None: 0, "per_tensor": 1, "per_token": 2, "per_token_group": 3}
@@ -220,18 +220,27 @@ def _expert_row_tiles(
     E,  # int: experts (E_local)
     BLOCK_E: tl.constexpr,  # next_power_of_2(E + 1): the offsets search vector
     BLOCK_M: tl.constexpr,  # rows per tile
+    ALIGNED: tl.constexpr = False,  # bool: expert-aligned tiles (EPMOE_TRITON_ALIGNED_TILES)
 ):
     """Steps 1-2 of the module docstring: per expert (vectors over ``BLOCK_E`` lanes, 0 past ``E``)
-    ``(e_ids, starts s_e, ends t_e, first_tile s_e // BLOCK_M, n_tiles n_e, incl P_e + n_e)`` and the
-    number of work items ``total``, from :func:`_expert_rows`. Shared with the backward's dgrad kernel
-    (``triton_backward.py``)."""
+    ``(e_ids, starts s_e, ends t_e, first_row, n_tiles n_e, incl P_e + n_e)`` and the number of work items
+    ``total``, from :func:`_expert_rows`. ``first_row``: the first row of expert ``e``'s first tile, ``(s_e //
+    BLOCK_M) * BLOCK_M`` on the global grid, or with ``ALIGNED`` ``s_e`` itself (the expert's own tiles
+    ``[s_e + j * BLOCK_M, ...)``, ``n_e = cdiv(t_e - s_e, BLOCK_M)``: no tile spent on the few rows an expert shares
+    with a neighbour; the grid bound of step 3 holds: a sum of ceilings exceeds the ceiling of the sum by less than
+    the number of non-empty experts). Shared with the backward's dgrad kernel (``triton_backward.py``)."""
     e_ids, e_valid, starts, ends = _expert_rows(offsets_ptr, M_cap, E, BLOCK_E)
     nonempty = (ends > starts) & e_valid
-    first_tile = starts // BLOCK_M
-    n_tiles = tl.where(nonempty, (ends - 1) // BLOCK_M - first_tile + 1, 0)
+    if ALIGNED:
+        first_row = starts
+        n_tiles = tl.where(nonempty, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    else:
+        first_tile = starts // BLOCK_M
+        first_row = first_tile * BLOCK_M
+        n_tiles = tl.where(nonempty, (ends - 1) // BLOCK_M - first_tile + 1, 0)
     incl = tl.cumsum(n_tiles, axis=0)  # P_e + n_e
     total = tl.sum(n_tiles, axis=0)
-    return e_ids, starts, ends, first_tile, n_tiles, incl, total
+    return e_ids, starts, ends, first_row, n_tiles, incl, total
 
 
 @triton.jit
@@ -282,15 +291,15 @@ def zero_unowned_rows(out: torch.Tensor, expert_offsets: torch.Tensor) -> torch.
 
 
 @triton.jit
-def _work_item(p, e_ids, starts, ends, first_tile, n_tiles, incl):
+def _work_item(p, e_ids, starts, ends, first_row, n_tiles, incl, BLOCK_M: tl.constexpr):
     """Step 4 of the module docstring: work item ``p`` -> ``(expert e, its rows [row_start, row_end),
-    row tile)``, scalars pulled out of :func:`_expert_row_tiles`' vectors by a masked sum."""
+    the first row m0 of its tile)``, scalars pulled out of :func:`_expert_row_tiles`' vectors by a masked sum."""
     e = tl.sum((incl <= p).to(tl.int32), axis=0)
     this = e_ids == e
     row_start = tl.sum(tl.where(this, starts, 0), axis=0)
     row_end = tl.sum(tl.where(this, ends, 0), axis=0)
-    tile = tl.sum(tl.where(this, first_tile + n_tiles - incl, 0), axis=0) + p  # s_e // BM + (p - P_e)
-    return e, row_start, row_end, tile
+    m0 = tl.sum(tl.where(this, first_row + (n_tiles - incl) * BLOCK_M, 0), axis=0) + p * BLOCK_M  # + (p - P_e) tiles
+    return e, row_start, row_end, m0
 
 
 @triton.jit
@@ -410,7 +419,7 @@ def _grouped_gemm_tile(
     e_ids,  # [BLOCK_E] expert ids 0..BLOCK_E-1
     starts,  # [BLOCK_E] s_e, clamped (0 past E)
     ends,  # [BLOCK_E] t_e, clamped (0 past E)
-    first_tile,  # [BLOCK_E] s_e // BLOCK_M
+    first_row,  # [BLOCK_E] the first row of expert e's first tile (_expert_row_tiles)
     n_tiles,  # [BLOCK_E] n_e
     incl,  # [BLOCK_E] P_e + n_e
     x_ptr,  # [M_cap, K] float32 / bf16 / fp16, or float8_e4m3fn codes; unit column stride
@@ -449,10 +458,10 @@ def _grouped_gemm_tile(
 ):
     """Steps 4-5 of the module docstring for one (work item ``p``, column tile ``pid_n``): the
     expert and row tile of ``p``, then ``y[owned rows, cols]`` over the whole K loop."""
-    e, row_start, row_end, tile = _work_item(p, e_ids, starts, ends, first_tile, n_tiles, incl)  # step 4
+    e, row_start, row_end, m0 = _work_item(p, e_ids, starts, ends, first_row, n_tiles, incl, BLOCK_M)  # step 4
 
     # Step 5: the tile's rows, of which this expert owns [row_start, row_end).
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = m0 + tl.arange(0, BLOCK_M)
     row_mask = (rows >= row_start) & (rows < row_end)
     rows64 = rows.to(tl.int64)  # int64: row * stride_xm passes 2**31 for large M_cap * K
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -465,12 +474,11 @@ def _grouped_gemm_tile(
     w_cols = w_ptr + e64 * stride_we + cols64[None, :] * stride_wn  # [1, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if TMA:
-        # The whole [BLOCK_M, BLOCK_K] row tile of x at [tile * BLOCK_M, k0] (rows of other experts, or of none,
+        # The whole [BLOCK_M, BLOCK_K] row tile of x at [m0, k0] (rows of other experts, or of none,
         # are loaded and computed but never stored; rows past M_cap and the K tail are zero-filled by the
         # descriptor's bounds) and the weight tile at [e * N + pid_n * BLOCK_N, k0] of w's [E * N, K] view (columns
         # past N read the next expert's rows, or zeros past E * N: computed, never stored). int32 coordinates:
         # M_cap and E * N are < 2**31 (checked on the host).
-        m0 = tile * BLOCK_M
         n0 = e * N + pid_n * BLOCK_N
         for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
             if X_SCALE == _XS_GROUP or W_SCALE == _WS_BLOCK:  # FP8, scales along K: promoted every step, as below
@@ -596,6 +604,7 @@ def _grouped_gemm_kernel(
     PERSISTENT: tl.constexpr,  # bool: each program loops over tiles with a stride of the grid size
     TMA: tl.constexpr = False,  # bool: GroupedGemmConfig.tma (x_desc / w_desc given)
     WARP_SPECIALIZE: tl.constexpr = False,  # bool: GroupedGemmConfig.warp_specialize
+    ALIGNED: tl.constexpr = False,  # bool: expert-aligned row tiles (aligned_tiles_enabled)
     x_desc=None,  # TMA: tensor descriptor over x [M_cap, K], block [BLOCK_M, BLOCK_K] (_tma_descriptors)
     w_desc=None,  # TMA: tensor descriptor over w viewed as [E * N, K], block [BLOCK_N, BLOCK_K]
     e8m0_lut=None,  # MXFP4 with bf16 x on a GPU: bf16 [256], the value 2^(s - 127) of each e8m0 code (e8m0_bf16_table)
@@ -614,21 +623,22 @@ def _grouped_gemm_kernel(
     if not PERSISTENT and GROUP_M == 1:  # (constexpr) read first, as the default grid always has
         pid_n = tl.program_id(1)
     # Steps 1-2: tiles per expert and their prefix sums, from the offsets (clamped to [0, M_cap]).
-    e_ids, starts, ends, first_tile, n_tiles, incl, total = _expert_row_tiles(offsets_ptr, M_cap, E, BLOCK_E, BLOCK_M)
+    e_ids, starts, ends, first_row, n_tiles, incl, total = _expert_row_tiles(offsets_ptr, M_cap, E, BLOCK_E, BLOCK_M,
+                                                                             ALIGNED)
 
     n_cols = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         for t in tl.range(pid, total * n_cols, tl.num_programs(0)):
             p, pid_n = _launch_order(t, total, n_cols, GROUP_M)
             _grouped_gemm_tile(
-                p, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
+                p, pid_n, e_ids, starts, ends, first_row, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
                 bias_ptr, out_ptr, x_desc, w_desc, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm,
                 stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_be, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32,
                 HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, TMA, WARP_SPECIALIZE, e8m0_lut)
     elif GROUP_M == 1:
         if pid < total:  # step 3: programs past the last work item do nothing
             _grouped_gemm_tile(
-                pid, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
+                pid, pid_n, e_ids, starts, ends, first_row, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
                 bias_ptr, out_ptr, x_desc, w_desc, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm,
                 stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_be, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32,
                 HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, TMA, WARP_SPECIALIZE, e8m0_lut)
@@ -636,7 +646,7 @@ def _grouped_gemm_kernel(
         if pid < total * n_cols:  # step 3, on the 1-D grid
             p, pid_n = _launch_order(pid, total, n_cols, GROUP_M)
             _grouped_gemm_tile(
-                p, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
+                p, pid_n, e_ids, starts, ends, first_row, n_tiles, incl, x_ptr, w_ptr, x_scale_ptr, w_scale_ptr,
                 bias_ptr, out_ptr, x_desc, w_desc, M_cap, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_xsm,
                 stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_be, X_SCALE, W_SCALE, X_GROUP, W_BLOCK, IEEE_F32,
                 HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, TMA, WARP_SPECIALIZE, e8m0_lut)
@@ -867,6 +877,7 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=No
         BLOCK_E=triton.next_power_of_2(E + 1),
         TMA=cfg.tma,
         WARP_SPECIALIZE=cfg.warp_specialize,
+        ALIGNED=aligned_tiles_enabled(),
         x_desc=x_desc,
         w_desc=w_desc,
         e8m0_lut=lut,

@@ -93,7 +93,7 @@ from moe_torch.ops.grouped_gemm.triton import (
     launch_grid,
 )
 from moe_torch.ops.quant.reference import FP8_DTYPE
-from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device
+from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device
 
 #: Heuristic configs looked up once per problem (host path of every backward step).
 _dgrad_config = functools.cache(heuristic_grouped_gemm_dgrad_config)
@@ -108,7 +108,7 @@ def _dgrad_tile(
     e_ids,  # [BLOCK_E] expert ids (``_expert_row_tiles``)
     starts,  # [BLOCK_E] s_e
     ends,  # [BLOCK_E] t_e
-    first_tile,  # [BLOCK_E] s_e // BLOCK_M
+    first_row,  # [BLOCK_E] the first row of expert e's first tile (_expert_row_tiles)
     n_tiles,  # [BLOCK_E] n_e
     incl,  # [BLOCK_E] P_e + n_e
     dy_ptr,  # [M_cap, N] float32 / bf16 / fp16; unit column stride
@@ -132,8 +132,8 @@ def _dgrad_tile(
     BLOCK_K: tl.constexpr,  # reduction step along N (power of 2; divides W_BLOCK for block scales)
 ):
     """``d_x[owned rows, cols]`` of work item ``p`` and column tile ``pid_n`` over the whole N loop."""
-    e, row_start, row_end, tile = _work_item(p, e_ids, starts, ends, first_tile, n_tiles, incl)
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    e, row_start, row_end, m0 = _work_item(p, e_ids, starts, ends, first_row, n_tiles, incl, BLOCK_M)
+    rows = m0 + tl.arange(0, BLOCK_M)
     row_mask = (rows >= row_start) & (rows < row_end)
     rows64 = rows.to(tl.int64)  # int64: row * stride passes 2**31 for large M_cap * N
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -200,29 +200,31 @@ def _grouped_gemm_dgrad_kernel(
     BLOCK_K: tl.constexpr,  # reduction step along N (power of 2)
     GROUP_M: tl.constexpr,  # launch-order swizzle (GroupedGemmConfig.group_m); 1: grid axis 0 = work item
     PERSISTENT: tl.constexpr,  # bool: each program loops over tiles with a stride of the grid size
+    ALIGNED: tl.constexpr = False,  # bool: expert-aligned row tiles (aligned_tiles_enabled)
 ):
     """The forward kernel's grids and launch orders (``_grouped_gemm_kernel``'s docstring), with
     ``cdiv(K, BLOCK_N)`` column tiles: each tile writes only the rows of its row tile that its expert owns."""
     pid = tl.program_id(0)
     if not PERSISTENT and GROUP_M == 1:  # (constexpr) the default 2-D grid
         pid_n = tl.program_id(1)
-    e_ids, starts, ends, first_tile, n_tiles, incl, total = _expert_row_tiles(offsets_ptr, M_cap, E, BLOCK_E, BLOCK_M)
+    e_ids, starts, ends, first_row, n_tiles, incl, total = _expert_row_tiles(offsets_ptr, M_cap, E, BLOCK_E, BLOCK_M,
+                                                                             ALIGNED)
     n_cols = tl.cdiv(K, BLOCK_N)
     if PERSISTENT:
         for t in tl.range(pid, total * n_cols, tl.num_programs(0)):
             p, pid_n = _launch_order(t, total, n_cols, GROUP_M)
-            _dgrad_tile(p, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, dy_ptr, w_ptr, w_scale_ptr, out_ptr,
+            _dgrad_tile(p, pid_n, e_ids, starts, ends, first_row, n_tiles, incl, dy_ptr, w_ptr, w_scale_ptr, out_ptr,
                         N, K, stride_dym, stride_we, stride_wn, stride_om, stride_wse, stride_wsn, stride_wsk, W_SCALE,
                         W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K)
     elif GROUP_M == 1:
         if pid < total:  # programs past the last work item do nothing
-            _dgrad_tile(pid, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, dy_ptr, w_ptr, w_scale_ptr,
+            _dgrad_tile(pid, pid_n, e_ids, starts, ends, first_row, n_tiles, incl, dy_ptr, w_ptr, w_scale_ptr,
                         out_ptr, N, K, stride_dym, stride_we, stride_wn, stride_om, stride_wse, stride_wsn, stride_wsk,
                         W_SCALE, W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         if pid < total * n_cols:
             p, pid_n = _launch_order(pid, total, n_cols, GROUP_M)
-            _dgrad_tile(p, pid_n, e_ids, starts, ends, first_tile, n_tiles, incl, dy_ptr, w_ptr, w_scale_ptr, out_ptr,
+            _dgrad_tile(p, pid_n, e_ids, starts, ends, first_row, n_tiles, incl, dy_ptr, w_ptr, w_scale_ptr, out_ptr,
                         N, K, stride_dym, stride_we, stride_wn, stride_om, stride_wse, stride_wsn, stride_wsk, W_SCALE,
                         W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K)
 
@@ -339,6 +341,7 @@ def _launch_dgrad(op, d_y, w, expert_offsets, w_scale, out, config):
         W_BLOCK=W_SCALE_BLOCK if w_block else 1,
         IEEE_F32=d_y.dtype == torch.float32,
         BLOCK_E=triton.next_power_of_2(E + 1),
+        ALIGNED=aligned_tiles_enabled(),
         **tile_meta(cfg),
     )
     return out

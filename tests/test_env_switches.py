@@ -1,0 +1,36 @@
+"""Every on/off environment switch of the kernels (``moe_contract/env.py``'s reader): its default when unset or
+empty, the accepted spellings, and a ValueError naming the variable for anything else."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_pallas.ops import common as pallas_common
+from moe_torch.ops import triton_common
+
+#: (variable, reader, default)
+SWITCHES = [
+    (pallas_common.FP8_WGMMA_ENV, pallas_common.fp8_wgmma_enabled, True),
+    (pallas_common.DIV_RN_ENV, pallas_common.div_rn_enabled, True),
+    (pallas_common.ALIGNED_TILES_ENV, pallas_common.aligned_tiles_enabled, True),
+    (triton_common.ALIGNED_TILES_ENV, triton_common.aligned_tiles_enabled, False),
+]
+
+
+@pytest.mark.parametrize("name, read, default", SWITCHES, ids=[s[0] for s in SWITCHES])
+@pytest.mark.parametrize("raw", [None, "", "   ", "0", "false", " Off ", "NO", "1", "true", " ON ", "yes"])
+def test_switch_values(monkeypatch, name, read, default, raw):
+    if raw is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, raw)
+    expected = default if raw is None or not raw.strip() else raw.strip().lower() in ("1", "true", "on", "yes")
+    assert read() is expected
+
+
+@pytest.mark.parametrize("name, read, default", SWITCHES, ids=[s[0] for s in SWITCHES])
+@pytest.mark.parametrize("raw", ["2", "maybe", "enable"])
+def test_switch_refuses_other_values(monkeypatch, name, read, default, raw):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=f"{name}.*got {name}='{raw}'"):
+        read()
