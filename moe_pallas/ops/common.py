@@ -156,15 +156,13 @@ _OFFSETS_PATCHED = patch_pallas_triton_offsets()
 FP8_WGMMA_ENV = "EPMOE_PALLAS_FP8_WGMMA"
 #: K elements a wgmma chain sums in FP8 precision before promoting to float32 (DeepSeek-V3's 128).
 FP8_PROMOTE_EVERY = 128
-#: The on/off switch reader (moe_contract/env.py), shared with moe_torch's switches.
-_switch = env_switch
 
 
 def fp8_wgmma_enabled() -> bool:
     """:data:`FP8_WGMMA_ENV` read now (kernels read it when they are lowered; jit caches them, so set it
     before the first compile): unset or 1/true/on/yes -> True, 0/false/off/no -> False (any case,
     spaces ignored). Raises ValueError for any other value, naming the variable."""
-    return _switch(FP8_WGMMA_ENV, True, "FP8 dots as jax lowers them", "FP8 wgmma, the default")
+    return env_switch(FP8_WGMMA_ENV, True, "FP8 dots as jax lowers them", "FP8 wgmma, the default")
 
 
 #: Environment switch, read when a Pallas-Triton kernel that quantizes to FP8 is lowered (:func:`div_rn_enabled`):
@@ -178,7 +176,7 @@ def div_rn_enabled() -> bool:
     """:data:`DIV_RN_ENV` read now (jit caches lowered kernels: set it before the first compile): unset, empty or
     1/true/on/yes -> True; 0/false/off/no -> False (any case, spaces ignored). Raises ValueError for any other value,
     naming the variable."""
-    return _switch(DIV_RN_ENV, True, "the repaired division", "PTX div.rn.f32, the default")
+    return env_switch(DIV_RN_ENV, True, "the repaired division", "PTX div.rn.f32, the default")
 
 
 #: Environment switch, read when the warp-specialized Mosaic GPU grouped GEMM is traced (:func:`aligned_tiles_enabled`):
@@ -193,7 +191,7 @@ def aligned_tiles_enabled() -> bool:
     """:data:`ALIGNED_TILES_ENV` read now (jit caches traced kernels: set it before the first compile): unset, empty or
     1/true/on/yes -> True; 0/false/off/no -> False (any case, spaces ignored). Raises ValueError for any other value,
     naming the variable."""
-    return _switch(ALIGNED_TILES_ENV, True, "row tiles on the global grid", "expert-aligned row tiles, the default")
+    return env_switch(ALIGNED_TILES_ENV, True, "row tiles on the global grid", "expert-aligned row tiles, the default")
 
 
 def _is_fp8(value) -> bool:

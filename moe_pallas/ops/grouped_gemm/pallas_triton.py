@@ -103,14 +103,10 @@ def tile_metadata(expert_offsets: jax.Array, M_cap: int, E: int, block_m: int,
     ends = jnp.concatenate([off[1:], jnp.full((1,), M_cap, jnp.int32)])  # [E + 1]
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])  # [E + 1]
     nonempty = ends > starts
-    if row_align:  # tiles from each group's (aligned) first row: tile index = base row / block_m, not an integer
-        base = starts // row_align * row_align
-        tiles = jnp.where(nonempty, (ends - base + block_m - 1) // block_m, 0)
-        n_steps = pl.cdiv(M_cap + (row_align - 1) * (E + 1), block_m) + E
-    else:
-        first_tile = starts // block_m
-        tiles = jnp.where(nonempty, (ends - 1) // block_m - first_tile + 1, 0)
-        n_steps = pl.cdiv(M_cap, block_m) + E
+    # each group's first tile starts at its first row rounded down to row_align (the global grid: to block_m)
+    base = starts // (row_align or block_m) * (row_align or block_m)
+    tiles = jnp.where(nonempty, (ends - base + block_m - 1) // block_m, 0)
+    n_steps = pl.cdiv(M_cap + (row_align - 1) * (E + 1) if row_align else M_cap, block_m) + E
     step_end = jnp.cumsum(tiles)
     step_start = step_end - tiles
     s = jnp.arange(n_steps, dtype=jnp.int32)
@@ -119,10 +115,7 @@ def tile_metadata(expert_offsets: jax.Array, M_cap: int, E: int, block_m: int,
     g = jnp.searchsorted(step_end, s, side="right", method="compare_all").astype(jnp.int32)
     used = g <= E
     g = jnp.minimum(g, E)
-    if row_align:
-        row0 = base[g] + (s - step_start[g]) * block_m
-    else:
-        row0 = (first_tile[g] + s - step_start[g]) * block_m
+    row0 = base[g] + (s - step_start[g]) * block_m
     lo = jnp.maximum(starts[g], row0)
     hi = jnp.minimum(ends[g], row0 + block_m)
     step_expert = jnp.where(used, g, E).astype(jnp.int32)

@@ -233,11 +233,9 @@ def _expert_row_tiles(
     nonempty = (ends > starts) & e_valid
     if ALIGNED:
         first_row = starts
-        n_tiles = tl.where(nonempty, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
     else:
-        first_tile = starts // BLOCK_M
-        first_row = first_tile * BLOCK_M
-        n_tiles = tl.where(nonempty, (ends - 1) // BLOCK_M - first_tile + 1, 0)
+        first_row = starts // BLOCK_M * BLOCK_M
+    n_tiles = tl.where(nonempty, (ends - first_row + BLOCK_M - 1) // BLOCK_M, 0)
     incl = tl.cumsum(n_tiles, axis=0)  # P_e + n_e
     total = tl.sum(n_tiles, axis=0)
     return e_ids, starts, ends, first_row, n_tiles, incl, total
