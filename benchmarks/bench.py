@@ -1500,8 +1500,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layer-quants", default="", help=f"comma list of {', '.join(S.BENCH_QUANTS)}: only the layer / "
                    "layer_bwd rows of these quant modes (default: all of the run's; e.g. fp8_block, the last ones a "
                    "--max-minutes limit would cut)")
-    p.add_argument("--ts", default="", help="comma list of token counts T: only the layer / layer_bwd / decode rows "
-                   "of these T (default: all of the run's)")
+    p.add_argument("--ts", default="", help="comma list of token counts T: the layer / layer_bwd / decode rows "
+                   "at these T instead of the run's (any T, e.g. 256; default: the run's)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing rows")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # CPU smoke test: tiny shapes, interpreters
     args = p.parse_args(argv)
@@ -1591,15 +1591,15 @@ def main(argv=None) -> int:
         plan += [("gemm", s) for s in S.gemm_specs(args.quick, TINY, model)
                  if not args.gemm_dtypes or s.dtype in args.gemm_dtypes]
     if "layer" in args.what:
-        plan += [("layer", s) for s in S.layer_specs(args.quick, TINY, model) if spec_wanted(s, args)]
+        plan += [("layer", s) for s in S.layer_specs(args.quick, TINY, model, ts=args.ts) if spec_wanted(s, args)]
     if "gate" in args.what:
         plan += [("gate", s) for s in S.gate_specs(args.quick, TINY, model)]
     if "gemm_bwd" in args.what:
         plan += [("gemm_bwd", s) for s in S.gemm_bwd_specs(args.quick, TINY, model)]
     if "layer_bwd" in args.what:
-        plan += [("layer_bwd", s) for s in S.layer_bwd_specs(args.quick, TINY, model) if spec_wanted(s, args)]
+        plan += [("layer_bwd", s) for s in S.layer_bwd_specs(args.quick, TINY, model, ts=args.ts) if spec_wanted(s, args)]
     if "decode" in args.what:
-        plan += [("decode", s) for s in S.decode_specs(args.quick, TINY, model)
+        plan += [("decode", s) for s in S.decode_specs(args.quick, TINY, model, ts=args.ts)
                  if spec_wanted(s, args, quants=False)]
     gemm_w, layer_w = GemmWeights(), {}
     with patch:

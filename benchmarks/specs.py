@@ -462,11 +462,13 @@ def gemm_specs(quick: bool = False, tiny: bool = False, model: BenchModel | None
             for d in dtypes for s in shapes for M in ms for r in routings]
 
 
-def layer_specs(quick: bool = False, tiny: bool = False, model: BenchModel | None = None) -> list[LayerSpec]:
+def layer_specs(quick: bool = False, tiny: bool = False, model: BenchModel | None = None,
+                ts: tuple[int, ...] | None = None) -> list[LayerSpec]:
     """Full: T in {32, 512, 4096} x quant :data:`LAYER_QUANTS` (none, fp8_per_token, fp8_block) = 9. Quick:
     T=512, every quant (3). Tiny: E=4, topk=2, H=64, I=32 (``fp8_block``: H=I=128, its block), T in {4, 16}.
-    With ``model``: its layer (routing, shared experts, peer block) and its quant modes, at the same T."""
-    ts = (4, 16) if tiny else (512,) if quick else LAYER_T
+    With ``model``: its layer (routing, shared experts, peer block) and its quant modes, at the same T.
+    ``ts``: these token counts instead (``bench.py --ts``, any T)."""
+    ts = tuple(ts) if ts else (4, 16) if tiny else (512,) if quick else LAYER_T
     if model is not None:
         c = model.config
         return [LayerSpec(T=T, quant=q, E=c.num_experts, topk=c.topk, H=c.hidden_size, I=c.intermediate_size,
@@ -477,11 +479,13 @@ def layer_specs(quick: bool = False, tiny: bool = False, model: BenchModel | Non
     return [LayerSpec(T=T, quant=q) for q in LAYER_QUANTS for T in ts]
 
 
-def decode_specs(quick: bool = False, tiny: bool = False, model: BenchModel | None = None) -> list[DecodeSpec]:
+def decode_specs(quick: bool = False, tiny: bool = False, model: BenchModel | None = None,
+                 ts: tuple[int, ...] | None = None) -> list[DecodeSpec]:
     """The decode rows: T in :data:`DECODE_T` x quant in :data:`DECODE_QUANTS` (quick: T in {1, 64}, bf16 and
     MXFP4) of ``model``'s layer, by default gpt-oss-120b's (:data:`DECODE_PRESET`: E=128, topk 4, H=I=2880,
-    clamped SwiGLU, expert biases). Tiny (CPU): gpt-oss's layer at E=4, topk 2, H=64, I=32, T in {1, 4}."""
-    ts = (1, 4) if tiny else (1, 64) if quick else DECODE_T
+    clamped SwiGLU, expert biases). Tiny (CPU): gpt-oss's layer at E=4, topk 2, H=64, I=32, T in {1, 4}.
+    ``ts``: these T instead (``bench.py --ts``)."""
+    ts = tuple(ts) if ts else (1, 4) if tiny else (1, 64) if quick else DECODE_T
     qs = DECODE_QUANTS[:2] if quick else DECODE_QUANTS
     if model is None:
         model = preset_model(DECODE_PRESET)
@@ -513,11 +517,12 @@ def gemm_bwd_specs(quick: bool = False, tiny: bool = False, model: BenchModel | 
             for s, (k, n) in shapes.items() for M in ms]
 
 
-def layer_bwd_specs(quick: bool = False, tiny: bool = False, model: BenchModel | None = None) -> list[LayerBwdSpec]:
+def layer_bwd_specs(quick: bool = False, tiny: bool = False, model: BenchModel | None = None,
+                    ts: tuple[int, ...] | None = None) -> list[LayerBwdSpec]:
     """Forward + backward, bf16. Full: the built-in layer (E=32, topk 8, H=7168, I=2048) at T in {512,
     4096} (2). Quick: T=512 (1). Tiny (CPU, kernels interpreted): E=4, topk 2, H=64, I=32, T=16 (1).
-    With ``model``: its layer (routing, shared experts, peer block), the same T."""
-    ts = (16,) if tiny else LAYER_BWD_T[:1] if quick else LAYER_BWD_T
+    With ``model``: its layer (routing, shared experts, peer block), the same T. ``ts``: these T instead."""
+    ts = tuple(ts) if ts else (16,) if tiny else LAYER_BWD_T[:1] if quick else LAYER_BWD_T
     if model is not None:
         c = model.config
         return [LayerBwdSpec(T=T, quant="none", E=c.num_experts, topk=c.topk, H=c.hidden_size, I=c.intermediate_size,

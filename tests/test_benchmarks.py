@@ -154,6 +154,17 @@ def test_layer_quants_and_ts_filters(tmp_path):
             bench.parse_args(["--out", str(tmp_path), *bad])
 
 
+def test_ts_builds_rows_at_any_token_count():
+    """``--ts 256`` builds layer / layer_bwd / decode rows at T=256 (not among the default T), e.g. DeepSeek-V3's
+    T=256 row that the copy-ceiling target names."""
+    model = S.preset_model("deepseek-v3")
+    layer = S.layer_specs(model=model, ts=[256])
+    assert layer and {s.T for s in layer} == {256} and {s.E for s in layer} == {256}
+    assert {s.T for s in S.layer_bwd_specs(ts=[256, 1024])} == {256, 1024}
+    assert {s.T for s in S.decode_specs(ts=[3])} == {3}
+    assert {s.T for s in S.layer_specs()} == set(S.LAYER_T)
+
+
 def test_guard_refuses_to_time_wrong_output(tmp_path):
     torch = pytest.importorskip("torch")
     ctx = bench.Ctx(bench.parse_args(["--out", str(tmp_path)]))
