@@ -52,7 +52,9 @@ Backends (a backend that cannot run gives a row with ``error``, and the run goes
   the logits that block's router computes from ``x`` (bf16 for Mixtral / Qwen3-MoE, float32 for
   DeepSeek-V3), so all are judged against one reference, our torch reference on those logits: the
   transformers rows' ``rel_err`` is their distance from our layer. Their time includes the
-  ``[T, H] x [H, E]`` router matmul (negligible next to the experts).
+  ``[T, H] x [H, E]`` router matmul (negligible next to the experts). A layer row's bytes (and its % of
+  the copy ceiling) are the weights of the experts its tokens reach (counted from the reference gate's
+  ``topk_ids``; DeepSeek-V3's drawn bias leaves 168 of 256 reached at T=256), ``x`` and ``out``.
 - gate: ``ours-torch-triton`` (eager, and ``ours-torch-triton-cudagraph``: replayed from a CUDA
   graph), ``ours-jax-pallas_triton``, ``ref-torch``, ``ref-torch-compile`` (``torch.compile`` of the
   torch reference), ``ref-jax``.
@@ -641,10 +643,10 @@ def touched_experts(logits, config, bias) -> int:
 def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
     """The layer rows of ``spec`` (bench ``layer``; a :class:`~benchmarks.specs.DecodeSpec`: bench ``decode``).
 
-    Decode rows: the spec's ``touched`` is set from the routing of the row's tokens (the mean over the input
-    sets), so their bytes are the weights actually read; the JAX rows rotate over enough input sets (other
-    tokens, other experts) that a set's weights have left the L2 before its next use (torch's ``do_bench``
-    flushes the L2 between calls)."""
+    The spec's ``touched`` is set from the routing of the row's tokens (the mean over the input sets), so a
+    row's bytes (and its % of the copy ceiling) are the weights actually read. Decode rows: the JAX rows rotate
+    over enough input sets (other tokens, other experts) that a set's weights have left the L2 before its next
+    use (torch's ``do_bench`` flushes the L2 between calls)."""
     import torch
 
     import moe_pallas
@@ -671,13 +673,15 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
         lgs = [router_logits(spec.arch, x, gate_w, rb) for x in xs]
         sgls = [None if sg is None else torch.nn.functional.linear(x.float(), sg.float()) for x in xs]
     x, logits, sgl = xs[0], lgs[0], sgls[0]
-    notes = l2_note(ctx, spec) if bench == "layer" else None
-    if bench == "decode":
-        touched = [touched_experts(lg, config, bias) for lg in lgs]
-        spec = dataclasses.replace(spec, touched=sum(touched) / len(touched))
-        notes = (f"bytes: the weights of the {spec.touched:g} experts the tokens reach"
-                 + (f" (mean of {n_sets} input sets; JAX rotates over them, torch's do_bench flushes the L2)"
-                    if n_sets > 1 else ""))
+    # every row's bytes are the weights of the experts its tokens reach (a biased or grouped gate reaches far
+    # fewer than uniform routing's expectation: DeepSeek-V3's drawn bias, 168 of 256 at T=256)
+    touched = [touched_experts(lg, config, bias) for lg in lgs]
+    spec = dataclasses.replace(spec, touched=sum(touched) / len(touched))
+    notes = "; ".join(x for x in (
+        l2_note(ctx, spec) if bench == "layer" else None,
+        f"bytes: the weights of the {spec.touched:g} experts the tokens reach"
+        + (f" (mean of {n_sets} input sets; JAX rotates over them, torch's do_bench flushes the L2)"
+           if n_sets > 1 else "")) if x)
     kw = dict(w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, e_score_correction_bias=bias)
     ref = moe_torch.moe_forward(x, logits, w13, w2, config, **kw, shared_expert_gate_logits=sgl,
                                 implementation="reference")

@@ -13,7 +13,7 @@ SWITCHES = [
     (pallas_common.FP8_WGMMA_ENV, pallas_common.fp8_wgmma_enabled, True),
     (pallas_common.DIV_RN_ENV, pallas_common.div_rn_enabled, True),
     (pallas_common.ALIGNED_TILES_ENV, pallas_common.aligned_tiles_enabled, True),
-    (triton_common.ALIGNED_TILES_ENV, triton_common.aligned_tiles_enabled, False),
+    (triton_common.ALIGNED_TILES_ENV, triton_common.aligned_tiles_enabled, True),
 ]
 
 

@@ -243,17 +243,18 @@ def test_dgrad_launch_orders(order):
     assert_rel_fro(buf[:M, :K], ref_dx[:M], GRAD_F32_REL_FRO, order)
 
 
+@pytest.mark.parametrize("aligned", ["1", "0"])
 @pytest.mark.parametrize("order", ["g1", "g4-persistent"])
-def test_dgrad_aligned_tiles(monkeypatch, order):
-    """``EPMOE_TRITON_ALIGNED_TILES=1``: the dgrad on each expert's own row tiles: within F32 of float64 autodiff,
-    rows >= M and columns >= K never written."""
+def test_dgrad_aligned_tiles(monkeypatch, order, aligned):
+    """The dgrad on each expert's own row tiles (the default, ``EPMOE_TRITON_ALIGNED_TILES=1``) and on the global
+    grid (``=0``): within F32 of float64 autodiff, rows >= M and columns >= K never written."""
     counts, m_cap, K, N = SHAPES["many-tiles"]
     x, w, d_y, offsets, M = make_problem(6, counts, m_cap, K, N, torch.bfloat16)
     ref_dx, _ = autodiff64(x, w, d_y, offsets)
-    monkeypatch.setenv("EPMOE_TRITON_ALIGNED_TILES", "1")
+    monkeypatch.setenv("EPMOE_TRITON_ALIGNED_TILES", aligned)
     buf = dgrad_into_poison(d_y, w, offsets, None, torch.float32, dataclasses.replace(SMALL_DGRAD, **ORDERS[order]))
     assert torch.isnan(buf[M:]).all() and torch.isnan(buf[:, K:]).all()
-    assert_rel_fro(buf[:M, :K], ref_dx[:M], GRAD_F32_REL_FRO, f"aligned {order}")
+    assert_rel_fro(buf[:M, :K], ref_dx[:M], GRAD_F32_REL_FRO, f"aligned={aligned} {order}")
 
 
 @settings(max_examples=10)

@@ -403,7 +403,7 @@ def test_random_group_sizes(counts, block_m, spare):
 def test_random_group_sizes_every_launch_order(counts, block_m, spare, n, group_m, persistent, aligned):
     """Hypothesis: as above, with up to 3 column tiles (N = 40, block_n = 16) and a random launch
     order: groups of 1 to 8 work items (groups straddling experts, a smaller last group), persistent
-    or not, on the global row-tile grid or (``aligned``: ``EPMOE_TRITON_ALIGNED_TILES=1``) on each expert's own
+    or not, on the global row-tile grid (``EPMOE_TRITON_ALIGNED_TILES=0``) or (``aligned``, the default) on each expert's own
     tiles. Every valid row exact to float64 within F32 (so no tile lost), rows >= M never written, the guards
     untouched (an aligned tile reaching past M_cap stores nothing there)."""
     import os
@@ -423,11 +423,12 @@ def test_random_group_sizes_every_launch_order(counts, block_m, spare, n, group_
     assert_guards_untouched(buf, m_cap, n)
 
 
+@pytest.mark.parametrize("aligned", ["1", "0"])
 @pytest.mark.parametrize("x_layout,w_layout", [("per_token_group", "block"), ("per_token", "per_channel")])
-def test_fp8_aligned_tiles(monkeypatch, x_layout, w_layout):
-    """FP8 (per-step block scales, and per-token x per-channel) with expert-aligned tiles: each tile's scale rows
-    follow its own rows (tiles start at 5, 16 and 19, not on the 16-row grid): float32 output equal to the global
-    grid's within F32, and to the torch reference."""
+def test_fp8_aligned_tiles(monkeypatch, x_layout, w_layout, aligned):
+    """FP8 (per-step block scales, and per-token x per-channel) with expert-aligned tiles (the default; tiles start
+    at 5, 16 and 19, not on the 16-row grid: each tile's scale rows follow its own rows) and on the global grid
+    (``EPMOE_TRITON_ALIGNED_TILES=0``): float32 output equal to the torch reference within F32."""
     counts, m_cap, K, N = [5, 0, 11, 3, 13], 40, 256, 160
     x_np, w_np, off_np = make_problem(13, counts, m_cap, K, N)
     M = int(off_np[-1])
@@ -436,9 +437,9 @@ def test_fp8_aligned_tiles(monkeypatch, x_layout, w_layout):
     offsets = to_torch(off_np)
     cfg = GroupedGemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=1)
     ref32 = grouped_gemm_reference(xq, wq, offsets, xs, ws, torch.float32)
-    monkeypatch.setenv("EPMOE_TRITON_ALIGNED_TILES", "1")
+    monkeypatch.setenv("EPMOE_TRITON_ALIGNED_TILES", aligned)
     y = grouped_gemm_triton(xq, wq, offsets, xs, ws, torch.float32, cfg)
-    assert_rel_fro(y[:M], ref32[:M], F32_REL_FRO, f"aligned fp8 {x_layout} x {w_layout}")
+    assert_rel_fro(y[:M], ref32[:M], F32_REL_FRO, f"aligned={aligned} fp8 {x_layout} x {w_layout}")
     assert not y[M:].any()
 
 

@@ -25,18 +25,19 @@ AMAX_FLOOR_C = tl.constexpr(AMAX_FLOOR)
 INV_FP8_MAX_C = tl.constexpr(INV_FP8_MAX)
 
 #: Environment switch, read when a Triton grouped GEMM (forward or dgrad) is launched (:func:`aligned_tiles_enabled`):
-#: 1/true/on/yes gives each expert its own row tiles ``[s_e + j * BLOCK_M, ...)`` (moe_torch/ops/grouped_gemm/triton.py,
-#: ``_expert_row_tiles``: no tile spent on the few rows an expert shares with a neighbour); unset or 0/false/off/no
-#: keeps the global ``t * BLOCK_M`` grid. Opt-in: written in session 12 after its GPU time was spent (the JAX Mosaic
-#: kernel's aligned tiles took DeepSeek-V3's FP8-block layer from 6.11 to 5.49 ms; this one is not timed yet).
+#: unset or 1/true/on/yes (the default) gives each expert its own row tiles ``[s_e + j * BLOCK_M, ...)``
+#: (moe_torch/ops/grouped_gemm/triton.py, ``_expert_row_tiles``: no tile spent on the few rows an expert shares with a
+#: neighbour); 0/false/off/no keeps the global ``t * BLOCK_M`` grid. Default since session 13, from one H200 run
+#: (BENCHMARKS.md "2026-12-02, session 13"): the torch layer at T=4096, E=32 bf16 5.42 -> 5.02 ms, FP8 blocks
+#: 4.35 -> 4.13, FP8 per token unchanged (4.85); DeepSeek-V3 FP8 blocks 8.09 -> 7.14, FP8 per token 7.40 -> 6.98.
 #: Mirror: ``EPMOE_PALLAS_ALIGNED_TILES`` (moe_pallas/ops/common.py).
 ALIGNED_TILES_ENV = "EPMOE_TRITON_ALIGNED_TILES"
 
 
 def aligned_tiles_enabled() -> bool:
-    """:data:`ALIGNED_TILES_ENV` read now: 1/true/on/yes -> True; unset, empty or 0/false/off/no -> False (any case,
+    """:data:`ALIGNED_TILES_ENV` read now: unset, empty or 1/true/on/yes -> True; 0/false/off/no -> False (any case,
     spaces ignored). Raises ValueError for any other value, naming the variable."""
-    return env_switch(ALIGNED_TILES_ENV, False, "row tiles on the global grid, the default", "expert-aligned row tiles")
+    return env_switch(ALIGNED_TILES_ENV, True, "row tiles on the global grid", "expert-aligned row tiles, the default")
 
 
 #: CUDA's limit on grid axis 1 (axis 0 goes to 2**31 - 1 and carries the rows).
