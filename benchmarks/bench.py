@@ -1506,6 +1506,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "--max-minutes limit would cut)")
     p.add_argument("--ts", default="", help="comma list of token counts T: the layer / layer_bwd / decode rows "
                    "at these T instead of the run's (any T, e.g. 256; default: the run's)")
+    p.add_argument("--ms", default="", help="comma list of row counts M: only the gemm / gemm_bwd rows of these M "
+                   "(default: all of the run's)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing rows")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # CPU smoke test: tiny shapes, interpreters
     args = p.parse_args(argv)
@@ -1521,6 +1523,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--ts: a comma list of positive integers; got {args.ts!r}")
     if [t for t in args.ts if t < 1]:
         p.error(f"--ts: token counts must be >= 1; got {args.ts}")
+    try:
+        args.ms = [int(m) for m in args.ms.split(",") if m.strip()]
+    except ValueError:
+        p.error(f"--ms: a comma list of positive integers; got {args.ms!r}")
     args.gemm_dtypes = [d for d in args.gemm_dtypes.split(",") if d]
     if [d for d in args.gemm_dtypes if d not in S.GEMM_DTYPES]:
         p.error(f"--gemm-dtypes: unknown {[d for d in args.gemm_dtypes if d not in S.GEMM_DTYPES]}; choose from "
@@ -1593,13 +1599,13 @@ def main(argv=None) -> int:
     plan = []
     if "gemm" in args.what:
         plan += [("gemm", s) for s in S.gemm_specs(args.quick, TINY, model)
-                 if not args.gemm_dtypes or s.dtype in args.gemm_dtypes]
+                 if (not args.gemm_dtypes or s.dtype in args.gemm_dtypes) and (not args.ms or s.M in args.ms)]
     if "layer" in args.what:
         plan += [("layer", s) for s in S.layer_specs(args.quick, TINY, model, ts=args.ts) if spec_wanted(s, args)]
     if "gate" in args.what:
         plan += [("gate", s) for s in S.gate_specs(args.quick, TINY, model)]
     if "gemm_bwd" in args.what:
-        plan += [("gemm_bwd", s) for s in S.gemm_bwd_specs(args.quick, TINY, model)]
+        plan += [("gemm_bwd", s) for s in S.gemm_bwd_specs(args.quick, TINY, model) if not args.ms or s.M in args.ms]
     if "layer_bwd" in args.what:
         plan += [("layer_bwd", s) for s in S.layer_bwd_specs(args.quick, TINY, model, ts=args.ts) if spec_wanted(s, args)]
     if "decode" in args.what:

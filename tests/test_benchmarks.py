@@ -149,7 +149,8 @@ def test_layer_quants_and_ts_filters(tmp_path):
     assert all(bench.spec_wanted(s, everything) for s in S.layer_specs())
     decode = [s for s in S.decode_specs() if bench.spec_wanted(s, args, quants=False)]
     assert decode == [s for s in S.decode_specs() if s.T in (4096, 512)]
-    for bad in (["--layer-quants", "fp9"], ["--ts", "512,x"], ["--ts", "0"]):
+    assert bench.parse_args(["--out", str(tmp_path), "--ms", "16384"]).ms == [16384]
+    for bad in (["--layer-quants", "fp9"], ["--ts", "512,x"], ["--ts", "0"], ["--ms", "1k"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--out", str(tmp_path), *bad])
 
