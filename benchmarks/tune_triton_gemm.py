@@ -3,14 +3,17 @@
 Usage (GPU machine, repo root)::
 
     PYTHONPATH=. python3 benchmarks/tune_triton_gemm.py [--out moe_torch/ops/grouped_gemm/tuned] [--quick] [--full] [--tma]
-        [--dtypes bf16,fp8,fp8_block] [--ms 256,2048,16384]
+        [--dtypes bf16,fp8,fp8_block] [--ms 256,2048,16384] [--routings uniform,zipf]
 
 For each problem of the benchmark's grouped GEMM set (E=32; (K=7168, N=4096) and (K=2048, N=7168);
 M in {256, 2048, 16384}; rows split uniformly; bf16, FP8 per-token x per-channel (``fp8``), and FP8 with
 DeepSeek-V3's 1 x 128 activation groups x 128 x 128 weight blocks (``fp8_block``)) every config
 of :func:`candidates` (from :data:`SEARCH_SPACE`) is timed with ``triton.testing.do_bench`` (CUDA
 events, median) after a correctness check against the heuristic config's output (a config that
-computes a wrong answer is never chosen). The file ``<device>.json`` holds one entry per problem::
+computes a wrong answer is never chosen). ``--routings uniform,zipf``: each config is checked and timed on
+each routing's rows per expert (``benchmarks/specs.py: group_sizes``: ``uniform`` M/E each, the bench's ``zipf``
+draw) and ranked by the mean of its times, so the winner is the best on ragged routing too (the entry names its
+``"routings"``; ``ms`` and ``heuristic_ms`` are those means). The file ``<device>.json`` holds one entry per problem::
 
     {"device": "NVIDIA H200", "E": 32, "N": 4096, "K": 7168, "M_cap": 2048, "dtype": "bf16",
      "config": {"block_m": 64, ..., "group_m": 8, "persistent": false}, "ms": 0.41, "heuristic_ms": 0.47}
@@ -40,6 +43,12 @@ import sys
 import torch
 import triton
 import triton.testing
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # benchmarks.specs (the routings' group sizes) from any working directory
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.specs import group_sizes  # noqa: E402
 
 from moe_torch.ops.grouped_gemm.config import TUNED_DIR, GroupedGemmConfig, heuristic_grouped_gemm_config
 from moe_torch.ops.grouped_gemm.triton import grouped_gemm_triton
@@ -99,6 +108,24 @@ def problems(quick: bool, dtypes=DTYPES, ms=MS):
         yield K, N, M, dtype
 
 
+ROUTINGS = ("uniform", "zipf")
+
+
+def routing_offsets(M: int, routing: str, device: str = "cuda") -> torch.Tensor:
+    """``expert_offsets [E + 1]`` int32 (on ``device``) of ``M`` rows split by ``routing`` (:func:`benchmarks.specs.group_sizes`,
+    seed 0: the bench's rows)."""
+    sizes = group_sizes(M, E, routing)
+    return torch.tensor([0, *itertools.accumulate(int(v) for v in sizes)], dtype=torch.int32, device=device)
+
+
+def parse_routings(text: str) -> list[str]:
+    """``--routings``: a non-empty comma list of :data:`ROUTINGS`; ``ValueError`` otherwise."""
+    routings = [r.strip() for r in text.split(",") if r.strip()]
+    if not routings or set(routings) - set(ROUTINGS):
+        raise ValueError(f"--routings: a comma list of {', '.join(ROUTINGS)}; got {text!r}")
+    return routings
+
+
 def entry_key(e: dict) -> tuple:
     return e["E"], e["N"], e["K"], e["M_cap"], e["dtype"]
 
@@ -128,7 +155,13 @@ def main() -> int:
                         help="also time the TMA variant (tma, warp_specialize) of the fastest configs")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of {', '.join(DTYPES)}")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma list of M (rows)")
+    parser.add_argument("--routings", default="uniform", help="comma list of uniform, zipf: rank configs by the mean "
+                        "of their times over these rows-per-expert splits (default uniform)")
     args = parser.parse_args()
+    try:
+        routings = parse_routings(args.routings)
+    except ValueError as exc:
+        parser.error(str(exc))
     dtypes = [d for d in args.dtypes.split(",") if d]
     if unknown := set(dtypes) - set(DTYPES):
         parser.error(f"unknown dtypes {sorted(unknown)}; choose from {DTYPES}")
@@ -145,7 +178,7 @@ def main() -> int:
     for K, N, M, dtype in problems(args.quick, dtypes, [int(m) for m in args.ms.split(",") if m]):
         x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
         w = (torch.randn(E, N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
-        off = (torch.arange(E + 1, device="cuda", dtype=torch.int32) * (M // E)).contiguous()
+        offs = [routing_offsets(M, r) for r in routings]
         kw = {}
         if dtype == "fp8":  # per token x per output channel (the library's quantizers, as the JAX tuner)
             x, xs = per_token_quant_fp8(x)
@@ -155,24 +188,32 @@ def main() -> int:
             x, xs = per_token_group_quant_fp8(x, 128)
             w, ws = quantize_weight_fp8(w, "block")
             kw = dict(x_scale=xs, w_scale=ws)
-        ref = grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16).float()
+        refs = [grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16).float()
+                for off in offs]
         bits = 16 if dtype == "bf16" else 8
         block_k = 128 * 8 // bits
         x_group, w_block = (128, True) if dtype == "fp8_block" else (None, False)
         heur = heuristic_grouped_gemm_config(M, N, K, E, bits, x_group, w_block)
-        run = lambda cfg: grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16, cfg)  # noqa: E731
-        heur_ms = triton.testing.do_bench(lambda: run(heur), warmup=25, rep=100, return_mode="median")
+        run = lambda cfg, off: grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16,  # noqa: E731
+                                                   cfg)
+        heur_ms = sum(triton.testing.do_bench(lambda: run(heur, off), warmup=25, rep=100, return_mode="median")
+                      for off in offs) / len(offs)
 
         def bench(cfg):
-            """Median ms of ``cfg``, ``inf`` if it is wrong or does not run."""
+            """Median ms of ``cfg`` (the mean over the routings), ``inf`` if it is wrong or does not run."""
             try:
-                y = run(cfg).float()
-                err = float((y - ref).norm() / ref.norm())
-                if not err <= 1e-3:
-                    print(f"  WRONG {cfg} err={err:.2e}", flush=True)
-                    return float("inf")
-                ms = triton.testing.do_bench(lambda: run(cfg), warmup=25, rep=100, return_mode="median")
-                print(f"  {ms:.4f} ms  {cfg}", flush=True)  # every timing in the log, not only the winner's
+                times = []
+                for off, ref, routing in zip(offs, refs, routings):
+                    y = run(cfg, off).float()
+                    err = float((y - ref).norm() / ref.norm())
+                    if not err <= 1e-3:
+                        print(f"  WRONG {cfg} ({routing}) err={err:.2e}", flush=True)
+                        return float("inf")
+                    times.append(triton.testing.do_bench(lambda: run(cfg, off), warmup=25, rep=100,
+                                                         return_mode="median"))
+                ms = sum(times) / len(times)
+                each = f" ({', '.join(f'{r} {t:.4f}' for r, t in zip(routings, times))})" if len(times) > 1 else ""
+                print(f"  {ms:.4f} ms{each}  {cfg}", flush=True)  # every timing in the log, not only the winner's
                 return ms
             except Exception as exc:  # noqa: BLE001 - out of shared memory etc.: not a candidate
                 print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
@@ -195,6 +236,8 @@ def main() -> int:
         ms, cfg = min((heur_ms, heur), *((t, c) for c, t in timed.items()), key=lambda mc: mc[0])
         entry = {"device": dev, "E": E, "N": N, "K": K, "M_cap": M, "dtype": dtype,
                  "config": dataclasses.asdict(cfg), "ms": round(ms, 4), "heuristic_ms": round(heur_ms, 4)}
+        if routings != ["uniform"]:  # the mean over these routings ranked the configs
+            entry["routings"] = list(routings)
         entries.append(entry)
         kept.pop(entry_key(entry), None)
         print(json.dumps(entry), flush=True)

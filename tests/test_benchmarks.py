@@ -1248,3 +1248,21 @@ def test_jax_tuner_routings_and_ws_only(monkeypatch):
     assert ws and all(c.warp_specialized and c.grid_block_n > 1 for c in ws)
     assert any(c.split_m and c.block_k == 256 for c in ws) and any(not c.split_m for c in ws)
     assert len(tj.mosaic_candidates("fp8_block", False)) > len(ws)
+
+
+def test_triton_tuner_routings():
+    """``tune_triton_gemm.py --routings uniform,zipf``: each routing's offsets are the bench's rows per expert
+    (``uniform``: M/E each; ``zipf``: ragged, empty experts allowed), non-decreasing, ending at M; bad lists refused."""
+    pytest.importorskip("torch")
+    from benchmarks import specs as S, tune_triton_gemm as tt
+
+    assert tt.parse_routings("uniform, zipf") == ["uniform", "zipf"]
+    for bad in ("", "uniform,skewed"):
+        with pytest.raises(ValueError, match="--routings"):
+            tt.parse_routings(bad)
+    for routing in tt.ROUTINGS:
+        off = tt.routing_offsets(16384, routing, device="cpu")
+        assert off.dtype == __import__("torch").int32 and off.shape == (tt.E + 1,)
+        assert off[0] == 0 and off[-1] == 16384 and bool((off[1:] >= off[:-1]).all())
+        assert off.diff().tolist() == S.group_sizes(16384, tt.E, routing).tolist()
+    assert set(tt.routing_offsets(16384, "uniform", device="cpu").diff().tolist()) == {512}
