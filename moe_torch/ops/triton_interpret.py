@@ -18,7 +18,11 @@ the kernels of ``moe_torch`` rely on, silently:
 NVIDIA's ``cvt.rn.satfinite.e4m3x2.f32``), dots as a float32 matmul of the operands upcast exactly
 (bf16, fp16 and fp8 all embed in float32) plus the accumulator, then cast to the accumulator's dtype
 (what the tensor cores compute, up to summation order), and bf16 / fp8 add, sub, mul, div computed in
-float32 and rounded to nearest even. Everything else of the interpreter is left as it is.
+float32 and rounded to nearest even. One speed-up, not a fix: ``tl.associative_scan`` with a combine function
+registered through :func:`register_scan` (the grouped GEMM's running max of the offsets) runs as that numpy
+ufunc's ``accumulate`` on integer data instead of the interpreter's element-by-element Python loop (identical
+values; that loop made an interpreted DeepSeek-V3 layer (E=256) take ~30 s, nearly all of it in the scans).
+Everything else of the interpreter is left as it is.
 
 ``moe_torch`` installs it when a Triton module of its own is imported under the interpreter
 (``moe_torch/ops/triton_common.py``) and again before every launch (``check_triton_device``), so
@@ -46,6 +50,17 @@ _BIT_PATTERN_FLOATS = frozenset({"bf16", "fp8e4nv", "fp8e5"})
 _FP8_E4M3_MAX = 448.0
 
 _installed = False
+
+#: combine function (the ``@triton.jit`` object) -> numpy ufunc whose ``accumulate`` computes the same scan.
+_FAST_SCANS: dict = {}
+
+
+def register_scan(combine_fn, ufunc) -> None:
+    """Run interpreted ``tl.associative_scan(x, axis, combine_fn)`` over one integer tensor as
+    ``ufunc.accumulate(x, axis)`` (e.g. ``np.maximum`` for a running max). The caller vouches that the two agree;
+    floats (held as bit patterns for bf16 / fp8), several inputs and other combine functions keep the interpreter's
+    own loop. Harmless off the interpreter."""
+    _FAST_SCANS[combine_fn] = ufunc
 
 
 def interpreting() -> bool:
@@ -90,7 +105,7 @@ def install() -> None:
     global _installed
     if _installed or not interpreting():
         return
-    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+    from triton.runtime.interpreter import InterpreterBuilder, ScanOps, TensorHandle
 
     orig_cast, orig_fp_to_fp = InterpreterBuilder.cast_impl, InterpreterBuilder.create_fp_to_fp
     orig_dot, orig_binary = InterpreterBuilder.create_dot, InterpreterBuilder.binary_op
@@ -124,6 +139,19 @@ def install() -> None:
             return _to_float(out, lhs.dtype.scalar, TensorHandle)
         return orig_binary(self, lhs, rhs, op)
 
+    orig_scan = ScanOps.apply_impl
+
+    def scan_apply_impl(self, input):
+        ufunc = _FAST_SCANS.get(self.combine_fn)
+        if ufunc is None or len(input) != 1 or input[0].handle.data.dtype.kind not in "iu":
+            return orig_scan(self, input)
+        data = input[0].handle.data
+        data = np.flip(data, axis=self.axis) if self.reverse else data
+        out = ufunc.accumulate(data, axis=self.axis).astype(data.dtype)
+        out = np.flip(out, axis=self.axis) if self.reverse else out
+        return [self.to_tensor(np.ascontiguousarray(out), input[0].dtype)]
+
+    ScanOps.apply_impl = scan_apply_impl
     InterpreterBuilder.cast_impl = cast_impl
     InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
     InterpreterBuilder.create_dot = create_dot

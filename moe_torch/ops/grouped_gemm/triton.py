@@ -32,10 +32,13 @@ Tile-to-expert mapping (static grid, no host sync, CUDA-graph capturable), after
 group metadata (jax@jax/experimental/pallas/ops/tpu/megablox/gmm.py: ``make_group_metadata``,
 grid bound ``m_tiles + num_groups - 1``), computed inside every program instead of beforehand:
 
-1. Row tiles are ``[t*BLOCK_M, (t+1)*BLOCK_M)``. Expert ``e`` owns rows ``[s_e, t_e)`` (offsets
-   clamped to ``[0, M_cap]`` and made non-decreasing, so experts never overlap: :func:`_expert_rows`), so it
-   touches row tiles ``s_e // BLOCK_M .. (t_e - 1) // BLOCK_M``:
-   ``n_e`` tiles, ``n_e = 0`` for an empty expert.
+1. Expert ``e`` owns rows ``[s_e, t_e)`` (offsets clamped to ``[0, M_cap]`` and made non-decreasing, so experts
+   never overlap: :func:`_expert_rows`). By default its row tiles are its own, ``[s_e + j*BLOCK_M, ...)`` for
+   ``j < n_e = cdiv(t_e - s_e, BLOCK_M)`` (expert-aligned: no tile spent on the few rows it shares with a neighbour;
+   default since session 13, H200: DeepSeek-V3's FP8-block layer 8.09 -> 7.14 ms). ``EPMOE_TRITON_ALIGNED_TILES=0``
+   (``moe_torch/ops/triton_common.py``) puts them on the global grid ``[t*BLOCK_M, (t+1)*BLOCK_M)``, tiles
+   ``s_e // BLOCK_M .. (t_e - 1) // BLOCK_M``. ``n_e = 0`` for an empty expert; a tile's first row is ``first_row_e +
+   j*BLOCK_M``.
 2. A *work item* is a pair (row tile, expert) with a non-empty intersection. Work items are
    numbered expert by expert: expert ``e`` has items ``[P_e, P_e + n_e)``, ``P_e = sum_{e' < e} n_e'``
    (a ``tl.cumsum`` over the ``E + 1`` offsets, loaded as one small vector by every program).
@@ -44,7 +47,7 @@ grid bound ``m_tiles + num_groups - 1``), computed inside every program instead 
    axis 0 (default launch order, below); program ``p >= sum_e n_e`` has no work and does nothing.
 4. Program ``p`` finds its expert by a vectorised search: ``e = #{e : P_e + n_e <= p}`` (the
    inclusive prefix sums are non-decreasing, so this counts exactly the experts before ``p``'s).
-   Its tile is ``s_e // BLOCK_M + (p - P_e)``.
+   Its tile's first row is ``m0 = first_row_e + (p - P_e) * BLOCK_M``.
 5. It computes the whole tile with ``w[e]`` but loads and stores only the rows ``r`` of the tile
    with ``s_e <= r < t_e``. A tile straddling two experts is therefore computed by two programs,
    each writing only its own rows with its own expert's weights. Empty experts get no work item
@@ -108,6 +111,12 @@ CPU, ``tests/test_triton_gemm_tma.py``; measured on the H200 where said):
   the bench). The tuner keeps the winner only: gate_up's has ``warp_specialize`` on, down's off; with identical
   PTX the difference between the two is run-to-run noise. ``compute-sanitizer --tool memcheck`` over
   ``tests/test_triton_gemm_tma.py`` (bf16 and FP8, the tuned TMA defaults): 0 errors (H200, session 10).
+* Measured (H200, session 13, ``tune_triton_gemm.py --tma``, BENCHMARKS.md "2026-12-02, session 13"): the TMA
+  variant also wins for FP8. Per token x per channel at M=16384: a 128 x 128 tile over 4 warps (one warpgroup, two
+  ``m64`` wgmmas a step), 3 stages, not persistent, ``group_m`` 4: gate_up 1.376 -> 0.917 ms, down 0.818 -> 0.601
+  in the tuner; the bench in one run: 0.963 / 0.586 ms against ``torch._scaled_grouped_mm``'s 1.005 / 0.575, and
+  the E=32 FP8 per-token layer at T=4096 4.85 -> 3.58-3.87 ms. FP8 blocks: 128 x 128 / 8 warps, TMA, gate_up 1.06
+  (exactly uniform rows) to 1.27 ms (the bench's row), still 10-30% over the 0.96 target: the promotion below.
 * The FP8-block limit: ``tl.dot`` is asynchronous only when its result is the next dot's accumulator, so "scale
   and add the finished K block while the next ``wgmma`` runs" (DeepGEMM's promotion; ``moe_pallas``'s
   warp-specialized Mosaic GPU kernel does it) cannot be written with it. Triton 3.6's Gluon dialect
@@ -134,6 +143,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -142,6 +152,7 @@ from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, INT4
                                       PACKED_ASM_CONSTRAINTS, e8m0_bf16_bits)
 from moe_torch.ops.grouped_gemm.config import W_SCALE_BLOCK, GroupedGemmConfig, check_config, grouped_gemm_config
 from moe_torch.ops.quant.reference import FP8_DTYPE
+from moe_torch.ops import triton_interpret
 from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device
 
 #: ``x_scale`` layout -> the kernel's ``X_SCALE`` constexpr.
@@ -195,6 +206,9 @@ def _num_sms(device: torch.device) -> int:
 @triton.jit
 def _max2(a, b):
     return tl.maximum(a, b)
+
+
+triton_interpret.register_scan(_max2, np.maximum)  # interpreted running max: numpy, not a Python loop
 
 
 @triton.jit
