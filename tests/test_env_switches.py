@@ -14,6 +14,7 @@ SWITCHES = [
     (pallas_common.DIV_RN_ENV, pallas_common.div_rn_enabled, True),
     (pallas_common.ALIGNED_TILES_ENV, pallas_common.aligned_tiles_enabled, True),
     (triton_common.ALIGNED_TILES_ENV, triton_common.aligned_tiles_enabled, True),
+    (triton_common.GLUON_FP8_BLOCK_ENV, triton_common.gluon_fp8_block_enabled, True),
 ]
 
 

@@ -40,6 +40,20 @@ def aligned_tiles_enabled() -> bool:
     return env_switch(ALIGNED_TILES_ENV, True, "row tiles on the global grid", "expert-aligned row tiles, the default")
 
 
+#: Environment switch, read at each launch of a torch grouped GEMM with FP8 1 x 128 activation groups and 128 x 128
+#: weight blocks (DeepSeek-V3) and no explicit config (:func:`gluon_fp8_block_enabled`): unset or 1/true/on/yes (the
+#: default) runs it, where it can (``moe_torch/ops/grouped_gemm/triton.py: gluon_fp8_block_eligible``: sm_90, bf16
+#: out, no bias, contiguous, at least ``GLUON_MIN_ROWS`` rows), on the warp-specialized Gluon kernel with the
+#: promotion off the critical path (``moe_torch/ops/grouped_gemm/gluon.py``); 0/false/off/no keeps the Triton kernel.
+GLUON_FP8_BLOCK_ENV = "EPMOE_TRITON_GLUON_FP8_BLOCK"
+
+
+def gluon_fp8_block_enabled() -> bool:
+    """:data:`GLUON_FP8_BLOCK_ENV` read now: unset, empty or 1/true/on/yes -> True; 0/false/off/no -> False (any case,
+    spaces ignored). Raises ValueError for any other value, naming the variable."""
+    return env_switch(GLUON_FP8_BLOCK_ENV, True, "the Triton kernel for FP8 blocks", "the Gluon kernel for FP8 blocks")
+
+
 #: CUDA's limit on grid axis 1 (axis 0 goes to 2**31 - 1 and carries the rows).
 MAX_GRID_AXIS_1 = 65535
 

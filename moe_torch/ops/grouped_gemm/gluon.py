@@ -1,0 +1,400 @@
+"""Gluon (``triton.experimental.gluon``, Triton 3.6) grouped GEMM for FP8 with DeepSeek-V3 block scales on Hopper.
+
+Contract (the FP8-block forward of CONTRACT.md section 4; names as in ``moe_torch/ops/grouped_gemm/triton.py``)::
+
+    y[m, :] = sum_kb (x_q[m, kb*128:(kb+1)*128] @ w_q[e(m), :, kb*128:(kb+1)*128].T)
+                     * x_scale[m, kb] * w_scale[e(m), n // 128, kb]              (float32 accumulation)
+
+* ``x_q [M_cap, K]`` float8_e4m3fn, row-major contiguous; ``x_scale [M_cap, K // 128]`` float32, contiguous (one
+  scale per token and 128-wide K group, ``per_token_group_quant_fp8(x, 128)``);
+* ``w_q [E, N, K]`` float8_e4m3fn, contiguous (K-major: output row ``n`` of expert ``e`` is K contiguous bytes);
+  ``w_scale [E, ceil(N / 128), K // 128]`` float32, contiguous (``quantize_weight_fp8(w, "block")``);
+* ``expert_offsets [E + 1]`` int32, non-decreasing (not checked: that needs a host sync); expert ``e`` owns rows
+  ``[offsets[e], offsets[e+1])`` clamped to ``[0, M_cap]``; ``offsets[0]`` may be > 0. Offsets that do decrease
+  are made non-decreasing by a running max, as the Triton kernels do (``_expert_rows_of``): experts never overlap
+  and the rows between the first and the last owned row are all written;
+* result ``y [M_cap, N]`` ``out_dtype`` (bfloat16 only). Rows no expert owns are zero: ``y`` is allocated with
+  ``torch.empty`` and the kernel itself zeroes rows ``[0, offsets[0])`` and ``[offsets[E], M_cap)`` (after its tiles,
+  in 64 x 128 blocks over all programs; no host sync). A ``torch.zeros`` output cost ~0.08 ms more at the down
+  shape (a memset of 235 MB), measured on the H200.
+
+Refused on the host before any launch (messages name ``grouped_gemm_gluon_fp8_block``, the argument, the
+expectation and what came): ``TypeError`` for a wrong dtype (``x_q`` / ``w_q`` not float8_e4m3fn, scales not
+float32, offsets not int32, ``out_dtype`` not bfloat16); ``ValueError`` for shapes (ranks, ``K`` of ``x_q`` vs
+``w_q``, ``K % 128 != 0``, scale shapes, ``expert_offsets`` length ``E + 1``), non-contiguous tensors, tensors on
+different devices; ``NotImplementedError`` for tensors not on a CUDA device of compute capability exactly (9, 0)
+(sm_90a: ``wgmma`` and ``setmaxnreg``), for ``M_cap`` or ``E * N`` of 2**31 or more (int32 TMA coordinates).
+TMA's 16-byte rules hold by construction: row strides ``K`` bytes with ``K % 128 == 0``; torch's allocations are
+256-byte aligned (a base that is not 16-byte aligned, e.g. a view at an odd offset, raises ``ValueError``).
+
+Design (DeepGEMM-style promotion, deepseek-ai/DeepGEMM ``deep_gemm/include/deep_gemm/fp8_gemm.cuh``: each 128-wide
+K block's FP8 product lands in a fresh accumulator and is scaled and added in float32 by the CUDA cores while the
+tensor cores run the next block):
+
+* CTA tile 128 x 128 (``BLOCK_M`` x ``BLOCK_N``), ``BLOCK_K`` = 128. Three warp-specialized partitions
+  (``gl.warp_specialize``): two consumer warpgroups (the default partition and a 4-warp worker; the same function
+  with ``WG`` = 0 / 1), each computing 64 rows x 128 columns with ``hopper.warpgroup_mma``, and a 1-warp producer
+  that issues the TMA loads (``x`` as two [64, 128] boxes, one per consumer, and ``w`` as one [128, 128] box, 32 KiB
+  a stage) into a ring of ``NUM_STAGES`` shared-memory stages, with ``ready`` (TMA transaction count) and ``empty``
+  (count 2: one arrival per consumer warpgroup, after its ``wgmma`` reading the stage has completed) mbarriers.
+  The two consumers are separate partitions (not one 8-warp partition) so that each arrives on ``empty`` by itself
+  after its own ``warpgroup_mma_wait``: no barrier between the warpgroups, which run out of phase.
+* Promotion: two K blocks a loop step. Both blocks' ``warpgroup_mma(a, b, zeros, use_acc=False, is_async=True)`` are
+  issued, the first awaited with ``warpgroup_mma_wait(num_outstanding=1)`` (the second still running) and promoted,
+  ``acc += part * (x_scale[rows, kb] * w_scale[e, nb, kb])``, then the second. A loop-carried in-flight accumulator
+  makes ptxas serialize the ``wgmma`` (C7514; ``benchmarks/probe_gluon_promotion.py``); two blocks a step do not.
+  An odd last block is done alone. The step's scales are loaded (global, L2) before its ``ready`` wait, so their
+  latency hides behind the wait and the MMAs.
+* Work: "expert-aligned" row tiles: expert ``e``'s tiles start at ``s_e = offsets[e]`` and step by 128 (the
+  ``x`` TMA box may start at any row; rows past ``M_cap`` are zero-filled; rows of the next expert are computed but
+  never stored). Work items are numbered expert by expert (a prefix sum of ``cdiv(t_e - s_e, 128)`` computed in
+  every partition from the ``E + 1`` offsets: ``gl.associative_scan`` over a power-of-two vector). Static
+  persistent grid: ``min(#SMs, (cdiv(M_cap, 128) + E) * cdiv(N, 128))`` programs, each looping over tile indices
+  ``pid, pid + nprog, ...`` below the real total (computed on the device: no host sync, CUDA-graph capturable).
+  Tile index -> (work item, column tile) by the grouped order of triton's matmul tutorial (``GROUP_M`` consecutive
+  work items, mostly one expert's, sweep the column tiles together: L2 reuse of ``x`` and ``w``).
+* ``w`` is read through a descriptor of ``w_q`` viewed as ``[E * N, K]``: in an N tail the box reads the next
+  expert's rows (zero past the end): computed, never stored.
+* Epilogue: each consumer converts its 64 x 128 float32 accumulator to bf16 and stores it with a masked pointer
+  store (rows in ``[max(m0, s_e), t_e)``, columns ``< N``), straight from the ``wgmma`` register layout.
+
+Sources read (layouts and API of triton 3.6.0 confirmed in the installed package): triton-lang/triton
+``python/tutorials/gluon/08-warp-specialization.py`` (``gl.warp_specialize([(fn, args), ...], warps, regs)``,
+mbarrier ring phases), ``04-tma.py`` / ``05-wgmma.py`` (``tma.async_copy_global_to_shared``, ``warpgroup_mma``),
+and this repo's ``benchmarks/probe_gluon_promotion.py``. Compile-only test for sm_90a: ``tests/test_gluon_gemm.py``.
+
+Measured (one H200, ``benchmarks/probe_gluon_gemm.py --stages 5 4 6``, E = 32, M = 16384, median ms, Triton kernel
+of ``implementation="triton"`` in brackets; all 13 cases within 7.4e-4 relative error of the reference, unowned rows
+zero): gate_up (K = 7168, N = 4096) uniform 0.951 / 0.968 / 0.976 at 5 / 4 / 6 stages [1.118] (0.921 at 5 stages
+on another run), zipf 1.114 [1.334]; down (K = 2048, N = 7168) uniform 0.597 / 0.598 / 0.588 [0.593], zipf 0.679 at
+5 stages, 0.751 at 4 [0.671]. Down's short K loop (16 blocks a tile) exposes the per-tile epilogue (pointer stores
+from the ``wgmma`` layout while no MMA of this CTA runs): the next thing to overlap (a shared-memory + TMA store
+epilogue, or the two warpgroups on different tiles).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+OP = "grouped_gemm_gluon_fp8_block"
+BLOCK_M = gl.constexpr(128)
+BLOCK_N = gl.constexpr(128)
+BLOCK_K = gl.constexpr(128)
+HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
+GROUP_M = gl.constexpr(8)
+#: Registers a thread of each partition: the worker consumer, the producer (warp-granular ``setmaxnreg``); the
+#: default consumer gets what is left of ``MAXNREG`` x 12 warps (4 + 4 + 1 rounded up to a warpgroup).
+CONSUMER_REGS = gl.constexpr(232)
+PRODUCER_REGS = gl.constexpr(40)
+MAXNREG = 168
+_MAX_EXPERTS = 4095
+# the same tile sizes as host-side ints
+_BM, _BN, _BK, _HM = 128, 128, 128, 64
+
+
+def _x_layout() -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _max(a, b):
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def _expert_table(off_ptr, E, M_cap, BLOCK_E: gl.constexpr, layout: gl.constexpr):
+    """Inclusive prefix sum ``incl [BLOCK_E]`` of the per-expert tile counts ``cdiv(t_e - s_e, 128)`` (rows
+    ``[s_e, t_e)`` as :func:`_expert_rows_of` assigns them; lanes ``e >= E`` count 0) and the total number of work
+    items. Only ``incl`` stays live over the tile loop (registers: the 1-warp producer has 40)."""
+    idx = gl.arange(0, BLOCK_E, layout=layout)
+    valid = idx < E
+    lo = gl.minimum(gl.maximum(gl.load(off_ptr + idx, mask=valid, other=0), 0), M_cap)
+    hi = gl.minimum(gl.maximum(gl.load(off_ptr + idx + 1, mask=valid, other=0), 0), M_cap)
+    s = gl.associative_scan(lo, 0, _max)  # max(offsets[0..e])
+    t = gl.maximum(gl.associative_scan(hi, 0, _max), s)  # max(offsets[0..e+1])
+    n = gl.where(valid, (t - s + (BLOCK_M - 1)) // BLOCK_M, 0)
+    incl = gl.associative_scan(n, 0, _add)
+    total = gl.sum(n, axis=0)
+    return incl, total
+
+
+@gluon.jit
+def _expert_rows_of(off_ptr, e, E, M_cap, BLOCK_E: gl.constexpr, layout: gl.constexpr):
+    """Rows ``[s_e, t_e)`` of expert ``e``: the offsets clamped to ``[0, M_cap]`` and made non-decreasing by a
+    running max, ``s_e = max(offsets[0..e])``, ``t_e = max(offsets[0..e+1])``, exactly as the Triton kernels assign
+    rows (``triton.py: _expert_rows``), so experts never overlap and the rows between ``s_0`` and ``t_(E-1)`` are
+    all owned, whatever the offsets. Masked maxima over a fresh load of the offsets (from L1 / L2), so no vector
+    stays live over the tile loop."""
+    idx = gl.arange(0, BLOCK_E, layout=layout)  # offsets[0..E-1] in lanes; offsets[E] as a scalar (BLOCK_E >= E)
+    v = gl.minimum(gl.maximum(gl.load(off_ptr + idx, mask=idx < E, other=0), 0), M_cap)
+    last = gl.minimum(gl.maximum(gl.load(off_ptr + E), 0), M_cap)
+    s_e = gl.max(gl.where(idx <= e, v, 0), axis=0)
+    t_e = gl.maximum(gl.max(gl.where(idx <= e + 1, v, 0), axis=0), gl.where(e + 1 >= E, last, 0))
+    return s_e, t_e
+
+
+@gluon.jit
+def _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E: gl.constexpr, layout: gl.constexpr):
+    """Tile index -> (expert, first row m0, expert rows [s_e, t_e), column tile)."""
+    num_in_group = GROUP_M * n_cols
+    group = tile // num_in_group
+    first = group * GROUP_M
+    gsz = gl.minimum(total - first, GROUP_M)
+    within = tile % num_in_group
+    item = first + within % gsz
+    pid_n = within // gsz
+    before = incl <= item  # the experts wholly before this item's (incl is non-decreasing)
+    e = gl.sum(gl.where(before, 1, 0), axis=0)
+    p_e = gl.max(gl.where(before, incl, 0), axis=0)  # = incl[e - 1], 0 for e = 0: the expert's first item
+    s_e, t_e = _expert_rows_of(off_ptr, e, E, M_cap, BLOCK_E, layout)
+    m0 = s_e + (item - p_e) * BLOCK_M
+    return e, m0, s_e, t_e, pid_n
+
+
+@gluon.jit
+def _producer(x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K,
+              BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # this partition has 4 warps (one issues the TMA)
+    incl, total = _expert_table(off_ptr, E, M_cap, BLOCK_E, layout)
+    n_cols = gl.cdiv(N, BLOCK_N)
+    KB = K // BLOCK_K
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    it = 0
+    for tile in range(pid, total * n_cols, nprog):
+        e, m0, s_e, t_e, pid_n = _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E, layout)
+        w_row = e * N + pid_n * BLOCK_N
+        for kb in range(KB):
+            st = it % NUM_STAGES
+            ph = (it // NUM_STAGES) & 1
+            # mbarriers start in phase 0: waiting for parity 1 passes at once, so the ring starts empty.
+            mbarrier.wait(empty.index(st), ph ^ 1)
+            bar = ready.index(st)
+            mbarrier.expect(bar, 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [m0, kb * BLOCK_K], bar, a_bufs.index(2 * st))
+            tma.async_copy_global_to_shared(x_desc, [m0 + HALF_M, kb * BLOCK_K], bar, a_bufs.index(2 * st + 1))
+            tma.async_copy_global_to_shared(w_desc, [w_row, kb * BLOCK_K], bar, b_bufs.index(st))
+            it += 1
+
+
+@gluon.jit
+def _consumer(y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K,
+              BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr):
+    """One consumer warpgroup (4 warps): rows ``[m0 + WG * 64, m0 + WG * 64 + 64)`` of every tile."""
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    incl, total = _expert_table(off_ptr, E, M_cap, BLOCK_E, vec)
+    n_cols = gl.cdiv(N, BLOCK_N)
+    KB = K // BLOCK_K
+    NB = gl.cdiv(N, BLOCK_N)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    r = gl.arange(0, HALF_M, layout=row_l)
+    c = gl.arange(0, BLOCK_N, layout=col_l)
+    zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=mma)
+    it = 0
+    for tile in range(pid, total * n_cols, nprog):
+        e, m0, s_e, t_e, pid_n = _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E, vec)
+        rows = m0 + WG * HALF_M + r
+        xs_rows = xs_ptr + rows.to(gl.int64) * KB
+        xs_mask = rows < M_cap
+        ws_base = ws_ptr + (e * NB + pid_n).to(gl.int64) * KB
+        acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=mma)
+        for kk in range(KB // 2):
+            kb = 2 * kk
+            # the step's scales first: their latency hides behind the ready waits and the MMAs
+            sc0 = gl.load(xs_rows + kb, mask=xs_mask, other=0.0) * gl.load(ws_base + kb)
+            sc1 = gl.load(xs_rows + kb + 1, mask=xs_mask, other=0.0) * gl.load(ws_base + kb + 1)
+            st0 = it % NUM_STAGES
+            mbarrier.wait(ready.index(st0), (it // NUM_STAGES) & 1)
+            t0 = hopper.warpgroup_mma(a_bufs.index(2 * st0 + WG), b_bufs.index(st0).permute((1, 0)), zero,
+                                      use_acc=False, is_async=True)
+            st1 = (it + 1) % NUM_STAGES
+            mbarrier.wait(ready.index(st1), ((it + 1) // NUM_STAGES) & 1)
+            t1 = hopper.warpgroup_mma(a_bufs.index(2 * st1 + WG), b_bufs.index(st1).permute((1, 0)), zero,
+                                      use_acc=False, is_async=True)
+            p0 = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[t0])  # block kb done, kb + 1 still running
+            mbarrier.arrive(empty.index(st0))
+            acc = acc + p0 * sc0[:, None]
+            p1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[t1])
+            mbarrier.arrive(empty.index(st1))
+            acc = acc + p1 * sc1[:, None]
+            it += 2
+        if KB % 2 == 1:
+            kb = KB - 1
+            sc = gl.load(xs_rows + kb, mask=xs_mask, other=0.0) * gl.load(ws_base + kb)
+            st = it % NUM_STAGES
+            mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
+            tl0 = hopper.warpgroup_mma(a_bufs.index(2 * st + WG), b_bufs.index(st).permute((1, 0)), zero,
+                                       use_acc=False, is_async=True)
+            pl = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[tl0])
+            mbarrier.arrive(empty.index(st))
+            acc = acc + pl * sc[:, None]
+            it += 1
+        # epilogue: the rows of this expert in this warpgroup's half, columns < N
+        lo = gl.maximum(m0, s_e)
+        cols = pid_n * BLOCK_N + c
+        mask = ((rows >= lo) & (rows < t_e))[:, None] & (cols < N)[None, :]
+        ptrs = y_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :]
+        gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
+    # rows no expert owns, [0, lo) and [hi, M_cap), are zeroed here (y is allocated empty): 64 x 128 blocks
+    # shared out over both warpgroups of every program; nothing to do when the experts own every row
+    lo_all, _ = _expert_rows_of(off_ptr, 0, E, M_cap, BLOCK_E, vec)
+    _, hi_all = _expert_rows_of(off_ptr, E - 1, E, M_cap, BLOCK_E, vec)
+    n_head = gl.cdiv(lo_all, HALF_M)
+    n_tail = gl.cdiv(M_cap - hi_all, HALF_M)
+    zero_bf16 = gl.zeros([HALF_M, BLOCK_N], gl.bfloat16, layout=mma)
+    for u in range(2 * pid + WG, (n_head + n_tail) * n_cols, 2 * nprog):
+        blk = u // n_cols
+        cols = (u % n_cols) * BLOCK_N + c
+        in_head = blk < n_head
+        first = gl.where(in_head, blk * HALF_M, hi_all + (blk - n_head) * HALF_M)
+        end = gl.where(in_head, lo_all, M_cap)
+        zrows = first + r
+        mask = (zrows < end)[:, None] & (cols < N)[None, :]
+        gl.store(y_ptr + zrows.to(gl.int64)[:, None] * N + cols[None, :], zero_bf16, mask=mask)
+
+
+@gluon.jit
+def _grouped_gemm_fp8_block_kernel(x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, off_ptr, E, M_cap, N, K,
+                                   BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * NUM_STAGES, HALF_M, BLOCK_K], x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)  # the producer's expect + the TMA transaction bytes
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    gl.warp_specialize([
+        (_consumer, (y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E,
+                     NUM_STAGES, 0)),
+        (_consumer, (y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E,
+                     NUM_STAGES, 1)),
+        (_producer, (x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E, NUM_STAGES)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def block_e(E: int) -> int:
+    """Vector width of the per-expert table: a power of two >= E, at least 32 (one warp): 256 lanes at E = 256."""
+    return max(32, triton.next_power_of_2(E))
+
+
+def _fail(exc, arg: str, expected: str, got) -> None:
+    raise exc(f"{OP}: {arg} must be {expected}, got {got}")
+
+
+def check_inputs(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype) -> None:
+    """Every host-side refusal, before any launch (see the module docstring)."""
+    fp8 = torch.float8_e4m3fn
+    tensors = {"x_q": x_q, "w_q": w_q, "expert_offsets": expert_offsets, "x_scale": x_scale, "w_scale": w_scale}
+    for name, tns in tensors.items():
+        if not isinstance(tns, torch.Tensor):
+            _fail(TypeError, name, "a torch.Tensor", type(tns).__name__)
+    for name, tns, dt in (("x_q", x_q, fp8), ("w_q", w_q, fp8), ("x_scale", x_scale, torch.float32),
+                          ("w_scale", w_scale, torch.float32), ("expert_offsets", expert_offsets, torch.int32)):
+        if tns.dtype != dt:
+            _fail(TypeError, name, f"of dtype {dt}", tns.dtype)
+    if out_dtype != torch.bfloat16:
+        _fail(TypeError, "out_dtype", "torch.bfloat16", out_dtype)
+    for name, tns, rank in (("x_q", x_q, 2), ("w_q", w_q, 3), ("expert_offsets", expert_offsets, 1),
+                            ("x_scale", x_scale, 2), ("w_scale", w_scale, 3)):
+        if tns.dim() != rank:
+            _fail(ValueError, name, f"{rank}-D", f"shape {tuple(tns.shape)}")
+    M_cap, K = x_q.shape
+    E, N, Kw = w_q.shape
+    if Kw != K:
+        _fail(ValueError, "w_q", f"[E, N, K] with K = x_q.shape[1] = {K}", f"shape {tuple(w_q.shape)}")
+    if K % _BK != 0 or K == 0:
+        _fail(ValueError, "x_q", "of K = shape[1] a positive multiple of 128 (the FP8 block size)", f"K = {K}")
+    if E < 1 or N < 1:
+        _fail(ValueError, "w_q", "of E >= 1 and N >= 1", f"shape {tuple(w_q.shape)}")
+    if E > _MAX_EXPERTS:
+        _fail(ValueError, "w_q", f"of at most {_MAX_EXPERTS} experts", f"E = {E}")
+    if tuple(expert_offsets.shape) != (E + 1,):
+        _fail(ValueError, "expert_offsets", f"of shape [E + 1] = [{E + 1}]", f"shape {tuple(expert_offsets.shape)}")
+    if tuple(x_scale.shape) != (M_cap, K // _BK):
+        _fail(ValueError, "x_scale", f"of shape [M_cap, K // 128] = [{M_cap}, {K // _BK}]",
+              f"shape {tuple(x_scale.shape)}")
+    nb = triton.cdiv(N, 128)
+    if tuple(w_scale.shape) != (E, nb, K // _BK):
+        _fail(ValueError, "w_scale", f"of shape [E, ceil(N / 128), K // 128] = [{E}, {nb}, {K // _BK}]",
+              f"shape {tuple(w_scale.shape)}")
+    for name, tns in tensors.items():
+        if not tns.is_contiguous():
+            _fail(ValueError, name, "contiguous", f"strides {tuple(tns.stride())}")
+    devices = {tns.device for tns in tensors.values()}
+    if len(devices) != 1:
+        _fail(ValueError, "x_q, w_q, expert_offsets, x_scale, w_scale", "on one device", sorted(map(str, devices)))
+    dev = x_q.device
+    if dev.type != "cuda":
+        raise NotImplementedError(f"{OP}: x_q (and every input) must be on a CUDA device of compute capability "
+                                  f"(9, 0) (sm_90a: wgmma, TMA, setmaxnreg), got device {dev}")
+    cap = torch.cuda.get_device_capability(dev)
+    if tuple(cap) != (9, 0):
+        raise NotImplementedError(f"{OP}: x_q must be on a CUDA device of compute capability (9, 0) (sm_90a), "
+                                  f"got {tuple(cap)} ({torch.cuda.get_device_name(dev)})")
+    if M_cap >= 2**31 or E * N >= 2**31:
+        raise NotImplementedError(f"{OP}: x_q rows (M_cap = {M_cap}) and w_q rows (E * N = {E * N}) must be below "
+                                  "2**31 (int32 TMA coordinates)")
+    for name, tns in (("x_q", x_q), ("w_q", w_q)):
+        if tns.data_ptr() % 16 != 0:
+            _fail(ValueError, name, "16-byte aligned (TMA)", f"address {tns.data_ptr():#x}")
+
+
+def grouped_gemm_gluon_fp8_block(x_q: torch.Tensor, w_q: torch.Tensor, expert_offsets: torch.Tensor,
+                                 x_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype=torch.bfloat16, *,
+                                 num_stages: int = 4, num_sms: int | None = None) -> torch.Tensor:
+    """``y [M_cap, N]`` bf16 of the FP8 block-scaled grouped GEMM (module docstring: shapes, refusals, design).
+
+    ``num_stages``: shared-memory ring depth (32 KiB a stage; 2..6). ``num_sms``: persistent programs
+    (default: the device's SM count, 132 on an H200)."""
+    check_inputs(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype)
+    if not isinstance(num_stages, int) or not 2 <= num_stages <= 6:
+        _fail(ValueError, "num_stages", "an int in [2, 6] (32 KiB of shared memory a stage)", num_stages)
+    M_cap, K = x_q.shape
+    E, N, _ = w_q.shape
+    dev = x_q.device
+    y = torch.empty((M_cap, N), dtype=out_dtype, device=dev)
+    if M_cap == 0:
+        return y
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    layout = _x_layout()
+    x_desc = TensorDescriptor.from_tensor(x_q, [_HM, _BK], layout)
+    w2 = w_q.view(E * N, K)
+    w_desc = TensorDescriptor.from_tensor(w2, [_BN, _BK], layout)
+    bound = (triton.cdiv(M_cap, _BM) + E) * triton.cdiv(N, _BN)
+    grid = (max(1, min(int(num_sms), bound)),)
+    _grouped_gemm_fp8_block_kernel[grid](x_desc, w_desc, y, x_scale, w_scale, expert_offsets, E, M_cap, N, K,
+                                         BLOCK_E=block_e(E), NUM_STAGES=num_stages, num_warps=4, maxnreg=MAXNREG)
+    return y
+
+
+def compile_sm90(num_stages: int = 4, E: int = 32):
+    """Compile the kernel for sm_90a without a GPU (``triton.compile`` of a ``GluonASTSource`` for
+    ``GPUTarget("cuda", 90, 32)``); returns triton's ``CompiledKernel`` (``.asm["ptx"]``, ``["cubin"]``...). Tests and
+    probes only; needs ``TRITON_INTERPRET`` unset when triton is imported."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    lay = _x_layout()
+    sig = {"x_desc": f"tensordesc<fp8e4nv[{_HM}, {_BK}],{lay!r}>",
+           "w_desc": f"tensordesc<fp8e4nv[{_BN}, {_BK}],{lay!r}>",
+           "y_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "off_ptr": "*i32", "E": "i32", "M_cap": "i32",
+           "N": "i32", "K": "i32", "BLOCK_E": "constexpr", "NUM_STAGES": "constexpr"}
+    src = GluonASTSource(fn=_grouped_gemm_fp8_block_kernel, signature=sig,
+                         constexprs={"BLOCK_E": block_e(E), "NUM_STAGES": num_stages})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})

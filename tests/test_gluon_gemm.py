@@ -1,0 +1,248 @@
+"""The Gluon FP8-block grouped GEMM (``moe_torch/ops/grouped_gemm/gluon.py``) on a machine without a GPU.
+
+* compile-only for sm_90a (in a child process without ``TRITON_INTERPRET``, which ``conftest.py`` sets on the
+  CPU): the PTX has TMA copies (``cp.async.bulk.tensor``), FP8 ``wgmma``, mbarriers and ``setmaxnreg`` (the warp
+  specialization is real); ``ptxas -arch=sm_90a -v`` gives no C7514 serialization warning and no spills (a few
+  bytes in the producer at E = 256), and the
+  SASS keeps a ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (promotion of one K block while the next runs);
+* the host-side refusals, on CPU tensors (they come before any launch).
+
+The numerics run on a GPU only: ``benchmarks/probe_gluon_gemm.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common import TORCH_DEVICE
+
+gluon_mod = pytest.importorskip("moe_torch.ops.grouped_gemm.gluon", reason="triton.experimental.gluon unavailable")
+OP = "grouped_gemm_gluon_fp8_block"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_CHILD = r"""
+import json, os, subprocess, sys, tempfile
+import triton
+from moe_torch.ops.grouped_gemm import gluon as G
+out = {}
+for stages, E in ((4, 32), (5, 256)):
+    c = G.compile_sm90(num_stages=stages, E=E)
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        open(os.path.join(d, "k.ptx"), "w").write(c.asm["ptx"])
+        open(os.path.join(d, "k.cubin"), "wb").write(c.asm["cubin"])
+        info = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o",
+                               os.path.join(d, "k.o")], capture_output=True, text=True)
+        sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True).stdout
+    out[f"{stages}-stages-E{E}"] = {"ptx": c.asm["ptx"], "ptxas": info.stdout + info.stderr,
+                                    "ptxas_rc": info.returncode,
+                   "sass_waits": sorted({l.split("DEPBAR")[1].split(";")[0].strip() for l in sass.splitlines()
+                                         if "WARPGROUP.DEPBAR" in l}),
+                   "shared": c.metadata.shared}
+json.dump(out, sys.stdout)
+"""
+
+
+def _ptxas_available() -> bool:
+    import triton
+
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    if not _ptxas_available():
+        pytest.skip("triton's bundled ptxas is unavailable")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=240)
+    assert run.returncode == 0, f"sm_90a compilation failed:\n{run.stderr[-4000:]}"
+    return json.loads(run.stdout)
+
+
+def test_compiles_for_sm90a(compiled):
+    for stages, c in compiled.items():
+        ptx = c["ptx"]
+        assert ".target sm_90a" in ptx, stages
+        assert "cp.async.bulk.tensor" in ptx, stages  # TMA loads
+        assert "wgmma.mma_async.sync.aligned" in ptx and ".e4m3.e4m3" in ptx, stages  # FP8 wgmma
+        assert "wgmma.wait_group.sync.aligned 1" in ptx, stages  # one block awaited, the next in flight
+        assert "mbarrier.try_wait" in ptx and "mbarrier.arrive" in ptx, stages
+        assert "setmaxnreg" in ptx, stages  # warp specialization with register budgets
+        assert c["ptxas_rc"] == 0, c["ptxas"]
+        assert "C7514" not in c["ptxas"], c["ptxas"]  # wgmma not serialized
+        # E = 256 (a 512-lane expert table): the 1-warp producer (40 registers) spills a few bytes (12 in triton 3.6.0)
+        spill = int(c["ptxas"].split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
+        assert spill == 0 if stages.endswith("E32") else spill <= 64, c["ptxas"]
+        assert "0x1" in " ".join(c["sass_waits"]), c["sass_waits"]
+        assert c["shared"] <= 227 * 1024, c["shared"]
+
+
+def _inputs(M=4, E=2, N=160, K=256, device="cpu"):
+    x = torch.zeros(M, K, dtype=torch.float8_e4m3fn, device=device)
+    w = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn, device=device)
+    off = torch.tensor([0] + [M] * E, dtype=torch.int32, device=device)
+    xs = torch.ones(M, K // 128, device=device)
+    ws = torch.ones(E, (N + 127) // 128, K // 128, device=device)
+    return x, w, off, xs, ws
+
+
+def _call(*args, **kwargs):
+    return gluon_mod.grouped_gemm_gluon_fp8_block(*args, **kwargs)
+
+
+@pytest.mark.parametrize("which, dtype, exc", [
+    ("x_q", torch.bfloat16, TypeError), ("w_q", torch.float8_e5m2, TypeError), ("x_scale", torch.bfloat16, TypeError),
+    ("w_scale", torch.float16, TypeError), ("expert_offsets", torch.int64, TypeError)])
+def test_refuses_dtypes(which, dtype, exc):
+    x, w, off, xs, ws = _inputs()
+    args = dict(x_q=x, w_q=w, expert_offsets=off, x_scale=xs, w_scale=ws)
+    args[which] = args[which].to(dtype)
+    with pytest.raises(exc, match=f"{OP}: {which} must be of dtype"):
+        _call(**args)
+
+
+def test_refuses_out_dtype():
+    with pytest.raises(TypeError, match=f"{OP}: out_dtype must be torch.bfloat16"):
+        _call(*_inputs(), out_dtype=torch.float16)
+
+
+def test_refuses_k_not_multiple_of_128():
+    x, w, off, _, _ = _inputs(K=200)
+    xs, ws = torch.ones(4, 1), torch.ones(2, 2, 1)
+    with pytest.raises(ValueError, match=f"{OP}: x_q must be of K = shape\\[1\\] a positive multiple of 128.*K = 200"):
+        _call(x, w, off, xs, ws)
+
+
+@pytest.mark.parametrize("which, shape, pattern", [
+    ("w_q", (2, 160, 128), "w_q must be \\[E, N, K\\] with K"),
+    ("expert_offsets", (4,), "expert_offsets must be of shape \\[E \\+ 1\\]"),
+    ("x_scale", (4, 1), "x_scale must be of shape \\[M_cap, K // 128\\]"),
+    ("w_scale", (2, 1, 2), "w_scale must be of shape \\[E, ceil\\(N / 128\\), K // 128\\]")])
+def test_refuses_shapes(which, shape, pattern):
+    x, w, off, xs, ws = _inputs()
+    args = dict(x_q=x, w_q=w, expert_offsets=off, x_scale=xs, w_scale=ws)
+    args[which] = torch.zeros(shape, dtype=args[which].dtype)
+    with pytest.raises(ValueError, match=f"{OP}: {pattern}"):
+        _call(**args)
+
+
+def test_refuses_non_contiguous():
+    x, w, off, xs, ws = _inputs()
+    xs = torch.ones(2, 4).t()
+    with pytest.raises(ValueError, match=f"{OP}: x_scale must be contiguous"):
+        _call(x, w, off, xs, ws)
+
+
+def test_refuses_non_cuda_device():
+    with pytest.raises(NotImplementedError, match=f"{OP}: x_q .*CUDA device of compute capability \\(9, 0\\).*cpu"):
+        _call(*_inputs())
+
+
+def test_refuses_bad_num_stages_after_device_check_order():
+    # the device check comes first on a CPU: num_stages is checked only for a usable device
+    with pytest.raises(NotImplementedError):
+        _call(*_inputs(), num_stages=9)
+
+
+# ---------------------------------------------------------------------------------------------- on an sm_90 GPU
+# (EPMOE_TEST_DEVICE=gpu on an H100 / H200; skipped elsewhere, with the reason)
+
+def _sm90() -> bool:
+    return TORCH_DEVICE == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="the Gluon kernel runs on a CUDA device of compute capability "
+                                "(9, 0) only (EPMOE_TEST_DEVICE=gpu on an H100 / H200)")
+
+
+def _problem(sizes, N, K, *, lead=0, tail=0, offsets=None, seed=0):
+    import moe_torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    E = len(sizes) if offsets is None else len(offsets) - 1
+    M_cap = lead + int(sum(sizes)) + tail if offsets is None else max(offsets) + tail
+    x = torch.randn(M_cap, K, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(E, N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
+    xq, xs = moe_torch.per_token_group_quant_fp8(x, 128)
+    wq, ws = moe_torch.quantize_weight_fp8(w, "block")
+    if offsets is None:
+        offsets = [lead + int(v) for v in [0, *torch.tensor(sizes).cumsum(0).tolist()]]
+    return xq, wq, torch.tensor(offsets, dtype=torch.int32, device="cuda"), xs, ws
+
+
+@needs_sm90
+@pytest.mark.parametrize("name, spec", [
+    ("M1-one-expert", dict(sizes=[0, 1, 0, 0], N=256, K=256)),
+    ("empty-and-tail", dict(sizes=[100, 0, 300, 0, 57], N=160, K=512, lead=37, tail=50)),
+    ("all-on-one-expert", dict(sizes=[0, 0, 1000, 0], N=384, K=384)),
+    ("K128-odd-blocks", dict(sizes=[64, 300], N=256, K=128)),
+    ("E256-ragged", dict(sizes=[int(v) for v in torch.randint(0, 40, (256,), generator=torch.Generator().manual_seed(3))],
+                         N=256, K=256)),
+])
+def test_gluon_matches_reference(name, spec):
+    """Random FP8-block problems (T=1, empty experts, all rows on one expert, unowned head and tail rows, an N tail,
+    one K block, E=256 ragged): within the FP8 tolerance of the reference, unowned rows exactly 0."""
+    import moe_torch
+    from tolerances import FP8_REL_FRO, assert_rel_fro
+
+    xq, wq, off, xs, ws = _problem(**spec)
+    y = gluon_mod.grouped_gemm_gluon_fp8_block(xq, wq, off, xs, ws, num_stages=5)
+    ref = moe_torch.grouped_gemm(xq, wq, off, x_scale=xs, w_scale=ws, out_dtype=torch.bfloat16,
+                                 implementation="reference")
+    lo, hi = int(off[0]), int(off[-1])
+    assert_rel_fro(y[lo:hi].float(), ref[lo:hi].float(), FP8_REL_FRO, name)
+    assert not y[:lo].any() and not y[hi:].any()
+
+
+@needs_sm90
+def test_gluon_decreasing_offsets_as_triton():
+    """Offsets that decrease (a precondition violation, not checked: no host sync) are made non-decreasing by a
+    running max, as the Triton kernel does: ``[0, 48, 0, 64, 60]`` gives experts rows [0, 48), [48, 48), [48, 64),
+    [64, 64) in both kernels, every row written once (no race), rows >= 64 zero."""
+    import moe_torch.ops.grouped_gemm.triton as gemm_triton
+
+    xq, wq, off, xs, ws = _problem([], 256, 256, offsets=[0, 48, 0, 64, 60], tail=20)
+    y = gluon_mod.grouped_gemm_gluon_fp8_block(xq, wq, off, xs, ws, num_stages=5)
+    t = gemm_triton.grouped_gemm_triton(xq, wq, off, xs, ws, torch.bfloat16)
+    assert torch.equal(torch.isnan(y), torch.isnan(t))
+    from tolerances import FP8_REL_FRO, assert_rel_fro
+
+    assert_rel_fro(y.float(), t.float(), FP8_REL_FRO, "decreasing offsets")
+    assert not y[64:].any()
+
+
+@needs_sm90
+def test_default_dispatch_runs_gluon(monkeypatch):
+    """``moe_torch.grouped_gemm(..., implementation="triton")`` of an FP8-block problem of >= GLUON_MIN_ROWS rows
+    runs the Gluon kernel (bit-identical to calling it); ``EPMOE_TRITON_GLUON_FP8_BLOCK=0``, a bias, fewer rows or
+    an explicit config run the Triton kernel."""
+    import moe_torch
+    import moe_torch.ops.grouped_gemm.triton as gemm_triton
+
+    xq, wq, off, xs, ws = _problem([1100, 0, 2500, 700], 256, 512)
+    assert gemm_triton.gluon_fp8_block_eligible(xq, wq, off, xs, ws, torch.bfloat16)
+    y = moe_torch.grouped_gemm(xq, wq, off, x_scale=xs, w_scale=ws, out_dtype=torch.bfloat16, implementation="triton")
+    assert torch.equal(y, gluon_mod.grouped_gemm_gluon_fp8_block(xq, wq, off, xs, ws, num_stages=gemm_triton.GLUON_STAGES))
+    bias = torch.zeros(4, 256, device="cuda")
+    assert not gemm_triton.gluon_fp8_block_eligible(xq, wq, off, xs, ws, torch.bfloat16, bias=bias)
+    assert not gemm_triton.gluon_fp8_block_eligible(xq[:100].contiguous(), wq, off.clamp(max=100), xs[:100].contiguous(),
+                                                    ws, torch.bfloat16)
+    monkeypatch.setenv("EPMOE_TRITON_GLUON_FP8_BLOCK", "0")
+    assert not gemm_triton.gluon_fp8_block_eligible(xq, wq, off, xs, ws, torch.bfloat16)
+
+
+def test_not_eligible_off_sm90():
+    """On a CPU (or any tensor off an sm_90 CUDA device) the dispatch never picks the Gluon kernel."""
+    import moe_torch.ops.grouped_gemm.triton as gemm_triton
+
+    x, w, off, xs, ws = _inputs(M=4096)
+    assert not gemm_triton.gluon_fp8_block_eligible(x, w, off, xs, ws, torch.bfloat16)
