@@ -1,13 +1,15 @@
-"""The Gluon FP8-block grouped GEMM (``moe_torch/ops/grouped_gemm/gluon.py``) on a machine without a GPU.
+"""The Gluon FP8-block grouped GEMM (``moe_torch/ops/grouped_gemm/gluon.py``): on a CPU, and on an sm_90 GPU.
 
 * compile-only for sm_90a (in a child process without ``TRITON_INTERPRET``, which ``conftest.py`` sets on the
   CPU): the PTX has TMA copies (``cp.async.bulk.tensor``), FP8 ``wgmma``, mbarriers and ``setmaxnreg`` (the warp
   specialization is real); ``ptxas -arch=sm_90a -v`` gives no C7514 serialization warning and no spills (a few
   bytes in the producer at E = 256), and the
   SASS keeps a ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (promotion of one K block while the next runs);
-* the host-side refusals, on CPU tensors (they come before any launch).
-
-The numerics run on a GPU only: ``benchmarks/probe_gluon_gemm.py``.
+* the host-side refusals, on CPU tensors (they come before any launch), and the dispatch never picking it there;
+* on an sm_90 GPU (``EPMOE_TEST_DEVICE=gpu``; skipped elsewhere): random problems against the reference (T=1, empty
+  experts, all rows on one expert, unowned head and tail, N tail, one K block, E=256), decreasing offsets handled
+  as the Triton kernel does, and the default dispatch of ``moe_torch.grouped_gemm``. Timings:
+  ``benchmarks/probe_gluon_gemm.py``.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ tensor cores run the next block):
 
 * CTA tile 128 x 128 (``BLOCK_M`` x ``BLOCK_N``), ``BLOCK_K`` = 128. Three warp-specialized partitions
   (``gl.warp_specialize``): two consumer warpgroups (the default partition and a 4-warp worker; the same function
-  with ``WG`` = 0 / 1), each computing 64 rows x 128 columns with ``hopper.warpgroup_mma``, and a 1-warp producer
+  with ``WG`` = 0 / 1), each computing 64 rows x 128 columns with ``hopper.warpgroup_mma``, and a 4-warp producer
   that issues the TMA loads (``x`` as two [64, 128] boxes, one per consumer, and ``w`` as one [128, 128] box, 32 KiB
   a stage) into a ring of ``NUM_STAGES`` shared-memory stages, with ``ready`` (TMA transaction count) and ``empty``
   (count 2: one arrival per consumer warpgroup, after its ``wgmma`` reading the stage has completed) mbarriers.
@@ -63,13 +63,17 @@ Sources read (layouts and API of triton 3.6.0 confirmed in the installed package
 mbarrier ring phases), ``04-tma.py`` / ``05-wgmma.py`` (``tma.async_copy_global_to_shared``, ``warpgroup_mma``),
 and this repo's ``benchmarks/probe_gluon_promotion.py``. Compile-only test for sm_90a: ``tests/test_gluon_gemm.py``.
 
-Measured (one H200, ``benchmarks/probe_gluon_gemm.py --stages 5 4 6``, E = 32, M = 16384, median ms, Triton kernel
-of ``implementation="triton"`` in brackets; all 13 cases within 7.4e-4 relative error of the reference, unowned rows
-zero): gate_up (K = 7168, N = 4096) uniform 0.951 / 0.968 / 0.976 at 5 / 4 / 6 stages [1.118] (0.921 at 5 stages
-on another run), zipf 1.114 [1.334]; down (K = 2048, N = 7168) uniform 0.597 / 0.598 / 0.588 [0.593], zipf 0.679 at
-5 stages, 0.751 at 4 [0.671]. Down's short K loop (16 blocks a tile) exposes the per-tile epilogue (pointer stores
-from the ``wgmma`` layout while no MMA of this CTA runs): the next thing to overlap (a shared-memory + TMA store
-epilogue, or the two warpgroups on different tiles).
+Measured (one H200, session 13; BENCHMARKS.md "2026-12-02, session 13"): ``benchmarks/probe_gluon_gemm.py --stages
+5 4`` on the final kernel, E = 32, M = 16384, median ms, gluon 5 / 4 stages [the Triton kernel]: gate_up (K = 7168,
+N = 4096) uniform 0.973 / 0.990 [1.183], Zipf 1.121 / 1.126 [1.339]; down (K = 2048, N = 7168) uniform 0.606 / 0.595
+[0.601], Zipf 0.683 / 0.680 [0.739]; every edge case within 7.4e-4 of the reference, unowned rows zero;
+``compute-sanitizer --tool memcheck`` over the GPU tests of ``tests/test_gluon_gemm.py``: 0 errors. The default
+dispatch (``triton.py: gluon_fp8_block_eligible``) takes the E = 32 FP8-block torch layer at T = 4096 from 4.19 to
+3.79 ms and DeepSeek-V3's from 7.25 to 6.34. Down's short K loop (16 blocks a tile) exposes the per-tile epilogue
+(pointer stores from the ``wgmma`` layout while no MMA of this CTA runs): the next thing to overlap (a shared-memory
++ TMA store epilogue, or the two warpgroups on different tiles). Register budgets: the producer partition has 4
+warps (one elected thread issues the TMA) so that its expert table fits 40 registers a thread (E = 256: 8 bytes of
+spill, ``ptxas -v``).
 """
 
 from __future__ import annotations
@@ -88,8 +92,8 @@ BLOCK_N = gl.constexpr(128)
 BLOCK_K = gl.constexpr(128)
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
 GROUP_M = gl.constexpr(8)
-#: Registers a thread of each partition: the worker consumer, the producer (warp-granular ``setmaxnreg``); the
-#: default consumer gets what is left of ``MAXNREG`` x 12 warps (4 + 4 + 1 rounded up to a warpgroup).
+#: Registers a thread of each partition: the worker consumer, the producer (warpgroup-granular ``setmaxnreg``); the
+#: default consumer gets what is left of ``MAXNREG`` x 12 warps (4 + 4 + 4).
 CONSUMER_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)
 MAXNREG = 168
@@ -116,7 +120,7 @@ def _max(a, b):
 def _expert_table(off_ptr, E, M_cap, BLOCK_E: gl.constexpr, layout: gl.constexpr):
     """Inclusive prefix sum ``incl [BLOCK_E]`` of the per-expert tile counts ``cdiv(t_e - s_e, 128)`` (rows
     ``[s_e, t_e)`` as :func:`_expert_rows_of` assigns them; lanes ``e >= E`` count 0) and the total number of work
-    items. Only ``incl`` stays live over the tile loop (registers: the 1-warp producer has 40)."""
+    items. Only ``incl`` stays live over the tile loop (registers: the producer has 40 a thread)."""
     idx = gl.arange(0, BLOCK_E, layout=layout)
     valid = idx < E
     lo = gl.minimum(gl.maximum(gl.load(off_ptr + idx, mask=valid, other=0), 0), M_cap)

@@ -128,6 +128,11 @@ CPU, ``tests/test_triton_gemm_tma.py``; measured on the H200 where said):
   flight, keep ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` in the SASS; promoting a block issued in the previous iteration
   (an in-flight accumulator carried by the loop) is serialized by ``ptxas`` (C7514: the wait becomes ``0x0``). A
   Gluon kernel is the way to the schedule in the torch framework, a backend of its own (Gluon has no interpreter).
+  Session 13 wrote it: ``moe_torch/ops/grouped_gemm/gluon.py`` (a TMA producer warp group and two consumer warpgroups
+  in ``gl.warp_specialize``, two K blocks a step so that one is promoted while the next ``wgmma`` runs).
+  :func:`grouped_gemm_triton` sends FP8-block requests it can serve there by default (:func:`gluon_fp8_block_eligible`;
+  ``EPMOE_TRITON_GLUON_FP8_BLOCK=0`` keeps this kernel). H200: gate_up at M=16384 0.973 vs 1.183 ms, the E=32
+  FP8-block layer at T=4096 4.19 -> 3.79 ms, DeepSeek-V3's 7.25 -> 6.34 (BENCHMARKS.md, session 13).
 
 Offsets ``row * stride`` and ``e * N * K`` are int64 (both pass
 2**31: ``M_cap * K`` at 300k rows of H=7168, ``E * N * K`` at E=256, N=7168, K=2048).
@@ -774,6 +779,11 @@ def grouped_gemm_triton(
     [E, N, K // 32]``, decoded tile by tile in the kernel (:func:`_w4_tiles`) and rounded to ``x.dtype``.
     ``bias [E, N]`` (optional; float32 / bf16 / fp16): widened to float32 and added to each owned row's
     accumulator (after the FP8 scales) before the rounding (CONTRACT.md section 4).
+
+    Without ``config``, an FP8 request with 1 x 128 activation groups and 128 x 128 weight blocks that
+    :func:`gluon_fp8_block_eligible` accepts (sm_90, bf16 out, no bias, contiguous, ``M_cap >=`` :data:`GLUON_MIN_ROWS`)
+    runs the warp-specialized Gluon kernel instead (``moe_torch/ops/grouped_gemm/gluon.py``; same contract, same
+    rows, its own zeroing of the unowned rows); ``EPMOE_TRITON_GLUON_FP8_BLOCK=0`` keeps this module's kernel.
 
     ``y`` is allocated here (``torch.empty``): the kernel writes the owned rows, then :func:`zero_unowned_rows`
     zeroes the rows no expert owns (outside ``[offsets[0], offsets[-1])``), no memset of the whole result. The
