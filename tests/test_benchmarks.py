@@ -1266,3 +1266,23 @@ def test_triton_tuner_routings():
         assert off[0] == 0 and off[-1] == 16384 and bool((off[1:] >= off[:-1]).all())
         assert off.diff().tolist() == S.group_sizes(16384, tt.E, routing).tolist()
     assert set(tt.routing_offsets(16384, "uniform", device="cpu").diff().tolist()) == {512}
+
+
+def test_tiny_layer_rows_count_the_experts_reached(tmp_path, monkeypatch):
+    """Layer rows' bytes are the weights of the experts the tokens reach, not uniform routing's expectation (the
+    DeepSeek-V3 T=256 row printed 139% of the copy ceiling when its drawn bias left 170 of 256 experts reached):
+    at T=3 (``--ts 3``, any T) the tiny layer (E=4, top-2; uniform expectation 3.5 experts) reaches a whole number
+    of experts, named in the notes, and the row's GB/s are those bytes over its time."""
+    monkeypatch.setattr(bench, "TINY", True)
+    rc = bench.main(["--tiny", "--what", "layer", "--ts", "3", "--layer-quants", "none", "--out", str(tmp_path),
+                     "--rep-ms", "1", "--warmup-ms", "1", "--backends", "ref-torch"])
+    assert rc == 0
+    rows = json.load(open(tmp_path / "bench.json"))
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    (r,) = [r for r in rows if r["backend"] == "ref-torch"]
+    assert r["T"] == 3 and r["error"] is None, r
+    touched = int(r["notes"].split("the weights of the ")[1].split(" experts the tokens reach")[0])
+    assert 2 <= touched <= 4
+    spec = S.layer_specs(tiny=True, ts=[3])[0]
+    assert spec.hit_experts == pytest.approx(3.5)  # what the row counted before
+    assert r["gbps"] == pytest.approx(dataclasses.replace(spec, touched=touched).min_bytes / r["median_ms"] / 1e6)
