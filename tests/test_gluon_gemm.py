@@ -10,6 +10,13 @@
   experts, all rows on one expert, unowned head and tail, N tail, one K block, E=256), decreasing offsets handled
   as the Triton kernel does, and the default dispatch of ``moe_torch.grouped_gemm``. Timings:
   ``benchmarks/probe_gluon_gemm.py``.
+
+The per-token x per-channel ("rowwise") kernel of the same module (``grouped_gemm_gluon_fp8_rowwise``; NOT run on a
+GPU yet, compiled for sm_90a only; opt-in dispatch ``EPMOE_TRITON_GLUON_FP8_ROWWISE=1``): compiled for sm_90a at
+E = 32 / 256 and block_n 128 / 256 (spills: 0 at E = 32, a few bytes at E = 256), its host refusals,
+``gluon_fp8_rowwise_eligible`` off on the CPU and with the switch off, and GPU tests written for the next GPU session
+(T=1, empty experts, all rows on one expert, unowned head and tail, N tail, K = 208 / 200 not multiples of 128,
+E=256, decreasing offsets as the Triton kernel, the opt-in dispatch). ``--dtype fp8`` of the probe times it.
 """
 
 from __future__ import annotations
@@ -33,8 +40,12 @@ import json, os, subprocess, sys, tempfile
 import triton
 from moe_torch.ops.grouped_gemm import gluon as G
 out = {}
-for stages, E in ((4, 32), (5, 256)):
-    c = G.compile_sm90(num_stages=stages, E=E)
+jobs = [(f"{s}-stages-E{E}", lambda s=s, E=E: G.compile_sm90(num_stages=s, E=E)) for s, E in ((4, 32), (5, 256))]
+jobs += [(f"rowwise-bn{bn}-{s}-stages-E{E}",
+          lambda s=s, E=E, bn=bn: G.compile_sm90_rowwise(num_stages=s, E=E, block_n=bn))
+         for bn, s in ((128, 4), (256, 4)) for E in (32, 256)]
+for key, make in jobs:
+    c = make()
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         open(os.path.join(d, "k.ptx"), "w").write(c.asm["ptx"])
@@ -43,7 +54,7 @@ for stages, E in ((4, 32), (5, 256)):
                                os.path.join(d, "k.o")], capture_output=True, text=True)
         sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", os.path.join(d, "k.cubin")],
                               capture_output=True, text=True).stdout
-    out[f"{stages}-stages-E{E}"] = {"ptx": c.asm["ptx"], "ptxas": info.stdout + info.stderr,
+    out[key] = {"ptx": c.asm["ptx"], "ptxas": info.stdout + info.stderr,
                                     "ptxas_rc": info.returncode,
                    "sass_waits": sorted({l.split("DEPBAR")[1].split(";")[0].strip() for l in sass.splitlines()
                                          if "WARPGROUP.DEPBAR" in l}),
@@ -72,6 +83,8 @@ def compiled():
 
 def test_compiles_for_sm90a(compiled):
     for stages, c in compiled.items():
+        if stages.startswith("rowwise"):
+            continue
         ptx = c["ptx"]
         assert ".target sm_90a" in ptx, stages
         assert "cp.async.bulk.tensor" in ptx, stages  # TMA loads
@@ -86,6 +99,33 @@ def test_compiles_for_sm90a(compiled):
         assert spill == 0 if stages.endswith("E32") else spill <= 64, c["ptxas"]
         assert "0x1" in " ".join(c["sass_waits"]), c["sass_waits"]
         assert c["shared"] <= 227 * 1024, c["shared"]
+
+
+def test_rowwise_compiles_for_sm90a(compiled):
+    """The rowwise kernel for sm_90a: TMA, FP8 wgmma (n128 / n256), one wgmma left in flight (wait_group 1, SASS
+    ``DEPBAR.LE gsb0, 0x1``), setmaxnreg; ptxas rc 0, no C7514; no spill at E = 32 with either tile, a few bytes at
+    E = 256 (triton 3.6.0: 16 bytes with either tile); shared memory <= 227 KiB."""
+    keys = [k for k in compiled if k.startswith("rowwise")]
+    assert len(keys) == 4, list(compiled)
+    spills = {}
+    for key in keys:
+        c = compiled[key]
+        ptx = c["ptx"]
+        bn = 256 if "bn256" in key else 128
+        assert ".target sm_90a" in ptx, key
+        assert "cp.async.bulk.tensor" in ptx, key
+        assert f"wgmma.mma_async.sync.aligned.m64n{bn}k32.f32.e4m3.e4m3" in ptx, key
+        assert "wgmma.wait_group.sync.aligned 1" in ptx, key
+        assert "mbarrier.try_wait" in ptx and "mbarrier.arrive" in ptx, key
+        assert "setmaxnreg" in ptx, key
+        assert c["ptxas_rc"] == 0, c["ptxas"]
+        assert "C7514" not in c["ptxas"], c["ptxas"]
+        spill = int(c["ptxas"].split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
+        spills[key] = spill
+        assert spill == 0 if key.endswith("E32") else spill <= 64, c["ptxas"]
+        assert "0x1" in " ".join(c["sass_waits"]), c["sass_waits"]
+        assert c["shared"] <= 227 * 1024, c["shared"]
+    print("rowwise spills (bytes):", spills)
 
 
 def _inputs(M=4, E=2, N=160, K=256, device="cpu"):
@@ -153,6 +193,85 @@ def test_refuses_bad_num_stages_after_device_check_order():
     # the device check comes first on a CPU: num_stages is checked only for a usable device
     with pytest.raises(NotImplementedError):
         _call(*_inputs(), num_stages=9)
+
+
+# ------------------------------------------------------------------------------- rowwise: host refusals on a CPU
+OP_RW = "grouped_gemm_gluon_fp8_rowwise"
+
+
+def _inputs_rw(M=4, E=2, N=160, K=208, device="cpu"):
+    x = torch.zeros(M, K, dtype=torch.float8_e4m3fn, device=device)
+    w = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn, device=device)
+    off = torch.tensor([0] + [M] * E, dtype=torch.int32, device=device)
+    return x, w, off, torch.ones(M, 1, device=device), torch.ones(E, N, device=device)
+
+
+def _call_rw(*args, **kwargs):
+    return gluon_mod.grouped_gemm_gluon_fp8_rowwise(*args, **kwargs)
+
+
+@pytest.mark.parametrize("which, dtype", [
+    ("x_q", torch.bfloat16), ("w_q", torch.float8_e5m2), ("x_scale", torch.bfloat16), ("w_scale", torch.float16),
+    ("expert_offsets", torch.int64)])
+def test_rowwise_refuses_dtypes(which, dtype):
+    x, w, off, xs, ws = _inputs_rw()
+    args = dict(x_q=x, w_q=w, expert_offsets=off, x_scale=xs, w_scale=ws)
+    args[which] = args[which].to(dtype)
+    with pytest.raises(TypeError, match=f"{OP_RW}: {which} must be of dtype"):
+        _call_rw(**args)
+
+
+def test_rowwise_refuses_out_dtype():
+    with pytest.raises(TypeError, match=f"{OP_RW}: out_dtype must be torch.bfloat16"):
+        _call_rw(*_inputs_rw(), out_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("K", [200, 8, 0])
+def test_rowwise_refuses_k_not_multiple_of_16(K):
+    x, w, off, xs, ws = _inputs_rw(K=K)
+    pattern = f"{OP_RW}: x_q must be of K = shape\\[1\\] a positive multiple of 16.*K = {K}"
+    with pytest.raises(ValueError, match=pattern):
+        _call_rw(x, w, off, xs, ws)
+
+
+@pytest.mark.parametrize("which, shape, pattern", [
+    ("w_q", (2, 160, 192), "w_q must be \\[E, N, K\\] with K"),
+    ("expert_offsets", (4,), "expert_offsets must be of shape \\[E \\+ 1\\]"),
+    ("x_scale", (4, 2), "x_scale must be of shape \\[M_cap, 1\\]"),
+    ("x_scale", (4,), "x_scale must be 2-D"),
+    ("w_scale", (2, 2, 1), "w_scale must be 2-D"),
+    ("w_scale", (2, 159), "w_scale must be of shape \\[E, N\\]")])
+def test_rowwise_refuses_shapes(which, shape, pattern):
+    x, w, off, xs, ws = _inputs_rw()
+    args = dict(x_q=x, w_q=w, expert_offsets=off, x_scale=xs, w_scale=ws)
+    args[which] = torch.zeros(shape, dtype=args[which].dtype)
+    with pytest.raises(ValueError, match=f"{OP_RW}: {pattern}"):
+        _call_rw(**args)
+
+
+def test_rowwise_refuses_non_contiguous():
+    x, w, off, xs, ws = _inputs_rw()
+    ws = torch.ones(160, 2).t()
+    with pytest.raises(ValueError, match=f"{OP_RW}: w_scale must be contiguous"):
+        _call_rw(x, w, off, xs, ws)
+
+
+def test_rowwise_refuses_non_cuda_device():
+    with pytest.raises(NotImplementedError, match=f"{OP_RW}: x_q .*CUDA device of compute capability \\(9, 0\\).*cpu"):
+        _call_rw(*_inputs_rw())
+
+
+def test_rowwise_not_eligible_on_cpu_or_switched_off(monkeypatch):
+    """Never picked on a CPU (switch on or off), nor with the switch off (its default: opt-in)."""
+    import moe_torch.ops.grouped_gemm.triton as gemm_triton
+    from moe_torch.ops import triton_common
+
+    x, w, off, xs, ws = _inputs_rw(M=4096)
+    monkeypatch.delenv(triton_common.GLUON_FP8_ROWWISE_ENV, raising=False)
+    assert not triton_common.gluon_fp8_rowwise_enabled()
+    assert not gemm_triton.gluon_fp8_rowwise_eligible(x, w, off, xs, ws, torch.bfloat16)
+    monkeypatch.setenv(triton_common.GLUON_FP8_ROWWISE_ENV, "1")
+    assert not gemm_triton.gluon_fp8_rowwise_eligible(x, w, off, xs, ws, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------- on an sm_90 GPU
@@ -248,3 +367,90 @@ def test_not_eligible_off_sm90():
 
     x, w, off, xs, ws = _inputs(M=4096)
     assert not gemm_triton.gluon_fp8_block_eligible(x, w, off, xs, ws, torch.bfloat16)
+
+
+# ------------------------------------------------------------ rowwise on an sm_90 GPU (not run yet: written blind)
+
+def _problem_rw(sizes, N, K, *, lead=0, tail=0, offsets=None, seed=0):
+    import moe_torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    E = len(sizes) if offsets is None else len(offsets) - 1
+    M_cap = lead + int(sum(sizes)) + tail if offsets is None else max(offsets) + tail
+    x = torch.randn(M_cap, K, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(E, N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
+    xq, xs = moe_torch.per_token_quant_fp8(x)
+    wq, ws = moe_torch.quantize_weight_fp8(w, "per_channel")
+    if offsets is None:
+        offsets = [lead + int(v) for v in [0, *torch.tensor(sizes).cumsum(0).tolist()]]
+    return (xq.contiguous(), wq.contiguous(), torch.tensor(offsets, dtype=torch.int32, device="cuda"),
+            xs.contiguous(), ws.contiguous())
+
+
+_E256_SIZES = [int(v) for v in torch.randint(0, 40, (256,), generator=torch.Generator().manual_seed(3))]
+_RW_CASES = [
+    ("M1-one-expert", dict(sizes=[0, 1, 0, 0], N=256, K=256)),
+    ("empty-and-tail", dict(sizes=[100, 0, 300, 0, 57], N=160, K=512, lead=37, tail=50)),
+    ("all-on-one-expert", dict(sizes=[0, 0, 1000, 0], N=384, K=384)),
+    ("K208-tail", dict(sizes=[64, 300, 5], N=200, K=208)),
+    ("K16-one-box", dict(sizes=[130, 7], N=136, K=16)),
+    ("K1040-tail", dict(sizes=[257, 0, 129], N=512, K=1040, tail=3)),
+    ("E256-ragged", dict(sizes=_E256_SIZES, N=256, K=256)),
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("block_n, stages", [(128, 4), (256, 4), (128, 6), (256, 2)])
+@pytest.mark.parametrize("name, spec", _RW_CASES, ids=[c[0] for c in _RW_CASES])
+def test_rowwise_matches_reference(name, spec, block_n, stages):
+    """Random per-token x per-channel FP8 problems against the reference, both tile widths: within the FP8
+    tolerance, unowned rows exactly 0, everything finite."""
+    import moe_torch
+    from tolerances import FP8_REL_FRO, assert_rel_fro
+
+    xq, wq, off, xs, ws = _problem_rw(**spec)
+    y = gluon_mod.grouped_gemm_gluon_fp8_rowwise(xq, wq, off, xs, ws, num_stages=stages, block_n=block_n)
+    ref = moe_torch.grouped_gemm(xq, wq, off, x_scale=xs, w_scale=ws, out_dtype=torch.bfloat16,
+                                 implementation="reference")
+    lo, hi = int(off[0]), int(off[-1])
+    assert torch.isfinite(y.float()).all()
+    assert_rel_fro(y[lo:hi].float(), ref[lo:hi].float(), FP8_REL_FRO, f"{name} bn{block_n} s{stages}")
+    assert not y[:lo].any() and not y[hi:].any()
+
+
+@needs_sm90
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_rowwise_decreasing_offsets_as_triton(block_n, monkeypatch):
+    """Decreasing offsets ``[0, 48, 0, 64, 60]``: the rows the Triton kernel assigns (running max), rows >= 64 zero."""
+    import moe_torch.ops.grouped_gemm.triton as gemm_triton
+    from tolerances import FP8_REL_FRO, assert_rel_fro
+
+    monkeypatch.delenv("EPMOE_TRITON_GLUON_FP8_ROWWISE", raising=False)
+    xq, wq, off, xs, ws = _problem_rw([], 256, 208, offsets=[0, 48, 0, 64, 60], tail=20)
+    y = gluon_mod.grouped_gemm_gluon_fp8_rowwise(xq, wq, off, xs, ws, block_n=block_n)
+    t = gemm_triton.grouped_gemm_triton(xq, wq, off, xs, ws, torch.bfloat16)
+    assert torch.equal(torch.isnan(y), torch.isnan(t))
+    assert_rel_fro(y.float(), t.float(), FP8_REL_FRO, "decreasing offsets")
+    assert not y[64:].any()
+
+
+@needs_sm90
+def test_rowwise_opt_in_dispatch(monkeypatch):
+    """``EPMOE_TRITON_GLUON_FP8_ROWWISE=1``: ``grouped_gemm(..., implementation="triton")`` of a per-token x
+    per-channel problem of >= GLUON_MIN_ROWS rows runs the rowwise kernel (bit-identical to calling it with the
+    launcher's defaults); unset (the default), a bias or fewer rows run the Triton kernel."""
+    import moe_torch
+    import moe_torch.ops.grouped_gemm.triton as gemm_triton
+
+    xq, wq, off, xs, ws = _problem_rw([1100, 0, 2500, 700], 256, 512)
+    monkeypatch.delenv("EPMOE_TRITON_GLUON_FP8_ROWWISE", raising=False)
+    assert not gemm_triton.gluon_fp8_rowwise_eligible(xq, wq, off, xs, ws, torch.bfloat16)
+    monkeypatch.setenv("EPMOE_TRITON_GLUON_FP8_ROWWISE", "1")
+    assert gemm_triton.gluon_fp8_rowwise_eligible(xq, wq, off, xs, ws, torch.bfloat16)
+    assert not gemm_triton.gluon_fp8_block_eligible(xq, wq, off, xs, ws, torch.bfloat16)
+    y = moe_torch.grouped_gemm(xq, wq, off, x_scale=xs, w_scale=ws, out_dtype=torch.bfloat16, implementation="triton")
+    assert torch.equal(y, gluon_mod.grouped_gemm_gluon_fp8_rowwise(xq, wq, off, xs, ws))
+    bias = torch.zeros(4, 256, device="cuda")
+    assert not gemm_triton.gluon_fp8_rowwise_eligible(xq, wq, off, xs, ws, torch.bfloat16, bias=bias)
+    assert not gemm_triton.gluon_fp8_rowwise_eligible(xq[:100].contiguous(), wq, off.clamp(max=100),
+                                                      xs[:100].contiguous(), ws, torch.bfloat16)

@@ -74,6 +74,23 @@ dispatch (``triton.py: gluon_fp8_block_eligible``) takes the E = 32 FP8-block to
 + TMA store epilogue, or the two warpgroups on different tiles). Register budgets: the producer partition has 4
 warps (one elected thread issues the TMA) so that its expert table fits 40 registers a thread (E = 256: 8 bytes of
 spill, ``ptxas -v``).
+
+Rowwise variant (per-token x per-channel FP8; :func:`grouped_gemm_gluon_fp8_rowwise`; NOT run on a GPU yet: compiled
+for sm_90a only, and opt-in, ``EPMOE_TRITON_GLUON_FP8_ROWWISE=1``)::
+
+    y[m, n] = (sum_k x_q[m, k] * w_q[e(m), n, k]) * x_scale[m, 0] * w_scale[e(m), n]      (float32 accumulation)
+
+``x_scale [M_cap, 1]``, ``w_scale [E, N]`` float32; ``K % 16 == 0`` (the last K box is zero-filled by TMA past ``K``);
+same rows, running max and zeroing as above. The same producer and schedule; each consumer chains the K blocks'
+``wgmma`` into one accumulator with one in flight (wait(1) after issuing block ``kb``, then release block ``kb - 1``'s
+stage), no promotion (the whole K sum stays in the tensor cores' FP8 accumulation, as ``torch._scaled_mm(...,
+use_fast_accum=True)``; the Triton kernel promotes every 128 K values: compare their errors on the GPU), and scales
+once in the epilogue. ``block_n`` 128 (default) or 256 (128 x 256 tiles, 48 KiB a
+stage). Compile facts (triton 3.6.0, ``ptxas -v``, 4 stages, 168 registers, setmaxnreg 232 / 232 / 40 as above):
+bytes of spill at E = 32 / 256: block_n 128: 0 / 16; block_n 256: 0 / 16 (``tests/test_gluon_gemm.py``). The w
+scales of the epilogue are loaded compactly and spread with ``gl.convert_layout`` (scratch shared memory) after the last
+wait: loaded straight into the ``wgmma`` column layout, ptxas hoisted them over the last ``wgmma`` and spilled 336 /
+484 bytes at block_n 256.
 """
 
 from __future__ import annotations
@@ -168,17 +185,24 @@ def _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E: gl.const
 
 @gluon.jit
 def _producer(x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K,
-              BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr):
+              BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, BN: gl.constexpr = BLOCK_N,
+              K_TAIL: gl.constexpr = False):
+    """The TMA partition of both kernels: ``x`` as two [64, 128] boxes (one per consumer) and ``w`` as one
+    [BN, 128] box a stage, ``K // 128`` stages a tile, ``cdiv(K, 128)`` with ``K_TAIL`` (the rowwise kernel: a K
+    tail is zero-filled by TMA in ``x`` and ``w``; the FP8-block kernel keeps ``K // 128``, its PTX unchanged)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # this partition has 4 warps (one issues the TMA)
     incl, total = _expert_table(off_ptr, E, M_cap, BLOCK_E, layout)
-    n_cols = gl.cdiv(N, BLOCK_N)
-    KB = K // BLOCK_K
+    n_cols = gl.cdiv(N, BN)
+    if K_TAIL:
+        KB = gl.cdiv(K, BLOCK_K)
+    else:
+        KB = K // BLOCK_K
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     it = 0
     for tile in range(pid, total * n_cols, nprog):
         e, m0, s_e, t_e, pid_n = _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E, layout)
-        w_row = e * N + pid_n * BLOCK_N
+        w_row = e * N + pid_n * BN
         for kb in range(KB):
             st = it % NUM_STAGES
             ph = (it // NUM_STAGES) & 1
@@ -254,16 +278,28 @@ def _consumer(y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M
         mask = ((rows >= lo) & (rows < t_e))[:, None] & (cols < N)[None, :]
         ptrs = y_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :]
         gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
-    # rows no expert owns, [0, lo) and [hi, M_cap), are zeroed here (y is allocated empty): 64 x 128 blocks
-    # shared out over both warpgroups of every program; nothing to do when the experts own every row
+    _zero_unowned(y_ptr, off_ptr, E, M_cap, N, BLOCK_E, BLOCK_N, WG, vec, mma)
+
+
+@gluon.jit
+def _zero_unowned(y_ptr, off_ptr, E, M_cap, N, BLOCK_E: gl.constexpr, BN: gl.constexpr, WG: gl.constexpr,
+                  vec: gl.constexpr, mma: gl.constexpr):
+    """After a consumer's tiles: rows no expert owns, ``[0, lo)`` and ``[hi, M_cap)``, are zeroed (``y`` is allocated
+    empty) in 64 x ``BN`` blocks shared out over both warpgroups of every program; nothing to do when the experts
+    own every row."""
+    r = gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma))
+    c = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_cols = gl.cdiv(N, BN)
     lo_all, _ = _expert_rows_of(off_ptr, 0, E, M_cap, BLOCK_E, vec)
     _, hi_all = _expert_rows_of(off_ptr, E - 1, E, M_cap, BLOCK_E, vec)
     n_head = gl.cdiv(lo_all, HALF_M)
     n_tail = gl.cdiv(M_cap - hi_all, HALF_M)
-    zero_bf16 = gl.zeros([HALF_M, BLOCK_N], gl.bfloat16, layout=mma)
+    zero_bf16 = gl.zeros([HALF_M, BN], gl.bfloat16, layout=mma)
     for u in range(2 * pid + WG, (n_head + n_tail) * n_cols, 2 * nprog):
         blk = u // n_cols
-        cols = (u % n_cols) * BLOCK_N + c
+        cols = (u % n_cols) * BN + c
         in_head = blk < n_head
         first = gl.where(in_head, blk * HALF_M, hi_all + (blk - n_head) * HALF_M)
         end = gl.where(in_head, lo_all, M_cap)
@@ -291,13 +327,120 @@ def _grouped_gemm_fp8_block_kernel(x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, off_pt
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+# ------------------------------------------------------------------ per-token x per-channel FP8 ("rowwise")
+
+@gluon.jit
+def _consumer_rowwise(y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K,
+                      BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, BN: gl.constexpr, WG: gl.constexpr):
+    """One consumer warpgroup of the rowwise kernel: rows ``[m0 + WG * 64, m0 + WG * 64 + 64)`` x ``BN`` columns of
+    every tile. No promotion: the K blocks' ``wgmma`` chain into one float32 accumulator with one ``wgmma`` in
+    flight; the scales are applied once, in the epilogue."""
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    incl, total = _expert_table(off_ptr, E, M_cap, BLOCK_E, vec)
+    n_cols = gl.cdiv(N, BN)
+    KB = gl.cdiv(K, BLOCK_K)  # >= 1 (K >= 16 on the host); a K tail is zero in x and w (TMA fill)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    r = gl.arange(0, HALF_M, layout=row_l)
+    c = gl.arange(0, BN, layout=col_l)
+    it = 0  # stages consumed so far (the producer's ``it``, in the same order)
+    for tile in range(pid, total * n_cols, nprog):
+        e, m0, s_e, t_e, pid_n = _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E, vec)
+        # K block 0: a fresh accumulator (use_acc=False). The wait converts the async token into the loop-carried
+        # tensor and waits for nothing (it allows this one wgmma to stay in flight).
+        st = it % NUM_STAGES
+        mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
+        zero = gl.zeros([HALF_M, BN], gl.float32, layout=mma)  # ignored (use_acc=False)
+        tok = hopper.warpgroup_mma(a_bufs.index(2 * st + WG), b_bufs.index(st).permute((1, 0)), zero,
+                                   use_acc=False, is_async=True)
+        acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[tok])
+        for kb in range(1, KB):
+            nxt = it + 1
+            sn = nxt % NUM_STAGES
+            mbarrier.wait(ready.index(sn), (nxt // NUM_STAGES) & 1)
+            acc = hopper.warpgroup_mma(a_bufs.index(2 * sn + WG), b_bufs.index(sn).permute((1, 0)), acc,
+                                       use_acc=True, is_async=True)
+            # every wgmma but the one just issued has completed: block kb - 1's stage (``it``) is read, release it
+            acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+            mbarrier.arrive(empty.index(it % NUM_STAGES))
+            it = nxt
+        rows = m0 + WG * HALF_M + r
+        cols = pid_n * BN + c
+        # the w scales are loaded compactly (BN / 128 a thread) and spread to the wgmma column layout after the wait
+        # (loaded straight into it, 64 a thread at BN = 256, ptxas spilled them over the last wgmma)
+        wcols = pid_n * BN + gl.arange(0, BN, layout=vec)
+        ws_c = gl.load(ws_ptr + e.to(gl.int64) * N + wcols, mask=wcols < N, other=0.0)
+        xs = gl.load(xs_ptr + rows, mask=rows < M_cap, other=0.0)
+        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        mbarrier.arrive(empty.index(it % NUM_STAGES))  # the last block's stage
+        it += 1
+        ws = gl.convert_layout(ws_c, col_l)  # through scratch shared memory of this partition
+        out = acc * xs[:, None] * ws[None, :]
+        lo = gl.maximum(m0, s_e)
+        mask = ((rows >= lo) & (rows < t_e))[:, None] & (cols < N)[None, :]
+        gl.store(y_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], out.to(gl.bfloat16), mask=mask)
+    # zeroing in 64 x 128 blocks whatever BN, as the block kernel (half the registers of 64 x 256 blocks)
+    zl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    _zero_unowned(y_ptr, off_ptr, E, M_cap, N, BLOCK_E, BLOCK_N, WG, vec, zl)
+
+
+@gluon.jit
+def _grouped_gemm_fp8_rowwise_kernel(x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, off_ptr, E, M_cap, N, K,
+                                     BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, BN: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * NUM_STAGES, HALF_M, BLOCK_K], x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BN, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)  # the producer's expect + the TMA transaction bytes
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    gl.warp_specialize([
+        (_consumer_rowwise, (y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E,
+                             NUM_STAGES, BN, 0)),
+        (_consumer_rowwise, (y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E,
+                             NUM_STAGES, BN, 1)),
+        (_producer, (x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E, NUM_STAGES,
+                     BN, True)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 def block_e(E: int) -> int:
     """Vector width of the per-expert table: a power of two >= E, at least 32 (one warp): 256 lanes at E = 256."""
     return max(32, triton.next_power_of_2(E))
 
 
-def _fail(exc, arg: str, expected: str, got) -> None:
-    raise exc(f"{OP}: {arg} must be {expected}, got {got}")
+def _fail(exc, arg: str, expected: str, got, op: str = OP) -> None:
+    raise exc(f"{op}: {arg} must be {expected}, got {got}")
+
+
+def _check_placement(op: str, tensors: dict, M_cap: int, E: int, N: int) -> None:
+    """The refusals both launchers share, after the dtypes and shapes: contiguity, one device, a CUDA device of
+    compute capability (9, 0), int32 TMA coordinates, 16-byte aligned ``x_q`` / ``w_q`` (TMA)."""
+    for name, tns in tensors.items():
+        if not tns.is_contiguous():
+            _fail(ValueError, name, "contiguous", f"strides {tuple(tns.stride())}", op)
+    devices = {tns.device for tns in tensors.values()}
+    if len(devices) != 1:
+        _fail(ValueError, "x_q, w_q, expert_offsets, x_scale, w_scale", "on one device", sorted(map(str, devices)),
+              op)
+    x_q, w_q = tensors["x_q"], tensors["w_q"]
+    dev = x_q.device
+    if dev.type != "cuda":
+        raise NotImplementedError(f"{op}: x_q (and every input) must be on a CUDA device of compute capability "
+                                  f"(9, 0) (sm_90a: wgmma, TMA, setmaxnreg), got device {dev}")
+    cap = torch.cuda.get_device_capability(dev)
+    if tuple(cap) != (9, 0):
+        raise NotImplementedError(f"{op}: x_q must be on a CUDA device of compute capability (9, 0) (sm_90a), "
+                                  f"got {tuple(cap)} ({torch.cuda.get_device_name(dev)})")
+    if M_cap >= 2**31 or E * N >= 2**31:
+        raise NotImplementedError(f"{op}: x_q rows (M_cap = {M_cap}) and w_q rows (E * N = {E * N}) must be below "
+                                  "2**31 (int32 TMA coordinates)")
+    for name, tns in (("x_q", x_q), ("w_q", w_q)):
+        if tns.data_ptr() % 16 != 0:
+            _fail(ValueError, name, "16-byte aligned (TMA)", f"address {tns.data_ptr():#x}", op)
 
 
 def check_inputs(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype) -> None:
@@ -336,26 +479,7 @@ def check_inputs(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype) -> None:
     if tuple(w_scale.shape) != (E, nb, K // _BK):
         _fail(ValueError, "w_scale", f"of shape [E, ceil(N / 128), K // 128] = [{E}, {nb}, {K // _BK}]",
               f"shape {tuple(w_scale.shape)}")
-    for name, tns in tensors.items():
-        if not tns.is_contiguous():
-            _fail(ValueError, name, "contiguous", f"strides {tuple(tns.stride())}")
-    devices = {tns.device for tns in tensors.values()}
-    if len(devices) != 1:
-        _fail(ValueError, "x_q, w_q, expert_offsets, x_scale, w_scale", "on one device", sorted(map(str, devices)))
-    dev = x_q.device
-    if dev.type != "cuda":
-        raise NotImplementedError(f"{OP}: x_q (and every input) must be on a CUDA device of compute capability "
-                                  f"(9, 0) (sm_90a: wgmma, TMA, setmaxnreg), got device {dev}")
-    cap = torch.cuda.get_device_capability(dev)
-    if tuple(cap) != (9, 0):
-        raise NotImplementedError(f"{OP}: x_q must be on a CUDA device of compute capability (9, 0) (sm_90a), "
-                                  f"got {tuple(cap)} ({torch.cuda.get_device_name(dev)})")
-    if M_cap >= 2**31 or E * N >= 2**31:
-        raise NotImplementedError(f"{OP}: x_q rows (M_cap = {M_cap}) and w_q rows (E * N = {E * N}) must be below "
-                                  "2**31 (int32 TMA coordinates)")
-    for name, tns in (("x_q", x_q), ("w_q", w_q)):
-        if tns.data_ptr() % 16 != 0:
-            _fail(ValueError, name, "16-byte aligned (TMA)", f"address {tns.data_ptr():#x}")
+    _check_placement(OP, tensors, M_cap, E, N)
 
 
 def grouped_gemm_gluon_fp8_block(x_q: torch.Tensor, w_q: torch.Tensor, expert_offsets: torch.Tensor,
@@ -402,3 +526,126 @@ def compile_sm90(num_stages: int = 4, E: int = 32):
     src = GluonASTSource(fn=_grouped_gemm_fp8_block_kernel, signature=sig,
                          constexprs={"BLOCK_E": block_e(E), "NUM_STAGES": num_stages})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
+
+
+def compile_sm90_rowwise(num_stages: int = 4, E: int = 32, block_n: int = 128):
+    """:func:`compile_sm90` for the rowwise kernel (``block_n`` 128 or 256)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    lay = _x_layout()
+    sig = {"x_desc": f"tensordesc<fp8e4nv[{_HM}, {_BK}],{lay!r}>",
+           "w_desc": f"tensordesc<fp8e4nv[{block_n}, {_BK}],{lay!r}>",
+           "y_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "off_ptr": "*i32", "E": "i32", "M_cap": "i32",
+           "N": "i32", "K": "i32", "BLOCK_E": "constexpr", "NUM_STAGES": "constexpr", "BN": "constexpr"}
+    src = GluonASTSource(fn=_grouped_gemm_fp8_rowwise_kernel, signature=sig,
+                         constexprs={"BLOCK_E": block_e(E), "NUM_STAGES": num_stages, "BN": block_n})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
+
+
+OP_ROWWISE = "grouped_gemm_gluon_fp8_rowwise"
+
+
+def check_inputs_rowwise(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype) -> None:
+    """Every host-side refusal of :func:`grouped_gemm_gluon_fp8_rowwise`, before any launch (messages name
+    ``grouped_gemm_gluon_fp8_rowwise``, the argument, the expectation and what came): ``TypeError`` for a wrong type
+    or dtype (``x_q`` / ``w_q`` not float8_e4m3fn, scales not float32, offsets not int32, ``out_dtype`` not
+    bfloat16); ``ValueError`` for shapes (ranks, ``K`` of ``x_q`` vs ``w_q``, ``K`` not a positive multiple of 16 (TMA
+    row strides of ``K`` bytes), ``x_scale`` not ``[M_cap, 1]``, ``w_scale`` not ``[E, N]``, ``expert_offsets`` not
+    ``[E + 1]``, more than 4095 experts), non-contiguous tensors, tensors on different devices, a base address not
+    16-byte aligned; ``NotImplementedError`` off a CUDA device of compute capability (9, 0), and for ``M_cap`` or
+    ``E * N`` of 2**31 or more."""
+    op = OP_ROWWISE
+    fp8 = torch.float8_e4m3fn
+    tensors = {"x_q": x_q, "w_q": w_q, "expert_offsets": expert_offsets, "x_scale": x_scale, "w_scale": w_scale}
+    for name, tns in tensors.items():
+        if not isinstance(tns, torch.Tensor):
+            _fail(TypeError, name, "a torch.Tensor", type(tns).__name__, op)
+    for name, tns, dt in (("x_q", x_q, fp8), ("w_q", w_q, fp8), ("x_scale", x_scale, torch.float32),
+                          ("w_scale", w_scale, torch.float32), ("expert_offsets", expert_offsets, torch.int32)):
+        if tns.dtype != dt:
+            _fail(TypeError, name, f"of dtype {dt}", tns.dtype, op)
+    if out_dtype != torch.bfloat16:
+        _fail(TypeError, "out_dtype", "torch.bfloat16", out_dtype, op)
+    for name, tns, rank in (("x_q", x_q, 2), ("w_q", w_q, 3), ("expert_offsets", expert_offsets, 1),
+                            ("x_scale", x_scale, 2), ("w_scale", w_scale, 2)):
+        if tns.dim() != rank:
+            _fail(ValueError, name, f"{rank}-D", f"shape {tuple(tns.shape)}", op)
+    M_cap, K = x_q.shape
+    E, N, Kw = w_q.shape
+    if Kw != K:
+        _fail(ValueError, "w_q", f"[E, N, K] with K = x_q.shape[1] = {K}", f"shape {tuple(w_q.shape)}", op)
+    if K % 16 != 0 or K == 0:
+        _fail(ValueError, "x_q", "of K = shape[1] a positive multiple of 16 (TMA: rows of K bytes, 16-byte strides)",
+              f"K = {K}", op)
+    if E < 1 or N < 1:
+        _fail(ValueError, "w_q", "of E >= 1 and N >= 1", f"shape {tuple(w_q.shape)}", op)
+    if E > _MAX_EXPERTS:
+        _fail(ValueError, "w_q", f"of at most {_MAX_EXPERTS} experts", f"E = {E}", op)
+    if tuple(expert_offsets.shape) != (E + 1,):
+        _fail(ValueError, "expert_offsets", f"of shape [E + 1] = [{E + 1}]", f"shape {tuple(expert_offsets.shape)}",
+              op)
+    if tuple(x_scale.shape) != (M_cap, 1):
+        _fail(ValueError, "x_scale", f"of shape [M_cap, 1] = [{M_cap}, 1] (one scale per token)",
+              f"shape {tuple(x_scale.shape)}", op)
+    if tuple(w_scale.shape) != (E, N):
+        _fail(ValueError, "w_scale", f"of shape [E, N] = [{E}, {N}] (one scale per output channel)",
+              f"shape {tuple(w_scale.shape)}", op)
+    _check_placement(op, tensors, M_cap, E, N)
+
+
+#: Shared memory a stage of the rowwise kernel: x (128 x 128 FP8) + w (BN x 128 FP8), by ``block_n``; the ring's
+#: depth is bounded by Hopper's 227 KiB a block.
+_ROWWISE_MAX_STAGES = {128: 6, 256: 4}
+
+
+def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_offsets: torch.Tensor,
+                                   x_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype=torch.bfloat16, *,
+                                   num_stages: int = 4, block_n: int = 128,
+                                   num_sms: int | None = None) -> torch.Tensor:
+    """``y [M_cap, N]`` bf16 of the per-token x per-channel FP8 grouped GEMM ("rowwise"; NOT run on a GPU yet:
+    compiled for sm_90a only; opt-in dispatch, ``EPMOE_TRITON_GLUON_FP8_ROWWISE=1``)::
+
+        y[m, n] = (sum_k x_q[m, k] * w_q[e(m), n, k]) * x_scale[m, 0] * w_scale[e(m), n]   (float32 accumulation)
+
+    ``x_q [M_cap, K]`` float8_e4m3fn, ``x_scale [M_cap, 1]`` float32 (``per_token_quant_fp8``); ``w_q [E, N, K]``
+    float8_e4m3fn, ``w_scale [E, N]`` float32 (``quantize_weight_fp8(w, "per_channel")``); ``expert_offsets
+    [E + 1]`` int32 with the row ownership, running-max and zeroing of the FP8-block kernel (module docstring). ``K``
+    a multiple of 16 (not of 128: the last K box is zero-filled by TMA past ``K`` in ``x`` and ``w``, so the product
+    is exact). Refusals: :func:`check_inputs_rowwise`; ``ValueError`` for ``block_n`` not 128 / 256 or
+    ``num_stages`` outside ``[2, 6]`` (``[2, 4]`` at ``block_n = 256``: 48 KiB a stage).
+
+    Design: the FP8-block kernel's producer (TMA) partition, expert-aligned tiles, grouped persistent schedule and
+    zeroing; 128 x ``block_n`` tiles, two 64-row consumer warpgroups. No promotion: each consumer chains the
+    ``warpgroup_mma`` of the K blocks into one float32 accumulator (``use_acc=False`` for block 0, then True) with
+    one ``wgmma`` in flight (``warpgroup_mma_wait(num_outstanding=1)`` after issuing block ``kb`` completes block
+    ``kb - 1``, whose stage is then released on ``empty``); the last block's stage is released after
+    ``warpgroup_mma_wait(0)``. The whole K sum stays in the tensor cores' FP8 accumulation (as
+    ``torch._scaled_mm(use_fast_accum=True)``; the Triton kernel instead promotes every 128 K values,
+    ``max_num_imprecise_acc=BLOCK_K``). Epilogue: ``acc * x_scale[rows][:, None] * w_scale[e, cols][None, :]`` to
+    bf16, masked pointer stores as the block kernel. ``block_n = 256``: 128 x 256 tiles (each consumer 64 x 256; no
+    spill at E = 32, 16 bytes at E = 256, ``tests/test_gluon_gemm.py``), likely the faster tile here (not timed)."""
+    check_inputs_rowwise(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype)
+    if block_n not in _ROWWISE_MAX_STAGES:
+        _fail(ValueError, "block_n", "128 or 256", block_n, OP_ROWWISE)
+    max_st = _ROWWISE_MAX_STAGES[block_n]
+    if not isinstance(num_stages, int) or not 2 <= num_stages <= max_st:
+        _fail(ValueError, "num_stages", f"an int in [2, {max_st}] ({(16 + block_n // 8)} KiB of shared memory a "
+              f"stage at block_n = {block_n})", num_stages, OP_ROWWISE)
+    M_cap, K = x_q.shape
+    E, N, _ = w_q.shape
+    dev = x_q.device
+    y = torch.empty((M_cap, N), dtype=out_dtype, device=dev)
+    if M_cap == 0:
+        return y
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    layout = _x_layout()
+    x_desc = TensorDescriptor.from_tensor(x_q, [_HM, _BK], layout)
+    w_desc = TensorDescriptor.from_tensor(w_q.view(E * N, K), [block_n, _BK], layout)
+    bound = (triton.cdiv(M_cap, _BM) + E) * triton.cdiv(N, block_n)
+    grid = (max(1, min(int(num_sms), bound)),)
+    _grouped_gemm_fp8_rowwise_kernel[grid](x_desc, w_desc, y, x_scale, w_scale, expert_offsets, E, M_cap, N, K,
+                                           BLOCK_E=block_e(E), NUM_STAGES=num_stages, BN=block_n, num_warps=4,
+                                           maxnreg=MAXNREG)
+    return y

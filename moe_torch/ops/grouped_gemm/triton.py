@@ -159,7 +159,7 @@ from moe_torch.ops.grouped_gemm.config import W_SCALE_BLOCK, GroupedGemmConfig, 
 from moe_torch.ops.quant.reference import FP8_DTYPE
 from moe_torch.ops import triton_interpret
 from moe_torch.ops.triton_common import (MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device,
-                                         gluon_fp8_block_enabled)
+                                         gluon_fp8_block_enabled, gluon_fp8_rowwise_enabled)
 
 #: ``x_scale`` layout -> the kernel's ``X_SCALE`` constexpr.
 X_SCALE_CODES = {None: 0, "per_tensor": 1, "per_token": 2, "per_token_group": 3}
@@ -783,7 +783,9 @@ def grouped_gemm_triton(
     Without ``config``, an FP8 request with 1 x 128 activation groups and 128 x 128 weight blocks that
     :func:`gluon_fp8_block_eligible` accepts (sm_90, bf16 out, no bias, contiguous, ``M_cap >=`` :data:`GLUON_MIN_ROWS`)
     runs the warp-specialized Gluon kernel instead (``moe_torch/ops/grouped_gemm/gluon.py``; same contract, same
-    rows, its own zeroing of the unowned rows); ``EPMOE_TRITON_GLUON_FP8_BLOCK=0`` keeps this module's kernel.
+    rows, its own zeroing of the unowned rows); ``EPMOE_TRITON_GLUON_FP8_BLOCK=0`` keeps this module's kernel. Likewise,
+    opt-in only (``EPMOE_TRITON_GLUON_FP8_ROWWISE=1``; not run on a GPU yet), FP8 per-token x per-channel requests
+    that :func:`gluon_fp8_rowwise_eligible` accepts run ``gluon.py: grouped_gemm_gluon_fp8_rowwise``.
 
     ``y`` is allocated here (``torch.empty``): the kernel writes the owned rows, then :func:`zero_unowned_rows`
     zeroes the rows no expert owns (outside ``[offsets[0], offsets[-1])``), no memset of the whole result. The
@@ -802,6 +804,11 @@ def grouped_gemm_triton(
 
         return grouped_gemm_gluon_fp8_block(x, w, expert_offsets, x_scale, w_scale, out_dtype,
                                             num_stages=GLUON_STAGES)
+    if config is None and gluon_fp8_rowwise_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format,
+                                                     bias):
+        from moe_torch.ops.grouped_gemm.gluon import grouped_gemm_gluon_fp8_rowwise
+
+        return grouped_gemm_gluon_fp8_rowwise(x, w, expert_offsets, x_scale, w_scale, out_dtype)
     out = torch.empty((x.shape[0], w.shape[1]), dtype=out_dtype, device=x.device)
     out = _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config, w_format, bias)
     return zero_unowned_rows(out, expert_offsets)
@@ -823,29 +830,49 @@ def _gluon_available() -> bool:
     return True
 
 
-def gluon_fp8_block_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> bool:
-    """Whether :func:`grouped_gemm_triton` (no explicit config) runs this request on the Gluon kernel
-    (``moe_torch/ops/grouped_gemm/gluon.py``): :data:`triton_common.GLUON_FP8_BLOCK_ENV` on (the default); FP8 ``x``
-    with 1 x 128 group scales ``[M_cap, K / 128]`` and ``w [E, N, K]`` with 128 x 128 block scales; bf16 out; no bias,
-    no 4-bit weights; every tensor contiguous on one CUDA device of compute capability (9, 0); ``M_cap >=``
-    :data:`GLUON_MIN_ROWS`; at most 4095 experts. Anything else runs the Triton kernel. Host-side only (no sync)."""
+def _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias) -> bool:
+    """What both Gluon kernels need (host-side only, no sync): FP8 ``x`` and ``w`` with float32 scales, bf16 out, no
+    bias, no 4-bit weights, every tensor contiguous on ``x``'s CUDA device of compute capability (9, 0), int32
+    offsets, ``M_cap >=`` :data:`GLUON_MIN_ROWS`, at most 4095 experts, ``K % 16 == 0`` (TMA row strides)."""
     if (w_format is not None or bias is not None or out_dtype != torch.bfloat16 or not x.is_cuda
             or x.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE or x_scale is None or w_scale is None):
         return False
     M_cap, K = x.shape
-    E = w.shape[0]
-    if M_cap < GLUON_MIN_ROWS or K % W_SCALE_BLOCK != 0 or E > _MAX_EXPERTS or x_scale.ndim != 2 or w_scale.ndim != 3:
-        return False
-    if x_scale.shape[1] != K // W_SCALE_BLOCK:  # 1 x 128 groups only
+    if M_cap < GLUON_MIN_ROWS or K % 16 != 0 or w.shape[0] > _MAX_EXPERTS:
         return False
     tensors = (x, w, expert_offsets, x_scale, w_scale)
-    if any(not t.is_contiguous() or t.device != x.device for t in tensors) or x_scale.dtype != torch.float32:
+    if any(not t.is_contiguous() or t.device != x.device for t in tensors):
         return False
-    if w_scale.dtype != torch.float32 or expert_offsets.dtype != torch.int32:
+    if x_scale.dtype != torch.float32 or w_scale.dtype != torch.float32 or expert_offsets.dtype != torch.int32:
         return False
-    if tuple(torch.cuda.get_device_capability(x.device)) != (9, 0):
+    return tuple(torch.cuda.get_device_capability(x.device)) == (9, 0) and _gluon_available()
+
+
+def gluon_fp8_block_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> bool:
+    """Whether :func:`grouped_gemm_triton` (no explicit config) runs this request on the Gluon kernel
+    (``moe_torch/ops/grouped_gemm/gluon.py``): :data:`triton_common.GLUON_FP8_BLOCK_ENV` on (the default); FP8 ``x``
+    with 1 x 128 group scales ``[M_cap, K / 128]`` and ``w [E, N, K]`` with 128 x 128 block scales; and what
+    :func:`_gluon_eligible` asks (bf16 out, no bias, sm_90, contiguous, ``M_cap >=`` :data:`GLUON_MIN_ROWS`).
+    Anything else runs the Triton kernel. Host-side only (no sync)."""
+    if not _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias):
         return False
-    return gluon_fp8_block_enabled() and _gluon_available()
+    K = x.shape[1]
+    if K % W_SCALE_BLOCK != 0 or x_scale.ndim != 2 or w_scale.ndim != 3 or x_scale.shape[1] != K // W_SCALE_BLOCK:
+        return False  # 1 x 128 groups and 128 x 128 blocks only
+    return gluon_fp8_block_enabled()
+
+
+def gluon_fp8_rowwise_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> bool:
+    """Whether :func:`grouped_gemm_triton` (no explicit config) runs this request on the Gluon rowwise kernel
+    (``gluon.py: grouped_gemm_gluon_fp8_rowwise``; compiled for sm_90a, NOT run on a GPU yet):
+    :data:`triton_common.GLUON_FP8_ROWWISE_ENV` on (opt-in: off by default); FP8 ``x`` with per-token scales
+    ``[M_cap, 1]`` and ``w [E, N, K]`` with per-channel scales ``[E, N]``; and what :func:`_gluon_eligible` asks.
+    Host-side only (no sync)."""
+    if not _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias):
+        return False
+    if tuple(x_scale.shape) != (x.shape[0], 1) or tuple(w_scale.shape) != tuple(w.shape[:2]):
+        return False  # per token x per channel only
+    return gluon_fp8_rowwise_enabled()
 
 
 _E8M0_TABLES: dict[torch.device, torch.Tensor] = {}
