@@ -30,7 +30,8 @@ headings and the plots' titles say so, and the times measure the interpreters, n
 Backends (a backend that cannot run gives a row with ``error``, and the run goes on):
 
 - gemm (dtypes ``bf16``, ``fp8`` per-token x per-channel, ``fp8_block`` 1x128 x 128x128 blocks:
-  ``specs.GemmSpec``): ``ours-torch-triton`` (``moe_torch.grouped_gemm(implementation="triton")``),
+  ``specs.GemmSpec``): ``ours-torch-triton`` (``moe_torch.grouped_gemm(implementation="triton")``: its default
+  dispatch, so ``fp8_block`` rows of >= 4096 rows on sm_90 time the Gluon kernel, ``moe_torch/ops/grouped_gemm/gluon.py``),
   ``ours-jax-pallas_triton`` and ``ours-jax-pallas_mosaic_gpu`` (``moe_pallas.grouped_gemm``,
   jitted), ``torch._grouped_mm`` (bf16), ``torch._scaled_grouped_mm`` (fp8 rowwise; for ``fp8_block``
   a skip row: torch has no grouped GEMM with 1x128 x 128x128 float32 scales, :data:`FP8_BLOCK_NO_PEER`),

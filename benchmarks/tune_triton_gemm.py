@@ -188,12 +188,14 @@ def main() -> int:
             x, xs = per_token_group_quant_fp8(x, 128)
             w, ws = quantize_weight_fp8(w, "block")
             kw = dict(x_scale=xs, w_scale=ws)
-        refs = [grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16).float()
-                for off in offs]
         bits = 16 if dtype == "bf16" else 8
         block_k = 128 * 8 // bits
         x_group, w_block = (128, True) if dtype == "fp8_block" else (None, False)
         heur = heuristic_grouped_gemm_config(M, N, K, E, bits, x_group, w_block)
+        # the reference is this kernel at the heuristic config (an explicit config: without one, an FP8-block request
+        # on sm_90 would run the Gluon kernel, whose bf16 roundings may differ from this kernel's by an ulp)
+        refs = [grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16, heur).float()
+                for off in offs]
         run = lambda cfg, off: grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16,  # noqa: E731
                                                    cfg)
         heur_ms = sum(triton.testing.do_bench(lambda: run(heur, off), warmup=25, rep=100, return_mode="median")

@@ -141,22 +141,6 @@ def _call(*args, **kwargs):
     return gluon_mod.grouped_gemm_gluon_fp8_block(*args, **kwargs)
 
 
-@pytest.mark.parametrize("which, dtype, exc", [
-    ("x_q", torch.bfloat16, TypeError), ("w_q", torch.float8_e5m2, TypeError), ("x_scale", torch.bfloat16, TypeError),
-    ("w_scale", torch.float16, TypeError), ("expert_offsets", torch.int64, TypeError)])
-def test_refuses_dtypes(which, dtype, exc):
-    x, w, off, xs, ws = _inputs()
-    args = dict(x_q=x, w_q=w, expert_offsets=off, x_scale=xs, w_scale=ws)
-    args[which] = args[which].to(dtype)
-    with pytest.raises(exc, match=f"{OP}: {which} must be of dtype"):
-        _call(**args)
-
-
-def test_refuses_out_dtype():
-    with pytest.raises(TypeError, match=f"{OP}: out_dtype must be torch.bfloat16"):
-        _call(*_inputs(), out_dtype=torch.float16)
-
-
 def test_refuses_k_not_multiple_of_128():
     x, w, off, _, _ = _inputs(K=200)
     xs, ws = torch.ones(4, 1), torch.ones(2, 2, 1)
@@ -184,11 +168,6 @@ def test_refuses_non_contiguous():
         _call(x, w, off, xs, ws)
 
 
-def test_refuses_non_cuda_device():
-    with pytest.raises(NotImplementedError, match=f"{OP}: x_q .*CUDA device of compute capability \\(9, 0\\).*cpu"):
-        _call(*_inputs())
-
-
 def test_refuses_bad_num_stages_after_device_check_order():
     # the device check comes first on a CPU: num_stages is checked only for a usable device
     with pytest.raises(NotImplementedError):
@@ -208,22 +187,6 @@ def _inputs_rw(M=4, E=2, N=160, K=208, device="cpu"):
 
 def _call_rw(*args, **kwargs):
     return gluon_mod.grouped_gemm_gluon_fp8_rowwise(*args, **kwargs)
-
-
-@pytest.mark.parametrize("which, dtype", [
-    ("x_q", torch.bfloat16), ("w_q", torch.float8_e5m2), ("x_scale", torch.bfloat16), ("w_scale", torch.float16),
-    ("expert_offsets", torch.int64)])
-def test_rowwise_refuses_dtypes(which, dtype):
-    x, w, off, xs, ws = _inputs_rw()
-    args = dict(x_q=x, w_q=w, expert_offsets=off, x_scale=xs, w_scale=ws)
-    args[which] = args[which].to(dtype)
-    with pytest.raises(TypeError, match=f"{OP_RW}: {which} must be of dtype"):
-        _call_rw(**args)
-
-
-def test_rowwise_refuses_out_dtype():
-    with pytest.raises(TypeError, match=f"{OP_RW}: out_dtype must be torch.bfloat16"):
-        _call_rw(*_inputs_rw(), out_dtype=torch.float16)
 
 
 @pytest.mark.parametrize("K", [200, 8, 0])
@@ -256,9 +219,36 @@ def test_rowwise_refuses_non_contiguous():
         _call_rw(x, w, off, xs, ws)
 
 
-def test_rowwise_refuses_non_cuda_device():
-    with pytest.raises(NotImplementedError, match=f"{OP_RW}: x_q .*CUDA device of compute capability \\(9, 0\\).*cpu"):
-        _call_rw(*_inputs_rw())
+# ------------------------------------------------------------------ refusals both launchers share (CPU tensors)
+#: kernel name -> (op named in the messages, inputs on the CPU, launcher)
+LAUNCHERS = {"block": (OP, _inputs, _call), "rowwise": (OP_RW, _inputs_rw, _call_rw)}
+
+
+@pytest.mark.parametrize("kernel", sorted(LAUNCHERS))
+@pytest.mark.parametrize("which, dtype", [
+    ("x_q", torch.bfloat16), ("w_q", torch.float8_e5m2), ("x_scale", torch.bfloat16), ("w_scale", torch.float16),
+    ("expert_offsets", torch.int64)])
+def test_refuses_dtypes(kernel, which, dtype):
+    op, inputs, call = LAUNCHERS[kernel]
+    x, w, off, xs, ws = inputs()
+    args = dict(x_q=x, w_q=w, expert_offsets=off, x_scale=xs, w_scale=ws)
+    args[which] = args[which].to(dtype)
+    with pytest.raises(TypeError, match=f"{op}: {which} must be of dtype"):
+        call(**args)
+
+
+@pytest.mark.parametrize("kernel", sorted(LAUNCHERS))
+def test_refuses_out_dtype(kernel):
+    op, inputs, call = LAUNCHERS[kernel]
+    with pytest.raises(TypeError, match=f"{op}: out_dtype must be torch.bfloat16"):
+        call(*inputs(), out_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("kernel", sorted(LAUNCHERS))
+def test_refuses_non_cuda_device(kernel):
+    op, inputs, call = LAUNCHERS[kernel]
+    with pytest.raises(NotImplementedError, match=f"{op}: x_q .*CUDA device of compute capability \\(9, 0\\).*cpu"):
+        call(*inputs())
 
 
 def test_rowwise_not_eligible_on_cpu_or_switched_off(monkeypatch):

@@ -443,35 +443,46 @@ def _check_placement(op: str, tensors: dict, M_cap: int, E: int, N: int) -> None
             _fail(ValueError, name, "16-byte aligned (TMA)", f"address {tns.data_ptr():#x}", op)
 
 
-def check_inputs(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype) -> None:
-    """Every host-side refusal, before any launch (see the module docstring)."""
+def _check_common(op: str, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, *, w_scale_rank: int,
+                  k_multiple: int, k_why: str) -> tuple[dict, int, int, int, int]:
+    """The refusals both launchers share, up to their scale shapes: types, dtypes, ``out_dtype``, ranks, ``K`` of
+    ``x_q`` vs ``w_q`` and a positive multiple of ``k_multiple``, ``E``, ``N``, ``expert_offsets [E + 1]``.
+    Returns ``(tensors by name, M_cap, K, E, N)``."""
     fp8 = torch.float8_e4m3fn
     tensors = {"x_q": x_q, "w_q": w_q, "expert_offsets": expert_offsets, "x_scale": x_scale, "w_scale": w_scale}
     for name, tns in tensors.items():
         if not isinstance(tns, torch.Tensor):
-            _fail(TypeError, name, "a torch.Tensor", type(tns).__name__)
+            _fail(TypeError, name, "a torch.Tensor", type(tns).__name__, op)
     for name, tns, dt in (("x_q", x_q, fp8), ("w_q", w_q, fp8), ("x_scale", x_scale, torch.float32),
                           ("w_scale", w_scale, torch.float32), ("expert_offsets", expert_offsets, torch.int32)):
         if tns.dtype != dt:
-            _fail(TypeError, name, f"of dtype {dt}", tns.dtype)
+            _fail(TypeError, name, f"of dtype {dt}", tns.dtype, op)
     if out_dtype != torch.bfloat16:
-        _fail(TypeError, "out_dtype", "torch.bfloat16", out_dtype)
+        _fail(TypeError, "out_dtype", "torch.bfloat16", out_dtype, op)
     for name, tns, rank in (("x_q", x_q, 2), ("w_q", w_q, 3), ("expert_offsets", expert_offsets, 1),
-                            ("x_scale", x_scale, 2), ("w_scale", w_scale, 3)):
+                            ("x_scale", x_scale, 2), ("w_scale", w_scale, w_scale_rank)):
         if tns.dim() != rank:
-            _fail(ValueError, name, f"{rank}-D", f"shape {tuple(tns.shape)}")
+            _fail(ValueError, name, f"{rank}-D", f"shape {tuple(tns.shape)}", op)
     M_cap, K = x_q.shape
     E, N, Kw = w_q.shape
     if Kw != K:
-        _fail(ValueError, "w_q", f"[E, N, K] with K = x_q.shape[1] = {K}", f"shape {tuple(w_q.shape)}")
-    if K % _BK != 0 or K == 0:
-        _fail(ValueError, "x_q", "of K = shape[1] a positive multiple of 128 (the FP8 block size)", f"K = {K}")
+        _fail(ValueError, "w_q", f"[E, N, K] with K = x_q.shape[1] = {K}", f"shape {tuple(w_q.shape)}", op)
+    if K % k_multiple != 0 or K == 0:
+        _fail(ValueError, "x_q", f"of K = shape[1] a positive multiple of {k_multiple} ({k_why})", f"K = {K}", op)
     if E < 1 or N < 1:
-        _fail(ValueError, "w_q", "of E >= 1 and N >= 1", f"shape {tuple(w_q.shape)}")
+        _fail(ValueError, "w_q", "of E >= 1 and N >= 1", f"shape {tuple(w_q.shape)}", op)
     if E > _MAX_EXPERTS:
-        _fail(ValueError, "w_q", f"of at most {_MAX_EXPERTS} experts", f"E = {E}")
+        _fail(ValueError, "w_q", f"of at most {_MAX_EXPERTS} experts", f"E = {E}", op)
     if tuple(expert_offsets.shape) != (E + 1,):
-        _fail(ValueError, "expert_offsets", f"of shape [E + 1] = [{E + 1}]", f"shape {tuple(expert_offsets.shape)}")
+        _fail(ValueError, "expert_offsets", f"of shape [E + 1] = [{E + 1}]", f"shape {tuple(expert_offsets.shape)}",
+              op)
+    return tensors, M_cap, K, E, N
+
+
+def check_inputs(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype) -> None:
+    """Every host-side refusal, before any launch (see the module docstring)."""
+    tensors, M_cap, K, E, N = _check_common(OP, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype,
+                                            w_scale_rank=3, k_multiple=_BK, k_why="the FP8 block size")
     if tuple(x_scale.shape) != (M_cap, K // _BK):
         _fail(ValueError, "x_scale", f"of shape [M_cap, K // 128] = [{M_cap}, {K // _BK}]",
               f"shape {tuple(x_scale.shape)}")
@@ -480,6 +491,28 @@ def check_inputs(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype) -> None:
         _fail(ValueError, "w_scale", f"of shape [E, ceil(N / 128), K // 128] = [{E}, {nb}, {K // _BK}]",
               f"shape {tuple(w_scale.shape)}")
     _check_placement(OP, tensors, M_cap, E, N)
+
+
+def _launch(kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, block_n: int, num_stages: int,
+            num_sms: int | None, **constexprs) -> torch.Tensor:
+    """Allocate ``y [M_cap, N]`` (empty: the kernels write the owned rows and zero the rest), build the TMA descriptors
+    (``x`` in [64, 128] boxes, ``w`` viewed as ``[E * N, K]`` in [block_n, 128] boxes) and launch ``kernel`` on the
+    persistent grid ``min(num_sms, (cdiv(M_cap, 128) + E) * cdiv(N, block_n))``. Inputs already checked."""
+    M_cap, K = x_q.shape
+    E, N, _ = w_q.shape
+    y = torch.empty((M_cap, N), dtype=out_dtype, device=x_q.device)
+    if M_cap == 0:
+        return y
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(x_q.device).multi_processor_count
+    layout = _x_layout()
+    x_desc = TensorDescriptor.from_tensor(x_q, [_HM, _BK], layout)
+    w_desc = TensorDescriptor.from_tensor(w_q.view(E * N, K), [block_n, _BK], layout)
+    bound = (triton.cdiv(M_cap, _BM) + E) * triton.cdiv(N, block_n)
+    grid = (max(1, min(int(num_sms), bound)),)
+    kernel[grid](x_desc, w_desc, y, x_scale, w_scale, expert_offsets, E, M_cap, N, K, BLOCK_E=block_e(E),
+                 NUM_STAGES=num_stages, num_warps=4, maxnreg=MAXNREG, **constexprs)
+    return y
 
 
 def grouped_gemm_gluon_fp8_block(x_q: torch.Tensor, w_q: torch.Tensor, expert_offsets: torch.Tensor,
@@ -492,12 +525,8 @@ def grouped_gemm_gluon_fp8_block(x_q: torch.Tensor, w_q: torch.Tensor, expert_of
     check_inputs(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype)
     if not isinstance(num_stages, int) or not 2 <= num_stages <= 6:
         _fail(ValueError, "num_stages", "an int in [2, 6] (32 KiB of shared memory a stage)", num_stages)
-    M_cap, K = x_q.shape
-    E, N, _ = w_q.shape
-    dev = x_q.device
-    y = torch.empty((M_cap, N), dtype=out_dtype, device=dev)
-    if M_cap == 0:
-        return y
+    return _launch(_grouped_gemm_fp8_block_kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, _BN,
+                   num_stages, num_sms)
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     layout = _x_layout()
@@ -556,35 +585,9 @@ def check_inputs_rowwise(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype) 
     16-byte aligned; ``NotImplementedError`` off a CUDA device of compute capability (9, 0), and for ``M_cap`` or
     ``E * N`` of 2**31 or more."""
     op = OP_ROWWISE
-    fp8 = torch.float8_e4m3fn
-    tensors = {"x_q": x_q, "w_q": w_q, "expert_offsets": expert_offsets, "x_scale": x_scale, "w_scale": w_scale}
-    for name, tns in tensors.items():
-        if not isinstance(tns, torch.Tensor):
-            _fail(TypeError, name, "a torch.Tensor", type(tns).__name__, op)
-    for name, tns, dt in (("x_q", x_q, fp8), ("w_q", w_q, fp8), ("x_scale", x_scale, torch.float32),
-                          ("w_scale", w_scale, torch.float32), ("expert_offsets", expert_offsets, torch.int32)):
-        if tns.dtype != dt:
-            _fail(TypeError, name, f"of dtype {dt}", tns.dtype, op)
-    if out_dtype != torch.bfloat16:
-        _fail(TypeError, "out_dtype", "torch.bfloat16", out_dtype, op)
-    for name, tns, rank in (("x_q", x_q, 2), ("w_q", w_q, 3), ("expert_offsets", expert_offsets, 1),
-                            ("x_scale", x_scale, 2), ("w_scale", w_scale, 2)):
-        if tns.dim() != rank:
-            _fail(ValueError, name, f"{rank}-D", f"shape {tuple(tns.shape)}", op)
-    M_cap, K = x_q.shape
-    E, N, Kw = w_q.shape
-    if Kw != K:
-        _fail(ValueError, "w_q", f"[E, N, K] with K = x_q.shape[1] = {K}", f"shape {tuple(w_q.shape)}", op)
-    if K % 16 != 0 or K == 0:
-        _fail(ValueError, "x_q", "of K = shape[1] a positive multiple of 16 (TMA: rows of K bytes, 16-byte strides)",
-              f"K = {K}", op)
-    if E < 1 or N < 1:
-        _fail(ValueError, "w_q", "of E >= 1 and N >= 1", f"shape {tuple(w_q.shape)}", op)
-    if E > _MAX_EXPERTS:
-        _fail(ValueError, "w_q", f"of at most {_MAX_EXPERTS} experts", f"E = {E}", op)
-    if tuple(expert_offsets.shape) != (E + 1,):
-        _fail(ValueError, "expert_offsets", f"of shape [E + 1] = [{E + 1}]", f"shape {tuple(expert_offsets.shape)}",
-              op)
+    tensors, M_cap, K, E, N = _check_common(op, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype,
+                                            w_scale_rank=2, k_multiple=16,
+                                            k_why="TMA: rows of K bytes, 16-byte strides")
     if tuple(x_scale.shape) != (M_cap, 1):
         _fail(ValueError, "x_scale", f"of shape [M_cap, 1] = [{M_cap}, 1] (one scale per token)",
               f"shape {tuple(x_scale.shape)}", op)
@@ -632,12 +635,8 @@ def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_
     if not isinstance(num_stages, int) or not 2 <= num_stages <= max_st:
         _fail(ValueError, "num_stages", f"an int in [2, {max_st}] ({(16 + block_n // 8)} KiB of shared memory a "
               f"stage at block_n = {block_n})", num_stages, OP_ROWWISE)
-    M_cap, K = x_q.shape
-    E, N, _ = w_q.shape
-    dev = x_q.device
-    y = torch.empty((M_cap, N), dtype=out_dtype, device=dev)
-    if M_cap == 0:
-        return y
+    return _launch(_grouped_gemm_fp8_rowwise_kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, block_n,
+                   num_stages, num_sms, BN=block_n)
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     layout = _x_layout()

@@ -854,12 +854,12 @@ def gluon_fp8_block_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, 
     with 1 x 128 group scales ``[M_cap, K / 128]`` and ``w [E, N, K]`` with 128 x 128 block scales; and what
     :func:`_gluon_eligible` asks (bf16 out, no bias, sm_90, contiguous, ``M_cap >=`` :data:`GLUON_MIN_ROWS`).
     Anything else runs the Triton kernel. Host-side only (no sync)."""
-    if not _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias):
-        return False
-    K = x.shape[1]
-    if K % W_SCALE_BLOCK != 0 or x_scale.ndim != 2 or w_scale.ndim != 3 or x_scale.shape[1] != K // W_SCALE_BLOCK:
+    K = x.shape[1]  # the scale layout first: a request of another layout costs no more than this
+    if (x_scale is None or w_scale is None or K % W_SCALE_BLOCK != 0 or x_scale.ndim != 2 or w_scale.ndim != 3
+            or x_scale.shape[1] != K // W_SCALE_BLOCK):
         return False  # 1 x 128 groups and 128 x 128 blocks only
-    return gluon_fp8_block_enabled()
+    return gluon_fp8_block_enabled() and _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format,
+                                                         bias)
 
 
 def gluon_fp8_rowwise_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> bool:
@@ -868,11 +868,11 @@ def gluon_fp8_rowwise_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype
     :data:`triton_common.GLUON_FP8_ROWWISE_ENV` on (opt-in: off by default); FP8 ``x`` with per-token scales
     ``[M_cap, 1]`` and ``w [E, N, K]`` with per-channel scales ``[E, N]``; and what :func:`_gluon_eligible` asks.
     Host-side only (no sync)."""
-    if not _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias):
-        return False
-    if tuple(x_scale.shape) != (x.shape[0], 1) or tuple(w_scale.shape) != tuple(w.shape[:2]):
-        return False  # per token x per channel only
-    return gluon_fp8_rowwise_enabled()
+    if (x_scale is None or w_scale is None or tuple(x_scale.shape) != (x.shape[0], 1)
+            or tuple(w_scale.shape) != tuple(w.shape[:2])):
+        return False  # per token x per channel only (checked first: cheap)
+    return gluon_fp8_rowwise_enabled() and _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype,
+                                                           w_format, bias)
 
 
 _E8M0_TABLES: dict[torch.device, torch.Tensor] = {}
