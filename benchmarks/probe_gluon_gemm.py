@@ -57,16 +57,17 @@ def make_problem(sizes, N, K, *, lead=0, tail=0, seed=0, dev="cuda", dtype="fp8_
     return xq.contiguous(), wq.contiguous(), offsets, xs.contiguous(), ws.contiguous()
 
 
-def gluon_call(dtype, prob, stages, block_n):
+def gluon_call(dtype, prob, stages, block_n, promote=0):
     xq, wq, off, xs, ws = prob
     if dtype == "fp8":
-        return grouped_gemm_gluon_fp8_rowwise(xq, wq, off, xs, ws, torch.bfloat16, num_stages=stages, block_n=block_n)
+        return grouped_gemm_gluon_fp8_rowwise(xq, wq, off, xs, ws, torch.bfloat16, num_stages=stages, block_n=block_n,
+                                              promote=promote)
     return grouped_gemm_gluon_fp8_block(xq, wq, off, xs, ws, torch.bfloat16, num_stages=stages)
 
 
-def check(name, prob, stages, dtype="fp8_block", block_n=128):
+def check(name, prob, stages, dtype="fp8_block", block_n=128, promote=0):
     xq, wq, off, xs, ws = prob
-    y = gluon_call(dtype, prob, stages, block_n)
+    y = gluon_call(dtype, prob, stages, block_n, promote)
     ref = moe_torch.grouped_gemm(xq, wq, off, x_scale=xs, w_scale=ws, out_dtype=torch.bfloat16,
                                  implementation="reference")
     torch.cuda.synchronize()
@@ -82,7 +83,7 @@ def check(name, prob, stages, dtype="fp8_block", block_n=128):
     return ok
 
 
-def bench(name, prob, stages_list, dtype="fp8_block", block_ns=(128,)):
+def bench(name, prob, stages_list, dtype="fp8_block", block_ns=(128,), promotes=(0,)):
     import triton
 
     xq, wq, off, xs, ws = prob
@@ -90,12 +91,15 @@ def bench(name, prob, stages_list, dtype="fp8_block", block_ns=(128,)):
     N, K = wq.shape[1], wq.shape[2]
     flops = 2.0 * M * N * K
     out = []
-    for bn in (block_ns if dtype == "fp8" else (128,)):
+    for bn in (block_ns if dtype != "fp8_block" else (128,)):
         for st in stages_list:
-            ms = triton.testing.do_bench(lambda: gluon_call(dtype, prob, st, bn), warmup=25, rep=100,
-                                         return_mode="median")
-            tag = f"s={st},bn={bn}" if dtype == "fp8" else f"s={st}"
-            out.append(f"gluon[{tag}] {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
+            for pr in (promotes if dtype == "fp8" else (0,)):
+                if (pr and bn != 128) or st > (4 if bn == 256 else 6):
+                    continue
+                ms = triton.testing.do_bench(lambda: gluon_call(dtype, prob, st, bn, pr), warmup=25, rep=100,
+                                             return_mode="median")
+                tag = f"s={st},bn={bn}" + (f",p={pr}" if dtype == "fp8" else "") if dtype != "fp8_block" else f"s={st}"
+                out.append(f"gluon[{tag}] {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
     # implementation="triton" would dispatch to the Gluon kernel: its switch off for the Triton timing
     env = "EPMOE_TRITON_GLUON_FP8_ROWWISE" if dtype == "fp8" else "EPMOE_TRITON_GLUON_FP8_BLOCK"
     saved = os.environ.get(env)
@@ -149,6 +153,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dtype", choices=["fp8_block", "fp8"], default="fp8_block")
+    ap.add_argument("--promote", type=int, nargs="+", default=[0])
     ap.add_argument("--stages", type=int, nargs="+", default=[4])
     ap.add_argument("--block-n", type=int, nargs="+", default=[128])
     ap.add_argument("--case", default=None)
@@ -165,10 +170,13 @@ def main(argv=None):
         try:
             spec = dict(spec)
             prob = make_problem(spec.pop("sizes"), spec.pop("N"), spec.pop("K"), dtype=args.dtype, **spec)
-            ok = check(name, prob, args.stages[0], args.dtype, args.block_n[0])
+            ok = True
+            for pr in (args.promote if args.dtype == "fp8" else [0]):
+                ok &= check(name + (f"[p={pr}]" if args.dtype == "fp8" else ""), prob, args.stages[0], args.dtype,
+                            args.block_n[0] if not pr else 128, pr)
             failures += not ok
             if timed:
-                bench(name, prob, args.stages, args.dtype, args.block_n)
+                bench(name, prob, args.stages, args.dtype, args.block_n, args.promote)
             del prob
         except Exception as exc:  # noqa: BLE001 - one failing case must not stop the others
             failures += 1

@@ -15,7 +15,7 @@ SWITCHES = [
     (pallas_common.ALIGNED_TILES_ENV, pallas_common.aligned_tiles_enabled, True),
     (triton_common.ALIGNED_TILES_ENV, triton_common.aligned_tiles_enabled, True),
     (triton_common.GLUON_FP8_BLOCK_ENV, triton_common.gluon_fp8_block_enabled, True),
-    (triton_common.GLUON_FP8_ROWWISE_ENV, triton_common.gluon_fp8_rowwise_enabled, False),
+    (triton_common.GLUON_FP8_ROWWISE_ENV, triton_common.gluon_fp8_rowwise_enabled, True),
 ]
 
 

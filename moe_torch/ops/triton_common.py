@@ -55,18 +55,18 @@ def gluon_fp8_block_enabled() -> bool:
 
 
 #: Environment switch, read at each launch of a torch grouped GEMM with FP8 per-token activation scales ``[M_cap, 1]``
-#: and per-channel weight scales ``[E, N]`` and no explicit config (:func:`gluon_fp8_rowwise_enabled`): OPT-IN, default
-#: off (the Gluon rowwise kernel, ``moe_torch/ops/grouped_gemm/gluon.py: grouped_gemm_gluon_fp8_rowwise``, has been
-#: compiled for sm_90a but NOT run on a GPU yet). 1/true/on/yes runs it where it can
-#: (``moe_torch/ops/grouped_gemm/triton.py: gluon_fp8_rowwise_eligible``); unset or 0/false/off/no keeps the Triton
-#: kernel.
+#: and per-channel weight scales ``[E, N]`` and no explicit config (:func:`gluon_fp8_rowwise_enabled`): unset or
+#: 1/true/on/yes (the default since session 14) runs it, where it can (``moe_torch/ops/grouped_gemm/triton.py:
+#: gluon_fp8_rowwise_eligible``: sm_90, bf16 out, no bias, contiguous, at least ``GLUON_MIN_ROWS`` rows), on the
+#: warp-specialized Gluon kernel (``moe_torch/ops/grouped_gemm/gluon.py: grouped_gemm_gluon_fp8_rowwise``, promotion
+#: every ``GLUON_ROWWISE_PROMOTE`` K blocks); 0/false/off/no keeps the Triton kernel.
 GLUON_FP8_ROWWISE_ENV = "EPMOE_TRITON_GLUON_FP8_ROWWISE"
 
 
 def gluon_fp8_rowwise_enabled() -> bool:
-    """:data:`GLUON_FP8_ROWWISE_ENV` read now: unset, empty or 0/false/off/no -> False (the default); 1/true/on/yes ->
-    True (any case, spaces ignored). Raises ValueError for any other value, naming the variable."""
-    return env_switch(GLUON_FP8_ROWWISE_ENV, False, "the Triton kernel for FP8 per-token x per-channel",
+    """:data:`GLUON_FP8_ROWWISE_ENV` read now: unset, empty or 1/true/on/yes -> True (the default); 0/false/off/no ->
+    False (any case, spaces ignored). Raises ValueError for any other value, naming the variable."""
+    return env_switch(GLUON_FP8_ROWWISE_ENV, True, "the Triton kernel for FP8 per-token x per-channel",
                       "the Gluon kernel for FP8 per-token x per-channel")
 
 

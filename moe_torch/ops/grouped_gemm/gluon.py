@@ -75,22 +75,26 @@ dispatch (``triton.py: gluon_fp8_block_eligible``) takes the E = 32 FP8-block to
 warps (one elected thread issues the TMA) so that its expert table fits 40 registers a thread (E = 256: 8 bytes of
 spill, ``ptxas -v``).
 
-Rowwise variant (per-token x per-channel FP8; :func:`grouped_gemm_gluon_fp8_rowwise`; NOT run on a GPU yet: compiled
-for sm_90a only, and opt-in, ``EPMOE_TRITON_GLUON_FP8_ROWWISE=1``)::
+Rowwise variant (per-token x per-channel FP8; :func:`grouped_gemm_gluon_fp8_rowwise`; the default for these requests
+since session 14, ``EPMOE_TRITON_GLUON_FP8_ROWWISE=0`` keeps the Triton kernel)::
 
     y[m, n] = (sum_k x_q[m, k] * w_q[e(m), n, k]) * x_scale[m, 0] * w_scale[e(m), n]      (float32 accumulation)
 
 ``x_scale [M_cap, 1]``, ``w_scale [E, N]`` float32; ``K % 16 == 0`` (the last K box is zero-filled by TMA past ``K``);
-same rows, running max and zeroing as above. The same producer and schedule; each consumer chains the K blocks'
-``wgmma`` into one accumulator with one in flight (wait(1) after issuing block ``kb``, then release block ``kb - 1``'s
-stage), no promotion (the whole K sum stays in the tensor cores' FP8 accumulation, as ``torch._scaled_mm(...,
-use_fast_accum=True)``; the Triton kernel promotes every 128 K values: compare their errors on the GPU), and scales
-once in the epilogue. ``block_n`` 128 (default) or 256 (128 x 256 tiles, 48 KiB a
-stage). Compile facts (triton 3.6.0, ``ptxas -v``, 4 stages, 168 registers, setmaxnreg 232 / 232 / 40 as above):
-bytes of spill at E = 32 / 256: block_n 128: 0 / 16; block_n 256: 0 / 16 (``tests/test_gluon_gemm.py``). The w
-scales of the epilogue are loaded compactly and spread with ``gl.convert_layout`` (scratch shared memory) after the last
-wait: loaded straight into the ``wgmma`` column layout, ptxas hoisted them over the last ``wgmma`` and spilled 336 /
-484 bytes at block_n 256.
+same rows, running max and zeroing as above. The same producer and schedule; each consumer chains the ``wgmma`` of
+``promote`` K blocks into a partial accumulator with one ``wgmma`` in flight (wait(1) after issuing block ``kb``, then
+release block ``kb - 1``'s stage), then adds it to its float32 accumulator (``promote = 0``: one chain over the whole K,
+no promotion, as ``torch._scaled_mm(..., use_fast_accum=True)``); the scales are applied once, in the epilogue. The
+producer pads K to whole groups with boxes past ``K``, which TMA zero-fills (exact zeros). Measured (H200, session 14,
+BENCHMARKS.md): without promotion the E=32 FP8 per-token layer at T=4096 is off by 1.96e-2 (each GEMM ~2.9e-3 against
+the reference, the Triton kernel's 6.9e-4), over the contract's 1e-2; promoting every 2 / 4 / 8 blocks gives 7.1e-3
+/ 8.6e-3 / 1.05e-2 (Triton's promotion every block: 5.9e-3). The dispatch takes ``promote = 2`` with 128 x 128 tiles
+(``triton.py: GLUON_ROWWISE_*``). ``block_n`` 128 or 256 (256 only without promotion: a partial and an accumulator of
+64 x 256 float32 each would need 256 registers a thread). Compile facts (triton 3.6.0, ``ptxas -v``, 4 stages, 168
+registers, setmaxnreg 232 / 232 / 40 as above): bytes of spill at E = 32 / 256: 0 / 16 for block_n 128 and 256 and for
+promote 2 (``tests/test_gluon_gemm.py``). The w scales of the epilogue are loaded compactly and spread with
+``gl.convert_layout`` (scratch shared memory) after the last wait: loaded straight into the ``wgmma`` column layout,
+ptxas hoisted them over the last ``wgmma`` and spilled 336 / 484 bytes at block_n 256.
 """
 
 from __future__ import annotations
@@ -186,10 +190,12 @@ def _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E: gl.const
 @gluon.jit
 def _producer(x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K,
               BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, BN: gl.constexpr = BLOCK_N,
-              K_TAIL: gl.constexpr = False):
+              K_TAIL: gl.constexpr = False, G: gl.constexpr = 0):
     """The TMA partition of both kernels: ``x`` as two [64, 128] boxes (one per consumer) and ``w`` as one
     [BN, 128] box a stage, ``K // 128`` stages a tile, ``cdiv(K, 128)`` with ``K_TAIL`` (the rowwise kernel: a K
-    tail is zero-filled by TMA in ``x`` and ``w``; the FP8-block kernel keeps ``K // 128``, its PTX unchanged)."""
+    tail is zero-filled by TMA in ``x`` and ``w``; the FP8-block kernel keeps ``K // 128``, its PTX unchanged),
+    rounded up to a multiple of ``G`` with ``G > 0`` (the promoted rowwise kernel: its consumers take ``G`` blocks a
+    group; the boxes past ``K`` are zero-filled, so the padding blocks add exact zeros)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # this partition has 4 warps (one issues the TMA)
     incl, total = _expert_table(off_ptr, E, M_cap, BLOCK_E, layout)
     n_cols = gl.cdiv(N, BN)
@@ -197,6 +203,8 @@ def _producer(x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N
         KB = gl.cdiv(K, BLOCK_K)
     else:
         KB = K // BLOCK_K
+    if G > 0:
+        KB = gl.cdiv(KB, G) * G
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     it = 0
@@ -331,10 +339,15 @@ def _grouped_gemm_fp8_block_kernel(x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, off_pt
 
 @gluon.jit
 def _consumer_rowwise(y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K,
-                      BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, BN: gl.constexpr, WG: gl.constexpr):
+                      BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, BN: gl.constexpr, WG: gl.constexpr,
+                      G: gl.constexpr = 0):
     """One consumer warpgroup of the rowwise kernel: rows ``[m0 + WG * 64, m0 + WG * 64 + 64)`` x ``BN`` columns of
-    every tile. No promotion: the K blocks' ``wgmma`` chain into one float32 accumulator with one ``wgmma`` in
-    flight; the scales are applied once, in the epilogue."""
+    every tile; the scales are applied once, in the epilogue.
+
+    ``G = 0``: the K blocks' ``wgmma`` chain into one float32 accumulator with one ``wgmma`` in flight: the whole K
+    sum stays in the tensor cores' limited-precision FP8 accumulation. ``G > 0``: the blocks chain ``G`` at a time
+    into a partial accumulator, which the CUDA cores then add to the float32 accumulator ("promotion", as DeepGEMM
+    and the Triton kernel's ``max_num_imprecise_acc``); the other warpgroup's ``wgmma`` run meanwhile."""
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -346,37 +359,58 @@ def _consumer_rowwise(y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, emp
     nprog = gl.num_programs(0)
     r = gl.arange(0, HALF_M, layout=row_l)
     c = gl.arange(0, BN, layout=col_l)
+    zero = gl.zeros([HALF_M, BN], gl.float32, layout=mma)  # ignored where use_acc=False
     it = 0  # stages consumed so far (the producer's ``it``, in the same order)
     for tile in range(pid, total * n_cols, nprog):
         e, m0, s_e, t_e, pid_n = _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E, vec)
-        # K block 0: a fresh accumulator (use_acc=False). The wait converts the async token into the loop-carried
-        # tensor and waits for nothing (it allows this one wgmma to stay in flight).
-        st = it % NUM_STAGES
-        mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
-        zero = gl.zeros([HALF_M, BN], gl.float32, layout=mma)  # ignored (use_acc=False)
-        tok = hopper.warpgroup_mma(a_bufs.index(2 * st + WG), b_bufs.index(st).permute((1, 0)), zero,
-                                   use_acc=False, is_async=True)
-        acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[tok])
-        for kb in range(1, KB):
-            nxt = it + 1
-            sn = nxt % NUM_STAGES
-            mbarrier.wait(ready.index(sn), (nxt // NUM_STAGES) & 1)
-            acc = hopper.warpgroup_mma(a_bufs.index(2 * sn + WG), b_bufs.index(sn).permute((1, 0)), acc,
-                                       use_acc=True, is_async=True)
-            # every wgmma but the one just issued has completed: block kb - 1's stage (``it``) is read, release it
-            acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-            mbarrier.arrive(empty.index(it % NUM_STAGES))
-            it = nxt
+        if G == 0:
+            # K block 0: a fresh accumulator (use_acc=False). The wait converts the async token into the
+            # loop-carried tensor and waits for nothing (it allows this one wgmma to stay in flight).
+            st = it % NUM_STAGES
+            mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
+            tok = hopper.warpgroup_mma(a_bufs.index(2 * st + WG), b_bufs.index(st).permute((1, 0)), zero,
+                                       use_acc=False, is_async=True)
+            acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[tok])
+            for kb in range(1, KB):
+                nxt = it + 1
+                sn = nxt % NUM_STAGES
+                mbarrier.wait(ready.index(sn), (nxt // NUM_STAGES) & 1)
+                acc = hopper.warpgroup_mma(a_bufs.index(2 * sn + WG), b_bufs.index(sn).permute((1, 0)), acc,
+                                           use_acc=True, is_async=True)
+                # every wgmma but the one just issued has completed: block kb - 1's stage (``it``) is read
+                acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+                mbarrier.arrive(empty.index(it % NUM_STAGES))
+                it = nxt
+            acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            mbarrier.arrive(empty.index(it % NUM_STAGES))  # the last block's stage
+            it += 1
+        else:
+            acc = zero
+            for grp in range(gl.cdiv(KB, G)):  # the producer pads K to whole groups with zero-filled boxes
+                st = it % NUM_STAGES
+                mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
+                tok = hopper.warpgroup_mma(a_bufs.index(2 * st + WG), b_bufs.index(st).permute((1, 0)), zero,
+                                           use_acc=False, is_async=True)
+                part = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[tok])
+                it += 1
+                for j in gl.static_range(1, G):
+                    st = it % NUM_STAGES
+                    mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
+                    part = hopper.warpgroup_mma(a_bufs.index(2 * st + WG), b_bufs.index(st).permute((1, 0)), part,
+                                                use_acc=True, is_async=True)
+                    part = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[part])
+                    mbarrier.arrive(empty.index((it - 1) % NUM_STAGES))  # the previous block's wgmma is done
+                    it += 1
+                part = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[part])
+                mbarrier.arrive(empty.index((it - 1) % NUM_STAGES))
+                acc = acc + part
         rows = m0 + WG * HALF_M + r
         cols = pid_n * BN + c
-        # the w scales are loaded compactly (BN / 128 a thread) and spread to the wgmma column layout after the wait
-        # (loaded straight into it, 64 a thread at BN = 256, ptxas spilled them over the last wgmma)
+        # the w scales are loaded compactly (BN / 128 a thread) and spread to the wgmma column layout (loaded
+        # straight into it, 64 a thread at BN = 256, ptxas spilled them over the last wgmma)
         wcols = pid_n * BN + gl.arange(0, BN, layout=vec)
         ws_c = gl.load(ws_ptr + e.to(gl.int64) * N + wcols, mask=wcols < N, other=0.0)
         xs = gl.load(xs_ptr + rows, mask=rows < M_cap, other=0.0)
-        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        mbarrier.arrive(empty.index(it % NUM_STAGES))  # the last block's stage
-        it += 1
         ws = gl.convert_layout(ws_c, col_l)  # through scratch shared memory of this partition
         out = acc * xs[:, None] * ws[None, :]
         lo = gl.maximum(m0, s_e)
@@ -389,7 +423,8 @@ def _consumer_rowwise(y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, emp
 
 @gluon.jit
 def _grouped_gemm_fp8_rowwise_kernel(x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, off_ptr, E, M_cap, N, K,
-                                     BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, BN: gl.constexpr):
+                                     BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, BN: gl.constexpr,
+                                     G: gl.constexpr = 0):
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * NUM_STAGES, HALF_M, BLOCK_K], x_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BN, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -399,11 +434,11 @@ def _grouped_gemm_fp8_rowwise_kernel(x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, off_
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     gl.warp_specialize([
         (_consumer_rowwise, (y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E,
-                             NUM_STAGES, BN, 0)),
+                             NUM_STAGES, BN, 0, G)),
         (_consumer_rowwise, (y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E,
-                             NUM_STAGES, BN, 1)),
+                             NUM_STAGES, BN, 1, G)),
         (_producer, (x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E, NUM_STAGES,
-                     BN, True)),
+                     BN, True, G)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -527,17 +562,6 @@ def grouped_gemm_gluon_fp8_block(x_q: torch.Tensor, w_q: torch.Tensor, expert_of
         _fail(ValueError, "num_stages", "an int in [2, 6] (32 KiB of shared memory a stage)", num_stages)
     return _launch(_grouped_gemm_fp8_block_kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, _BN,
                    num_stages, num_sms)
-    if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    layout = _x_layout()
-    x_desc = TensorDescriptor.from_tensor(x_q, [_HM, _BK], layout)
-    w2 = w_q.view(E * N, K)
-    w_desc = TensorDescriptor.from_tensor(w2, [_BN, _BK], layout)
-    bound = (triton.cdiv(M_cap, _BM) + E) * triton.cdiv(N, _BN)
-    grid = (max(1, min(int(num_sms), bound)),)
-    _grouped_gemm_fp8_block_kernel[grid](x_desc, w_desc, y, x_scale, w_scale, expert_offsets, E, M_cap, N, K,
-                                         BLOCK_E=block_e(E), NUM_STAGES=num_stages, num_warps=4, maxnreg=MAXNREG)
-    return y
 
 
 def compile_sm90(num_stages: int = 4, E: int = 32):
@@ -557,8 +581,8 @@ def compile_sm90(num_stages: int = 4, E: int = 32):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
 
 
-def compile_sm90_rowwise(num_stages: int = 4, E: int = 32, block_n: int = 128):
-    """:func:`compile_sm90` for the rowwise kernel (``block_n`` 128 or 256)."""
+def compile_sm90_rowwise(num_stages: int = 4, E: int = 32, block_n: int = 128, promote: int = 0):
+    """:func:`compile_sm90` for the rowwise kernel (``block_n`` 128 or 256; ``promote``: K blocks a promotion)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -566,9 +590,10 @@ def compile_sm90_rowwise(num_stages: int = 4, E: int = 32, block_n: int = 128):
     sig = {"x_desc": f"tensordesc<fp8e4nv[{_HM}, {_BK}],{lay!r}>",
            "w_desc": f"tensordesc<fp8e4nv[{block_n}, {_BK}],{lay!r}>",
            "y_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "off_ptr": "*i32", "E": "i32", "M_cap": "i32",
-           "N": "i32", "K": "i32", "BLOCK_E": "constexpr", "NUM_STAGES": "constexpr", "BN": "constexpr"}
+           "N": "i32", "K": "i32", "BLOCK_E": "constexpr", "NUM_STAGES": "constexpr", "BN": "constexpr",
+           "G": "constexpr"}
     src = GluonASTSource(fn=_grouped_gemm_fp8_rowwise_kernel, signature=sig,
-                         constexprs={"BLOCK_E": block_e(E), "NUM_STAGES": num_stages, "BN": block_n})
+                         constexprs={"BLOCK_E": block_e(E), "NUM_STAGES": num_stages, "BN": block_n, "G": promote})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
 
 
@@ -604,10 +629,10 @@ _ROWWISE_MAX_STAGES = {128: 6, 256: 4}
 
 def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_offsets: torch.Tensor,
                                    x_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype=torch.bfloat16, *,
-                                   num_stages: int = 4, block_n: int = 128,
+                                   num_stages: int = 4, block_n: int = 128, promote: int = 0,
                                    num_sms: int | None = None) -> torch.Tensor:
-    """``y [M_cap, N]`` bf16 of the per-token x per-channel FP8 grouped GEMM ("rowwise"; NOT run on a GPU yet:
-    compiled for sm_90a only; opt-in dispatch, ``EPMOE_TRITON_GLUON_FP8_ROWWISE=1``)::
+    """``y [M_cap, N]`` bf16 of the per-token x per-channel FP8 grouped GEMM ("rowwise"; ``grouped_gemm(...,
+    implementation="triton")`` dispatches here on sm_90 unless ``EPMOE_TRITON_GLUON_FP8_ROWWISE=0``)::
 
         y[m, n] = (sum_k x_q[m, k] * w_q[e(m), n, k]) * x_scale[m, 0] * w_scale[e(m), n]   (float32 accumulation)
 
@@ -615,19 +640,24 @@ def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_
     float8_e4m3fn, ``w_scale [E, N]`` float32 (``quantize_weight_fp8(w, "per_channel")``); ``expert_offsets
     [E + 1]`` int32 with the row ownership, running-max and zeroing of the FP8-block kernel (module docstring). ``K``
     a multiple of 16 (not of 128: the last K box is zero-filled by TMA past ``K`` in ``x`` and ``w``, so the product
-    is exact). Refusals: :func:`check_inputs_rowwise`; ``ValueError`` for ``block_n`` not 128 / 256 or
-    ``num_stages`` outside ``[2, 6]`` (``[2, 4]`` at ``block_n = 256``: 48 KiB a stage).
+    is exact). Refusals: :func:`check_inputs_rowwise`; ``ValueError`` for ``block_n`` not 128 / 256,
+    ``num_stages`` outside ``[2, 6]`` (``[2, 4]`` at ``block_n = 256``: 48 KiB a stage), ``promote`` not an int in
+    ``[0, 16]``, or ``promote > 0`` with ``block_n = 256`` (registers).
+
+    ``promote``: K blocks (of 128) chained in the tensor cores before each float32 add; 0 (the default of this
+    function) chains the whole K (the accumulation of ``use_fast_accum=True``: on the E=32 FP8 per-token layer an error
+    of 1.96e-2, over the contract's 1e-2; the dispatch passes 2, 7.1e-3: module docstring).
 
     Design: the FP8-block kernel's producer (TMA) partition, expert-aligned tiles, grouped persistent schedule and
-    zeroing; 128 x ``block_n`` tiles, two 64-row consumer warpgroups. No promotion: each consumer chains the
-    ``warpgroup_mma`` of the K blocks into one float32 accumulator (``use_acc=False`` for block 0, then True) with
-    one ``wgmma`` in flight (``warpgroup_mma_wait(num_outstanding=1)`` after issuing block ``kb`` completes block
-    ``kb - 1``, whose stage is then released on ``empty``); the last block's stage is released after
-    ``warpgroup_mma_wait(0)``. The whole K sum stays in the tensor cores' FP8 accumulation (as
-    ``torch._scaled_mm(use_fast_accum=True)``; the Triton kernel instead promotes every 128 K values,
-    ``max_num_imprecise_acc=BLOCK_K``). Epilogue: ``acc * x_scale[rows][:, None] * w_scale[e, cols][None, :]`` to
-    bf16, masked pointer stores as the block kernel. ``block_n = 256``: 128 x 256 tiles (each consumer 64 x 256; no
-    spill at E = 32, 16 bytes at E = 256, ``tests/test_gluon_gemm.py``), likely the faster tile here (not timed)."""
+    zeroing; 128 x ``block_n`` tiles, two 64-row consumer warpgroups. Each consumer chains the ``warpgroup_mma`` of
+    ``promote`` K blocks (all of them with ``promote = 0``) into a partial accumulator (``use_acc=False`` for the
+    first, then True) with one ``wgmma`` in flight (``warpgroup_mma_wait(num_outstanding=1)`` after issuing block
+    ``kb`` completes block ``kb - 1``, whose stage is then released on ``empty``), waits for the last
+    (``warpgroup_mma_wait(0)``), releases its stage and adds the partial to the float32 accumulator. Epilogue:
+    ``acc * x_scale[rows][:, None] * w_scale[e, cols][None, :]`` to bf16, masked pointer stores as the block kernel.
+    H200, E=32, M=16384 (session 14, median ms, ``probe_gluon_gemm.py --dtype fp8``): gate_up / down uniform, 4
+    stages: promote 2 0.906 / 0.558, block_n 256 without promotion 0.714 / 0.500, the Triton kernel 1.065 / 0.526,
+    ``torch._scaled_grouped_mm(use_fast_accum=True)`` 0.826 / 0.476."""
     check_inputs_rowwise(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype)
     if block_n not in _ROWWISE_MAX_STAGES:
         _fail(ValueError, "block_n", "128 or 256", block_n, OP_ROWWISE)
@@ -635,16 +665,15 @@ def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_
     if not isinstance(num_stages, int) or not 2 <= num_stages <= max_st:
         _fail(ValueError, "num_stages", f"an int in [2, {max_st}] ({(16 + block_n // 8)} KiB of shared memory a "
               f"stage at block_n = {block_n})", num_stages, OP_ROWWISE)
+    if not isinstance(promote, int) or not 0 <= promote <= _MAX_PROMOTE:
+        _fail(ValueError, "promote", f"an int in [0, {_MAX_PROMOTE}] (K blocks a promotion; 0: none)", promote,
+              OP_ROWWISE)
+    if promote and block_n != 128:
+        _fail(ValueError, "block_n", "128 with promote > 0 (a partial and a float32 accumulator of 64 x block_n "
+              "each: 256 registers a thread at block_n = 256)", block_n, OP_ROWWISE)
     return _launch(_grouped_gemm_fp8_rowwise_kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, block_n,
-                   num_stages, num_sms, BN=block_n)
-    if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    layout = _x_layout()
-    x_desc = TensorDescriptor.from_tensor(x_q, [_HM, _BK], layout)
-    w_desc = TensorDescriptor.from_tensor(w_q.view(E * N, K), [block_n, _BK], layout)
-    bound = (triton.cdiv(M_cap, _BM) + E) * triton.cdiv(N, block_n)
-    grid = (max(1, min(int(num_sms), bound)),)
-    _grouped_gemm_fp8_rowwise_kernel[grid](x_desc, w_desc, y, x_scale, w_scale, expert_offsets, E, M_cap, N, K,
-                                           BLOCK_E=block_e(E), NUM_STAGES=num_stages, BN=block_n, num_warps=4,
-                                           maxnreg=MAXNREG)
-    return y
+                   num_stages, num_sms, BN=block_n, G=promote)
+
+
+#: The largest promotion group of the rowwise kernel, in 128-wide K blocks.
+_MAX_PROMOTE = 16
