@@ -493,3 +493,17 @@ def test_rowwise_fp8_per_token_layer_within_contract(monkeypatch):
     assert len(calls) == 2 and all(c.get("promote", 0) > 0 for c in calls), calls
     assert torch.isfinite(outs[0].float()).all()
     assert_rel_fro(outs[0].float(), outs[1].float(), BF16_REL_FRO, "FP8 per-token layer, rowwise Gluon GEMMs")
+
+
+@needs_sm90
+@pytest.mark.parametrize("E, per_expert, eligible", [(256, 16, False), (256, 31, False), (256, 32, True),
+                                                     (32, 128, True)])
+def test_gluon_needs_rows_per_expert(E, per_expert, eligible):
+    """Both Gluon kernels serve only problems of >= GLUON_MIN_ROWS_PER_EXPERT (32) rows per local expert on average,
+    besides >= GLUON_MIN_ROWS rows: DeepSeek-V3's torch layer at T=512 (257 experts, 18 rows each) ran 8-14% slower on
+    them (BENCHMARKS.md session 14), so such requests stay on the Triton kernels."""
+    import moe_torch.ops.grouped_gemm.triton as gemm_triton
+
+    sizes = [per_expert] * E
+    assert gemm_triton.gluon_fp8_block_eligible(*_problem(sizes, 128, 256), torch.bfloat16) is eligible
+    assert gemm_triton.gluon_fp8_rowwise_eligible(*_problem_rw(sizes, 128, 256), torch.bfloat16) is eligible

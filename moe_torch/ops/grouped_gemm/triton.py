@@ -820,6 +820,11 @@ def grouped_gemm_triton(
 #: The Gluon FP8-block kernel serves problems of at least this many rows (``M_cap``): measured faster than this
 #: module's kernel at M=16384 (H200, session 13: gate_up 0.951 vs 1.118 ms, down level); not measured below 4096.
 GLUON_MIN_ROWS = 4096
+#: ... and of at least this many rows per local expert (``M_cap >= 32 * E``): the Gluon kernels' 128-row expert tiles
+#: lose where experts hold a few rows each. H200, session 14, DeepSeek-V3's torch layer (257 experts), median ms,
+#: Triton / Gluon: FP8 blocks T=512 (4608 rows, 18 an expert) 2.35 / 2.57-2.69, T=1024 (36 an expert) 3.39 / 3.17,
+#: T=4096 6.87 / 6.18; FP8 per token T=512 2.35 / 2.62, T=1024 3.50 / 3.07, T=4096 6.09-6.28 / 5.97.
+GLUON_MIN_ROWS_PER_EXPERT = 32
 #: Its shared-memory ring depth: 5 stages were best or level at every measured shape (H200, session 13).
 GLUON_STAGES = 5
 #: The rowwise FP8 Gluon kernel's tile width, ring depth and promotion group (128-wide K blocks chained in the
@@ -843,12 +848,14 @@ def _gluon_available() -> bool:
 def _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias) -> bool:
     """What both Gluon kernels need (host-side only, no sync): FP8 ``x`` and ``w`` with float32 scales, bf16 out, no
     bias, no 4-bit weights, every tensor contiguous on ``x``'s CUDA device of compute capability (9, 0), int32
-    offsets, ``M_cap >=`` :data:`GLUON_MIN_ROWS`, at most 4095 experts, ``K % 16 == 0`` (TMA row strides)."""
+    offsets, ``M_cap >=`` :data:`GLUON_MIN_ROWS` and ``>=`` :data:`GLUON_MIN_ROWS_PER_EXPERT` ``* E``, at most 4095
+    experts, ``K % 16 == 0`` (TMA row strides)."""
     if (w_format is not None or bias is not None or out_dtype != torch.bfloat16 or not x.is_cuda
             or x.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE or x_scale is None or w_scale is None):
         return False
     M_cap, K = x.shape
-    if M_cap < GLUON_MIN_ROWS or K % 16 != 0 or w.shape[0] > _MAX_EXPERTS:
+    if (M_cap < GLUON_MIN_ROWS or M_cap < GLUON_MIN_ROWS_PER_EXPERT * w.shape[0] or K % 16 != 0
+            or w.shape[0] > _MAX_EXPERTS):
         return False
     tensors = (x, w, expert_offsets, x_scale, w_scale)
     if any(not t.is_contiguous() or t.device != x.device for t in tensors):
