@@ -9,16 +9,17 @@ case; a failing case prints its exception type and message and the probe goes on
 Usage (repo root, on the GPU machine)::
 
     PYTHONPATH=. python3 benchmarks/probe_gluon_gemm.py [--dtype fp8_block|fp8] [--quick] [--stages 4]
-        [--block-n 128 256] [--case SUBSTRING]
+        [--block-n 128 256] [--promote 0 2 4] [--case SUBSTRING]
 
 ``--dtype``: ``fp8_block`` (default: 1 x 128 / 128 x 128 block scales, ``grouped_gemm_gluon_fp8_block``) or ``fp8``
-(per-token x per-channel scales, ``grouped_gemm_gluon_fp8_rowwise``: NOT run on a GPU before this probe; its edge
-cases add K not a multiple of 128, and its timing adds ``torch._scaled_grouped_mm`` with ``use_fast_accum=True``,
-the same un-promoted accumulation, where torch has it). The Triton kernel is timed with the matching Gluon switch
-off (``EPMOE_TRITON_GLUON_FP8_BLOCK=0`` / ``EPMOE_TRITON_GLUON_FP8_ROWWISE=0``). ``--quick``: edge cases and the
-uniform benchmark shapes only. ``--stages``: the kernel's ``num_stages`` (several: ``--stages 4 5``; the first is
-checked, all are timed). ``--block-n``: the rowwise kernel's tile widths (``--dtype fp8`` only; the first is checked,
-all are timed). ``--case``: run only the cases whose name contains it.
+(per-token x per-channel scales, ``grouped_gemm_gluon_fp8_rowwise``; its edge cases add K not a multiple of 128, and
+its timing adds ``torch._scaled_grouped_mm`` with ``use_fast_accum=True``, the accumulation of ``--promote 0``, where
+torch has it). The Triton kernel is timed with the matching Gluon switch off (``EPMOE_TRITON_GLUON_FP8_BLOCK=0`` /
+``EPMOE_TRITON_GLUON_FP8_ROWWISE=0``). ``--quick``: edge cases and the uniform benchmark shapes only. ``--stages``: the
+kernel's ``num_stages`` (several: ``--stages 4 5``; the first is checked, all are timed). ``--block-n``: the rowwise
+kernel's tile widths (``--dtype fp8`` only; the first is checked, all are timed). ``--promote``: the rowwise kernel's
+promotion groups (every one is checked, at block_n 128 when > 0, and timed at block_n 128; default 0). ``--case``: run
+only the cases whose name contains it.
 """
 
 from __future__ import annotations

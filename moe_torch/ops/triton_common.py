@@ -43,8 +43,9 @@ def aligned_tiles_enabled() -> bool:
 #: Environment switch, read at each launch of a torch grouped GEMM with FP8 1 x 128 activation groups and 128 x 128
 #: weight blocks (DeepSeek-V3) and no explicit config (:func:`gluon_fp8_block_enabled`): unset or 1/true/on/yes (the
 #: default) runs it, where it can (``moe_torch/ops/grouped_gemm/triton.py: gluon_fp8_block_eligible``: sm_90, bf16
-#: out, no bias, contiguous, at least ``GLUON_MIN_ROWS`` rows), on the warp-specialized Gluon kernel with the
-#: promotion off the critical path (``moe_torch/ops/grouped_gemm/gluon.py``); 0/false/off/no keeps the Triton kernel.
+#: out, no bias, contiguous, at least ``GLUON_MIN_ROWS`` rows and ``GLUON_MIN_ROWS_PER_EXPERT`` a local expert), on the
+#: warp-specialized Gluon kernel with the promotion off the critical path (``moe_torch/ops/grouped_gemm/gluon.py``);
+#: 0/false/off/no keeps the Triton kernel.
 GLUON_FP8_BLOCK_ENV = "EPMOE_TRITON_GLUON_FP8_BLOCK"
 
 
@@ -57,7 +58,8 @@ def gluon_fp8_block_enabled() -> bool:
 #: Environment switch, read at each launch of a torch grouped GEMM with FP8 per-token activation scales ``[M_cap, 1]``
 #: and per-channel weight scales ``[E, N]`` and no explicit config (:func:`gluon_fp8_rowwise_enabled`): unset or
 #: 1/true/on/yes (the default since session 14) runs it, where it can (``moe_torch/ops/grouped_gemm/triton.py:
-#: gluon_fp8_rowwise_eligible``: sm_90, bf16 out, no bias, contiguous, at least ``GLUON_MIN_ROWS`` rows), on the
+#: gluon_fp8_rowwise_eligible``: sm_90, bf16 out, no bias, contiguous, at least ``GLUON_MIN_ROWS`` rows and
+#: ``GLUON_MIN_ROWS_PER_EXPERT`` a local expert), on the
 #: warp-specialized Gluon kernel (``moe_torch/ops/grouped_gemm/gluon.py: grouped_gemm_gluon_fp8_rowwise``, promotion
 #: every ``GLUON_ROWWISE_PROMOTE`` K blocks); 0/false/off/no keeps the Triton kernel.
 GLUON_FP8_ROWWISE_ENV = "EPMOE_TRITON_GLUON_FP8_ROWWISE"

@@ -86,8 +86,8 @@ same rows, running max and zeroing as above. The same producer and schedule; eac
 release block ``kb - 1``'s stage), then adds it to its float32 accumulator (``promote = 0``: one chain over the whole K,
 no promotion, as ``torch._scaled_mm(..., use_fast_accum=True)``); the scales are applied once, in the epilogue. The
 producer pads K to whole groups with boxes past ``K``, which TMA zero-fills (exact zeros). Measured (H200, session 14,
-BENCHMARKS.md): without promotion the E=32 FP8 per-token layer at T=4096 is off by 1.96e-2 (each GEMM ~2.9e-3 against
-the reference, the Triton kernel's 6.9e-4), over the contract's 1e-2; promoting every 2 / 4 / 8 blocks gives 7.1e-3
+BENCHMARKS.md): without promotion the E=32 FP8 per-token layer at T=4096 is off by 1.96e-2 (gate_up / down 2.9e-3 /
+2.1e-3 against the reference, the Triton kernel's 6.9e-4 / 8.2e-4), over the bench's 1e-2; promoting every 2 / 4 / 8 blocks gives 7.1e-3
 / 8.6e-3 / 1.05e-2 (Triton's promotion every block: 5.9e-3). The dispatch takes ``promote = 2`` with 128 x 128 tiles
 (``triton.py: GLUON_ROWWISE_*``). ``block_n`` 128 or 256 (256 only without promotion: a partial and an accumulator of
 64 x 256 float32 each would need 256 registers a thread). Compile facts (triton 3.6.0, ``ptxas -v``, 4 stages, 168
@@ -622,6 +622,8 @@ def check_inputs_rowwise(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype) 
     _check_placement(op, tensors, M_cap, E, N)
 
 
+#: The largest promotion group of the rowwise kernel, in 128-wide K blocks.
+_MAX_PROMOTE = 16
 #: Shared memory a stage of the rowwise kernel: x (128 x 128 FP8) + w (BN x 128 FP8), by ``block_n``; the ring's
 #: depth is bounded by Hopper's 227 KiB a block.
 _ROWWISE_MAX_STAGES = {128: 6, 256: 4}
@@ -629,10 +631,11 @@ _ROWWISE_MAX_STAGES = {128: 6, 256: 4}
 
 def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_offsets: torch.Tensor,
                                    x_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype=torch.bfloat16, *,
-                                   num_stages: int = 4, block_n: int = 128, promote: int = 0,
+                                   num_stages: int = 4, block_n: int = 128, promote: int = 2,
                                    num_sms: int | None = None) -> torch.Tensor:
     """``y [M_cap, N]`` bf16 of the per-token x per-channel FP8 grouped GEMM ("rowwise"; ``grouped_gemm(...,
-    implementation="triton")`` dispatches here on sm_90 unless ``EPMOE_TRITON_GLUON_FP8_ROWWISE=0``)::
+    implementation="triton")`` dispatches here what ``triton.py: gluon_fp8_rowwise_eligible`` accepts: sm_90, bf16
+    out, no bias, contiguous, ``M_cap >= 4096`` and ``>= 32 * E``, ``EPMOE_TRITON_GLUON_FP8_ROWWISE`` not 0)::
 
         y[m, n] = (sum_k x_q[m, k] * w_q[e(m), n, k]) * x_scale[m, 0] * w_scale[e(m), n]   (float32 accumulation)
 
@@ -644,9 +647,9 @@ def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_
     ``num_stages`` outside ``[2, 6]`` (``[2, 4]`` at ``block_n = 256``: 48 KiB a stage), ``promote`` not an int in
     ``[0, 16]``, or ``promote > 0`` with ``block_n = 256`` (registers).
 
-    ``promote``: K blocks (of 128) chained in the tensor cores before each float32 add; 0 (the default of this
-    function) chains the whole K (the accumulation of ``use_fast_accum=True``: on the E=32 FP8 per-token layer an error
-    of 1.96e-2, over the contract's 1e-2; the dispatch passes 2, 7.1e-3: module docstring).
+    ``promote``: K blocks (of 128) chained in the tensor cores before each float32 add (default 2, as the dispatch;
+    layer error 7.1e-3); 0 chains the whole K (the accumulation of ``use_fast_accum=True``: on the E=32 FP8 per-token
+    layer an error of 1.96e-2, over the bench's 1e-2: module docstring) and is the only setting at ``block_n = 256``.
 
     Design: the FP8-block kernel's producer (TMA) partition, expert-aligned tiles, grouped persistent schedule and
     zeroing; 128 x ``block_n`` tiles, two 64-row consumer warpgroups. Each consumer chains the ``warpgroup_mma`` of
@@ -665,15 +668,13 @@ def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_
     if not isinstance(num_stages, int) or not 2 <= num_stages <= max_st:
         _fail(ValueError, "num_stages", f"an int in [2, {max_st}] ({(16 + block_n // 8)} KiB of shared memory a "
               f"stage at block_n = {block_n})", num_stages, OP_ROWWISE)
-    if not isinstance(promote, int) or not 0 <= promote <= _MAX_PROMOTE:
-        _fail(ValueError, "promote", f"an int in [0, {_MAX_PROMOTE}] (K blocks a promotion; 0: none)", promote,
-              OP_ROWWISE)
+    if type(promote) is not int or not 0 <= promote <= _MAX_PROMOTE:
+        _fail(ValueError, "promote", f"an int in [0, {_MAX_PROMOTE}] (K blocks a promotion; 0: none)",
+              f"{promote!r} ({type(promote).__name__})", OP_ROWWISE)
     if promote and block_n != 128:
-        _fail(ValueError, "block_n", "128 with promote > 0 (a partial and a float32 accumulator of 64 x block_n "
-              "each: 256 registers a thread at block_n = 256)", block_n, OP_ROWWISE)
+        _fail(ValueError, "block_n", f"128 with promote = {promote} > 0 (a partial and a float32 accumulator of 64 x "
+              "block_n each: 256 registers a thread at block_n = 256; pass promote=0 for 128 x 256 tiles)", block_n,
+              OP_ROWWISE)
     return _launch(_grouped_gemm_fp8_rowwise_kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, block_n,
                    num_stages, num_sms, BN=block_n, G=promote)
 
-
-#: The largest promotion group of the rowwise kernel, in 128-wide K blocks.
-_MAX_PROMOTE = 16

@@ -781,7 +781,8 @@ def grouped_gemm_triton(
     accumulator (after the FP8 scales) before the rounding (CONTRACT.md section 4).
 
     Without ``config``, an FP8 request with 1 x 128 activation groups and 128 x 128 weight blocks that
-    :func:`gluon_fp8_block_eligible` accepts (sm_90, bf16 out, no bias, contiguous, ``M_cap >=`` :data:`GLUON_MIN_ROWS`)
+    :func:`gluon_fp8_block_eligible` accepts (sm_90, bf16 out, no bias, contiguous, ``M_cap >=`` :data:`GLUON_MIN_ROWS`
+    and ``>= GLUON_MIN_ROWS_PER_EXPERT * E``)
     runs the warp-specialized Gluon kernel instead (``moe_torch/ops/grouped_gemm/gluon.py``; same contract, same
     rows, its own zeroing of the unowned rows); ``EPMOE_TRITON_GLUON_FP8_BLOCK=0`` keeps this module's kernel. Likewise
     FP8 per-token x per-channel requests that :func:`gluon_fp8_rowwise_eligible` accepts run ``gluon.py:
@@ -817,7 +818,7 @@ def grouped_gemm_triton(
     return zero_unowned_rows(out, expert_offsets)
 
 
-#: The Gluon FP8-block kernel serves problems of at least this many rows (``M_cap``): measured faster than this
+#: The Gluon kernels serve problems of at least this many rows (``M_cap``): measured faster than this
 #: module's kernel at M=16384 (H200, session 13: gate_up 0.951 vs 1.118 ms, down level); not measured below 4096.
 GLUON_MIN_ROWS = 4096
 #: ... and of at least this many rows per local expert (``M_cap >= 32 * E``): the Gluon kernels' 128-row expert tiles
@@ -869,7 +870,8 @@ def gluon_fp8_block_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, 
     """Whether :func:`grouped_gemm_triton` (no explicit config) runs this request on the Gluon kernel
     (``moe_torch/ops/grouped_gemm/gluon.py``): :data:`triton_common.GLUON_FP8_BLOCK_ENV` on (the default); FP8 ``x``
     with 1 x 128 group scales ``[M_cap, K / 128]`` and ``w [E, N, K]`` with 128 x 128 block scales; and what
-    :func:`_gluon_eligible` asks (bf16 out, no bias, sm_90, contiguous, ``M_cap >=`` :data:`GLUON_MIN_ROWS`).
+    :func:`_gluon_eligible` asks (bf16 out, no bias, sm_90, contiguous, ``M_cap >=`` :data:`GLUON_MIN_ROWS` and
+    ``>= GLUON_MIN_ROWS_PER_EXPERT * E``).
     Anything else runs the Triton kernel. Host-side only (no sync)."""
     K = x.shape[1]  # the scale layout first: a request of another layout costs no more than this
     if (x_scale is None or w_scale is None or K % W_SCALE_BLOCK != 0 or x_scale.ndim != 2 or w_scale.ndim != 3
