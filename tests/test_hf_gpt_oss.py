@@ -161,7 +161,13 @@ def test_patched_gpt_oss_model_equals_transformers(tmp_path):
     reloaded = transformers.GptOssForCausalLM.from_pretrained(tmp_path).eval()
     assert not [m for m in reloaded.modules() if isinstance(m, HFMoEBlock)]
     with torch.no_grad():
-        assert_exact(reloaded(ids).logits, ref.logits, "saved patched model reloaded unpatched")
+        # the saved tensors are transformers' own, bit for bit; the logits of the reloaded model may differ from the
+        # first run in the last float32 bits (transformers' CPU kernels on reloaded tensors: 123 of 384 logits 2 ulps
+        # apart in one CI-like run under load), so they are held to the float32 tolerance
+        saved = reloaded.state_dict()
+        for name, t in hf.state_dict().items():
+            assert_exact(saved[name], t, f"reloaded {name}")
+        assert_rel_fro(reloaded(ids).logits, ref.logits, F32_REL_FRO, "saved patched model reloaded unpatched")
 
     hf.train(), model.train()
     grads = []
