@@ -18,7 +18,8 @@ torch has it). The Triton kernel is timed with the matching Gluon switch off (``
 ``EPMOE_TRITON_GLUON_FP8_ROWWISE=0``). ``--quick``: edge cases and the uniform benchmark shapes only. ``--stages``: the
 kernel's ``num_stages`` (several: ``--stages 4 5``; the first is checked, all are timed). ``--block-n``: the rowwise
 kernel's tile widths (``--dtype fp8`` only; the first is checked, all are timed). ``--promote``: the rowwise kernel's
-promotion groups (every one is checked, at block_n 128 when > 0, and timed at block_n 128; default 0). ``--case``: run
+promotion groups (every one is checked, at block_n 128 when > 0, and timed at block_n 128; default 2, the
+dispatch's; 0: no promotion, the only setting timed at block_n 256). ``--case``: run
 only the cases whose name contains it.
 """
 
@@ -154,7 +155,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dtype", choices=["fp8_block", "fp8"], default="fp8_block")
-    ap.add_argument("--promote", type=int, nargs="+", default=[0])
+    ap.add_argument("--promote", type=int, nargs="+", default=[2])
     ap.add_argument("--stages", type=int, nargs="+", default=[4])
     ap.add_argument("--block-n", type=int, nargs="+", default=[128])
     ap.add_argument("--case", default=None)

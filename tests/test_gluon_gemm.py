@@ -153,26 +153,6 @@ def test_refuses_k_not_multiple_of_128():
         _call(x, w, off, xs, ws)
 
 
-@pytest.mark.parametrize("which, shape, pattern", [
-    ("w_q", (2, 160, 128), "w_q must be \\[E, N, K\\] with K"),
-    ("expert_offsets", (4,), "expert_offsets must be of shape \\[E \\+ 1\\]"),
-    ("x_scale", (4, 1), "x_scale must be of shape \\[M_cap, K // 128\\]"),
-    ("w_scale", (2, 1, 2), "w_scale must be of shape \\[E, ceil\\(N / 128\\), K // 128\\]")])
-def test_refuses_shapes(which, shape, pattern):
-    x, w, off, xs, ws = _inputs()
-    args = dict(x_q=x, w_q=w, expert_offsets=off, x_scale=xs, w_scale=ws)
-    args[which] = torch.zeros(shape, dtype=args[which].dtype)
-    with pytest.raises(ValueError, match=f"{OP}: {pattern}"):
-        _call(**args)
-
-
-def test_refuses_non_contiguous():
-    x, w, off, xs, ws = _inputs()
-    xs = torch.ones(2, 4).t()
-    with pytest.raises(ValueError, match=f"{OP}: x_scale must be contiguous"):
-        _call(x, w, off, xs, ws)
-
-
 def test_refuses_bad_num_stages_after_device_check_order():
     # the device check comes first on a CPU: num_stages is checked only for a usable device
     with pytest.raises(NotImplementedError):
@@ -202,31 +182,39 @@ def test_rowwise_refuses_k_not_multiple_of_16(K):
         _call_rw(x, w, off, xs, ws)
 
 
-@pytest.mark.parametrize("which, shape, pattern", [
-    ("w_q", (2, 160, 192), "w_q must be \\[E, N, K\\] with K"),
-    ("expert_offsets", (4,), "expert_offsets must be of shape \\[E \\+ 1\\]"),
-    ("x_scale", (4, 2), "x_scale must be of shape \\[M_cap, 1\\]"),
-    ("x_scale", (4,), "x_scale must be 2-D"),
-    ("w_scale", (2, 2, 1), "w_scale must be 2-D"),
-    ("w_scale", (2, 159), "w_scale must be of shape \\[E, N\\]")])
-def test_rowwise_refuses_shapes(which, shape, pattern):
-    x, w, off, xs, ws = _inputs_rw()
-    args = dict(x_q=x, w_q=w, expert_offsets=off, x_scale=xs, w_scale=ws)
-    args[which] = torch.zeros(shape, dtype=args[which].dtype)
-    with pytest.raises(ValueError, match=f"{OP_RW}: {pattern}"):
-        _call_rw(**args)
-
-
-def test_rowwise_refuses_non_contiguous():
-    x, w, off, xs, ws = _inputs_rw()
-    ws = torch.ones(160, 2).t()
-    with pytest.raises(ValueError, match=f"{OP_RW}: w_scale must be contiguous"):
-        _call_rw(x, w, off, xs, ws)
-
-
 # ------------------------------------------------------------------ refusals both launchers share (CPU tensors)
 #: kernel name -> (op named in the messages, inputs on the CPU, launcher)
 LAUNCHERS = {"block": (OP, _inputs, _call), "rowwise": (OP_RW, _inputs_rw, _call_rw)}
+
+
+@pytest.mark.parametrize("kernel, which, shape, pattern", [
+    ("block", "w_q", (2, 160, 128), "w_q must be \\[E, N, K\\] with K"),
+    ("block", "expert_offsets", (4,), "expert_offsets must be of shape \\[E \\+ 1\\]"),
+    ("block", "x_scale", (4, 1), "x_scale must be of shape \\[M_cap, K // 128\\]"),
+    ("block", "w_scale", (2, 1, 2), "w_scale must be of shape \\[E, ceil\\(N / 128\\), K // 128\\]"),
+    ("rowwise", "w_q", (2, 160, 192), "w_q must be \\[E, N, K\\] with K"),
+    ("rowwise", "expert_offsets", (4,), "expert_offsets must be of shape \\[E \\+ 1\\]"),
+    ("rowwise", "x_scale", (4, 2), "x_scale must be of shape \\[M_cap, 1\\]"),
+    ("rowwise", "x_scale", (4,), "x_scale must be 2-D"),
+    ("rowwise", "w_scale", (2, 2, 1), "w_scale must be 2-D"),
+    ("rowwise", "w_scale", (2, 159), "w_scale must be of shape \\[E, N\\]")])
+def test_refuses_shapes(kernel, which, shape, pattern):
+    op, inputs, call = LAUNCHERS[kernel]
+    x, w, off, xs, ws = inputs()
+    args = dict(x_q=x, w_q=w, expert_offsets=off, x_scale=xs, w_scale=ws)
+    args[which] = torch.zeros(shape, dtype=args[which].dtype)
+    with pytest.raises(ValueError, match=f"{op}: {pattern}"):
+        call(**args)
+
+
+@pytest.mark.parametrize("kernel, which, shape", [("block", "x_scale", (2, 4)), ("rowwise", "w_scale", (160, 2))])
+def test_refuses_non_contiguous(kernel, which, shape):
+    op, inputs, call = LAUNCHERS[kernel]
+    x, w, off, xs, ws = inputs()
+    args = dict(x_q=x, w_q=w, expert_offsets=off, x_scale=xs, w_scale=ws)
+    args[which] = torch.ones(shape).t()  # the transpose of a contiguous tensor: the right shape, wrong strides
+    with pytest.raises(ValueError, match=f"{op}: {which} must be contiguous"):
+        call(**args)
 
 
 @pytest.mark.parametrize("kernel", sorted(LAUNCHERS))

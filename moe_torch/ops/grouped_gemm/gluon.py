@@ -317,15 +317,24 @@ def _zero_unowned(y_ptr, off_ptr, E, M_cap, N, BLOCK_E: gl.constexpr, BN: gl.con
 
 
 @gluon.jit
-def _grouped_gemm_fp8_block_kernel(x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, off_ptr, E, M_cap, N, K,
-                                   BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _stage_ring(x_desc, w_desc, NUM_STAGES: gl.constexpr, BN: gl.constexpr):
+    """The shared-memory ring of both kernels: ``x`` as two [64, 128] FP8 boxes and ``w`` as one [BN, 128] box a
+    stage, with a ``ready`` (producer's expect + TMA bytes) and an ``empty`` (one arrival per consumer warpgroup)
+    mbarrier each."""
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * NUM_STAGES, HALF_M, BLOCK_K], x_desc.layout)
-    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BN, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)  # the producer's expect + the TMA transaction bytes
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    return a_bufs, b_bufs, ready, empty
+
+
+@gluon.jit
+def _grouped_gemm_fp8_block_kernel(x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, off_ptr, E, M_cap, N, K,
+                                   BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr):
+    a_bufs, b_bufs, ready, empty = _stage_ring(x_desc, w_desc, NUM_STAGES, BLOCK_N)
     gl.warp_specialize([
         (_consumer, (y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E,
                      NUM_STAGES, 0)),
@@ -425,13 +434,7 @@ def _consumer_rowwise(y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, emp
 def _grouped_gemm_fp8_rowwise_kernel(x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, off_ptr, E, M_cap, N, K,
                                      BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, BN: gl.constexpr,
                                      G: gl.constexpr = 0):
-    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * NUM_STAGES, HALF_M, BLOCK_K], x_desc.layout)
-    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BN, BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)  # the producer's expect + the TMA transaction bytes
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    a_bufs, b_bufs, ready, empty = _stage_ring(x_desc, w_desc, NUM_STAGES, BN)
     gl.warp_specialize([
         (_consumer_rowwise, (y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E,
                              NUM_STAGES, BN, 0, G)),
@@ -564,25 +567,9 @@ def grouped_gemm_gluon_fp8_block(x_q: torch.Tensor, w_q: torch.Tensor, expert_of
                    num_stages, num_sms)
 
 
-def compile_sm90(num_stages: int = 4, E: int = 32):
-    """Compile the kernel for sm_90a without a GPU (``triton.compile`` of a ``GluonASTSource`` for
-    ``GPUTarget("cuda", 90, 32)``); returns triton's ``CompiledKernel`` (``.asm["ptx"]``, ``["cubin"]``...). Tests and
-    probes only; needs ``TRITON_INTERPRET`` unset when triton is imported."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    lay = _x_layout()
-    sig = {"x_desc": f"tensordesc<fp8e4nv[{_HM}, {_BK}],{lay!r}>",
-           "w_desc": f"tensordesc<fp8e4nv[{_BN}, {_BK}],{lay!r}>",
-           "y_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "off_ptr": "*i32", "E": "i32", "M_cap": "i32",
-           "N": "i32", "K": "i32", "BLOCK_E": "constexpr", "NUM_STAGES": "constexpr"}
-    src = GluonASTSource(fn=_grouped_gemm_fp8_block_kernel, signature=sig,
-                         constexprs={"BLOCK_E": block_e(E), "NUM_STAGES": num_stages})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
-
-
-def compile_sm90_rowwise(num_stages: int = 4, E: int = 32, block_n: int = 128, promote: int = 0):
-    """:func:`compile_sm90` for the rowwise kernel (``block_n`` 128 or 256; ``promote``: K blocks a promotion)."""
+def _compile_sm90(kernel, block_n: int, constexprs: dict):
+    """``triton.compile`` of ``kernel`` (a ``GluonASTSource``) for ``GPUTarget("cuda", 90, 32)`` with ``w`` boxes of
+    ``block_n`` rows and the given constexprs (``BLOCK_E`` and ``NUM_STAGES`` first)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -590,11 +577,22 @@ def compile_sm90_rowwise(num_stages: int = 4, E: int = 32, block_n: int = 128, p
     sig = {"x_desc": f"tensordesc<fp8e4nv[{_HM}, {_BK}],{lay!r}>",
            "w_desc": f"tensordesc<fp8e4nv[{block_n}, {_BK}],{lay!r}>",
            "y_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "off_ptr": "*i32", "E": "i32", "M_cap": "i32",
-           "N": "i32", "K": "i32", "BLOCK_E": "constexpr", "NUM_STAGES": "constexpr", "BN": "constexpr",
-           "G": "constexpr"}
-    src = GluonASTSource(fn=_grouped_gemm_fp8_rowwise_kernel, signature=sig,
-                         constexprs={"BLOCK_E": block_e(E), "NUM_STAGES": num_stages, "BN": block_n, "G": promote})
+           "N": "i32", "K": "i32", **{name: "constexpr" for name in constexprs}}
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
+
+
+def compile_sm90(num_stages: int = 4, E: int = 32):
+    """Compile the kernel for sm_90a without a GPU (``triton.compile`` of a ``GluonASTSource`` for
+    ``GPUTarget("cuda", 90, 32)``); returns triton's ``CompiledKernel`` (``.asm["ptx"]``, ``["cubin"]``...). Tests and
+    probes only; needs ``TRITON_INTERPRET`` unset when triton is imported."""
+    return _compile_sm90(_grouped_gemm_fp8_block_kernel, _BN, {"BLOCK_E": block_e(E), "NUM_STAGES": num_stages})
+
+
+def compile_sm90_rowwise(num_stages: int = 4, E: int = 32, block_n: int = 128, promote: int = 0):
+    """:func:`compile_sm90` for the rowwise kernel (``block_n`` 128 or 256; ``promote``: K blocks a promotion)."""
+    return _compile_sm90(_grouped_gemm_fp8_rowwise_kernel, block_n,
+                         {"BLOCK_E": block_e(E), "NUM_STAGES": num_stages, "BN": block_n, "G": promote})
 
 
 OP_ROWWISE = "grouped_gemm_gluon_fp8_rowwise"
