@@ -103,9 +103,37 @@ def test_fp8_dgrad_is_refused_and_the_layer_falls_back():
 
 def test_wgrad_heuristic():
     cfg = heuristic_mosaic_wgrad_config(16384, 4096, 7168, 32, 2, 2)
-    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.max_concurrent_steps) == (128, 128, 64, 4)
-    assert heuristic_mosaic_wgrad_config(16384, 4096, 7168, 32, 2, 4).max_concurrent_steps == 3
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.max_concurrent_steps, cfg.warp_specialized) == (
+        128, 128, 64, 3, True)
+    cfg = heuristic_mosaic_wgrad_config(16384, 4096, 7168, 32, 2, 4)  # float32 d_w: 2 stages beside its buffers
+    assert (cfg.max_concurrent_steps, cfg.warp_specialized) == (2, True)
+    cfg = heuristic_mosaic_wgrad_config(16384, 4096, 7168 - 128, 32, 2, 2)  # K % 256 != 0: one warpgroup
+    assert (cfg.block_n, cfg.max_concurrent_steps, cfg.warp_specialized) == (128, 4, False)
     assert heuristic_mosaic_wgrad_config(64, 64, 96, 2, 2).block_n == 32
+
+
+def test_warp_specialized_wgrad_rules_and_lowering():
+    """The warp-specialized wgrad's config rules, and its body lowered for CUDA on the CPU (bf16 and float32 d_w)."""
+    import dataclasses
+    from moe_pallas.ops.grouped_gemm.config import mosaic_wgrad_config_problem
+
+    ws = MosaicGroupedGemmConfig(block_m=128, block_n=128, block_k=64, max_concurrent_steps=3, warp_specialized=True)
+    assert mosaic_wgrad_config_problem(ws, 256, 512, 2, 2) is None
+    assert "K % (2 * block_n) == 0" in mosaic_wgrad_config_problem(ws, 256, 384, 2, 2)
+    assert "split_m is not served" in mosaic_wgrad_config_problem(dataclasses.replace(ws, split_m=True), 256, 512)
+    assert "max_concurrent_steps >= 2" in mosaic_wgrad_config_problem(
+        dataclasses.replace(ws, max_concurrent_steps=1), 256, 512)
+    assert "shared memory with 4-byte outputs" in mosaic_wgrad_config_problem(ws, 256, 512, 2, 4)
+    x, dy, _, offsets = _problem(1, [100, 28, 0, 257, 64], 450, 512, 256)
+    with pytest.raises(NotImplementedError, match=r"wgrad\[pallas_mosaic_gpu\]: the warp-specialized wgrad needs "
+                       r"K % \(2 \* block_n\) == 0.*K=384"):
+        grouped_gemm_wgrad_pallas_mosaic_gpu(x[:, :384], dy, offsets, config=ws)
+    f = jax.jit(grouped_gemm_wgrad_pallas_mosaic_gpu, static_argnames=("config", "out_dtype"))
+    for out_dtype, stages in ((jnp.bfloat16, 3), (jnp.float32, 2)):
+        text = f.trace(x, dy, offsets, out_dtype=out_dtype,
+                       config=dataclasses.replace(ws, max_concurrent_steps=stages)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
 
 
 def test_kernel_bodies_trace():
@@ -126,6 +154,10 @@ SHAPES = {  # counts, M_cap, K, N
     "straddling": ([100, 28, 0, 257, 64], 600, 512, 256),  # experts not aligned to 64-row blocks, a tail
     "all-on-one": ([0, 0, 203, 0], 203, 128, 256),  # every row on one expert; M_cap not a multiple of 8
     "big-k": ([300, 211], 640, 2048, 512),
+    # 40 ragged experts (some empty), 8 wgrad tiles each: more work items than SMs, so each CTA runs several and the
+    # warp-specialized producer loads the next item's rows while the consumers store the current one
+    "many-items": ([int(c) for c in np.random.default_rng(11).integers(0, 150, 40) * (np.arange(40) % 7 != 3)],
+                   3000, 1024, 512),
 }
 
 
@@ -144,13 +176,28 @@ def test_dgrad_vs_float64(shape):
     assert_rel_fro(dx32, _f64_dgrad(dy, w, offsets), 1e-5, f"{shape} dgrad float32 output")
 
 
+def _wgrad_config(schedule: str, K: int, out_dtype) -> MosaicGroupedGemmConfig | None:
+    """``"default"``: the heuristic's; ``"one_wg"``: the one-warpgroup kernel; ``"ws"``: the warp-specialized one
+    (two consumers' 128 x bn tiles side by side, bn = 64 where K is not a multiple of 256)."""
+    if schedule == "default":
+        return None
+    if schedule == "one_wg":
+        return MosaicGroupedGemmConfig(block_m=128, block_n=128 if K % 128 == 0 else 64, block_k=64,
+                                       max_concurrent_steps=3)
+    return MosaicGroupedGemmConfig(block_m=128, block_n=128 if K % 256 == 0 else 64, block_k=64,
+                                   max_concurrent_steps=2 if jnp.dtype(out_dtype).itemsize == 4 else 3,
+                                   warp_specialized=True)
+
+
 @gpu_only
+@pytest.mark.parametrize("schedule", ["default", "one_wg", "ws"])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_wgrad_vs_float64(shape, out_dtype):
+def test_wgrad_vs_float64(shape, out_dtype, schedule):
     counts, m_cap, K, N = SHAPES[shape]
     x, dy, _, offsets = _problem(3, counts, m_cap, K, N)
-    dw = grouped_gemm_wgrad_pallas_mosaic_gpu(x, dy, offsets, out_dtype=out_dtype)
+    dw = grouped_gemm_wgrad_pallas_mosaic_gpu(x, dy, offsets, out_dtype=out_dtype,
+                                              config=_wgrad_config(schedule, K, out_dtype))
     assert dw.shape == (len(counts), N, K) and dw.dtype == out_dtype
     got = to_numpy(dw).astype(np.float32)
     assert np.isfinite(got).all(), f"{shape}: a NaN of the unused capacity reached d_w"
@@ -162,15 +209,16 @@ def test_wgrad_vs_float64(shape, out_dtype):
 
 
 @gpu_only
-def test_wgrad_neighbours_nan():
+@pytest.mark.parametrize("schedule", ["one_wg", "ws"])
+def test_wgrad_neighbours_nan(schedule):
     """Rows of the neighbouring experts inside the first / last 64-row block are NaN: masked by select,
     expert 1's gradient stays finite and exact (a multiply-by-mask would give NaN)."""
-    counts, K, N = [37, 50, 41], 128, 128
+    counts, K, N = [37, 50, 41], 256, 128
     x, dy, _, offsets = _problem(4, counts, 128, K, N)
     xs, dys = np.array(to_numpy(x), np.float32), np.array(to_numpy(dy), np.float32)
     xs[:37], dys[:37], xs[87:], dys[87:] = np.nan, np.nan, np.nan, np.nan
     x, dy = jnp.asarray(xs, jnp.bfloat16), jnp.asarray(dys, jnp.bfloat16)
-    dw = np.asarray(grouped_gemm_wgrad_pallas_mosaic_gpu(x, dy, offsets))
+    dw = np.asarray(grouped_gemm_wgrad_pallas_mosaic_gpu(x, dy, offsets, config=_wgrad_config(schedule, K, jnp.float32)))
     ref = dys[37:87].astype(np.float64).T @ xs[37:87].astype(np.float64)
     assert np.isfinite(dw[1]).all()
     assert_rel_fro(dw[1], ref, 1e-5, "expert 1 between NaN neighbours")

@@ -667,26 +667,62 @@ def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int
 
 def heuristic_mosaic_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, out_itemsize: int = 4
                                   ) -> MosaicGroupedGemmConfig:
-    """The Mosaic GPU wgrad's config (``pallas_mosaic_gpu_backward.py``; not swept yet): ``block_m`` rows
+    """The Mosaic GPU wgrad's config (``pallas_mosaic_gpu_backward.py``): ``block_m`` rows
     of ``d_w[e]`` (over N) x ``block_n`` columns (over K), ``block_k`` rows of the expert per pipeline
-    step. ``128 x 128`` tiles (one warpgroup's float32 accumulator), 64 rows a step, 4 TMA stages (3 for
-    a float32 output tile, whose staging buffer takes 64 KiB of shared memory), halved where N or K is
-    not a multiple."""
+    step. 16-bit inputs with ``N % 128 == 0`` and ``K % 256 == 0``: the warp-specialized wgrad, two consumers'
+    ``128 x 128`` tiles side by side (H200, 2026-12-02, E=32, M=16384, bf16 d_w: gate_up 2.25 -> 1.59-1.96 ms,
+    down 1.53 -> 0.94-1.06 against the one-warpgroup kernel; BENCHMARKS.md session 15). Otherwise one warpgroup:
+    ``128 x 128`` tiles (its float32 accumulator), 64 rows a step, 4 TMA stages (3 for a float32 output tile,
+    whose staging buffer takes 64 KiB of shared memory), halved where N or K is not a multiple."""
     block_m = 128 if N % 128 == 0 else 64
     block_n = 128
     while block_n > 8 and K % block_n:
         block_n //= 2
     grid_n = max(K // block_n, 1)
+    if itemsize == 2 and block_m == 128 and K % 256 == 0:
+        # the warp-specialized wgrad: a producer warpgroup and two consumers of 128 x 128 (a 128 x 256 CTA tile),
+        # 3 stages beside two 16-bit output buffers, 2 beside float32 ones
+        grid_n2 = K // 256
+        cfg = MosaicGroupedGemmConfig(block_m=128, block_n=128, block_k=64,
+                                      max_concurrent_steps=3 if out_itemsize <= 2 else 2,
+                                      grid_block_n=4 if grid_n2 % 4 == 0 else 1, warp_specialized=True)
+        if mosaic_wgrad_config_problem(cfg, N, K, itemsize, out_itemsize) is None:
+            return cfg
     return MosaicGroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=64,
                                    max_concurrent_steps=3 if out_itemsize == 4 else 4,
                                    grid_block_n=4 if grid_n % 4 == 0 else 1)
 
 
-def mosaic_wgrad_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int) -> str | None:
+def ws_wgrad_smem_bytes(cfg: MosaicGroupedGemmConfig, itemsize: int, out_itemsize: int) -> int:
+    """Shared memory of the warp-specialized wgrad: ``max_concurrent_steps`` stages of one ``d_y`` tile
+    ``[block_k, block_m]`` and two ``x`` tiles ``[block_k, block_n]``, plus one ``[block_m, block_n]`` output buffer
+    per consumer warpgroup in the output dtype."""
+    stages = cfg.max_concurrent_steps * cfg.block_k * (cfg.block_m + 2 * cfg.block_n) * itemsize
+    return stages + 2 * cfg.block_m * cfg.block_n * out_itemsize
+
+
+def mosaic_wgrad_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int = 2,
+                                out_itemsize: int = 4) -> str | None:
     """Why ``cfg`` cannot serve a Mosaic wgrad ``d_w [E, N, K]`` (``None``: it can): whole output tiles
-    (``N % block_m``, ``K % block_n``), ``block_k`` (rows per step) a multiple of 64 (wgmma's transposed A
-    operand), one float32 accumulator of at most ``128 x 128`` in a warpgroup's registers."""
+    (``N % block_m``, ``K % block_n``; warp-specialized: ``K % (2 * block_n)``, the two consumers' tiles side by
+    side), ``block_k`` (rows per step) a multiple of 64 (wgmma's transposed A operand), one float32 accumulator of
+    at most ``128 x 128`` in a warpgroup's registers; warp-specialized: ``max_concurrent_steps >= 2``, no
+    ``split_m``, and the stages and output buffers within an sm_90 CTA's shared memory."""
     op = "grouped_gemm_wgrad[pallas_mosaic_gpu]"
+    if cfg.warp_specialized:
+        if cfg.split_m:
+            return f"{op}: the warp-specialized wgrad splits the CTA tile's columns (split_m is not served); got {cfg}"
+        if cfg.max_concurrent_steps < 2:
+            return (f"{op}: the warp-specialized schedule needs max_concurrent_steps >= 2 (shared-memory stages); "
+                    f"got {cfg}")
+        if K % (2 * cfg.block_n):
+            return (f"{op}: the warp-specialized wgrad needs K % (2 * block_n) == 0 (two consumer tiles side by "
+                    f"side); got K={K}, {cfg}")
+        smem = ws_wgrad_smem_bytes(cfg, itemsize, out_itemsize)
+        if smem > _ws_smem_budget():
+            return (f"{op}: the warp-specialized wgrad needs about {smem} bytes of shared memory with "
+                    f"{out_itemsize}-byte outputs, over the {_ws_smem_budget()} an sm_90 CTA can use: fewer "
+                    f"max_concurrent_steps; got {cfg}")
     if N % cfg.block_m or K % cfg.block_n:
         return (f"{op}: needs N % block_m == 0 and K % block_n == 0 (whole output tiles); "
                 f"got N={N}, K={K}, block_m={cfg.block_m}, block_n={cfg.block_n}")
