@@ -72,6 +72,20 @@ def gluon_fp8_rowwise_enabled() -> bool:
                       "the Gluon kernel for FP8 per-token x per-channel")
 
 
+#: Environment switch, read at each launch of a torch ``grouped_gemm_wgrad`` on the Triton backend
+#: (:func:`gluon_wgrad_enabled`): 1/true/on/yes runs it, where it can (``moe_torch/ops/grouped_gemm/gluon_backward.py:
+#: gluon_wgrad_eligible``: bf16 / fp16 inputs, ``N % 128 == 0``, ``K % 256 == 0``, contiguous, sm_90), on the
+#: warp-specialized Gluon wgrad kernel (``gluon_backward.py``); unset, empty or 0/false/off/no (the default: not yet
+#: measured against the Triton kernel on the GPU) keeps the Triton kernel.
+GLUON_WGRAD_ENV = "EPMOE_TRITON_GLUON_WGRAD"
+
+
+def gluon_wgrad_enabled() -> bool:
+    """:data:`GLUON_WGRAD_ENV` read now: 1/true/on/yes -> True; unset, empty or 0/false/off/no -> False (the default;
+    any case, spaces ignored). Raises ValueError for any other value, naming the variable."""
+    return env_switch(GLUON_WGRAD_ENV, False, "the Triton wgrad kernel", "the Gluon wgrad kernel")
+
+
 #: CUDA's limit on grid axis 1 (axis 0 goes to 2**31 - 1 and carries the rows).
 MAX_GRID_AXIS_1 = 65535
 

@@ -55,12 +55,30 @@ def _triton_dgrad(*args):
 
 
 def _triton_wgrad(*args):
-    """The Triton wgrad kernel, imported on first use."""
+    """The Triton wgrad kernel, imported on first use; the Gluon one instead where :func:`_gluon_wgrad` serves."""
     try:
         from moe_torch.ops.grouped_gemm.triton_backward import grouped_gemm_wgrad_triton
     except ImportError as exc:
         raise NotImplementedError(f"grouped_gemm_wgrad: triton is not importable ({exc})") from exc
-    return grouped_gemm_wgrad_triton(*args)
+    d_w = _gluon_wgrad(*args)
+    return grouped_gemm_wgrad_triton(*args) if d_w is None else d_w
+
+
+def _gluon_wgrad(x, d_y, expert_offsets, out_dtype):
+    """``d_w`` from the warp-specialized Gluon wgrad kernel (``gluon_backward.py``) where ``EPMOE_TRITON_GLUON_WGRAD``
+    is on (off by default, read at each call) and ``gluon_wgrad_eligible`` accepts the request (bf16 / fp16, ``N % 128
+    == 0``, ``K % 256 == 0``, contiguous, sm_90); else ``None`` (the Triton kernel serves it)."""
+    from moe_torch.ops.triton_common import gluon_wgrad_enabled
+
+    if not gluon_wgrad_enabled() or not x.is_cuda:
+        return None
+    try:
+        from moe_torch.ops.grouped_gemm.gluon_backward import gluon_wgrad_eligible, grouped_gemm_gluon_wgrad
+    except ImportError:  # triton without gluon
+        return None
+    if not gluon_wgrad_eligible(x, d_y, expert_offsets, out_dtype):
+        return None
+    return grouped_gemm_gluon_wgrad(x, d_y, expert_offsets, out_dtype)
 
 
 def _triton_dbias(*args):
