@@ -69,6 +69,15 @@ split, ``fence.proxy.async`` + barrier before a TMA store of shared memory writt
 (``deep_gemm/include/deep_gemm/fp8_gemm.cuh``: TMA-store epilogue overlapped with the next tile), and this repo's
 ``gluon.py`` (whose partition budgets ``CONSUMER_REGS`` / ``PRODUCER_REGS`` / ``MAXNREG`` and ``_fail`` are reused).
 CPU test (compile for sm_90a, refusals) and GPU tests: ``tests/test_gluon_wgrad.py``.
+
+Measured (one H200, session 15, ``triton.testing.do_bench`` median ms; bf16 inputs, M = 16384, E = 32; Gluon with
+its defaults [cuBLAS ``torch._grouped_mm(d_y.t(), x, offs=offsets[1:])``, the Triton kernel]): gate_up (N = 4096,
+K = 7168) uniform bf16 out 1.579-1.595 [1.649, 2.139-2.223], Zipf 1.802 [1.919, 2.460], uniform float32 out
+(pointer epilogue) 2.137 [-, 2.488]; down (N = 7168, K = 2048) uniform 0.760-0.820 [0.888-0.934, 1.179-1.184], Zipf
+0.902 [1.016, 1.240], float32 out 1.064 [-, 1.363]. The epilogue decides it: at bf16 out the TMA store with 3 stages
+(1.579 / 0.760) against 2 stages (2.193 / 1.191) and pointer stores with 4 / 3 stages (2.268 / 1.143, 2.373 / 1.193).
+``compute-sanitizer --tool memcheck`` over GPU tests of both epilogues: 0 errors. ``ptxas -v``: 168 registers
+(``MAXNREG``), no spill, 208 KiB of shared memory with the TMA epilogue (3 stages), 192 KiB with pointer stores (4).
 """
 
 from __future__ import annotations
