@@ -140,7 +140,8 @@ def test_refusals(which, value, exc, message):
 def test_refuses_out_dtype():
     with pytest.raises(TypeError) as info:
         _call(*_inputs(), out_dtype=torch.float64)
-    assert str(info.value) == f"{OP}: out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got torch.float64"
+    assert str(info.value) == (f"{OP}: out_dtype must be torch.float32, torch.bfloat16 or torch.float16, "
+                               "got torch.float64")
 
 
 def test_refuses_non_cuda_device():

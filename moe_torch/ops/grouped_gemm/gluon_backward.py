@@ -384,7 +384,8 @@ def compile_sm90_wgrad(dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dty
     t_in, t_out = _TRITON_TYPES[dtype], _TRITON_TYPES[out_dtype]
     lay, lay_out = _smem_layout(), _out_layout(out_dtype)
     constexprs = {"NUM_STAGES": num_stages, "TMA_OUT": epilogue == "tma"}
-    sig = {"dy_desc": f"tensordesc<{t_in}[{_BR}, {_HK}],{lay!r}>", "x_desc": f"tensordesc<{t_in}[{_BR}, {_HK}],{lay!r}>",
+    box = f"tensordesc<{t_in}[{_BR}, {_HK}],{lay!r}>"
+    sig = {"dy_desc": box, "x_desc": box,
            "out_desc": f"tensordesc<{t_out}[{_TN}, {_HK}],{lay_out!r}>", "out_ptr": f"*{t_out}", "off_ptr": "*i32",
            "E": "i32", "M_cap": "i32", "N": "i32", "K": "i32", **{name: "constexpr" for name in constexprs}}
     src = GluonASTSource(fn=_grouped_gemm_wgrad_kernel, signature=sig, constexprs=constexprs)
