@@ -16,7 +16,7 @@ SWITCHES = [
     (triton_common.ALIGNED_TILES_ENV, triton_common.aligned_tiles_enabled, True),
     (triton_common.GLUON_FP8_BLOCK_ENV, triton_common.gluon_fp8_block_enabled, True),
     (triton_common.GLUON_FP8_ROWWISE_ENV, triton_common.gluon_fp8_rowwise_enabled, True),
-    (triton_common.GLUON_WGRAD_ENV, triton_common.gluon_wgrad_enabled, False),
+    (triton_common.GLUON_WGRAD_ENV, triton_common.gluon_wgrad_enabled, True),
 ]
 
 

@@ -12,7 +12,7 @@
   (ragged experts not multiples of 8 nor 64, empty experts exactly 0, all rows on one expert, one row, ``offsets[0] >
   0``, ``M_cap`` not a multiple of 8, unused capacity NaN in both ``x`` and ``d_y``, K = 256 / 512, E = 256), each
   expert alone with every other row NaN, bf16 / fp16 inputs, float32 / bf16 / fp16 out, both epilogues and ring
-  depths; decreasing offsets as the Triton kernel; the dispatch with ``EPMOE_TRITON_GLUON_WGRAD`` on vs the Triton
+  depths; decreasing offsets as the Triton kernel; the dispatch with ``EPMOE_TRITON_GLUON_WGRAD`` on (default) vs the Triton
   result with it off.
 """
 
@@ -152,17 +152,18 @@ def test_refuses_non_cuda_device():
 
 
 def test_not_eligible_on_cpu(monkeypatch):
-    """On a CPU the dispatch never picks the Gluon kernel, switch on or off (its default: off), and the Triton (here
+    """On a CPU the dispatch never picks the Gluon kernel, switch on (its default) or off, and the Triton (here
     interpreted) kernel serves ``grouped_gemm_wgrad`` with the switch on."""
     import moe_torch
     from moe_torch.ops import triton_common
     from moe_torch.ops.grouped_gemm import api
 
     x, d_y, off = _inputs()
-    monkeypatch.delenv(triton_common.GLUON_WGRAD_ENV, raising=False)
+    monkeypatch.setenv(triton_common.GLUON_WGRAD_ENV, "0")
     assert not triton_common.gluon_wgrad_enabled()
     assert not gb.gluon_wgrad_eligible(x, d_y, off, torch.bfloat16)
-    monkeypatch.setenv(triton_common.GLUON_WGRAD_ENV, "1")
+    monkeypatch.delenv(triton_common.GLUON_WGRAD_ENV, raising=False)
+    assert triton_common.gluon_wgrad_enabled()
     assert not gb.gluon_wgrad_eligible(x, d_y, off, torch.bfloat16)
     assert api._gluon_wgrad(x, d_y, off, torch.bfloat16) is None
     if TORCH_DEVICE == "cpu":
@@ -288,21 +289,21 @@ def test_decreasing_offsets_as_triton():
 @needs_sm90
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_dispatch_switch(out_dtype, monkeypatch):
-    """``moe_torch.grouped_gemm_wgrad(..., implementation="triton")``: with ``EPMOE_TRITON_GLUON_WGRAD=1`` the Gluon
-    kernel (bit-identical to calling it with its defaults), within the gradient tolerance of the Triton kernel's
-    result with the switch off (its default); a shape the kernel does not take (K = 384) stays on Triton."""
+    """``moe_torch.grouped_gemm_wgrad(..., implementation="triton")``: by default (``EPMOE_TRITON_GLUON_WGRAD``
+    unset) the Gluon kernel (bit-identical to calling it with its defaults), within the gradient tolerance of the
+    Triton kernel's result with the switch set to 0; a shape the kernel does not take (K = 384) stays on Triton."""
     import moe_torch
     from moe_torch.ops.grouped_gemm import api
     from tolerances import BF16_REL_FRO, GRAD_F32_REL_FRO, assert_rel_fro
 
     x, d_y, off = _problem([1100, 0, 2500, 700, 13], 256, 512, tail=9)
-    monkeypatch.delenv("EPMOE_TRITON_GLUON_WGRAD", raising=False)
+    monkeypatch.setenv("EPMOE_TRITON_GLUON_WGRAD", "0")
     calls = []
     real = gb.grouped_gemm_gluon_wgrad
     monkeypatch.setattr(gb, "grouped_gemm_gluon_wgrad", lambda *a, **k: calls.append(a) or real(*a, **k))
     triton_out = moe_torch.grouped_gemm_wgrad(x, d_y, off, out_dtype=out_dtype, implementation="triton")
     assert not calls
-    monkeypatch.setenv("EPMOE_TRITON_GLUON_WGRAD", "1")
+    monkeypatch.delenv("EPMOE_TRITON_GLUON_WGRAD", raising=False)
     out = moe_torch.grouped_gemm_wgrad(x, d_y, off, out_dtype=out_dtype, implementation="triton")
     assert len(calls) == 1
     assert torch.equal(out, real(x, d_y, off, out_dtype))

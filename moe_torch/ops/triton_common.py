@@ -73,17 +73,18 @@ def gluon_fp8_rowwise_enabled() -> bool:
 
 
 #: Environment switch, read at each launch of a torch ``grouped_gemm_wgrad`` on the Triton backend
-#: (:func:`gluon_wgrad_enabled`): 1/true/on/yes runs it, where it can (``moe_torch/ops/grouped_gemm/gluon_backward.py:
-#: gluon_wgrad_eligible``: bf16 / fp16 inputs, ``N % 128 == 0``, ``K % 256 == 0``, contiguous, sm_90), on the
-#: warp-specialized Gluon wgrad kernel (``gluon_backward.py``); unset, empty or 0/false/off/no (the default: not yet
-#: measured against the Triton kernel on the GPU) keeps the Triton kernel.
+#: (:func:`gluon_wgrad_enabled`): unset, empty or 1/true/on/yes (the default) runs it, where it can
+#: (``moe_torch/ops/grouped_gemm/gluon_backward.py: gluon_wgrad_eligible``: bf16 / fp16 inputs, ``N % 128 == 0``,
+#: ``K % 256 == 0``, contiguous, sm_90), on the warp-specialized Gluon wgrad kernel (``gluon_backward.py``; H200,
+#: E=32, M=16384: gate_up 2.14-2.22 -> 1.58-1.60 ms, down 1.18 -> 0.76-0.82, ahead of cuBLAS; BENCHMARKS.md session
+#: 15); 0/false/off/no keeps the Triton kernel.
 GLUON_WGRAD_ENV = "EPMOE_TRITON_GLUON_WGRAD"
 
 
 def gluon_wgrad_enabled() -> bool:
-    """:data:`GLUON_WGRAD_ENV` read now: 1/true/on/yes -> True; unset, empty or 0/false/off/no -> False (the default;
-    any case, spaces ignored). Raises ValueError for any other value, naming the variable."""
-    return env_switch(GLUON_WGRAD_ENV, False, "the Triton wgrad kernel", "the Gluon wgrad kernel")
+    """:data:`GLUON_WGRAD_ENV` read now: unset, empty or 1/true/on/yes -> True (the default); 0/false/off/no -> False
+    (any case, spaces ignored). Raises ValueError for any other value, naming the variable."""
+    return env_switch(GLUON_WGRAD_ENV, True, "the Triton wgrad kernel", "the Gluon wgrad kernel")
 
 
 #: CUDA's limit on grid axis 1 (axis 0 goes to 2**31 - 1 and carries the rows).

@@ -66,7 +66,7 @@ def _triton_wgrad(*args):
 
 def _gluon_wgrad(x, d_y, expert_offsets, out_dtype):
     """``d_w`` from the warp-specialized Gluon wgrad kernel (``gluon_backward.py``) where ``EPMOE_TRITON_GLUON_WGRAD``
-    is on (off by default, read at each call) and ``gluon_wgrad_eligible`` accepts the request (bf16 / fp16, ``N % 128
+    is on (the default; read at each call) and ``gluon_wgrad_eligible`` accepts the request (bf16 / fp16, ``N % 128
     == 0``, ``K % 256 == 0``, contiguous, sm_90); else ``None`` (the Triton kernel serves it)."""
     from moe_torch.ops.triton_common import gluon_wgrad_enabled
 

@@ -21,7 +21,7 @@ address not 16-byte aligned (TMA), ``num_stages`` / ``epilogue`` out of range; `
 kernel's tiles do not serve (``N % 128 != 0``, ``K % 256 != 0``), for tensors off a CUDA device of compute
 capability exactly (9, 0) (sm_90a: ``wgmma``, ``setmaxnreg``), and for ``M_cap`` or ``E * N`` of 2**31 or more (int32
 TMA coordinates). ``moe_torch.grouped_gemm_wgrad(..., implementation="triton")`` runs this kernel only where
-:func:`gluon_wgrad_eligible` says so (``EPMOE_TRITON_GLUON_WGRAD`` on: off by default), else the Triton kernel.
+:func:`gluon_wgrad_eligible` says so (``EPMOE_TRITON_GLUON_WGRAD`` on: its default), else the Triton kernel.
 
 Design (a K-grouped GEMM: the contraction runs over each expert's rows; the forward's warp-specialized structure of
 ``gluon.py``, the roles of its operands changed):
@@ -311,7 +311,7 @@ def check_inputs(x, d_y, expert_offsets, out_dtype) -> None:
 
 def gluon_wgrad_eligible(x, d_y, expert_offsets, out_dtype) -> bool:
     """Whether ``grouped_gemm_wgrad(..., implementation="triton")`` runs this request on the Gluon kernel:
-    ``EPMOE_TRITON_GLUON_WGRAD`` on (off by default), bf16 / fp16 ``x`` and ``d_y`` of one dtype, int32 offsets,
+    ``EPMOE_TRITON_GLUON_WGRAD`` on (the default), bf16 / fp16 ``x`` and ``d_y`` of one dtype, int32 offsets,
     float32 / bf16 / fp16 out, ``N % 128 == 0``, ``K % 256 == 0``, every tensor contiguous, 16-byte aligned, on one
     CUDA device of compute capability (9, 0), ``M_cap`` and ``E * N`` below 2**31. Host-side only (no sync)."""
     from moe_torch.ops.triton_common import gluon_wgrad_enabled
