@@ -312,4 +312,8 @@ def test_dispatch_switch(out_dtype, monkeypatch):
     assert_rel_fro(out.double(), _reference(x, d_y, off), limit, "gluon vs float64")
     x3 = torch.randn(x.shape[0], 384, device="cuda").to(x.dtype)
     assert not gb.gluon_wgrad_eligible(x3, d_y, off, out_dtype)
+    # fewer than WGRAD_MIN_ROWS_PER_EXPERT rows an expert (E=5: 160 rows): the Triton kernel
+    small = slice(0, gb.WGRAD_MIN_ROWS_PER_EXPERT * 5 - 8)
+    assert gb.gluon_wgrad_eligible(x[: small.stop + 8].contiguous(), d_y[: small.stop + 8].contiguous(), off, out_dtype)
+    assert not gb.gluon_wgrad_eligible(x[small].contiguous(), d_y[small].contiguous(), off, out_dtype)
     assert api._gluon_wgrad(x3, d_y, off, out_dtype) is None

@@ -309,15 +309,24 @@ def check_inputs(x, d_y, expert_offsets, out_dtype) -> None:
             _fail(ValueError, name, "16-byte aligned (TMA)", f"address {tns.data_ptr():#x}", OP)
 
 
+#: The dispatch takes the Gluon wgrad only with ``M_cap >= WGRAD_MIN_ROWS_PER_EXPERT * E``. H200, session 15
+#: (``benchmarks/results/2026-12-02_h200_session15/call3/wgrad_small.txt``, E=32, bf16 out, ms Gluon / Triton): M=256
+#: (8 rows an expert) gate_up 0.523 / 0.450, down 0.260 / 0.234; M=2048 (64) 0.604 / 0.887, 0.289 / 0.449.
+WGRAD_MIN_ROWS_PER_EXPERT = 32
+
+
 def gluon_wgrad_eligible(x, d_y, expert_offsets, out_dtype) -> bool:
     """Whether ``grouped_gemm_wgrad(..., implementation="triton")`` runs this request on the Gluon kernel:
-    ``EPMOE_TRITON_GLUON_WGRAD`` on (the default), bf16 / fp16 ``x`` and ``d_y`` of one dtype, int32 offsets,
-    float32 / bf16 / fp16 out, ``N % 128 == 0``, ``K % 256 == 0``, every tensor contiguous, 16-byte aligned, on one
-    CUDA device of compute capability (9, 0), ``M_cap`` and ``E * N`` below 2**31. Host-side only (no sync)."""
+    ``EPMOE_TRITON_GLUON_WGRAD`` on (the default), ``M_cap >=`` :data:`WGRAD_MIN_ROWS_PER_EXPERT` ``* E``, bf16 / fp16
+    ``x`` and ``d_y`` of one dtype, int32 offsets, float32 / bf16 / fp16 out, ``N % 128 == 0``, ``K % 256 == 0``,
+    every tensor contiguous, 16-byte aligned, on one CUDA device of compute capability (9, 0), ``M_cap`` and
+    ``E * N`` below 2**31. Host-side only (no sync)."""
     from moe_torch.ops.triton_common import gluon_wgrad_enabled
 
     if not gluon_wgrad_enabled():
         return False
+    if x.dim() == 2 and expert_offsets.dim() == 1 and x.shape[0] < WGRAD_MIN_ROWS_PER_EXPERT * (expert_offsets.shape[0] - 1):
+        return False  # few rows an expert: the Triton kernel is faster there
     try:
         check_inputs(x, d_y, expert_offsets, out_dtype)
     except (TypeError, ValueError, NotImplementedError):
