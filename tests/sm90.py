@@ -44,3 +44,27 @@ def compile_sm90(jobs: dict[str, dict], module: str | None = None, kernel: str |
                          capture_output=True, text=True, env=env, cwd=root, timeout=300)
     assert run.returncode == 0, f"sm_90 compilation failed:\n{run.stderr[-4000:]}"
     return dict(zip(jobs, json.loads(run.stdout)))
+
+
+def ptxas_available() -> bool:
+    """Whether triton's bundled ptxas is there (the sm_90a compile tests skip without it)."""
+    import triton
+
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+
+
+def run_compile_child(child: str) -> dict:
+    """The JSON ``child`` (Python source) prints, run in a child process without ``TRITON_INTERPRET`` and with the
+    repository on ``PYTHONPATH`` (the Gluon kernels' sm_90a compile tests: Gluon has no interpreter). Skips the
+    calling test without triton's bundled ptxas."""
+    import pytest
+
+    if not ptxas_available():
+        pytest.skip("triton's bundled ptxas is unavailable")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=240)
+    assert run.returncode == 0, f"sm_90a compilation failed:\n{run.stderr[-4000:]}"
+    return json.loads(run.stdout)

@@ -18,20 +18,14 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from common import TORCH_DEVICE
+from sm90 import run_compile_child
 
 gb = pytest.importorskip("moe_torch.ops.grouped_gemm.gluon_backward", reason="triton.experimental.gluon unavailable")
 OP = "grouped_gemm_gluon_wgrad"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 _CHILD = r"""
 import json, os, subprocess, sys, tempfile
 import torch, triton
@@ -54,16 +48,7 @@ json.dump(out, sys.stdout)
 
 @pytest.fixture(scope="module")
 def compiled():
-    import triton
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("triton's bundled ptxas is unavailable")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=240)
-    assert run.returncode == 0, f"sm_90a compilation failed:\n{run.stderr[-4000:]}"
-    return json.loads(run.stdout)
+    return run_compile_child(_CHILD)
 
 
 @pytest.mark.parametrize("key, ab, tma_store", [("tma-bf16-bf16", "bf16.bf16", True),

@@ -454,31 +454,33 @@ def _fail(exc, arg: str, expected: str, got, op: str = OP) -> None:
     raise exc(f"{op}: {arg} must be {expected}, got {got}")
 
 
-def _check_placement(op: str, tensors: dict, M_cap: int, E: int, N: int) -> None:
-    """The refusals both launchers share, after the dtypes and shapes: contiguity, one device, a CUDA device of
-    compute capability (9, 0), int32 TMA coordinates, 16-byte aligned ``x_q`` / ``w_q`` (TMA)."""
+def _check_placement(op: str, tensors: dict, M_cap: int, E: int, N: int, *, tma: tuple[str, str] = ("x_q", "w_q"),
+                     en_rows: str = "w_q") -> None:
+    """The refusals every Gluon launcher shares, after the dtypes and shapes: contiguity, one device, a CUDA device
+    of compute capability (9, 0), int32 TMA coordinates (``M_cap`` rows of ``tma[0]``, ``E * N`` rows of
+    ``en_rows``), 16-byte aligned ``tma`` tensors. ``tensors``: name -> tensor, every input (the device message
+    lists them in this order)."""
     for name, tns in tensors.items():
         if not tns.is_contiguous():
             _fail(ValueError, name, "contiguous", f"strides {tuple(tns.stride())}", op)
     devices = {tns.device for tns in tensors.values()}
     if len(devices) != 1:
-        _fail(ValueError, "x_q, w_q, expert_offsets, x_scale, w_scale", "on one device", sorted(map(str, devices)),
-              op)
-    x_q, w_q = tensors["x_q"], tensors["w_q"]
-    dev = x_q.device
+        _fail(ValueError, ", ".join(tensors), "on one device", sorted(map(str, devices)), op)
+    first = tma[0]
+    dev = tensors[first].device
     if dev.type != "cuda":
-        raise NotImplementedError(f"{op}: x_q (and every input) must be on a CUDA device of compute capability "
+        raise NotImplementedError(f"{op}: {first} (and every input) must be on a CUDA device of compute capability "
                                   f"(9, 0) (sm_90a: wgmma, TMA, setmaxnreg), got device {dev}")
     cap = torch.cuda.get_device_capability(dev)
     if tuple(cap) != (9, 0):
-        raise NotImplementedError(f"{op}: x_q must be on a CUDA device of compute capability (9, 0) (sm_90a), "
+        raise NotImplementedError(f"{op}: {first} must be on a CUDA device of compute capability (9, 0) (sm_90a), "
                                   f"got {tuple(cap)} ({torch.cuda.get_device_name(dev)})")
     if M_cap >= 2**31 or E * N >= 2**31:
-        raise NotImplementedError(f"{op}: x_q rows (M_cap = {M_cap}) and w_q rows (E * N = {E * N}) must be below "
-                                  "2**31 (int32 TMA coordinates)")
-    for name, tns in (("x_q", x_q), ("w_q", w_q)):
-        if tns.data_ptr() % 16 != 0:
-            _fail(ValueError, name, "16-byte aligned (TMA)", f"address {tns.data_ptr():#x}", op)
+        raise NotImplementedError(f"{op}: {first} rows (M_cap = {M_cap}) and {en_rows} rows (E * N = {E * N}) must "
+                                  "be below 2**31 (int32 TMA coordinates)")
+    for name in tma:
+        if tensors[name].data_ptr() % 16 != 0:
+            _fail(ValueError, name, "16-byte aligned (TMA)", f"address {tensors[name].data_ptr():#x}", op)
 
 
 def _check_common(op: str, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, *, w_scale_rank: int,

@@ -90,7 +90,7 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from moe_torch.ops.grouped_gemm.gluon import CONSUMER_REGS, MAXNREG, PRODUCER_REGS, _fail
+from moe_torch.ops.grouped_gemm.gluon import CONSUMER_REGS, MAXNREG, PRODUCER_REGS, _check_placement, _fail
 
 OP = "grouped_gemm_gluon_wgrad"
 TILE_N = gl.constexpr(128)  # d_w rows (N) of a work item
@@ -286,27 +286,8 @@ def _check_shapes(x, d_y, expert_offsets, out_dtype) -> tuple[int, int, int, int
 def check_inputs(x, d_y, expert_offsets, out_dtype) -> None:
     """Every host-side refusal, before any launch (module docstring)."""
     M_cap, N, K, E = _check_shapes(x, d_y, expert_offsets, out_dtype)
-    tensors = {"x": x, "d_y": d_y, "expert_offsets": expert_offsets}
-    for name, tns in tensors.items():
-        if not tns.is_contiguous():
-            _fail(ValueError, name, "contiguous", f"strides {tuple(tns.stride())}", OP)
-    devices = {tns.device for tns in tensors.values()}
-    if len(devices) != 1:
-        _fail(ValueError, "x, d_y, expert_offsets", "on one device", sorted(map(str, devices)), OP)
-    dev = x.device
-    if dev.type != "cuda":
-        raise NotImplementedError(f"{OP}: x (and every input) must be on a CUDA device of compute capability (9, 0) "
-                                  f"(sm_90a: wgmma, TMA, setmaxnreg), got device {dev}")
-    cap = torch.cuda.get_device_capability(dev)
-    if tuple(cap) != (9, 0):
-        raise NotImplementedError(f"{OP}: x must be on a CUDA device of compute capability (9, 0) (sm_90a), got "
-                                  f"{tuple(cap)} ({torch.cuda.get_device_name(dev)})")
-    if M_cap >= 2**31 or E * N >= 2**31:
-        raise NotImplementedError(f"{OP}: x rows (M_cap = {M_cap}) and d_w rows (E * N = {E * N}) must be below 2**31 "
-                                  "(int32 TMA coordinates)")
-    for name, tns in (("x", x), ("d_y", d_y)):
-        if tns.data_ptr() % 16 != 0:
-            _fail(ValueError, name, "16-byte aligned (TMA)", f"address {tns.data_ptr():#x}", OP)
+    _check_placement(OP, {"x": x, "d_y": d_y, "expert_offsets": expert_offsets}, M_cap, E, N, tma=("x", "d_y"),
+                     en_rows="d_w")
 
 
 #: The dispatch takes the Gluon wgrad only with ``M_cap >= WGRAD_MIN_ROWS_PER_EXPERT * E``. H200, session 15
