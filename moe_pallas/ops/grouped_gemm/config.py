@@ -562,6 +562,15 @@ def _ws_smem_budget() -> int:
     return MOSAIC_MAX_SMEM_BYTES - _SMEM_SLACK_BYTES
 
 
+def _ws_smem_problem(op: str, what: str, smem: int, out_itemsize: int, cfg: MosaicGroupedGemmConfig) -> str | None:
+    """The refusal of a warp-specialized kernel (``what``: "schedule", the forward / dgrad, or "wgrad") whose stages and
+    output buffers (``smem`` bytes) exceed an sm_90 CTA's shared memory; ``None`` when they fit."""
+    if smem <= _ws_smem_budget():
+        return None
+    return (f"{op}: the warp-specialized {what} needs about {smem} bytes of shared memory with {out_itemsize}-byte "
+            f"outputs, over the {_ws_smem_budget()} an sm_90 CTA can use: fewer max_concurrent_steps; got {cfg}")
+
+
 def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int, per_step_scales: bool, *,
                           op: str = "grouped_gemm[pallas_mosaic_gpu]", out_itemsize: int = 2) -> str | None:
     """Why ``cfg`` cannot serve a Mosaic request (``None``: it can): whole TMA tiles (``N % block_n``,
@@ -591,12 +600,7 @@ def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize
         if per_step and cfg.block_m * cfg.block_n > 64 * 128:
             return (f"{op}: per-K-step accumulation keeps the float32 tile and one per K block of a step in each "
                     f"consumer warpgroup's registers: block_m * block_n must be <= 64 * 128; got {cfg}")
-        smem = ws_smem_bytes(cfg, itemsize, out_itemsize)
-        if smem > _ws_smem_budget():
-            return (f"{op}: the warp-specialized schedule needs about {smem} bytes of shared memory with "
-                    f"{out_itemsize}-byte outputs, over the {_ws_smem_budget()} an sm_90 CTA can use: fewer "
-                    f"max_concurrent_steps; got {cfg}")
-        return None
+        return _ws_smem_problem(op, "schedule", ws_smem_bytes(cfg, itemsize, out_itemsize), out_itemsize, cfg)
     if N % cfg.block_n or K % cfg.block_k:
         return (f"{op}: needs N % block_n == 0 and K % block_k == 0 (whole TMA tiles); "
                 f"got N={N}, K={K}, block_n={cfg.block_n}, block_k={cfg.block_k}")
@@ -718,11 +722,9 @@ def mosaic_wgrad_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, it
         if K % (2 * cfg.block_n):
             return (f"{op}: the warp-specialized wgrad needs K % (2 * block_n) == 0 (two consumer tiles side by "
                     f"side); got K={K}, {cfg}")
-        smem = ws_wgrad_smem_bytes(cfg, itemsize, out_itemsize)
-        if smem > _ws_smem_budget():
-            return (f"{op}: the warp-specialized wgrad needs about {smem} bytes of shared memory with "
-                    f"{out_itemsize}-byte outputs, over the {_ws_smem_budget()} an sm_90 CTA can use: fewer "
-                    f"max_concurrent_steps; got {cfg}")
+        problem = _ws_smem_problem(op, "wgrad", ws_wgrad_smem_bytes(cfg, itemsize, out_itemsize), out_itemsize, cfg)
+        if problem:
+            return problem
     if N % cfg.block_m or K % cfg.block_n:
         return (f"{op}: needs N % block_m == 0 and K % block_n == 0 (whole output tiles); "
                 f"got N={N}, K={K}, block_m={cfg.block_m}, block_n={cfg.block_n}")
