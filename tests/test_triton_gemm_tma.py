@@ -127,10 +127,11 @@ def _problem(dtype="bfloat16", K=32):
 
 
 def test_tma_refuses_requests_it_does_not_serve():
-    """float32, 4-bit weights, a bias and the dgrad kernel: NotImplementedError naming ``tma=True``
-    and what came, from check_config, before any launch."""
+    """float32, 4-bit weights, a bias and the dgrad with FP8 weights: NotImplementedError naming ``tma=True``
+    and what came, from check_config, before any launch (the dgrad's own TMA refusals:
+    ``tests/test_triton_dgrad_tma.py``)."""
     for kwargs, what in [(dict(bits=32), "float32"), (dict(bits=16, w_format="mxfp4"), "mxfp4"),
-                         (dict(bits=16, bias=True), "bias"), (dict(bits=16, forward=False), "dgrad")]:
+                         (dict(bits=16, bias=True), "bias"), (dict(bits=16, forward=False, w_fp8=True), "dgrad .*FP8")]:
         bits = kwargs.pop("bits")
         with pytest.raises(NotImplementedError, match=f"config tma=True .*{what}"):
             check_config("grouped_gemm", dataclasses.replace(TMA, block_k=32), bits, None, False,

@@ -78,7 +78,8 @@ class GroupedGemmConfig:
     #: TMA loads and 128 x 256 tiles reached 720 TFLOP/s bf16 on the H200 (ENVIRONMENT.md, dense 8192^3), the pointer
     #: grouped GEMM ~540; on the grouped GEMM (BENCHMARKS.md session 9) it is the H200's tuned bf16 choice at
     #: M=16384 (gate_up 1.832 -> 1.423 ms). Rules: a bool; serves 16-bit (bf16 / fp16) and FP8 forwards without
-    #: bias only (:func:`check_config`: float32, 4-bit weights, bias and the dgrad kernel are refused, naming the
+    #: bias, and the dgrad of 16-bit ``d_y`` and ``w`` (``triton_backward.py``, "TMA variant"), only
+    #: (:func:`check_config`: float32, 4-bit weights, bias, FP8 weights of the dgrad are refused, naming the
     #: field); every block <= :data:`TMA_MAX_BLOCK`. False (default) keeps the pointer kernel.
     tma: bool = False
     #: ``tl.range(0, K, block_k, warp_specialize=True)`` on the TMA variant's K loop (Triton's automatic warp
@@ -114,13 +115,15 @@ def min_block_k(bits: int, w_format: str | None = None) -> int:
 
 
 def check_config(op: str, cfg: GroupedGemmConfig, bits: int, x_group: int | None, w_block: bool,
-                 w_format: str | None = None, *, bias: bool = False, forward: bool = True) -> None:
+                 w_format: str | None = None, *, bias: bool = False, forward: bool = True,
+                 w_fp8: bool = False) -> None:
     """``ValueError`` if ``cfg`` breaks the rules of :class:`GroupedGemmConfig` for this problem
     (``w_format``: ``"mxfp4"`` / ``"int4"`` for 4-bit weights, whose K steps cover whole groups of 32);
     ``NotImplementedError`` if ``cfg.tma`` / ``cfg.warp_specialize`` (the TMA variant) is asked of a request that
-    variant does not serve: float32 operands, 4-bit weights, ``bias``, or not the forward kernel (``forward=False``:
-    the dgrad kernel, which tiles alike but has no TMA variant). 16-bit and FP8 (every scale layout) forwards are
-    served."""
+    variant does not serve. Forward (``forward=True``): float32 operands, 4-bit weights, ``bias``; 16-bit and FP8
+    (every scale layout) forwards are served. dgrad (``forward=False``, ``triton_backward.py``; ``bits`` is ``d_y``'s
+    width): float32 operands and FP8 weights (``w_fp8``: dequantized per element in the kernel, so they keep the
+    pointer loads); 16-bit ``d_y`` with 16-bit ``w`` is served."""
     pow2 = all(b > 0 and b & (b - 1) == 0 for b in (cfg.block_m, cfg.block_n, cfg.block_k))
     limit = k_step_limit(x_group, w_block)
     lowest = min_block_k(bits, w_format)
@@ -133,13 +136,19 @@ def check_config(op: str, cfg: GroupedGemmConfig, bits: int, x_group: int | None
                          f"got {cfg}")
     if cfg.tma:
         field = "tma=True" + (" (and warp_specialize=True)" if cfg.warp_specialize else "")
-        refused = ("the dgrad kernel (forward only)" if not forward
-                   else f"{w_format} 4-bit weights" if w_format
-                   else "float32 operands" if bits == 32
-                   else "a bias" if bias else None)
-        if refused:
-            raise NotImplementedError(f"{op}: config {field} serves 16-bit (bf16 / fp16) and FP8 forwards without bias "
-                                      f"only; got {refused}")
+        if forward:
+            refused = (f"{w_format} 4-bit weights" if w_format
+                       else "float32 operands" if bits == 32
+                       else "a bias" if bias else None)
+            if refused:
+                raise NotImplementedError(f"{op}: config {field} serves 16-bit (bf16 / fp16) and FP8 forwards without "
+                                          f"bias only; got {refused}")
+        else:
+            refused = ("float32 operands" if bits == 32
+                       else "FP8 weights (dequantized per element: the pointer kernel)" if w_fp8 else None)
+            if refused:
+                raise NotImplementedError(f"{op}: config {field} serves the dgrad of 16-bit (bf16 / fp16) d_y and w "
+                                          f"only; got {refused}")
         if cfg.warp_specialize and cfg.num_warps < 8:
             raise NotImplementedError(f"{op}: config warp_specialize=True needs num_warps >= 8: with 4 warps triton 3.6's "
                                       f"sm_90 pass NVGPUWarpSpecialization fails to compile the kernel; got {cfg}")
@@ -253,6 +262,33 @@ def heuristic_grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, bits
     if bits == 16 and M_cap >= DGRAD_WIDE_MIN_ROWS:
         return DGRAD_WIDE_CONFIG
     return heuristic_grouped_gemm_config(M_cap, K, N, E, bits, None, w_block)
+
+
+#: Rows (``M_cap``) from which :func:`grouped_gemm_dgrad_config` runs 16-bit dgrads on sm_90 through the TMA variant
+#: (``EPMOE_TRITON_TMA_DGRAD``, on by default): the forward's TMA variant is the H200's tuned bf16 choice at
+#: M_cap 2048 and 16384 (``tuned/NVIDIA_H200.json``); the dgrad's is not measured yet (``.gpu/dgrad_tma_bench.py``).
+DGRAD_TMA_MIN_ROWS = 4096
+#: ... on wgmma-sized row tiles only (the heuristic's ``block_m`` at least one warpgroup's 64 rows): the 16- and
+#: 32-row tiles of many small experts run ``mma.sync``, where TMA was never measured.
+DGRAD_TMA_MIN_BLOCK_M = 64
+
+
+def grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, bits: int, w_block: bool = False, *,
+                              w_fp8: bool = False, sm90: bool = False, tma: bool = True) -> GroupedGemmConfig:
+    """The default config of the dgrad ``d_y [M_cap, N] x w [E, N, K] -> d_x [M_cap, K]``:
+    :func:`heuristic_grouped_gemm_dgrad_config`, with ``tma=True`` (the TMA variant of the same tiles and launch
+    order: ``d_y`` and ``w`` tiles through tensor descriptors, ``triton_backward.py``) where ``tma`` (the switch
+    ``EPMOE_TRITON_TMA_DGRAD``, read by the caller at each launch), ``sm90`` (a device of compute capability 9.0),
+    16-bit ``d_y`` (``bits``), 16-bit weights (not ``w_fp8``), ``M_cap >=`` :data:`DGRAD_TMA_MIN_ROWS` and the tile's
+    ``block_m >=`` :data:`DGRAD_TMA_MIN_BLOCK_M`. The TMA tiles at ``M_cap >= DGRAD_WIDE_MIN_ROWS`` are
+    :data:`DGRAD_WIDE_CONFIG`'s 128 x 256 over 8 warps, the shape of the forward's tuned TMA entries at M=16384
+    (``tuned/NVIDIA_H200.json``). A request the descriptors cannot address (``N % block_k``, alignment) runs the
+    pointer kernel with the same tiles (``triton_backward.py: _launch_dgrad``)."""
+    cfg = heuristic_grouped_gemm_dgrad_config(M_cap, N, K, E, bits, w_block)
+    if (tma and sm90 and bits == 16 and not w_fp8 and M_cap >= DGRAD_TMA_MIN_ROWS
+            and cfg.block_m >= DGRAD_TMA_MIN_BLOCK_M):
+        return dataclasses.replace(cfg, tma=True)
+    return cfg
 
 
 #: dgrad's wide tiles (see :func:`heuristic_grouped_gemm_dgrad_config`): 128 rows x 256 columns of d_x per

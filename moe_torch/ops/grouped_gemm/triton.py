@@ -81,7 +81,8 @@ rows past ``M_cap`` and the K tail are zero-filled by the descriptor's bounds), 
 in ``[BLOCK_N, BLOCK_K]`` boxes at ``[e * N + pid_n * BLOCK_N, k0]`` (the N tail reads the next expert's rows:
 computed, never stored). The store stays the masked pointer store. The K loop is ``tl.range(0, K, BLOCK_K,
 warp_specialize=cfg.warp_specialize)``. Refused on the host before launch: by ``check_config``
-(``NotImplementedError`` naming ``tma=True``) float32, 4-bit weights, a bias, the dgrad kernel, and
+(``NotImplementedError`` naming ``tma=True``) float32, 4-bit weights, a bias (the dgrad kernel has a TMA variant of
+its own for 16-bit ``d_y`` and ``w``: ``triton_backward.py``), and
 ``warp_specialize`` below 8 warps; (``ValueError``) blocks over 256 (a TMA box side), ``warp_specialize``
 without ``tma``; by ``_tma_descriptors`` (``NotImplementedError``) a base address or row stride of ``x`` or
 ``w`` not a multiple of 16 bytes (contiguous inputs: ``K * itemsize % 16 != 0``, e.g. odd K), ``w.stride(0)

@@ -24,6 +24,27 @@ Given the forward ``y[m] = x[m] @ w[e(m)].T`` (``x [M_cap, K]``, ``w [E, N, K]``
   ``w_scale[e, n // 128, k // 128]`` (``BLOCK_K`` divides 128, so a step lies in one block along N).
   The product is float32 and rounded to ``d_y``'s dtype: the weights the reference uses, bit for bit.
 
+  **TMA variant** (``GroupedGemmConfig(tma=True)``; 16-bit ``d_y`` and ``w`` only: ``check_config(...,
+  forward=False)`` refuses float32 and FP8 weights, which keep the pointer loads because they are dequantized per
+  element), after the forward's (``triton.py``, "TMA variant": the same work items, grids and launch orders,
+  host-side ``triton.tools.tensor_descriptor.TensorDescriptor`` arguments, zero padding). ``d_y [M_cap, N]`` comes
+  in ``[BLOCK_M, BLOCK_K]`` boxes at ``[m0, n0]``: the whole row tile (rows of other experts, and of none, are
+  loaded and computed but never stored: a row of ``d_x`` depends on its row of ``d_y`` only, so a NaN in an
+  unused capacity row stays in that row; rows past ``M_cap`` are zero-filled). ``w`` is viewed as ``[E * N, K]``
+  (no copy) in ``[BLOCK_K, BLOCK_N]`` boxes at ``[e * N + n0, pid_n * BLOCK_N]``: rows along the contraction,
+  columns along ``d_x``'s K (past K zero-filled), ``tl.dot(a, b)`` without a transpose. The N loop is
+  ``tl.range(0, N, BLOCK_K, warp_specialize=cfg.warp_specialize)``; the store is the pointer path's masked store.
+  ``N % BLOCK_K == 0`` is required (a last partial step would read the next expert's weight rows; their ``d_y``
+  columns are zero-filled, but ``0 * inf`` is NaN): ``_dgrad_tma_descriptors`` refuses it with
+  ``NotImplementedError`` naming ``block_k``, as it refuses what TMA cannot address (a base address or row stride
+  of ``d_y`` / ``w`` off 16 bytes, ``w.stride(0) != N * w.stride(1)``, ``M_cap`` or ``E * N`` of 2**31 or more:
+  int32 coordinates). Those refusals are for a caller's config; the default (``config.py:
+  grouped_gemm_dgrad_config``: the heuristic's tiles with ``tma=True`` for 16-bit ``d_y`` and ``w`` on sm_90 at
+  ``M_cap >= 4096`` with wgmma row tiles, ``EPMOE_TRITON_TMA_DGRAD`` on) falls back to the pointer kernel with the
+  same tiles and launch order. Not measured on the H200 yet (``.gpu/dgrad_tma_bench.py``); the pointer dgrad at
+  M=16384, E=32: gate_up 1.77 ms, down 0.83, ``torch._grouped_mm`` 1.48 / 0.74, the forward's TMA variant 1.48 for
+  the gate_up forward.
+
 * **wgrad** ``d_w[e] = d_y[rows(e)].T @ x[rows(e)]`` -> ``[E, N, K]``: a K-grouped GEMM (the
   contraction runs over each expert's rows, after jax's
   ``jax/experimental/pallas/ops/gpu/transposed_ragged_dot_mgpu.py`` and tokamax's ``drhs_ragged_dot``).
@@ -60,6 +81,7 @@ Must match ``moe_torch/ops/grouped_gemm/reference.py`` (``grouped_gemm_dgrad_ref
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -74,11 +96,13 @@ from moe_torch.ops.grouped_gemm.config import (
     check_config,
     check_dbias_config,
     check_wgrad_config,
+    grouped_gemm_dgrad_config,
     heuristic_grouped_gemm_dbias_config,
-    heuristic_grouped_gemm_dgrad_config,
     heuristic_grouped_gemm_wgrad_config,
 )
 from moe_torch.ops.grouped_gemm.triton import (
+    TMA_ALIGN_BYTES,
+    _MAX_TMA_ROWS,
     tile_meta,
     zero_unowned_rows,
     _MAX_EXPERTS,
@@ -93,10 +117,11 @@ from moe_torch.ops.grouped_gemm.triton import (
     launch_grid,
 )
 from moe_torch.ops.quant.reference import FP8_DTYPE
-from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device
+from moe_torch.ops.triton_common import (MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device,
+                                         tma_dgrad_enabled)
 
 #: Heuristic configs looked up once per problem (host path of every backward step).
-_dgrad_config = functools.cache(heuristic_grouped_gemm_dgrad_config)
+_dgrad_config = functools.cache(grouped_gemm_dgrad_config)
 _wgrad_config = functools.cache(heuristic_grouped_gemm_wgrad_config)
 _dbias_config = functools.cache(heuristic_grouped_gemm_dbias_config)
 
@@ -130,6 +155,10 @@ def _dgrad_tile(
     BLOCK_M: tl.constexpr,  # rows per tile (power of 2)
     BLOCK_N: tl.constexpr,  # d_x columns (K) per tile (power of 2)
     BLOCK_K: tl.constexpr,  # reduction step along N (power of 2; divides W_BLOCK for block scales)
+    TMA: tl.constexpr,  # bool: the TMA variant (16-bit d_y and w; N % BLOCK_K == 0: checked on the host)
+    WARP_SPECIALIZE: tl.constexpr,  # bool: tl.range(..., warp_specialize=True) on the TMA variant's N loop
+    dy_desc,  # TMA: tensor descriptor over d_y [M_cap, N], block [BLOCK_M, BLOCK_K], zero padding (else None)
+    w_desc,  # TMA: tensor descriptor over w viewed as [E * N, K], block [BLOCK_K, BLOCK_N], zero padding (else None)
 ):
     """``d_x[owned rows, cols]`` of work item ``p`` and column tile ``pid_n`` over the whole N loop."""
     e, row_start, row_end, m0 = _work_item(p, e_ids, starts, ends, first_row, n_tiles, incl, BLOCK_M)
@@ -144,30 +173,42 @@ def _dgrad_tile(
 
     dy_rows = dy_ptr + rows64[:, None] * stride_dym  # [BLOCK_M, 1]
     w_cols = w_ptr + e64 * stride_we + cols64[None, :]  # [1, BLOCK_N], unit stride along K
-    if W_SCALE == _WS_EXPERT:
-        s_e = tl.load(w_scale_ptr + e64 * stride_wse)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_K):
-        ns = n0 + offs_r
-        n_mask = ns < N
-        ns64 = ns.to(tl.int64)
-        a = tl.load(dy_rows + ns[None, :], mask=row_mask[:, None] & n_mask[None, :], other=0.0)
-        b = tl.load(w_cols + ns64[:, None] * stride_wn, mask=n_mask[:, None] & col_mask[None, :], other=0.0)
-        if W_SCALE != _WS_NONE:
-            # Straight-through FP8: q * scale in float32, rounded to d_y's dtype (the reference's weights).
-            bf = b.to(tl.float32)
-            if W_SCALE == _WS_EXPERT:
-                bf = bf * s_e
-            if W_SCALE == _WS_CHANNEL:  # the output channel n is this GEMM's reduction index
-                bf = bf * tl.load(w_scale_ptr + e64 * stride_wse + ns64 * stride_wsn, mask=n_mask, other=0.0)[:, None]
-            if W_SCALE == _WS_BLOCK:  # one block along N per step (BLOCK_K divides W_BLOCK)
-                bf = bf * tl.load(w_scale_ptr + e64 * stride_wse + (n0 // W_BLOCK) * stride_wsn
-                                  + (cols64 // W_BLOCK) * stride_wsk, mask=col_mask, other=0.0)[None, :]
-            b = bf.to(dy_ptr.dtype.element_ty)
-        if IEEE_F32:
-            acc = tl.dot(a, b, acc, input_precision="ieee")  # TF32 would miss float32 accuracy
-        else:
-            acc = tl.dot(a, b, acc)  # bf16 / fp16 tensor cores, float32 accumulation
+    if TMA:
+        # The whole [BLOCK_M, BLOCK_K] row tile of d_y at [m0, n0] (rows of other experts, or of none, are loaded and
+        # computed but never stored: a row of d_x depends on its own row of d_y only; rows past M_cap are
+        # zero-filled) and w's [BLOCK_K, BLOCK_N] tile at [e * N + n0, pid_n * BLOCK_N] of its [E * N, K] view: rows
+        # along the contraction, all of them this expert's (N % BLOCK_K == 0, checked on the host), columns past K
+        # zero-filled. int32 coordinates: M_cap and E * N are < 2**31 (checked on the host).
+        w_row0 = e * N
+        c0 = pid_n * BLOCK_N
+        for n0 in tl.range(0, N, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+            acc = tl.dot(dy_desc.load([m0, n0]), w_desc.load([w_row0 + n0, c0]), acc)  # float32 accumulation
+    else:  # pointer loads (every dtype; FP8 weights dequantized per element)
+        if W_SCALE == _WS_EXPERT:
+            s_e = tl.load(w_scale_ptr + e64 * stride_wse)
+        for n0 in range(0, N, BLOCK_K):
+            ns = n0 + offs_r
+            n_mask = ns < N
+            ns64 = ns.to(tl.int64)
+            a = tl.load(dy_rows + ns[None, :], mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+            b = tl.load(w_cols + ns64[:, None] * stride_wn, mask=n_mask[:, None] & col_mask[None, :], other=0.0)
+            if W_SCALE != _WS_NONE:
+                # Straight-through FP8: q * scale in float32, rounded to d_y's dtype (the reference's weights).
+                bf = b.to(tl.float32)
+                if W_SCALE == _WS_EXPERT:
+                    bf = bf * s_e
+                if W_SCALE == _WS_CHANNEL:  # the output channel n is this GEMM's reduction index
+                    bf = bf * tl.load(w_scale_ptr + e64 * stride_wse + ns64 * stride_wsn, mask=n_mask,
+                                      other=0.0)[:, None]
+                if W_SCALE == _WS_BLOCK:  # one block along N per step (BLOCK_K divides W_BLOCK)
+                    bf = bf * tl.load(w_scale_ptr + e64 * stride_wse + (n0 // W_BLOCK) * stride_wsn
+                                      + (cols64 // W_BLOCK) * stride_wsk, mask=col_mask, other=0.0)[None, :]
+                b = bf.to(dy_ptr.dtype.element_ty)
+            if IEEE_F32:
+                acc = tl.dot(a, b, acc, input_precision="ieee")  # TF32 would miss float32 accuracy
+            else:
+                acc = tl.dot(a, b, acc)  # bf16 / fp16 tensor cores, float32 accumulation
 
     out_ptrs = out_ptr + rows64[:, None] * stride_om + cols64[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -201,6 +242,10 @@ def _grouped_gemm_dgrad_kernel(
     GROUP_M: tl.constexpr,  # launch-order swizzle (GroupedGemmConfig.group_m); 1: grid axis 0 = work item
     PERSISTENT: tl.constexpr,  # bool: each program loops over tiles with a stride of the grid size
     ALIGNED: tl.constexpr = False,  # bool: expert-aligned row tiles (aligned_tiles_enabled)
+    TMA: tl.constexpr = False,  # bool: GroupedGemmConfig.tma (dy_desc / w_desc given)
+    WARP_SPECIALIZE: tl.constexpr = False,  # bool: GroupedGemmConfig.warp_specialize
+    dy_desc=None,  # TMA: tensor descriptor over d_y [M_cap, N], block [BLOCK_M, BLOCK_K] (_dgrad_tma_descriptors)
+    w_desc=None,  # TMA: tensor descriptor over w viewed as [E * N, K], block [BLOCK_K, BLOCK_N]
 ):
     """The forward kernel's grids and launch orders (``_grouped_gemm_kernel``'s docstring), with
     ``cdiv(K, BLOCK_N)`` column tiles: each tile writes only the rows of its row tile that its expert owns."""
@@ -215,18 +260,18 @@ def _grouped_gemm_dgrad_kernel(
             p, pid_n = _launch_order(t, total, n_cols, GROUP_M)
             _dgrad_tile(p, pid_n, e_ids, starts, ends, first_row, n_tiles, incl, dy_ptr, w_ptr, w_scale_ptr, out_ptr,
                         N, K, stride_dym, stride_we, stride_wn, stride_om, stride_wse, stride_wsn, stride_wsk, W_SCALE,
-                        W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K)
+                        W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K, TMA, WARP_SPECIALIZE, dy_desc, w_desc)
     elif GROUP_M == 1:
         if pid < total:  # programs past the last work item do nothing
             _dgrad_tile(pid, pid_n, e_ids, starts, ends, first_row, n_tiles, incl, dy_ptr, w_ptr, w_scale_ptr,
                         out_ptr, N, K, stride_dym, stride_we, stride_wn, stride_om, stride_wse, stride_wsn, stride_wsk,
-                        W_SCALE, W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K)
+                        W_SCALE, W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K, TMA, WARP_SPECIALIZE, dy_desc, w_desc)
     else:
         if pid < total * n_cols:
             p, pid_n = _launch_order(pid, total, n_cols, GROUP_M)
             _dgrad_tile(p, pid_n, e_ids, starts, ends, first_row, n_tiles, incl, dy_ptr, w_ptr, w_scale_ptr, out_ptr,
                         N, K, stride_dym, stride_we, stride_wn, stride_om, stride_wse, stride_wsn, stride_wsk, W_SCALE,
-                        W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K)
+                        W_BLOCK, IEEE_F32, BLOCK_M, BLOCK_N, BLOCK_K, TMA, WARP_SPECIALIZE, dy_desc, w_desc)
 
 
 @triton.jit
@@ -296,13 +341,16 @@ def grouped_gemm_dgrad_triton(
     """``d_y [M_cap, N]``, ``w [E, N, K]`` (float8_e4m3fn with ``w_scale``), ``expert_offsets [E + 1]``
     int32 -> ``d_x [M_cap, K]`` ``out_dtype``; arguments as :func:`moe_torch.ops.grouped_gemm.api.grouped_gemm_dgrad`
     (already validated there). ``config``: a :class:`GroupedGemmConfig` with ``block_n`` over K and
-    ``block_k`` over N (default :func:`heuristic_grouped_gemm_dgrad_config`).
+    ``block_k`` over N (default :func:`~moe_torch.ops.grouped_gemm.config.grouped_gemm_dgrad_config`: the heuristic,
+    on sm_90 through the TMA variant for 16-bit ``d_y`` and ``w`` at ``M_cap >= 4096``, ``EPMOE_TRITON_TMA_DGRAD``).
 
     ``d_x`` is allocated here (``torch.empty``); the rows no expert owns (outside ``[offsets[0], offsets[-1])``)
     are zeroed after the kernel (:func:`~moe_torch.ops.grouped_gemm.triton.zero_unowned_rows`). No host sync.
 
     Raises: NotImplementedError (no CUDA and no interpreter; ``expert_offsets`` on another device;
-      more than 4095 experts; too many column tiles), ValueError (a ``config`` breaking the rules).
+      more than 4095 experts; too many column tiles; with ``config.tma``: float32 ``d_y``, FP8 weights,
+      ``N % block_k != 0`` and what TMA cannot address, module docstring "TMA variant"), ValueError (a ``config``
+      breaking the rules).
     """
     out = torch.empty((d_y.shape[0], w.shape[2]), dtype=out_dtype, device=d_y.device)
     out = _launch_dgrad("grouped_gemm_dgrad", d_y, w, expert_offsets, w_scale, out, config)
@@ -327,11 +375,24 @@ def _launch_dgrad(op, d_y, w, expert_offsets, w_scale, out, config):
     layout = _w_scale_layout(w_scale)
     bits = d_y.element_size() * 8
     w_block = layout == "block"
-    cfg = config or _dgrad_config(M_cap, N, K, E, bits, w_block)
-    check_config(op, cfg, bits, None, w_block, forward=False)  # forward=False: no TMA variant here
+    w_fp8 = w.dtype == FP8_DTYPE
+    # the default: the heuristic's tiles, through the TMA variant where grouped_gemm_dgrad_config says (the switch
+    # is read at every launch; the capability is cached by torch: no sync)
+    cfg = config or _dgrad_config(M_cap, N, K, E, bits, w_block, w_fp8=w_fp8, sm90=_is_sm90(d_y.device),
+                                  tma=tma_dgrad_enabled())
+    check_config(op, cfg, bits, None, w_block, forward=False, w_fp8=w_fp8)  # TMA: 16-bit d_y and w only
     grid = launch_grid(op, cfg, M_cap, K, E, d_y.device)  # the forward's grid with K output columns
     if M_cap == 0 or K == 0 or E == 0:
         return out  # nothing to compute: every row stays 0
+    dy_desc = w_desc = None
+    if cfg.tma:
+        try:
+            dy_desc, w_desc = _dgrad_tma_descriptors(op, d_y, w, cfg)
+        except NotImplementedError:
+            if config is not None:
+                raise  # asked for by the caller: say why it cannot be served
+            # a default this d_y / w cannot take (N % block_k, alignment, strides): the pointer kernel, same tiles
+            cfg = dataclasses.replace(cfg, tma=False, warp_specialize=False)
     ws = w_scale if w_scale is not None else out  # never read without FP8
     ws_strides = (*ws.stride(), 0, 0)[:3] if w_scale is not None else (0, 0, 0)
     _grouped_gemm_dgrad_kernel[grid](
@@ -342,9 +403,55 @@ def _launch_dgrad(op, d_y, w, expert_offsets, w_scale, out, config):
         IEEE_F32=d_y.dtype == torch.float32,
         BLOCK_E=triton.next_power_of_2(E + 1),
         ALIGNED=aligned_tiles_enabled(),
+        TMA=cfg.tma,
+        WARP_SPECIALIZE=cfg.warp_specialize,
+        dy_desc=dy_desc,
+        w_desc=w_desc,
         **tile_meta(cfg),
     )
     return out
+
+
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 (Hopper), where the dgrad's TMA default applies."""
+    return device.type == "cuda" and tuple(torch.cuda.get_device_capability(device)) == (9, 0)
+
+
+def _dgrad_tma_descriptors(op: str, d_y: torch.Tensor, w: torch.Tensor, cfg: GroupedGemmConfig):
+    """Host-side tensor descriptors ``(dy_desc, w_desc)`` of the dgrad's TMA variant (module docstring, "TMA
+    variant"): ``d_y [M_cap, N]`` in ``[block_m, block_k]`` boxes, ``w [E, N, K]`` viewed as ``[E * N, K]`` in
+    ``[block_k, block_n]`` boxes (rows along the contraction, columns along ``d_x``'s K), both zero-padded outside
+    their bounds (``triton.tools.tensor_descriptor.TensorDescriptor``, as the forward's
+    ``triton.py: _tma_descriptors``).
+
+    Raises: NotImplementedError (``N % block_k != 0``: a last step would read the next expert's weight rows;
+      what TMA cannot address: a base address or the row stride of ``d_y`` or ``w`` not a multiple of 16 bytes
+      (contiguous inputs: ``N * itemsize`` or ``K * itemsize`` not one); ``w.stride(0) != N * w.stride(1)`` (no
+      ``[E * N, K]`` view); ``N == 0`` (a TMA dimension must be positive); ``M_cap`` or ``E * N`` of 2**31 or more
+      (int32 TMA coordinates))."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M_cap, N = d_y.shape
+    E, _, K = w.shape
+    if N == 0 or N % cfg.block_k:
+        raise NotImplementedError(f"{op}: config tma=True needs N > 0 and N % block_k == 0 (a step past an expert's "
+                                  f"N weight rows would read the next expert's); got N={N}, block_k={cfg.block_k}")
+    size = d_y.element_size()
+    need = f"{TMA_ALIGN_BYTES}-byte aligned base addresses and row strides (TMA)"
+    for name, t, stride in (("d_y", d_y, d_y.stride(0)), ("w", w, w.stride(1))):
+        if t.data_ptr() % TMA_ALIGN_BYTES or (stride * size) % TMA_ALIGN_BYTES:
+            raise NotImplementedError(f"{op}: config tma=True needs {need}; got {name} at address offset "
+                                      f"{t.data_ptr() % TMA_ALIGN_BYTES} with a row stride of {stride * size} bytes")
+    if E > 1 and w.stride(0) != N * w.stride(1):
+        raise NotImplementedError(f"{op}: config tma=True views w [E, N, K] as [E * N, K], so it needs "
+                                  f"w.stride(0) == N * w.stride(1) (={N * w.stride(1)}); got w.stride()={w.stride()}")
+    if max(M_cap, E * N) > _MAX_TMA_ROWS:
+        raise NotImplementedError(f"{op}: config tma=True addresses rows by int32 TMA coordinates, so M_cap and "
+                                  f"E * N must be below 2**31; got M_cap={M_cap}, E * N={E * N}")
+    dy_desc = TensorDescriptor(d_y, [M_cap, N], [d_y.stride(0), 1], [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor(w, [E * N, K], [w.stride(1), 1], [cfg.block_k, cfg.block_n])
+    return dy_desc, w_desc
 
 
 def grouped_gemm_wgrad_triton(
