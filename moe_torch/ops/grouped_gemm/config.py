@@ -265,7 +265,7 @@ def heuristic_grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, bits
 
 
 #: Rows (``M_cap``) from which :func:`grouped_gemm_dgrad_config` runs 16-bit dgrads on sm_90 through the TMA variant
-#: (``EPMOE_TRITON_TMA_DGRAD``, on by default): the forward's TMA variant is the H200's tuned bf16 choice at
+#: (``EPMOE_TRITON_TMA_DGRAD=1``; off by default: never run on a GPU yet): the forward's TMA variant is the H200's tuned bf16 choice at
 #: M_cap 2048 and 16384 (``tuned/NVIDIA_H200.json``); the dgrad's is not measured yet (``.gpu/dgrad_tma_bench.py``).
 DGRAD_TMA_MIN_ROWS = 4096
 #: ... on wgmma-sized row tiles only (the heuristic's ``block_m`` at least one warpgroup's 64 rows): the 16- and

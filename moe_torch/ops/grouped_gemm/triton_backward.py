@@ -40,8 +40,10 @@ Given the forward ``y[m] = x[m] @ w[e(m)].T`` (``x [M_cap, K]``, ``w [E, N, K]``
   of ``d_y`` / ``w`` off 16 bytes, ``w.stride(0) != N * w.stride(1)``, ``M_cap`` or ``E * N`` of 2**31 or more:
   int32 coordinates). Those refusals are for a caller's config; the default (``config.py:
   grouped_gemm_dgrad_config``: the heuristic's tiles with ``tma=True`` for 16-bit ``d_y`` and ``w`` on sm_90 at
-  ``M_cap >= 4096`` with wgmma row tiles, ``EPMOE_TRITON_TMA_DGRAD`` on) falls back to the pointer kernel with the
-  same tiles and launch order. Not measured on the H200 yet (``.gpu/dgrad_tma_bench.py``); the pointer dgrad at
+  ``M_cap >= 4096`` with wgmma row tiles, with ``EPMOE_TRITON_TMA_DGRAD=1``: off by default) falls back to the pointer kernel with the
+  same tiles and launch order. Not run on a GPU yet (session 15's device time ran out:
+  ``benchmarks/results/2026-12-02_h200_session15/dgrad_tma_call.sh`` runs its GPU tests and the timing), hence off by
+  default; the pointer dgrad at
   M=16384, E=32: gate_up 1.77 ms, down 0.83, ``torch._grouped_mm`` 1.48 / 0.74, the forward's TMA variant 1.48 for
   the gate_up forward.
 
@@ -342,7 +344,7 @@ def grouped_gemm_dgrad_triton(
     int32 -> ``d_x [M_cap, K]`` ``out_dtype``; arguments as :func:`moe_torch.ops.grouped_gemm.api.grouped_gemm_dgrad`
     (already validated there). ``config``: a :class:`GroupedGemmConfig` with ``block_n`` over K and
     ``block_k`` over N (default :func:`~moe_torch.ops.grouped_gemm.config.grouped_gemm_dgrad_config`: the heuristic,
-    on sm_90 through the TMA variant for 16-bit ``d_y`` and ``w`` at ``M_cap >= 4096``, ``EPMOE_TRITON_TMA_DGRAD``).
+    on sm_90 through the TMA variant for 16-bit ``d_y`` and ``w`` at ``M_cap >= 4096`` with ``EPMOE_TRITON_TMA_DGRAD=1``).
 
     ``d_x`` is allocated here (``torch.empty``); the rows no expert owns (outside ``[offsets[0], offsets[-1])``)
     are zeroed after the kernel (:func:`~moe_torch.ops.grouped_gemm.triton.zero_unowned_rows`). No host sync.
