@@ -5,6 +5,8 @@ Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before ``triton`` is fi
 (``triton.jit`` reads it, through ``triton.knobs``, when a kernel is decorated, i.e. when a module
 such as ``moe_torch.ops.combine.triton`` is imported), so it is set here, before any test module
 imports anything. On the GPU machine (``EPMOE_TEST_DEVICE=gpu``) the kernels compile for real.
+On the CPU, the tests' child processes compile with ``JAX_DISABLE_MOST_OPTIMIZATIONS=1`` (LLVM -O0: faster
+compiles, same HLO); the pytest processes themselves keep XLA's default.
 """
 
 from __future__ import annotations
@@ -14,6 +16,19 @@ import sys
 
 if os.environ.get("EPMOE_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # The tests' child processes (test_ep_jax's 4-device child, the 2-device EP children, bench.py / gpu_check /
+    # bench_ep runs) spend most of their time in XLA:CPU compiling programs once each: with jax's
+    # JAX_DISABLE_MOST_OPTIMIZATIONS (LLVM -O0 without its expensive passes; HLO passes unchanged) they compile
+    # ~2x faster (test_ep_jax's child 139 -> ~70 s). Only the children get it: jax reads the variable when it is
+    # imported, so it is set after this process's import. The pytest workers keep XLA's default: in a suite run
+    # with -O0 in every process too, one worker segfaulted inside an XLA compile after hundreds of compiles
+    # (not reproduced alone).
+    if os.environ.pop("EPMOE_CHILD_XLA_O0", None):  # a pytest-xdist worker: inherited from the controller's conftest
+        os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
+    import jax  # noqa: F401  (reads JAX_DISABLE_MOST_OPTIMIZATIONS now: unset here, XLA's default)
+
+    if "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ:
+        os.environ.update(JAX_DISABLE_MOST_OPTIMIZATIONS="1", EPMOE_CHILD_XLA_O0="1")
     os.environ["TRITON_INTERPRET"] = "1"
 else:
     # XLA's GPU default for float32 dots is TF32-like (about 1e-4 relative); the tests compare float32
