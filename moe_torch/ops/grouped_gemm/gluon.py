@@ -225,8 +225,39 @@ def _producer(x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N
 
 
 @gluon.jit
-def _consumer(y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K,
-              BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr):
+def _store_tile(out, rows, cols, n0, m0, s_e, t_e, y_ptr, y_desc, c_buf, M_cap, N, WG: gl.constexpr,
+                TMA_OUT: gl.constexpr):
+    """Store a consumer's ``[64, BN]`` bf16 share ``out`` of a tile (rows ``rows``, columns ``cols``): the rows of
+    this expert in ``[max(m0, s_e), t_e)``, columns ``< N``.
+
+    ``TMA_OUT``: where the whole share is the expert's (its 64 rows below ``t_e``, or ``t_e = M_cap`` so that the
+    descriptor's bounds clip the rest) it goes through shared memory and an asynchronous TMA store (the consumer goes
+    on to its next tile's ``wgmma`` while the store drains; ``tma.store_wait(0)`` before the buffer is written again,
+    so one store a consumer is in flight); the N tail is clipped by the descriptor (``[M_cap, N]``). A share that
+    straddles the expert's last row (a TMA box would write the next expert's rows) takes the masked pointer store
+    from registers, as ``TMA_OUT = False`` does for every share."""
+    lo = gl.maximum(m0, s_e)
+    r0 = m0 + WG * HALF_M
+    if TMA_OUT:
+        whole = (r0 >= lo) & ((r0 + HALF_M <= t_e) | (t_e >= M_cap))
+        if whole:
+            tma.store_wait(0)  # this consumer's previous store has read the buffer
+            gl.thread_barrier()
+            c_buf.store(out)
+            hopper.fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(y_desc, [r0, n0], c_buf)
+        else:
+            mask = ((rows >= lo) & (rows < t_e))[:, None] & (cols < N)[None, :]
+            gl.store(y_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], out, mask=mask)
+    else:
+        mask = ((rows >= lo) & (rows < t_e))[:, None] & (cols < N)[None, :]
+        gl.store(y_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], out, mask=mask)
+
+
+@gluon.jit
+def _consumer(y_ptr, y_desc, c_buf, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K,
+              BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, TMA_OUT: gl.constexpr):
     """One consumer warpgroup (4 warps): rows ``[m0 + WG * 64, m0 + WG * 64 + 64)`` of every tile."""
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
@@ -281,12 +312,11 @@ def _consumer(y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M
             acc = acc + pl * sc[:, None]
             it += 1
         # epilogue: the rows of this expert in this warpgroup's half, columns < N
-        lo = gl.maximum(m0, s_e)
-        cols = pid_n * BLOCK_N + c
-        mask = ((rows >= lo) & (rows < t_e))[:, None] & (cols < N)[None, :]
-        ptrs = y_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :]
-        gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
+        _store_tile(acc.to(gl.bfloat16), rows, pid_n * BLOCK_N + c, pid_n * BLOCK_N, m0, s_e, t_e, y_ptr, y_desc, c_buf, M_cap, N,
+                    WG, TMA_OUT)
     _zero_unowned(y_ptr, off_ptr, E, M_cap, N, BLOCK_E, BLOCK_N, WG, vec, mma)
+    if TMA_OUT:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -332,14 +362,25 @@ def _stage_ring(x_desc, w_desc, NUM_STAGES: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _grouped_gemm_fp8_block_kernel(x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, off_ptr, E, M_cap, N, K,
-                                   BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _out_bufs(y_desc, BN: gl.constexpr, TMA_OUT: gl.constexpr):
+    """The TMA epilogue's two ``[64, BN]`` bf16 buffers (one a consumer; 32 KiB at BN = 128), a dummy without it."""
+    if TMA_OUT:
+        c_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, BN], y_desc.layout)
+    else:
+        c_bufs = gl.allocate_shared_memory(gl.int8, [2, 8, 16], gl.NVMMASharedLayout(0, 8, 2))  # unused
+    return c_bufs
+
+
+@gluon.jit
+def _grouped_gemm_fp8_block_kernel(x_desc, w_desc, y_ptr, y_desc, xs_ptr, ws_ptr, off_ptr, E, M_cap, N, K,
+                                   BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr = False):
     a_bufs, b_bufs, ready, empty = _stage_ring(x_desc, w_desc, NUM_STAGES, BLOCK_N)
+    c_bufs = _out_bufs(y_desc, BLOCK_N, TMA_OUT)
     gl.warp_specialize([
-        (_consumer, (y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E,
-                     NUM_STAGES, 0)),
-        (_consumer, (y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E,
-                     NUM_STAGES, 1)),
+        (_consumer, (y_ptr, y_desc, c_bufs.index(0), xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap,
+                     N, K, BLOCK_E, NUM_STAGES, 0, TMA_OUT)),
+        (_consumer, (y_ptr, y_desc, c_bufs.index(1), xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap,
+                     N, K, BLOCK_E, NUM_STAGES, 1, TMA_OUT)),
         (_producer, (x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E, NUM_STAGES)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -347,9 +388,9 @@ def _grouped_gemm_fp8_block_kernel(x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, off_pt
 # ------------------------------------------------------------------ per-token x per-channel FP8 ("rowwise")
 
 @gluon.jit
-def _consumer_rowwise(y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K,
+def _consumer_rowwise(y_ptr, y_desc, c_buf, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K,
                       BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, BN: gl.constexpr, WG: gl.constexpr,
-                      G: gl.constexpr = 0):
+                      G: gl.constexpr = 0, TMA_OUT: gl.constexpr = False):
     """One consumer warpgroup of the rowwise kernel: rows ``[m0 + WG * 64, m0 + WG * 64 + 64)`` x ``BN`` columns of
     every tile; the scales are applied once, in the epilogue.
 
@@ -422,24 +463,26 @@ def _consumer_rowwise(y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, emp
         xs = gl.load(xs_ptr + rows, mask=rows < M_cap, other=0.0)
         ws = gl.convert_layout(ws_c, col_l)  # through scratch shared memory of this partition
         out = acc * xs[:, None] * ws[None, :]
-        lo = gl.maximum(m0, s_e)
-        mask = ((rows >= lo) & (rows < t_e))[:, None] & (cols < N)[None, :]
-        gl.store(y_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], out.to(gl.bfloat16), mask=mask)
+        _store_tile(out.to(gl.bfloat16), rows, cols, pid_n * BN, m0, s_e, t_e, y_ptr, y_desc, c_buf, M_cap, N, WG,
+                    TMA_OUT)
     # zeroing in 64 x 128 blocks whatever BN, as the block kernel (half the registers of 64 x 256 blocks)
     zl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     _zero_unowned(y_ptr, off_ptr, E, M_cap, N, BLOCK_E, BLOCK_N, WG, vec, zl)
+    if TMA_OUT:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _grouped_gemm_fp8_rowwise_kernel(x_desc, w_desc, y_ptr, xs_ptr, ws_ptr, off_ptr, E, M_cap, N, K,
+def _grouped_gemm_fp8_rowwise_kernel(x_desc, w_desc, y_ptr, y_desc, xs_ptr, ws_ptr, off_ptr, E, M_cap, N, K,
                                      BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, BN: gl.constexpr,
-                                     G: gl.constexpr = 0):
+                                     G: gl.constexpr = 0, TMA_OUT: gl.constexpr = False):
     a_bufs, b_bufs, ready, empty = _stage_ring(x_desc, w_desc, NUM_STAGES, BN)
+    c_bufs = _out_bufs(y_desc, BN, TMA_OUT)
     gl.warp_specialize([
-        (_consumer_rowwise, (y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E,
-                             NUM_STAGES, BN, 0, G)),
-        (_consumer_rowwise, (y_ptr, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E,
-                             NUM_STAGES, BN, 1, G)),
+        (_consumer_rowwise, (y_ptr, y_desc, c_bufs.index(0), xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty,
+                             E, M_cap, N, K, BLOCK_E, NUM_STAGES, BN, 0, G, TMA_OUT)),
+        (_consumer_rowwise, (y_ptr, y_desc, c_bufs.index(1), xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty,
+                             E, M_cap, N, K, BLOCK_E, NUM_STAGES, BN, 1, G, TMA_OUT)),
         (_producer, (x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E, NUM_STAGES,
                      BN, True, G)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -533,11 +576,37 @@ def check_inputs(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype) -> None:
     _check_placement(OP, tensors, M_cap, E, N)
 
 
+def _y_layout() -> gl.NVMMASharedLayout:
+    """128-byte swizzle for the TMA epilogue's [64, BN] bf16 boxes (rows of 256 / 512 bytes)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+#: The epilogues of both kernels: ``"tma"`` (shared memory + an asynchronous TMA store for every 64-row share wholly
+#: inside its expert, :func:`_store_tile`) and ``"pointer"`` (masked stores from the ``wgmma`` registers).
+EPILOGUES = ("tma", "pointer")
+#: The launchers' default epilogue where ``N % 8 == 0`` (TMA: 16-byte row strides of ``y``); ``"pointer"`` otherwise.
+DEFAULT_EPILOGUE = "pointer"
+
+
+def resolve_epilogue(op: str, epilogue: str | None, N: int) -> str:
+    """``epilogue`` checked (``ValueError`` naming ``op`` for anything but ``"tma"`` / ``"pointer"`` / None, and for
+    ``"tma"`` with ``N % 8 != 0``: a TMA descriptor needs 16-byte row strides), or the default for ``N``."""
+    if epilogue is None:
+        return DEFAULT_EPILOGUE if N % 8 == 0 else "pointer"
+    if epilogue not in EPILOGUES:
+        _fail(ValueError, "epilogue", "'tma' or 'pointer'", repr(epilogue), op)
+    if epilogue == "tma" and N % 8 != 0:
+        _fail(ValueError, "epilogue", "'pointer' for N % 8 != 0 (a TMA store needs y's rows at 16-byte strides)",
+              f"'tma' with N = {N}", op)
+    return epilogue
+
+
 def _launch(kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, block_n: int, num_stages: int,
-            num_sms: int | None, **constexprs) -> torch.Tensor:
+            num_sms: int | None, epilogue: str, **constexprs) -> torch.Tensor:
     """Allocate ``y [M_cap, N]`` (empty: the kernels write the owned rows and zero the rest), build the TMA descriptors
-    (``x`` in [64, 128] boxes, ``w`` viewed as ``[E * N, K]`` in [block_n, 128] boxes) and launch ``kernel`` on the
-    persistent grid ``min(num_sms, (cdiv(M_cap, 128) + E) * cdiv(N, block_n))``. Inputs already checked."""
+    (``x`` in [64, 128] boxes, ``w`` viewed as ``[E * N, K]`` in [block_n, 128] boxes, ``y`` in [64, block_n] boxes
+    for the TMA epilogue) and launch ``kernel`` on the persistent grid ``min(num_sms, (cdiv(M_cap, 128) + E) *
+    cdiv(N, block_n))``. Inputs already checked."""
     M_cap, K = x_q.shape
     E, N, _ = w_q.shape
     y = torch.empty((M_cap, N), dtype=out_dtype, device=x_q.device)
@@ -548,25 +617,39 @@ def _launch(kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, block
     layout = _x_layout()
     x_desc = TensorDescriptor.from_tensor(x_q, [_HM, _BK], layout)
     w_desc = TensorDescriptor.from_tensor(w_q.view(E * N, K), [block_n, _BK], layout)
+    tma_out = epilogue == "tma"
+    # without the TMA epilogue the kernel never reads y_desc: a descriptor of the same type over a small dummy
+    y_target = y if tma_out else torch.empty((_HM, block_n), dtype=out_dtype, device=x_q.device)
+    y_desc = TensorDescriptor.from_tensor(y_target, [_HM, block_n], _y_layout())
     bound = (triton.cdiv(M_cap, _BM) + E) * triton.cdiv(N, block_n)
     grid = (max(1, min(int(num_sms), bound)),)
-    kernel[grid](x_desc, w_desc, y, x_scale, w_scale, expert_offsets, E, M_cap, N, K, BLOCK_E=block_e(E),
-                 NUM_STAGES=num_stages, num_warps=4, maxnreg=MAXNREG, **constexprs)
+    kernel[grid](x_desc, w_desc, y, y_desc, x_scale, w_scale, expert_offsets, E, M_cap, N, K, BLOCK_E=block_e(E),
+                 NUM_STAGES=num_stages, TMA_OUT=tma_out, num_warps=4, maxnreg=MAXNREG, **constexprs)
     return y
+
+
+#: The deepest rings: 227 KiB of shared memory a block on Hopper, less the TMA epilogue's buffers.
+_BLOCK_MAX_STAGES = {"pointer": 6, "tma": 5}
 
 
 def grouped_gemm_gluon_fp8_block(x_q: torch.Tensor, w_q: torch.Tensor, expert_offsets: torch.Tensor,
                                  x_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype=torch.bfloat16, *,
-                                 num_stages: int = 4, num_sms: int | None = None) -> torch.Tensor:
+                                 num_stages: int = 4, num_sms: int | None = None,
+                                 epilogue: str | None = None) -> torch.Tensor:
     """``y [M_cap, N]`` bf16 of the FP8 block-scaled grouped GEMM (module docstring: shapes, refusals, design).
 
-    ``num_stages``: shared-memory ring depth (32 KiB a stage; 2..6). ``num_sms``: persistent programs
-    (default: the device's SM count, 132 on an H200)."""
+    ``num_stages``: shared-memory ring depth (32 KiB a stage; 2..6, 2..5 with the TMA epilogue). ``num_sms``:
+    persistent programs (default: the device's SM count, 132 on an H200). ``epilogue``: ``"tma"`` or ``"pointer"``
+    (:data:`EPILOGUES`; default :data:`DEFAULT_EPILOGUE` where ``N % 8 == 0``); ``ValueError`` for another value, for
+    ``"tma"`` with ``N % 8 != 0``, or for ``num_stages`` out of its range."""
     check_inputs(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype)
-    if not isinstance(num_stages, int) or not 2 <= num_stages <= 6:
-        _fail(ValueError, "num_stages", "an int in [2, 6] (32 KiB of shared memory a stage)", num_stages)
+    epilogue = resolve_epilogue(OP, epilogue, w_q.shape[1])
+    max_st = _BLOCK_MAX_STAGES[epilogue]
+    if not isinstance(num_stages, int) or not 2 <= num_stages <= max_st:
+        _fail(ValueError, "num_stages", f"an int in [2, {max_st}] (32 KiB of shared memory a stage, epilogue "
+              f"{epilogue!r})", num_stages)
     return _launch(_grouped_gemm_fp8_block_kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, _BN,
-                   num_stages, num_sms)
+                   num_stages, num_sms, epilogue)
 
 
 def _compile_sm90(kernel, block_n: int, constexprs: dict):
@@ -578,23 +661,26 @@ def _compile_sm90(kernel, block_n: int, constexprs: dict):
     lay = _x_layout()
     sig = {"x_desc": f"tensordesc<fp8e4nv[{_HM}, {_BK}],{lay!r}>",
            "w_desc": f"tensordesc<fp8e4nv[{block_n}, {_BK}],{lay!r}>",
-           "y_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "off_ptr": "*i32", "E": "i32", "M_cap": "i32",
+           "y_ptr": "*bf16", "y_desc": f"tensordesc<bf16[{_HM}, {block_n}],{_y_layout()!r}>", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "off_ptr": "*i32", "E": "i32", "M_cap": "i32",
            "N": "i32", "K": "i32", **{name: "constexpr" for name in constexprs}}
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
 
 
-def compile_sm90(num_stages: int = 4, E: int = 32):
+def compile_sm90(num_stages: int = 4, E: int = 32, epilogue: str = "pointer"):
     """Compile the kernel for sm_90a without a GPU (``triton.compile`` of a ``GluonASTSource`` for
     ``GPUTarget("cuda", 90, 32)``); returns triton's ``CompiledKernel`` (``.asm["ptx"]``, ``["cubin"]``...). Tests and
     probes only; needs ``TRITON_INTERPRET`` unset when triton is imported."""
-    return _compile_sm90(_grouped_gemm_fp8_block_kernel, _BN, {"BLOCK_E": block_e(E), "NUM_STAGES": num_stages})
+    return _compile_sm90(_grouped_gemm_fp8_block_kernel, _BN, {"BLOCK_E": block_e(E), "NUM_STAGES": num_stages,
+                                                                "TMA_OUT": epilogue == "tma"})
 
 
-def compile_sm90_rowwise(num_stages: int = 4, E: int = 32, block_n: int = 128, promote: int = 0):
+def compile_sm90_rowwise(num_stages: int = 4, E: int = 32, block_n: int = 128, promote: int = 0,
+                         epilogue: str = "pointer"):
     """:func:`compile_sm90` for the rowwise kernel (``block_n`` 128 or 256; ``promote``: K blocks a promotion)."""
     return _compile_sm90(_grouped_gemm_fp8_rowwise_kernel, block_n,
-                         {"BLOCK_E": block_e(E), "NUM_STAGES": num_stages, "BN": block_n, "G": promote})
+                         {"BLOCK_E": block_e(E), "NUM_STAGES": num_stages, "BN": block_n, "G": promote,
+                          "TMA_OUT": epilogue == "tma"})
 
 
 OP_ROWWISE = "grouped_gemm_gluon_fp8_rowwise"
@@ -627,12 +713,14 @@ _MAX_PROMOTE = 16
 #: Shared memory a stage of the rowwise kernel: x (128 x 128 FP8) + w (BN x 128 FP8), by ``block_n``; the ring's
 #: depth is bounded by Hopper's 227 KiB a block.
 _ROWWISE_MAX_STAGES = {128: 6, 256: 4}
+#: ... with the TMA epilogue's buffers (32 / 64 KiB).
+_ROWWISE_MAX_STAGES_TMA = {128: 5, 256: 3}
 
 
 def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_offsets: torch.Tensor,
                                    x_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype=torch.bfloat16, *,
                                    num_stages: int = 4, block_n: int = 128, promote: int = 2,
-                                   num_sms: int | None = None) -> torch.Tensor:
+                                   num_sms: int | None = None, epilogue: str | None = None) -> torch.Tensor:
     """``y [M_cap, N]`` bf16 of the per-token x per-channel FP8 grouped GEMM ("rowwise"; ``grouped_gemm(...,
     implementation="triton")`` dispatches here what ``triton.py: gluon_fp8_rowwise_eligible`` accepts: sm_90, bf16
     out, no bias, contiguous, ``M_cap >= 4096`` and ``>= 32 * E``, ``EPMOE_TRITON_GLUON_FP8_ROWWISE`` not 0)::
@@ -664,10 +752,11 @@ def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_
     check_inputs_rowwise(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype)
     if block_n not in _ROWWISE_MAX_STAGES:
         _fail(ValueError, "block_n", "128 or 256", block_n, OP_ROWWISE)
-    max_st = _ROWWISE_MAX_STAGES[block_n]
+    epilogue = resolve_epilogue(OP_ROWWISE, epilogue, w_q.shape[1])
+    max_st = _ROWWISE_MAX_STAGES[block_n] if epilogue == "pointer" else _ROWWISE_MAX_STAGES_TMA[block_n]
     if not isinstance(num_stages, int) or not 2 <= num_stages <= max_st:
         _fail(ValueError, "num_stages", f"an int in [2, {max_st}] ({(16 + block_n // 8)} KiB of shared memory a "
-              f"stage at block_n = {block_n})", num_stages, OP_ROWWISE)
+              f"stage at block_n = {block_n}, epilogue {epilogue!r})", num_stages, OP_ROWWISE)
     if type(promote) is not int or not 0 <= promote <= _MAX_PROMOTE:
         _fail(ValueError, "promote", f"an int in [0, {_MAX_PROMOTE}] (K blocks a promotion; 0: none)",
               f"{promote!r} ({type(promote).__name__})", OP_ROWWISE)
@@ -676,5 +765,5 @@ def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_
               "block_n each: 256 registers a thread at block_n = 256; pass promote=0 for 128 x 256 tiles)", block_n,
               OP_ROWWISE)
     return _launch(_grouped_gemm_fp8_rowwise_kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, block_n,
-                   num_stages, num_sms, BN=block_n, G=promote)
+                   num_stages, num_sms, epilogue, BN=block_n, G=promote)
 
