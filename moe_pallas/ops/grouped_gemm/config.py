@@ -508,20 +508,36 @@ def _dtype_key(itemsize: int) -> str | None:
     return {1: "fp8", 2: "bf16"}.get(itemsize)
 
 
+#: The ``"op"`` of a launch-config entry: the forward (entries without ``"op"`` are forward ones), the dgrad
+#: ``d_x = d_y @ w[e]`` and the K-grouped wgrad ``d_w[e] = d_y[rows(e)].T @ x[rows(e)]`` (``tune_jax_gemm.py --ops``).
+TUNED_OPS = ("fwd", "dgrad", "wgrad")
+
+
+def out_dtype_key(out_itemsize: int) -> str | None:
+    """The ``"out_dtype"`` key of the backward entries for outputs of ``out_itemsize`` bytes (16-bit floats share
+    bf16's, as the inputs' ``"dtype"``)."""
+    return {2: "bf16", 4: "f32"}.get(out_itemsize)
+
+
 def nearest_tuned(device_kind: str | None, backend: str, M_cap: int, N: int, K: int, itemsize: int,
-                  fast_accum: bool | None = None, dtypes: tuple[str, ...] | None = None) -> dict | None:
-    """The ``"config"`` dict of the tuned launch config of ``backend`` for the same ``N``, ``K``, dtype (and,
-    when not ``None``, ``fast_accum``) with the nearest ``M_cap`` in log2 (ties: the earlier key of ``dtypes``,
-    then the first stored); ``None`` if ``device_kind`` is ``None`` or nothing matches. Entries with a
-    ``"kind"`` (backend choices) are not launch configs and are skipped. ``dtypes``: the entries' keys (default
-    from ``itemsize``: ``("bf16",)`` / ``("fp8",)``; ``"fp8_block"``: FP8 tuned with 128 x 128 weight blocks)."""
+                  fast_accum: bool | None = None, dtypes: tuple[str, ...] | None = None, *, op: str = "fwd",
+                  out_dtype: str | None = None) -> dict | None:
+    """The ``"config"`` dict of the tuned launch config of ``backend`` and ``op`` (:data:`TUNED_OPS`; an entry
+    without ``"op"`` is a forward one) for the same ``N``, ``K`` (the forward's names, ``w [E, N, K]``, for every
+    op), dtype (and, when not ``None``, ``fast_accum`` and the ``"out_dtype"``, :func:`out_dtype_key`) with the
+    nearest ``M_cap`` in log2 (ties: the earlier key of ``dtypes``, then the first stored); ``None`` if
+    ``device_kind`` is ``None`` or nothing matches. Entries with a ``"kind"`` (backend choices) are not launch
+    configs and are skipped. ``dtypes``: the entries' keys (default from ``itemsize``: ``("bf16",)`` /
+    ``("fp8",)``; ``"fp8_block"``: FP8 tuned with 128 x 128 weight blocks)."""
     dtypes = dtypes or (_dtype_key(itemsize),)
     if device_kind is None or None in dtypes:
         return None
     matches = [t for t in tuned_entries(device_kind)
                if "kind" not in t  # a launch config (backend choices carry "kind": backend_table.py)
+               and t.get("op", "fwd") == op
                and (t.get("backend"), t["N"], t["K"]) == (backend, N, K) and t["dtype"] in dtypes
-               and (fast_accum is None or bool(t.get("fast_accum")) == fast_accum)]
+               and (fast_accum is None or bool(t.get("fast_accum")) == fast_accum)
+               and (out_dtype is None or t.get("out_dtype") == out_dtype)]
     if not matches:
         return None
     log_m = math.log2(max(M_cap, 1))
@@ -656,17 +672,25 @@ def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int
     tuned = nearest_tuned(device_kind, MOSAIC_BACKEND, M_cap, N, K, itemsize, fast_accum if itemsize == 1 else None,
                           dtypes=dtypes)
     if tuned is not None:
-        cfg = MosaicGroupedGemmConfig(**{**tuned, "fast_accum": fast_accum})
-        if cfg.split_m and -(-max(M_cap, 1) // max(E, 1)) < SPLIT_M_MIN_ROWS:
-            # the nearest entry came from more rows per expert (entries are keyed by M_cap, not E): with fewer, 128-row
-            # CTA tiles waste MMA work on partial tiles; the entry's tile split by columns (64-row CTA tiles)
-            cfg = dataclasses.replace(cfg, split_m=False)
-            while cfg.max_concurrent_steps > 2 and ws_smem_bytes(cfg, itemsize, out_itemsize) > _ws_smem_budget():
-                cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
+        cfg = _split_m_for_rows(MosaicGroupedGemmConfig(**{**tuned, "fast_accum": fast_accum}), M_cap, E, itemsize,
+                                out_itemsize)
         if mosaic_config_fits(cfg, N, K, itemsize, per_step_scales, out_itemsize):
             return cfg
     return heuristic_mosaic_grouped_gemm_config(M_cap, N, K, E, itemsize, per_step_scales=per_step_scales,
                                                 fast_accum=fast_accum, out_itemsize=out_itemsize)
+
+
+def _split_m_for_rows(cfg: MosaicGroupedGemmConfig, M_cap: int, E: int, itemsize: int, out_itemsize: int
+                      ) -> MosaicGroupedGemmConfig:
+    """A tuned ``cfg`` for a request with ``M_cap`` rows over ``E`` experts: a ``split_m`` entry with fewer than
+    :data:`SPLIT_M_MIN_ROWS` rows per expert split by columns instead, its stages cut to fit shared memory (the
+    nearest entry came from more rows per expert: entries are keyed by ``M_cap``, not ``E``; with fewer, 128-row CTA
+    tiles waste MMA work on partial tiles); else ``cfg`` as it is."""
+    if cfg.split_m and -(-max(M_cap, 1) // max(E, 1)) < SPLIT_M_MIN_ROWS:
+        cfg = dataclasses.replace(cfg, split_m=False)
+        while cfg.max_concurrent_steps > 2 and ws_smem_bytes(cfg, itemsize, out_itemsize) > _ws_smem_budget():
+            cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
+    return cfg
 
 
 def heuristic_mosaic_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, out_itemsize: int = 4
@@ -733,3 +757,58 @@ def mosaic_wgrad_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, it
     if cfg.block_m * cfg.block_n > 128 * 128:
         return f"{op}: block_m * block_n must be <= 128 * 128 (one warpgroup's float32 accumulator); got {cfg}"
     return None
+
+
+# --- Tuned backward configs of the Mosaic GPU kernels (``pallas_mosaic_gpu_backward.py``) -------------------------
+
+
+def _backward_entry(tuned: dict | None) -> MosaicGroupedGemmConfig | None:
+    """The :class:`MosaicGroupedGemmConfig` of a tuned backward entry's ``"config"`` (16-bit: no ``fast_accum``);
+    ``None`` for no entry or one the dataclass refuses (unknown field, a value out of its rules)."""
+    if tuned is None:
+        return None
+    try:
+        return MosaicGroupedGemmConfig(**{**tuned, "fast_accum": False})
+    except (TypeError, ValueError):
+        return None
+
+
+def mosaic_dgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *, out_itemsize: int = 2,
+                        device_kind: str | None = None) -> MosaicGroupedGemmConfig:
+    """The Mosaic GPU dgrad's default config for ``d_y [M_cap, N]`` x ``w [E, N, K]`` -> ``d_x [M_cap, K]`` (the
+    forward's names; the config's ``block_n`` tiles ``K``, its ``block_k`` steps over ``N``).
+
+    Lookup order: (1) the tuned entry of ``device_kind`` with ``"op": "dgrad"`` (written by
+    ``benchmarks/tune_jax_gemm.py --ops dgrad``), backend ``pallas_mosaic_gpu``, the same ``N``, ``K``, dtype and
+    ``out_dtype`` and the nearest ``M_cap`` in log2 (:func:`nearest_tuned`; a ``split_m`` entry is split by columns
+    below :data:`SPLIT_M_MIN_ROWS` rows per expert, as the forward's), if it keeps the kernel's rules
+    (:func:`mosaic_config_problem` of the swapped problem); (2) else :func:`heuristic_mosaic_grouped_gemm_config` of
+    the swapped problem (``N`` and ``K`` exchanged). ``device_kind=None`` (the CPU): the heuristic. An explicit
+    ``config=`` of the kernel bypasses this lookup."""
+    tuned = nearest_tuned(device_kind, MOSAIC_BACKEND, M_cap, N, K, itemsize, op="dgrad",
+                          out_dtype=out_dtype_key(out_itemsize))
+    cfg = _backward_entry(tuned)
+    if cfg is not None:
+        cfg = _split_m_for_rows(cfg, M_cap, E, itemsize, out_itemsize)
+        if mosaic_config_problem(cfg, K, N, itemsize, False, op="grouped_gemm_dgrad[pallas_mosaic_gpu]",
+                                 out_itemsize=out_itemsize) is None:
+            return cfg
+    return heuristic_mosaic_grouped_gemm_config(M_cap, K, N, E, itemsize, out_itemsize=out_itemsize)
+
+
+def mosaic_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, out_itemsize: int = 4, *,
+                        device_kind: str | None = None) -> MosaicGroupedGemmConfig:
+    """The Mosaic GPU wgrad's default config for ``x [M_cap, K]``, ``d_y [M_cap, N]`` -> ``d_w [E, N, K]``.
+
+    Lookup order: (1) the tuned entry of ``device_kind`` with ``"op": "wgrad"`` (written by
+    ``benchmarks/tune_jax_gemm.py --ops wgrad``), backend ``pallas_mosaic_gpu``, the same ``N``, ``K``, dtype and
+    ``out_dtype`` and the nearest ``M_cap`` in log2 (:func:`nearest_tuned`), if it keeps the kernel's rules
+    (:func:`mosaic_wgrad_config_problem`); (2) else :func:`heuristic_mosaic_wgrad_config`. ``device_kind=None``
+    (the CPU): the heuristic. An explicit ``config=`` of the kernel bypasses this lookup."""
+    tuned = nearest_tuned(device_kind, MOSAIC_BACKEND, M_cap, N, K, itemsize, op="wgrad",
+                          out_dtype=out_dtype_key(out_itemsize))
+    cfg = _backward_entry(tuned)
+    if cfg is not None:
+        if mosaic_wgrad_config_problem(cfg, N, K, itemsize, out_itemsize) is None:
+            return cfg
+    return heuristic_mosaic_wgrad_config(M_cap, N, K, E, itemsize, out_itemsize)

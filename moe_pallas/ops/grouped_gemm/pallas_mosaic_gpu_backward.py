@@ -60,9 +60,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from moe_pallas.ops.grouped_gemm.config import (MosaicGroupedGemmConfig, heuristic_mosaic_grouped_gemm_config,
-                                                 heuristic_mosaic_wgrad_config, mosaic_config_problem,
-                                                 mosaic_wgrad_config_problem)
+from moe_pallas.ops.grouped_gemm.config import (MosaicGroupedGemmConfig, gpu_device_kind, mosaic_config_problem,
+                                                 mosaic_dgrad_config, mosaic_wgrad_config, mosaic_wgrad_config_problem)
 from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import num_sms, run_row_kernel
 from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu_ws import CONSUMER_REGISTERS, CONSUMERS, PRODUCER_REGISTERS
 from moe_pallas.ops.grouped_gemm.reference import expert_row_ranges
@@ -100,7 +99,10 @@ def grouped_gemm_dgrad_pallas_mosaic_gpu(
       expert_offsets: ``[E + 1]`` int32; rows ``>= offsets[-1]`` come out zero.
       out_dtype: default ``d_y.dtype``.
       config: ``block_m`` rows x ``block_n`` output columns (along K), ``block_k`` contraction (along N)
-        per step; default :func:`heuristic_mosaic_grouped_gemm_config` of the swapped problem.
+        per step; default :func:`~moe_pallas.ops.grouped_gemm.config.mosaic_dgrad_config`: this GPU's tuned
+        ``"op": "dgrad"`` entry (``benchmarks/tune_jax_gemm.py --ops dgrad``; nearest ``M_cap``, same ``N``, ``K``,
+        dtype, out dtype) where one is stored and keeps the kernel's rules, else
+        :func:`heuristic_mosaic_grouped_gemm_config` of the swapped problem. An explicit ``config`` wins.
 
     Returns: ``d_x [M_cap, K]``, every row written exactly once.
 
@@ -111,8 +113,9 @@ def grouped_gemm_dgrad_pallas_mosaic_gpu(
     M_cap, N = d_y.shape
     E, _, K = w.shape
     out_dtype = d_y.dtype if out_dtype is None else jnp.dtype(out_dtype)
-    cfg = config or heuristic_mosaic_grouped_gemm_config(M_cap, K, N, E, d_y.dtype.itemsize,
-                                                         out_itemsize=jnp.dtype(out_dtype).itemsize)
+    # the device kind is read on the host at trace time (None on the CPU: the heuristic)
+    cfg = config or mosaic_dgrad_config(M_cap, N, K, E, d_y.dtype.itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
+                                        device_kind=gpu_device_kind())
     problem = mosaic_config_problem(cfg, K, N, d_y.dtype.itemsize, False, op=op, out_itemsize=jnp.dtype(out_dtype).itemsize)
     if problem:
         raise NotImplementedError(problem)
@@ -323,7 +326,11 @@ def grouped_gemm_wgrad_pallas_mosaic_gpu(
       expert_offsets: ``[E + 1]`` int32; rows ``>= offsets[-1]`` are never read into ``d_w``.
       out_dtype: default float32 (bf16 / float16 / float32).
       config: ``block_m`` x ``block_n`` tile of ``d_w[e]`` (along N, K), ``block_k`` rows per step
-        (``warp_specialized``: two such tiles side by side a CTA); default :func:`heuristic_mosaic_wgrad_config`.
+        (``warp_specialized``: two such tiles side by side a CTA); default
+        :func:`~moe_pallas.ops.grouped_gemm.config.mosaic_wgrad_config`: this GPU's tuned ``"op": "wgrad"`` entry
+        (``benchmarks/tune_jax_gemm.py --ops wgrad``; nearest ``M_cap``, same ``N``, ``K``, dtype, out dtype) where
+        one is stored and keeps the kernel's rules, else :func:`heuristic_mosaic_wgrad_config`. An explicit
+        ``config`` wins.
 
     Returns: ``d_w [E, N, K]`` in ``out_dtype``.
 
@@ -338,7 +345,8 @@ def grouped_gemm_wgrad_pallas_mosaic_gpu(
     M_cap, K = x.shape
     N = d_y.shape[1]
     E = expert_offsets.shape[0] - 1
-    cfg = config or heuristic_mosaic_wgrad_config(M_cap, N, K, E, x.dtype.itemsize, out_dtype.itemsize)
+    cfg = config or mosaic_wgrad_config(M_cap, N, K, E, x.dtype.itemsize, out_dtype.itemsize,
+                                        device_kind=gpu_device_kind())
     problem = mosaic_wgrad_config_problem(cfg, N, K, x.dtype.itemsize, out_dtype.itemsize)
     if problem:
         raise NotImplementedError(problem)
