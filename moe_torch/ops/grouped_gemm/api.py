@@ -66,19 +66,25 @@ def _triton_wgrad(*args):
 
 def _gluon_wgrad(x, d_y, expert_offsets, out_dtype):
     """``d_w`` from the warp-specialized Gluon wgrad kernel (``gluon_backward.py``) where ``EPMOE_TRITON_GLUON_WGRAD``
-    is on (the default; read at each call) and ``gluon_wgrad_eligible`` accepts the request (bf16 / fp16, ``N % 128
-    == 0``, ``K % 256 == 0``, contiguous, sm_90); else ``None`` (the Triton kernel serves it)."""
+    is on (the default; read at each call), ``gluon_wgrad_eligible`` accepts the request (bf16 / fp16, ``N % 128
+    == 0``, ``K % 256 == 0``, contiguous, sm_90) and this GPU's tuned ``"op": "wgrad"`` entry, if any, measured it
+    faster (``tuned_wgrad_options``: then with the entry's ``epilogue`` / ``num_stages``); else ``None`` (the Triton
+    kernel serves it, with its tuned config where one is stored)."""
     from moe_torch.ops.triton_common import gluon_wgrad_enabled
 
     if not gluon_wgrad_enabled() or not x.is_cuda:
         return None
     try:
-        from moe_torch.ops.grouped_gemm.gluon_backward import gluon_wgrad_eligible, grouped_gemm_gluon_wgrad
+        from moe_torch.ops.grouped_gemm.gluon_backward import (gluon_wgrad_eligible, grouped_gemm_gluon_wgrad,
+                                                               tuned_wgrad_options)
     except ImportError:  # triton without gluon
         return None
     if not gluon_wgrad_eligible(x, d_y, expert_offsets, out_dtype):
         return None
-    return grouped_gemm_gluon_wgrad(x, d_y, expert_offsets, out_dtype)
+    options = tuned_wgrad_options(x, d_y, expert_offsets, out_dtype)
+    if options is None:  # the tuned entry measured the Triton kernel faster here
+        return None
+    return grouped_gemm_gluon_wgrad(x, d_y, expert_offsets, out_dtype, **options)
 
 
 def _triton_dbias(*args):

@@ -219,14 +219,17 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: 
     weights ``"bf16_mxfp4"`` / ``"bf16_int4"``, none stored yet; FP8 with 128 x 128 weight blocks ``"fp8_block"``
     and the per-token ``"fp8"`` ones, ``fp8_block`` first at equal distance) with the nearest ``M_cap`` (in log2), if
     one is stored and fits this problem's scale layout and ``bias`` (:func:`check_config`: a tuned ``tma``
-    entry is skipped for a request with a bias); else :func:`heuristic_grouped_gemm_config`."""
+    entry is skipped for a request with a bias); else :func:`heuristic_grouped_gemm_config`. Forward entries only
+    (no ``"op"`` key, or ``"op": "fwd"``; the backward's are :func:`grouped_gemm_dgrad_config`'s and
+    :func:`grouped_gemm_wgrad_config`'s)."""
     dtype = {8: "fp8", 16: "bf16"}.get(bits)
     keys = (dtype,)
     if w_format is not None:  # 4-bit weights: their own entries (the bf16 ones tile another kernel)
         keys = (f"{dtype}_{w_format}" if dtype else None,)
     elif dtype == "fp8" and w_block:  # 128 x 128 weight blocks: their own entries, and the per-token ones
         keys = ("fp8_block", "fp8")
-    matches = [t for t in tuned_entries(device_name) if (t["N"], t["K"]) == (N, K) and t["dtype"] in keys] if device_name else []
+    matches = [t for t in tuned_entries(device_name) if t.get("op", "fwd") == "fwd"
+               and (t["N"], t["K"]) == (N, K) and t["dtype"] in keys] if device_name else []
     if matches:  # the nearest M_cap; at equal distance the first key's entry
         best = min(matches, key=lambda t: (abs(math.log2(max(M_cap, 1)) - math.log2(t["M_cap"])), keys.index(t["dtype"])))
         cfg = GroupedGemmConfig(**best["config"])  # entries without group_m / persistent: the defaults
@@ -273,17 +276,78 @@ DGRAD_TMA_MIN_ROWS = 4096
 DGRAD_TMA_MIN_BLOCK_M = 64
 
 
+#: The ``"op"`` of a tuned entry: the forward (entries without ``"op"`` are forward ones), the dgrad and the wgrad
+#: (``benchmarks/tune_triton_gemm.py --ops``).
+TUNED_OPS = ("fwd", "dgrad", "wgrad")
+#: The ``"kernel"`` of a tuned wgrad entry: the Gluon wgrad (``gluon_backward.py``; its ``"config"`` holds
+#: ``epilogue`` and ``num_stages``) or the Triton one (``triton_backward.py``; a :class:`GroupedGemmWgradConfig`).
+WGRAD_KERNELS = ("gluon", "triton")
+#: ``"dtype"`` / ``"out_dtype"`` keys of the backward entries by element width (16-bit floats share bf16's).
+_BWD_DTYPE_KEYS = {16: "bf16", 32: "f32"}
+
+
+def nearest_backward_entry(op: str, device_name: str | None, M_cap: int, N: int, K: int, bits: int,
+                           out_bits: int | None = None) -> dict | None:
+    """The tuned entry of ``device_name`` with ``"op": op`` (``"dgrad"`` or ``"wgrad"``, written by
+    ``benchmarks/tune_triton_gemm.py --ops``) for the same ``N``, ``K`` (the forward's names: ``w [E, N, K]``), input
+    dtype (``bits``: ``"bf16"`` for 16-bit; no float32 entries are tuned) and, unless ``out_bits`` is ``None``,
+    ``"out_dtype"``, with the nearest ``M_cap`` in log2 (ties: the first stored), as the forward's
+    :func:`grouped_gemm_config`; ``None`` without a device name or a match. The whole entry (its ``"config"`` and, for
+    the dgrad, ``"pointer_config"``; for the wgrad ``"kernel"`` and ``"triton_config"``)."""
+    dtype = _BWD_DTYPE_KEYS.get(bits)
+    if not device_name or dtype is None:
+        return None
+    out = None if out_bits is None else _BWD_DTYPE_KEYS.get(out_bits, "")
+    matches = [t for t in tuned_entries(device_name) if t.get("op", "fwd") == op and (t["N"], t["K"]) == (N, K)
+               and t["dtype"] == dtype and (out is None or t.get("out_dtype") == out)]
+    if not matches:
+        return None
+    log_m = math.log2(max(M_cap, 1))
+    return min(matches, key=lambda t: abs(log_m - math.log2(max(t["M_cap"], 1))))
+
+
+def _tuned(cls, fields) -> object | None:
+    """``cls(**fields)``, ``None`` for no fields or fields the dataclass refuses (a tuned entry of another version)."""
+    if not isinstance(fields, dict):
+        return None
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError):
+        return None
+
+
 def grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, bits: int, w_block: bool = False, *,
-                              w_fp8: bool = False, sm90: bool = False, tma: bool = True) -> GroupedGemmConfig:
-    """The default config of the dgrad ``d_y [M_cap, N] x w [E, N, K] -> d_x [M_cap, K]``:
+                              w_fp8: bool = False, sm90: bool = False, tma: bool = True,
+                              device_name: str | None = None, out_bits: int | None = None) -> GroupedGemmConfig:
+    """The default config of the dgrad ``d_y [M_cap, N] x w [E, N, K] -> d_x [M_cap, K]`` (``out_bits``: ``d_x``'s
+    element width; ``None`` matches a tuned entry of any).
+
+    Lookup order: (1) the tuned entry of ``device_name`` with ``"op": "dgrad"`` (``benchmarks/tune_triton_gemm.py
+    --ops dgrad``; :func:`nearest_backward_entry`: nearest ``M_cap``, same ``N``, ``K``, dtype and out dtype), not for
+    FP8 weights (``w_fp8``: another kernel path): its ``"config"`` (the fastest timed) if it keeps
+    :func:`check_config` and, where it has ``tma=True``, the TMA switch allows it (``tma``: ``EPMOE_TRITON_TMA_DGRAD``,
+    off by default, and ``sm90``), else its ``"pointer_config"`` (the fastest with ``tma=False``, stored where the
+    winner is a TMA config) if that keeps the rules; (2) else the heuristic:
     :func:`heuristic_grouped_gemm_dgrad_config`, with ``tma=True`` (the TMA variant of the same tiles and launch
-    order: ``d_y`` and ``w`` tiles through tensor descriptors, ``triton_backward.py``) where ``tma`` (the switch
-    ``EPMOE_TRITON_TMA_DGRAD``, read by the caller at each launch), ``sm90`` (a device of compute capability 9.0),
+    order: ``d_y`` and ``w`` tiles through tensor descriptors, ``triton_backward.py``) where ``tma`` (the switch,
+    read by the caller at each launch), ``sm90`` (a device of compute capability 9.0),
     16-bit ``d_y`` (``bits``), 16-bit weights (not ``w_fp8``), ``M_cap >=`` :data:`DGRAD_TMA_MIN_ROWS` and the tile's
     ``block_m >=`` :data:`DGRAD_TMA_MIN_BLOCK_M`. The TMA tiles at ``M_cap >= DGRAD_WIDE_MIN_ROWS`` are
     :data:`DGRAD_WIDE_CONFIG`'s 128 x 256 over 8 warps, the shape of the forward's tuned TMA entries at M=16384
     (``tuned/NVIDIA_H200.json``). A request the descriptors cannot address (``N % block_k``, alignment) runs the
-    pointer kernel with the same tiles (``triton_backward.py: _launch_dgrad``)."""
+    pointer kernel with the same tiles (``triton_backward.py: _launch_dgrad``), a tuned TMA default too. An explicit
+    ``config`` of the kernel bypasses this function."""
+    entry = None if w_fp8 else nearest_backward_entry("dgrad", device_name, M_cap, N, K, bits, out_bits)
+    if entry is not None:
+        for key in ("config", "pointer_config"):
+            cfg = _tuned(GroupedGemmConfig, entry.get(key))
+            if cfg is None or (cfg.tma and not (tma and sm90)):
+                continue  # a TMA config while the switch (or the device) keeps the pointer loads
+            try:
+                check_config("grouped_gemm_dgrad", cfg, bits, None, w_block, forward=False, w_fp8=w_fp8)
+            except (ValueError, NotImplementedError):
+                continue  # breaks a rule of this request (128 x 128 weight blocks): the next, or the heuristic
+            return cfg
     cfg = heuristic_grouped_gemm_dgrad_config(M_cap, N, K, E, bits, w_block)
     if (tma and sm90 and bits == 16 and not w_fp8 and M_cap >= DGRAD_TMA_MIN_ROWS
             and cfg.block_m >= DGRAD_TMA_MIN_BLOCK_M):
@@ -362,6 +426,46 @@ def heuristic_grouped_gemm_wgrad_config(M_cap: int, N: int, K: int, E: int, bits
     block_m = max(MIN_BLOCK_K[bits], min(K_STEP_BYTES * 8 // bits, triton.next_power_of_2(rows_per_expert)))
     # 4 warps: one warpgroup (wgmma). 3 stages: 3 x (64 + 128) x 128 B = 72 KiB of shared memory, as the forward.
     return GroupedGemmWgradConfig(block_n=block_n, block_k=block_k, block_m=block_m, num_warps=4, num_stages=3)
+
+
+def grouped_gemm_wgrad_config(M_cap: int, N: int, K: int, E: int, bits: int, *, out_bits: int | None = None,
+                              device_name: str | None = None) -> GroupedGemmWgradConfig:
+    """The default config of the Triton wgrad ``x [M_cap, K], d_y [M_cap, N] -> d_w [E, N, K]`` (``out_bits``:
+    ``d_w``'s element width; ``None`` matches a tuned entry of any).
+
+    Lookup order: (1) the tuned entry of ``device_name`` with ``"op": "wgrad"`` (``benchmarks/tune_triton_gemm.py
+    --ops wgrad``; :func:`nearest_backward_entry`): its ``"config"`` where its ``"kernel"`` is ``"triton"``, else its
+    ``"triton_config"`` (the fastest Triton config, stored where the Gluon wgrad won: the Triton kernel serves what the
+    Gluon one does not, or ``EPMOE_TRITON_GLUON_WGRAD=0``), if it keeps :func:`check_wgrad_config`; (2) else
+    :func:`heuristic_grouped_gemm_wgrad_config`. Whether the Gluon kernel runs instead is the dispatch's choice
+    (``api.py: _gluon_wgrad``, :func:`tuned_wgrad_kernel`). An explicit ``config`` of the kernel bypasses this."""
+    entry = nearest_backward_entry("wgrad", device_name, M_cap, N, K, bits, out_bits)
+    if entry is not None:
+        fields = entry.get("config") if entry.get("kernel", "triton") == "triton" else entry.get("triton_config")
+        cfg = _tuned(GroupedGemmWgradConfig, fields)
+        if cfg is not None:
+            try:
+                check_wgrad_config("grouped_gemm_wgrad", cfg, bits)
+                return cfg
+            except ValueError:
+                pass  # the heuristic knows the rules
+    return heuristic_grouped_gemm_wgrad_config(M_cap, N, K, E, bits)
+
+
+def tuned_wgrad_kernel(M_cap: int, N: int, K: int, bits: int, out_bits: int | None,
+                       device_name: str | None) -> tuple[str, dict] | None:
+    """The measured kernel of a wgrad the dispatch may run on either kernel (``api.py: _gluon_wgrad``, after its
+    switch and eligibility): ``("gluon", {"epilogue": ..., "num_stages": ...})`` (the Gluon wgrad's options as the
+    tuned entry's ``"config"`` holds them, unchecked: ``gluon_backward.py: gluon_wgrad_options_problem``) or
+    ``("triton", {})`` from the ``"op": "wgrad"`` entry of :func:`nearest_backward_entry`; ``None`` without an entry
+    (or with an unknown ``"kernel"``): the dispatch's default."""
+    entry = nearest_backward_entry("wgrad", device_name, M_cap, N, K, bits, out_bits)
+    kernel = None if entry is None else entry.get("kernel", "triton")
+    if kernel == "triton":
+        return "triton", {}
+    if kernel == "gluon" and isinstance(entry.get("config"), dict):
+        return "gluon", {k: v for k, v in entry["config"].items() if k in ("epilogue", "num_stages")}
+    return None
 
 
 # --------------------------------------------------------------------------------------

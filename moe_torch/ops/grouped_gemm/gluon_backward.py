@@ -21,7 +21,9 @@ address not 16-byte aligned (TMA), ``num_stages`` / ``epilogue`` out of range; `
 kernel's tiles do not serve (``N % 128 != 0``, ``K % 256 != 0``), for tensors off a CUDA device of compute
 capability exactly (9, 0) (sm_90a: ``wgmma``, ``setmaxnreg``), and for ``M_cap`` or ``E * N`` of 2**31 or more (int32
 TMA coordinates). ``moe_torch.grouped_gemm_wgrad(..., implementation="triton")`` runs this kernel only where
-:func:`gluon_wgrad_eligible` says so (``EPMOE_TRITON_GLUON_WGRAD`` on: its default), else the Triton kernel.
+:func:`gluon_wgrad_eligible` says so (``EPMOE_TRITON_GLUON_WGRAD`` on: its default), else the Triton kernel; where
+this GPU has a tuned ``"op": "wgrad"`` entry (``benchmarks/tune_triton_gemm.py --ops wgrad``) the dispatch runs the
+kernel it measured faster, this one with the entry's ``epilogue`` / ``num_stages`` (:func:`tuned_wgrad_options`).
 
 Design (a K-grouped GEMM: the contraction runs over each expert's rows; the forward's warp-specialized structure of
 ``gluon.py``, the roles of its operands changed):
@@ -82,6 +84,8 @@ K = 7168) uniform bf16 out 1.579-1.595 [1.649, 2.139-2.223], Zipf 1.802 [1.919, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -90,6 +94,7 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from moe_torch.ops.grouped_gemm.config import tuned_wgrad_kernel
 from moe_torch.ops.grouped_gemm.gluon import CONSUMER_REGS, MAXNREG, PRODUCER_REGS, _check_placement, _fail
 
 OP = "grouped_gemm_gluon_wgrad"
@@ -313,6 +318,51 @@ def gluon_wgrad_eligible(x, d_y, expert_offsets, out_dtype) -> bool:
     except (TypeError, ValueError, NotImplementedError):
         return False
     return True
+
+
+def gluon_wgrad_options_problem(epilogue: str | None, num_stages: int | None, out_dtype: torch.dtype) -> str | None:
+    """Why ``epilogue`` / ``num_stages`` cannot serve a wgrad into ``out_dtype`` (``None``: they can; ``None`` values
+    are :func:`grouped_gemm_gluon_wgrad`'s defaults): the rules it raises ``ValueError`` for."""
+    ep = epilogue if epilogue is not None else ("pointer" if out_dtype == torch.float32 else "tma")
+    if ep not in _MAX_STAGES:
+        return f"epilogue must be 'tma' or 'pointer'; got {epilogue!r}"
+    if ep == "tma" and out_dtype == torch.float32:
+        return "epilogue 'tma' needs a 16-bit out_dtype; got torch.float32"
+    if num_stages is not None and (type(num_stages) is not int or not 2 <= num_stages <= _MAX_STAGES[ep]):
+        return f"num_stages must be an int in [2, {_MAX_STAGES[ep]}] with epilogue {ep!r}; got {num_stages!r}"
+    return None
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+@functools.cache
+def _tuned_options(M_cap: int, N: int, K: int, bits: int, out_dtype: torch.dtype, device_name: str
+                   ) -> tuple[tuple[str, object], ...] | None:
+    choice = tuned_wgrad_kernel(M_cap, N, K, bits, torch.finfo(out_dtype).bits, device_name)
+    if choice is None:
+        return ()
+    kernel, options = choice
+    if kernel == "triton":
+        return None
+    if gluon_wgrad_options_problem(options.get("epilogue"), options.get("num_stages"), out_dtype):
+        return ()  # options this request cannot take (another out dtype's): the defaults
+    return tuple(sorted(options.items()))
+
+
+def tuned_wgrad_options(x: torch.Tensor, d_y: torch.Tensor, expert_offsets: torch.Tensor,
+                        out_dtype: torch.dtype) -> dict | None:
+    """The options of this kernel for a request :func:`gluon_wgrad_eligible` accepted, from the tuned ``"op":
+    "wgrad"`` entry of ``x``'s GPU (``config.tuned_wgrad_kernel``: nearest ``M_cap``, same ``N``, ``K``, dtype, out
+    dtype; written by ``benchmarks/tune_triton_gemm.py --ops wgrad``): ``None`` where the entry's winner is the
+    Triton kernel (the dispatch then runs it); the entry's ``epilogue`` / ``num_stages`` where they keep
+    :func:`gluon_wgrad_options_problem`, else ``{}`` (the defaults); ``{}`` without an entry. Host-side (no sync;
+    cached per problem)."""
+    options = _tuned_options(x.shape[0], d_y.shape[1], x.shape[1], torch.finfo(x.dtype).bits, out_dtype,
+                             _device_name(x.device))
+    return None if options is None else dict(options)
 
 
 def grouped_gemm_gluon_wgrad(x: torch.Tensor, d_y: torch.Tensor, expert_offsets: torch.Tensor,

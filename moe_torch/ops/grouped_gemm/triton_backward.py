@@ -99,8 +99,8 @@ from moe_torch.ops.grouped_gemm.config import (
     check_dbias_config,
     check_wgrad_config,
     grouped_gemm_dgrad_config,
+    grouped_gemm_wgrad_config,
     heuristic_grouped_gemm_dbias_config,
-    heuristic_grouped_gemm_wgrad_config,
 )
 from moe_torch.ops.grouped_gemm.triton import (
     TMA_ALIGN_BYTES,
@@ -114,6 +114,7 @@ from moe_torch.ops.grouped_gemm.triton import (
     _WS_NONE,
     W_SCALE_CODES,
     _expert_row_tiles,
+    _device_name,
     _launch_order,
     _work_item,
     launch_grid,
@@ -122,9 +123,10 @@ from moe_torch.ops.quant.reference import FP8_DTYPE
 from moe_torch.ops.triton_common import (MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device,
                                          tma_dgrad_enabled)
 
-#: Heuristic configs looked up once per problem (host path of every backward step).
+#: Default configs looked up once per problem (host path of every backward step): the tuned entry of the device
+#: (``tuned/<device name>.json``, ``"op": "dgrad"`` / ``"wgrad"``) where one fits, else the heuristic.
 _dgrad_config = functools.cache(grouped_gemm_dgrad_config)
-_wgrad_config = functools.cache(heuristic_grouped_gemm_wgrad_config)
+_wgrad_config = functools.cache(grouped_gemm_wgrad_config)
 _dbias_config = functools.cache(heuristic_grouped_gemm_dbias_config)
 
 
@@ -343,8 +345,10 @@ def grouped_gemm_dgrad_triton(
     """``d_y [M_cap, N]``, ``w [E, N, K]`` (float8_e4m3fn with ``w_scale``), ``expert_offsets [E + 1]``
     int32 -> ``d_x [M_cap, K]`` ``out_dtype``; arguments as :func:`moe_torch.ops.grouped_gemm.api.grouped_gemm_dgrad`
     (already validated there). ``config``: a :class:`GroupedGemmConfig` with ``block_n`` over K and
-    ``block_k`` over N (default :func:`~moe_torch.ops.grouped_gemm.config.grouped_gemm_dgrad_config`: the heuristic,
-    on sm_90 through the TMA variant for 16-bit ``d_y`` and ``w`` at ``M_cap >= 4096`` with ``EPMOE_TRITON_TMA_DGRAD=1``).
+    ``block_k`` over N (default :func:`~moe_torch.ops.grouped_gemm.config.grouped_gemm_dgrad_config`: this GPU's tuned
+    ``"op": "dgrad"`` entry, ``benchmarks/tune_triton_gemm.py --ops dgrad``, where one fits (a TMA one only with
+    ``EPMOE_TRITON_TMA_DGRAD=1``); else the heuristic, on sm_90 through the TMA variant for 16-bit ``d_y`` and ``w`` at
+    ``M_cap >= 4096`` with ``EPMOE_TRITON_TMA_DGRAD=1``). An explicit ``config`` wins.
 
     ``d_x`` is allocated here (``torch.empty``); the rows no expert owns (outside ``[offsets[0], offsets[-1])``)
     are zeroed after the kernel (:func:`~moe_torch.ops.grouped_gemm.triton.zero_unowned_rows`). No host sync.
@@ -378,10 +382,12 @@ def _launch_dgrad(op, d_y, w, expert_offsets, w_scale, out, config):
     bits = d_y.element_size() * 8
     w_block = layout == "block"
     w_fp8 = w.dtype == FP8_DTYPE
-    # the default: the heuristic's tiles, through the TMA variant where grouped_gemm_dgrad_config says (the switch
-    # is read at every launch; the capability is cached by torch: no sync)
+    # the default: the device's tuned entry or the heuristic's tiles, through the TMA variant where
+    # grouped_gemm_dgrad_config says (the switch is read at every launch; the capability and the device name are
+    # cached: no sync)
     cfg = config or _dgrad_config(M_cap, N, K, E, bits, w_block, w_fp8=w_fp8, sm90=_is_sm90(d_y.device),
-                                  tma=tma_dgrad_enabled())
+                                  tma=tma_dgrad_enabled(), device_name=_device_name(d_y.device) if d_y.is_cuda else None,
+                                  out_bits=out.element_size() * 8)
     check_config(op, cfg, bits, None, w_block, forward=False, w_fp8=w_fp8)  # TMA: 16-bit d_y and w only
     grid = launch_grid(op, cfg, M_cap, K, E, d_y.device)  # the forward's grid with K output columns
     if M_cap == 0 or K == 0 or E == 0:
@@ -465,7 +471,9 @@ def grouped_gemm_wgrad_triton(
 ) -> torch.Tensor:
     """``x [M_cap, K]``, ``d_y [M_cap, N]`` (same float dtype), ``expert_offsets [E + 1]`` int32 ->
     ``d_w [E, N, K]`` ``out_dtype``; arguments as :func:`moe_torch.ops.grouped_gemm.api.grouped_gemm_wgrad`
-    (already validated there). ``config`` default: :func:`heuristic_grouped_gemm_wgrad_config`.
+    (already validated there). ``config`` default: :func:`~moe_torch.ops.grouped_gemm.config.grouped_gemm_wgrad_config`
+    (this GPU's tuned ``"op": "wgrad"`` Triton config, ``benchmarks/tune_triton_gemm.py --ops wgrad``, where one fits;
+    else :func:`~moe_torch.ops.grouped_gemm.config.heuristic_grouped_gemm_wgrad_config`). An explicit ``config`` wins.
 
     The kernel writes every element of ``d_w`` (``torch.empty`` here): experts with no rows get exactly 0.
     No host sync.
@@ -491,7 +499,8 @@ def _launch_wgrad(op, x, d_y, expert_offsets, out, config):
     d_y = d_y if d_y.stride(1) == 1 else d_y.contiguous()
     expert_offsets = expert_offsets.contiguous()
     bits = x.element_size() * 8
-    cfg = config or _wgrad_config(M_cap, N, K, E, bits)
+    cfg = config or _wgrad_config(M_cap, N, K, E, bits, out_bits=out.element_size() * 8,
+                                  device_name=_device_name(x.device) if x.is_cuda else None)
     check_wgrad_config(op, cfg, bits)
     if E > MAX_GRID_AXIS_1:
         raise NotImplementedError(f"{op}: {E} experts exceed CUDA's grid axis 1 limit {MAX_GRID_AXIS_1}")
