@@ -55,8 +55,18 @@ tensor cores run the next block):
   work items, mostly one expert's, sweep the column tiles together: L2 reuse of ``x`` and ``w``).
 * ``w`` is read through a descriptor of ``w_q`` viewed as ``[E * N, K]``: in an N tail the box reads the next
   expert's rows (zero past the end): computed, never stored.
-* Epilogue: each consumer converts its 64 x 128 float32 accumulator to bf16 and stores it with a masked pointer
-  store (rows in ``[max(m0, s_e), t_e)``, columns ``< N``), straight from the ``wgmma`` register layout.
+* Epilogue (``epilogue``, :data:`EPILOGUES`; :func:`_store_tile`): each consumer converts its 64 x 128 float32
+  accumulator to bf16 and stores the rows of its expert (``[max(m0, s_e), t_e)``, columns ``< N``). ``"pointer"``:
+  masked pointer stores straight from the ``wgmma`` register layout (the consumer's next ``wgmma`` wait behind them).
+  ``"tma"`` (session 16): a share whose 64 rows are all its expert's (or end at ``M_cap``) is written to a 16 KiB
+  shared-memory buffer of its consumer (``stmatrix``), fenced (``fence.proxy.async``) and stored by an asynchronous
+  TMA store through a ``[M_cap, N]`` descriptor of ``y`` (the N tail and rows past ``M_cap`` clipped by its bounds);
+  the consumer goes straight on to its next tile and waits for the store (``tma.store_wait(0)``) only before it
+  writes the buffer again, a tile later. A share straddling its expert's last row (a box would overwrite the next
+  expert's rows, written by another program) takes the pointer stores. The idea is CUTLASS's and DeepGEMM's TMA
+  store epilogue (NVIDIA/cutlass@2ceb95b ``include/cutlass/epilogue/collective/sm90_epilogue_tma_warpspecialized.hpp``) and
+  this repo's Gluon wgrad (``gluon_backward.py``), where it decided the kernel's speed; the ragged-row fallback is
+  ours (DeepGEMM pads each expert's rows to the tile instead).
 
 Sources read (layouts and API of triton 3.6.0 confirmed in the installed package): triton-lang/triton
 ``python/tutorials/gluon/08-warp-specialization.py`` (``gl.warp_specialize([(fn, args), ...], warps, regs)``,
