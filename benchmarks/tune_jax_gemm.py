@@ -1,10 +1,10 @@
-"""Tune the JAX grouped GEMM kernels' launch configs on this GPU; write the winners as JSON with named keys.
+"""Tune the JAX grouped GEMM kernels' launch configs (forward; --ops: Mosaic dgrad / wgrad) on this GPU; write the winners as JSON.
 
 Usage (GPU machine, repo root)::
 
     PYTHONPATH=. python3 benchmarks/tune_jax_gemm.py [--out DIR] [--backends pallas_triton,pallas_mosaic_gpu]
         [--quick] [--max-minutes 8] [--dtypes bf16,fp8,fp8_block] [--ms 256,2048,16384] [--resume] [--jobs 8]
-        [--fast-accum both|false|true]
+        [--fast-accum both|false|true] [--ops fwd,dgrad,wgrad]
 
 ``--out`` defaults to ``$OUT`` if set, else ``moe_pallas/ops/grouped_gemm/tuned`` (where
 ``moe_pallas.ops.grouped_gemm.config.tuned_entries`` reads). The file is ``<device kind>.json``
@@ -15,7 +15,21 @@ Usage (GPU machine, repo root)::
      "dtype": "fp8", "fast_accum": false, "config": {...every field...}, "ms": 0.26, "heuristic_ms": 0.27,
      "configs_timed": 9, "complete": true}
 
-``fast_accum`` is ``null`` for bf16 and for Pallas-Triton. Entries with a ``"kind"`` (the backend choices of
+``fast_accum`` is ``null`` for bf16 and for Pallas-Triton. ``--ops`` (default ``fwd``: the forward, as above; entries
+without ``"op"``) also or instead tunes the Mosaic GPU backward kernels (``pallas_mosaic_gpu_backward.py``; bf16
+only, the only inputs they take; the Pallas-Triton backward keeps its heuristics): ``dgrad`` (``d_x = d_y @ w[e]``,
+candidates :data:`MOSAIC_DGRAD_SPACE`: the warp-specialized tile, its ``split_m`` variant and snake widths
+``grid_block_n``, the one-warpgroup tiles) and ``wgrad`` (the K-grouped ``d_w[e] = d_y[rows(e)].T @ x[rows(e)]``,
+:data:`MOSAIC_WGRAD_SPACE`: warp-specialized or not, stages, snakes), each timed against the kernel's heuristic,
+bf16 outputs (the layer's backward: ``d_x`` in ``x``'s dtype, ``d_w`` in ``w``'s); entries with ``"op": "dgrad"`` /
+``"wgrad"`` and ``"out_dtype": "bf16"``, ``N`` and ``K`` the forward's (``w [E, N, K]``), read by
+``config.mosaic_dgrad_config`` / ``mosaic_wgrad_config``::
+
+    {"op": "dgrad", "backend": "pallas_mosaic_gpu", "device": "NVIDIA H200", "E": 32, "N": 7168, "K": 2048,
+     "M_cap": 16384, "dtype": "bf16", "out_dtype": "bf16", "fast_accum": null, "config": {...}, "ms": 0.99,
+     "heuristic_ms": 1.08, "configs_timed": 9, "complete": true}
+
+Entries with a ``"kind"`` (the backend choices of
 ``benchmarks/tune_backend.py``) are kept as they are. ``complete`` is false when ``--max-minutes``
 ran out inside that sweep (the entry is the best of what was timed, never slower than the heuristic
 it was timed against). Entries already in the output file (or in ``--merge``) are kept unless this
@@ -77,7 +91,10 @@ from moe_pallas.ops.grouped_gemm.config import (  # noqa: E402
     grouped_gemm_config,
     heuristic_grouped_gemm_config,
     heuristic_mosaic_grouped_gemm_config,
+    heuristic_mosaic_wgrad_config,
+    mosaic_config_problem,
     mosaic_grouped_gemm_config,
+    mosaic_wgrad_config_problem,
 )
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference  # noqa: E402
 
@@ -99,6 +116,39 @@ MAX_ACC_REGS = 128
 #: rows, ``split_m``: :func:`mosaic_candidates`; ``--ws-only`` keeps the warp-specialized configs alone).
 MOSAIC_SPACE = {"block_m": (64, 128), "block_n": (128, 256), "max_concurrent_steps": (3, 4, 5), "grid_block_n": (1, 2, 4),
                 "warp_specialized": (False, True)}
+#: ``--ops``: the forward and the Mosaic GPU backward kernels.
+OPS = ("fwd", "dgrad", "wgrad")
+_WS = dict(block_k=64, warp_specialized=True)  # 16-bit: 64-value (128-byte) steps
+#: The Mosaic GPU dgrad's candidates for bf16 (the config of the swapped problem: ``block_n`` tiles d_x's K columns,
+#: ``block_k`` steps over N; every one with whole tiles at both tuned shapes), the likeliest first (a run cut short
+#: by ``--max-minutes`` keeps those). The heuristic's tile at >= 256 rows per expert (warp-specialized, consumers
+#: side by side: a 128 x 256 CTA tile) with other snake widths; its ``split_m`` variant (256 x 128 CTA tile; H200,
+#: session 15 probe, down at M=16384: 1.084 -> 0.987 ms) and the 64-row split ones (128 x 128, 128 x 256 CTA tiles);
+#: the one-warpgroup tiles (the heuristic's below 256 rows per expert).
+MOSAIC_DGRAD_SPACE = (
+    dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=4, split_m=True, **_WS),
+    dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=2, split_m=True, **_WS),
+    dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=4, **_WS),
+    dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=2, **_WS),
+    dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=1, **_WS),
+    dict(block_m=64, block_n=128, max_concurrent_steps=5, grid_block_n=4, split_m=True, **_WS),
+    dict(block_m=64, block_n=256, max_concurrent_steps=3, grid_block_n=4, split_m=True, **_WS),
+    dict(block_m=64, block_n=256, block_k=64, max_concurrent_steps=5, grid_block_n=4),
+    dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=5, grid_block_n=4),
+)
+#: The Mosaic GPU wgrad's candidates for bf16 (``block_m`` rows of d_w[e] along N, ``block_n`` columns along K,
+#: ``block_k`` rows of the expert a step), the likeliest first: the heuristic's warp-specialized tile (two consumers'
+#: 128 x 128 side by side; 3 stages fit beside bf16 output buffers) with other snakes and 2 stages, the 64-row one
+#: (4 stages fit), and the one-warpgroup kernel (4 and 3 stages).
+MOSAIC_WGRAD_SPACE = (
+    dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=4, **_WS),
+    dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=2, **_WS),
+    dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=1, **_WS),
+    dict(block_m=128, block_n=128, max_concurrent_steps=2, grid_block_n=4, **_WS),
+    dict(block_m=64, block_n=128, max_concurrent_steps=4, grid_block_n=4, **_WS),
+    dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
+    dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=3, grid_block_n=4),
+)
 #: Relative Frobenius error of the bf16 output against the float32 reference above which a config is WRONG.
 MAX_REL_ERR = 1e-2
 ITERATIONS = 10
@@ -147,6 +197,35 @@ def mosaic_candidates(dtype: str, fast_accum: bool | None, ws_only: bool = False
     return out
 
 
+def parse_ops(text: str) -> list[str]:
+    """``--ops``: a non-empty comma list of :data:`OPS` (order kept, duplicates dropped); ``ValueError`` naming the
+    unknown ones otherwise."""
+    ops = list(dict.fromkeys(o.strip() for o in text.split(",") if o.strip()))
+    unknown = [o for o in ops if o not in OPS]
+    if not ops or unknown:
+        raise ValueError(f"--ops: a comma list of {', '.join(OPS)}; got {text!r}"
+                         + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    return ops
+
+
+def backward_candidates(op: str, N: int, K: int, out_itemsize: int = 2) -> list[MosaicGroupedGemmConfig]:
+    """The configs of :data:`MOSAIC_DGRAD_SPACE` / :data:`MOSAIC_WGRAD_SPACE` (``op``) that keep the kernel's rules
+    for ``w [E, N, K]`` with bf16 inputs and ``out_itemsize``-byte outputs (``mosaic_config_problem`` of the swapped
+    problem, ``mosaic_wgrad_config_problem``)."""
+    space = MOSAIC_DGRAD_SPACE if op == "dgrad" else MOSAIC_WGRAD_SPACE
+    cfgs = [MosaicGroupedGemmConfig(**kw) for kw in space]
+    if op == "dgrad":
+        return [c for c in cfgs if mosaic_config_problem(c, K, N, 2, False, out_itemsize=out_itemsize) is None]
+    return [c for c in cfgs if mosaic_wgrad_config_problem(c, N, K, 2, out_itemsize) is None]
+
+
+def backward_heuristic(op: str, M: int, N: int, K: int) -> MosaicGroupedGemmConfig:
+    """The config the Mosaic backward kernel ``op`` runs without a tuned entry (bf16 in and out)."""
+    if op == "dgrad":
+        return heuristic_mosaic_grouped_gemm_config(M, K, N, E, 2, out_itemsize=2)
+    return heuristic_mosaic_wgrad_config(M, N, K, E, 2, 2)
+
+
 def variants(backend: str, dtype: str) -> list[bool | None]:
     """The ``fast_accum`` values tuned separately: Mosaic FP8 per token has two accumulation modes; FP8 blocks
     accumulate step by step (their scales change along K), so one."""
@@ -170,8 +249,14 @@ def heuristic(backend: str, M: int, N: int, K: int, dtype: str, fast_accum: bool
     return heuristic_mosaic_grouped_gemm_config(M, N, K, E, itemsize, fast_accum=bool(fast_accum))
 
 
-def kernel_fn(backend: str, cfg):
-    """A jitted ``f(x, w, offsets, x_scale, w_scale) -> y`` (bf16) of ``backend`` with ``cfg``."""
+def kernel_fn(backend: str, cfg, op: str = "fwd"):
+    """A jitted ``f(x, w, offsets, x_scale, w_scale) -> y`` (bf16) of ``backend`` with ``cfg``; ``op="dgrad"``:
+    ``f(d_y, w, offsets) -> d_x``, ``op="wgrad"``: ``f(x, d_y, offsets) -> d_w`` (Mosaic GPU, bf16 out)."""
+    if op != "fwd":
+        from moe_pallas.ops.grouped_gemm import pallas_mosaic_gpu_backward as bwd
+
+        kernel = bwd.grouped_gemm_dgrad_pallas_mosaic_gpu if op == "dgrad" else bwd.grouped_gemm_wgrad_pallas_mosaic_gpu
+        return jax.jit(lambda a, b, off: kernel(a, b, off, out_dtype=jnp.bfloat16, config=cfg))
     if backend == TRITON_BACKEND:
         from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton
 
@@ -213,6 +298,26 @@ def make_problem(K: int, N: int, M: int, dtype: str, seed: int = 0, routing: str
     return xq, wq, off, xs, ws
 
 
+def make_backward_problem(op: str, K: int, N: int, M: int, seed: int = 0) -> tuple:
+    """The dgrad's ``(d_y [M, N], w [E, N, K])`` or the wgrad's ``(x [M, K], d_y [M, N])``, bf16: x, d_y ~ N(0, 1),
+    w ~ N(0, 1/N) (d_x O(1)); the offsets come from :func:`with_routing`."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    d_y = jax.random.normal(k1, (M, N), jnp.bfloat16)
+    if op == "dgrad":
+        return d_y, (jax.random.normal(k2, (E, N, K), jnp.float32) * N**-0.5).astype(jnp.bfloat16)
+    return jax.random.normal(k2, (M, K), jnp.bfloat16), d_y
+
+
+def backward_reference(op: str, a, b, off) -> jax.Array:
+    """The float32 reference of the dgrad ``(a, b) = (d_y, w)`` / wgrad ``(x, d_y)`` (``Precision.HIGHEST``)."""
+    from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_dgrad_reference, grouped_gemm_wgrad_reference
+
+    with jax.default_matmul_precision("highest"):
+        if op == "dgrad":
+            return jax.jit(grouped_gemm_dgrad_reference, static_argnums=4)(a, b, off, None, jnp.float32)
+        return jax.jit(grouped_gemm_wgrad_reference, static_argnums=3)(a, b, off, jnp.float32)
+
+
 def short(cfg) -> str:
     if isinstance(cfg, GroupedGemmConfig):
         return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
@@ -223,7 +328,9 @@ def short(cfg) -> str:
 
 
 def entry_key(e: dict) -> tuple:
-    return (e["backend"], e["E"], e["N"], e["K"], e["M_cap"], e["dtype"], e.get("fast_accum"))
+    """A launch config's key; a forward entry (no ``"op"``) has op ``"fwd"`` and no ``"out_dtype"``."""
+    return (e["backend"], e["E"], e["N"], e["K"], e["M_cap"], e["dtype"], e.get("fast_accum"), e.get("op", "fwd"),
+            e.get("out_dtype"))
 
 
 class Deadline:
@@ -235,11 +342,12 @@ class Deadline:
 
 
 def sweep(backend: str, cfgs: list, problems: list[tuple], deadline: Deadline,
-          pool: concurrent.futures.ThreadPoolExecutor) -> tuple[dict, bool]:
+          pool: concurrent.futures.ThreadPoolExecutor, op: str = "fwd") -> tuple[dict, bool]:
     """``({cfg: ms}, finished)``: the correct configs of ``cfgs`` (in order) until ``deadline``
     (``finished``: every config was tried); prints every skip / WRONG with its reason. Lowering on
     this thread, XLA compilation in ``pool``. ``problems``: ``(args_, ref, ref_norm)`` of each routing (same shapes:
-    one compile); a config's time is the mean of its medians over them, and it must be correct on each."""
+    one compile); a config's time is the mean of its medians over them, and it must be correct on each. ``op``:
+    :func:`kernel_fn`'s (the backward's ``args_`` are its three arrays)."""
     args_ = problems[0][0]
     futures, finished = {}, True
     for cfg in cfgs:
@@ -247,7 +355,7 @@ def sweep(backend: str, cfgs: list, problems: list[tuple], deadline: Deadline,
             finished = False
             break
         try:
-            lowered = kernel_fn(backend, cfg).lower(*args_)
+            lowered = kernel_fn(backend, cfg, op).lower(*args_)
         except Exception as exc:  # noqa: BLE001 - NotImplementedError (rules), lowering errors: not a candidate
             print(f"  skip {short(cfg)}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
                   flush=True)
@@ -328,7 +436,14 @@ def main() -> int:
                         "timed problems (several: one compile, the mean of their times ranks the configs)")
     parser.add_argument("--fast-accum", choices=("both", "false", "true"), default="both",
                         help="Mosaic FP8 per token: which accumulation mode(s) to tune")
+    parser.add_argument("--ops", default="fwd", help="comma list of fwd (the forward, default), dgrad, wgrad (the "
+                        "Mosaic GPU backward kernels, bf16 only: entries with \"op\": \"dgrad\" / \"wgrad\"; "
+                        "--backends must include pallas_mosaic_gpu)")
     args = parser.parse_args()
+    try:
+        ops = parse_ops(args.ops)
+    except ValueError as exc:
+        parser.error(str(exc))
     backends = [b for b in args.backends.split(",") if b]
     if unknown := set(backends) - set(BACKENDS):
         parser.error(f"unknown backends {sorted(unknown)}; choose from {BACKENDS}")
@@ -359,13 +474,20 @@ def main() -> int:
         with open(path, "w") as f:
             json.dump(others + list(entries.values()), f, indent=1)
 
-    print(f"device {dev}; backends {backends}; dtypes {dtypes}; M {ms}; output {path}", flush=True)
+    print(f"device {dev}; ops {ops}; backends {backends}; dtypes {dtypes}; M {ms}; output {path}", flush=True)
+    bwd_ops = [op for op in ops if op != "fwd"]
+    if bwd_ops and (MOSAIC_BACKEND not in backends or "bf16" not in dtypes):
+        print(f"  --ops {','.join(bwd_ops)}: the Mosaic GPU backward kernels take bf16 only; --backends and --dtypes "
+              f"must include {MOSAIC_BACKEND} and bf16: not tuned", flush=True)
+        bwd_ops = []
     pool = concurrent.futures.ThreadPoolExecutor(max(1, args.jobs))
     try:
         for (K, N), M, dtype in itertools.product(SHAPES, ms, dtypes):
+            if "fwd" not in ops:
+                break
             todo = [(b, fa) for b in backends for fa in variants(b, dtype)
                     if fa is None or args.fast_accum in ("both", str(fa).lower())
-                    if not (args.resume and entries.get((b, E, N, K, M, dtype, fa), {}).get("complete"))]
+                    if not (args.resume and entries.get((b, E, N, K, M, dtype, fa, "fwd", None), {}).get("complete"))]
             if not todo or deadline.passed():
                 continue
             print(f"== K={K} N={N} M={M} {dtype}", flush=True)
@@ -410,22 +532,55 @@ def main() -> int:
                 write()
             del problems, base, args_, ref
             jax.clear_caches()
+        for (K, N), M, op in itertools.product(SHAPES, ms, bwd_ops):  # the Mosaic backward kernels, bf16 in and out
+            key = (MOSAIC_BACKEND, E, N, K, M, "bf16", None, op, "bf16")
+            if deadline.passed() or (args.resume and entries.get(key, {}).get("complete")):
+                continue
+            print(f"== {op} K={K} N={N} M={M} bf16 -- {MOSAIC_BACKEND}", flush=True)
+            a, b = make_backward_problem(op, K, N, M)
+            problems = []
+            for routing in routings:
+                off = with_routing(M, routing)
+                ref = backward_reference(op, a, b, off)
+                problems.append(((a, b, off), ref, float(jnp.linalg.norm(ref))))
+            heur = backward_heuristic(op, M, N, K)
+            heur_timed, _ = sweep(MOSAIC_BACKEND, [heur], problems, Deadline(None), pool, op)
+            heur_ms = heur_timed.get(heur)
+            cands = [c for c in backward_candidates(op, N, K) if c != heur]
+            timed, complete = sweep(MOSAIC_BACKEND, cands, problems, deadline, pool, op)
+            timed.update(heur_timed)
+            if timed:
+                best = min(timed, key=timed.get)
+                entries[key] = {"op": op, "backend": MOSAIC_BACKEND, "device": dev, "E": E, "N": N, "K": K, "M_cap": M,
+                                "dtype": "bf16", "out_dtype": "bf16", "fast_accum": None,
+                                "config": dataclasses.asdict(best), "ms": round(timed[best], 4),
+                                "heuristic_ms": None if heur_ms is None else round(heur_ms, 4),
+                                "configs_timed": len(timed), "complete": complete}
+                if routings != ["uniform"]:
+                    entries[key]["routings"] = list(routings)
+                tuned_now.append(key)
+                print(json.dumps(entries[key]), flush=True)
+                write()
+            else:
+                print("  no correct config timed: no entry", flush=True)
+            del problems, a, b, ref
+            jax.clear_caches()
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         write()
         print(f"wrote {path} ({len(entries)} entries, {len(tuned_now)} tuned in this run)"
               + (" -- stopped at --max-minutes" if deadline.passed() else ""), flush=True)
-        print(f"{'backend':18s} {'dtype':5s} {'fast':5s} {'K':>5s} {'N':>5s} {'M':>6s} {'heur ms':>8s} {'ms':>8s} "
-              f"{'x':>5s}  config")
+        print(f"{'op':5s} {'backend':18s} {'dtype':5s} {'fast':5s} {'K':>5s} {'N':>5s} {'M':>6s} {'heur ms':>8s} "
+              f"{'ms':>8s} {'x':>5s}  config")
         for key in tuned_now:
             e = entries[key]
             h = e["heuristic_ms"]
             cfg = (GroupedGemmConfig if e["backend"] == TRITON_BACKEND else MosaicGroupedGemmConfig)(**e["config"])
             heur_s = "-" if h is None else "%.4f" % h
             gain = "-" if h is None else "%.2f" % (h / e["ms"])
-            print("%-18s %-5s %-5s %5d %5d %6d %8s %8.4f %5s  %s%s" % (
-                e["backend"], e["dtype"], e["fast_accum"], e["K"], e["N"], e["M_cap"], heur_s, e["ms"], gain, short(cfg),
-                "" if e["complete"] else "  (partial)"))
+            print("%-5s %-18s %-5s %-5s %5d %5d %6d %8s %8.4f %5s  %s%s" % (
+                e.get("op", "fwd"), e["backend"], e["dtype"], e["fast_accum"], e["K"], e["N"], e["M_cap"], heur_s,
+                e["ms"], gain, short(cfg), "" if e["complete"] else "  (partial)"))
     return 0
 
 

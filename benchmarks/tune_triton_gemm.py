@@ -1,9 +1,10 @@
-"""Tune the Triton grouped GEMM's launch config on this GPU; write the winners as JSON with named keys.
+"""Tune the Triton grouped GEMM's launch configs (forward; --ops: dgrad / wgrad) on this GPU; write the winners as JSON.
 
 Usage (GPU machine, repo root)::
 
     PYTHONPATH=. python3 benchmarks/tune_triton_gemm.py [--out moe_torch/ops/grouped_gemm/tuned] [--quick] [--full] [--tma]
-        [--dtypes bf16,fp8,fp8_block] [--ms 256,2048,16384] [--routings uniform,zipf]
+        [--dtypes bf16,fp8,fp8_block] [--ms 256,2048,16384] [--routings uniform,zipf] [--ops fwd,dgrad,wgrad]
+        [--max-minutes 3]
 
 For each problem of the benchmark's grouped GEMM set (E=32; (K=7168, N=4096) and (K=2048, N=7168);
 M in {256, 2048, 16384}; rows split uniformly; bf16, FP8 per-token x per-channel (``fp8``), and FP8 with
@@ -25,6 +26,27 @@ dtype: the variant serves bf16 and FP8) adds a third pass: the opt-in TMA varian
 too on 8-warp tiles) of the :data:`TOP_K` fastest configs so far, in each one's launch order and also
 persistent with ``group_m=8`` (at most 3 x 4 = 12 more configs per problem).
 
+``--ops`` (default ``fwd``: the forward, as above; its entries have no ``"op"``) also or instead tunes the backward
+(bf16 only: ``--dtypes`` must include bf16; bf16 outputs, as the layer's backward makes them), each candidate checked
+against the float32 reference (``reference.py``: relative Frobenius error <= :data:`MAX_REL_ERR` and every element
+within :data:`MAX_ABS_ERR` of the reference's largest magnitude, so a missed tile is caught) before it is timed, and
+timed against the default the library runs without an entry (``heuristic_ms``):
+
+* ``dgrad`` (``d_x = d_y @ w[e]``, ``triton_backward.py``): :data:`DGRAD_SPACE`, the pointer kernel and its TMA
+  variant (``tma=True``) on a few tiles. Entry ``{"op": "dgrad", ..., "out_dtype": "bf16", "config": {...}, "ms": ...,
+  "heuristic_ms": ...}``, and where the winner is a TMA config also ``"pointer_config"`` / ``"pointer_ms"`` (the
+  fastest pointer config), which ``config.grouped_gemm_dgrad_config`` runs while ``EPMOE_TRITON_TMA_DGRAD`` keeps the
+  TMA variant off (its default).
+* ``wgrad`` (``d_w[e] = d_y[rows(e)].T @ x[rows(e)]``): the Triton kernel's :data:`WGRAD_SPACE` and, where the dispatch
+  would run it (``gluon_backward.gluon_wgrad_eligible``: sm_90, ``EPMOE_TRITON_GLUON_WGRAD`` on, enough rows an
+  expert), the Gluon kernel's :data:`GLUON_WGRAD_OPTIONS` (``epilogue`` x ``num_stages``). Entry ``{"op": "wgrad",
+  ..., "kernel": "gluon" | "triton", "config": {...}}`` (Gluon: ``{"epilogue": ..., "num_stages": ...}``), and where
+  Gluon won also ``"triton_config"`` / ``"triton_ms"``: the dispatch (``api.py: _gluon_wgrad``) runs the winner, the
+  Triton one with ``triton_config`` where Gluon is off or cannot serve.
+
+``N`` and ``K`` of every entry are the forward's (``w [E, N, K]``). ``--max-minutes``: no config is started after
+that many minutes (every op; the heuristic is always timed); an entry cut short says ``"complete": false``.
+
 ``moe_torch.ops.grouped_gemm.config.grouped_gemm_config`` reads it (nearest M_cap, same N, K, dtype). Entries of
 problems this run does not tune (other ``--dtypes`` / ``--ms``) are kept: the output file's, or for a new file
 (e.g. in ``$OUT``, the default where set) the table in the tree's. A JAX table (``tune_jax_gemm.py`` writes the
@@ -39,6 +61,7 @@ import itertools
 import json
 import os
 import sys
+import time
 
 import torch
 import triton
@@ -50,8 +73,13 @@ if _ROOT not in sys.path:  # benchmarks.specs (the routings' group sizes) from a
 
 from benchmarks.specs import group_sizes  # noqa: E402
 
-from moe_torch.ops.grouped_gemm.config import TUNED_DIR, GroupedGemmConfig, heuristic_grouped_gemm_config
+from moe_torch.ops.grouped_gemm.config import (TUNED_DIR, GroupedGemmConfig, GroupedGemmWgradConfig,
+                                               grouped_gemm_dgrad_config, heuristic_grouped_gemm_config,
+                                               heuristic_grouped_gemm_wgrad_config)
+from moe_torch.ops.grouped_gemm.reference import grouped_gemm_dgrad_reference, grouped_gemm_wgrad_reference
 from moe_torch.ops.grouped_gemm.triton import grouped_gemm_triton
+from moe_torch.ops.grouped_gemm.triton_backward import grouped_gemm_dgrad_triton, grouped_gemm_wgrad_triton
+from moe_torch.ops.triton_common import tma_dgrad_enabled
 from moe_torch.ops.quant.api import per_token_group_quant_fp8, per_token_quant_fp8, quantize_weight_fp8
 
 #: block_m x block_n x num_warps x num_stages x group_m x persistent (GroupedGemmConfig's fields);
@@ -126,8 +154,181 @@ def parse_routings(text: str) -> list[str]:
     return routings
 
 
+OPS = ("fwd", "dgrad", "wgrad")
+_WIDE = dict(block_m=128, block_n=256, block_k=64, num_warps=8)  # dgrad: 128 rows x 256 columns of d_x, N steps of 64
+#: The dgrad's candidates (``GroupedGemmConfig``: ``block_n`` tiles d_x's K columns, ``block_k`` steps over N), the
+#: likeliest first (``--max-minutes`` keeps those): the heuristic's wide tile (DGRAD_WIDE_CONFIG, >= 8192 rows) and its
+#: TMA variant, 3 or 4 stages; the forward's tuned TMA shapes of the H200 (warp_specialize, persistent); 128 x 128 over
+#: 8 warps; 64-row tiles (the forward heuristic's, below 8192 rows), pointer and TMA.
+DGRAD_SPACE = (
+    dict(_WIDE, num_stages=3, group_m=8),
+    dict(_WIDE, num_stages=3, group_m=8, tma=True),
+    dict(_WIDE, num_stages=4, group_m=8),
+    dict(_WIDE, num_stages=4, group_m=8, tma=True),
+    dict(_WIDE, num_stages=4, group_m=4, persistent=True, tma=True, warp_specialize=True),
+    dict(_WIDE, num_stages=3, group_m=4, tma=True, warp_specialize=True),
+    dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=8),
+    dict(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=4, group_m=4, tma=True),
+    dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, group_m=4),
+    dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, group_m=4, tma=True),
+)
+#: The Triton wgrad's candidates (``GroupedGemmWgradConfig``: ``block_n x block_k`` of d_w[e], ``block_m`` rows a
+#: step): the heuristic's wide tile (WGRAD_WIDE_CONFIG) with 3 and 4 stages (4 x 64 x 384 x 2 B = 192 KiB of shared
+#: memory), 32-row steps, and the small heuristic's 64 x 128 tile (BENCHMARKS.md: 128 x 128 and 256 x 128 were no
+#: better than the wide tile at M=16384).
+WGRAD_SPACE = (
+    dict(block_n=128, block_k=256, block_m=64, num_warps=8, num_stages=3),
+    dict(block_n=128, block_k=256, block_m=64, num_warps=8, num_stages=4),
+    dict(block_n=128, block_k=256, block_m=32, num_warps=8, num_stages=4),
+    dict(block_n=64, block_k=128, block_m=64, num_warps=4, num_stages=3),
+)
+#: The Gluon wgrad's options (``gluon_backward.py``; bf16 out): the TMA-store epilogue with 3 (its default) or 2
+#: stages, pointer stores with 4 or 3.
+GLUON_WGRAD_OPTIONS = (dict(epilogue="tma", num_stages=3), dict(epilogue="tma", num_stages=2),
+                       dict(epilogue="pointer", num_stages=4), dict(epilogue="pointer", num_stages=3))
+#: A backward candidate is WRONG above this relative Frobenius error of its bf16 output against the float32 reference
+#: (bf16 rounding alone is ~2e-3) ...
+MAX_REL_ERR = 1e-2
+#: ... or where an element is off by more than this fraction of the reference's largest magnitude (a bf16 rounding is
+#: at most 2**-8 of its value; a tile not written, or written twice, is caught even when the Frobenius error is small).
+MAX_ABS_ERR = 2**-7
+
+
+def parse_ops(text: str) -> list[str]:
+    """``--ops``: a non-empty comma list of :data:`OPS` (order kept, duplicates dropped); ``ValueError`` naming the
+    unknown ones otherwise."""
+    ops = list(dict.fromkeys(o.strip() for o in text.split(",") if o.strip()))
+    unknown = [o for o in ops if o not in OPS]
+    if not ops or unknown:
+        raise ValueError(f"--ops: a comma list of {', '.join(OPS)}; got {text!r}"
+                         + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    return ops
+
+
+def backward_error(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
+    """``(relative Frobenius error, correct)`` of a bf16 result against its float32 reference (:data:`MAX_REL_ERR`,
+    :data:`MAX_ABS_ERR`; NaN is never correct)."""
+    diff = y.float() - ref
+    err = float(diff.norm() / ref.norm())
+    worst = float(diff.abs().max()) if diff.numel() else 0.0
+    return err, err <= MAX_REL_ERR and worst <= MAX_ABS_ERR * float(ref.abs().max())
+
+
+class Deadline:
+    """``--max-minutes``: :meth:`passed` once that many minutes went by (never for ``None``)."""
+
+    def __init__(self, minutes: float | None):
+        self.end = None if minutes is None else time.time() + 60 * minutes
+
+    def passed(self) -> bool:
+        return self.end is not None and time.time() > self.end
+
+
+def _time(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def tune_backward(op: str, K: int, N: int, M: int, routings: list[str], g: torch.Generator, dev: str,
+                  deadline: Deadline, device: str = "cuda") -> dict | None:
+    """Time :data:`DGRAD_SPACE` (``op="dgrad"``) or :data:`WGRAD_SPACE` and :data:`GLUON_WGRAD_OPTIONS` (``"wgrad"``)
+    on bf16 inputs of ``w [E, N, K]`` with ``M`` rows over each routing; the entry of the fastest correct one (module
+    docstring), ``None`` if none ran correctly. ``device``/``g``: where the inputs are drawn (a CPU run, interpreted,
+    is for tests with :func:`_time` patched)."""
+    d_y = torch.randn(M, N, device=device, generator=g).to(torch.bfloat16)
+    offs = [routing_offsets(M, r, device) for r in routings]
+    out = torch.bfloat16
+    if op == "dgrad":
+        w = (torch.randn(E, N, K, device=device, generator=g) * N**-0.5).to(torch.bfloat16)
+        refs = [grouped_gemm_dgrad_reference(d_y, w, off, None, torch.float32) for off in offs]
+        default = ("triton", grouped_gemm_dgrad_config(M, N, K, E, 16, sm90=True, tma=tma_dgrad_enabled()))
+        cands = [("triton", GroupedGemmConfig(**kw)) for kw in DGRAD_SPACE]
+        run = lambda cand, off: grouped_gemm_dgrad_triton(d_y, w, off, None, out, cand[1])  # noqa: E731
+    else:
+        x = torch.randn(M, K, device=device, generator=g).to(torch.bfloat16)
+        refs = [grouped_gemm_wgrad_reference(x, d_y, off, torch.float32) for off in offs]
+        try:
+            from moe_torch.ops.grouped_gemm.gluon_backward import gluon_wgrad_eligible, grouped_gemm_gluon_wgrad
+            gluon = all(gluon_wgrad_eligible(x, d_y, off, out) for off in offs)  # what the dispatch would run
+        except ImportError:
+            gluon = False
+        triton_default = ("triton", heuristic_grouped_gemm_wgrad_config(M, N, K, E, 16))
+        default = ("gluon", (("epilogue", "tma"), ("num_stages", 3))) if gluon else triton_default
+        cands = ([("gluon", tuple(o.items())) for o in GLUON_WGRAD_OPTIONS] if gluon else []) + [triton_default] + [
+            ("triton", GroupedGemmWgradConfig(**kw)) for kw in WGRAD_SPACE]
+
+        def run(cand, off):
+            if cand[0] == "gluon":
+                return grouped_gemm_gluon_wgrad(x, d_y, off, out, **dict(cand[1]))
+            return grouped_gemm_wgrad_triton(x, d_y, off, out, cand[1])
+
+    def bench(cand) -> float:
+        """Median ms of ``cand`` (the mean over the routings); ``inf`` if wrong, failing, or past the deadline."""
+        try:
+            times = []
+            for off, ref, routing in zip(offs, refs, routings):
+                err, ok = backward_error(run(cand, off), ref)
+                if not ok:
+                    print(f"  WRONG {cand} ({routing}) rel err {err:.2e}", flush=True)
+                    return float("inf")
+                times.append(_time(lambda: run(cand, off)))
+            ms = sum(times) / len(times)
+            print(f"  {ms:.4f} ms  err {err:.1e}  {cand[0]} {cand[1]}", flush=True)
+            return ms
+        except Exception as exc:  # noqa: BLE001 - out of shared memory, a refused config: not a candidate
+            print(f"  skip {cand}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            return float("inf")
+
+    timed = {default: bench(default)}
+    complete = True
+    for cand in cands:
+        if cand in timed:
+            continue
+        if deadline.passed():
+            complete = False
+            break
+        timed[cand] = bench(cand)
+    return backward_entry(op, timed, default, complete, dev=dev, N=N, K=K, M=M, routings=routings)
+
+
+def backward_entry(op: str, timed: dict, default, complete: bool, *, dev: str, N: int, K: int, M: int,
+                   routings: list[str]) -> dict | None:
+    """The tuned entry of ``op`` from ``timed`` (``{(kernel, config): ms}``, ``inf`` for a wrong or failed candidate;
+    ``kernel`` ``"triton"`` with a config dataclass, or ``"gluon"`` with the options as a tuple of items) and the
+    ``default`` candidate (``heuristic_ms``): the fastest, and the fastest the dispatch runs where the winner's variant
+    is off (module docstring: ``pointer_config``, ``triton_config``); ``None`` if nothing ran correctly."""
+    ok = {c: t for c, t in timed.items() if t < float("inf")}
+    if not ok:
+        return None
+
+    def fields(cand) -> dict:
+        return dict(cand[1]) if cand[0] == "gluon" else dataclasses.asdict(cand[1])
+
+    best = min(ok, key=ok.get)
+    heur_ms = timed.get(default, float("inf"))
+    entry = {"op": op, "device": dev, "E": E, "N": N, "K": K, "M_cap": M, "dtype": "bf16", "out_dtype": "bf16"}
+    if op == "wgrad":
+        entry["kernel"] = best[0]
+    entry.update(config=fields(best), ms=round(ok[best], 4),
+                 heuristic_ms=None if heur_ms == float("inf") else round(heur_ms, 4), configs_timed=len(ok),
+                 complete=complete)
+    # the fastest config the dispatch can run where the winner's variant is off: the pointer dgrad (the TMA switch's
+    # default), the Triton wgrad (EPMOE_TRITON_GLUON_WGRAD=0, or a request the Gluon kernel does not serve)
+    alt, key = {}, None
+    if op == "dgrad" and best[1].tma:
+        alt, key = {c: t for c, t in ok.items() if not c[1].tma}, "pointer"
+    elif op == "wgrad" and best[0] == "gluon":
+        alt, key = {c: t for c, t in ok.items() if c[0] == "triton"}, "triton"
+    if alt:
+        other = min(alt, key=alt.get)
+        entry[f"{key}_config"], entry[f"{key}_ms"] = fields(other), round(alt[other], 4)
+    if routings != ["uniform"]:
+        entry["routings"] = list(routings)
+    return entry
+
+
 def entry_key(e: dict) -> tuple:
-    return e["E"], e["N"], e["K"], e["M_cap"], e["dtype"]
+    """An entry's key; a forward entry (no ``"op"``) has op ``"fwd"`` and no ``"out_dtype"``."""
+    return e["E"], e["N"], e["K"], e["M_cap"], e["dtype"], e.get("op", "fwd"), e.get("out_dtype")
 
 
 def kept_entries(path: str, tuned_dir: str = TUNED_DIR) -> dict:
@@ -157,9 +358,14 @@ def main() -> int:
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma list of M (rows)")
     parser.add_argument("--routings", default="uniform", help="comma list of uniform, zipf: rank configs by the mean "
                         "of their times over these rows-per-expert splits (default uniform)")
+    parser.add_argument("--ops", default="fwd", help="comma list of fwd (the forward, default), dgrad (pointer and TMA "
+                        "configs), wgrad (Triton configs and the Gluon kernel's epilogue / stages): backward entries "
+                        "with \"op\", bf16 only")
+    parser.add_argument("--max-minutes", type=float, default=None, help="start no config after this many minutes")
     args = parser.parse_args()
     try:
         routings = parse_routings(args.routings)
+        ops = parse_ops(args.ops)
     except ValueError as exc:
         parser.error(str(exc))
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -175,7 +381,9 @@ def main() -> int:
         print(f"tune_triton_gemm: {exc}", file=sys.stderr)
         return 2
     entries = []
-    for K, N, M, dtype in problems(args.quick, dtypes, [int(m) for m in args.ms.split(",") if m]):
+    deadline = Deadline(args.max_minutes)
+    ms_list = [int(m) for m in args.ms.split(",") if m]
+    for K, N, M, dtype in (problems(args.quick, dtypes, ms_list) if "fwd" in ops else ()):
         x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
         w = (torch.randn(E, N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
         offs = [routing_offsets(M, r) for r in routings]
@@ -202,7 +410,10 @@ def main() -> int:
                       for off in offs) / len(offs)
 
         def bench(cfg):
-            """Median ms of ``cfg`` (the mean over the routings), ``inf`` if it is wrong or does not run."""
+            """Median ms of ``cfg`` (the mean over the routings), ``inf`` if it is wrong or does not run (or
+            ``--max-minutes`` passed)."""
+            if deadline.passed():
+                return float("inf")
             try:
                 times = []
                 for off, ref, routing in zip(offs, refs, routings):
@@ -245,6 +456,32 @@ def main() -> int:
         print(json.dumps(entry), flush=True)
         with open(path, "w") as f:  # after every problem: a run cut short keeps what it found
             json.dump(list(kept.values()) + entries, f, indent=1)
+    bwd_ops = [op for op in ops if op != "fwd"]
+    if bwd_ops and "bf16" not in dtypes:
+        print(f"--ops {','.join(bwd_ops)}: the backward is tuned for bf16 only; --dtypes has none: not tuned", flush=True)
+        bwd_ops = []
+    for (K, N), M, op in itertools.product(SHAPES, ms_list, bwd_ops):
+        if args.quick and M == 2048:
+            continue
+        if deadline.passed():
+            print(f"--max-minutes passed: {op} K={K} N={N} M={M} not tuned", flush=True)
+            continue
+        print(f"== {op} K={K} N={N} M={M} bf16", flush=True)
+        entry = tune_backward(op, K, N, M, routings, g, dev, deadline)
+        torch.cuda.empty_cache()
+        if entry is None:
+            print("  no correct config timed: no entry", flush=True)
+            continue
+        entries.append(entry)
+        kept.pop(entry_key(entry), None)
+        print(json.dumps(entry), flush=True)
+        with open(path, "w") as f:  # after every problem, as the forward's
+            json.dump(list(kept.values()) + entries, f, indent=1)
+    for e in entries:
+        if e.get("op", "fwd") != "fwd":
+            h = e["heuristic_ms"]
+            print(f"{e['op']:5s} K={e['K']:5d} N={e['N']:5d} M={e['M_cap']:6d} heuristic {h} ms -> {e['ms']} ms  "
+                  f"{e.get('kernel', '')} {e['config']}" + ("" if e["complete"] else "  (partial)"))
     print(f"wrote {path}")
     return 0
 
