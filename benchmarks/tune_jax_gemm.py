@@ -122,7 +122,7 @@ _WS = dict(block_k=64, warp_specialized=True)  # 16-bit: 64-value (128-byte) ste
 #: The Mosaic GPU dgrad's candidates for bf16 (the config of the swapped problem: ``block_n`` tiles d_x's K columns,
 #: ``block_k`` steps over N; every one with whole tiles at both tuned shapes), the likeliest first (a run cut short
 #: by ``--max-minutes`` keeps those). The heuristic's tile at >= 256 rows per expert (warp-specialized, consumers
-#: side by side: a 128 x 256 CTA tile) with other snake widths; its ``split_m`` variant (256 x 128 CTA tile; H200,
+#: side by side: a 128 x 256 CTA tile) with another snake width; its ``split_m`` variant (256 x 128 CTA tile; H200,
 #: session 15 probe, down at M=16384: 1.084 -> 0.987 ms) and the 64-row split ones (128 x 128, 128 x 256 CTA tiles);
 #: the one-warpgroup tiles (the heuristic's below 256 rows per expert).
 MOSAIC_DGRAD_SPACE = (
@@ -130,7 +130,6 @@ MOSAIC_DGRAD_SPACE = (
     dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=2, split_m=True, **_WS),
     dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=4, **_WS),
     dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=2, **_WS),
-    dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=1, **_WS),
     dict(block_m=64, block_n=128, max_concurrent_steps=5, grid_block_n=4, split_m=True, **_WS),
     dict(block_m=64, block_n=256, max_concurrent_steps=3, grid_block_n=4, split_m=True, **_WS),
     dict(block_m=64, block_n=256, block_k=64, max_concurrent_steps=5, grid_block_n=4),
@@ -138,12 +137,11 @@ MOSAIC_DGRAD_SPACE = (
 )
 #: The Mosaic GPU wgrad's candidates for bf16 (``block_m`` rows of d_w[e] along N, ``block_n`` columns along K,
 #: ``block_k`` rows of the expert a step), the likeliest first: the heuristic's warp-specialized tile (two consumers'
-#: 128 x 128 side by side; 3 stages fit beside bf16 output buffers) with other snakes and 2 stages, the 64-row one
+#: 128 x 128 side by side; 3 stages fit beside bf16 output buffers) with another snake and 2 stages, the 64-row one
 #: (4 stages fit), and the one-warpgroup kernel (4 and 3 stages).
 MOSAIC_WGRAD_SPACE = (
     dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=4, **_WS),
     dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=2, **_WS),
-    dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=1, **_WS),
     dict(block_m=128, block_n=128, max_concurrent_steps=2, grid_block_n=4, **_WS),
     dict(block_m=64, block_n=128, max_concurrent_steps=4, grid_block_n=4, **_WS),
     dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
