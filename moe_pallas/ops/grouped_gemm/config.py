@@ -18,8 +18,12 @@ rule of this request (scale layout, whole tiles). Mirror of ``moe_torch/ops/grou
 The same file holds the measured backend choices (entries with ``"kind": "backend_choice"``, written by
 ``benchmarks/tune_backend.py``, read by ``backend_table.py``); launch configs have no ``"kind"``.
 
-The backward kernels (``pallas_triton_backward.py``) take :class:`GroupedGemmDgradConfig` and
-:class:`GroupedGemmWgradConfig`, from their heuristics only (untuned: no GPU measurements yet).
+The Pallas-Triton backward kernels (``pallas_triton_backward.py``) take :class:`GroupedGemmDgradConfig` and
+:class:`GroupedGemmWgradConfig`, from their heuristics only. The Mosaic GPU backward (``pallas_mosaic_gpu_backward.py``)
+looks its defaults up as the forward does, in the same file: :func:`mosaic_dgrad_config` and :func:`mosaic_wgrad_config`
+take the entry with ``"op": "dgrad"`` / ``"wgrad"`` (written by ``benchmarks/tune_jax_gemm.py --ops dgrad,wgrad``; the
+nearest ``M_cap``, the same ``N``, ``K`` of ``w [E, N, K]``, dtype and ``out_dtype``) where it keeps the kernel's rules,
+else their heuristics; forward entries have no ``"op"`` (:data:`TUNED_OPS`), and each lookup sees only its own op's.
 """
 
 from __future__ import annotations

@@ -2,7 +2,13 @@
 
 One frozen, keyword-only dataclass, the heuristic that picks it from the problem shape, and the
 rules a config must follow (STYLE.md "Configs"). Every constant says why it has its value.
-These are first, untuned values for a correct kernel; tuned tables come later, with named keys.
+
+Tuned configs: ``tuned/<device name>.json`` (named keys), written by ``benchmarks/tune_triton_gemm.py``. Lookup order of
+every default: the entry of the device with the same op (no ``"op"`` key: the forward, :func:`grouped_gemm_config`;
+``"op": "dgrad"`` / ``"wgrad"``, ``--ops dgrad,wgrad``: :func:`grouped_gemm_dgrad_config`,
+:func:`grouped_gemm_wgrad_config`, :func:`tuned_wgrad_kernel`), ``N``, ``K`` (``w [E, N, K]``), dtype (and out dtype
+for the backward) and the nearest ``M_cap`` in log2, where it keeps the kernel's rules; else the heuristic. An explicit
+``config`` of a kernel wins over both.
 """
 
 from __future__ import annotations
