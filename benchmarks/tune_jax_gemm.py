@@ -1,4 +1,4 @@
-"""Tune the JAX grouped GEMM kernels' launch configs (forward; --ops: Mosaic dgrad / wgrad) on this GPU; write the winners as JSON.
+"""Tune the JAX grouped GEMMs' launch configs (forward; --ops: Mosaic dgrad / wgrad) on this GPU; write them as JSON.
 
 Usage (GPU machine, repo root)::
 

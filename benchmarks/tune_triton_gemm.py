@@ -458,7 +458,8 @@ def main() -> int:
             json.dump(list(kept.values()) + entries, f, indent=1)
     bwd_ops = [op for op in ops if op != "fwd"]
     if bwd_ops and "bf16" not in dtypes:
-        print(f"--ops {','.join(bwd_ops)}: the backward is tuned for bf16 only; --dtypes has none: not tuned", flush=True)
+        print(f"--ops {','.join(bwd_ops)}: the backward is tuned for bf16 only; --dtypes has none: not tuned",
+              flush=True)
         bwd_ops = []
     for (K, N), M, op in itertools.product(SHAPES, ms_list, bwd_ops):
         if args.quick and M == 2048:

@@ -1,5 +1,5 @@
-"""The backward GEMMs' launch configs from the tuned tables (issue 14: "per-shape configs from a tuner, stored per device
-kind in the tree", dgrad and wgrad too), on the CPU: each lookup picks its own op's entry (``"op": "dgrad"`` /
+"""The backward GEMMs' launch configs from the tuned tables (issue 14: "per-shape configs from a tuner, stored per
+device kind in the tree", dgrad and wgrad too), on the CPU: each lookup picks its own op's entry (``"op": "dgrad"`` /
 ``"wgrad"``; forward entries have no ``"op"``) with the nearest ``M_cap`` and the same ``N``, ``K``, dtype and out
 dtype, skips an entry that breaks the kernel's rules (the heuristic then), an explicit ``config=`` wins, forward
 lookups never see backward entries and backward lookups never see forward ones; the torch dgrad takes a tuned TMA
@@ -26,9 +26,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from moe_pallas.ops.grouped_gemm import config as jax_config  # noqa: E402
 from moe_pallas.ops.grouped_gemm import pallas_mosaic_gpu_backward as mosaic_bwd  # noqa: E402
-from moe_pallas.ops.grouped_gemm.config import (MosaicGroupedGemmConfig, heuristic_mosaic_grouped_gemm_config,  # noqa: E402
-                                                heuristic_mosaic_wgrad_config, mosaic_dgrad_config,
-                                                mosaic_grouped_gemm_config, mosaic_wgrad_config)
+from moe_pallas.ops.grouped_gemm.config import (  # noqa: E402
+    MosaicGroupedGemmConfig,
+    heuristic_mosaic_grouped_gemm_config,
+    heuristic_mosaic_wgrad_config,
+    mosaic_dgrad_config,
+    mosaic_grouped_gemm_config,
+    mosaic_wgrad_config,
+)
 from moe_torch.ops.grouped_gemm import config as torch_config  # noqa: E402
 from moe_torch.ops.grouped_gemm import triton_backward as torch_bwd  # noqa: E402
 from moe_torch.ops.grouped_gemm.config import (GroupedGemmConfig, GroupedGemmWgradConfig,  # noqa: E402
@@ -104,8 +109,8 @@ def test_jax_backward_lookups_take_their_own_entries(tmp_path, monkeypatch):
     assert few == MosaicGroupedGemmConfig(**dict(SPLIT, split_m=False))
     assert wgrad(16384) == wgrad(2048) == MosaicGroupedGemmConfig(**ONE_WG)
     assert dgrad(16384, out_itemsize=4) == heuristic_mosaic_grouped_gemm_config(16384, K, N, 32, 2, out_itemsize=4)
-    assert mosaic_wgrad_config(16384, N, K, 32, 2, 4, device_kind=KIND) == heuristic_mosaic_wgrad_config(16384, N, K, 32,
-                                                                                                      2, 4)
+    f32_out = mosaic_wgrad_config(16384, N, K, 32, 2, 4, device_kind=KIND)  # no float32-out entry
+    assert f32_out == heuristic_mosaic_wgrad_config(16384, N, K, 32, 2, 4)
     for n, k in ((4096, 7168), (4096, 2048)):  # breaks a rule / unknown field: the heuristic
         assert dgrad(16384, n, k) == heur_dgrad(16384, n, k)
     assert wgrad(16384, 4096, 7168) == heuristic_mosaic_wgrad_config(16384, 4096, 7168, 32, 2, 2)
@@ -229,8 +234,9 @@ def test_torch_wgrad_lookup_and_the_dispatch_kernel(tmp_path, monkeypatch):
         torch_entry("wgrad", 2048, 4096, 16384, {"epilogue": "tma", "num_stages": 9}, kernel="gluon"),
         torch_entry("wgrad", 4096, 2048, 16384, dict(T_WGRAD, block_m=24), kernel="triton"),  # not a power of 2
     ])
-    look = lambda n, k, M=16384, out_bits=16: grouped_gemm_wgrad_config(M, n, k, 32, 16, out_bits=out_bits,  # noqa: E731
-                                                                       device_name=KIND)
+    def look(n, k, M=16384, out_bits=16):
+        return grouped_gemm_wgrad_config(M, n, k, 32, 16, out_bits=out_bits, device_name=KIND)
+
     heur = lambda n, k, M=16384: heuristic_grouped_gemm_wgrad_config(M, n, k, 32, 16)  # noqa: E731
     assert look(7168, 2048) == look(4096, 7168) == look(4096, 7168, M=2048) == GroupedGemmWgradConfig(**T_WGRAD)
     assert look(2048, 4096) == heur(2048, 4096)  # a Gluon winner without a Triton config
@@ -299,8 +305,8 @@ def test_jax_tuner_backward_candidates_and_keys():
 
 
 def test_triton_tuner_backward_entries_round_trip(tmp_path, monkeypatch):
-    """``tune_triton_gemm.backward_entry``: the fastest correct candidate (``inf``: wrong or failed, never chosen), a TMA
-    dgrad winner with the fastest pointer config beside it, a Gluon wgrad winner with the fastest Triton config; the
+    """``tune_triton_gemm.backward_entry``: the fastest correct candidate (``inf``: wrong or failed, never chosen), a
+    TMA dgrad winner with the fastest pointer config beside it, a Gluon wgrad winner with the fastest Triton config; the
     lookups read the entries back as written."""
     from benchmarks import tune_triton_gemm as tt
 
