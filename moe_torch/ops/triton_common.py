@@ -103,6 +103,38 @@ def tma_dgrad_enabled() -> bool:
     return env_switch(TMA_DGRAD_ENV, False, "the dgrad's pointer loads", "the dgrad's TMA variant where it serves")
 
 
+#: Environment switch, read at each launch of a torch grouped GEMM with 16-bit ``x`` and ``w`` and no explicit config
+#: (:func:`gluon_bf16_enabled`): 1/true/on/yes runs it, where it can (``moe_torch/ops/grouped_gemm/triton.py:
+#: gluon_bf16_eligible``: sm_90, bf16 / fp16 in and out, no scales, no bias, contiguous, ``K % 8 == 0``, at least
+#: ``GLUON_MIN_ROWS`` rows and ``GLUON_MIN_ROWS_PER_EXPERT`` a local expert), on the warp-specialized Gluon kernel
+#: (``moe_torch/ops/grouped_gemm/gluon_bf16.py: grouped_gemm_gluon_bf16``); unset, empty or 0/false/off/no (the
+#: default) keeps the Triton kernel. Off by default: written in session 16 without a GPU
+#: (``benchmarks/results/2026-12-03_h200_session16/gluon_bf16_call.sh`` runs its GPU tests and times it).
+GLUON_BF16_ENV = "EPMOE_TRITON_GLUON_BF16"
+
+
+def gluon_bf16_enabled() -> bool:
+    """:data:`GLUON_BF16_ENV` read now: 1/true/on/yes -> True; unset, empty or 0/false/off/no -> False (the default;
+    any case, spaces ignored). Raises ValueError for any other value, naming the variable."""
+    return env_switch(GLUON_BF16_ENV, False, "the Triton kernel for 16-bit inputs",
+                      "the Gluon kernel for 16-bit inputs where it serves")
+
+
+#: Environment switch, read at each launch of a torch ``grouped_gemm_dgrad`` on the Triton backend without an explicit
+#: config (:func:`gluon_dgrad_enabled`): 1/true/on/yes runs 16-bit ``d_y`` and ``w`` (out dtype the same) where it
+#: can (``moe_torch/ops/grouped_gemm/triton_backward.py: gluon_dgrad_eligible``: sm_90, no ``w_scale``, ``N % 64 ==
+#: 0``, ``K % 8 == 0``, contiguous, enough rows as :data:`GLUON_BF16_ENV`) on the Gluon kernel of ``gluon_bf16.py``
+#: (``grouped_gemm_gluon_dgrad``: ``w [E, N, K]`` read as MN-major ``wgmma`` operands); unset, empty or
+#: 0/false/off/no (the default) keeps the Triton dgrad. Off by default for the same reason.
+GLUON_DGRAD_ENV = "EPMOE_TRITON_GLUON_DGRAD"
+
+
+def gluon_dgrad_enabled() -> bool:
+    """:data:`GLUON_DGRAD_ENV` read now: 1/true/on/yes -> True; unset, empty or 0/false/off/no -> False (the default;
+    any case, spaces ignored). Raises ValueError for any other value, naming the variable."""
+    return env_switch(GLUON_DGRAD_ENV, False, "the Triton dgrad kernel", "the Gluon dgrad kernel where it serves")
+
+
 #: CUDA's limit on grid axis 1 (axis 0 goes to 2**31 - 1 and carries the rows).
 MAX_GRID_AXIS_1 = 65535
 

@@ -160,7 +160,7 @@ from moe_torch.ops.grouped_gemm.config import W_SCALE_BLOCK, GroupedGemmConfig, 
 from moe_torch.ops.quant.reference import FP8_DTYPE
 from moe_torch.ops import triton_interpret
 from moe_torch.ops.triton_common import (MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device,
-                                         gluon_fp8_block_enabled, gluon_fp8_rowwise_enabled)
+                                         gluon_bf16_enabled, gluon_fp8_block_enabled, gluon_fp8_rowwise_enabled)
 
 #: ``x_scale`` layout -> the kernel's ``X_SCALE`` constexpr.
 X_SCALE_CODES = {None: 0, "per_tensor": 1, "per_token": 2, "per_token_group": 3}
@@ -788,7 +788,9 @@ def grouped_gemm_triton(
     rows, its own zeroing of the unowned rows); ``EPMOE_TRITON_GLUON_FP8_BLOCK=0`` keeps this module's kernel. Likewise
     FP8 per-token x per-channel requests that :func:`gluon_fp8_rowwise_eligible` accepts run ``gluon.py:
     grouped_gemm_gluon_fp8_rowwise`` (promotion every :data:`GLUON_ROWWISE_PROMOTE` K blocks);
-    ``EPMOE_TRITON_GLUON_FP8_ROWWISE=0`` keeps this module's kernel.
+    ``EPMOE_TRITON_GLUON_FP8_ROWWISE=0`` keeps this module's kernel. With ``EPMOE_TRITON_GLUON_BF16=1`` (off by
+    default: not run on a GPU yet), 16-bit requests that :func:`gluon_bf16_eligible` accepts run ``gluon_bf16.py:
+    grouped_gemm_gluon_bf16`` with its ``DISPATCH_OPTIONS``.
 
     ``y`` is allocated here (``torch.empty``): the kernel writes the owned rows, then :func:`zero_unowned_rows`
     zeroes the rows no expert owns (outside ``[offsets[0], offsets[-1])``), no memset of the whole result. The
@@ -814,6 +816,10 @@ def grouped_gemm_triton(
         return grouped_gemm_gluon_fp8_rowwise(x, w, expert_offsets, x_scale, w_scale, out_dtype,
                                               num_stages=GLUON_ROWWISE_STAGES, block_n=GLUON_ROWWISE_BLOCK_N,
                                               promote=GLUON_ROWWISE_PROMOTE)
+    if config is None and gluon_bf16_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias):
+        from moe_torch.ops.grouped_gemm.gluon_bf16 import DISPATCH_OPTIONS, grouped_gemm_gluon_bf16
+
+        return grouped_gemm_gluon_bf16(x, w, expert_offsets, **DISPATCH_OPTIONS)
     out = torch.empty((x.shape[0], w.shape[1]), dtype=out_dtype, device=x.device)
     out = _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config, w_format, bias)
     return zero_unowned_rows(out, expert_offsets)
@@ -893,6 +899,21 @@ def gluon_fp8_rowwise_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype
         return False  # per token x per channel only (checked first: cheap)
     return gluon_fp8_rowwise_enabled() and _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype,
                                                            w_format, bias)
+
+
+def gluon_bf16_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> bool:
+    """Whether :func:`grouped_gemm_triton` (no explicit config) runs this request on the 16-bit Gluon kernel
+    (``gluon_bf16.py: grouped_gemm_gluon_bf16``): :data:`triton_common.GLUON_BF16_ENV` on (off by default), then
+    ``gluon_bf16.py: forward_eligible`` (bf16 / fp16 ``x``, ``w`` and out of one dtype, no scales, no bias, no 4-bit
+    weights, sm_90, contiguous, ``K % 8 == 0``, ``M_cap >=`` :data:`GLUON_MIN_ROWS` and ``>=
+    GLUON_MIN_ROWS_PER_EXPERT * E``). Host-side only (no sync)."""
+    if not gluon_bf16_enabled() or not x.is_cuda or x_scale is not None or w_scale is not None:
+        return False
+    try:
+        from moe_torch.ops.grouped_gemm.gluon_bf16 import forward_eligible
+    except ImportError:  # triton without gluon
+        return False
+    return forward_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias)
 
 
 _E8M0_TABLES: dict[torch.device, torch.Tensor] = {}

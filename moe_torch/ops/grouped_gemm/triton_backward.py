@@ -121,7 +121,7 @@ from moe_torch.ops.grouped_gemm.triton import (
 )
 from moe_torch.ops.quant.reference import FP8_DTYPE
 from moe_torch.ops.triton_common import (MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device,
-                                         tma_dgrad_enabled)
+                                         gluon_dgrad_enabled, tma_dgrad_enabled)
 
 #: Default configs looked up once per problem (host path of every backward step): the tuned entry of the device
 #: (``tuned/<device name>.json``, ``"op": "dgrad"`` / ``"wgrad"``) where one fits, else the heuristic.
@@ -348,7 +348,10 @@ def grouped_gemm_dgrad_triton(
     ``block_k`` over N (default :func:`~moe_torch.ops.grouped_gemm.config.grouped_gemm_dgrad_config`: this GPU's tuned
     ``"op": "dgrad"`` entry, ``benchmarks/tune_triton_gemm.py --ops dgrad``, where one fits (a TMA one only with
     ``EPMOE_TRITON_TMA_DGRAD=1``); else the heuristic, on sm_90 through the TMA variant for 16-bit ``d_y`` and ``w`` at
-    ``M_cap >= 4096`` with ``EPMOE_TRITON_TMA_DGRAD=1``). An explicit ``config`` wins.
+    ``M_cap >= 4096`` with ``EPMOE_TRITON_TMA_DGRAD=1``). An explicit ``config`` wins. Without one,
+    ``EPMOE_TRITON_GLUON_DGRAD=1`` (off by default: not run on a GPU yet) sends what :func:`gluon_dgrad_eligible`
+    accepts to ``gluon_bf16.py: grouped_gemm_gluon_dgrad`` (its own zeroing of the unowned rows) with its
+    ``DGRAD_DISPATCH_OPTIONS``.
 
     ``d_x`` is allocated here (``torch.empty``); the rows no expert owns (outside ``[offsets[0], offsets[-1])``)
     are zeroed after the kernel (:func:`~moe_torch.ops.grouped_gemm.triton.zero_unowned_rows`). No host sync.
@@ -358,9 +361,27 @@ def grouped_gemm_dgrad_triton(
       ``N % block_k != 0`` and what TMA cannot address, module docstring "TMA variant"), ValueError (a ``config``
       breaking the rules).
     """
+    if config is None and gluon_dgrad_eligible(d_y, w, expert_offsets, w_scale, out_dtype):
+        from moe_torch.ops.grouped_gemm.gluon_bf16 import DGRAD_DISPATCH_OPTIONS, grouped_gemm_gluon_dgrad
+
+        return grouped_gemm_gluon_dgrad(d_y, w, expert_offsets, **DGRAD_DISPATCH_OPTIONS)
     out = torch.empty((d_y.shape[0], w.shape[2]), dtype=out_dtype, device=d_y.device)
     out = _launch_dgrad("grouped_gemm_dgrad", d_y, w, expert_offsets, w_scale, out, config)
     return zero_unowned_rows(out, expert_offsets)
+
+
+def gluon_dgrad_eligible(d_y, w, expert_offsets, w_scale, out_dtype) -> bool:
+    """Whether :func:`grouped_gemm_dgrad_triton` (no explicit config) runs this request on the 16-bit Gluon kernel
+    (``gluon_bf16.py: grouped_gemm_gluon_dgrad``): :data:`triton_common.GLUON_DGRAD_ENV` on (off by default), then
+    ``gluon_bf16.py: dgrad_eligible`` (bf16 / fp16 ``d_y``, ``w`` and out of one dtype, no ``w_scale``, sm_90,
+    contiguous, ``N % 64 == 0``, ``K % 8 == 0``, ``M_cap >= 4096`` and ``>= 32 * E``). Host-side only (no sync)."""
+    if not gluon_dgrad_enabled() or not d_y.is_cuda or w_scale is not None:
+        return False
+    try:
+        from moe_torch.ops.grouped_gemm.gluon_bf16 import dgrad_eligible
+    except ImportError:  # triton without gluon
+        return False
+    return dgrad_eligible(d_y, w, expert_offsets, w_scale, out_dtype)
 
 
 def _launch_dgrad(op, d_y, w, expert_offsets, w_scale, out, config):
