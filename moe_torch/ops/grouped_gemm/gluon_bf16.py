@@ -56,8 +56,12 @@ Design (``gluon.py``'s rowwise FP8 kernel with ``G = 0``, for 16-bit operands; i
 
 Shared memory a stage: 16 KiB of activation + ``BN * 128`` bytes of ``w`` (32 KiB at ``BN = 128``, 48 KiB at 256);
 the TMA epilogue's two buffers take ``BN * 256`` bytes; Hopper allows 227 KiB a block: rings of at most 7 / 6 stages
-(pointer / tma) at ``BN = 128``, 4 / 3 at 256 (:data:`MAX_STAGES`). Compile facts (triton 3.6.0, ``ptxas -v``):
-``tests/test_gluon_bf16.py`` (the CPU test prints them).
+(pointer / tma) at ``BN = 128``, 4 / 3 at 256 (:data:`MAX_STAGES`). Compile facts (triton 3.6.0, ``ptxas -v``;
+``tests/test_gluon_bf16.py`` prints them), the same for both layouts and for fp16: 168 registers (``MAXNREG``;
+setmaxnreg 232 / 232 / 40 as ``gluon.py``), no C7514; spills 0 bytes at E = 32, 16 at E = 256 (the producer's
+256-lane expert table); shared memory 229632 / 229640 bytes (BN 128: 7 stages pointer / 6 stages TMA), 196808 /
+213216 (BN 256: 4 / 3). A ``[64, 256]`` box with 128-byte swizzle is split by triton into four ``[64, 64]`` TMA
+messages (its ``block_size`` metadata), one per producer warp.
 
 Not measured on a GPU yet: the dispatch takes it only with ``EPMOE_TRITON_GLUON_BF16=1`` (forward) /
 ``EPMOE_TRITON_GLUON_DGRAD=1`` (dgrad), both off by default (``triton_common.py``); the timings come from
