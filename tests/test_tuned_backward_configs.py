@@ -107,7 +107,10 @@ def test_jax_backward_lookups_take_their_own_entries(tmp_path, monkeypatch):
     assert dgrad(16384) == dgrad(8192) == MosaicGroupedGemmConfig(**SPLIT)  # nearest M_cap; >= 256 rows an expert
     few = dgrad(4096)  # 128 rows an expert: the split_m entry split by columns instead, as the forward's
     assert few == MosaicGroupedGemmConfig(**dict(SPLIT, split_m=False))
-    assert wgrad(16384) == wgrad(2048) == MosaicGroupedGemmConfig(**ONE_WG)
+    assert wgrad(16384) == wgrad(4096) == MosaicGroupedGemmConfig(**ONE_WG)
+    # more than BACKWARD_TUNED_MAX_RATIO (4) away from every entry's M_cap: the heuristics (small problems)
+    assert wgrad(2048) == heuristic_mosaic_wgrad_config(2048, N, K, 32, 2, 2)
+    assert dgrad(2048) == heur_dgrad(2048)
     assert dgrad(16384, out_itemsize=4) == heuristic_mosaic_grouped_gemm_config(16384, K, N, 32, 2, out_itemsize=4)
     f32_out = mosaic_wgrad_config(16384, N, K, 32, 2, 4, device_kind=KIND)  # no float32-out entry
     assert f32_out == heuristic_mosaic_wgrad_config(16384, N, K, 32, 2, 4)
@@ -185,7 +188,9 @@ def test_torch_dgrad_lookup_honours_the_tma_switch(tmp_path, monkeypatch):
     assert look(16384, n=4096, k=7168, tma=False) == heur(16384, 4096, 7168) and not heur(16384, 4096, 7168).tma
     assert look(16384, n=4096, k=7168) == GroupedGemmConfig(**WIDE, tma=True)
     assert look(16384, n=4096, k=2048) == dataclasses.replace(heur(16384, 4096, 2048), tma=True)  # the heuristic's TMA
-    assert look(256, n=2048, k=4096) == GroupedGemmConfig(**POINTER)  # the nearest (only) M_cap
+    assert look(512, n=2048, k=4096) == GroupedGemmConfig(**POINTER)  # the nearest (only) M_cap, 4x away
+    # more than BACKWARD_TUNED_MAX_RATIO away: the heuristic (a 256-row step keeps its small tiles)
+    assert look(256, n=2048, k=4096) == heur(256, 2048, 4096)
     assert look(16384, w_fp8=True) == heur(16384)  # FP8 weights: another kernel path, never the tuned entry
     assert look(16384, out_bits=32, tma=False) == heur(16384)  # tuned for bf16 d_x only
     assert grouped_gemm_dgrad_config(16384, N, K, 32, 16, sm90=True, tma=False) == heur(16384)  # no device name
@@ -238,7 +243,7 @@ def test_torch_wgrad_lookup_and_the_dispatch_kernel(tmp_path, monkeypatch):
         return grouped_gemm_wgrad_config(M, n, k, 32, 16, out_bits=out_bits, device_name=KIND)
 
     heur = lambda n, k, M=16384: heuristic_grouped_gemm_wgrad_config(M, n, k, 32, 16)  # noqa: E731
-    assert look(7168, 2048) == look(4096, 7168) == look(4096, 7168, M=2048) == GroupedGemmWgradConfig(**T_WGRAD)
+    assert look(7168, 2048) == look(4096, 7168) == look(4096, 7168, M=4096) == GroupedGemmWgradConfig(**T_WGRAD)
     assert look(2048, 4096) == heur(2048, 4096)  # a Gluon winner without a Triton config
     assert look(4096, 2048) == heur(4096, 2048)  # breaks the rules
     assert look(7168, 2048, out_bits=32) == heur(7168, 2048)

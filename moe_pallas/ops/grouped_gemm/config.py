@@ -525,14 +525,15 @@ def out_dtype_key(out_itemsize: int) -> str | None:
 
 def nearest_tuned(device_kind: str | None, backend: str, M_cap: int, N: int, K: int, itemsize: int,
                   fast_accum: bool | None = None, dtypes: tuple[str, ...] | None = None, *, op: str = "fwd",
-                  out_dtype: str | None = None) -> dict | None:
+                  out_dtype: str | None = None, max_ratio: float | None = None) -> dict | None:
     """The ``"config"`` dict of the tuned launch config of ``backend`` and ``op`` (:data:`TUNED_OPS`; an entry
     without ``"op"`` is a forward one) for the same ``N``, ``K`` (the forward's names, ``w [E, N, K]``, for every
     op), dtype (and, when not ``None``, ``fast_accum`` and the ``"out_dtype"``, :func:`out_dtype_key`) with the
     nearest ``M_cap`` in log2 (ties: the earlier key of ``dtypes``, then the first stored); ``None`` if
     ``device_kind`` is ``None`` or nothing matches. Entries with a ``"kind"`` (backend choices) are not launch
     configs and are skipped. ``dtypes``: the entries' keys (default from ``itemsize``: ``("bf16",)`` /
-    ``("fp8",)``; ``"fp8_block"``: FP8 tuned with 128 x 128 weight blocks)."""
+    ``("fp8",)``; ``"fp8_block"``: FP8 tuned with 128 x 128 weight blocks). ``max_ratio``: entries whose ``M_cap``
+    is more than this factor away from ``M_cap`` are not taken (the backward's lookups: :data:`BACKWARD_TUNED_MAX_RATIO`)."""
     dtypes = dtypes or (_dtype_key(itemsize),)
     if device_kind is None or None in dtypes:
         return None
@@ -541,7 +542,9 @@ def nearest_tuned(device_kind: str | None, backend: str, M_cap: int, N: int, K: 
                and t.get("op", "fwd") == op
                and (t.get("backend"), t["N"], t["K"]) == (backend, N, K) and t["dtype"] in dtypes
                and (fast_accum is None or bool(t.get("fast_accum")) == fast_accum)
-               and (out_dtype is None or t.get("out_dtype") == out_dtype)]
+               and (out_dtype is None or t.get("out_dtype") == out_dtype)
+               and (max_ratio is None
+                    or abs(math.log2(max(M_cap, 1)) - math.log2(max(t["M_cap"], 1))) <= math.log2(max_ratio))]
     if not matches:
         return None
     log_m = math.log2(max(M_cap, 1))
@@ -777,6 +780,11 @@ def _backward_entry(tuned: dict | None) -> MosaicGroupedGemmConfig | None:
         return None
 
 
+#: The backward's tuned entries serve ``M_cap`` within this factor of theirs (tuned at M=16384 / 2048: a wide
+#: warp-specialized tile tuned for 16384 rows is not taken for a 256-row step; the heuristics know small problems).
+BACKWARD_TUNED_MAX_RATIO = 4
+
+
 def mosaic_dgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *, out_itemsize: int = 2,
                         device_kind: str | None = None) -> MosaicGroupedGemmConfig:
     """The Mosaic GPU dgrad's default config for ``d_y [M_cap, N]`` x ``w [E, N, K]`` -> ``d_x [M_cap, K]`` (the
@@ -784,13 +792,13 @@ def mosaic_dgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *, ou
 
     Lookup order: (1) the tuned entry of ``device_kind`` with ``"op": "dgrad"`` (written by
     ``benchmarks/tune_jax_gemm.py --ops dgrad``), backend ``pallas_mosaic_gpu``, the same ``N``, ``K``, dtype and
-    ``out_dtype`` and the nearest ``M_cap`` in log2 (:func:`nearest_tuned`; a ``split_m`` entry is split by columns
+    ``out_dtype`` and the nearest ``M_cap`` in log2 within a factor :data:`BACKWARD_TUNED_MAX_RATIO` (:func:`nearest_tuned`; a ``split_m`` entry is split by columns
     below :data:`SPLIT_M_MIN_ROWS` rows per expert, as the forward's), if it keeps the kernel's rules
     (:func:`mosaic_config_problem` of the swapped problem); (2) else :func:`heuristic_mosaic_grouped_gemm_config` of
     the swapped problem (``N`` and ``K`` exchanged). ``device_kind=None`` (the CPU): the heuristic. An explicit
     ``config=`` of the kernel bypasses this lookup."""
     tuned = nearest_tuned(device_kind, MOSAIC_BACKEND, M_cap, N, K, itemsize, op="dgrad",
-                          out_dtype=out_dtype_key(out_itemsize))
+                          out_dtype=out_dtype_key(out_itemsize), max_ratio=BACKWARD_TUNED_MAX_RATIO)
     cfg = _backward_entry(tuned)
     if cfg is not None:
         cfg = _split_m_for_rows(cfg, M_cap, E, itemsize, out_itemsize)
@@ -806,11 +814,11 @@ def mosaic_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, out_i
 
     Lookup order: (1) the tuned entry of ``device_kind`` with ``"op": "wgrad"`` (written by
     ``benchmarks/tune_jax_gemm.py --ops wgrad``), backend ``pallas_mosaic_gpu``, the same ``N``, ``K``, dtype and
-    ``out_dtype`` and the nearest ``M_cap`` in log2 (:func:`nearest_tuned`), if it keeps the kernel's rules
-    (:func:`mosaic_wgrad_config_problem`); (2) else :func:`heuristic_mosaic_wgrad_config`. ``device_kind=None``
+    ``out_dtype`` and the nearest ``M_cap`` in log2 within a factor :data:`BACKWARD_TUNED_MAX_RATIO`
+    (:func:`nearest_tuned`), if it keeps the kernel's rules (:func:`mosaic_wgrad_config_problem`); (2) else :func:`heuristic_mosaic_wgrad_config`. ``device_kind=None``
     (the CPU): the heuristic. An explicit ``config=`` of the kernel bypasses this lookup."""
     tuned = nearest_tuned(device_kind, MOSAIC_BACKEND, M_cap, N, K, itemsize, op="wgrad",
-                          out_dtype=out_dtype_key(out_itemsize))
+                          out_dtype=out_dtype_key(out_itemsize), max_ratio=BACKWARD_TUNED_MAX_RATIO)
     cfg = _backward_entry(tuned)
     if cfg is not None:
         if mosaic_wgrad_config_problem(cfg, N, K, itemsize, out_itemsize) is None:

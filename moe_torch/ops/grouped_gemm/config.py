@@ -292,23 +292,30 @@ WGRAD_KERNELS = ("gluon", "triton")
 _BWD_DTYPE_KEYS = {16: "bf16", 32: "f32"}
 
 
+#: The backward's tuned entries serve ``M_cap`` within this factor of theirs (tuned at M=16384 / 2048: the heuristics
+#: keep the small problems, e.g. a 256-row step).
+BACKWARD_TUNED_MAX_RATIO = 4
+
+
 def nearest_backward_entry(op: str, device_name: str | None, M_cap: int, N: int, K: int, bits: int,
                            out_bits: int | None = None) -> dict | None:
     """The tuned entry of ``device_name`` with ``"op": op`` (``"dgrad"`` or ``"wgrad"``, written by
     ``benchmarks/tune_triton_gemm.py --ops``) for the same ``N``, ``K`` (the forward's names: ``w [E, N, K]``), input
     dtype (``bits``: ``"bf16"`` for 16-bit; no float32 entries are tuned) and, unless ``out_bits`` is ``None``,
-    ``"out_dtype"``, with the nearest ``M_cap`` in log2 (ties: the first stored), as the forward's
+    ``"out_dtype"``, with the nearest ``M_cap`` in log2 within a factor :data:`BACKWARD_TUNED_MAX_RATIO` (ties: the
+    first stored), as the forward's
     :func:`grouped_gemm_config`; ``None`` without a device name or a match. The whole entry (its ``"config"`` and, for
     the dgrad, ``"pointer_config"``; for the wgrad ``"kernel"`` and ``"triton_config"``)."""
     dtype = _BWD_DTYPE_KEYS.get(bits)
     if not device_name or dtype is None:
         return None
     out = None if out_bits is None else _BWD_DTYPE_KEYS.get(out_bits, "")
+    log_m = math.log2(max(M_cap, 1))
     matches = [t for t in tuned_entries(device_name) if t.get("op", "fwd") == op and (t["N"], t["K"]) == (N, K)
-               and t["dtype"] == dtype and (out is None or t.get("out_dtype") == out)]
+               and t["dtype"] == dtype and (out is None or t.get("out_dtype") == out)
+               and abs(log_m - math.log2(max(t["M_cap"], 1))) <= math.log2(BACKWARD_TUNED_MAX_RATIO)]
     if not matches:
         return None
-    log_m = math.log2(max(M_cap, 1))
     return min(matches, key=lambda t: abs(log_m - math.log2(max(t["M_cap"], 1))))
 
 
