@@ -17,7 +17,7 @@ SWITCHES = [
     (triton_common.GLUON_FP8_BLOCK_ENV, triton_common.gluon_fp8_block_enabled, True),
     (triton_common.GLUON_FP8_ROWWISE_ENV, triton_common.gluon_fp8_rowwise_enabled, True),
     (triton_common.GLUON_WGRAD_ENV, triton_common.gluon_wgrad_enabled, True),
-    (triton_common.TMA_DGRAD_ENV, triton_common.tma_dgrad_enabled, False),
+    (triton_common.TMA_DGRAD_ENV, triton_common.tma_dgrad_enabled, True),
     (triton_common.GLUON_BF16_ENV, triton_common.gluon_bf16_enabled, False),
     (triton_common.GLUON_DGRAD_ENV, triton_common.gluon_dgrad_enabled, False),
 ]

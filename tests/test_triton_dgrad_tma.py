@@ -6,8 +6,8 @@ pointer kernel, its refusals (each naming the field), its default (``config.py: 
 
 On the CPU the kernel runs in Triton's interpreter, which turns the host-side tensor descriptors into masked loads
 (zero outside the bounds, as TMA); on the GPU machine (``EPMOE_TEST_DEVICE=gpu``) the same tests run compiled, plus
-the default with ``EPMOE_TRITON_TMA_DGRAD=1`` at a size where it picks the TMA variant (not run on a GPU yet:
-``benchmarks/results/2026-12-02_h200_session15/dgrad_tma_call.sh``). Unused capacity rows of ``d_y`` are NaN: the variant loads and
+the default (``EPMOE_TRITON_TMA_DGRAD`` unset or 1; on by default since session 16, after these tests passed on the
+H200: ``benchmarks/results/2026-12-03_h200_session16/call1``) at a size where it picks the TMA variant. Unused capacity rows of ``d_y`` are NaN: the variant loads and
 computes whole row tiles, so a NaN that reached ``d_x`` would show a row stored that must not be.
 """
 
@@ -213,7 +213,7 @@ def test_default_config():
 
 
 def test_default_reads_the_switch_at_each_launch(monkeypatch):
-    """_launch_dgrad (no config) asks grouped_gemm_dgrad_config with EPMOE_TRITON_TMA_DGRAD read now (unset: off),
+    """_launch_dgrad (no config) asks grouped_gemm_dgrad_config with EPMOE_TRITON_TMA_DGRAD read now (unset: on),
     whether the device is sm_90, FP8-ness of w, the device name (its tuned entries; none on the CPU) and d_x's width;
     a caller's config is used as it is."""
     calls = []
@@ -227,7 +227,7 @@ def test_default_reads_the_switch_at_each_launch(monkeypatch):
     ref = grouped_gemm_dgrad_triton(d_y, w, offsets, None, torch.float32, dataclasses.replace(TMA, tma=False))
     sm90 = TORCH_DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
     name = torch.cuda.get_device_name() if TORCH_DEVICE == "cuda" else None
-    for raw, want in ((None, False), ("0", False), ("on", True), ("off", False)):
+    for raw, want in ((None, True), ("0", False), ("on", True), ("off", False)):
         if raw is None:
             monkeypatch.delenv(TMA_DGRAD_ENV, raising=False)
         else:
@@ -246,7 +246,7 @@ def test_default_reads_the_switch_at_each_launch(monkeypatch):
                                                   "interpreter")
 @pytest.mark.parametrize("shape", ["gate_up-like", "down-like"])
 def test_gpu_switch_on_is_tma_and_matches_pointer(monkeypatch, shape):
-    """Compiled, at a size where the default takes the TMA variant on sm_90 with ``EPMOE_TRITON_TMA_DGRAD=1`` (ragged
+    """Compiled, at a size where the default (``EPMOE_TRITON_TMA_DGRAD`` unset) takes the TMA variant on sm_90 (ragged
     experts, one empty, NaN capacity rows, M_cap not a multiple of 128): that default (TMA where sm_90) equals the pointer kernel's result within
     F32_REL_FRO and float64 within BF16_REL_FRO; the wide config under warp_specialize and persistent group 4 too."""
     N, K = {"gate_up-like": (512, 896), "down-like": (896, 256)}[shape]
@@ -255,7 +255,7 @@ def test_gpu_switch_on_is_tma_and_matches_pointer(monkeypatch, shape):
     dy_np, w_np, off_np = make_dgrad_problem(11, counts, m_cap, N, K)
     d_y, w, offsets = to_torch(dy_np, "bfloat16"), to_torch(w_np, "bfloat16"), to_torch(off_np)
     M = int(off_np[-1])
-    monkeypatch.setenv(TMA_DGRAD_ENV, "1")  # opt-in (off by default until measured)
+    monkeypatch.delenv(TMA_DGRAD_ENV, raising=False)  # the default: on (session 16)
     cfg = gemm_bwd._dgrad_config(m_cap, N, K, len(counts), 16, False, w_fp8=False,
                                  sm90=gemm_bwd._is_sm90(d_y.device), tma=True)
     assert cfg.tma == (torch.cuda.get_device_capability() == (9, 0))

@@ -88,19 +88,19 @@ def gluon_wgrad_enabled() -> bool:
 
 
 #: Environment switch, read at each launch of a torch ``grouped_gemm_dgrad`` on the Triton backend without an explicit
-#: config (:func:`tma_dgrad_enabled`): 1/true/on/yes runs 16-bit ``d_y`` and ``w`` on sm_90 at ``M_cap >=
-#: DGRAD_TMA_MIN_ROWS`` through the dgrad's TMA variant (``moe_torch/ops/grouped_gemm/config.py:
-#: grouped_gemm_dgrad_config``; ``triton_backward.py``, "TMA variant"); unset, empty or 0/false/off/no (the default)
-#: keeps the pointer loads (the same tiles and launch order). Off by default because it has not run on a GPU yet
-#: (session 15 ran out of device time): ``benchmarks/results/2026-12-02_h200_session15/dgrad_tma_call.sh`` runs its GPU
-#: tests and times both sides.
+#: config (:func:`tma_dgrad_enabled`): unset, empty or 1/true/on/yes (the default since session 16) runs 16-bit ``d_y``
+#: and ``w`` on sm_90 at ``M_cap >= DGRAD_TMA_MIN_ROWS`` (or a tuned TMA entry, ``tuned/NVIDIA_H200.json``) through the
+#: dgrad's TMA variant (``moe_torch/ops/grouped_gemm/config.py: grouped_gemm_dgrad_config``; ``triton_backward.py``,
+#: "TMA variant"); 0/false/off/no keeps the pointer loads (the same tiles and launch order, or the tuned entry's
+#: ``pointer_config``). H200, E=32, M=16384 (session 16, BENCHMARKS.md): gate_up 1.72 -> 1.56 ms with the heuristic's
+#: tiles, 1.36 with the tuned entry, down 0.94 -> 0.76 / 0.75 (cuBLAS 1.52 / 0.77); its GPU tests and memcheck clean.
 TMA_DGRAD_ENV = "EPMOE_TRITON_TMA_DGRAD"
 
 
 def tma_dgrad_enabled() -> bool:
-    """:data:`TMA_DGRAD_ENV` read now: 1/true/on/yes -> True; unset, empty or 0/false/off/no -> False (the default;
-    any case, spaces ignored). Raises ValueError for any other value, naming the variable."""
-    return env_switch(TMA_DGRAD_ENV, False, "the dgrad's pointer loads", "the dgrad's TMA variant where it serves")
+    """:data:`TMA_DGRAD_ENV` read now: unset, empty or 1/true/on/yes -> True (the default); 0/false/off/no -> False
+    (any case, spaces ignored). Raises ValueError for any other value, naming the variable."""
+    return env_switch(TMA_DGRAD_ENV, True, "the dgrad's pointer loads", "the dgrad's TMA variant where it serves")
 
 
 #: Environment switch, read at each launch of a torch grouped GEMM with 16-bit ``x`` and ``w`` and no explicit config

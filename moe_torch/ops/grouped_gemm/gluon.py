@@ -64,8 +64,8 @@ tensor cores run the next block):
   the consumer goes straight on to its next tile and waits for the store (``tma.store_wait(0)``) only before it
   writes the buffer again, a tile later. A share straddling its expert's last row (a box would overwrite the next
   expert's rows, written by another program) takes the pointer stores. The idea is CUTLASS's and DeepGEMM's TMA
-  store epilogue (NVIDIA/cutlass@2ceb95b ``include/cutlass/epilogue/collective/sm90_epilogue_tma_warpspecialized.hpp``) and
-  this repo's Gluon wgrad (``gluon_backward.py``), where it decided the kernel's speed; the ragged-row fallback is
+  store epilogue (NVIDIA/cutlass@2ceb95b
+  ``include/cutlass/epilogue/collective/sm90_epilogue_tma_warpspecialized.hpp``) and this repo's Gluon wgrad (``gluon_backward.py``), where it decided the kernel's speed; the ragged-row fallback is
   ours (DeepGEMM pads each expert's rows to the tile instead).
 
 Sources read (layouts and API of triton 3.6.0 confirmed in the installed package): triton-lang/triton
@@ -80,8 +80,8 @@ N = 4096) uniform 0.973 / 0.990 [1.183], Zipf 1.121 / 1.126 [1.339]; down (K = 2
 ``compute-sanitizer --tool memcheck`` over the GPU tests of ``tests/test_gluon_gemm.py``: 0 errors. The default
 dispatch (``triton.py: gluon_fp8_block_eligible``) takes the E = 32 FP8-block torch layer at T = 4096 from 4.19 to
 3.79 ms and DeepSeek-V3's from 7.25 to 6.34. Down's short K loop (16 blocks a tile) exposes the per-tile epilogue
-(pointer stores from the ``wgmma`` layout while no MMA of this CTA runs): the next thing to overlap (a shared-memory
-+ TMA store epilogue, or the two warpgroups on different tiles). Register budgets: the producer partition has 4
+(pointer stores from the ``wgmma`` layout while no MMA of this CTA runs); session 16's TMA-store epilogue (the default
+since, :data:`DEFAULT_EPILOGUE`) took the down GEMM from 0.61 to 0.49-0.50 ms. Register budgets: the producer partition has 4
 warps (one elected thread issues the TMA) so that its expert table fits 40 registers a thread (E = 256: 8 bytes of
 spill, ``ptxas -v``).
 
@@ -595,7 +595,13 @@ def _y_layout() -> gl.NVMMASharedLayout:
 #: inside its expert, :func:`_store_tile`) and ``"pointer"`` (masked stores from the ``wgmma`` registers).
 EPILOGUES = ("tma", "pointer")
 #: The launchers' default epilogue where ``N % 8 == 0`` (TMA: 16-byte row strides of ``y``); ``"pointer"`` otherwise.
-DEFAULT_EPILOGUE = "pointer"
+#: H200, E=32, M=16384 (session 16, call 1: ``benchmarks/results/2026-12-03_h200_session16/epilogue_ab.py``, two
+#: interleaved ``do_bench`` medians each, bit-identical outputs): FP8 blocks down 0.608 / 0.623 -> 0.492 / 0.503 ms
+#: (Zipf 0.671 / 0.682 -> 0.577 / 0.560), gate_up level (0.889 / 0.986 -> 0.946 / 0.937); rowwise (promote 2) gate_up
+#: 0.927 / 0.918 -> 0.800 / 0.826 (5 stages), down 0.554 / 0.592 -> 0.488 / 0.463; the torch layers at T=4096: E=32
+#: FP8 blocks 3.76 / 3.83 -> 3.35 / 3.49, FP8 per token 3.56 / 3.57 -> 3.45 / 3.29, DeepSeek-V3 FP8 blocks 5.97 / 5.97
+#: -> 5.83 / 5.87.
+DEFAULT_EPILOGUE = "tma"
 
 
 def resolve_epilogue(op: str, epilogue: str | None, N: int) -> str:

@@ -40,12 +40,11 @@ Given the forward ``y[m] = x[m] @ w[e(m)].T`` (``x [M_cap, K]``, ``w [E, N, K]``
   of ``d_y`` / ``w`` off 16 bytes, ``w.stride(0) != N * w.stride(1)``, ``M_cap`` or ``E * N`` of 2**31 or more:
   int32 coordinates). Those refusals are for a caller's config; the default (``config.py:
   grouped_gemm_dgrad_config``: the heuristic's tiles with ``tma=True`` for 16-bit ``d_y`` and ``w`` on sm_90 at
-  ``M_cap >= 4096`` with wgmma row tiles, with ``EPMOE_TRITON_TMA_DGRAD=1``: off by default) falls back to the pointer kernel with the
-  same tiles and launch order. Not run on a GPU yet (session 15's device time ran out:
-  ``benchmarks/results/2026-12-02_h200_session15/dgrad_tma_call.sh`` runs its GPU tests and the timing), hence off by
-  default; the pointer dgrad at
-  M=16384, E=32: gate_up 1.77 ms, down 0.83, ``torch._grouped_mm`` 1.48 / 0.74, the forward's TMA variant 1.48 for
-  the gate_up forward.
+  ``M_cap >= 4096`` with wgmma row tiles, unless ``EPMOE_TRITON_TMA_DGRAD=0``; on by default since session 16) falls
+  back to the pointer kernel with the same tiles and launch order. H200, E=32, M=16384 (session 16, BENCHMARKS.md;
+  ``do_bench`` medians): gate_up pointer 1.72 ms, TMA 1.53-1.56 with the heuristic's tiles, 1.36 with the tuned entry
+  (``tuned/NVIDIA_H200.json``, ``tune_triton_gemm.py --ops dgrad``); down 0.94, 0.76-0.79, 0.75; ``torch._grouped_mm``
+  1.52 / 0.77 in the same run. Its GPU tests and ``compute-sanitizer --tool memcheck`` passed there.
 
 * **wgrad** ``d_w[e] = d_y[rows(e)].T @ x[rows(e)]`` -> ``[E, N, K]``: a K-grouped GEMM (the
   contraction runs over each expert's rows, after jax's
@@ -346,9 +345,9 @@ def grouped_gemm_dgrad_triton(
     int32 -> ``d_x [M_cap, K]`` ``out_dtype``; arguments as :func:`moe_torch.ops.grouped_gemm.api.grouped_gemm_dgrad`
     (already validated there). ``config``: a :class:`GroupedGemmConfig` with ``block_n`` over K and
     ``block_k`` over N (default :func:`~moe_torch.ops.grouped_gemm.config.grouped_gemm_dgrad_config`: this GPU's tuned
-    ``"op": "dgrad"`` entry, ``benchmarks/tune_triton_gemm.py --ops dgrad``, where one fits (a TMA one only with
-    ``EPMOE_TRITON_TMA_DGRAD=1``); else the heuristic, on sm_90 through the TMA variant for 16-bit ``d_y`` and ``w`` at
-    ``M_cap >= 4096`` with ``EPMOE_TRITON_TMA_DGRAD=1``). An explicit ``config`` wins. Without one,
+    ``"op": "dgrad"`` entry, ``benchmarks/tune_triton_gemm.py --ops dgrad``, where one fits (a TMA one unless
+    ``EPMOE_TRITON_TMA_DGRAD=0``); else the heuristic, on sm_90 through the TMA variant for 16-bit ``d_y`` and ``w`` at
+    ``M_cap >= 4096`` unless ``EPMOE_TRITON_TMA_DGRAD=0``). An explicit ``config`` wins. Without one,
     ``EPMOE_TRITON_GLUON_DGRAD=1`` (off by default: not run on a GPU yet) sends what :func:`gluon_dgrad_eligible`
     accepts to ``gluon_bf16.py: grouped_gemm_gluon_dgrad`` (its own zeroing of the unowned rows) with its
     ``DGRAD_DISPATCH_OPTIONS``.
