@@ -594,3 +594,34 @@ def test_tma_epilogue_refusals():
     with pytest.raises(ValueError, match=f"{OP_RW}: num_stages must be an int in \\[2, 3\\]"):
         gluon_mod.grouped_gemm_gluon_fp8_rowwise(xq, wq, off, xs, ws, block_n=256, promote=0, num_stages=4,
                                                  epilogue="tma")
+
+
+# DeepSeek-V3 at T=4096: 256 experts of about 128 rows each, so most experts' second 128-row tile is short
+_ABOUT_128 = [int(v) for v in 128 + torch.randint(-12, 13, (256,), generator=torch.Generator().manual_seed(5))]
+
+
+@needs_sm90
+@pytest.mark.parametrize("name, spec", [
+    ("short-last-tiles", dict(sizes=[130, 0, 129, 200, 1, 64, 65, 190, 257], N=256, K=384, lead=3, tail=40)),
+    ("E256-about-128-an-expert", dict(sizes=_ABOUT_128, N=256, K=256)),
+])
+def test_skip_empty_halves_bit_identical(name, spec):
+    """The FP8-block kernel's consumers skip the ``wgmma`` of a half tile holding no row of its expert (``skip_empty``,
+    the default): bit-identical to computing them (both epilogues), within the FP8 tolerance of the reference, unowned
+    rows zero; ``skip_empty`` must be a bool."""
+    import moe_torch
+    from tolerances import FP8_REL_FRO, assert_rel_fro
+
+    xq, wq, off, xs, ws = _problem(**spec)
+    for ep in ("tma", "pointer"):
+        y = gluon_mod.grouped_gemm_gluon_fp8_block(xq, wq, off, xs, ws, num_stages=5, epilogue=ep)
+        y_all = gluon_mod.grouped_gemm_gluon_fp8_block(xq, wq, off, xs, ws, num_stages=5, epilogue=ep,
+                                                       skip_empty=False)
+        assert torch.equal(y, y_all), (name, ep)
+    ref = moe_torch.grouped_gemm(xq, wq, off, x_scale=xs, w_scale=ws, out_dtype=torch.bfloat16,
+                                 implementation="reference")
+    lo, hi = int(off[0]), int(off[-1])
+    assert_rel_fro(y[lo:hi].float(), ref[lo:hi].float(), FP8_REL_FRO, name)
+    assert not y[:lo].any() and not y[hi:].any()
+    with pytest.raises(TypeError, match=f"{OP}: skip_empty must be a bool"):
+        gluon_mod.grouped_gemm_gluon_fp8_block(xq, wq, off, xs, ws, skip_empty=1)

@@ -266,9 +266,24 @@ def _store_tile(out, rows, cols, n0, m0, s_e, t_e, y_ptr, y_desc, c_buf, M_cap, 
 
 
 @gluon.jit
+def _release_stages(ready, empty, it, n, NUM_STAGES: gl.constexpr):
+    """A consumer with nothing to compute on a tile: the tile's ``n`` stages, each after its ``ready`` wait (an arrival
+    before the stage is filled would count toward its previous use and free it under the other consumer's MMAs),
+    released on ``empty``. Returns the stage counter ``it + n``."""
+    for _ in range(n):
+        mbarrier.wait(ready.index(it % NUM_STAGES), (it // NUM_STAGES) & 1)
+        mbarrier.arrive(empty.index(it % NUM_STAGES))
+        it += 1
+    return it
+
+
+@gluon.jit
 def _consumer(y_ptr, y_desc, c_buf, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K,
-              BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, TMA_OUT: gl.constexpr):
-    """One consumer warpgroup (4 warps): rows ``[m0 + WG * 64, m0 + WG * 64 + 64)`` of every tile."""
+              BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, TMA_OUT: gl.constexpr,
+              SKIP_EMPTY: gl.constexpr = True):
+    """One consumer warpgroup (4 warps): rows ``[m0 + WG * 64, m0 + WG * 64 + 64)`` of every tile. ``SKIP_EMPTY``: a
+    half with no row of the tile's expert (rows from ``t_e`` on: the short last tile of an expert, e.g. 2 rows of
+    130) runs no ``wgmma`` (:func:`_release_stages`); the other consumer's then have the tensor cores alone."""
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -286,44 +301,49 @@ def _consumer(y_ptr, y_desc, c_buf, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, rea
     for tile in range(pid, total * n_cols, nprog):
         e, m0, s_e, t_e, pid_n = _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E, vec)
         rows = m0 + WG * HALF_M + r
-        xs_rows = xs_ptr + rows.to(gl.int64) * KB
-        xs_mask = rows < M_cap
-        ws_base = ws_ptr + (e * NB + pid_n).to(gl.int64) * KB
-        acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=mma)
-        for kk in range(KB // 2):
-            kb = 2 * kk
-            # the step's scales first: their latency hides behind the ready waits and the MMAs
-            sc0 = gl.load(xs_rows + kb, mask=xs_mask, other=0.0) * gl.load(ws_base + kb)
-            sc1 = gl.load(xs_rows + kb + 1, mask=xs_mask, other=0.0) * gl.load(ws_base + kb + 1)
-            st0 = it % NUM_STAGES
-            mbarrier.wait(ready.index(st0), (it // NUM_STAGES) & 1)
-            t0 = hopper.warpgroup_mma(a_bufs.index(2 * st0 + WG), b_bufs.index(st0).permute((1, 0)), zero,
-                                      use_acc=False, is_async=True)
-            st1 = (it + 1) % NUM_STAGES
-            mbarrier.wait(ready.index(st1), ((it + 1) // NUM_STAGES) & 1)
-            t1 = hopper.warpgroup_mma(a_bufs.index(2 * st1 + WG), b_bufs.index(st1).permute((1, 0)), zero,
-                                      use_acc=False, is_async=True)
-            p0 = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[t0])  # block kb done, kb + 1 still running
-            mbarrier.arrive(empty.index(st0))
-            acc = acc + p0 * sc0[:, None]
-            p1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[t1])
-            mbarrier.arrive(empty.index(st1))
-            acc = acc + p1 * sc1[:, None]
-            it += 2
-        if KB % 2 == 1:
-            kb = KB - 1
-            sc = gl.load(xs_rows + kb, mask=xs_mask, other=0.0) * gl.load(ws_base + kb)
-            st = it % NUM_STAGES
-            mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
-            tl0 = hopper.warpgroup_mma(a_bufs.index(2 * st + WG), b_bufs.index(st).permute((1, 0)), zero,
-                                       use_acc=False, is_async=True)
-            pl = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[tl0])
-            mbarrier.arrive(empty.index(st))
-            acc = acc + pl * sc[:, None]
-            it += 1
-        # epilogue: the rows of this expert in this warpgroup's half, columns < N
-        _store_tile(acc.to(gl.bfloat16), rows, pid_n * BLOCK_N + c, pid_n * BLOCK_N, m0, s_e, t_e, y_ptr, y_desc, c_buf, M_cap, N,
-                    WG, TMA_OUT)
+        if SKIP_EMPTY and m0 + WG * HALF_M >= t_e:
+            # no row of this half is the expert's (the short last tile of an expert): no MMA, no store; the
+            # stages are released in step (after their ready wait) so that the other consumer's MMAs run alone
+            it = _release_stages(ready, empty, it, KB, NUM_STAGES)
+        else:
+            xs_rows = xs_ptr + rows.to(gl.int64) * KB
+            xs_mask = rows < M_cap
+            ws_base = ws_ptr + (e * NB + pid_n).to(gl.int64) * KB
+            acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=mma)
+            for kk in range(KB // 2):
+                kb = 2 * kk
+                # the step's scales first: their latency hides behind the ready waits and the MMAs
+                sc0 = gl.load(xs_rows + kb, mask=xs_mask, other=0.0) * gl.load(ws_base + kb)
+                sc1 = gl.load(xs_rows + kb + 1, mask=xs_mask, other=0.0) * gl.load(ws_base + kb + 1)
+                st0 = it % NUM_STAGES
+                mbarrier.wait(ready.index(st0), (it // NUM_STAGES) & 1)
+                t0 = hopper.warpgroup_mma(a_bufs.index(2 * st0 + WG), b_bufs.index(st0).permute((1, 0)), zero,
+                                          use_acc=False, is_async=True)
+                st1 = (it + 1) % NUM_STAGES
+                mbarrier.wait(ready.index(st1), ((it + 1) // NUM_STAGES) & 1)
+                t1 = hopper.warpgroup_mma(a_bufs.index(2 * st1 + WG), b_bufs.index(st1).permute((1, 0)), zero,
+                                          use_acc=False, is_async=True)
+                p0 = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[t0])  # block kb done, kb + 1 still running
+                mbarrier.arrive(empty.index(st0))
+                acc = acc + p0 * sc0[:, None]
+                p1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[t1])
+                mbarrier.arrive(empty.index(st1))
+                acc = acc + p1 * sc1[:, None]
+                it += 2
+            if KB % 2 == 1:
+                kb = KB - 1
+                sc = gl.load(xs_rows + kb, mask=xs_mask, other=0.0) * gl.load(ws_base + kb)
+                st = it % NUM_STAGES
+                mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
+                tl0 = hopper.warpgroup_mma(a_bufs.index(2 * st + WG), b_bufs.index(st).permute((1, 0)), zero,
+                                           use_acc=False, is_async=True)
+                pl = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[tl0])
+                mbarrier.arrive(empty.index(st))
+                acc = acc + pl * sc[:, None]
+                it += 1
+            # epilogue: the rows of this expert in this warpgroup's half, columns < N
+            _store_tile(acc.to(gl.bfloat16), rows, pid_n * BLOCK_N + c, pid_n * BLOCK_N, m0, s_e, t_e, y_ptr, y_desc,
+                        c_buf, M_cap, N, WG, TMA_OUT)
     _zero_unowned(y_ptr, off_ptr, E, M_cap, N, BLOCK_E, BLOCK_N, WG, vec, mma)
     if TMA_OUT:
         tma.store_wait(0)
@@ -383,14 +403,15 @@ def _out_bufs(y_desc, BN: gl.constexpr, TMA_OUT: gl.constexpr):
 
 @gluon.jit
 def _grouped_gemm_fp8_block_kernel(x_desc, w_desc, y_ptr, y_desc, xs_ptr, ws_ptr, off_ptr, E, M_cap, N, K,
-                                   BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr = False):
+                                   BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr = False,
+                                   SKIP_EMPTY: gl.constexpr = True):
     a_bufs, b_bufs, ready, empty = _stage_ring(x_desc, w_desc, NUM_STAGES, BLOCK_N)
     c_bufs = _out_bufs(y_desc, BLOCK_N, TMA_OUT)
     gl.warp_specialize([
         (_consumer, (y_ptr, y_desc, c_bufs.index(0), xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap,
-                     N, K, BLOCK_E, NUM_STAGES, 0, TMA_OUT)),
+                     N, K, BLOCK_E, NUM_STAGES, 0, TMA_OUT, SKIP_EMPTY)),
         (_consumer, (y_ptr, y_desc, c_bufs.index(1), xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap,
-                     N, K, BLOCK_E, NUM_STAGES, 1, TMA_OUT)),
+                     N, K, BLOCK_E, NUM_STAGES, 1, TMA_OUT, SKIP_EMPTY)),
         (_producer, (x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E, NUM_STAGES)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -651,21 +672,25 @@ _BLOCK_MAX_STAGES = {"pointer": 6, "tma": 5}
 def grouped_gemm_gluon_fp8_block(x_q: torch.Tensor, w_q: torch.Tensor, expert_offsets: torch.Tensor,
                                  x_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype=torch.bfloat16, *,
                                  num_stages: int = 4, num_sms: int | None = None,
-                                 epilogue: str | None = None) -> torch.Tensor:
+                                 epilogue: str | None = None, skip_empty: bool = True) -> torch.Tensor:
     """``y [M_cap, N]`` bf16 of the FP8 block-scaled grouped GEMM (module docstring: shapes, refusals, design).
 
     ``num_stages``: shared-memory ring depth (32 KiB a stage; 2..6, 2..5 with the TMA epilogue). ``num_sms``:
     persistent programs (default: the device's SM count, 132 on an H200). ``epilogue``: ``"tma"`` or ``"pointer"``
     (:data:`EPILOGUES`; default :data:`DEFAULT_EPILOGUE` where ``N % 8 == 0``); ``ValueError`` for another value, for
-    ``"tma"`` with ``N % 8 != 0``, or for ``num_stages`` out of its range."""
+    ``"tma"`` with ``N % 8 != 0``, or for ``num_stages`` out of its range. ``skip_empty`` (a bool; ``TypeError``
+    otherwise): a consumer whose 64-row half of a tile holds no row of the tile's expert runs no ``wgmma`` there
+    (:func:`_consumer`; the same output: those rows are never stored); False computes them, as before session 16."""
     check_inputs(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype)
     epilogue = resolve_epilogue(OP, epilogue, w_q.shape[1])
     max_st = _BLOCK_MAX_STAGES[epilogue]
     if not isinstance(num_stages, int) or not 2 <= num_stages <= max_st:
         _fail(ValueError, "num_stages", f"an int in [2, {max_st}] (32 KiB of shared memory a stage, epilogue "
               f"{epilogue!r})", num_stages)
+    if type(skip_empty) is not bool:
+        _fail(TypeError, "skip_empty", "a bool", f"{skip_empty!r} ({type(skip_empty).__name__})")
     return _launch(_grouped_gemm_fp8_block_kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, _BN,
-                   num_stages, num_sms, epilogue)
+                   num_stages, num_sms, epilogue, SKIP_EMPTY=skip_empty)
 
 
 def _compile_sm90(kernel, block_n: int, constexprs: dict):
