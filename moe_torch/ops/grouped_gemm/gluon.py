@@ -760,7 +760,7 @@ _ROWWISE_MAX_STAGES_TMA = {128: 5, 256: 3}
 
 def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_offsets: torch.Tensor,
                                    x_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype=torch.bfloat16, *,
-                                   num_stages: int = 4, block_n: int = 128, promote: int = 2,
+                                   num_stages: int | None = None, block_n: int = 128, promote: int = 2,
                                    num_sms: int | None = None, epilogue: str | None = None) -> torch.Tensor:
     """``y [M_cap, N]`` bf16 of the per-token x per-channel FP8 grouped GEMM ("rowwise"; ``grouped_gemm(...,
     implementation="triton")`` dispatches here what ``triton.py: gluon_fp8_rowwise_eligible`` accepts: sm_90, bf16
@@ -773,7 +773,8 @@ def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_
     [E + 1]`` int32 with the row ownership, running-max and zeroing of the FP8-block kernel (module docstring). ``K``
     a multiple of 16 (not of 128: the last K box is zero-filled by TMA past ``K`` in ``x`` and ``w``, so the product
     is exact). Refusals: :func:`check_inputs_rowwise`; ``ValueError`` for ``block_n`` not 128 / 256,
-    ``num_stages`` outside ``[2, 6]`` (``[2, 4]`` at ``block_n = 256``: 48 KiB a stage), ``promote`` not an int in
+    ``num_stages`` outside ``[2, 6]`` (``[2, 4]`` at ``block_n = 256``: 48 KiB a stage; one stage less each with the
+    TMA epilogue; default 4, 3 at ``block_n = 256`` with the TMA epilogue), ``promote`` not an int in
     ``[0, 16]``, or ``promote > 0`` with ``block_n = 256`` (registers).
 
     ``promote``: K blocks (of 128) chained in the tensor cores before each float32 add (default 2, as the dispatch;
@@ -795,6 +796,8 @@ def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_
         _fail(ValueError, "block_n", "128 or 256", block_n, OP_ROWWISE)
     epilogue = resolve_epilogue(OP_ROWWISE, epilogue, w_q.shape[1])
     max_st = _ROWWISE_MAX_STAGES[block_n] if epilogue == "pointer" else _ROWWISE_MAX_STAGES_TMA[block_n]
+    if num_stages is None:
+        num_stages = min(4, max_st)  # 3 at block_n 256 with the TMA epilogue
     if not isinstance(num_stages, int) or not 2 <= num_stages <= max_st:
         _fail(ValueError, "num_stages", f"an int in [2, {max_st}] ({(16 + block_n // 8)} KiB of shared memory a "
               f"stage at block_n = {block_n}, epilogue {epilogue!r})", num_stages, OP_ROWWISE)
