@@ -108,8 +108,8 @@ def tma_dgrad_enabled() -> bool:
 #: gluon_bf16_eligible``: sm_90, bf16 / fp16 in and out, no scales, no bias, contiguous, ``K % 8 == 0``, at least
 #: ``GLUON_MIN_ROWS`` rows and ``GLUON_MIN_ROWS_PER_EXPERT`` a local expert), on the warp-specialized Gluon kernel
 #: (``moe_torch/ops/grouped_gemm/gluon_bf16.py: grouped_gemm_gluon_bf16``); unset, empty or 0/false/off/no (the
-#: default) keeps the Triton kernel. Off by default: written in session 16 without a GPU
-#: (``benchmarks/results/2026-12-03_h200_session16/gluon_bf16_call.sh`` runs its GPU tests and times it).
+#: default) keeps the Triton kernel. Off by default: on the H200 (session 16, BENCHMARKS.md) it wins the down shape's
+#: forward (0.757 vs 0.805 ms) and loses gate_up's (1.43 vs 1.29); the E=32 bf16 layer moved within the spread.
 GLUON_BF16_ENV = "EPMOE_TRITON_GLUON_BF16"
 
 
@@ -125,7 +125,8 @@ def gluon_bf16_enabled() -> bool:
 #: can (``moe_torch/ops/grouped_gemm/triton_backward.py: gluon_dgrad_eligible``: sm_90, no ``w_scale``, ``N % 64 ==
 #: 0``, ``K % 8 == 0``, contiguous, enough rows as :data:`GLUON_BF16_ENV`) on the Gluon kernel of ``gluon_bf16.py``
 #: (``grouped_gemm_gluon_dgrad``: ``w [E, N, K]`` read as MN-major ``wgmma`` operands); unset, empty or
-#: 0/false/off/no (the default) keeps the Triton dgrad. Off by default for the same reason.
+#: 0/false/off/no (the default) keeps the Triton dgrad. Off by default: level with the tuned Triton TMA dgrad on
+#: the H200 (session 16: gate_up 1.44 vs 1.36 ms, down 0.76 vs 0.75; ``gemm_bwd`` 1-3% apart).
 GLUON_DGRAD_ENV = "EPMOE_TRITON_GLUON_DGRAD"
 
 

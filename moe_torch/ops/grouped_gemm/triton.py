@@ -789,8 +789,8 @@ def grouped_gemm_triton(
     FP8 per-token x per-channel requests that :func:`gluon_fp8_rowwise_eligible` accepts run ``gluon.py:
     grouped_gemm_gluon_fp8_rowwise`` (promotion every :data:`GLUON_ROWWISE_PROMOTE` K blocks);
     ``EPMOE_TRITON_GLUON_FP8_ROWWISE=0`` keeps this module's kernel. With ``EPMOE_TRITON_GLUON_BF16=1`` (off by
-    default: not run on a GPU yet), 16-bit requests that :func:`gluon_bf16_eligible` accepts run ``gluon_bf16.py:
-    grouped_gemm_gluon_bf16`` with its ``DISPATCH_OPTIONS``.
+    default: measured level at the layer, session 16), 16-bit requests that :func:`gluon_bf16_eligible` accepts run
+    ``gluon_bf16.py: grouped_gemm_gluon_bf16`` with its ``DISPATCH_OPTIONS``.
 
     ``y`` is allocated here (``torch.empty``): the kernel writes the owned rows, then :func:`zero_unowned_rows`
     zeroes the rows no expert owns (outside ``[offsets[0], offsets[-1])``), no memset of the whole result. The

@@ -348,8 +348,8 @@ def grouped_gemm_dgrad_triton(
     ``"op": "dgrad"`` entry, ``benchmarks/tune_triton_gemm.py --ops dgrad``, where one fits (a TMA one unless
     ``EPMOE_TRITON_TMA_DGRAD=0``); else the heuristic, on sm_90 through the TMA variant for 16-bit ``d_y`` and ``w`` at
     ``M_cap >= 4096`` unless ``EPMOE_TRITON_TMA_DGRAD=0``). An explicit ``config`` wins. Without one,
-    ``EPMOE_TRITON_GLUON_DGRAD=1`` (off by default: not run on a GPU yet) sends what :func:`gluon_dgrad_eligible`
-    accepts to ``gluon_bf16.py: grouped_gemm_gluon_dgrad`` (its own zeroing of the unowned rows) with its
+    ``EPMOE_TRITON_GLUON_DGRAD=1`` (off by default: level with the tuned TMA dgrad, session 16) sends what
+    :func:`gluon_dgrad_eligible` accepts to ``gluon_bf16.py: grouped_gemm_gluon_dgrad`` (its own zeroing of the unowned rows) with its
     ``DGRAD_DISPATCH_OPTIONS``.
 
     ``d_x`` is allocated here (``torch.empty``); the rows no expert owns (outside ``[offsets[0], offsets[-1])``)
