@@ -48,6 +48,9 @@ jobs += [(f"tma-rowwise-bn128p2-5-stages-E{E}",
           lambda E=E: G.compile_sm90_rowwise(num_stages=5, E=E, promote=2, epilogue="tma")) for E in (32, 256)]
 jobs += [("tma-rowwise-bn256-3-stages-E32", lambda: G.compile_sm90_rowwise(num_stages=3, E=32, block_n=256,
                                                                              epilogue="tma"))]
+# the split-N tiles (block_m = 64: 64 x 256, both consumers on the same rows) at their deepest TMA ring
+jobs += [(f"splitn-tma-4-stages-E{E}", lambda E=E: G.compile_sm90(num_stages=4, E=E, epilogue="tma", block_m=64))
+         for E in (32, 256)]
 for key, make in jobs:
     c = make()
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -135,6 +138,23 @@ def test_tma_epilogue_compiles_for_sm90a(compiled):
         assert compiled[key]["shared"] <= 227 * 1024, (key, compiled[key]["shared"])
     for key in ("4-stages-E32", "rowwise-bn128p2-4-stages-E32"):
         assert "cp.async.bulk.tensor.2d.global.shared" not in compiled[key]["ptx"], key
+
+
+def test_split_n_compiles_for_sm90a(compiled):
+    """``block_m = 64`` (split-N tiles): the checks of :func:`test_compiles_for_sm90a` ran on it (its keys are in that
+    loop); here, its shape: three TMA loads a stage (one ``x`` box, two ``w`` boxes: 40 KiB expected on the stage's
+    mbarrier, 32 KiB at block_m 128), the n128 FP8 ``wgmma`` of each
+    consumer, TMA stores, no spill at E = 32 or 256, within 227 KiB at 4 stages."""
+    keys = [k for k in compiled if k.startswith("splitn")]
+    assert len(keys) == 2, list(compiled)
+    for key in keys:
+        c = compiled[key]
+        assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in c["ptx"], key
+        assert c["ptx"].count("cp.async.bulk.tensor.2d.shared::cluster.global") == 3, key
+        assert "expect_tx.shared.b64 _, [" in c["ptx"] and "], 40960;" in c["ptx"], key  # 8 + 2 x 16 KiB a stage
+        assert "cp.async.bulk.tensor.2d.global.shared::cta" in c["ptx"], key
+        assert " 0 bytes spill stores" in c["ptxas"], c["ptxas"]
+        assert c["shared"] <= 227 * 1024, c["shared"]
 
 
 def test_resolve_epilogue():
@@ -352,13 +372,36 @@ def test_default_dispatch_runs_gluon(monkeypatch):
     xq, wq, off, xs, ws = _problem([1100, 0, 2500, 700], 256, 512)
     assert gemm_triton.gluon_fp8_block_eligible(xq, wq, off, xs, ws, torch.bfloat16)
     y = moe_torch.grouped_gemm(xq, wq, off, x_scale=xs, w_scale=ws, out_dtype=torch.bfloat16, implementation="triton")
+    assert gemm_triton.gluon_fp8_block_options(xq.shape[0], 4) == {"block_m": 128, "num_stages": gemm_triton.GLUON_STAGES}
     assert torch.equal(y, gluon_mod.grouped_gemm_gluon_fp8_block(xq, wq, off, xs, ws, num_stages=gemm_triton.GLUON_STAGES))
+    # ~130 rows an expert (<= GLUON_SPLIT_N_MAX_ROWS_PER_EXPERT): the split-N items, bit-identical to calling them
+    xq2, wq2, off2, xs2, ws2 = _problem([130 + (i % 7) for i in range(32)], 256, 256)
+    assert gemm_triton.gluon_fp8_block_options(xq2.shape[0], 32)["block_m"] == 64
+    y2 = moe_torch.grouped_gemm(xq2, wq2, off2, x_scale=xs2, w_scale=ws2, out_dtype=torch.bfloat16,
+                                implementation="triton")
+    assert torch.equal(y2, gluon_mod.grouped_gemm_gluon_fp8_block(xq2, wq2, off2, xs2, ws2, block_m=64,
+                                                                  num_stages=gemm_triton.GLUON_SPLIT_N_STAGES))
     bias = torch.zeros(4, 256, device="cuda")
     assert not gemm_triton.gluon_fp8_block_eligible(xq, wq, off, xs, ws, torch.bfloat16, bias=bias)
     assert not gemm_triton.gluon_fp8_block_eligible(xq[:100].contiguous(), wq, off.clamp(max=100), xs[:100].contiguous(),
                                                     ws, torch.bfloat16)
     monkeypatch.setenv("EPMOE_TRITON_GLUON_FP8_BLOCK", "0")
     assert not gemm_triton.gluon_fp8_block_eligible(xq, wq, off, xs, ws, torch.bfloat16)
+
+
+def test_fp8_block_options_by_rows_per_expert():
+    """The dispatch's tile choice from host ints: split-N 64-row items (4 stages) up to
+    ``GLUON_SPLIT_N_MAX_ROWS_PER_EXPERT`` rows an expert on average, 128-row items (``GLUON_STAGES``) above; the
+    stage counts are within the launcher's limits for the TMA epilogue."""
+    import moe_torch.ops.grouped_gemm.triton as gemm_triton
+
+    cap = gemm_triton.GLUON_SPLIT_N_MAX_ROWS_PER_EXPERT
+    assert gemm_triton.gluon_fp8_block_options(32768, 256) == {"block_m": 64, "num_stages": gemm_triton.GLUON_SPLIT_N_STAGES}
+    assert gemm_triton.gluon_fp8_block_options(cap * 32, 32)["block_m"] == 64
+    assert gemm_triton.gluon_fp8_block_options(cap * 32 + 1, 32) == {"block_m": 128, "num_stages": gemm_triton.GLUON_STAGES}
+    assert gemm_triton.gluon_fp8_block_options(16384, 32)["block_m"] == 128
+    assert gemm_triton.GLUON_SPLIT_N_STAGES <= gluon_mod._BLOCK_MAX_STAGES[64]["tma"]
+    assert gemm_triton.GLUON_STAGES <= gluon_mod._BLOCK_MAX_STAGES[128]["tma"]
 
 
 def test_not_eligible_off_sm90():
@@ -625,3 +668,52 @@ def test_skip_empty_halves_bit_identical(name, spec):
     assert not y[:lo].any() and not y[hi:].any()
     with pytest.raises(TypeError, match=f"{OP}: skip_empty must be a bool"):
         gluon_mod.grouped_gemm_gluon_fp8_block(xq, wq, off, xs, ws, skip_empty=1)
+
+
+# ------------------------------------------------------------------ split-N tiles (block_m = 64) on an sm_90 GPU
+_SPLIT_N_CASES = [c for c in _TMA_CASES if c[1]["K"] % 128 == 0] + [
+    ("short-last-tiles", dict(sizes=[130, 0, 129, 200, 1, 64, 65, 190, 257], N=256, K=384, lead=3, tail=40)),
+    ("E256-about-128-an-expert", dict(sizes=_ABOUT_128, N=256, K=256)),
+    ("N-tail-past-half", dict(sizes=[70, 0, 150, 64], N=320, K=256, tail=9)),  # last tile: 64 of 256 columns
+    ("N-below-128", dict(sizes=[33, 100], N=96, K=128)),  # the second consumer has no column anywhere
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("name, spec", _SPLIT_N_CASES, ids=[c[0] for c in _SPLIT_N_CASES])
+def test_split_n_bit_identical_to_128(name, spec):
+    """``block_m=64`` (64 x 256 tiles, the consumers splitting the columns) writes exactly the bf16 values of the
+    128 x 128 tiles (the same ``wgmma`` shape per 64 x 128 share, the same K order and promotion) with both epilogues:
+    ragged experts, straddling and short last tiles, experts ending at ``M_cap``, N tails that leave the second
+    consumer without columns (its ``w`` scales never read), E = 256; within the FP8 tolerance of the reference,
+    unowned rows zero."""
+    import moe_torch
+    from tolerances import FP8_REL_FRO, assert_rel_fro
+
+    xq, wq, off, xs, ws = _problem(**spec)
+    N = wq.shape[1]
+    for ep, st in (("tma", 4), ("pointer", 5)):
+        if ep == "tma" and N % 8:
+            continue
+        y64 = gluon_mod.grouped_gemm_gluon_fp8_block(xq, wq, off, xs, ws, num_stages=st, epilogue=ep, block_m=64)
+        y128 = gluon_mod.grouped_gemm_gluon_fp8_block(xq, wq, off, xs, ws, num_stages=st, epilogue=ep)
+        assert torch.equal(y64, y128), (name, ep, (y64.float() - y128.float()).abs().max().item())
+    ref = moe_torch.grouped_gemm(xq, wq, off, x_scale=xs, w_scale=ws, out_dtype=torch.bfloat16,
+                                 implementation="reference")
+    lo, hi = int(off[0]), int(off[-1])
+    assert_rel_fro(y64[lo:hi].float(), ref[lo:hi].float(), FP8_REL_FRO, name)
+    assert not y64[:lo].any() and not y64[hi:].any()
+
+
+@needs_sm90
+def test_split_n_refusals():
+    """``ValueError`` before any launch: ``block_m`` not 128 / 64 (or not an int), and a ring deeper than 40 KiB
+    stages leave room for (5 with the TMA epilogue, 6 with pointer stores)."""
+    xq, wq, off, xs, ws = _problem([40, 30], 256, 256)
+    for bad in (96, 256, 64.0, "64"):
+        with pytest.raises(ValueError, match=f"{OP}: block_m must be 128 or 64"):
+            gluon_mod.grouped_gemm_gluon_fp8_block(xq, wq, off, xs, ws, block_m=bad)
+    with pytest.raises(ValueError, match=f"{OP}: num_stages must be an int in \\[2, 4\\].*block_m = 64.*'tma'"):
+        gluon_mod.grouped_gemm_gluon_fp8_block(xq, wq, off, xs, ws, num_stages=5, block_m=64, epilogue="tma")
+    with pytest.raises(ValueError, match=f"{OP}: num_stages must be an int in \\[2, 5\\].*block_m = 64.*'pointer'"):
+        gluon_mod.grouped_gemm_gluon_fp8_block(xq, wq, off, xs, ws, num_stages=6, block_m=64, epilogue="pointer")

@@ -148,17 +148,18 @@ def _max(a, b):
 
 
 @gluon.jit
-def _expert_table(off_ptr, E, M_cap, BLOCK_E: gl.constexpr, layout: gl.constexpr):
-    """Inclusive prefix sum ``incl [BLOCK_E]`` of the per-expert tile counts ``cdiv(t_e - s_e, 128)`` (rows
-    ``[s_e, t_e)`` as :func:`_expert_rows_of` assigns them; lanes ``e >= E`` count 0) and the total number of work
-    items. Only ``incl`` stays live over the tile loop (registers: the producer has 40 a thread)."""
+def _expert_table(off_ptr, E, M_cap, BLOCK_E: gl.constexpr, layout: gl.constexpr, TM: gl.constexpr = 128):
+    """Inclusive prefix sum ``incl [BLOCK_E]`` of the per-expert tile counts ``cdiv(t_e - s_e, TM)`` (rows
+    ``[s_e, t_e)`` as :func:`_expert_rows_of` assigns them; lanes ``e >= E`` count 0; ``TM``: the rows of a work
+    item, 128, or 64 for the split-N tiles) and the total number of work items. Only ``incl`` stays live over the
+    tile loop (registers: the producer has 40 a thread)."""
     idx = gl.arange(0, BLOCK_E, layout=layout)
     valid = idx < E
     lo = gl.minimum(gl.maximum(gl.load(off_ptr + idx, mask=valid, other=0), 0), M_cap)
     hi = gl.minimum(gl.maximum(gl.load(off_ptr + idx + 1, mask=valid, other=0), 0), M_cap)
     s = gl.associative_scan(lo, 0, _max)  # max(offsets[0..e])
     t = gl.maximum(gl.associative_scan(hi, 0, _max), s)  # max(offsets[0..e+1])
-    n = gl.where(valid, (t - s + (BLOCK_M - 1)) // BLOCK_M, 0)
+    n = gl.where(valid, (t - s + (TM - 1)) // TM, 0)
     incl = gl.associative_scan(n, 0, _add)
     total = gl.sum(n, axis=0)
     return incl, total
@@ -180,8 +181,9 @@ def _expert_rows_of(off_ptr, e, E, M_cap, BLOCK_E: gl.constexpr, layout: gl.cons
 
 
 @gluon.jit
-def _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E: gl.constexpr, layout: gl.constexpr):
-    """Tile index -> (expert, first row m0, expert rows [s_e, t_e), column tile)."""
+def _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E: gl.constexpr, layout: gl.constexpr,
+                 TM: gl.constexpr = 128):
+    """Tile index -> (expert, first row m0, expert rows [s_e, t_e), column tile); work items of ``TM`` rows."""
     num_in_group = GROUP_M * n_cols
     group = tile // num_in_group
     first = group * GROUP_M
@@ -193,22 +195,25 @@ def _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E: gl.const
     e = gl.sum(gl.where(before, 1, 0), axis=0)
     p_e = gl.max(gl.where(before, incl, 0), axis=0)  # = incl[e - 1], 0 for e = 0: the expert's first item
     s_e, t_e = _expert_rows_of(off_ptr, e, E, M_cap, BLOCK_E, layout)
-    m0 = s_e + (item - p_e) * BLOCK_M
+    m0 = s_e + (item - p_e) * TM
     return e, m0, s_e, t_e, pid_n
 
 
 @gluon.jit
 def _producer(x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K,
               BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, BN: gl.constexpr = BLOCK_N,
-              K_TAIL: gl.constexpr = False, G: gl.constexpr = 0):
+              K_TAIL: gl.constexpr = False, G: gl.constexpr = 0, TM: gl.constexpr = 128):
     """The TMA partition of both kernels: ``x`` as two [64, 128] boxes (one per consumer) and ``w`` as one
-    [BN, 128] box a stage, ``K // 128`` stages a tile, ``cdiv(K, 128)`` with ``K_TAIL`` (the rowwise kernel: a K
+    [BN, 128] box a stage (``TM = 64``, the FP8-block kernel's split-N tiles: ``x`` as one [64, 128] box, both
+    consumers', and ``w`` as two [BN, 128] boxes, one per consumer: a 64 x 2BN tile), ``K // 128`` stages a tile, ``cdiv(K, 128)`` with ``K_TAIL`` (the rowwise kernel: a K
     tail is zero-filled by TMA in ``x`` and ``w``; the FP8-block kernel keeps ``K // 128``, its PTX unchanged),
     rounded up to a multiple of ``G`` with ``G > 0`` (the promoted rowwise kernel: its consumers take ``G`` blocks a
     group; the boxes past ``K`` are zero-filled, so the padding blocks add exact zeros)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # this partition has 4 warps (one issues the TMA)
-    incl, total = _expert_table(off_ptr, E, M_cap, BLOCK_E, layout)
-    n_cols = gl.cdiv(N, BN)
+    SPLIT_N: gl.constexpr = TM == HALF_M
+    CN: gl.constexpr = 2 * BN if SPLIT_N else BN  # the columns of a tile
+    incl, total = _expert_table(off_ptr, E, M_cap, BLOCK_E, layout, TM)
+    n_cols = gl.cdiv(N, CN)
     if K_TAIL:
         KB = gl.cdiv(K, BLOCK_K)
     else:
@@ -219,26 +224,33 @@ def _producer(x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N
     nprog = gl.num_programs(0)
     it = 0
     for tile in range(pid, total * n_cols, nprog):
-        e, m0, s_e, t_e, pid_n = _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E, layout)
-        w_row = e * N + pid_n * BN
+        e, m0, s_e, t_e, pid_n = _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E, layout, TM)
+        w_row = e * N + pid_n * CN
         for kb in range(KB):
             st = it % NUM_STAGES
             ph = (it // NUM_STAGES) & 1
             # mbarriers start in phase 0: waiting for parity 1 passes at once, so the ring starts empty.
             mbarrier.wait(empty.index(st), ph ^ 1)
             bar = ready.index(st)
-            mbarrier.expect(bar, 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [m0, kb * BLOCK_K], bar, a_bufs.index(2 * st))
-            tma.async_copy_global_to_shared(x_desc, [m0 + HALF_M, kb * BLOCK_K], bar, a_bufs.index(2 * st + 1))
-            tma.async_copy_global_to_shared(w_desc, [w_row, kb * BLOCK_K], bar, b_bufs.index(st))
+            if SPLIT_N:
+                # the second w box may start past N (an N tail): read (the next expert's rows, or zeros past E * N),
+                # never used (its consumer only releases the stage)
+                mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [m0, kb * BLOCK_K], bar, a_bufs.index(st))
+                tma.async_copy_global_to_shared(w_desc, [w_row, kb * BLOCK_K], bar, b_bufs.index(2 * st))
+                tma.async_copy_global_to_shared(w_desc, [w_row + BN, kb * BLOCK_K], bar, b_bufs.index(2 * st + 1))
+            else:
+                mbarrier.expect(bar, 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [m0, kb * BLOCK_K], bar, a_bufs.index(2 * st))
+                tma.async_copy_global_to_shared(x_desc, [m0 + HALF_M, kb * BLOCK_K], bar, a_bufs.index(2 * st + 1))
+                tma.async_copy_global_to_shared(w_desc, [w_row, kb * BLOCK_K], bar, b_bufs.index(st))
             it += 1
 
 
 @gluon.jit
-def _store_tile(out, rows, cols, n0, m0, s_e, t_e, y_ptr, y_desc, c_buf, M_cap, N, WG: gl.constexpr,
-                TMA_OUT: gl.constexpr):
-    """Store a consumer's ``[64, BN]`` bf16 share ``out`` of a tile (rows ``rows``, columns ``cols``): the rows of
-    this expert in ``[max(m0, s_e), t_e)``, columns ``< N``.
+def _store_tile(out, rows, cols, r0, n0, m0, s_e, t_e, y_ptr, y_desc, c_buf, M_cap, N, TMA_OUT: gl.constexpr):
+    """Store a consumer's ``[64, BN]`` bf16 share ``out`` of a tile (rows ``rows = r0 + [0, 64)``, columns ``cols =
+    n0 + [0, BN)``): the rows of this expert in ``[max(m0, s_e), t_e)``, columns ``< N``.
 
     ``TMA_OUT``: where the whole share is the expert's (its 64 rows below ``t_e``, or ``t_e = M_cap`` so that the
     descriptor's bounds clip the rest) it goes through shared memory and an asynchronous TMA store (the consumer goes
@@ -247,7 +259,6 @@ def _store_tile(out, rows, cols, n0, m0, s_e, t_e, y_ptr, y_desc, c_buf, M_cap, 
     straddles the expert's last row (a TMA box would write the next expert's rows) takes the masked pointer store
     from registers, as ``TMA_OUT = False`` does for every share."""
     lo = gl.maximum(m0, s_e)
-    r0 = m0 + WG * HALF_M
     if TMA_OUT:
         whole = (r0 >= lo) & ((r0 + HALF_M <= t_e) | (t_e >= M_cap))
         if whole:
@@ -280,18 +291,30 @@ def _release_stages(ready, empty, it, n, NUM_STAGES: gl.constexpr):
 @gluon.jit
 def _consumer(y_ptr, y_desc, c_buf, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K,
               BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, TMA_OUT: gl.constexpr,
-              SKIP_EMPTY: gl.constexpr = True):
-    """One consumer warpgroup (4 warps): rows ``[m0 + WG * 64, m0 + WG * 64 + 64)`` of every tile. ``SKIP_EMPTY``: a
-    half with no row of the tile's expert (rows from ``t_e`` on: the short last tile of an expert, e.g. 2 rows of
-    130) runs no ``wgmma`` (:func:`_release_stages`); the other consumer's then have the tensor cores alone."""
+              SKIP_EMPTY: gl.constexpr = True, TM: gl.constexpr = 128):
+    """One consumer warpgroup (4 warps): rows ``[m0 + WG * 64, m0 + WG * 64 + 64)`` x the 128 columns of every
+    128 x 128 tile, or with ``TM = 64`` (split-N tiles of 64 x 256) the tile's 64 rows x columns ``[n0 + WG * 128,
+    n0 + WG * 128 + 128)``. ``SKIP_EMPTY``: a half with no row of the tile's expert (rows from ``t_e`` on: the short
+    last tile of an expert, e.g. 2 rows of 130) runs no ``wgmma`` (:func:`_release_stages`); the other consumer's
+    then have the tensor cores alone. A split-N half whose columns start at ``N`` or past it (an N tail) likewise
+    (always: its ``w`` scales would be the next expert's, or past the end)."""
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
-    incl, total = _expert_table(off_ptr, E, M_cap, BLOCK_E, vec)
-    n_cols = gl.cdiv(N, BLOCK_N)
-    KB = K // BLOCK_K
+    SPLIT_N: gl.constexpr = TM == HALF_M
+    # stage st's buffers of this consumer: x box a_bufs[st * A_MUL + A_ADD], w box b_bufs[st * B_MUL + B_ADD]
+    A_MUL: gl.constexpr = 1 if SPLIT_N else 2
+    A_ADD: gl.constexpr = 0 if SPLIT_N else WG
+    B_MUL: gl.constexpr = 2 if SPLIT_N else 1
+    B_ADD: gl.constexpr = WG if SPLIT_N else 0
+    incl, total = _expert_table(off_ptr, E, M_cap, BLOCK_E, vec, TM)
     NB = gl.cdiv(N, BLOCK_N)
+    if SPLIT_N:
+        n_cols = gl.cdiv(N, 2 * BLOCK_N)
+    else:
+        n_cols = NB
+    KB = K // BLOCK_K
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     r = gl.arange(0, HALF_M, layout=row_l)
@@ -299,16 +322,27 @@ def _consumer(y_ptr, y_desc, c_buf, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, rea
     zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=mma)
     it = 0
     for tile in range(pid, total * n_cols, nprog):
-        e, m0, s_e, t_e, pid_n = _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E, vec)
-        rows = m0 + WG * HALF_M + r
-        if SKIP_EMPTY and m0 + WG * HALF_M >= t_e:
-            # no row of this half is the expert's (the short last tile of an expert): no MMA, no store; the
-            # stages are released in step (after their ready wait) so that the other consumer's MMAs run alone
+        e, m0, s_e, t_e, pid_n = _tile_coords(tile, n_cols, total, incl, off_ptr, E, M_cap, BLOCK_E, vec, TM)
+        if SPLIT_N:
+            r0 = m0
+            nb = 2 * pid_n + WG  # this consumer's 128-column block
+        else:
+            r0 = m0 + WG * HALF_M
+            nb = pid_n
+        n0 = nb * BLOCK_N
+        rows = r0 + r
+        idle = n0 >= N
+        if SKIP_EMPTY:
+            idle = idle | (r0 >= t_e)
+        if idle:
+            # no row of this half is the expert's (the short last tile of an expert), or no column (a split-N
+            # tail): no MMA, no store; the stages are released in step (after their ready wait) so that the other
+            # consumer's MMAs run alone
             it = _release_stages(ready, empty, it, KB, NUM_STAGES)
         else:
             xs_rows = xs_ptr + rows.to(gl.int64) * KB
             xs_mask = rows < M_cap
-            ws_base = ws_ptr + (e * NB + pid_n).to(gl.int64) * KB
+            ws_base = ws_ptr + (e * NB + nb).to(gl.int64) * KB
             acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=mma)
             for kk in range(KB // 2):
                 kb = 2 * kk
@@ -317,11 +351,13 @@ def _consumer(y_ptr, y_desc, c_buf, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, rea
                 sc1 = gl.load(xs_rows + kb + 1, mask=xs_mask, other=0.0) * gl.load(ws_base + kb + 1)
                 st0 = it % NUM_STAGES
                 mbarrier.wait(ready.index(st0), (it // NUM_STAGES) & 1)
-                t0 = hopper.warpgroup_mma(a_bufs.index(2 * st0 + WG), b_bufs.index(st0).permute((1, 0)), zero,
+                t0 = hopper.warpgroup_mma(a_bufs.index(st0 * A_MUL + A_ADD),
+                                          b_bufs.index(st0 * B_MUL + B_ADD).permute((1, 0)), zero,
                                           use_acc=False, is_async=True)
                 st1 = (it + 1) % NUM_STAGES
                 mbarrier.wait(ready.index(st1), ((it + 1) // NUM_STAGES) & 1)
-                t1 = hopper.warpgroup_mma(a_bufs.index(2 * st1 + WG), b_bufs.index(st1).permute((1, 0)), zero,
+                t1 = hopper.warpgroup_mma(a_bufs.index(st1 * A_MUL + A_ADD),
+                                          b_bufs.index(st1 * B_MUL + B_ADD).permute((1, 0)), zero,
                                           use_acc=False, is_async=True)
                 p0 = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[t0])  # block kb done, kb + 1 still running
                 mbarrier.arrive(empty.index(st0))
@@ -335,15 +371,16 @@ def _consumer(y_ptr, y_desc, c_buf, xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, rea
                 sc = gl.load(xs_rows + kb, mask=xs_mask, other=0.0) * gl.load(ws_base + kb)
                 st = it % NUM_STAGES
                 mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
-                tl0 = hopper.warpgroup_mma(a_bufs.index(2 * st + WG), b_bufs.index(st).permute((1, 0)), zero,
+                tl0 = hopper.warpgroup_mma(a_bufs.index(st * A_MUL + A_ADD),
+                                           b_bufs.index(st * B_MUL + B_ADD).permute((1, 0)), zero,
                                            use_acc=False, is_async=True)
                 pl = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[tl0])
                 mbarrier.arrive(empty.index(st))
                 acc = acc + pl * sc[:, None]
                 it += 1
             # epilogue: the rows of this expert in this warpgroup's half, columns < N
-            _store_tile(acc.to(gl.bfloat16), rows, pid_n * BLOCK_N + c, pid_n * BLOCK_N, m0, s_e, t_e, y_ptr, y_desc,
-                        c_buf, M_cap, N, WG, TMA_OUT)
+            _store_tile(acc.to(gl.bfloat16), rows, n0 + c, r0, n0, m0, s_e, t_e, y_ptr, y_desc, c_buf, M_cap, N,
+                        TMA_OUT)
     _zero_unowned(y_ptr, off_ptr, E, M_cap, N, BLOCK_E, BLOCK_N, WG, vec, mma)
     if TMA_OUT:
         tma.store_wait(0)
@@ -377,12 +414,14 @@ def _zero_unowned(y_ptr, off_ptr, E, M_cap, N, BLOCK_E: gl.constexpr, BN: gl.con
 
 
 @gluon.jit
-def _stage_ring(x_desc, w_desc, NUM_STAGES: gl.constexpr, BN: gl.constexpr):
+def _stage_ring(x_desc, w_desc, NUM_STAGES: gl.constexpr, BN: gl.constexpr, SPLIT_N: gl.constexpr = False):
     """The shared-memory ring of both kernels: ``x`` as two [64, 128] FP8 boxes and ``w`` as one [BN, 128] box a
-    stage, with a ``ready`` (producer's expect + TMA bytes) and an ``empty`` (one arrival per consumer warpgroup)
-    mbarrier each."""
-    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * NUM_STAGES, HALF_M, BLOCK_K], x_desc.layout)
-    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BN, BLOCK_K], w_desc.layout)
+    stage (``SPLIT_N``: one ``x`` box and two ``w`` boxes), with a ``ready`` (producer's expect + TMA bytes) and an
+    ``empty`` (one arrival per consumer warpgroup) mbarrier each."""
+    XB: gl.constexpr = 1 if SPLIT_N else 2  # x boxes a stage
+    WB: gl.constexpr = 2 if SPLIT_N else 1  # w boxes a stage
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [XB * NUM_STAGES, HALF_M, BLOCK_K], x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [WB * NUM_STAGES, BN, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
@@ -404,15 +443,16 @@ def _out_bufs(y_desc, BN: gl.constexpr, TMA_OUT: gl.constexpr):
 @gluon.jit
 def _grouped_gemm_fp8_block_kernel(x_desc, w_desc, y_ptr, y_desc, xs_ptr, ws_ptr, off_ptr, E, M_cap, N, K,
                                    BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_OUT: gl.constexpr = False,
-                                   SKIP_EMPTY: gl.constexpr = True):
-    a_bufs, b_bufs, ready, empty = _stage_ring(x_desc, w_desc, NUM_STAGES, BLOCK_N)
+                                   SKIP_EMPTY: gl.constexpr = True, TM: gl.constexpr = 128):
+    a_bufs, b_bufs, ready, empty = _stage_ring(x_desc, w_desc, NUM_STAGES, BLOCK_N, TM == HALF_M)
     c_bufs = _out_bufs(y_desc, BLOCK_N, TMA_OUT)
     gl.warp_specialize([
         (_consumer, (y_ptr, y_desc, c_bufs.index(0), xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap,
-                     N, K, BLOCK_E, NUM_STAGES, 0, TMA_OUT, SKIP_EMPTY)),
+                     N, K, BLOCK_E, NUM_STAGES, 0, TMA_OUT, SKIP_EMPTY, TM)),
         (_consumer, (y_ptr, y_desc, c_bufs.index(1), xs_ptr, ws_ptr, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap,
-                     N, K, BLOCK_E, NUM_STAGES, 1, TMA_OUT, SKIP_EMPTY)),
-        (_producer, (x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E, NUM_STAGES)),
+                     N, K, BLOCK_E, NUM_STAGES, 1, TMA_OUT, SKIP_EMPTY, TM)),
+        (_producer, (x_desc, w_desc, off_ptr, a_bufs, b_bufs, ready, empty, E, M_cap, N, K, BLOCK_E, NUM_STAGES,
+                     BLOCK_N, False, 0, TM)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -494,8 +534,8 @@ def _consumer_rowwise(y_ptr, y_desc, c_buf, xs_ptr, ws_ptr, off_ptr, a_bufs, b_b
         xs = gl.load(xs_ptr + rows, mask=rows < M_cap, other=0.0)
         ws = gl.convert_layout(ws_c, col_l)  # through scratch shared memory of this partition
         out = acc * xs[:, None] * ws[None, :]
-        _store_tile(out.to(gl.bfloat16), rows, cols, pid_n * BN, m0, s_e, t_e, y_ptr, y_desc, c_buf, M_cap, N, WG,
-                    TMA_OUT)
+        _store_tile(out.to(gl.bfloat16), rows, cols, m0 + WG * HALF_M, pid_n * BN, m0, s_e, t_e, y_ptr, y_desc, c_buf,
+                    M_cap, N, TMA_OUT)
     # zeroing in 64 x 128 blocks whatever BN, as the block kernel (half the registers of 64 x 256 blocks)
     zl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     _zero_unowned(y_ptr, off_ptr, E, M_cap, N, BLOCK_E, BLOCK_N, WG, vec, zl)
@@ -639,11 +679,13 @@ def resolve_epilogue(op: str, epilogue: str | None, N: int) -> str:
 
 
 def _launch(kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, block_n: int, num_stages: int,
-            num_sms: int | None, epilogue: str, **constexprs) -> torch.Tensor:
+            num_sms: int | None, epilogue: str, tile_m: int = _BM, tile_n: int | None = None,
+            **constexprs) -> torch.Tensor:
     """Allocate ``y [M_cap, N]`` (empty: the kernels write the owned rows and zero the rest), build the TMA descriptors
     (``x`` in [64, 128] boxes, ``w`` viewed as ``[E * N, K]`` in [block_n, 128] boxes, ``y`` in [64, block_n] boxes
-    for the TMA epilogue) and launch ``kernel`` on the persistent grid ``min(num_sms, (cdiv(M_cap, 128) + E) *
-    cdiv(N, block_n))``. Inputs already checked."""
+    for the TMA epilogue) and launch ``kernel`` on the persistent grid ``min(num_sms, (cdiv(M_cap, tile_m) + E) *
+    cdiv(N, tile_n))`` (a CTA tile of ``tile_m`` x ``tile_n``, ``tile_n`` default ``block_n``). Inputs already
+    checked."""
     M_cap, K = x_q.shape
     E, N, _ = w_q.shape
     y = torch.empty((M_cap, N), dtype=out_dtype, device=x_q.device)
@@ -658,24 +700,35 @@ def _launch(kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, block
     # without the TMA epilogue the kernel never reads y_desc: a descriptor of the same type over a small dummy
     y_target = y if tma_out else torch.empty((_HM, block_n), dtype=out_dtype, device=x_q.device)
     y_desc = TensorDescriptor.from_tensor(y_target, [_HM, block_n], _y_layout())
-    bound = (triton.cdiv(M_cap, _BM) + E) * triton.cdiv(N, block_n)
+    bound = (triton.cdiv(M_cap, tile_m) + E) * triton.cdiv(N, tile_n or block_n)
     grid = (max(1, min(int(num_sms), bound)),)
     kernel[grid](x_desc, w_desc, y, y_desc, x_scale, w_scale, expert_offsets, E, M_cap, N, K, BLOCK_E=block_e(E),
                  NUM_STAGES=num_stages, TMA_OUT=tma_out, num_warps=4, maxnreg=MAXNREG, **constexprs)
     return y
 
 
-#: The deepest rings: 227 KiB of shared memory a block on Hopper, less the TMA epilogue's buffers.
-_BLOCK_MAX_STAGES = {"pointer": 6, "tma": 5}
+#: The deepest rings by ``block_m`` and epilogue: 227 KiB of shared memory a block on Hopper (a stage: 32 KiB at
+#: ``block_m = 128``, 40 KiB at 64), less the TMA epilogue's buffers (32 KiB).
+_BLOCK_MAX_STAGES = {128: {"pointer": 6, "tma": 5}, 64: {"pointer": 5, "tma": 4}}
+#: The work-item rows of the FP8-block kernel: 128 (two consumers on 64 rows each of a 128 x 128 tile) or 64 (split-N:
+#: both consumers on the same 64 rows, 128 columns each of a 64 x 256 tile).
+BLOCK_MS = (128, 64)
 
 
 def grouped_gemm_gluon_fp8_block(x_q: torch.Tensor, w_q: torch.Tensor, expert_offsets: torch.Tensor,
                                  x_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype=torch.bfloat16, *,
                                  num_stages: int = 4, num_sms: int | None = None,
-                                 epilogue: str | None = None, skip_empty: bool = True) -> torch.Tensor:
+                                 epilogue: str | None = None, skip_empty: bool = True,
+                                 block_m: int = 128) -> torch.Tensor:
     """``y [M_cap, N]`` bf16 of the FP8 block-scaled grouped GEMM (module docstring: shapes, refusals, design).
 
-    ``num_stages``: shared-memory ring depth (32 KiB a stage; 2..6, 2..5 with the TMA epilogue). ``num_sms``:
+    ``block_m`` (:data:`BLOCK_MS`; ``ValueError`` otherwise): the rows of a work item. 128: tiles of 128 x 128, the
+    two consumer warpgroups on 64 rows each. 64 ("split N"): tiles of 64 x 256, both consumers on the same 64 rows
+    (one ``x`` box a stage) with 128 columns (one ``w`` box) each: an expert of ~130 rows takes 3 items of 64 rows
+    (68% full) instead of 2 of 128 (51%), at 25% more loads per output than the 128 x 128 tile (``(64 + 256) /
+    (64 * 256)`` vs ``256 / 128**2``). Which wins depends on the rows an expert gets (``triton.py:
+    gluon_fp8_block_m``). ``num_stages``: shared-memory ring depth (32 KiB a stage at ``block_m = 128``: 2..6, 2..5
+    with the TMA epilogue; 40 KiB at 64: 2..5, 2..4). ``num_sms``:
     persistent programs (default: the device's SM count, 132 on an H200). ``epilogue``: ``"tma"`` or ``"pointer"``
     (:data:`EPILOGUES`; default :data:`DEFAULT_EPILOGUE` where ``N % 8 == 0``); ``ValueError`` for another value, for
     ``"tma"`` with ``N % 8 != 0``, or for ``num_stages`` out of its range. ``skip_empty`` (a bool; ``TypeError``
@@ -683,14 +736,17 @@ def grouped_gemm_gluon_fp8_block(x_q: torch.Tensor, w_q: torch.Tensor, expert_of
     (:func:`_consumer`; the same output: those rows are never stored); False computes them, as before session 16."""
     check_inputs(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype)
     epilogue = resolve_epilogue(OP, epilogue, w_q.shape[1])
-    max_st = _BLOCK_MAX_STAGES[epilogue]
+    if type(block_m) is not int or block_m not in BLOCK_MS:
+        _fail(ValueError, "block_m", "128 or 64 (the rows of a work item)", f"{block_m!r}")
+    max_st = _BLOCK_MAX_STAGES[block_m][epilogue]
     if not isinstance(num_stages, int) or not 2 <= num_stages <= max_st:
-        _fail(ValueError, "num_stages", f"an int in [2, {max_st}] (32 KiB of shared memory a stage, epilogue "
-              f"{epilogue!r})", num_stages)
+        _fail(ValueError, "num_stages", f"an int in [2, {max_st}] ({32 if block_m == 128 else 40} KiB of shared "
+              f"memory a stage at block_m = {block_m}, epilogue {epilogue!r})", num_stages)
     if type(skip_empty) is not bool:
         _fail(TypeError, "skip_empty", "a bool", f"{skip_empty!r} ({type(skip_empty).__name__})")
     return _launch(_grouped_gemm_fp8_block_kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, _BN,
-                   num_stages, num_sms, epilogue, SKIP_EMPTY=skip_empty)
+                   num_stages, num_sms, epilogue, tile_m=block_m, tile_n=_BN * (_BM // block_m),
+                   SKIP_EMPTY=skip_empty, TM=block_m)
 
 
 def _compile_sm90(kernel, block_n: int, constexprs: dict):
@@ -708,12 +764,12 @@ def _compile_sm90(kernel, block_n: int, constexprs: dict):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
 
 
-def compile_sm90(num_stages: int = 4, E: int = 32, epilogue: str = "pointer"):
+def compile_sm90(num_stages: int = 4, E: int = 32, epilogue: str = "pointer", block_m: int = 128):
     """Compile the kernel for sm_90a without a GPU (``triton.compile`` of a ``GluonASTSource`` for
     ``GPUTarget("cuda", 90, 32)``); returns triton's ``CompiledKernel`` (``.asm["ptx"]``, ``["cubin"]``...). Tests and
     probes only; needs ``TRITON_INTERPRET`` unset when triton is imported."""
     return _compile_sm90(_grouped_gemm_fp8_block_kernel, _BN, {"BLOCK_E": block_e(E), "NUM_STAGES": num_stages,
-                                                                "TMA_OUT": epilogue == "tma"})
+                                                                "TMA_OUT": epilogue == "tma", "TM": block_m})
 
 
 def compile_sm90_rowwise(num_stages: int = 4, E: int = 32, block_n: int = 128, promote: int = 0,

@@ -156,11 +156,12 @@ import triton.language as tl
 
 from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, INT4_PACKED_ASM, MXFP4_PACKED_ASM,
                                       PACKED_ASM_CONSTRAINTS, e8m0_bf16_bits)
-from moe_torch.ops.grouped_gemm.config import W_SCALE_BLOCK, GroupedGemmConfig, check_config, grouped_gemm_config
+from moe_torch.ops.grouped_gemm.config import (W_SCALE_BLOCK, GroupedGemmConfig, check_config, grouped_gemm_config,
+                                               tuned_forward_kernel)
 from moe_torch.ops.quant.reference import FP8_DTYPE
 from moe_torch.ops import triton_interpret
 from moe_torch.ops.triton_common import (MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device,
-                                         gluon_bf16_enabled, gluon_fp8_block_enabled, gluon_fp8_rowwise_enabled)
+                                         gluon_bf16_switch, gluon_fp8_block_enabled, gluon_fp8_rowwise_enabled)
 
 #: ``x_scale`` layout -> the kernel's ``X_SCALE`` constexpr.
 X_SCALE_CODES = {None: 0, "per_tensor": 1, "per_token": 2, "per_token_group": 3}
@@ -788,9 +789,12 @@ def grouped_gemm_triton(
     rows, its own zeroing of the unowned rows); ``EPMOE_TRITON_GLUON_FP8_BLOCK=0`` keeps this module's kernel. Likewise
     FP8 per-token x per-channel requests that :func:`gluon_fp8_rowwise_eligible` accepts run ``gluon.py:
     grouped_gemm_gluon_fp8_rowwise`` (promotion every :data:`GLUON_ROWWISE_PROMOTE` K blocks);
-    ``EPMOE_TRITON_GLUON_FP8_ROWWISE=0`` keeps this module's kernel. With ``EPMOE_TRITON_GLUON_BF16=1`` (off by
-    default: measured level at the layer, session 16), 16-bit requests that :func:`gluon_bf16_eligible` accepts run
-    ``gluon_bf16.py: grouped_gemm_gluon_bf16`` with its ``DISPATCH_OPTIONS``.
+    ``EPMOE_TRITON_GLUON_FP8_ROWWISE=0`` keeps this module's kernel. 16-bit requests (bf16 / fp16 ``x``, ``w`` and
+    out, no scales, no bias; sm_90, enough rows: ``gluon_bf16.py: forward_eligible``) run ``gluon_bf16.py:
+    grouped_gemm_gluon_bf16`` where :func:`gluon_bf16_options` says so: ``EPMOE_TRITON_GLUON_BF16`` unset and the
+    device's tuned forward entry measured the Gluon kernel faster (``config.py: tuned_forward_kernel``: ``"kernel":
+    "gluon"``, with its ``"gluon_config"``), or ``EPMOE_TRITON_GLUON_BF16=1`` (forced); ``=0`` keeps this module's
+    kernel. The choice is per shape: the tuner (``benchmarks/tune_triton_gemm.py``) times both kernels.
 
     ``y`` is allocated here (``torch.empty``): the kernel writes the owned rows, then :func:`zero_unowned_rows`
     zeroes the rows no expert owns (outside ``[offsets[0], offsets[-1])``), no memset of the whole result. The
@@ -808,7 +812,7 @@ def grouped_gemm_triton(
         from moe_torch.ops.grouped_gemm.gluon import grouped_gemm_gluon_fp8_block
 
         return grouped_gemm_gluon_fp8_block(x, w, expert_offsets, x_scale, w_scale, out_dtype,
-                                            num_stages=GLUON_STAGES)
+                                            **gluon_fp8_block_options(x.shape[0], w.shape[0]))
     if config is None and gluon_fp8_rowwise_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format,
                                                      bias):
         from moe_torch.ops.grouped_gemm.gluon import grouped_gemm_gluon_fp8_rowwise
@@ -816,10 +820,12 @@ def grouped_gemm_triton(
         return grouped_gemm_gluon_fp8_rowwise(x, w, expert_offsets, x_scale, w_scale, out_dtype,
                                               num_stages=GLUON_ROWWISE_STAGES, block_n=GLUON_ROWWISE_BLOCK_N,
                                               promote=GLUON_ROWWISE_PROMOTE)
-    if config is None and gluon_bf16_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias):
-        from moe_torch.ops.grouped_gemm.gluon_bf16 import DISPATCH_OPTIONS, grouped_gemm_gluon_bf16
+    gluon_options = None if config is not None else gluon_bf16_options(x, w, expert_offsets, x_scale, w_scale,
+                                                                        out_dtype, w_format, bias)
+    if gluon_options is not None:
+        from moe_torch.ops.grouped_gemm.gluon_bf16 import grouped_gemm_gluon_bf16
 
-        return grouped_gemm_gluon_bf16(x, w, expert_offsets, **DISPATCH_OPTIONS)
+        return grouped_gemm_gluon_bf16(x, w, expert_offsets, **gluon_options)
     out = torch.empty((x.shape[0], w.shape[1]), dtype=out_dtype, device=x.device)
     out = _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config, w_format, bias)
     return zero_unowned_rows(out, expert_offsets)
@@ -835,6 +841,24 @@ GLUON_MIN_ROWS = 4096
 GLUON_MIN_ROWS_PER_EXPERT = 32
 #: Its shared-memory ring depth: 5 stages were best or level at every measured shape (H200, session 13).
 GLUON_STAGES = 5
+#: The FP8-block Gluon kernel takes split-N work items of 64 rows (``block_m=64``: 64 x 256 tiles, 4 stages) where
+#: the experts average at most this many rows (``M_cap <= GLUON_SPLIT_N_MAX_ROWS_PER_EXPERT * E``), 128-row items
+#: (128 x 128 tiles, :data:`GLUON_STAGES`) above. An expert of r rows takes ``ceil(r / 64)`` items of 64 rows instead
+#: of ``2 * ceil(r / 128)`` halves of 128: fewer where ``r % 128`` is in (0, 64], e.g. 3 instead of 4 at 130-192
+#: rows, DeepSeek-V3's ~128 rows an expert at T=4096 (``gluon.py: grouped_gemm_gluon_fp8_block``).
+GLUON_SPLIT_N_MAX_ROWS_PER_EXPERT = 192
+#: The split-N items' ring depth (40 KiB a stage; 4 is the deepest with the TMA epilogue).
+GLUON_SPLIT_N_STAGES = 4
+
+
+def gluon_fp8_block_options(M_cap: int, E: int) -> dict:
+    """The FP8-block Gluon kernel's ``block_m`` and ``num_stages`` for ``M_cap`` rows over ``E`` local experts (host
+    ints, no sync): ``{"block_m": 64, "num_stages": GLUON_SPLIT_N_STAGES}`` where ``M_cap <=``
+    :data:`GLUON_SPLIT_N_MAX_ROWS_PER_EXPERT` ``* E``, else ``{"block_m": 128, "num_stages": GLUON_STAGES}``."""
+    if M_cap <= GLUON_SPLIT_N_MAX_ROWS_PER_EXPERT * E:
+        return {"block_m": 64, "num_stages": GLUON_SPLIT_N_STAGES}
+    return {"block_m": 128, "num_stages": GLUON_STAGES}
+
 #: The rowwise FP8 Gluon kernel's tile width, ring depth and promotion group (128-wide K blocks chained in the
 #: tensor cores before a float32 add; 0: none, the whole K in the tensor cores' limited-precision accumulation).
 #: H200, session 14: the E=32 FP8 per-token torch layer at T=4096 3.82 -> 3.48 ms with promote 2 (error 7.1e-3 vs
@@ -903,19 +927,63 @@ def gluon_fp8_rowwise_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype
                                                            w_format, bias)
 
 
-def gluon_bf16_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> bool:
-    """Whether :func:`grouped_gemm_triton` (no explicit config) runs this request on the 16-bit Gluon kernel
-    (``gluon_bf16.py: grouped_gemm_gluon_bf16``): :data:`triton_common.GLUON_BF16_ENV` on (off by default), then
-    ``gluon_bf16.py: forward_eligible`` (bf16 / fp16 ``x``, ``w`` and out of one dtype, no scales, no bias, no 4-bit
-    weights, sm_90, contiguous, ``K % 8 == 0``, ``M_cap >=`` :data:`GLUON_MIN_ROWS` and ``>=
-    GLUON_MIN_ROWS_PER_EXPERT * E``). Host-side only (no sync)."""
-    if not gluon_bf16_enabled() or not x.is_cuda or x_scale is not None or w_scale is not None:
-        return False
+def gluon_bf16_choice(switch: bool | None, tuned: tuple[str, dict] | None) -> dict | None:
+    """The 16-bit forward's kernel from ``EPMOE_TRITON_GLUON_BF16`` (``switch``: :func:`triton_common.gluon_bf16_switch`,
+    ``None`` when unset) and the device's tuned entry (``tuned``: ``config.py: tuned_forward_kernel``, ``(kernel,
+    options)`` or ``None``), before the eligibility: ``None`` runs this module's Triton kernel; a dict runs the Gluon
+    kernel with those options (the entry's ``"gluon_config"``; ``{}``: none tuned, ``gluon_bf16.py: dispatch_options``
+    then passes ``DISPATCH_OPTIONS``). ``False`` -> ``None``; ``None`` -> the options where the entry's kernel is
+    ``"gluon"``, else ``None`` (no entry, a Triton entry, or one tuned before the choice); ``True`` -> the entry's
+    options whatever its kernel, ``{}`` without one. Pure: no device, no environment."""
+    if switch is False:
+        return None
+    if switch is None and (tuned is None or tuned[0] != "gluon"):
+        return None
+    return {} if tuned is None else dict(tuned[1])
+
+
+#: The tuned Gluon-or-Triton choice of a problem, looked up once (as :data:`_default_config`); ``(kernel, options as
+#: sorted items)`` or ``None``.
+@functools.cache
+def _tuned_forward(device_name: str, M_cap: int, N: int, K: int, E: int) -> tuple[str, tuple] | None:
+    choice = tuned_forward_kernel(device_name, M_cap, N, K, E, 16)
+    return None if choice is None else (choice[0], tuple(sorted(choice[1].items())))
+
+
+def gluon_bf16_options(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> dict | None:
+    """The options with which :func:`grouped_gemm_triton` (no explicit config) runs this request on the 16-bit Gluon
+    kernel (``gluon_bf16.py: grouped_gemm_gluon_bf16``), or ``None`` for this module's kernel: :func:`gluon_bf16_choice`
+    of :data:`triton_common.GLUON_BF16_ENV` (``0``: never, asked first; unset: where the device's tuned forward entry
+    says ``"gluon"``; ``1``: wherever it serves) and ``x``'s GPU's tuned entry (``config.py: tuned_forward_kernel``:
+    nearest ``M_cap``, same ``N``, ``K``, the bf16 entries), then ``gluon_bf16.py: forward_eligible`` (bf16 / fp16
+    ``x``, ``w`` and out of one dtype, no scales, no bias, no 4-bit weights, sm_90, contiguous, ``K % 8 == 0``,
+    ``M_cap >=`` :data:`GLUON_MIN_ROWS` and ``>= GLUON_MIN_ROWS_PER_EXPERT * E``); the options are
+    ``gluon_bf16.py: dispatch_options`` (the entry's ``"gluon_config"`` where valid for ``N``, else
+    ``DISPATCH_OPTIONS``). CPU tensors, scales, triton without Gluon: ``None``, the Gluon module not imported.
+    Host-side only (no sync; the lookup cached per problem). Raises ValueError for a malformed switch value."""
+    switch = gluon_bf16_switch()
+    if switch is False or not x.is_cuda or x_scale is not None or w_scale is not None:
+        return None
+    tuned = None
+    if x.dtype in (torch.bfloat16, torch.float16) and w_format is None and x.dim() == 2 and w.dim() == 3:
+        tuned = _tuned_forward(_device_name(x.device), x.shape[0], w.shape[1], x.shape[1], w.shape[0])
+    options = gluon_bf16_choice(switch, None if tuned is None else (tuned[0], dict(tuned[1])))
+    if options is None:
+        return None
     try:
-        from moe_torch.ops.grouped_gemm.gluon_bf16 import forward_eligible
+        from moe_torch.ops.grouped_gemm.gluon_bf16 import dispatch_options, forward_eligible
     except ImportError:  # triton without gluon
-        return False
-    return forward_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias)
+        return None
+    if not forward_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias):
+        return None
+    return dispatch_options(options, w.shape[1])
+
+
+def gluon_bf16_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> bool:
+    """Whether :func:`grouped_gemm_triton` (no explicit config) runs this request on the 16-bit Gluon kernel: whether
+    :func:`gluon_bf16_options` gives options (the switch, the tuned entry, ``gluon_bf16.py: forward_eligible``).
+    Host-side only (no sync)."""
+    return gluon_bf16_options(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias) is not None
 
 
 _E8M0_TABLES: dict[torch.device, torch.Tensor] = {}
