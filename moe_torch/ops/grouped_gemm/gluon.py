@@ -53,6 +53,12 @@ tensor cores run the next block):
   ``pid, pid + nprog, ...`` below the real total (computed on the device: no host sync, CUDA-graph capturable).
   Tile index -> (work item, column tile) by the grouped order of triton's matmul tutorial (``GROUP_M`` consecutive
   work items, mostly one expert's, sweep the column tiles together: L2 reuse of ``x`` and ``w``).
+* Split-N work items (``block_m=64``, session 17): tiles of 64 x 256, both consumers on the tile's 64 rows (one
+  ``x`` box a stage, read by both) and 128 columns each (two ``w`` boxes a stage, 40 KiB); expert ``e``'s items step
+  by 64 rows from ``s_e``. Fewer items where experts hold a few hundred rows or less (an expert of 130-192 rows: 3
+  items of 64 rows instead of 4 halves of 128), at 25% more loads an output. The dispatch takes them up to 192 rows an
+  expert on average (``triton.py: gluon_fp8_block_options``): DeepSeek-V3's gate_up GEMM at T=4096 3.27 -> 2.96 ms.
+  The same ``wgmma`` shape per 64 x 128 share and the same K order: outputs bit-identical to the 128-row items.
 * ``w`` is read through a descriptor of ``w_q`` viewed as ``[E * N, K]``: in an N tail the box reads the next
   expert's rows (zero past the end): computed, never stored.
 * Epilogue (``epilogue``, :data:`EPILOGUES`; :func:`_store_tile`): each consumer converts its 64 x 128 float32
