@@ -4,7 +4,7 @@ Usage (GPU machine, repo root)::
 
     PYTHONPATH=. python3 benchmarks/tune_triton_gemm.py [--out moe_torch/ops/grouped_gemm/tuned] [--quick] [--full] [--tma]
         [--dtypes bf16,fp8,fp8_block] [--ms 256,2048,16384] [--routings uniform,zipf] [--ops fwd,dgrad,wgrad]
-        [--max-minutes 3]
+        [--max-minutes 3] [--no-gluon]
 
 For each problem of the benchmark's grouped GEMM set (E=32; (K=7168, N=4096) and (K=2048, N=7168);
 M in {256, 2048, 16384}; rows split uniformly; bf16, FP8 per-token x per-channel (``fp8``), and FP8 with
@@ -25,6 +25,25 @@ tiles. ``--full`` times the whole product instead (108 configs per problem). ``-
 dtype: the variant serves bf16 and FP8) adds a third pass: the opt-in TMA variant (``GroupedGemmConfig.tma``; ``warp_specialize``
 too on 8-warp tiles) of the :data:`TOP_K` fastest configs so far, in each one's launch order and also
 persistent with ``group_m=8`` (at most 3 x 4 = 12 more configs per problem).
+
+bf16 forwards that the warp-specialized Gluon kernel serves (``gluon_bf16.py: forward_eligible`` on the problem's
+tensors, whatever ``EPMOE_TRITON_GLUON_BF16`` says: sm_90, at least 4096 rows and 32 a local expert, so M=16384 here,
+not 256 / 2048) also time the Gluon kernel (:func:`tune_gluon_forward`, after the Triton passes; ``--no-gluon`` skips
+it): :func:`gluon_forward_candidates` (``block_n`` 128 / 256 x ``num_stages`` 3 / 4 x ``epilogue`` ``"tma"`` /
+``"pointer"``, those the kernel allows: 7), each checked on every routing against the same reference as the Triton
+configs (the heuristic config's output; within :data:`MAX_REL_ERR` / :data:`MAX_ABS_ERR`, the backward's bf16 bounds:
+its accumulation may round an element an ulp away from the Triton kernel's) before it is timed. The entry then also
+says which kernel won (:func:`forward_entry`)::
+
+    {..., "dtype": "bf16", "config": {...Triton...}, "ms": 0.80, "heuristic_ms": ..., "kernel": "gluon",
+     "gluon_config": {"block_n": 256, "num_stages": 3, "epilogue": "tma"}, "gluon_ms": 0.76}
+
+``"config"`` / ``"ms"`` stay the fastest Triton config's (the Triton kernel always has one); ``"kernel"`` is
+``"gluon"`` where the fastest correct Gluon options beat it, else ``"triton"``; ``"gluon_config"`` / ``"gluon_ms"``
+(the fastest correct Gluon options, whichever kernel won) where one ran correctly. Entries without ``"kernel"`` (other
+dtypes, problems Gluon does not serve, ``--no-gluon``, tables tuned before) mean the Triton kernel. The dispatch
+(``triton.py: gluon_bf16_options``, ``config.tuned_forward_kernel``) runs the entry's kernel while
+``EPMOE_TRITON_GLUON_BF16`` is unset.
 
 ``--ops`` (default ``fwd``: the forward, as above; its entries have no ``"op"``) also or instead tunes the backward
 (bf16 only: ``--dtypes`` must include bf16; bf16 outputs, as the layer's backward makes them), each candidate checked
@@ -47,7 +66,8 @@ timed against the default the library runs without an entry (``heuristic_ms``):
 ``N`` and ``K`` of every entry are the forward's (``w [E, N, K]``). ``--max-minutes``: no config is started after
 that many minutes (every op; the heuristic is always timed); an entry cut short says ``"complete": false``.
 
-``moe_torch.ops.grouped_gemm.config.grouped_gemm_config`` reads it (nearest M_cap, same N, K, dtype). Entries of
+``moe_torch.ops.grouped_gemm.config.grouped_gemm_config`` reads it (nearest M_cap, same N, K, dtype; the 16-bit
+forward's kernel: ``config.tuned_forward_kernel``, the same entry). Entries of
 problems this run does not tune (other ``--dtypes`` / ``--ms``) are kept: the output file's, or for a new file
 (e.g. in ``$OUT``, the default where set) the table in the tree's. A JAX table (``tune_jax_gemm.py`` writes the
 same file name) is refused.
@@ -124,6 +144,26 @@ def tma_variants(cfg: GroupedGemmConfig) -> list[GroupedGemmConfig]:
     orders = [dict(), dict(group_m=8, persistent=True)]
     specs = [dict(tma=True)] + ([dict(tma=True, warp_specialize=True)] if cfg.num_warps >= 8 else [])
     return [dataclasses.replace(cfg, **o, **s) for o in orders for s in specs]
+
+
+#: The Gluon forward's options timed for bf16 problems it serves (``gluon_bf16.py: grouped_gemm_gluon_bf16``); the
+#: combinations the kernel refuses (``gluon_bf16.MAX_STAGES``: 4 stages at ``block_n`` 256 with the TMA epilogue;
+#: ``"tma"`` with ``N % 8 != 0``) are left out (:func:`gluon_forward_candidates`).
+GLUON_FWD_SPACE = {"block_n": (128, 256), "num_stages": (3, 4), "epilogue": ("tma", "pointer")}
+
+
+def gluon_forward_candidates(N: int) -> list[dict]:
+    """The Gluon forward's candidates for ``N`` output columns: :data:`GLUON_FWD_SPACE`'s products the kernel allows
+    (``gluon_bf16.forward_options_problem``), the dispatch's ``DISPATCH_OPTIONS`` first (``--max-minutes`` keeps the
+    likeliest); ``[]`` where triton has no Gluon."""
+    try:
+        from moe_torch.ops.grouped_gemm import gluon_bf16 as gb
+    except ImportError:
+        return []
+    keys = tuple(GLUON_FWD_SPACE)
+    cands = [dict(zip(keys, v)) for v in itertools.product(*(GLUON_FWD_SPACE[k] for k in keys))]
+    cands = [c for c in cands if gb.forward_options_problem(c, N) is None]
+    return sorted(cands, key=lambda c: c != gb.DISPATCH_OPTIONS)
 
 
 DTYPES = ("bf16", "fp8", "fp8_block")
@@ -347,6 +387,70 @@ def kept_entries(path: str, tuned_dir: str = TUNED_DIR) -> dict:
     return {entry_key(e): e for e in loaded}
 
 
+def tune_gluon_forward(x: torch.Tensor, w: torch.Tensor, offs: list, refs: list, routings: list[str],
+                       deadline: Deadline) -> dict | None:
+    """Time the Gluon forward (:func:`gluon_forward_candidates`) on ``x [M, K]``, ``w [E, N, K]`` (bf16) over each
+    routing's ``expert_offsets`` (``offs``), each candidate first checked against that routing's reference (``refs``:
+    the heuristic Triton config's output as float32; :func:`backward_error`'s bounds): ``{options as a tuple of items:
+    ms}`` (the mean of the routings' medians; ``inf`` for a wrong or failing candidate).
+    Candidates past ``--max-minutes`` are not started (nor in the result). ``None`` where the kernel does not serve the
+    problem (``gluon_bf16.forward_eligible`` on every routing's tensors, the switch ignored), triton has no Gluon, or
+    no candidate was started: the entry then has no ``"kernel"``."""
+    try:
+        from moe_torch.ops.grouped_gemm import gluon_bf16 as gb
+    except ImportError:
+        return None
+    if not all(gb.forward_eligible(x, w, off, None, None, x.dtype) for off in offs):
+        return None
+
+    def bench(opts: dict) -> float:
+        try:
+            times = []
+            for off, ref, routing in zip(offs, refs, routings):
+                err, ok = backward_error(gb.grouped_gemm_gluon_bf16(x, w, off, **opts), ref)
+                if not ok:
+                    print(f"  WRONG gluon {opts} ({routing}) rel err {err:.2e}", flush=True)
+                    return float("inf")
+                times.append(_time(lambda: gb.grouped_gemm_gluon_bf16(x, w, off, **opts)))
+            ms = sum(times) / len(times)
+            each = f" ({', '.join(f'{r} {t:.4f}' for r, t in zip(routings, times))})" if len(times) > 1 else ""
+            print(f"  {ms:.4f} ms{each}  gluon {opts}", flush=True)
+            return ms
+        except Exception as exc:  # noqa: BLE001 - a refused option, out of shared memory: not a candidate
+            print(f"  skip gluon {opts}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            return float("inf")
+
+    timed = {}
+    for opts in gluon_forward_candidates(w.shape[1]):
+        if deadline.passed():
+            print("  --max-minutes passed: the remaining Gluon options not timed", flush=True)
+            break
+        timed[tuple(opts.items())] = bench(opts)
+    return timed or None
+
+
+def forward_entry(*, dev: str, N: int, K: int, M: int, dtype: str, timed: dict, heur: GroupedGemmConfig,
+                  heur_ms: float, routings: list[str], gluon_timed: dict | None = None) -> dict:
+    """The forward entry of one problem (module docstring): ``"config"`` / ``"ms"`` the fastest of the heuristic
+    (``heur``, ``heur_ms``; first at equal times) and the Triton configs ``timed`` (``{GroupedGemmConfig: ms}``, ``inf``
+    for a wrong or failed one, never chosen), ``"heuristic_ms"``, ``"routings"`` where not uniform alone. With
+    ``gluon_timed`` (:func:`tune_gluon_forward`'s ``{options items: ms}``; ``None``: the Gluon kernel was not timed, no
+    ``"kernel"`` key, as before): ``"kernel"`` ``"gluon"`` where its fastest correct options are strictly faster than
+    ``"ms"``, else ``"triton"``, and ``"gluon_config"`` / ``"gluon_ms"`` of those options where one ran correctly."""
+    ms, cfg = min((heur_ms, heur), *((t, c) for c, t in timed.items()), key=lambda mc: mc[0])
+    entry = {"device": dev, "E": E, "N": N, "K": K, "M_cap": M, "dtype": dtype,
+             "config": dataclasses.asdict(cfg), "ms": round(ms, 4), "heuristic_ms": round(heur_ms, 4)}
+    if routings != ["uniform"]:  # the mean over these routings ranked the configs
+        entry["routings"] = list(routings)
+    if gluon_timed is not None:
+        ok = {opts: t for opts, t in gluon_timed.items() if t < float("inf")}
+        best = min(ok, key=ok.get) if ok else None
+        entry["kernel"] = "gluon" if best is not None and ok[best] < ms else "triton"
+        if best is not None:
+            entry["gluon_config"], entry["gluon_ms"] = dict(best), round(ok[best], 4)
+    return entry
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "moe_torch/ops/grouped_gemm/tuned"))
@@ -362,6 +466,8 @@ def main() -> int:
                         "configs), wgrad (Triton configs and the Gluon kernel's epilogue / stages): backward entries "
                         "with \"op\", bf16 only")
     parser.add_argument("--max-minutes", type=float, default=None, help="start no config after this many minutes")
+    parser.add_argument("--no-gluon", action="store_true", help="do not time the Gluon forward on the bf16 problems "
+                        "it serves (their entries then have no \"kernel\": the Triton kernel)")
     args = parser.parse_args()
     try:
         routings = parse_routings(args.routings)
@@ -446,11 +552,13 @@ def main() -> int:
                     if variant not in timed:
                         timed[variant] = bench(variant)
         print(f"  timed {len(timed)} configs", flush=True)
-        ms, cfg = min((heur_ms, heur), *((t, c) for c, t in timed.items()), key=lambda mc: mc[0])
-        entry = {"device": dev, "E": E, "N": N, "K": K, "M_cap": M, "dtype": dtype,
-                 "config": dataclasses.asdict(cfg), "ms": round(ms, 4), "heuristic_ms": round(heur_ms, 4)}
-        if routings != ["uniform"]:  # the mean over these routings ranked the configs
-            entry["routings"] = list(routings)
+        gluon_timed = None
+        if dtype == "bf16" and not args.no_gluon:  # the Gluon forward, where it serves (the switch ignored)
+            gluon_timed = tune_gluon_forward(x, w, offs, refs, routings, deadline)
+            if gluon_timed is not None:
+                print(f"  timed {len(gluon_timed)} Gluon options", flush=True)
+        entry = forward_entry(dev=dev, N=N, K=K, M=M, dtype=dtype, timed=timed, heur=heur, heur_ms=heur_ms,
+                              routings=routings, gluon_timed=gluon_timed)
         entries.append(entry)
         kept.pop(entry_key(entry), None)
         print(json.dumps(entry), flush=True)
@@ -479,6 +587,9 @@ def main() -> int:
         with open(path, "w") as f:  # after every problem, as the forward's
             json.dump(list(kept.values()) + entries, f, indent=1)
     for e in entries:
+        if e.get("op", "fwd") == "fwd" and "kernel" in e:
+            print(f"fwd   K={e['K']:5d} N={e['N']:5d} M={e['M_cap']:6d} triton {e['ms']} ms, gluon "
+                  f"{e.get('gluon_ms')} ms -> {e['kernel']}  {e.get('gluon_config', '')}")
         if e.get("op", "fwd") != "fwd":
             h = e["heuristic_ms"]
             print(f"{e['op']:5s} K={e['K']:5d} N={e['N']:5d} M={e['M_cap']:6d} heuristic {h} ms -> {e['ms']} ms  "

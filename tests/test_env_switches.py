@@ -1,5 +1,6 @@
 """Every on/off environment switch of the kernels (``moe_contract/env.py``'s reader): its default when unset or
-empty, the accepted spellings, and a ValueError naming the variable for anything else."""
+empty, the accepted spellings, and a ValueError naming the variable for anything else; and the three-state reading of
+``EPMOE_TRITON_GLUON_BF16`` (unset: the tuned table chooses the 16-bit forward's kernel)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,26 @@ def test_switch_refuses_other_values(monkeypatch, name, read, default, raw):
     monkeypatch.setenv(name, raw)
     with pytest.raises(ValueError, match=f"{name}.*got {name}='{raw}'"):
         read()
+
+
+@pytest.mark.parametrize("raw, expected", [(None, None), ("", None), ("  ", None), ("0", False), (" Off ", False),
+                                           ("no", False), ("1", True), ("TRUE", True), (" on ", True)])
+def test_gluon_bf16_switch_three_states(monkeypatch, raw, expected):
+    """``EPMOE_TRITON_GLUON_BF16`` (``triton_common.gluon_bf16_switch``): unset / empty -> None (the tuned forward entry
+    chooses: ``config.tuned_forward_kernel``), 0/false/off/no -> False (the Triton kernel), 1/true/on/yes -> True (the
+    Gluon kernel where it serves); ``gluon_bf16_enabled`` keeps its two-state reading (True only when forced on)."""
+    name = triton_common.GLUON_BF16_ENV
+    if raw is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, raw)
+    assert triton_common.gluon_bf16_switch() is expected
+    assert triton_common.gluon_bf16_enabled() is (expected is True)
+
+
+@pytest.mark.parametrize("raw", ["2", "auto", "tuned"])
+def test_gluon_bf16_switch_refuses_other_values(monkeypatch, raw):
+    name = triton_common.GLUON_BF16_ENV
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=f"{name}.*got {name}='{raw}'"):
+        triton_common.gluon_bf16_switch()

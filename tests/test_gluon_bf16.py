@@ -8,7 +8,8 @@ an sm_90 GPU.
   0x1``), mbarriers and ``setmaxnreg``; ``ptxas -arch=sm_90a -v`` rc 0, no C7514 serialization warning, no spill at
   E = 32 (a few bytes in the producer at E = 256: printed), shared memory <= 227 KiB;
 * the host-side refusals on CPU tensors (before any launch), and the dispatch never picking the kernels on a CPU or
-  with ``EPMOE_TRITON_GLUON_BF16`` / ``EPMOE_TRITON_GLUON_DGRAD`` off (their default);
+  with ``EPMOE_TRITON_GLUON_BF16=0`` / ``EPMOE_TRITON_GLUON_DGRAD`` off (its default; the forward's switch unset
+  follows the tuned table: ``test_tuned_forward_kernel.py``);
 * on an sm_90 GPU (``EPMOE_TEST_DEVICE=gpu``; skipped elsewhere): random problems against the reference (T=1, empty
   experts, all rows on one expert, unowned head and tail rows holding NaN, N and K tails, E=256 ragged, 64-row shares
   straddling an expert's last row, an expert ending at ``M_cap``, more tiles than SMs), both layouts, both tile
@@ -195,8 +196,8 @@ def test_refuses_cpu_device(layout):
 
 
 def test_dispatch_never_on_cpu_or_switched_off(monkeypatch):
-    """On a CPU (switches on or off) and with the switches off (their default) neither dispatch picks the kernels;
-    with them off the Gluon module is not even consulted."""
+    """On a CPU (switches unset, on or off) neither dispatch picks the kernels; with the switches off (the forward's
+    ``0``, the dgrad's default) the Gluon module is not even consulted."""
     import moe_torch.ops.grouped_gemm.triton as gemm_triton
     import moe_torch.ops.grouped_gemm.triton_backward as gemm_bwd
     from moe_torch.ops import triton_common
@@ -215,7 +216,7 @@ def test_dispatch_never_on_cpu_or_switched_off(monkeypatch):
         assert not gemm_bwd.gluon_dgrad_eligible(d_y, w, off, None, torch.bfloat16)
         assert not gb.forward_eligible(x, w, off, None, None, torch.bfloat16)
         assert not gb.dgrad_eligible(d_y, w, off, None, torch.bfloat16)
-    monkeypatch.delenv(triton_common.GLUON_BF16_ENV)
+    monkeypatch.setenv(triton_common.GLUON_BF16_ENV, "0")
     monkeypatch.delenv(triton_common.GLUON_DGRAD_ENV)
     monkeypatch.setattr(gb, "forward_eligible", lambda *a, **k: pytest.fail("consulted with the switch off"))
     monkeypatch.setattr(gb, "dgrad_eligible", lambda *a, **k: pytest.fail("consulted with the switch off"))
@@ -359,8 +360,9 @@ def test_decreasing_offsets_as_triton(layout, monkeypatch):
 @needs_sm90
 def test_forward_dispatch_with_switch(monkeypatch):
     """``EPMOE_TRITON_GLUON_BF16=1``: ``grouped_gemm(..., implementation="triton")`` of a 16-bit problem of >= 4096
-    rows runs the Gluon kernel with ``DISPATCH_OPTIONS`` (bit-identical to calling it); unset, 0, a bias, float32 out,
-    fewer rows or an explicit config run the Triton kernel."""
+    rows runs the Gluon kernel with ``DISPATCH_OPTIONS`` (bit-identical to calling it; no tuned entry of this shape);
+    unset (no tuned entry says gluon here), 0, a bias, float32 out, fewer rows or an explicit config run the Triton
+    kernel. The tuned choice: ``test_tuned_forward_kernel.py``."""
     import moe_torch
     import moe_torch.ops.grouped_gemm.triton as gemm_triton
     from tolerances import BF16_REL_FRO, assert_rel_fro

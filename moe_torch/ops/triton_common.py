@@ -7,6 +7,8 @@ Mirror: ``moe_pallas/ops/quant/pallas_triton.py`` (the JAX kernels' FP8 division
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -103,21 +105,35 @@ def tma_dgrad_enabled() -> bool:
     return env_switch(TMA_DGRAD_ENV, True, "the dgrad's pointer loads", "the dgrad's TMA variant where it serves")
 
 
-#: Environment switch, read at each launch of a torch grouped GEMM with 16-bit ``x`` and ``w`` and no explicit config
-#: (:func:`gluon_bf16_enabled`): 1/true/on/yes runs it, where it can (``moe_torch/ops/grouped_gemm/triton.py:
-#: gluon_bf16_eligible``: sm_90, bf16 / fp16 in and out, no scales, no bias, contiguous, ``K % 8 == 0``, at least
-#: ``GLUON_MIN_ROWS`` rows and ``GLUON_MIN_ROWS_PER_EXPERT`` a local expert), on the warp-specialized Gluon kernel
-#: (``moe_torch/ops/grouped_gemm/gluon_bf16.py: grouped_gemm_gluon_bf16``); unset, empty or 0/false/off/no (the
-#: default) keeps the Triton kernel. Off by default: on the H200 (session 16, BENCHMARKS.md) it wins the down shape's
-#: forward (0.757 vs 0.805 ms) and loses gate_up's (1.43 vs 1.29); the E=32 bf16 layer moved within the spread.
+#: Environment switch (three states), read at each launch of a torch grouped GEMM with 16-bit ``x`` and ``w`` and no
+#: explicit config (:func:`gluon_bf16_switch`; ``moe_torch/ops/grouped_gemm/triton.py: gluon_bf16_options``), for the
+#: requests the warp-specialized Gluon kernel serves (``gluon_bf16.py: forward_eligible``: sm_90, bf16 / fp16 in and
+#: out, no scales, no bias, contiguous, ``K % 8 == 0``, at least ``GLUON_MIN_ROWS`` rows and
+#: ``GLUON_MIN_ROWS_PER_EXPERT`` a local expert): unset or empty (the default) runs the kernel the device's tuned
+#: forward entry measured faster (``config.py: tuned_forward_kernel``: ``"kernel": "gluon"`` with its
+#: ``"gluon_config"``; Triton without an entry, or with one tuned before the choice); 1/true/on/yes runs the Gluon
+#: kernel (``gluon_bf16.py: grouped_gemm_gluon_bf16``, the entry's Gluon options or ``DISPATCH_OPTIONS``) wherever it
+#: serves; 0/false/off/no keeps the Triton kernel. Measured per shape (H200, session 16, E=32, M=16384): Gluon wins
+#: the down forward (0.757 vs 0.805 ms), Triton gate_up's (1.29 vs 1.43).
 GLUON_BF16_ENV = "EPMOE_TRITON_GLUON_BF16"
+_GLUON_BF16_MEANS = ("the Triton kernel for 16-bit inputs", "the Gluon kernel for 16-bit inputs where it serves")
+
+
+def gluon_bf16_switch() -> bool | None:
+    """:data:`GLUON_BF16_ENV` read now: unset, empty or spaces -> None (the tuned table chooses); 1/true/on/yes ->
+    True (forced on); 0/false/off/no -> False (forced off); any case, spaces ignored. Raises ValueError for any other
+    value, naming the variable."""
+    raw = os.environ.get(GLUON_BF16_ENV)
+    if raw is None or not raw.strip():
+        return None
+    return env_switch(GLUON_BF16_ENV, False, *_GLUON_BF16_MEANS)
 
 
 def gluon_bf16_enabled() -> bool:
-    """:data:`GLUON_BF16_ENV` read now: 1/true/on/yes -> True; unset, empty or 0/false/off/no -> False (the default;
-    any case, spaces ignored). Raises ValueError for any other value, naming the variable."""
-    return env_switch(GLUON_BF16_ENV, False, "the Triton kernel for 16-bit inputs",
-                      "the Gluon kernel for 16-bit inputs where it serves")
+    """Whether :data:`GLUON_BF16_ENV` forces the Gluon kernel on, read now: 1/true/on/yes -> True; unset, empty or
+    0/false/off/no -> False (any case, spaces ignored); :func:`gluon_bf16_switch` is the three-state reading (unset:
+    the tuned table's choice), which the dispatch uses. Raises ValueError for any other value, naming the variable."""
+    return env_switch(GLUON_BF16_ENV, False, *_GLUON_BF16_MEANS)
 
 
 #: Environment switch, read at each launch of a torch ``grouped_gemm_dgrad`` on the Triton backend without an explicit

@@ -267,7 +267,12 @@ def grouped_gemm(
         multipliers for ``"int4"``.
       out_dtype: result dtype; default ``x.dtype`` (bf16 for FP8 inputs).
       implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"``
-        with a logged warning; CPU tensors: ``"reference"``), ``"triton"`` or ``"reference"``.
+        with a logged warning; CPU tensors: ``"reference"``), ``"triton"`` or ``"reference"``. ``"triton"`` on sm_90
+        runs some requests on warp-specialized Gluon kernels (``triton.py: grouped_gemm_triton``): FP8 by default;
+        bf16 / fp16 (no scales, no bias, out dtype = ``x.dtype``, >= 4096 rows and >= 32 a local expert) where the
+        GPU's tuned forward entry measured Gluon faster (``config.py: tuned_forward_kernel``, written by
+        ``benchmarks/tune_triton_gemm.py``; ``EPMOE_TRITON_GLUON_BF16=1`` / ``0`` forces Gluon / Triton). The same
+        contract either way.
       w_format: ``None`` (float / FP8 ``w``), or for uint8 ``w`` (required there) ``"mxfp4"`` (e2m1 codes,
         OCP MX v1.0) or ``"int4"`` (offset-binary ``code - 8``, compressed-tensors ``pack-quantized``).
         ``x`` stays float (weight-only, no ``x_scale``), ``K % 32 == 0``; the weights are dequantized in

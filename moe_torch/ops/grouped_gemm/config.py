@@ -4,11 +4,12 @@ One frozen, keyword-only dataclass, the heuristic that picks it from the problem
 rules a config must follow (STYLE.md "Configs"). Every constant says why it has its value.
 
 Tuned configs: ``tuned/<device name>.json`` (named keys), written by ``benchmarks/tune_triton_gemm.py``. Lookup order of
-every default: the entry of the device with the same op (no ``"op"`` key: the forward, :func:`grouped_gemm_config`;
-``"op": "dgrad"`` / ``"wgrad"``, ``--ops dgrad,wgrad``: :func:`grouped_gemm_dgrad_config`,
-:func:`grouped_gemm_wgrad_config`, :func:`tuned_wgrad_kernel`), ``N``, ``K`` (``w [E, N, K]``), dtype (and out dtype
-for the backward) and the nearest ``M_cap`` in log2, where it keeps the kernel's rules; else the heuristic. An explicit
-``config`` of a kernel wins over both.
+every default: the entry of the device with the same op (no ``"op"`` key: the forward, :func:`grouped_gemm_config`
+and, for 16-bit inputs, the Gluon-or-Triton choice :func:`tuned_forward_kernel`; ``"op": "dgrad"`` / ``"wgrad"``,
+``--ops dgrad,wgrad``: :func:`grouped_gemm_dgrad_config`, :func:`grouped_gemm_wgrad_config`,
+:func:`tuned_wgrad_kernel`), ``N``, ``K`` (``w [E, N, K]``), dtype (and out dtype for the backward) and the nearest
+``M_cap`` in log2, where it keeps the kernel's rules; else the heuristic. An explicit ``config`` of a kernel wins over
+both.
 """
 
 from __future__ import annotations
@@ -218,6 +219,62 @@ def tuned_entries(device_name: str) -> tuple[dict, ...]:
         return tuple(json.load(f))
 
 
+def nearest_forward_entry(device_name: str | None, M_cap: int, N: int, K: int, bits: int, w_block: bool = False,
+                          w_format: str | None = None) -> dict | None:
+    """The forward entry (no ``"op"`` key, or ``"op": "fwd"``) of ``device_name`` that :func:`grouped_gemm_config` and
+    :func:`tuned_forward_kernel` read: the same ``N``, ``K`` and dtype key (``bits``: ``"bf16"`` for 16-bit inputs,
+    fp16 included; ``"fp8"``; with 4-bit weights ``"bf16_mxfp4"`` / ``"bf16_int4"``; FP8 with 128 x 128 weight blocks,
+    ``w_block``, ``"fp8_block"`` then ``"fp8"``) with the nearest ``M_cap`` in log2 (at equal distance the first key's
+    entry, then the first stored); ``None`` without a device name or a match. The whole entry, unchecked."""
+    dtype = {8: "fp8", 16: "bf16"}.get(bits)
+    keys = (dtype,)
+    if w_format is not None:  # 4-bit weights: their own entries (the bf16 ones tile another kernel)
+        keys = (f"{dtype}_{w_format}" if dtype else None,)
+    elif dtype == "fp8" and w_block:  # 128 x 128 weight blocks: their own entries, and the per-token ones
+        keys = ("fp8_block", "fp8")
+    matches = [t for t in tuned_entries(device_name) if t.get("op", "fwd") == "fwd"
+               and (t["N"], t["K"]) == (N, K) and t["dtype"] in keys] if device_name else []
+    if not matches:
+        return None
+    # the nearest M_cap; at equal distance the first key's entry
+    return min(matches, key=lambda t: (abs(math.log2(max(M_cap, 1)) - math.log2(t["M_cap"])), keys.index(t["dtype"])))
+
+
+#: The ``"kernel"`` of a tuned 16-bit forward entry (``benchmarks/tune_triton_gemm.py``, where the Gluon forward
+#: serves the problem): the warp-specialized Gluon kernel (``gluon_bf16.py: grouped_gemm_gluon_bf16``; the entry's
+#: ``"gluon_config"`` holds its options) or the Triton one (``triton.py``; the entry's ``"config"``). Entries without
+#: ``"kernel"`` (tuned before the choice, or where Gluon does not serve) mean the Triton kernel.
+FORWARD_KERNELS = ("gluon", "triton")
+#: The Gluon forward's options a tuned ``"gluon_config"`` may hold (``gluon_bf16.py: grouped_gemm_gluon_bf16``'s
+#: keyword arguments; ``num_sms`` is the device's, never tuned).
+GLUON_FORWARD_OPTION_KEYS = ("block_n", "num_stages", "epilogue")
+
+
+def tuned_forward_kernel(device_name: str | None, M_cap: int, N: int, K: int, E: int,
+                         bits: int) -> tuple[str, dict] | None:
+    """The measured kernel of a 16-bit forward ``x [M_cap, K] @ w [E, N, K] -> y [M_cap, N]`` (bf16 / fp16, no scales,
+    no 4-bit weights) from the forward entry :func:`grouped_gemm_config` reads (:func:`nearest_forward_entry`: same
+    ``N``, ``K``, the ``"bf16"`` entries, nearest ``M_cap``; ``E`` is not matched, as there): ``(kernel, options)``
+    with ``kernel`` the entry's ``"kernel"`` (:data:`FORWARD_KERNELS`; ``"triton"`` for an entry without one) and
+    ``options`` its ``"gluon_config"`` (the fastest Gluon options the tuner timed, stored whatever kernel won) restricted
+    to :data:`GLUON_FORWARD_OPTION_KEYS`, unchecked (``{}`` without one). ``None`` for other widths (``bits != 16``),
+    without a device name or an entry, or for an unknown ``"kernel"``: the dispatch's default.
+
+    Read by the dispatch (``triton.py: gluon_bf16_options``) after ``EPMOE_TRITON_GLUON_BF16``: unset, the Gluon
+    kernel runs where this says ``"gluon"`` (and ``gluon_bf16.py: forward_eligible`` accepts); ``1`` runs it with
+    these options wherever it is eligible; ``0`` never."""
+    del E  # not matched (the tuned entries are E=32's), as grouped_gemm_config
+    if bits != 16:
+        return None
+    entry = nearest_forward_entry(device_name, M_cap, N, K, bits)
+    kernel = None if entry is None else entry.get("kernel", "triton")
+    if kernel not in FORWARD_KERNELS:
+        return None
+    fields = entry.get("gluon_config")
+    options = {k: v for k, v in fields.items() if k in GLUON_FORWARD_OPTION_KEYS} if isinstance(fields, dict) else {}
+    return kernel, options
+
+
 def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: int | None = None,
                         w_block: bool = False, device_name: str | None = None,
                         w_format: str | None = None, bias: bool = False) -> GroupedGemmConfig:
@@ -227,17 +284,10 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: 
     one is stored and fits this problem's scale layout and ``bias`` (:func:`check_config`: a tuned ``tma``
     entry is skipped for a request with a bias); else :func:`heuristic_grouped_gemm_config`. Forward entries only
     (no ``"op"`` key, or ``"op": "fwd"``; the backward's are :func:`grouped_gemm_dgrad_config`'s and
-    :func:`grouped_gemm_wgrad_config`'s)."""
-    dtype = {8: "fp8", 16: "bf16"}.get(bits)
-    keys = (dtype,)
-    if w_format is not None:  # 4-bit weights: their own entries (the bf16 ones tile another kernel)
-        keys = (f"{dtype}_{w_format}" if dtype else None,)
-    elif dtype == "fp8" and w_block:  # 128 x 128 weight blocks: their own entries, and the per-token ones
-        keys = ("fp8_block", "fp8")
-    matches = [t for t in tuned_entries(device_name) if t.get("op", "fwd") == "fwd"
-               and (t["N"], t["K"]) == (N, K) and t["dtype"] in keys] if device_name else []
-    if matches:  # the nearest M_cap; at equal distance the first key's entry
-        best = min(matches, key=lambda t: (abs(math.log2(max(M_cap, 1)) - math.log2(t["M_cap"])), keys.index(t["dtype"])))
+    :func:`grouped_gemm_wgrad_config`'s). A 16-bit entry's ``"kernel"`` (``"gluon"`` / ``"triton"``) is the dispatch's
+    (:func:`tuned_forward_kernel`): its ``"config"`` is always the Triton kernel's."""
+    best = nearest_forward_entry(device_name, M_cap, N, K, bits, w_block, w_format)
+    if best is not None:
         cfg = GroupedGemmConfig(**best["config"])  # entries without group_m / persistent: the defaults
         try:
             check_config("grouped_gemm", cfg, bits, x_group, w_block, w_format, bias=bias)

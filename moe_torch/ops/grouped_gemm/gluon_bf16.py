@@ -63,9 +63,11 @@ setmaxnreg 232 / 232 / 40 as ``gluon.py``), no C7514; spills 0 bytes at E = 32, 
 213216 (BN 256: 4 / 3). A ``[64, 256]`` box with 128-byte swizzle is split by triton into four ``[64, 64]`` TMA
 messages (its ``block_size`` metadata), one per producer warp.
 
-Not measured on a GPU yet: the dispatch takes it only with ``EPMOE_TRITON_GLUON_BF16=1`` (forward) /
-``EPMOE_TRITON_GLUON_DGRAD=1`` (dgrad), both off by default (``triton_common.py``); the timings come from
-``benchmarks/results/2026-12-03_h200_session16/gluon_bf16_call.sh``.
+Dispatch (``triton_common.py``): the forward runs here where the device's tuned forward entry says ``"kernel":
+"gluon"`` (``config.py: tuned_forward_kernel``, written by ``benchmarks/tune_triton_gemm.py``, with the entry's
+``"gluon_config"``: :func:`dispatch_options`) and ``EPMOE_TRITON_GLUON_BF16`` is unset, wherever it serves with
+``EPMOE_TRITON_GLUON_BF16=1``, never with ``=0``; the dgrad only with ``EPMOE_TRITON_GLUON_DGRAD=1`` (off by default).
+Session 16's timings come from ``benchmarks/results/2026-12-03_h200_session16/gluon_bf16_call.sh``.
 
 Sources read (no code copied): this repo's ``moe_torch/ops/grouped_gemm/gluon.py`` (the partitions, ring, schedule,
 zeroing and TMA-store epilogue, reused by import) and ``gluon_backward.py`` (MN-major 16-bit ``wgmma`` operands from
@@ -112,7 +114,8 @@ _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 MAX_STAGES = {(128, "pointer"): 7, (128, "tma"): 6, (256, "pointer"): 4, (256, "tma"): 3}
 BLOCK_NS = (128, 256)
 #: What the dispatch passes (``triton.py: grouped_gemm_triton`` / ``triton_backward.py: grouped_gemm_dgrad_triton``
-#: with ``EPMOE_TRITON_GLUON_BF16=1`` / ``EPMOE_TRITON_GLUON_DGRAD=1``): 128 x 256 tiles with the TMA-store epilogue
+#: with ``EPMOE_TRITON_GLUON_BF16=1`` / ``EPMOE_TRITON_GLUON_DGRAD=1``) where no tuned ``"gluon_config"`` serves
+#: (:func:`dispatch_options`; the pointer epilogue where ``N % 8 != 0``): 128 x 256 tiles with the TMA-store epilogue
 #: and its deepest ring, the fastest of the kernel's configs on 6 of the 8 rows measured (H200, session 16, E=32,
 #: M=16384; 128 x 128 / 4 stages on the Zipf gate_up forward and dgrad).
 DISPATCH_OPTIONS = {"block_n": 256, "num_stages": 3, "epilogue": "tma"}
@@ -211,7 +214,8 @@ def _consumer16(y_ptr, y_desc, c_buf, off_ptr, a_bufs, b_bufs, ready, empty, E, 
         # accumulator registers, ptxas serialized every wgmma of the kernel (C7514, triton 3.6.0); a -0.0 sum
         # becomes +0.0
         out = (acc + 0.0).to(y_ptr.dtype.element_ty)
-        _store_tile(out, rows, pid_n * BN + c, pid_n * BN, m0, s_e, t_e, y_ptr, y_desc, c_buf, M_cap, NO, WG, TMA_OUT)
+        _store_tile(out, rows, pid_n * BN + c, m0 + WG * HALF_M, pid_n * BN, m0, s_e, t_e, y_ptr, y_desc, c_buf, M_cap,
+                    NO, TMA_OUT)
     # the unowned rows in 64 x 128 blocks whatever BN (half the registers of 64 x 256 blocks), as gluon.py
     zl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
     _zero_unowned(y_ptr, off_ptr, E, M_cap, NO, BLOCK_E, BLOCK_N, WG, vec, zl)
@@ -361,7 +365,9 @@ def grouped_gemm_gluon_bf16(x: torch.Tensor, w: torch.Tensor, expert_offsets: to
     (``2..MAX_STAGES[(block_n, epilogue)]``; default the deepest). ``epilogue``: ``"tma"`` or ``"pointer"``
     (default ``gluon.DEFAULT_EPILOGUE`` where ``N % 8 == 0``, else pointer; ``"tma"`` needs ``N % 8 == 0``).
     ``num_sms``: persistent programs (default the device's SM count). ``grouped_gemm(..., implementation="triton")``
-    runs it with :data:`DISPATCH_OPTIONS` where ``EPMOE_TRITON_GLUON_BF16=1`` and :func:`forward_eligible` accept.
+    runs it where :func:`forward_eligible` accepts and either the device's tuned forward entry says ``"kernel":
+    "gluon"`` (``EPMOE_TRITON_GLUON_BF16`` unset) or ``EPMOE_TRITON_GLUON_BF16=1``, with :func:`dispatch_options`
+    (``triton.py: gluon_bf16_options``).
     Refusals (before any launch): :func:`check_inputs` (``TypeError`` / ``ValueError`` / ``NotImplementedError``),
     ``ValueError`` for ``block_n`` / ``num_stages`` / ``epilogue``."""
     _check_shapes(OP, x, w, expert_offsets, "x", dgrad=False)
@@ -400,8 +406,8 @@ def _rows_enough(M_cap: int, E: int) -> bool:
 
 
 def forward_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> bool:
-    """Whether this kernel can serve a forward request of ``grouped_gemm_triton`` (the switch is the caller's:
-    ``triton.py: gluon_bf16_eligible``): bf16 / fp16 ``x`` and ``w`` of one dtype, ``out_dtype`` that dtype, no
+    """Whether this kernel can serve a forward request of ``grouped_gemm_triton`` (the switch and the tuned choice are
+    the caller's: ``triton.py: gluon_bf16_options``; the tuner asks it too): bf16 / fp16 ``x`` and ``w`` of one dtype, ``out_dtype`` that dtype, no
     scales, no bias, no 4-bit weights, enough rows (:func:`_rows_enough`), and nothing :func:`check_inputs` refuses
     (contiguous, one sm_90 CUDA device, ``K % 8 == 0``, 16-byte aligned, ``E <= 4095``). Host-side only (no sync)."""
     if (x_scale is not None or w_scale is not None or w_format is not None or bias is not None
@@ -413,6 +419,36 @@ def forward_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format
     except (TypeError, ValueError, NotImplementedError):
         return False
     return True
+
+
+def forward_options_problem(options, N: int) -> str | None:
+    """Why ``options`` (a tuned entry's ``"gluon_config"``: ``block_n`` / ``num_stages`` / ``epilogue``, each optional,
+    ``None`` or missing meaning :func:`grouped_gemm_gluon_bf16`'s default) cannot serve a forward of ``N`` output
+    columns: not a dict, another key, or what that launcher raises ``ValueError`` for (``block_n`` not 128 / 256, a ring
+    deeper than :data:`MAX_STAGES`, ``"tma"`` with ``N % 8 != 0``); ``None`` where they can."""
+    if not isinstance(options, dict):
+        return f"options must be a dict; got {type(options).__name__}"
+    if unknown := sorted(set(options) - {"block_n", "num_stages", "epilogue"}):
+        return f"options may hold block_n, num_stages and epilogue only; got {unknown}"
+    try:
+        _options(OP, options.get("block_n"), options.get("num_stages"), options.get("epilogue"), N)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def dispatch_options(options: dict | None, N: int) -> dict:
+    """The keyword options the forward dispatch (``triton.py: gluon_bf16_options``) passes to
+    :func:`grouped_gemm_gluon_bf16` for ``N`` output columns: ``options`` (the tuned entry's ``"gluon_config"``) where
+    they are non-empty and keep :func:`forward_options_problem`; else :data:`DISPATCH_OPTIONS`, with the pointer
+    epilogue where ``N % 8 != 0`` (a TMA store needs ``y``'s rows at 16-byte strides; 3 stages fit both epilogues at
+    ``block_n`` 256). A new dict each call."""
+    if options and forward_options_problem(options, N) is None:
+        return dict(options)
+    chosen = dict(DISPATCH_OPTIONS)
+    if N % 8 != 0:
+        chosen["epilogue"] = "pointer"
+    return chosen
 
 
 def dgrad_eligible(d_y, w, expert_offsets, w_scale, out_dtype) -> bool:

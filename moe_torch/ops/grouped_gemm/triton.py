@@ -804,7 +804,8 @@ def grouped_gemm_triton(
     Raises: NotImplementedError (no CUDA and no interpreter; FP8 before sm_89; per-token-group
       scales too narrow for ``tl.dot``; ``expert_offsets`` or ``bias`` on another device; more than 4095
       experts; too many column tiles),
-      ValueError (a given ``config`` that breaks the rules of :class:`GroupedGemmConfig`);
+      ValueError (a given ``config`` that breaks the rules of :class:`GroupedGemmConfig`; without ``config``, an
+      ``EPMOE_TRITON_*`` switch of another value than unset / empty, 0/false/off/no, 1/true/on/yes);
       with ``config.tma`` also NotImplementedError for what the TMA variant does not serve (module
       docstring, "TMA variant": FP8, float32, 4-bit, bias; unaligned base or row strides of ``x`` / ``w``).
     """
