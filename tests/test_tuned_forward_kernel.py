@@ -81,7 +81,7 @@ def test_lookup_reads_the_entry_grouped_gemm_config_reads(tmp_path, monkeypatch)
         fwd_entry((2048, 1024), 16384, TMA, kernel="cublas"),  # unknown kernel
         {"op": "wgrad", **fwd_entry((512, 512), 16384, {"block_n": 128}, kernel="gluon"), "out_dtype": "bf16"},
     ])
-    look = lambda M, nk=DOWN, bits=16, dev=KIND: tuned_forward_kernel(dev, M, *nk, 32, bits)  # noqa: E731
+    look = lambda M, nk=DOWN, bits=16, dev=KIND: tuned_forward_kernel(dev, M, *nk, bits)  # noqa: E731
     assert look(16384) == look(8192) == look(65536) == ("gluon", G256)  # nearest M_cap in log2; num_sms dropped
     assert look(4096) == look(2048) == look(256) == ("triton", {})  # 4096 is nearer 2048 than 16384
     assert look(16384, GATE_UP) == ("triton", G128)  # the Gluon options are kept where Triton won
@@ -114,7 +114,7 @@ def test_the_h200_table_forward_entries_are_the_tuners():
             assert e["kernel"] in torch_config.FORWARD_KERNELS and e["dtype"] == "bf16", e
             assert e["kernel"] == "triton" or (isinstance(e["gluon_config"], dict) and e["gluon_ms"] < e["ms"]), e
         elif e["dtype"] == "bf16":
-            assert tuned_forward_kernel("NVIDIA H200", e["M_cap"], e["N"], e["K"], 32, 16) == ("triton", {}), e
+            assert tuned_forward_kernel("NVIDIA H200", e["M_cap"], e["N"], e["K"], 16) == ("triton", {}), e
 
 
 # ------------------------------------------------------------------------------------------------ the switch
@@ -342,10 +342,10 @@ def test_tuner_forward_entries_round_trip(tmp_path, monkeypatch):
     assert tt.entry_key(down) == (32, 7168, 2048, 16384, "bf16", "fwd", None)  # as every forward entry's
     json.dumps([down, gate, tie, broken, plain])  # JSON as written
     use_table(tmp_path, monkeypatch, [down, gate, tie, broken, plain])
-    assert tuned_forward_kernel(KIND, 16384, 7168, 2048, 32, 16) == ("gluon", G256)
-    assert tuned_forward_kernel(KIND, 16384, 4096, 2048, 32, 16) == ("triton", G128)
-    assert tuned_forward_kernel(KIND, 16384, 2048, 2048, 32, 16) == ("triton", {})
-    assert tuned_forward_kernel(KIND, 2048, 7168, 2048, 32, 16) == ("triton", {})  # the M=2048 entry, no "kernel"
+    assert tuned_forward_kernel(KIND, 16384, 7168, 2048, 16) == ("gluon", G256)
+    assert tuned_forward_kernel(KIND, 16384, 4096, 2048, 16) == ("triton", G128)
+    assert tuned_forward_kernel(KIND, 16384, 2048, 2048, 16) == ("triton", {})
+    assert tuned_forward_kernel(KIND, 2048, 7168, 2048, 16) == ("triton", {})  # the M=2048 entry, no "kernel"
     assert grouped_gemm_config(16384, 7168, 2048, 32, 16, device_name=KIND) == tma
 
 

@@ -250,11 +250,10 @@ FORWARD_KERNELS = ("gluon", "triton")
 GLUON_FORWARD_OPTION_KEYS = ("block_n", "num_stages", "epilogue")
 
 
-def tuned_forward_kernel(device_name: str | None, M_cap: int, N: int, K: int, E: int,
-                         bits: int) -> tuple[str, dict] | None:
+def tuned_forward_kernel(device_name: str | None, M_cap: int, N: int, K: int, bits: int) -> tuple[str, dict] | None:
     """The measured kernel of a 16-bit forward ``x [M_cap, K] @ w [E, N, K] -> y [M_cap, N]`` (bf16 / fp16, no scales,
     no 4-bit weights) from the forward entry :func:`grouped_gemm_config` reads (:func:`nearest_forward_entry`: same
-    ``N``, ``K``, the ``"bf16"`` entries, nearest ``M_cap``; ``E`` is not matched, as there): ``(kernel, options)``
+    ``N``, ``K``, the ``"bf16"`` entries, nearest ``M_cap``; the experts are not matched, as there): ``(kernel, options)``
     with ``kernel`` the entry's ``"kernel"`` (:data:`FORWARD_KERNELS`; ``"triton"`` for an entry without one) and
     ``options`` its ``"gluon_config"`` (the fastest Gluon options the tuner timed, stored whatever kernel won) restricted
     to :data:`GLUON_FORWARD_OPTION_KEYS`, unchecked (``{}`` without one). ``None`` for other widths (``bits != 16``),
@@ -263,7 +262,6 @@ def tuned_forward_kernel(device_name: str | None, M_cap: int, N: int, K: int, E:
     Read by the dispatch (``triton.py: gluon_bf16_options``) after ``EPMOE_TRITON_GLUON_BF16``: unset, the Gluon
     kernel runs where this says ``"gluon"`` (and ``gluon_bf16.py: forward_eligible`` accepts); ``1`` runs it with
     these options wherever it is eligible; ``0`` never."""
-    del E  # not matched (the tuned entries are E=32's), as grouped_gemm_config
     if bits != 16:
         return None
     entry = nearest_forward_entry(device_name, M_cap, N, K, bits)

@@ -951,8 +951,8 @@ def gluon_bf16_choice(switch: bool | None, tuned: tuple[str, dict] | None) -> di
 #: The tuned Gluon-or-Triton choice of a problem, looked up once (as :data:`_default_config`); ``(kernel, options as
 #: sorted items)`` or ``None``.
 @functools.cache
-def _tuned_forward(device_name: str, M_cap: int, N: int, K: int, E: int) -> tuple[str, tuple] | None:
-    choice = tuned_forward_kernel(device_name, M_cap, N, K, E, 16)
+def _tuned_forward(device_name: str, M_cap: int, N: int, K: int) -> tuple[str, tuple] | None:
+    choice = tuned_forward_kernel(device_name, M_cap, N, K, 16)
     return None if choice is None else (choice[0], tuple(sorted(choice[1].items())))
 
 
@@ -972,7 +972,7 @@ def gluon_bf16_options(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_form
         return None
     tuned = None
     if x.dtype in (torch.bfloat16, torch.float16) and w_format is None and x.dim() == 2 and w.dim() == 3:
-        tuned = _tuned_forward(_device_name(x.device), x.shape[0], w.shape[1], x.shape[1], w.shape[0])
+        tuned = _tuned_forward(_device_name(x.device), x.shape[0], w.shape[1], x.shape[1])
     options = gluon_bf16_choice(switch, None if tuned is None else (tuned[0], dict(tuned[1])))
     if options is None:
         return None
