@@ -37,6 +37,13 @@ else:
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 sys.path.insert(0, os.path.dirname(__file__))  # `import tolerances`
 
+# Tuned tables from a user's own `epmoe tune` runs must not change what the tests see: an empty per-user cache
+# (unless a run names one).
+if not os.environ.get("EPMOE_CACHE_DIR"):
+    import tempfile
+
+    os.environ["EPMOE_CACHE_DIR"] = tempfile.mkdtemp(prefix="epmoe-test-cache-")
+
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(

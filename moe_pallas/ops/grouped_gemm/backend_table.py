@@ -3,20 +3,20 @@
 ``implementation=None`` on a GPU tries the backends in the order :func:`default_order` gives for the
 request's op, layout and shape (``moe_pallas.ops.dispatch.dispatch(..., order=...)``):
 
-1. The table's choice first: the entry of the device kind (``jax.devices()[0].device_kind``, e.g.
-   ``"NVIDIA H200"``) with the same ``op``, ``layout``, ``N`` and ``K`` and the nearest ``M_cap`` in log2
-   (ties: the first stored), as :func:`~moe_pallas.ops.grouped_gemm.config.nearest_tuned` picks launch
-   configs. Then the rest of the heuristic order, so a choice that cannot serve a request
-   (``NotImplementedError``) falls through it with the dispatch's logged warning.
-2. No entry for the op, layout, ``N`` and ``K`` (or no file for the device kind): :func:`heuristic_order`,
+1. The table's choice first: the entry of the device's tuned tables (``config.tuned_tables``: the per-user cache of
+   ``epmoe tune``, then ``tuned/<arch>/<device kind>.json``, then ``tuned/<arch>.json``, so every Hopper GPU reads
+   ``sm90.json``) with the same ``op``, ``layout``, ``N`` and ``K`` and the nearest ``M_cap`` in log2 (ties: the first
+   stored), as :func:`~moe_pallas.ops.grouped_gemm.config.nearest_tuned` picks launch configs. Then the rest of the
+   heuristic order, so a choice that cannot serve a request (``NotImplementedError``) falls through it with the
+   dispatch's logged warning.
+2. No entry for the op, layout, ``N`` and ``K`` (or no table for the device): :func:`heuristic_order`,
    ``GPU_ORDER`` except where a measurement says otherwise (FP8 with 128x128 weight blocks: Pallas-Triton
    first).
 
 On the CPU the order is ``CPU_ORDER`` (the reference; kernels only interpreted when asked for by name).
 
-**The table** is the tuned file of the device kind, ``tuned/<device kind with spaces as _>.json`` beside
-this module (:data:`~moe_pallas.ops.grouped_gemm.config.TUNED_DIR`; one JSON list that also holds the
-launch configs of ``benchmarks/tune_jax_gemm.py``, which have no ``"kind"``). A backend choice is an
+**The table** is one of the device's tuned files (:data:`~moe_pallas.ops.grouped_gemm.config.TUNED_DIR`; each one
+JSON list that also holds launch configs, which have no ``"kind"``). A backend choice is an
 entry with ``"kind": "backend_choice"``, written by ``benchmarks/tune_backend.py`` from benchmark rows
 where both JAX kernels timed the same GEMM and both were correct::
 
@@ -43,9 +43,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from moe_contract.selection import DeviceSpec, TunedTables
 from moe_pallas.ops.dispatch import CPU_ORDER, GPU_ORDER
 from moe_pallas.ops.grouped_gemm import config as gemm_config
-from moe_pallas.ops.grouped_gemm.config import gpu_device_kind
+from moe_pallas.ops.grouped_gemm.config import gpu_device_spec
 from moe_pallas.ops.grouped_gemm.pallas_triton import scale_kinds
 
 #: The ``"kind"`` of a backend-choice entry in the tuned file.
@@ -160,30 +161,28 @@ def check_entries(entries: Sequence[dict], where: str) -> list[dict]:
     return out
 
 
-def backend_choices(device_kind: str) -> list[dict]:
-    """The checked backend choices of ``device_kind``'s tuned file (``[]`` without a file). The file is read once
-    (``config.tuned_entries`` caches it); the check runs at each lookup (trace time; a few dozen entries)."""
-    return check_entries(gemm_config.tuned_entries(device_kind), gemm_config.tuned_path(device_kind))
+def backend_choices(device: DeviceSpec) -> TunedTables:
+    """The checked backend choices of ``device``'s tuned tables (``config.tuned_tables``: the user's, then the shipped
+    device-kind and architecture files), per file, most specific first. The files are read once; the check runs at
+    each lookup (trace time; a few dozen entries)."""
+    tiers = gemm_config.tuned_tables(device).tiers
+    return TunedTables(tuple((path, tuple(check_entries(entries, path))) for path, entries in tiers))
 
 
-def nearest_backend_choice(device_kind: str | None, op: str, layout: str, M_cap: int, N: int, K: int) -> dict | None:
-    """The backend choice of ``device_kind`` for the same ``op``, ``layout``, ``N`` and ``K`` with the nearest
-    ``M_cap`` in log2 (ties: the first stored); ``None`` without a device kind or a match."""
-    if device_kind is None:
+def nearest_backend_choice(device: DeviceSpec | None, op: str, layout: str, M_cap: int, N: int, K: int) -> dict | None:
+    """The backend choice for ``device`` with the same ``op``, ``layout``, ``N`` and ``K`` and the nearest ``M_cap`` in
+    log2 (ties: the first stored), from the most specific table that has one; ``None`` without a device or a match."""
+    if device is None:
         return None
-    matches = [t for t in backend_choices(device_kind)
-               if (t["op"], t["layout"], t["N"], t["K"]) == (op, layout, N, K)]
-    if not matches:
-        return None
-    log_m = math.log2(max(M_cap, 1))
-    return min(matches, key=lambda t: abs(log_m - math.log2(t["M_cap"])))
+    return backend_choices(device).nearest(lambda t: (t["op"], t["layout"], t["N"], t["K"]) == (op, layout, N, K),
+                                           M_cap)
 
 
-def gpu_order(op: str, layout: str, M_cap: int, N: int, K: int, device_kind: str | None) -> tuple[str, ...]:
+def gpu_order(op: str, layout: str, M_cap: int, N: int, K: int, device: DeviceSpec | None) -> tuple[str, ...]:
     """The GPU order: the table's choice (:func:`nearest_backend_choice`) first, then the rest of
     :func:`heuristic_order`; the heuristic order alone where the table has no entry."""
     heuristic = heuristic_order(op, layout)
-    entry = nearest_backend_choice(device_kind, op, layout, M_cap, N, K)
+    entry = nearest_backend_choice(device, op, layout, M_cap, N, K)
     if entry is None:
         return heuristic
     return (entry["backend"], *(name for name in heuristic if name != entry["backend"]))
@@ -201,4 +200,4 @@ def default_order(op: str, layout: str, *, M_cap: int, N: int, K: int) -> tuple[
     at trace time). Raises ``ValueError`` (naming the file) if the device kind's table is malformed."""
     if not on_gpu():
         return CPU_ORDER
-    return gpu_order(op, layout, M_cap, N, K, gpu_device_kind())
+    return gpu_order(op, layout, M_cap, N, K, gpu_device_spec())

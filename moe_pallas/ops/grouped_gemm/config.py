@@ -7,11 +7,12 @@ expert, looping over ``K`` in ``block_k`` steps (``x`` tile ``[block_m, block_k]
 K-major weight tile ``[block_n, block_k]``, float32 accumulator in registers). The numbers
 below are first, untuned choices (no GPU measurements yet); the constraints are hard ones.
 
-Tuned configs: ``benchmarks/tune_jax_gemm.py`` writes ``tuned/<device kind>.json`` (entries with
-named keys, both backends in one file). :func:`grouped_gemm_config` and
+Tuned configs: the tables of :func:`tuned_tables` (``moe_contract/selection.py``: the per-user cache of ``epmoe
+tune``, then ``tuned/<arch>/<device kind>.json``, then ``tuned/<arch>.json``; entries with named keys, both backends
+in one file). :func:`grouped_gemm_config` and
 :func:`mosaic_grouped_gemm_config` prefer the entry of the same backend, ``N``, ``K`` and dtype
 (and ``fast_accum`` for Mosaic) with the nearest ``M_cap`` (in log2) when they are given the
-device kind (the kernels pass :func:`gpu_device_kind`, read on the host at trace time; none on
+device spec (the kernels pass :func:`gpu_device_spec`, read on the host at trace time; none on
 the CPU or in interpret mode), and fall back to the heuristics (:func:`heuristic_grouped_gemm_config`,
 :func:`heuristic_mosaic_grouped_gemm_config`) when no entry matches or the nearest one breaks a
 rule of this request (scale layout, whole tiles). Mirror of ``moe_torch/ops/grouped_gemm/config.py``.
@@ -30,14 +31,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 
 import jax
 from jax.experimental import pallas as pl
 
+from moe_contract.selection import DeviceSpec, TunedTables
 from moe_contract.op_checks import W4_GROUP  # K values per scale of 4-bit weights (CONTRACT.md section 9)
+from moe_pallas.ops.device import device_spec
 
 #: The heuristic K step with 4-bit weights and 16-bit ``x`` (128 K values: 256 bytes of ``x``, 64 of codes a row).
 W4_BLOCK_K = 128
@@ -460,51 +462,54 @@ def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, ite
                                    grid_block_n=grid_block_n, fast_accum=fast_accum and fp8)
 
 
-# --- Tuned configs (``benchmarks/tune_jax_gemm.py``) ------------------------------------------
+# --- Tuned configs --------------------------------------------------------------------------
 
-#: Tuned configs, one JSON file per device kind (``"NVIDIA H200"`` -> ``NVIDIA_H200.json``).
+#: The shipped tuned tables: ``tuned/<arch>.json`` (every GPU of the architecture, e.g. ``sm90.json``) and
+#: ``tuned/<arch>/<device kind>.json`` (refinements of one device kind); ``moe_contract/selection.py`` says the order.
 TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
 #: The ``"backend"`` key of the tuned entries of each kernel.
 TRITON_BACKEND = "pallas_triton"
 MOSAIC_BACKEND = "pallas_mosaic_gpu"
 
 
-def gpu_device_kind() -> str | None:
-    """``jax.devices()[0].device_kind`` (e.g. ``"NVIDIA H200"``) when the default backend is a GPU,
-    else ``None``. Host-side only (no device state is traced); the kernels call it at trace time."""
-    try:
-        if jax.default_backend() != "gpu":
-            return None
-        return jax.devices()[0].device_kind
-    except Exception:  # noqa: BLE001 - no backend to ask: no tuned lookup
+def gpu_device_spec() -> DeviceSpec | None:
+    """The :class:`~moe_contract.selection.DeviceSpec` of JAX's GPU (``moe_pallas/ops/device.py``), ``None`` off a GPU.
+    Host-side only (no device state is traced); the kernels call it at trace time."""
+    return device_spec()
+
+
+def entry_problem(t: dict) -> str | None:
+    """Why ``t`` is not a valid JAX launch-config entry (``None``: it is, or it is a backend choice, which
+    ``backend_table.py`` checks): ``"backend"`` one of the two kernels, ``"op"`` one of :data:`TUNED_OPS`, a string
+    ``"dtype"``, a ``"config"`` object that builds the backend's config dataclass."""
+    if "kind" in t:
         return None
-
-
-def tuned_path(device_kind: str) -> str:
-    """The tuned file of ``device_kind``: ``TUNED_DIR/<device kind with spaces as _>.json``."""
-    return os.path.join(TUNED_DIR, device_kind.replace(" ", "_") + ".json")
+    backend, op = t.get("backend"), t.get("op", "fwd")
+    if backend not in (TRITON_BACKEND, MOSAIC_BACKEND):
+        return f"backend must be one of {(TRITON_BACKEND, MOSAIC_BACKEND)}; got backend={backend!r}"
+    if op not in TUNED_OPS:
+        return f"op must be one of {TUNED_OPS}; got op={op!r}"
+    if not isinstance(t.get("dtype"), str):
+        return f"dtype must be a string; got dtype={t.get('dtype')!r}"
+    fields = t.get("config")
+    cls = GroupedGemmConfig if backend == TRITON_BACKEND else MosaicGroupedGemmConfig
+    if not isinstance(fields, dict):
+        return f"config must be an object; got config={fields!r}"
+    try:
+        cls(**fields)
+    except (TypeError, ValueError) as exc:
+        return f"config is not a {cls.__name__} ({exc})"
+    return None
 
 
 @functools.cache
-def tuned_entries(device_kind: str) -> tuple[dict, ...]:
-    """Every entry of the tuned file of ``device_kind`` (e.g. ``"NVIDIA H200"``), ``()`` if none was stored.
-
-    The file is one JSON list of objects: launch configs (no ``"kind"`` key; :func:`nearest_tuned`) and
-    backend choices (``"kind": "backend_choice"``; ``backend_table.py``). ``ValueError`` naming the file
-    if it is not valid JSON or not a list of objects."""
-    path = tuned_path(device_kind)
-    if not os.path.exists(path):
-        return ()
-    with open(path) as f:
-        try:
-            entries = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"tuned table {path}: not valid JSON ({exc})") from exc
-    if not isinstance(entries, list) or not all(isinstance(t, dict) for t in entries):
-        raise ValueError(f"tuned table {path}: must be a JSON list of objects (launch configs and backend "
-                         f"choices); got {type(entries).__name__}"
-                         + ("" if not isinstance(entries, list) else " with a non-object entry"))
-    return tuple(entries)
+def tuned_tables(device: DeviceSpec | None) -> TunedTables:
+    """The tuned tables of ``device`` (the per-user cache, then the shipped files; architecture first, refined by
+    device kind: ``moe_contract/selection.py``), read once, every launch config validated (:func:`entry_problem`;
+    backend choices: ``backend_table.py``). One JSON list per file holds launch configs (no ``"kind"`` key;
+    :func:`nearest_tuned`) and backend choices (``"kind": "backend_choice"``). No tables for ``None`` (the CPU).
+    Raises ValueError naming the file and the entry for a malformed entry."""
+    return TunedTables.load(device, TUNED_DIR, "jax", entry_problem)
 
 
 def _dtype_key(itemsize: int) -> str | None:
@@ -523,32 +528,28 @@ def out_dtype_key(out_itemsize: int) -> str | None:
     return {2: "bf16", 4: "f32"}.get(out_itemsize)
 
 
-def nearest_tuned(device_kind: str | None, backend: str, M_cap: int, N: int, K: int, itemsize: int,
+def nearest_tuned(device: DeviceSpec | None, backend: str, M_cap: int, N: int, K: int, itemsize: int,
                   fast_accum: bool | None = None, dtypes: tuple[str, ...] | None = None, *, op: str = "fwd",
                   out_dtype: str | None = None, max_ratio: float | None = None) -> dict | None:
     """The ``"config"`` dict of the tuned launch config of ``backend`` and ``op`` (:data:`TUNED_OPS`; an entry
     without ``"op"`` is a forward one) for the same ``N``, ``K`` (the forward's names, ``w [E, N, K]``, for every
     op), dtype (and, when not ``None``, ``fast_accum`` and the ``"out_dtype"``, :func:`out_dtype_key`) with the
     nearest ``M_cap`` in log2 (ties: the earlier key of ``dtypes``, then the first stored); ``None`` if
-    ``device_kind`` is ``None`` or nothing matches. Entries with a ``"kind"`` (backend choices) are not launch
+    ``device`` is ``None`` or nothing matches. Entries with a ``"kind"`` (backend choices) are not launch
     configs and are skipped. ``dtypes``: the entries' keys (default from ``itemsize``: ``("bf16",)`` /
     ``("fp8",)``; ``"fp8_block"``: FP8 tuned with 128 x 128 weight blocks). ``max_ratio``: entries whose ``M_cap``
     is more than this factor away from ``M_cap`` are not taken (the backward's lookups: :data:`BACKWARD_TUNED_MAX_RATIO`)."""
     dtypes = dtypes or (_dtype_key(itemsize),)
-    if device_kind is None or None in dtypes:
+    if device is None or None in dtypes:
         return None
-    matches = [t for t in tuned_entries(device_kind)
-               if "kind" not in t  # a launch config (backend choices carry "kind": backend_table.py)
-               and t.get("op", "fwd") == op
-               and (t.get("backend"), t["N"], t["K"]) == (backend, N, K) and t["dtype"] in dtypes
-               and (fast_accum is None or bool(t.get("fast_accum")) == fast_accum)
-               and (out_dtype is None or t.get("out_dtype") == out_dtype)
-               and (max_ratio is None
-                    or abs(math.log2(max(M_cap, 1)) - math.log2(max(t["M_cap"], 1))) <= math.log2(max_ratio))]
-    if not matches:
-        return None
-    log_m = math.log2(max(M_cap, 1))
-    return min(matches, key=lambda t: (abs(log_m - math.log2(max(t["M_cap"], 1))), dtypes.index(t["dtype"])))["config"]
+    entry = tuned_tables(device).nearest(
+        lambda t: ("kind" not in t  # a launch config (backend choices carry "kind": backend_table.py)
+                   and t.get("op", "fwd") == op
+                   and (t.get("backend"), t["N"], t["K"]) == (backend, N, K) and t["dtype"] in dtypes
+                   and (fast_accum is None or bool(t.get("fast_accum")) == fast_accum)
+                   and (out_dtype is None or t.get("out_dtype") == out_dtype)),
+        M_cap, max_ratio=max_ratio, rank=lambda t: dtypes.index(t["dtype"]))
+    return None if entry is None else entry["config"]
 
 
 def triton_config_problem(cfg: GroupedGemmConfig, group_size: int | None, w_block: bool, *,
@@ -648,15 +649,15 @@ def mosaic_config_fits(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: i
 
 
 def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, group_size: int | None = None, *,
-                        w_block: bool = False, device_kind: str | None = None,
+                        w_block: bool = False, device: DeviceSpec | None = None,
                         w_format: str | None = None) -> GroupedGemmConfig:
-    """The Pallas-Triton config: the tuned one of ``device_kind`` (:func:`nearest_tuned`) if one is
+    """The Pallas-Triton config: the tuned one of ``device`` (:func:`nearest_tuned`) if one is
     stored and fits this request (:func:`triton_config_fits`; ``w_block``: 128x128 block weight
     scales), else :func:`heuristic_grouped_gemm_config`. FP8 with 128 x 128 weight blocks looks up its own
     entries (``"fp8_block"``) and the per-token ``"fp8"`` ones (the nearest ``M_cap``; ``fp8_block`` at equal
-    distance). ``device_kind=None`` (the CPU, interpret mode): the heuristic."""
+    distance). ``device=None`` (the CPU, interpret mode): the heuristic."""
     dtypes = ("fp8_block", "fp8") if (w_block and itemsize == 1) else None
-    tuned = None if w_format else nearest_tuned(device_kind, TRITON_BACKEND, M_cap, N, K, itemsize, dtypes=dtypes)
+    tuned = None if w_format else nearest_tuned(device, TRITON_BACKEND, M_cap, N, K, itemsize, dtypes=dtypes)
     if tuned is not None:
         cfg = GroupedGemmConfig(**tuned)
         if triton_config_fits(cfg, group_size, w_block):
@@ -665,18 +666,18 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, group
 
 
 def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *, per_step_scales: bool = False,
-                               fast_accum: bool = False, device_kind: str | None = None,
+                               fast_accum: bool = False, device: DeviceSpec | None = None,
                                out_itemsize: int = 2, w_block: bool = False) -> MosaicGroupedGemmConfig:
-    """The Mosaic GPU config: the tuned one of ``device_kind`` for the same ``fast_accum`` (FP8; 16-bit
+    """The Mosaic GPU config: the tuned one of ``device`` for the same ``fast_accum`` (FP8; 16-bit
     entries have none) if one is stored and fits this request (:func:`mosaic_config_fits`), else
     :func:`heuristic_mosaic_grouped_gemm_config`. FP8 with 128 x 128 weight blocks (``w_block``) looks up its own
     entries (``"fp8_block"``) and the per-token ``"fp8"`` ones, as :func:`grouped_gemm_config`. A ``split_m`` entry
     serves requests with fewer than :data:`SPLIT_M_MIN_ROWS` rows per expert (entries are keyed by ``M_cap``, not
     ``E``) with its tile split by columns instead, its stages cut to fit shared memory.
-    ``device_kind=None``: the heuristic."""
+    ``device=None``: the heuristic."""
     fast_accum = fast_accum and itemsize == 1
     dtypes = ("fp8_block", "fp8") if (w_block and itemsize == 1) else None
-    tuned = nearest_tuned(device_kind, MOSAIC_BACKEND, M_cap, N, K, itemsize, fast_accum if itemsize == 1 else None,
+    tuned = nearest_tuned(device, MOSAIC_BACKEND, M_cap, N, K, itemsize, fast_accum if itemsize == 1 else None,
                           dtypes=dtypes)
     if tuned is not None:
         cfg = _split_m_for_rows(MosaicGroupedGemmConfig(**{**tuned, "fast_accum": fast_accum}), M_cap, E, itemsize,
@@ -786,18 +787,18 @@ BACKWARD_TUNED_MAX_RATIO = 4
 
 
 def mosaic_dgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *, out_itemsize: int = 2,
-                        device_kind: str | None = None) -> MosaicGroupedGemmConfig:
+                        device: DeviceSpec | None = None) -> MosaicGroupedGemmConfig:
     """The Mosaic GPU dgrad's default config for ``d_y [M_cap, N]`` x ``w [E, N, K]`` -> ``d_x [M_cap, K]`` (the
     forward's names; the config's ``block_n`` tiles ``K``, its ``block_k`` steps over ``N``).
 
-    Lookup order: (1) the tuned entry of ``device_kind`` with ``"op": "dgrad"`` (written by
+    Lookup order: (1) the tuned entry of ``device`` with ``"op": "dgrad"`` (written by
     ``benchmarks/tune_jax_gemm.py --ops dgrad``), backend ``pallas_mosaic_gpu``, the same ``N``, ``K``, dtype and
     ``out_dtype`` and the nearest ``M_cap`` in log2 within a factor :data:`BACKWARD_TUNED_MAX_RATIO` (:func:`nearest_tuned`; a ``split_m`` entry is split by columns
     below :data:`SPLIT_M_MIN_ROWS` rows per expert, as the forward's), if it keeps the kernel's rules
     (:func:`mosaic_config_problem` of the swapped problem); (2) else :func:`heuristic_mosaic_grouped_gemm_config` of
-    the swapped problem (``N`` and ``K`` exchanged). ``device_kind=None`` (the CPU): the heuristic. An explicit
+    the swapped problem (``N`` and ``K`` exchanged). ``device=None`` (the CPU): the heuristic. An explicit
     ``config=`` of the kernel bypasses this lookup."""
-    tuned = nearest_tuned(device_kind, MOSAIC_BACKEND, M_cap, N, K, itemsize, op="dgrad",
+    tuned = nearest_tuned(device, MOSAIC_BACKEND, M_cap, N, K, itemsize, op="dgrad",
                           out_dtype=out_dtype_key(out_itemsize), max_ratio=BACKWARD_TUNED_MAX_RATIO)
     cfg = _backward_entry(tuned)
     if cfg is not None:
@@ -809,15 +810,15 @@ def mosaic_dgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *, ou
 
 
 def mosaic_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, out_itemsize: int = 4, *,
-                        device_kind: str | None = None) -> MosaicGroupedGemmConfig:
+                        device: DeviceSpec | None = None) -> MosaicGroupedGemmConfig:
     """The Mosaic GPU wgrad's default config for ``x [M_cap, K]``, ``d_y [M_cap, N]`` -> ``d_w [E, N, K]``.
 
-    Lookup order: (1) the tuned entry of ``device_kind`` with ``"op": "wgrad"`` (written by
+    Lookup order: (1) the tuned entry of ``device`` with ``"op": "wgrad"`` (written by
     ``benchmarks/tune_jax_gemm.py --ops wgrad``), backend ``pallas_mosaic_gpu``, the same ``N``, ``K``, dtype and
     ``out_dtype`` and the nearest ``M_cap`` in log2 within a factor :data:`BACKWARD_TUNED_MAX_RATIO`
-    (:func:`nearest_tuned`), if it keeps the kernel's rules (:func:`mosaic_wgrad_config_problem`); (2) else :func:`heuristic_mosaic_wgrad_config`. ``device_kind=None``
+    (:func:`nearest_tuned`), if it keeps the kernel's rules (:func:`mosaic_wgrad_config_problem`); (2) else :func:`heuristic_mosaic_wgrad_config`. ``device=None``
     (the CPU): the heuristic. An explicit ``config=`` of the kernel bypasses this lookup."""
-    tuned = nearest_tuned(device_kind, MOSAIC_BACKEND, M_cap, N, K, itemsize, op="wgrad",
+    tuned = nearest_tuned(device, MOSAIC_BACKEND, M_cap, N, K, itemsize, op="wgrad",
                           out_dtype=out_dtype_key(out_itemsize), max_ratio=BACKWARD_TUNED_MAX_RATIO)
     cfg = _backward_entry(tuned)
     if cfg is not None:

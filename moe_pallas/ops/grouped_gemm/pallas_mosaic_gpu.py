@@ -62,7 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, MosaicGroupedGemmConfig, accumulates_per_step,
-                                                 gpu_device_kind, mosaic_config_problem, mosaic_grouped_gemm_config,
+                                                 gpu_device_spec, mosaic_config_problem, mosaic_grouped_gemm_config,
                                                  ws_cta_tile)
 from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu_ws import run_row_kernel_ws, scale_epilogue, step_scale
 from moe_pallas.ops.grouped_gemm.pallas_triton import scale_kinds, tile_metadata
@@ -241,7 +241,7 @@ def grouped_gemm_pallas_mosaic_gpu(
     per_step_scales = x_kind == "per_token_group" or w_kind == "block"
     if config is None:  # tuned for this GPU (device kind read on the host at trace time) or the heuristic
         cfg = mosaic_grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, per_step_scales=per_step_scales,
-                                         device_kind=gpu_device_kind(), out_itemsize=jnp.dtype(out_dtype).itemsize,
+                                         device=gpu_device_spec(), out_itemsize=jnp.dtype(out_dtype).itemsize,
                                          w_block=w_kind == "block")
     else:
         cfg = config

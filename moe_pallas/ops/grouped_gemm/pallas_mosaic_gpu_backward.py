@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from moe_pallas.ops.grouped_gemm.config import (MosaicGroupedGemmConfig, gpu_device_kind, mosaic_config_problem,
+from moe_pallas.ops.grouped_gemm.config import (MosaicGroupedGemmConfig, gpu_device_spec, mosaic_config_problem,
                                                  mosaic_dgrad_config, mosaic_wgrad_config, mosaic_wgrad_config_problem)
 from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import num_sms, run_row_kernel
 from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu_ws import CONSUMER_REGISTERS, CONSUMERS, PRODUCER_REGISTERS
@@ -115,7 +115,7 @@ def grouped_gemm_dgrad_pallas_mosaic_gpu(
     out_dtype = d_y.dtype if out_dtype is None else jnp.dtype(out_dtype)
     # the device kind is read on the host at trace time (None on the CPU: the heuristic)
     cfg = config or mosaic_dgrad_config(M_cap, N, K, E, d_y.dtype.itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
-                                        device_kind=gpu_device_kind())
+                                        device=gpu_device_spec())
     problem = mosaic_config_problem(cfg, K, N, d_y.dtype.itemsize, False, op=op, out_itemsize=jnp.dtype(out_dtype).itemsize)
     if problem:
         raise NotImplementedError(problem)
@@ -346,7 +346,7 @@ def grouped_gemm_wgrad_pallas_mosaic_gpu(
     N = d_y.shape[1]
     E = expert_offsets.shape[0] - 1
     cfg = config or mosaic_wgrad_config(M_cap, N, K, E, x.dtype.itemsize, out_dtype.itemsize,
-                                        device_kind=gpu_device_kind())
+                                        device=gpu_device_spec())
     problem = mosaic_wgrad_config_problem(cfg, N, K, x.dtype.itemsize, out_dtype.itemsize)
     if problem:
         raise NotImplementedError(problem)

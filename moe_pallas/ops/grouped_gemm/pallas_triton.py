@@ -51,7 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, PACKED_ASM_HALF_CONSTRAINTS,
                                       PACKED_HALF_ASM)
 from moe_pallas.ops import common as _common  # its import applies patch_pallas_triton_offsets
-from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, GroupedGemmConfig, gpu_device_kind,
+from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, GroupedGemmConfig, gpu_device_spec,
                                                  grouped_gemm_config, triton_config_problem)
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 from moe_pallas.ops.quant.reference import (E8M0_NAN, W4_GROUP, e2m1_to_float32, e8m0_to_float32,
@@ -350,7 +350,7 @@ def grouped_gemm_pallas_triton(
     if config is None:  # tuned for this GPU (device kind read on the host at trace time) or the heuristic
         # (4-bit: the heuristic only, whose block_k, a power of two >= 32 for K >= 32, holds whole groups)
         cfg = grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, G or None, w_block=w_kind == "block",
-                                  device_kind=None if interpret or w_format else gpu_device_kind(), w_format=w_format)
+                                  device=None if interpret or w_format else gpu_device_spec(), w_format=w_format)
     else:
         cfg = config
     check_supported(x_kind, w_kind, G, cfg, interpret, w_format)

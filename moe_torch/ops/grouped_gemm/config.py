@@ -3,24 +3,25 @@
 One frozen, keyword-only dataclass, the heuristic that picks it from the problem shape, and the
 rules a config must follow (STYLE.md "Configs"). Every constant says why it has its value.
 
-Tuned configs: ``tuned/<device name>.json`` (named keys), written by ``benchmarks/tune_triton_gemm.py``. Lookup order of
-every default: the entry of the device with the same op (no ``"op"`` key: the forward, :func:`grouped_gemm_config`
-and, for 16-bit inputs, the Gluon-or-Triton choice :func:`tuned_forward_kernel`; ``"op": "dgrad"`` / ``"wgrad"``,
-``--ops dgrad,wgrad``: :func:`grouped_gemm_dgrad_config`, :func:`grouped_gemm_wgrad_config`,
-:func:`tuned_wgrad_kernel`), ``N``, ``K`` (``w [E, N, K]``), dtype (and out dtype for the backward) and the nearest
-``M_cap`` in log2, where it keeps the kernel's rules; else the heuristic. An explicit ``config`` of a kernel wins over
-both.
+Tuned configs: the tables of :func:`tuned_tables` (``moe_contract/selection.py``: the per-user cache of ``epmoe
+tune``, then ``tuned/<arch>/<device kind>.json``, then ``tuned/<arch>.json``; named keys). Lookup order of every default:
+the entry with the same op (no ``"op"`` key: the forward, :func:`grouped_gemm_config` and, for 16-bit inputs, the
+Gluon-or-Triton choice :func:`tuned_forward_kernel`; ``"op": "dgrad"`` / ``"wgrad"``: :func:`grouped_gemm_dgrad_config`,
+:func:`grouped_gemm_wgrad_config`, :func:`tuned_wgrad_kernel`), ``N``, ``K`` (``w [E, N, K]``), dtype (and out dtype
+for the backward) and the nearest ``M_cap`` in log2, where it keeps the kernel's rules; else the heuristic. An
+explicit ``config`` of a kernel wins over both.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 
 import triton
+
+from moe_contract.selection import DeviceSpec, TunedTables
 
 #: Width of one weight-scale block along K (CONTRACT.md section 3: 128 x 128 blocks, DeepSeek-V3's
 #: ``weight_scale_inv``). A K step must not straddle two blocks, so ``block_k`` must divide it.
@@ -205,52 +206,83 @@ def heuristic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int,
     return GroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
 
 
-#: Tuned configs, one JSON file per device (``benchmarks/tune_triton_gemm.py`` writes them).
+#: The shipped tuned tables: ``tuned/<arch>.json`` (every GPU of the architecture, e.g. ``sm90.json``) and
+#: ``tuned/<arch>/<device kind>.json`` (refinements of one device kind); ``moe_contract/selection.py`` says the order.
 TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
+#: The ``"kernel"`` of a tuned 16-bit forward entry: the warp-specialized Gluon kernel (``gluon_bf16.py``; the entry's
+#: ``"gluon_config"`` holds its options) or the Triton one (``triton.py``; the entry's ``"config"``). Entries without
+#: ``"kernel"`` mean the Triton kernel.
+FORWARD_KERNELS = ("gluon", "triton")
+#: The ``"op"`` of a tuned entry: the forward (entries without ``"op"`` are forward ones), the dgrad and the wgrad.
+TUNED_OPS = ("fwd", "dgrad", "wgrad")
+#: The ``"kernel"`` of a tuned wgrad entry: the Gluon wgrad (``gluon_backward.py``; its ``"config"`` holds
+#: ``epilogue`` and ``num_stages``) or the Triton one (``triton_backward.py``; a :class:`GroupedGemmWgradConfig`).
+WGRAD_KERNELS = ("gluon", "triton")
+
+
+def entry_problem(t: dict) -> str | None:
+    """Why ``t`` is not a valid torch tuned entry (``None``: it is): ``"op"`` one of :data:`TUNED_OPS`, a string
+    ``"dtype"``, a ``"config"`` object that builds the op's config dataclass (a wgrad's Gluon ``"kernel"``: the Gluon
+    options), a ``"kernel"`` the op knows. The common keys (``N``, ``K``, ``M_cap``, ``arch``, ``device``) are
+    :func:`moe_contract.selection.read_table`'s."""
+    op = t.get("op", "fwd")
+    if op not in TUNED_OPS:
+        return f"op must be one of {TUNED_OPS}; got op={op!r}"
+    if not isinstance(t.get("dtype"), str):
+        return f"dtype must be a string; got dtype={t.get('dtype')!r}"
+    kernels = WGRAD_KERNELS if op == "wgrad" else FORWARD_KERNELS
+    kernel = t.get("kernel", "triton")
+    if kernel not in kernels:
+        return f"kernel must be one of {kernels}; got kernel={kernel!r}"
+    fields = t.get("config")
+    if not isinstance(fields, dict):
+        return f"config must be an object; got config={fields!r}"
+    if op == "wgrad" and kernel == "gluon":
+        unknown = sorted(set(fields) - {"epilogue", "num_stages"})
+        return f"a Gluon wgrad config takes epilogue and num_stages; got unknown keys {unknown}" if unknown else None
+    cls = GroupedGemmWgradConfig if op == "wgrad" else GroupedGemmConfig
+    try:
+        cls(**fields)
+    except (TypeError, ValueError) as exc:
+        return f"config is not a {cls.__name__} ({exc})"
+    return None
 
 
 @functools.cache
-def tuned_entries(device_name: str) -> tuple[dict, ...]:
-    """The tuned entries for ``device_name`` (e.g. ``"NVIDIA H200"``), ``()`` if none were stored."""
-    path = os.path.join(TUNED_DIR, device_name.replace(" ", "_") + ".json")
-    if not os.path.exists(path):
-        return ()
-    with open(path) as f:
-        return tuple(json.load(f))
+def tuned_tables(device: DeviceSpec | None) -> TunedTables:
+    """The tuned tables of ``device`` (the per-user cache, then the shipped files; architecture first, refined by
+    device kind: ``moe_contract/selection.py``), read and validated once. No tables for ``None`` (the CPU).
+    Raises ValueError naming the file and the entry for a malformed entry."""
+    return TunedTables.load(device, TUNED_DIR, "torch", entry_problem)
 
 
-def nearest_forward_entry(device_name: str | None, M_cap: int, N: int, K: int, bits: int, w_block: bool = False,
+def nearest_forward_entry(device: DeviceSpec | None, M_cap: int, N: int, K: int, bits: int, w_block: bool = False,
                           w_format: str | None = None) -> dict | None:
-    """The forward entry (no ``"op"`` key, or ``"op": "fwd"``) of ``device_name`` that :func:`grouped_gemm_config` and
+    """The forward entry (no ``"op"`` key, or ``"op": "fwd"``) for ``device`` that :func:`grouped_gemm_config` and
     :func:`tuned_forward_kernel` read: the same ``N``, ``K`` and dtype key (``bits``: ``"bf16"`` for 16-bit inputs,
     fp16 included; ``"fp8"``; with 4-bit weights ``"bf16_mxfp4"`` / ``"bf16_int4"``; FP8 with 128 x 128 weight blocks,
     ``w_block``, ``"fp8_block"`` then ``"fp8"``) with the nearest ``M_cap`` in log2 (at equal distance the first key's
-    entry, then the first stored); ``None`` without a device name or a match. The whole entry, unchecked."""
+    entry, then the first stored), from the most specific table that has one (:class:`TunedTables`); ``None``
+    without a device or a match."""
     dtype = {8: "fp8", 16: "bf16"}.get(bits)
     keys = (dtype,)
     if w_format is not None:  # 4-bit weights: their own entries (the bf16 ones tile another kernel)
         keys = (f"{dtype}_{w_format}" if dtype else None,)
     elif dtype == "fp8" and w_block:  # 128 x 128 weight blocks: their own entries, and the per-token ones
         keys = ("fp8_block", "fp8")
-    matches = [t for t in tuned_entries(device_name) if t.get("op", "fwd") == "fwd"
-               and (t["N"], t["K"]) == (N, K) and t["dtype"] in keys] if device_name else []
-    if not matches:
+    if device is None or None in keys:
         return None
-    # the nearest M_cap; at equal distance the first key's entry
-    return min(matches, key=lambda t: (abs(math.log2(max(M_cap, 1)) - math.log2(t["M_cap"])), keys.index(t["dtype"])))
+    return tuned_tables(device).nearest(
+        lambda t: t.get("op", "fwd") == "fwd" and (t["N"], t["K"]) == (N, K) and t["dtype"] in keys, M_cap,
+        rank=lambda t: keys.index(t["dtype"]))
 
 
-#: The ``"kernel"`` of a tuned 16-bit forward entry (``benchmarks/tune_triton_gemm.py``, where the Gluon forward
-#: serves the problem): the warp-specialized Gluon kernel (``gluon_bf16.py: grouped_gemm_gluon_bf16``; the entry's
-#: ``"gluon_config"`` holds its options) or the Triton one (``triton.py``; the entry's ``"config"``). Entries without
-#: ``"kernel"`` (tuned before the choice, or where Gluon does not serve) mean the Triton kernel.
-FORWARD_KERNELS = ("gluon", "triton")
 #: The Gluon forward's options a tuned ``"gluon_config"`` may hold (``gluon_bf16.py: grouped_gemm_gluon_bf16``'s
 #: keyword arguments; ``num_sms`` is the device's, never tuned).
 GLUON_FORWARD_OPTION_KEYS = ("block_n", "num_stages", "epilogue")
 
 
-def tuned_forward_kernel(device_name: str | None, M_cap: int, N: int, K: int, bits: int) -> tuple[str, dict] | None:
+def tuned_forward_kernel(device: DeviceSpec | None, M_cap: int, N: int, K: int, bits: int) -> tuple[str, dict] | None:
     """The measured kernel of a 16-bit forward ``x [M_cap, K] @ w [E, N, K] -> y [M_cap, N]`` (bf16 / fp16, no scales,
     no 4-bit weights) from the forward entry :func:`grouped_gemm_config` reads (:func:`nearest_forward_entry`: same
     ``N``, ``K``, the ``"bf16"`` entries, nearest ``M_cap``; the experts are not matched, as there): ``(kernel, options)``
@@ -264,7 +296,7 @@ def tuned_forward_kernel(device_name: str | None, M_cap: int, N: int, K: int, bi
     these options wherever it is eligible; ``0`` never."""
     if bits != 16:
         return None
-    entry = nearest_forward_entry(device_name, M_cap, N, K, bits)
+    entry = nearest_forward_entry(device, M_cap, N, K, bits)
     kernel = None if entry is None else entry.get("kernel", "triton")
     if kernel not in FORWARD_KERNELS:
         return None
@@ -274,9 +306,9 @@ def tuned_forward_kernel(device_name: str | None, M_cap: int, N: int, K: int, bi
 
 
 def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: int | None = None,
-                        w_block: bool = False, device_name: str | None = None,
+                        w_block: bool = False, device: DeviceSpec | None = None,
                         w_format: str | None = None, bias: bool = False) -> GroupedGemmConfig:
-    """The tuned config of ``device_name`` for the same ``N``, ``K`` and dtype (``bits``; with 4-bit
+    """The tuned config of ``device`` for the same ``N``, ``K`` and dtype (``bits``; with 4-bit
     weights ``"bf16_mxfp4"`` / ``"bf16_int4"``, none stored yet; FP8 with 128 x 128 weight blocks ``"fp8_block"``
     and the per-token ``"fp8"`` ones, ``fp8_block`` first at equal distance) with the nearest ``M_cap`` (in log2), if
     one is stored and fits this problem's scale layout and ``bias`` (:func:`check_config`: a tuned ``tma``
@@ -284,7 +316,7 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: 
     (no ``"op"`` key, or ``"op": "fwd"``; the backward's are :func:`grouped_gemm_dgrad_config`'s and
     :func:`grouped_gemm_wgrad_config`'s). A 16-bit entry's ``"kernel"`` (``"gluon"`` / ``"triton"``) is the dispatch's
     (:func:`tuned_forward_kernel`): its ``"config"`` is always the Triton kernel's."""
-    best = nearest_forward_entry(device_name, M_cap, N, K, bits, w_block, w_format)
+    best = nearest_forward_entry(device, M_cap, N, K, bits, w_block, w_format)
     if best is not None:
         cfg = GroupedGemmConfig(**best["config"])  # entries without group_m / persistent: the defaults
         try:
@@ -330,12 +362,6 @@ DGRAD_TMA_MIN_ROWS = 4096
 DGRAD_TMA_MIN_BLOCK_M = 64
 
 
-#: The ``"op"`` of a tuned entry: the forward (entries without ``"op"`` are forward ones), the dgrad and the wgrad
-#: (``benchmarks/tune_triton_gemm.py --ops``).
-TUNED_OPS = ("fwd", "dgrad", "wgrad")
-#: The ``"kernel"`` of a tuned wgrad entry: the Gluon wgrad (``gluon_backward.py``; its ``"config"`` holds
-#: ``epilogue`` and ``num_stages``) or the Triton one (``triton_backward.py``; a :class:`GroupedGemmWgradConfig`).
-WGRAD_KERNELS = ("gluon", "triton")
 #: ``"dtype"`` / ``"out_dtype"`` keys of the backward entries by element width (16-bit floats share bf16's).
 _BWD_DTYPE_KEYS = {16: "bf16", 32: "f32"}
 
@@ -345,9 +371,9 @@ _BWD_DTYPE_KEYS = {16: "bf16", 32: "f32"}
 BACKWARD_TUNED_MAX_RATIO = 4
 
 
-def nearest_backward_entry(op: str, device_name: str | None, M_cap: int, N: int, K: int, bits: int,
+def nearest_backward_entry(op: str, device: DeviceSpec | None, M_cap: int, N: int, K: int, bits: int,
                            out_bits: int | None = None) -> dict | None:
-    """The tuned entry of ``device_name`` with ``"op": op`` (``"dgrad"`` or ``"wgrad"``, written by
+    """The tuned entry of ``device`` with ``"op": op`` (``"dgrad"`` or ``"wgrad"``, written by
     ``benchmarks/tune_triton_gemm.py --ops``) for the same ``N``, ``K`` (the forward's names: ``w [E, N, K]``), input
     dtype (``bits``: ``"bf16"`` for 16-bit; no float32 entries are tuned) and, unless ``out_bits`` is ``None``,
     ``"out_dtype"``, with the nearest ``M_cap`` in log2 within a factor :data:`BACKWARD_TUNED_MAX_RATIO` (ties: the
@@ -355,16 +381,12 @@ def nearest_backward_entry(op: str, device_name: str | None, M_cap: int, N: int,
     :func:`grouped_gemm_config`; ``None`` without a device name or a match. The whole entry (its ``"config"`` and, for
     the dgrad, ``"pointer_config"``; for the wgrad ``"kernel"`` and ``"triton_config"``)."""
     dtype = _BWD_DTYPE_KEYS.get(bits)
-    if not device_name or dtype is None:
+    if device is None or dtype is None:
         return None
     out = None if out_bits is None else _BWD_DTYPE_KEYS.get(out_bits, "")
-    log_m = math.log2(max(M_cap, 1))
-    matches = [t for t in tuned_entries(device_name) if t.get("op", "fwd") == op and (t["N"], t["K"]) == (N, K)
-               and t["dtype"] == dtype and (out is None or t.get("out_dtype") == out)
-               and abs(log_m - math.log2(max(t["M_cap"], 1))) <= math.log2(BACKWARD_TUNED_MAX_RATIO)]
-    if not matches:
-        return None
-    return min(matches, key=lambda t: abs(log_m - math.log2(max(t["M_cap"], 1))))
+    return tuned_tables(device).nearest(
+        lambda t: (t.get("op", "fwd") == op and (t["N"], t["K"]) == (N, K) and t["dtype"] == dtype
+                   and (out is None or t.get("out_dtype") == out)), M_cap, max_ratio=BACKWARD_TUNED_MAX_RATIO)
 
 
 def _tuned(cls, fields) -> object | None:
@@ -379,11 +401,11 @@ def _tuned(cls, fields) -> object | None:
 
 def grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, bits: int, w_block: bool = False, *,
                               w_fp8: bool = False, sm90: bool = False, tma: bool = True,
-                              device_name: str | None = None, out_bits: int | None = None) -> GroupedGemmConfig:
+                              device: DeviceSpec | None = None, out_bits: int | None = None) -> GroupedGemmConfig:
     """The default config of the dgrad ``d_y [M_cap, N] x w [E, N, K] -> d_x [M_cap, K]`` (``out_bits``: ``d_x``'s
     element width; ``None`` matches a tuned entry of any).
 
-    Lookup order: (1) the tuned entry of ``device_name`` with ``"op": "dgrad"`` (``benchmarks/tune_triton_gemm.py
+    Lookup order: (1) the tuned entry of ``device`` with ``"op": "dgrad"`` (``benchmarks/tune_triton_gemm.py
     --ops dgrad``; :func:`nearest_backward_entry`: nearest ``M_cap``, same ``N``, ``K``, dtype and out dtype), not for
     FP8 weights (``w_fp8``: another kernel path): its ``"config"`` (the fastest timed) if it keeps
     :func:`check_config` and, where it has ``tma=True``, the TMA switch allows it (``tma``: ``EPMOE_TRITON_TMA_DGRAD``,
@@ -398,7 +420,7 @@ def grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, bits: int, w_b
     (``tuned/NVIDIA_H200.json``). A request the descriptors cannot address (``N % block_k``, alignment) runs the
     pointer kernel with the same tiles (``triton_backward.py: _launch_dgrad``), a tuned TMA default too. An explicit
     ``config`` of the kernel bypasses this function."""
-    entry = None if w_fp8 else nearest_backward_entry("dgrad", device_name, M_cap, N, K, bits, out_bits)
+    entry = None if w_fp8 else nearest_backward_entry("dgrad", device, M_cap, N, K, bits, out_bits)
     if entry is not None:
         for key in ("config", "pointer_config"):
             cfg = _tuned(GroupedGemmConfig, entry.get(key))
@@ -490,17 +512,17 @@ def heuristic_grouped_gemm_wgrad_config(M_cap: int, N: int, K: int, E: int, bits
 
 
 def grouped_gemm_wgrad_config(M_cap: int, N: int, K: int, E: int, bits: int, *, out_bits: int | None = None,
-                              device_name: str | None = None) -> GroupedGemmWgradConfig:
+                              device: DeviceSpec | None = None) -> GroupedGemmWgradConfig:
     """The default config of the Triton wgrad ``x [M_cap, K], d_y [M_cap, N] -> d_w [E, N, K]`` (``out_bits``:
     ``d_w``'s element width; ``None`` matches a tuned entry of any).
 
-    Lookup order: (1) the tuned entry of ``device_name`` with ``"op": "wgrad"`` (``benchmarks/tune_triton_gemm.py
+    Lookup order: (1) the tuned entry of ``device`` with ``"op": "wgrad"`` (``benchmarks/tune_triton_gemm.py
     --ops wgrad``; :func:`nearest_backward_entry`): its ``"config"`` where its ``"kernel"`` is ``"triton"``, else its
     ``"triton_config"`` (the fastest Triton config, stored where the Gluon wgrad won: the Triton kernel serves what the
     Gluon one does not, or ``EPMOE_TRITON_GLUON_WGRAD=0``), if it keeps :func:`check_wgrad_config`; (2) else
     :func:`heuristic_grouped_gemm_wgrad_config`. Whether the Gluon kernel runs instead is the dispatch's choice
     (``api.py: _gluon_wgrad``, :func:`tuned_wgrad_kernel`). An explicit ``config`` of the kernel bypasses this."""
-    entry = nearest_backward_entry("wgrad", device_name, M_cap, N, K, bits, out_bits)
+    entry = nearest_backward_entry("wgrad", device, M_cap, N, K, bits, out_bits)
     if entry is not None:
         fields = entry.get("config") if entry.get("kernel", "triton") == "triton" else entry.get("triton_config")
         cfg = _tuned(GroupedGemmWgradConfig, fields)
@@ -514,13 +536,13 @@ def grouped_gemm_wgrad_config(M_cap: int, N: int, K: int, E: int, bits: int, *, 
 
 
 def tuned_wgrad_kernel(M_cap: int, N: int, K: int, bits: int, out_bits: int | None,
-                       device_name: str | None) -> tuple[str, dict] | None:
+                       device: DeviceSpec | None) -> tuple[str, dict] | None:
     """The measured kernel of a wgrad the dispatch may run on either kernel (``api.py: _gluon_wgrad``, after its
     switch and eligibility): ``("gluon", {"epilogue": ..., "num_stages": ...})`` (the Gluon wgrad's options as the
     tuned entry's ``"config"`` holds them, unchecked: ``gluon_backward.py: gluon_wgrad_options_problem``) or
     ``("triton", {})`` from the ``"op": "wgrad"`` entry of :func:`nearest_backward_entry`; ``None`` without an entry
     (or with an unknown ``"kernel"``): the dispatch's default."""
-    entry = nearest_backward_entry("wgrad", device_name, M_cap, N, K, bits, out_bits)
+    entry = nearest_backward_entry("wgrad", device, M_cap, N, K, bits, out_bits)
     kernel = None if entry is None else entry.get("kernel", "triton")
     if kernel == "triton":
         return "triton", {}

@@ -94,6 +94,8 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from moe_contract.selection import DeviceSpec
+from moe_torch.ops.device import device_spec
 from moe_torch.ops.grouped_gemm.config import tuned_wgrad_kernel
 from moe_torch.ops.grouped_gemm.gluon import CONSUMER_REGS, MAXNREG, PRODUCER_REGS, _check_placement, _fail
 
@@ -334,14 +336,9 @@ def gluon_wgrad_options_problem(epilogue: str | None, num_stages: int | None, ou
 
 
 @functools.cache
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
-
-
-@functools.cache
-def _tuned_options(M_cap: int, N: int, K: int, bits: int, out_dtype: torch.dtype, device_name: str
+def _tuned_options(M_cap: int, N: int, K: int, bits: int, out_dtype: torch.dtype, device: DeviceSpec | None
                    ) -> tuple[tuple[str, object], ...] | None:
-    choice = tuned_wgrad_kernel(M_cap, N, K, bits, torch.finfo(out_dtype).bits, device_name)
+    choice = tuned_wgrad_kernel(M_cap, N, K, bits, torch.finfo(out_dtype).bits, device)
     if choice is None:
         return ()
     kernel, options = choice
@@ -361,7 +358,7 @@ def tuned_wgrad_options(x: torch.Tensor, d_y: torch.Tensor, expert_offsets: torc
     :func:`gluon_wgrad_options_problem`, else ``{}`` (the defaults); ``{}`` without an entry. Host-side (no sync;
     cached per problem)."""
     options = _tuned_options(x.shape[0], d_y.shape[1], x.shape[1], torch.finfo(x.dtype).bits, out_dtype,
-                             _device_name(x.device))
+                             device_spec(x.device))
     return None if options is None else dict(options)
 
 

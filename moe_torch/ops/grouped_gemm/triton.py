@@ -154,10 +154,12 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_contract.selection import DeviceSpec
 from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, INT4_PACKED_ASM, MXFP4_PACKED_ASM,
                                       PACKED_ASM_CONSTRAINTS, e8m0_bf16_bits)
 from moe_torch.ops.grouped_gemm.config import (W_SCALE_BLOCK, GroupedGemmConfig, check_config, grouped_gemm_config,
                                                tuned_forward_kernel)
+from moe_torch.ops.device import device_spec
 from moe_torch.ops.quant.reference import FP8_DTYPE
 from moe_torch.ops import triton_interpret
 from moe_torch.ops.triton_common import (MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device,
@@ -208,7 +210,7 @@ def _num_sms(device: torch.device) -> int:
     properties: no sync), :data:`INTERPRETER_PROGRAMS` in the interpreter."""
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return device_spec(device).sm_count
 
 
 @triton.jit
@@ -728,11 +730,6 @@ def scale_layouts(x: torch.Tensor, x_scale, w_scale) -> tuple[str | None, str | 
     return x_layout, {1: "per_expert", 2: "per_channel", 3: "block"}[w_scale.ndim], group
 
 
-@functools.cache
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
-
-
 #: The default config of a problem, looked up once (the tuned table search runs on every launch
 #: otherwise: twice per layer, on the host path of a decode step).
 _default_config = functools.cache(grouped_gemm_config)
@@ -902,7 +899,7 @@ def _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format,
         return False
     if x_scale.dtype != torch.float32 or w_scale.dtype != torch.float32 or expert_offsets.dtype != torch.int32:
         return False
-    return tuple(torch.cuda.get_device_capability(x.device)) == (9, 0) and _gluon_available()
+    return device_spec(x.device).is_hopper and _gluon_available()
 
 
 def gluon_fp8_block_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> bool:
@@ -951,8 +948,8 @@ def gluon_bf16_choice(switch: bool | None, tuned: tuple[str, dict] | None) -> di
 #: The tuned Gluon-or-Triton choice of a problem, looked up once (as :data:`_default_config`); ``(kernel, options as
 #: sorted items)`` or ``None``.
 @functools.cache
-def _tuned_forward(device_name: str, M_cap: int, N: int, K: int) -> tuple[str, tuple] | None:
-    choice = tuned_forward_kernel(device_name, M_cap, N, K, 16)
+def _tuned_forward(device: DeviceSpec, M_cap: int, N: int, K: int) -> tuple[str, tuple] | None:
+    choice = tuned_forward_kernel(device, M_cap, N, K, 16)
     return None if choice is None else (choice[0], tuple(sorted(choice[1].items())))
 
 
@@ -972,7 +969,7 @@ def gluon_bf16_options(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_form
         return None
     tuned = None
     if x.dtype in (torch.bfloat16, torch.float16) and w_format is None and x.dim() == 2 and w.dim() == 3:
-        tuned = _tuned_forward(_device_name(x.device), x.shape[0], w.shape[1], x.shape[1])
+        tuned = _tuned_forward(device_spec(x.device), x.shape[0], w.shape[1], x.shape[1])
     options = gluon_bf16_choice(switch, None if tuned is None else (tuned[0], dict(tuned[1])))
     if options is None:
         return None
@@ -1038,8 +1035,8 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=No
         w_layout = w_format
     bits = x.element_size() * 8
     w_block = w_layout == "block"
-    device_name = _device_name(x.device) if x.is_cuda else None  # host-side: no sync
-    cfg = config or _default_config(M_cap, N, K, E, bits, group, w_block, device_name, w_format=w_format,
+    device = device_spec(x.device) if x.is_cuda else None  # host-side, cached: no sync
+    cfg = config or _default_config(M_cap, N, K, E, bits, group, w_block, device, w_format=w_format,
                                     bias=bias is not None)
     check_config(op, cfg, bits, group, w_block, w_format, bias=bias is not None)
     grid = launch_grid(op, cfg, M_cap, N, E, x.device)

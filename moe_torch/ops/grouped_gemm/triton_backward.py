@@ -113,17 +113,17 @@ from moe_torch.ops.grouped_gemm.triton import (
     _WS_NONE,
     W_SCALE_CODES,
     _expert_row_tiles,
-    _device_name,
     _launch_order,
     _work_item,
     launch_grid,
 )
+from moe_torch.ops.device import device_spec
 from moe_torch.ops.quant.reference import FP8_DTYPE
 from moe_torch.ops.triton_common import (MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device,
                                          gluon_dgrad_enabled, tma_dgrad_enabled)
 
 #: Default configs looked up once per problem (host path of every backward step): the tuned entry of the device
-#: (``tuned/<device name>.json``, ``"op": "dgrad"`` / ``"wgrad"``) where one fits, else the heuristic.
+#: (``config.tuned_tables``, ``"op": "dgrad"`` / ``"wgrad"``) where one fits, else the heuristic.
 _dgrad_config = functools.cache(grouped_gemm_dgrad_config)
 _wgrad_config = functools.cache(grouped_gemm_wgrad_config)
 _dbias_config = functools.cache(heuristic_grouped_gemm_dbias_config)
@@ -406,7 +406,7 @@ def _launch_dgrad(op, d_y, w, expert_offsets, w_scale, out, config):
     # grouped_gemm_dgrad_config says (the switch is read at every launch; the capability and the device name are
     # cached: no sync)
     cfg = config or _dgrad_config(M_cap, N, K, E, bits, w_block, w_fp8=w_fp8, sm90=_is_sm90(d_y.device),
-                                  tma=tma_dgrad_enabled(), device_name=_device_name(d_y.device) if d_y.is_cuda else None,
+                                  tma=tma_dgrad_enabled(), device=device_spec(d_y.device) if d_y.is_cuda else None,
                                   out_bits=out.element_size() * 8)
     check_config(op, cfg, bits, None, w_block, forward=False, w_fp8=w_fp8)  # TMA: 16-bit d_y and w only
     grid = launch_grid(op, cfg, M_cap, K, E, d_y.device)  # the forward's grid with K output columns
@@ -443,7 +443,7 @@ def _launch_dgrad(op, d_y, w, expert_offsets, w_scale, out, config):
 @functools.cache
 def _is_sm90(device: torch.device) -> bool:
     """A CUDA device of compute capability 9.0 (Hopper), where the dgrad's TMA default applies."""
-    return device.type == "cuda" and tuple(torch.cuda.get_device_capability(device)) == (9, 0)
+    return device.type == "cuda" and device_spec(device).is_hopper
 
 
 def _dgrad_tma_descriptors(op: str, d_y: torch.Tensor, w: torch.Tensor, cfg: GroupedGemmConfig):
@@ -520,7 +520,7 @@ def _launch_wgrad(op, x, d_y, expert_offsets, out, config):
     expert_offsets = expert_offsets.contiguous()
     bits = x.element_size() * 8
     cfg = config or _wgrad_config(M_cap, N, K, E, bits, out_bits=out.element_size() * 8,
-                                  device_name=_device_name(x.device) if x.is_cuda else None)
+                                  device=device_spec(x.device) if x.is_cuda else None)
     check_wgrad_config(op, cfg, bits)
     if E > MAX_GRID_AXIS_1:
         raise NotImplementedError(f"{op}: {E} experts exceed CUDA's grid axis 1 limit {MAX_GRID_AXIS_1}")
