@@ -418,8 +418,8 @@ def bench_gemm(ctx: Ctx, spec: S.GemmSpec, wcache: GemmWeights) -> None:
 
     # ours, JAX
     jx, jw, joffs, jxs, jws = j(xq), j(wq), j(offs), j(xs), j(ws)
-    for impl in ("pallas_triton", "pallas_mosaic_gpu"):
-        name = f"ours-jax-{impl}"
+    for impl in ("pallas_triton", "pallas_mosaic_gpu", None):
+        name = f"ours-jax-{impl or 'default'}"  # None: the library's own choice (implementation=None)
         if not ctx.wants(name):
             continue
 
