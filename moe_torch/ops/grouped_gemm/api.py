@@ -25,6 +25,7 @@ from moe_contract.op_checks import (
 from moe_contract.validation import check_choice
 from moe_torch.ops.common import resolve_dtype, takes_torch_tensors
 from moe_torch.ops.dispatch import dispatch
+from moe_torch.ops.grouped_gemm.kernels import NAMES as KERNEL_NAMES
 from moe_torch.ops.grouped_gemm.reference import (
     grouped_gemm_dbias_reference,
     grouped_gemm_dgrad_reference,
@@ -33,7 +34,11 @@ from moe_torch.ops.grouped_gemm.reference import (
 )
 from moe_torch.ops.quant.reference import dequantize_weight_4bit_reference
 
+#: ``"triton"``: the library's choice among its Triton / Gluon kernels (the GPU default); ``"reference"``: plain torch;
+#: the forward also takes one kernel by name (``kernels.py``: ``gluon_fp8_block``, ``gluon_fp8_rowwise``,
+#: ``gluon_bf16``, ``triton_tma``, ``triton_pointer``), its backward then runs on ``"triton"``'s choice.
 IMPLEMENTATIONS = ("triton", "reference")
+FORWARD_IMPLEMENTATIONS = IMPLEMENTATIONS + KERNEL_NAMES
 
 
 def _triton(*args, **kwargs):
@@ -107,7 +112,17 @@ def _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation, 
     if bias is not None:
         extra["bias"] = bias.detach()
     backends = {"triton": lambda: _triton(*args, **extra), "reference": lambda: grouped_gemm_reference(*args, **extra)}
+    if implementation in KERNEL_NAMES:  # one kernel by name: it serves, or says why not
+        from moe_torch.ops.grouped_gemm import kernels
+
+        return kernels.run(implementation, kernels.GemmRequest(*args, w_format=w_format, bias=extra.get("bias")))
     return dispatch("grouped_gemm", implementation, backends, x.device)
+
+
+def _backward_implementation(implementation: str | None) -> str | None:
+    """The backward ops' ``implementation`` for the forward's: a forward kernel asked for by name runs its backward on
+    ``"triton"``'s choice (the dgrad and wgrad have their own kernels)."""
+    return "triton" if implementation in KERNEL_NAMES else implementation
 
 
 def _dgrad(d_y, w, expert_offsets, w_scale, out_dtype, implementation):
@@ -162,7 +177,7 @@ class _GroupedGemmFunction(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         # Keep only what the backward reads: w for d_x, x for d_w (x is an activation: [M_cap, K]).
         ctx.save_for_backward(x if need_dw else None, w if need_dx else None, expert_offsets)
-        ctx.dtype, ctx.implementation = x.dtype, implementation  # x.dtype == w.dtype (validated)
+        ctx.dtype, ctx.implementation = x.dtype, _backward_implementation(implementation)  # x.dtype == w.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return _forward(x, w, expert_offsets, None, None, out_dtype, implementation, bias=bias)
 
@@ -190,7 +205,7 @@ class _Fp8GroupedGemmFunction(torch.autograd.Function):
     def forward(ctx, x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation, bias=None):
         ctx.needs = [name for name, t in (("x", x), ("w", w), ("x_scale", x_scale), ("w_scale", w_scale))
                      if t.requires_grad]
-        ctx.bias_dtype, ctx.implementation = (None if bias is None else bias.dtype), implementation
+        ctx.bias_dtype, ctx.implementation = (None if bias is None else bias.dtype), _backward_implementation(implementation)
         ctx.save_for_backward(expert_offsets)
         return _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation, bias=bias)
 
@@ -217,7 +232,7 @@ class _W4GroupedGemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, expert_offsets, w_scale, out_dtype, w_format, implementation, bias=None):
         ctx.save_for_backward(w, w_scale, expert_offsets)
-        ctx.dtype, ctx.w_format, ctx.implementation = x.dtype, w_format, implementation
+        ctx.dtype, ctx.w_format, ctx.implementation = x.dtype, w_format, _backward_implementation(implementation)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return _forward(x, w, expert_offsets, None, w_scale, out_dtype, implementation, w_format, bias)
 
@@ -267,12 +282,12 @@ def grouped_gemm(
         multipliers for ``"int4"``.
       out_dtype: result dtype; default ``x.dtype`` (bf16 for FP8 inputs).
       implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"``
-        with a logged warning; CPU tensors: ``"reference"``), ``"triton"`` or ``"reference"``. ``"triton"`` on sm_90
-        runs some requests on warp-specialized Gluon kernels (``triton.py: grouped_gemm_triton``): FP8 by default;
-        bf16 / fp16 (no scales, no bias, out dtype = ``x.dtype``, >= 4096 rows and >= 32 a local expert) where the
-        GPU's tuned forward entry measured Gluon faster (``config.py: tuned_forward_kernel``, written by
-        ``benchmarks/tune_triton_gemm.py``; ``EPMOE_TRITON_GLUON_BF16=1`` / ``0`` forces Gluon / Triton). The same
-        contract either way.
+        with a logged warning; CPU tensors: ``"reference"``), ``"triton"`` (the library's choice among its kernels:
+        the device's tuned table, looked up by architecture then device kind, else measured rules;
+        ``kernels.py: default_kernel``), ``"reference"``, or one kernel by name (``kernels.py``):
+        ``"gluon_fp8_block"``, ``"gluon_fp8_rowwise"``, ``"gluon_bf16"``, ``"triton_tma"``, ``"triton_pointer"``;
+        a named kernel that cannot serve the request raises NotImplementedError saying why, and its backward runs
+        on ``"triton"``. The same contract whichever kernel runs.
       w_format: ``None`` (float / FP8 ``w``), or for uint8 ``w`` (required there) ``"mxfp4"`` (e2m1 codes,
         OCP MX v1.0) or ``"int4"`` (offset-binary ``code - 8``, compressed-tensors ``pack-quantized``).
         ``x`` stays float (weight-only, no ``x_scale``), ``K % 32 == 0``; the weights are dequantized in
@@ -302,7 +317,7 @@ def grouped_gemm(
     op = "grouped_gemm"
     out_dtype = resolve_dtype(check_grouped_gemm(op, x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format,
                                                  bias))
-    check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    check_choice(op, "implementation", implementation, (None, *FORWARD_IMPLEMENTATIONS))
     bias_grad = torch.is_grad_enabled() and bias is not None and bias.requires_grad
     if w_format is not None:
         if torch.is_grad_enabled() and w_scale.requires_grad:

@@ -157,7 +157,7 @@ import triton.language as tl
 from moe_contract.selection import DeviceSpec
 from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, INT4_PACKED_ASM, MXFP4_PACKED_ASM,
                                       PACKED_ASM_CONSTRAINTS, e8m0_bf16_bits)
-from moe_torch.ops.grouped_gemm.config import (W_SCALE_BLOCK, GroupedGemmConfig, check_config, grouped_gemm_config,
+from moe_torch.ops.grouped_gemm.config import (TMA_MAX_BLOCK, W_SCALE_BLOCK, GroupedGemmConfig, check_config, grouped_gemm_config,
                                                tuned_forward_kernel)
 from moe_torch.ops.device import device_spec
 from moe_torch.ops.quant.reference import FP8_DTYPE
@@ -827,6 +827,34 @@ def grouped_gemm_triton(
     out = torch.empty((x.shape[0], w.shape[1]), dtype=out_dtype, device=x.device)
     out = _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config, w_format, bias)
     return zero_unowned_rows(out, expert_offsets)
+
+
+def default_triton_config(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None
+                          ) -> GroupedGemmConfig:
+    """The config this module's kernel runs ``x @ w`` with when none is given (:func:`_launch`'s default: the
+    device's tuned entry, else the heuristic). Host-side, cached per problem."""
+    M_cap, K = x.shape
+    E, N = w.shape[:2]
+    _, w_layout, group = scale_layouts(x, x_scale, w_scale)
+    device = device_spec(x.device) if x.is_cuda else None
+    return _default_config(M_cap, N, K, E, x.element_size() * 8, group, w_layout == "block", device,
+                           w_format=w_format, bias=bias is not None)
+
+
+def as_tma(cfg: GroupedGemmConfig) -> GroupedGemmConfig:
+    """``cfg`` on the TMA variant (``implementation="triton_tma"``): the same tiles and launch order, each block at most
+    :data:`TMA_MAX_BLOCK`; a TMA entry as it is."""
+    if cfg.tma:
+        return cfg
+    clip = {k: min(getattr(cfg, k), TMA_MAX_BLOCK) for k in ("block_m", "block_n", "block_k")}
+    return dataclasses.replace(cfg, tma=True, **clip)
+
+
+def tuned_bf16_options(x, w) -> dict:
+    """The 16-bit Gluon kernel's tuned options for this problem (the forward entry's ``"gluon_config"``), ``{}``
+    without one (``gluon_bf16.py: dispatch_options`` then takes its defaults)."""
+    tuned = _tuned_forward(device_spec(x.device), x.shape[0], w.shape[1], x.shape[1]) if x.is_cuda else None
+    return {} if tuned is None else dict(tuned[1])
 
 
 #: The Gluon kernels serve problems of at least this many rows (``M_cap``): measured faster than this

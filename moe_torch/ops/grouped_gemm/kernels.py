@@ -1,0 +1,223 @@
+"""The torch grouped GEMM's kernels as named choices (``moe_contract.selection.KernelRegistry``).
+
+``grouped_gemm(..., implementation=name)`` runs one of them by name; ``implementation=None`` (or ``"triton"``) lets
+the library choose among them (:func:`default_kernel`: the device's tuned table, then the measured rules below).
+
+========================  =====================================================================================
+name                      serves
+========================  =====================================================================================
+``gluon_fp8_block``       sm_90, FP8 ``x`` with 1 x 128 group scales and ``w`` with 128 x 128 block scales
+                          (DeepSeek-V3), bf16 out, no bias (``gluon.py: grouped_gemm_gluon_fp8_block``)
+``gluon_fp8_rowwise``     sm_90, FP8 per-token ``x`` scales x per-channel ``w`` scales, bf16 out, no bias
+                          (``gluon.py: grouped_gemm_gluon_fp8_rowwise``)
+``gluon_bf16``            sm_90, bf16 / fp16 ``x``, ``w`` and out of one dtype, no scales, no bias
+                          (``gluon_bf16.py: grouped_gemm_gluon_bf16``)
+``triton_tma``            sm_90 or newer, 16-bit or FP8 inputs without bias or 4-bit weights, 16-byte aligned
+                          rows (``triton.py``, ``GroupedGemmConfig.tma``)
+``triton_pointer``        every request on any CUDA GPU Triton supports (FP8 from sm_89) and in the interpreter
+                          (``triton.py``, pointer loads): the portable path
+========================  =====================================================================================
+
+Mirror: ``moe_pallas/ops/grouped_gemm/kernels.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moe_contract.selection import DeviceSpec, KernelChoice, KernelRegistry
+from moe_torch.ops.device import device_spec
+from moe_torch.ops.quant.reference import FP8_DTYPE
+
+OP = "grouped_gemm"
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRequest:
+    """One forward request as the kernels' ``supported_on`` see it: the validated arguments of
+    :func:`moe_torch.ops.grouped_gemm.api.grouped_gemm` (tensors are only inspected on the host: shapes, dtypes,
+    strides, devices; never read)."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    expert_offsets: torch.Tensor
+    x_scale: torch.Tensor | None
+    w_scale: torch.Tensor | None
+    out_dtype: torch.dtype
+    w_format: str | None = None
+    bias: torch.Tensor | None = None
+
+    @property
+    def args(self) -> tuple:
+        return (self.x, self.w, self.expert_offsets, self.x_scale, self.w_scale, self.out_dtype)
+
+
+def _hopper(spec: DeviceSpec | None) -> str | None:
+    if spec is None:
+        return "needs a CUDA device of compute capability 9.0 (sm_90); got tensors off CUDA"
+    if not spec.is_hopper:
+        return f"needs compute capability 9.0 (sm_90: wgmma, TMA, setmaxnreg); got {spec.arch}"
+    return None
+
+
+def _refusal(check, *args) -> str | None:
+    """``check(*args)``'s refusal as a string (``None`` where it accepts)."""
+    try:
+        check(*args)
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        return str(exc)
+    return None
+
+
+def _gluon_fp8_block(spec: DeviceSpec | None, r: GemmRequest) -> str | None:
+    from moe_torch.ops.grouped_gemm.triton import W_SCALE_BLOCK
+
+    why = _hopper(spec)
+    if why:
+        return why
+    K = r.x.shape[1]
+    if (r.x_scale is None or r.w_scale is None or r.x_scale.ndim != 2 or r.w_scale.ndim != 3
+            or K % W_SCALE_BLOCK or r.x_scale.shape[1] != K // W_SCALE_BLOCK):
+        return "serves FP8 x with 1 x 128 group scales [M_cap, K / 128] and w with 128 x 128 block scales only"
+    if r.w_format is not None or r.bias is not None:
+        return "serves no bias and no 4-bit weights"
+    try:
+        from moe_torch.ops.grouped_gemm.gluon import check_inputs
+    except ImportError as exc:
+        return f"triton's Gluon is not importable ({exc})"
+    return _refusal(check_inputs, *r.args)
+
+
+def _gluon_fp8_rowwise(spec: DeviceSpec | None, r: GemmRequest) -> str | None:
+    why = _hopper(spec)
+    if why:
+        return why
+    if (r.x_scale is None or r.w_scale is None or tuple(r.x_scale.shape) != (r.x.shape[0], 1)
+            or tuple(r.w_scale.shape) != tuple(r.w.shape[:2])):
+        return "serves FP8 x with per-token scales [M_cap, 1] and w with per-channel scales [E, N] only"
+    if r.w_format is not None or r.bias is not None:
+        return "serves no bias and no 4-bit weights"
+    try:
+        from moe_torch.ops.grouped_gemm.gluon import check_inputs_rowwise
+    except ImportError as exc:
+        return f"triton's Gluon is not importable ({exc})"
+    return _refusal(check_inputs_rowwise, *r.args)
+
+
+def _gluon_bf16(spec: DeviceSpec | None, r: GemmRequest) -> str | None:
+    why = _hopper(spec)
+    if why:
+        return why
+    if r.x_scale is not None or r.w_scale is not None or r.w_format is not None or r.bias is not None:
+        return "serves 16-bit x and w without scales, bias or 4-bit weights only"
+    if r.x.dtype not in (torch.bfloat16, torch.float16) or r.out_dtype != r.x.dtype:
+        return f"serves bf16 / fp16 x with out_dtype the same dtype; got x {r.x.dtype}, out_dtype {r.out_dtype}"
+    try:
+        from moe_torch.ops.grouped_gemm.gluon_bf16 import check_inputs
+    except ImportError as exc:
+        return f"triton's Gluon is not importable ({exc})"
+    return _refusal(check_inputs, r.x, r.w, r.expert_offsets)
+
+
+def _triton_tma(spec: DeviceSpec | None, r: GemmRequest) -> str | None:
+    if spec is None:
+        return "needs a CUDA device of compute capability 9.0 or newer (TMA); got tensors off CUDA"
+    if spec.capability < (9, 0):
+        return f"needs compute capability 9.0 or newer (TMA); got {spec.arch}"
+    if r.w_format is not None or r.bias is not None or r.x.dtype == torch.float32:
+        return "serves 16-bit and FP8 inputs without bias or 4-bit weights only"
+    from moe_torch.ops.grouped_gemm.triton import TMA_ALIGN_BYTES
+
+    for name, t, stride in (("x", r.x, r.x.stride(0)), ("w", r.w, r.w.stride(1))):
+        if t.data_ptr() % TMA_ALIGN_BYTES or (stride * t.element_size()) % TMA_ALIGN_BYTES:
+            return f"needs {TMA_ALIGN_BYTES}-byte aligned base addresses and row strides; got {name}"
+    return None
+
+
+def _triton_pointer(spec: DeviceSpec | None, r: GemmRequest) -> str | None:
+    from moe_torch.ops.grouped_gemm.triton import _grouped_gemm_kernel
+    from moe_torch.ops.triton_common import is_interpreted
+
+    if spec is None:
+        if not is_interpreted(_grouped_gemm_kernel):
+            return "needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is imported)"
+        return None
+    if spec.capability < (8, 0):
+        return f"needs compute capability 8.0 or newer; got {spec.arch}"
+    if r.x.dtype == FP8_DTYPE and spec.capability < (8, 9):
+        return f"FP8 inputs need compute capability 8.9 or newer; got {spec.arch}"
+    return None
+
+
+#: The forward's kernels, in the order the default tries them after the tuned table and the measured rules.
+KERNELS = KernelRegistry(OP, [
+    KernelChoice("gluon_fp8_block", _gluon_fp8_block, "warp-specialized Gluon kernel, FP8 1x128 / 128x128 blocks"),
+    KernelChoice("gluon_fp8_rowwise", _gluon_fp8_rowwise, "warp-specialized Gluon kernel, FP8 per token x channel"),
+    KernelChoice("gluon_bf16", _gluon_bf16, "warp-specialized Gluon kernel, 16-bit"),
+    KernelChoice("triton_tma", _triton_tma, "Triton, TMA loads (tensor descriptors)"),
+    KernelChoice("triton_pointer", _triton_pointer, "Triton, pointer loads: every request, every GPU"),
+])
+#: The names ``grouped_gemm(implementation=...)`` takes besides ``"triton"`` and ``"reference"``.
+NAMES = KERNELS.names()
+
+
+def _spec(x: torch.Tensor) -> DeviceSpec | None:
+    return device_spec(x.device) if x.is_cuda else None
+
+
+def supported(name: str, r: GemmRequest) -> str | None:
+    """Why kernel ``name`` cannot serve ``r`` on its tensors' device (``None``: it can)."""
+    return KERNELS.choices[name].supported_on(_spec(r.x), r)
+
+
+def default_kernel(r: GemmRequest) -> str:
+    """The kernel ``implementation=None`` / ``"triton"`` runs ``r`` on, as :func:`triton.grouped_gemm_triton` decides
+    it without a config (the switches, the device's tuned table, the measured row thresholds), named."""
+    from moe_torch.ops.grouped_gemm import triton as T
+
+    a = (*r.args, r.w_format, r.bias)
+    if T.gluon_fp8_block_eligible(*a):
+        return "gluon_fp8_block"
+    if T.gluon_fp8_rowwise_eligible(*a):
+        return "gluon_fp8_rowwise"
+    if T.gluon_bf16_options(*a) is not None:
+        return "gluon_bf16"
+    return "triton_tma" if T.default_triton_config(*a).tma else "triton_pointer"
+
+
+def run(name: str, r: GemmRequest) -> torch.Tensor:
+    """``y [M_cap, N]`` from kernel ``name``, asked for by the caller: ``NotImplementedError`` naming the device and
+    the reason where it cannot serve ``r`` (before any launch); ``ValueError`` for an unknown name. The kernel's
+    options are the default's (tuned table, else measured defaults)."""
+    KERNELS.check(name, _spec(r.x), r)
+    from moe_torch.ops.grouped_gemm import triton as T
+
+    x, w, offs, xs, ws, out_dtype = r.args
+    if name == "gluon_fp8_block":
+        from moe_torch.ops.grouped_gemm.gluon import grouped_gemm_gluon_fp8_block
+
+        return grouped_gemm_gluon_fp8_block(x, w, offs, xs, ws, out_dtype, **T.gluon_fp8_block_options(*x.shape[:1],
+                                                                                                       w.shape[0]))
+    if name == "gluon_fp8_rowwise":
+        from moe_torch.ops.grouped_gemm.gluon import grouped_gemm_gluon_fp8_rowwise
+
+        return grouped_gemm_gluon_fp8_rowwise(x, w, offs, xs, ws, out_dtype, num_stages=T.GLUON_ROWWISE_STAGES,
+                                              block_n=T.GLUON_ROWWISE_BLOCK_N, promote=T.GLUON_ROWWISE_PROMOTE)
+    if name == "gluon_bf16":
+        from moe_torch.ops.grouped_gemm.gluon_bf16 import dispatch_options, grouped_gemm_gluon_bf16
+
+        tuned = T.tuned_bf16_options(x, w)
+        return grouped_gemm_gluon_bf16(x, w, offs, **dispatch_options(tuned, w.shape[1]))
+    cfg = T.default_triton_config(*r.args, r.w_format, r.bias)
+    cfg = T.as_tma(cfg) if name == "triton_tma" else dataclasses.replace(cfg, tma=False, warp_specialize=False)
+    return T.grouped_gemm_triton(*r.args, config=cfg, w_format=r.w_format, bias=r.bias)
+
+
+def explain(r: GemmRequest) -> dict[str, str | None]:
+    """Every kernel's refusal of ``r`` on its device (``None`` where it serves), and ``"default"``: the kernel the
+    default chooses. For ``epmoe kernels`` and the tests."""
+    reasons = {name: supported(name, r) for name in NAMES}
+    reasons["default"] = default_kernel(r)
+    return reasons
