@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Sequence
+
+log = logging.getLogger("moe_contract")
 
 #: Environment variable naming the per-user cache directory (tuned tables of ``epmoe tune``).
 CACHE_DIR_ENV = "EPMOE_CACHE_DIR"
@@ -174,6 +177,9 @@ class TunedTables:
             entries = read_table(path, spec.arch, kind, check)
             if entries:
                 tiers.append((path, entries))
+        if not tiers:
+            log.info("%s: no tuned %s table for %s: heuristic kernel choices (`epmoe tune` measures this GPU)",
+                     framework, framework, spec.describe())
         return cls(tuple(tiers))
 
     def entries(self) -> tuple[dict, ...]:

@@ -32,7 +32,7 @@ Required: ``kind``, ``op`` (one of :data:`OPS`), ``layout`` (see :func:`gemm_lay
 (row distributions averaged into ``ms``), ``git``, ``measured``, ``note``. A malformed entry is a
 ``ValueError`` naming the file and the entry (never skipped: the table is part of the tree).
 
-No mirror in ``moe_torch``: its only GPU backend is Triton.
+Mirror: ``moe_torch/ops/grouped_gemm/config.py``'s tuned forward kernel choice (``tuned_forward_kernel``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from moe_contract.selection import DeviceSpec, TunedTables
 from moe_pallas.ops.dispatch import CPU_ORDER, GPU_ORDER
 from moe_pallas.ops.grouped_gemm import config as gemm_config
+from moe_pallas.ops.grouped_gemm import kernels
 from moe_pallas.ops.grouped_gemm.config import gpu_device_spec
 from moe_pallas.ops.grouped_gemm.pallas_triton import scale_kinds
 
@@ -196,8 +197,9 @@ def on_gpu() -> bool:
 def default_order(op: str, layout: str, *, M_cap: int, N: int, K: int) -> tuple[str, ...]:
     """The order ``implementation=None`` tries for ``op`` (one of :data:`OPS`) on ``layout`` with ``M_cap`` rows,
     ``N`` output columns and contraction ``K`` (the forward's names: the dgrad's output is ``[M_cap, K]``, the
-    wgrad's ``[E, N, K]``): ``CPU_ORDER`` off a GPU, else :func:`gpu_order` for this device kind (read on the host
-    at trace time). Raises ``ValueError`` (naming the file) if the device kind's table is malformed."""
+    wgrad's ``[E, N, K]``): ``CPU_ORDER`` off a GPU, else :func:`gpu_order` for this device (read on the host
+    at trace time) without the kernels it cannot run at all (``kernels.runnable``: Mosaic GPU off sm_90). Raises ``ValueError`` (naming the file) if the device kind's table is malformed."""
     if not on_gpu():
         return CPU_ORDER
-    return gpu_order(op, layout, M_cap, N, K, gpu_device_spec())
+    spec = gpu_device_spec()
+    return kernels.runnable(op, gpu_order(op, layout, M_cap, N, K, spec), spec, layout)
