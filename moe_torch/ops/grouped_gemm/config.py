@@ -53,6 +53,15 @@ W4_BLOCK_K = 128
 TMA_MAX_BLOCK = 256
 
 
+#: The default runs the Gluon kernels (``triton.py``: FP8 blocks, FP8 rowwise, the tuned 16-bit choice) on problems of
+#: at least this many rows: below it their persistent 128-row tiles were not measured faster than the Triton kernel
+#: (BENCHMARKS.md).
+GLUON_MIN_ROWS = 4096
+#: ... and of at least this many rows per local expert on average (``M_cap >= 32 * E``): with fewer, most of each
+#: expert's 128-row tile is padding and the Triton kernel's smaller tiles win (DeepSeek-V3's 257 experts at T=512).
+GLUON_MIN_ROWS_PER_EXPERT = 32
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GroupedGemmConfig:
     """``block_m`` rows x ``block_n`` columns of ``y [M_cap, N]`` per program, walking K in

@@ -85,6 +85,7 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from moe_torch.ops.grouped_gemm.config import GLUON_MIN_ROWS, GLUON_MIN_ROWS_PER_EXPERT
 from moe_torch.ops.grouped_gemm.gluon import (
     BLOCK_N,
     CONSUMER_REGS,
@@ -400,8 +401,6 @@ def grouped_gemm_gluon_dgrad(d_y: torch.Tensor, w: torch.Tensor, expert_offsets:
 def _rows_enough(M_cap: int, E: int) -> bool:
     """``M_cap >= GLUON_MIN_ROWS`` (4096) and ``>= GLUON_MIN_ROWS_PER_EXPERT * E`` (32 a local expert): the FP8 Gluon
     kernels' thresholds (``triton.py``), taken as they are (not measured for 16 bits)."""
-    from moe_torch.ops.grouped_gemm.triton import GLUON_MIN_ROWS, GLUON_MIN_ROWS_PER_EXPERT
-
     return M_cap >= GLUON_MIN_ROWS and M_cap >= GLUON_MIN_ROWS_PER_EXPERT * E
 
 

@@ -157,7 +157,7 @@ import triton.language as tl
 from moe_contract.selection import DeviceSpec
 from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, INT4_PACKED_ASM, MXFP4_PACKED_ASM,
                                       PACKED_ASM_CONSTRAINTS, e8m0_bf16_bits)
-from moe_torch.ops.grouped_gemm.config import (TMA_MAX_BLOCK, W_SCALE_BLOCK, GroupedGemmConfig, check_config, grouped_gemm_config,
+from moe_torch.ops.grouped_gemm.config import (GLUON_MIN_ROWS, GLUON_MIN_ROWS_PER_EXPERT, TMA_MAX_BLOCK, W_SCALE_BLOCK, GroupedGemmConfig, check_config, grouped_gemm_config,
                                                tuned_forward_kernel)
 from moe_torch.ops.device import device_spec
 from moe_torch.ops.quant.reference import FP8_DTYPE
@@ -857,14 +857,6 @@ def tuned_bf16_options(x, w) -> dict:
     return {} if tuned is None else dict(tuned[1])
 
 
-#: The Gluon kernels serve problems of at least this many rows (``M_cap``): measured faster than this
-#: module's kernel at M=16384 (H200, session 13: gate_up 0.951 vs 1.118 ms, down level); not measured below 4096.
-GLUON_MIN_ROWS = 4096
-#: ... and of at least this many rows per local expert (``M_cap >= 32 * E``): the Gluon kernels' 128-row expert tiles
-#: lose where experts hold a few rows each. H200, session 14, DeepSeek-V3's torch layer (257 experts), median ms,
-#: Triton / Gluon: FP8 blocks T=512 (4608 rows, 18 an expert) 2.35 / 2.57-2.69, T=1024 (36 an expert) 3.39 / 3.17,
-#: T=4096 6.87 / 6.18; FP8 per token T=512 2.35 / 2.62, T=1024 3.50 / 3.07, T=4096 6.09-6.28 / 5.97.
-GLUON_MIN_ROWS_PER_EXPERT = 32
 #: Its shared-memory ring depth: 5 stages were best or level at every measured shape (H200, session 13).
 GLUON_STAGES = 5
 #: The FP8-block Gluon kernel takes split-N work items of 64 rows (``block_m=64``: 64 x 256 tiles, 4 stages) where
