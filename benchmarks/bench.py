@@ -699,7 +699,7 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
              for x_, l_, s_ in zip(xs, lgs, sgls)]
     # pallas_mosaic_gpu: the grouped GEMMs on Mosaic GPU, every other stage its default (pallas_triton on a GPU)
     for impl, name in (("pallas_triton", "ours-jax-pallas_triton"), ("pallas_mosaic_gpu", "ours-jax-pallas_mosaic_gpu"),
-                       ("reference", "ref-jax")):
+                       (None, "ours-jax-default"), ("reference", "ref-jax")):
         if ctx.wants(name) and impl == "pallas_mosaic_gpu" and spec.quant in ("mxfp4", "int4"):
             skip_row(ctx, bench, name, spec, f"the Mosaic GPU grouped GEMM has no 4-bit weights ({spec.quant}); "
                      f"moe_forward's default serves them with Pallas-Triton (the ours-jax-pallas_triton row)")
