@@ -25,7 +25,7 @@ from moe_contract.op_checks import (
 from moe_contract.validation import check_choice
 from moe_torch.ops.common import resolve_dtype, takes_torch_tensors
 from moe_torch.ops.dispatch import dispatch
-from moe_torch.ops.grouped_gemm.kernels import NAMES as KERNEL_NAMES
+from moe_torch.ops.grouped_gemm.kernels import DGRAD_KERNELS, KERNELS, WGRAD_KERNELS
 from moe_torch.ops.grouped_gemm.reference import (
     grouped_gemm_dbias_reference,
     grouped_gemm_dgrad_reference,
@@ -35,9 +35,10 @@ from moe_torch.ops.grouped_gemm.reference import (
 from moe_torch.ops.quant.reference import dequantize_weight_4bit_reference
 
 #: ``"triton"``: the library's choice among its Triton / Gluon kernels (the GPU default); ``"reference"``: plain torch;
-#: the forward also takes one kernel by name (``kernels.py``: ``gluon_fp8_block``, ``gluon_fp8_rowwise``,
-#: ``gluon_bf16``, ``triton_tma``, ``triton_pointer``), its backward then runs on ``"triton"``'s choice.
+#: each op also takes one kernel by name (``kernels.py``; the forward: ``gluon_fp8_block``, ``gluon_fp8_rowwise``,
+#: ``gluon_bf16``, ``triton_tma``, ``triton_pointer``; a named forward's backward runs on ``"triton"``'s choice).
 IMPLEMENTATIONS = ("triton", "reference")
+KERNEL_NAMES, DGRAD_KERNEL_NAMES, WGRAD_KERNEL_NAMES = KERNELS.names(), DGRAD_KERNELS.names(), WGRAD_KERNELS.names()
 FORWARD_IMPLEMENTATIONS = IMPLEMENTATIONS + KERNEL_NAMES
 
 
@@ -131,6 +132,10 @@ def _dgrad(d_y, w, expert_offsets, w_scale, out_dtype, implementation):
     if d_y.shape[0] == 0:
         return torch.zeros((0, w.shape[2]), dtype=out_dtype, device=d_y.device)
     args = (d_y, w, expert_offsets, w_scale, out_dtype)
+    if implementation in DGRAD_KERNEL_NAMES:  # one kernel by name: it serves, or says why not
+        from moe_torch.ops.grouped_gemm import kernels
+
+        return kernels.run_dgrad(implementation, kernels.DgradRequest(*args))
     backends = {"triton": lambda: _triton_dgrad(*args), "reference": lambda: grouped_gemm_dgrad_reference(*args)}
     return dispatch("grouped_gemm_dgrad", implementation, backends, d_y.device)
 
@@ -141,6 +146,10 @@ def _wgrad(x, d_y, expert_offsets, out_dtype, implementation):
     if x.shape[0] == 0:  # no rows at all: every expert's gradient is exactly 0
         return torch.zeros((expert_offsets.shape[0] - 1, d_y.shape[1], x.shape[1]), dtype=out_dtype, device=x.device)
     args = (x, d_y, expert_offsets, out_dtype)
+    if implementation in WGRAD_KERNEL_NAMES:  # one kernel by name: it serves, or says why not
+        from moe_torch.ops.grouped_gemm import kernels
+
+        return kernels.run_wgrad(implementation, kernels.WgradRequest(*args))
     backends = {"triton": lambda: _triton_wgrad(*args), "reference": lambda: grouped_gemm_wgrad_reference(*args)}
     return dispatch("grouped_gemm_wgrad", implementation, backends, x.device)
 
@@ -357,7 +366,10 @@ def grouped_gemm_dgrad(
       w_scale: FP8 ``w`` only, float32: ``[E_local]``, ``[E_local, N]`` or ``[E_local, ceil(N/128), ceil(K/128)]``.
       out_dtype: result dtype; default ``d_y.dtype``.
       implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"`` with a
-        logged warning; CPU tensors: ``"reference"``), ``"triton"`` or ``"reference"``.
+        logged warning; CPU tensors: ``"reference"``), ``"triton"``, ``"reference"``, or one kernel by name
+        (``kernels.py: DGRAD_KERNELS``: ``"gluon_bf16"``, ``"triton_tma"``, ``"triton_pointer"``; the wgrad's
+        ``WGRAD_KERNELS``: ``"gluon_bf16"``, ``"triton_pointer"``), which raises NotImplementedError saying why
+        where it cannot serve.
 
     Returns: ``d_x [M_cap, K]``; rows ``>= M = expert_offsets[-1]`` are zero and their ``d_y`` is never read.
 
@@ -366,7 +378,7 @@ def grouped_gemm_dgrad(
     """
     op = "grouped_gemm_dgrad"
     out_dtype = resolve_dtype(check_grouped_gemm_dgrad(op, d_y, w, expert_offsets, w_scale, out_dtype))
-    check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS, *DGRAD_KERNEL_NAMES))
     return _dgrad(d_y, w, expert_offsets, w_scale, out_dtype, implementation)
 
 
@@ -397,7 +409,7 @@ def grouped_gemm_wgrad(
     """
     op = "grouped_gemm_wgrad"
     out_dtype = resolve_dtype(check_grouped_gemm_wgrad(op, x, d_y, expert_offsets, out_dtype))
-    check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS, *WGRAD_KERNEL_NAMES))
     return _wgrad(x, d_y, expert_offsets, out_dtype, implementation)
 
 

@@ -221,3 +221,110 @@ def explain(r: GemmRequest) -> dict[str, str | None]:
     reasons = {name: supported(name, r) for name in NAMES}
     reasons["default"] = default_kernel(r)
     return reasons
+
+
+# ------------------------------------------------------------------------------------------------- the backward
+
+
+@dataclasses.dataclass(frozen=True)
+class DgradRequest:
+    """A dgrad ``d_x = d_y @ w[e]`` request (``grouped_gemm_dgrad``'s validated arguments)."""
+
+    d_y: torch.Tensor
+    w: torch.Tensor
+    expert_offsets: torch.Tensor
+    w_scale: torch.Tensor | None
+    out_dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class WgradRequest:
+    """A wgrad ``d_w[e] = d_y[rows(e)].T @ x[rows(e)]`` request (``grouped_gemm_wgrad``'s validated arguments)."""
+
+    x: torch.Tensor
+    d_y: torch.Tensor
+    expert_offsets: torch.Tensor
+    out_dtype: torch.dtype
+
+
+def _dgrad_gluon(spec: DeviceSpec | None, r: DgradRequest) -> str | None:
+    why = _hopper(spec)
+    if why:
+        return why
+    if r.w_scale is not None or r.d_y.dtype not in (torch.bfloat16, torch.float16) or r.out_dtype != r.d_y.dtype:
+        return "serves 16-bit d_y and w of one dtype (no FP8 weights) with out_dtype that dtype only"
+    try:
+        from moe_torch.ops.grouped_gemm.gluon_bf16 import check_inputs_dgrad
+    except ImportError as exc:
+        return f"triton's Gluon is not importable ({exc})"
+    return _refusal(check_inputs_dgrad, r.d_y, r.w, r.expert_offsets)
+
+
+def _dgrad_tma(spec: DeviceSpec | None, r: DgradRequest) -> str | None:
+    why = _triton_tma(spec, GemmRequest(r.d_y, r.w, r.expert_offsets, None, None, r.out_dtype))
+    if why:
+        return why
+    if r.w.dtype == FP8_DTYPE:
+        return "serves 16-bit weights only (FP8 weights are dequantized per element: the pointer kernel)"
+    return None
+
+
+def _dgrad_pointer(spec: DeviceSpec | None, r: DgradRequest) -> str | None:
+    return _triton_pointer(spec, GemmRequest(r.d_y, r.w, r.expert_offsets, None, None, r.out_dtype))
+
+
+def _wgrad_gluon(spec: DeviceSpec | None, r: WgradRequest) -> str | None:
+    why = _hopper(spec)
+    if why:
+        return why
+    try:
+        from moe_torch.ops.grouped_gemm.gluon_backward import check_inputs
+    except ImportError as exc:
+        return f"triton's Gluon is not importable ({exc})"
+    return _refusal(check_inputs, r.x, r.d_y, r.expert_offsets, r.out_dtype)
+
+
+def _wgrad_pointer(spec: DeviceSpec | None, r: WgradRequest) -> str | None:
+    return _triton_pointer(spec, GemmRequest(r.x, r.d_y, r.expert_offsets, None, None, r.out_dtype))
+
+
+#: The dgrad's kernels (``grouped_gemm_dgrad(..., implementation=name)``).
+DGRAD_KERNELS = KernelRegistry("grouped_gemm_dgrad", [
+    KernelChoice("gluon_bf16", _dgrad_gluon, "warp-specialized Gluon kernel, 16-bit (w read MN-major)"),
+    KernelChoice("triton_tma", _dgrad_tma, "Triton, TMA loads"),
+    KernelChoice("triton_pointer", _dgrad_pointer, "Triton, pointer loads: every request, every GPU"),
+])
+#: The wgrad's kernels (``grouped_gemm_wgrad(..., implementation=name)``).
+WGRAD_KERNELS = KernelRegistry("grouped_gemm_wgrad", [
+    KernelChoice("gluon_bf16", _wgrad_gluon, "warp-specialized Gluon kernel, 16-bit"),
+    KernelChoice("triton_pointer", _wgrad_pointer, "Triton, pointer loads: every request, every GPU"),
+])
+
+
+def run_dgrad(name: str, r: DgradRequest) -> torch.Tensor:
+    """``d_x [M_cap, K]`` from dgrad kernel ``name`` (``NotImplementedError`` with the reason where it cannot serve)."""
+    DGRAD_KERNELS.check(name, _spec(r.d_y), r)
+    from moe_torch.ops.grouped_gemm import triton_backward as B
+
+    if name == "gluon_bf16":
+        from moe_torch.ops.grouped_gemm.gluon_bf16 import DGRAD_DISPATCH_OPTIONS, grouped_gemm_gluon_dgrad
+
+        return grouped_gemm_gluon_dgrad(r.d_y, r.w, r.expert_offsets, **DGRAD_DISPATCH_OPTIONS)
+    from moe_torch.ops.grouped_gemm.triton import as_tma
+
+    cfg = B.default_dgrad_config(r.d_y, r.w, r.w_scale, r.out_dtype)
+    cfg = as_tma(cfg) if name == "triton_tma" else dataclasses.replace(cfg, tma=False, warp_specialize=False)
+    return B.grouped_gemm_dgrad_triton(r.d_y, r.w, r.expert_offsets, r.w_scale, r.out_dtype, config=cfg)
+
+
+def run_wgrad(name: str, r: WgradRequest) -> torch.Tensor:
+    """``d_w [E, N, K]`` from wgrad kernel ``name`` (``NotImplementedError`` with the reason where it cannot serve)."""
+    WGRAD_KERNELS.check(name, _spec(r.x), r)
+    if name == "gluon_bf16":
+        from moe_torch.ops.grouped_gemm.gluon_backward import grouped_gemm_gluon_wgrad, tuned_wgrad_options
+
+        options = tuned_wgrad_options(r.x, r.d_y, r.expert_offsets, r.out_dtype) or {}
+        return grouped_gemm_gluon_wgrad(r.x, r.d_y, r.expert_offsets, r.out_dtype, **options)
+    from moe_torch.ops.grouped_gemm.triton_backward import grouped_gemm_wgrad_triton
+
+    return grouped_gemm_wgrad_triton(r.x, r.d_y, r.expert_offsets, r.out_dtype)

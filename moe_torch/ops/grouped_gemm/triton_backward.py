@@ -369,6 +369,17 @@ def grouped_gemm_dgrad_triton(
     return zero_unowned_rows(out, expert_offsets)
 
 
+def default_dgrad_config(d_y, w, w_scale, out_dtype) -> GroupedGemmConfig:
+    """The config :func:`_launch_dgrad` runs ``d_y @ w`` with when none is given (the device's tuned dgrad entry, else
+    the heuristic, the TMA switch applied). Host-side, cached per problem."""
+    M_cap, N = d_y.shape
+    E, _, K = w.shape
+    return _dgrad_config(M_cap, N, K, E, d_y.element_size() * 8, _w_scale_layout(w_scale) == "block",
+                         w_fp8=w.dtype == FP8_DTYPE, sm90=d_y.is_cuda and _is_sm90(d_y.device),
+                         tma=tma_dgrad_enabled(), device=device_spec(d_y.device) if d_y.is_cuda else None,
+                         out_bits=torch.finfo(out_dtype).bits)
+
+
 def gluon_dgrad_eligible(d_y, w, expert_offsets, w_scale, out_dtype) -> bool:
     """Whether :func:`grouped_gemm_dgrad_triton` (no explicit config) runs this request on the 16-bit Gluon kernel
     (``gluon_bf16.py: grouped_gemm_gluon_dgrad``): :data:`triton_common.GLUON_DGRAD_ENV` on (off by default), then
