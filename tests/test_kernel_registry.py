@@ -1,0 +1,136 @@
+"""The named kernels of both frameworks (``kernels.py``), on the CPU with simulated device specs: what each kernel
+says of a request on an H100, H200, H20, A100 and B200, what the default order keeps, and the named choices' errors
+and results through the public ops (Triton interpreted, JAX interpret mode)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from moe_contract.selection import DeviceSpec
+from moe_pallas.ops.grouped_gemm import backend_table
+from moe_pallas.ops.grouped_gemm import kernels as jax_kernels
+from moe_torch.ops.grouped_gemm import kernels as torch_kernels
+from moe_torch.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_wgrad
+
+H100 = DeviceSpec(kind="NVIDIA H100 80GB HBM3", capability=(9, 0), sm_count=132, smem_per_block=232448)
+H200 = DeviceSpec(kind="NVIDIA H200", capability=(9, 0), sm_count=132, smem_per_block=232448)
+H20 = DeviceSpec(kind="NVIDIA H20", capability=(9, 0), sm_count=78, smem_per_block=232448)
+A100 = DeviceSpec(kind="NVIDIA A100-SXM4-80GB", capability=(8, 0), sm_count=108, smem_per_block=166912)
+B200 = DeviceSpec(kind="NVIDIA B200", capability=(10, 0), sm_count=148, smem_per_block=232448)
+HOPPER, OTHERS = (H100, H200, H20), (A100, B200)
+
+
+def _request(dtype=torch.bfloat16, E=4, M=64, N=64, K=128):
+    x = torch.zeros(M, K, dtype=dtype)
+    w = torch.zeros(E, N, K, dtype=dtype)
+    offs = torch.linspace(0, M, E + 1).to(torch.int32)
+    return torch_kernels.GemmRequest(x, w, offs, None, None, dtype)
+
+
+@pytest.mark.parametrize("spec", HOPPER + OTHERS, ids=lambda s: s.kind)
+def test_torch_kernels_by_architecture(spec):
+    """The Hopper-only kernels name the architecture off sm_90; the portable pointer kernel serves every GPU;
+    ``triton_tma`` serves sm_90 and newer (B200 too)."""
+    r = _request()
+    reasons = {name: choice.supported_on(spec, r) for name, choice in torch_kernels.KERNELS.choices.items()}
+    assert reasons["triton_pointer"] is None
+    for name in ("gluon_fp8_block", "gluon_fp8_rowwise", "gluon_bf16"):
+        if spec.is_hopper:
+            assert reasons[name] is None or spec.arch not in reasons[name], (name, reasons[name])
+        else:
+            assert f"got {spec.arch}" in reasons[name], (name, reasons[name])
+    assert (reasons["triton_tma"] is None) == (spec.capability >= (9, 0)) or "aligned" in (reasons["triton_tma"] or "")
+    # the FP8 kernels refuse a 16-bit request by its scales, on every GPU that could run them
+    if spec.is_hopper:
+        assert "FP8" in reasons["gluon_fp8_block"] and "FP8" in reasons["gluon_fp8_rowwise"]
+
+
+def test_torch_fp8_pointer_needs_sm89():
+    r = _request(dtype=torch.float8_e4m3fn)
+    ampere = DeviceSpec(kind="NVIDIA A10", capability=(8, 6), sm_count=72, smem_per_block=101376)
+    assert "8.9 or newer" in torch_kernels.KERNELS.choices["triton_pointer"].supported_on(ampere, r)
+    assert torch_kernels.KERNELS.choices["triton_pointer"].supported_on(H100, r) is None
+
+
+def test_named_torch_kernels_through_the_op():
+    """``implementation=<name>``: the portable kernel runs (interpreted) and equals the reference; a kernel this
+    device cannot run raises NotImplementedError naming why, before any launch; an unknown name is a ValueError;
+    a named forward's backward runs on the Triton family; the backward ops take their own names."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(33, 64, generator=g, requires_grad=True)
+    w = torch.randn(3, 48, 64, generator=g)
+    offs = torch.tensor([0, 0, 20, 33], dtype=torch.int32)  # an empty expert
+    ref = grouped_gemm(x, w, offs, implementation="reference")
+    y = grouped_gemm(x, w, offs, implementation="triton_pointer")
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    y.sum().backward()  # runs grouped_gemm_dgrad on "triton"
+    torch.testing.assert_close(x.grad, grouped_gemm_dgrad(torch.ones(33, 48), w, offs, implementation="reference"),
+                               rtol=1e-5, atol=1e-4)
+    for name in ("gluon_bf16", "gluon_fp8_block", "gluon_fp8_rowwise", "triton_tma"):
+        with pytest.raises(NotImplementedError, match=f"kernel '{name}' cannot serve this request"):
+            grouped_gemm(x.detach(), w, offs, implementation=name)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        grouped_gemm(x.detach(), w, offs, implementation="cublas")
+    d_y = torch.randn(33, 48, generator=g)
+    torch.testing.assert_close(grouped_gemm_wgrad(x.detach(), d_y, offs, implementation="triton_pointer"),
+                               grouped_gemm_wgrad(x.detach(), d_y, offs, implementation="reference"),
+                               rtol=1e-5, atol=1e-4)
+    with pytest.raises(NotImplementedError, match="'gluon_bf16' cannot serve"):
+        grouped_gemm_dgrad(d_y, w, offs, implementation="gluon_bf16")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        grouped_gemm_dgrad(d_y, w, offs, implementation="gluon_fp8_block")
+
+
+def test_torch_explain_names_the_default():
+    reasons = torch_kernels.explain(_request())
+    assert reasons["default"] == "triton_pointer"  # CPU tensors: the interpreted portable kernel
+    assert set(reasons) == {*torch_kernels.NAMES, "default"}
+
+
+@pytest.mark.parametrize("spec", HOPPER + OTHERS, ids=lambda s: s.kind)
+@pytest.mark.parametrize("layout", ["bf16", "fp8_block", "fp8_per_token"])
+def test_jax_default_order_by_architecture(spec, layout, caplog):
+    """Mosaic GPU is tried only on sm_90 (every Hopper, whatever its name, reads the sm90 table: Mosaic first for
+    these shapes); elsewhere Pallas-Triton then the reference, with the reason logged."""
+    order = backend_table.gpu_order("grouped_gemm", layout, 16384, 4096, 7168, spec)
+    with caplog.at_level(logging.INFO, logger="moe_pallas"):
+        jax_kernels._log_once.cache_clear()
+        kept = jax_kernels.runnable("grouped_gemm", order, spec, layout)
+    if spec.is_hopper:
+        assert kept == order and kept[0] == "pallas_mosaic_gpu"
+    elif "fp8" in layout and spec.capability < (8, 9):
+        assert kept == ("reference",)  # no FP8 tensor cores: the reference serves, with both reasons logged
+        assert caplog.text.count(f"got {spec.arch}") == 2
+    else:
+        assert kept == ("pallas_triton", "reference")
+        assert f"got {spec.arch}" in caplog.text
+
+
+def test_jax_pallas_triton_fp8_needs_sm89():
+    ampere = DeviceSpec(kind="NVIDIA A10", capability=(8, 6), sm_count=72, smem_per_block=101376)
+    assert jax_kernels.runnable("grouped_gemm", ("pallas_mosaic_gpu", "pallas_triton", "reference"), ampere,
+                                "fp8_block") == ("reference",)
+    assert jax_kernels.runnable("grouped_gemm", ("pallas_triton", "reference"), ampere, "bf16") == (
+        "pallas_triton", "reference")
+
+
+def test_the_same_choices_on_every_hopper():
+    """The point of keying by architecture: an H100 and an H20 get the H200's tuned choices (torch configs, the
+    Gluon-or-Triton choice, JAX backend order); an A100 gets none."""
+    from moe_torch.ops.grouped_gemm import config as tc
+
+    for spec in (H100, H20):
+        assert tc.grouped_gemm_config(16384, 4096, 7168, 32, 16, device=spec) == tc.grouped_gemm_config(
+            16384, 4096, 7168, 32, 16, device=H200)
+        assert tc.tuned_forward_kernel(spec, 16384, 7168, 2048, 16) == tc.tuned_forward_kernel(H200, 16384, 7168, 2048,
+                                                                                               16)
+        assert backend_table.gpu_order("grouped_gemm", "fp8_block", 16384, 4096, 7168, spec) == backend_table.gpu_order(
+            "grouped_gemm", "fp8_block", 16384, 4096, 7168, H200)
+    assert tc.grouped_gemm_config(16384, 4096, 7168, 32, 16, device=H200).tma
+    assert tc.grouped_gemm_config(16384, 4096, 7168, 32, 16, device=A100) == tc.heuristic_grouped_gemm_config(
+        16384, 4096, 7168, 32, 16)
+    assert np.all([tc.tuned_forward_kernel(A100, 16384, 7168, 2048, 16) is None])
