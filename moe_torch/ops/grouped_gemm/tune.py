@@ -1,18 +1,24 @@
-"""Tune the Triton grouped GEMM's launch configs (forward; --ops: dgrad / wgrad) on this GPU; write the winners as JSON.
+"""Tune the Triton grouped GEMM's launch configs (forward; ops dgrad / wgrad) on this GPU: the tuner of ``epmoe tune``.
 
-Usage (GPU machine, repo root)::
+``epmoe tune --framework torch`` (``interop/cli.py``) calls :func:`tune` on the GEMMs of a preset or checkpoint
+(``moe_contract.tuning``) and writes the entries, merged into the user's table of this device, to
+``<user cache>/tuned/torch/<arch>/<device kind>.json`` (``moe_contract.tuning.write_tuned_table``), where the
+lookups of ``config.py`` read them. The module's own command line times the benchmark's problems with every
+option (the benchmarks' ``tune_triton_gemm.py`` runs it)::
 
-    PYTHONPATH=. python3 benchmarks/tune_triton_gemm.py [--out moe_torch/ops/grouped_gemm/tuned] [--quick] [--full] [--tma]
+    python -m moe_torch.ops.grouped_gemm.tune [--out DIR] [--quick] [--full] [--tma]
         [--dtypes bf16,fp8,fp8_block] [--ms 256,2048,16384] [--routings uniform,zipf] [--ops fwd,dgrad,wgrad]
         [--max-minutes 3] [--no-gluon]
 
-For each problem of the benchmark's grouped GEMM set (E=32; (K=7168, N=4096) and (K=2048, N=7168);
+Every entry written names the architecture (``"arch": "sm90"``) and device kind (``"device"``) it was measured on.
+
+For each problem (the command line's: the benchmark's grouped GEMM set, E=32; (K=7168, N=4096) and (K=2048, N=7168);
 M in {256, 2048, 16384}; rows split uniformly; bf16, FP8 per-token x per-channel (``fp8``), and FP8 with
 DeepSeek-V3's 1 x 128 activation groups x 128 x 128 weight blocks (``fp8_block``)) every config
-of :func:`candidates` (from :data:`SEARCH_SPACE`) is timed with ``triton.testing.do_bench`` (CUDA
+of :data:`SEARCH_SPACE` (:func:`tiles`, :func:`launch_orders`) is timed with ``triton.testing.do_bench`` (CUDA
 events, median) after a correctness check against the heuristic config's output (a config that
 computes a wrong answer is never chosen). ``--routings uniform,zipf``: each config is checked and timed on
-each routing's rows per expert (``benchmarks/specs.py: group_sizes``: ``uniform`` M/E each, the bench's ``zipf``
+each routing's rows per expert (``moe_contract.tuning.group_sizes``: ``uniform`` M/E each, the bench's ``zipf``
 draw) and ranked by the mean of its times, so the winner is the best on ragged routing too (the entry names its
 ``"routings"``; ``ms`` and ``heuristic_ms`` are those means). The file ``<device>.json`` holds one entry per problem::
 
@@ -67,10 +73,8 @@ timed against the default the library runs without an entry (``heuristic_ms``):
 that many minutes (every op; the heuristic is always timed); an entry cut short says ``"complete": false``.
 
 ``moe_torch.ops.grouped_gemm.config.grouped_gemm_config`` reads it (nearest M_cap, same N, K, dtype; the 16-bit
-forward's kernel: ``config.tuned_forward_kernel``, the same entry). Entries of
-problems this run does not tune (other ``--dtypes`` / ``--ms``) are kept: the output file's, or for a new file
-(e.g. in ``$OUT``, the default where set) the table in the tree's. A JAX table (``tune_jax_gemm.py`` writes the
-same file name) is refused.
+forward's kernel: ``config.tuned_forward_kernel``, the same entry). Entries of problems a run does not tune are kept;
+a JAX table (``moe_pallas``'s tuner writes the same file name under ``tuned/jax``) is refused.
 """
 
 from __future__ import annotations
@@ -81,18 +85,15 @@ import itertools
 import json
 import os
 import sys
-import time
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
 import triton.testing
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # benchmarks.specs (the routings' group sizes) from any working directory
-    sys.path.insert(0, _ROOT)
-
-from benchmarks.specs import group_sizes  # noqa: E402
-
+from moe_contract import selection
+from moe_contract.tuning import (DTYPES, OPS, ROUTINGS, Deadline, GemmShape, group_sizes, merge_entries,
+                                 parse_dtypes, parse_ms, parse_ops, parse_routings, stamp, tuned_table_path)
 from moe_torch.ops.grouped_gemm.config import (TUNED_DIR, GroupedGemmConfig, GroupedGemmWgradConfig,
                                                grouped_gemm_dgrad_config, heuristic_grouped_gemm_config,
                                                heuristic_grouped_gemm_wgrad_config)
@@ -115,6 +116,8 @@ SEARCH_SPACE = {
 }
 #: Tile shapes timed in every launch order in the second pass.
 TOP_K = 3
+#: The command line's problems: (K, N) of the benchmark's gate_up and down, its M, its experts (DeepSeek-V3's 256
+#: over EP = 8).
 SHAPES = ((7168, 4096), (2048, 7168))
 MS = (256, 2048, 16384)
 E = 32
@@ -166,35 +169,13 @@ def gluon_forward_candidates(N: int) -> list[dict]:
     return sorted(cands, key=lambda c: c != gb.DISPATCH_OPTIONS)
 
 
-DTYPES = ("bf16", "fp8", "fp8_block")
-
-
-def problems(quick: bool, dtypes=DTYPES, ms=MS):
-    for (K, N), M, dtype in itertools.product(SHAPES, ms, dtypes):
-        if quick and M == 2048:
-            continue
-        yield K, N, M, dtype
-
-
-ROUTINGS = ("uniform", "zipf")
-
-
-def routing_offsets(M: int, routing: str, device: str = "cuda") -> torch.Tensor:
-    """``expert_offsets [E + 1]`` int32 (on ``device``) of ``M`` rows split by ``routing`` (:func:`benchmarks.specs.group_sizes`,
-    seed 0: the bench's rows)."""
+def routing_offsets(M: int, routing: str, device: str = "cuda", E: int = E) -> torch.Tensor:
+    """``expert_offsets [E + 1]`` int32 (on ``device``) of ``M`` rows split by ``routing``
+    (:func:`moe_contract.tuning.group_sizes`, seed 0: the bench's rows)."""
     sizes = group_sizes(M, E, routing)
     return torch.tensor([0, *itertools.accumulate(int(v) for v in sizes)], dtype=torch.int32, device=device)
 
 
-def parse_routings(text: str) -> list[str]:
-    """``--routings``: a non-empty comma list of :data:`ROUTINGS`; ``ValueError`` otherwise."""
-    routings = [r.strip() for r in text.split(",") if r.strip()]
-    if not routings or set(routings) - set(ROUTINGS):
-        raise ValueError(f"--routings: a comma list of {', '.join(ROUTINGS)}; got {text!r}")
-    return routings
-
-
-OPS = ("fwd", "dgrad", "wgrad")
 _WIDE = dict(block_m=128, block_n=256, block_k=64, num_warps=8)  # dgrad: 128 rows x 256 columns of d_x, N steps of 64
 #: The dgrad's candidates (``GroupedGemmConfig``: ``block_n`` tiles d_x's K columns, ``block_k`` steps over N), the
 #: likeliest first (``--max-minutes`` keeps those): the heuristic's wide tile (DGRAD_WIDE_CONFIG, >= 8192 rows) and its
@@ -234,17 +215,6 @@ MAX_REL_ERR = 1e-2
 MAX_ABS_ERR = 2**-7
 
 
-def parse_ops(text: str) -> list[str]:
-    """``--ops``: a non-empty comma list of :data:`OPS` (order kept, duplicates dropped); ``ValueError`` naming the
-    unknown ones otherwise."""
-    ops = list(dict.fromkeys(o.strip() for o in text.split(",") if o.strip()))
-    unknown = [o for o in ops if o not in OPS]
-    if not ops or unknown:
-        raise ValueError(f"--ops: a comma list of {', '.join(OPS)}; got {text!r}"
-                         + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
-    return ops
-
-
 def backward_error(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
     """``(relative Frobenius error, correct)`` of a bf16 result against its float32 reference (:data:`MAX_REL_ERR`,
     :data:`MAX_ABS_ERR`; NaN is never correct)."""
@@ -254,28 +224,18 @@ def backward_error(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
     return err, err <= MAX_REL_ERR and worst <= MAX_ABS_ERR * float(ref.abs().max())
 
 
-class Deadline:
-    """``--max-minutes``: :meth:`passed` once that many minutes went by (never for ``None``)."""
-
-    def __init__(self, minutes: float | None):
-        self.end = None if minutes is None else time.time() + 60 * minutes
-
-    def passed(self) -> bool:
-        return self.end is not None and time.time() > self.end
-
-
 def _time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def tune_backward(op: str, K: int, N: int, M: int, routings: list[str], g: torch.Generator, dev: str,
-                  deadline: Deadline, device: str = "cuda") -> dict | None:
+                  deadline: Deadline, device: str = "cuda", *, E: int = E) -> dict | None:
     """Time :data:`DGRAD_SPACE` (``op="dgrad"``) or :data:`WGRAD_SPACE` and :data:`GLUON_WGRAD_OPTIONS` (``"wgrad"``)
     on bf16 inputs of ``w [E, N, K]`` with ``M`` rows over each routing; the entry of the fastest correct one (module
     docstring), ``None`` if none ran correctly. ``device``/``g``: where the inputs are drawn (a CPU run, interpreted,
     is for tests with :func:`_time` patched)."""
     d_y = torch.randn(M, N, device=device, generator=g).to(torch.bfloat16)
-    offs = [routing_offsets(M, r, device) for r in routings]
+    offs = [routing_offsets(M, r, device, E) for r in routings]
     out = torch.bfloat16
     if op == "dgrad":
         w = (torch.randn(E, N, K, device=device, generator=g) * N**-0.5).to(torch.bfloat16)
@@ -327,11 +287,11 @@ def tune_backward(op: str, K: int, N: int, M: int, routings: list[str], g: torch
             complete = False
             break
         timed[cand] = bench(cand)
-    return backward_entry(op, timed, default, complete, dev=dev, N=N, K=K, M=M, routings=routings)
+    return backward_entry(op, timed, default, complete, dev=dev, N=N, K=K, M=M, routings=routings, E=E)
 
 
 def backward_entry(op: str, timed: dict, default, complete: bool, *, dev: str, N: int, K: int, M: int,
-                   routings: list[str]) -> dict | None:
+                   routings: list[str], E: int = E) -> dict | None:
     """The tuned entry of ``op`` from ``timed`` (``{(kernel, config): ms}``, ``inf`` for a wrong or failed candidate;
     ``kernel`` ``"triton"`` with a config dataclass, or ``"gluon"`` with the options as a tuple of items) and the
     ``default`` candidate (``heuristic_ms``): the fastest, and the fastest the dispatch runs where the winner's variant
@@ -374,8 +334,8 @@ def entry_key(e: dict) -> tuple:
 def kept_entries(path: str, tuned_dir: str = TUNED_DIR) -> dict:
     """The entries a run writing ``path`` keeps (by :func:`entry_key`): the file's own, or for a new file (e.g. in
     ``$OUT``) those of the table of the same name in ``tuned_dir`` (the tree's), so the written file is always the
-    whole table. ``ValueError`` for a JAX table (``tune_jax_gemm.py`` writes the same file name; its entries name a
-    ``"backend"`` or a ``"kind"``)."""
+    whole table. ``ValueError`` for a JAX table (``moe_pallas.ops.grouped_gemm.tune`` writes the same file name; its
+    entries name a ``"backend"`` or a ``"kind"``)."""
     seed = path if os.path.exists(path) else os.path.join(tuned_dir, os.path.basename(path))
     if not os.path.exists(seed):
         return {}
@@ -383,7 +343,7 @@ def kept_entries(path: str, tuned_dir: str = TUNED_DIR) -> dict:
         loaded = json.load(f)
     if foreign := [e for e in loaded if "backend" in e or "kind" in e]:
         raise ValueError(f"{seed} is not a moe_torch table: {len(foreign)} entries name a JAX backend "
-                         f"(benchmarks/tune_jax_gemm.py writes such entries under the same file name); give another --out")
+                         f"(moe_pallas.ops.grouped_gemm.tune writes such entries under the same file name); give another --out")
     return {entry_key(e): e for e in loaded}
 
 
@@ -430,12 +390,12 @@ def tune_gluon_forward(x: torch.Tensor, w: torch.Tensor, offs: list, refs: list,
 
 
 def forward_entry(*, dev: str, N: int, K: int, M: int, dtype: str, timed: dict, heur: GroupedGemmConfig,
-                  heur_ms: float, routings: list[str], gluon_timed: dict | None = None) -> dict:
+                  heur_ms: float, routings: list[str], gluon_timed: dict | None = None, E: int = E) -> dict:
     """The forward entry of one problem (module docstring): ``"config"`` / ``"ms"`` the fastest of the heuristic
     (``heur``, ``heur_ms``; first at equal times) and the Triton configs ``timed`` (``{GroupedGemmConfig: ms}``, ``inf``
     for a wrong or failed one, never chosen), ``"heuristic_ms"``, ``"routings"`` where not uniform alone. With
     ``gluon_timed`` (:func:`tune_gluon_forward`'s ``{options items: ms}``; ``None``: the Gluon kernel was not timed, no
-    ``"kernel"`` key, as before): ``"kernel"`` ``"gluon"`` where its fastest correct options are strictly faster than
+    ``"kernel"`` key): ``"kernel"`` ``"gluon"`` where its fastest correct options are strictly faster than
     ``"ms"``, else ``"triton"``, and ``"gluon_config"`` / ``"gluon_ms"`` of those options where one ran correctly."""
     ms, cfg = min((heur_ms, heur), *((t, c) for c, t in timed.items()), key=lambda mc: mc[0])
     entry = {"device": dev, "E": E, "N": N, "K": K, "M_cap": M, "dtype": dtype,
@@ -451,9 +411,209 @@ def forward_entry(*, dev: str, N: int, K: int, M: int, dtype: str, timed: dict, 
     return entry
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "moe_torch/ops/grouped_gemm/tuned"))
+def tune_forward(K: int, N: int, M: int, dtype: str, *, g: torch.Generator, dev: str, deadline: Deadline,
+                 routings: Sequence[str] = ("uniform",), E: int = E, full: bool = False, tma: bool = False,
+                 gluon: bool = True) -> dict:
+    """Tune the forward of ``x [M, K] @ w[e].T``, ``w [E, N, K]`` (``dtype``: :data:`DTYPES`; bf16 out) on this GPU
+    (module docstring: two passes, ``full`` the whole product, ``tma`` the TMA variants, ``gluon`` the Gluon kernel
+    where it serves a bf16 problem); inputs drawn with ``g`` (a CUDA generator). Returns the entry
+    (:func:`forward_entry`; never empty: the heuristic is always timed). Raises what the heuristic config's run raises
+    (a shape the kernel does not take)."""
+    routings = list(routings)
+    x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(E, N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
+    offs = [routing_offsets(M, r, "cuda", E) for r in routings]
+    kw = {}
+    if dtype == "fp8":  # per token x per output channel (the library's quantizers, as the JAX tuner)
+        x, xs = per_token_quant_fp8(x)
+        w, ws = quantize_weight_fp8(w, "per_channel")
+        kw = dict(x_scale=xs, w_scale=ws)
+    elif dtype == "fp8_block":  # DeepSeek-V3: x per 1 x 128 group, w per 128 x 128 block
+        x, xs = per_token_group_quant_fp8(x, 128)
+        w, ws = quantize_weight_fp8(w, "block")
+        kw = dict(x_scale=xs, w_scale=ws)
+    bits = 16 if dtype == "bf16" else 8
+    block_k = 128 * 8 // bits
+    x_group, w_block = (128, True) if dtype == "fp8_block" else (None, False)
+    heur = heuristic_grouped_gemm_config(M, N, K, E, bits, x_group, w_block)
+    # the reference is this kernel at the heuristic config (an explicit config: without one, an FP8-block request
+    # on sm_90 would run the Gluon kernel, whose bf16 roundings may differ from this kernel's by an ulp)
+    refs = [grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16, heur).float()
+            for off in offs]
+
+    def run(cfg, off):
+        return grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16, cfg)
+
+    heur_ms = sum(_time(lambda: run(heur, off)) for off in offs) / len(offs)
+
+    def bench(cfg):
+        """Median ms of ``cfg`` (the mean over the routings), ``inf`` if it is wrong or does not run (or
+        ``--max-minutes`` passed)."""
+        if deadline.passed():
+            return float("inf")
+        try:
+            times = []
+            for off, ref, routing in zip(offs, refs, routings):
+                y = run(cfg, off).float()
+                err = float((y - ref).norm() / ref.norm())
+                if not err <= 1e-3:
+                    print(f"  WRONG {cfg} ({routing}) err={err:.2e}", flush=True)
+                    return float("inf")
+                times.append(_time(lambda: run(cfg, off)))
+            ms = sum(times) / len(times)
+            each = f" ({', '.join(f'{r} {t:.4f}' for r, t in zip(routings, times))})" if len(times) > 1 else ""
+            print(f"  {ms:.4f} ms{each}  {cfg}", flush=True)  # every timing in the log, not only the winner's
+            return ms
+        except Exception as exc:  # noqa: BLE001 - out of shared memory etc.: not a candidate
+            print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+            return float("inf")
+
+    orders = launch_orders()
+    first = [GroupedGemmConfig(block_k=block_k, **t, **o) for t in tiles() for o in (orders if full else orders[:1])]
+    timed = {cfg: bench(cfg) for cfg in first}
+    if not full:  # second pass: every other launch order of the fastest tile shapes
+        for tile, order in itertools.product(sorted(first, key=timed.get)[:TOP_K], orders[1:]):
+            cfg = dataclasses.replace(tile, **order)
+            timed[cfg] = bench(cfg)
+    if tma:  # third pass (opt-in): the TMA variant of the fastest configs
+        for best in sorted(timed, key=timed.get)[:TOP_K]:
+            for variant in tma_variants(best):
+                if variant not in timed:
+                    timed[variant] = bench(variant)
+    print(f"  timed {len(timed)} configs", flush=True)
+    gluon_timed = None
+    if dtype == "bf16" and gluon:  # the Gluon forward, where it serves (the switch ignored)
+        gluon_timed = tune_gluon_forward(x, w, offs, refs, routings, deadline)
+        if gluon_timed is not None:
+            print(f"  timed {len(gluon_timed)} Gluon options", flush=True)
+    return forward_entry(dev=dev, N=N, K=K, M=M, dtype=dtype, timed=timed, heur=heur, heur_ms=heur_ms,
+                         routings=routings, gluon_timed=gluon_timed, E=E)
+
+
+class NoGPUError(RuntimeError):
+    """Tuning was asked for where torch sees no CUDA GPU (the message is one line, for the command line)."""
+
+
+def require_gpu() -> None:
+    """Raises :class:`NoGPUError` unless torch sees a CUDA GPU: tuning measures the GPU it runs on."""
+    if not torch.cuda.is_available():
+        raise NoGPUError("no CUDA GPU found (torch.cuda.is_available() is False); tuning measures the GPU it runs on")
+
+
+def device_spec(index: int | None = None) -> selection.DeviceSpec:
+    """The :class:`moe_contract.selection.DeviceSpec` of CUDA device ``index`` (default: the current one), as torch
+    reports it; its ``kind`` (``torch.cuda.get_device_name``) and ``arch`` name the tuned table. Raises
+    :class:`NoGPUError` without a CUDA GPU."""
+    require_gpu()
+    index = torch.cuda.current_device() if index is None else index
+    p = torch.cuda.get_device_properties(index)
+    return selection.DeviceSpec(kind=torch.cuda.get_device_name(index), capability=(p.major, p.minor),
+                                sm_count=p.multi_processor_count,
+                                smem_per_block=int(getattr(p, "shared_memory_per_block_optin", 0) or 0))
+
+
+def check_entry(e: dict) -> str | None:
+    """Why ``e`` is not an entry of a moe_torch table (``None``: it is), beyond the common keys that
+    ``selection.read_table`` checks: a JAX entry (a ``"backend"`` or ``"kind"``), an unknown ``"op"``, a missing
+    ``"dtype"`` or a ``"config"`` that is not an object. The ``check`` of :func:`moe_contract.tuning.write_tuned_table`
+    for the torch tables."""
+    if "backend" in e or "kind" in e:
+        return "names a JAX backend (a moe_pallas entry; the torch tables hold Triton launch configs)"
+    if e.get("op", "fwd") not in OPS:
+        return f"op must be one of {OPS}; got {e.get('op')!r}"
+    if not isinstance(e.get("dtype"), str):
+        return f"dtype must be a string; got {e.get('dtype')!r}"
+    if not isinstance(e.get("config"), dict):
+        return f"config must be a JSON object; got {e.get('config')!r}"
+    return None
+
+
+def tune(shapes: Sequence[GemmShape], ms: Sequence[int], dtypes: Sequence[str] = DTYPES,
+         ops: Sequence[str] = ("fwd",), *, routings: Sequence[str] = ("uniform",), deadline: Deadline | None = None,
+         full: bool = False, tma: bool = False, gluon: bool = True,
+         on_entry: Callable[[dict], None] | None = None) -> list[dict]:
+    """Tune the Triton grouped GEMM on this GPU for every ``shape`` x ``M`` of ``ms``: the forward of each of
+    ``dtypes`` (``"fwd"`` in ``ops``; :func:`tune_forward`) and the bf16 backward ops ``"dgrad"`` / ``"wgrad"``
+    (:func:`tune_backward`; only where ``dtypes`` has bf16). Every entry is stamped with this GPU's ``"arch"`` and
+    ``"device"`` (:func:`moe_contract.tuning.stamp`) and passed to ``on_entry`` as soon as it is measured (a run cut
+    short keeps what it found). A problem the kernels refuse (``fp8_block`` with ``K % 128 != 0``, a failing
+    heuristic) is skipped with its reason printed. Past ``deadline`` (``--max-minutes``) no config starts (each
+    forward problem still times its heuristic) and no backward problem starts. Returns the entries.
+
+    Raises :class:`NoGPUError` without a CUDA GPU; ``ValueError`` for an unknown dtype or op (before any launch)."""
+    unknown = [d for d in dtypes if d not in DTYPES] + [o for o in ops if o not in OPS]
+    if unknown:
+        raise ValueError(f"tune: dtypes must be among {DTYPES} and ops among {OPS}; got {unknown}")
+    spec = device_spec()
+    deadline = deadline or Deadline(None)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    routings = list(routings)
+    entries: list[dict] = []
+
+    def done(entry: dict) -> None:
+        entry = stamp(entry, spec.arch, spec.kind)
+        entries.append(entry)
+        print(json.dumps(entry), flush=True)
+        if on_entry is not None:
+            on_entry(entry)
+
+    shapes = list(dict.fromkeys(shapes))  # a layer with H == 2I has one problem twice
+    for shape, M, dtype in itertools.product(shapes, ms, dtypes if "fwd" in ops else ()):
+        print(f"== fwd {shape.describe()} M={M} {dtype}", flush=True)
+        if dtype == "fp8_block" and shape.K % 128:
+            print(f"  skipped: fp8_block needs K % 128 == 0 (1 x 128 activation groups); K={shape.K}", flush=True)
+            continue
+        try:
+            done(tune_forward(shape.K, shape.N, M, dtype, g=g, dev=spec.kind, deadline=deadline, routings=routings,
+                              E=shape.E, full=full, tma=tma, gluon=gluon))
+        except Exception as exc:  # noqa: BLE001 - a shape the kernel refuses: the other problems still run
+            print(f"  skipped: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        torch.cuda.empty_cache()
+    bwd_ops = [op for op in ops if op != "fwd"]
+    if bwd_ops and "bf16" not in dtypes:
+        print(f"ops {','.join(bwd_ops)}: the backward is tuned for bf16 only; the dtypes have none: not tuned",
+              flush=True)
+        bwd_ops = []
+    for shape, M, op in itertools.product(shapes, ms, bwd_ops):
+        if deadline.passed():
+            print(f"--max-minutes passed: {op} {shape.describe()} M={M} not tuned", flush=True)
+            continue
+        print(f"== {op} {shape.describe()} M={M} bf16", flush=True)
+        try:
+            entry = tune_backward(op, shape.K, shape.N, M, routings, g, spec.kind, deadline, E=shape.E)
+        except Exception as exc:  # noqa: BLE001 - as the forward's
+            print(f"  skipped: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            entry = None
+        torch.cuda.empty_cache()
+        if entry is None:
+            print("  no correct config timed: no entry", flush=True)
+            continue
+        done(entry)
+    return entries
+
+
+def summary(entries: Sequence[dict]) -> list[str]:
+    """One line per Gluon-or-Triton forward and per backward entry: what was timed and what won."""
+    lines = []
+    for e in entries:
+        if e.get("op", "fwd") == "fwd" and "kernel" in e:
+            lines.append(f"fwd   K={e['K']:5d} N={e['N']:5d} M={e['M_cap']:6d} triton {e['ms']} ms, gluon "
+                         f"{e.get('gluon_ms')} ms -> {e['kernel']}  {e.get('gluon_config', '')}")
+        if e.get("op", "fwd") != "fwd":
+            lines.append(f"{e['op']:5s} K={e['K']:5d} N={e['N']:5d} M={e['M_cap']:6d} heuristic {e['heuristic_ms']} ms "
+                         f"-> {e['ms']} ms  {e.get('kernel', '')} {e['config']}" + ("" if e["complete"] else "  (partial)"))
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The tuner's own command line (module docstring): the benchmark's problems (E=32, :data:`SHAPES`, :data:`MS`),
+    every option. ``--out DIR``: the table ``DIR/<device kind>.json`` (a new one starts from the table of that name
+    in :data:`TUNED_DIR`); default: this device's table in the user cache (``epmoe tune``'s). Usage errors exit 2
+    before any GPU is looked for."""
+    parser = argparse.ArgumentParser(prog="python -m moe_torch.ops.grouped_gemm.tune",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or None,
+                        help="folder of the table (default: $OUT if set, else the user cache's, as epmoe tune)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--full", action="store_true", help="time every config of SEARCH_SPACE (108 per problem)")
     parser.add_argument("--tma", action="store_true",
@@ -468,133 +628,41 @@ def main() -> int:
     parser.add_argument("--max-minutes", type=float, default=None, help="start no config after this many minutes")
     parser.add_argument("--no-gluon", action="store_true", help="do not time the Gluon forward on the bf16 problems "
                         "it serves (their entries then have no \"kernel\": the Triton kernel)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         routings = parse_routings(args.routings)
         ops = parse_ops(args.ops)
+        dtypes = parse_dtypes(args.dtypes)
+        ms = [m for m in parse_ms(args.ms) if not (args.quick and m == 2048)]
     except ValueError as exc:
         parser.error(str(exc))
-    dtypes = [d for d in args.dtypes.split(",") if d]
-    if unknown := set(dtypes) - set(DTYPES):
-        parser.error(f"unknown dtypes {sorted(unknown)}; choose from {DTYPES}")
-    dev = torch.cuda.get_device_name()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, dev.replace(" ", "_") + ".json")
     try:
-        kept = kept_entries(path)
-    except ValueError as exc:
+        spec = device_spec()
+    except NoGPUError as exc:
         print(f"tune_triton_gemm: {exc}", file=sys.stderr)
         return 2
-    entries = []
-    deadline = Deadline(args.max_minutes)
-    ms_list = [int(m) for m in args.ms.split(",") if m]
-    for K, N, M, dtype in (problems(args.quick, dtypes, ms_list) if "fwd" in ops else ()):
-        x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
-        w = (torch.randn(E, N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
-        offs = [routing_offsets(M, r) for r in routings]
-        kw = {}
-        if dtype == "fp8":  # per token x per output channel (the library's quantizers, as the JAX tuner)
-            x, xs = per_token_quant_fp8(x)
-            w, ws = quantize_weight_fp8(w, "per_channel")
-            kw = dict(x_scale=xs, w_scale=ws)
-        elif dtype == "fp8_block":  # DeepSeek-V3: x per 1 x 128 group, w per 128 x 128 block
-            x, xs = per_token_group_quant_fp8(x, 128)
-            w, ws = quantize_weight_fp8(w, "block")
-            kw = dict(x_scale=xs, w_scale=ws)
-        bits = 16 if dtype == "bf16" else 8
-        block_k = 128 * 8 // bits
-        x_group, w_block = (128, True) if dtype == "fp8_block" else (None, False)
-        heur = heuristic_grouped_gemm_config(M, N, K, E, bits, x_group, w_block)
-        # the reference is this kernel at the heuristic config (an explicit config: without one, an FP8-block request
-        # on sm_90 would run the Gluon kernel, whose bf16 roundings may differ from this kernel's by an ulp)
-        refs = [grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16, heur).float()
-                for off in offs]
-        run = lambda cfg, off: grouped_gemm_triton(x, w, off, kw.get("x_scale"), kw.get("w_scale"), torch.bfloat16,  # noqa: E731
-                                                   cfg)
-        heur_ms = sum(triton.testing.do_bench(lambda: run(heur, off), warmup=25, rep=100, return_mode="median")
-                      for off in offs) / len(offs)
+    if args.out:
+        path = os.path.join(args.out, selection.file_key(spec.kind) + ".json")
+        try:
+            base = list(kept_entries(path).values())
+        except ValueError as exc:
+            print(f"tune_triton_gemm: {exc}", file=sys.stderr)
+            return 2
+    else:
+        path = tuned_table_path("torch", spec.arch, spec.kind)
+        base = list(selection.read_table(path, spec.arch, spec.kind, check_entry))
+    written: list[dict] = []
 
-        def bench(cfg):
-            """Median ms of ``cfg`` (the mean over the routings), ``inf`` if it is wrong or does not run (or
-            ``--max-minutes`` passed)."""
-            if deadline.passed():
-                return float("inf")
-            try:
-                times = []
-                for off, ref, routing in zip(offs, refs, routings):
-                    y = run(cfg, off).float()
-                    err = float((y - ref).norm() / ref.norm())
-                    if not err <= 1e-3:
-                        print(f"  WRONG {cfg} ({routing}) err={err:.2e}", flush=True)
-                        return float("inf")
-                    times.append(triton.testing.do_bench(lambda: run(cfg, off), warmup=25, rep=100,
-                                                         return_mode="median"))
-                ms = sum(times) / len(times)
-                each = f" ({', '.join(f'{r} {t:.4f}' for r, t in zip(routings, times))})" if len(times) > 1 else ""
-                print(f"  {ms:.4f} ms{each}  {cfg}", flush=True)  # every timing in the log, not only the winner's
-                return ms
-            except Exception as exc:  # noqa: BLE001 - out of shared memory etc.: not a candidate
-                print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
-                return float("inf")
+    def write(entry: dict) -> None:  # after every problem: a run cut short keeps what it found
+        written.append(entry)
+        selection.write_table(path, merge_entries(base, written), spec.arch, spec.kind, check_entry)
 
-        orders = launch_orders()
-        first = [GroupedGemmConfig(block_k=block_k, **t, **o)
-                 for t in tiles() for o in (orders if args.full else orders[:1])]
-        timed = {cfg: bench(cfg) for cfg in first}
-        if not args.full:  # second pass: every other launch order of the fastest tile shapes
-            for tile, order in itertools.product(sorted(first, key=timed.get)[:TOP_K], orders[1:]):
-                cfg = dataclasses.replace(tile, **order)
-                timed[cfg] = bench(cfg)
-        if args.tma:  # third pass (opt-in): the TMA variant of the fastest configs
-            for best in sorted(timed, key=timed.get)[:TOP_K]:
-                for variant in tma_variants(best):
-                    if variant not in timed:
-                        timed[variant] = bench(variant)
-        print(f"  timed {len(timed)} configs", flush=True)
-        gluon_timed = None
-        if dtype == "bf16" and not args.no_gluon:  # the Gluon forward, where it serves (the switch ignored)
-            gluon_timed = tune_gluon_forward(x, w, offs, refs, routings, deadline)
-            if gluon_timed is not None:
-                print(f"  timed {len(gluon_timed)} Gluon options", flush=True)
-        entry = forward_entry(dev=dev, N=N, K=K, M=M, dtype=dtype, timed=timed, heur=heur, heur_ms=heur_ms,
-                              routings=routings, gluon_timed=gluon_timed)
-        entries.append(entry)
-        kept.pop(entry_key(entry), None)
-        print(json.dumps(entry), flush=True)
-        with open(path, "w") as f:  # after every problem: a run cut short keeps what it found
-            json.dump(list(kept.values()) + entries, f, indent=1)
-    bwd_ops = [op for op in ops if op != "fwd"]
-    if bwd_ops and "bf16" not in dtypes:
-        print(f"--ops {','.join(bwd_ops)}: the backward is tuned for bf16 only; --dtypes has none: not tuned",
-              flush=True)
-        bwd_ops = []
-    for (K, N), M, op in itertools.product(SHAPES, ms_list, bwd_ops):
-        if args.quick and M == 2048:
-            continue
-        if deadline.passed():
-            print(f"--max-minutes passed: {op} K={K} N={N} M={M} not tuned", flush=True)
-            continue
-        print(f"== {op} K={K} N={N} M={M} bf16", flush=True)
-        entry = tune_backward(op, K, N, M, routings, g, dev, deadline)
-        torch.cuda.empty_cache()
-        if entry is None:
-            print("  no correct config timed: no entry", flush=True)
-            continue
-        entries.append(entry)
-        kept.pop(entry_key(entry), None)
-        print(json.dumps(entry), flush=True)
-        with open(path, "w") as f:  # after every problem, as the forward's
-            json.dump(list(kept.values()) + entries, f, indent=1)
-    for e in entries:
-        if e.get("op", "fwd") == "fwd" and "kernel" in e:
-            print(f"fwd   K={e['K']:5d} N={e['N']:5d} M={e['M_cap']:6d} triton {e['ms']} ms, gluon "
-                  f"{e.get('gluon_ms')} ms -> {e['kernel']}  {e.get('gluon_config', '')}")
-        if e.get("op", "fwd") != "fwd":
-            h = e["heuristic_ms"]
-            print(f"{e['op']:5s} K={e['K']:5d} N={e['N']:5d} M={e['M_cap']:6d} heuristic {h} ms -> {e['ms']} ms  "
-                  f"{e.get('kernel', '')} {e['config']}" + ("" if e["complete"] else "  (partial)"))
-    print(f"wrote {path}")
+    shapes = [GemmShape(name=f"K{K}xN{N}", N=N, K=K, E=E) for K, N in SHAPES]
+    entries = tune(shapes, ms, dtypes, ops, routings=routings, deadline=Deadline(args.max_minutes), full=args.full,
+                   tma=args.tma, gluon=not args.no_gluon, on_entry=write)
+    for line in summary(entries):
+        print(line)
+    print(f"wrote {path}" if entries else f"no entry measured; {path} not written")
     return 0
 
 
