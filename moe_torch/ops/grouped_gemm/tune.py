@@ -92,7 +92,7 @@ import triton
 import triton.testing
 
 from moe_contract import selection
-from moe_contract.tuning import (DTYPES, OPS, ROUTINGS, Deadline, GemmShape, group_sizes, merge_entries,
+from moe_contract.tuning import (DTYPES, OPS, ROUTINGS, Deadline, GemmShape, group_sizes, merge_entries,  # noqa: F401
                                  parse_dtypes, parse_ms, parse_ops, parse_routings, stamp, tuned_table_path)
 from moe_torch.ops.grouped_gemm.config import (TUNED_DIR, GroupedGemmConfig, GroupedGemmWgradConfig,
                                                grouped_gemm_dgrad_config, heuristic_grouped_gemm_config,
