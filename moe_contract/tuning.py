@@ -145,7 +145,7 @@ def gemm_shapes(hidden_size: int, intermediate_size: int, num_experts: int, ep_s
     ``E = num_experts / ep_size`` experts (one rank's routed experts; the fused shared experts, every token's rows,
     are left out: their rows are not routed). Raises ``ValueError`` if ``ep_size`` does not divide ``num_experts``."""
     if not isinstance(ep_size, int) or ep_size < 1 or num_experts % ep_size:
-        raise ValueError(f"--ep-size must be an int >= 1 dividing the {num_experts} experts; got {ep_size!r}")
+        raise ValueError(f"--ep-size: must be an int >= 1 dividing the {num_experts} experts; got {ep_size!r}")
     E = num_experts // ep_size
     return (GemmShape(name="gate_up", N=2 * intermediate_size, K=hidden_size, E=E),
             GemmShape(name="down", N=hidden_size, K=intermediate_size, E=E))
