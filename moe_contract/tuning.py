@@ -236,9 +236,10 @@ class Deadline:
 
 def stamp(entry: dict, arch: str, kind: str) -> dict:
     """``entry`` with ``"arch"`` (``"sm90"``) and ``"device"`` (the device kind) of the GPU it was measured on, the
-    keys the table readers check against the file's (``selection.read_table``)."""
-    out = {k: v for k, v in entry.items() if k not in ("arch", "device")}
-    return {"arch": arch, "device": kind, **out}
+    keys the table readers check against the file's (``selection.read_table``), first. Values the entry already has
+    are kept: an entry measured elsewhere is refused when the table is written, never relabelled."""
+    rest = {k: v for k, v in entry.items() if k not in ("arch", "device")}
+    return {"arch": entry.get("arch", arch), "device": entry.get("device", kind), **rest}
 
 
 def merge_key(entry: dict) -> tuple:

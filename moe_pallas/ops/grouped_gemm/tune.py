@@ -1,4 +1,4 @@
-"""Tune the JAX grouped GEMMs' launch configs (forward; ops: Mosaic dgrad / wgrad) on this GPU: the tuner of ``epmoe tune``.
+"""Tune the JAX grouped GEMMs' launch configs (forward; Mosaic dgrad / wgrad) on this GPU: ``epmoe tune``'s tuner.
 
 ``epmoe tune --framework jax`` (``interop/cli.py``) calls :func:`tune` on the GEMMs of a preset or checkpoint
 (``moe_contract.tuning``) and writes the entries, merged into the user's table of this device, to

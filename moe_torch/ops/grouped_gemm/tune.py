@@ -92,8 +92,9 @@ import triton
 import triton.testing
 
 from moe_contract import selection
-from moe_contract.tuning import (DTYPES, OPS, ROUTINGS, Deadline, GemmShape, group_sizes, merge_entries,  # noqa: F401
-                                 parse_dtypes, parse_ms, parse_ops, parse_routings, stamp, tuned_table_path)
+from moe_contract.tuning import ROUTINGS  # noqa: F401 - the routings --routings takes, as before the move
+from moe_contract.tuning import (DTYPES, OPS, Deadline, GemmShape, group_sizes, merge_entries, parse_dtypes, parse_ms,
+                                 parse_ops, parse_routings, stamp, tuned_table_path)
 from moe_torch.ops.grouped_gemm.config import (TUNED_DIR, GroupedGemmConfig, GroupedGemmWgradConfig,
                                                grouped_gemm_dgrad_config, heuristic_grouped_gemm_config,
                                                heuristic_grouped_gemm_wgrad_config)
@@ -600,8 +601,9 @@ def summary(entries: Sequence[dict]) -> list[str]:
             lines.append(f"fwd   K={e['K']:5d} N={e['N']:5d} M={e['M_cap']:6d} triton {e['ms']} ms, gluon "
                          f"{e.get('gluon_ms')} ms -> {e['kernel']}  {e.get('gluon_config', '')}")
         if e.get("op", "fwd") != "fwd":
+            partial = "" if e["complete"] else "  (partial)"
             lines.append(f"{e['op']:5s} K={e['K']:5d} N={e['N']:5d} M={e['M_cap']:6d} heuristic {e['heuristic_ms']} ms "
-                         f"-> {e['ms']} ms  {e.get('kernel', '')} {e['config']}" + ("" if e["complete"] else "  (partial)"))
+                         f"-> {e['ms']} ms  {e.get('kernel', '')} {e['config']}{partial}")
     return lines
 
 
