@@ -738,13 +738,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a checkpoint folder: the layer's sizes from its config.json")
     tune.add_argument("--framework", choices=("torch", "jax", "both"), default="both",
                       help="whose kernels: torch (Triton), jax (Pallas-Triton and Mosaic GPU) or both")
-    tune.add_argument("--dtypes", type=_list_arg(tuning.parse_dtypes), default=list(tuning.DTYPES),
+    tune.add_argument("--dtypes", type=_list_arg(tuning.parse_dtypes), default=",".join(tuning.DTYPES),
                       metavar="LIST", help="comma list of " + ", ".join(tuning.DTYPES))
-    tune.add_argument("--ms", type=_list_arg(tuning.parse_ms), default=list(tuning.DEFAULT_MS), metavar="LIST",
+    tune.add_argument("--ms", type=_list_arg(tuning.parse_ms), default=",".join(map(str, tuning.DEFAULT_MS)), metavar="LIST",
                       help="comma list of M, the rows of all the rank's experts together")
-    tune.add_argument("--ops", type=_list_arg(tuning.parse_ops), default=["fwd"], metavar="LIST",
+    tune.add_argument("--ops", type=_list_arg(tuning.parse_ops), default="fwd", metavar="LIST",
                       help="comma list of fwd, dgrad, wgrad (the backward: bf16 only)")
-    tune.add_argument("--routings", type=_list_arg(tuning.parse_routings), default=["uniform"], metavar="LIST",
+    tune.add_argument("--routings", type=_list_arg(tuning.parse_routings), default="uniform", metavar="LIST",
                       help="comma list of uniform, zipf: rank the configs by the mean of their times over these "
                            "rows-per-expert splits")
     tune.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks: E = the model's experts / this")
