@@ -40,12 +40,13 @@ import numpy as np
 
 from moe_contract import MoEConfig, get_preset
 from moe_contract.config import FP8_BLOCK, QUANTS
+# the routings' rows per expert are the tuners' too (epmoe tune): one definition, in the package
+from moe_contract.tuning import ROUTINGS, ZIPF_S, group_sizes  # noqa: F401
 
 #: name -> (K, N) of the expert weight ``[E, N, K]``.
 GEMM_SHAPES = {"gate_up": (7168, 4096), "down": (2048, 7168)}
 GEMM_M = (256, 2048, 16384)
 GEMM_E = 32
-ROUTINGS = ("uniform", "zipf")
 #: The grouped GEMM rows' dtypes: ``bf16``; ``fp8`` per-token x per-output-channel scales; ``fp8_block`` 1x128
 #: activation groups x 128x128 weight blocks (DeepSeek-V3). ``--quick`` times :data:`GEMM_DTYPES_QUICK`.
 GEMM_DTYPES = ("bf16", "fp8", "fp8_block")
@@ -67,9 +68,6 @@ WEIGHT_BYTES = {"none": 2.0, "fp8_per_token": 1.0, "fp8_block": 1.0, "mxfp4": 0.
 DECODE_T = (1, 8, 64, 512)
 DECODE_QUANTS = ("none", "mxfp4", "int4")
 DECODE_PRESET = "gpt-oss-120b"
-#: Zipf exponent of the expert popularity (rank r gets p ~ r^-ZIPF_S): with s=1.2 and E=32 the
-#: top expert takes ~25% of the rows and the tail experts few or none at M=256.
-ZIPF_S = 1.2
 
 #: The transformers 5.24 MoE block of each checkpoint ``model_type``: the peer of the layer rows
 #: (``transformers.models.<model_type>.modeling_<model_type>``).
@@ -78,25 +76,6 @@ HF_BLOCKS = {"mixtral": "MixtralSparseMoeBlock", "qwen3_moe": "Qwen3MoeSparseMoe
 
 #: Bytes per element of the operands of each dtype name.
 ITEMSIZE = {"bf16": 2, "fp8": 1, "fp8_block": 1, "fp32": 4}
-
-
-def group_sizes(M: int, E: int, routing: str, seed: int = 0) -> np.ndarray:
-    """Rows per expert, ``[E]`` int64 summing to ``M``; deterministic in ``(M, E, routing, seed)``.
-
-    ``uniform``: ``M // E`` each, the remainder one each to the first experts. ``zipf``: a
-    multinomial draw of ``M`` rows over Zipf(ZIPF_S) popularities assigned to experts in a seeded
-    random order (so the heavy expert is not always expert 0); experts may get no row.
-    """
-    if routing == "uniform":
-        sizes = np.full(E, M // E, dtype=np.int64)
-        sizes[: M % E] += 1
-        return sizes
-    if routing == "zipf":
-        rng = np.random.default_rng(seed)
-        p = np.arange(1, E + 1, dtype=np.float64) ** -ZIPF_S
-        p = rng.permutation(p / p.sum())
-        return rng.multinomial(M, p).astype(np.int64)
-    raise ValueError(f"group_sizes: routing must be one of {ROUTINGS}; got routing={routing!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

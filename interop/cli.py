@@ -7,6 +7,8 @@ layer's gradients); exit 1 names the failing stage.
 `epmoe demo` runs the reference MoE layer of a model preset in both frameworks (jnp and torch)
 on the same random inputs and prints what they computed and how far apart they are.
 `epmoe bench` forwards to `benchmarks/bench.py` (a GPU machine; `--tiny` is a CPU smoke test).
+`epmoe tune` measures the grouped GEMMs' launch configs of a preset's or checkpoint's layer on this GPU and writes
+them to the user's tuned table of this device, which the kernels read before the shipped ones.
 """
 
 from __future__ import annotations
@@ -461,6 +463,150 @@ def run_bench(args: argparse.Namespace) -> int:
         sys.argv = saved
 
 
+# --------------------------------------------------------------------------------------
+# epmoe tune
+
+def _list_arg(parse):
+    """An argparse ``type`` from a ``moe_contract.tuning`` list parser: its ``ValueError`` becomes the usage error
+    ``argument --ms: ...`` (the option's name once)."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+    return convert
+
+
+def _minutes_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of minutes > 0; got {text!r}")
+    return value
+
+
+def _weights_arg(text: str) -> str:
+    from moe_contract.tuning import checkpoint_config_path
+
+    try:
+        checkpoint_config_path(text)
+    except FileNotFoundError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _tune_frameworks(args: argparse.Namespace) -> list[str]:
+    return ["torch", "jax"] if args.framework == "both" else [args.framework]
+
+
+def _tune_module(framework: str):
+    if framework == "torch":
+        from moe_torch.ops.grouped_gemm import tune
+    else:
+        from moe_pallas.ops.grouped_gemm import tune
+    return tune
+
+
+def _tune_dry_run(args: argparse.Namespace, shapes) -> int:
+    """Print the problems and where each framework's table would go; no kernel runs (the device is read where torch
+    sees a GPU)."""
+    from moe_contract import selection, tuning
+
+    source = f"preset {args.preset}" if args.preset else f"checkpoint {args.weights}"
+    print(f"epmoe tune (dry run): the grouped GEMMs of {source}, EP size {args.ep_size}:")
+    for shape in shapes:
+        print(f"  {shape.describe()}")
+    print(f"  M (rows): {', '.join(map(str, args.ms))}; dtypes: {', '.join(args.dtypes)}; ops: {', '.join(args.ops)}; "
+          f"routings: {', '.join(args.routings)}")
+    for shape in shapes:
+        if "fp8_block" in args.dtypes and shape.K % 128:
+            print(f"  {shape.name}: fp8_block not tuned (K={shape.K}; its 1 x 128 activation groups need K % 128 == 0)")
+    if "bf16" not in args.dtypes and set(args.ops) - {"fwd"}:
+        print("  dgrad / wgrad not tuned: the backward is tuned for bf16 only")
+    import torch
+
+    spec = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        spec = selection.DeviceSpec(kind=p.name, capability=(p.major, p.minor), sm_count=p.multi_processor_count,
+                                    smem_per_block=0)
+    for fw in _tune_frameworks(args):
+        if args.out:
+            dest = os.path.abspath(args.out)
+        elif spec is not None:
+            dest = tuning.tuned_table_path(fw, spec.arch, spec.kind)
+        else:
+            dest = os.path.join(selection.user_tuned_dir(fw), "<arch>", "<device kind>.json") + \
+                " (no CUDA GPU here: the GPU it runs on names the file)"
+        print(f"  {fw}: {dest}")
+    return 0
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    """``epmoe tune``: the shapes of ``--preset`` / ``--weights``, measured per framework on this GPU, merged into the
+    user's table of this device (or ``--out``) and written after every problem."""
+    from moe_contract import selection, tuning
+
+    parser = args.tune_parser
+    if args.out and args.framework == "both":
+        parser.error("argument --out: names one table file; give --framework torch or jax with it")
+    if args.out and (os.path.isdir(args.out) or not args.out.endswith(".json")):
+        parser.error(f"argument --out: must be a .json file path (the table); got {args.out!r}")
+    try:
+        shapes = (tuning.preset_shapes(args.preset, args.ep_size) if args.preset
+                  else tuning.checkpoint_shapes(args.weights, args.ep_size))
+    except ValueError as exc:
+        option, _, why = str(exc).partition(": ")
+        if option != "--ep-size":
+            option, why = ("--preset" if args.preset else "--weights"), str(exc)
+        parser.error(f"argument {option}: {why}")
+    if args.dry_run:
+        return _tune_dry_run(args, shapes)
+    frameworks = _tune_frameworks(args)
+    modules = {}
+    for fw in frameworks:  # every framework's GPU before any measurement
+        modules[fw] = _tune_module(fw)
+        try:
+            modules[fw].require_gpu()
+        except modules[fw].NoGPUError as exc:
+            print(f"epmoe tune: {exc}", file=sys.stderr)
+            return 2
+    deadline = tuning.Deadline(args.max_minutes)
+    for fw in frameworks:
+        mod = modules[fw]
+        spec = mod.device_spec()
+        path = os.path.abspath(args.out) if args.out else tuning.tuned_table_path(fw, spec.arch, spec.kind)
+        try:  # a broken stored table stops here, before the GPU time is spent
+            kept = selection.read_table(path, spec.arch, spec.kind, mod.check_entry)
+        except ValueError as exc:
+            print(f"epmoe tune: {exc}; fix or remove that file", file=sys.stderr)
+            return 2
+        print(f"epmoe tune: {fw} on {spec.describe()}: {len(kept)} stored entries in {path}", flush=True)
+        written: list[dict] = []
+
+        def write(entry: dict, path=path, spec=spec, mod=mod, written=written) -> None:
+            written.append(entry)
+            tuning.write_tuned_table(path, written, spec.arch, spec.kind, mod.check_entry)
+
+        kw = dict(routings=args.routings, deadline=deadline, on_entry=write)
+        try:
+            entries = mod.tune(shapes, args.ms, args.dtypes, args.ops, **kw)
+        except (RuntimeError, ValueError) as exc:
+            print(f"epmoe tune: {fw}: {exc}", file=sys.stderr)
+            return 1
+        for line in mod.summary(entries):
+            print(line)
+        if fw == "torch" and "jax" in frameworks:
+            import torch
+
+            torch.cuda.empty_cache()  # the JAX tuner's arrays next
+        print(f"epmoe tune: wrote {len(entries)} {fw} entries to {path}" if entries
+              else f"epmoe tune: no {fw} entry measured; {path} not written", flush=True)
+    return 0
+
+
 def _add_input_args(parser: argparse.ArgumentParser, preset_help: str) -> None:
     """The options that say which random inputs to build, shared by ``demo`` and ``check``."""
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help=preset_help)
@@ -571,6 +717,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=run_bench)
+
+    from moe_contract import tuning
+
+    tune = sub.add_parser(
+        "tune",
+        help="measure the grouped GEMMs' launch configs of a model's layer on this GPU (the user's tuned table)",
+        description="Time the grouped GEMM launch configs of one MoE layer (gate_up: N = 2 x intermediate, "
+        "K = hidden; down: N = hidden, K = intermediate; over the experts of one rank) on the GPU it runs on, each "
+        "checked against the float32 reference (torch forward: the heuristic config's output) before it is timed, "
+        "and merge the winners into the user's table of this device, <user cache>/tuned/<framework>/<arch>/"
+        "<device kind>.json (EPMOE_CACHE_DIR, else the platform's cache folder), which the kernels read before "
+        "the tables shipped with the package; an entry of the same op, dtype, N, K, M and backend is replaced. "
+        "Needs a CUDA GPU (--dry-run does not).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    source = tune.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", choices=sorted(PRESETS), default=None, help="the layer of a model preset")
+    source.add_argument("--weights", metavar="DIR", type=_weights_arg, default=None,
+                        help="a checkpoint folder: the layer's sizes from its config.json")
+    tune.add_argument("--framework", choices=("torch", "jax", "both"), default="both",
+                      help="whose kernels: torch (Triton), jax (Pallas-Triton and Mosaic GPU) or both")
+    tune.add_argument("--dtypes", type=_list_arg(tuning.parse_dtypes), default=",".join(tuning.DTYPES),
+                      metavar="LIST", help="comma list of " + ", ".join(tuning.DTYPES))
+    tune.add_argument("--ms", type=_list_arg(tuning.parse_ms), default=",".join(map(str, tuning.DEFAULT_MS)), metavar="LIST",
+                      help="comma list of M, the rows of all the rank's experts together")
+    tune.add_argument("--ops", type=_list_arg(tuning.parse_ops), default="fwd", metavar="LIST",
+                      help="comma list of fwd, dgrad, wgrad (the backward: bf16 only)")
+    tune.add_argument("--routings", type=_list_arg(tuning.parse_routings), default="uniform", metavar="LIST",
+                      help="comma list of uniform, zipf: rank the configs by the mean of their times over these "
+                           "rows-per-expert splits")
+    tune.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks: E = the model's experts / this")
+    tune.add_argument("--max-minutes", type=_minutes_arg, default=None,
+                      help="start no config after this many minutes (what was measured is written)")
+    tune.add_argument("--out", metavar="PATH", default=None,
+                      help="write this .json table instead of the user's (one framework)")
+    tune.add_argument("--dry-run", action="store_true", help="print the shapes and the destination; measure nothing")
+    tune.set_defaults(func=run_tune, tune_parser=tune)
     return parser
 
 
@@ -581,10 +764,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench":  # everything after `bench` belongs to benchmarks/bench.py
         return run_bench(argparse.Namespace(bench_args=argv[1:]))
     # check: JAX memory goes back to the device when freed (not kept in JAX's pool), so that the torch
-    # stages fit beside it at full model size (timing does not matter here).
-    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+    # stages fit beside it at full model size (timing does not matter here; tune's does).
+    if not argv or argv[0] != "tune":
+        os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
     args = build_parser().parse_args(argv)
     problem = None
+    if args.command == "tune":
+        if args.ep_size < 1:
+            args.tune_parser.error(f"argument --ep-size: must be >= 1; got {args.ep_size}")
+        return args.func(args)
     if args.command == "check" and args.ep_size < 1:
         problem = f"--ep-size must be >= 1; got {args.ep_size}"
     elif args.command == "check" and args.ep_rank is not None and not 0 <= args.ep_rank < args.ep_size:

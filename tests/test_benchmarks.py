@@ -1200,7 +1200,8 @@ def test_tuners_keep_the_whole_table_and_refuse_the_other_frameworks(tmp_path):
     torch tuner's new file there held only its new entries, and the JAX tuner then read it and died on a KeyError.
     Now a new output file starts from the tree's table (the written file is the whole table), an existing one
     keeps its own entries, and each tuner refuses the other framework's table with a ValueError naming it."""
-    from benchmarks import tune_jax_gemm as tj, tune_triton_gemm as tt
+    from moe_pallas.ops.grouped_gemm import tune as tj
+    from moe_torch.ops.grouped_gemm import tune as tt
 
     tree, out = tmp_path / "tree", tmp_path / "out"
     tree.mkdir(), out.mkdir()
@@ -1226,7 +1227,7 @@ def test_tuners_keep_the_whole_table_and_refuse_the_other_frameworks(tmp_path):
 
 
 def test_jax_tuner_routings_and_ws_only(monkeypatch):
-    """``tune_jax_gemm.py --routings uniform,zipf`` times each config on the bench's routings (zipf made split_m's
+    """``moe_pallas.ops.grouped_gemm.tune --routings uniform,zipf`` times each config on the bench's routings (zipf made split_m's
     128-row tiles 7% slower on a row the uniform-only tuner never saw: BENCHMARKS.md session 11): its problems carry
     those rows per expert; an unknown routing is refused by the parser. ``--ws-only`` sweeps the warp-specialized
     configs alone, ``split_m`` and two K blocks a step among them for FP8."""
@@ -1235,13 +1236,13 @@ def test_jax_tuner_routings_and_ws_only(monkeypatch):
     import numpy as np
 
     from benchmarks import specs
-    from benchmarks import tune_jax_gemm as tj
+    from moe_pallas.ops.grouped_gemm import tune as tj
 
     for routing in ("uniform", "zipf"):
         off = np.asarray(tj.make_problem(256, 256, 512, "bf16", routing=routing)[2])
         assert off[0] == 0 and off[-1] == 512
         assert np.array_equal(np.diff(off), specs.group_sizes(512, tj.E, routing, 0))
-    monkeypatch.setattr(_sys, "argv", ["tune_jax_gemm.py", "--routings", "uniform,skewed"])
+    monkeypatch.setattr(_sys, "argv", ["moe_pallas.ops.grouped_gemm.tune", "--routings", "uniform,skewed"])
     with pytest.raises(SystemExit):
         tj.main()
     ws = tj.mosaic_candidates("fp8_block", False, ws_only=True)
@@ -1251,10 +1252,11 @@ def test_jax_tuner_routings_and_ws_only(monkeypatch):
 
 
 def test_triton_tuner_routings():
-    """``tune_triton_gemm.py --routings uniform,zipf``: each routing's offsets are the bench's rows per expert
+    """``moe_torch.ops.grouped_gemm.tune --routings uniform,zipf``: each routing's offsets are the bench's rows per expert
     (``uniform``: M/E each; ``zipf``: ragged, empty experts allowed), non-decreasing, ending at M; bad lists refused."""
     pytest.importorskip("torch")
-    from benchmarks import specs as S, tune_triton_gemm as tt
+    from benchmarks import specs as S
+    from moe_torch.ops.grouped_gemm import tune as tt
 
     assert tt.parse_routings("uniform, zipf") == ["uniform", "zipf"]
     for bad in ("", "uniform,skewed"):

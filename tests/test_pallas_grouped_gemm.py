@@ -352,7 +352,7 @@ def test_config_heuristic_fits_the_scale_layouts():
 
 
 # --------------------------------------------------------------------------------------
-# Tuned configs (benchmarks/tune_jax_gemm.py's JSON): nearest M_cap, fallback where a rule breaks
+# Tuned configs (moe_pallas.ops.grouped_gemm.tune's JSON): nearest M_cap, fallback where a rule breaks
 
 
 def use_tuned_file(tmp_path, monkeypatch, entries: list[dict], device_kind: str = "Test GPU") -> None:

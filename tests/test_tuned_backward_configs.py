@@ -71,7 +71,7 @@ def use_tables(tmp_path, monkeypatch, *, jax_entries=(), torch_entries=()) -> No
 
 
 def jax_entry(op: str | None, N: int, K: int, M_cap: int, config: dict, out_dtype: str | None = "bf16") -> dict:
-    """A launch config of ``tune_jax_gemm.py`` (``op=None``: a forward one, no ``"op"`` / ``"out_dtype"``)."""
+    """A launch config of ``moe_pallas.ops.grouped_gemm.tune`` (``op=None``: a forward one, no ``"op"`` / ``"out_dtype"``)."""
     e = {"backend": MOSAIC, "device": KIND, "E": 32, "N": N, "K": K, "M_cap": M_cap, "dtype": "bf16",
          "fast_accum": None, "config": config, "ms": 1.0, "heuristic_ms": 1.1}
     return e if op is None else {"op": op, **e, "out_dtype": out_dtype}
@@ -161,7 +161,7 @@ T_WGRAD = dict(block_n=128, block_k=256, block_m=32, num_warps=8, num_stages=4)
 
 
 def torch_entry(op: str | None, N: int, K: int, M_cap: int, config: dict, **extra) -> dict:
-    """An entry of ``tune_triton_gemm.py`` (``op=None``: a forward one, no ``"op"`` / ``"out_dtype"``)."""
+    """An entry of ``moe_torch.ops.grouped_gemm.tune`` (``op=None``: a forward one, no ``"op"`` / ``"out_dtype"``)."""
     e = {"device": KIND, "E": 32, "N": N, "K": K, "M_cap": M_cap, "dtype": "bf16", "config": config, "ms": 1.0,
          "heuristic_ms": 1.1}
     return e if op is None else {"op": op, **e, "out_dtype": "bf16", **extra}
@@ -274,9 +274,10 @@ def test_torch_wgrad_lookup_and_the_dispatch_kernel(tmp_path, monkeypatch):
 def test_tuners_parse_ops_and_refuse_unknown_ones(monkeypatch, capsys):
     """``--ops``: a comma list of fwd, dgrad, wgrad (default fwd: the forward alone); an unknown op is a usage error
     naming it, before any GPU is looked for."""
-    from benchmarks import tune_jax_gemm as tj, tune_triton_gemm as tt
+    from moe_pallas.ops.grouped_gemm import tune as tj
+    from moe_torch.ops.grouped_gemm import tune as tt
 
-    for mod, prog in ((tj, "tune_jax_gemm.py"), (tt, "tune_triton_gemm.py")):
+    for mod, prog in ((tj, "moe_pallas.ops.grouped_gemm.tune"), (tt, "moe_torch.ops.grouped_gemm.tune")):
         assert mod.parse_ops("dgrad, wgrad,dgrad") == ["dgrad", "wgrad"]
         assert mod.parse_ops("fwd") == ["fwd"]
         for bad in ("", "fwd,bwd"):
@@ -293,7 +294,7 @@ def test_jax_tuner_backward_candidates_and_keys():
     """The Mosaic backward candidates keep the kernels' rules at both tuned shapes and hold what the brief asks: dgrad's
     split_m variants and snake widths and the one-warpgroup kernel, wgrad's warp-specialized or not and its stages; the
     heuristic is among them at M=16384; forward and backward entries of one problem have different keys."""
-    from benchmarks import tune_jax_gemm as tj
+    from moe_pallas.ops.grouped_gemm import tune as tj
 
     for K, N in tj.SHAPES:
         dgrad, wgrad = tj.backward_candidates("dgrad", N, K), tj.backward_candidates("wgrad", N, K)
@@ -310,10 +311,10 @@ def test_jax_tuner_backward_candidates_and_keys():
 
 
 def test_triton_tuner_backward_entries_round_trip(tmp_path, monkeypatch):
-    """``tune_triton_gemm.backward_entry``: the fastest correct candidate (``inf``: wrong or failed, never chosen), a
+    """``moe_torch.ops.grouped_gemm.tune.backward_entry``: the fastest correct candidate (``inf``: wrong or failed, never chosen), a
     TMA dgrad winner with the fastest pointer config beside it, a Gluon wgrad winner with the fastest Triton config; the
     lookups read the entries back as written."""
-    from benchmarks import tune_triton_gemm as tt
+    from moe_torch.ops.grouped_gemm import tune as tt
 
     tma, ptr, slow = (GroupedGemmConfig(**WIDE, tma=True), GroupedGemmConfig(**POINTER),
                       GroupedGemmConfig(**dict(POINTER, num_stages=3)))

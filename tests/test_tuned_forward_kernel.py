@@ -4,7 +4,7 @@ device): ``config.tuned_forward_kernel`` reads the forward entry ``grouped_gemm_
 states (``triton.gluon_bf16_choice``: unset = the entry's kernel, 1 = Gluon, 0 = Triton; the reader itself,
 ``triton_common.gluon_bf16_switch``, is ``test_env_switches.py``'s), the dispatch's wiring (``triton.gluon_bf16_options``: switch, lookup, eligibility, options; an explicit
 ``config=`` never asks), the Gluon options the dispatch passes (``gluon_bf16.dispatch_options``), and the tuner's
-forward entries (``tune_triton_gemm.forward_entry`` / ``tune_gluon_forward`` on fake timings; the lookups read them
+forward entries (``moe_torch.ops.grouped_gemm.tune.forward_entry`` / ``tune_gluon_forward`` on fake timings; the lookups read them
 back).
 
 The tables are temporary ``<device>.json`` files (``config.TUNED_DIR`` patched, caches cleared), as in
@@ -59,7 +59,7 @@ def use_table(tmp_path, monkeypatch, entries, name: str = KIND) -> None:
 
 
 def fwd_entry(nk, M_cap: int, config: dict, dtype: str = "bf16", **extra) -> dict:
-    """A forward entry of ``tune_triton_gemm.py`` (``extra``: ``kernel``, ``gluon_config``, ``gluon_ms``...)."""
+    """A forward entry of ``moe_torch.ops.grouped_gemm.tune`` (``extra``: ``kernel``, ``gluon_config``, ``gluon_ms``...)."""
     N, K = nk
     return {"device": KIND, "E": 32, "N": N, "K": K, "M_cap": M_cap, "dtype": dtype, "config": config, "ms": 1.0,
             "heuristic_ms": 1.1, **extra}
@@ -255,7 +255,7 @@ def test_tuner_gluon_candidates():
     """7 options at N % 8 == 0 (no 4-stage ring at block_n 256 with the TMA epilogue), ``DISPATCH_OPTIONS`` first;
     pointer stores only at N % 8 != 0."""
     gb = pytest.importorskip("moe_torch.ops.grouped_gemm.gluon_bf16", reason="triton.experimental.gluon unavailable")
-    from benchmarks import tune_triton_gemm as tt
+    from moe_torch.ops.grouped_gemm import tune as tt
 
     cands = tt.gluon_forward_candidates(7168)
     assert len(cands) == 7 and cands[0] == gb.DISPATCH_OPTIONS
@@ -270,7 +270,7 @@ def test_tuner_times_gluon_after_checking_it(monkeypatch):
     timed; a wrong one (``inf``, never timed) or a failing one (``inf``) is no winner; past ``--max-minutes`` no
     candidate starts (``None`` if none did); a problem the kernel does not serve: ``None``."""
     gb = pytest.importorskip("moe_torch.ops.grouped_gemm.gluon_bf16", reason="triton.experimental.gluon unavailable")
-    from benchmarks import tune_triton_gemm as tt
+    from moe_torch.ops.grouped_gemm import tune as tt
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(64, 16, generator=g).to(torch.bfloat16), torch.randn(2, 7168, 16, generator=g).to(torch.bfloat16)
@@ -310,11 +310,11 @@ def test_tuner_times_gluon_after_checking_it(monkeypatch):
 
 
 def test_tuner_forward_entries_round_trip(tmp_path, monkeypatch):
-    """``tune_triton_gemm.forward_entry``: ``"config"`` / ``"ms"`` the fastest Triton config (the heuristic first at
+    """``moe_torch.ops.grouped_gemm.tune.forward_entry``: ``"config"`` / ``"ms"`` the fastest Triton config (the heuristic first at
     equal times); with Gluon timed, ``"kernel"`` the strictly faster kernel and the fastest correct Gluon options in
     ``"gluon_config"`` / ``"gluon_ms"``; without (other dtypes, not served, ``--no-gluon``) the entry as before, no
     ``"kernel"``; the lookups read the written entries back."""
-    from benchmarks import tune_triton_gemm as tt
+    from moe_torch.ops.grouped_gemm import tune as tt
 
     heur = GroupedGemmConfig(**PTR)
     tma, slow = GroupedGemmConfig(**TMA), dataclasses.replace(GroupedGemmConfig(**PTR), num_stages=4)
