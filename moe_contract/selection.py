@@ -142,6 +142,13 @@ def read_table(path: str, arch: str, kind: str | None, check: EntryCheck | None 
             entries = json.load(f)
         except json.JSONDecodeError as exc:
             raise ValueError(f"tuned table {path}: not valid JSON ({exc})") from exc
+    return check_entries(entries, path, arch, kind, check)
+
+
+def check_entries(entries: object, path: str, arch: str, kind: str | None, check: EntryCheck | None = None
+                  ) -> tuple[dict, ...]:
+    """``entries`` (a tuned table's JSON value) checked as :func:`read_table` checks a file (``path`` names it in the
+    messages). Raises ``ValueError`` naming ``path`` and the entry's index."""
     if not isinstance(entries, list):
         raise ValueError(f"tuned table {path}: must be a JSON list of objects; got {type(entries).__name__}")
     for i, t in enumerate(entries):
@@ -211,16 +218,13 @@ def write_table(path: str, entries: Sequence[dict], arch: str, kind: str | None,
     """Write ``entries`` to ``path`` as a JSON list (the parent directories made), after checking them as
     :func:`read_table` would read them back; returns ``path``. Raises ``ValueError`` (nothing written) for an entry
     that breaks a rule."""
+    entries = json.loads(json.dumps(list(entries)))  # as they will be read back
+    check_entries(entries, path, arch, kind, check)
     tmp = path + ".tmp"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(tmp, "w") as f:
-        json.dump(list(entries), f, indent=1)
+        json.dump(entries, f, indent=1)
         f.write("\n")
-    try:
-        read_table(tmp, arch, kind, check)
-    except ValueError:
-        os.remove(tmp)
-        raise
     os.replace(tmp, path)
     return path
 

@@ -13,8 +13,8 @@ benchmarks' ``tune_jax_gemm.py`` runs it)::
 Every entry written names the architecture (``"arch": "sm90"``) and device kind (``"device"``) it was measured on.
 
 ``--out DIR`` defaults to ``$OUT`` if set, else the user cache's table of this device (as ``epmoe tune``). The
-file is ``<device kind>.json`` (``jax.devices()[0].device_kind`` with spaces as ``_``, e.g. ``NVIDIA_H200.json``);
-one entry per (backend, problem, FP8 accumulation mode)::
+file is ``DIR/<arch>/<device kind>.json`` (the kind with spaces as ``_``, e.g. ``sm90/NVIDIA_H200.json``); one entry
+per (backend, problem, FP8 accumulation mode)::
 
     {"backend": "pallas_mosaic_gpu", "device": "NVIDIA H200", "E": 32, "N": 4096, "K": 7168, "M_cap": 2048,
      "dtype": "fp8", "fast_accum": false, "config": {...every field...}, "ms": 0.26, "heuristic_ms": 0.27,
@@ -82,10 +82,10 @@ import moe_pallas
 from moe_contract import selection
 from moe_contract.tuning import (DTYPES, OPS, Deadline, GemmShape, group_sizes, merge_entries, parse_dtypes,
                                  parse_ms, parse_ops, parse_routings, stamp, tuned_table_path)
+from moe_pallas.ops.device import spec_of
 from moe_pallas.ops.grouped_gemm.config import (
     MOSAIC_BACKEND,
     TRITON_BACKEND,
-    TUNED_DIR,
     GroupedGemmConfig,
     MosaicGroupedGemmConfig,
     grouped_gemm_config,
@@ -226,9 +226,9 @@ def heuristic(backend: str, M: int, N: int, K: int, dtype: str, fast_accum: bool
     itemsize = 2 if dtype == "bf16" else 1
     if dtype == "fp8_block" and backend == MOSAIC_BACKEND:
         return mosaic_grouped_gemm_config(M, N, K, E, 1, per_step_scales=True, w_block=True,
-                                          device_kind=jax.devices()[0].device_kind)
+                                          device=device_spec())
     if dtype == "fp8_block":
-        return grouped_gemm_config(M, N, K, E, 1, 128, w_block=True, device_kind=jax.devices()[0].device_kind)
+        return grouped_gemm_config(M, N, K, E, 1, 128, w_block=True, device=device_spec())
     if backend == TRITON_BACKEND:
         return heuristic_grouped_gemm_config(M, N, K, E, itemsize)
     return heuristic_mosaic_grouped_gemm_config(M, N, K, E, itemsize, fast_accum=bool(fast_accum))
@@ -381,14 +381,13 @@ def sweep(backend: str, cfgs: list, problems: list[tuple], deadline: Deadline,
     return timed, finished
 
 
-def kept_entries(path: str, merge: str | None = None, tuned_dir: str = TUNED_DIR) -> tuple[str | None, dict, list]:
+def kept_entries(path: str, merge: str | None = None) -> tuple[str | None, dict, list]:
     """``(file read, launch configs by entry_key, other entries)`` a run writing ``path`` keeps: ``merge`` if given,
-    else the file's own, else for a new file (e.g. in ``$OUT``) the table of the same name in ``tuned_dir`` (the
-    tree's), so the written file is always the whole table. Entries with a ``"kind"`` (backend choices,
+    else the file's own (none for a new file). Entries with a ``"kind"`` (backend choices,
     ``benchmarks/tune_backend.py``) are kept as they are. ``ValueError`` for a moe_torch table
     (``moe_torch.ops.grouped_gemm.tune`` writes the same file name; its launch configs have no ``"backend"``)."""
-    src = merge or (path if os.path.exists(path) else os.path.join(tuned_dir, os.path.basename(path)))
-    if not os.path.exists(src):
+    src = merge or (path if os.path.exists(path) else None)
+    if src is None or not os.path.exists(src):
         return None, {}, []
     with open(src) as f:
         loaded = json.load(f)
@@ -412,15 +411,10 @@ def require_gpu() -> None:
 
 
 def device_spec() -> selection.DeviceSpec:
-    """The :class:`moe_contract.selection.DeviceSpec` of JAX's first GPU: ``kind`` its ``device_kind`` (which names
-    the tuned table with ``arch``), ``capability`` its compute capability, ``sm_count`` its ``core_count``;
-    ``smem_per_block`` 0 (JAX does not report it; the table's path does not use it). Raises :class:`NoGPUError`
-    without a GPU."""
+    """The :class:`moe_contract.selection.DeviceSpec` of JAX's first GPU (``moe_pallas/ops/device.py``); its ``kind``
+    and ``arch`` name the tuned table. Raises :class:`NoGPUError` without a GPU."""
     require_gpu()
-    d = jax.devices()[0]
-    major, _, minor = str(getattr(d, "compute_capability", "0.0")).partition(".")
-    return selection.DeviceSpec(kind=d.device_kind, capability=(int(major or 0), int(minor or 0)),
-                                sm_count=int(getattr(d, "core_count", 0) or 0), smem_per_block=0)
+    return spec_of(jax.devices()[0])
 
 
 def check_entry(e: dict) -> str | None:
@@ -630,7 +624,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tune_jax_gemm: {exc}", file=sys.stderr)
         return 2
     if args.out:
-        path = os.path.join(args.out, selection.file_key(spec.kind) + ".json")
+        path = os.path.join(args.out, spec.arch, selection.file_key(spec.kind) + ".json")
         try:
             merge, configs, others = kept_entries(path, args.merge)
         except ValueError as exc:

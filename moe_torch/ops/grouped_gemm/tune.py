@@ -95,7 +95,8 @@ from moe_contract import selection
 from moe_contract.tuning import ROUTINGS  # noqa: F401 - the routings --routings takes, as before the move
 from moe_contract.tuning import (DTYPES, OPS, Deadline, GemmShape, group_sizes, merge_entries, parse_dtypes, parse_ms,
                                  parse_ops, parse_routings, stamp, tuned_table_path)
-from moe_torch.ops.grouped_gemm.config import (TUNED_DIR, GroupedGemmConfig, GroupedGemmWgradConfig,
+from moe_torch.ops.device import device_spec as _device_spec
+from moe_torch.ops.grouped_gemm.config import (GroupedGemmConfig, GroupedGemmWgradConfig,
                                                grouped_gemm_dgrad_config, heuristic_grouped_gemm_config,
                                                heuristic_grouped_gemm_wgrad_config)
 from moe_torch.ops.grouped_gemm.reference import grouped_gemm_dgrad_reference, grouped_gemm_wgrad_reference
@@ -332,14 +333,13 @@ def entry_key(e: dict) -> tuple:
     return e["E"], e["N"], e["K"], e["M_cap"], e["dtype"], e.get("op", "fwd"), e.get("out_dtype")
 
 
-def kept_entries(path: str, tuned_dir: str = TUNED_DIR) -> dict:
-    """The entries a run writing ``path`` keeps (by :func:`entry_key`): the file's own, or for a new file (e.g. in
-    ``$OUT``) those of the table of the same name in ``tuned_dir`` (the tree's), so the written file is always the
-    whole table. ``ValueError`` for a JAX table (``moe_pallas.ops.grouped_gemm.tune`` writes the same file name; its
-    entries name a ``"backend"`` or a ``"kind"``)."""
-    seed = path if os.path.exists(path) else os.path.join(tuned_dir, os.path.basename(path))
-    if not os.path.exists(seed):
+def kept_entries(path: str) -> dict:
+    """The entries a run writing ``path`` keeps (by :func:`entry_key`): the file's own (none for a new file).
+    ``ValueError`` for a JAX table (``moe_pallas.ops.grouped_gemm.tune`` writes the same file name; its entries name
+    a ``"backend"`` or a ``"kind"``)."""
+    if not os.path.exists(path):
         return {}
+    seed = path
     with open(seed) as f:
         loaded = json.load(f)
     if foreign := [e for e in loaded if "backend" in e or "kind" in e]:
@@ -502,15 +502,11 @@ def require_gpu() -> None:
 
 
 def device_spec(index: int | None = None) -> selection.DeviceSpec:
-    """The :class:`moe_contract.selection.DeviceSpec` of CUDA device ``index`` (default: the current one), as torch
-    reports it; its ``kind`` (``torch.cuda.get_device_name``) and ``arch`` name the tuned table. Raises
-    :class:`NoGPUError` without a CUDA GPU."""
+    """The :class:`moe_contract.selection.DeviceSpec` of CUDA device ``index`` (default: the current one,
+    ``moe_torch/ops/device.py``); its ``kind`` and ``arch`` name the tuned table. Raises :class:`NoGPUError` without
+    a CUDA GPU."""
     require_gpu()
-    index = torch.cuda.current_device() if index is None else index
-    p = torch.cuda.get_device_properties(index)
-    return selection.DeviceSpec(kind=torch.cuda.get_device_name(index), capability=(p.major, p.minor),
-                                sm_count=p.multi_processor_count,
-                                smem_per_block=int(getattr(p, "shared_memory_per_block_optin", 0) or 0))
+    return _device_spec(torch.device("cuda", torch.cuda.current_device() if index is None else index))
 
 
 def check_entry(e: dict) -> str | None:
@@ -609,8 +605,7 @@ def summary(entries: Sequence[dict]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The tuner's own command line (module docstring): the benchmark's problems (E=32, :data:`SHAPES`, :data:`MS`),
-    every option. ``--out DIR``: the table ``DIR/<device kind>.json`` (a new one starts from the table of that name
-    in :data:`TUNED_DIR`); default: this device's table in the user cache (``epmoe tune``'s). Usage errors exit 2
+    every option. ``--out DIR``: the table ``DIR/<arch>/<device kind>.json`` (a new one starts empty); default: this device's table in the user cache (``epmoe tune``'s). Usage errors exit 2
     before any GPU is looked for."""
     parser = argparse.ArgumentParser(prog="python -m moe_torch.ops.grouped_gemm.tune",
                                      description=__doc__.split("\n\n")[0])
@@ -644,7 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tune_triton_gemm: {exc}", file=sys.stderr)
         return 2
     if args.out:
-        path = os.path.join(args.out, selection.file_key(spec.kind) + ".json")
+        path = os.path.join(args.out, spec.arch, selection.file_key(spec.kind) + ".json")
         try:
             base = list(kept_entries(path).values())
         except ValueError as exc:
