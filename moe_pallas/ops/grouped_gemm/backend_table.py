@@ -10,8 +10,7 @@ request's op, layout and shape (``moe_pallas.ops.dispatch.dispatch(..., order=..
    heuristic order, so a choice that cannot serve a request (``NotImplementedError``) falls through it with the
    dispatch's logged warning.
 2. No entry for the op, layout, ``N`` and ``K`` (or no table for the device): :func:`heuristic_order`,
-   ``GPU_ORDER`` except where a measurement says otherwise (FP8 with 128x128 weight blocks: Pallas-Triton
-   first).
+   ``GPU_ORDER``.
 
 On the CPU the order is ``CPU_ORDER`` (the reference; kernels only interpreted when asked for by name).
 
@@ -62,12 +61,6 @@ OPTIONAL_KEYS = ("device", "routings", "git", "measured", "note")
 #: Short names of the float dtypes in layouts.
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float8_e4m3fn": "fp8"}
 
-#: FP8 with 128x128 weight blocks (DeepSeek-V3: 1x128 activation groups x 128x128 weight blocks) on Pallas-Triton
-#: first where no table says otherwise. H200, E=32, M=16384, uniform rows, median ms (issue 14's table): gate_up
-#: (K=7168, N=4096) Pallas-Triton 1.72, Mosaic GPU's one-warpgroup kernel 2.90; down (K=2048, N=7168) 0.87 vs 1.54.
-#: Since session 10 Mosaic's warp-specialized FP8 kernel is faster on the H200 (1.10 / 0.56 ms, its table picks
-#: Mosaic for every FP8 key), but it was measured on no other GPU, so a GPU without a table keeps this order.
-FP8_BLOCK_ORDER = ("pallas_triton", "pallas_mosaic_gpu", "reference")
 
 
 def _dtype_name(dtype) -> str:
@@ -107,10 +100,9 @@ def wgrad_layout(x: jax.Array) -> str:
 
 
 def heuristic_order(op: str, layout: str) -> tuple[str, ...]:
-    """The GPU order where the table has no entry: ``GPU_ORDER`` (Mosaic GPU, Pallas-Triton, reference),
-    except the forward with FP8 128x128 weight blocks: :data:`FP8_BLOCK_ORDER` (measured, see there)."""
-    if op == "grouped_gemm" and layout == "fp8_block":
-        return FP8_BLOCK_ORDER
+    """The GPU order where the table has no entry: ``GPU_ORDER`` (Mosaic GPU, Pallas-Triton, reference) for every op
+    and layout: the warp-specialized Mosaic kernels are the faster ones on sm_90 wherever both were measured
+    (BENCHMARKS.md), and ``kernels.runnable`` drops Mosaic GPU off sm_90."""
     return GPU_ORDER
 
 
