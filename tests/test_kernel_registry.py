@@ -134,3 +134,19 @@ def test_the_same_choices_on_every_hopper():
     assert tc.grouped_gemm_config(16384, 4096, 7168, 32, 16, device=A100) == tc.heuristic_grouped_gemm_config(
         16384, 4096, 7168, 32, 16)
     assert np.all([tc.tuned_forward_kernel(A100, 16384, 7168, 2048, 16) is None])
+
+
+def test_jax_named_mosaic_on_a_gpu_without_it(monkeypatch):
+    """``implementation="pallas_mosaic_gpu"`` on a (simulated) A100 raises NotImplementedError naming the GPU and
+    why, before anything is traced; the portable kernels still take the request."""
+    import jax.numpy as jnp
+
+    import moe_pallas
+    from moe_pallas.ops.grouped_gemm import api as jax_api
+
+    monkeypatch.setattr(jax_api, "gpu_device_spec", lambda: A100)
+    x, w = jnp.ones((8, 64), jnp.bfloat16), jnp.ones((2, 32, 64), jnp.bfloat16)
+    offs = jnp.array([0, 4, 8], jnp.int32)
+    with pytest.raises(NotImplementedError, match=r"'pallas_mosaic_gpu' cannot serve this request on NVIDIA A100.*sm80"):
+        moe_pallas.grouped_gemm(x, w, offs, implementation="pallas_mosaic_gpu")
+    assert float(moe_pallas.grouped_gemm(x, w, offs, implementation="reference")[0, 0]) == 64.0

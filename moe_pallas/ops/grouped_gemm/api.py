@@ -22,7 +22,8 @@ from moe_contract.op_checks import (check_grouped_gemm, check_grouped_gemm_dbias
 from moe_contract.validation import check_choice
 from moe_pallas.ops.common import cast_rounded, resolve_dtype, takes_jax_arrays
 from moe_pallas.ops.dispatch import dispatch
-from moe_pallas.ops.grouped_gemm import backend_table
+from moe_pallas.ops.grouped_gemm import backend_table, kernels
+from moe_pallas.ops.grouped_gemm.config import gpu_device_spec
 from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton
 from moe_pallas.ops.grouped_gemm.pallas_triton_backward import (grouped_gemm_dbias_pallas_triton,
                                                                  grouped_gemm_dgrad_pallas_triton,
@@ -137,9 +138,13 @@ def grouped_gemm(
 
 def _default_order(op: str, implementation: str | None, layout: str, M_cap: int, N: int, K: int):
     """The order ``dispatch`` tries when ``implementation`` is ``None``: per op, layout and shape
-    (``backend_table.default_order``: the measured table of this device kind, else its heuristic); ``None``
-    (unused, no table read) for an explicit ``implementation``."""
+    (``backend_table.default_order``: the measured table of this device, else its heuristic); ``None``
+    (unused, no table read) for an explicit ``implementation``, after ``NotImplementedError`` where this GPU cannot
+    run that kernel at all (``kernels.py``: Mosaic GPU off sm_90)."""
     if implementation is not None:
+        spec = gpu_device_spec()
+        if spec is not None and implementation in kernels.KERNELS.choices:  # a GPU that cannot run it says so
+            kernels.KERNELS.check(implementation, spec, layout)
         return None
     return backend_table.default_order(op, layout, M_cap=M_cap, N=N, K=K)
 
