@@ -150,3 +150,24 @@ def test_jax_named_mosaic_on_a_gpu_without_it(monkeypatch):
     with pytest.raises(NotImplementedError, match=r"'pallas_mosaic_gpu' cannot serve this request on NVIDIA A100.*sm80"):
         moe_pallas.grouped_gemm(x, w, offs, implementation="pallas_mosaic_gpu")
     assert float(moe_pallas.grouped_gemm(x, w, offs, implementation="reference")[0, 0]) == 64.0
+
+
+def test_torch_hopper_heuristic_without_a_table(monkeypatch, tmp_path):
+    """No table at all for an sm_90 GPU: large 16-bit / FP8 forwards get the wide TMA tiles every tuned sm90 entry
+    of that size has; a bias, few rows per expert, small M and other architectures keep the portable heuristic."""
+    from moe_torch.ops.grouped_gemm import config as tc
+
+    monkeypatch.setattr(tc, "TUNED_DIR", str(tmp_path))
+    tc.tuned_tables.cache_clear()
+    try:
+        wide = tc.grouped_gemm_config(16384, 4096, 7168, 32, 16, device=H20)
+        assert (wide.block_m, wide.block_n, wide.num_warps, wide.tma) == (128, 256, 8, True)
+        fp8 = tc.grouped_gemm_config(16384, 4096, 7168, 32, 8, 128, True, device=H100)
+        assert (fp8.block_m, fp8.block_k, fp8.tma, fp8.persistent) == (128, 128, True, True)
+        heur = tc.heuristic_grouped_gemm_config
+        assert tc.grouped_gemm_config(16384, 4096, 7168, 32, 16, device=H100, bias=True) == heur(16384, 4096, 7168, 32, 16)
+        assert tc.grouped_gemm_config(16384, 4096, 7168, 256, 16, device=H100) == heur(16384, 4096, 7168, 256, 16)
+        assert tc.grouped_gemm_config(2048, 4096, 7168, 8, 16, device=H100) == heur(2048, 4096, 7168, 8, 16)
+        assert tc.grouped_gemm_config(16384, 4096, 7168, 32, 16, device=A100) == heur(16384, 4096, 7168, 32, 16)
+    finally:
+        tc.tuned_tables.cache_clear()

@@ -326,14 +326,43 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: 
     :func:`grouped_gemm_wgrad_config`'s). A 16-bit entry's ``"kernel"`` (``"gluon"`` / ``"triton"``) is the dispatch's
     (:func:`tuned_forward_kernel`): its ``"config"`` is always the Triton kernel's."""
     best = nearest_forward_entry(device, M_cap, N, K, bits, w_block, w_format)
-    if best is not None:
-        cfg = GroupedGemmConfig(**best["config"])  # entries without group_m / persistent: the defaults
+    candidates = [GroupedGemmConfig(**best["config"])] if best is not None else []  # absent keys: the defaults
+    if device is not None and device.capability >= (9, 0):
+        candidates.append(hopper_wide_config(M_cap, N, K, E, bits))
+    for cfg in candidates:
+        if cfg is None:
+            continue
         try:
             check_config("grouped_gemm", cfg, bits, x_group, w_block, w_format, bias=bias)
             return cfg
         except (ValueError, NotImplementedError):
             pass  # tuned for other scale layouts (or a TMA entry, a request with bias): the heuristic knows the rules
     return heuristic_grouped_gemm_config(M_cap, N, K, E, bits, x_group, w_block, w_format)
+
+
+#: Rows (``M_cap``) and rows per expert from which :func:`hopper_wide_config` applies: the sizes whose tuned sm90
+#: entries are all 128-row TMA tiles over 8 warps (BENCHMARKS.md); below them the smaller heuristic tiles waste less.
+HOPPER_WIDE_MIN_ROWS = 8192
+HOPPER_WIDE_MIN_ROWS_PER_EXPERT = 128
+
+
+def hopper_wide_config(M_cap: int, N: int, K: int, E: int, bits: int) -> GroupedGemmConfig | None:
+    """The sm90 heuristic of a large forward where no table has an entry: what the tuned sm90 entries of the
+    benchmark's shapes have in common (two wgmma warpgroups on 128-row TMA tiles, grouped launch order), so that a
+    GPU or shape without a table is not left on the 4-warp tiles of :func:`heuristic_grouped_gemm_config`. 16-bit:
+    128 x 256 x 64, 3 stages; FP8: 128 x 128 x 128, 4 stages, persistent. ``None`` below
+    :data:`HOPPER_WIDE_MIN_ROWS` rows or :data:`HOPPER_WIDE_MIN_ROWS_PER_EXPERT` a expert, for narrow ``N`` or
+    ``K``, and for other widths (the caller's :func:`check_config` refuses it for bias, 4-bit weights or scale
+    groups it cannot step)."""
+    if M_cap < HOPPER_WIDE_MIN_ROWS or M_cap < HOPPER_WIDE_MIN_ROWS_PER_EXPERT * max(E, 1) or min(N, K) < 256:
+        return None
+    if bits == 16:
+        return GroupedGemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, group_m=8,
+                                 tma=True)
+    if bits == 8:
+        return GroupedGemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4, group_m=8,
+                                 persistent=True, tma=True)
+    return None
 
 
 # --------------------------------------------------------------------------------------
