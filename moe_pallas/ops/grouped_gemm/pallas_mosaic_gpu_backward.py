@@ -116,7 +116,8 @@ def grouped_gemm_dgrad_pallas_mosaic_gpu(
     # the device kind is read on the host at trace time (None on the CPU: the heuristic)
     cfg = config or mosaic_dgrad_config(M_cap, N, K, E, d_y.dtype.itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
                                         device_kind=gpu_device_kind())
-    problem = mosaic_config_problem(cfg, K, N, d_y.dtype.itemsize, False, op=op, out_itemsize=jnp.dtype(out_dtype).itemsize)
+    problem = mosaic_config_problem(cfg, K, N, d_y.dtype.itemsize, False, op=op, out_itemsize=jnp.dtype(out_dtype).itemsize,
+                                    dgrad=True)
     if problem:
         raise NotImplementedError(problem)
     if M_cap == 0 or K == 0:
