@@ -277,6 +277,110 @@ def test_default_falls_back_for_k7000_under_vjp(monkeypatch, caplog):
 
 
 # --------------------------------------------------------------------------------------
+# Whole operand buffers: a Mosaic GPU kernel refuses an operand that does not start 256-byte aligned ("Input
+# buffer i is not 256-byte aligned"), and XLA may pass a contiguous slice to a custom call as a view into the
+# sliced buffer (its dynamic-slice fusion). So no operand of a Mosaic custom call may come from a slice.
+
+
+def _mosaic_operand_producers(text: str) -> list[str]:
+    """For every operand of every Mosaic GPU custom call in the StableHLO module ``text``, the op that produces it,
+    looked through reshapes (bitcasts to XLA), calls (into the callee's return) and function arguments (to every call
+    site; an argument of ``main``, the caller's own buffer, is ``"argument"``)."""
+    import re
+
+    funcs, name = {}, None
+    for line in text.splitlines():
+        m = re.match(r"\s*func\.func (?:public|private) @([\w.$-]+)\(", line)
+        if m:
+            name = m.group(1)
+            funcs[name] = []
+        elif name is not None:
+            funcs[name].append(line)
+    defs = {f: {} for f in funcs}
+    for f, lines in funcs.items():
+        for line in lines:
+            m = re.match(r"\s*(%[\w.-]+)(?::\d+)? = (.*)", line)
+            if m:
+                defs[f][m.group(1)] = m.group(2)
+
+    def callers(f: str):
+        for g, lines in funcs.items():
+            for line in lines:
+                m = re.search(rf"call @{re.escape(f)}\(([^)]*)\)", line)
+                if m:
+                    yield g, [a.strip() for a in m.group(1).split(",")]
+
+    def producers(f: str, v: str, depth: int = 0) -> list[str]:
+        assert depth < 50, (f, v)
+        base, _, index = v.partition("#")
+        m = re.fullmatch(r"%arg(\d+)", base)
+        if m:
+            if f == "main":
+                return ["argument"]
+            return [p for g, args in callers(f) for p in producers(g, args[int(m.group(1))], depth + 1)]
+        rhs = defs[f][base]
+        call = re.match(r"call @([\w.$-]+)\(", rhs)
+        if call:
+            g = call.group(1)
+            ret = next(l for l in funcs[g] if l.strip().startswith("return"))
+            values = re.match(r"\s*return ([^:]*)", ret).group(1).split(",")
+            return producers(g, values[int(index or 0)].strip(), depth + 1)
+        op = re.match(r'"?(stablehlo\.\w+|\w+)', rhs).group(1)
+        if op == "stablehlo.reshape":
+            return producers(f, re.match(r"stablehlo\.reshape (%[\w.#-]+)", rhs).group(1), depth + 1)
+        return [op]
+
+    out = []
+    for f, lines in funcs.items():
+        for line in lines:
+            m = re.search(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\)", line)
+            if m:
+                out += [(p, a.strip()) for a in m.group(1).split(",") for p in producers(f, a.strip())]
+    return [p for p, _ in out]
+
+
+def test_wgrad_operands_are_whole_buffers():
+    """The wgrad's expert row ranges (``ends = offsets[1:]``, a slice at byte 4) reach the kernel inside one stacked
+    ``[2, E]`` buffer: no operand of its custom call comes from a slice."""
+    x, dy, _, offsets = _problem(0, [100, 0, 156], 256, 256, 128)
+    producers = _mosaic_operand_producers(grouped_gemm_wgrad_pallas_mosaic_gpu.trace(x, dy, offsets).lower(
+        lowering_platforms=("cuda",)).as_text())
+    assert not [p for p in producers if "slice" in p], producers
+    assert len(producers) == 3  # bounds, x, d_y
+
+
+def test_layer_vjp_mosaic_operands_are_whole_buffers(monkeypatch):
+    """The bf16 layer under ``jax.jit(jax.vjp(...))`` with ``implementation=None`` on a simulated GPU (Mosaic GPU
+    first for every grouped GEMM), E=64 with empty experts as reported: its six Mosaic custom calls (two forward
+    GEMMs, two dgrads, two wgrads), lowered for CUDA on the CPU, take no operand produced by a slice."""
+    from moe_contract import MoEConfig, make_layer_inputs
+    from moe_pallas.ops.grouped_gemm import api, backend_table, pallas_mosaic_gpu_backward
+    from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
+
+    monkeypatch.setattr(backend_table, "on_gpu", lambda: True)
+    monkeypatch.setattr(backend_table, "gpu_device_kind", lambda: None)
+    monkeypatch.setattr(api, "_mosaic", lambda x, w, off, xs, ws, out_dtype, bias=None: grouped_gemm_pallas_mosaic_gpu(
+        x, w, off, x_scale=xs, w_scale=ws, out_dtype=out_dtype))
+    monkeypatch.setattr(api, "_mosaic_backward", lambda name: getattr(pallas_mosaic_gpu_backward, name))
+    config = MoEConfig(hidden_size=256, intermediate_size=128, num_experts=64, topk=8, routing="softmax_topk",
+                       renormalize=True)
+    inp = make_layer_inputs(config, num_tokens=64, seed=0)
+    logits = np.asarray(inp.router_logits).copy()
+    logits[:, 36:] = -1e4  # 28 experts get no rows
+    args = (jnp.asarray(inp.x, jnp.bfloat16), jnp.asarray(logits), jnp.asarray(inp.w13, jnp.bfloat16),
+            jnp.asarray(inp.w2, jnp.bfloat16))
+
+    def layer_vjp(x, l, w13, w2, d_out):
+        out, vjp = jax.vjp(lambda *a: moe_pallas.moe_forward(*a, config), x, l, w13, w2)
+        return out, vjp(d_out)
+
+    text = jax.jit(layer_vjp).trace(*args, args[0]).lower(lowering_platforms=("cuda",)).as_text()
+    producers = _mosaic_operand_producers(text)
+    assert text.count("custom_call @mosaic_gpu") == 6
+    assert producers and not [p for p in producers if "slice" in p], producers
+
+
+# --------------------------------------------------------------------------------------
 # Numerics (GPU)
 
 SHAPES = {  # counts, M_cap, K, N
