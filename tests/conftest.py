@@ -54,3 +54,15 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` tests (pyproject.toml's marker) are skipped unless ``EPMOE_TEST_DEVICE=gpu``."""
+    import pytest
+
+    if os.environ.get("EPMOE_TEST_DEVICE", "cpu") == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (EPMOE_TEST_DEVICE=gpu, benchmarks/gpu_check.py)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

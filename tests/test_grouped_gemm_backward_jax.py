@@ -26,7 +26,7 @@ from moe_pallas.ops.grouped_gemm.config import (GroupedGemmDgradConfig, GroupedG
                                                  heuristic_grouped_gemm_wgrad_config)
 from moe_pallas.ops.grouped_gemm.pallas_triton_backward import (grouped_gemm_dgrad_pallas_triton,
                                                                  grouped_gemm_wgrad_pallas_triton)
-from tolerances import GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
+from tolerances import BF16_REL_FRO, GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 
 IMPLS = ("reference", "pallas_triton")
 DTYPES = {"float32": (jnp.float32, GRAD_F32_REL_FRO), "bfloat16": (jnp.bfloat16, GRAD_BF16_REL_FRO)}
@@ -434,3 +434,40 @@ def test_triton_verifier_catches_loop_bounds_of_two_types(monkeypatch):
     (module,) = triton_modules(monkeypatch, f, S((1,), jnp.int32))
     with pytest.raises(Exception, match="scf.for' op failed to verify that all of {lowerBound, upperBound, step} have same type"):
         module.operation.verify()
+
+
+@pytest.mark.gpu
+def test_default_serves_k7000_under_vjp():
+    """The reported crash: bf16 ``grouped_gemm`` with K=7000, N=1536 under ``jax.vjp``, ``implementation=None``, E=8
+    experts with ragged rows of 0-2000 each (one empty, one at 2000) and unused capacity, on a GPU. It raised
+    ``ValueError: Swizzle 16 is not supported`` from the Mosaic wgrad (a 16-byte tile row); now Mosaic GPU refuses
+    the three ops before launch and the default order serves them. ``y``, ``d_x``, ``d_w`` against ``jax.vjp`` of a
+    float32 per-expert loop (HIGHEST precision) on the same bf16 values: CONTRACT.md sections 7 and 8 (bf16 rows);
+    the empty expert's ``d_w`` exactly 0, rows ``>= M`` of ``y`` and ``d_x`` zero."""
+    counts = [1333, 0, 2000, 17, 911, 1, 1999, 640]
+    E, K, N = len(counts), 7000, 1536
+    offsets_np = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    m_cap = int(offsets_np[-1]) + 45
+    rng = np.random.default_rng(7000)
+    x = jnp.asarray(rng.standard_normal((m_cap, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((E, N, K)) / np.sqrt(K), jnp.bfloat16)
+    d_y = jnp.asarray(rng.standard_normal((m_cap, N)), jnp.bfloat16)
+    offsets = jnp.asarray(offsets_np)
+
+    y, vjp = jax.vjp(lambda x_, w_: moe_pallas.grouped_gemm(x_, w_, offsets), x, w)
+    d_x, d_w = vjp(d_y)
+
+    def loop(x_, w_):  # float32 reference: rows [offsets[e], offsets[e+1]) times w[e].T, zeros past M
+        dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+        parts = [dot(x_[offsets_np[e]:offsets_np[e + 1]], w_[e].T) for e in range(E)]
+        return jnp.concatenate(parts + [jnp.zeros((m_cap - offsets_np[-1], N), jnp.float32)])
+
+    f32 = lambda a: a.astype(jnp.float32)
+    y_ref, vjp_ref = jax.vjp(loop, f32(x), f32(w))
+    d_x_ref, d_w_ref = vjp_ref(f32(d_y))
+    M = int(offsets_np[-1])
+    assert_rel_fro(y[:M], y_ref[:M], BF16_REL_FRO, "y")
+    assert_rel_fro(d_x[:M], d_x_ref[:M], GRAD_BF16_REL_FRO, "d_x")
+    assert_rel_fro(d_w, d_w_ref, GRAD_BF16_REL_FRO, "d_w")
+    assert_exact(d_w[1], jnp.zeros_like(d_w[1]), "d_w of the empty expert")
+    assert not to_numpy(y[M:]).astype(np.float32).any() and not to_numpy(d_x[M:]).astype(np.float32).any()

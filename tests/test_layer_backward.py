@@ -18,7 +18,8 @@ import torch
 import moe_torch
 from common import TORCH_DEVICE
 from moe_contract import MoEConfig, get_preset, make_layer_inputs
-from tolerances import FP8_REL_FRO, GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
+from tolerances import (BF16_REL_FRO, FP8_REL_FRO, GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO, assert_exact, assert_rel_fro,
+                        to_numpy)
 
 #: (name, config): every routing mode at test size.
 CONFIGS = {
@@ -282,3 +283,45 @@ def test_torch_and_jax_layer_gradients_agree_bf16():
     j, _ = jax_grads(config, *args, dtype="bfloat16")
     for n, a, b in zip(NAMES, t, j):
         assert_rel_fro(a, b, GRAD_BF16_REL_FRO, f"torch vs jax bf16 {n}")
+
+
+@pytest.mark.gpu
+def test_layer_vjp_empty_experts_e64_aligned():
+    """The reported crash: the bf16 layer (T=1024, H=2048, I=1024, E=64, top-8, 28 experts receiving no rows) under
+    ``jax.jit(jax.vjp(...))`` with ``implementation=None`` raised ``INVALID_ARGUMENT: Input buffer 1 is not 256-byte
+    aligned`` from a Mosaic GPU kernel (the wgrad's ``ends = offsets[1:]``, 256 bytes at E=64, passed as a view 4
+    bytes into the offsets). The output and the gradients of ``x``, the logits, ``w13`` and ``w2`` against the float32
+    reference layer (``implementation="reference"``, the same bf16 values in float32): CONTRACT.md sections 7 and 8
+    (bf16 rows); the 28 empty experts' weight gradients exactly 0."""
+    import jax
+    import jax.numpy as jnp
+
+    import moe_pallas
+
+    config = MoEConfig(hidden_size=2048, intermediate_size=1024, num_experts=64, topk=8, routing="softmax_topk",
+                       renormalize=True)
+    inp = make_layer_inputs(config, num_tokens=1024, seed=64)
+    logits = np.asarray(inp.router_logits, np.float32).copy()
+    logits[:, 36:] = -1e4  # experts 36..63 are never chosen
+    rng = np.random.default_rng(65)
+    d_out = rng.standard_normal((1024, config.hidden_size)).astype(np.float32)
+    bf = lambda a: jnp.asarray(np.asarray(a, np.float32)).astype(jnp.bfloat16)
+    args = (bf(inp.x), jnp.asarray(logits), bf(inp.w13), bf(inp.w2), bf(d_out))
+
+    def layer_vjp(implementation):
+        def run(x, l, w13, w2, d):
+            out, vjp = jax.vjp(lambda *a: moe_pallas.moe_forward(*a, config, implementation=implementation),
+                               x, l, w13, w2)
+            return out, vjp(d)
+        return jax.jit(run)
+
+    out, grads = layer_vjp(None)(*args)
+    f32 = [a.astype(jnp.float32) for a in args]
+    out_ref, grads_ref = layer_vjp("reference")(*f32)
+    _, ids = moe_pallas.select_experts(args[1], **config.gate_kwargs())
+    assert len(set(np.unique(to_numpy(ids)).tolist())) == 36  # 28 of the 64 experts get no rows
+    assert_rel_fro(out, out_ref, BF16_REL_FRO, "out")
+    for name, g, r in zip(("d_x", "d_logits", "d_w13", "d_w2"), grads, grads_ref):
+        assert_rel_fro(g, r, GRAD_BF16_REL_FRO, name)
+    for g in grads[2:]:
+        assert_exact(g[36:], jnp.zeros_like(g[36:]), "the empty experts' weight gradients")

@@ -78,10 +78,13 @@ def test_limits_raise_not_implemented():
         grouped_gemm_dgrad_pallas_mosaic_gpu(dy, w, offsets)
     with pytest.raises(NotImplementedError, match=r"wgrad\[pallas_mosaic_gpu\]: x must be bf16 or float16.*float32"):
         grouped_gemm_wgrad_pallas_mosaic_gpu(x, dy, offsets)
-    x, dy, w, offsets = _problem(0, [3, 5], 8, 96, 128)  # K=96: no whole 128-wide output tile of d_w
-    with pytest.raises(NotImplementedError, match=r"K % block_n == 0.*K=96"):
+    x, dy, w, offsets = _problem(0, [3, 5], 8, 192, 128)  # K=192: no whole 128-wide output tile of d_w
+    with pytest.raises(NotImplementedError, match=r"K % block_n == 0.*K=192"):
         grouped_gemm_wgrad_pallas_mosaic_gpu(x, dy, offsets, config=MosaicGroupedGemmConfig(
             block_m=128, block_n=128, block_k=64))
+    with pytest.raises(NotImplementedError, match=r"K = x.shape\[1\] .*multiple of 64 values of 2 bytes.*got K=96"):
+        grouped_gemm_wgrad_pallas_mosaic_gpu(x[:, :96], dy, offsets)  # no 128-byte tile row divides K=96
+    x, dy, w, offsets = _problem(0, [3, 5], 8, 96, 128)
     with pytest.raises(NotImplementedError, match=r"dgrad\[pallas_mosaic_gpu\]: needs N % block_n == 0 .*N=96"):
         grouped_gemm_dgrad_pallas_mosaic_gpu(dy, w[:, :, :96], offsets, config=MosaicGroupedGemmConfig(
             block_m=64, block_n=128, block_k=64))
@@ -109,7 +112,9 @@ def test_wgrad_heuristic():
     assert (cfg.max_concurrent_steps, cfg.warp_specialized) == (2, True)
     cfg = heuristic_mosaic_wgrad_config(16384, 4096, 7168 - 128, 32, 2, 2)  # K % 256 != 0: one warpgroup
     assert (cfg.block_n, cfg.max_concurrent_steps, cfg.warp_specialized) == (128, 4, False)
-    assert heuristic_mosaic_wgrad_config(64, 64, 96, 2, 2).block_n == 32
+    assert heuristic_mosaic_wgrad_config(64, 64, 192, 2, 2).block_n == 64
+    # never below one 128-byte row (64 values): K=96 keeps 64, which mosaic_wgrad_config_problem refuses
+    assert heuristic_mosaic_wgrad_config(64, 64, 96, 2, 2).block_n == 64
 
 
 def test_warp_specialized_wgrad_rules_and_lowering():
@@ -143,6 +148,236 @@ def test_kernel_bodies_trace():
     assert jax.jit(grouped_gemm_wgrad_pallas_mosaic_gpu).trace(x, dy, offsets).jaxpr is not None
     assert jax.jit(grouped_gemm_wgrad_pallas_mosaic_gpu, static_argnames=("out_dtype",)).trace(
         x[:250], dy[:250], offsets, out_dtype=jnp.bfloat16).jaxpr is not None
+
+
+# --------------------------------------------------------------------------------------
+# Swizzled tile rows (host side): a config Mosaic GPU cannot trace is refused before launch, so the default
+# order falls back (NotImplementedError) instead of failing (ValueError) inside the trace
+
+C = MosaicGroupedGemmConfig
+
+
+def _run(op: str, N: int, K: int, cfg, lower: bool = False):
+    """The Mosaic kernel ``op`` ("fwd", "dgrad", "wgrad") on bf16 ``w [2, N, K]`` and its ``x`` / ``d_y`` (``cfg``:
+    a config, or ``None`` for the default); with ``lower``, only lowered for CUDA (on the CPU)."""
+    x, dy, w, offsets = _problem(0, [100, 156], 256, K, N)
+    fn, args = {"fwd": (moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu.grouped_gemm_pallas_mosaic_gpu, (x, w, offsets)),
+                "dgrad": (grouped_gemm_dgrad_pallas_mosaic_gpu, (dy, w, offsets)),
+                "wgrad": (grouped_gemm_wgrad_pallas_mosaic_gpu, (x, dy, offsets))}[op]
+    if lower:
+        return fn.trace(*args, config=cfg).lower(lowering_platforms=("cuda",)).as_text()
+    return fn(*args, config=cfg)
+
+
+# op, N, K (w [E, N, K]), config, the refusal. Without the rule each of these fails inside the trace (ValueError:
+# "Swizzle 16 is not supported", "No valid tiling found", "Failed to infer a possible set of layouts", a
+# consumer's slice not a whole tile); the last is the heuristic config of the reported K=7000, N=1536 wgrad.
+REFUSED = {
+    "fwd-16-byte-rows": ("fwd", 256, 256, C(block_m=64, block_n=64, block_k=8), r"block_k=8 \(16 bytes\)"),
+    "fwd-ws-48-byte-rows": ("fwd", 256, 96, C(block_m=64, block_n=64, block_k=24, warp_specialized=True,
+                                              max_concurrent_steps=2), r"multiple of 32 bytes.*block_k=24 \(48 bytes\)"),
+    "dgrad-16-byte-w-rows": ("dgrad", 256, 256, C(block_m=64, block_n=8, block_k=64), r"block_n=8 \(16 bytes\)"),
+    "dgrad-ws-consumer-slice": ("dgrad", 256, 256, C(block_m=64, block_n=32, block_k=64, warp_specialized=True,
+                                                     max_concurrent_steps=2),
+                                r"multiple of 128 bytes.*block_n=32 \(64 bytes\)"),
+    "wgrad-32-byte-masked-rows": ("wgrad", 256, 256, C(block_m=64, block_n=16, block_k=64),
+                                  r"multiple of 128 bytes.*block_n=16 \(32 bytes\)"),
+    "wgrad-K7000-default": ("wgrad", 1536, 7000, None, r"K = x.shape\[1\] .*multiple of 64 values.*got K=7000"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_swizzle_rule_refuses_before_tracing(case):
+    op, N, K, cfg, message = REFUSED[case]
+    op_name = {"fwd": "grouped_gemm", "dgrad": "grouped_gemm_dgrad", "wgrad": "grouped_gemm_wgrad"}[op]
+    with pytest.raises(NotImplementedError, match=rf"^{op_name}\[pallas_mosaic_gpu\]: .*{message}"):
+        _run(op, N, K, cfg)
+
+
+def test_wgrad_heuristic_for_k7000_is_refused_by_its_rule():
+    """K=7000 = 8 x 875: no tile width dividing it spans a multiple of 128 bytes of bf16. The heuristic stops
+    halving at 64 values (it went down to 8, a 16-byte swizzle) and the rule names K."""
+    from moe_pallas.ops.grouped_gemm.config import mosaic_wgrad_config, mosaic_wgrad_config_problem
+
+    for out_itemsize in (2, 4):
+        cfg = mosaic_wgrad_config(6000, 1536, 7000, 8, 2, out_itemsize)
+        assert cfg.block_n == 64
+        assert "K = x.shape[1]" in mosaic_wgrad_config_problem(cfg, 1536, 7000, 2, out_itemsize)
+    assert mosaic_wgrad_config_problem(mosaic_wgrad_config(6000, 1536, 7040, 8, 2), 1536, 7040, 2) is None
+
+
+# The narrowest rows each kernel keeps, at the edge of the rule: they lower for CUDA.
+ACCEPTED = {
+    "fwd-32-byte-rows": ("fwd", 256, 64, C(block_m=64, block_n=64, block_k=16)),
+    "dgrad-32-byte-w-rows": ("dgrad", 256, 64, C(block_m=64, block_n=16, block_k=64)),
+    "dgrad-ws-128-byte-rows": ("dgrad", 256, 256, C(block_m=64, block_n=64, block_k=64, warp_specialized=True,
+                                                    max_concurrent_steps=2)),
+    "wgrad-128-byte-rows": ("wgrad", 256, 192, C(block_m=64, block_n=64, block_k=64)),
+}
+
+
+@pytest.mark.parametrize("case", list(ACCEPTED))
+def test_swizzle_rule_keeps_configs_that_lower(case):
+    op, N, K, cfg = ACCEPTED[case]
+    assert "mosaic_gpu" in _run(op, N, K, cfg, lower=True)
+
+
+def _simulated_gpu(monkeypatch):
+    """The GPU dispatch on the CPU: the default order is the GPU's (no table: the heuristic, Mosaic GPU first), the
+    Mosaic kernels run their host-side checks as on a GPU (a request they serve would fail at launch: Mosaic GPU has
+    no CPU path), and the Pallas-Triton kernels are spies returning zeros. Returns the list of ``op:backend`` runs."""
+    from moe_pallas.ops.grouped_gemm import api, backend_table, pallas_mosaic_gpu_backward
+    from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
+
+    monkeypatch.setattr(backend_table, "on_gpu", lambda: True)
+    monkeypatch.setattr(backend_table, "gpu_device_spec", lambda: None)
+    monkeypatch.setattr(api, "_mosaic", lambda x, w, off, xs, ws, out_dtype, bias=None: grouped_gemm_pallas_mosaic_gpu(
+        x, w, off, x_scale=xs, w_scale=ws, out_dtype=out_dtype))
+    monkeypatch.setattr(api, "_mosaic_backward", lambda name: getattr(pallas_mosaic_gpu_backward, name))
+    runs = []
+
+    def spy(op, shape_of):
+        def run(*args, **kwargs):
+            runs.append(f"{op}:pallas_triton")
+            shape, dtype = shape_of(*args, **kwargs)
+            return jnp.zeros(shape, dtype)
+        return run
+
+    monkeypatch.setattr(api, "grouped_gemm_pallas_triton", spy(
+        "grouped_gemm", lambda x, w, off, out_dtype=None, **_: ((x.shape[0], w.shape[1]), out_dtype)))
+    monkeypatch.setattr(api, "grouped_gemm_dgrad_pallas_triton", spy(
+        "grouped_gemm_dgrad", lambda dy, w, off, out_dtype=None, **_: ((dy.shape[0], w.shape[2]), out_dtype)))
+    monkeypatch.setattr(api, "grouped_gemm_wgrad_pallas_triton", spy(
+        "grouped_gemm_wgrad", lambda x, dy, off, out_dtype=None, **_: (
+            (off.shape[0] - 1, dy.shape[1], x.shape[1]), out_dtype)))
+    return runs
+
+
+def test_default_falls_back_for_k7000_under_vjp(monkeypatch, caplog):
+    """The reported case's shape (bf16, K=7000, N=1536) under ``jax.vjp`` with ``implementation=None`` on a
+    simulated GPU: Mosaic GPU refuses each op before launch (the forward and dgrad by whole tiles, the wgrad by
+    its swizzle rule, which it used to fail inside the trace), each refusal logged, and Pallas-Triton serves all
+    three."""
+    import logging
+
+    runs = _simulated_gpu(monkeypatch)
+    x, dy, w, offsets = _problem(0, [0, 9, 7], 20, 7000, 1536)
+    with caplog.at_level(logging.WARNING, logger="moe_pallas"):
+        y, vjp = jax.vjp(lambda x_, w_: moe_pallas.grouped_gemm(x_, w_, offsets), x, w)
+        vjp(dy)
+    assert runs == ["grouped_gemm:pallas_triton", "grouped_gemm_dgrad:pallas_triton",
+                    "grouped_gemm_wgrad:pallas_triton"]
+    refusals = [r.getMessage() for r in caplog.records if "cannot serve" in r.getMessage()]
+    assert len(refusals) == 3, refusals
+    assert refusals[0].startswith("grouped_gemm: backend 'pallas_mosaic_gpu' cannot serve") and "K=7000" in refusals[0]
+    assert refusals[1].startswith("grouped_gemm_dgrad: backend 'pallas_mosaic_gpu' cannot serve")
+    assert refusals[2].startswith("grouped_gemm_wgrad: backend 'pallas_mosaic_gpu' cannot serve")
+    assert "K = x.shape[1] (d_w's last dim) must be a multiple of 64" in refusals[2]
+    assert all(r.endswith("trying 'pallas_triton'") for r in refusals)
+
+
+# --------------------------------------------------------------------------------------
+# Whole operand buffers: a Mosaic GPU kernel refuses an operand that does not start 256-byte aligned ("Input
+# buffer i is not 256-byte aligned"), and XLA may pass a contiguous slice to a custom call as a view into the
+# sliced buffer (its dynamic-slice fusion). So no operand of a Mosaic custom call may come from a slice.
+
+
+def _mosaic_operand_producers(text: str) -> list[str]:
+    """For every operand of every Mosaic GPU custom call in the StableHLO module ``text``, the op that produces it,
+    looked through reshapes (bitcasts to XLA), calls (into the callee's return) and function arguments (to every call
+    site; an argument of ``main``, the caller's own buffer, is ``"argument"``)."""
+    import re
+
+    funcs, name = {}, None
+    for line in text.splitlines():
+        m = re.match(r"\s*func\.func (?:public|private) @([\w.$-]+)\(", line)
+        if m:
+            name = m.group(1)
+            funcs[name] = []
+        elif name is not None:
+            funcs[name].append(line)
+    defs = {f: {} for f in funcs}
+    for f, lines in funcs.items():
+        for line in lines:
+            m = re.match(r"\s*(%[\w.-]+)(?::\d+)? = (.*)", line)
+            if m:
+                defs[f][m.group(1)] = m.group(2)
+
+    def callers(f: str):
+        for g, lines in funcs.items():
+            for line in lines:
+                m = re.search(rf"call @{re.escape(f)}\(([^)]*)\)", line)
+                if m:
+                    yield g, [a.strip() for a in m.group(1).split(",")]
+
+    def producers(f: str, v: str, depth: int = 0) -> list[str]:
+        assert depth < 50, (f, v)
+        base, _, index = v.partition("#")
+        m = re.fullmatch(r"%arg(\d+)", base)
+        if m:
+            if f == "main":
+                return ["argument"]
+            return [p for g, args in callers(f) for p in producers(g, args[int(m.group(1))], depth + 1)]
+        rhs = defs[f][base]
+        call = re.match(r"call @([\w.$-]+)\(", rhs)
+        if call:
+            g = call.group(1)
+            ret = next(l for l in funcs[g] if l.strip().startswith("return"))
+            values = re.match(r"\s*return ([^:]*)", ret).group(1).split(",")
+            return producers(g, values[int(index or 0)].strip(), depth + 1)
+        op = re.match(r'"?(stablehlo\.\w+|\w+)', rhs).group(1)
+        if op == "stablehlo.reshape":
+            return producers(f, re.match(r"stablehlo\.reshape (%[\w.#-]+)", rhs).group(1), depth + 1)
+        return [op]
+
+    out = []
+    for f, lines in funcs.items():
+        for line in lines:
+            m = re.search(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\)", line)
+            if m:
+                out += [(p, a.strip()) for a in m.group(1).split(",") for p in producers(f, a.strip())]
+    return [p for p, _ in out]
+
+
+def test_wgrad_operands_are_whole_buffers():
+    """The wgrad's expert row ranges (``ends = offsets[1:]``, a slice at byte 4) reach the kernel inside one stacked
+    ``[2, E]`` buffer: no operand of its custom call comes from a slice."""
+    x, dy, _, offsets = _problem(0, [100, 0, 156], 256, 256, 128)
+    producers = _mosaic_operand_producers(grouped_gemm_wgrad_pallas_mosaic_gpu.trace(x, dy, offsets).lower(
+        lowering_platforms=("cuda",)).as_text())
+    assert not [p for p in producers if "slice" in p], producers
+    assert len(producers) == 3  # bounds, x, d_y
+
+
+def test_layer_vjp_mosaic_operands_are_whole_buffers(monkeypatch):
+    """The bf16 layer under ``jax.jit(jax.vjp(...))`` with ``implementation=None`` on a simulated GPU (Mosaic GPU
+    first for every grouped GEMM), E=64 with empty experts as reported: its six Mosaic custom calls (two forward
+    GEMMs, two dgrads, two wgrads), lowered for CUDA on the CPU, take no operand produced by a slice."""
+    from moe_contract import MoEConfig, make_layer_inputs
+    from moe_pallas.ops.grouped_gemm import api, backend_table, pallas_mosaic_gpu_backward
+    from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
+
+    monkeypatch.setattr(backend_table, "on_gpu", lambda: True)
+    monkeypatch.setattr(backend_table, "gpu_device_spec", lambda: None)
+    monkeypatch.setattr(api, "_mosaic", lambda x, w, off, xs, ws, out_dtype, bias=None: grouped_gemm_pallas_mosaic_gpu(
+        x, w, off, x_scale=xs, w_scale=ws, out_dtype=out_dtype))
+    monkeypatch.setattr(api, "_mosaic_backward", lambda name: getattr(pallas_mosaic_gpu_backward, name))
+    config = MoEConfig(hidden_size=256, intermediate_size=128, num_experts=64, topk=8, routing="softmax_topk",
+                       renormalize=True)
+    inp = make_layer_inputs(config, num_tokens=64, seed=0)
+    logits = np.asarray(inp.router_logits).copy()
+    logits[:, 36:] = -1e4  # 28 experts get no rows
+    args = (jnp.asarray(inp.x, jnp.bfloat16), jnp.asarray(logits), jnp.asarray(inp.w13, jnp.bfloat16),
+            jnp.asarray(inp.w2, jnp.bfloat16))
+
+    def layer_vjp(x, l, w13, w2, d_out):
+        out, vjp = jax.vjp(lambda *a: moe_pallas.moe_forward(*a, config), x, l, w13, w2)
+        return out, vjp(d_out)
+
+    text = jax.jit(layer_vjp).trace(*args, args[0]).lower(lowering_platforms=("cuda",)).as_text()
+    producers = _mosaic_operand_producers(text)
+    assert text.count("custom_call @mosaic_gpu") == 6
+    assert producers and not [p for p in producers if "slice" in p], producers
 
 
 # --------------------------------------------------------------------------------------

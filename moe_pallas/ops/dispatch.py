@@ -2,7 +2,8 @@
 
 ``implementation=None`` tries the op's backends in the default order for the current
 device; a backend that cannot serve a *valid* request raises ``NotImplementedError`` and the
-next one is tried, with a logged warning (never silently). An explicit ``implementation``
+next one is tried, with a logged warning (never silently); the backend that runs is logged at DEBUG
+(logger ``moe_pallas``; at trace time under ``jax.jit``). An explicit ``implementation``
 runs that backend only, and its ``NotImplementedError`` reaches the caller. An op may pass its
 own default order (``order=``): the grouped GEMMs take theirs per shape and layout from a measured
 table per device kind (``moe_pallas/ops/grouped_gemm/backend_table.py``).
@@ -44,11 +45,16 @@ def dispatch(op: str, implementation: str | None, backends: Mapping[str, Callabl
     :func:`default_order`. Names ``backends`` lacks are skipped; the last one left runs unguarded."""
     check_implementation(op, implementation, tuple(backends))
     if implementation is not None:
+        log.debug("%s: backend %r (asked for)", op, implementation)
         return backends[implementation]()
     order = [name for name in (default_order() if order is None else order) if name in backends] or ["reference"]
     for name in order[:-1]:
         try:
-            return backends[name]()
+            out = backends[name]()
         except NotImplementedError as exc:
             log.warning("%s: backend %r cannot serve this request (%s); trying %r", op, name, exc, order[order.index(name) + 1])
+            continue
+        log.debug("%s: backend %r serves this request (default order %s)", op, name, order)
+        return out
+    log.debug("%s: backend %r serves this request (last of the default order %s)", op, order[-1], order)
     return backends[order[-1]]()

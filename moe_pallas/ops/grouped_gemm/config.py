@@ -325,6 +325,28 @@ MOSAIC_BLOCK_M = (64, 128)
 #: or 128 FP8 values; 128 is also the K width of the contract's FP8 scale groups and blocks.
 MOSAIC_K_STEP_BYTES = 128
 
+#: Mosaic GPU swizzles a TMA tile in shared memory by the byte width of the tile's innermost (contiguous) dimension
+#: and takes only 32, 64 or 128 bytes: a 16-byte row fails when the kernel is traced ("Swizzle 16 is not supported"),
+#: a 48-byte one finds no tiling. So every such tile row spans a multiple of 32 bytes.
+MOSAIC_MIN_ROW_BYTES = 32
+#: Tiles that two consumer warpgroups slice (the warp-specialized dgrad's) or that are masked row by row in shared
+#: memory (the wgrad's) lower only on whole 128-byte swizzle rows: with 32 or 64 bytes Mosaic GPU finds no tiling of
+#: the consumer's slice or no register layout for the mask (lowering for CUDA on the CPU shows it).
+MOSAIC_SWIZZLE_ROW_BYTES = 128
+
+
+def mosaic_row_bytes_problem(op: str, itemsize: int, row_bytes: int, what: str, **blocks: int) -> str | None:
+    """Why the tiles whose rows are ``blocks`` (name -> values along a tile's innermost dimension, ``itemsize`` bytes
+    each; ``what`` says which tiles) cannot be swizzled: each row must span a multiple of ``row_bytes``
+    (:data:`MOSAIC_MIN_ROW_BYTES` or :data:`MOSAIC_SWIZZLE_ROW_BYTES`); ``None`` when they do."""
+    bad = {name: v for name, v in blocks.items() if (v * itemsize) % row_bytes}
+    if not bad:
+        return None
+    got = ", ".join(f"{name}={v} ({v * itemsize} bytes)" for name, v in bad.items())
+    return (f"{op}: {' and '.join(blocks)} ({what}) must each span a multiple of {row_bytes} bytes, i.e. be a "
+            f"multiple of {max(1, row_bytes // itemsize)} values of {itemsize} bytes (Mosaic GPU swizzles a TMA tile "
+            f"in shared memory by its row's bytes, 32, 64 or 128); got {got}")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MosaicGroupedGemmConfig:
@@ -596,13 +618,26 @@ def _ws_smem_problem(op: str, what: str, smem: int, out_itemsize: int, cfg: Mosa
 
 
 def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int, per_step_scales: bool, *,
-                          op: str = "grouped_gemm[pallas_mosaic_gpu]", out_itemsize: int = 2) -> str | None:
-    """Why ``cfg`` cannot serve a Mosaic request (``None``: it can): whole TMA tiles (``N % block_n``,
+                          op: str = "grouped_gemm[pallas_mosaic_gpu]", out_itemsize: int = 2,
+                          dgrad: bool = False) -> str | None:
+    """Why ``cfg`` cannot serve a Mosaic request (``None``: it can): swizzled tile rows (the forward's ``x`` and ``w``
+    tiles span ``block_k`` values, a multiple of :data:`MOSAIC_MIN_ROW_BYTES`; the dgrad's ``d_y`` and ``w`` tiles
+    ``block_k`` and ``block_n``, multiples of :data:`MOSAIC_MIN_ROW_BYTES`, warp-specialized of
+    :data:`MOSAIC_SWIZZLE_ROW_BYTES`); whole TMA tiles (``N % block_n``,
     ``K % block_k``); per-step scales need ``block_n == 128`` and ``block_k == 128`` (the warp-specialized
     schedule: 128 or 256, one or two K blocks a step); per-step accumulation (those scales, or FP8 without
     ``fast_accum``) keeps the float32 tile and a partial a K block of a step in registers, at most ``64 x 128``.
     The one home of the config-dependent rules (``pallas_mosaic_gpu.check_supported`` raises the message;
-    the dgrad passes its own ``op``, with ``N`` its output width and ``K`` its contraction)."""
+    the dgrad passes its own ``op`` and ``dgrad=True``, with ``N`` its output width and ``K`` its contraction)."""
+    if dgrad:  # d_y tile [block_m, block_k]; w tile [block_k, block_n] (the CTA's 2 * block_n, sliced per consumer)
+        row_bytes = MOSAIC_SWIZZLE_ROW_BYTES if cfg.warp_specialized else MOSAIC_MIN_ROW_BYTES
+        problem = mosaic_row_bytes_problem(op, itemsize, row_bytes, "the d_y tile's rows along N, the w tile's along K",
+                                           block_k=cfg.block_k, block_n=cfg.block_n)
+    else:  # x tile [block_m, block_k], w tile [block_n, block_k]
+        problem = mosaic_row_bytes_problem(op, itemsize, MOSAIC_MIN_ROW_BYTES, "the x and w tiles' rows along K",
+                                           block_k=cfg.block_k)
+    if problem:
+        return problem
     if cfg.warp_specialized:
         if itemsize not in (1, 2):
             return f"{op}: the warp-specialized schedule takes 16-bit or FP8 inputs; got {itemsize}-byte values"
@@ -712,7 +747,9 @@ def heuristic_mosaic_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: 
     whose staging buffer takes 64 KiB of shared memory), halved where N or K is not a multiple."""
     block_m = 128 if N % 128 == 0 else 64
     block_n = 128
-    while block_n > 8 and K % block_n:
+    # halved where K needs it, down to one 128-byte swizzle row (no narrower masked x tile lowers; a K that no such
+    # block divides is refused by mosaic_wgrad_config_problem, and the dispatch takes the Pallas-Triton wgrad)
+    while block_n > MOSAIC_SWIZZLE_ROW_BYTES // itemsize and K % block_n:
         block_n //= 2
     grid_n = max(K // block_n, 1)
     if itemsize == 2 and block_m == 128 and K % 256 == 0:
@@ -743,8 +780,21 @@ def mosaic_wgrad_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, it
     (``N % block_m``, ``K % block_n``; warp-specialized: ``K % (2 * block_n)``, the two consumers' tiles side by
     side), ``block_k`` (rows per step) a multiple of 64 (wgmma's transposed A operand), one float32 accumulator of
     at most ``128 x 128`` in a warpgroup's registers; warp-specialized: ``max_concurrent_steps >= 2``, no
-    ``split_m``, and the stages and output buffers within an sm_90 CTA's shared memory."""
+    ``split_m``, and the stages and output buffers within an sm_90 CTA's shared memory. First the swizzle rule: the
+    masked ``x`` tile ``[block_k, block_n]`` and ``d_y`` tile ``[block_k, block_m]`` rows span multiples of
+    :data:`MOSAIC_SWIZZLE_ROW_BYTES`, so ``K`` (``x.shape[1]``, in whole tiles) must be a multiple of 128 bytes'
+    values (64 16-bit ones) whatever the config."""
     op = "grouped_gemm_wgrad[pallas_mosaic_gpu]"
+    if (K * itemsize) % MOSAIC_SWIZZLE_ROW_BYTES:
+        return (f"{op}: K = x.shape[1] (d_w's last dim) must be a multiple of {MOSAIC_SWIZZLE_ROW_BYTES // itemsize} "
+                f"values of {itemsize} bytes: d_w is written in whole tiles along K, each from an x tile [block_k, "
+                f"block_n] masked row by row in shared memory, which Mosaic GPU lowers only on whole "
+                f"{MOSAIC_SWIZZLE_ROW_BYTES}-byte swizzle rows (the Pallas-Triton wgrad serves any K); got K={K}")
+    problem = mosaic_row_bytes_problem(op, itemsize, MOSAIC_SWIZZLE_ROW_BYTES,
+                                       "the masked x tile's rows along K, the d_y tile's along N",
+                                       block_n=cfg.block_n, block_m=cfg.block_m)
+    if problem:
+        return problem
     if cfg.warp_specialized:
         if cfg.split_m:
             return f"{op}: the warp-specialized wgrad splits the CTA tile's columns (split_m is not served); got {cfg}"
@@ -804,7 +854,7 @@ def mosaic_dgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *, ou
     if cfg is not None:
         cfg = _split_m_for_rows(cfg, M_cap, E, itemsize, out_itemsize)
         if mosaic_config_problem(cfg, K, N, itemsize, False, op="grouped_gemm_dgrad[pallas_mosaic_gpu]",
-                                 out_itemsize=out_itemsize) is None:
+                                 out_itemsize=out_itemsize, dgrad=True) is None:
             return cfg
     return heuristic_mosaic_grouped_gemm_config(M_cap, K, N, E, itemsize, out_itemsize=out_itemsize)
 

@@ -116,7 +116,8 @@ def grouped_gemm_dgrad_pallas_mosaic_gpu(
     # the device kind is read on the host at trace time (None on the CPU: the heuristic)
     cfg = config or mosaic_dgrad_config(M_cap, N, K, E, d_y.dtype.itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
                                         device=gpu_device_spec())
-    problem = mosaic_config_problem(cfg, K, N, d_y.dtype.itemsize, False, op=op, out_itemsize=jnp.dtype(out_dtype).itemsize)
+    problem = mosaic_config_problem(cfg, K, N, d_y.dtype.itemsize, False, op=op, out_itemsize=jnp.dtype(out_dtype).itemsize,
+                                    dgrad=True)
     if problem:
         raise NotImplementedError(problem)
     if M_cap == 0 or K == 0:
@@ -127,7 +128,8 @@ def grouped_gemm_dgrad_pallas_mosaic_gpu(
                           out_dtype=out_dtype, dgrad=True)
 
 
-def _wgrad_kernel(starts, ends, x_gmem, dy_gmem, o_gmem, *, E: int, N: int, K: int, cfg: MosaicGroupedGemmConfig):
+def _wgrad_kernel(bounds, x_gmem, dy_gmem, o_gmem, *, E: int, N: int, K: int, cfg: MosaicGroupedGemmConfig):
+    """The one-warpgroup wgrad; ``bounds [2, E]`` int32: expert ``e`` owns rows ``[bounds[0, e], bounds[1, e])``."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     grid_m, grid_n = N // bm, K // bn
     dtype = x_gmem.dtype
@@ -138,7 +140,7 @@ def _wgrad_kernel(starts, ends, x_gmem, dy_gmem, o_gmem, *, E: int, N: int, K: i
     def _work(info: plgpu.NDLoopInfo):
         e = info.index[0]
         mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 1, cfg.grid_block_n)
-        start, end = starts[e], ends[e]
+        start, end = bounds[0, e], bounds[1, e]
         first = lax.div(start, jnp.int32(bk))
         n_blocks = jnp.where(end > start, lax.div(end + (bk - 1), jnp.int32(bk)) - first, 0)
 
@@ -189,7 +191,7 @@ def _wgrad_kernel(starts, ends, x_gmem, dy_gmem, o_gmem, *, E: int, N: int, K: i
         pl.run_scoped(store, plgpu.SMEM((bm, bn), o_gmem.dtype, transforms=_transforms(bn, o_gmem.dtype)))
 
 
-def _wgrad_kernel_ws(starts, ends, x_gmem, dy_gmem, o_gmem, *, E: int, N: int, K: int, cfg: MosaicGroupedGemmConfig):
+def _wgrad_kernel_ws(bounds, x_gmem, dy_gmem, o_gmem, *, E: int, N: int, K: int, cfg: MosaicGroupedGemmConfig):
     """The warp-specialized wgrad: a producer warpgroup streams each work item's row blocks (one ``d_y`` tile
     ``[bk, bm]`` and two ``x`` tiles ``[bk, bn]`` a step) into ``stages`` shared-memory slots without a break between
     items; two consumer warpgroups each own ``bm x bn`` of the CTA's ``bm x 2*bn`` tile of ``d_w[e]`` (the same
@@ -205,7 +207,7 @@ def _wgrad_kernel_ws(starts, ends, x_gmem, dy_gmem, o_gmem, *, E: int, N: int, K
         first row block, its number of row blocks (0 for an empty expert), the tile's row / column indices."""
         e = lax.div(index, jnp.int32(tiles))
         mi, ni = plgpu.planar_snake(lax.rem(index, jnp.int32(tiles)), (grid_m, grid_n), 1, cfg.grid_block_n)
-        start, end = starts[e], ends[e]
+        start, end = bounds[0, e], bounds[1, e]
         first = lax.div(start, jnp.int32(bk))
         n_blocks = jnp.where(end > start, lax.div(end + (bk - 1), jnp.int32(bk)) - first, 0)
         return e, start, end, first, n_blocks, mi, ni
@@ -352,7 +354,10 @@ def grouped_gemm_wgrad_pallas_mosaic_gpu(
         raise NotImplementedError(problem)
     if M_cap == 0 or N == 0 or K == 0 or E == 0:
         return jnp.zeros((E, N, K), out_dtype)
-    starts, ends = expert_row_ranges(expert_offsets, M_cap)
+    # One whole [2, E] buffer, never `ends` itself: expert_row_ranges' ends = offsets[1:] is a slice at a 4-byte
+    # offset, which XLA may hand the custom call as a view into the offsets' buffer, and a Mosaic GPU kernel refuses
+    # any operand that does not start 256-byte aligned. The stack is a concatenate: XLA allocates its own buffer.
+    bounds = jnp.stack(expert_row_ranges(expert_offsets, M_cap)).astype(jnp.int32)
     # TMA boxes tile rows by 8: pad the row count (the pad rows belong to no expert and are masked).
     m_rows = -(-M_cap // 8) * 8
     if m_rows != M_cap:
@@ -368,4 +373,4 @@ def grouped_gemm_wgrad_pallas_mosaic_gpu(
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **threads,
-    )(starts.astype(jnp.int32), ends.astype(jnp.int32), x, d_y)
+    )(bounds, x, d_y)
