@@ -18,7 +18,7 @@ import dataclasses
 import numbers
 from typing import Literal
 
-from moe_contract.validation import check_bool, check_choice, check_nonnegative_int, check_positive_int, check_rsf
+from moe_contract.scalar_checks import check_bool, check_choice, check_nonnegative_int, check_positive_int, check_rsf
 
 Routing = Literal["softmax_topk", "grouped_topk", "biased_grouped_topk", "sigmoid_topk"]
 Quant = Literal["none", "fp8_per_token", "fp8_block", "mxfp4", "int4"]

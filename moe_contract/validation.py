@@ -12,9 +12,17 @@ Message format (STYLE.md): ``<op>: <arg> must be <expectation>; got <what came>`
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from moe_contract.config import W4_QUANTS, MoEConfig
+from moe_contract.scalar_checks import (  # noqa: F401  (re-exported: the ops import them from here)
+    check_bool,
+    check_choice,
+    check_nonnegative_int,
+    check_positive_int,
+    check_rsf,
+)
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 FP8_DTYPE = "float8_e4m3fn"
@@ -70,31 +78,6 @@ def check_dtype(op: str, name: str, x: Any, allowed: Iterable[str]) -> None:
     got = dtype_name(x)
     if got not in allowed:
         raise TypeError(f"{op}: {name} must have dtype {' or '.join(allowed)}; got {name}.dtype={got}")
-
-
-def check_nonnegative_int(op: str, name: str, value: Any) -> None:
-    """Raise ``ValueError`` unless ``value`` is an int >= 0 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{op}: {name} must be an int >= 0; got {name}={value!r}")
-
-
-def check_positive_int(op: str, name: str, value: Any) -> None:
-    """Raise ``ValueError`` unless ``value`` is an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{op}: {name} must be an int >= 1; got {name}={value!r}")
-
-
-def check_bool(op: str, name: str, value: Any) -> None:
-    """Raise ``TypeError`` unless ``value`` is a bool (a string such as "no" would read as True)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{op}: {name} must be a bool; got {name}={value!r}")
-
-
-def check_choice(op: str, name: str, value: Any, choices: Iterable[Any]) -> None:
-    """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
-    choices = tuple(choices)
-    if value not in choices:
-        raise ValueError(f"{op}: {name} must be one of {choices}; got {name}={value!r}")
 
 
 def stage_implementation(implementation: str | None, stage_api, fallback: str | None = None) -> str | None:
@@ -153,16 +136,8 @@ def check_per_tensor_scale(op: str, name: str, scale: Any) -> None:
     check_dtype(op, name, scale, ("float32",))
 
 
-def check_rsf(op: str, rsf: Any) -> None:
-    """``routed_scaling_factor``: a finite real > 0 (python or numpy scalar)."""
-    if isinstance(rsf, bool) or not isinstance(rsf, numbers.Real) or not 0 < float(rsf) < float("inf"):
-        raise ValueError(f"{op}: routed_scaling_factor must be a finite float > 0; got {rsf!r}")
-
-
 def check_config(op: str, config: Any) -> None:
     """``config`` must be a :class:`moe_contract.MoEConfig`."""
-    from moe_contract.config import MoEConfig
-
     if not isinstance(config, MoEConfig):
         raise TypeError(f"{op}: config must be a MoEConfig; got {type(config).__name__} {config!r}")
 
@@ -193,8 +168,6 @@ def check_layer_inputs(
     T = x.shape[0]
     check_shape(op, "router_logits", router_logits, (T, E), f"[T, E] = ({T}, {E})")
     check_dtype(op, "router_logits", router_logits, FLOAT_DTYPES)
-    from moe_contract.config import W4_QUANTS
-
     if config.quant in W4_QUANTS:
         _check_w4_layer_weights(op, config, e_local, w13, w2, w13_scale, w2_scale)
         return

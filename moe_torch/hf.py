@@ -98,8 +98,8 @@ import torch
 from moe_contract.config import MoEConfig
 from moe_contract.validation import check_bool, check_choice, dtype_name
 from moe_torch.layer import LAYER_IMPLEMENTATIONS, moe_forward, quantize_layer_weights
-from moe_torch.module import check_code_dtypes_on_load, keep_dtypes_fn, require_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
+from moe_torch.tensor_guards import check_code_dtypes_on_load, keep_dtypes_fn, require_torch_tensors
 
 log = logging.getLogger("moe_torch")
 
@@ -398,7 +398,7 @@ class HFExperts(torch.nn.Module):
     its ``requires_grad``: trainable as in transformers); for FP8 float8_e4m3fn codes in the layer's layout with
     float32 ``gate_up_proj_scale_inv`` / ``down_proj_scale_inv`` (dequantization multipliers, ``w ~= q * scale``):
     frozen buffers (never in ``parameters()``, so no optimizer touches them), kept in their dtype under
-    ``.to(dtype)`` / ``.half()`` (:func:`moe_torch.module.keep_dtypes_fn`). gpt-oss's ``gate_up_proj_bias [E, 2*I]``
+    ``.to(dtype)`` / ``.half()`` (:func:`moe_torch.tensor_guards.keep_dtypes_fn`). gpt-oss's ``gate_up_proj_bias [E, 2*I]``
     and ``down_proj_bias [E, H]`` (``GptOssExperts``' own ``Parameter`` objects; None for the other blocks), trainable
     with float or FP8 experts.
     """

@@ -38,7 +38,6 @@ Mirror: ``moe_pallas/module.py``.
 from __future__ import annotations
 
 
-import numpy as np
 import torch
 
 from moe_contract.config import MoEConfig
@@ -61,9 +60,15 @@ from moe_contract.validation import (
     dtype_name,
 )
 from moe_torch.ep import EP_MODES, ep_moe_forward
+from moe_torch.hf import block_layer_weights
 from moe_torch.layer import LAYER_IMPLEMENTATIONS, local_weights, moe_forward, quantize_layer_weights
 from moe_torch.ops.common import check_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
+from moe_torch.tensor_guards import (  # noqa: F401  (re-exported: their home before tensor_guards)
+    check_code_dtypes_on_load,
+    keep_dtypes_fn,
+    require_torch_tensors,
+)
 
 
 def check_module_weights(
@@ -122,86 +127,6 @@ def check_global_weights(op: str, config: MoEConfig, w13, w2) -> None:
     check_shape(op, "w2", w2, (E_all, H, I), what2)
     check_dtype(op, "w13", w13, FLOAT_DTYPES)
     check_dtype(op, "w2", w2, FLOAT_DTYPES)
-
-
-def _module_tensor(module: torch.nn.Module, name: str) -> torch.Tensor | None:
-    """``module``'s own parameter or buffer ``name`` (``None`` if it has none of that name)."""
-    t = module._parameters.get(name)
-    return module._buffers.get(name) if t is None else t
-
-
-def keep_dtypes_fn(module: torch.nn.Module, fn, names) -> object:
-    """``fn`` of ``Module._apply`` (what ``.to()``, ``.half()``, ``.float()``, ``.cuda()`` apply to
-    every tensor) wrapped so that ``module``'s parameters or buffers ``names`` keep their dtype: where
-    ``fn`` would cast them, they only move to the device ``fn`` moves to. Everything else gets ``fn``.
-
-    Why: torch counts float8 as floating point, so ``model.half()`` would turn FP8 weight codes into
-    float16 numbers (and float32 scales into float16), after which the layer computes garbage or
-    raises. transformers' quantized layers keep their codes and scales under casts the same way.
-    ``fn`` is probed on an empty tensor of each kept tensor's dtype and device to learn its target.
-    """
-    kept = {id(p) for name in names if (p := _module_tensor(module, name)) is not None}
-    if not kept:
-        return fn
-
-    def apply(t):
-        if id(t) not in kept:
-            return fn(t)
-        probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
-        if probe.dtype == t.dtype:
-            return fn(t)  # a move (or share_memory_, to_empty...): as asked
-        return t.detach().to(device=probe.device)  # a cast: the device only (a new tensor object, for swap_tensors)
-
-    return apply
-
-
-def _code_kind(t: torch.Tensor) -> str:
-    """What a weight tensor holds, by dtype: FP8 codes, 4-bit packed codes (uint8) or float weights."""
-    if t.dtype == torch.float8_e4m3fn:
-        return "FP8 codes with scales"
-    if t.dtype == torch.uint8:
-        return "4-bit packed codes with scales"
-    return "float weights"
-
-
-def check_code_dtypes_on_load(module: torch.nn.Module, state_dict, prefix: str, names, error_msgs: list) -> bool:
-    """For ``Module._load_from_state_dict``: a weight in ``state_dict`` whose kind (float weights, FP8 codes,
-    4-bit packed uint8 codes) differs from ``module``'s parameter (or buffer) of that name is an error
-    (``load_state_dict`` raises ``RuntimeError`` with it, even with ``strict=False``), since ``Parameter.copy_``
-    would cast FP8 / 4-bit codes to float numbers, or float weights to codes, without their scales: a silently
-    wrong layer.
-
-    Returns ``True`` if it appended an error (the caller then loads nothing into ``module``)."""
-    before = len(error_msgs)
-    for name in names:
-        p, t = _module_tensor(module, name), state_dict.get(prefix + name)
-        if p is None or not isinstance(t, torch.Tensor):
-            continue
-        if _code_kind(p) != _code_kind(t):
-            error_msgs.append(
-                f"dtype mismatch for {prefix}{name}: the module holds {dtype_name(p)} ({_code_kind(p)}); the state_dict "
-                f"has {dtype_name(t)} (float weights load into a float layer, FP8 or 4-bit codes with their scales into "
-                f"a layer of that quant)")
-    return len(error_msgs) > before
-
-
-def require_torch_tensors(op: str, named: dict) -> None:
-    """``TypeError`` for an argument that is not a ``torch.Tensor``, naming the conversion to use
-    (``torch.from_numpy`` for numpy): each module takes its own framework's arrays only."""
-    for name, value in named.items():
-        if isinstance(value, torch.Tensor):
-            continue
-        if value is None:
-            raise TypeError(f"{op}: {name} must be a torch.Tensor; got None")
-        kind = f"{type(value).__module__}.{type(value).__name__}"
-        if isinstance(value, np.ndarray):
-            how = f"torch.from_numpy({name})"
-        elif hasattr(value, "__dlpack__"):
-            how = f"torch.from_dlpack({name}) (or interop.dlpack.to_torch)"
-        else:
-            how = f"torch.as_tensor({name})"
-        raise TypeError(f"{op}: {name} must be a torch.Tensor (moe_torch modules take torch tensors only); got {kind}: "
-                        f"convert it with {how}")
 
 
 class EPMoE(torch.nn.Module):
@@ -486,9 +411,7 @@ class EPMoE(torch.nn.Module):
         Raises: NotImplementedError (a block class or activation not supported), TypeError (an unknown
           override), ValueError (inconsistent block shapes).
         """
-        from moe_torch import hf  # here: moe_torch.hf imports this module
-
-        config, w13, w2, bias, gate, b13, b2 = hf.block_layer_weights(
+        config, w13, w2, bias, gate, b13, b2 = block_layer_weights(
             block, quant=quant, op="EPMoE.from_hf_block", with_shared_expert_gate=True, with_expert_biases=True,
             **config_overrides)
         return cls.from_float(config, w13, w2, w13_bias=b13, w2_bias=b2, e_score_correction_bias=bias,
