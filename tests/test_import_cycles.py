@@ -15,12 +15,8 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("moe_contract", "moe_torch", "moe_pallas", "interop")
 
-#: Cycles allowed for now, each exactly as its set of modules. Being removed: when it is gone, delete its entry
-#: (the test then holds the package to no cycle at all).
-ALLOWED = {
-    # Being removed (the 16-bit Gluon kernel and the Triton grouped GEMM import each other's helpers).
-    frozenset({"moe_torch.ops.grouped_gemm.gluon_bf16", "moe_torch.ops.grouped_gemm.triton"}),
-}
+#: Cycles allowed, each exactly as its set of modules: none.
+ALLOWED: set[frozenset] = set()
 
 
 def package_modules(root: pathlib.Path, packages=PACKAGES) -> dict[str, tuple[pathlib.Path, bool]]:
