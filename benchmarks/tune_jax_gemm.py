@@ -82,6 +82,7 @@ import numpy as np  # noqa: E402
 from jax.experimental.mosaic.gpu import profiler  # noqa: E402
 
 import moe_pallas  # noqa: E402
+from moe_pallas.ops.device import device_spec  # noqa: E402
 from moe_pallas.ops.grouped_gemm.config import (  # noqa: E402
     MOSAIC_BACKEND,
     TRITON_BACKEND,
@@ -239,9 +240,9 @@ def heuristic(backend: str, M: int, N: int, K: int, dtype: str, fast_accum: bool
     itemsize = 2 if dtype == "bf16" else 1
     if dtype == "fp8_block" and backend == MOSAIC_BACKEND:
         return mosaic_grouped_gemm_config(M, N, K, E, 1, per_step_scales=True, w_block=True,
-                                          device_kind=jax.devices()[0].device_kind)
+                                          device=device_spec())
     if dtype == "fp8_block":
-        return grouped_gemm_config(M, N, K, E, 1, 128, w_block=True, device_kind=jax.devices()[0].device_kind)
+        return grouped_gemm_config(M, N, K, E, 1, 128, w_block=True, device=device_spec())
     if backend == TRITON_BACKEND:
         return heuristic_grouped_gemm_config(M, N, K, E, itemsize)
     return heuristic_mosaic_grouped_gemm_config(M, N, K, E, itemsize, fast_accum=bool(fast_accum))
