@@ -20,8 +20,10 @@ averaged per backend; the faster mean is the choice. Each entry records both mea
 provenance: ``source`` (the file), ``date``, ``command`` and ``git`` (a JSON file's ``meta``; ``--date``,
 ``--command``, ``--git`` for a file without one, e.g. a CSV).
 
-The table is ``--out/<device kind with spaces as _>.json`` (default ``moe_pallas/ops/grouped_gemm/tuned``,
-where ``config.TUNED_DIR`` reads; the file also holds ``tune_jax_gemm.py``'s launch configs, kept as they are).
+The table is the device kind's file of its architecture, ``--out/<arch>/<device kind with spaces as _>.json``
+(``--arch``, default ``sm90``: bench rows do not record the compute capability; ``--out`` defaults to
+``moe_pallas/ops/grouped_gemm/tuned``, where ``config.TUNED_DIR`` reads; the file also holds ``tune_jax_gemm.py``'s
+launch configs, kept as they are).
 The device kind: ``--device``, else the files' ``meta.jax_device_kind`` / ``meta.torch_device`` (all files must
 agree). The merged table is checked (``backend_table.check_entries``) before it is written; the entries of
 this run are printed.
@@ -41,6 +43,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from benchmarks.harness import REL_ERR_MAX  # noqa: E402
+from moe_contract.selection import file_key  # noqa: E402
 from moe_pallas.ops.grouped_gemm.backend_table import BACKEND_CHOICE, check_entries  # noqa: E402
 
 #: Benchmark backend name -> backend of the table.
@@ -173,6 +176,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("results", nargs="+", help="bench.json / bench.csv files, oldest first")
     p.add_argument("--out", default=DEFAULT_OUT, help="the tuned folder (default: where config.TUNED_DIR reads)")
     p.add_argument("--device", default=None, help="device kind, e.g. 'NVIDIA H200' (default: the files' meta)")
+    p.add_argument("--arch", default="sm90", help="the device's architecture, the folder of its table (default sm90)")
     p.add_argument("--layouts", default=None,
                    help=f"comma-separated layouts to keep (of {sorted(set(LAYOUTS.values()))})")
     p.add_argument("--date", default=None, help="the measurement date of files without meta (CSV)")
@@ -236,7 +240,7 @@ def main(argv=None) -> int:
               f"(pass --device to override)", file=sys.stderr)
         return 2
     (device,) = devices
-    path = os.path.join(args.out, device.replace(" ", "_") + ".json")
+    path = os.path.join(args.out, args.arch, file_key(device) + ".json")
     existing = []
     if os.path.exists(path):
         with open(path) as f:
@@ -248,7 +252,7 @@ def main(argv=None) -> int:
     print(format_table(new) if new else "no spec was timed correctly by both JAX backends: nothing to write")
     if args.dry_run or not new:
         return 0
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
         f.write("\n")

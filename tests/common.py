@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+
+from moe_contract.selection import DeviceSpec, file_key
 
 #: "cpu" in CI; "gpu" when benchmarks/gpu_check.py runs the suite on the GPU machine.
 DEVICE = os.environ.get("EPMOE_TEST_DEVICE", "cpu")
@@ -46,3 +50,27 @@ def random_ids(rng: np.random.Generator, T: int, topk: int, E: int, distinct: bo
     if distinct:
         return np.stack([rng.permutation(E)[:topk] for _ in range(T)]).astype(np.int32).reshape(T, topk)
     return rng.integers(0, E, size=(T, topk), dtype=np.int32)
+
+
+# ------------------------------------------------------------------------------------------------ tuned tables
+
+#: The simulated GPU of the tuned-table tests (a Hopper: its tables are ``sm90/Test_GPU.json`` and ``sm90.json``).
+TEST_SPEC = DeviceSpec(kind="Test GPU", capability=(9, 0), sm_count=132, smem_per_block=232448)
+
+
+def spec_of_kind(kind: str, capability: tuple[int, int] = (9, 0)) -> DeviceSpec:
+    """:data:`TEST_SPEC` with another device kind (and compute capability)."""
+    return dataclasses.replace(TEST_SPEC, kind=kind, capability=capability)
+
+
+def write_tuned(root, entries, spec: DeviceSpec = TEST_SPEC, level: str = "device") -> str:
+    """Write ``entries`` (a JSON list) as a tuned table under ``root`` (a patched ``TUNED_DIR``):
+    ``root/<arch>/<kind>.json`` (``level="device"``) or ``root/<arch>.json`` (``level="arch"``); returns its path."""
+    if level not in ("device", "arch"):
+        raise ValueError(f"write_tuned: level must be 'device' or 'arch'; got {level!r}")
+    path = (os.path.join(str(root), spec.arch, file_key(spec.kind) + ".json") if level == "device"
+            else os.path.join(str(root), spec.arch + ".json"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(list(entries), f)
+    return path

@@ -1,8 +1,9 @@
 """The grouped GEMMs' default backend on a GPU (``moe_pallas/ops/grouped_gemm/backend_table.py``) and its writer
 (``benchmarks/tune_backend.py``).
 
-The GPU lookup runs on the CPU here: ``backend_table.on_gpu`` and ``backend_table.gpu_device_kind`` are patched,
-the table is a temporary ``<device kind>.json`` (``config.TUNED_DIR`` patched), and the backends ``api.py``'s
+The GPU lookup runs on the CPU here: ``backend_table.on_gpu`` and ``backend_table.gpu_device_spec`` are patched (a
+simulated Hopper, ``common.TEST_SPEC``), the table is a temporary device-kind file ``sm90/<kind>.json``
+(``common.write_tuned``; ``config.TUNED_DIR`` patched), and the backends ``api.py``'s
 dispatch calls are replaced by spies that record their name and return the reference's result, so the order
 ``implementation=None`` tries is observed directly (no kernel runs; fast).
 """
@@ -24,21 +25,22 @@ from moe_pallas.ops.grouped_gemm import api as gemm_api
 from moe_pallas.ops.grouped_gemm import backend_table
 from moe_pallas.ops.grouped_gemm import config as gemm_config
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
+from common import TEST_SPEC, spec_of_kind, write_tuned
 from tolerances import assert_exact
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `benchmarks` as a namespace package
 from benchmarks import tune_backend  # noqa: E402
 
-KIND = "Test GPU"
+KIND = TEST_SPEC.kind
 TRITON_FIRST = ("pallas_triton", "pallas_mosaic_gpu", "reference")
 
 
 @pytest.fixture(autouse=True)
 def _fresh_tuned_cache():
     """The tuned-file cache is cleared before and after each test (a temporary table never leaks)."""
-    gemm_config.tuned_entries.cache_clear()
+    gemm_config.tuned_tables.cache_clear()
     yield
-    gemm_config.tuned_entries.cache_clear()
+    gemm_config.tuned_tables.cache_clear()
 
 
 def choice(backend: str, N: int, K: int, M_cap: int, layout: str = "bf16", op: str = "grouped_gemm", **ms) -> dict:
@@ -50,14 +52,14 @@ def choice(backend: str, N: int, K: int, M_cap: int, layout: str = "bf16", op: s
 
 
 def use_table(tmp_path, monkeypatch, entries: list[dict], *, gpu: bool = True) -> str:
-    """The device looks like a GPU of kind KIND whose table is ``entries`` (a temporary file); returns its path."""
-    path = tmp_path / "Test_GPU.json"
-    path.write_text(json.dumps(entries))
+    """The device looks like the GPU TEST_SPEC whose table is ``entries`` (a temporary device-kind file); returns its
+    path."""
+    path = write_tuned(tmp_path, entries)
     monkeypatch.setattr(gemm_config, "TUNED_DIR", str(tmp_path))
     monkeypatch.setattr(backend_table, "on_gpu", lambda: gpu)
-    monkeypatch.setattr(backend_table, "gpu_device_kind", lambda: KIND)
-    gemm_config.tuned_entries.cache_clear()
-    return str(path)
+    monkeypatch.setattr(backend_table, "gpu_device_spec", lambda: TEST_SPEC)
+    gemm_config.tuned_tables.cache_clear()
+    return path
 
 
 def spy_backends(monkeypatch, refuse: tuple[str, ...] = ()) -> list[str]:
@@ -134,30 +136,31 @@ def test_nearest_m_cap_in_log2_and_exact_keys(tmp_path, monkeypatch):
         choice("pallas_triton", N=4096, K=7168, M_cap=512, op="grouped_gemm_dgrad"),  # another op
     ])
     nearest = backend_table.nearest_backend_choice
-    assert nearest(KIND, "grouped_gemm", "bf16", 1, 4096, 7168)["M_cap"] == 256
-    assert nearest(KIND, "grouped_gemm", "bf16", 1024, 4096, 7168)["M_cap"] == 256  # log2 distance 2 vs 4
-    assert nearest(KIND, "grouped_gemm", "bf16", 4096, 4096, 7168)["M_cap"] == 16384  # 2 vs 4
-    assert nearest(KIND, "grouped_gemm", "bf16", 2048, 4096, 7168)["M_cap"] == 256  # 3 vs 3: the first stored
-    assert nearest(KIND, "grouped_gemm", "bf16", 10**6, 4096, 7168)["M_cap"] == 16384
+    assert nearest(TEST_SPEC, "grouped_gemm", "bf16", 1, 4096, 7168)["M_cap"] == 256
+    assert nearest(TEST_SPEC, "grouped_gemm", "bf16", 1024, 4096, 7168)["M_cap"] == 256  # log2 distance 2 vs 4
+    assert nearest(TEST_SPEC, "grouped_gemm", "bf16", 4096, 4096, 7168)["M_cap"] == 16384  # 2 vs 4
+    assert nearest(TEST_SPEC, "grouped_gemm", "bf16", 2048, 4096, 7168)["M_cap"] == 256  # 3 vs 3: the first stored
+    assert nearest(TEST_SPEC, "grouped_gemm", "bf16", 10**6, 4096, 7168)["M_cap"] == 16384
     order = lambda M, **kw: backend_table.default_order("grouped_gemm", kw.get("layout", "bf16"), M_cap=M,  # noqa: E731
                                                         N=kw.get("N", 4096), K=kw.get("K", 7168))
     assert order(300) == GPU_ORDER and order(9000) == TRITON_FIRST
     assert order(300, N=7168, K=2048) == TRITON_FIRST and order(300, N=7168, K=7168) == GPU_ORDER
     assert backend_table.default_order("grouped_gemm_dgrad", "bf16", M_cap=300, N=4096, K=7168) == TRITON_FIRST
     assert backend_table.default_order("grouped_gemm_wgrad", "bf16", M_cap=300, N=4096, K=7168) == GPU_ORDER
-    assert nearest(None, "grouped_gemm", "bf16", 256, 4096, 7168) is None  # no device kind: no table
+    assert nearest(None, "grouped_gemm", "bf16", 256, 4096, 7168) is None  # no device: no table
 
 
 def test_no_entry_or_no_file_is_the_heuristic(tmp_path, monkeypatch):
-    """Without an entry of the op/layout/N/K, or without a file for the device kind, the order is the heuristic's
-    (bf16: Mosaic GPU first, as before the table); off a GPU it is the reference."""
+    """Without an entry of the op/layout/N/K, or without a file for the device (another kind, another architecture), the
+    order is the heuristic's (bf16: Mosaic GPU first, as before the table); off a GPU it is the reference."""
     use_table(tmp_path, monkeypatch, [choice("pallas_triton", N=64, K=64, M_cap=24)])
     x, w, offsets = bf16_problem()
     calls = spy_backends(monkeypatch)
     moe_pallas.grouped_gemm(x, w, offsets)
     assert calls == ["pallas_mosaic_gpu"]
-    monkeypatch.setattr(backend_table, "gpu_device_kind", lambda: "GPU without a table")
-    assert backend_table.default_order("grouped_gemm", "bf16", M_cap=24, N=64, K=64) == GPU_ORDER
+    for spec in (spec_of_kind("GPU without a table"), spec_of_kind(KIND, (8, 0))):
+        monkeypatch.setattr(backend_table, "gpu_device_spec", lambda spec=spec: spec)
+        assert backend_table.default_order("grouped_gemm", "bf16", M_cap=24, N=64, K=64) == GPU_ORDER
     monkeypatch.setattr(backend_table, "on_gpu", lambda: False)
     assert backend_table.default_order("grouped_gemm", "bf16", M_cap=24, N=64, K=64) == ("reference",)
 
@@ -254,7 +257,8 @@ def test_backward_ops_take_their_own_entries(tmp_path, monkeypatch):
 def test_malformed_entry_is_an_error_naming_the_file(tmp_path, monkeypatch, entry, message):
     """A malformed backend choice is a ValueError naming the table's file and the entry's index (never skipped),
     raised at the lookup, i.e. when grouped_gemm(implementation=None) is traced on the GPU."""
-    launch_config = {"backend": "pallas_triton", "E": 4, "N": 16, "K": 32, "M_cap": 24, "dtype": "bf16", "config": {}}
+    launch_config = {"backend": "pallas_triton", "E": 4, "N": 16, "K": 32, "M_cap": 24, "dtype": "bf16",
+                     "config": {"block_m": 16, "block_n": 16, "block_k": 32}}
     path = use_table(tmp_path, monkeypatch, [launch_config, entry])
     x, w, offsets = bf16_problem()
     spy_backends(monkeypatch)
@@ -268,7 +272,7 @@ def test_table_file_not_a_list_names_the_file(tmp_path, monkeypatch):
     open(path, "w").write(json.dumps({"entries": []}))
     with pytest.raises(ValueError, match=f"tuned table {path}: must be a JSON list of objects"):
         backend_table.default_order("grouped_gemm", "bf16", M_cap=24, N=16, K=32)
-    gemm_config.tuned_entries.cache_clear()
+    gemm_config.tuned_tables.cache_clear()
     open(path, "w").write("[{")
     with pytest.raises(ValueError, match=f"tuned table {path}: not valid JSON"):
         backend_table.default_order("grouped_gemm", "bf16", M_cap=24, N=16, K=32)
@@ -283,8 +287,8 @@ def test_launch_config_lookup_skips_backend_choices(tmp_path, monkeypatch):
         {"backend": "pallas_triton", "device": KIND, "E": 32, "N": 4096, "K": 7168, "M_cap": 16384, "dtype": "bf16",
          "fast_accum": None, "config": cfg, "ms": 1.0, "heuristic_ms": 1.0},
     ])
-    assert gemm_config.nearest_tuned(KIND, "pallas_triton", 2048, 4096, 7168, 2) == cfg
-    assert (gemm_config.grouped_gemm_config(2048, 4096, 7168, 32, 2, device_kind=KIND)
+    assert gemm_config.nearest_tuned(TEST_SPEC, "pallas_triton", 2048, 4096, 7168, 2) == cfg
+    assert (gemm_config.grouped_gemm_config(2048, 4096, 7168, 32, 2, device=TEST_SPEC)
             == gemm_config.GroupedGemmConfig(**cfg))
 
 
@@ -292,17 +296,26 @@ def test_seeded_h200_table_is_valid_and_cites_its_sources():
     """The table in the tree: every entry well-formed, its source a file in the tree (or issue 14), and the
     measured findings in it: DeepSeek-V3's FP8-block GEMMs on Mosaic GPU (its warp-specialized FP8 kernel, session 10;
     Pallas-Triton, 1.2-1.7x faster than Mosaic's one-warpgroup kernel, before it), while the heuristic order of a
-    GPU without a table keeps Pallas-Triton first for them."""
-    entries = backend_table.backend_choices("NVIDIA H200")
+    GPU without a table keeps Pallas-Triton first for them. The table is the architecture's (``tuned/sm90.json``): an
+    H100 gets the same choices, an A100 (sm80) none (the heuristic order)."""
+    h200, h100 = spec_of_kind("NVIDIA H200"), spec_of_kind("NVIDIA H100 80GB HBM3")
+    a100 = spec_of_kind("NVIDIA A100-SXM4-80GB", (8, 0))
+    entries = backend_table.backend_choices(h200).entries()
     assert entries
+    assert backend_table.backend_choices(h100).entries() == entries
+    assert backend_table.backend_choices(a100).entries() == ()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for e in entries:
         assert e["source"].startswith("issue 14") or os.path.exists(os.path.join(root, e["source"])), e["source"]
     for N, K in ((4096, 7168), (7168, 2048)):
-        assert backend_table.gpu_order("grouped_gemm", "fp8_block", 2048, N, K, "NVIDIA H200")[0] == "pallas_mosaic_gpu"
-        assert backend_table.gpu_order("grouped_gemm", "fp8_block", 2048, N, K, None)[0] == "pallas_triton"
-        assert backend_table.gpu_order("grouped_gemm", "fp8_block", 16384, N, K, "NVIDIA H200")[0] == "pallas_mosaic_gpu"
-        assert backend_table.gpu_order("grouped_gemm", "bf16", 16384, N, K, "NVIDIA H200")[0] == "pallas_mosaic_gpu"
+        for hopper in (h200, h100):
+            assert backend_table.gpu_order("grouped_gemm", "fp8_block", 2048, N, K, hopper)[0] == "pallas_mosaic_gpu"
+            assert backend_table.gpu_order("grouped_gemm", "fp8_block", 16384, N, K, hopper)[0] == "pallas_mosaic_gpu"
+            assert backend_table.gpu_order("grouped_gemm", "bf16", 16384, N, K, hopper)[0] == "pallas_mosaic_gpu"
+        for other in (None, a100):
+            assert backend_table.gpu_order("grouped_gemm", "fp8_block", 2048, N, K, other)[0] == "pallas_triton"
+            assert (backend_table.gpu_order("grouped_gemm", "bf16", 16384, N, K, other)
+                    == backend_table.heuristic_order("grouped_gemm", "bf16"))
 
 
 # ------------------------------------------------------------------------------------------------ tune_backend.py
@@ -345,16 +358,16 @@ def test_tune_backend_merges_bench_rows(tmp_path, monkeypatch, capsys):
                                                                                     "gemm"], "git": "abc1234",
                                             "torch_device": "Test GPU"}, "rows": rows}))
     launch_config = {"backend": "pallas_triton", "E": 32, "N": 4096, "K": 7168, "M_cap": 256, "dtype": "bf16",
-                     "config": {"block_m": 16}}
+                     "config": {"block_m": 16, "block_n": 64, "block_k": 64}}
     old = {**choice("pallas_mosaic_gpu", N=4096, K=7168, M_cap=2048), "E": 32}
     kept = choice("pallas_mosaic_gpu", N=64, K=64, M_cap=8)
-    (tmp_path / "Test_GPU.json").write_text(json.dumps([launch_config, old, kept]))
+    table_path = write_tuned(tmp_path, [launch_config, old, kept])  # <out>/sm90/Test_GPU.json
     assert tune_backend.main([str(results), "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "skip gemm/down/bf16/M=256/uniform ours-jax-pallas_mosaic_gpu: error: RuntimeError: boom" in out
     assert "skip gemm/down/fp8/M=256/uniform ours-jax-pallas_mosaic_gpu: rel_err 0.5" in out
     assert "skip gemm/down/bf16/M=2048/uniform: only ['pallas_triton']" in out
-    table = json.loads((tmp_path / "Test_GPU.json").read_text())
+    table = json.loads(open(table_path).read())
     assert table[0] == launch_config and table[2] == kept and len(table) == 5
     new = {(e["layout"], e["N"], e["M_cap"]): e for e in table if e.get("kind") == "backend_choice"}
     gate_up = table[1]  # replaced in place
@@ -369,9 +382,9 @@ def test_tune_backend_merges_bench_rows(tmp_path, monkeypatch, capsys):
     assert ("bf16", 7168, 256) not in new and ("fp8_per_token", 7168, 256) not in new
     # the lookup reads what was written
     monkeypatch.setattr(gemm_config, "TUNED_DIR", str(tmp_path))
-    gemm_config.tuned_entries.cache_clear()
-    assert backend_table.gpu_order("grouped_gemm", "bf16", 2048, 4096, 7168, "Test GPU") == TRITON_FIRST
-    assert backend_table.gpu_order("grouped_gemm", "bf16", 8192, 4096, 7168, "Test GPU") == GPU_ORDER
+    gemm_config.tuned_tables.cache_clear()
+    assert backend_table.gpu_order("grouped_gemm", "bf16", 2048, 4096, 7168, TEST_SPEC) == TRITON_FIRST
+    assert backend_table.gpu_order("grouped_gemm", "bf16", 8192, 4096, 7168, TEST_SPEC) == GPU_ORDER
 
 
 def test_tune_backend_csv_needs_provenance_and_refuses_to_write_a_bad_table(tmp_path, capsys):
@@ -390,14 +403,15 @@ def test_tune_backend_csv_needs_provenance_and_refuses_to_write_a_bad_table(tmp_
     assert "pass --date and --command" in capsys.readouterr().err
     args = [str(csv_path), "--out", str(tmp_path), "--device", "Test GPU", "--date", "2026-11-30", "--command", "bench"]
     assert tune_backend.main(args) == 0
-    (entry,) = json.loads((tmp_path / "Test_GPU.json").read_text())
+    table_path = tmp_path / "sm90" / "Test_GPU.json"  # the device kind's file of the architecture (sm90)
+    (entry,) = json.loads(table_path.read_text())
     assert (entry["backend"], entry["M_cap"], entry["ms"]) == ("pallas_mosaic_gpu", 256,
                                                               {"pallas_triton": 0.48, "pallas_mosaic_gpu": 0.44})
     bad = [{**entry, "ms": {"pallas_mosaic_gpu": 0.44}}, choice("pallas_triton", 16, 32, 24)]
-    (tmp_path / "Test_GPU.json").write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match=f"tuned table {tmp_path / 'Test_GPU.json'}: backend choice entry 0"):
+    table_path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=f"tuned table {table_path}: backend choice entry 0"):
         tune_backend.main(args[:-4] + ["--date", "2026-11-30", "--command", "bench", "--layouts", "fp8_block"])
-    assert json.loads((tmp_path / "Test_GPU.json").read_text()) == bad  # untouched
+    assert json.loads(table_path.read_text()) == bad  # untouched
     assert tune_backend.parse_args(["f.json", "--layouts", "bf16,fp8_block"]).layouts == {"bf16", "fp8_block"}
 
 
@@ -424,4 +438,4 @@ def test_tune_backend_refuses_cpu_runs_missing_files_and_runs_without_gemm_rows(
     assert tune_backend.main([str(path), "--out", str(tmp_path)]) == 1
     out = capsys.readouterr()
     assert "no gemm / gemm_bwd rows" in out.out and "nothing to write" in out.err
-    assert not (tmp_path / "NVIDIA_H200.json").exists()
+    assert not (tmp_path / "sm90" / "NVIDIA_H200.json").exists() and not (tmp_path / "NVIDIA_H200.json").exists()

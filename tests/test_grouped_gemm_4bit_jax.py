@@ -22,6 +22,7 @@ import moe_pallas
 from moe_pallas.ops.grouped_gemm.config import GroupedGemmConfig
 from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
+from common import spec_of_kind
 from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 
 FORMATS = ("mxfp4", "int4")
@@ -299,7 +300,8 @@ def test_heuristic_k_step_of_4bit_weights():
 
     assert heuristic_grouped_gemm_config(256, 5760, 2880, 128, 2, w_format="int4").block_k == 128
     assert heuristic_grouped_gemm_config(256, 5760, 2880, 128, 2, w_format="mxfp4").block_k == 64
-    assert grouped_gemm_config(256, 5760, 2880, 128, 2, device_kind="NVIDIA H200", w_format="int4").block_k == 128
+    h200 = spec_of_kind("NVIDIA H200")
+    assert grouped_gemm_config(256, 5760, 2880, 128, 2, device=h200, w_format="int4").block_k == 128
     for fmt in ("mxfp4", "int4"):
         assert heuristic_grouped_gemm_config(256, 5760, 2880, 128, 4, w_format=fmt).block_k == 32
         assert heuristic_grouped_gemm_config(8, 64, 64, 4, 2, w_format=fmt).block_k == 64

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from moe_pallas.ops.grouped_gemm import pallas_triton
 from moe_pallas.ops.grouped_gemm.config import GroupedGemmConfig, grouped_gemm_config, heuristic_grouped_gemm_config
 from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton, tile_metadata
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
+from common import TEST_SPEC, spec_of_kind, write_tuned
 from fp8_block_case import blockwise_expected, column_block_case
 from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 
@@ -355,24 +355,26 @@ def test_config_heuristic_fits_the_scale_layouts():
 # Tuned configs (moe_pallas.ops.grouped_gemm.tune's JSON): nearest M_cap, fallback where a rule breaks
 
 
-def use_tuned_file(tmp_path, monkeypatch, entries: list[dict], device_kind: str = "Test GPU") -> None:
-    """Point the tuned lookup at ``tmp_path/<device_kind>.json`` holding ``entries`` (cache cleared;
-    the autouse fixture clears it again when the test ends)."""
-    (tmp_path / (device_kind.replace(" ", "_") + ".json")).write_text(json.dumps(entries))
+def use_tuned_file(tmp_path, monkeypatch, entries: list[dict], spec=TEST_SPEC, level: str = "device") -> str:
+    """Point the tuned lookup at ``tmp_path`` holding ``entries`` as ``spec``'s device-kind table
+    (``sm90/<kind>.json``; ``level="arch"``: the architecture's ``sm90.json``); cache cleared (the autouse fixture
+    clears it again when the test ends). Returns the file's path."""
+    path = write_tuned(tmp_path, entries, spec, level)
     monkeypatch.setattr(gemm_config, "TUNED_DIR", str(tmp_path))
-    gemm_config.tuned_entries.cache_clear()
+    gemm_config.tuned_tables.cache_clear()
+    return path
 
 
 @pytest.fixture(autouse=True)
 def _fresh_tuned_cache():
     """Every test starts and ends with an empty tuned-file cache (a test's temporary file never leaks)."""
-    gemm_config.tuned_entries.cache_clear()
+    gemm_config.tuned_tables.cache_clear()
     yield
-    gemm_config.tuned_entries.cache_clear()
+    gemm_config.tuned_tables.cache_clear()
 
 
 def tuned_entry(backend: str, N: int, K: int, M_cap: int, dtype: str, config: dict, fast_accum=None) -> dict:
-    return {"backend": backend, "device": "Test GPU", "E": 32, "N": N, "K": K, "M_cap": M_cap, "dtype": dtype,
+    return {"backend": backend, "device": TEST_SPEC.kind, "E": 32, "N": N, "K": K, "M_cap": M_cap, "dtype": dtype,
             "fast_accum": fast_accum, "config": config, "ms": 1.0, "heuristic_ms": 1.0}
 
 
@@ -392,8 +394,7 @@ def test_tuned_lookup_nearest_m_cap_and_fallbacks(tmp_path, monkeypatch):
         tuned_entry("pallas_mosaic_gpu", 4096, 7168, 4096, "bf16",
                     dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1, fast_accum=False)),
     ])
-    dev = "Test GPU"
-    cfg, heur = functools.partial(grouped_gemm_config, device_kind=dev), heuristic_grouped_gemm_config
+    cfg, heur = functools.partial(grouped_gemm_config, device=TEST_SPEC), heuristic_grouped_gemm_config
     assert cfg(256, 4096, 7168, 32, 2) == GroupedGemmConfig(**TUNED_A)
     assert cfg(600, 4096, 7168, 32, 2) == GroupedGemmConfig(**TUNED_A)  # log2(600) = 9.2: nearer 8 than 14
     assert cfg(8192, 4096, 7168, 32, 2) == GroupedGemmConfig(**TUNED_B)
@@ -406,11 +407,22 @@ def test_tuned_lookup_nearest_m_cap_and_fallbacks(tmp_path, monkeypatch):
     # 128x128 block weight scales: block_n=256 straddles two scale blocks -> heuristic; 128 fits
     assert cfg(256, 4096, 7168, 32, 1, 128, w_block=True) == heur(256, 4096, 7168, 32, 1, 128)
     assert cfg(256, 7168, 2048, 32, 1, 128, w_block=True) == GroupedGemmConfig(**TUNED_FP8_SMALL)
-    # no entry for this N / K, no device kind (CPU, interpret), an unknown device: the heuristic
+    # no entry for this N / K, no device (CPU, interpret), a device of another kind (no file of its own, no sm90.json
+    # here) or of another architecture: the heuristic
     assert cfg(256, 4096 + 64, 7168, 32, 2) == heur(256, 4096 + 64, 7168, 32, 2)
     assert grouped_gemm_config(256, 4096, 7168, 32, 2) == heur(256, 4096, 7168, 32, 2)
-    assert grouped_gemm_config(256, 4096, 7168, 32, 2, device_kind="Other GPU") == heur(256, 4096, 7168, 32, 2)
-    assert gemm_config.tuned_entries("Other GPU") == ()
+    other = spec_of_kind("Other GPU")
+    assert grouped_gemm_config(256, 4096, 7168, 32, 2, device=other) == heur(256, 4096, 7168, 32, 2)
+    assert gemm_config.tuned_tables(other).entries() == ()
+    sm80 = spec_of_kind(TEST_SPEC.kind, (8, 0))
+    assert grouped_gemm_config(256, 4096, 7168, 32, 2, device=sm80) == heur(256, 4096, 7168, 32, 2)
+    # the architecture's file (sm90.json) serves every Hopper without a file of its own; never an sm80 device
+    use_tuned_file(tmp_path, monkeypatch, [tuned_entry("pallas_triton", 4096, 7168, 256, "bf16", TUNED_A)],
+                   level="arch")
+    assert grouped_gemm_config(256, 4096, 7168, 32, 2, device=other) == GroupedGemmConfig(**TUNED_A)
+    assert cfg(256, 4096, 7168, 32, 2) == GroupedGemmConfig(**TUNED_A)
+    assert cfg(16384, 4096, 7168, 32, 2) == GroupedGemmConfig(**TUNED_B)  # its own file first, where it has the shape
+    assert grouped_gemm_config(256, 4096, 7168, 32, 2, device=sm80) == heur(256, 4096, 7168, 32, 2)
 
 
 def test_tuned_lookup_fp8_block_entries_first_then_fp8(tmp_path, monkeypatch):
@@ -425,7 +437,7 @@ def test_tuned_lookup_fp8_block_entries_first_then_fp8(tmp_path, monkeypatch):
         tuned_entry("pallas_triton", 4096, 7168, 16384, "fp8_block", block),
         tuned_entry("pallas_triton", 7168, 2048, 16384, "fp8", TUNED_FP8_SMALL),
     ])
-    cfg = functools.partial(grouped_gemm_config, device_kind="Test GPU")
+    cfg = functools.partial(grouped_gemm_config, device=TEST_SPEC)
     assert cfg(16384, 4096, 7168, 32, 1, 128, w_block=True) == GroupedGemmConfig(**block)
     assert cfg(16384, 4096, 7168, 32, 1, 128) == GroupedGemmConfig(**TUNED_FP8_SMALL)
     assert cfg(16384, 7168, 2048, 32, 1, 128, w_block=True) == GroupedGemmConfig(**TUNED_FP8_SMALL)
@@ -434,15 +446,16 @@ def test_tuned_lookup_fp8_block_entries_first_then_fp8(tmp_path, monkeypatch):
 
 def test_tuned_lookup_without_a_file_is_the_heuristic(tmp_path, monkeypatch):
     monkeypatch.setattr(gemm_config, "TUNED_DIR", str(tmp_path / "missing"))
-    gemm_config.tuned_entries.cache_clear()
+    gemm_config.tuned_tables.cache_clear()
     for args in [(256, 4096, 7168, 32, 2), (16384, 7168, 2048, 32, 1, 128), (1, 33, 64, 8, 2)]:
-        assert grouped_gemm_config(*args, device_kind="NVIDIA H200") == heuristic_grouped_gemm_config(*args)
+        assert grouped_gemm_config(*args, device=spec_of_kind("NVIDIA H200")) == heuristic_grouped_gemm_config(*args)
     if jax.default_backend() == "cpu":  # the CPU: the kernels never look anything up
-        assert gemm_config.gpu_device_kind() is None
-    else:  # a GPU: its kind, and without the file the lookup is still the heuristic
-        kind = gemm_config.gpu_device_kind()
-        assert isinstance(kind, str) and kind
-        assert grouped_gemm_config(256, 4096, 7168, 32, 2, device_kind=kind) == heuristic_grouped_gemm_config(256, 4096, 7168, 32, 2)
+        assert gemm_config.gpu_device_spec() is None
+    else:  # a GPU: its spec, and without the file the lookup is still the heuristic
+        spec = gemm_config.gpu_device_spec()
+        assert isinstance(spec.kind, str) and spec.kind and spec.sm_count > 0
+        assert (grouped_gemm_config(256, 4096, 7168, 32, 2, device=spec)
+                == heuristic_grouped_gemm_config(256, 4096, 7168, 32, 2))
 
 
 def _spy_config(monkeypatch, module, name: str) -> list[dict]:
@@ -459,19 +472,19 @@ def _spy_config(monkeypatch, module, name: str) -> list[dict]:
 
 
 def test_kernel_default_config_uses_tuned_only_off_interpret_mode(tmp_path, monkeypatch):
-    """Interpret mode (the CPU) never looks up a tuned config, even when a device kind is known; the
-    GPU path (lowered for CUDA here) passes the host-side device kind and gets the tuned config."""
+    """Interpret mode (the CPU) never looks up a tuned config, even when a device spec is known; the
+    GPU path (lowered for CUDA here) passes the host-side device spec and gets the tuned config."""
     M, K, N, E = 72, 256, 192, 4  # shapes of no other test: the jit cache cannot hide a trace
     use_tuned_file(tmp_path, monkeypatch, [tuned_entry("pallas_triton", N, K, 64, "bf16", TUNED_A)])
-    monkeypatch.setattr(pallas_triton, "gpu_device_kind", lambda: "Test GPU")
+    monkeypatch.setattr(pallas_triton, "gpu_device_spec", lambda: TEST_SPEC)
     calls = _spy_config(monkeypatch, pallas_triton, "grouped_gemm_config")
     x, w, offsets = problem(5, [30, 0, 20, 10], M, K, N, jnp.bfloat16)
     y = pallas_triton.grouped_gemm_pallas_triton(x, w, offsets, interpret=True)
-    assert calls[-1]["device_kind"] is None and calls[-1]["result"] == heuristic_grouped_gemm_config(M, N, K, E, 2)
+    assert calls[-1]["device"] is None and calls[-1]["result"] == heuristic_grouped_gemm_config(M, N, K, E, 2)
     assert_rel_fro(y, f64_loop(x, w, offsets), BF16_REL_FRO, "interpret mode, default config")
     f = functools.partial(pallas_triton.grouped_gemm_pallas_triton, interpret=False)
     text = _lower_for_cuda(f, S((M, K), jnp.bfloat16), S((E, N, K), jnp.bfloat16), S((E + 1,), jnp.int32))
-    assert calls[-1]["device_kind"] == "Test GPU" and calls[-1]["result"] == GroupedGemmConfig(**TUNED_A)
+    assert calls[-1]["device"] == TEST_SPEC and calls[-1]["result"] == GroupedGemmConfig(**TUNED_A)
     assert text.count(TRITON_CALL) == 1
 
 

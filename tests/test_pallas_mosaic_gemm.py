@@ -23,11 +23,13 @@ import numpy as np
 import pytest
 
 import moe_pallas
+from moe_pallas.ops.device import spec_of
 from moe_pallas.ops.grouped_gemm import pallas_mosaic_gpu
 from moe_pallas.ops.grouped_gemm.config import (MosaicGroupedGemmConfig, heuristic_mosaic_grouped_gemm_config,
                                                 MOSAIC_MAX_SMEM_BYTES, mosaic_grouped_gemm_config, ws_smem_bytes)
 from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
+from common import TEST_SPEC, spec_of_kind
 from tolerances import BF16_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 from test_pallas_grouped_gemm import _fresh_tuned_cache  # noqa: F401 - the autouse fixture: a fresh tuned cache
 from test_pallas_grouped_gemm import _spy_config, check_rows, f64_loop, problem, tuned_entry, use_tuned_file
@@ -253,8 +255,7 @@ def test_tuned_lookup_nearest_m_cap_and_fallbacks(tmp_path, monkeypatch):
         tuned_entry("pallas_triton", 4096, 7168, 4096, "bf16",  # another backend: never taken
                     dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
     ])
-    dev = "Test GPU"
-    cfg = functools.partial(mosaic_grouped_gemm_config, device_kind=dev)
+    cfg = functools.partial(mosaic_grouped_gemm_config, device=TEST_SPEC)
     heur = heuristic_mosaic_grouped_gemm_config
     assert cfg(300, 4096, 7168, 32, 2) == MosaicGroupedGemmConfig(**bf16_small)
     assert cfg(8192, 4096, 7168, 32, 2) == MosaicGroupedGemmConfig(**bf16_big)
@@ -268,10 +269,11 @@ def test_tuned_lookup_nearest_m_cap_and_fallbacks(tmp_path, monkeypatch):
         heur(256, 4096, 7168, 32, 1, per_step_scales=True, fast_accum=True)
     # N % block_n != 0: the heuristic (which halves block_n until it divides)
     assert cfg(256, 4160, 7168, 32, 2) == heur(256, 4160, 7168, 32, 2)
-    # nothing for this N / K, no device kind, no file for the device: the heuristic
+    # nothing for this N / K, no device, no file for the device (another kind; another architecture): the heuristic
     assert cfg(256, 2048, 7168, 32, 2) == heur(256, 2048, 7168, 32, 2)
     assert mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2) == heur(256, 4096, 7168, 32, 2)
-    assert mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2, device_kind="Other GPU") == heur(256, 4096, 7168, 32, 2)
+    for other in (spec_of_kind("Other GPU"), spec_of_kind(TEST_SPEC.kind, (8, 0))):
+        assert mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2, device=other) == heur(256, 4096, 7168, 32, 2)
 
 
 def test_tuned_lookup_fp8_blocks_takes_its_own_then_the_per_token_entries(tmp_path, monkeypatch):
@@ -288,13 +290,13 @@ def test_tuned_lookup_fp8_blocks_takes_its_own_then_the_per_token_entries(tmp_pa
         tuned_entry("pallas_mosaic_gpu", N, K, 2048, "fp8_block", two, fast_accum=False),
     ])
     look = functools.partial(mosaic_grouped_gemm_config, N=N, K=K, E=32, itemsize=1, per_step_scales=True,
-                             device_kind="Test GPU")
+                             device=TEST_SPEC)
     assert look(16384, w_block=True) == MosaicGroupedGemmConfig(**two)
     assert look(256, w_block=True) == MosaicGroupedGemmConfig(**one)  # nearest: the per-token entry at 256
     assert look(2048, w_block=True) == MosaicGroupedGemmConfig(**two)  # equal distance: fp8_block first
     assert look(16384) == MosaicGroupedGemmConfig(**one)  # per token: its own entries only (nearest 2048)
     odd = mosaic_grouped_gemm_config(16384, N, K + 128, 32, 1, per_step_scales=True, w_block=True,
-                                     device_kind="Test GPU")  # no entry for this K: the heuristic
+                                     device=TEST_SPEC)  # no entry for this K: the heuristic
     assert odd == mosaic_grouped_gemm_config(16384, N, K + 128, 32, 1, per_step_scales=True)
     assert odd.block_k == 128  # K = 7296 is not a multiple of 256: one K block a step
 
@@ -309,7 +311,7 @@ def test_bug_split_m_entry_not_taken_with_few_rows_per_expert(tmp_path, monkeypa
     use_tuned_file(tmp_path, monkeypatch, [tuned_entry("pallas_mosaic_gpu", 4096, 7168, 16384, "fp8_block", split,
                                                        fast_accum=False)])
     look = functools.partial(mosaic_grouped_gemm_config, N=4096, K=7168, itemsize=1, per_step_scales=True,
-                             w_block=True, device_kind="Test GPU")
+                             w_block=True, device=TEST_SPEC)
     assert look(16384, E=32) == MosaicGroupedGemmConfig(**split)  # 512 rows per expert
     assert look(8192, E=32) == MosaicGroupedGemmConfig(**split)  # 256
     few = look(32768, E=256)  # 128 rows per expert
@@ -339,8 +341,8 @@ def test_tuned_rule_mirrors_check_supported():
         assert mosaic_config_fits(c, N, K, itemsize, per_step_scales) == served, (dtype, x_kind, w_kind, c)
 
 
-def test_kernel_default_config_reads_the_device_kind(tmp_path, monkeypatch):
-    """The kernel's default config is looked up with the host-side device kind (``None`` on the CPU)."""
+def test_kernel_default_config_reads_the_device_spec(tmp_path, monkeypatch):
+    """The kernel's default config is looked up with the host-side device spec (``None`` on the CPU)."""
     M, K, N = 136, 384, 256  # shapes of no other test: the jit cache cannot hide a trace
     tuned = _mosaic(128, 128, 64, 3, 2)
     use_tuned_file(tmp_path, monkeypatch, [tuned_entry("pallas_mosaic_gpu", N, K, 128, "bf16", tuned)])
@@ -348,11 +350,13 @@ def test_kernel_default_config_reads_the_device_kind(tmp_path, monkeypatch):
     x, w, offsets = problem(7, [40, 60, 20], M, K, N, jnp.bfloat16)
     f = jax.jit(grouped_gemm_pallas_mosaic_gpu)
     f.trace(x, w, offsets)
-    expected = None if not ON_GPU else jax.devices()[0].device_kind
-    assert calls[-1]["device_kind"] == expected
-    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_device_kind", lambda: "Test GPU")
+    expected = None if not ON_GPU else spec_of(jax.devices()[0])
+    assert calls[-1]["device"] == expected
+    if ON_GPU:
+        assert expected.kind == jax.devices()[0].device_kind and expected.sm_count == jax.devices()[0].core_count
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_device_spec", lambda: TEST_SPEC)
     f.trace(x[:-8], w, offsets)  # another shape: a fresh trace
-    assert calls[-1]["device_kind"] == "Test GPU"
+    assert calls[-1]["device"] == TEST_SPEC
     assert calls[-1]["result"] == MosaicGroupedGemmConfig(**tuned)
 
 

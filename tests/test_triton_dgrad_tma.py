@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from common import TORCH_DEVICE, to_torch
+from moe_torch.ops.device import device_spec
 from moe_torch.ops.grouped_gemm import config as gemm_config
 from moe_torch.ops.grouped_gemm import triton_backward as gemm_bwd
 from moe_torch.ops.grouped_gemm.config import (DGRAD_WIDE_CONFIG, GroupedGemmConfig, check_config,
@@ -214,7 +215,7 @@ def test_default_config():
 
 def test_default_reads_the_switch_at_each_launch(monkeypatch):
     """_launch_dgrad (no config) asks grouped_gemm_dgrad_config with EPMOE_TRITON_TMA_DGRAD read now (unset: on),
-    whether the device is sm_90, FP8-ness of w, the device name (its tuned entries; none on the CPU) and d_x's width;
+    whether the device is sm_90, FP8-ness of w, the device spec (its tuned entries; none on the CPU) and d_x's width;
     a caller's config is used as it is."""
     calls = []
 
@@ -226,14 +227,14 @@ def test_default_reads_the_switch_at_each_launch(monkeypatch):
     d_y, w, offsets = _small()
     ref = grouped_gemm_dgrad_triton(d_y, w, offsets, None, torch.float32, dataclasses.replace(TMA, tma=False))
     sm90 = TORCH_DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
-    name = torch.cuda.get_device_name() if TORCH_DEVICE == "cuda" else None
+    spec = device_spec() if TORCH_DEVICE == "cuda" else None
     for raw, want in ((None, True), ("0", False), ("on", True), ("off", False)):
         if raw is None:
             monkeypatch.delenv(TMA_DGRAD_ENV, raising=False)
         else:
             monkeypatch.setenv(TMA_DGRAD_ENV, raw)
         assert_rel_fro(grouped_gemm_dgrad_triton(d_y, w, offsets, None, torch.float32), ref, F32_REL_FRO, str(raw))
-        assert calls[-1] == dict(w_fp8=False, sm90=sm90, tma=want, device_name=name, out_bits=32), raw
+        assert calls[-1] == dict(w_fp8=False, sm90=sm90, tma=want, device=spec, out_bits=32), raw
     monkeypatch.setenv(TMA_DGRAD_ENV, "maybe")
     with pytest.raises(ValueError, match=f"{TMA_DGRAD_ENV}.*got {TMA_DGRAD_ENV}='maybe'"):
         grouped_gemm_dgrad_triton(d_y, w, offsets, None, torch.float32)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from common import TORCH_DEVICE, to_torch
+from common import TEST_SPEC, TORCH_DEVICE, to_torch, write_tuned
 from moe_torch.ops.grouped_gemm import config as gemm_config
 from moe_torch.ops.grouped_gemm.config import GroupedGemmConfig, check_config, grouped_gemm_config
 from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
@@ -200,14 +200,14 @@ def test_tuned_tma_entry_skipped_for_bias(tmp_path, monkeypatch):
     """A tuned bf16 entry with tma=True is the default without bias; with a bias the heuristic (no TMA)."""
     entry = {"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 16384, "dtype": "bf16",
              "config": dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True)}
-    (tmp_path / "Test_GPU.json").write_text(__import__("json").dumps([entry]))
+    write_tuned(tmp_path, [entry])
     monkeypatch.setattr(gemm_config, "TUNED_DIR", str(tmp_path))
-    gemm_config.tuned_entries.cache_clear()
+    gemm_config.tuned_tables.cache_clear()
     try:
-        plain = grouped_gemm_config(16384, 4096, 7168, 32, 16, device_name="Test GPU")
-        with_bias = grouped_gemm_config(16384, 4096, 7168, 32, 16, device_name="Test GPU", bias=True)
+        plain = grouped_gemm_config(16384, 4096, 7168, 32, 16, device=TEST_SPEC)
+        with_bias = grouped_gemm_config(16384, 4096, 7168, 32, 16, device=TEST_SPEC, bias=True)
     finally:
-        gemm_config.tuned_entries.cache_clear()
+        gemm_config.tuned_tables.cache_clear()
     assert plain == GroupedGemmConfig(**entry["config"])
     assert not with_bias.tma
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 
 import numpy as np
@@ -26,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moe_torch
-from common import TORCH_DEVICE, to_torch
+from common import TEST_SPEC, TORCH_DEVICE, to_torch, write_tuned
 from moe_torch.ops.grouped_gemm import api as gemm_api
 from moe_torch.ops.grouped_gemm import config as gemm_config
 from moe_torch.ops.grouped_gemm import triton as gemm_triton
@@ -563,14 +562,14 @@ def test_tuned_entries_with_and_without_launch_order(tmp_path, monkeypatch):
     entries = [{"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 256, "dtype": "bf16", "config": base},
                {"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 16384, "dtype": "bf16",
                 "config": {**base, "group_m": 8, "persistent": True}}]
-    (tmp_path / "Test_GPU.json").write_text(json.dumps(entries))
+    write_tuned(tmp_path, entries)
     monkeypatch.setattr(gemm_config, "TUNED_DIR", str(tmp_path))
-    gemm_config.tuned_entries.cache_clear()
+    gemm_config.tuned_tables.cache_clear()
     try:
-        old = grouped_gemm_config(256, 4096, 7168, 32, 16, device_name="Test GPU")
-        new = grouped_gemm_config(16384, 4096, 7168, 32, 16, device_name="Test GPU")
+        old = grouped_gemm_config(256, 4096, 7168, 32, 16, device=TEST_SPEC)
+        new = grouped_gemm_config(16384, 4096, 7168, 32, 16, device=TEST_SPEC)
     finally:
-        gemm_config.tuned_entries.cache_clear()
+        gemm_config.tuned_tables.cache_clear()
     assert old == GroupedGemmConfig(**base) and (old.group_m, old.persistent) == (1, False)
     assert new == GroupedGemmConfig(**base, group_m=8, persistent=True)
 
@@ -586,17 +585,17 @@ def test_tuned_fp8_block_entries_first_then_fp8(tmp_path, monkeypatch):
                {"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 256, "dtype": "fp8", "config": small},
                {"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 16384, "dtype": "fp8_block", "config": block},
                {"device": "Test GPU", "E": 32, "N": 7168, "K": 2048, "M_cap": 16384, "dtype": "fp8", "config": per_token}]
-    (tmp_path / "Test_GPU.json").write_text(json.dumps(entries))
+    write_tuned(tmp_path, entries)
     monkeypatch.setattr(gemm_config, "TUNED_DIR", str(tmp_path))
-    gemm_config.tuned_entries.cache_clear()
+    gemm_config.tuned_tables.cache_clear()
     try:
-        got_block = grouped_gemm_config(16384, 4096, 7168, 32, 8, 128, True, device_name="Test GPU")
-        got_token = grouped_gemm_config(16384, 4096, 7168, 32, 8, None, False, device_name="Test GPU")
-        got_fallback = grouped_gemm_config(16384, 7168, 2048, 32, 8, 128, True, device_name="Test GPU")
-        got_small = grouped_gemm_config(256, 4096, 7168, 32, 8, 128, True, device_name="Test GPU")
-        got_mid = grouped_gemm_config(4096, 4096, 7168, 32, 8, 128, True, device_name="Test GPU")
+        got_block = grouped_gemm_config(16384, 4096, 7168, 32, 8, 128, True, device=TEST_SPEC)
+        got_token = grouped_gemm_config(16384, 4096, 7168, 32, 8, None, False, device=TEST_SPEC)
+        got_fallback = grouped_gemm_config(16384, 7168, 2048, 32, 8, 128, True, device=TEST_SPEC)
+        got_small = grouped_gemm_config(256, 4096, 7168, 32, 8, 128, True, device=TEST_SPEC)
+        got_mid = grouped_gemm_config(4096, 4096, 7168, 32, 8, 128, True, device=TEST_SPEC)
     finally:
-        gemm_config.tuned_entries.cache_clear()
+        gemm_config.tuned_tables.cache_clear()
     assert got_block == GroupedGemmConfig(**block)
     assert got_token == GroupedGemmConfig(**per_token)
     assert got_fallback == GroupedGemmConfig(**per_token)

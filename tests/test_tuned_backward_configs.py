@@ -1,19 +1,20 @@
 """The backward GEMMs' launch configs from the tuned tables (issue 14: "per-shape configs from a tuner, stored per
 device kind in the tree", dgrad and wgrad too), on the CPU: each lookup picks its own op's entry (``"op": "dgrad"`` /
 ``"wgrad"``; forward entries have no ``"op"``) with the nearest ``M_cap`` and the same ``N``, ``K``, dtype and out
-dtype, skips an entry that breaks the kernel's rules (the heuristic then), an explicit ``config=`` wins, forward
+dtype, skips an entry that breaks the kernel's rules (the heuristic then; a malformed entry, one whose config does not
+build, refuses the whole table with a ValueError naming the file and the entry), an explicit ``config=`` wins, forward
 lookups never see backward entries and backward lookups never see forward ones; the torch dgrad takes a tuned TMA
 config only where ``EPMOE_TRITON_TMA_DGRAD`` allows it (else the entry's ``pointer_config``), the torch wgrad's
 dispatch runs the kernel the entry measured (Gluon with its options, or Triton); and the tuners' ``--ops``.
 
-The tables are temporary ``<device>.json`` files (each ``config.TUNED_DIR`` patched, caches cleared), as in
-``test_pallas_grouped_gemm.py`` / ``test_triton_grouped_gemm.py``.
+The tables are temporary device-kind files ``<fw>/sm90/<kind>.json`` of a simulated Hopper (``common.TEST_SPEC``,
+``common.write_tuned``; each ``config.TUNED_DIR`` patched, caches cleared), as in ``test_pallas_grouped_gemm.py`` /
+``test_triton_grouped_gemm.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 
@@ -34,6 +35,7 @@ from moe_pallas.ops.grouped_gemm.config import (  # noqa: E402
     mosaic_grouped_gemm_config,
     mosaic_wgrad_config,
 )
+from moe_torch.ops.device import device_spec  # noqa: E402
 from moe_torch.ops.grouped_gemm import config as torch_config  # noqa: E402
 from moe_torch.ops.grouped_gemm import triton_backward as torch_bwd  # noqa: E402
 from moe_torch.ops.grouped_gemm.config import (GroupedGemmConfig, GroupedGemmWgradConfig,  # noqa: E402
@@ -41,10 +43,10 @@ from moe_torch.ops.grouped_gemm.config import (GroupedGemmConfig, GroupedGemmWgr
                                                grouped_gemm_wgrad_config, heuristic_grouped_gemm_config,
                                                heuristic_grouped_gemm_dgrad_config, heuristic_grouped_gemm_wgrad_config,
                                                tuned_wgrad_kernel)
-from common import TORCH_DEVICE  # noqa: E402
+from common import TEST_SPEC, TORCH_DEVICE, write_tuned  # noqa: E402
 from test_pallas_grouped_gemm import _spy_config  # noqa: E402
 
-KIND = "Test GPU"
+KIND = TEST_SPEC.kind
 MOSAIC = "pallas_mosaic_gpu"
 WS = dict(block_k=64, warp_specialized=True)
 
@@ -54,7 +56,7 @@ def _fresh_caches():
     """Both frameworks' tuned-file caches (and the Gluon options' cache) empty before and after each test."""
     from moe_torch.ops.grouped_gemm import gluon_backward
 
-    caches = (jax_config.tuned_entries, torch_config.tuned_entries, gluon_backward._tuned_options)
+    caches = (jax_config.tuned_tables, torch_config.tuned_tables, gluon_backward._tuned_options)
     for c in caches:
         c.cache_clear()
     yield
@@ -62,12 +64,15 @@ def _fresh_caches():
         c.cache_clear()
 
 
-def use_tables(tmp_path, monkeypatch, *, jax_entries=(), torch_entries=()) -> None:
-    """Point each framework's tuned lookup at its own ``tmp_path/<fw>/Test_GPU.json`` holding the entries."""
+def use_tables(tmp_path, monkeypatch, *, jax_entries=(), torch_entries=()) -> dict[str, str]:
+    """Point each framework's tuned lookup at its own ``tmp_path/<fw>/sm90/Test_GPU.json`` holding the entries
+    (caches cleared); returns ``{fw: path}``."""
+    paths = {}
     for fw, module, entries in (("jax", jax_config, jax_entries), ("torch", torch_config, torch_entries)):
-        (tmp_path / fw).mkdir()
-        (tmp_path / fw / "Test_GPU.json").write_text(json.dumps(list(entries)))
+        paths[fw] = write_tuned(tmp_path / fw, entries)
         monkeypatch.setattr(module, "TUNED_DIR", str(tmp_path / fw))
+        module.tuned_tables.cache_clear()
+    return paths
 
 
 def jax_entry(op: str | None, N: int, K: int, M_cap: int, config: dict, out_dtype: str | None = "bf16") -> dict:
@@ -87,10 +92,10 @@ FWD = dict(block_m=64, block_n=256, block_k=64, max_concurrent_steps=4, grid_blo
 
 def test_jax_backward_lookups_take_their_own_entries(tmp_path, monkeypatch):
     """dgrad / wgrad: their own op's entry (nearest M_cap, same N, K, out dtype); an entry breaking the kernel's rules,
-    a field the config does not have, another out dtype, no device kind: the heuristic. Forward and backward entries
-    of the same N, K, M_cap never serve each other."""
+    another out dtype, no device: the heuristic. A field the config does not have: the table is refused (ValueError
+    naming the file and the entry). Forward and backward entries of the same N, K, M_cap never serve each other."""
     N, K = 7168, 2048  # down: dgrad d_x [M, 2048] contracts over 7168
-    use_tables(tmp_path, monkeypatch, jax_entries=[
+    entries = [
         jax_entry(None, N, K, 16384, FWD),
         jax_entry("dgrad", N, K, 16384, SPLIT),
         jax_entry("wgrad", N, K, 16384, ONE_WG),
@@ -98,11 +103,18 @@ def test_jax_backward_lookups_take_their_own_entries(tmp_path, monkeypatch):
         # entry with split_m (not served by the wgrad), a forward-only shape
         jax_entry("dgrad", 4096, 7168, 16384, dict(SPLIT, block_n=256, split_m=False)),
         jax_entry("wgrad", 4096, 7168, 16384, dict(ONE_WG, warp_specialized=True, split_m=True)),
-        jax_entry("dgrad", 4096, 2048, 16384, dict(ONE_WG, tile="unknown field")),
         jax_entry(None, 2048, 7168, 16384, FWD),
-    ])
-    dgrad = lambda M, n=N, k=K, **kw: mosaic_dgrad_config(M, n, k, 32, 2, device_kind=KIND, **kw)  # noqa: E731
-    wgrad = lambda M, n=N, k=K, **kw: mosaic_wgrad_config(M, n, k, 32, 2, 2, device_kind=KIND, **kw)  # noqa: E731
+    ]
+    unknown_field = jax_entry("dgrad", 4096, 2048, 16384, dict(ONE_WG, tile="unknown field"))
+    paths = use_tables(tmp_path, monkeypatch, jax_entries=[*entries[:5], unknown_field, *entries[5:]])
+    for look in (lambda: mosaic_dgrad_config(16384, N, K, 32, 2, device=TEST_SPEC),
+                 lambda: mosaic_grouped_gemm_config(16384, N, K, 32, 2, device=TEST_SPEC)):
+        with pytest.raises(ValueError, match="config is not a MosaicGroupedGemmConfig") as exc:
+            look()
+        assert f"tuned table {paths['jax']}: entry 5 " in str(exc.value) and "tile" in str(exc.value)
+    use_tables(tmp_path, monkeypatch, jax_entries=entries)  # the table without the malformed entry
+    dgrad = lambda M, n=N, k=K, **kw: mosaic_dgrad_config(M, n, k, 32, 2, device=TEST_SPEC, **kw)  # noqa: E731
+    wgrad = lambda M, n=N, k=K, **kw: mosaic_wgrad_config(M, n, k, 32, 2, 2, device=TEST_SPEC, **kw)  # noqa: E731
     heur_dgrad = lambda M, n=N, k=K: heuristic_mosaic_grouped_gemm_config(M, k, n, 32, 2, out_itemsize=2)  # noqa: E731
     assert dgrad(16384) == dgrad(8192) == MosaicGroupedGemmConfig(**SPLIT)  # nearest M_cap; >= 256 rows an expert
     few = dgrad(4096)  # 128 rows an expert: the split_m entry split by columns instead, as the forward's
@@ -112,39 +124,39 @@ def test_jax_backward_lookups_take_their_own_entries(tmp_path, monkeypatch):
     assert wgrad(2048) == heuristic_mosaic_wgrad_config(2048, N, K, 32, 2, 2)
     assert dgrad(2048) == heur_dgrad(2048)
     assert dgrad(16384, out_itemsize=4) == heuristic_mosaic_grouped_gemm_config(16384, K, N, 32, 2, out_itemsize=4)
-    f32_out = mosaic_wgrad_config(16384, N, K, 32, 2, 4, device_kind=KIND)  # no float32-out entry
+    f32_out = mosaic_wgrad_config(16384, N, K, 32, 2, 4, device=TEST_SPEC)  # no float32-out entry
     assert f32_out == heuristic_mosaic_wgrad_config(16384, N, K, 32, 2, 4)
-    for n, k in ((4096, 7168), (4096, 2048)):  # breaks a rule / unknown field: the heuristic
+    for n, k in ((4096, 7168), (4096, 2048)):  # breaks a rule / no entry (the malformed one is gone): the heuristic
         assert dgrad(16384, n, k) == heur_dgrad(16384, n, k)
     assert wgrad(16384, 4096, 7168) == heuristic_mosaic_wgrad_config(16384, 4096, 7168, 32, 2, 2)
-    assert mosaic_dgrad_config(16384, N, K, 32, 2) == heur_dgrad(16384)  # no device kind (the CPU)
+    assert mosaic_dgrad_config(16384, N, K, 32, 2) == heur_dgrad(16384)  # no device (the CPU)
     # forward vs backward: same N, K, M_cap, each its own
-    assert mosaic_grouped_gemm_config(16384, N, K, 32, 2, device_kind=KIND) == MosaicGroupedGemmConfig(**FWD)
-    assert jax_config.nearest_tuned(KIND, MOSAIC, 16384, N, K, 2) == FWD
-    assert jax_config.nearest_tuned(KIND, MOSAIC, 16384, N, K, 2, op="dgrad") == SPLIT
+    assert mosaic_grouped_gemm_config(16384, N, K, 32, 2, device=TEST_SPEC) == MosaicGroupedGemmConfig(**FWD)
+    assert jax_config.nearest_tuned(TEST_SPEC, MOSAIC, 16384, N, K, 2) == FWD
+    assert jax_config.nearest_tuned(TEST_SPEC, MOSAIC, 16384, N, K, 2, op="dgrad") == SPLIT
     assert dgrad(16384, 2048, 7168) == heur_dgrad(16384, 2048, 7168)  # only a forward entry there
     assert wgrad(16384, 2048, 7168) == heuristic_mosaic_wgrad_config(16384, 2048, 7168, 32, 2, 2)
-    assert (mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 2, device_kind=KIND)  # only backward entries there
+    assert (mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 2, device=TEST_SPEC)  # only backward entries there
             == heuristic_mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 2))
 
 
 def test_jax_backward_kernels_default_to_the_tuned_entry_and_an_explicit_config_wins(tmp_path, monkeypatch):
-    """The Mosaic dgrad / wgrad without ``config`` ask the lookup with the host-side device kind (traced on the CPU)
+    """The Mosaic dgrad / wgrad without ``config`` ask the lookup with the host-side device spec (traced on the CPU)
     and get the tuned entry; with ``config=`` the lookup is not asked."""
     M, N, K = 136, 256, 384  # shapes of no other test: the jit cache cannot hide a trace
     dgrad_cfg = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
     wgrad_cfg = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=3, grid_block_n=1)
     use_tables(tmp_path, monkeypatch, jax_entries=[jax_entry("dgrad", N, K, 128, dgrad_cfg),
                                                    jax_entry("wgrad", N, K, 128, wgrad_cfg)])
-    monkeypatch.setattr(mosaic_bwd, "gpu_device_kind", lambda: KIND)
+    monkeypatch.setattr(mosaic_bwd, "gpu_device_spec", lambda: TEST_SPEC)
     d_calls = _spy_config(monkeypatch, mosaic_bwd, "mosaic_dgrad_config")
     w_calls = _spy_config(monkeypatch, mosaic_bwd, "mosaic_wgrad_config")
     S = jax.ShapeDtypeStruct
     d_y, w, x, off = S((M, N), jnp.bfloat16), S((4, N, K), jnp.bfloat16), S((M, K), jnp.bfloat16), S((5,), jnp.int32)
     mosaic_bwd.grouped_gemm_dgrad_pallas_mosaic_gpu.trace(d_y, w, off)
     mosaic_bwd.grouped_gemm_wgrad_pallas_mosaic_gpu.trace(x, d_y, off, out_dtype=jnp.bfloat16)
-    assert d_calls[-1]["device_kind"] == KIND and d_calls[-1]["result"] == MosaicGroupedGemmConfig(**dgrad_cfg)
-    assert w_calls[-1]["device_kind"] == KIND and w_calls[-1]["result"] == MosaicGroupedGemmConfig(**wgrad_cfg)
+    assert d_calls[-1]["device"] == TEST_SPEC and d_calls[-1]["result"] == MosaicGroupedGemmConfig(**dgrad_cfg)
+    assert w_calls[-1]["device"] == TEST_SPEC and w_calls[-1]["result"] == MosaicGroupedGemmConfig(**wgrad_cfg)
     explicit = MosaicGroupedGemmConfig(block_m=64, block_n=128, block_k=64, max_concurrent_steps=2)
     mosaic_bwd.grouped_gemm_dgrad_pallas_mosaic_gpu.trace(d_y, w, off, config=explicit)
     mosaic_bwd.grouped_gemm_wgrad_pallas_mosaic_gpu.trace(x, d_y, off, out_dtype=jnp.bfloat16,
@@ -180,7 +192,7 @@ def test_torch_dgrad_lookup_honours_the_tma_switch(tmp_path, monkeypatch):
         torch_entry("dgrad", 2048, 4096, 2048, POINTER),
         torch_entry(None, 1024, 7168, 16384, POINTER),
     ])
-    look = lambda M, n=N, k=K, **kw: grouped_gemm_dgrad_config(M, n, k, 32, 16, device_name=KIND,  # noqa: E731
+    look = lambda M, n=N, k=K, **kw: grouped_gemm_dgrad_config(M, n, k, 32, 16, device=TEST_SPEC,  # noqa: E731
                                                                **{"sm90": True, "tma": True, "out_bits": 16, **kw})
     heur = lambda M, n=N, k=K: heuristic_grouped_gemm_dgrad_config(M, n, k, 32, 16)  # noqa: E731
     assert look(16384) == look(8192) == GroupedGemmConfig(**WIDE, tma=True)
@@ -193,17 +205,17 @@ def test_torch_dgrad_lookup_honours_the_tma_switch(tmp_path, monkeypatch):
     assert look(256, n=2048, k=4096) == heur(256, 2048, 4096)
     assert look(16384, w_fp8=True) == heur(16384)  # FP8 weights: another kernel path, never the tuned entry
     assert look(16384, out_bits=32, tma=False) == heur(16384)  # tuned for bf16 d_x only
-    assert grouped_gemm_dgrad_config(16384, N, K, 32, 16, sm90=True, tma=False) == heur(16384)  # no device name
+    assert grouped_gemm_dgrad_config(16384, N, K, 32, 16, sm90=True, tma=False) == heur(16384)  # no device
     # forward vs dgrad: each its own entries
-    assert grouped_gemm_config(16384, N, K, 32, 16, device_name=KIND) == GroupedGemmConfig(**WIDE)
-    assert (grouped_gemm_config(16384, 4096, 7168, 32, 16, device_name=KIND)  # only a dgrad entry there
+    assert grouped_gemm_config(16384, N, K, 32, 16, device=TEST_SPEC) == GroupedGemmConfig(**WIDE)
+    assert (grouped_gemm_config(16384, 4096, 7168, 32, 16, device=TEST_SPEC)  # only a dgrad entry there
             == heuristic_grouped_gemm_config(16384, 4096, 7168, 32, 16))
     assert look(16384, n=1024, k=7168, tma=False) == heur(16384, 1024, 7168)  # only a forward entry there
 
 
 def test_torch_explicit_dgrad_and_wgrad_configs_win(monkeypatch):
     """The Triton dgrad / wgrad look a default up only without ``config``: with one, the lookup is not asked. Without,
-    it is asked with the device's name (none on the CPU, interpreted: the heuristic) and the output's width."""
+    it is asked with the device's spec (none on the CPU, interpreted: the heuristic) and the output's width."""
     calls = {"dgrad": [], "wgrad": []}
     for op, name in (("dgrad", "_dgrad_config"), ("wgrad", "_wgrad_config")):
         real = getattr(torch_bwd, name)
@@ -212,7 +224,7 @@ def test_torch_explicit_dgrad_and_wgrad_configs_win(monkeypatch):
     d_y, x = torch.randn(8, 16, generator=g).to(TORCH_DEVICE), torch.randn(8, 32, generator=g).to(TORCH_DEVICE)
     w = torch.randn(2, 16, 32, generator=g).to(TORCH_DEVICE)
     off = torch.tensor([0, 3, 8], dtype=torch.int32, device=TORCH_DEVICE)
-    name = torch.cuda.get_device_name() if TORCH_DEVICE == "cuda" else None
+    spec = device_spec() if TORCH_DEVICE == "cuda" else None
     small = GroupedGemmConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
     torch_bwd.grouped_gemm_dgrad_triton(d_y, w, off, None, torch.float32, small)
     torch_bwd.grouped_gemm_wgrad_triton(x, d_y, off, torch.float32,
@@ -221,8 +233,8 @@ def test_torch_explicit_dgrad_and_wgrad_configs_win(monkeypatch):
     assert calls == {"dgrad": [], "wgrad": []}
     torch_bwd.grouped_gemm_dgrad_triton(d_y, w, off, None, torch.float32)
     torch_bwd.grouped_gemm_wgrad_triton(x, d_y, off, torch.float32)
-    assert calls["dgrad"][-1]["device_name"] == name and calls["dgrad"][-1]["out_bits"] == 32
-    assert calls["wgrad"][-1]["device_name"] == name and calls["wgrad"][-1]["out_bits"] == 32
+    assert calls["dgrad"][-1]["device"] == spec and calls["dgrad"][-1]["out_bits"] == 32
+    assert calls["wgrad"][-1]["device"] == spec and calls["wgrad"][-1]["out_bits"] == 32
 
 
 def test_torch_wgrad_lookup_and_the_dispatch_kernel(tmp_path, monkeypatch):
@@ -240,19 +252,19 @@ def test_torch_wgrad_lookup_and_the_dispatch_kernel(tmp_path, monkeypatch):
         torch_entry("wgrad", 4096, 2048, 16384, dict(T_WGRAD, block_m=24), kernel="triton"),  # not a power of 2
     ])
     def look(n, k, M=16384, out_bits=16):
-        return grouped_gemm_wgrad_config(M, n, k, 32, 16, out_bits=out_bits, device_name=KIND)
+        return grouped_gemm_wgrad_config(M, n, k, 32, 16, out_bits=out_bits, device=TEST_SPEC)
 
     heur = lambda n, k, M=16384: heuristic_grouped_gemm_wgrad_config(M, n, k, 32, 16)  # noqa: E731
     assert look(7168, 2048) == look(4096, 7168) == look(4096, 7168, M=4096) == GroupedGemmWgradConfig(**T_WGRAD)
     assert look(2048, 4096) == heur(2048, 4096)  # a Gluon winner without a Triton config
     assert look(4096, 2048) == heur(4096, 2048)  # breaks the rules
     assert look(7168, 2048, out_bits=32) == heur(7168, 2048)
-    assert grouped_gemm_wgrad_config(16384, 7168, 2048, 32, 16) == heur(7168, 2048)  # no device name
-    assert tuned_wgrad_kernel(16384, 7168, 2048, 16, 16, KIND) == ("gluon", gluon_opts)
-    assert tuned_wgrad_kernel(16384, 4096, 7168, 16, 16, KIND) == ("triton", {})
-    assert tuned_wgrad_kernel(16384, 1024, 7168, 16, 16, KIND) is None
+    assert grouped_gemm_wgrad_config(16384, 7168, 2048, 32, 16) == heur(7168, 2048)  # no device
+    assert tuned_wgrad_kernel(16384, 7168, 2048, 16, 16, TEST_SPEC) == ("gluon", gluon_opts)
+    assert tuned_wgrad_kernel(16384, 4096, 7168, 16, 16, TEST_SPEC) == ("triton", {})
+    assert tuned_wgrad_kernel(16384, 1024, 7168, 16, 16, TEST_SPEC) is None
     # the dispatch's options for an eligible request (api._gluon_wgrad): None runs the Triton kernel
-    monkeypatch.setattr(gluon_backward, "_device_name", lambda device: KIND)
+    monkeypatch.setattr(gluon_backward, "device_spec", lambda device=None: TEST_SPEC)
     bf16 = torch.bfloat16
 
     def options(n, k, out=bf16):
@@ -334,8 +346,8 @@ def test_triton_tuner_backward_entries_round_trip(tmp_path, monkeypatch):
     assert tt.backward_entry("dgrad", {("triton", ptr): float("inf")}, ("triton", ptr), True, N=1, K=1, **where) is None
     assert len({tt.entry_key(e) for e in (dgrad, wgrad, torch_entry(None, 7168, 2048, 16384, POINTER))}) == 3
     use_tables(tmp_path, monkeypatch, torch_entries=[dgrad, wgrad, other])
-    assert grouped_gemm_dgrad_config(16384, 7168, 2048, 32, 16, sm90=True, tma=False, device_name=KIND) == ptr
-    assert grouped_gemm_dgrad_config(16384, 7168, 2048, 32, 16, sm90=True, tma=True, device_name=KIND) == tma
-    assert tuned_wgrad_kernel(16384, 7168, 2048, 16, 16, KIND) == ("gluon", {"epilogue": "tma", "num_stages": 3})
-    assert grouped_gemm_wgrad_config(16384, 7168, 2048, 32, 16, device_name=KIND) == trit[1]
-    assert tuned_wgrad_kernel(16384, 4096, 7168, 16, 16, KIND) == ("triton", {})
+    assert grouped_gemm_dgrad_config(16384, 7168, 2048, 32, 16, sm90=True, tma=False, device=TEST_SPEC) == ptr
+    assert grouped_gemm_dgrad_config(16384, 7168, 2048, 32, 16, sm90=True, tma=True, device=TEST_SPEC) == tma
+    assert tuned_wgrad_kernel(16384, 7168, 2048, 16, 16, TEST_SPEC) == ("gluon", {"epilogue": "tma", "num_stages": 3})
+    assert grouped_gemm_wgrad_config(16384, 7168, 2048, 32, 16, device=TEST_SPEC) == trit[1]
+    assert tuned_wgrad_kernel(16384, 4096, 7168, 16, 16, TEST_SPEC) == ("triton", {})

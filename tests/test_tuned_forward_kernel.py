@@ -7,8 +7,8 @@ states (``triton.gluon_bf16_choice``: unset = the entry's kernel, 1 = Gluon, 0 =
 forward entries (``moe_torch.ops.grouped_gemm.tune.forward_entry`` / ``tune_gluon_forward`` on fake timings; the lookups read them
 back).
 
-The tables are temporary ``<device>.json`` files (``config.TUNED_DIR`` patched, caches cleared), as in
-``test_tuned_backward_configs.py``.
+The tables are temporary device-kind files ``sm90/<kind>.json`` (``common.write_tuned``; ``config.TUNED_DIR`` patched,
+caches cleared) of a simulated Hopper (``common.TEST_SPEC``), as in ``test_tuned_backward_configs.py``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from moe_torch.ops.grouped_gemm import config as torch_config  # noqa: E402
 from moe_torch.ops.grouped_gemm import triton as gemm_triton  # noqa: E402
 from moe_torch.ops.grouped_gemm.config import (GroupedGemmConfig, grouped_gemm_config,  # noqa: E402
                                                heuristic_grouped_gemm_config, tuned_forward_kernel)
-from common import TORCH_DEVICE  # noqa: E402
+from common import TEST_SPEC, TORCH_DEVICE, spec_of_kind, write_tuned  # noqa: E402
 
-KIND = "Test GPU"
+KIND = TEST_SPEC.kind
 ENV = triton_common.GLUON_BF16_ENV
 TMA = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, group_m=4, persistent=True, tma=True)
 PTR = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, group_m=8)
@@ -43,8 +43,7 @@ DOWN, GATE_UP = (7168, 2048), (4096, 7168)  # (N, K) of w [E, N, K]
 @pytest.fixture(autouse=True)
 def _fresh_caches():
     """The tuned-file cache and the dispatch's per-problem caches empty before and after each test."""
-    caches = (torch_config.tuned_entries, gemm_triton._tuned_forward, gemm_triton._default_config,
-              gemm_triton._device_name)
+    caches = (torch_config.tuned_tables, gemm_triton._tuned_forward, gemm_triton._default_config)
     for c in caches:
         c.cache_clear()
     yield
@@ -52,10 +51,12 @@ def _fresh_caches():
         c.cache_clear()
 
 
-def use_table(tmp_path, monkeypatch, entries, name: str = KIND) -> None:
-    """Point the torch tuned lookup at ``tmp_path/<name>.json`` holding ``entries``."""
-    (tmp_path / (name.replace(" ", "_") + ".json")).write_text(json.dumps(list(entries)))
+def use_table(tmp_path, monkeypatch, entries, spec=TEST_SPEC) -> str:
+    """Point the torch tuned lookup at ``tmp_path/sm90/<kind of spec>.json`` holding ``entries``; returns its path."""
+    path = write_tuned(tmp_path, entries, spec)
     monkeypatch.setattr(torch_config, "TUNED_DIR", str(tmp_path))
+    torch_config.tuned_tables.cache_clear()
+    return path
 
 
 def fwd_entry(nk, M_cap: int, config: dict, dtype: str = "bf16", **extra) -> dict:
@@ -71,41 +72,54 @@ def fwd_entry(nk, M_cap: int, config: dict, dtype: str = "bf16", **extra) -> dic
 def test_lookup_reads_the_entry_grouped_gemm_config_reads(tmp_path, monkeypatch):
     """``tuned_forward_kernel``: the nearest bf16 forward entry of the same N, K (the one whose ``"config"``
     ``grouped_gemm_config`` returns): its ``"kernel"`` and ``"gluon_config"`` (unknown keys dropped); an entry without
-    ``"kernel"`` is Triton; no entry, no device name, other widths, an unknown kernel, backward entries: None."""
-    use_table(tmp_path, monkeypatch, [
+    ``"kernel"`` is Triton; no entry, no device, other widths, backward entries: None. A table with an unknown kernel
+    is refused as a whole (ValueError naming the file and the entry), never read with the entry skipped."""
+    entries = [
         fwd_entry(DOWN, 16384, TMA, kernel="gluon", gluon_config=dict(G256, num_sms=7), gluon_ms=0.9),
         fwd_entry(DOWN, 2048, PTR),  # tuned before the choice (or Gluon does not serve 2048 rows): Triton
         fwd_entry(DOWN, 16384, PTR, dtype="fp8"),
         fwd_entry(GATE_UP, 16384, TMA, kernel="triton", gluon_config=G128, gluon_ms=1.4),
         fwd_entry((1024, 1024), 16384, TMA, kernel="gluon"),  # a Gluon winner without options: the dispatch's
-        fwd_entry((2048, 1024), 16384, TMA, kernel="cublas"),  # unknown kernel
-        {"op": "wgrad", **fwd_entry((512, 512), 16384, {"block_n": 128}, kernel="gluon"), "out_dtype": "bf16"},
-    ])
-    look = lambda M, nk=DOWN, bits=16, dev=KIND: tuned_forward_kernel(dev, M, *nk, bits)  # noqa: E731
+        {"op": "wgrad", **fwd_entry((512, 512), 16384, {"epilogue": "tma", "num_stages": 3}, kernel="gluon"),
+         "out_dtype": "bf16"},
+    ]
+    unknown = fwd_entry((2048, 1024), 16384, TMA, kernel="cublas")
+    path = use_table(tmp_path, monkeypatch, [*entries[:5], unknown, entries[5]])
+    with pytest.raises(ValueError, match="kernel must be one of") as exc:
+        tuned_forward_kernel(TEST_SPEC, 16384, *DOWN, 16)
+    assert f"tuned table {path}: entry 5 " in str(exc.value) and "cublas" in str(exc.value)
+    with pytest.raises(ValueError, match="entry 5 kernel must be one of"):  # every lookup of the device: refused
+        grouped_gemm_config(16384, *GATE_UP, 32, 16, device=TEST_SPEC)
+    use_table(tmp_path, monkeypatch, entries)
+    look = lambda M, nk=DOWN, bits=16, dev=TEST_SPEC: tuned_forward_kernel(dev, M, *nk, bits)  # noqa: E731
     assert look(16384) == look(8192) == look(65536) == ("gluon", G256)  # nearest M_cap in log2; num_sms dropped
     assert look(4096) == look(2048) == look(256) == ("triton", {})  # 4096 is nearer 2048 than 16384
     assert look(16384, GATE_UP) == ("triton", G128)  # the Gluon options are kept where Triton won
     assert look(16384, (1024, 1024)) == ("gluon", {})
-    assert look(16384, (2048, 1024)) is None
     assert look(16384, (512, 512)) is None  # a backward entry never serves the forward
     assert look(16384, (4096, 4096)) is None  # no entry of that shape
     assert look(16384, bits=8) is None and look(16384, bits=32) is None  # the Gluon forward is 16-bit only
-    assert look(16384, dev=None) is None  # no device name (the CPU)
+    assert look(16384, dev=None) is None  # no device (the CPU)
     # the same entry as grouped_gemm_config: its "config" is the Triton kernel's, whatever "kernel" says
-    assert grouped_gemm_config(16384, *DOWN, 32, 16, device_name=KIND) == GroupedGemmConfig(**TMA)
-    assert grouped_gemm_config(4096, *DOWN, 32, 16, device_name=KIND) == GroupedGemmConfig(**PTR)
-    assert grouped_gemm_config(16384, *GATE_UP, 32, 16, device_name=KIND) == GroupedGemmConfig(**TMA)
+    assert grouped_gemm_config(16384, *DOWN, 32, 16, device=TEST_SPEC) == GroupedGemmConfig(**TMA)
+    assert grouped_gemm_config(4096, *DOWN, 32, 16, device=TEST_SPEC) == GroupedGemmConfig(**PTR)
+    assert grouped_gemm_config(16384, *GATE_UP, 32, 16, device=TEST_SPEC) == GroupedGemmConfig(**TMA)
     # a TMA entry with a bias: grouped_gemm_config falls back to the heuristic (unchanged by the refactor)
-    assert (grouped_gemm_config(16384, *DOWN, 32, 16, device_name=KIND, bias=True)
+    assert (grouped_gemm_config(16384, *DOWN, 32, 16, device=TEST_SPEC, bias=True)
             == heuristic_grouped_gemm_config(16384, *DOWN, 32, 16))
 
 
 def test_the_h200_table_forward_entries_are_the_tuners():
     """The tree's H200 table: every forward entry keeps a Triton ``"config"``; one with a ``"kernel"`` is a bf16 entry
     with the tuner's fields (a ``"gluon"`` winner names its measured options and a ``"gluon_ms"`` below ``"ms"``); a
-    bf16 entry without one reads as Triton."""
-    entries = torch_config.tuned_entries("NVIDIA H200")
+    bf16 entry without one reads as Triton. The table is the architecture's (``tuned/sm90.json``): an H100 reads the
+    same entries, an A100 (sm80) none (the heuristic)."""
+    h200 = spec_of_kind("NVIDIA H200")
+    entries = torch_config.tuned_tables(h200).entries()
     assert entries, "the H200 table is in the tree"
+    assert torch_config.tuned_tables(spec_of_kind("NVIDIA H100 80GB HBM3")).entries() == entries
+    a100 = spec_of_kind("NVIDIA A100-SXM4-80GB", (8, 0))
+    assert torch_config.tuned_tables(a100).entries() == ()
     for e in entries:
         if e.get("op", "fwd") != "fwd":
             continue
@@ -114,7 +128,12 @@ def test_the_h200_table_forward_entries_are_the_tuners():
             assert e["kernel"] in torch_config.FORWARD_KERNELS and e["dtype"] == "bf16", e
             assert e["kernel"] == "triton" or (isinstance(e["gluon_config"], dict) and e["gluon_ms"] < e["ms"]), e
         elif e["dtype"] == "bf16":
-            assert tuned_forward_kernel("NVIDIA H200", e["M_cap"], e["N"], e["K"], 16) == ("triton", {}), e
+            assert tuned_forward_kernel(h200, e["M_cap"], e["N"], e["K"], 16) == ("triton", {}), e
+    fwd = next(e for e in entries if e.get("op", "fwd") == "fwd" and e["dtype"] == "bf16")
+    args = (fwd["M_cap"], fwd["N"], fwd["K"], 32, 16)
+    assert grouped_gemm_config(*args, device=h200) == GroupedGemmConfig(**fwd["config"])
+    assert tuned_forward_kernel(a100, fwd["M_cap"], fwd["N"], fwd["K"], 16) is None
+    assert grouped_gemm_config(*args, device=a100) == heuristic_grouped_gemm_config(*args)
 
 
 # ------------------------------------------------------------------------------------------------ the switch
@@ -151,12 +170,12 @@ class _FakeCuda:
 
 
 def _patch_gluon(monkeypatch, eligible: bool = True):
-    """``(gluon_bf16 module, calls)``: its ``forward_eligible`` -> ``eligible`` (recording its calls), the device named
-    :data:`KIND`. Skips the test where triton has no Gluon."""
+    """``(gluon_bf16 module, calls)``: its ``forward_eligible`` -> ``eligible`` (recording its calls), the device
+    :data:`TEST_SPEC`. Skips the test where triton has no Gluon."""
     gb = pytest.importorskip("moe_torch.ops.grouped_gemm.gluon_bf16", reason="triton.experimental.gluon unavailable")
     calls = []
     monkeypatch.setattr(gb, "forward_eligible", lambda *a, **k: calls.append(a) or eligible)
-    monkeypatch.setattr(gemm_triton, "_device_name", lambda device: KIND)
+    monkeypatch.setattr(gemm_triton, "device_spec", lambda device=None: TEST_SPEC)
     return gb, calls
 
 
@@ -342,11 +361,11 @@ def test_tuner_forward_entries_round_trip(tmp_path, monkeypatch):
     assert tt.entry_key(down) == (32, 7168, 2048, 16384, "bf16", "fwd", None)  # as every forward entry's
     json.dumps([down, gate, tie, broken, plain])  # JSON as written
     use_table(tmp_path, monkeypatch, [down, gate, tie, broken, plain])
-    assert tuned_forward_kernel(KIND, 16384, 7168, 2048, 16) == ("gluon", G256)
-    assert tuned_forward_kernel(KIND, 16384, 4096, 2048, 16) == ("triton", G128)
-    assert tuned_forward_kernel(KIND, 16384, 2048, 2048, 16) == ("triton", {})
-    assert tuned_forward_kernel(KIND, 2048, 7168, 2048, 16) == ("triton", {})  # the M=2048 entry, no "kernel"
-    assert grouped_gemm_config(16384, 7168, 2048, 32, 16, device_name=KIND) == tma
+    assert tuned_forward_kernel(TEST_SPEC, 16384, 7168, 2048, 16) == ("gluon", G256)
+    assert tuned_forward_kernel(TEST_SPEC, 16384, 4096, 2048, 16) == ("triton", G128)
+    assert tuned_forward_kernel(TEST_SPEC, 16384, 2048, 2048, 16) == ("triton", {})
+    assert tuned_forward_kernel(TEST_SPEC, 2048, 7168, 2048, 16) == ("triton", {})  # the M=2048 entry, no "kernel"
+    assert grouped_gemm_config(16384, 7168, 2048, 32, 16, device=TEST_SPEC) == tma
 
 
 # ------------------------------------------------------------------------------------------------ on an sm_90 GPU
@@ -359,11 +378,13 @@ def _sm90() -> bool:
 @pytest.mark.skipif(not _sm90(), reason="the Gluon kernel runs on a CUDA device of compute capability (9, 0) only "
                     "(EPMOE_TEST_DEVICE=gpu on an H100 / H200)")
 def test_gpu_dispatch_follows_the_table(tmp_path, monkeypatch):
-    """With a table of this GPU's name: unset runs the entry's kernel (Gluon with its options where it says gluon,
-    Triton where it says triton), 1 runs Gluon, 0 and an explicit config run Triton; results within bf16 of each
-    other, the Gluon ones bit-identical to calling the launcher with the same options."""
+    """With a table of this GPU's kind (its ``sm90/<kind>.json``, the spec read from the device): unset runs the
+    entry's kernel (Gluon with its options where it says gluon, Triton where it says triton), 1 runs Gluon, 0 and an
+    explicit config run Triton; results within bf16 of each other, the Gluon ones bit-identical to calling the launcher
+    with the same options."""
     gb = pytest.importorskip("moe_torch.ops.grouped_gemm.gluon_bf16", reason="triton.experimental.gluon unavailable")
     import moe_torch
+    import moe_torch.ops.device
     from tolerances import BF16_REL_FRO, assert_rel_fro
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -372,11 +393,12 @@ def test_gpu_dispatch_follows_the_table(tmp_path, monkeypatch):
     x = torch.randn(int(off[-1]), 512, device="cuda", generator=g).to(torch.bfloat16)
     w_g = (torch.randn(4, 256, 512, device="cuda", generator=g) * 512**-0.5).to(torch.bfloat16)
     w_t = (torch.randn(4, 384, 512, device="cuda", generator=g) * 512**-0.5).to(torch.bfloat16)
-    name = torch.cuda.get_device_name()
+    spec = moe_torch.ops.device.device_spec()
+    assert spec.kind == torch.cuda.get_device_name() and spec.is_hopper
     use_table(tmp_path, monkeypatch, [
-        {**fwd_entry((256, 512), 4096, PTR, kernel="gluon", gluon_config=G128, gluon_ms=0.5), "device": name},
-        {**fwd_entry((384, 512), 4096, PTR, kernel="triton", gluon_config=G256, gluon_ms=0.9), "device": name},
-    ], name=name)
+        {**fwd_entry((256, 512), 4096, PTR, kernel="gluon", gluon_config=G128, gluon_ms=0.5), "device": spec.kind},
+        {**fwd_entry((384, 512), 4096, PTR, kernel="triton", gluon_config=G256, gluon_ms=0.9), "device": spec.kind},
+    ], spec=spec)
     calls = []
     real = gb.grouped_gemm_gluon_bf16
     monkeypatch.setattr(gb, "grouped_gemm_gluon_bf16", lambda *a, **k: calls.append(k) or real(*a, **k))
