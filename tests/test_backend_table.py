@@ -158,25 +158,26 @@ def test_no_entry_or_no_file_is_the_heuristic(tmp_path, monkeypatch):
     calls = spy_backends(monkeypatch)
     moe_pallas.grouped_gemm(x, w, offsets)
     assert calls == ["pallas_mosaic_gpu"]
-    for spec in (spec_of_kind("GPU without a table"), spec_of_kind(KIND, (8, 0))):
-        monkeypatch.setattr(backend_table, "gpu_device_spec", lambda spec=spec: spec)
-        assert backend_table.default_order("grouped_gemm", "bf16", M_cap=24, N=64, K=64) == GPU_ORDER
+    monkeypatch.setattr(backend_table, "gpu_device_spec", lambda: spec_of_kind("GPU without a table"))
+    assert backend_table.default_order("grouped_gemm", "bf16", M_cap=24, N=64, K=64) == GPU_ORDER
+    # an sm80 GPU reads no sm90 table, and Mosaic GPU (sm_90 only) is not tried there
+    monkeypatch.setattr(backend_table, "gpu_device_spec", lambda: spec_of_kind(KIND, (8, 0)))
+    assert backend_table.default_order("grouped_gemm", "bf16", M_cap=24, N=64, K=64) == ("pallas_triton", "reference")
     monkeypatch.setattr(backend_table, "on_gpu", lambda: False)
     assert backend_table.default_order("grouped_gemm", "bf16", M_cap=24, N=64, K=64) == ("reference",)
 
 
-def test_fp8_block_heuristic_is_pallas_triton_first(tmp_path, monkeypatch):
-    """Regression (issue 14, finding 1): with no table entry, FP8 GEMMs with 128x128 weight blocks (1x128 activation
-    groups, DeepSeek-V3) go to Pallas-Triton first (it was Mosaic GPU, 1.7x slower on the H200); the other FP8
-    layouts keep Mosaic GPU first."""
+def test_heuristic_order_is_mosaic_first_on_every_layout(tmp_path, monkeypatch):
+    """With no table entry on an sm_90 GPU, every layout (FP8 128x128 blocks included: the warp-specialized Mosaic FP8
+    kernel is the faster one on sm_90) tries Mosaic GPU first, so a Hopper GPU without its own table does not fall to
+    Pallas-Triton's slower FP8-block kernel."""
     use_table(tmp_path, monkeypatch, [])
     x, w, offsets, xs, ws = fp8_block_problem()
     calls = spy_backends(monkeypatch)
     y = moe_pallas.grouped_gemm(x, w, offsets, x_scale=xs, w_scale=ws)
-    assert calls == ["pallas_triton"]
+    assert calls == ["pallas_mosaic_gpu"]
     assert_exact(y, grouped_gemm_reference(x, w, offsets, xs, ws, jnp.bfloat16))
-    assert backend_table.heuristic_order("grouped_gemm", "fp8_block") == TRITON_FIRST
-    for layout in ("bf16", "fp8_per_token", "fp8_per_token_group", "bf16_mxfp4"):
+    for layout in ("fp8_block", "bf16", "fp8_per_token", "fp8_per_token_group", "bf16_mxfp4"):
         assert backend_table.heuristic_order("grouped_gemm", layout) == GPU_ORDER
     assert backend_table.heuristic_order("grouped_gemm_dgrad", "bf16_fp8_block") == GPU_ORDER
 
@@ -294,10 +295,9 @@ def test_launch_config_lookup_skips_backend_choices(tmp_path, monkeypatch):
 
 def test_seeded_h200_table_is_valid_and_cites_its_sources():
     """The table in the tree: every entry well-formed, its source a file in the tree (or issue 14), and the
-    measured findings in it: DeepSeek-V3's FP8-block GEMMs on Mosaic GPU (its warp-specialized FP8 kernel, session 10;
-    Pallas-Triton, 1.2-1.7x faster than Mosaic's one-warpgroup kernel, before it), while the heuristic order of a
-    GPU without a table keeps Pallas-Triton first for them. The table is the architecture's (``tuned/sm90.json``): an
-    H100 gets the same choices, an A100 (sm80) none (the heuristic order)."""
+    measured findings in it: DeepSeek-V3's FP8-block GEMMs on Mosaic GPU (its warp-specialized FP8 kernel). The table
+    is the architecture's (``tuned/sm90.json``): an H100 gets the same choices, an A100 (sm80) none (the heuristic
+    order)."""
     h200, h100 = spec_of_kind("NVIDIA H200"), spec_of_kind("NVIDIA H100 80GB HBM3")
     a100 = spec_of_kind("NVIDIA A100-SXM4-80GB", (8, 0))
     entries = backend_table.backend_choices(h200).entries()
@@ -313,7 +313,8 @@ def test_seeded_h200_table_is_valid_and_cites_its_sources():
             assert backend_table.gpu_order("grouped_gemm", "fp8_block", 16384, N, K, hopper)[0] == "pallas_mosaic_gpu"
             assert backend_table.gpu_order("grouped_gemm", "bf16", 16384, N, K, hopper)[0] == "pallas_mosaic_gpu"
         for other in (None, a100):
-            assert backend_table.gpu_order("grouped_gemm", "fp8_block", 2048, N, K, other)[0] == "pallas_triton"
+            assert (backend_table.gpu_order("grouped_gemm", "fp8_block", 2048, N, K, other)
+                    == backend_table.heuristic_order("grouped_gemm", "fp8_block"))
             assert (backend_table.gpu_order("grouped_gemm", "bf16", 16384, N, K, other)
                     == backend_table.heuristic_order("grouped_gemm", "bf16"))
 
