@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from common import TEST_SPEC
+
 import moe_pallas
 from moe_pallas.ops.grouped_gemm.config import MosaicGroupedGemmConfig, heuristic_mosaic_wgrad_config
 from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu_backward import (grouped_gemm_dgrad_pallas_mosaic_gpu,
@@ -230,7 +232,7 @@ def _simulated_gpu(monkeypatch):
     from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
 
     monkeypatch.setattr(backend_table, "on_gpu", lambda: True)
-    monkeypatch.setattr(backend_table, "gpu_device_spec", lambda: None)
+    monkeypatch.setattr(backend_table, "gpu_device_spec", lambda: TEST_SPEC)  # a Hopper: Mosaic GPU is tried
     monkeypatch.setattr(api, "_mosaic", lambda x, w, off, xs, ws, out_dtype, bias=None: grouped_gemm_pallas_mosaic_gpu(
         x, w, off, x_scale=xs, w_scale=ws, out_dtype=out_dtype))
     monkeypatch.setattr(api, "_mosaic_backward", lambda name: getattr(pallas_mosaic_gpu_backward, name))
@@ -358,7 +360,7 @@ def test_layer_vjp_mosaic_operands_are_whole_buffers(monkeypatch):
     from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import grouped_gemm_pallas_mosaic_gpu
 
     monkeypatch.setattr(backend_table, "on_gpu", lambda: True)
-    monkeypatch.setattr(backend_table, "gpu_device_spec", lambda: None)
+    monkeypatch.setattr(backend_table, "gpu_device_spec", lambda: TEST_SPEC)  # a Hopper: Mosaic GPU is tried
     monkeypatch.setattr(api, "_mosaic", lambda x, w, off, xs, ws, out_dtype, bias=None: grouped_gemm_pallas_mosaic_gpu(
         x, w, off, x_scale=xs, w_scale=ws, out_dtype=out_dtype))
     monkeypatch.setattr(api, "_mosaic_backward", lambda name: getattr(pallas_mosaic_gpu_backward, name))
