@@ -31,7 +31,7 @@ Forward (``pallas_mosaic_gpu.py``): ``y [M_cap, N] = x [M_cap, K] @ w[e(m)].T``,
   is issued, and store their half (TMA store from a per-consumer buffer) while the producer already loads the next
   item. A ragged step: each consumer masks its own ``x`` tile, consumer 0 the shared ``d_y`` tile, both fence and
   meet on a two-arrival barrier before either ``wgmma`` reads the slot (no two warpgroups write the same shared
-  memory). H200, 2026-12-02 (``benchmarks/results/2026-12-02_h200_session15``, E=32, M=16384, bf16 d_w): gate_up
+  memory). H200, 2026-12-02 (``benchmarks/results/2026-12-02_h200_g``, E=32, M=16384, bf16 d_w): gate_up
   2.25 -> 1.59-1.96 ms, down 1.53 -> 0.94-1.06 ms (cuBLAS ``torch._grouped_mm``: 1.78, 0.90).
 
 Limits (``NotImplementedError``: the dispatch's default order then falls back to the Pallas-Triton

@@ -662,7 +662,7 @@ def _y_layout() -> gl.NVMMASharedLayout:
 #: inside its expert, :func:`_store_tile`) and ``"pointer"`` (masked stores from the ``wgmma`` registers).
 EPILOGUES = ("tma", "pointer")
 #: The launchers' default epilogue where ``N % 8 == 0`` (TMA: 16-byte row strides of ``y``); ``"pointer"`` otherwise.
-#: H200, E=32, M=16384 (session 16, call 1: ``benchmarks/results/2026-12-03_h200_session16/epilogue_ab.py``, two
+#: H200, E=32, M=16384 (session 16, call 1: ``benchmarks/results/2026-12-03_h200_a/epilogue_ab.py``, two
 #: interleaved ``do_bench`` medians each, bit-identical outputs): FP8 blocks down 0.608 / 0.623 -> 0.492 / 0.503 ms
 #: (Zipf 0.671 / 0.682 -> 0.577 / 0.560), gate_up level (0.889 / 0.986 -> 0.946 / 0.937); rowwise (promote 2) gate_up
 #: 0.927 / 0.918 -> 0.800 / 0.826 (5 stages), down 0.554 / 0.592 -> 0.488 / 0.463; the torch layers at T=4096: E=32

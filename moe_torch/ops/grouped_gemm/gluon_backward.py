@@ -298,7 +298,7 @@ def check_inputs(x, d_y, expert_offsets, out_dtype) -> None:
 
 
 #: The dispatch takes the Gluon wgrad only with ``M_cap >= WGRAD_MIN_ROWS_PER_EXPERT * E``. H200, session 15
-#: (``benchmarks/results/2026-12-02_h200_session15/call3/wgrad_small.txt``, E=32, bf16 out, ms Gluon / Triton): M=256
+#: (``benchmarks/results/2026-12-02_h200_g/call3/wgrad_small.txt``, E=32, bf16 out, ms Gluon / Triton): M=256
 #: (8 rows an expert) gate_up 0.523 / 0.450, down 0.260 / 0.234; M=2048 (64) 0.604 / 0.887, 0.289 / 0.449.
 WGRAD_MIN_ROWS_PER_EXPERT = 32
 

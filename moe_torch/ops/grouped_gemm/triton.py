@@ -864,7 +864,7 @@ GLUON_STAGES = 5
 #: (128 x 128 tiles, :data:`GLUON_STAGES`) above. An expert of r rows takes ``ceil(r / 64)`` items of 64 rows instead
 #: of ``2 * ceil(r / 128)`` halves of 128: fewer where ``r % 128`` is in (0, 64], e.g. 3 instead of 4 at 130-192
 #: rows, DeepSeek-V3's ~128 rows an expert at T=4096 (``gluon.py: grouped_gemm_gluon_fp8_block``). H200, session 17
-#: (``benchmarks/results/2026-12-03_h200_session17/splitn_ab.py``, median ms of two interleaved runs, 128-row items
+#: (``benchmarks/results/2026-12-03_h200_b/splitn_ab.py``, median ms of two interleaved runs, 128-row items
 #: with 5 stages / 64-row items with 4; outputs bit-identical), gate_up (K=7168, N=4096) and down (K=2048, N=7168):
 #: E=32 at 128 rows an expert 0.325 / 0.311 and 0.163 / 0.168; at 160 rows 0.595 / 0.457 and 0.279 / 0.238; E=64 at
 #: 256 rows 1.010 / 1.046 and 0.563 / 0.578; E=32 at 512 rows 0.893 / 0.966 and 0.524 / 0.517; DeepSeek-V3's routed
