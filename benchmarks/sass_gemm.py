@@ -11,7 +11,7 @@ tensors divisible by 16), so the loads vectorize as they do on the GPU.
 
 Prints the loop's instruction count, the count per weight element and per lane (``instructions x 32 x warps /
 (block_n x block_k)``), and the most frequent opcodes. Session 8 (moe_torch at e40566a): MXFP4 16x128x64 over 4 warps,
-3 stages: 316 a step (943 with the float32 decode of session 7); INT4 273 (565).
+3 stages: 316 a step (943 with the float32 decode of the earlier kernel); INT4 273 (565).
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def test_no_entry_or_no_file_is_the_heuristic(tmp_path, monkeypatch):
 
 
 def test_fp8_block_heuristic_is_pallas_triton_first(tmp_path, monkeypatch):
-    """Regression (issue 14, finding 1): with no table entry, FP8 GEMMs with 128x128 weight blocks (1x128 activation
+    """Regression: with no table entry, FP8 GEMMs with 128x128 weight blocks (1x128 activation
     groups, DeepSeek-V3) go to Pallas-Triton first (it was Mosaic GPU, 1.7x slower on the H200); the other FP8
     layouts keep Mosaic GPU first."""
     use_table(tmp_path, monkeypatch, [])
@@ -289,8 +289,8 @@ def test_launch_config_lookup_skips_backend_choices(tmp_path, monkeypatch):
 
 
 def test_seeded_h200_table_is_valid_and_cites_its_sources():
-    """The table in the tree: every entry well-formed, its source a file in the tree (or issue 14), and the
-    measured findings in it: DeepSeek-V3's FP8-block GEMMs on Mosaic GPU (its warp-specialized FP8 kernel, session 10;
+    """The table in the tree: every entry well-formed, its source a file in the tree (or an issue thread), and the
+    measured findings in it: DeepSeek-V3's FP8-block GEMMs on Mosaic GPU (its warp-specialized FP8 kernel;
     Pallas-Triton, 1.2-1.7x faster than Mosaic's one-warpgroup kernel, before it), while the heuristic order of a
     GPU without a table keeps Pallas-Triton first for them."""
     entries = backend_table.backend_choices("NVIDIA H200")
@@ -402,7 +402,7 @@ def test_tune_backend_csv_needs_provenance_and_refuses_to_write_a_bad_table(tmp_
 
 
 def test_tune_backend_refuses_cpu_runs_missing_files_and_runs_without_gemm_rows(tmp_path, capsys):
-    """A new user's trial (session 7): a missing file ended in a traceback, a CPU (--tiny) run with made-up Mosaic
+    """A new user's trial: a missing file ended in a traceback, a CPU (--tiny) run with made-up Mosaic
     times was written into cpu.json, and a decode-only run said just "nothing timed by both backends". Now: a clean
     error (rc 2) naming the file; a CPU run is refused (its interpreted times choose nothing on a GPU); a run with no
     gemm rows says so and nothing is written (rc 1)."""
