@@ -14,7 +14,7 @@ of 32; the earlier float32 decode); 3 as 2 with A and B
 swapped (``y^T = wd @ x^T``: the weights as the wide MMA operand); 4 as 1 swapped; 5 the library's tile as it is now
 (``_w4_tiles``: on a GPU the packed asm decode, two codes per instruction) in this probe's loop; 6 the library's
 kernel itself through ``grouped_gemm_triton`` (its launch, table scales and contiguous x loads; includes a copy of
-``y``, ~2 us). Session 7's numbers and the
+``y``, ~2 us). Its numbers and the
 ``ncu`` reading are in BENCHMARKS.md (2026-12-01c). ``PROBE_ONLY=fmt:variant:block_n:block_k:warps``
 runs that one config once (for ``ncu``). The default E=111, R=2 is gpt-oss-120b's gate_up at T=64 (111 experts
 reached, ~2 rows each).

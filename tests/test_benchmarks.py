@@ -1196,7 +1196,7 @@ def test_sass_gemm_counts_the_k_loop_of_the_4bit_decode():
 
 
 def test_tuners_keep_the_whole_table_and_refuse_the_other_frameworks(tmp_path):
-    """Session 9 on the GPU machine: both tuners default ``--out`` to ``$OUT`` and write the same file name; the
+    """On the GPU machine both tuners default ``--out`` to ``$OUT`` and write the same file name; the
     torch tuner's new file there held only its new entries, and the JAX tuner then read it and died on a KeyError.
     Now a new output file starts from the tree's table (the written file is the whole table), an existing one
     keeps its own entries, and each tuner refuses the other framework's table with a ValueError naming it."""

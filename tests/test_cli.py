@@ -42,7 +42,7 @@ def test_demo_accepts_dashed_quant():
 
 
 def test_bug_unknown_quant_is_reported_as_written(capsys):
-    """Session 9's new-user trial: ``--quant int-5`` was refused as ``'int_5'`` (the converted spelling); the error
+    """A new-user trial: ``--quant int-5`` was refused as ``'int_5'`` (the converted spelling); the error
     names the value as typed and the choices."""
     from interop.cli import build_parser
 
