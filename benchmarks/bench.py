@@ -66,7 +66,7 @@ Backends (a backend that cannot run gives a row with ``error``, and the run goes
   (forward, dgrad and wgrad on Mosaic GPU: ``pallas_mosaic_gpu_backward.py``) and ``ref-jax`` (``moe_pallas.grouped_gemm`` under ``jax.vjp``, jitted); peers
   ``torch._grouped_mm`` (autograd), ``tokamax.ragged_dot-mosaic`` (tokamax's Mosaic GPU ragged dot
   under ``jax.vjp``; tokamax is a benchmark-only peer, not a dependency: its wheels travel to the GPU
-  machine, ENVIRONMENT.md "Training and compute-bound peers", and without it the row is skipped) and
+  machine, and without it the row is skipped) and
   ``jax.lax.ragged_dot`` (``jax.vjp``, XLA); the JAX peers take the weights in their layout
   ``[E, K, N]`` (transposed once, untimed). Judged against float32 per-expert matmuls
   (:func:`gemm_grad_reference`).
@@ -137,7 +137,7 @@ WHATS = ("gemm", "layer", "gate", "gemm_bwd", "layer_bwd", "decode")
 #: What a run does unless ``--what`` says otherwise: the forward benches (the backward ones are asked for by name).
 DEFAULT_WHAT = "gemm,layer,gate"
 #: Tile configs tried for jax's ragged_dot_mgpu: (block_m, block_n, block_k, max_concurrent_steps,
-#: grid_block_n); the first four are those of ENVIRONMENT.md's peer table plus one wider N tile.
+#: grid_block_n); the first four are jax's own examples' tiles plus one wider N tile.
 MGPU_CONFIGS = ((128, 128, 64, 4, 1), (128, 256, 64, 4, 1), (64, 128, 64, 4, 2), (128, 128, 64, 5, 4))
 MGPU_CONFIGS_QUICK = MGPU_CONFIGS[:2]
 #: Group rows are padded to this many if torch's grouped GEMMs reject unaligned groups (torch
@@ -146,7 +146,7 @@ PEER_ROW_ALIGN = 16
 #: Why the ``fp8_block`` GEMM rows have no peer (their ``torch._scaled_grouped_mm`` row is a skip): torch 2.11's
 #: grouped FP8 GEMMs (``torch._scaled_grouped_mm``, ``torch.nn.functional.scaled_grouped_mm``) take rowwise float32
 #: scales (``[M]`` x ``[E, N]``; ``torch/_meta_registrations.py``) or MXFP8 / NVFP4 block scales, no 1x128 x
-#: 128x128 float32 blocks (ENVIRONMENT.md: no block-scaled path on Hopper); DeepGEMM and SGLang's kernels are not
+#: 128x128 float32 blocks (no block-scaled path on Hopper); DeepGEMM and SGLang's kernels are not
 #: on the GPU machine, which has no network.
 FP8_BLOCK_NO_PEER = ("no peer: torch's grouped FP8 GEMMs take rowwise float32 scales ([M] x [E, N]) or MXFP8/NVFP4 "
                      "blocks, not 1x128 x 128x128 float32 blocks (DeepGEMM, SGLang: not on the GPU machine)")
@@ -947,7 +947,7 @@ TOKAMAX_IMPLEMENTATIONS = ("mosaic",)
 
 def import_tokamax():
     """tokamax, imported for benchmarking only (not a dependency of the library): the GPU machine gets it
-    as wheels (ENVIRONMENT.md, "Training and compute-bound peers"). Its ``tokamax/_src/benchmarking.py``
+    as wheels. Its ``tokamax/_src/benchmarking.py``
     imports ``xprof.cli.tools`` at module level; without xprof, an empty stand-in module ``xprof.cli.tools``
     (``get_kernel_stats_tool = None``) goes into ``sys.modules`` first. Raises ImportError if tokamax is
     not installed."""
@@ -979,7 +979,7 @@ def tokamax_ragged_dots(ctx: Ctx, bench: str, spec, notes: str | None) -> list[t
     implementation of :func:`tokamax_wanted` that can run here, ``fn(lhs [M, K], rhs [E, K, N], group_sizes [E]
     int32) -> [M, N]`` (its layout: ``rhs`` K-major per group), the note naming tokamax's version. Where one cannot
     run by design (``mosaic`` off an NVIDIA GPU; tokamax not importable: a benchmark-only peer whose wheels travel
-    to the GPU machine, ENVIRONMENT.md), a skip row with ``notes`` instead."""
+    to the GPU machine), a skip row with ``notes`` instead."""
     import jax
 
     peers = []

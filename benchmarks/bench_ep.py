@@ -1,4 +1,4 @@
-"""Expert parallelism, 1 vs N GPUs (issue 6): step time, bytes moved per all-to-all, and the share
+"""Expert parallelism, 1 vs N GPUs: step time, bytes moved per all-to-all, and the share
 of time in communication, for both frameworks and both EP modes.
 
 Usage (from the repo root; nothing to install on the GPU machine)::

@@ -108,7 +108,7 @@ def run_tests(out_dir: str | None, timeout_s: int, groups: list[list[str]], work
 
 
 def run_memcheck(out_dir: str | None, timeout_s: int, groups: list[list[str]]) -> list[str]:
-    """The Triton kernel tests under ``compute-sanitizer --tool memcheck`` (issue 3)."""
+    """The Triton kernel tests under ``compute-sanitizer --tool memcheck``."""
     return _pytest_groups(out_dir, timeout_s, groups, "memcheck.log",
                           wrapper=("compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9"))
 
@@ -125,7 +125,7 @@ def run_bench(out_dir: str | None, timeout_s: int, bench_args: str) -> str:
 def run_cli_checks(out_dir: str | None, specs: list[str], tokens: int) -> list[dict]:
     """``epmoe check --preset P --quant Q --tokens T`` at full size for each ``P:Q`` in ``specs``, each in a child
     process (so that one check's host memory is given back before the next: in one process, Kimi K2's check after
-    Llama 4 Maverick's was killed by the host's out-of-memory killer on the 128 GiB machine, session 8); the tables
+    Llama 4 Maverick's was killed by the host's out-of-memory killer on the 128 GiB machine); the tables
     go to ``$OUT/checks.log``. One dict per check: exit code, seconds, failed stages, skipped implementations, the
     largest relative error per stage."""
     import io

@@ -1,6 +1,6 @@
 """One way to time every backend, one row schema, and the writers (JSON, CSV, markdown, plot).
 
-Timing (STYLE.md "Benchmarks", .library/device/METHOD.md "Time properly"):
+Timing:
 
 - **torch** (CUDA): ``triton.testing.do_bench(fn, warmup, rep, return_mode="all")``: CUDA events
   around each call, the L2 cache flushed (a 256 MB memset) before each call, so no rotation of
@@ -36,7 +36,7 @@ with no temporaries the peak is exactly its outputs ``y + d_x + d_w``, the same 
 Every output is checked first: the forward's against ``REL_ERR_MAX``, each gradient
 against ``GRAD_REL_ERR_MAX``; a row with a wrong one is not timed.
 
-Ceilings (ENVIRONMENT.md, "The GPU machine in numbers", one H200 measured here):
+Ceilings (one H200, measured):
 ``pct_of_ceiling = 100 * max(flops / PEAK_FLOPS[dtype], bytes / PEAK_BW) / median``, the
 roofline floor over the measured time; ``bound`` says which term is larger.
 

@@ -14,7 +14,7 @@ Usage (repo root)::
 
     python3 benchmarks/probe_gluon_promotion.py
 
-Session 10 (triton 3.6.0): ``loop-carried`` -> ``ptxas`` C7514 ("wgmma.mma_async instructions are serialized due to
+Compiled with triton 3.6.0: ``loop-carried`` -> ``ptxas`` C7514 ("wgmma.mma_async instructions are serialized due to
 non wgmma instructions reading accumulator registers of a wgmma between start and end of the pipeline stage"), SASS
 waits ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` only; ``two-blocks`` -> no warning, SASS keeps ``DEPBAR.LE gsb0, 0x1``. The
 loads here are plain (no TMA, no pipelining): the probe is about the MMA waits only.

@@ -10,12 +10,12 @@ against the copy ceiling of the weight bytes. Each variant is checked against th
 Variants (``VARIANT``): 0 the bf16 weights (the bandwidth reference); 1 Triton's ``tl.dot_scaled(bf16, e2m1)``
 (MXFP4 only; GPU only: the interpreter has no ``dot_scaled``); 2 the library's float32 decode (``moe_torch``'s
 ``_w4_tiles`` for float32, rounded to bf16: low / high nibbles against x's even / odd columns, one scale per group
-of 32; session 7's decode); 3 as 2 with A and B
+of 32; the earlier float32 decode); 3 as 2 with A and B
 swapped (``y^T = wd @ x^T``: the weights as the wide MMA operand); 4 as 1 swapped; 5 the library's tile as it is now
 (``_w4_tiles``: on a GPU the packed asm decode, two codes per instruction) in this probe's loop; 6 the library's
 kernel itself through ``grouped_gemm_triton`` (its launch, table scales and contiguous x loads; includes a copy of
-``y``, ~2 us). Session 7's numbers and the
-``ncu`` reading are in BENCHMARKS.md ("2026-12-01, session 7"). ``PROBE_ONLY=fmt:variant:block_n:block_k:warps``
+``y``, ~2 us). Its numbers and the
+``ncu`` reading are in BENCHMARKS.md (2026-12-01c). ``PROBE_ONLY=fmt:variant:block_n:block_k:warps``
 runs that one config once (for ``ncu``). The default E=111, R=2 is gpt-oss-120b's gate_up at T=64 (111 experts
 reached, ~2 rows each).
 """
@@ -84,7 +84,7 @@ def _k(x_ptr, w_ptr, s_ptr, y_ptr, R, N, K, VARIANT: tl.constexpr, MX: tl.conste
             a_o = tl.load(x_rows + (2 * kp + 1)[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
             if VARIANT == 5:  # bf16: the packed asm decode on a GPU
                 lo, hi = _w4_tiles(w_rows, s_rows, 1, k0, K, cmask, 4 if MX else 5, BLOCK_N, BLOCK_K, tl.bfloat16)
-            else:  # 2, 3: the float32 decode (session 7's), rounded to bf16
+            else:  # 2, 3: the float32 decode (the earlier one), rounded to bf16
                 lo, hi = _w4_tiles(w_rows, s_rows, 1, k0, K, cmask, 4 if MX else 5, BLOCK_N, BLOCK_K, tl.float32)
                 lo, hi = lo.to(tl.bfloat16), hi.to(tl.bfloat16)
             if VARIANT == 3:  # swap AB: y^T [BN, BM] += lo @ x_even^T + hi @ x_odd^T

@@ -1,6 +1,6 @@
 """Count the sm_90 SASS instructions of the Triton grouped GEMM's K loop, on a machine without a GPU.
 
-The 4-bit decode at small M is bound by how many instructions each K step issues (BENCHMARKS.md, sessions 7-8), and
+The 4-bit decode at small M is bound by how many instructions each K step issues (BENCHMARKS.md, 2026-12-01c and d), and
 that count can be read off the compiled kernel: ``triton.compile`` for sm_90 (no driver needed), the cubin
 disassembled by triton's bundled ``nvdisasm``, the loop found as the longest backward branch. Integer arguments are
 specialized as a real launch of gpt-oss-120b's gate_up specializes them (pointers, N, K and the strides of contiguous
@@ -10,8 +10,8 @@ tensors divisible by 16), so the loads vectorize as they do on the GPU.
         [--stages 3] [--no-table] [--sass FILE]
 
 Prints the loop's instruction count, the count per weight element and per lane (``instructions x 32 x warps /
-(block_n x block_k)``), and the most frequent opcodes. Session 8 (moe_torch at e40566a): MXFP4 16x128x64 over 4 warps,
-3 stages: 316 a step (943 with the float32 decode of session 7); INT4 273 (565).
+(block_n x block_k)``), and the most frequent opcodes. At moe_torch e40566a: MXFP4 16x128x64 over 4 warps,
+3 stages: 316 a step (943 with the float32 decode of the earlier kernel); INT4 273 (565).
 """
 
 from __future__ import annotations

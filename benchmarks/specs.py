@@ -1,10 +1,10 @@
-"""Benchmark problems as data: grouped GEMM, layer and gate specs (STYLE.md, "Benchmarks").
+"""Benchmark problems as data: grouped GEMM, layer and gate specs.
 
 Each spec is a frozen dataclass that knows its FLOPs and the fewest bytes it must move, so the
 harness can turn a time into TFLOP/s, GB/s and a percentage of the roofline floor. Nothing here
 imports torch or jax: the specs are shared by ``benchmarks/bench.py`` and the CPU tests.
 
-Shapes (ENVIRONMENT.md, "The GPU machine in numbers"):
+Shapes:
 
 - grouped GEMM: ``E = 32`` experts (DeepSeek-V3's 256 over EP = 8), ``[M, K] x [E, N, K]``,
   ``gate_up`` (K=7168, N=4096 = 2 * I) and ``down`` (K=2048, N=7168), M in {256, 2048, 16384}

@@ -2,7 +2,7 @@
 
 Usage: PYTHONPATH=. python3 benchmarks/sweep_mosaic_gemm.py SECONDS  (stops starting configs after SECONDS)
 Timing: jax.experimental.mosaic.gpu.profiler.measure (CUPTI), median of 10. Used for the heuristic in
-moe_pallas/ops/grouped_gemm/config.py (BENCHMARKS.md, 2026-11-30).
+moe_pallas/ops/grouped_gemm/config.py (BENCHMARKS.md).
 """
 import os, functools, sys, json, itertools, time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE","false")

@@ -22,7 +22,7 @@ projection is float8_e4m3fn with a ``weight_scale_inv [ceil(N/128), ceil(K/128)]
 it is the dequantization *multiplier* (``w ~= q * scale`` per 128x128 block): exactly the block
 ``w_scale`` of CONTRACT.md section 3.
 
-The 2026 families (issue 15), read by the same rules (``arch`` in brackets; config.json ``model_type``):
+The 2026 families, read by the same rules (``arch`` in brackets; config.json ``model_type``):
 
 - **GLM-4.5 / GLM-4.5-Air** (``glm4_moe``): DeepSeek-V3's names and router (``mlp.gate.weight`` float32,
   ``mlp.gate.e_score_correction_bias``, ``mlp.shared_experts.*``), config class ``Glm4MoeConfig``.
@@ -469,7 +469,7 @@ class MoECheckpointLayer:
             biased = self.e_score_correction_bias is not None
             # Sigmoid top-k with the router weight on the input (Llama 4), the sigmoid-gated shared expert (Qwen3-Next)
             # and the interleaved gate/up rows (gpt-oss, not read here) are the tensors' family too: a preset that
-            # differs in any of them would compute another model's layer (issue 15).
+            # differs in any of them would compute another model's layer.
             layout = "interleaved" if self.arch == "gpt_oss" else "concatenated"
             if (preset.gate_up_layout != layout or (preset.routing == "sigmoid_topk") != (self.arch == "llama4")
                     or any(bool(getattr(preset, n)) != v for n, v in semantics.items())):

@@ -1,6 +1,6 @@
 """Deterministic random layer inputs, in numpy, so both frameworks start from the same bits.
 
-Scaled so that every stage's output is O(1) (STYLE.md): weights ~ N(0, 1/K) for a
+Scaled so that every stage's output is O(1): weights ~ N(0, 1/K) for a
 ``[.., N, K]`` matrix, activations ~ N(0, 1), router logits ~ N(0, 1) plus a skew.
 """
 

@@ -115,7 +115,7 @@ _PRESETS = (
         routing="softmax_topk",
         renormalize=True,  # Mixtral always renormalises its top-2
     ),
-    # ---- the 2026 families (issue 15). Sources per value: "cfg" = the model's config.json on the HF hub;
+    # ---- the 2026 families. Sources per value: "cfg" = the model's config.json on the HF hub;
     # "tf" = transformers 5.24's config class / modeling file of the family (its defaults and docstrings).
     ModelPreset(
         name="gpt-oss-20b",

@@ -6,7 +6,7 @@ host, before tracing or launching anything. The checks look only at ``.shape`` a
 one implementation serves both frameworks and the error messages are the same word for
 word whichever backend raised them.
 
-Message format (STYLE.md): ``<op>: <arg> must be <expectation>; got <what came>``.
+Message format, for every op: ``<op>: <arg> must be <expectation>; got <what came>``.
 ``ValueError`` for shapes and values, ``TypeError`` for dtypes.
 """
 

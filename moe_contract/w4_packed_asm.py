@@ -18,7 +18,7 @@ instruction decodes two codes at once (the idea of Marlin's dequantization, IST-
 ``marlin/marlin_cuda_kernel.cu: dequant``, worked out anew here for e2m1 / offset INT4 and bf16). Per 8 codes:
 MXFP4 22 instructions, INT4 16, where the float32 decode takes ~17 a code (the sm_90 SASS of the torch kernel's K
 loop, a 16 x 128 x 64 step over 4 warps: 943 instructions for MXFP4 with the float32 decode, 316 with this one and
-the scale table: ``benchmarks/sass_gemm.py``; BENCHMARKS.md, session 8).
+the scale table: ``benchmarks/sass_gemm.py``; BENCHMARKS.md).
 
 MXFP4 (e2m1: sign bit 3, exponent bits 2-1, mantissa bit 0): the three magnitude bits go to bf16 bits 8-6 (the two
 low exponent bits and the top mantissa bit) and the sign to bit 15 (two shifted copies of ``t`` masked together).

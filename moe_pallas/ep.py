@@ -92,11 +92,9 @@ EP_AXIS = "ep"
 MODES = ("replicated", "all_to_all")
 OUT_SHARDINGS = ("replicated", "tokens")
 EXCHANGES = ("ragged", "dense")
-#: XLA:GPU flag that rewrites ``ragged_all_to_all`` into dense collectives. In jax 0.11.2 on two
-#: H200s (BENCHMARKS.md, 2026-11-30 third run; DeepSeek-V3 layer, T=4096 per device) the
-#: all_to_all-mode step took 214 ms with the native op (2.6 GB/s), 16.5 ms with this flag and
-#: 18.7 ms with ``exchange="dense"``. XLA reads it when its GPU backend starts: put it in
-#: ``XLA_FLAGS`` before the first jax call.
+#: XLA:GPU flag that rewrites ``ragged_all_to_all`` into dense collectives: in jax 0.11.2 the native op made the
+#: all_to_all-mode step an order of magnitude slower than this flag or ``exchange="dense"`` (BENCHMARKS.md).
+#: XLA reads it when its GPU backend starts: put it in ``XLA_FLAGS`` before the first jax call.
 RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer"
 
 
@@ -284,9 +282,9 @@ def ep_moe_forward(
         (``jax.lax.ragged_all_to_all``; GPU meshes only), ``"dense"`` (one ``all_to_all`` of
         fixed-capacity blocks, see below), or
         ``None``: ragged on a GPU mesh of ``ep > 1`` when ``XLA_FLAGS`` holds
-        :data:`RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG`, else dense (measured on two H200s at the
-        DeepSeek-V3 layer, T=4096 per device: native ragged 214 ms, decomposed ragged 16.5 ms,
-        dense 18.7 ms; and for ``ep == 1``, a local copy, XLA:GPU's ragged op took 380 ms).
+        :data:`RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG`, else dense (the native ragged op
+        was an order of magnitude slower than either, and for ``ep == 1``, a local copy, slower still;
+        BENCHMARKS.md).
       recompute: what the forward keeps for the backward (static), as :func:`moe_pallas.moe_forward`'s
         (``False``: the routing and GEMM 1's output; ``True``: the routing only).
 

@@ -417,7 +417,7 @@ def test_tune_backend_csv_needs_provenance_and_refuses_to_write_a_bad_table(tmp_
 
 
 def test_tune_backend_refuses_cpu_runs_missing_files_and_runs_without_gemm_rows(tmp_path, capsys):
-    """A new user's trial (session 7): a missing file ended in a traceback, a CPU (--tiny) run with made-up Mosaic
+    """A new user's trial: a missing file ended in a traceback, a CPU (--tiny) run with made-up Mosaic
     times was written into cpu.json, and a decode-only run said just "nothing timed by both backends". Now: a clean
     error (rc 2) naming the file; a CPU run is refused (its interpreted times choose nothing on a GPU); a run with no
     gemm rows says so and nothing is written (rc 1)."""

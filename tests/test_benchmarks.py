@@ -328,7 +328,7 @@ def test_transformers_peer_row_on_tiny_layer_specs(tmp_path):
     """The layer peer ``transformers-Qwen3MoeSparseMoeBlock`` (the built-in shapes' block): transformers' block
     with our weights agrees with our reference (bf16: HF rounds its routing weights to bf16 and, eager,
     accumulates in bf16), is timed for quant='none'; the quantized specs get skip rows saying why (the new-user
-    trial of session 7 found their transformers columns blank)."""
+    new-user trial found their transformers columns blank)."""
     pytest.importorskip("transformers")
     ctx = bench.Ctx(bench.parse_args(["--out", str(tmp_path), "--backends", "transformers", "--rep-ms", "2",
                                       "--warmup-ms", "1"]))
@@ -417,7 +417,7 @@ def test_build_hf_block_refuses_what_the_block_cannot_express():
 
 def test_gpu_check_groups_and_cli_checks(tmp_path):
     """benchmarks/gpu_check.py's pieces that need no GPU: ';'-split test groups (shell quoting inside a
-    group) and `epmoe check` run per preset:quant in a child process each (session 8: in one process Kimi K2's
+    group) and `epmoe check` run per preset:quant in a child process each (in one process Kimi K2's
     full-size check after Llama 4 Maverick's was killed for host memory), summarised per check, tables to checks.log;
     a check that fails (an unknown preset) is reported with its exit code and the next one still runs."""
     from benchmarks import gpu_check
@@ -432,7 +432,7 @@ def test_gpu_check_groups_and_cli_checks(tmp_path):
 
 
 def test_backends_matching_nothing_is_an_error(tmp_path):
-    """`--backends zzz` used to print "0 rows" and exit 0 (second new-user trial, 2026-11-30)."""
+    """`--backends zzz` used to print "0 rows" and exit 0 (second new-user trial)."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -688,7 +688,7 @@ def _timed_rows(scale: float, floor_frac: float) -> list[dict]:
 
 @pytest.mark.parametrize("cpu", [True, False])
 def test_plots_floor_does_not_squash_the_axis_and_legends_cover_no_panel(cpu):
-    """Regression (issue 12): on the CPU the roofline floor lay 4-7 decades under the times and, drawn on the same
+    """Regression: on the CPU the roofline floor lay 4-7 decades under the times and, drawn on the same
     log axis, squashed every line into its top; the legends (``loc="best"``) sat over lines. Now: a floor far
     below is left off (the axis spans the times; the title gives the floor), a floor near the times is drawn and
     in range; each figure's one legend lies outside every panel; CPU titles say the kernels ran interpreted."""
@@ -1142,7 +1142,7 @@ def test_tiny_decode_rows_judged_with_touched_bytes(tmp_path, monkeypatch):
 
 @needs_triton_interpreter  # ours-torch-triton runs in Triton's interpreter
 def test_bench_weights_of_a_gpt_oss_mxfp4_checkpoint(tmp_path, monkeypatch):
-    """--weights of gpt-oss's MXFP4 checkpoint (a new user's trial, session 7): the layer rows run the file's codes
+    """--weights of gpt-oss's MXFP4 checkpoint (a new user's trial): the layer rows run the file's codes
     and e8m0 scales as stored (quant mxfp4) and their exact bf16 dequantization (quant none), with the file's router
     bias and expert biases (before: an MXFP4 checkpoint was taken for FP8 and its biases were drawn at random); every
     row is judged against our reference on those tensors, and transformers' GptOssMLP holding them is the peer."""
@@ -1181,7 +1181,7 @@ def test_bench_weights_of_a_gpt_oss_mxfp4_checkpoint(tmp_path, monkeypatch):
 
 
 def test_sass_gemm_counts_the_k_loop_of_the_4bit_decode():
-    """benchmarks/sass_gemm.py (the instruction counts of BENCHMARKS.md session 8) on the CPU: the MXFP4 K loop
+    """benchmarks/sass_gemm.py (the instruction counts of BENCHMARKS.md) on the CPU: the MXFP4 K loop
     decodes on packed registers (HMUL2 on bf16 pairs, no float32 -> bf16 conversions), and the e8m0 table shortens
     it (the scales' selects go)."""
     from benchmarks import sass_gemm
@@ -1196,7 +1196,7 @@ def test_sass_gemm_counts_the_k_loop_of_the_4bit_decode():
 
 
 def test_tuners_keep_the_whole_table_and_refuse_the_other_frameworks(tmp_path):
-    """Session 9 on the GPU machine: both tuners default ``--out`` to ``$OUT`` and write the same file name; the
+    """On the GPU machine both tuners default ``--out`` to ``$OUT`` and write the same file name; the
     torch tuner's new file there held only its new entries, and the JAX tuner then read it and died on a KeyError.
     Now a new output file starts from the tree's table (the written file is the whole table), an existing one
     keeps its own entries, and each tuner refuses the other framework's table with a ValueError naming it."""
@@ -1228,7 +1228,7 @@ def test_tuners_keep_the_whole_table_and_refuse_the_other_frameworks(tmp_path):
 
 def test_jax_tuner_routings_and_ws_only(monkeypatch):
     """``moe_pallas.ops.grouped_gemm.tune --routings uniform,zipf`` times each config on the bench's routings (zipf made split_m's
-    128-row tiles 7% slower on a row the uniform-only tuner never saw: BENCHMARKS.md session 11): its problems carry
+    128-row tiles 7% slower on a row the uniform-only tuner never saw: BENCHMARKS.md): its problems carry
     those rows per expert; an unknown routing is refused by the parser. ``--ws-only`` sweeps the warp-specialized
     configs alone, ``split_m`` and two K blocks a step among them for FP8."""
     import sys as _sys

@@ -3,11 +3,11 @@
 The checkpoints are tiny random transformers 5.24 models written by transformers' own ``save_pretrained``
 (``tests/hf_checkpoints.py``, no downloads): one per family (Mixtral, Qwen3-MoE, DeepSeek-V3), float32 /
 bf16 / FP8-block (DeepSeek-V3's format), single-file / sharded, per-expert (the hub's) / fused
-(``save_original_format=False``), and the config.json / tensor variants of issue 12. The layer built from
+(``save_original_format=False``), and the config.json / tensor variants a user reported. The layer built from
 a loaded checkpoint is compared with transformers' own MoE block of the same checkpoint
 (``AutoModelForCausalLM.from_pretrained``): float32, within ``F32_REL_FRO``.
 
-Each case that was wrong before issue 12 says so in its docstring (what the old loader did); those tests
+Each case that was wrong before the loader was fixed says so in its docstring (what the old loader did); those tests
 fail on the old code. ``write_layer`` (hand-made keys, for the error cases transformers cannot write) is
 also used by ``tests/test_cli.py``.
 """
@@ -354,7 +354,7 @@ def test_check_without_config_json_refuses_unless_preset(ckpt, capsys):
 
 
 def test_preset_of_the_other_routing_family_is_refused(ckpt, capsys):
-    """New-user trial (2026-12-01): `check --weights <DeepSeek-V3 without config.json> --preset mixtral-8x7b`
+    """New-user trial: `check --weights <DeepSeek-V3 without config.json> --preset mixtral-8x7b`
     ran softmax routing, dropped the checkpoint's e_score_correction_bias and exited 0. Now refused, both ways;
     a preset may also be given by name."""
     deepseek = ckpt("deepseek_v3", config_drop=("config.json",))

@@ -35,14 +35,14 @@ def test_demo_accepts_dashed_quant():
     from interop.cli import build_parser
 
     assert build_parser().parse_args(["demo", "--quant", "fp8-block"]).quant == "fp8_block"
-    # the new-user trial of session 7: "--quant MXFP4" (gpt-oss's own spelling) was refused
+    # a new-user trial: "--quant MXFP4" (gpt-oss's own spelling) was refused
     assert build_parser().parse_args(["check", "--quant", "MXFP4"]).quant == "mxfp4"
     assert build_parser().parse_args(["check", "--quant", "FP8-Block"]).quant == "fp8_block"
     assert build_parser().parse_args(["check", "--quant", "int-4"]).quant == "int4"
 
 
 def test_bug_unknown_quant_is_reported_as_written(capsys):
-    """Session 9's new-user trial: ``--quant int-5`` was refused as ``'int_5'`` (the converted spelling); the error
+    """A new-user trial: ``--quant int-5`` was refused as ``'int_5'`` (the converted spelling); the error
     names the value as typed and the choices."""
     from interop.cli import build_parser
 
@@ -125,12 +125,12 @@ def test_check_ep_rank_adds_the_stage_table_and_a_bad_rank_fails(monkeypatch, ca
     (["check", "--ep-size", "2", "--ep-rank", "2"], "--ep-rank must be in [0, --ep-size=2)"),
     (["check", "--implementations", "cuda"], "--implementations must be a comma list"),
     (["check", "--weights", "/nonexistent/ckpt"], "does not exist"),
-    # found by a new-user trial (2026-11-30): raw tracebacks or silent acceptance before
+    # found by a new-user trial: raw tracebacks or silent acceptance before
     (["check", "--weights", "README.md"], "load_moe_layer: 'README.md' is not a readable safetensors file"),
     (["check", "--json", "/"], "--json must be a file path; got a folder: '/'"),
     (["check", "--layer", "3"], "--layer needs --weights"),
     (["check", "--tokens", "99999999999"], "--tokens 99999999999 needs about"),
-    # found by the second new-user trial (2026-11-30)
+    # found by the second new-user trial
     (["check", "--seed", "-1"], "epmoe check: --seed must be >= 0; got -1"),
     (["check", "--ep-size", "0"], "epmoe check: --ep-size must be >= 1; got 0"),
     (["check", "--json", os.path.join(os.path.abspath(__file__), "x.json")], "is a file, not a folder"),
@@ -180,7 +180,7 @@ def test_check_adds_the_reference_a_kernel_is_judged_against(capsys):
 
 
 # --------------------------------------------------------------------------------------
-# epmoe check: random weights drawn in bf16 where the float32 ones do not fit (issue 15: llama4-maverick, kimi-k2)
+# epmoe check: random weights drawn in bf16 where the float32 ones do not fit (llama4-maverick, kimi-k2)
 
 GIB = 1 << 30
 

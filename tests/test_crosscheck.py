@@ -257,7 +257,7 @@ def test_compare_helpers():
 
 
 def test_bug_compare_exact_of_4bit_codes_stays_in_chunks():
-    """Session 8 on the GPU machine: ``epmoe check --preset kimi-k2 --quant int4`` at full size was killed for host
+    """On the GPU machine, ``epmoe check --preset kimi-k2 --quant int4`` at full size was killed for host
     memory: judging the references' INT4 codes widened each whole uint8 array to int64 (8x its bytes, 45 GB a side
     for Kimi K2's w13). Now the temporaries stay near ``EXACT_CHUNK`` elements; the result is unchanged, the first
     mismatch found in a later chunk included."""

@@ -1,4 +1,4 @@
-"""`epmoe check` on the 2026 families (issue 15): every new preset, made small by the CLI's layer options, passes
+"""`epmoe check` on the 2026 families: every new preset, made small by the CLI's layer options, passes
 stage by stage in the four implementations, forward and backward; the stages where Llama 4's router weight on the
 expert input (``scaled_slot_rows``) and Qwen3-Next's shared-expert gate (``slot_weights``) enter, and their backward
 (``scaled_slot_rows_bwd``, ``slot_weights_bwd``: ``d_topk_weights``, ``d_shared_expert_gate_logits``), gpt-oss's

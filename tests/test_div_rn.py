@@ -40,7 +40,7 @@ def test_kernels_follow_the_switch(monkeypatch, raw, on):
 
 
 def test_bug_div_rn_never_below_sm90(monkeypatch):
-    """Review (session 11): on sm_89 Triton casts float32 to e4m3 through float16 rounded toward zero (two roundings),
+    """Regression: on sm_89 Triton casts float32 to e4m3 through float16 rounded toward zero (two roundings),
     so the ``div.rn.f32`` path would miss the contract's codes there: the switch is ignored below sm_90 (the
     repaired division's exact code arithmetic does not take that cast); with no GPU attached (lowering for CUDA on a
     CPU) the target is Hopper."""

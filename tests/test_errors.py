@@ -1,4 +1,4 @@
-"""Error tests: one per validation rule, matching the message (STYLE.md "Docstrings and errors").
+"""Error tests: one per validation rule, matching the message.
 
 Every public op of ``moe_pallas`` and ``moe_torch`` (and ``MoEConfig`` / ``get_preset``) must
 reject a bad input on the host, before tracing or launch, with ``ValueError`` (shapes and
@@ -613,7 +613,7 @@ LAYER_CASES = [
         ValueError, f"{MF}: w2 must be [E_local, H, I] = (3, 16, 4) (this rank's experts)", "got w2.shape=(2, 16, 4)"),
     bad("moe_forward/w13-dtype-differs-from-x", lambda f: _forward(f, w13=f.f(4, 8, 16, dtype="bfloat16")),
         TypeError, f"{MF}: w13 must have dtype float32", "got w13.dtype=bfloat16"),
-    # new-user trial (2026-12-01): float32 x with bf16 weights blamed the weights, never naming x
+    # new-user trial: float32 x with bf16 weights blamed the weights, never naming x
     bad("moe_forward/x-dtype-differs-from-both-weights",
         lambda f: _forward(f, w13=f.f(4, 8, 16, dtype="bfloat16"), w2=f.f(4, 16, 4, dtype="bfloat16")),
         TypeError, f"{MF}: x must have dtype bfloat16", "the weights are bfloat16); got x.dtype=float32"),
@@ -907,7 +907,7 @@ def test_out_dtype_in_any_spelling(fw: Fw, spelling) -> None:
 
 
 def test_inputs_and_preset_overrides_name_what_is_wrong():
-    """Second new-user trial (2026-11-30): numpy's bare errors for a negative T or seed, and Python's
+    """Second new-user trial: numpy's bare errors for a negative T or seed, and Python's
     unnamed one for a misspelled preset override, now name the function and the argument."""
     from moe_contract import get_preset, make_layer_inputs
 
@@ -936,7 +936,7 @@ def test_misspelled_keyword_names_the_op():
 
 
 def test_moe_config_takes_numpy_integers_as_ints():
-    """New-user trial (2026-12-01): MoEConfig(hidden_size=np.int64(256)) was refused ("must be an int >= 1").
+    """New-user trial: MoEConfig(hidden_size=np.int64(256)) was refused ("must be an int >= 1").
     numpy integers are ints (stored as Python ints, so the config hashes as one built from ints); numpy
     floats and bools are still refused."""
     import numpy as np

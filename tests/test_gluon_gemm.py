@@ -12,7 +12,7 @@
   ``benchmarks/probe_gluon_gemm.py``.
 
 The per-token x per-channel ("rowwise") kernel of the same module (``grouped_gemm_gluon_fp8_rowwise``; the default
-dispatch since session 14, ``EPMOE_TRITON_GLUON_FP8_ROWWISE=0`` keeps the Triton kernel): compiled for sm_90a at
+dispatch, ``EPMOE_TRITON_GLUON_FP8_ROWWISE=0`` keeps the Triton kernel): compiled for sm_90a at
 E = 32 / 256, block_n 128 / 256 and with promotion every 2 K blocks (spills: 0 at E = 32, a few bytes at E = 256), its
 host refusals, ``gluon_fp8_rowwise_eligible`` off on the CPU (switch on or off), and on the GPU (T=1, empty experts,
 all rows on one expert, unowned head and tail, N tail, K = 208 / 16 / 1040 not multiples of 128, E=256, with and
@@ -282,7 +282,7 @@ def test_refuses_non_cuda_device(kernel):
 
 
 def test_rowwise_not_eligible_on_cpu_or_switched_off(monkeypatch):
-    """Never picked on a CPU (switch on, its default since session 14, or off)."""
+    """Never picked on a CPU (switch on, its default, or off)."""
     import moe_torch.ops.grouped_gemm.triton as gemm_triton
     from moe_torch.ops import triton_common
 
@@ -526,7 +526,7 @@ def test_rowwise_fp8_per_token_layer_within_contract(monkeypatch):
     """The E=32 top-8 FP8 per-token torch layer at the benchmark's H=7168, I=2048 (T=512: 4096 routed rows, both GEMMs
     on the rowwise kernel by default) against the reference layer on the same quantized weights: within 1e-2 (the
     bench's WRONG line), and clearly closer than the same kernel without promotion (H200, T=4096: 7.1e-3 vs 1.96e-2,
-    BENCHMARKS.md session 14), so the promotion is what keeps it there."""
+    BENCHMARKS.md), so the promotion is what keeps it there."""
     import moe_torch
     import moe_torch.ops.grouped_gemm.triton as gemm_triton
     from moe_contract import get_preset
@@ -567,7 +567,7 @@ def test_rowwise_fp8_per_token_layer_within_contract(monkeypatch):
 def test_gluon_needs_rows_per_expert(E, per_expert, eligible, monkeypatch):
     """Both Gluon kernels serve only problems of >= GLUON_MIN_ROWS_PER_EXPERT (32) rows per local expert on average,
     besides >= GLUON_MIN_ROWS rows: DeepSeek-V3's torch layer at T=512 (257 experts, 18 rows each) ran 8-14% slower on
-    them (BENCHMARKS.md session 14), so such requests stay on the Triton kernels."""
+    them (BENCHMARKS.md), so such requests stay on the Triton kernels."""
     import moe_torch.ops.grouped_gemm.triton as gemm_triton
 
     monkeypatch.delenv("EPMOE_TRITON_GLUON_FP8_BLOCK", raising=False)
@@ -577,7 +577,7 @@ def test_gluon_needs_rows_per_expert(E, per_expert, eligible, monkeypatch):
     assert gemm_triton.gluon_fp8_rowwise_eligible(*_problem_rw(sizes, 128, 256), torch.bfloat16) is eligible
 
 
-# ------------------------------------------------------------------- the TMA epilogue on an sm_90 GPU (session 16)
+# ------------------------------------------------------------------- the TMA epilogue on an sm_90 GPU
 
 # shares of 64 rows wholly inside an expert (TMA), straddling its last row (pointer stores), an expert ending exactly
 # at M_cap (t_e = M_cap: the descriptor clips), unowned head / tail rows, empty experts, N tails (N % 128 != 0), more

@@ -294,7 +294,7 @@ def test_bug_reference_with_no_local_experts_returns_zeros(fmt):
 
 def test_heuristic_k_step_of_4bit_weights():
     """bf16 / float16 x with INT4 weights: 128-wide K steps, never wider than K needs (measured faster at every
-    decode T; MXFP4 only at T=1, so it keeps 64: BENCHMARKS.md session 9); float32 x keeps its 32; the untuned
+    decode T; MXFP4 only at T=1, so it keeps 64: BENCHMARKS.md); float32 x keeps its 32; the untuned
     default of ``grouped_gemm_pallas_triton`` asks for it (``w_format``)."""
     from moe_pallas.ops.grouped_gemm.config import grouped_gemm_config, heuristic_grouped_gemm_config
 

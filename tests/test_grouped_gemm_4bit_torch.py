@@ -293,7 +293,7 @@ def test_compiles_for_sm90():
 
 
 def test_heuristic_k_step_of_4bit_weights():
-    """bf16 x with 4-bit weights steps K by 128 (the measured choice, BENCHMARKS.md session 8: 5% faster than 64 at
+    """bf16 x with 4-bit weights steps K by 128 (the measured choice, BENCHMARKS.md: 5% faster than 64 at
     gpt-oss-120b's decode); float32 x keeps its 16-bit sibling's step; never wider than K needs."""
     from moe_torch.ops.grouped_gemm.config import heuristic_grouped_gemm_config
 

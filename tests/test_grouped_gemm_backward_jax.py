@@ -1,4 +1,4 @@
-"""The JAX grouped GEMM's backward (``moe_pallas/ops/grouped_gemm``, CONTRACT.md section 8, issue 13).
+"""The JAX grouped GEMM's backward (``moe_pallas/ops/grouped_gemm``, CONTRACT.md section 8).
 
 ``grouped_gemm_dgrad`` / ``grouped_gemm_wgrad`` (the jnp reference and the Pallas-Triton kernels, the
 latter interpreted on the CPU) against ``jax.vjp`` of a plain float64 per-expert loop, in float32 and

@@ -1,4 +1,4 @@
-"""The grouped GEMM backward in torch (CONTRACT.md section 8, GEMM 1 / GEMM 2; design: issue 13):
+"""The grouped GEMM backward in torch (CONTRACT.md section 8, GEMM 1 / GEMM 2):
 ``grouped_gemm_dgrad`` (``d_x[m] = d_y[m] @ w[e(m)]``), ``grouped_gemm_wgrad`` (``d_w[e] = d_y[rows(e)].T
 @ x[rows(e)]``), their torch references and Triton kernels (``moe_torch/ops/grouped_gemm/triton_backward.py``),
 and ``grouped_gemm`` differentiable through ``torch.autograd``.

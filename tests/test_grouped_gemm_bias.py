@@ -682,8 +682,8 @@ def test_mosaic_forward_with_bias_traces(case):
 
 
 def test_mosaic_warp_specialized_default_takes_a_bias():
-    """Many rows per expert pick the warp-specialized schedule by default; it has the bias epilogue (session 10;
-    it used to fall back to the plain kernel): with a bias the default stays warp-specialized, traces with one
+    """Many rows per expert pick the warp-specialized schedule by default; it has the bias epilogue
+    (it used to fall back to the plain kernel): with a bias the default stays warp-specialized, traces with one
     more load (the bias slice) and lowers through Mosaic GPU for CUDA on the CPU."""
     from moe_pallas.ops.grouped_gemm.config import mosaic_grouped_gemm_config
 

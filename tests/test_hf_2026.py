@@ -6,7 +6,7 @@ Tiny random transformers 5.24 models of each family are built here (``tests/hf_c
 layers, layer 0 dense, layer 1 the MoE block; H=64, I=32, E=8 (Kimi K2: 16); Llama 4 top-2 of sigmoid on the expert
 input with one shared expert; Qwen3-Next a shared expert of 2*I (two fused experts) and its sigmoid gate; GLM-4.5
 and Kimi K2 DeepSeek-V3's biased router with n_group = topk_group = 1 and rsf 2.5 / 2.827), weights re-drawn seeded
-``N(0, 1/fan_in)`` (the correction bias ``N(0, 0.05)``), nothing downloaded. Before issue 15 ``patch_hf_model`` and
+``N(0, 1/fan_in)`` (the correction bias ``N(0, 0.05)``), nothing downloaded. Before the 2026 families were added, ``patch_hf_model`` and
 ``EPMoE.from_hf_block`` refused the first three blocks by name and the loader refused the model types: every test
 here that builds one fails on that code.
 

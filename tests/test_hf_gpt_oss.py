@@ -19,7 +19,7 @@ sections 7 and 8, ``tests/tolerances.py``):
   ``convert_moe_packed_tensors`` of the file's blocks equals our dequantization (the orientation), and its layer
   (``quant="mxfp4"``) equals ``GptOssMLP`` holding the dequantized weights; a float checkpoint
   (``save_pretrained``) equals the block; each missing tensor and a wrong ``swiglu_limit`` are named;
-- the router's bias (issue 15; both refused before): ``interop.hf_jax.load_nnx_moe_block`` of both checkpoints
+- the router's bias (both refused before): ``interop.hf_jax.load_nnx_moe_block`` of both checkpoints
   (``MoEBlock.router_bias``) equals ``GptOssMLP``, output and ``nnx.grad``; the bias moves the routing (dropped, the
   experts chosen and the output differ); ``epmoe check --weights`` of both passes, its logits ``GptOssTopKRouter``'s
   (``LayerWeights.router_bias``); a bad ``router_bias`` is refused on the host.
@@ -365,7 +365,7 @@ def gpt_oss_checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["mxfp4", "float"])
 def test_load_nnx_moe_block_gpt_oss_equals_gpt_oss_mlp(kind, gpt_oss_checkpoints):
-    """Named regression (issue 15): ``load_nnx_moe_block`` of a gpt-oss checkpoint raised NotImplementedError
+    """Named regression: ``load_nnx_moe_block`` of a gpt-oss checkpoint raised NotImplementedError
     ("router bias"). Now the block holds the file's ``router.bias`` as ``router_bias`` (float32), the expert biases
     (``config.expert_bias``), and for MXFP4 the file's codes and e8m0 scales bit for bit (``quant="mxfp4"``); its output
     and ``nnx.grad`` of x, the router weight and bias, both expert biases (and the float experts) equal
@@ -443,7 +443,7 @@ def test_router_bias_changes_the_routing(gpt_oss_checkpoints):
 
 @pytest.mark.parametrize("kind,extra", [("mxfp4", ["--ep-size", "2", "--ep-rank", "1"]), ("float", [])])
 def test_check_weights_of_a_gpt_oss_checkpoint_passes(kind, extra, gpt_oss_checkpoints, capsys):
-    """Named regression (issue 15): ``MoECheckpointLayer.layer_weights`` raised NotImplementedError for gpt-oss (no
+    """Named regression: ``MoECheckpointLayer.layer_weights`` raised NotImplementedError for gpt-oss (no
     place for the router bias), so ``epmoe check --weights`` refused. Now ``LayerWeights`` carries ``router_bias``
     (float32) and the expert biases (MXFP4: the file's uint8 codes and e8m0 scales, which the check runs on as they
     are, as an FP8 checkpoint's); the check's router logits are ``GptOssTopKRouter``'s on its bf16 ``x``

@@ -1,4 +1,4 @@
-"""Gradients of transformers' MoE blocks (``.backward()`` on the HF block) equal ours (issue 13).
+"""Gradients of transformers' MoE blocks (``.backward()`` on the HF block) equal ours.
 
 transformers 5.24's ``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock`` and ``DeepseekV3MoE`` (tiny random
 models from ``tests/hf_checkpoints.py``: H=64, I=32; DeepSeek-V3 with 16 routed experts in 4 groups, rsf 2.5
@@ -117,7 +117,7 @@ def _model_grads(model, ids):
 
 
 def test_patched_two_layer_deepseek_triton_gradients_equal_transformers():
-    """Regression (issue 13, the silent drop): a 2-layer DeepSeek-V3 model (layer 0 dense, layer 1 MoE) patched
+    """Regression (the silent drop): a 2-layer DeepSeek-V3 model (layer 0 dense, layer 1 MoE) patched
     with the Triton path. On CUDA the Triton path's output had no ``grad_fn``: the loss still backpropagated
     through the residual, and the embedding gradient came out 99.9% wrong with no error (later a guard made it
     raise instead). Expected: the loss and every parameter's gradient (embedding included) as transformers'."""

@@ -1,4 +1,4 @@
-"""The 2026 families' layer semantics (issue 15; CONTRACT.md sections 1, 2, 5, 8), both frameworks:
+"""The 2026 families' layer semantics (CONTRACT.md sections 1, 2, 5, 8), both frameworks:
 
 - Llama 4 (``MoEConfig(apply_router_weight_on_input=True)``): each routed slot's expert input is
   ``x[t] * w[t, j]``, the combine adds the routed outputs with weight 1 (times rsf); the fused shared

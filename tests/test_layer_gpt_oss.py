@@ -1,4 +1,4 @@
-"""gpt-oss's MoE layer in both frameworks (issue 15; CONTRACT.md sections 4, 5, 8, 9):
+"""gpt-oss's MoE layer in both frameworks (CONTRACT.md sections 4, 5, 8, 9):
 
 - per-expert biases (``MoEConfig(expert_bias=True)``; the layer inputs ``w13_bias [E_local, 2I]`` and
   ``w2_bias [E_local, H]``, transformers' ``gate_up_proj_bias`` / ``down_proj_bias``) on both GEMMs, the
@@ -720,7 +720,7 @@ def test_benchmark_specs_time_4bit_layers_with_their_own_bytes():
 
 
 def test_gpt_oss_preset_layer_refuses_missing_biases():
-    """Regression (issue 15): gpt-oss's preset used to compute the layer without its expert biases (a silently other
+    """Regression: gpt-oss's preset used to compute the layer without its expert biases (a silently other
     layer); its config now sets ``expert_bias`` and ``moe_forward`` without the biases is a ValueError."""
     import torch
 

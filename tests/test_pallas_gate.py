@@ -1,8 +1,7 @@
 """Pallas-Triton gate (``moe_pallas/ops/gate/pallas_triton.py``) against the jnp reference.
 
 Interpret mode on the CPU on the cases of ``test_gate.py`` (ids exactly equal, weights within
-CONTRACT.md section 7's rel. 1e-6), then the CUDA lowering of the kernel on an abstract H200
-(ENVIRONMENT.md, "Interpret mode on the CPU").
+CONTRACT.md section 7's rel. 1e-6), then the CUDA lowering of the kernel on an abstract H200.
 """
 
 from __future__ import annotations

@@ -643,7 +643,7 @@ def test_fp8_dots_get_max_num_imprecise_acc_when_switched_on(monkeypatch):
 
 def test_tile_metadata_has_no_loop():
     """``tile_metadata`` maps steps to groups with one fused comparison, not a binary-search ``while`` loop (a few
-    kernel launches an iteration on the GPU, twice a layer forward: helper's HLO read of the H200 layer, session 11)."""
+    kernel launches an iteration on the GPU, twice a layer forward: an HLO read of the H200 layer)."""
     from moe_pallas.ops.grouped_gemm.pallas_triton import tile_metadata
 
     text = jax.jit(tile_metadata, static_argnums=(1, 2, 3)).trace(
@@ -652,7 +652,7 @@ def test_tile_metadata_has_no_loop():
 
 
 def test_bug_k0_with_bias_is_the_bias():
-    """Review (session 11): with K = 0 (a sum of no terms) and a bias, the kernel returned zeros where the contract
+    """Regression: with K = 0 (a sum of no terms) and a bias, the kernel returned zeros where the contract
     (and the default implementation) gives each used row its expert's bias; rows past offsets[-1] stay zero."""
     x = jnp.zeros((5, 0), jnp.bfloat16)
     w = jnp.zeros((2, 8, 0), jnp.bfloat16)

@@ -3,8 +3,8 @@
 On the CPU the kernels run in Pallas interpret mode, which fills every output with NaN before
 the kernel runs (``pallas.primitives.uninitialized_value``): an element a kernel forgets to
 write shows up as NaN (or an FP8 NaN code) and fails the finiteness / exactness checks below.
-The second half lowers each kernel for CUDA on an abstract H200 (ENVIRONMENT.md, "Interpret
-mode on the CPU"), which runs the whole Pallas -> Triton-IR lowering without a GPU.
+The second half lowers each kernel for CUDA on an abstract H200, which runs the whole Pallas -> Triton-IR
+lowering without a GPU.
 """
 
 from __future__ import annotations

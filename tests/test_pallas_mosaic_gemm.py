@@ -1,6 +1,6 @@
 """Mosaic GPU grouped GEMM (``moe_pallas/ops/grouped_gemm/pallas_mosaic_gpu.py``, CONTRACT.md section 4).
 
-Mosaic GPU kernels do not interpret on a CPU (ENVIRONMENT.md), so the numerical tests here run on the
+Mosaic GPU kernels do not interpret on a CPU, so the numerical tests here run on the
 GPU machine only (``benchmarks/gpu_check.py``); on a CPU they are skipped and only the host-side rules
 run (NotImplementedError off the GPU and outside the kernel's limits, config validation, the kernel
 traces for every dtype and scale layout, and the warp-specialized FP8 kernel lowers for CUDA:
@@ -121,7 +121,7 @@ def test_split_m_rules_and_heuristic():
 
 
 def test_bug_warp_specialized_one_stage_refused():
-    """Review (session 11): the persistent warp-specialized kernel with one shared-memory stage deadlocks (a consumer
+    """Regression: the persistent warp-specialized kernel with one shared-memory stage deadlocks (a consumer
     frees a step's slot only after issuing the next step's wgmma; the producer waits for that slot to load the next
     step). The rule refuses it on the host, by name, for both accumulation modes."""
     import dataclasses
@@ -201,8 +201,8 @@ def test_heuristic():
     fast = mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1, fast_accum=True)
     assert (fast.block_m, fast.block_n, fast.block_k, fast.fast_accum) == (128, 128, 128, True)
     assert not mosaic_grouped_gemm_config(256, 4096, 7168, 32, 2, fast_accum=True).fast_accum  # bf16: no such thing
-    # FP8 with per-step promotion, >= 256 rows per expert: warp-specialized (session 10), consumers splitting the
-    # rows of a 128 x 128 CTA tile, two K blocks a step where K % 256 == 0 (session 11); fewer rows keep the
+    # FP8 with per-step promotion, >= 256 rows per expert: warp-specialized, consumers splitting the
+    # rows of a 128 x 128 CTA tile, two K blocks a step where K % 256 == 0; fewer rows keep the
     # one-warpgroup kernel
     assert fp8.warp_specialized and fp8.split_m and fp8.max_concurrent_steps == 2
     blocks = mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1, per_step_scales=True)
@@ -214,7 +214,7 @@ def test_heuristic():
 
 
 def test_bug_warp_specialized_default_fits_shared_memory_with_float32_outputs():
-    """The H200 GPU suite (session 8): ``test_bf16_vs_float64[big-k-None]`` (M_cap=640, K=2048, N=512, two experts)
+    """The H200 GPU suite: ``test_bf16_vs_float64[big-k-None]`` (M_cap=640, K=2048, N=512, two experts)
     with ``out_dtype=float32`` took the warp-specialized default of 3 stages and Mosaic refused it at compile time
     ("kernel exceeds available shared memory: smem_bytes=278576 > max_smem_bytes=232448"; the dgrad alike). Its two
     output tiles are float32 there: the default now runs 2 stages, and the rule refuses 3 on the host by name."""
@@ -302,7 +302,7 @@ def test_tuned_lookup_fp8_blocks_takes_its_own_then_the_per_token_entries(tmp_pa
 
 
 def test_bug_split_m_entry_not_taken_with_few_rows_per_expert(tmp_path, monkeypatch):
-    """Bug (H200, session 11): the nearest tuned entry (E=32, M_cap=16384: ``split_m``, 128-row CTA tiles) served
+    """Regression (H200): the nearest tuned entry (E=32, M_cap=16384: ``split_m``, 128-row CTA tiles) served
     DeepSeek-V3's E=256, M_cap=32768 GEMMs (128 rows per expert): its FP8-block layer went 7.04 -> 7.82 ms. Below
     256 rows per expert the entry's tile is split by columns (64 x 256 CTA tiles), its stages fitting shared memory;
     from 256 on it is taken as it is."""
@@ -503,7 +503,7 @@ def test_fp8_warp_specialized_with_bias(x_layout, w_layout, split_m):
 
 
 def test_bug_k0_with_bias_is_the_bias():
-    """Review (session 11): K = 0 reached the warp-specialized kernel (a barrier index of -1 with one accumulator)
+    """Regression: K = 0 reached the warp-specialized kernel (a barrier index of -1 with one accumulator)
     and a bias was dropped; now the host returns each used row's expert bias, zeros past offsets[-1], before any
     kernel (so this runs on the CPU too)."""
     import dataclasses
@@ -524,12 +524,12 @@ def test_bug_k0_with_bias_is_the_bias():
 @pytest.mark.parametrize("split_m", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_warp_specialized_many_items_a_cta_and_an_unaligned_slot_ring(monkeypatch, split_m, fp8, aligned):
-    """Review (session 11): the GPU tests had at most one work item a CTA for FP8 and ``k_steps % stages == 0``:
+    """Regression: the GPU tests had at most one work item a CTA for FP8 and ``k_steps % stages == 0``:
     here 2 CTAs (``num_sms`` patched) walk ~10 items each with K = 640 (5 steps of 128 over 3 stages, or 10 of 64),
     so items start mid-ring and the producer runs into the next item; every row against the reference. With
     ``split_m`` (128-row CTA tiles) the counts leave one consumer's half of an item empty, both halves: expert 2's rows
     70-127 and expert 3's 200-208 (the first half), expert 4's 384-408 (the second): that consumer runs no ``wgmma``
-    and only releases the slots (session 12). ``aligned``: ``EPMOE_PALLAS_ALIGNED_TILES=1``, expert-aligned row
+    and only releases the slots. ``aligned``: ``EPMOE_PALLAS_ALIGNED_TILES=1``, expert-aligned row
     tiles starting at rows 64, 200, 208, 408 (experts 2-5's first rows rounded down to 8), tiles reaching past M."""
     import dataclasses
     from moe_pallas.ops.common import ALIGNED_TILES_ENV

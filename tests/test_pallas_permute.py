@@ -2,7 +2,7 @@
 
 Interpret mode on the CPU (every output starts as NaN / garbage there, so a row a kernel forgets
 to write fails the exact checks), then the CUDA lowering of each kernel on an abstract H200
-(ENVIRONMENT.md, "Interpret mode on the CPU"). Metadata is compared int for int, permuted rows,
+Metadata is compared int for int, permuted rows,
 FP8 codes and scales bit for bit (CONTRACT.md section 7).
 """
 

@@ -1,4 +1,4 @@
-"""Weight quantization in expert chunks (issue 12 item 7): ``quantize_weight_fp8`` and
+"""Weight quantization in expert chunks: ``quantize_weight_fp8`` and
 ``quantize_layer_weights`` ran out of memory on DeepSeek-V3's full layer (257 experts, bf16, on a
 141 GB H200: about 5x the weights in float32 temporaries). They now work a chunk of experts at a
 time, sized by ``chunk_bytes``; this file checks, on the CPU:
@@ -168,7 +168,7 @@ def test_chunked_quantize_layer_weights_is_bit_identical():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_torch_quantize_weight_fp8_peak_memory_is_one_chunk(layout):
-    """Regression (issue 12 item 7): the unchunked op held the float32 copy, ``|w|`` and the quotient of
+    """Regression: the unchunked op held the float32 copy, ``|w|`` and the quotient of
     the whole tensor at once (4.3x the whole float32 copy of these bf16 weights, measured); now the
     allocator's peak is the result plus one chunk's float32 copy plus scale-sized temporaries."""
     shape = SHAPES[layout]
@@ -184,7 +184,7 @@ def test_torch_quantize_weight_fp8_peak_memory_is_one_chunk(layout):
 
 
 def test_torch_quantize_layer_weights_peak_memory_is_one_chunk():
-    """Regression (issue 12 item 7, the function that ran out of memory): tiny preset, fp8_block, 17
+    """Regression (the function that ran out of memory): tiny preset, fp8_block, 17
     experts; peak = the four results + the larger of the two weights' chunk buffers (+ scale temporaries)."""
     config = get_preset("tiny").config(quant="fp8_block")
     E, H, I = config.num_total_experts, config.hidden_size, config.intermediate_size
@@ -225,7 +225,7 @@ def _primitives(jaxpr):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_jax_quantize_weight_fp8_memory_is_one_chunk(layout, dtype):
-    """Regression (issue 12 item 7): the unchunked op made float32 ``[E, N, K]`` values (eagerly, each
+    """Regression: the unchunked op made float32 ``[E, N, K]`` values (eagerly, each
     one a buffer; jitted on the CPU, XLA still kept one whole float32 copy as a temporary). Now no value
     of the program but the FP8 codes exceeds one chunk's float32 copy, the chunks are a loop, and XLA's
     temporaries for the compiled program (the one executable an eager call runs) fit one chunk's copy."""

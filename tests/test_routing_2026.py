@@ -1,4 +1,4 @@
-"""The MoE families of 2026 (issue 15): Llama 4's ``routing="sigmoid_topk"`` (CONTRACT.md sections 1 and 8),
+"""The MoE families of 2026: Llama 4's ``routing="sigmoid_topk"`` (CONTRACT.md sections 1 and 8),
 gpt-oss's router as softmax top-k renormalized, and the presets of gpt-oss, Llama 4, Qwen3-Next, GLM-4.5-Air
 and Kimi K2.
 
@@ -496,7 +496,7 @@ def test_sigmoid_topk_refuses_groups_and_bias(fw):
 def test_checkpoint_refuses_presets_of_other_families():
     """``MoECheckpointLayer.config(preset)`` without config.json: a Mixtral / Qwen3-MoE / DeepSeek-V3 checkpoint
     with a Llama 4 (sigmoid_topk) or gpt-oss (interleaved gate/up, swiglu_oai) preset computed another model's
-    layer before issue 15 (the family check looked at the bias only); now a ValueError naming the preset."""
+    layer before the 2026 families were added (the family check looked at the bias only); now a ValueError naming the preset."""
     from interop.checkpoints import MoECheckpointLayer
 
     E, H, I = 4, 8, 4
@@ -510,7 +510,7 @@ def test_checkpoint_refuses_presets_of_other_families():
 
 
 def test_transformers_gpt_oss_block_is_served():
-    """``patch_hf_model`` on a model holding transformers' ``GptOssMLP``: before issue 15 a ValueError "no
+    """``patch_hf_model`` on a model holding transformers' ``GptOssMLP``: before the 2026 families were added a ValueError "no
     sparse-MoE block" (its router is ``router``, not ``gate``), then NotImplementedError naming the block; now it is
     served (``tests/test_hf_gpt_oss.py`` holds it against transformers), by ``EPMoE.from_hf_block`` too."""
     from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig

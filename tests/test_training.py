@@ -1,4 +1,4 @@
-"""Training through the modules and the examples (issue 13, items 4 and 6).
+"""Training through the modules and the examples.
 
 - ``examples/train_moe_torch.py`` / ``examples/train_moe_jax.py`` (the same tiny 2-layer DeepSeek-style MoE
   language model in both frameworks, from the same numpy bits, ``examples/tiny_moe_lm.py``) trained a few
@@ -95,7 +95,7 @@ def _fixed_batch_steps(framework: str, model, steps: int) -> list[float]:
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_default_modules_train_experts_with_adamw(framework):  # before the kernel test: it compiles the
     # reference train step the kernel test's reference run then reuses (nnx.jit keeps the latest program)
-    """Regression (issue 13): ``EPMoE`` held its float weights as ``requires_grad=False`` parameters, so
+    """Regression: ``EPMoE`` held its float weights as ``requires_grad=False`` parameters, so
     ``torch.optim.AdamW(model.parameters())`` never updated the experts. Expected (both frameworks, default
     ``trainable=True``): the expert weights are optimizer parameters, every parameter gets a gradient, the
     experts move, and the loss on a batch falls over a few steps on it."""
@@ -232,7 +232,7 @@ def _fp8_layer_grads(framework: str, quant: str, float_layer: bool):
 
 @pytest.mark.parametrize("quant", ["fp8_per_token", "fp8_block"])
 def test_fp8_layer_gradients_straight_through_and_equal_across_frameworks(quant):
-    """CONTRACT.md section 8 for FP8 modules, both frameworks. Regression (issue 13): autodiff through the FP8
+    """CONTRACT.md section 8 for FP8 modules, both frameworks. Regression: autodiff through the FP8
     reference gave gradients 1.13 (JAX) and 0.22 (torch) relative from the float layer's. Expected: torch and
     JAX agree within the bf16 gradient bound (the same straight-through backward on the same FP8 codes:
     measured 0 to 3.5e-4); each is the float layer on the dequantized weights within the FP8 bounds of
@@ -316,7 +316,7 @@ def test_epmoe_expert_parallel_path_trains(tmp_path):
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 @pytest.mark.parametrize("stage", ["permute", "act_and_mul"])
 def test_paths_without_a_backward_raise_when_asked(stage, framework):
-    """The silent-drop rule (issue 13): a path with no backward raises when a gradient is asked for, never
+    """The silent-drop rule: a path with no backward raises when a gradient is asked for, never
     returns a missing or wrong one. The stages with fused FP8 quantization have none (FP8 codes are not
     differentiable; the layer goes straight-through around them); asked through autograd / ``jax.grad``
     they raise, naming the stage, on the reference and kernel paths alike."""

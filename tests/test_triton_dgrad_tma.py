@@ -6,8 +6,8 @@ pointer kernel, its refusals (each naming the field), its default (``config.py: 
 
 On the CPU the kernel runs in Triton's interpreter, which turns the host-side tensor descriptors into masked loads
 (zero outside the bounds, as TMA); on the GPU machine (``EPMOE_TEST_DEVICE=gpu``) the same tests run compiled, plus
-the default (``EPMOE_TRITON_TMA_DGRAD`` unset or 1; on by default since session 16, after these tests passed on the
-H200: ``benchmarks/results/2026-12-03_h200_session16/call1``) at a size where it picks the TMA variant. Unused capacity rows of ``d_y`` are NaN: the variant loads and
+the default (``EPMOE_TRITON_TMA_DGRAD`` unset or 1; on by default after these tests passed on the
+H200: ``benchmarks/results/2026-12-03_h200_a/call1``) at a size where it picks the TMA variant. Unused capacity rows of ``d_y`` are NaN: the variant loads and
 computes whole row tiles, so a NaN that reached ``d_x`` would show a row stored that must not be.
 """
 
@@ -256,7 +256,7 @@ def test_gpu_switch_on_is_tma_and_matches_pointer(monkeypatch, shape):
     dy_np, w_np, off_np = make_dgrad_problem(11, counts, m_cap, N, K)
     d_y, w, offsets = to_torch(dy_np, "bfloat16"), to_torch(w_np, "bfloat16"), to_torch(off_np)
     M = int(off_np[-1])
-    monkeypatch.delenv(TMA_DGRAD_ENV, raising=False)  # the default: on (session 16)
+    monkeypatch.delenv(TMA_DGRAD_ENV, raising=False)  # the default: on
     cfg = gemm_bwd._dgrad_config(m_cap, N, K, len(counts), 16, False, w_fp8=False,
                                  sm90=gemm_bwd._is_sm90(d_y.device), tma=True)
     assert cfg.tma == (torch.cuda.get_device_capability() == (9, 0))

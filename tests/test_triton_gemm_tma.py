@@ -179,7 +179,7 @@ def test_tma_refuses_what_tma_cannot_address():
 
 
 def test_tuned_tma_default_falls_back_to_pointer_kernel_where_tma_cannot_address(monkeypatch):
-    """A tuned TMA default (session 9: the H200's bf16 and fp8_block entries at M=16384) never makes a request fail
+    """A tuned TMA default (the H200's bf16 and fp8_block entries at M=16384) never makes a request fail
     that the pointer kernel serves: with the default config, inputs TMA cannot address (K = 36 bf16: 72-byte rows; a
     base address off 16 bytes) run the pointer kernel with the same tiles and order (the reference's result); a
     caller's explicit TMA config still raises (test above)."""

@@ -576,7 +576,7 @@ def test_tuned_entries_with_and_without_launch_order(tmp_path, monkeypatch):
 
 def test_tuned_fp8_block_entries_first_then_fp8(tmp_path, monkeypatch):
     """FP8 with 128 x 128 weight blocks takes the nearest M_cap among its own tuned entries (``"fp8_block"``) and
-    the per-token ``"fp8"`` ones, its own at equal distance (session 9: an ``fp8_block`` entry tuned at M=16384
+    the per-token ``"fp8"`` ones, its own at equal distance (an ``fp8_block`` entry tuned at M=16384
     alone must not replace the ``fp8`` one of M=256 there); per-token requests never take ``fp8_block`` entries."""
     per_token = {"block_m": 64, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 4}
     small = {"block_m": 16, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3}
@@ -709,7 +709,7 @@ def test_zero_unowned_rows_exactly_the_rows_no_expert_owns(offsets, owned):
 
 
 def test_bug_overlapping_malformed_offsets_leave_no_row_unwritten(monkeypatch):
-    """Review (session 11): offsets ``[0, 48, 0, 64]`` (M_cap=64, 16-row tiles) made expert 0's and expert 2's
+    """Regression: offsets ``[0, 48, 0, 64]`` (M_cap=64, 16-row tiles) made expert 0's and expert 2's
     clamped ranges overlap, so the static grid (``cdiv(M_cap, 16) + E - 1`` work items) ran out before rows 48-63,
     which then came back as the empty allocation's contents. The offsets are now made non-decreasing in the kernels
     (``[0, 48, 48, 64]``, as JAX's ``tile_metadata``): every row is written, as with those offsets."""

@@ -1,4 +1,4 @@
-"""The Triton kernels interpreted on a CPU, as a library user runs them (issue 12, item 1).
+"""The Triton kernels interpreted on a CPU, as a library user runs them.
 
 A user sets ``TRITON_INTERPRET=1`` (the library's own error text says to) and calls ``moe_torch``:
 nothing from ``tests/`` is imported and no conftest runs. triton 3.6's interpreter alone gives a

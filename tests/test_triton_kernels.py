@@ -269,7 +269,7 @@ def test_not_implemented_without_cuda_or_interpreter():
 
 
 def test_bug_fp8_quantization_refused_below_sm90(monkeypatch):
-    """Review (session 11): Triton 3.6 lowers the float32 -> float8_e4m3fn cast on sm_89 through float16 rounded
+    """Regression: Triton 3.6 lowers the float32 -> float8_e4m3fn cast on sm_89 through float16 rounded
     toward zero, then to e4m3: two roundings (1.0625 + 2^-20 -> 1.0 instead of 1.125), so the permute's and the
     activation's FP8 quantization missed the contract on Ada GPUs. Quantizing kernels now need sm_90 (sm_89 keeps the
     FP8 GEMMs, which only read codes); sm_90 passes."""

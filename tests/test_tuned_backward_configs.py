@@ -1,4 +1,4 @@
-"""The backward GEMMs' launch configs from the tuned tables (issue 14: "per-shape configs from a tuner, stored per
+"""The backward GEMMs' launch configs from the tuned tables ("per-shape configs from a tuner, stored per
 device kind in the tree", dgrad and wgrad too), on the CPU: each lookup picks its own op's entry (``"op": "dgrad"`` /
 ``"wgrad"``; forward entries have no ``"op"``) with the nearest ``M_cap`` and the same ``N``, ``K``, dtype and out
 dtype, skips an entry that breaks the kernel's rules (the heuristic then; a malformed entry, one whose config does not

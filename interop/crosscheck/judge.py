@@ -109,7 +109,7 @@ def _shape_error(a: np.ndarray, b: np.ndarray) -> dict | None:
 
 #: Elements compared at a time by :func:`compare_exact`: its temporaries stay near this many bytes whatever the size
 #: (Kimi K2's INT4 w13 codes are 5.6G bytes: widened whole to int64 they took 45 GB a side, and the full-size
-#: check was killed for host memory on the 128 GiB GPU machine, session 8).
+#: check was killed for host memory on a 128 GiB GPU machine).
 EXACT_CHUNK = 1 << 24
 
 

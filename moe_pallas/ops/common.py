@@ -151,8 +151,8 @@ _OFFSETS_PATCHED = patch_pallas_triton_offsets()
 #: FP8 x FP8 dots of Pallas-Triton kernels as jax lowers them (f16 conversions, exact sums, no FP8
 #: tensor cores); unset or 1/true/on/yes (the default) gives them ``max_num_imprecise_acc = min(K, 128)``
 #: (see :func:`patch_pallas_triton_fp8_dots`); other values raise ValueError.
-#: Timed on the H200 (BENCHMARKS.md, 2026-11-30 third run): FP8 gate_up M=16384 2.404 -> 1.584 ms, rel
-#: err 6.8e-5 -> 6.9e-4 (the same as Mosaic's and torch._scaled_grouped_mm's), M=256 unchanged.
+#: On by default: much faster at large M, with the same error as Mosaic's and torch._scaled_grouped_mm's
+#: (BENCHMARKS.md).
 FP8_WGMMA_ENV = "EPMOE_PALLAS_FP8_WGMMA"
 #: K elements a wgmma chain sums in FP8 precision before promoting to float32 (DeepSeek-V3's 128).
 FP8_PROMOTE_EVERY = 128
@@ -166,8 +166,8 @@ def fp8_wgmma_enabled() -> bool:
 
 
 #: Environment switch, read when a Pallas-Triton kernel that quantizes to FP8 is lowered (:func:`div_rn_enabled`):
-#: unset or 1/true/on/yes divides with PTX ``div.rn.f32`` (moe_pallas/ops/quant/pallas_triton.py; the default since
-#: its bit-for-bit GPU check passed on an H200, session 12), 0/false/off/no with the reference's repaired division
+#: unset or 1/true/on/yes divides with PTX ``div.rn.f32`` (moe_pallas/ops/quant/pallas_triton.py; the default
+#: because its codes match the reference's bit for bit on the GPU), 0/false/off/no with the reference's repaired division
 #: (same codes, ~3x the instructions); other values raise ValueError.
 DIV_RN_ENV = "EPMOE_PALLAS_DIV_RN"
 
@@ -181,8 +181,8 @@ def div_rn_enabled() -> bool:
 
 #: Environment switch, read when the warp-specialized Mosaic GPU grouped GEMM is traced (:func:`aligned_tiles_enabled`):
 #: unset or 1/true/on/yes gives each expert its own row tiles, starting at its first row rounded down to 8
-#: (``tile_metadata(row_align=8)``: no tile spent on a few rows shared with a neighbour; the default since its GPU check,
-#: H200, session 12: DeepSeek-V3's FP8-block layer T=4096 6.11 -> 5.49 ms); 0/false/off/no keeps the global
+#: (``tile_metadata(row_align=8)``: no tile spent on a few rows shared with a neighbour; the default because
+#: DeepSeek-V3's FP8-block layer measured faster with it, BENCHMARKS.md); 0/false/off/no keeps the global
 #: ``t * block_m`` grid; other values raise ValueError.
 ALIGNED_TILES_ENV = "EPMOE_PALLAS_ALIGNED_TILES"
 
@@ -228,8 +228,7 @@ def patch_pallas_triton_fp8_dots() -> bool:
     uses ``mma.sync`` (no wgmma): exact float32 sums, but no FP8 tensor-core speed (seen compiling that
     IR with triton 3.6 for sm_90a). Patched, each FP8 dot gets ``max_num_imprecise_acc = min(K, 128)``:
     FP8 wgmma chains promoted to float32 every 128 K (DeepSeek-V3's per-128 promotion, as in the Triton
-    backend); on the H200 the FP8 gate_up GEMM at M=16384 went from 2.404 to 1.584 ms with the error of
-    the other FP8 GEMMs (6.9e-4). Set the variable before the first compile (jit caches compiled
+    backend): much faster FP8 GEMMs at large M, with the error of the other FP8 GEMMs (BENCHMARKS.md). Set the variable before the first compile (jit caches compiled
     kernels). Idempotent; False if this jax has no such lowering.
     """
     try:

@@ -1,4 +1,4 @@
-"""Backend dispatch for the ops of ``moe_pallas`` (STYLE.md: one op, several backends, one reference).
+"""Backend dispatch for the ops of ``moe_pallas``: one op, several backends, one reference.
 
 ``implementation=None`` tries the op's backends in the default order for the current
 device; a backend that cannot serve a *valid* request raises ``NotImplementedError`` and the

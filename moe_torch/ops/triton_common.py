@@ -29,9 +29,8 @@ INV_FP8_MAX_C = tl.constexpr(INV_FP8_MAX)
 #: Environment switch, read when a Triton grouped GEMM (forward or dgrad) is launched (:func:`aligned_tiles_enabled`):
 #: unset or 1/true/on/yes (the default) gives each expert its own row tiles ``[s_e + j * BLOCK_M, ...)``
 #: (moe_torch/ops/grouped_gemm/triton.py, ``_expert_row_tiles``: no tile spent on the few rows an expert shares with a
-#: neighbour); 0/false/off/no keeps the global ``t * BLOCK_M`` grid. Default since session 13, from one H200 run
-#: (BENCHMARKS.md "2026-12-02, session 13"): the torch layer at T=4096, E=32 bf16 5.42 -> 5.02 ms, FP8 blocks
-#: 4.35 -> 4.13, FP8 per token unchanged (4.85); DeepSeek-V3 FP8 blocks 8.09 -> 7.14, FP8 per token 7.40 -> 6.98.
+#: neighbour); 0/false/off/no keeps the global ``t * BLOCK_M`` grid. The default because the torch layers were faster
+#: or level with it at every measured shape (BENCHMARKS.md).
 #: Mirror: ``EPMOE_PALLAS_ALIGNED_TILES`` (moe_pallas/ops/common.py).
 ALIGNED_TILES_ENV = "EPMOE_TRITON_ALIGNED_TILES"
 
@@ -59,7 +58,7 @@ def gluon_fp8_block_enabled() -> bool:
 
 #: Environment switch, read at each launch of a torch grouped GEMM with FP8 per-token activation scales ``[M_cap, 1]``
 #: and per-channel weight scales ``[E, N]`` and no explicit config (:func:`gluon_fp8_rowwise_enabled`): unset or
-#: 1/true/on/yes (the default since session 14) runs it, where it can (``moe_torch/ops/grouped_gemm/triton.py:
+#: 1/true/on/yes (the default) runs it, where it can (``moe_torch/ops/grouped_gemm/triton.py:
 #: gluon_fp8_rowwise_eligible``: sm_90, bf16 out, no bias, contiguous, at least ``GLUON_MIN_ROWS`` rows and
 #: ``GLUON_MIN_ROWS_PER_EXPERT`` a local expert), on the
 #: warp-specialized Gluon kernel (``moe_torch/ops/grouped_gemm/gluon.py: grouped_gemm_gluon_fp8_rowwise``, promotion
@@ -77,9 +76,8 @@ def gluon_fp8_rowwise_enabled() -> bool:
 #: Environment switch, read at each launch of a torch ``grouped_gemm_wgrad`` on the Triton backend
 #: (:func:`gluon_wgrad_enabled`): unset, empty or 1/true/on/yes (the default) runs it, where it can
 #: (``moe_torch/ops/grouped_gemm/gluon_backward.py: gluon_wgrad_eligible``: bf16 / fp16 inputs, ``N % 128 == 0``,
-#: ``K % 256 == 0``, contiguous, sm_90), on the warp-specialized Gluon wgrad kernel (``gluon_backward.py``; H200,
-#: E=32, M=16384: gate_up 2.14-2.22 -> 1.58-1.60 ms, down 1.18 -> 0.76-0.82, ahead of cuBLAS; BENCHMARKS.md session
-#: 15); 0/false/off/no keeps the Triton kernel.
+#: ``K % 256 == 0``, contiguous, sm_90), on the warp-specialized Gluon wgrad kernel (``gluon_backward.py``: faster
+#: than the Triton wgrad and cuBLAS's at the measured shapes, BENCHMARKS.md); 0/false/off/no keeps the Triton kernel.
 GLUON_WGRAD_ENV = "EPMOE_TRITON_GLUON_WGRAD"
 
 
@@ -90,12 +88,12 @@ def gluon_wgrad_enabled() -> bool:
 
 
 #: Environment switch, read at each launch of a torch ``grouped_gemm_dgrad`` on the Triton backend without an explicit
-#: config (:func:`tma_dgrad_enabled`): unset, empty or 1/true/on/yes (the default since session 16) runs 16-bit ``d_y``
+#: config (:func:`tma_dgrad_enabled`): unset, empty or 1/true/on/yes (the default) runs 16-bit ``d_y``
 #: and ``w`` on sm_90 at ``M_cap >= DGRAD_TMA_MIN_ROWS`` (or a tuned TMA entry, ``tuned/NVIDIA_H200.json``) through the
 #: dgrad's TMA variant (``moe_torch/ops/grouped_gemm/config.py: grouped_gemm_dgrad_config``; ``triton_backward.py``,
 #: "TMA variant"); 0/false/off/no keeps the pointer loads (the same tiles and launch order, or the tuned entry's
-#: ``pointer_config``). H200, E=32, M=16384 (session 16, BENCHMARKS.md): gate_up 1.72 -> 1.56 ms with the heuristic's
-#: tiles, 1.36 with the tuned entry, down 0.94 -> 0.76 / 0.75 (cuBLAS 1.52 / 0.77); its GPU tests and memcheck clean.
+#: ``pointer_config``). On by default because the TMA loads beat the pointer loads on both of the layer's dgrads,
+#: with the heuristic's tiles and the tuned ones (BENCHMARKS.md).
 TMA_DGRAD_ENV = "EPMOE_TRITON_TMA_DGRAD"
 
 
@@ -113,8 +111,8 @@ def tma_dgrad_enabled() -> bool:
 #: forward entry measured faster (``config.py: tuned_forward_kernel``: ``"kernel": "gluon"`` with its
 #: ``"gluon_config"``; Triton without an entry, or with one tuned before the choice); 1/true/on/yes runs the Gluon
 #: kernel (``gluon_bf16.py: grouped_gemm_gluon_bf16``, the entry's Gluon options or ``DISPATCH_OPTIONS``) wherever it
-#: serves; 0/false/off/no keeps the Triton kernel. Measured per shape (H200, session 16, E=32, M=16384): Gluon wins
-#: the down forward (0.757 vs 0.805 ms), Triton gate_up's (1.29 vs 1.43).
+#: serves; 0/false/off/no keeps the Triton kernel. The choice is per shape because neither kernel wins everywhere
+#: (Gluon the down forward, Triton gate_up's: BENCHMARKS.md).
 GLUON_BF16_ENV = "EPMOE_TRITON_GLUON_BF16"
 _GLUON_BF16_MEANS = ("the Triton kernel for 16-bit inputs", "the Gluon kernel for 16-bit inputs where it serves")
 
@@ -141,8 +139,8 @@ def gluon_bf16_enabled() -> bool:
 #: can (``moe_torch/ops/grouped_gemm/triton_backward.py: gluon_dgrad_eligible``: sm_90, no ``w_scale``, ``N % 64 ==
 #: 0``, ``K % 8 == 0``, contiguous, enough rows as :data:`GLUON_BF16_ENV`) on the Gluon kernel of ``gluon_bf16.py``
 #: (``grouped_gemm_gluon_dgrad``: ``w [E, N, K]`` read as MN-major ``wgmma`` operands); unset, empty or
-#: 0/false/off/no (the default) keeps the Triton dgrad. Off by default: level with the tuned Triton TMA dgrad on
-#: the H200 (session 16: gate_up 1.44 vs 1.36 ms, down 0.76 vs 0.75; ``gemm_bwd`` 1-3% apart).
+#: 0/false/off/no (the default) keeps the Triton dgrad. Off by default: level with the tuned Triton TMA dgrad, not
+#: faster (BENCHMARKS.md).
 GLUON_DGRAD_ENV = "EPMOE_TRITON_GLUON_DGRAD"
 
 
@@ -184,7 +182,7 @@ def check_triton_device(op: str, device: torch.device, kernel, needs_fp8: bool =
     """``NotImplementedError`` if ``kernel`` cannot run on ``device``: CPU tensors without the
     interpreter, a float8_e4m3fn conversion on a GPU older than sm_89 (Ada / Hopper), or (``quantizes_fp8``: the
     kernel casts float32 quotients to FP8 codes; implies ``needs_fp8``) a GPU older than sm_90, where Triton 3.6's cast rounds twice
-    (review, session 11: 0.3% of codes off in an emulation); the dispatch then falls back to the reference.
+    (0.3% of codes off in an emulation); the dispatch then falls back to the reference.
 
     Under the interpreter it (re)installs the exact casts and dots of ``triton_interpret`` first, so
     every interpreted launch of a ``moe_torch`` kernel computes what the GPU does."""

@@ -16,9 +16,8 @@ import dataclasses
 from jax.experimental import pallas as pl
 
 #: Score elements per program per warp: one warp holds 256 float32 values, 8 a thread per live tensor.
-#: The H200 sweep (``benchmarks/tune_gate.py``, BENCHMARKS.md 2026-11-30 third run; DeepSeek-V3's gate,
-#: E=256) put one token on one warp first at T=4096 (18.8 us vs 30.7 for the old 8 tokens x 4 warps)
-#: and at T=32 (5.8 us): the old 2048-element tiles took 230 registers a thread (2 programs an SM).
+#: The H200 sweep (``benchmarks/tune_gate.py``, BENCHMARKS.md; DeepSeek-V3's gate, E=256) put one token on one warp
+#: first at T=4096 and at T=32: the old 2048-element tiles took 230 registers a thread (2 programs an SM).
 TARGET_TILE_ELEMENTS = 256
 #: At most this many tokens a program (more programs keep the SMs busy at large T).
 MAX_BLOCK_T = 64

@@ -22,7 +22,7 @@ where both JAX kernels timed the same GEMM and both were correct::
     {"kind": "backend_choice", "op": "grouped_gemm", "layout": "fp8_block", "device": "NVIDIA H200",
      "E": 32, "N": 4096, "K": 7168, "M_cap": 16384, "backend": "pallas_triton",
      "ms": {"pallas_triton": 1.72, "pallas_mosaic_gpu": 2.90}, "routings": ["uniform"],
-     "source": "issue 14, ...", "date": "2026-12-01", "command": "python3 benchmarks/bench.py ..."}
+     "source": "benchmarks/results/...", "date": "2026-12-01", "command": "python3 benchmarks/bench.py ..."}
 
 Required: ``kind``, ``op`` (one of :data:`OPS`), ``layout`` (see :func:`gemm_layout`), ``E``, ``N``, ``K``,
 ``M_cap`` (ints >= 1; ``E`` is recorded, not matched), ``backend`` (one of :data:`KERNEL_BACKENDS`), ``ms``

@@ -119,10 +119,8 @@ def heuristic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: 
     clamped to ``[16, MAX_BLOCK_M]`` (at decode sizes most experts get a handful of rows).
     ``block_k``: ``K_TILE_BYTES / itemsize`` (128 for FP8: one weight-scale block), at most
     ``group_size``'s largest power-of-two divisor for per-token-group scales.
-    INT4 weights with 16-bit ``x``: ``block_k`` 128 (:data:`W4_BLOCK_K`); MXFP4 keeps 64. Measured on the H200
-    (BENCHMARKS.md session 9, gpt-oss-120b's decode layer at T = 1 / 8 / 64 / 512, ms, K step 64 -> 128): INT4
-    0.260 / 0.496 / 1.693 / 3.069 -> 0.194 / 0.420 / 1.555 / 2.953; MXFP4 0.248 / 0.410 / 1.473 / 2.833 -> 0.202 /
-    0.428 / 1.579 / 3.063 (faster at T=1 only).
+    INT4 weights with 16-bit ``x``: ``block_k`` 128 (:data:`W4_BLOCK_K`); MXFP4 keeps 64: on gpt-oss-120b's decode
+    layer the 128-wide K step was faster for INT4 at every T and for MXFP4 only at T=1 (BENCHMARKS.md).
     ``num_stages=3``: three K steps in flight; at the largest tiles (fp8, 64x128 + 128x128 bytes,
     or bf16 64x64 + 128x64 x 2 bytes) that is under 80 KiB of the H200's 228 KiB shared memory.
     """
@@ -218,9 +216,8 @@ def heuristic_grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, item
     shared memory at the largest bf16 tile (float32: half the N step, the same bytes).
 
     16-bit ``d_y`` at ``M_cap >= WIDE_MIN_ROWS`` without 128x128 weight blocks (``w_block``: a 256-wide
-    tile would straddle two scale blocks) and ``K >= 256``: :data:`DGRAD_WIDE_CONFIG`. H200, 2026-12-01
-    (``benchmarks/profile_bwd_jax.py --pt-dgrad``, E=32, M=16384, uniform rows, bit-identical): gate_up
-    (K=7168, N=4096) 3.12 -> 2.27 ms, down (K=2048, N=7168) 1.77 -> 1.34 ms."""
+    tile would straddle two scale blocks) and ``K >= 256``: :data:`DGRAD_WIDE_CONFIG`, much faster on both of the
+    layer's shapes with bit-identical results (``benchmarks/profile_bwd_jax.py --pt-dgrad``; BENCHMARKS.md)."""
     if itemsize == 2 and M_cap >= WIDE_MIN_ROWS and not w_block and K >= 256:
         return DGRAD_WIDE_CONFIG
     block_m = _pow2_block(-(-max(M_cap, 1) // max(E, 1)), MAX_BLOCK_M)
@@ -248,9 +245,8 @@ def heuristic_grouped_gemm_wgrad_config(M_cap: int, N: int, K: int, E: int, item
     at the largest bf16 tile.
 
     16-bit inputs at ``M_cap >= WIDE_MIN_ROWS`` with ``N >= 128``, ``K >= 256`` and at least 64 rows per
-    expert on average: :data:`WGRAD_WIDE_CONFIG`. H200, 2026-12-01 (``profile_bwd_jax.py --pt-wgrad``,
-    bf16 ``d_w``): down (K=2048, N=7168, M=16384) 1.53 -> 1.26 ms (the torch Triton kernel's probe
-    chose the same tile for gate_up: 2.52 -> 2.23 ms)."""
+    expert on average: :data:`WGRAD_WIDE_CONFIG`, faster on the down shape (``profile_bwd_jax.py --pt-wgrad``; the
+    torch Triton kernel's probe chose the same tile for gate_up; BENCHMARKS.md)."""
     if itemsize == 2 and M_cap >= WIDE_MIN_ROWS and N >= 128 and K >= 256 and M_cap >= 64 * max(E, 1):
         return WGRAD_WIDE_CONFIG
     block_n = _pow2_block(N, MAX_WGRAD_BLOCK_N)
@@ -373,7 +369,7 @@ class MosaicGroupedGemmConfig:
     split_m: warp-specialized only: the two consumers split the CTA tile's rows instead of its columns (a
       ``2*block_m x block_n`` CTA tile, ``N % block_n == 0``): per K step the CTA loads ``(2*block_m + block_n) *
       block_k`` values for ``2 * block_m * block_n`` outputs, 20% fewer than ``(block_m + 2*block_n) * block_k`` at
-      ``64 x 128`` (the producer's loads are what the FP8 kernel waits on: BENCHMARKS.md, session 11).
+      ``64 x 128`` (the producer's loads are what the FP8 kernel waits on: BENCHMARKS.md).
     """
 
     block_m: int
@@ -409,8 +405,8 @@ MOSAIC_MAX_SMEM_BYTES = 232448
 _SMEM_SLACK_BYTES = 1024
 
 
-#: Rows per expert (``ceil(M_cap / E)``) from which a tuned ``split_m`` entry is taken as it is (H200, 2026-12-02: a
-#: ``split_m`` entry tuned at E=32, M=16384 made DeepSeek-V3's E=256 T=4096 FP8-block layer 7.04 -> 7.82 ms).
+#: Rows per expert (``ceil(M_cap / E)``) from which a tuned ``split_m`` entry is taken as it is: a ``split_m`` entry
+#: tuned at E=32, M=16384 made DeepSeek-V3's E=256 FP8-block layer (~143 rows an expert) slower (BENCHMARKS.md).
 SPLIT_M_MIN_ROWS = 256
 
 
@@ -423,8 +419,8 @@ def ws_cta_tile(cfg: MosaicGroupedGemmConfig) -> tuple[int, int]:
 def ws_smem_bytes(cfg: MosaicGroupedGemmConfig, itemsize: int, out_itemsize: int) -> int:
     """Shared memory of the warp-specialized kernel (``pallas_mosaic_gpu_ws.py``): ``max_concurrent_steps`` stages of
     the CTA's ``x`` tile ``[cta_m, block_k]`` and weight tile ``[cta_n, block_k]`` (:func:`ws_cta_tile`), plus one
-    ``[block_m, block_n]`` output buffer per consumer warpgroup (2) in the output dtype (H200, 2026-12-01: 128 x 128
-    x 64 over 3 stages with float32 outputs asked 278576 bytes = this + 48)."""
+    ``[block_m, block_n]`` output buffer per consumer warpgroup (2) in the output dtype (Mosaic asked 278576 bytes = this + 48
+    for 128 x 128 x 64 over 3 stages with float32 outputs)."""
     cta_m, cta_n = ws_cta_tile(cfg)
     stages = cfg.max_concurrent_steps * (cta_m + cta_n) * cfg.block_k * itemsize
     return stages + 2 * cfg.block_m * cfg.block_n * out_itemsize
@@ -433,7 +429,7 @@ def ws_smem_bytes(cfg: MosaicGroupedGemmConfig, itemsize: int, out_itemsize: int
 def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *,
                                          per_step_scales: bool = False, fast_accum: bool = False,
                                          out_itemsize: int = 2) -> MosaicGroupedGemmConfig:
-    """Heuristic from a sweep on the H200 (2026-11-30, BENCHMARKS.md; E=32, K/N of the benchmark).
+    """Heuristic from a sweep on the H200 (BENCHMARKS.md; E=32, K/N of the benchmark).
 
     One accumulator (16-bit inputs, or FP8 with ``fast_accum``): experts averaging < 256 rows get
     ``64 x 256`` tiles (less MMA work wasted on partial tiles, half the weight re-reads per row
@@ -460,9 +456,8 @@ def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, ite
         # FP8 with per-step promotion, >= 256 rows per expert: the warp-specialized schedule (two consumer
         # warpgroups of 64 x 128, so one promotes while the other's wgmma runs), the consumers splitting the rows of
         # a 128 x 128 CTA tile (split_m: 20% fewer loads a K step than 64 x 256), two K blocks a step where K allows
-        # (the first's promotion overlaps the second's wgmma). H200, 2026-12-02 (BENCHMARKS.md session 11,
-        # profile_bwd_jax.py, E=32, M=16384, kernel time): FP8 blocks gate_up 1.18 ms (64 x 256 CTA) -> 0.96,
-        # down 0.61 -> 0.50; per token 0.87 -> 0.83, 0.47 -> 0.43.
+        # (the first's promotion overlaps the second's wgmma): faster than the 64 x 256 CTA for FP8 blocks and per
+        # token on both shapes (profile_bwd_jax.py; BENCHMARKS.md).
         two = K % 256 == 0
         cfg = MosaicGroupedGemmConfig(block_m=64, block_n=128, block_k=256 if two else 128,
                                       max_concurrent_steps=2 if two else 4,
@@ -472,9 +467,8 @@ def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, ite
             return cfg
     if itemsize == 2 and not per_step and (block_m, block_n) == (128, 128) and N % 256 == 0 and K % block_k == 0:
         # 16-bit, >= 256 rows per expert: the warp-specialized schedule (a producer and two consumer warpgroups,
-        # 128 x 256 per CTA; 3 stages fit beside its two output buffers). H200, 2026-12-01, same-run probes
-        # (benchmarks/profile_bwd_jax.py --mosaic-fwd / --mosaic-dgrad, E=32, M=16384): gate_up forward
-        # 1.92 -> 1.74 ms, down dgrad 1.18 -> 1.01 ms (BENCHMARKS.md, session 6).
+        # 128 x 256 per CTA; 3 stages fit beside its two output buffers): faster than one warpgroup in same-run probes
+        # (benchmarks/profile_bwd_jax.py --mosaic-fwd / --mosaic-dgrad; BENCHMARKS.md).
         cfg = MosaicGroupedGemmConfig(block_m=128, block_n=128, block_k=block_k, max_concurrent_steps=3,
                                       grid_block_n=grid_block_n, warp_specialized=True)
         while cfg.max_concurrent_steps > 2 and ws_smem_bytes(cfg, itemsize, out_itemsize) > _ws_smem_budget():
@@ -741,8 +735,8 @@ def heuristic_mosaic_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: 
     """The Mosaic GPU wgrad's config (``pallas_mosaic_gpu_backward.py``): ``block_m`` rows
     of ``d_w[e]`` (over N) x ``block_n`` columns (over K), ``block_k`` rows of the expert per pipeline
     step. 16-bit inputs with ``N % 128 == 0`` and ``K % 256 == 0``: the warp-specialized wgrad, two consumers'
-    ``128 x 128`` tiles side by side (H200, 2026-12-02, E=32, M=16384, bf16 d_w: gate_up 2.25 -> 1.59-1.96 ms,
-    down 1.53 -> 0.94-1.06 against the one-warpgroup kernel; BENCHMARKS.md session 15). Otherwise one warpgroup:
+    ``128 x 128`` tiles side by side (faster than the one-warpgroup kernel on both of the layer's shapes, which is
+    latency-bound; BENCHMARKS.md). Otherwise one warpgroup:
     ``128 x 128`` tiles (its float32 accumulator), 64 rows a step, 4 TMA stages (3 for a float32 output tile,
     whose staging buffer takes 64 KiB of shared memory), halved where N or K is not a multiple."""
     block_m = 128 if N % 128 == 0 else 64

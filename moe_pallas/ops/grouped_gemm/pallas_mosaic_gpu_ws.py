@@ -14,15 +14,15 @@ warpgroups (``MosaicGroupedGemmConfig.warp_specialized``):
   the TMA loads of a step (the CTA's ``x`` tile and weight tile) into one of ``max_concurrent_steps`` shared-memory
   slots, after both consumers released the slot (a ``consumed`` mbarrier of two arrivals; the loads land on the
   slot's ``produced`` mbarrier). The loads of the next work item start while the consumers finish the current one
-  (session 10's ``plgpu.emit_pipeline_warp_specialized`` ran one pipeline a work item: drained and refilled);
+  (``plgpu.emit_pipeline_warp_specialized`` runs one pipeline a work item: drained and refilled);
 - two **consumer** warpgroups (232 registers) walk the same items, keeping the same running step count (so both
   sides agree on a step's slot), each with a ``[block_m, block_n]`` float32 accumulator: one half of the CTA tile,
   run the ``wgmma`` s, release the slot, then the epilogue of their half. The CTA tile is ``block_m x 2*block_n``
   (the consumers split its columns: the same ``x`` tile, their own weight columns) or, with ``split_m``,
   ``2*block_m x block_n`` (they split its rows: the same weight tile): per K step ``(2*block_m + block_n) * block_k``
   values loaded instead of ``(block_m + 2*block_n) * block_k`` for as many outputs, 20% fewer at 64 x 128. The
-  producer's loads are what the FP8 kernel waited on (ncu, H200: 14% of the consumers' time on the ``produced``
-  barrier, L2 throughput 67% at 60% tensor-pipe use; BENCHMARKS.md session 11).
+  producer's loads are what the FP8 kernel waited on (ncu: consumers stalled on the ``produced`` barrier, L2-bound
+  below the tensor pipes' rate; BENCHMARKS.md).
 
 FP8 (``x``, ``w`` float8_e4m3fn codes, CONTRACT.md section 4): with per-step accumulation (the default; per-token-group
 ``x`` scales and 128 x 128 weight blocks need it) each consumer ``wgmma`` s every K block of 128 into a fresh
@@ -258,8 +258,8 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
                             acc, loaded = carry_k
                             slot = lax.rem(carry + k, stages)
                             scales = [step_scale(k * halves + h, loaded=ld, **where) for h, ld in enumerate(loaded)]
-                            # the next step's scales: global loads issued a whole step before their use (ncu,
-                            # session 11: the promotion's FMUL waited on the scale loads, 6% / 11% of the samples)
+                            # the next step's scales: global loads issued a whole step before their use (ncu: the
+                            # promotion's FMUL waited on the scale loads; BENCHMARKS.md)
                             loaded_next = load_scales(k + 1)
                             plgpu.barrier_wait(produced.at[slot])
 

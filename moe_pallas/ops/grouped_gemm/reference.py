@@ -87,7 +87,7 @@ def grouped_gemm_reference(
 # --- Backward (CONTRACT.md section 8) ------------------------------------------------------------
 #
 # Written out, not autodiff: ``jax.vjp`` of a ``lax.ragged_dot`` (or of the gathering forward above)
-# asked XLA for 1.75 TiB at DeepSeek-V3-like size (ENVIRONMENT.md), because the transposes materialize
+# asked XLA for 1.75 TiB at DeepSeek-V3-like size, because the transposes materialize
 # per-group (or per-row) products. Here the rows of each expert are contiguous, so both backward GEMMs
 # go expert by expert, ``R`` rows at a time (:func:`_window_rows`): plain float32 matmuls of one
 # ``[R, N]`` / ``[R, K]`` window against one expert's ``[N, K]`` weights, and nothing larger than the

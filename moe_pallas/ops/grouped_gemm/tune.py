@@ -120,8 +120,8 @@ _WS = dict(block_k=64, warp_specialized=True)  # 16-bit: 64-value (128-byte) ste
 #: The Mosaic GPU dgrad's candidates for bf16 (the config of the swapped problem: ``block_n`` tiles d_x's K columns,
 #: ``block_k`` steps over N; every one with whole tiles at both tuned shapes), the likeliest first (a run cut short
 #: by ``--max-minutes`` keeps those). The heuristic's tile at >= 256 rows per expert (warp-specialized, consumers
-#: side by side: a 128 x 256 CTA tile) with another snake width; its ``split_m`` variant (256 x 128 CTA tile; H200,
-#: session 15 probe, down at M=16384: 1.084 -> 0.987 ms) and the 64-row split ones (128 x 128, 128 x 256 CTA tiles);
+#: side by side: a 128 x 256 CTA tile) with another snake width; its ``split_m`` variant (256 x 128 CTA tile; a probe
+#: found it faster on down, within the spread: BENCHMARKS.md) and the 64-row split ones (128 x 128, 128 x 256 CTA tiles);
 #: the one-warpgroup tiles (the heuristic's below 256 rows per expert).
 MOSAIC_DGRAD_SPACE = (
     dict(block_m=128, block_n=128, max_concurrent_steps=3, grid_block_n=4, split_m=True, **_WS),

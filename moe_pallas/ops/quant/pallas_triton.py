@@ -6,17 +6,17 @@
 - the reference's :func:`~moe_pallas.ops.quant.reference.quantize_div_fp8`: an approximate quotient, then an exact
   integer repair of the codes it can move (XLA and Triton lower float32 ``/`` to ``div.full.f32``, up to 1 ulp off):
   about 1,800 more instructions a thread in the permute kernel than the division itself (sm_90 SASS, compiled on the
-  CPU, session 11), so the layer's FP8 permute and activation kernels issue-bound, not memory-bound;
+  CPU), so the layer's FP8 permute and activation kernels issue-bound, not memory-bound;
 - PTX ``div.rn.f32`` (IEEE round-to-nearest-even, the quotient the contract names) through
   ``jax.experimental.pallas.triton.elementwise_inline_asm``: what torch's Triton kernels emit
   (``tl.math.div_rn``, moe_torch/ops/activation/triton.py). GPU only: inline PTX has no interpret-mode rule.
 
 Which one a kernel takes is decided when it is lowered: :func:`div_rn_enabled` (``EPMOE_PALLAS_DIV_RN``), never in
 interpret mode, never for a GPU older than sm_90: Triton 3.6 lowers the float32 -> float8_e4m3fn cast on sm_89 through
-``cvt.rz.f16.f32`` then a round-to-nearest to e4m3 (two roundings: ``1.0625 + 2^-20`` becomes 1.0, not 1.125; review,
-session 11), which the repaired path's exact code arithmetic does not go through. ``div.rn.f32`` is the default (its codes and
-scales matched the reference's bit for bit on an H200, ``tests/test_div_rn.py``, session 12; the layer's FP8 permute
-went from 1.03 to 0.18 ms at T=4096, BENCHMARKS.md); ``EPMOE_PALLAS_DIV_RN=0`` keeps the repair. A NaN input stays NaN (``jnp.clip`` lowers to ``maxnum`` / ``minnum``, which would drop it).
+``cvt.rz.f16.f32`` then a round-to-nearest to e4m3 (two roundings: ``1.0625 + 2^-20`` becomes 1.0, not 1.125),
+which the repaired path's exact code arithmetic does not go through. ``div.rn.f32`` is the default (its codes and
+scales match the reference's bit for bit on the GPU, ``tests/test_div_rn.py``, and the layer's FP8 permute is several
+times faster with it, BENCHMARKS.md); ``EPMOE_PALLAS_DIV_RN=0`` keeps the repair. A NaN input stays NaN (``jnp.clip`` lowers to ``maxnum`` / ``minnum``, which would drop it).
 
 Mirror: ``moe_torch/ops/triton_common.py`` (``quantize_fp8_tile``: ``tl.math.div_rn``).
 """

@@ -1,7 +1,7 @@
 """Launch configs of the Triton ``act_and_mul`` kernel (``moe_torch/ops/activation/triton.py``).
 
-One frozen, keyword-only dataclass and the heuristic that picks it from the problem shape
-(STYLE.md "Configs"). Every constant says why it has its value.
+One frozen, keyword-only dataclass and the heuristic that picks it from the problem shape.
+Every constant says why it has its value.
 
 The gate/up layout (concatenated or interleaved) does not change the heuristics: a program of either layout
 reads the same ``2 * rows * columns`` values of ``h`` (interleaved: one block twice as wide instead of two) and

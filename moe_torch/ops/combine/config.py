@@ -1,7 +1,7 @@
 """Launch config of the Triton ``combine`` kernel (``moe_torch/ops/combine/triton.py``).
 
-One frozen, keyword-only dataclass and the heuristic that picks it from the problem shape
-(STYLE.md "Configs"). Every constant says why it has its value.
+One frozen, keyword-only dataclass and the heuristic that picks it from the problem shape.
+Every constant says why it has its value.
 """
 
 from __future__ import annotations

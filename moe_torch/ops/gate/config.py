@@ -1,7 +1,7 @@
 """Launch config of the Triton gate kernel (``moe_torch/ops/gate/triton.py``).
 
-A frozen, keyword-only dataclass and the heuristic that picks it from the problem shape
-(STYLE.md "Configs"). Every constant says why it has its value.
+A frozen, keyword-only dataclass and the heuristic that picks it from the problem shape.
+Every constant says why it has its value.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import triton
 
 #: Elements of one program's ``[BLOCK_T tokens, BLOCK_E experts]`` float32 tile per warp. The kernel
 #: keeps about three such tiles live (scores, selection scores, the not-yet-chosen mask): 256 values
-#: over one warp are 8 per thread per tile. The H200 sweep (``benchmarks/tune_gate.py``, BENCHMARKS.md
-#: 2026-11-30 third run, DeepSeek-V3's gate) put one token per one-warp program first; the old
+#: over one warp are 8 per thread per tile. The H200 sweep (``benchmarks/tune_gate.py``, BENCHMARKS.md;
+#: DeepSeek-V3's gate) put one token per one-warp program first; the old
 #: 4096-element tiles over 4 warps took 230 registers a thread (ptxas), 2 programs an SM.
 TILE_ELEMS = 256
 #: Most warps a program (E = 512 takes 2).

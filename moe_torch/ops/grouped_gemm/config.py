@@ -1,7 +1,7 @@
 """Launch config of the Triton grouped GEMM kernel (``moe_torch/ops/grouped_gemm/triton.py``).
 
 One frozen, keyword-only dataclass, the heuristic that picks it from the problem shape, and the
-rules a config must follow (STYLE.md "Configs"). Every constant says why it has its value.
+rules a config must follow. Every constant says why it has its value.
 
 Tuned configs: the tables of :func:`tuned_tables` (``moe_contract/selection.py``: the per-user cache of ``epmoe
 tune``, then ``tuned/<arch>/<device kind>.json``, then ``tuned/<arch>.json``; named keys). Lookup order of every default:
@@ -91,10 +91,8 @@ class GroupedGemmConfig:
     persistent: bool = False
     #: Opt-in TMA variant (``_grouped_gemm_kernel`` with ``TMA`` in ``triton.py``; findings in its module docstring,
     #: "Hopper: what Triton 3.6 offers"): ``x`` and ``w`` tiles loaded through host-side tensor descriptors
-    #: (Hopper's TMA engine), the store still the masked pointer store. Why: a dense Triton 3.6 matmul with
-    #: TMA loads and 128 x 256 tiles reached 720 TFLOP/s bf16 on the H200 (ENVIRONMENT.md, dense 8192^3), the pointer
-    #: grouped GEMM ~540; on the grouped GEMM (BENCHMARKS.md session 9) it is the H200's tuned bf16 choice at
-    #: M=16384 (gate_up 1.832 -> 1.423 ms). Rules: a bool; serves 16-bit (bf16 / fp16) and FP8 forwards without
+    #: (Hopper's TMA engine), the store still the masked pointer store. Why: TMA loads lift a dense Triton matmul well
+    #: above the pointer loads' throughput, and the tuner picks this variant for bf16 at large M (BENCHMARKS.md). Rules: a bool; serves 16-bit (bf16 / fp16) and FP8 forwards without
     #: bias, and the dgrad of 16-bit ``d_y`` and ``w`` (``triton_backward.py``, "TMA variant"), only
     #: (:func:`check_config`: float32, 4-bit weights, bias, FP8 weights of the dgrad are refused, naming the
     #: field); every block <= :data:`TMA_MAX_BLOCK`. False (default) keeps the pointer kernel.
@@ -185,9 +183,8 @@ def heuristic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int,
     """Heuristic config for ``x [M_cap, K] x w [E, N, K] -> y [M_cap, N]`` with ``bits``-wide inputs
     (``x``'s width; 4-bit weights, ``w_format``, are decoded to it in the kernel, and their K step
     is at least one scale group, :func:`min_block_k`). 4-bit: the tiles of ``x``'s dtype (small ``M_cap``, decode,
-    gets 16-row tiles), with 16-bit ``x`` 128-wide K steps: H200, 2026-12-01, ``benchmarks/probe_w4.py`` variant 6 (this kernel,
-    gpt-oss-120b's gate_up at T=64: 111 experts x 2 rows, N=5760, K=2880), 16 x 128 tiles over 4 warps, K step 64
-    -> 128: MXFP4 608 -> 576 us, INT4 569 -> 556 us (BENCHMARKS.md, session 8).
+    gets 16-row tiles), with 16-bit ``x`` 128-wide K steps: faster than 64 for both MXFP4 and INT4 on gpt-oss-120b's
+    decode gate_up (``benchmarks/probe_w4.py``; BENCHMARKS.md).
 
     Raises: NotImplementedError when the scale groups are too narrow for ``tl.dot`` (a K step
     must lie inside one scale group, and ``tl.dot`` needs ``block_k >= MIN_BLOCK_K[bits]``).
@@ -381,10 +378,9 @@ def heuristic_grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, bits
     (the same rule as the forward's K step, :func:`check_config`).
 
     bf16 / float16 at ``M_cap >= DGRAD_WIDE_MIN_ROWS``: 128 x 256 tiles over 8 warps, 3 stages, ``group_m=8``
-    (:data:`DGRAD_WIDE_CONFIG`). Measured on the H200 (2026-12-01, ``benchmarks/profile_bwd.py
-    --dgrad-configs``, E=32, M=16384, uniform rows; bit-identical results): gate_up (K=7168, N=4096)
-    2.71 -> 1.76 ms (355 -> 547 TFLOP/s), down (K=2048, N=7168) 1.30 -> 0.84 ms; the forward heuristic's
-    4-warp 64 x 128 tiles left dgrad DRAM-bound (ncu: 77% DRAM, 51% SM).
+    (:data:`DGRAD_WIDE_CONFIG`). Why: the forward heuristic's 4-warp 64 x 128 tiles left the dgrad DRAM-bound (ncu);
+    the wide tiles were much faster on both of the layer's shapes (``benchmarks/profile_bwd.py --dgrad-configs``;
+    BENCHMARKS.md).
     """
     if bits == 16 and M_cap >= DGRAD_WIDE_MIN_ROWS:
         return DGRAD_WIDE_CONFIG
@@ -392,8 +388,8 @@ def heuristic_grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, bits
 
 
 #: Rows (``M_cap``) from which :func:`grouped_gemm_dgrad_config` runs 16-bit dgrads on sm_90 through the TMA variant
-#: (``EPMOE_TRITON_TMA_DGRAD``, on by default since session 16; 0 keeps the pointer loads) where no tuned entry serves:
-#: H200, E=32, M=16384, the heuristic's tiles: gate_up 1.72 -> 1.56 ms, down 0.94 -> 0.76 (session 16, call 1).
+#: (``EPMOE_TRITON_TMA_DGRAD``, on by default; 0 keeps the pointer loads) where no tuned entry serves: measured
+#: faster than the pointer loads at large M with the heuristic's tiles (BENCHMARKS.md).
 DGRAD_TMA_MIN_ROWS = 4096
 #: ... on wgmma-sized row tiles only (the heuristic's ``block_m`` at least one warpgroup's 64 rows): the 16- and
 #: 32-row tiles of many small experts run ``mma.sync``, where TMA was never measured.
@@ -531,11 +527,9 @@ def heuristic_grouped_gemm_wgrad_config(M_cap: int, N: int, K: int, E: int, bits
     inputs (16 or 32).
 
     bf16 / float16 at ``M_cap >= WGRAD_WIDE_MIN_ROWS`` with ``N >= 128``, ``K >= 256`` and at least 64
-    rows per expert on average: :data:`WGRAD_WIDE_CONFIG`. Measured on the H200 (2026-12-01,
-    ``benchmarks/profile_bwd.py --wgrad-configs``, E=32, M=16384, uniform rows, bit-identical results):
-    gate_up (K=7168, N=4096) 2.52 -> 2.23 ms with a bf16 d_w (3.27 -> 2.57 float32), down (K=2048,
-    N=7168) float32 1.68 -> 1.26 ms (bf16 1.13); 128 x 128 tiles over 4 or 8 warps and 256 x 128 were no
-    better, 64 x 256 worse (BENCHMARKS.md)."""
+    rows per expert on average: :data:`WGRAD_WIDE_CONFIG`, the fastest of the tiles compared on both of the layer's
+    shapes (``benchmarks/profile_bwd.py --wgrad-configs``: 128 x 128 over 4 or 8 warps and 256 x 128 no better,
+    64 x 256 worse; BENCHMARKS.md)."""
     if bits == 16 and M_cap >= WGRAD_WIDE_MIN_ROWS and N >= 128 and K >= 256 and M_cap >= 64 * max(E, 1):
         return WGRAD_WIDE_CONFIG
     block_n = max(MIN_WGRAD_BLOCK, min(MAX_WGRAD_BLOCK_N, triton.next_power_of_2(max(N, 1))))

@@ -15,8 +15,8 @@ Contract (the FP8-block forward of CONTRACT.md section 4; names as in ``moe_torc
   and the rows between the first and the last owned row are all written;
 * result ``y [M_cap, N]`` ``out_dtype`` (bfloat16 only). Rows no expert owns are zero: ``y`` is allocated with
   ``torch.empty`` and the kernel itself zeroes rows ``[0, offsets[0])`` and ``[offsets[E], M_cap)`` (after its tiles,
-  in 64 x 128 blocks over all programs; no host sync). A ``torch.zeros`` output cost ~0.08 ms more at the down
-  shape (a memset of 235 MB), measured on the H200.
+  in 64 x 128 blocks over all programs; no host sync): a ``torch.zeros`` output would cost a memset of the whole
+  ``y`` (BENCHMARKS.md).
 
 Refused on the host before any launch (messages name ``grouped_gemm_gluon_fp8_block``, the argument, the
 expectation and what came): ``TypeError`` for a wrong dtype (``x_q`` / ``w_q`` not float8_e4m3fn, scales not
@@ -53,18 +53,18 @@ tensor cores run the next block):
   ``pid, pid + nprog, ...`` below the real total (computed on the device: no host sync, CUDA-graph capturable).
   Tile index -> (work item, column tile) by the grouped order of triton's matmul tutorial (``GROUP_M`` consecutive
   work items, mostly one expert's, sweep the column tiles together: L2 reuse of ``x`` and ``w``).
-* Split-N work items (``block_m=64``, session 17): tiles of 64 x 256, both consumers on the tile's 64 rows (one
+* Split-N work items (``block_m=64``): tiles of 64 x 256, both consumers on the tile's 64 rows (one
   ``x`` box a stage, read by both) and 128 columns each (two ``w`` boxes a stage, 40 KiB); expert ``e``'s items step
   by 64 rows from ``s_e``. Fewer items where experts hold a few hundred rows or less (an expert of 130-192 rows: 3
   items of 64 rows instead of 4 halves of 128), at 25% more loads an output. The dispatch takes them up to 192 rows an
-  expert on average (``triton.py: gluon_fp8_block_options``): DeepSeek-V3's gate_up GEMM at T=4096 3.27 -> 2.96 ms.
+  expert on average (``triton.py: gluon_fp8_block_options``), where they measured faster (BENCHMARKS.md).
   The same ``wgmma`` shape per 64 x 128 share and the same K order: outputs bit-identical to the 128-row items.
 * ``w`` is read through a descriptor of ``w_q`` viewed as ``[E * N, K]``: in an N tail the box reads the next
   expert's rows (zero past the end): computed, never stored.
 * Epilogue (``epilogue``, :data:`EPILOGUES`; :func:`_store_tile`): each consumer converts its 64 x 128 float32
   accumulator to bf16 and stores the rows of its expert (``[max(m0, s_e), t_e)``, columns ``< N``). ``"pointer"``:
   masked pointer stores straight from the ``wgmma`` register layout (the consumer's next ``wgmma`` wait behind them).
-  ``"tma"`` (session 16): a share whose 64 rows are all its expert's (or end at ``M_cap``) is written to a 16 KiB
+  ``"tma"``: a share whose 64 rows are all its expert's (or end at ``M_cap``) is written to a 16 KiB
   shared-memory buffer of its consumer (``stmatrix``), fenced (``fence.proxy.async``) and stored by an asynchronous
   TMA store through a ``[M_cap, N]`` descriptor of ``y`` (the N tail and rows past ``M_cap`` clipped by its bounds);
   the consumer goes straight on to its next tile and waits for the store (``tma.store_wait(0)``) only before it
@@ -79,20 +79,15 @@ Sources read (layouts and API of triton 3.6.0 confirmed in the installed package
 mbarrier ring phases), ``04-tma.py`` / ``05-wgmma.py`` (``tma.async_copy_global_to_shared``, ``warpgroup_mma``),
 and this repo's ``benchmarks/probe_gluon_promotion.py``. Compile-only test for sm_90a: ``tests/test_gluon_gemm.py``.
 
-Measured (one H200, session 13; BENCHMARKS.md "2026-12-02, session 13"): ``benchmarks/probe_gluon_gemm.py --stages
-5 4`` on the final kernel, E = 32, M = 16384, median ms, gluon 5 / 4 stages [the Triton kernel]: gate_up (K = 7168,
-N = 4096) uniform 0.973 / 0.990 [1.183], Zipf 1.121 / 1.126 [1.339]; down (K = 2048, N = 7168) uniform 0.606 / 0.595
-[0.601], Zipf 0.683 / 0.680 [0.739]; every edge case within 7.4e-4 of the reference, unowned rows zero;
-``compute-sanitizer --tool memcheck`` over the GPU tests of ``tests/test_gluon_gemm.py``: 0 errors. The default
-dispatch (``triton.py: gluon_fp8_block_eligible``) takes the E = 32 FP8-block torch layer at T = 4096 from 4.19 to
-3.79 ms and DeepSeek-V3's from 7.25 to 6.34. Down's short K loop (16 blocks a tile) exposes the per-tile epilogue
-(pointer stores from the ``wgmma`` layout while no MMA of this CTA runs); session 16's TMA-store epilogue (the default
-since, :data:`DEFAULT_EPILOGUE`) took the down GEMM from 0.61 to 0.49-0.50 ms. Register budgets: the producer partition has 4
+Why it is the default for FP8 blocks: faster than the Triton kernel on gate_up and level or faster on down
+(``benchmarks/probe_gluon_gemm.py``), and faster on the FP8-block layers (BENCHMARKS.md). Down's short K loop (16
+blocks a tile) exposes the per-tile epilogue (pointer stores from the ``wgmma`` layout while no MMA of this CTA
+runs), which is why the TMA-store epilogue is the default (:data:`DEFAULT_EPILOGUE`). Register budgets: the producer partition has 4
 warps (one elected thread issues the TMA) so that its expert table fits 40 registers a thread (E = 256: 8 bytes of
 spill, ``ptxas -v``).
 
-Rowwise variant (per-token x per-channel FP8; :func:`grouped_gemm_gluon_fp8_rowwise`; the default for these requests
-since session 14, ``EPMOE_TRITON_GLUON_FP8_ROWWISE=0`` keeps the Triton kernel)::
+Rowwise variant (per-token x per-channel FP8; :func:`grouped_gemm_gluon_fp8_rowwise`; the default for these requests,
+``EPMOE_TRITON_GLUON_FP8_ROWWISE=0`` keeps the Triton kernel)::
 
     y[m, n] = (sum_k x_q[m, k] * w_q[e(m), n, k]) * x_scale[m, 0] * w_scale[e(m), n]      (float32 accumulation)
 
@@ -101,11 +96,9 @@ same rows, running max and zeroing as above. The same producer and schedule; eac
 ``promote`` K blocks into a partial accumulator with one ``wgmma`` in flight (wait(1) after issuing block ``kb``, then
 release block ``kb - 1``'s stage), then adds it to its float32 accumulator (``promote = 0``: one chain over the whole K,
 no promotion, as ``torch._scaled_mm(..., use_fast_accum=True)``); the scales are applied once, in the epilogue. The
-producer pads K to whole groups with boxes past ``K``, which TMA zero-fills (exact zeros). Measured (H200, session 14,
-BENCHMARKS.md): without promotion the E=32 FP8 per-token layer at T=4096 is off by 1.96e-2 (gate_up / down 2.9e-3 /
-2.1e-3 against the reference, the Triton kernel's 6.9e-4 / 8.2e-4), over the bench's 1e-2; promoting every 2 / 4 / 8 blocks gives 7.1e-3
-/ 8.6e-3 / 1.05e-2 (Triton's promotion every block: 5.9e-3). The dispatch takes ``promote = 2`` with 128 x 128 tiles
-(``triton.py: GLUON_ROWWISE_*``). ``block_n`` 128 or 256 (256 only without promotion: a partial and an accumulator of
+producer pads K to whole groups with boxes past ``K``, which TMA zero-fills (exact zeros). Why promote at all:
+without it the E=32 FP8 per-token layer's error exceeds the bench's 1e-2 (measured errors per promotion group:
+BENCHMARKS.md). The dispatch takes ``promote = 2`` with 128 x 128 tiles (``triton.py: GLUON_ROWWISE_*``). ``block_n`` 128 or 256 (256 only without promotion: a partial and an accumulator of
 64 x 256 float32 each would need 256 registers a thread). Compile facts (triton 3.6.0, ``ptxas -v``, 4 stages, 168
 registers, setmaxnreg 232 / 232 / 40 as above): bytes of spill at E = 32 / 256: 0 / 16 for block_n 128 and 256 and for
 promote 2 (``tests/test_gluon_gemm.py``). The w scales of the epilogue are loaded compactly and spread with
@@ -662,12 +655,8 @@ def _y_layout() -> gl.NVMMASharedLayout:
 #: inside its expert, :func:`_store_tile`) and ``"pointer"`` (masked stores from the ``wgmma`` registers).
 EPILOGUES = ("tma", "pointer")
 #: The launchers' default epilogue where ``N % 8 == 0`` (TMA: 16-byte row strides of ``y``); ``"pointer"`` otherwise.
-#: H200, E=32, M=16384 (session 16, call 1: ``benchmarks/results/2026-12-03_h200_session16/epilogue_ab.py``, two
-#: interleaved ``do_bench`` medians each, bit-identical outputs): FP8 blocks down 0.608 / 0.623 -> 0.492 / 0.503 ms
-#: (Zipf 0.671 / 0.682 -> 0.577 / 0.560), gate_up level (0.889 / 0.986 -> 0.946 / 0.937); rowwise (promote 2) gate_up
-#: 0.927 / 0.918 -> 0.800 / 0.826 (5 stages), down 0.554 / 0.592 -> 0.488 / 0.463; the torch layers at T=4096: E=32
-#: FP8 blocks 3.76 / 3.83 -> 3.35 / 3.49, FP8 per token 3.56 / 3.57 -> 3.45 / 3.29, DeepSeek-V3 FP8 blocks 5.97 / 5.97
-#: -> 5.83 / 5.87.
+#: TMA because it took the FP8 down GEMMs and the FP8 torch layers down and left gate_up level, with bit-identical
+#: outputs (``epilogue_ab.py``; BENCHMARKS.md).
 DEFAULT_EPILOGUE = "tma"
 
 
@@ -739,7 +728,7 @@ def grouped_gemm_gluon_fp8_block(x_q: torch.Tensor, w_q: torch.Tensor, expert_of
     (:data:`EPILOGUES`; default :data:`DEFAULT_EPILOGUE` where ``N % 8 == 0``); ``ValueError`` for another value, for
     ``"tma"`` with ``N % 8 != 0``, or for ``num_stages`` out of its range. ``skip_empty`` (a bool; ``TypeError``
     otherwise): a consumer whose 64-row half of a tile holds no row of the tile's expert runs no ``wgmma`` there
-    (:func:`_consumer`; the same output: those rows are never stored); False computes them, as before session 16."""
+    (:func:`_consumer`; the same output: those rows are never stored); False computes them."""
     check_inputs(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype)
     epilogue = resolve_epilogue(OP, epilogue, w_q.shape[1])
     if type(block_m) is not int or block_m not in BLOCK_MS:
@@ -850,9 +839,8 @@ def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_
     ``kb`` completes block ``kb - 1``, whose stage is then released on ``empty``), waits for the last
     (``warpgroup_mma_wait(0)``), releases its stage and adds the partial to the float32 accumulator. Epilogue:
     ``acc * x_scale[rows][:, None] * w_scale[e, cols][None, :]`` to bf16, masked pointer stores as the block kernel.
-    H200, E=32, M=16384 (session 14, median ms, ``probe_gluon_gemm.py --dtype fp8``): gate_up / down uniform, 4
-    stages: promote 2 0.906 / 0.558, block_n 256 without promotion 0.714 / 0.500, the Triton kernel 1.065 / 0.526,
-    ``torch._scaled_grouped_mm(use_fast_accum=True)`` 0.826 / 0.476."""
+    Compared with block_n 256 without promotion, the Triton kernel and ``torch._scaled_grouped_mm`` in
+    ``probe_gluon_gemm.py --dtype fp8`` (BENCHMARKS.md)."""
     check_inputs_rowwise(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype)
     if block_n not in _ROWWISE_MAX_STAGES:
         _fail(ValueError, "block_n", "128 or 256", block_n, OP_ROWWISE)

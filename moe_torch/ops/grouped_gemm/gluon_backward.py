@@ -72,14 +72,9 @@ split, ``fence.proxy.async`` + barrier before a TMA store of shared memory writt
 ``gluon.py`` (whose partition budgets ``CONSUMER_REGS`` / ``PRODUCER_REGS`` / ``MAXNREG`` and ``_fail`` are reused).
 CPU test (compile for sm_90a, refusals) and GPU tests: ``tests/test_gluon_wgrad.py``.
 
-Measured (one H200, session 15, ``triton.testing.do_bench`` median ms; bf16 inputs, M = 16384, E = 32; Gluon with
-its defaults [cuBLAS ``torch._grouped_mm(d_y.t(), x, offs=offsets[1:])``, the Triton kernel]): gate_up (N = 4096,
-K = 7168) uniform bf16 out 1.579-1.595 [1.649, 2.139-2.223], Zipf 1.802 [1.919, 2.460], uniform float32 out
-(pointer epilogue) 2.137 [-, 2.488]; down (N = 7168, K = 2048) uniform 0.760-0.820 [0.888-0.934, 1.179-1.184], Zipf
-0.902 [1.016, 1.240], float32 out 1.064 [-, 1.363]. The epilogue decides it: at bf16 out the TMA store with 3 stages
-(1.579 / 0.760) against 2 stages (2.193 / 1.191) and pointer stores with 4 / 3 stages (2.268 / 1.143, 2.373 / 1.193).
-``compute-sanitizer --tool memcheck`` over GPU tests of both epilogues: 0 errors. ``ptxas -v``: 168 registers
-(``MAXNREG``), no spill, 208 KiB of shared memory with the TMA epilogue (3 stages), 192 KiB with pointer stores (4).
+Why it is the default wgrad: faster than the Triton kernel and cuBLAS's grouped GEMM at the layer's shapes, and the
+epilogue decides it (the TMA store with 3 stages against 2 stages or pointer stores); 168 registers (``MAXNREG``),
+no spill, 208 KiB of shared memory with the TMA epilogue (3 stages). Timings: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -297,9 +292,8 @@ def check_inputs(x, d_y, expert_offsets, out_dtype) -> None:
                      en_rows="d_w")
 
 
-#: The dispatch takes the Gluon wgrad only with ``M_cap >= WGRAD_MIN_ROWS_PER_EXPERT * E``. H200, session 15
-#: (``benchmarks/results/2026-12-02_h200_session15/call3/wgrad_small.txt``, E=32, bf16 out, ms Gluon / Triton): M=256
-#: (8 rows an expert) gate_up 0.523 / 0.450, down 0.260 / 0.234; M=2048 (64) 0.604 / 0.887, 0.289 / 0.449.
+#: The dispatch takes the Gluon wgrad only with ``M_cap >= WGRAD_MIN_ROWS_PER_EXPERT * E``: at 8 rows an expert the
+#: Triton kernel was faster, at 64 Gluon (``wgrad_small.py``; BENCHMARKS.md).
 WGRAD_MIN_ROWS_PER_EXPERT = 32
 
 

@@ -67,7 +67,7 @@ Dispatch (``triton_common.py``): the forward runs here where the device's tuned 
 "gluon"`` (``config.py: tuned_forward_kernel``, written by ``benchmarks/tune_triton_gemm.py``, with the entry's
 ``"gluon_config"``: :func:`dispatch_options`) and ``EPMOE_TRITON_GLUON_BF16`` is unset, wherever it serves with
 ``EPMOE_TRITON_GLUON_BF16=1``, never with ``=0``; the dgrad only with ``EPMOE_TRITON_GLUON_DGRAD=1`` (off by default).
-Session 16's timings come from ``benchmarks/results/2026-12-03_h200_session16/gluon_bf16_call.sh``.
+Its timings (BENCHMARKS.md) come from ``benchmarks/results/2026-12-03_h200_a/gluon_bf16_call.sh``.
 
 Sources read (no code copied): this repo's ``moe_torch/ops/grouped_gemm/gluon.py`` (the partitions, ring, schedule,
 zeroing and TMA-store epilogue, reused by import) and ``gluon_backward.py`` (MN-major 16-bit ``wgmma`` operands from
@@ -117,8 +117,8 @@ BLOCK_NS = (128, 256)
 #: What the dispatch passes (``triton.py: grouped_gemm_triton`` / ``triton_backward.py: grouped_gemm_dgrad_triton``
 #: with ``EPMOE_TRITON_GLUON_BF16=1`` / ``EPMOE_TRITON_GLUON_DGRAD=1``) where no tuned ``"gluon_config"`` serves
 #: (:func:`dispatch_options`; the pointer epilogue where ``N % 8 != 0``): 128 x 256 tiles with the TMA-store epilogue
-#: and its deepest ring, the fastest of the kernel's configs on 6 of the 8 rows measured (H200, session 16, E=32,
-#: M=16384; 128 x 128 / 4 stages on the Zipf gate_up forward and dgrad).
+#: and its deepest ring, the fastest of the kernel's configs on 6 of the 8 rows measured
+#: (128 x 128 / 4 stages on the Zipf gate_up forward and dgrad; BENCHMARKS.md).
 DISPATCH_OPTIONS = {"block_n": 256, "num_stages": 3, "epilogue": "tma"}
 DGRAD_DISPATCH_OPTIONS = {"block_n": 256, "num_stages": 3, "epilogue": "tma"}
 

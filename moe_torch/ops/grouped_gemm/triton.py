@@ -35,7 +35,7 @@ grid bound ``m_tiles + num_groups - 1``), computed inside every program instead 
 1. Expert ``e`` owns rows ``[s_e, t_e)`` (offsets clamped to ``[0, M_cap]`` and made non-decreasing, so experts
    never overlap: :func:`_expert_rows`). By default its row tiles are its own, ``[s_e + j*BLOCK_M, ...)`` for
    ``j < n_e = cdiv(t_e - s_e, BLOCK_M)`` (expert-aligned: no tile spent on the few rows it shares with a neighbour;
-   default since session 13, H200: DeepSeek-V3's FP8-block layer 8.09 -> 7.14 ms). ``EPMOE_TRITON_ALIGNED_TILES=0``
+   the default because the layers measured faster with it, BENCHMARKS.md). ``EPMOE_TRITON_ALIGNED_TILES=0``
    (``moe_torch/ops/triton_common.py``) puts them on the global grid ``[t*BLOCK_M, (t+1)*BLOCK_M)``, tiles
    ``s_e // BLOCK_M .. (t_e - 1) // BLOCK_M``. ``n_e = 0`` for an empty expert; a tile's first row is ``first_row_e +
    j*BLOCK_M``.
@@ -90,8 +90,8 @@ without ``tma``; by ``_tma_descriptors`` (``NotImplementedError``) a base addres
 refusals are for a caller's config: a tuned default (``config=None``) that such inputs cannot take runs the pointer
 kernel with the same tiles and launch order instead.
 
-Hopper: what Triton 3.6 offers (issue 14; read in the installed triton 3.6.0 and compiled for sm_90 on a
-CPU, ``tests/test_triton_gemm_tma.py``; measured on the H200 where said):
+Hopper: what Triton 3.6 offers (read in the installed triton 3.6.0 and compiled for sm_90 on a
+CPU, ``tests/test_triton_gemm_tma.py``; timings in BENCHMARKS.md):
 
 * TMA: device-side ``tl.make_tensor_descriptor`` (needs ``triton.set_allocator`` for the descriptor's global
   scratch) and host-side ``TensorDescriptor`` kernel arguments (the launcher encodes the ``CUtensorMap``,
@@ -106,18 +106,11 @@ CPU, ``tests/test_triton_gemm_tma.py``; measured on the H200 where said):
   ``setmaxnreg``): a no-op here. Hand-written warp specialization on Hopper needs Gluon or Mosaic GPU.
 * Persistent kernels: plain ``tl.range(pid, tiles, num_programs)`` loops (``persistent=True`` above); ``tl.range``
   also has ``flatten=`` (nested-loop fusion, run on sm_90 by ``add_fuse_nested_loops``), not used here.
-* Measured (H200, ``benchmarks/tune_triton_gemm.py --dtypes bf16 --ms 16384 --tma``, BENCHMARKS.md session 9):
-  the TMA variant at 128x256 / 8 warps, persistent, ``group_m`` 4 beats every pointer config at M=16384: gate_up
-  (K=7168, N=4096) 1.832 -> 1.423 ms, down (K=2048, N=7168) 1.012 -> 0.830 (``torch._grouped_mm`` 1.477 / 0.807 in
-  the bench). The tuner keeps the winner only: gate_up's has ``warp_specialize`` on, down's off; with identical
-  PTX the difference between the two is run-to-run noise. ``compute-sanitizer --tool memcheck`` over
-  ``tests/test_triton_gemm_tma.py`` (bf16 and FP8, the tuned TMA defaults): 0 errors (H200, session 10).
-* Measured (H200, session 13, ``tune_triton_gemm.py --tma``, BENCHMARKS.md "2026-12-02, session 13"): the TMA
-  variant also wins for FP8. Per token x per channel at M=16384: a 128 x 128 tile over 4 warps (one warpgroup, two
-  ``m64`` wgmmas a step), 3 stages, not persistent, ``group_m`` 4: gate_up 1.376 -> 0.917 ms, down 0.818 -> 0.601
-  in the tuner; the bench in one run: 0.963 / 0.586 ms against ``torch._scaled_grouped_mm``'s 1.005 / 0.575, and
-  the E=32 FP8 per-token layer at T=4096 4.85 -> 3.58-3.87 ms. FP8 blocks: 128 x 128 / 8 warps, TMA, gate_up 1.06
-  (exactly uniform rows) to 1.27 ms (the bench's row), still 10-30% over the 0.96 target: the promotion below.
+* Why the tuned tables pick it (``benchmarks/tune_triton_gemm.py --tma``; the timings are in BENCHMARKS.md): for
+  bf16 at M=16384, 128x256 / 8 warps, persistent, ``group_m`` 4 beats every pointer config (``warp_specialize``
+  on or off is run-to-run noise: identical PTX). For FP8 per token x per channel, a 128 x 128 tile over 4 warps
+  (one warpgroup, two ``m64`` wgmmas a step), 3 stages, ``group_m`` 4 wins too, level with
+  ``torch._scaled_grouped_mm``. For FP8 blocks it stays over the target: the promotion below.
 * The FP8-block limit: ``tl.dot`` is asynchronous only when its result is the next dot's accumulator, so "scale
   and add the finished K block while the next ``wgmma`` runs" (DeepGEMM's promotion; ``moe_pallas``'s
   warp-specialized Mosaic GPU kernel does it) cannot be written with it. Triton 3.6's Gluon dialect
@@ -129,11 +122,11 @@ CPU, ``tests/test_triton_gemm_tma.py``; measured on the H200 where said):
   flight, keep ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` in the SASS; promoting a block issued in the previous iteration
   (an in-flight accumulator carried by the loop) is serialized by ``ptxas`` (C7514: the wait becomes ``0x0``). A
   Gluon kernel is the way to the schedule in the torch framework, a backend of its own (Gluon has no interpreter).
-  Session 13 wrote it: ``moe_torch/ops/grouped_gemm/gluon.py`` (a TMA producer warp group and two consumer warpgroups
+  ``moe_torch/ops/grouped_gemm/gluon.py`` is that kernel (a TMA producer warp group and two consumer warpgroups
   in ``gl.warp_specialize``, two K blocks a step so that one is promoted while the next ``wgmma`` runs).
   :func:`grouped_gemm_triton` sends FP8-block requests it can serve there by default (:func:`gluon_fp8_block_eligible`;
-  ``EPMOE_TRITON_GLUON_FP8_BLOCK=0`` keeps this kernel). H200: gate_up at M=16384 0.973 vs 1.183 ms, the E=32
-  FP8-block layer at T=4096 4.19 -> 3.79 ms, DeepSeek-V3's 7.25 -> 6.34 (BENCHMARKS.md, session 13).
+  ``EPMOE_TRITON_GLUON_FP8_BLOCK=0`` keeps this kernel), because it is faster on the GEMMs and the layers
+  (BENCHMARKS.md).
 
 Offsets ``row * stride`` and ``e * N * K`` are int64 (both pass
 2**31: ``M_cap * K`` at 300k rows of H=7168, ``E * N * K`` at E=256, N=7168, K=2048).
@@ -225,8 +218,8 @@ triton_interpret.register_scan(_max2, np.maximum)  # interpreted running max: nu
 def _expert_rows(offsets_ptr, M_cap, E, BLOCK_E: tl.constexpr):
     """``(e_ids, e_valid, starts s_e, ends t_e)`` over ``BLOCK_E`` lanes: expert ``e`` owns rows ``[s_e, t_e)``, the
     offsets clamped to ``[0, M_cap]`` and made non-decreasing (a running max, as JAX's ``tile_metadata``), so that the
-    experts' rows never overlap, whatever the offsets: the static grid then covers every owned row (review, session
-    11: ``[0, 48, 0, 64]`` made two ranges overlap and rows 48-63 were never written), and the rows the kernels do not
+    experts' rows never overlap, whatever the offsets: the static grid then covers every owned row (without it,
+    ``[0, 48, 0, 64]`` made two ranges overlap and rows 48-63 were never written), and the rows the kernels do not
     write are exactly those :func:`_zero_unowned_rows_kernel` zeroes."""
     e_ids = tl.arange(0, BLOCK_E)
     e_valid = e_ids < E
@@ -857,18 +850,14 @@ def tuned_bf16_options(x, w) -> dict:
     return {} if tuned is None else dict(tuned[1])
 
 
-#: Its shared-memory ring depth: 5 stages were best or level at every measured shape (H200, session 13).
+#: Its shared-memory ring depth: 5 stages were best or level at every measured shape (BENCHMARKS.md).
 GLUON_STAGES = 5
 #: The FP8-block Gluon kernel takes split-N work items of 64 rows (``block_m=64``: 64 x 256 tiles, 4 stages) where
 #: the experts average at most this many rows (``M_cap <= GLUON_SPLIT_N_MAX_ROWS_PER_EXPERT * E``), 128-row items
 #: (128 x 128 tiles, :data:`GLUON_STAGES`) above. An expert of r rows takes ``ceil(r / 64)`` items of 64 rows instead
 #: of ``2 * ceil(r / 128)`` halves of 128: fewer where ``r % 128`` is in (0, 64], e.g. 3 instead of 4 at 130-192
-#: rows, DeepSeek-V3's ~128 rows an expert at T=4096 (``gluon.py: grouped_gemm_gluon_fp8_block``). H200, session 17
-#: (``benchmarks/results/2026-12-03_h200_session17/splitn_ab.py``, median ms of two interleaved runs, 128-row items
-#: with 5 stages / 64-row items with 4; outputs bit-identical), gate_up (K=7168, N=4096) and down (K=2048, N=7168):
-#: E=32 at 128 rows an expert 0.325 / 0.311 and 0.163 / 0.168; at 160 rows 0.595 / 0.457 and 0.279 / 0.238; E=64 at
-#: 256 rows 1.010 / 1.046 and 0.563 / 0.578; E=32 at 512 rows 0.893 / 0.966 and 0.524 / 0.517; DeepSeek-V3's routed
-#: rows at T=4096 (217 experts, up to 1333 rows) 3.268 / 2.964 and 1.593 / 1.616.
+#: rows, DeepSeek-V3's ~128 rows an expert at T=4096 (``gluon.py: grouped_gemm_gluon_fp8_block``). 192 because the
+#: 64-row items won at 128-192 rows an expert and lost from 256 (``splitn_ab.py``, bit-identical outputs; BENCHMARKS.md).
 GLUON_SPLIT_N_MAX_ROWS_PER_EXPERT = 192
 #: The split-N items' ring depth (40 KiB a stage; 4 is the deepest with the TMA epilogue).
 GLUON_SPLIT_N_STAGES = 4
@@ -884,10 +873,8 @@ def gluon_fp8_block_options(M_cap: int, E: int) -> dict:
 
 #: The rowwise FP8 Gluon kernel's tile width, ring depth and promotion group (128-wide K blocks chained in the
 #: tensor cores before a float32 add; 0: none, the whole K in the tensor cores' limited-precision accumulation).
-#: H200, session 14: the E=32 FP8 per-token torch layer at T=4096 3.82 -> 3.48 ms with promote 2 (error 7.1e-3 vs
-#: the reference; promote 4: 3.50 ms, 8.6e-3; 8: 1.05e-2 and none: 1.96e-2, over the contract's 1e-2).
-#: 5 stages with the TMA epilogue (session 16, E=32, M=16384, median ms of two runs, 4 / 5 stages): gate_up uniform
-#: 0.855 / 0.826, Zipf 0.993 / 0.961, down uniform 0.458 / 0.463, Zipf 0.560 / 0.528.
+#: Promote 2: the fastest group whose error stays well inside the contract's 1e-2 (8 and none exceed it); 5 stages
+#: with the TMA epilogue: level or faster than 4 at every measured shape (BENCHMARKS.md).
 GLUON_ROWWISE_BLOCK_N = 128
 GLUON_ROWWISE_STAGES = 5
 GLUON_ROWWISE_PROMOTE = 2
@@ -939,8 +926,7 @@ def gluon_fp8_block_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, 
 
 def gluon_fp8_rowwise_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> bool:
     """Whether :func:`grouped_gemm_triton` (no explicit config) runs this request on the Gluon rowwise kernel
-    (``gluon.py: grouped_gemm_gluon_fp8_rowwise``): :data:`triton_common.GLUON_FP8_ROWWISE_ENV` on (the default
-    since session 14); FP8 ``x`` with per-token scales
+    (``gluon.py: grouped_gemm_gluon_fp8_rowwise``): :data:`triton_common.GLUON_FP8_ROWWISE_ENV` on (the default); FP8 ``x`` with per-token scales
     ``[M_cap, 1]`` and ``w [E, N, K]`` with per-channel scales ``[E, N]``; and what :func:`_gluon_eligible` asks.
     Host-side only (no sync)."""
     if (x_scale is None or w_scale is None or tuple(x_scale.shape) != (x.shape[0], 1)

@@ -40,11 +40,10 @@ Given the forward ``y[m] = x[m] @ w[e(m)].T`` (``x [M_cap, K]``, ``w [E, N, K]``
   of ``d_y`` / ``w`` off 16 bytes, ``w.stride(0) != N * w.stride(1)``, ``M_cap`` or ``E * N`` of 2**31 or more:
   int32 coordinates). Those refusals are for a caller's config; the default (``config.py:
   grouped_gemm_dgrad_config``: the heuristic's tiles with ``tma=True`` for 16-bit ``d_y`` and ``w`` on sm_90 at
-  ``M_cap >= 4096`` with wgmma row tiles, unless ``EPMOE_TRITON_TMA_DGRAD=0``; on by default since session 16) falls
-  back to the pointer kernel with the same tiles and launch order. H200, E=32, M=16384 (session 16, BENCHMARKS.md;
-  ``do_bench`` medians): gate_up pointer 1.72 ms, TMA 1.53-1.56 with the heuristic's tiles, 1.36 with the tuned entry
-  (``tuned/NVIDIA_H200.json``, ``tune_triton_gemm.py --ops dgrad``); down 0.94, 0.76-0.79, 0.75; ``torch._grouped_mm``
-  1.52 / 0.77 in the same run. Its GPU tests and ``compute-sanitizer --tool memcheck`` passed there.
+  ``M_cap >= 4096`` with wgmma row tiles, unless ``EPMOE_TRITON_TMA_DGRAD=0``) falls back to the pointer kernel with the same tiles and launch
+  order. On by default because it beat the pointer loads on both of the layer's dgrads, most with the tuned entries
+  (``tuned/NVIDIA_H200.json``, ``tune_triton_gemm.py --ops dgrad``), level with or ahead of ``torch._grouped_mm``
+  (BENCHMARKS.md).
 
 * **wgrad** ``d_w[e] = d_y[rows(e)].T @ x[rows(e)]`` -> ``[E, N, K]``: a K-grouped GEMM (the
   contraction runs over each expert's rows, after jax's
@@ -348,7 +347,7 @@ def grouped_gemm_dgrad_triton(
     ``"op": "dgrad"`` entry, ``benchmarks/tune_triton_gemm.py --ops dgrad``, where one fits (a TMA one unless
     ``EPMOE_TRITON_TMA_DGRAD=0``); else the heuristic, on sm_90 through the TMA variant for 16-bit ``d_y`` and ``w`` at
     ``M_cap >= 4096`` unless ``EPMOE_TRITON_TMA_DGRAD=0``). An explicit ``config`` wins. Without one,
-    ``EPMOE_TRITON_GLUON_DGRAD=1`` (off by default: level with the tuned TMA dgrad, session 16) sends what
+    ``EPMOE_TRITON_GLUON_DGRAD=1`` (off by default: level with the tuned TMA dgrad) sends what
     :func:`gluon_dgrad_eligible` accepts to ``gluon_bf16.py: grouped_gemm_gluon_dgrad`` (its own zeroing of the unowned rows) with its
     ``DGRAD_DISPATCH_OPTIONS``.
 

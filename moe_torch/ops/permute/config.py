@@ -1,7 +1,7 @@
 """Launch configs of the Triton ``routing_metadata`` and ``permute`` kernels (``moe_torch/ops/permute/triton.py``).
 
-Frozen, keyword-only dataclasses and the heuristics that pick them from the problem shape
-(STYLE.md "Configs"). Every constant says why it has its value.
+Frozen, keyword-only dataclasses and the heuristics that pick them from the problem shape.
+Every constant says why it has its value.
 """
 
 from __future__ import annotations
