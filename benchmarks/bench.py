@@ -993,7 +993,7 @@ def tokamax_ragged_dots(ctx: Ctx, bench: str, spec, notes: str | None) -> list[t
             tokamax = import_tokamax()
         except Exception as exc:
             skip_row(ctx, bench, name, spec, f"tokamax not importable ({short_error(exc)[:160]}); it is a benchmark-only "
-                     "peer: install its wheels (ENVIRONMENT.md)", notes=notes)
+                     "peer: install its wheels (pip install tokamax)", notes=notes)
             continue
         peers.append((name, lambda a, b, gs, impl=impl: tokamax.ragged_dot(a, b, gs, implementation=impl),
                       f"tokamax {getattr(tokamax, '__version__', '?')} implementation={impl!r}"))

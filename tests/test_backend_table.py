@@ -294,7 +294,7 @@ def test_launch_config_lookup_skips_backend_choices(tmp_path, monkeypatch):
 
 
 def test_seeded_h200_table_is_valid_and_cites_its_sources():
-    """The table in the tree: every entry well-formed, its source a file in the tree (or issue 14), and the
+    """The table in the tree: every entry well-formed, its source a file in the tree, and the
     measured findings in it: DeepSeek-V3's FP8-block GEMMs on Mosaic GPU (its warp-specialized FP8 kernel). The table
     is the architecture's (``tuned/sm90.json``): an H100 gets the same choices, an A100 (sm80) none (the heuristic
     order)."""
@@ -306,7 +306,7 @@ def test_seeded_h200_table_is_valid_and_cites_its_sources():
     assert backend_table.backend_choices(a100).entries() == ()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for e in entries:
-        assert e["source"].startswith("issue 14") or os.path.exists(os.path.join(root, e["source"])), e["source"]
+        assert os.path.exists(os.path.join(root, e["source"])), e["source"]
     for N, K in ((4096, 7168), (7168, 2048)):
         for hopper in (h200, h100):
             assert backend_table.gpu_order("grouped_gemm", "fp8_block", 2048, N, K, hopper)[0] == "pallas_mosaic_gpu"
