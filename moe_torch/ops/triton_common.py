@@ -89,7 +89,7 @@ def gluon_wgrad_enabled() -> bool:
 
 #: Environment switch, read at each launch of a torch ``grouped_gemm_dgrad`` on the Triton backend without an explicit
 #: config (:func:`tma_dgrad_enabled`): unset, empty or 1/true/on/yes (the default) runs 16-bit ``d_y``
-#: and ``w`` on sm_90 at ``M_cap >= DGRAD_TMA_MIN_ROWS`` (or a tuned TMA entry, ``tuned/NVIDIA_H200.json``) through the
+#: and ``w`` on sm_90 at ``M_cap >= DGRAD_TMA_MIN_ROWS`` (or a tuned TMA entry, ``tuned/sm90.json``) through the
 #: dgrad's TMA variant (``moe_torch/ops/grouped_gemm/config.py: grouped_gemm_dgrad_config``; ``triton_backward.py``,
 #: "TMA variant"); 0/false/off/no keeps the pointer loads (the same tiles and launch order, or the tuned entry's
 #: ``pointer_config``). On by default because the TMA loads beat the pointer loads on both of the layer's dgrads,

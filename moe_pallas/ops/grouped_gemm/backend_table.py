@@ -36,7 +36,6 @@ Mirror: ``moe_torch/ops/grouped_gemm/config.py``'s tuned forward kernel choice (
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import jax
@@ -46,18 +45,11 @@ from moe_contract.selection import DeviceSpec, TunedTables
 from moe_pallas.ops.dispatch import CPU_ORDER, GPU_ORDER
 from moe_pallas.ops.grouped_gemm import config as gemm_config
 from moe_pallas.ops.grouped_gemm import kernels
-from moe_pallas.ops.grouped_gemm.config import gpu_device_spec
+from moe_pallas.ops.grouped_gemm.config import (BACKEND_CHOICE, KERNEL_BACKENDS, OPS, OPTIONAL_KEYS,  # noqa: F401
+                                                REQUIRED_KEYS, backend_choice_problem as entry_problem,
+                                                gpu_device_spec)
 from moe_pallas.ops.grouped_gemm.pallas_triton import scale_kinds
 
-#: The ``"kind"`` of a backend-choice entry in the tuned file.
-BACKEND_CHOICE = "backend_choice"
-#: The ops a backend choice can be stored for (the public functions of ``api.py``).
-OPS = ("grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad")
-#: The backends a table can choose (the reference is never a measured choice: it is always last).
-KERNEL_BACKENDS = ("pallas_mosaic_gpu", "pallas_triton")
-#: Keys every backend choice has, and the optional ones.
-REQUIRED_KEYS = ("kind", "op", "layout", "E", "N", "K", "M_cap", "backend", "ms", "source", "date", "command")
-OPTIONAL_KEYS = ("device", "routings", "git", "measured", "note")
 #: Short names of the float dtypes in layouts.
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float8_e4m3fn": "fp8"}
 
@@ -104,37 +96,6 @@ def heuristic_order(op: str, layout: str) -> tuple[str, ...]:
     and layout: the warp-specialized Mosaic kernels are the faster ones on sm_90 wherever both were measured
     (BENCHMARKS.md), and ``kernels.runnable`` drops Mosaic GPU off sm_90."""
     return GPU_ORDER
-
-
-def entry_problem(t: dict) -> str | None:
-    """Why ``t`` is not a valid backend choice (``None``: it is); see the module docstring."""
-    missing = [k for k in REQUIRED_KEYS if k not in t]
-    if missing:
-        return f"missing keys {missing}"
-    unknown = sorted(set(t) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
-    if unknown:
-        return f"unknown keys {unknown} (allowed: {REQUIRED_KEYS + OPTIONAL_KEYS})"
-    if t["op"] not in OPS:
-        return f"op must be one of {OPS}; got op={t['op']!r}"
-    if not isinstance(t["layout"], str) or not t["layout"]:
-        return f"layout must be a non-empty string; got layout={t['layout']!r}"
-    for k in ("E", "N", "K", "M_cap"):
-        if not isinstance(t[k], int) or isinstance(t[k], bool) or t[k] < 1:
-            return f"{k} must be an int >= 1; got {k}={t[k]!r}"
-    if t["backend"] not in KERNEL_BACKENDS:
-        return f"backend must be one of {KERNEL_BACKENDS}; got backend={t['backend']!r}"
-    ms = t["ms"]
-    if (not isinstance(ms, dict) or len(ms) < 2 or not set(ms) <= set(KERNEL_BACKENDS)
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-                       for v in ms.values())):
-        return (f"ms must map at least two of {KERNEL_BACKENDS} to their measured median ms (> 0); "
-                f"got ms={ms!r}")
-    if t["backend"] not in ms or ms[t["backend"]] > min(ms.values()):
-        return f"backend must be the fastest in ms; got backend={t['backend']!r}, ms={ms!r}"
-    for k in ("source", "date", "command"):
-        if not isinstance(t[k], str) or not t[k]:
-            return f"{k} (provenance) must be a non-empty string; got {k}={t[k]!r}"
-    return None
 
 
 def check_entries(entries: Sequence[dict], where: str) -> list[dict]:

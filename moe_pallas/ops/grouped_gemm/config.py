@@ -34,7 +34,6 @@ import functools
 import math
 import os
 
-import jax
 from jax.experimental import pallas as pl
 
 from moe_contract.selection import DeviceSpec, TunedTables
@@ -494,12 +493,58 @@ def gpu_device_spec() -> DeviceSpec | None:
     return device_spec()
 
 
+# --- Backend choices (``backend_table.py`` reads them; their schema lives here so the tables are checked on read)
+
+#: The ``"kind"`` of a backend-choice entry in the tuned file.
+BACKEND_CHOICE = "backend_choice"
+#: The ops a backend choice can be stored for (the public functions of ``api.py``).
+OPS = ("grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad")
+#: The backends a table can choose (the reference is never a measured choice: it is always last).
+KERNEL_BACKENDS = ("pallas_mosaic_gpu", "pallas_triton")
+#: Keys every backend choice has, and the optional ones.
+REQUIRED_KEYS = ("kind", "op", "layout", "E", "N", "K", "M_cap", "backend", "ms", "source", "date", "command")
+OPTIONAL_KEYS = ("device", "routings", "git", "measured", "note")
+
+def backend_choice_problem(t: dict) -> str | None:
+    """Why ``t`` is not a valid backend choice (``None``: it is); the schema is ``backend_table.py``'s module
+    docstring."""
+    missing = [k for k in REQUIRED_KEYS if k not in t]
+    if missing:
+        return f"missing keys {missing}"
+    unknown = sorted(set(t) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
+    if unknown:
+        return f"unknown keys {unknown} (allowed: {REQUIRED_KEYS + OPTIONAL_KEYS})"
+    if t["op"] not in OPS:
+        return f"op must be one of {OPS}; got op={t['op']!r}"
+    if not isinstance(t["layout"], str) or not t["layout"]:
+        return f"layout must be a non-empty string; got layout={t['layout']!r}"
+    for k in ("E", "N", "K", "M_cap"):
+        if not isinstance(t[k], int) or isinstance(t[k], bool) or t[k] < 1:
+            return f"{k} must be an int >= 1; got {k}={t[k]!r}"
+    if t["backend"] not in KERNEL_BACKENDS:
+        return f"backend must be one of {KERNEL_BACKENDS}; got backend={t['backend']!r}"
+    ms = t["ms"]
+    if (not isinstance(ms, dict) or len(ms) < 2 or not set(ms) <= set(KERNEL_BACKENDS)
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                       for v in ms.values())):
+        return (f"ms must map at least two of {KERNEL_BACKENDS} to their measured median ms (> 0); "
+                f"got ms={ms!r}")
+    if t["backend"] not in ms or ms[t["backend"]] > min(ms.values()):
+        return f"backend must be the fastest in ms; got backend={t['backend']!r}, ms={ms!r}"
+    for k in ("source", "date", "command"):
+        if not isinstance(t[k], str) or not t[k]:
+            return f"{k} (provenance) must be a non-empty string; got {k}={t[k]!r}"
+    return None
+
+
 def entry_problem(t: dict) -> str | None:
-    """Why ``t`` is not a valid JAX launch-config entry (``None``: it is, or it is a backend choice, which
-    ``backend_table.py`` checks): ``"backend"`` one of the two kernels, ``"op"`` one of :data:`TUNED_OPS`, a string
+    """Why ``t`` is not a valid JAX tuned entry (``None``: it is): a backend choice (``"kind"``) by
+    :func:`backend_choice_problem`; a launch config: ``"backend"`` one of the two kernels, ``"op"`` one of :data:`TUNED_OPS`, a string
     ``"dtype"``, a ``"config"`` object that builds the backend's config dataclass."""
     if "kind" in t:
-        return None
+        if t["kind"] != BACKEND_CHOICE:
+            return f"has kind={t['kind']!r}; the known kind is {BACKEND_CHOICE!r} (launch configs have no 'kind')"
+        return backend_choice_problem(t)
     backend, op = t.get("backend"), t.get("op", "fwd")
     if backend not in (TRITON_BACKEND, MOSAIC_BACKEND):
         return f"backend must be one of {(TRITON_BACKEND, MOSAIC_BACKEND)}; got backend={backend!r}"

@@ -295,7 +295,7 @@ def tuned_forward_kernel(device: DeviceSpec | None, M_cap: int, N: int, K: int, 
     with ``kernel`` the entry's ``"kernel"`` (:data:`FORWARD_KERNELS`; ``"triton"`` for an entry without one) and
     ``options`` its ``"gluon_config"`` (the fastest Gluon options the tuner timed, stored whatever kernel won) restricted
     to :data:`GLUON_FORWARD_OPTION_KEYS`, unchecked (``{}`` without one). ``None`` for other widths (``bits != 16``),
-    without a device name or an entry, or for an unknown ``"kernel"``: the dispatch's default.
+    without a device spec or an entry: the dispatch's default.
 
     Read by the dispatch (``triton.py: gluon_bf16_options``) after ``EPMOE_TRITON_GLUON_BF16``: unset, the Gluon
     kernel runs where this says ``"gluon"`` (and ``gluon_bf16.py: forward_eligible`` accepts); ``1`` runs it with
@@ -412,7 +412,7 @@ def nearest_backward_entry(op: str, device: DeviceSpec | None, M_cap: int, N: in
     dtype (``bits``: ``"bf16"`` for 16-bit; no float32 entries are tuned) and, unless ``out_bits`` is ``None``,
     ``"out_dtype"``, with the nearest ``M_cap`` in log2 within a factor :data:`BACKWARD_TUNED_MAX_RATIO` (ties: the
     first stored), as the forward's
-    :func:`grouped_gemm_config`; ``None`` without a device name or a match. The whole entry (its ``"config"`` and, for
+    :func:`grouped_gemm_config`; ``None`` without a device spec or a match. The whole entry (its ``"config"`` and, for
     the dgrad, ``"pointer_config"``; for the wgrad ``"kernel"`` and ``"triton_config"``)."""
     dtype = _BWD_DTYPE_KEYS.get(bits)
     if device is None or dtype is None:
@@ -451,7 +451,7 @@ def grouped_gemm_dgrad_config(M_cap: int, N: int, K: int, E: int, bits: int, w_b
     16-bit ``d_y`` (``bits``), 16-bit weights (not ``w_fp8``), ``M_cap >=`` :data:`DGRAD_TMA_MIN_ROWS` and the tile's
     ``block_m >=`` :data:`DGRAD_TMA_MIN_BLOCK_M`. The TMA tiles at ``M_cap >= DGRAD_WIDE_MIN_ROWS`` are
     :data:`DGRAD_WIDE_CONFIG`'s 128 x 256 over 8 warps, the shape of the forward's tuned TMA entries at M=16384
-    (``tuned/NVIDIA_H200.json``). A request the descriptors cannot address (``N % block_k``, alignment) runs the
+    (``tuned/sm90.json``). A request the descriptors cannot address (``N % block_k``, alignment) runs the
     pointer kernel with the same tiles (``triton_backward.py: _launch_dgrad``), a tuned TMA default too. An explicit
     ``config`` of the kernel bypasses this function."""
     entry = None if w_fp8 else nearest_backward_entry("dgrad", device, M_cap, N, K, bits, out_bits)

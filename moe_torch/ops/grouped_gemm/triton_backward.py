@@ -42,7 +42,7 @@ Given the forward ``y[m] = x[m] @ w[e(m)].T`` (``x [M_cap, K]``, ``w [E, N, K]``
   grouped_gemm_dgrad_config``: the heuristic's tiles with ``tma=True`` for 16-bit ``d_y`` and ``w`` on sm_90 at
   ``M_cap >= 4096`` with wgmma row tiles, unless ``EPMOE_TRITON_TMA_DGRAD=0``) falls back to the pointer kernel with the same tiles and launch
   order. On by default because it beat the pointer loads on both of the layer's dgrads, most with the tuned entries
-  (``tuned/NVIDIA_H200.json``, ``tune_triton_gemm.py --ops dgrad``), level with or ahead of ``torch._grouped_mm``
+  (``tuned/sm90.json``, ``epmoe tune --ops dgrad``), level with or ahead of ``torch._grouped_mm``
   (BENCHMARKS.md).
 
 * **wgrad** ``d_w[e] = d_y[rows(e)].T @ x[rows(e)]`` -> ``[E, N, K]``: a K-grouped GEMM (the
@@ -413,7 +413,7 @@ def _launch_dgrad(op, d_y, w, expert_offsets, w_scale, out, config):
     w_block = layout == "block"
     w_fp8 = w.dtype == FP8_DTYPE
     # the default: the device's tuned entry or the heuristic's tiles, through the TMA variant where
-    # grouped_gemm_dgrad_config says (the switch is read at every launch; the capability and the device name are
+    # grouped_gemm_dgrad_config says (the switch is read at every launch; the device spec is
     # cached: no sync)
     cfg = config or _dgrad_config(M_cap, N, K, E, bits, w_block, w_fp8=w_fp8, sm90=_is_sm90(d_y.device),
                                   tma=tma_dgrad_enabled(), device=device_spec(d_y.device) if d_y.is_cuda else None,
