@@ -255,7 +255,7 @@ def test_fp8_block_gemm_rows_judged_and_tokamax_peer_skipped_on_cpu(tmp_path, mo
     bench.bench_gemm(ctx, spec, bench.GemmWeights())
     rows = {r["backend"]: r for r in ctx.rows}
     assert list(rows) == ["ours-torch-triton", "ours-jax-pallas_triton", "ours-jax-pallas_mosaic_gpu",
-                          "torch._scaled_grouped_mm"]
+                          "ours-jax-default", "torch._scaled_grouped_mm"]
     for name in ("ours-torch-triton", "ours-jax-pallas_triton"):
         r = rows[name]
         assert r["error"] is None and r["dtype"] == "fp8_block" and r["K"] == 256 and r["N"] == 160, r
@@ -1195,35 +1195,33 @@ def test_sass_gemm_counts_the_k_loop_of_the_4bit_decode():
         sass_gemm.hottest_loop("        /*0000*/                   EXIT ;\n")
 
 
-def test_tuners_keep_the_whole_table_and_refuse_the_other_frameworks(tmp_path):
-    """On the GPU machine both tuners default ``--out`` to ``$OUT`` and write the same file name; the
-    torch tuner's new file there held only its new entries, and the JAX tuner then read it and died on a KeyError.
-    Now a new output file starts from the tree's table (the written file is the whole table), an existing one
-    keeps its own entries, and each tuner refuses the other framework's table with a ValueError naming it."""
+def test_tuners_keep_their_table_and_refuse_the_other_frameworks(tmp_path):
+    """Both tuners can be pointed at the same folder and write the same file name: an existing file keeps its own
+    entries, a new one starts empty, and each tuner refuses the other framework's table with a ValueError naming it
+    (the JAX tuner used to die on a KeyError reading the torch tuner's file)."""
     from moe_pallas.ops.grouped_gemm import tune as tj
     from moe_torch.ops.grouped_gemm import tune as tt
 
-    tree, out = tmp_path / "tree", tmp_path / "out"
-    tree.mkdir(), out.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
     torch_entry = {"device": "T", "E": 32, "N": 4096, "K": 7168, "M_cap": 256, "dtype": "bf16", "config": {}}
     jax_entry = {**torch_entry, "backend": "pallas_triton", "fast_accum": None}
     choice = {"kind": "backend_choice", "N": 4096}
-    (tree / "T.json").write_text(json.dumps([torch_entry]))
-    kept = tt.kept_entries(str(out / "T.json"), str(tree))
-    assert list(kept.values()) == [torch_entry]  # a new file in $OUT starts from the tree's table
+    assert tt.kept_entries(str(out / "T.json")) == {}  # a new file starts empty
     (out / "T.json").write_text(json.dumps([{**torch_entry, "M_cap": 2048}]))
-    assert [e["M_cap"] for e in tt.kept_entries(str(out / "T.json"), str(tree)).values()] == [2048]
+    assert [e["M_cap"] for e in tt.kept_entries(str(out / "T.json")).values()] == [2048]
     (out / "T.json").write_text(json.dumps([jax_entry, choice]))
     with pytest.raises(ValueError, match="is not a moe_torch table: 2 entries name a JAX backend"):
-        tt.kept_entries(str(out / "T.json"), str(tree))
-    src, configs, others = tj.kept_entries(str(out / "T.json"), None, str(tree))
+        tt.kept_entries(str(out / "T.json"))
+    src, configs, others = tj.kept_entries(str(out / "T.json"), None)
     assert src == str(out / "T.json") and list(configs.values()) == [jax_entry] and others == [choice]
-    (tree / "J.json").write_text(json.dumps([jax_entry, choice]))
-    assert tj.kept_entries(str(out / "J.json"), None, str(tree))[1:] == ({tj.entry_key(jax_entry): jax_entry}, [choice])
+    (out / "J.json").write_text(json.dumps([jax_entry, choice]))
+    assert tj.kept_entries(str(out / "new.json"), str(out / "J.json"))[1:] == (
+        {tj.entry_key(jax_entry): jax_entry}, [choice])  # --merge names the file kept
     (out / "T2.json").write_text(json.dumps([torch_entry]))
     with pytest.raises(ValueError, match="is not a JAX table: 1 entries have no \"backend\""):
-        tj.kept_entries(str(out / "T2.json"), None, str(tree))
-    assert tj.kept_entries(str(out / "none.json"), None, str(tree)) == (None, {}, [])
+        tj.kept_entries(str(out / "T2.json"), None)
+    assert tj.kept_entries(str(out / "none.json"), None) == (None, {}, [])
 
 
 def test_jax_tuner_routings_and_ws_only(monkeypatch):
