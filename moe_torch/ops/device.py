@@ -6,10 +6,13 @@ Mirror: ``moe_pallas/ops/device.py``.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from moe_contract.selection import DeviceSpec
+
+log = logging.getLogger("moe_torch")
 
 
 @functools.cache
@@ -17,8 +20,12 @@ def _cuda_spec(index: int) -> DeviceSpec:
     p = torch.cuda.get_device_properties(index)
     # the opt-in maximum a kernel may ask for (227 KiB on sm_90), not the 48 KiB default
     smem = getattr(p, "shared_memory_per_block_optin", 0) or p.shared_memory_per_block
-    return DeviceSpec(kind=p.name, capability=(p.major, p.minor), sm_count=p.multi_processor_count,
+    spec = DeviceSpec(kind=p.name, capability=(p.major, p.minor), sm_count=p.multi_processor_count,
                       smem_per_block=int(smem))
+    if not spec.is_hopper:  # said once per device: the defaults take the portable kernels here
+        log.info("%s: the sm_90 kernels (Gluon warp-specialized, Triton TMA) do not run here; the grouped GEMMs "
+                 "default to the portable Triton pointer kernels", spec.describe())
+    return spec
 
 
 def device_spec(device: torch.device | str | None = None) -> DeviceSpec | None:
