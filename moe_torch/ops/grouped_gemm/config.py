@@ -324,7 +324,7 @@ def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int, x_group: 
     (:func:`tuned_forward_kernel`): its ``"config"`` is always the Triton kernel's."""
     best = nearest_forward_entry(device, M_cap, N, K, bits, w_block, w_format)
     candidates = [GroupedGemmConfig(**best["config"])] if best is not None else []  # absent keys: the defaults
-    if device is not None and device.capability >= (9, 0):
+    if device is not None and device.is_hopper:  # measured on sm_90 only
         candidates.append(hopper_wide_config(M_cap, N, K, E, bits))
     for cfg in candidates:
         if cfg is None:
