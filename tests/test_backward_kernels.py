@@ -304,6 +304,60 @@ def test_pallas_select_experts_backward(case, dtype, config):
         assert_rel_fro(got, tri, GRAD_F32_REL_FRO, "Pallas vs Triton")
 
 
+def _gate_grad(fw: str, impl: str, logits: np.ndarray, d_w: np.ndarray, kw: dict):
+    """``(topk_weights, topk_ids, d_router_logits)`` as numpy, through the framework's autodiff of
+    ``select_experts(implementation=impl)`` (the loss is ``sum(topk_weights * d_w)``)."""
+    if fw == "torch":
+        lg = to_torch(logits).requires_grad_(True)
+        w, ids = moe_torch.select_experts(lg, **kw, implementation=impl)
+        (w * to_torch(d_w)).sum().backward()
+        return to_numpy(w.detach()), to_numpy(ids), to_numpy(lg.grad)
+    (w, ids), vjp = jax.vjp(lambda lg: moe_pallas.select_experts(lg, **kw, implementation=impl), to_jax(logits))
+    (d_lg,) = vjp((to_jax(d_w), np.zeros(ids.shape, jax.dtypes.float0)))
+    return to_numpy(w), to_numpy(ids), to_numpy(d_lg)
+
+
+@pytest.mark.parametrize("fw,impl", [("torch", "reference"), ("torch", "triton"), ("jax", "reference"),
+                                     ("jax", "pallas_triton")])
+def test_sigmoid_gate_unchosen_nan_logit_gets_zero_gradient(fw, impl):
+    """CONTRACT.md section 8: in the sigmoid routings ``d_logit`` is exactly 0 off the chosen experts, also where
+    that logit is NaN (section 1 ranks it last; ``s * (1 - s)`` is NaN there, and NaN * 0 was NaN in all four
+    implementations). The chosen experts' gradient is the one of the same logits with the NaN made a finite
+    never-chosen value. softmax_topk: a NaN in a row makes every ``p`` of the row NaN, so the forward's weights
+    are NaN and the chain rule gives NaN for that row (section 8 defines no 0 there); the other rows stay exact."""
+    E = 8
+    d_w = np.array([[0.7, -1.3], [0.4, 0.9]], np.float32)
+    # sigmoid_topk, renormalized: the NaN (expert 0) and a -inf (expert 7) are never chosen.
+    sig = np.array([[np.nan, 1, 2, -1, .5, 3, 0, -np.inf], [0.3, -2, 1.5, np.nan, 2.5, -1, 0, 1]], np.float32)
+    # biased_grouped_topk, 4 groups of 2, one kept: the NaN sits in a dropped group.
+    biased = np.array([[2, 3, np.nan, -1, -2, 0, 1, -3], [0, 1, 2, 1, np.nan, 0.5, 3, 2.5]], np.float32)
+    bias = np.linspace(-0.2, 0.2, E).astype(np.float32)
+    cases = [
+        (sig, dict(topk=2, routing="sigmoid_topk", renormalize=True)),
+        (sig, dict(topk=2, routing="sigmoid_topk", renormalize=False, routed_scaling_factor=2.5,
+                   apply_routed_scaling_factor_on_output=True)),
+        (biased, dict(topk=2, routing="biased_grouped_topk", renormalize=True, num_expert_group=4, topk_group=1,
+                      e_score_correction_bias=to_torch(bias) if fw == "torch" else to_jax(bias))),
+    ]
+    for logits, kw in cases:
+        what = f"{kw['routing']} renormalize={kw['renormalize']}"
+        nan = np.isnan(logits)
+        w, ids, got = _gate_grad(fw, impl, logits, d_w, kw)
+        assert np.isfinite(w).all() and not nan[np.arange(2)[:, None], ids].any(), what
+        assert (got[nan] == 0).all(), f"{what}: d_logits at the unchosen NaN logits = {got[nan]}"
+        assert np.isfinite(got).all(), f"{what}: {got}"
+        clean = np.where(nan, np.float32(-30.0), logits)  # as low: chosen neither
+        w2, ids2, want = _gate_grad(fw, impl, clean, d_w, kw)
+        assert (ids2 == ids).all(), what
+        assert_rel_fro(got, want, GRAD_F32_REL_FRO, what)
+
+    logits = sig.copy()
+    logits[1, 3] = 0.0  # row 0 keeps its NaN, row 1 is finite
+    w, ids, got = _gate_grad(fw, impl, logits, d_w, dict(topk=2, routing="softmax_topk", renormalize=True))
+    assert np.isnan(w[0]).all() and np.isnan(got[0]).all(), "softmax_topk: a NaN row's weights and gradient"
+    assert np.isfinite(w[1]).all() and np.isfinite(got[1]).all(), "softmax_topk: the NaN must not leave its row"
+
+
 # --------------------------------------------------------------------------------------
 # dispatch and the differentiable ops' glue: the backward runs with the forward's implementation
 

@@ -173,7 +173,9 @@ def select_experts_backward(
     slots (sigmoid: ``/ (sum + 1e-20)``);
     times ``rsf`` when ``apply_routed_scaling_factor_on_output``. The shared-expert slots (the last
     ``num_fused_shared_experts`` columns) are constants: their gradient is ignored. Softmax couples
-    all ``E`` logits: ``d_logit = p * (d_p - sum(p * d_p))``; sigmoid: ``d_logit = d_s * s * (1 - s)``.
+    all ``E`` logits: ``d_logit = p * (d_p - sum(p * d_p))`` (a NaN logit makes its row's weights, and so its
+    gradient, NaN); sigmoid: ``d_logit = d_s * s * (1 - s)`` on the chosen experts, exactly 0 elsewhere (also
+    where the logit is NaN or +-inf).
 
     Args:
       router_logits: ``[T, E]`` float32 / bf16 / float16, the forward's input.

@@ -265,7 +265,9 @@ def _gate_backward_kernel(logits_ref, ids_ref, dw_ref, dl_ref, *, T: int, E: int
     for hit, g in zip(hits, gs):
         d_s = d_s + jnp.where(hit, g[:, None], 0.0)
     if sigmoid:
-        d_x = d_s * s * (1.0 - s)
+        # Exactly 0 off the chosen experts: an unchosen NaN logit has s = NaN, and NaN * 0 is NaN.
+        chosen = functools.reduce(jnp.logical_or, hits)
+        d_x = jnp.where(chosen, d_s * s * (1.0 - s), 0.0)
     else:
         d_x = s * (d_s - jnp.sum(s * d_s, axis=1)[:, None])
     plgpu.store(dl_ref.at[toks, pl.ds(jnp.int32(0), e_pad)], d_x, mask=row_ok[:, None] & col_ok)

@@ -102,7 +102,8 @@ def select_experts_backward_reference(
     Forward, per token: ``s = softmax(x)`` (or ``sigmoid(x)``: biased, sigmoid_topk); ``w_j = s[id_j]``;
     ``D = sum_j w_j`` (``+ 1e-20`` sigmoid); ``out_j = c * w_j / D`` (``c = rsf`` on output, else 1).
     Backward: ``g_j = c * d_out_j``; renormalized: ``d_w_j = (g_j - sum_k g_k w_k / D) / D``;
-    ``d_s[id_j] += d_w_j``; softmax: ``d_x = s * (d_s - sum(s * d_s))``; sigmoid: ``d_x = d_s * s * (1 - s)``.
+    ``d_s[id_j] += d_w_j``; softmax: ``d_x = s * (d_s - sum(s * d_s))``; sigmoid: ``d_x = d_s * s * (1 - s)``
+    on the chosen experts and exactly 0 elsewhere, even where the logit is NaN or +-inf.
     """
     cdt = torch.promote_types(router_logits.dtype, torch.float32)  # float64 only for the tests
     logits = router_logits.to(cdt)
@@ -123,5 +124,7 @@ def select_experts_backward_reference(
         g = (g - (g * w).sum(dim=-1, keepdim=True) / denom) / denom
     d_scores = torch.zeros((T, E), dtype=cdt, device=logits.device).scatter_add_(1, ids, torch.where(valid, g, 0.0))
     if sigmoid:
-        return d_scores * scores * (1.0 - scores)
+        # Exactly 0 off the chosen experts: an unchosen NaN logit has s = NaN, and NaN * 0 is NaN.
+        chosen = torch.zeros((T, E), dtype=torch.int32, device=logits.device).scatter_add_(1, ids, valid.int()) > 0
+        return torch.where(chosen, d_scores * scores * (1.0 - scores), 0.0)
     return scores * (d_scores - (scores * d_scores).sum(dim=-1, keepdim=True))

@@ -275,6 +275,7 @@ def _gate_backward_kernel(
         inner = tl.math.div_rn(acc, tl.where(tmask, denom, 1.0))  # padding tokens: no 0/0
         inv = tl.math.div_rn(tl.full([BLOCK_T], 1.0, tl.float32), tl.where(tmask, denom, 1.0))
     d_s = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    n_hit = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)  # slots choosing each expert (sigmoid: the 0 mask)
     for j in tl.static_range(TOPK):
         idj = tl.load(ids_ptr + tok * stride_ids + j, mask=tmask, other=-1)
         gj = tl.load(d_w_ptr + tok * stride_dw + j, mask=tmask, other=0.0)
@@ -282,9 +283,12 @@ def _gate_backward_kernel(
             gj = gj * rsf
         if RENORMALIZE:
             gj = (gj - inner) * inv
-        d_s += tl.where(col[None, :] == idj[:, None], gj[:, None], 0.0)
+        hit = col[None, :] == idj[:, None]
+        d_s += tl.where(hit, gj[:, None], 0.0)
+        n_hit += hit.to(tl.int32)
     if SIGMOID:
-        d_x = d_s * s * (1.0 - s)
+        # Exactly 0 off the chosen experts: an unchosen NaN logit has s = NaN, and NaN * 0 is NaN.
+        d_x = tl.where(n_hit > 0, d_s * s * (1.0 - s), 0.0)
     else:
         d_x = s * (d_s - tl.sum(s * d_s, axis=1)[:, None])
     tl.store(d_logits_ptr + tok[:, None] * stride_dl + col[None, :], d_x, mask=tmask[:, None] & cmask[None, :])
