@@ -100,6 +100,20 @@ def check_ids_in_range(op: str, name: str, ids_host: Any, num_experts: int) -> N
         )
 
 
+def check_offsets_values(op: str, offsets: Sequence[int], m_cap: int) -> None:
+    """The references' check of ``expert_offsets``' values (host ints, ``[E_local + 1]``): ``ValueError`` unless
+    they are non-decreasing within ``[0, M_cap]`` (CONTRACT.md section 4). The kernels take them unchecked (the
+    values would need a host sync there) and their result is then undefined."""
+    offsets = [int(v) for v in offsets]
+    for i, v in enumerate(offsets):
+        if v < 0 or v > m_cap or (i and v < offsets[i - 1]):
+            shown = "[" + ", ".join(map(str, offsets[:16])) + (", ...]" if len(offsets) > 16 else "]")
+            why = (f"offsets[{i}] = {v} < offsets[{i - 1}] = {offsets[i - 1]}" if 0 <= v <= m_cap
+                   else f"offsets[{i}] = {v} outside [0, {m_cap}]")
+            raise ValueError(f"{op}: expert_offsets must be non-decreasing and within [0, M_cap] = [0, {m_cap}] "
+                             f"(start at >= 0, end at <= M_cap); got {shown} ({why})")
+
+
 def check_activation_scale(op: str, name: str, scale: Any, x_shape: tuple[int, ...]) -> None:
     """An activation scale for ``x [rows, K]``: ``[]``, ``[rows, 1]`` or ``[rows, K // G]`` float32."""
     rows, K = x_shape

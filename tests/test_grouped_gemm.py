@@ -144,3 +144,58 @@ def test_grouped_gemm_jnp_chunked_rows_match_single_chunk(monkeypatch, fp8):
     chunked = moe_pallas.grouped_gemm(jx, jw, both(offsets)[0], **kw)
     assert_rel_fro(chunked, whole, 1e-6, "chunked vs whole")
     assert not to_numpy(chunked).astype(np.float32)[11:].any()
+
+
+#: Offsets the references refuse (CONTRACT.md section 4: non-decreasing within [0, M_cap]), M_cap = 8, E_local = 3,
+#: with the part of the message that names what came.
+BAD_OFFSETS = [([0, 5, 3, 8], r"offsets\[2\] = 3 < offsets\[1\] = 5"), ([-2, 1, 4, 8], r"offsets\[0\] = -2 outside"),
+               ([0, 2, 4, 9], r"offsets\[3\] = 9 outside \[0, 8\]")]
+
+
+def _reference_ops(mod, x, w, d_y, bias):
+    """``{op name: call(offsets)}`` for the four grouped GEMM ops on their reference implementation."""
+    ref = {"implementation": "reference"}
+    return {
+        "grouped_gemm": lambda off: mod.grouped_gemm(x, w, off, bias=bias, **ref),
+        "grouped_gemm_dgrad": lambda off: mod.grouped_gemm_dgrad(d_y, w, off, **ref),
+        "grouped_gemm_wgrad": lambda off: mod.grouped_gemm_wgrad(x, d_y, off, **ref),
+        "grouped_gemm_dbias": lambda off: mod.grouped_gemm_dbias(d_y, off, **ref),
+    }
+
+
+def _bad_offsets_case():
+    rng = np.random.default_rng(3)
+    return (rng.standard_normal((8, 4)).astype(np.float32), rng.standard_normal((3, 5, 4)).astype(np.float32),
+            rng.standard_normal((8, 5)).astype(np.float32), rng.standard_normal((3, 5)).astype(np.float32))
+
+
+def test_reference_bad_offsets_raise_torch():
+    """Decreasing, negative or past-M_cap offsets: each reference op raises ValueError naming the op, the argument
+    and the offsets (they used to drop or truncate rows silently: zeros where a decreasing expert's rows were)."""
+    x, w, d_y, bias = (torch.from_numpy(a).to(DEVICE) for a in _bad_offsets_case())
+    for op, call in _reference_ops(moe_torch, x, w, d_y, bias).items():
+        call(torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=DEVICE))  # well-formed: served
+        for off, came in BAD_OFFSETS:
+            with pytest.raises(ValueError, match=rf"^{op}: expert_offsets must be non-decreasing and within "
+                                                 rf"\[0, M_cap\] = \[0, 8\].*got \[.*\] \({came}"):
+                call(torch.tensor(off, dtype=torch.int32, device=DEVICE))
+
+
+def test_reference_bad_offsets_raise_jax():
+    """As the torch test, for concrete offsets (and through jax.grad of the forward, whose reference sees them
+    concrete); under jit the offsets are tracers and the reference cannot check them (documented)."""
+    import jax
+    import jax.numpy as jnp
+
+    x, w, d_y, bias = (jnp.asarray(a) for a in _bad_offsets_case())
+    for op, call in _reference_ops(moe_pallas, x, w, d_y, bias).items():
+        call(jnp.asarray([0, 3, 3, 8], jnp.int32))  # well-formed: served
+        for off, came in BAD_OFFSETS:
+            with pytest.raises(ValueError, match=rf"^{op}: expert_offsets must be non-decreasing and within "
+                                                 rf"\[0, M_cap\] = \[0, 8\].*got \[.*\] \({came}"):
+                call(jnp.asarray(off, jnp.int32))
+    bad = jnp.asarray(BAD_OFFSETS[0][0], jnp.int32)
+    loss = lambda x, w: moe_pallas.grouped_gemm(x, w, bad, implementation="reference").sum()  # noqa: E731
+    with pytest.raises(ValueError, match="grouped_gemm: expert_offsets must be non-decreasing"):
+        jax.grad(loss, argnums=(0, 1))(x, w)
+    jax.jit(loss)(x, w)  # tracers: unchecked, no error

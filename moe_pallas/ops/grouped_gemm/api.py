@@ -72,10 +72,12 @@ def grouped_gemm(
         ``x`` is; or 4-bit packed codes ``[E_local, N, K // 2]`` uint8 with ``w_format`` (two codes a
         byte, element ``2i`` in the low nibble; CONTRACT.md section 9).
       expert_offsets: ``[E_local + 1]`` int32, rows ``[offsets[e], offsets[e+1])`` use ``w[e]``;
-        rows ``>= offsets[-1]`` are not computed (zero in the result). Only the shape and dtype
-        are checked: the values would need a host sync. They must be non-decreasing within
-        ``[0, M_cap]`` (as ``routing_metadata`` makes them); the kernels clamp other values and
-        never address outside ``x`` or ``y``, but the result is then undefined.
+        rows ``>= offsets[-1]`` are not computed (zero in the result). They must be non-decreasing
+        within ``[0, M_cap]`` (as ``routing_metadata`` makes them). The kernels check only the shape and
+        dtype (the values would need a host sync): they clamp other values and never address outside
+        ``x`` or ``y``, but the result is then undefined. ``implementation="reference"`` raises ValueError
+        for such values when they are concrete (not under ``jax.jit``, where they are tracers), as do the
+        backward ops' references.
       x_scale: FP8 only, float32 dequantization multiplier: ``[]`` per-tensor, ``[M_cap, 1]``
         per-token, or ``[M_cap, K // G]`` per-token-group.
       w_scale: FP8: float32 ``[E_local]`` per-expert, ``[E_local, N]`` per-output-channel,
@@ -113,7 +115,8 @@ def grouped_gemm(
     cotangent as it comes, summed per expert in float32) in ``bias``'s dtype (CONTRACT.md section 8).
 
     Raises: ValueError (shapes, missing or unexpected scales, ``w_format`` missing for uint8 ``w`` or
-      given for another ``w``, ``K % 32 != 0`` with 4-bit ``w``, ``bias`` not ``[E_local, N]``), TypeError
+      given for another ``w``, ``K % 32 != 0`` with 4-bit ``w``, ``bias`` not ``[E_local, N]``; on the reference,
+      concrete ``expert_offsets`` not non-decreasing within ``[0, M_cap]``), TypeError
       (dtypes, ``bias``'s included; and when a gradient is asked through float8_e4m3fn inputs, which are
       not differentiable: CONTRACT.md section 8, or through a 4-bit ``w_scale``; raised when ``jax.grad`` /
       ``jax.vjp`` traces the call),

@@ -15,6 +15,11 @@ The backward (CONTRACT.md section 8), :func:`grouped_gemm_dgrad_reference` and
 :func:`grouped_gemm_wgrad_reference`, is written out expert by expert (see the note above them);
 :func:`grouped_gemm_dbias_reference` is a masked segment sum.
 
+Concrete ``expert_offsets`` (not a tracer) are checked on the host by each reference: offsets that decrease or
+leave ``[0, M_cap]`` raise ``ValueError`` naming the op. Under ``jax.jit`` (or any transformation that makes them
+tracers) the values are unknown when the reference is traced and the check cannot run; the result is then
+undefined, as the kernels'.
+
 Mirror: ``moe_torch/ops/grouped_gemm/reference.py``.
 """
 
@@ -22,13 +27,22 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from moe_contract.validation import check_offsets_values
 from moe_pallas.ops.common import cast_rounded
 from moe_pallas.ops.quant.reference import (dequantize_fp8_reference, dequantize_weight_4bit_reference,
                                             dequantize_weight_fp8_reference)
 
 #: Bytes of gathered float32 weights per chunk of rows.
 _CHUNK_BYTES = 1 << 30
+
+
+def _check_offsets(op: str, expert_offsets: jax.Array, M_cap: int) -> None:
+    """``ValueError`` (``check_offsets_values``) for concrete offsets that decrease or leave ``[0, M_cap]``; a
+    tracer (under ``jit``) passes unchecked: its values do not exist yet."""
+    if not isinstance(expert_offsets, jax.core.Tracer):
+        check_offsets_values(op, np.asarray(expert_offsets).tolist(), M_cap)
 
 
 def grouped_gemm_reference(
@@ -47,9 +61,13 @@ def grouped_gemm_reference(
     ``[E_local, N, K // 2]`` uint8 with ``w_scale [E_local, N, K // 32]``; each row's expert weights are
     dequantized in float32 and rounded to ``x.dtype``, then multiplied as float weights. ``bias``
     ``[E_local, N]`` (optional): each row's ``bias[e(m)]`` in float32 is added (after the FP8 scales) before
-    the rounding to ``out_dtype``."""
+    the rounding to ``out_dtype``.
+
+    Raises: ValueError (concrete ``expert_offsets`` not non-decreasing within ``[0, M_cap]``; not checked under
+    ``jit``)."""
     M_cap, K = x.shape
     E, N, _ = w.shape
+    _check_offsets("grouped_gemm", expert_offsets, M_cap)
     if E == 0 or N == 0:  # no expert (every row is past offsets[-1] = 0) or no column: nothing to gather
         return jnp.zeros((M_cap, N), out_dtype)
     rows = jnp.arange(M_cap, dtype=jnp.int32)
@@ -160,8 +178,12 @@ def grouped_gemm_dgrad_reference(
 
     float32 accumulation (``Precision.HIGHEST``); FP8 ``w`` through :func:`backward_weights_reference`.
     Rows ``>= M`` are zero, and their ``d_y`` never reaches the result (a window may load such rows;
-    ``where`` drops them). Expert by expert, ``R`` rows at a time (see above)."""
+    ``where`` drops them). Expert by expert, ``R`` rows at a time (see above).
+
+    Raises: ValueError (concrete ``expert_offsets`` not non-decreasing within ``[0, M_cap]``; not checked under
+    ``jit``)."""
     M_cap, N = d_y.shape
+    _check_offsets("grouped_gemm_dgrad", expert_offsets, M_cap)
     E, _, K = w.shape
     if M_cap == 0 or E == 0:
         return jnp.zeros((M_cap, K), out_dtype)
@@ -193,8 +215,12 @@ def grouped_gemm_wgrad_reference(
 
     ``E = expert_offsets.shape[0] - 1``; float32 accumulation (``Precision.HIGHEST``); an expert with
     no rows gets exactly 0; rows ``>= M`` never reach it (a window may load them; ``where`` drops
-    them). Expert by expert, ``R`` rows at a time."""
+    them). Expert by expert, ``R`` rows at a time.
+
+    Raises: ValueError (concrete ``expert_offsets`` not non-decreasing within ``[0, M_cap]``; not checked under
+    ``jit``)."""
     M_cap, K = x.shape
+    _check_offsets("grouped_gemm_wgrad", expert_offsets, M_cap)
     N = d_y.shape[1]
     E = expert_offsets.shape[0] - 1
     if M_cap == 0 or E == 0:
@@ -225,8 +251,12 @@ def grouped_gemm_dbias_reference(
 
     float32 accumulation (a ``segment_sum`` over the rows' experts, :func:`expert_row_ranges`' assignment),
     rounded once to ``out_dtype``; an expert with no rows gets exactly 0; rows ``>= M`` are dropped by
-    ``where`` before the sum (never by a multiplication: a NaN there must not leak)."""
+    ``where`` before the sum (never by a multiplication: a NaN there must not leak).
+
+    Raises: ValueError (concrete ``expert_offsets`` not non-decreasing within ``[0, M_cap]``; not checked under
+    ``jit``)."""
     M_cap, N = d_y.shape
+    _check_offsets("grouped_gemm_dbias", expert_offsets, M_cap)
     E = expert_offsets.shape[0] - 1
     if M_cap == 0 or E == 0:
         return jnp.zeros((E, N), out_dtype)

@@ -279,10 +279,11 @@ def grouped_gemm(
         ``x`` is; or 4-bit packed codes ``[E_local, N, K // 2]`` uint8 with ``w_format`` (two codes a
         byte, element ``2i`` in the low nibble; CONTRACT.md section 9).
       expert_offsets: ``[E_local + 1]`` int32, rows ``[offsets[e], offsets[e+1])`` use ``w[e]``;
-        rows ``>= offsets[-1]`` are not computed (zero in the result). Only the shape and dtype
-        are checked: the values would need a host sync. They must be non-decreasing within
-        ``[0, M_cap]`` (as ``routing_metadata`` makes them); the kernels clamp other values and
-        never address outside ``x`` or ``y``, but the result is then undefined.
+        rows ``>= offsets[-1]`` are not computed (zero in the result). They must be non-decreasing
+        within ``[0, M_cap]`` (as ``routing_metadata`` makes them). The kernels check only the shape and
+        dtype (the values would need a host sync): they clamp other values and never address outside
+        ``x`` or ``y``, but the result is then undefined. ``implementation="reference"`` reads them on
+        the host anyway and raises ValueError for such values.
       x_scale: FP8 only, float32 dequantization multiplier: ``[]`` per-tensor, ``[M_cap, 1]``
         per-token, or ``[M_cap, K // G]`` per-token-group.
       w_scale: FP8: float32 ``[E_local]`` per-expert, ``[E_local, N]`` per-output-channel,
@@ -318,7 +319,8 @@ def grouped_gemm(
     ``d_bias = grouped_gemm_dbias(d_y)`` in ``bias.dtype`` (CONTRACT.md section 8).
 
     Raises: ValueError (shapes, missing or unexpected scales, ``w_format`` missing for uint8 ``w`` or
-      given for another ``w``, ``K % 32 != 0`` with 4-bit ``w``, ``bias`` not ``[E_local, N]``), TypeError
+      given for another ``w``, ``K % 32 != 0`` with 4-bit ``w``, ``bias`` not ``[E_local, N]``; on the reference,
+      ``expert_offsets`` not non-decreasing within ``[0, M_cap]``), TypeError
       (dtypes, ``bias``'s included; a 4-bit ``w_scale`` that requires grad),
       NotImplementedError (``implementation="triton"`` where the kernel cannot run, e.g.
       per-token-group scales whose group ``K // x_scale.shape[1]`` has no power-of-2 divisor >= 32).
@@ -362,7 +364,7 @@ def grouped_gemm_dgrad(
         dtype, or float8_e4m3fn codes with ``w_scale``: straight-through, the weights dequantized
         (``q * w_scale``, a float32 product: ``w_scale`` multiplies) and rounded to ``d_y.dtype``.
       expert_offsets: ``[E_local + 1]`` int32, as for :func:`grouped_gemm` (non-decreasing within
-        ``[0, M_cap]``; not checked: a host sync).
+        ``[0, M_cap]``; checked by the reference only, which reads them on the host: ValueError).
       w_scale: FP8 ``w`` only, float32: ``[E_local]``, ``[E_local, N]`` or ``[E_local, ceil(N/128), ceil(K/128)]``.
       out_dtype: result dtype; default ``d_y.dtype``.
       implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"`` with a
@@ -427,7 +429,7 @@ def grouped_gemm_dbias(
     Args:
       d_y: ``[M_cap, N]`` float32 / bf16 / float16, the gradient of ``y``.
       expert_offsets: ``[E_local + 1]`` int32 (gives ``E_local``), as for :func:`grouped_gemm` (non-decreasing
-        within ``[0, M_cap]``; not checked: a host sync).
+        within ``[0, M_cap]``; checked by the reference only, which reads them on the host: ValueError).
       out_dtype: result dtype (``bias``'s, in the autograd backward); default float32.
       implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"`` with a
         logged warning; CPU tensors: ``"reference"``), ``"triton"`` or ``"reference"``.

@@ -6,7 +6,9 @@ the *dequantized* operands, which equals the contract's ``(q_x @ q_w.T) * scale_
 CONTRACT.md section 9) the product with each expert's weights dequantized in float32 and rounded to
 ``x.dtype``. An optional per-expert ``bias [E_local, N]`` is added to the float32 accumulator before the one
 rounding (CONTRACT.md section 4). Rows ``>= M`` are zero.
-Reads ``expert_offsets`` on the host (a sync): this is a reference, not a kernel.
+Reads ``expert_offsets`` on the host (a sync): this is a reference, not a kernel. Having them there, each
+reference checks them: offsets that decrease or leave ``[0, M_cap]`` raise ``ValueError`` naming the op (the
+kernels' result is undefined for them; the references would otherwise drop or truncate rows silently).
 
 The backward (CONTRACT.md section 8): ``grouped_gemm_dgrad_reference`` (``d_x[m] = d_y[m] @ w[e(m)]``)
 and ``grouped_gemm_wgrad_reference`` (``d_w[e] = d_y[rows(e)].T @ x[rows(e)]``), one matmul per expert
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_contract.validation import check_offsets_values
 from moe_torch.ops.common import cast_rounded
 from moe_torch.ops.quant.reference import (
     dequantize_fp8_reference,
@@ -51,13 +54,16 @@ def grouped_gemm_reference(
     ``[E_local, N, K // 2]`` uint8 with ``w_scale [E_local, N, K // 32]``; each expert's weights are
     dequantized in float32 and rounded to ``x.dtype``, then multiplied as float weights. ``bias``
     ``[E_local, N]`` (optional): ``bias[e]`` widened to the accumulator's dtype is added to the rows of
-    ``e`` (after the FP8 scales) before the rounding to ``out_dtype``."""
+    ``e`` (after the FP8 scales) before the rounding to ``out_dtype``.
+
+    Raises: ValueError (``expert_offsets`` not non-decreasing within ``[0, M_cap]``)."""
     M_cap, K = x.shape
     E, N, _ = w.shape
     acc = _acc_dtype(x)
     xf = x.to(acc) if x_scale is None else dequantize_fp8_reference(x, x_scale)
     y = torch.zeros((M_cap, N), dtype=acc, device=x.device)
     offsets = expert_offsets.tolist()
+    check_offsets_values("grouped_gemm", offsets, M_cap)
     for e in range(E):
         start, end = offsets[e], offsets[e + 1]
         if end <= start:
@@ -86,12 +92,15 @@ def grouped_gemm_dgrad_reference(
 
     ``d_x[m] = d_y[m] @ w[e(m)]`` with float32 accumulation; FP8 straight-through: ``w[e]`` dequantized
     (``q * scale`` in float32) and rounded to ``d_y.dtype`` first. Rows outside
-    ``[offsets[0], offsets[-1])`` are zero and their ``d_y`` is never read."""
+    ``[offsets[0], offsets[-1])`` are zero and their ``d_y`` is never read.
+
+    Raises: ValueError (``expert_offsets`` not non-decreasing within ``[0, M_cap]``)."""
     M_cap = d_y.shape[0]
     E, _, K = w.shape
     acc = _acc_dtype(d_y)
     d_x = torch.zeros((M_cap, K), dtype=out_dtype, device=d_y.device)
     offsets = expert_offsets.tolist()
+    check_offsets_values("grouped_gemm_dgrad", offsets, M_cap)
     for e in range(E):
         start, end = offsets[e], offsets[e + 1]
         if end <= start:
@@ -113,12 +122,15 @@ def grouped_gemm_wgrad_reference(
     """``x [M_cap, K]``, ``d_y [M_cap, N]``, ``expert_offsets [E_local + 1]`` -> ``d_w [E_local, N, K]``.
 
     ``d_w[e] = d_y[rows(e)].T @ x[rows(e)]`` with float32 accumulation, rounded once to ``out_dtype``;
-    an expert with no rows gets exactly 0; rows outside ``[offsets[0], offsets[-1])`` are never read."""
+    an expert with no rows gets exactly 0; rows outside ``[offsets[0], offsets[-1])`` are never read.
+
+    Raises: ValueError (``expert_offsets`` not non-decreasing within ``[0, M_cap]``)."""
     K, N = x.shape[1], d_y.shape[1]
     E = expert_offsets.shape[0] - 1
     acc = _acc_dtype(x)
     d_w = torch.zeros((E, N, K), dtype=out_dtype, device=x.device)
     offsets = expert_offsets.tolist()
+    check_offsets_values("grouped_gemm_wgrad", offsets, x.shape[0])
     for e in range(E):
         start, end = offsets[e], offsets[e + 1]
         if end <= start:
@@ -136,12 +148,15 @@ def grouped_gemm_dbias_reference(
 
     ``d_bias[e] = sum of d_y[rows(e)]`` accumulated in float32 (float64 for float64 ``d_y``), rounded once
     to ``out_dtype``; an expert with no rows gets exactly 0; rows outside ``[offsets[0], offsets[-1])``
-    are never read."""
+    are never read.
+
+    Raises: ValueError (``expert_offsets`` not non-decreasing within ``[0, M_cap]``)."""
     N = d_y.shape[1]
     E = expert_offsets.shape[0] - 1
     acc = _acc_dtype(d_y)
     d_b = torch.zeros((E, N), dtype=out_dtype, device=d_y.device)
     offsets = expert_offsets.tolist()
+    check_offsets_values("grouped_gemm_dbias", offsets, d_y.shape[0])
     for e in range(E):
         start, end = offsets[e], offsets[e + 1]
         if end <= start:
