@@ -28,7 +28,7 @@ from moe_pallas.ops.activation import api as activation_api
 from moe_pallas.ops.activation.api import act_and_mul, act_and_mul_backward
 from moe_pallas.ops.combine import api as combine_api
 from moe_pallas.ops.combine.api import combine
-from moe_pallas.ops.common import cast_rounded, takes_jax_arrays
+from moe_pallas.ops.common import cast_rounded, first_order_only, takes_jax_arrays
 from moe_pallas.ops.dispatch import check_implementation
 from moe_pallas.ops.gate import api as gate_api
 from moe_pallas.ops.gate.api import select_experts, select_experts_backward
@@ -120,7 +120,9 @@ def moe_forward(
     Returns: ``out [T, H]`` in ``x.dtype``: this rank's partial sum; the sum over EP ranks is
     the layer's output (CONTRACT.md section 6). Jit with ``static_argnames=("config",)``.
 
-    Raises: ValueError / TypeError naming the argument, before any computation.
+    Raises: ValueError / TypeError naming the argument, before any computation; NotImplementedError when a
+      derivative of the gradient is asked (``jax.grad`` of ``jax.grad``, ``jax.jacfwd`` of ``jax.grad``: second-order
+      gradients are not supported, CONTRACT.md section 8).
     """
     op = "moe_forward"
     check_layer_inputs(op, config, x, router_logits, w13, w2, w13_scale, w2_scale)
@@ -130,8 +132,10 @@ def moe_forward(
     check_w4_implementation(op, config, implementation)
     if not isinstance(recompute, bool):
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
-    return _moe_layer(config, implementation, recompute, x, router_logits, w13, w2, w13_scale, w2_scale,
-                      e_score_correction_bias, shared_expert_gate_logits, w13_bias, w2_bias)
+    # a derivative of the gradient raises here, naming the op (the custom_vjp's backward is not differentiable)
+    arrays = first_order_only(op, x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
+                              shared_expert_gate_logits, w13_bias, w2_bias)
+    return _moe_layer(config, implementation, recompute, *arrays)
 
 
 def check_w4_implementation(op: str, config: MoEConfig, implementation: str | None) -> None:
@@ -335,6 +339,8 @@ def routed_experts(x, topk_weights, topk_ids, w13, w2, config: MoEConfig, *, w13
     ``recompute`` as there); ``topk_ids`` and the scales get zero cotangents (4-bit: none). No argument checks:
     the caller validated the layer's inputs."""
     spec = (num_experts, expert_start, num_local_experts, float(routed_scaling_factor), jnp.dtype(out_dtype))
+    x, topk_weights, w13, w2, w13_scale, w2_scale, input_scale, w13_bias, w2_bias = first_order_only(
+        "routed_experts", x, topk_weights, w13, w2, w13_scale, w2_scale, input_scale, w13_bias, w2_bias)
     return _routed(config, implementation, recompute, spec, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale,
                    input_scale, w13_bias, w2_bias)
 

@@ -84,7 +84,7 @@ from moe_contract.validation import (check_choice, check_expert_biases, check_la
 from moe_torch.layer import LAYER_IMPLEMENTATIONS, routed_experts, run_gate
 from moe_torch.ops.combine import api as combine_api
 from moe_torch.ops.combine.api import combine
-from moe_torch.ops.common import takes_torch_tensors
+from moe_torch.ops.common import first_order_backward, takes_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
 from moe_torch.ops.permute import api as permute_api
 from moe_torch.ops.permute.api import permute
@@ -131,6 +131,7 @@ class _CopyToGroup(torch.autograd.Function):
         return tensors
 
     @staticmethod
+    @first_order_backward("ep_moe_forward")
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         # Always in this order on every rank (each one asked for).
@@ -163,6 +164,7 @@ class _ReduceScatterRows(torch.autograd.Function):
         return out.clone() if out._is_view() else out  # a view here would refuse in-place use by the caller
 
     @staticmethod
+    @first_order_backward("ep_moe_forward")
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out):
         T, P = ctx.T, ctx.world_size
@@ -185,6 +187,7 @@ class _AllToAllRows(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_backward("ep_moe_forward")
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out):
         d_rows = d_out.new_empty((sum(ctx.send_splits), d_out.shape[1]))
@@ -205,6 +208,7 @@ class _NoRows(torch.autograd.Function):
         return rows.new_empty((0, rows.shape[1]))
 
     @staticmethod
+    @first_order_backward("ep_moe_forward")
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out):
         return tuple(torch.zeros_like(t) if need else None for t, need in zip(ctx.like, ctx.needs_input_grad))

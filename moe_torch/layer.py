@@ -27,7 +27,7 @@ from moe_torch.ops.activation import api as activation_api
 from moe_torch.ops.activation.api import act_and_mul, act_and_mul_backward
 from moe_torch.ops.combine import api as combine_api
 from moe_torch.ops.combine.api import combine
-from moe_torch.ops.common import takes_torch_tensors
+from moe_torch.ops.common import first_order_backward, takes_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
 from moe_torch.ops.gate import api as gate_api
 from moe_torch.ops.gate.api import select_experts, select_experts_backward
@@ -116,7 +116,8 @@ def moe_forward(
     Returns: ``out [T, H]`` in ``x.dtype``: this rank's partial sum; the sum over EP ranks is
     the layer's output (CONTRACT.md section 6).
 
-    Raises: ValueError / TypeError naming the argument, before any computation.
+    Raises: ValueError / TypeError naming the argument, before any computation; RuntimeError from the backward
+      when it runs with ``create_graph=True`` (second-order gradients are not supported, CONTRACT.md section 8).
     """
     op = "moe_forward"
     check_layer_inputs(op, config, x, router_logits, w13, w2, w13_scale, w2_scale)
@@ -246,6 +247,7 @@ class _MoELayerFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_backward("moe_forward")
     def backward(ctx, d_out):
         (x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias, topk_weights, topk_ids,
          offsets, src2dst, dst2src, h) = ctx.saved_tensors
@@ -425,6 +427,7 @@ class _RoutedExpertsFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_backward("routed_experts")
     def backward(ctx, d_out):
         (x, w13, w2, w13_scale, w2_scale, topk_weights, input_scale, w13_bias, w2_bias, offsets, src2dst, dst2src,
          h) = ctx.saved_tensors

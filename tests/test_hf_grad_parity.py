@@ -85,6 +85,18 @@ def test_hf_moe_block_gradients_equal_transformers(family, implementation):
         assert_rel_fro(got[name], w, GRAD_F32_REL_FRO, f"{family} {implementation} d_{name}")
 
 
+def test_hf_block_create_graph_refused():
+    """``torch.autograd.grad(..., create_graph=True)`` through an ``HFMoEBlock`` (a gradient penalty over the router
+    weight) raises naming ``moe_forward``, where it returned a gradient with no graph (tests/test_training.py:
+    ``test_create_graph_refused_torch`` for the layer itself)."""
+    block = moe_torch.HFMoEBlock(moe_block(hf_model("mixtral")), implementation="reference")
+    x, _ = _inputs(block.gate.weight.shape[1], T=3)
+    out = block(x.requires_grad_())
+    out = out[0] if isinstance(out, tuple) else out
+    with pytest.raises(RuntimeError, match=r"^moe_forward: second-order gradients \(create_graph=True"):
+        torch.autograd.grad(out.square().sum(), [x, block.gate.weight], create_graph=True)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_epmoe_from_hf_block_gradients_equal_transformers(family):
     """``EPMoE.from_hf_block`` (trainable float weights by default) with ``router_logits = block.gate(x)[0]``:

@@ -293,12 +293,12 @@ def test_epmoe_expert_parallel_path_trains(tmp_path):
     config = FP8_LAYER.replace(hidden_size=32, intermediate_size=16)
     inp = make_layer_inputs(config, num_tokens=6, seed=4)
 
-    def grads(**kw):
+    def grads(create_graph=False, **kw):
         layer = moe_torch.EPMoE.from_float(config, torch.tensor(inp.w13), torch.tensor(inp.w2),
                                            e_score_correction_bias=torch.tensor(inp.e_score_correction_bias),
                                            implementation="reference", **kw)
         x, logits = torch.tensor(inp.x, requires_grad=True), torch.tensor(inp.router_logits, requires_grad=True)
-        layer(x, logits).square().sum().backward()
+        layer(x, logits).square().sum().backward(create_graph=create_graph)
         return [x.grad, logits.grad, layer.w13.grad, layer.w2.grad]
 
     single = grads()
@@ -309,6 +309,9 @@ def test_epmoe_expert_parallel_path_trains(tmp_path):
             for name, g, w in zip(("d_x", "d_router_logits", "d_w13", "d_w2"), got, single):
                 assert g is not None, f"{mode}: {name} missing"
                 assert_rel_fro(g, w, 1e-6, f"EPMoE ep_mode={mode} {name}")
+            # second order: refused, named, by the first backward that runs (a collective, the combine, the experts)
+            with pytest.raises(RuntimeError, match=r"^(ep_moe_forward|routed_experts|combine): second-order gradients"):
+                grads(create_graph=True, ep_mode=mode)
     finally:
         dist.destroy_process_group()
 
@@ -339,3 +342,59 @@ def test_paths_without_a_backward_raise_when_asked(stage, framework):
                 call(arg(), impl).float().sum().backward()
             else:
                 jax.grad(lambda v: call(v, impl).astype(jnp.float32).sum())(arg())
+
+
+#: A small float layer for the second-order checks (sigmoid routing with a bias: every gate input in play).
+SECOND_ORDER_LAYER = MoEConfig(hidden_size=16, intermediate_size=8, num_experts=4, topk=2, routing="biased_grouped_topk",
+                               num_expert_group=2, topk_group=1, renormalize=True, routed_scaling_factor=2.5)
+SECOND_ORDER = r"second-order gradients \(create_graph=True / double backward\) are not supported"
+
+
+def test_create_graph_refused_torch():
+    """``torch.autograd.grad(..., create_graph=True)`` through the layer raises naming the op (the regression: the
+    layer's backward ran with grad mode on and returned a gradient with no graph, so a gradient penalty silently
+    lost the MoE's second-order terms). ``moe_forward`` (reference and Triton), ``EPMoE`` and a stage op alone;
+    the first-order gradient is unchanged (a ``create_graph=False`` call after the refused one)."""
+    config = SECOND_ORDER_LAYER
+    inp = make_layer_inputs(config, num_tokens=3, seed=2)
+    t = lambda a, grad=True: torch.tensor(a, device=TORCH_DEVICE, requires_grad=grad)
+    x, logits, w13, w2 = t(inp.x), t(inp.router_logits), t(inp.w13), t(inp.w2)
+    bias = t(inp.e_score_correction_bias, grad=False)
+    for impl in IMPLS["torch"]:
+        loss = lambda: moe_torch.moe_forward(x, logits, w13, w2, config, e_score_correction_bias=bias,  # noqa: E731
+                                             implementation=impl).square().sum()
+        with pytest.raises(RuntimeError, match=rf"^moe_forward: {SECOND_ORDER}"):
+            torch.autograd.grad(loss(), (x, logits, w13), create_graph=True)
+        d_x, d_logits, d_w13 = torch.autograd.grad(loss(), (x, logits, w13))
+        assert d_x.grad_fn is None and torch.isfinite(d_logits).all() and d_w13.abs().sum() > 0
+    layer = moe_torch.EPMoE.from_float(config, t(inp.w13, False), t(inp.w2, False), e_score_correction_bias=bias,
+                                       implementation="reference")
+    with pytest.raises(RuntimeError, match=rf"^moe_forward: {SECOND_ORDER}"):
+        torch.autograd.grad(layer(x, logits).square().sum(), [x, *layer.parameters()], create_graph=True)
+    weights, _ = moe_torch.select_experts(logits, topk=2)
+    with pytest.raises(RuntimeError, match=rf"^select_experts: {SECOND_ORDER}"):
+        torch.autograd.grad(weights.square().sum(), logits, create_graph=True)
+
+
+def test_second_order_refused_jax():
+    """``jax.grad(jax.grad(...))`` and ``jax.jacfwd(jax.grad(...))`` through the layer raise ``NotImplementedError``
+    naming the op (the regression: JAX failed inside its internals, a ``while_loop`` reverse-mode error on the
+    reference path and a bare ``AssertionError`` on Pallas-Triton, or with ``jacfwd`` a message naming no op);
+    under ``jit`` too. The first-order gradient still runs (the same function, one level)."""
+    config = SECOND_ORDER_LAYER
+    inp = make_layer_inputs(config, num_tokens=3, seed=2)
+    x, logits, w13, w2, bias = (jnp.asarray(a) for a in (inp.x, inp.router_logits, inp.w13, inp.w2,
+                                                          inp.e_score_correction_bias))
+    message = r"second-order gradients \(jax.grad of jax.grad, .*\) are not supported"
+    for impl in IMPLS["jax"]:
+        loss = lambda x, w13: jnp.square(moe_pallas.moe_forward(  # noqa: E731
+            x, logits, w13, w2, config, e_score_correction_bias=bias, implementation=impl)).sum()
+        grad_sum = lambda x: jax.grad(loss, argnums=(0, 1))(x, w13)[1].sum()  # noqa: E731
+        for name, second in (("grad(grad)", jax.grad(grad_sum)), ("jacfwd(grad)", jax.jacfwd(jax.grad(lambda x: loss(x, w13)))),
+                             ("jit(grad(grad))", jax.jit(jax.grad(grad_sum)))):
+            with pytest.raises(NotImplementedError, match=rf"^moe_forward: {message}"):
+                second(x)
+        assert np.isfinite(np.asarray(jax.grad(loss)(x, w13))).all()
+    gate = lambda lg: jax.grad(lambda v: moe_pallas.select_experts(v, topk=2)[0].sum())(lg).sum()  # noqa: E731
+    with pytest.raises(NotImplementedError, match=rf"^select_experts: {message}"):
+        jax.grad(gate)(logits)

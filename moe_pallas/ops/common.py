@@ -51,6 +51,45 @@ def check_jax_arrays(op: str, named: dict, *, required: bool = False) -> None:
             raise TypeError(f"{op}: {name} must be a jax array (moe_pallas is the JAX backend); got {kind}")
 
 
+SECOND_ORDER_MESSAGE = ("{op}: second-order gradients (jax.grad of jax.grad, jax.jacfwd / jax.jvp of a gradient, "
+                        "jax.hessian) are not supported: its custom_vjp backward is not itself differentiable; got a "
+                        "derivative of its gradient")
+
+
+def first_order_only(op: str, *arrays):
+    """``arrays`` (jax arrays or ``None``) unchanged, each marked so that a derivative of a derivative through it
+    raises ``NotImplementedError`` naming ``op`` (:data:`SECOND_ORDER_MESSAGE`). Put on a ``custom_vjp``'s
+    differentiable inputs: its backward (while loops, Pallas kernels) is not differentiable, and JAX would
+    otherwise fail inside its own internals (or, for ``jacfwd``, without naming the op).
+
+    How: an identity ``custom_jvp`` whose JVP rule returns the tangent as it is (first order: nothing changes)
+    and the primal through a second identity whose JVP rule raises, reached only when the primal is itself
+    being differentiated (an outer ``grad`` / ``jacfwd``). One leaf at a time, so that an input that is not
+    differentiated stays unperturbed (the FP8 rules' ``perturbed`` flags)."""
+    out = tuple(None if a is None else _first_order_identity(op, a) for a in arrays)
+    return out[0] if len(out) == 1 else out
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _first_order_identity(op, a):
+    return a
+
+
+@_first_order_identity.defjvp
+def _first_order_identity_jvp(op, primals, tangents):
+    return _refuse_derivative(op, primals[0]), tangents[0]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _refuse_derivative(op, a):
+    return a
+
+
+@_refuse_derivative.defjvp
+def _refuse_derivative_jvp(op, primals, tangents):
+    raise NotImplementedError(SECOND_ORDER_MESSAGE.format(op=op))
+
+
 def resolve_dtype(dtype) -> jnp.dtype:
     """A numpy/jax dtype from any dtype spelling (``jnp.bfloat16``, ``"bfloat16"``, ``torch.bfloat16``)."""
     return jnp.dtype(dtype_name(dtype))

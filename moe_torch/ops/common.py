@@ -44,6 +44,28 @@ def check_torch_tensors(op: str, named: dict, *, required: bool = False) -> None
             raise TypeError(f"{op}: {name} must be a torch.Tensor (moe_torch is the PyTorch backend); got {kind}")
 
 
+def first_order_backward(op: str):
+    """Decorator for an ``autograd.Function``'s ``backward`` that is not itself differentiable (it detaches, runs
+    kernels, or is ``once_differentiable``): called with grad mode on, i.e. ``create_graph=True`` (autograd runs a
+    backward with grad mode = ``create_graph``), it raises ``RuntimeError`` naming ``op`` instead of returning a
+    gradient without a graph (a gradient penalty would silently lose its second-order terms). Put it above
+    ``once_differentiable``, which turns grad mode off inside."""
+
+    def decorate(backward):
+        @functools.wraps(backward)
+        def checked(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"{op}: second-order gradients (create_graph=True / double backward) are not supported: its "
+                    f"backward is not differentiable; got a backward with create_graph=True (use create_graph=False, "
+                    f"or keep this layer out of the differentiated gradient)")
+            return backward(ctx, *grads)
+
+        return checked
+
+    return decorate
+
+
 def resolve_dtype(dtype) -> torch.dtype:
     """A ``torch.dtype`` from any dtype spelling (``torch.bfloat16``, ``"bfloat16"``, ``jnp.bfloat16``)."""
     return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype_name(dtype))

@@ -17,7 +17,7 @@ from moe_contract.op_checks import check_act_and_mul, check_act_and_mul_backward
 from moe_contract.validation import check_choice
 from moe_pallas.ops.activation.pallas_triton import act_and_mul_backward_pallas_triton, act_and_mul_pallas_triton
 from moe_pallas.ops.activation.reference import ACTIVATIONS, act_and_mul_backward_reference, act_and_mul_reference
-from moe_pallas.ops.common import resolve_dtype, takes_jax_arrays
+from moe_pallas.ops.common import first_order_only, resolve_dtype, takes_jax_arrays
 from moe_pallas.ops.dispatch import dispatch
 
 IMPLEMENTATIONS = ("pallas_triton", "reference")
@@ -106,6 +106,7 @@ def act_and_mul(
     op = f"{activation}_and_mul" if activation in ACTIVATIONS else "act_and_mul"
     out_dtype = resolve_dtype(check_act_and_mul(op, h, activation, quant, group_size, out_dtype, layout))
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    h = first_order_only(op, h)  # a derivative of the gradient raises, naming the op
     return _act_and_mul_vjp(h, _Static(op, activation, layout, quant, group_size, out_dtype, implementation))
 
 

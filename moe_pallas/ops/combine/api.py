@@ -17,7 +17,7 @@ from moe_contract.op_checks import check_combine, check_combine_backward
 from moe_contract.validation import check_choice
 from moe_pallas.ops.combine.pallas_triton import combine_backward_pallas_triton, combine_pallas_triton
 from moe_pallas.ops.combine.reference import combine_backward_reference, combine_reference
-from moe_pallas.ops.common import resolve_dtype, takes_jax_arrays
+from moe_pallas.ops.common import first_order_only, resolve_dtype, takes_jax_arrays
 from moe_pallas.ops.dispatch import dispatch
 
 IMPLEMENTATIONS = ("pallas_triton", "reference")
@@ -92,6 +92,7 @@ def combine(
     op = "combine"
     out_dtype = resolve_dtype(check_combine(op, y, src2dst, topk_weights, routed_scaling_factor, out_dtype))
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    y, topk_weights = first_order_only(op, y, topk_weights)  # a derivative of the gradient raises, naming the op
     return _combine_vjp(y, src2dst, topk_weights, _Static(float(routed_scaling_factor), out_dtype, implementation))
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from moe_contract.op_checks import check_select_experts, check_select_experts_backward
 from moe_contract.validation import check_choice
-from moe_pallas.ops.common import takes_jax_arrays
+from moe_pallas.ops.common import first_order_only, takes_jax_arrays
 from moe_pallas.ops.dispatch import dispatch
 from moe_pallas.ops.gate.pallas_triton import select_experts_backward_pallas_triton, select_experts_pallas_triton
 from moe_pallas.ops.gate.reference import select_experts_backward_reference, select_experts_reference
@@ -144,6 +144,8 @@ def select_experts(
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     st = _Static(topk, routing, renormalize, num_expert_group, topk_group, float(routed_scaling_factor),
                  apply_routed_scaling_factor_on_output, num_fused_shared_experts, implementation)
+    # a derivative of the gradient raises, naming the op
+    router_logits, e_score_correction_bias = first_order_only(op, router_logits, e_score_correction_bias)
     return _select_experts_vjp(router_logits, e_score_correction_bias, st)
 
 

@@ -20,7 +20,7 @@ from jax.custom_derivatives import SymbolicZero
 from moe_contract.op_checks import (check_grouped_gemm, check_grouped_gemm_dbias, check_grouped_gemm_dgrad,
                                     check_grouped_gemm_wgrad)
 from moe_contract.validation import check_choice
-from moe_pallas.ops.common import cast_rounded, resolve_dtype, takes_jax_arrays
+from moe_pallas.ops.common import cast_rounded, first_order_only, resolve_dtype, takes_jax_arrays
 from moe_pallas.ops.dispatch import dispatch
 from moe_pallas.ops.grouped_gemm import backend_table, kernels
 from moe_pallas.ops.grouped_gemm.config import gpu_device_spec
@@ -132,6 +132,8 @@ def grouped_gemm(
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     if M_cap == 0:
         return jnp.zeros((0, N), out_dtype)
+    # a derivative of the gradient raises, naming the op
+    x, w, x_scale, w_scale, bias = first_order_only(op, x, w, x_scale, w_scale, bias)
     if w_format is not None:  # 4-bit weights: differentiable in x (and bias)
         return _grouped_gemm_4bit(x, w, expert_offsets, w_scale, bias, out_dtype, w_format, implementation)
     if x_scale is None:  # float inputs: differentiable in x and w (and bias)

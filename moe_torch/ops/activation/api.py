@@ -13,7 +13,7 @@ import torch
 from moe_contract.op_checks import check_act_and_mul, check_act_and_mul_backward
 from moe_contract.validation import check_choice
 from moe_torch.ops.activation.reference import ACTIVATIONS, act_and_mul_backward_reference, act_and_mul_reference
-from moe_torch.ops.common import resolve_dtype, takes_torch_tensors
+from moe_torch.ops.common import first_order_backward, resolve_dtype, takes_torch_tensors
 from moe_torch.ops.dispatch import dispatch
 
 IMPLEMENTATIONS = ("triton", "reference")
@@ -51,6 +51,7 @@ class _ActAndMulFunction(torch.autograd.Function):
         return out, scale
 
     @staticmethod
+    @first_order_backward("act_and_mul")
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, d_scale):
         if ctx.quant is not None:

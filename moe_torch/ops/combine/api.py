@@ -12,7 +12,7 @@ import torch
 from moe_contract.op_checks import check_combine, check_combine_backward
 from moe_contract.validation import check_choice
 from moe_torch.ops.combine.reference import combine_backward_reference, combine_reference
-from moe_torch.ops.common import resolve_dtype, takes_torch_tensors
+from moe_torch.ops.common import first_order_backward, resolve_dtype, takes_torch_tensors
 from moe_torch.ops.dispatch import dispatch
 
 IMPLEMENTATIONS = ("triton", "reference")
@@ -46,6 +46,7 @@ class _CombineFunction(torch.autograd.Function):
         return run()
 
     @staticmethod
+    @first_order_backward("combine")
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out):
         y, src2dst, topk_weights = ctx.saved_tensors

@@ -12,7 +12,7 @@ import torch
 from moe_contract.op_checks import check_select_experts, check_select_experts_backward
 from moe_contract.validation import check_choice
 from moe_torch.ops.gate.reference import select_experts_backward_reference, select_experts_reference
-from moe_torch.ops.common import takes_torch_tensors
+from moe_torch.ops.common import first_order_backward, takes_torch_tensors
 from moe_torch.ops.dispatch import dispatch
 
 IMPLEMENTATIONS = ("triton", "reference")
@@ -50,6 +50,7 @@ class _SelectExpertsFunction(torch.autograd.Function):
         return weights, ids
 
     @staticmethod
+    @first_order_backward("select_experts")
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_weights, d_ids):
         router_logits, ids = ctx.saved_tensors

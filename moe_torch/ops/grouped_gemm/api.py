@@ -23,7 +23,7 @@ from moe_contract.op_checks import (
     check_grouped_gemm_wgrad,
 )
 from moe_contract.validation import check_choice
-from moe_torch.ops.common import resolve_dtype, takes_torch_tensors
+from moe_torch.ops.common import first_order_backward, resolve_dtype, takes_torch_tensors
 from moe_torch.ops.dispatch import dispatch
 from moe_torch.ops.grouped_gemm.kernels import DGRAD_KERNELS, KERNELS, WGRAD_KERNELS
 from moe_torch.ops.grouped_gemm.reference import (
@@ -191,6 +191,7 @@ class _GroupedGemmFunction(torch.autograd.Function):
         return _forward(x, w, expert_offsets, None, None, out_dtype, implementation, bias=bias)
 
     @staticmethod
+    @first_order_backward("grouped_gemm")
     @once_differentiable
     def backward(ctx, d_y):
         x, w, expert_offsets = ctx.saved_tensors
@@ -219,6 +220,7 @@ class _Fp8GroupedGemmFunction(torch.autograd.Function):
         return _forward(x, w, expert_offsets, x_scale, w_scale, out_dtype, implementation, bias=bias)
 
     @staticmethod
+    @first_order_backward("grouped_gemm")
     @once_differentiable
     def backward(ctx, d_y):
         if ctx.needs:
@@ -246,6 +248,7 @@ class _W4GroupedGemmFunction(torch.autograd.Function):
         return _forward(x, w, expert_offsets, None, w_scale, out_dtype, implementation, w_format, bias)
 
     @staticmethod
+    @first_order_backward("grouped_gemm")
     @once_differentiable
     def backward(ctx, d_y):
         w, w_scale, expert_offsets = ctx.saved_tensors

@@ -19,7 +19,7 @@ from moe_torch.ops.permute.reference import (
     routing_metadata_reference,
     src2dst_from_dst2src,
 )
-from moe_torch.ops.common import resolve_dtype, takes_torch_tensors
+from moe_torch.ops.common import first_order_backward, resolve_dtype, takes_torch_tensors
 from moe_torch.ops.dispatch import dispatch
 
 IMPLEMENTATIONS = ("triton", "reference")
@@ -69,6 +69,7 @@ class _PermuteFunction(torch.autograd.Function):
         return out, scale
 
     @staticmethod
+    @first_order_backward("permute")
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_xp, d_scale):
         if ctx.quant is not None:
