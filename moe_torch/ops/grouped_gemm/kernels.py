@@ -216,8 +216,9 @@ def run(name: str, r: GemmRequest) -> torch.Tensor:
 
 
 def explain(r: GemmRequest) -> dict[str, str | None]:
-    """Every kernel's refusal of ``r`` on its device (``None`` where it serves), and ``"default"``: the kernel the
-    default chooses. For ``epmoe kernels`` and the tests."""
+    """Every kernel's refusal of ``r`` on its device (``None`` where it serves), and ``"default"``: the kernel
+    ``implementation="triton"`` runs ``r`` on (on CUDA tensors also ``None``'s choice; on CPU tensors ``None`` runs
+    the reference)."""
     reasons = {name: supported(name, r) for name in NAMES}
     reasons["default"] = default_kernel(r)
     return reasons
