@@ -96,7 +96,7 @@ from moe_contract.tuning import ROUTINGS  # noqa: F401 - the routings --routings
 from moe_contract.tuning import (DTYPES, OPS, Deadline, GemmShape, group_sizes, merge_entries, parse_dtypes, parse_ms,
                                  parse_ops, parse_routings, stamp, tuned_table_path)
 from moe_torch.ops.device import device_spec as _device_spec
-from moe_torch.ops.grouped_gemm.config import (GroupedGemmConfig, GroupedGemmWgradConfig,
+from moe_torch.ops.grouped_gemm.config import (entry_problem, GroupedGemmConfig, GroupedGemmWgradConfig,
                                                grouped_gemm_dgrad_config, heuristic_grouped_gemm_config,
                                                heuristic_grouped_gemm_wgrad_config)
 from moe_torch.ops.grouped_gemm.reference import grouped_gemm_dgrad_reference, grouped_gemm_wgrad_reference
@@ -516,13 +516,7 @@ def check_entry(e: dict) -> str | None:
     for the torch tables."""
     if "backend" in e or "kind" in e:
         return "names a JAX backend (a moe_pallas entry; the torch tables hold Triton launch configs)"
-    if e.get("op", "fwd") not in OPS:
-        return f"op must be one of {OPS}; got {e.get('op')!r}"
-    if not isinstance(e.get("dtype"), str):
-        return f"dtype must be a string; got {e.get('dtype')!r}"
-    if not isinstance(e.get("config"), dict):
-        return f"config must be a JSON object; got {e.get('config')!r}"
-    return None
+    return entry_problem(e)  # the lookups' own rules (config.py), so a table the tuner writes is one they read
 
 
 def tune(shapes: Sequence[GemmShape], ms: Sequence[int], dtypes: Sequence[str] = DTYPES,
