@@ -71,39 +71,39 @@ def _refusal(check, *args) -> str | None:
     return None
 
 
-def _gluon_fp8_block(spec: DeviceSpec | None, r: GemmRequest) -> str | None:
-    from moe_torch.ops.grouped_gemm.triton import W_SCALE_BLOCK
-
+def _gluon_fp8(spec: DeviceSpec | None, r: GemmRequest, layout_ok: bool, layout: str, check: str) -> str | None:
+    """What both FP8 Gluon kernels ask: sm_90, their scale ``layout`` (``layout_ok``), no bias or 4-bit weights,
+    and nothing ``gluon.py``'s ``check`` function refuses."""
     why = _hopper(spec)
     if why:
         return why
-    K = r.x.shape[1]
-    if (r.x_scale is None or r.w_scale is None or r.x_scale.ndim != 2 or r.w_scale.ndim != 3
-            or K % W_SCALE_BLOCK or r.x_scale.shape[1] != K // W_SCALE_BLOCK):
-        return "serves FP8 x with 1 x 128 group scales [M_cap, K / 128] and w with 128 x 128 block scales only"
+    if not layout_ok:
+        return f"serves FP8 x and w with {layout} only"
     if r.w_format is not None or r.bias is not None:
         return "serves no bias and no 4-bit weights"
     try:
-        from moe_torch.ops.grouped_gemm.gluon import check_inputs
+        from moe_torch.ops.grouped_gemm import gluon
     except ImportError as exc:
         return f"triton's Gluon is not importable ({exc})"
-    return _refusal(check_inputs, *r.args)
+    return _refusal(getattr(gluon, check), *r.args)
+
+
+def _gluon_fp8_block(spec: DeviceSpec | None, r: GemmRequest) -> str | None:
+    from moe_torch.ops.grouped_gemm.config import W_SCALE_BLOCK
+
+    K, xs, ws = r.x.shape[1], r.x_scale, r.w_scale
+    ok = (xs is not None and ws is not None and xs.ndim == 2 and ws.ndim == 3 and K % W_SCALE_BLOCK == 0
+          and xs.shape[1] == K // W_SCALE_BLOCK)
+    return _gluon_fp8(spec, r, ok, "1 x 128 group scales [M_cap, K / 128] for x and 128 x 128 block scales for w",
+                      "check_inputs")
 
 
 def _gluon_fp8_rowwise(spec: DeviceSpec | None, r: GemmRequest) -> str | None:
-    why = _hopper(spec)
-    if why:
-        return why
-    if (r.x_scale is None or r.w_scale is None or tuple(r.x_scale.shape) != (r.x.shape[0], 1)
-            or tuple(r.w_scale.shape) != tuple(r.w.shape[:2])):
-        return "serves FP8 x with per-token scales [M_cap, 1] and w with per-channel scales [E, N] only"
-    if r.w_format is not None or r.bias is not None:
-        return "serves no bias and no 4-bit weights"
-    try:
-        from moe_torch.ops.grouped_gemm.gluon import check_inputs_rowwise
-    except ImportError as exc:
-        return f"triton's Gluon is not importable ({exc})"
-    return _refusal(check_inputs_rowwise, *r.args)
+    xs, ws = r.x_scale, r.w_scale
+    ok = (xs is not None and ws is not None and tuple(xs.shape) == (r.x.shape[0], 1)
+          and tuple(ws.shape) == tuple(r.w.shape[:2]))
+    return _gluon_fp8(spec, r, ok, "per-token scales [M_cap, 1] for x and per-channel scales [E, N] for w",
+                      "check_inputs_rowwise")
 
 
 def _gluon_bf16(spec: DeviceSpec | None, r: GemmRequest) -> str | None:
