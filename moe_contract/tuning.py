@@ -244,11 +244,13 @@ def stamp(entry: dict, arch: str, kind: str) -> dict:
 
 def merge_key(entry: dict) -> tuple:
     """The problem an entry answers: its op (``"fwd"`` where absent), dtype, out dtype, ``N``, ``K``, ``M_cap``,
-    backend (JAX), accumulation mode (JAX FP8) and ``"kind"`` / ``"layout"`` (JAX's backend choices); entries of
+    backend (JAX launch configs), accumulation mode (JAX FP8) and ``"kind"`` / ``"layout"`` (JAX's backend choices,
+    whose backend is the answer, not the problem); entries of
     the same key replace each other. ``E`` is not in it: the lookups do not match on the expert count."""
+    choice = entry.get("kind") is not None  # a backend choice's backend is its answer, not part of its problem
     return (entry.get("kind"), entry.get("op", "fwd"), entry.get("dtype"), entry.get("layout"),
-            entry.get("out_dtype"), entry.get("N"), entry.get("K"), entry.get("M_cap"), entry.get("backend"),
-            entry.get("fast_accum"))
+            entry.get("out_dtype"), entry.get("N"), entry.get("K"), entry.get("M_cap"),
+            None if choice else entry.get("backend"), entry.get("fast_accum"))
 
 
 def merge_entries(existing: Iterable[dict], new: Iterable[dict]) -> list[dict]:

@@ -255,3 +255,30 @@ def test_option_lists_and_merge_key():
         assert tuning.merge_key(other) != tuning.merge_key(fwd)
     assert tuning.merge_entries([fwd, dict(fwd, M_cap=1)], [dict(fwd, ms=0.1)]) == [dict(fwd, M_cap=1),
                                                                                       dict(fwd, ms=0.1)]
+
+
+def test_jax_tune_writes_the_backend_choice(cache):
+    """The JAX tuner's backend choice of a problem both kernels were timed on: a valid entry naming the faster, stored
+    in the user's table, answered by the default order on that device before the shipped ``sm90.json``; a later
+    run's choice of the same problem replaces it even where the answer changed; the summary prints it."""
+    from moe_pallas.ops.grouped_gemm import backend_table, config as gemm_config, tune as tj
+
+    def first():  # the tables are read once per process: a new process reads the new table
+        gemm_config.tuned_tables.cache_clear()
+        try:
+            return backend_table.gpu_order("grouped_gemm", "fp8_block", 16384, 4096, 7168, H100)[0]
+        finally:
+            gemm_config.tuned_tables.cache_clear()
+
+    choice = tj.backend_choice(32, 4096, 7168, 16384, "fp8_block",
+                               {"pallas_mosaic_gpu": 0.95, "pallas_triton": 1.9}, ["uniform"])
+    assert (choice["layout"], choice["backend"], tj.check_entry(choice)) == ("fp8_block", "pallas_mosaic_gpu", None)
+    path = tuning.tuned_table_path("jax", H100.arch, H100.kind)
+    tuning.write_tuned_table(path, [choice], H100.arch, H100.kind, tj.check_entry)
+    assert first() == "pallas_mosaic_gpu"
+    flipped = tj.backend_choice(32, 4096, 7168, 16384, "fp8_block", {"pallas_mosaic_gpu": 2.0, "pallas_triton": 1.0},
+                                ["uniform"])
+    tuning.write_tuned_table(path, [flipped], H100.arch, H100.kind, tj.check_entry)
+    assert [e["backend"] for e in selection.read_table(path, "sm90", H100.kind)] == ["pallas_triton"]
+    assert first() == "pallas_triton"
+    assert "choice: pallas_triton 1.0000, pallas_mosaic_gpu 2.0000" in tj.summary([flipped])[1]

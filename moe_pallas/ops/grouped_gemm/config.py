@@ -503,7 +503,7 @@ OPS = ("grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad")
 KERNEL_BACKENDS = ("pallas_mosaic_gpu", "pallas_triton")
 #: Keys every backend choice has, and the optional ones.
 REQUIRED_KEYS = ("kind", "op", "layout", "E", "N", "K", "M_cap", "backend", "ms", "source", "date", "command")
-OPTIONAL_KEYS = ("device", "routings", "git", "measured", "note")
+OPTIONAL_KEYS = ("arch", "device", "routings", "git", "measured", "note")
 
 def backend_choice_problem(t: dict) -> str | None:
     """Why ``t`` is not a valid backend choice (``None``: it is); the schema is ``backend_table.py``'s module

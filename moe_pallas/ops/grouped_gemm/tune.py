@@ -72,6 +72,7 @@ import itertools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -429,6 +430,21 @@ def check_entry(e: dict) -> str | None:
     return entry_problem(e)  # the lookups' own rules (config.py), so a table the tuner writes is one they read
 
 
+#: The default dispatch's layout key (``backend_table.gemm_layout``) of each tuned dtype.
+LAYOUTS = {"bf16": "bf16", "fp8": "fp8_per_token", "fp8_block": "fp8_block"}
+
+
+def backend_choice(E_: int, N: int, K: int, M: int, dtype: str, best_ms: dict[str, float],
+                   routings: Sequence[str]) -> dict:
+    """The backend choice (``backend_table.py``'s ``"kind": "backend_choice"`` entry) of one forward problem from each
+    backend's best time in the accumulation mode ``implementation=None`` runs (FP8 per token: not ``fast_accum``):
+    the fastest backend is what the default tries first on this device."""
+    return {"kind": "backend_choice", "op": "grouped_gemm", "layout": LAYOUTS[dtype], "E": E_, "N": N, "K": K,
+            "M_cap": M, "backend": min(best_ms, key=best_ms.get), "ms": dict(best_ms), "routings": list(routings),
+            "source": "epmoe tune", "date": time.strftime("%Y-%m-%d"),
+            "command": "epmoe tune --framework jax"}
+
+
 def tune(shapes: Sequence[GemmShape], ms: Sequence[int], dtypes: Sequence[str] = DTYPES,
          ops: Sequence[str] = ("fwd",), *, backends: Sequence[str] = BACKENDS, routings: Sequence[str] = ("uniform",),
          deadline: Deadline | None = None, fast_accum: str = "both", ws_only: bool = False, jobs: int = 8,
@@ -489,6 +505,7 @@ def tune(shapes: Sequence[GemmShape], ms: Sequence[int], dtypes: Sequence[str] =
                 with jax.default_matmul_precision("highest"):
                     ref = jax.jit(grouped_gemm_reference, static_argnums=5)(*args_, jnp.float32)
                 problems.append((args_, ref, float(jnp.linalg.norm(ref))))
+            best_ms: dict[str, float] = {}  # each backend's best, in the accumulation mode the default runs
             for backend, fa in todo:
                 if deadline.passed():
                     break
@@ -521,6 +538,10 @@ def tune(shapes: Sequence[GemmShape], ms: Sequence[int], dtypes: Sequence[str] =
                 if routings != ["uniform"]:  # the mean over these routings ranked the configs
                     entry["routings"] = list(routings)
                 done(entry)
+                if not fa:
+                    best_ms[backend] = entry["ms"]
+            if len(best_ms) >= 2:
+                done(backend_choice(E_, N, K, M, dtype, best_ms, routings))
             del problems, base, args_, ref
             jax.clear_caches()
         for shape, M, op in itertools.product(shapes, ms, bwd_ops):  # the Mosaic backward kernels, bf16 in and out
@@ -564,6 +585,11 @@ def summary(entries: Sequence[dict]) -> list[str]:
     lines = [f"{'op':5s} {'backend':18s} {'dtype':9s} {'fast':5s} {'K':>5s} {'N':>5s} {'M':>6s} {'heur ms':>8s} "
              f"{'ms':>8s} {'x':>5s}  config"]
     for e in entries:
+        if "kind" in e:  # a backend choice: the backends' best times, the fastest first in the default's order
+            times = ", ".join(f"{b} {ms:.4f}" for b, ms in sorted(e["ms"].items(), key=lambda kv: kv[1]))
+            lines.append("%-5s %-18s %-9s %-5s %5d %5d %6d  choice: %s" % (
+                "fwd", e["backend"], e["layout"], "", e["K"], e["N"], e["M_cap"], times))
+            continue
         h = e["heuristic_ms"]
         cfg = (GroupedGemmConfig if e["backend"] == TRITON_BACKEND else MosaicGroupedGemmConfig)(**e["config"])
         heur_s = "-" if h is None else "%.4f" % h
