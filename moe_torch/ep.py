@@ -413,12 +413,13 @@ def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
     send_counts = torch.bincount(owner, minlength=size)  # int64 [P]
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
+    total = None
     if config.capacity_factor is not None:  # C = ceil(c * T * topk / E) counts every rank's tokens
-        num_tokens = torch.tensor([T], dtype=torch.int64, device=x.device)
-        dist.all_reduce(num_tokens, group=group)
+        total = torch.tensor([T], dtype=torch.int64, device=x.device)
+        dist.all_reduce(total, group=group)
     # The one host synchronisation of this mode: all_to_all_single takes the splits as lists.
     send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-    total_tokens = int(num_tokens.item()) if config.capacity_factor is not None else None  # read at the same point
+    total_tokens = None if total is None else int(total.item())  # read at the same synchronisation point
     R = sum(recv_splits)
     # [A, H]: the token row of each assignment, in send order (x[order // K]); the permute stage, so that its
     # backward sums each token's slots in float32 (permute_backward)

@@ -25,7 +25,7 @@ import moe_torch  # noqa: E402
 from common import TORCH_DEVICE  # noqa: E402
 from gloo_ranks import gather_to_file, spawn_ranks  # noqa: E402
 from moe_contract import MoEConfig, make_layer_inputs  # noqa: E402
-from tolerances import F32_REL_FRO, GRAD_F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy  # noqa: E402
+from tolerances import F32_REL_FRO, GRAD_F32_REL_FRO, assert_exact, assert_rel_fro, rel_fro, to_numpy  # noqa: E402
 
 T = 8  # 8 tokens x topk 2 over E = 4 experts: T * topk / E = 4 slots per expert on average
 #: A Mixtral-like layer, and one with a fused shared expert, no renormalization and rsf 2.5 in the combine.
@@ -354,3 +354,29 @@ def test_torch_ep_layer_drops_globally(tmp_path):
         assert_rel_fro(d_logits, want[1], GRAD_F32_REL_FRO, f"{mode} d_router_logits")
         for i, name in ((3, "d_w13"), (4, "d_w2")):  # rank 0: experts 0, 1; rank 1: 2, 3 and the shared one
             assert_rel_fro(np.concatenate([g[i] for g in got]), want[i - 1], GRAD_F32_REL_FRO, f"{mode} {name}")
+
+
+# ------------------------------------------------------------------------------------------------ the modules
+
+
+def test_modules_take_capacity_factor_from_preset():
+    """``EPMoE.from_preset`` / ``MoELayer.from_preset`` take ``capacity_factor`` as a config override, and EPMoE's
+    forward is the capacity layer's: ``moe_forward`` with that config, not the dropless one."""
+    import jax.numpy as jnp
+
+    import moe_pallas
+
+    layer = moe_torch.EPMoE.from_preset("tiny", dtype=torch.float32, capacity_factor=0.5)
+    assert layer.config.capacity_factor == 0.5 and "capacity_factor=0.5" in repr(layer)
+    inp = make_layer_inputs(layer.config, num_tokens=T, seed=19)
+    x, logits = torch.from_numpy(inp.x), torch.from_numpy(inp.router_logits)
+    bias = layer.e_score_correction_bias
+    with torch.no_grad():
+        out = layer(x, logits)
+        dropless = moe_torch.moe_forward(x, logits, layer.w13, layer.w2, layer.config.replace(capacity_factor=None),
+                                         e_score_correction_bias=bias)
+    assert_exact(out, moe_torch.moe_forward(x, logits, layer.w13, layer.w2, layer.config, e_score_correction_bias=bias)
+                 .detach(), "EPMoE")
+    assert rel_fro(out, dropless) > 1e-3  # C = 1 of the 2 slots per expert on average: something was dropped
+    # MoELayer calls moe_forward with its config as EPMoE does (the layer tests above cover JAX's capacity)
+    assert moe_pallas.MoELayer.from_preset("tiny", dtype=jnp.float32, capacity_factor=0.5).config == layer.config
