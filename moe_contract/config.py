@@ -15,10 +15,13 @@ permutation (section 2) takes.
 from __future__ import annotations
 
 import dataclasses
+import fractions
+import math
 import numbers
 from typing import Literal
 
-from moe_contract.scalar_checks import check_bool, check_choice, check_nonnegative_int, check_positive_int, check_rsf
+from moe_contract.scalar_checks import (check_bool, check_capacity_factor, check_choice, check_nonnegative_int,
+                                        check_positive_int, check_rsf)
 
 Routing = Literal["softmax_topk", "grouped_topk", "biased_grouped_topk", "sigmoid_topk"]
 Quant = Literal["none", "fp8_per_token", "fp8_block", "mxfp4", "int4"]
@@ -100,6 +103,12 @@ class MoEConfig:
         group of 32 along ``K``, activations in ``x``'s float dtype (CONTRACT.md section 9; ``H`` and ``I``
         multiples of 32).
       ep_size / ep_rank: expert parallelism; see the module docstring for the placement.
+      capacity_factor: ``None`` (the default: dropless, every slot reaches its expert) or ``c``, a finite
+        float > 0 (MaxText's and Megatron-Core's name): each routed expert takes at most
+        ``C = ceil(c * T * topk / E)`` slots of a layer call's ``T`` tokens (:meth:`expert_capacity`), in token
+        order (lower token first, then slot order); the slots beyond are dropped: they add nothing to the
+        output (no renormalization onto the kept slots) and get no gradient through the expert. Fused shared
+        experts are never dropped; under EP ``C`` counts every rank's tokens (CONTRACT.md section 2, "Capacity").
 
     Raises:
       ValueError: on any inconsistent field (named in the message).
@@ -124,6 +133,7 @@ class MoEConfig:
     quant: Quant = "none"
     ep_size: int = 1
     ep_rank: int = 0
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         op = "MoEConfig"
@@ -142,6 +152,10 @@ class MoEConfig:
         check_choice(op, "quant", self.quant, QUANTS)
         check_choice(op, "activation", self.activation, ACTIVATIONS)
         check_choice(op, "gate_up_layout", self.gate_up_layout, GATE_UP_LAYOUTS)
+        check_capacity_factor(op, self.capacity_factor)
+        if self.capacity_factor is not None and type(self.capacity_factor) is not float:
+            # a numpy float or an int is stored as a Python float: the same config hashes alike (jit static argument)
+            object.__setattr__(self, "capacity_factor", float(self.capacity_factor))
         check_routing_args(
             op,
             num_experts=self.num_experts,
@@ -199,6 +213,18 @@ class MoEConfig:
         """The rsf the combine applies: 1 when the gate already applied it (applied exactly once,
         CONTRACT.md section 5)."""
         return 1.0 if self.apply_routed_scaling_factor_on_output else self.routed_scaling_factor
+
+    def expert_capacity(self, num_tokens: int) -> int | None:
+        """``C``, the most routed slots one expert takes from a layer call of ``num_tokens`` tokens (all EP ranks'):
+        ``ceil(capacity_factor * num_tokens * topk / E)``, computed exactly on the float's binary value (no
+        rounding to a multiple of anything: no kernel needs it), or ``None`` when dropless
+        (``capacity_factor=None``). ``C >= 1`` whenever ``num_tokens >= 1``.
+
+        Raises: ValueError if ``num_tokens`` is not an int >= 0."""
+        check_nonnegative_int("MoEConfig.expert_capacity", "num_tokens", num_tokens)
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(fractions.Fraction(self.capacity_factor) * num_tokens * self.topk / self.num_experts)
 
     def gate_kwargs(self) -> dict:
         """The routing settings as keyword arguments of ``select_experts`` / ``check_select_experts``

@@ -1,4 +1,4 @@
-"""Scalar argument checks: ints, bools, choices and the routed scaling factor.
+"""Scalar argument checks: ints, bools, choices, the routed scaling factor and the capacity factor.
 
 The bottom of ``moe_contract``'s import graph: :mod:`moe_contract.config` validates its
 fields with these, and :mod:`moe_contract.validation` (which checks arrays against a
@@ -42,3 +42,12 @@ def check_rsf(op: str, rsf: Any) -> None:
     """``routed_scaling_factor``: a finite real > 0 (python or numpy scalar)."""
     if isinstance(rsf, bool) or not isinstance(rsf, numbers.Real) or not 0 < float(rsf) < float("inf"):
         raise ValueError(f"{op}: routed_scaling_factor must be a finite float > 0; got {rsf!r}")
+
+
+def check_capacity_factor(op: str, value: Any) -> None:
+    """``capacity_factor``: ``None`` (dropless) or a finite real > 0 (python or numpy scalar)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < float("inf"):
+        raise ValueError(f"{op}: capacity_factor must be None (dropless) or a finite float > 0; "
+                         f"got capacity_factor={value!r}")

@@ -5,6 +5,7 @@ and the flax NNX modules (``MoELayer``; ``MoEBlock``: router + layer, as a trans
 ``moe_torch`` file for file; never imports it."""
 
 from moe_contract import MoEConfig, PRESETS, get_preset
+from moe_pallas.capacity import drop_over_capacity
 from moe_pallas.layer import local_weights, moe_forward, quantize_layer_weights
 from moe_pallas.ep import ep_moe_forward, make_ep_mesh, shard_expert_weights
 from moe_pallas.module import MoEBlock, MoELayer
@@ -35,7 +36,7 @@ from moe_pallas.ops.quant.api import (
 __all__ = [
     "MoEBlock", "MoELayer", "MoEConfig", "PRESETS", "RoutingMetadata", "act_and_mul", "act_and_mul_backward", "combine",
     "combine_backward", "dequantize_fp8",
-    "dequantize_weight_fp8", "dequantize_weight_int4", "dequantize_weight_mxfp4", "ep_moe_forward", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "grouped_gemm_dbias", "grouped_gemm_dgrad", "grouped_gemm_wgrad", "local_weights",
+    "dequantize_weight_fp8", "dequantize_weight_int4", "dequantize_weight_mxfp4", "drop_over_capacity", "ep_moe_forward", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "grouped_gemm_dbias", "grouped_gemm_dgrad", "grouped_gemm_wgrad", "local_weights",
     "make_ep_mesh", "moe_forward", "per_token_group_quant_fp8", "per_token_quant_fp8", "permute", "permute_backward",
     "quantize_layer_weights", "quantize_weight_fp8", "quantize_weight_int4", "quantize_weight_mxfp4", "routing_metadata", "select_experts", "select_experts_backward",
     "shard_expert_weights",

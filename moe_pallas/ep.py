@@ -30,6 +30,11 @@ Two dispatch modes (both jit; every buffer has a static worst-case capacity)::
       buffer; the home device runs the combine stage with its topk_weights (float32
       accumulation, rsf per the config, cast once): bit-for-bit the single-device combine.
 
+Capacity (``config.capacity_factor``, CONTRACT.md section 2, "Capacity"): per expert, over the layer call's
+``T`` tokens. "replicated": every device drops the same slots from the gate's ids (it sees all ``T`` tokens).
+"all_to_all": the owner drops the received rows beyond ``C``: they arrive by source device, each in (token,
+slot) order, which is the global token order; a dropped row's output is 0 at home. No collective of its own.
+
 Weights: a shard_map shard must be the same size on every device, but the last rank owns
 ``E/ep + S`` experts and the others ``E/ep``. :func:`shard_expert_weights` pads every rank's
 slab to ``E_lmax`` experts with zero experts (and zero scales) that no row is ever routed to,
@@ -76,7 +81,8 @@ from moe_contract.config import MoEConfig
 from moe_contract.validation import (check_choice, check_config, check_expert_biases, check_layer_inputs,
                                       check_positive_int, check_rank, check_shared_expert_gate_logits,
                                       stage_implementation)
-from moe_pallas.layer import LAYER_IMPLEMENTATIONS, check_w4_implementation, routed_experts, run_gate
+from moe_pallas.capacity import drop_over_capacity
+from moe_pallas.layer import LAYER_IMPLEMENTATIONS, check_w4_implementation, dispatch_ids, routed_experts, run_gate
 from moe_pallas.ops.combine import api as combine_api
 from moe_pallas.ops.combine.api import combine
 from moe_pallas.ops.common import takes_jax_arrays
@@ -262,7 +268,7 @@ def ep_moe_forward(
         ``quant='mxfp4'`` / ``'int4'``.
       w2: ``[ep * E_lmax, H, I]`` or ``[E + S, H, I]`` (4-bit ``[..., H, I // 2]``), the same way.
       config: the layer; ``config.ep_size`` must equal the mesh's ``"ep"`` size (``ep_rank`` is ignored:
-        every device is its own rank).
+        every device is its own rank); ``config.capacity_factor``: the module docstring's "Capacity".
       mesh: a mesh with an ``"ep"`` axis (:func:`make_ep_mesh`).
       mode: ``"replicated"`` (SGLang EPMoE: every device sees all tokens, sums partial outputs) or
         ``"all_to_all"`` (DeepEP-style: tokens split over devices, rows travel to expert owners).
@@ -465,7 +471,8 @@ def _replicated_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, share
     shared = None if shared is None else shared.astype(in_dtypes[2])
     topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
     combine_weights, input_scale = slot_weights(topk_weights, shared, config)  # autodiff: plain jnp
-    local_ids = _to_local_ids(topk_ids, starts, counts, e_lmax)
+    # Every device sees all T tokens' ids, so each drops the same slots (capacity per expert, globally).
+    local_ids = _to_local_ids(dispatch_ids(topk_ids, config, implementation), starts, counts, e_lmax)
     partial = _experts(x, combine_weights, local_ids, w13, w2, w13_scale, w2_scale, config=config, e_lmax=e_lmax,
                        implementation=implementation, routed_scaling_factor=config.combine_routed_scaling_factor,
                        out_dtype=jnp.float32, recompute=recompute, input_scale=input_scale, biases=(w13_bias, w2_bias))
@@ -510,6 +517,9 @@ def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, share
     x_recv = exchange(x_send, jnp.zeros((ep * C, H), x.dtype), send_offsets, send_sizes, my_slot, recv_sizes)
     ids_recv = exchange(ids_send, jnp.full((ep * C,), -1, jnp.int32), send_offsets, send_sizes, my_slot, recv_sizes)
 
+    # Source s's rows sit before source s+1's, each in (token, slot) order: the global token order, so the owner
+    # alone drops the slots over its experts' capacity (C from the static T). A dropped row's y is 0.
+    ids_recv = drop_over_capacity(ids_recv[:, None], config, num_tokens=T, implementation=permute_impl)[:, 0]
     local_ids = _to_local_ids(ids_recv, starts, counts, e_lmax)[:, None]  # [ep*C, 1]
     # The experts, un-permuted to receive order (weight 1, no rsf, cast back to x.dtype: exact), then each row home.
     y_recv = _experts(x_recv, jnp.ones((ep * C, 1), jnp.float32), local_ids, w13, w2, w13_scale, w2_scale, config=config,

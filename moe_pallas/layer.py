@@ -3,7 +3,8 @@
 Dataflow (``S`` fused shared experts, ``topk' = topk + S``, ``M_cap = T * topk'``)::
 
     router_logits [T, E] --select_experts--> topk_weights, topk_ids [T, topk']
-    topk_ids --routing_metadata--> expert_offsets [E_local+1], src2dst [T, topk'], dst2src [M_cap]
+    topk_ids --drop_over_capacity (config.capacity_factor; else unchanged)--> ids, dropped slots -1
+    ids --routing_metadata--> expert_offsets [E_local+1], src2dst [T, topk'], dst2src [M_cap]
     x [T, H] --permute (+FP8 quant)--> [M_cap, H] --grouped_gemm w13 (+ w13_bias)--> [M_cap, 2I]
       --act_and_mul (+FP8 quant)--> [M_cap, I] --grouped_gemm w2 (+ w2_bias)--> [M_cap, H]
       --combine (x rsf unless the gate applied it)--> out [T, H]
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from moe_contract.config import ACTIVATION_QUANT, FP8_QUANTS, W4_QUANTS, WEIGHT_LAYOUT, MoEConfig
 from moe_contract.validation import (check_expert_biases, check_layer_inputs, check_layer_weights, check_positive_int,
                                       check_shared_expert_gate_logits, stage_implementation)
+from moe_pallas.capacity import drop_over_capacity
 from moe_pallas.ops.activation import api as activation_api
 from moe_pallas.ops.activation.api import act_and_mul, act_and_mul_backward
 from moe_pallas.ops.combine import api as combine_api
@@ -75,7 +77,7 @@ def moe_forward(
         float8_e4m3fn for the FP8 modes; ``quant='mxfp4'`` / ``'int4'``: packed 4-bit codes
         ``[E_local, 2*I, H // 2]`` uint8 (CONTRACT.md section 9).
       w2: ``[E_local, H, I]`` down projections, same dtype rule (4-bit: ``[E_local, H, I // 2]`` uint8).
-      config: the layer (routing, rsf placement, activation and gate/up layout, expert biases, quant, EP); a
+      config: the layer (routing, rsf placement, activation and gate/up layout, expert biases, quant, EP, capacity); a
         static argument under ``jit``.
       w13_scale, w2_scale: the weight scales (see :func:`quantize_layer_weights`): FP8 float32; 4-bit
         ``[E_local, 2*I, H // 32]`` / ``[E_local, H, I // 32]``, uint8 e8m0 (mxfp4) or bf16 (int4).
@@ -108,6 +110,15 @@ def moe_forward(
     (144 B). The permuted input ``xp`` and GEMM 2's output ``y`` are never kept: the routing-weight
     gradient uses ``<y[m], d_out[t]> = <a[m], d_out[t] @ w2[e]>`` (SonicMoE, arXiv 2512.14080,
     section 3), so the combine's backward needs no ``y``.
+
+    Capacity (``config.capacity_factor``, CONTRACT.md section 2, "Capacity";
+    :func:`moe_pallas.capacity.drop_over_capacity`): each routed expert takes its first
+    ``C = ceil(c * T * topk / E)`` slots in token order. A dropped slot is skipped by every stage as a
+    non-local one is: its expert output is left out (the kept weights are not renormalized), it gives no
+    gradient to the expert weights, their biases or ``x``, and its ``d_topk_weights`` is 0, so the router
+    logits get gradient through the kept slots' weights only (a softmax or renormalization still couples
+    those to the dropped expert's logit). Fused shared experts are never dropped. ``C`` counts this call's
+    ``T`` tokens: every EP rank sees them all, so the capacity is per expert, globally.
 
     Gradients (CONTRACT.md section 8): ``x``, ``router_logits`` (through ``topk_weights`` only),
     ``shared_expert_gate_logits``, float ``w13`` / ``w2`` (this rank's slice), ``w13_bias`` / ``w2_bias``
@@ -152,8 +163,9 @@ def _layer_forward(config, implementation, x, router_logits, w13, w2, w13_scale,
     topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
     combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)
     expert_start, e_local = config.local_expert_range()
-    y, meta, h = run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
-                             num_experts=config.num_total_experts, expert_start=expert_start,
+    # the gate's backward takes the gate's own ids (returned below); the experts see the capacity's
+    y, meta, h = run_experts(x, dispatch_ids(topk_ids, config, implementation), w13, w2, w13_scale, w2_scale, config,
+                             implementation, num_experts=config.num_total_experts, expert_start=expert_start,
                              num_local_experts=e_local, return_h=True, input_scale=input_scale,
                              w13_bias=w13_bias, w2_bias=w2_bias)
     out = combine(y, meta.src2dst, combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
@@ -391,6 +403,13 @@ def run_gate(router_logits, config: MoEConfig, e_score_correction_bias, implemen
     """``select_experts`` with the layer's routing settings: ``(topk_weights, topk_ids) [T, topk']``."""
     return select_experts(router_logits, **config.gate_kwargs(), e_score_correction_bias=e_score_correction_bias,
                           implementation=stage_implementation(implementation, gate_api))
+
+
+def dispatch_ids(topk_ids, config: MoEConfig, implementation: str | None):
+    """The gate's ``topk_ids [T, topk']`` as the experts see them: with ``config.capacity_factor``, the routed slots
+    over their expert's capacity set to ``-1`` (non-local on every rank: skipped by every stage;
+    :func:`moe_pallas.capacity.drop_over_capacity`), else ``topk_ids`` itself."""
+    return drop_over_capacity(topk_ids, config, implementation=stage_implementation(implementation, permute_api))
 
 
 def run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, implementation: str | None, *,

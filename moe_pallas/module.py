@@ -137,7 +137,7 @@ class MoELayer(nnx.Module):
     """One MoE layer on EP rank ``config.ep_rank``: ``layer(x [T, H], router_logits [T, E]) -> [T, H]``.
 
     Args:
-      config: the layer (:class:`moe_contract.MoEConfig`: routing, rsf, quant, EP rank); static.
+      config: the layer (:class:`moe_contract.MoEConfig`: routing, rsf, quant, EP rank, capacity); static.
       w13: ``[E_local, 2*I, H]`` this rank's gate (rows ``:I``) and up projections: bf16 /
         float16 / float32 for ``quant='none'`` (then ``x`` must have this dtype), float8_e4m3fn
         for the FP8 modes, packed 4-bit codes ``[E_local, 2*I, H // 2]`` uint8 for ``'mxfp4'`` / ``'int4'``.
@@ -288,7 +288,7 @@ class MoELayer(nnx.Module):
           dtype: the float weights' dtype (and the ``x`` dtype ``quant='none'`` then takes).
           implementation, trainable, recompute: as :class:`MoELayer`.
           config_overrides: :meth:`ModelPreset.config` fields (``quant``, ``ep_size``, ``ep_rank``,
-            ``hidden_size``...).
+            ``capacity_factor``, ``hidden_size``...).
 
         Arrays land on JAX's default device. Drawing is on the host, one expert at a time, this rank's
         experts only (each expert has its own generator), one core (``make_layer_inputs`` draws on all

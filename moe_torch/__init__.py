@@ -7,6 +7,7 @@ Under ``TRITON_INTERPRET=1`` (set before triton is imported) the Triton kernels 
 exactly: ``moe_torch/ops/triton_interpret.py`` fixes triton 3.6's interpreter's casts and dots."""
 
 from moe_contract import MoEConfig, PRESETS, get_preset
+from moe_torch.capacity import drop_over_capacity
 from moe_torch.ep import ep_moe_forward
 from moe_torch.hf import HFMoEBlock, patch_hf_model
 from moe_torch.layer import local_weights, moe_forward, quantize_layer_weights
@@ -38,7 +39,7 @@ from moe_torch.ops.quant.api import (
 __all__ = [
     "EPMoE", "HFMoEBlock", "MoEConfig", "PRESETS", "RoutingMetadata", "act_and_mul", "act_and_mul_backward", "combine",
     "combine_backward", "dequantize_fp8",
-    "dequantize_weight_fp8", "dequantize_weight_int4", "dequantize_weight_mxfp4", "ep_moe_forward", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "grouped_gemm_dbias", "grouped_gemm_dgrad", "grouped_gemm_wgrad",
+    "dequantize_weight_fp8", "dequantize_weight_int4", "dequantize_weight_mxfp4", "drop_over_capacity", "ep_moe_forward", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "grouped_gemm_dbias", "grouped_gemm_dgrad", "grouped_gemm_wgrad",
     "local_weights",
     "moe_forward", "patch_hf_model", "per_token_group_quant_fp8", "per_token_quant_fp8", "permute", "permute_backward",
     "quantize_layer_weights", "quantize_weight_fp8", "quantize_weight_int4", "quantize_weight_mxfp4", "routing_metadata", "select_experts", "select_experts_backward",

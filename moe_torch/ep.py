@@ -32,6 +32,12 @@ tokens ``x [T_r, H]`` (any ``T_r``, 0 included)::
   synchronises with the host once per layer and is **not CUDA-graph capturable**, as DeepEP's
   normal mode (the low-latency mode pads to a fixed capacity instead).
 
+Capacity (``config.capacity_factor``, CONTRACT.md section 2, "Capacity"): per expert, over the layer call's
+tokens of every rank. ``"replicated"``: every rank drops the same slots from the gate's ids (it sees all ``T``
+tokens). ``"all_to_all"``: the tokens are every rank's in rank order (rank 0's first); the owner drops the rows
+it receives (by source rank, each in (token, slot) order: that order) beyond ``C``, the token count coming from
+an ``all_reduce`` read at the mode's one host synchronisation; a dropped row's output is 0 at home.
+
 Numerics: each row's expert computation is the single-device one; ``"replicated"`` sums the
 ranks' float32 partials (also for bf16 / float16 ``x``: the collective runs in float32 and the
 sum is cast once), ``"all_to_all"`` runs the single-device combine on the home rank. Either
@@ -81,7 +87,8 @@ from moe_contract.config import MoEConfig
 from moe_contract.op_checks import check_select_experts
 from moe_contract.validation import (check_choice, check_expert_biases, check_layer_inputs,
                                       check_shared_expert_gate_logits, stage_implementation)
-from moe_torch.layer import LAYER_IMPLEMENTATIONS, routed_experts, run_gate
+from moe_torch.capacity import drop_over_capacity
+from moe_torch.layer import LAYER_IMPLEMENTATIONS, dispatch_ids, routed_experts, run_gate
 from moe_torch.ops.combine import api as combine_api
 from moe_torch.ops.combine.api import combine
 from moe_torch.ops.common import first_order_backward, takes_torch_tensors
@@ -298,7 +305,7 @@ def ep_moe_forward(
         ``x.dtype`` for ``quant='none'``, float8_e4m3fn for FP8, packed 4-bit codes ``[E_local, 2*I, H // 2]``
         uint8 for ``quant='mxfp4'`` / ``'int4'``; ``w2_local`` ``[E_local, H, I]`` (4-bit ``[E_local, H, I // 2]``).
       config: the layer; ``config.ep_size`` / ``config.ep_rank`` must be the group's size and
-        this process's rank in it.
+        this process's rank in it; ``config.capacity_factor``: the module docstring's "Capacity".
       group: the EP process group (``None``: the default group). NCCL wants CUDA tensors, gloo CPU ones.
       mode: ``"replicated"`` or ``"all_to_all"`` (module docstring).
       w13_scale, w2_scale: this rank's weight scales (FP8, 4-bit; as :func:`moe_torch.moe_forward`).
@@ -375,6 +382,8 @@ def _replicated(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
         x, router_logits, shared_logits = _CopyToGroup.apply(group, x, router_logits, shared_logits)
     topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
     combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)  # autograd: plain torch ops
+    # Every rank sees all T tokens' ids, so each drops the same slots (capacity per expert, globally).
+    topk_ids = dispatch_ids(topk_ids, config, implementation)
     # float32 partial: the sum over ranks is then the single-device float32 combine, reassociated.
     partial = _experts(x, combine_weights, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
                        routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=torch.float32,
@@ -404,8 +413,13 @@ def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
     send_counts = torch.bincount(owner, minlength=size)  # int64 [P]
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
+    total = None
+    if config.capacity_factor is not None:  # C = ceil(c * T * topk / E) counts every rank's tokens
+        total = torch.tensor([T], dtype=torch.int64, device=x.device)
+        dist.all_reduce(total, group=group)
     # The one host synchronisation of this mode: all_to_all_single takes the splits as lists.
     send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    total_tokens = None if total is None else int(total.item())  # read at the same synchronisation point
     R = sum(recv_splits)
     # [A, H]: the token row of each assignment, in send order (x[order // K]); the permute stage, so that its
     # backward sums each token's slots in float32 (permute_backward)
@@ -419,10 +433,14 @@ def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
     x_recv = _AllToAllRows.apply(x_send, recv_splits, send_splits, group)  # [R, H]
     ids_work.wait()
     # -- owner: one expert per received row (topk = 1, weight 1, no rsf): y rows in receive order, x.dtype
-    # (the combine of one row with weight 1.0 in float32 is exact); every row is local here
+    # (the combine of one row with weight 1.0 in float32 is exact); every row is local here, but for dropped ones
     if R:
         ones = torch.ones((R, 1), dtype=torch.float32, device=x.device)
-        y_recv = _experts(x_recv, ones, ids_recv[:, None], w13, w2, w13_scale, w2_scale, config, implementation,
+        # The rows arrive by source rank, each rank's in (token, slot) order: the global token order (rank 0's
+        # tokens first), so the owner alone drops the slots over its experts' capacity. A dropped row's y is 0.
+        ids_own = drop_over_capacity(ids_recv[:, None], config, num_tokens=total_tokens,
+                                     implementation=stage_implementation(implementation, permute_api))
+        y_recv = _experts(x_recv, ones, ids_own, w13, w2, w13_scale, w2_scale, config, implementation,
                           routed_scaling_factor=1.0, out_dtype=x.dtype, recompute=recompute, biases=biases)
     else:  # no kernel launch on zero rows (still on the autograd path: the backward's exchange needs this rank)
         y_recv = _NoRows.apply(x_recv, w13, w2, *(b for b in biases if b is not None))

@@ -363,7 +363,7 @@ def block_layer_weights(block: torch.nn.Module, *, quant: str | None = None, op:
     fixed = sorted(from_block & set(config_overrides))
     if fixed:
         raise ValueError(f"{op}: {fixed} come from the block ({b.name}); overrides may set ep_size, ep_rank, "
-                         f"apply_routed_scaling_factor_on_output; got {sorted(config_overrides)}")
+                         f"apply_routed_scaling_factor_on_output, capacity_factor; got {sorted(config_overrides)}")
     config = b.config.replace(quant=_quant(op, quant), num_fused_shared_experts=b.num_shared_experts,
                               shared_expert_gate=b.shared_expert_gate is not None, **config_overrides)
     w13, w2 = b.w13.detach(), b.w2.detach()

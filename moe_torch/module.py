@@ -133,7 +133,7 @@ class EPMoE(torch.nn.Module):
     """One MoE layer on EP rank ``config.ep_rank``: ``forward(x [T, H], router_logits [T, E]) -> [T, H]``.
 
     Args:
-      config: the layer (:class:`moe_contract.MoEConfig`: routing, rsf, quant, EP rank).
+      config: the layer (:class:`moe_contract.MoEConfig`: routing, rsf, quant, EP rank, capacity).
       w13: ``[E_local, 2*I, H]`` this rank's gate (rows ``:I``) and up projections: bf16 /
         float16 / float32 for ``quant='none'`` (then ``x`` must have this dtype), float8_e4m3fn
         for the FP8 modes, packed 4-bit codes ``[E_local, 2*I, H // 2]`` uint8 for ``'mxfp4'`` / ``'int4'``.
@@ -326,7 +326,7 @@ class EPMoE(torch.nn.Module):
           device: default ``torch.get_default_device()``.
           implementation, process_group, ep_mode, trainable, recompute: as :class:`EPMoE`.
           config_overrides: :meth:`ModelPreset.config` fields (``quant``, ``ep_size``, ``ep_rank``,
-            ``hidden_size``...).
+            ``capacity_factor``, ``hidden_size``...).
 
         Drawing is on the host, one expert at a time, this rank's
         experts only (each expert has its own generator), one core (``make_layer_inputs`` draws on all
@@ -398,7 +398,7 @@ class EPMoE(torch.nn.Module):
             ``quant='none'`` and no shared experts the layer's weights share the block's storage, so
             training one moves the other's weights too.
           config_overrides: :class:`MoEConfig` fields (``ep_size``, ``ep_rank``,
-            ``apply_routed_scaling_factor_on_output``); the routing fields come from the block.
+            ``apply_routed_scaling_factor_on_output``, ``capacity_factor``); the routing fields come from the block.
 
         Returns: an :class:`EPMoE` with ``forward(x [T, H], router_logits [T, E]) -> [T, H]`` equal to
         ``block(x[None])[0]`` (shared experts included) when ``router_logits = block.gate(x)[0]``, and the
@@ -510,5 +510,6 @@ class EPMoE(torch.nn.Module):
                 + ("apply_router_weight_on_input=True, " if c.apply_router_weight_on_input else "")
                 + ("shared_expert_gate=True, " if c.shared_expert_gate else "")
                 + ("expert_bias=True, " if c.expert_bias else "")
+                + ("" if c.capacity_factor is None else f"capacity_factor={c.capacity_factor}, ")
                 + f"implementation={self.implementation!r}, trainable={self.trainable}, recompute={self.recompute}"
                 + ("" if self.process_group is None and self.ep_mode is None else f", ep_mode={self.ep_mode or 'replicated'!r}"))
