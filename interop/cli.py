@@ -54,6 +54,10 @@ def _host_bytes_available() -> int:
         return 1 << 62
 
 
+#: The MoEConfig flags of the 2026 families a header names when they are on.
+_SEMANTICS = ("apply_router_weight_on_input", "shared_expert_gate", "expert_bias")
+
+
 def run_demo(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
@@ -62,20 +66,34 @@ def run_demo(args: argparse.Namespace) -> int:
     import moe_pallas
     import moe_torch
 
+    from interop.crosscheck.run import expert_biases
+
     preset = get_preset(args.preset)
-    config = preset.config(quant=args.quant)
+    try:
+        config = preset.config(quant=args.quant, **_layer_overrides(args))
+    except (ValueError, TypeError) as exc:
+        print(f"epmoe demo: {exc}", file=sys.stderr)
+        return 2
     need, have = _host_bytes_needed(config), _host_bytes_available()
     if 2 * need > have:  # the weights, plus a converted copy per framework
-        print(f"epmoe: preset {preset.name} needs about {2 * need / 2**30:.0f} GiB of host memory for its weights "
-              f"({have / 2**30:.0f} GiB available); use --preset tiny here, or a larger machine", file=sys.stderr)
+        print(f"epmoe demo: preset {preset.name} needs about {2 * need / 2**30:.0f} GiB of host memory for its weights "
+              f"({have / 2**30:.0f} GiB available); use --preset tiny here, shrink this one (--hidden-size, "
+              f"--intermediate-size, --num-experts), or use a larger machine", file=sys.stderr)
         return 2
     inputs = make_layer_inputs(config, args.tokens, seed=args.seed, routing=args.routing)
+    # The layer inputs a preset's semantics ask for, drawn as `check` draws them: gpt-oss's per-expert biases
+    # (seeded, bf16 like a model's), Qwen3-Next's shared-expert gate logits (x @ the seeded gate weight).
+    biases = expert_biases(config, args.seed, None)  # (w13_bias, w2_bias) or None
+    biases = None if biases is None else tuple(np.asarray(b, np.float32) for b in biases)
+    shared = inputs.shared_expert_gate_logits  # [T, S] float32 or None
     jdt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"preset {preset.name}: H={config.hidden_size} I={config.intermediate_size} E={config.num_experts} "
           f"topk={config.topk} routing={config.routing} rsf={config.routed_scaling_factor} "
-          f"shared={config.num_fused_shared_experts} quant={config.quant} dtype={args.dtype}")
+          f"shared={config.num_fused_shared_experts} activation={config.activation} "
+          f"{''.join(f'{n}=True ' for n in _SEMANTICS if getattr(config, n, False))}"
+          f"quant={config.quant} dtype={args.dtype}")
     print(f"T={args.tokens} routing skew={args.routing} seed={args.seed}; jax on {jax.default_backend()}, torch on {device}")
 
     outs = {}
@@ -85,8 +103,10 @@ def run_demo(args: argparse.Namespace) -> int:
     w13, s13, w2, s2 = moe_pallas.quantize_layer_weights(jw13, jw2, config)
     fwd = jax.jit(moe_pallas.moe_forward, static_argnames=("config",))
     bias = jnp.asarray(inputs.e_score_correction_bias) if config.routing == "biased_grouped_topk" else None
+    jb13, jb2 = (None, None) if biases is None else (jnp.asarray(b).astype(jdt) for b in biases)
     out_j = fwd(jnp.asarray(inputs.x, jdt), jnp.asarray(inputs.router_logits), w13, w2, config,
-                w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias)
+                w13_scale=s13, w2_scale=s2, w13_bias=jb13, w2_bias=jb2, e_score_correction_bias=bias,
+                shared_expert_gate_logits=None if shared is None else jnp.asarray(shared))
     outs["jnp reference"] = np.asarray(out_j.astype(jnp.float32))
     weights, ids = moe_pallas.select_experts(
         jnp.asarray(inputs.router_logits), topk=config.topk, routing=config.routing, renormalize=config.renormalize,
@@ -101,8 +121,11 @@ def run_demo(args: argparse.Namespace) -> int:
     tw2 = torch.from_numpy(inputs.w2).to(device, tdt)
     w13, s13, w2, s2 = moe_torch.quantize_layer_weights(tw13, tw2, config)
     tbias = torch.from_numpy(inputs.e_score_correction_bias).to(device) if bias is not None else None
+    tb13, tb2 = (None, None) if biases is None else (torch.from_numpy(b).to(device, tdt) for b in biases)
     out_t = moe_torch.moe_forward(torch.from_numpy(inputs.x).to(device, tdt), torch.from_numpy(inputs.router_logits).to(device),
-                                  w13, w2, config, w13_scale=s13, w2_scale=s2, e_score_correction_bias=tbias)
+                                  w13, w2, config, w13_scale=s13, w2_scale=s2, w13_bias=tb13, w2_bias=tb2,
+                                  e_score_correction_bias=tbias,
+                                  shared_expert_gate_logits=None if shared is None else torch.tensor(shared, device=device))
     outs["torch reference"] = out_t.float().cpu().numpy()
     t_t = time.perf_counter() - t0
 
@@ -142,7 +165,7 @@ def _quant_arg(value: str) -> str:
     return names[key]
 
 
-#: ``check``'s layer options: (MoEConfig field, option, type, help). Each overrides the preset's value (shapes to run
+#: ``demo``'s and ``check``'s layer options: (MoEConfig field, option, type, help). Each overrides the preset's value (shapes to run
 #: a preset small, e.g. on a CPU; the layer semantics of the 2026 families); with --weights the checkpoint decides.
 LAYER_OPTIONS = (
     ("hidden_size", "--hidden-size", int, "H, the hidden size"),
@@ -162,7 +185,7 @@ LAYER_OPTIONS = (
 
 
 def _layer_overrides(args: argparse.Namespace) -> dict:
-    """The MoEConfig fields ``check``'s layer options set (:data:`LAYER_OPTIONS`; those not given are left out)."""
+    """The MoEConfig fields the layer options set (:data:`LAYER_OPTIONS`; those not given are left out)."""
     return {field: getattr(args, field) for field, *_ in LAYER_OPTIONS if getattr(args, field, None) is not None}
 
 
@@ -366,7 +389,7 @@ def run_check(args: argparse.Namespace) -> int:
           f"routing={config.routing} renormalize={config.renormalize} rsf={config.routed_scaling_factor} "
           f"shared={config.num_fused_shared_experts} activation={config.activation}"
           f"{'' if config.gate_up_layout == 'concatenated' else ' (' + config.gate_up_layout + ')'} "
-          f"{''.join(f'{n}=True ' for n in ('apply_router_weight_on_input', 'shared_expert_gate', 'expert_bias') if getattr(config, n, False))}"
+          f"{''.join(f'{n}=True ' for n in _SEMANTICS if getattr(config, n, False))}"
           f"quant={config.quant} {_ep_words(config, args)}; T={args.tokens} {inputs_words}; "
           f"{'GPU' if gpu else 'no GPU: kernels interpreted'}; implementations: {', '.join(implementations)}"
           f"{'; forward and backward' if args.backward else ''}", flush=True)
@@ -618,6 +641,23 @@ def _add_input_args(parser: argparse.ArgumentParser, preset_help: str) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
 
 
+def _add_layer_options(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """:data:`LAYER_OPTIONS` as a group of ``parser`` (``demo`` and ``check``): left out of the namespace when not
+    given, so that the preset's value stays."""
+    layer = parser.add_argument_group(
+        "layer options", f"override the preset's layer{note}: its shapes (any preset runs on a CPU once small "
+        "enough, e.g. --hidden-size 64 --intermediate-size 32 --num-experts 16) and its semantics")
+    for field, option, kind, what in LAYER_OPTIONS:
+        if kind is bool:
+            layer.add_argument(option, dest=field, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=what + " (default: the preset's)")
+        else:
+            choices = {"activation": ACTIVATIONS, "gate_up_layout": GATE_UP_LAYOUTS}.get(field)
+            layer.add_argument(option, dest=field, type=kind, default=argparse.SUPPRESS, choices=choices,
+                               metavar=None if choices else what.split(",")[0].split()[0],
+                               help=what + " (default: the preset's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epmoe", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -628,8 +668,10 @@ def build_parser() -> argparse.ArgumentParser:
         "inputs; print what they computed and their difference; exit 1 if they disagree.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _add_input_args(demo, "model preset (all but 'tiny' need tens of GB: a GPU machine)")
+    _add_input_args(demo, "model preset (all but 'tiny' need tens of GB at full size: a GPU machine, or shrink "
+                          "one with the layer options)")
     demo.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="activation and weight dtype")
+    _add_layer_options(demo)
     demo.set_defaults(func=run_demo)
 
     from interop.crosscheck import IMPLEMENTATIONS as CHECK_IMPLEMENTATIONS
@@ -657,18 +699,7 @@ def build_parser() -> argparse.ArgumentParser:
             action.default = argparse.SUPPRESS
         if action.dest == "quant":
             action.help += "; default: none, with --weights the checkpoint's (fp8_block for an FP8 checkpoint)"
-    layer = check.add_argument_group(
-        "layer options", "override the preset's layer (not with --weights): its shapes (any preset runs on a CPU once "
-        "small enough, e.g. --hidden-size 64 --intermediate-size 32 --num-experts 16) and its semantics")
-    for field, option, kind, what in LAYER_OPTIONS:
-        if kind is bool:
-            layer.add_argument(option, dest=field, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                               help=what + " (default: the preset's)")
-        else:
-            choices = {"activation": ACTIVATIONS, "gate_up_layout": GATE_UP_LAYOUTS}.get(field)
-            layer.add_argument(option, dest=field, type=kind, default=argparse.SUPPRESS, choices=choices,
-                               metavar=None if choices else what.split(",")[0].split()[0],
-                               help=what + " (default: the preset's)")
+    _add_layer_options(check, " (not with --weights)")
     check.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks (E must divide)")
     check.add_argument("--ep-rank", type=int, default=None,
                        help="with --ep-size N > 1: also check this rank's experts and partial sum stage by stage "

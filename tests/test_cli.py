@@ -23,6 +23,19 @@ def test_demo_runs_and_agrees(args, capsys):
     assert "preset tiny" in out
 
 
+@pytest.mark.parametrize("preset,words", [("gpt-oss-20b", "expert_bias=True"),
+                                          ("qwen3-next-80b-a3b", "shared_expert_gate=True")])
+def test_demo_runs_the_presets_with_biases_and_a_shared_gate(preset, words, capsys):
+    """A user trap: `epmoe demo --preset gpt-oss-20b` (and qwen3-next-80b-a3b) ended in a traceback, the layer's
+    expert biases / shared-expert gate logits not passed; now drawn as `check` draws them. Shrunk by the layer
+    options (which demo now takes, as check does) to stay fast on a CPU."""
+    assert main(["demo", "--preset", preset, "--tokens", "2", "--hidden-size", "64", "--intermediate-size", "32",
+                 "--num-experts", "16", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert f"preset {preset}: H=64 I=32 E=16" in out and words in out
+    assert "agree" in out and "DISAGREE" not in out
+
+
 @pytest.mark.parametrize("args", [["demo", "--preset", "nope"], ["demo", "--quant", "int8"], ["frobnicate"]])
 def test_bad_arguments_exit_2(args, capsys):
     with pytest.raises(SystemExit) as info:
