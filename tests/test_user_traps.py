@@ -63,3 +63,34 @@ def test_example_missing_config_json_is_named(example, tmp_path):
         example.load_model(str(_folder(tmp_path, config=False)))
     with pytest.raises(FileNotFoundError, match=r"^load_model: path '.*nowhere' does not exist"):
         example.load_model(str(tmp_path / "nowhere"))
+
+
+# --------------------------------------------------------------------------------------
+# the modules' from_preset
+
+
+def test_epmoe_from_preset_takes_a_dtype_name_as_jax_does():
+    """Trap: ``EPMoE.from_preset("tiny", dtype="bfloat16")`` was refused where JAX's ``load_nnx_moe_block`` (and
+    ``MoELayer.from_preset``) take the name; both spellings now give the same bits."""
+    import moe_torch
+
+    by_name = moe_torch.EPMoE.from_preset("tiny", dtype="bfloat16", hidden_size=64, intermediate_size=32)
+    by_dtype = moe_torch.EPMoE.from_preset("tiny", dtype=torch.bfloat16, hidden_size=64, intermediate_size=32)
+    assert by_name.w13.dtype == torch.bfloat16 and torch.equal(by_name.w13, by_dtype.w13)
+    with pytest.raises(TypeError, match=r"^EPMoE\.from_preset: dtype must be a torch\.dtype or a name among "
+                                        r"\('float32', 'bfloat16', 'float16'\); got dtype='int8'$"):
+        moe_torch.EPMoE.from_preset("tiny", dtype="int8")
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("seed", [-1, 1.5, True])
+def test_from_preset_bad_seed_names_the_argument(framework, seed):
+    """Trap: ``from_preset(seed=-1)`` failed with numpy's ``expected non-negative integer``, naming neither the
+    method nor the argument."""
+    if framework == "torch":
+        from moe_torch import EPMoE as cls
+    else:
+        from moe_pallas import MoELayer as cls
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}\.from_preset: seed must be an int >= 0 \(the numpy seed "
+                                         rf"of the random weights\); got seed={seed!r}$"):
+        cls.from_preset("tiny", seed=seed)
