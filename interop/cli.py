@@ -14,6 +14,7 @@ them to the user's tuned table of this device, which the kernels read before the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -223,25 +224,27 @@ def _check_args(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments of ``check`` before any work (None: nothing)."""
     if args.layer is not None and not args.weights:
         return "--layer needs --weights (it picks a layer of the checkpoint)"
-    if args.json:
+    if args.json and args.json != "-":  # "-": standard output
         target = os.path.abspath(args.json)
         if os.path.isdir(target):
             return f"--json must be a file path; got a folder: {args.json!r}"
         parent = os.path.dirname(target)
         probe = parent
-        while not os.path.exists(probe):  # missing folders are created when the JSON is written
+        while not os.path.exists(probe):
             probe = os.path.dirname(probe)
         if not os.path.isdir(probe):
             return f"--json: {probe!r} is a file, not a folder; got --json {args.json!r}"
-        if not os.access(probe, os.W_OK):
-            return f"--json: cannot write under {probe!r}"
-        if probe == parent:  # the folder exists: prove it takes a file now, not after the run
-            import tempfile
+        if probe != parent:  # a typo in the path should not become new folders
+            return (f"--json: the parent directory {parent!r} does not exist; got --json {args.json!r} (create the "
+                    f"directory first, or give '-' for standard output)")
+        if not os.access(parent, os.W_OK):
+            return f"--json: cannot write under {parent!r}"
+        import tempfile
 
-            try:
-                tempfile.TemporaryFile(dir=parent).close()
-            except OSError as exc:
-                return f"--json: cannot write under {parent!r} ({exc.strerror or exc})"
+        try:  # prove the folder takes a file now, not after the run
+            tempfile.TemporaryFile(dir=parent).close()
+        except OSError as exc:
+            return f"--json: cannot write under {parent!r} ({exc.strerror or exc})"
     if args.weights and _layer_overrides(args):
         names = [opt for field, opt, *_ in LAYER_OPTIONS if field in _layer_overrides(args)]
         return f"{', '.join(names)}: not used with --weights (the checkpoint and its config.json give the layer)"
@@ -258,6 +261,14 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 
 def run_check(args: argparse.Namespace) -> int:
+    if getattr(args, "json", None) == "-":  # standard output carries the JSON alone (a pipe into jq); the report: stderr
+        stdout = sys.stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            return _run_check(args, stdout)
+    return _run_check(args, sys.stdout)
+
+
+def _run_check(args: argparse.Namespace, json_stream) -> int:
     gpu = _has_gpu()
     if not gpu:
         _prepare_interpreters()
@@ -430,11 +441,16 @@ def run_check(args: argparse.Namespace) -> int:
         print(refused, file=sys.stderr)
         return 2
     cc.render(result)
-    if args.json:
+    if args.json == "-":
+        import json
+
+        json.dump(result.to_json(), json_stream, indent=1, default=float)
+        json_stream.write("\n")
+        json_stream.flush()
+    elif args.json:
         import json
 
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(result.to_json(), f, indent=1, default=float)
         except OSError as exc:
@@ -716,7 +732,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "the whole layer's gradients for a seeded random d_out; FP8 layers: straight-through, no "
                             "weight gradients; with --ep-size N > 1 the EP summary adds the ranks' gradients (d_x, "
                             "d_router_logits summed, weight gradients as slices) vs the single device")
-    check.add_argument("--json", metavar="PATH", help="also write every comparison as JSON to PATH")
+    check.add_argument("--json", metavar="PATH", help="also write every comparison as JSON to PATH (its folder must "
+                       "exist); '-': to standard output, the report then going to standard error")
     check.add_argument("--weights", metavar="PATH",
                        help="a safetensors checkpoint (file or folder with model.safetensors.index.json) of a "
                             "Mixtral, Qwen3-MoE, DeepSeek-V3 (bf16 or FP8), Kimi K2, GLM-4.5, Qwen3-Next, Llama 4 "

@@ -85,7 +85,7 @@ def test_check_help(capsys):
 def test_check_runs_and_writes_json(tmp_path, capsys):
     import json
 
-    path = tmp_path / "out" / "check.json"
+    path = tmp_path / "check.json"
     assert main(["check", "--tokens", "3", "--quant", "fp8-block", "--routing", "one_expert", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "within the contract" in out and "gemm1" in out and "triton vs pallas" in out
@@ -152,6 +152,29 @@ def test_check_ep_rank_adds_the_stage_table_and_a_bad_rank_fails(monkeypatch, ca
 def test_check_refuses_with_exit_2(args, msg, capsys):
     assert main(args) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_check_json_dash_writes_to_stdout(tmp_path, monkeypatch, capsys):
+    """A user trap: `--json -` wrote a file named '-'; now the JSON alone goes to standard output (a pipe into jq)
+    and the report to standard error."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "--tokens", "2", "--implementations", "jnp-reference,torch-reference", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["ok"] and "within the contract" in err and "wrote" not in err + out
+    assert not (tmp_path / "-").exists()
+
+
+def test_check_json_in_a_missing_folder_is_refused(tmp_path, capsys):
+    """A user trap: `--json /nonexistent/x.json` created the folder (a typo became folders); now exit 2 before any
+    work, naming the missing parent directory, and nothing is created."""
+    path = tmp_path / "typo" / "x.json"
+    assert main(["check", "--json", str(path)]) == 2
+    assert capsys.readouterr().err == (f"epmoe check: --json: the parent directory {str(path.parent)!r} does not "
+                                       f"exist; got --json {str(path)!r} (create the directory first, or give '-' for "
+                                       f"standard output)\n")
+    assert not path.parent.exists()
 
 
 def test_check_with_checkpoint_weights(tmp_path, capsys):
