@@ -188,6 +188,24 @@ def test_check_with_checkpoint_weights(tmp_path, capsys):
     assert "with weights from" in out and "E=4" in out and "within the contract" in out
 
 
+def test_check_weights_with_preset_uses_it_only_without_config_json(tmp_path, capsys):
+    """A user trap: `check --weights DIR --preset X` must not drop --preset without a word. As bench documents it,
+    --preset gives the routing where the checkpoint has no config.json; with one, the run says it is not used."""
+    from test_checkpoints import write_layer
+
+    write_layer(tmp_path / "with", "mixtral", config={"model_type": "mixtral", "num_experts_per_tok": 1})
+    write_layer(tmp_path / "without", "mixtral")
+    args = ["--preset", "mixtral-8x7b", "--tokens", "2", "--implementations", "jnp-reference,torch-reference"]
+    assert main(["check", "--weights", str(tmp_path / "with"), *args]) == 0
+    out, err = capsys.readouterr()
+    assert (f"epmoe check: --preset mixtral-8x7b not used: the routing comes from "
+            f"{tmp_path / 'with' / 'config.json'}") in err
+    assert "topk=1" in out  # config.json's, not the preset's 2
+    assert main(["check", "--weights", str(tmp_path / "without"), *args]) == 0
+    out, err = capsys.readouterr()
+    assert "routing from preset mixtral-8x7b (no config.json)" in out and "topk=2" in out and "not used" not in err
+
+
 def test_bench_without_gpu_says_so(capsys):
     import torch
 
