@@ -657,6 +657,17 @@ def _add_input_args(parser: argparse.ArgumentParser, preset_help: str) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends an option's default to its help, except where the help states it already (said twice otherwise) or
+    where there is none to state (None: not given; a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
 def _add_layer_options(parser: argparse.ArgumentParser, note: str = "") -> None:
     """:data:`LAYER_OPTIONS` as a group of ``parser`` (``demo`` and ``check``): left out of the namespace when not
     given, so that the preset's value stays."""
@@ -682,7 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the reference MoE layer of a preset in jnp and torch and compare",
         description="Run the reference MoE layer of a model preset in jnp and torch on the same random "
         "inputs; print what they computed and their difference; exit 1 if they disagree.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     _add_input_args(demo, "model preset (all but 'tiny' need tens of GB at full size: a GPU machine, or shrink "
                           "one with the layer options)")
@@ -705,7 +716,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every implementation runs every rank's experts end to end and the N partial outputs, summed in float32, "
         "are judged against its single-device layer and the other implementations' sums (and JAX's multi-device "
         "ep_moe_forward where jax has N devices); --ep-rank r adds rank r's stage-by-stage table.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     _add_input_args(check, "model preset (default: tiny; CPU: tiny, or any preset made small by the layer "
                            "options); with --weights only for a checkpoint "
@@ -778,7 +789,7 @@ def build_parser() -> argparse.ArgumentParser:
         "<device kind>.json (EPMOE_CACHE_DIR, else the platform's cache folder), which the kernels read before "
         "the tables shipped with the package; an entry of the same op, dtype, N, K, M and backend is replaced. "
         "Needs a CUDA GPU (--dry-run does not).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     source = tune.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=sorted(PRESETS), default=None, help="the layer of a model preset")

@@ -82,6 +82,23 @@ def test_check_help(capsys):
     assert "--ep-size" in out and "--weights" in out and "--implementations" in out
 
 
+def test_help_states_each_default_once(capsys):
+    """A user trap: `check --help` gave --ep-rank's default twice ("(default: no per-rank stage table ...)
+    (default: None)"); a default the help states is not appended again, and None / a flag's False not at all."""
+    import re
+
+    for command in ("check", "demo", "tune"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "(default: None)" not in out and "(default: False)" not in out, command
+        options = re.split(r" (?=--[a-z])", out)
+        twice = [o for o in options if o.count("default") > 1]
+        assert not twice, twice
+        if command == "check":
+            assert "--seed SEED seed of the random inputs (default: 0)" in out  # 0 is a default, not an absence
+
+
 def test_check_runs_and_writes_json(tmp_path, capsys):
     import json
 
