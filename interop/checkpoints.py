@@ -256,10 +256,21 @@ class _HFConfig:
     def get(self, key: str):
         return getattr(self.obj, key)
 
+    def file_key(self, key: str) -> str:
+        """The name config.json gives ``key``: transformers' attribute or its ``attribute_map`` alias, whichever the
+        file has (Qwen3-MoE's ``num_experts`` is written ``num_local_experts`` by ``save_pretrained``), so a message
+        names what the user finds in the file."""
+        if key in self.raw:
+            return key
+        amap = getattr(type(self.obj), "attribute_map", {}) or {}
+        aliases = [amap.get(key)] + [a for a, c in amap.items() if c == key]
+        return next((a for a in aliases if a and a in self.raw), key)
+
     def words(self, key: str) -> str:
-        """``'n_group'=8 (absent from config.json: DeepseekV3Config's default)``."""
+        """``'n_group'=8 (absent from config.json: DeepseekV3Config's default)``, the key as config.json spells it."""
         value = self.get(key)
-        return f"{key!r}={value!r}" + ("" if self.present(key) else f" (absent from config.json: {self.cls_name}'s default)")
+        return f"{self.file_key(key)!r}={value!r}" + ("" if self.present(key) else
+                                                     f" (absent from config.json: {self.cls_name}'s default)")
 
 
 def _read_hf_config(arch: str, raw: dict, path: str) -> _HFConfig:

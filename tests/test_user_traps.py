@@ -94,3 +94,43 @@ def test_from_preset_bad_seed_names_the_argument(framework, seed):
     with pytest.raises(ValueError, match=rf"^{cls.__name__}\.from_preset: seed must be an int >= 0 \(the numpy seed "
                                          rf"of the random weights\); got seed={seed!r}$"):
         cls.from_preset("tiny", seed=seed)
+
+
+# --------------------------------------------------------------------------------------
+# interop/checkpoints.py
+
+
+def _qwen3_moe_layer(folder, config: dict):
+    """A Qwen3-MoE layer of 4 experts (H = I = 128) with ``config`` as its whole config.json."""
+    from test_checkpoints import write_layer
+
+    write_layer(folder, "qwen3_moe")
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 128,
+                                                    "moe_intermediate_size": 128, **config}))
+    return str(folder)
+
+
+def test_config_mismatch_names_the_key_as_the_file_spells_it(tmp_path):
+    """Trap: Qwen3-MoE's config.json as save_pretrained writes it has `num_local_experts` (transformers' alias of
+    the attribute `num_experts`); a mismatch with the tensors was reported as 'num_experts'=8, a key not in the file."""
+    from interop.checkpoints import load_moe_layer
+
+    path = _qwen3_moe_layer(tmp_path, {"num_local_experts": 8})
+    with pytest.raises(ValueError, match=r"says 'num_local_experts'=8 but the tensors have E=4") as info:
+        load_moe_layer(path)
+    assert "'num_experts'" not in str(info.value)
+
+
+def test_tune_reads_the_experts_key_as_save_pretrained_writes_it(tmp_path):
+    """Same trap in `epmoe tune --weights`: Qwen3-MoE's `num_local_experts` (save_pretrained's spelling of
+    `num_experts`) was "absent" (`key 'num_experts' must be an int >= 1; got None`)."""
+    from moe_contract import tuning
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 256,
+                                                      "moe_intermediate_size": 128, "num_local_experts": 8}))
+    assert tuning.checkpoint_shapes(str(tmp_path)) == tuning.gemm_shapes(256, 128, 8)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 256,
+                                                      "moe_intermediate_size": 128, "num_local_experts": 0}))
+    with pytest.raises(ValueError, match=r"key 'num_local_experts' must be an int >= 1 \(model_type 'qwen3_moe'\); "
+                                         r"got 0"):
+        tuning.checkpoint_shapes(str(tmp_path))
