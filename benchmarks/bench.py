@@ -478,8 +478,8 @@ def bench_gemm(ctx: Ctx, spec: S.GemmSpec, wcache: GemmWeights) -> None:
             run_jax(ctx, "gemm", "jax.lax.ragged_dot", spec, lambda a, b, gs: jax.lax.ragged_dot_general(a, b, gs, dn),
                     (jx, jw, jgs), ref, notes="; ".join(x for x in (rnote, "ragged_dot_general on [E, N, K]") if x), **common)
         if ctx.wants("jax-ragged_dot_mgpu") and mosaic_gpu_missing():  # a Mosaic GPU kernel: a skip off a GPU
-            skip_row(ctx, "gemm", "jax-ragged_dot_mgpu", spec, f"ragged_dot_mgpu is a Mosaic GPU kernel (a Hopper GPU); "
-                     f"the JAX backend is {jax.default_backend()}", notes=rnote)
+            skip_row(ctx, "gemm", "jax-ragged_dot_mgpu", spec, f"ragged_dot_mgpu is a Mosaic GPU kernel (a Hopper "
+                     f"GPU); the JAX backend is {jax.default_backend()}", notes=rnote)
         elif ctx.wants("jax-ragged_dot_mgpu"):
             bench_mgpu(ctx, spec, jx, jw, jgs, ref, rnote, common)
         # tokamax's ragged_dot in its layout, rhs [E, K, N] (a transposed copy of ours made once, untimed)

@@ -326,8 +326,8 @@ def hf_config(config: dict):
 
 
 def model_spec(config: dict) -> dict:
-    """The fields of ``config.json`` the forward uses, absent keys taking the model class's defaults (:func:`hf_config`);
-    refuses what this example does not implement."""
+    """The fields of ``config.json`` the forward uses, absent keys taking the model class's defaults
+    (:func:`hf_config`); refuses what this example does not implement."""
     arch = config.get("model_type")
     if arch not in ARCHS:
         raise ValueError(f"load_model: model_type must be one of {ARCHS}; got {arch!r}")

@@ -179,12 +179,14 @@ class _Files:
                     try:
                         weight_map = json.load(f)["weight_map"]
                     except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                        raise ValueError(f"{self.op}: {index!r} is not a safetensors index with a 'weight_map' ({exc!r})") from exc
+                        raise ValueError(f"{self.op}: {index!r} is not a safetensors index with a 'weight_map' "
+                                         f"({exc!r})") from exc
                 self.where = {k: os.path.join(path, v) for k, v in weight_map.items()}
             else:
                 files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
                 if not files:
-                    raise FileNotFoundError(f"{self.op}: no *.safetensors file and no model.safetensors.index.json in {path!r}")
+                    raise FileNotFoundError(f"{self.op}: no *.safetensors file and no model.safetensors.index.json "
+                                            f"in {path!r}")
                 self.where = {k: fn for fn in files for k in self._keys(fn, op)}
         else:
             self.where = {k: path for k in self._keys(path, op)}
@@ -420,6 +422,20 @@ class MoECheckpointLayer:
     router_bias: object | None = None
     w13_bias: object | None = None
     w2_bias: object | None = None
+
+    def __repr__(self) -> str:
+        # The generated repr printed every tensor's values and the whole config.json (15 KB for a tiny layer):
+        # what was read, where from, and each tensor's shape and dtype.
+        tensors = ("w13", "w2", "w13_scale", "w2_scale", "router_weight", "router_bias", "e_score_correction_bias",
+                   "shared_expert_gate", "w13_bias", "w2_bias")
+        shapes = ", ".join(f"{n}=[{', '.join(map(str, t.shape))}] {_dtype_name(t)}"
+                           for n in tensors if (t := getattr(self, n)) is not None)
+        routing = ", ".join(f"{k}={v!r}" for k, v in (self.routing or {}).items())
+        source = (f"routing from {self.config_path!r}: {routing}" if self.routing
+                  else "no config.json: routing from a preset")
+        return (f"MoECheckpointLayer(arch={self.arch!r}, model_type={self.model_type!r}, layer={self.layer}, "
+                f"path={self.path!r}, E={self.num_experts}, S={self.num_shared_experts}, H={self.hidden_size}, "
+                f"I={self.intermediate_size}, quant={self.quant!r}, {shapes}, {source})")
 
     @property
     def num_experts(self) -> int:

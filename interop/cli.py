@@ -126,7 +126,8 @@ def run_demo(args: argparse.Namespace) -> int:
     out_t = moe_torch.moe_forward(torch.from_numpy(inputs.x).to(device, tdt), torch.from_numpy(inputs.router_logits).to(device),
                                   w13, w2, config, w13_scale=s13, w2_scale=s2, w13_bias=tb13, w2_bias=tb2,
                                   e_score_correction_bias=tbias,
-                                  shared_expert_gate_logits=None if shared is None else torch.tensor(shared, device=device))
+                                  shared_expert_gate_logits=None if shared is None else
+                                  torch.tensor(shared, device=device))
     outs["torch reference"] = out_t.float().cpu().numpy()
     t_t = time.perf_counter() - t0
 
@@ -166,8 +167,9 @@ def _quant_arg(value: str) -> str:
     return names[key]
 
 
-#: ``demo``'s and ``check``'s layer options: (MoEConfig field, option, type, help). Each overrides the preset's value (shapes to run
-#: a preset small, e.g. on a CPU; the layer semantics of the 2026 families); with --weights the checkpoint decides.
+#: ``demo``'s and ``check``'s layer options: (MoEConfig field, option, type, help). Each overrides the preset's value
+#: (shapes to run a preset small, e.g. on a CPU; the layer semantics of the 2026 families); with --weights the
+#: checkpoint decides.
 LAYER_OPTIONS = (
     ("hidden_size", "--hidden-size", int, "H, the hidden size"),
     ("intermediate_size", "--intermediate-size", int, "I, the expert intermediate size"),
@@ -261,7 +263,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    if getattr(args, "json", None) == "-":  # standard output carries the JSON alone (a pipe into jq); the report: stderr
+    if getattr(args, "json", None) == "-":  # stdout carries the JSON alone (a pipe into jq); the report: stderr
         stdout = sys.stdout
         with contextlib.redirect_stdout(sys.stderr):
             return _run_check(args, stdout)

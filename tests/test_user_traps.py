@@ -134,3 +134,15 @@ def test_tune_reads_the_experts_key_as_save_pretrained_writes_it(tmp_path):
     with pytest.raises(ValueError, match=r"key 'num_local_experts' must be an int >= 1 \(model_type 'qwen3_moe'\); "
                                          r"got 0"):
         tuning.checkpoint_shapes(str(tmp_path))
+
+
+def test_loaded_checkpoint_layer_repr_is_short(tmp_path):
+    """Trap: the repr of a loaded layer (``load_moe_layer``'s MoECheckpointLayer) printed every tensor's values and
+    the whole config.json, 15 KB for a tiny layer; now the config summary and each tensor's shape and dtype."""
+    from interop.checkpoints import load_moe_layer
+
+    text = repr(load_moe_layer(_qwen3_moe_layer(tmp_path, {"num_experts": 4, "num_experts_per_tok": 2})))
+    assert len(text) < 1000 and "tensor(" not in text, text
+    assert text.startswith("MoECheckpointLayer(arch='qwen3_moe', model_type='qwen3_moe', layer=1, ")
+    assert "E=4, S=0, H=128, I=128, quant='none', w13=[4, 256, 128] bfloat16, w2=[4, 128, 128] bfloat16" in text
+    assert "routing from" in text and "topk=2" in text
