@@ -687,8 +687,26 @@ def _add_layer_options(parser: argparse.ArgumentParser, note: str = "") -> None:
                                help=what + " (default: the preset's)")
 
 
+def _version() -> str:
+    """The installed package's version (its metadata); from a source tree never installed, pyproject.toml's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("epmoe")
+    except metadata.PackageNotFoundError:
+        import tomllib
+
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+        try:
+            with open(path, "rb") as f:
+                return tomllib.load(f)["project"]["version"]
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown (not installed, and no pyproject.toml beside the sources)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epmoe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"epmoe {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",

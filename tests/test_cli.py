@@ -65,6 +65,27 @@ def test_bug_unknown_quant_is_reported_as_written(capsys):
     assert "'int-5'" in err and "int_5" not in err and "fp8_block" in err
 
 
+def test_version(monkeypatch, capsys):
+    """A user trap: there was no `epmoe --version`. The installed package's version, else pyproject.toml's."""
+    import tomllib
+    from importlib import metadata
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        want = tomllib.load(f)["project"]["version"]
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"epmoe {metadata.version('epmoe')}\n"
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out == f"epmoe {want}\n"
+
+
 def test_tokens_must_be_positive(capsys):
     assert main(["demo", "--tokens", "0"]) == 2
     assert "--tokens must be >= 1" in capsys.readouterr().err
