@@ -193,6 +193,8 @@ class Ctx:
 
 def progress_line(r: dict, elapsed: float) -> str:
     head = f"[{elapsed:6.1f}s] {r['spec']:<44} {r['backend']:<26}"
+    if H.skipped(r):  # not run here by design: not an error
+        return f"{head} SKIP {str(r['error'])[len(H.SKIPPED):][:200]}"
     if r.get("error"):
         return f"{head} ERROR {str(r['error'])[:200]}"
     t = f"{r['median_ms']:.4f} ms [{r['p20_ms']:.4f}, {r['p80_ms']:.4f}]" if r.get("median_ms") else "-"
@@ -422,6 +424,9 @@ def bench_gemm(ctx: Ctx, spec: S.GemmSpec, wcache: GemmWeights) -> None:
         name = f"ours-jax-{impl or 'default'}"  # None: the library's own choice (implementation=None)
         if not ctx.wants(name):
             continue
+        if impl == "pallas_mosaic_gpu" and mosaic_gpu_missing():  # never runs off a GPU: a skip, not an error
+            skip_row(ctx, "gemm", name, spec, mosaic_gpu_missing(), notes=rnote)
+            continue
 
         def fn(x_, w_, o_, xs_, ws_, impl=impl):
             return moe_pallas.grouped_gemm(x_, w_, o_, x_scale=xs_, w_scale=ws_, out_dtype=jnp.bfloat16, implementation=impl)
@@ -435,6 +440,8 @@ def bench_gemm(ctx: Ctx, spec: S.GemmSpec, wcache: GemmWeights) -> None:
     peer = "torch._scaled_grouped_mm" if fp8 else "torch._grouped_mm"
     if block and ctx.wants(peer):
         skip_row(ctx, "gemm", peer, spec, FP8_BLOCK_NO_PEER, notes=rnote)
+    elif fp8 and ctx.cpu and ctx.wants(peer):  # CUDA only: a skip on the CPU, not an error
+        skip_row(ctx, "gemm", peer, spec, f"{peer} has CUDA kernels only; the torch device is cpu", notes=rnote)
     elif ctx.wants(peer):
         wt = wq.transpose(1, 2)  # [E, K, N], column-major: no copy
 
@@ -470,7 +477,10 @@ def bench_gemm(ctx: Ctx, spec: S.GemmSpec, wcache: GemmWeights) -> None:
                                                    lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
             run_jax(ctx, "gemm", "jax.lax.ragged_dot", spec, lambda a, b, gs: jax.lax.ragged_dot_general(a, b, gs, dn),
                     (jx, jw, jgs), ref, notes="; ".join(x for x in (rnote, "ragged_dot_general on [E, N, K]") if x), **common)
-        if ctx.wants("jax-ragged_dot_mgpu"):
+        if ctx.wants("jax-ragged_dot_mgpu") and mosaic_gpu_missing():  # a Mosaic GPU kernel: a skip off a GPU
+            skip_row(ctx, "gemm", "jax-ragged_dot_mgpu", spec, f"ragged_dot_mgpu is a Mosaic GPU kernel (a Hopper "
+                     f"GPU); the JAX backend is {jax.default_backend()}", notes=rnote)
+        elif ctx.wants("jax-ragged_dot_mgpu"):
             bench_mgpu(ctx, spec, jx, jw, jgs, ref, rnote, common)
         # tokamax's ragged_dot in its layout, rhs [E, K, N] (a transposed copy of ours made once, untimed)
         tnote = "; ".join(x for x in (rnote, "rhs [E, K, N] (its layout; transposed once, untimed)") if x)
@@ -1510,7 +1520,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ms", default="", help="comma list of row counts M: only the gemm / gemm_bwd rows of these M "
                    "(default: all of the run's)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing rows")
-    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # CPU smoke test: tiny shapes, interpreters
+    p.add_argument("--tiny", action="store_true",
+                   help="the CPU smoke test: tiny shapes, our Triton and Pallas-Triton kernels interpreted, one timed "
+                        "call per row (times meaningless), GPU-only backends skipped; with --preset tiny or --weights "
+                        "of a tiny checkpoint")
     args = p.parse_args(argv)
     if args.layer is not None and not args.weights:
         p.error("--layer needs --weights (it picks a layer of the checkpoint)")
@@ -1553,6 +1566,8 @@ def load_model(args) -> tuple[S.BenchModel | None, dict | None]:
         from interop.checkpoints import load_moe_layer
 
         ckpt = load_moe_layer(args.weights, layer=args.layer)
+        if args.preset and ckpt.routing is not None:  # said, not dropped silently (as epmoe check says it)
+            print(f"bench: --preset {args.preset} not used: the routing comes from {ckpt.config_path}", file=sys.stderr)
         config = ckpt.config(get_preset(args.preset) if args.preset else None, quant="none")
         arrays = ckpt.arrays("torch")  # all experts, the checkpoint's dtype (FP8 / MXFP4: codes and scales)
         arrays["format"] = "fp8_block" if ckpt.is_fp8 else "mxfp4" if ckpt.is_mxfp4 else None

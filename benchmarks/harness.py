@@ -431,14 +431,24 @@ CPU_NOTE = "CPU: Triton / Pallas kernels interpreted, references eager on the CP
 CPU_TITLE = "[CPU timings: kernels interpreted]"
 
 
+#: Our backends whose kernels run in an interpreter on a CPU (Triton's, Pallas' interpret mode). The Mosaic GPU
+#: kernels never run there (their rows are skips), and a default backend (``ours-*-default``) is the reference there.
+INTERPRETED_BACKENDS = ("ours-torch-triton", "ours-jax-pallas_triton")
+
+
 def interpreted(backend: str, cpu: bool) -> bool:
-    """Whether ``backend``'s row timed a kernel in an interpreter: our kernels (``ours-*``) on a CPU."""
-    return cpu and backend.startswith("ours-")
+    """Whether ``backend``'s row timed a kernel in an interpreter: :data:`INTERPRETED_BACKENDS` on a CPU."""
+    return cpu and backend.startswith(INTERPRETED_BACKENDS)
 
 
 def backend_label(backend: str, cpu: bool) -> str:
-    """A backend's name in tables and plots: ``(interpreted)`` appended where it ran interpreted."""
-    return backend + " (interpreted)" if interpreted(backend, cpu) else backend
+    """A backend's name in tables and plots, saying what ran on a CPU: ``(interpreted)`` where a kernel ran
+    interpreted, ``(reference on a CPU)`` for a default backend (the library's CPU default is the reference)."""
+    if interpreted(backend, cpu):
+        return backend + " (interpreted)"
+    if cpu and backend.startswith("ours-") and backend.endswith("-default"):
+        return backend + " (reference on a CPU)"
+    return backend
 
 
 def markdown_long(rows: list[dict], cpu: bool = False) -> str:

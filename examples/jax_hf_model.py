@@ -12,7 +12,9 @@ transformers model the checkpoint was saved from (float32, relative Frobenius er
 
 The MoE blocks come from :func:`interop.hf_jax.load_nnx_moe_block` (FP8 checkpoints stay FP8 there:
 ``quant='fp8_block'`` with the checkpoint's codes and 128x128 block scales); every other tensor is read
-here straight from the safetensors files (FP8 ones dequantized with their ``weight_scale_inv``).
+here through the library's reader of the safetensors files (FP8 ones dequantized with their
+``weight_scale_inv``). ``config.json`` is read through transformers' config class of its ``model_type``, so a
+key it lacks means that model's default (Mixtral's ``rms_norm_eps`` 1e-5 and ``rope_theta`` 1e6).
 
 Precision: every float32 matmul runs at ``jax.lax.Precision.HIGHEST`` (IEEE float32 products, what
 torch's float32 matmuls compute: torch keeps TF32 off by default), so a float32 model means float32 on
@@ -41,25 +43,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import struct
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import torch
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
 
+from interop.checkpoints import CheckpointFiles  # noqa: E402
 from interop.hf_jax import load_nnx_moe_block  # noqa: E402
 from moe_pallas.module import MoEBlock  # noqa: E402
 
 ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3")
-#: safetensors dtype names -> numpy dtypes (https://github.com/huggingface/safetensors#format).
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64,
-           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+#: torch dtypes numpy lacks -> (the torch integer dtype of their bits, the ml_dtypes dtype they are viewed as).
+_VIEWS = {"bfloat16": (torch.int16, ml_dtypes.bfloat16), "float8_e4m3fn": (torch.int8, ml_dtypes.float8_e4m3fn),
+          "float8_e5m2": (torch.int8, ml_dtypes.float8_e5m2)}
 FP8_BLOCK = 128
 
 
@@ -67,46 +70,36 @@ FP8_BLOCK = 128
 
 
 class Checkpoint:
-    """The tensors of a checkpoint folder (``model.safetensors.index.json`` or ``*.safetensors``), read
-    on demand with numpy (every dtype, FP8 included, through ``ml_dtypes``), and its ``config.json``."""
+    """The tensors of a checkpoint folder (``model.safetensors.index.json`` or ``*.safetensors``), read on demand
+    through the library's reader (:data:`interop.checkpoints.CheckpointFiles`: a missing path, a truncated or
+    unreadable file and a missing key are named as ``load_moe_layer`` names them), as numpy arrays (bf16 and FP8
+    through ``ml_dtypes``), and its ``config.json``."""
 
     def __init__(self, path: str):
         self.path = path
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"Checkpoint: no *.safetensors in {path!r}")
-        self.where: dict[str, tuple[str, dict, int]] = {}
-        for name in files:
-            fn = os.path.join(path, name)
-            with open(fn, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
-            for key, info in header.items():
-                self.where[key] = (fn, info, 8 + n)
-        with open(os.path.join(path, "config.json")) as f:
-            self.config = json.load(f)
+        self.files = CheckpointFiles(path, op="load_model")
+        cfg = os.path.join(self.files.folder, "config.json")
+        if not os.path.isfile(cfg):
+            raise FileNotFoundError(f"load_model: no config.json in {self.files.folder!r} (the model's architecture "
+                                    f"and sizes come from it; save_pretrained writes it beside the weights)")
+        with open(cfg) as f:
+            try:
+                self.config = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"load_model: {cfg!r} is not valid JSON ({exc})") from exc
+        if not isinstance(self.config, dict):
+            raise ValueError(f"load_model: {cfg!r} must hold a JSON object; got {type(self.config).__name__}")
 
     def has(self, key: str) -> bool:
-        return key in self.where
+        return self.files.has(key)
 
     def numpy(self, key: str) -> np.ndarray:
-        if key not in self.where:
-            raise ValueError(f"Checkpoint: missing tensor {key!r} in {self.path!r}")
-        fn, info, base = self.where[key]
-        start, end = info["data_offsets"]
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"Checkpoint: tensor {key!r} has safetensors dtype {info['dtype']!r}, not one of {sorted(_DTYPES)}")
-        dtype = np.dtype(_DTYPES[info["dtype"]])
-        with open(fn, "rb") as f:
-            f.seek(base + start)
-            buf = f.read(end - start)
-        return np.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+        t = self.files.get(key, "a tensor of the model")
+        name = str(t.dtype).removeprefix("torch.")
+        if name in _VIEWS:  # numpy has no bf16 / FP8: the same bits, viewed as ml_dtypes'
+            bits, dtype = _VIEWS[name]
+            return t.view(bits).numpy().view(dtype)
+        return t.numpy()
 
     def get(self, key: str, dtype) -> jax.Array:
         """Tensor ``key`` as a jax array of ``dtype``; an FP8 weight times its ``weight_scale_inv`` blocks."""
@@ -316,33 +309,51 @@ class CausalLM(nnx.Module):
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
 
 
+def hf_config(config: dict):
+    """``config.json`` as transformers' config class of its ``model_type`` reads it (``AutoConfig.for_model``): an
+    absent key is that class's default, as the transformers model would see it. Raises ValueError naming the key
+    transformers refuses."""
+    import transformers
+
+    arch = config.get("model_type")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # transformers' notes on keys it renames (rope_scaling ...)
+            return transformers.AutoConfig.for_model(arch, **{k: v for k, v in config.items() if k != "model_type"})
+    except Exception as exc:  # transformers' strict validation names the field
+        raise ValueError(f"load_model: transformers' config class of model_type {arch!r} refuses config.json: "
+                         f"{' '.join(str(exc).split())}") from exc
+
+
 def model_spec(config: dict) -> dict:
-    """The fields of ``config.json`` the forward uses; refuses what this example does not implement."""
+    """The fields of ``config.json`` the forward uses, absent keys taking the model class's defaults
+    (:func:`hf_config`); refuses what this example does not implement."""
     arch = config.get("model_type")
     if arch not in ARCHS:
         raise ValueError(f"load_model: model_type must be one of {ARCHS}; got {arch!r}")
-    if config.get("hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"load_model: hidden_act {config['hidden_act']!r} (silu only)")
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    c = hf_config(config)
+    if c.hidden_act != "silu":
+        raise NotImplementedError(f"load_model: hidden_act {c.hidden_act!r} (silu only)")
+    rope = dict(getattr(c, "rope_parameters", None) or {})  # transformers folds rope_theta / rope_scaling in here
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise NotImplementedError(f"load_model: rope_type {rope_type!r} (this example implements the default rope only)")
     block = (config.get("quantization_config") or {}).get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
     if list(block) != [FP8_BLOCK, FP8_BLOCK]:
         raise NotImplementedError(f"load_model: FP8 weight_block_size {block} (128x128 blocks only)")
-    heads = config["num_attention_heads"]
-    window = config.get("sliding_window")
-    if arch == "qwen3_moe" and not config.get("use_sliding_window", False):
+    heads = c.num_attention_heads
+    window = getattr(c, "sliding_window", None)
+    if arch == "qwen3_moe" and not getattr(c, "use_sliding_window", False):
         window = None
-    spec = dict(arch=arch, num_layers=config["num_hidden_layers"], eps=config.get("rms_norm_eps", 1e-6),
-                num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
-                head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-                rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))), sliding_window=window,
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+    head_dim = None if arch == "deepseek_v3" else getattr(c, "head_dim", None)  # DeepSeek-V3: MLA's dims below
+    spec = dict(arch=arch, num_layers=c.num_hidden_layers, eps=float(c.rms_norm_eps),
+                num_heads=heads, num_kv_heads=c.num_key_value_heads or heads,
+                head_dim=head_dim or c.hidden_size // heads, rope_theta=float(rope["rope_theta"]),
+                sliding_window=window, tie_word_embeddings=bool(c.tie_word_embeddings),
                 moe_prefix="block_sparse_moe" if arch == "mixtral" else "mlp")
     if arch == "deepseek_v3":
-        spec.update({k: config[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")},
-                    rope_interleave=bool(config.get("rope_interleave", True)))
+        spec.update({k: getattr(c, k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")},
+                    rope_interleave=bool(getattr(c, "rope_interleave", True)))
         if spec["num_kv_heads"] != heads:
             raise NotImplementedError(f"load_model: DeepSeek-V3 attention with num_key_value_heads "
                                       f"({spec['num_kv_heads']}) != num_attention_heads ({heads})")
@@ -357,8 +368,9 @@ def load_model(path: str, *, dtype=jnp.float32, implementation: str | None = Non
         DeepSeek-V3's router stays float32).
       implementation: the MoE layers' backend (``None``, ``"reference"``, ``"pallas_triton"``...).
 
-    Raises: FileNotFoundError / ValueError (missing files or tensors, an unknown ``model_type``),
-      NotImplementedError (what the module docstring lists as not covered).
+    Raises: FileNotFoundError (no such path, no ``*.safetensors``, no ``config.json``), ValueError (a truncated or
+      unreadable safetensors file, a missing tensor, an unknown ``model_type``, a config.json transformers refuses),
+      each naming the file or key; NotImplementedError (what the module docstring lists as not covered).
     """
     ck = Checkpoint(path)
     return CausalLM(ck, model_spec(ck.config), dtype, implementation)

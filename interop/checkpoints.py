@@ -164,11 +164,13 @@ def _dtype_name(t) -> str:
 
 
 class _Files:
-    """key -> file over one file, an index, or a folder of ``*.safetensors``; tensors read on demand (torch)."""
+    """key -> file over one file, an index, or a folder of ``*.safetensors``; tensors read on demand (torch).
+    ``op`` starts every message (the reader of ``examples/jax_hf_model.py`` is ``load_model``)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, op: str = "load_moe_layer"):
+        self.op = op
         if not os.path.exists(path):
-            raise FileNotFoundError(f"load_moe_layer: path {path!r} does not exist")
+            raise FileNotFoundError(f"{self.op}: path {path!r} does not exist")
         self.folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
         if os.path.isdir(path):
             index = os.path.join(path, "model.safetensors.index.json")
@@ -177,40 +179,47 @@ class _Files:
                     try:
                         weight_map = json.load(f)["weight_map"]
                     except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                        raise ValueError(f"load_moe_layer: {index!r} is not a safetensors index with a 'weight_map' ({exc!r})") from exc
+                        raise ValueError(f"{self.op}: {index!r} is not a safetensors index with a 'weight_map' "
+                                         f"({exc!r})") from exc
                 self.where = {k: os.path.join(path, v) for k, v in weight_map.items()}
             else:
                 files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
                 if not files:
-                    raise FileNotFoundError(f"load_moe_layer: no *.safetensors file and no model.safetensors.index.json in {path!r}")
-                self.where = {k: fn for fn in files for k in self._keys(fn)}
+                    raise FileNotFoundError(f"{self.op}: no *.safetensors file and no model.safetensors.index.json "
+                                            f"in {path!r}")
+                self.where = {k: fn for fn in files for k in self._keys(fn, op)}
         else:
-            self.where = {k: path for k in self._keys(path)}
+            self.where = {k: path for k in self._keys(path, op)}
         self._open: dict = {}
 
     @staticmethod
-    def _keys(fn: str) -> list[str]:
+    def _keys(fn: str, op: str) -> list[str]:
         from safetensors import SafetensorError, safe_open
 
         try:
             with safe_open(fn, framework="pt") as f:
                 return list(f.keys())
         except SafetensorError as exc:
-            raise ValueError(f"load_moe_layer: {fn!r} is not a readable safetensors file ({exc})") from exc
+            raise ValueError(f"{op}: {fn!r} is not a readable safetensors file ({exc})") from exc
 
     def has(self, key: str) -> bool:
         return key in self.where
 
     def _file(self, key: str, what: str):
         if key not in self.where:
-            raise ValueError(f"load_moe_layer: missing key {key!r} ({what}) in {self.folder!r}")
+            raise ValueError(f"{self.op}: missing key {key!r} ({what}) in {self.folder!r}")
         from safetensors import safe_open
 
         fn = self.where[key]
         if not os.path.exists(fn):
-            raise FileNotFoundError(f"load_moe_layer: {fn!r} (listed for {key!r} in the index) does not exist")
+            raise FileNotFoundError(f"{self.op}: {fn!r} (listed for {key!r} in the index) does not exist")
         if fn not in self._open:
-            self._open[fn] = safe_open(fn, framework="pt")
+            from safetensors import SafetensorError
+
+            try:  # an index's shards are opened only here: a truncated one is named as the folder's files are
+                self._open[fn] = safe_open(fn, framework="pt")
+            except SafetensorError as exc:
+                raise ValueError(f"{self.op}: {fn!r} is not a readable safetensors file ({exc})") from exc
         return self._open[fn]
 
     def get(self, key: str, what: str):
@@ -221,6 +230,11 @@ class _Files:
         """``(shape, dtype name)`` of ``key`` without reading it (``"bfloat16"``, ``"float8_e4m3fn"``, ...)."""
         sl = self._file(key, what).get_slice(key)
         return tuple(sl.get_shape()), _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype().lower())
+
+
+#: The reader of a checkpoint's tensors (one file, an index, or a folder of ``*.safetensors``), for code that reads
+#: more of a model than its MoE layers (``examples/jax_hf_model.py``): the same files, the same messages.
+CheckpointFiles = _Files
 
 
 # --------------------------------------------------------------------------------------
@@ -244,10 +258,21 @@ class _HFConfig:
     def get(self, key: str):
         return getattr(self.obj, key)
 
+    def file_key(self, key: str) -> str:
+        """The name config.json gives ``key``: transformers' attribute or its ``attribute_map`` alias, whichever the
+        file has (Qwen3-MoE's ``num_experts`` is written ``num_local_experts`` by ``save_pretrained``), so a message
+        names what the user finds in the file."""
+        if key in self.raw:
+            return key
+        amap = getattr(type(self.obj), "attribute_map", {}) or {}
+        aliases = [amap.get(key)] + [a for a, c in amap.items() if c == key]
+        return next((a for a in aliases if a and a in self.raw), key)
+
     def words(self, key: str) -> str:
-        """``'n_group'=8 (absent from config.json: DeepseekV3Config's default)``."""
+        """``'n_group'=8 (absent from config.json: DeepseekV3Config's default)``, the key as config.json spells it."""
         value = self.get(key)
-        return f"{key!r}={value!r}" + ("" if self.present(key) else f" (absent from config.json: {self.cls_name}'s default)")
+        return f"{self.file_key(key)!r}={value!r}" + ("" if self.present(key) else
+                                                     f" (absent from config.json: {self.cls_name}'s default)")
 
 
 def _read_hf_config(arch: str, raw: dict, path: str) -> _HFConfig:
@@ -397,6 +422,20 @@ class MoECheckpointLayer:
     router_bias: object | None = None
     w13_bias: object | None = None
     w2_bias: object | None = None
+
+    def __repr__(self) -> str:
+        # The generated repr printed every tensor's values and the whole config.json (15 KB for a tiny layer):
+        # what was read, where from, and each tensor's shape and dtype.
+        tensors = ("w13", "w2", "w13_scale", "w2_scale", "router_weight", "router_bias", "e_score_correction_bias",
+                   "shared_expert_gate", "w13_bias", "w2_bias")
+        shapes = ", ".join(f"{n}=[{', '.join(map(str, t.shape))}] {_dtype_name(t)}"
+                           for n in tensors if (t := getattr(self, n)) is not None)
+        routing = ", ".join(f"{k}={v!r}" for k, v in (self.routing or {}).items())
+        source = (f"routing from {self.config_path!r}: {routing}" if self.routing
+                  else "no config.json: routing from a preset")
+        return (f"MoECheckpointLayer(arch={self.arch!r}, model_type={self.model_type!r}, layer={self.layer}, "
+                f"path={self.path!r}, E={self.num_experts}, S={self.num_shared_experts}, H={self.hidden_size}, "
+                f"I={self.intermediate_size}, quant={self.quant!r}, {shapes}, {source})")
 
     @property
     def num_experts(self) -> int:

@@ -14,6 +14,7 @@ them to the user's tuned table of this device, which the kernels read before the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -54,6 +55,10 @@ def _host_bytes_available() -> int:
         return 1 << 62
 
 
+#: The MoEConfig flags of the 2026 families a header names when they are on.
+_SEMANTICS = ("apply_router_weight_on_input", "shared_expert_gate", "expert_bias")
+
+
 def run_demo(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
@@ -62,20 +67,34 @@ def run_demo(args: argparse.Namespace) -> int:
     import moe_pallas
     import moe_torch
 
+    from interop.crosscheck.run import expert_biases
+
     preset = get_preset(args.preset)
-    config = preset.config(quant=args.quant)
+    try:
+        config = preset.config(quant=args.quant, **_layer_overrides(args))
+    except (ValueError, TypeError) as exc:
+        print(f"epmoe demo: {exc}", file=sys.stderr)
+        return 2
     need, have = _host_bytes_needed(config), _host_bytes_available()
     if 2 * need > have:  # the weights, plus a converted copy per framework
-        print(f"epmoe: preset {preset.name} needs about {2 * need / 2**30:.0f} GiB of host memory for its weights "
-              f"({have / 2**30:.0f} GiB available); use --preset tiny here, or a larger machine", file=sys.stderr)
+        print(f"epmoe demo: preset {preset.name} needs about {2 * need / 2**30:.0f} GiB of host memory for its weights "
+              f"({have / 2**30:.0f} GiB available); use --preset tiny here, shrink this one (--hidden-size, "
+              f"--intermediate-size, --num-experts), or use a larger machine", file=sys.stderr)
         return 2
     inputs = make_layer_inputs(config, args.tokens, seed=args.seed, routing=args.routing)
+    # The layer inputs a preset's semantics ask for, drawn as `check` draws them: gpt-oss's per-expert biases
+    # (seeded, bf16 like a model's), Qwen3-Next's shared-expert gate logits (x @ the seeded gate weight).
+    biases = expert_biases(config, args.seed, None)  # (w13_bias, w2_bias) or None
+    biases = None if biases is None else tuple(np.asarray(b, np.float32) for b in biases)
+    shared = inputs.shared_expert_gate_logits  # [T, S] float32 or None
     jdt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"preset {preset.name}: H={config.hidden_size} I={config.intermediate_size} E={config.num_experts} "
           f"topk={config.topk} routing={config.routing} rsf={config.routed_scaling_factor} "
-          f"shared={config.num_fused_shared_experts} quant={config.quant} dtype={args.dtype}")
+          f"shared={config.num_fused_shared_experts} activation={config.activation} "
+          f"{''.join(f'{n}=True ' for n in _SEMANTICS if getattr(config, n, False))}"
+          f"quant={config.quant} dtype={args.dtype}")
     print(f"T={args.tokens} routing skew={args.routing} seed={args.seed}; jax on {jax.default_backend()}, torch on {device}")
 
     outs = {}
@@ -85,8 +104,10 @@ def run_demo(args: argparse.Namespace) -> int:
     w13, s13, w2, s2 = moe_pallas.quantize_layer_weights(jw13, jw2, config)
     fwd = jax.jit(moe_pallas.moe_forward, static_argnames=("config",))
     bias = jnp.asarray(inputs.e_score_correction_bias) if config.routing == "biased_grouped_topk" else None
+    jb13, jb2 = (None, None) if biases is None else (jnp.asarray(b).astype(jdt) for b in biases)
     out_j = fwd(jnp.asarray(inputs.x, jdt), jnp.asarray(inputs.router_logits), w13, w2, config,
-                w13_scale=s13, w2_scale=s2, e_score_correction_bias=bias)
+                w13_scale=s13, w2_scale=s2, w13_bias=jb13, w2_bias=jb2, e_score_correction_bias=bias,
+                shared_expert_gate_logits=None if shared is None else jnp.asarray(shared))
     outs["jnp reference"] = np.asarray(out_j.astype(jnp.float32))
     weights, ids = moe_pallas.select_experts(
         jnp.asarray(inputs.router_logits), topk=config.topk, routing=config.routing, renormalize=config.renormalize,
@@ -101,8 +122,12 @@ def run_demo(args: argparse.Namespace) -> int:
     tw2 = torch.from_numpy(inputs.w2).to(device, tdt)
     w13, s13, w2, s2 = moe_torch.quantize_layer_weights(tw13, tw2, config)
     tbias = torch.from_numpy(inputs.e_score_correction_bias).to(device) if bias is not None else None
+    tb13, tb2 = (None, None) if biases is None else (torch.from_numpy(b).to(device, tdt) for b in biases)
     out_t = moe_torch.moe_forward(torch.from_numpy(inputs.x).to(device, tdt), torch.from_numpy(inputs.router_logits).to(device),
-                                  w13, w2, config, w13_scale=s13, w2_scale=s2, e_score_correction_bias=tbias)
+                                  w13, w2, config, w13_scale=s13, w2_scale=s2, w13_bias=tb13, w2_bias=tb2,
+                                  e_score_correction_bias=tbias,
+                                  shared_expert_gate_logits=None if shared is None else
+                                  torch.tensor(shared, device=device))
     outs["torch reference"] = out_t.float().cpu().numpy()
     t_t = time.perf_counter() - t0
 
@@ -142,8 +167,9 @@ def _quant_arg(value: str) -> str:
     return names[key]
 
 
-#: ``check``'s layer options: (MoEConfig field, option, type, help). Each overrides the preset's value (shapes to run
-#: a preset small, e.g. on a CPU; the layer semantics of the 2026 families); with --weights the checkpoint decides.
+#: ``demo``'s and ``check``'s layer options: (MoEConfig field, option, type, help). Each overrides the preset's value
+#: (shapes to run a preset small, e.g. on a CPU; the layer semantics of the 2026 families); with --weights the
+#: checkpoint decides.
 LAYER_OPTIONS = (
     ("hidden_size", "--hidden-size", int, "H, the hidden size"),
     ("intermediate_size", "--intermediate-size", int, "I, the expert intermediate size"),
@@ -162,7 +188,7 @@ LAYER_OPTIONS = (
 
 
 def _layer_overrides(args: argparse.Namespace) -> dict:
-    """The MoEConfig fields ``check``'s layer options set (:data:`LAYER_OPTIONS`; those not given are left out)."""
+    """The MoEConfig fields the layer options set (:data:`LAYER_OPTIONS`; those not given are left out)."""
     return {field: getattr(args, field) for field, *_ in LAYER_OPTIONS if getattr(args, field, None) is not None}
 
 
@@ -200,25 +226,27 @@ def _check_args(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments of ``check`` before any work (None: nothing)."""
     if args.layer is not None and not args.weights:
         return "--layer needs --weights (it picks a layer of the checkpoint)"
-    if args.json:
+    if args.json and args.json != "-":  # "-": standard output
         target = os.path.abspath(args.json)
         if os.path.isdir(target):
             return f"--json must be a file path; got a folder: {args.json!r}"
         parent = os.path.dirname(target)
         probe = parent
-        while not os.path.exists(probe):  # missing folders are created when the JSON is written
+        while not os.path.exists(probe):
             probe = os.path.dirname(probe)
         if not os.path.isdir(probe):
             return f"--json: {probe!r} is a file, not a folder; got --json {args.json!r}"
-        if not os.access(probe, os.W_OK):
-            return f"--json: cannot write under {probe!r}"
-        if probe == parent:  # the folder exists: prove it takes a file now, not after the run
-            import tempfile
+        if probe != parent:  # a typo in the path should not become new folders
+            return (f"--json: the parent directory {parent!r} does not exist; got --json {args.json!r} (create the "
+                    f"directory first, or give '-' for standard output)")
+        if not os.access(parent, os.W_OK):
+            return f"--json: cannot write under {parent!r}"
+        import tempfile
 
-            try:
-                tempfile.TemporaryFile(dir=parent).close()
-            except OSError as exc:
-                return f"--json: cannot write under {parent!r} ({exc.strerror or exc})"
+        try:  # prove the folder takes a file now, not after the run
+            tempfile.TemporaryFile(dir=parent).close()
+        except OSError as exc:
+            return f"--json: cannot write under {parent!r} ({exc.strerror or exc})"
     if args.weights and _layer_overrides(args):
         names = [opt for field, opt, *_ in LAYER_OPTIONS if field in _layer_overrides(args)]
         return f"{', '.join(names)}: not used with --weights (the checkpoint and its config.json give the layer)"
@@ -235,6 +263,14 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 
 def run_check(args: argparse.Namespace) -> int:
+    if getattr(args, "json", None) == "-":  # stdout carries the JSON alone (a pipe into jq); the report: stderr
+        stdout = sys.stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            return _run_check(args, stdout)
+    return _run_check(args, sys.stdout)
+
+
+def _run_check(args: argparse.Namespace, json_stream) -> int:
     gpu = _has_gpu()
     if not gpu:
         _prepare_interpreters()
@@ -366,7 +402,7 @@ def run_check(args: argparse.Namespace) -> int:
           f"routing={config.routing} renormalize={config.renormalize} rsf={config.routed_scaling_factor} "
           f"shared={config.num_fused_shared_experts} activation={config.activation}"
           f"{'' if config.gate_up_layout == 'concatenated' else ' (' + config.gate_up_layout + ')'} "
-          f"{''.join(f'{n}=True ' for n in ('apply_router_weight_on_input', 'shared_expert_gate', 'expert_bias') if getattr(config, n, False))}"
+          f"{''.join(f'{n}=True ' for n in _SEMANTICS if getattr(config, n, False))}"
           f"quant={config.quant} {_ep_words(config, args)}; T={args.tokens} {inputs_words}; "
           f"{'GPU' if gpu else 'no GPU: kernels interpreted'}; implementations: {', '.join(implementations)}"
           f"{'; forward and backward' if args.backward else ''}", flush=True)
@@ -407,11 +443,16 @@ def run_check(args: argparse.Namespace) -> int:
         print(refused, file=sys.stderr)
         return 2
     cc.render(result)
-    if args.json:
+    if args.json == "-":
+        import json
+
+        json.dump(result.to_json(), json_stream, indent=1, default=float)
+        json_stream.write("\n")
+        json_stream.flush()
+    elif args.json:
         import json
 
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(result.to_json(), f, indent=1, default=float)
         except OSError as exc:
@@ -618,18 +659,66 @@ def _add_input_args(parser: argparse.ArgumentParser, preset_help: str) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends an option's default to its help, except where the help states it already (said twice otherwise) or
+    where there is none to state (None: not given; a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
+def _add_layer_options(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """:data:`LAYER_OPTIONS` as a group of ``parser`` (``demo`` and ``check``): left out of the namespace when not
+    given, so that the preset's value stays."""
+    layer = parser.add_argument_group(
+        "layer options", f"override the preset's layer{note}: its shapes (any preset runs on a CPU once small "
+        "enough, e.g. --hidden-size 64 --intermediate-size 32 --num-experts 16) and its semantics")
+    for field, option, kind, what in LAYER_OPTIONS:
+        if kind is bool:
+            layer.add_argument(option, dest=field, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=what + " (default: the preset's)")
+        else:
+            choices = {"activation": ACTIVATIONS, "gate_up_layout": GATE_UP_LAYOUTS}.get(field)
+            layer.add_argument(option, dest=field, type=kind, default=argparse.SUPPRESS, choices=choices,
+                               metavar=None if choices else what.split(",")[0].split()[0],
+                               help=what + " (default: the preset's)")
+
+
+def _version() -> str:
+    """The installed package's version (its metadata); from a source tree never installed, pyproject.toml's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("epmoe")
+    except metadata.PackageNotFoundError:
+        import tomllib
+
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+        try:
+            with open(path, "rb") as f:
+                return tomllib.load(f)["project"]["version"]
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown (not installed, and no pyproject.toml beside the sources)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epmoe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"epmoe {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
         help="run the reference MoE layer of a preset in jnp and torch and compare",
         description="Run the reference MoE layer of a model preset in jnp and torch on the same random "
         "inputs; print what they computed and their difference; exit 1 if they disagree.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
-    _add_input_args(demo, "model preset (all but 'tiny' need tens of GB: a GPU machine)")
+    _add_input_args(demo, "model preset (all but 'tiny' need tens of GB at full size: a GPU machine, or shrink "
+                          "one with the layer options)")
     demo.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="activation and weight dtype")
+    _add_layer_options(demo)
     demo.set_defaults(func=run_demo)
 
     from interop.crosscheck import IMPLEMENTATIONS as CHECK_IMPLEMENTATIONS
@@ -647,7 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every implementation runs every rank's experts end to end and the N partial outputs, summed in float32, "
         "are judged against its single-device layer and the other implementations' sums (and JAX's multi-device "
         "ep_moe_forward where jax has N devices); --ep-rank r adds rank r's stage-by-stage table.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     _add_input_args(check, "model preset (default: tiny; CPU: tiny, or any preset made small by the layer "
                            "options); with --weights only for a checkpoint "
@@ -657,18 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
             action.default = argparse.SUPPRESS
         if action.dest == "quant":
             action.help += "; default: none, with --weights the checkpoint's (fp8_block for an FP8 checkpoint)"
-    layer = check.add_argument_group(
-        "layer options", "override the preset's layer (not with --weights): its shapes (any preset runs on a CPU once "
-        "small enough, e.g. --hidden-size 64 --intermediate-size 32 --num-experts 16) and its semantics")
-    for field, option, kind, what in LAYER_OPTIONS:
-        if kind is bool:
-            layer.add_argument(option, dest=field, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                               help=what + " (default: the preset's)")
-        else:
-            choices = {"activation": ACTIVATIONS, "gate_up_layout": GATE_UP_LAYOUTS}.get(field)
-            layer.add_argument(option, dest=field, type=kind, default=argparse.SUPPRESS, choices=choices,
-                               metavar=None if choices else what.split(",")[0].split()[0],
-                               help=what + " (default: the preset's)")
+    _add_layer_options(check, " (not with --weights)")
     check.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks (E must divide)")
     check.add_argument("--ep-rank", type=int, default=None,
                        help="with --ep-size N > 1: also check this rank's experts and partial sum stage by stage "
@@ -685,7 +763,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "the whole layer's gradients for a seeded random d_out; FP8 layers: straight-through, no "
                             "weight gradients; with --ep-size N > 1 the EP summary adds the ranks' gradients (d_x, "
                             "d_router_logits summed, weight gradients as slices) vs the single device")
-    check.add_argument("--json", metavar="PATH", help="also write every comparison as JSON to PATH")
+    check.add_argument("--json", metavar="PATH", help="also write every comparison as JSON to PATH (its folder must "
+                       "exist); '-': to standard output, the report then going to standard error")
     check.add_argument("--weights", metavar="PATH",
                        help="a safetensors checkpoint (file or folder with model.safetensors.index.json) of a "
                             "Mixtral, Qwen3-MoE, DeepSeek-V3 (bf16 or FP8), Kimi K2, GLM-4.5, Qwen3-Next, Llama 4 "
@@ -730,7 +809,7 @@ def build_parser() -> argparse.ArgumentParser:
         "<device kind>.json (EPMOE_CACHE_DIR, else the platform's cache folder), which the kernels read before "
         "the tables shipped with the package; an entry of the same op, dtype, N, K, M and backend is replaced. "
         "Needs a CUDA GPU (--dry-run does not).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     source = tune.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=sorted(PRESETS), default=None, help="the layer of a model preset")

@@ -127,6 +127,13 @@ def make_layer_inputs(config: MoEConfig, num_tokens: int, seed: int = 0, routing
                        shared_expert_gate_logits=shared_expert_gate_logits(config, x, seed))
 
 
+def check_seed(op: str, seed) -> None:
+    """``seed`` of the seeded draws here (``from_preset``'s): an int >= 0, numpy's own ints included; else a
+    ``ValueError`` naming ``op`` and the argument (numpy's own message names neither)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"{op}: seed must be an int >= 0 (the numpy seed of the random weights); got seed={seed!r}")
+
+
 def draw_preset_weights(config: MoEConfig, seed: int) -> Iterator[tuple[str, int, np.ndarray]]:
     """This rank's slice of ``make_layer_inputs(config, num_tokens=0, seed)``, one expert at a time.
 

@@ -172,6 +172,18 @@ HF_SIZE_KEYS = {
 }
 
 
+#: model_type -> size key -> the other name transformers' config class takes for it (its ``attribute_map``):
+#: ``save_pretrained`` writes Qwen3-MoE's ``num_experts`` as ``num_local_experts``, and either is read.
+HF_SIZE_ALIASES = {
+    "mixtral": {"num_local_experts": "num_experts"},
+    "qwen3_moe": {"num_experts": "num_local_experts"},
+    "gpt_oss": {"num_local_experts": "num_experts"},
+    "deepseek_v3": {"n_routed_experts": "num_local_experts"},
+    "kimi_k2": {"n_routed_experts": "num_local_experts"},
+    "glm4_moe": {"n_routed_experts": "num_local_experts"},
+}
+
+
 def config_sizes(raw: dict, path: str = "config.json") -> tuple[int, int, int]:
     """``(H, I, E)`` of a checkpoint's ``config.json`` (``raw``, read from ``path``): hidden size, expert
     intermediate size, routed experts, by its ``model_type`` (:data:`HF_SIZE_KEYS`). Raises ``ValueError`` naming
@@ -188,6 +200,9 @@ def config_sizes(raw: dict, path: str = "config.json") -> tuple[int, int, int]:
     e_key, h_key, i_key = HF_SIZE_KEYS[model_type]
     values = []
     for key in (h_key, i_key, e_key):
+        alias = HF_SIZE_ALIASES.get(model_type, {}).get(key)
+        if key not in raw and alias in raw:  # the name the file has, in the messages too
+            key = alias
         v = raw.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{path}: key {key!r} must be an int >= 1 (model_type {model_type!r}); got {v!r}")

@@ -48,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from moe_contract.config import MoEConfig
-from moe_contract.inputs import draw_expert_biases, draw_preset_weights, draw_shared_expert_gate
+from moe_contract.inputs import check_seed, draw_expert_biases, draw_preset_weights, draw_shared_expert_gate
 from moe_contract.op_checks import check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
@@ -295,11 +295,12 @@ class MoELayer(nnx.Module):
         cores, but holds the whole layer in float32): seconds for CPU-sized layers, a few minutes for all
         of DeepSeek-V3 on one rank (about 16 s per 10^9 values).
 
-        Raises: ValueError (unknown preset, bad override values), TypeError (an unknown override name; dtype
-          not float32 / bf16 / float16).
+        Raises: ValueError (unknown preset, bad override values, ``seed`` not an int >= 0), TypeError (an unknown
+          override name; dtype not float32 / bf16 / float16).
         """
         op = "MoELayer.from_preset"
         config = get_preset(name).config(**config_overrides)
+        check_seed(op, seed)
         try:
             ok = dtype_name(dtype) in FLOAT_DTYPES
         except TypeError:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from moe_contract.config import MoEConfig
-from moe_contract.inputs import draw_expert_biases, draw_preset_weights, draw_shared_expert_gate
+from moe_contract.inputs import check_seed, draw_expert_biases, draw_preset_weights, draw_shared_expert_gate
 from moe_contract.op_checks import check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
@@ -322,7 +322,8 @@ class EPMoE(torch.nn.Module):
             biases (``config.expert_bias``: gpt-oss's presets) this rank's slice of
             :func:`moe_contract.inputs.draw_expert_biases`, cast to ``dtype``;
             ``moe_pallas.MoELayer.from_preset`` with the same arguments holds the same bits.
-          dtype: the float weights' dtype (and the ``x`` dtype ``quant='none'`` then takes).
+          dtype: the float weights' dtype (and the ``x`` dtype ``quant='none'`` then takes): a ``torch.dtype`` or
+            its name (``"bfloat16"``, ``"float32"``, ``"float16"``).
           device: default ``torch.get_default_device()``.
           implementation, process_group, ep_mode, trainable, recompute: as :class:`EPMoE`.
           config_overrides: :meth:`ModelPreset.config` fields (``quant``, ``ep_size``, ``ep_rank``,
@@ -333,13 +334,16 @@ class EPMoE(torch.nn.Module):
         cores, but holds the whole layer in float32): seconds for CPU-sized layers, a few minutes for all
         of DeepSeek-V3 on one rank (about 16 s per 10^9 values).
 
-        Raises: ValueError (unknown preset, bad override values), TypeError (an unknown override name; dtype
-          not float32 / bf16 / float16).
+        Raises: ValueError (unknown preset, bad override values, ``seed`` not an int >= 0), TypeError (an unknown
+          override name; dtype not float32 / bf16 / float16).
         """
         op = "EPMoE.from_preset"
         config = get_preset(name).config(**config_overrides)
+        check_seed(op, seed)
+        if isinstance(dtype, str) and dtype in FLOAT_DTYPES:  # a name, as MoELayer.from_preset takes it
+            dtype = getattr(torch, dtype)
         if not isinstance(dtype, torch.dtype) or dtype_name(dtype) not in FLOAT_DTYPES:
-            raise TypeError(f"{op}: dtype must be a torch.dtype among {FLOAT_DTYPES}; got dtype={dtype!r}")
+            raise TypeError(f"{op}: dtype must be a torch.dtype or a name among {FLOAT_DTYPES}; got dtype={dtype!r}")
         device = torch.get_default_device() if device is None else torch.device(device)
         _, e_local = config.local_expert_range()
         H, I = config.hidden_size, config.intermediate_size

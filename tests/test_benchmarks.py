@@ -240,8 +240,9 @@ def test_fp8_block_gemm_specs_bytes_and_validation():
 @needs_triton_interpreter  # ours-torch-triton runs in Triton's interpreter
 def test_fp8_block_gemm_rows_judged_and_tokamax_peer_skipped_on_cpu(tmp_path, monkeypatch):
     """bench_gemm on a tiny fp8_block spec (CPU, kernels interpreted): our three backends have rows, Triton and
-    Pallas-Triton judged right against the reference and timed (FP8 rates), Mosaic GPU 'not available', and
-    torch._scaled_grouped_mm a skip row (torch has no 128x128 block-scaled grouped GEMM); nothing else. A bf16
+    Pallas-Triton judged right against the reference and timed (FP8 rates), Mosaic GPU a skip row (a Hopper GPU's
+    kernel, not an error on the CPU), and torch._scaled_grouped_mm a skip row (torch has no 128x128 block-scaled
+    grouped GEMM); nothing else. A bf16
     spec's tokamax ragged_dot peer is a skip row on the CPU (needs an NVIDIA GPU), and on a GPU without tokamax
     too (not importable). The gate judges the fp8_block rows: a Triton GEMM that scales every K-block by the first
     one's weight scale (K-block promotion left out), or by the first activation group's scale, is WRONG, not timed."""
@@ -261,7 +262,8 @@ def test_fp8_block_gemm_rows_judged_and_tokamax_peer_skipped_on_cpu(tmp_path, mo
         assert r["error"] is None and r["dtype"] == "fp8_block" and r["K"] == 256 and r["N"] == 160, r
         assert r["rel_err"] is not None and r["rel_err"] < 1e-3 and r["median_ms"] > 0, r
         assert r["tflops"] == pytest.approx(spec.flops / r["median_ms"] / 1e9), r
-    assert rows["ours-jax-pallas_mosaic_gpu"]["error"].startswith("not available")
+    mgpu = rows["ours-jax-pallas_mosaic_gpu"]
+    assert H.skipped(mgpu) and "pallas_mosaic_gpu needs a Hopper GPU; the JAX backend is cpu" in mgpu["error"], mgpu
     peer = rows["torch._scaled_grouped_mm"]
     assert H.skipped(peer) and "128x128" in peer["error"] and peer["median_ms"] is None, peer
 
@@ -733,6 +735,54 @@ def test_tables_label_cpu_timings():
     assert cpu.count(H.CPU_NOTE) == 3 and "| ours-torch-triton (interpreted) | ref-torch |" in cpu
     assert "interpreted" not in gpu and "interpreted" not in H.markdown_long(rows)
     assert H.CPU_NOTE in H.markdown_long(rows, cpu=True).splitlines()[0]
+
+
+def test_cpu_labels_say_what_ran():
+    """A user trap: `bench --tiny` labelled a column "ours-jax-pallas_mosaic_gpu (interpreted)" (a kernel that never
+    runs on a CPU) and the library's default (the reference there) "(interpreted)" too. Only our Triton and
+    Pallas-Triton kernels run interpreted; on a GPU no label changes."""
+    label = H.backend_label
+    assert label("ours-torch-triton", True) == "ours-torch-triton (interpreted)"
+    assert label("ours-torch-triton-cudagraph", True) == "ours-torch-triton-cudagraph (interpreted)"
+    assert label("ours-jax-pallas_triton-recompute", True) == "ours-jax-pallas_triton-recompute (interpreted)"
+    assert label("ours-jax-pallas_mosaic_gpu", True) == "ours-jax-pallas_mosaic_gpu"
+    assert label("ours-jax-default", True) == "ours-jax-default (reference on a CPU)"
+    for b in ("ours-torch-triton", "ours-jax-pallas_mosaic_gpu", "ours-jax-default", "ref-jax"):
+        assert label(b, False) == b
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is here: these backends run")
+def test_cpu_skips_gpu_only_gemm_backends(tmp_path):
+    """A user trap: `bench --tiny` counted the GPU-only backends of the gemm rows (Mosaic GPU kernels, CUDA's
+    torch._scaled_grouped_mm) as errors; on the CPU they are skip rows naming the reason."""
+    args = bench.parse_args(["--out", str(tmp_path), "--rep-ms", "1", "--warmup-ms", "1",
+                             "--backends", "mosaic_gpu,ragged_dot_mgpu,_scaled_grouped_mm"])
+    ctx = bench.Ctx(args)
+    for dtype in ("bf16", "fp8"):
+        spec = next(s for s in S.gemm_specs(tiny=True) if s.dtype == dtype and s.M == 16)
+        bench.bench_gemm(ctx, spec, bench.GemmWeights())
+    got = {r["backend"]: r["error"] for r in ctx.rows}
+    assert set(got) == {"ours-jax-pallas_mosaic_gpu", "jax-ragged_dot_mgpu", "torch._scaled_grouped_mm"}, got
+    assert all(H.skipped(r) for r in ctx.rows), got
+    assert "CUDA kernels only" in got["torch._scaled_grouped_mm"] and "Mosaic GPU" in got["jax-ragged_dot_mgpu"]
+    line = bench.progress_line(ctx.rows[0], 1.0)
+    assert " SKIP pallas_mosaic_gpu needs a Hopper GPU" in line and "ERROR" not in line, line
+
+
+def test_bench_help_shows_tiny(capsys):
+    """A user trap: the README advertises `epmoe bench --tiny`, and `bench --help` hid it."""
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--help"])
+    assert "--tiny" in capsys.readouterr().out
+
+
+def test_bench_weights_with_preset_says_it_is_not_used(hf_checkpoints, tmp_path, capsys):
+    """A user trap: `bench --weights DIR --preset X` dropped --preset without a word where config.json gives the
+    routing (its documented use: the routing of a checkpoint without config.json)."""
+    args = bench.parse_args(["--weights", str(hf_checkpoints["mixtral"]), "--preset", "mixtral-8x7b",
+                             "--out", str(tmp_path)])
+    bench.load_model(args)
+    assert "bench: --preset mixtral-8x7b not used: the routing comes from" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------- forward + backward

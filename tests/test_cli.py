@@ -23,6 +23,19 @@ def test_demo_runs_and_agrees(args, capsys):
     assert "preset tiny" in out
 
 
+@pytest.mark.parametrize("preset,words", [("gpt-oss-20b", "expert_bias=True"),
+                                          ("qwen3-next-80b-a3b", "shared_expert_gate=True")])
+def test_demo_runs_the_presets_with_biases_and_a_shared_gate(preset, words, capsys):
+    """A user trap: `epmoe demo --preset gpt-oss-20b` (and qwen3-next-80b-a3b) ended in a traceback, the layer's
+    expert biases / shared-expert gate logits not passed; now drawn as `check` draws them. Shrunk by the layer
+    options (which demo now takes, as check does) to stay fast on a CPU."""
+    assert main(["demo", "--preset", preset, "--tokens", "2", "--hidden-size", "64", "--intermediate-size", "32",
+                 "--num-experts", "16", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert f"preset {preset}: H=64 I=32 E=16" in out and words in out
+    assert "agree" in out and "DISAGREE" not in out
+
+
 @pytest.mark.parametrize("args", [["demo", "--preset", "nope"], ["demo", "--quant", "int8"], ["frobnicate"]])
 def test_bad_arguments_exit_2(args, capsys):
     with pytest.raises(SystemExit) as info:
@@ -52,6 +65,27 @@ def test_bug_unknown_quant_is_reported_as_written(capsys):
     assert "'int-5'" in err and "int_5" not in err and "fp8_block" in err
 
 
+def test_version(monkeypatch, capsys):
+    """A user trap: there was no `epmoe --version`. The installed package's version, else pyproject.toml's."""
+    import tomllib
+    from importlib import metadata
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        want = tomllib.load(f)["project"]["version"]
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"epmoe {metadata.version('epmoe')}\n"
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out == f"epmoe {want}\n"
+
+
 def test_tokens_must_be_positive(capsys):
     assert main(["demo", "--tokens", "0"]) == 2
     assert "--tokens must be >= 1" in capsys.readouterr().err
@@ -69,10 +103,27 @@ def test_check_help(capsys):
     assert "--ep-size" in out and "--weights" in out and "--implementations" in out
 
 
+def test_help_states_each_default_once(capsys):
+    """A user trap: `check --help` gave --ep-rank's default twice ("(default: no per-rank stage table ...)
+    (default: None)"); a default the help states is not appended again, and None / a flag's False not at all."""
+    import re
+
+    for command in ("check", "demo", "tune"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "(default: None)" not in out and "(default: False)" not in out, command
+        options = re.split(r" (?=--[a-z])", out)
+        twice = [o for o in options if o.count("default") > 1]
+        assert not twice, twice
+        if command == "check":
+            assert "--seed SEED seed of the random inputs (default: 0)" in out  # 0 is a default, not an absence
+
+
 def test_check_runs_and_writes_json(tmp_path, capsys):
     import json
 
-    path = tmp_path / "out" / "check.json"
+    path = tmp_path / "check.json"
     assert main(["check", "--tokens", "3", "--quant", "fp8-block", "--routing", "one_expert", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "within the contract" in out and "gemm1" in out and "triton vs pallas" in out
@@ -141,6 +192,29 @@ def test_check_refuses_with_exit_2(args, msg, capsys):
     assert msg in capsys.readouterr().err
 
 
+def test_check_json_dash_writes_to_stdout(tmp_path, monkeypatch, capsys):
+    """A user trap: `--json -` wrote a file named '-'; now the JSON alone goes to standard output (a pipe into jq)
+    and the report to standard error."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "--tokens", "2", "--implementations", "jnp-reference,torch-reference", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["ok"] and "within the contract" in err and "wrote" not in err + out
+    assert not (tmp_path / "-").exists()
+
+
+def test_check_json_in_a_missing_folder_is_refused(tmp_path, capsys):
+    """A user trap: `--json /nonexistent/x.json` created the folder (a typo became folders); now exit 2 before any
+    work, naming the missing parent directory, and nothing is created."""
+    path = tmp_path / "typo" / "x.json"
+    assert main(["check", "--json", str(path)]) == 2
+    assert capsys.readouterr().err == (f"epmoe check: --json: the parent directory {str(path.parent)!r} does not "
+                                       f"exist; got --json {str(path)!r} (create the directory first, or give '-' for "
+                                       f"standard output)\n")
+    assert not path.parent.exists()
+
+
 def test_check_with_checkpoint_weights(tmp_path, capsys):
     from test_checkpoints import write_layer
 
@@ -150,6 +224,24 @@ def test_check_with_checkpoint_weights(tmp_path, capsys):
     assert main(["check", "--weights", str(tmp_path), "--quant", "fp8_block", "--tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert "with weights from" in out and "E=4" in out and "within the contract" in out
+
+
+def test_check_weights_with_preset_uses_it_only_without_config_json(tmp_path, capsys):
+    """A user trap: `check --weights DIR --preset X` must not drop --preset without a word. As bench documents it,
+    --preset gives the routing where the checkpoint has no config.json; with one, the run says it is not used."""
+    from test_checkpoints import write_layer
+
+    write_layer(tmp_path / "with", "mixtral", config={"model_type": "mixtral", "num_experts_per_tok": 1})
+    write_layer(tmp_path / "without", "mixtral")
+    args = ["--preset", "mixtral-8x7b", "--tokens", "2", "--implementations", "jnp-reference,torch-reference"]
+    assert main(["check", "--weights", str(tmp_path / "with"), *args]) == 0
+    out, err = capsys.readouterr()
+    assert (f"epmoe check: --preset mixtral-8x7b not used: the routing comes from "
+            f"{tmp_path / 'with' / 'config.json'}") in err
+    assert "topk=1" in out  # config.json's, not the preset's 2
+    assert main(["check", "--weights", str(tmp_path / "without"), *args]) == 0
+    out, err = capsys.readouterr()
+    assert "routing from preset mixtral-8x7b (no config.json)" in out and "topk=2" in out and "not used" not in err
 
 
 def test_bench_without_gpu_says_so(capsys):
