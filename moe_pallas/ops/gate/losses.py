@@ -77,9 +77,10 @@ def router_losses(
     Expert parallelism: the losses read only the logits and ids they are given. :func:`moe_pallas.moe_forward`
     (any ``config.ep_rank``) holds all ``T`` tokens' logits, and :func:`moe_pallas.ep_moe_forward` takes the global
     ``[T, E]`` logits in both modes (``all_to_all`` shards them inside its ``shard_map``), so the losses computed
-    on them are the global ones, the same on every device. Inside a ``shard_map`` over tokens of one's own, the
-    global losses come from ``jax.lax.psum`` over the devices of ``tokens_per_expert`` (and ``T``), of
-    ``sum_t p[t]`` ``[E]`` and of ``sum_t logsumexp^2``.
+    on them are the global ones, the same on every device (``ep_moe_forward(return_router_losses=True)`` does
+    this). Inside a ``shard_map`` over tokens of one's own, the global losses are
+    :func:`router_losses_from_sums` of the ``jax.lax.psum`` over the devices of the :class:`RouterLossSums`
+    (``tokens_per_expert``, ``sum_t p[t]`` ``[E]``, ``sum_t logsumexp^2``) and of ``T``.
 
     Args:
       router_logits: ``[T, E]`` float32 / bf16 / float16 (``E = config.num_experts``), the gate's input.
@@ -103,6 +104,31 @@ def router_losses(
     """
     op = "router_losses"
     check_router_losses(op, router_logits, topk_ids, config, seq_len)
+    sums = router_loss_sums(router_logits, topk_ids, config, seq_len=seq_len)
+    return router_losses_from_sums(sums, router_logits.shape[0], config, seq_len=seq_len)
+
+
+class RouterLossSums(NamedTuple):
+    """Sums over a set of tokens from which :func:`router_losses_from_sums` finishes the losses; each is additive
+    over disjoint token sets (the devices' tokens), so their ``jax.lax.psum`` gives the global losses.
+
+    tokens_per_expert: ``[E]`` int32, ``count_e``.
+    prob_sum: ``[E]`` float32, ``sum_t p[t, e]``.
+    z_sum: ``[]`` float32, ``sum_t logsumexp(logits[t])^2``.
+    seq_aux_sum: ``[]`` float32, the sum over the set's sequences of their sequence-wise loss; ``None`` without
+      ``seq_len``.
+    """
+
+    tokens_per_expert: jax.Array
+    prob_sum: jax.Array
+    z_sum: jax.Array
+    seq_aux_sum: jax.Array | None
+
+
+def router_loss_sums(router_logits: jax.Array, topk_ids: jax.Array, config: MoEConfig, *,
+                     seq_len: int | None = None) -> RouterLossSums:
+    """:class:`RouterLossSums` of ``router_logits [T, E]`` and ``topk_ids [T, >= topk]`` (as :func:`router_losses`
+    takes them, not checked again here: the caller validated them)."""
     T, E = router_logits.shape
     k = config.topk
     p = router_probabilities(router_logits, config.routing)
@@ -110,12 +136,8 @@ def router_losses(
     valid = (ids >= 0) & (ids < E)
     ids = jnp.where(valid, ids, 0)
     counts = jnp.zeros(E, jnp.int32).at[ids.reshape(-1)].add(valid.astype(jnp.int32).reshape(-1))
-    # Divisors of at least 1: an empty call (T = 0) has zero sums, so its losses are 0, not NaN.
-    f = counts.astype(jnp.float32) / max(T * k, 1)
-    P = p.sum(axis=0) / max(T, 1)
-    aux = E * (f * P).sum()
-    z = jnp.square(jax.nn.logsumexp(router_logits.astype(jnp.float32), axis=-1)).sum() / max(T, 1)
-    seq_aux = None
+    z_sum = jnp.square(jax.nn.logsumexp(router_logits.astype(jnp.float32), axis=-1)).sum()
+    seq_sum = None
     if seq_len is not None:
         n = T // seq_len
         seq = jnp.arange(T, dtype=jnp.int32)[:, None] // seq_len  # [T, 1] the sequence of each token
@@ -123,8 +145,29 @@ def router_losses(
         seq_counts = jnp.zeros(n * E, jnp.float32).at[flat].add(valid.astype(jnp.float32).reshape(-1)).reshape(n, E)
         seq_f = seq_counts / (seq_len * k)
         seq_P = p.reshape(n, seq_len, E).mean(axis=1)
-        seq_aux = E * (seq_f * seq_P).sum() / max(n, 1)
-    return RouterLosses(aux, seq_aux, z, counts)
+        seq_sum = E * (seq_f * seq_P).sum()
+    return RouterLossSums(counts, p.sum(axis=0), z_sum, seq_sum)
+
+
+def router_losses_from_sums(sums: RouterLossSums, num_tokens: int | jax.Array, config: MoEConfig, *,
+                            seq_len: int | None = None) -> RouterLosses:
+    """The losses of :func:`router_losses` from the :class:`RouterLossSums` of ``num_tokens`` tokens (a Python int,
+    or an array: a count summed over devices). Divisors are at least 1: an empty token set (``T = 0``) has zero
+    sums, so its losses are 0, not NaN."""
+    E, k = config.num_experts, config.topk
+    if isinstance(num_tokens, int):
+        T, Tk = max(num_tokens, 1), max(num_tokens * k, 1)
+        n = None if seq_len is None else max(num_tokens // seq_len, 1)
+    else:
+        num = jnp.asarray(num_tokens).astype(jnp.float32)
+        T, Tk = jnp.maximum(num, 1.0), jnp.maximum(num * k, 1.0)
+        n = None if seq_len is None else jnp.maximum(num / seq_len, 1.0)
+    f = sums.tokens_per_expert.astype(jnp.float32) / Tk
+    P = sums.prob_sum / T
+    aux = E * (f * P).sum()
+    z = sums.z_sum / T
+    seq_aux = None if seq_len is None else sums.seq_aux_sum / n
+    return RouterLosses(aux, seq_aux, z, sums.tokens_per_expert)
 
 
 @takes_jax_arrays

@@ -75,9 +75,9 @@ def router_losses(
     Expert parallelism: the losses read only the logits and ids they are given. :func:`moe_torch.moe_forward`
     (any ``config.ep_rank``) and the replicated :func:`moe_torch.ep_moe_forward` hold all ``T`` tokens' logits on
     every rank, so every rank computes the same, global losses. Under ``ep_moe_forward(mode="all_to_all")`` a rank
-    holds only its own tokens: the global losses come from sums over the ranks of ``tokens_per_expert`` (and
-    ``T``), of ``sum_t p[t]`` ``[E]`` and of ``sum_t logsumexp^2`` (``ep_moe_forward(return_router_losses=True)``
-    does this with all-reduces).
+    holds only its own tokens: the global losses are :func:`router_losses_from_sums` of the sums over the ranks
+    (all-reduces) of the :class:`RouterLossSums` (``tokens_per_expert``, ``sum_t p[t]`` ``[E]``,
+    ``sum_t logsumexp^2``) and of ``T``, which ``ep_moe_forward(return_router_losses=True)`` does.
 
     Args:
       router_logits: ``[T, E]`` float32 / bf16 / float16 (``E = config.num_experts``), the gate's input.
@@ -101,6 +101,31 @@ def router_losses(
     """
     op = "router_losses"
     check_router_losses(op, router_logits, topk_ids, config, seq_len)
+    sums = router_loss_sums(router_logits, topk_ids, config, seq_len=seq_len)
+    return router_losses_from_sums(sums, router_logits.shape[0], config, seq_len=seq_len)
+
+
+class RouterLossSums(NamedTuple):
+    """Sums over a set of tokens from which :func:`router_losses_from_sums` finishes the losses; each is additive
+    over disjoint token sets (the EP ranks' tokens), so summing them over ranks gives the global losses.
+
+    tokens_per_expert: ``[E]`` int32, ``count_e``.
+    prob_sum: ``[E]`` float32, ``sum_t p[t, e]``.
+    z_sum: ``[]`` float32, ``sum_t logsumexp(logits[t])^2``.
+    seq_aux_sum: ``[]`` float32, the sum over the set's sequences of their sequence-wise loss; ``None`` without
+      ``seq_len``.
+    """
+
+    tokens_per_expert: torch.Tensor
+    prob_sum: torch.Tensor
+    z_sum: torch.Tensor
+    seq_aux_sum: torch.Tensor | None
+
+
+def router_loss_sums(router_logits: torch.Tensor, topk_ids: torch.Tensor, config: MoEConfig, *,
+                     seq_len: int | None = None) -> RouterLossSums:
+    """:class:`RouterLossSums` of ``router_logits [T, E]`` and ``topk_ids [T, >= topk]`` (as :func:`router_losses`
+    takes them, not checked again here: the caller validated them)."""
     T, E = router_logits.shape
     k = config.topk
     device = router_logits.device
@@ -109,12 +134,8 @@ def router_losses(
     valid = (ids >= 0) & (ids < E)
     ids = torch.where(valid, ids, 0)
     counts = torch.zeros(E, dtype=torch.int32, device=device).scatter_add_(0, ids.reshape(-1), valid.int().reshape(-1))
-    # Divisors of at least 1: an empty call (T = 0) has zero sums, so its losses are 0, not NaN.
-    f = counts.float() / max(T * k, 1)
-    P = p.sum(dim=0) / max(T, 1)
-    aux = E * (f * P).sum()
-    z = torch.logsumexp(router_logits.float(), dim=-1).square().sum() / max(T, 1)
-    seq_aux = None
+    z_sum = torch.logsumexp(router_logits.float(), dim=-1).square().sum()
+    seq_sum = None
     if seq_len is not None:
         n = T // seq_len
         seq = torch.arange(T, device=device)[:, None] // seq_len  # [T, 1] the sequence of each token
@@ -123,8 +144,29 @@ def router_losses(
             0, flat, valid.float().reshape(-1)).reshape(n, E)
         seq_f = seq_counts / (seq_len * k)
         seq_P = p.reshape(n, seq_len, E).mean(dim=1)
-        seq_aux = E * (seq_f * seq_P).sum() / max(n, 1)
-    return RouterLosses(aux, seq_aux, z, counts)
+        seq_sum = E * (seq_f * seq_P).sum()
+    return RouterLossSums(counts, p.sum(dim=0), z_sum, seq_sum)
+
+
+def router_losses_from_sums(sums: RouterLossSums, num_tokens: int | torch.Tensor, config: MoEConfig, *,
+                            seq_len: int | None = None) -> RouterLosses:
+    """The losses of :func:`router_losses` from the :class:`RouterLossSums` of ``num_tokens`` tokens (a Python int,
+    or a tensor: a count summed over ranks without a host synchronisation). Divisors are at least 1: an empty token
+    set (``T = 0``) has zero sums, so its losses are 0, not NaN."""
+    E, k = config.num_experts, config.topk
+    if isinstance(num_tokens, torch.Tensor):
+        num = num_tokens.float()
+        T, Tk = num.clamp(min=1), (num * k).clamp(min=1)
+        n = None if seq_len is None else (num / seq_len).clamp(min=1)
+    else:
+        T, Tk = max(num_tokens, 1), max(num_tokens * k, 1)
+        n = None if seq_len is None else max(num_tokens // seq_len, 1)
+    f = sums.tokens_per_expert.float() / Tk
+    P = sums.prob_sum / T
+    aux = E * (f * P).sum()
+    z = sums.z_sum / T
+    seq_aux = None if seq_len is None else sums.seq_aux_sum / n
+    return RouterLosses(aux, seq_aux, z, sums.tokens_per_expert)
 
 
 @takes_torch_tensors
