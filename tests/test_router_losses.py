@@ -322,6 +322,42 @@ def test_modules_return_the_layer_losses():
         assert_exact(getattr(L, name), getattr(want, name), f"MoEBlock {name}")
 
 
+def test_hf_block_records_its_losses():
+    """``HFMoEBlock(record_router_losses=True)`` returns what transformers' block returns and keeps the losses of
+    the call (``seq_len = S``), differentiable in the router's weight; then the bias update takes its counts."""
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    hf_config = DeepseekV3Config(hidden_size=16, intermediate_size=32, moe_intermediate_size=8, n_routed_experts=8,
+                                 num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                                 routed_scaling_factor=2.5, norm_topk_prob=True)
+    block = DeepseekV3MoE(hf_config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # transformers' init leaves a zero router: every score tied
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(p.shape[-1]))
+        block.gate.e_score_correction_bias.copy_(0.1 * torch.rand(8, generator=g))
+    ours = moe_torch.HFMoEBlock(block, record_router_losses=True)
+    x = torch.randn(2, 3, 16, generator=g)
+    out = ours(x)
+    assert isinstance(out, torch.Tensor) and out.shape == x.shape
+    L = ours.last_router_losses
+    logits = ours.gate(x.reshape(-1, 16))[0]
+    bias = ours.gate.e_score_correction_bias
+    _, ids = moe_torch.select_experts(logits, **ours.moe_config.gate_kwargs(), e_score_correction_bias=bias)
+    want = moe_torch.router_losses(logits, ids, ours.moe_config, seq_len=3)
+    for name in L._fields:
+        assert_exact(getattr(L, name).detach(), getattr(want, name).detach(), f"HFMoEBlock {name}")
+    L.seq_aux_loss.backward()
+    assert ours.gate.weight.grad is not None and ours.gate.weight.grad.abs().sum() > 0
+    new = moe_torch.update_expert_bias(bias, L.tokens_per_expert)
+    np.testing.assert_allclose(to_numpy(new), _ref_bias(to_numpy(bias), to_numpy(L.tokens_per_expert), 1e-3),
+                               rtol=0, atol=1e-7)
+    ours.record_router_losses = False
+    assert_exact(ours(x), out, "the same output without recording")
+
+
 # ------------------------------------------------------------------------------------------------ bias update
 
 
