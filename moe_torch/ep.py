@@ -325,10 +325,10 @@ def ep_moe_forward(
         the global ones (over every rank's tokens), the same on every rank: ``"replicated"``:
         :func:`moe_torch.ops.gate.losses.router_losses` of ``router_logits`` (every rank holds all ``T`` tokens)
         and the gate's ids; ``"all_to_all"``: each rank's :class:`~moe_torch.ops.gate.losses.RouterLossSums` of its
-        ``T_r`` tokens summed over the group (two ``all_reduce``: the int64 counts and ``T_r``, the float32 sums,
-        ``(E + 3) * 4`` bytes), then :func:`~moe_torch.ops.gate.losses.router_losses_from_sums`. Differentiable in
-        this rank's ``router_logits`` (autograd): the global loss's gradient with respect to this rank's tokens'
-        logits (the float32 all-reduce's backward is the identity, as every rank holds the same loss; no
+        ``T_r`` tokens summed over the group (two ``all_reduce``: ``E + 1`` int64, the counts and ``T_r``; ``E + 2``
+        float32, ``E + 3`` with ``seq_len``, the sums), then :func:`~moe_torch.ops.gate.losses.router_losses_from_sums`.
+        Differentiable in this rank's ``router_logits`` (autograd): the global loss's gradient with respect to this
+        rank's tokens' logits (the float32 all-reduce's backward is the identity, as every rank holds the same loss; no
         collective in the backward). Every rank must ask for them alike (they add collectives to the forward).
       seq_len: with ``return_router_losses``, the tokens of one sequence for ``seq_aux_loss`` (``None``: none); it
         must divide ``T`` (``"all_to_all"``: every rank's ``T_r``; a rank whose ``T_r`` it does not divide raises
