@@ -63,8 +63,9 @@ and on devices not in the table.
 
 The check: the ``hf`` and ``moe_torch`` loss curves must agree step by step, ``max_s |L_hf - L_ours| / |L_hf|``
 within ``--loss-rtol`` (default: bf16 ``moe_contract.tolerances.BF16_REL_FRO`` = 1e-2, float32 1e-4): PASS or FAIL,
-printed and written; the ``moe_pallas`` curve is compared with ``hf``'s the same way. Exit status 1 if a check
-fails.
+printed and written; the ``moe_pallas`` curve is compared with ``hf``'s the same way (printed and written too; in
+bf16 its optimizer arithmetic is optax's, not torch's fused AdamW's, so it is information, not the gate). Exit status
+1 if the torch check fails.
 
 Writes ``train_bench.json`` (``meta``: date, command, git commit, device, versions; ``runs``: one object per run;
 ``checks``) and ``train_bench.md`` (the table, the checks, the per-step losses) to ``--out`` (default ``$OUT``,
@@ -99,6 +100,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from moe_contract.tolerances import BF16_REL_FRO  # noqa: E402
+
 ARCHS = ("qwen3_moe", "deepseek_v3")
 RUNS = ("hf", "moe_torch", "moe_pallas")
 DTYPES = ("bfloat16", "float32")
@@ -115,7 +118,8 @@ PEAK_BF16_TFLOPS = (
     ("B200", 2250.0),
 )
 
-#: Defaults per architecture of the sizes only one has (DeepSeek-V3's multi-head latent attention and groups).
+#: The sizes and settings of a run without ``--tiny`` (the DeepSeek-V3 ones: its latent attention, groups, shared and
+#: dense layers; the Qwen3-MoE ones: its key/value heads and head size).
 DEFAULTS = dict(layers=8, hidden=2048, experts=64, topk=8, moe_intermediate=1024, intermediate=None, heads=16,
                 kv_heads=4, head_dim=128, vocab=32768, seq=2048, batch=4, steps=20, warmup=3, dtype="bfloat16",
                 n_group=8, topk_group=4, shared_experts=1, dense_layers=0, q_lora_rank=768, kv_lora_rank=512,
@@ -127,8 +131,10 @@ TINY = dict(layers=2, hidden=64, experts=8, topk=2, moe_intermediate=32, interme
             device="cpu")
 #: Default auxiliary-loss coefficients: transformers' Qwen3-MoE ``router_aux_loss_coef``; DeepSeek-V3's report.
 AUX_COEF = {"qwen3_moe": 1e-3, "deepseek_v3": 1e-4}
-#: Loss-curve agreement (max relative difference over the steps) by dtype.
-LOSS_RTOL = {"bfloat16": None, "float32": 1e-4}  # bf16: moe_contract.tolerances.BF16_REL_FRO, read in main
+#: Loss-curve agreement (max relative difference over the steps) by dtype. bf16: the contract's bf16 tolerance.
+#: float32: the runs differ in summation order only (1e-7 at --tiny); AdamW's normalised steps may grow that over
+#: many steps, so a margin of 1e-4.
+LOSS_RTOL = {"bfloat16": BF16_REL_FRO, "float32": 1e-4}
 BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
 
@@ -264,7 +270,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def hf_config(arch: str, args: argparse.Namespace):
-    """The transformers config of ``arch`` with the run's sizes (eager attention off: SDPA, transformers' default)."""
+    """The transformers config of ``arch`` with the run's sizes (attention: transformers' default, SDPA)."""
     from transformers import DeepseekV3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
@@ -575,7 +581,7 @@ def build_jax_model(arch: str, args, init_state: dict):
     return CausalLM()
 
 
-def hf_load_balancing_loss(router_logits: list, tokens_per_expert: list, topk: int):
+def hf_load_balancing_loss(router_logits: list, tokens_per_expert: list):
     """transformers' ``load_balancing_loss_func`` (Qwen3-MoE, unmasked) in jnp: ``E * sum_e f_e * P_e`` over every
     layer's ``T`` tokens together, ``f_e = sum_layers count_e / (L * T)`` (tokens, not slots: ``topk`` times the
     per-slot form), ``P_e`` the mean softmax probability (taken in the logits' dtype, as transformers does);
@@ -583,7 +589,6 @@ def hf_load_balancing_loss(router_logits: list, tokens_per_expert: list, topk: i
     import jax
     import jax.numpy as jnp
 
-    del topk  # the counts already hold every slot
     E = router_logits[0].shape[-1]
     rows = sum(lg.shape[0] for lg in router_logits)
     f = sum(c.astype(jnp.float32) for c in tokens_per_expert) / rows
@@ -602,13 +607,13 @@ def train_jax(arch: str, args, batches: np.ndarray, init_state: dict) -> dict:
     model = build_jax_model(arch, args, init_state)
     tx = optax.adamw(args.lr, b1=BETAS[0], b2=BETAS[1], eps=ADAM_EPS, weight_decay=args.weight_decay)
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    coef, topk = aux_coef(arch, args), args.topk
+    coef = aux_coef(arch, args)
 
     def loss_fn(model, batch):
         logits, routers = model(batch[:, :-1])
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch[:, 1:]).mean()
         if arch == "qwen3_moe":
-            aux = hf_load_balancing_loss([r[0] for r in routers], [r[1].tokens_per_expert for r in routers], topk)
+            aux = hf_load_balancing_loss([r[0] for r in routers], [r[1].tokens_per_expert for r in routers])
         else:
             aux = sum(r[1].seq_aux_loss for r in routers)
         return ce + coef * aux, aux
@@ -646,12 +651,11 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
     return float(np.max(np.abs(x - y) / np.maximum(np.abs(x), 1e-30)))
 
 
-def environment(args) -> dict:
-    """Date, command, git commit, devices and versions of the run."""
+def environment(args, argv: list[str]) -> dict:
+    """Date, command (``argv``: the options given), git commit, devices and versions of the run."""
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
-                command=shlex.join([os.path.relpath(sys.argv[0], _ROOT) if sys.argv[0] else "train_bench.py",
-                                    *sys.argv[1:]]),
-                argv=sys.argv, python=platform.python_version(), torch_device=args.device,
+                command=shlex.join(["benchmarks/train_bench.py", *argv]), argv=argv,
+                python=platform.python_version(), torch_device=args.device,
                 XLA_PYTHON_CLIENT_PREALLOCATE=os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"))
     for mod in ("torch", "transformers", "triton", "jax", "jaxlib", "flax", "optax"):
         with contextlib.suppress(Exception):
@@ -714,13 +718,12 @@ def markdown(meta: dict, runs: list[dict], checks: list[dict], args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    from moe_contract.tolerances import BF16_REL_FRO
-
-    rtol = args.loss_rtol if args.loss_rtol is not None else (LOSS_RTOL[args.dtype] or BF16_REL_FRO)
+    rtol = args.loss_rtol if args.loss_rtol is not None else LOSS_RTOL[args.dtype]
     os.makedirs(args.out, exist_ok=True)
-    meta = environment(args)
+    meta = environment(args, argv)
     meta.update(sizes={k: getattr(args, k) for k in DEFAULTS}, runs=args.runs, archs=args.arch, seed=args.seed,
                 loss_rtol=rtol, peak_bf16_tflops=dict(PEAK_BF16_TFLOPS))
     experts_impl, why = hf_experts_implementation(args.device, args.dtype)
@@ -742,11 +745,11 @@ def main(argv=None) -> int:
 
             res = train_jax(arch, args, batches, state)
             dev = jax.local_devices()[0]
-            notes = f"jax {dev.platform} {dev.device_kind}; attention: XLA's (examples/jax_hf_model.py)"
+            notes = f"jax on {dev.device_kind}; attention: XLA's (examples/jax_hf_model.py)"
             if any(r == "moe_pallas" for _, r in order[:i]) and res["peak_mem_gib"] is not None:
                 notes += "; peak memory since the process start (an earlier JAX run included)"
-            row = dict(framework="jax", implementation=f"moe_pallas.MoEBlock(implementation={args.jax_implementation!r})",
-                       notes=notes)
+            impl = f"moe_pallas.MoEBlock(implementation={args.jax_implementation!r})"
+            row = dict(framework="jax", implementation=impl, notes=notes)
             device_name = dev.device_kind if dev.platform == "gpu" else None
         else:
             res = train_torch(run, arch, args, batches, state, experts_impl)
@@ -777,7 +780,8 @@ def main(argv=None) -> int:
         print(f"{c['arch']}: {c['a']} vs {c['b']} loss curves: max relative difference {c['max_rel_diff']:.3g} "
               f"(tolerance {c['rtol']:.3g}): {'PASS' if c['pass'] else 'FAIL'}")
     print(f"wrote {args.out}/train_bench.{{json,md}}")
-    return 0 if all(c["pass"] for c in checks) else 1
+    # The exit status is the library's torch check; the JAX comparison is printed and written beside it.
+    return 0 if all(c["pass"] for c in checks if c["b"] == "moe_torch") else 1
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def test_tiny_torch_runs_agree(tmp_path, capsys):
 
 
 def test_tiny_jax_run_agrees(tmp_path):
-    """The NNX model (MoEBlock) from the same initial weights: its curve is transformers' (one layer: a quick compile)."""
+    """The NNX model (MoEBlock) from the same initial weights: its curve is transformers' (one layer: a quick
+    compile)."""
     rc = TB.main(["--tiny", "--arch", "qwen3_moe", "--runs", "hf,moe_pallas", "--layers", "1", "--steps", "2",
                   "--aux-coef", "0.5", "--out", str(tmp_path)])
     got = _read(tmp_path)
@@ -80,7 +81,7 @@ def test_hf_load_balancing_loss_is_transformers():
     logits = [rng.standard_normal((T, E)).astype(np.float32) for _ in range(3)]
     want = load_balancing_loss_func(tuple(torch.from_numpy(lg) for lg in logits), E, k)
     counts = [np.bincount(np.argsort(-lg, axis=1)[:, :k].ravel(), minlength=E).astype(np.int32) for lg in logits]
-    got = TB.hf_load_balancing_loss([jnp.asarray(lg) for lg in logits], [jnp.asarray(c) for c in counts], k)
+    got = TB.hf_load_balancing_loss([jnp.asarray(lg) for lg in logits], [jnp.asarray(c) for c in counts])
     assert float(got) == pytest.approx(float(want), rel=1e-6)
 
 
@@ -102,3 +103,15 @@ def test_bad_options_are_refused(argv, says, capsys):
         TB.parse_args(["--tiny", *argv])
     assert e.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_eager_fallback_is_said(tmp_path, monkeypatch):
+    """Where grouped_mm cannot run, the hf run trains on transformers' eager experts and the output says so."""
+    monkeypatch.setattr(TB, "hf_experts_implementation", lambda device, dtype: ("eager", "grouped_mm unavailable: test"))
+    rc = TB.main(["--tiny", "--arch", "qwen3_moe", "--runs", "hf,moe_torch", "--layers", "1", "--steps", "2",
+                  "--out", str(tmp_path)])
+    got = _read(tmp_path)
+    assert rc == 0 and got["meta"]["hf_experts_implementation"] == "eager"
+    hf = got["runs"][0]
+    assert hf["run"] == "hf" and "eager" in hf["implementation"] and "grouped_mm unavailable" in hf["notes"]
+    assert got["checks"][0]["pass"]
