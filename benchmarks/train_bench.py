@@ -69,7 +69,8 @@ bf16 its optimizer arithmetic is optax's, not torch's fused AdamW's, so it is in
 
 Writes ``train_bench.json`` (``meta``: date, command, git commit, device, versions; ``runs``: one object per run;
 ``checks``) and ``train_bench.md`` (the table, the checks, the per-step losses) to ``--out`` (default ``$OUT``,
-else ``benchmarks/results/<date>_train``), and prints the markdown.
+else ``benchmarks/results/<date>_train``; with ``--tiny`` ``epmoe_train_bench_tiny`` in the temporary directory),
+and prints the markdown.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ import math  # noqa: E402
 import platform  # noqa: E402
 import shlex  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -194,10 +196,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "on a CPU)")
     p.add_argument("--loss-rtol", type=float, default=None,
                    help="loss-curve agreement, max relative difference (default bf16 1e-2, float32 1e-4)")
-    default_out = os.environ.get("OUT") or os.path.join(_ROOT, "benchmarks", "results",
-                                                        f"{datetime.date.today().isoformat()}_train")
-    p.add_argument("--out", default=default_out,
-                   help="output folder (default $OUT, else benchmarks/results/<date>_train)")
+    p.add_argument("--out", default=None, help="output folder (default $OUT, else benchmarks/results/<date>_train; "
+                   "--tiny: a folder under the system's temporary directory)")
     args = p.parse_args(argv)
     base = dict(DEFAULTS, device="cuda" if torch.cuda.is_available() else "cpu")
     if args.tiny:
@@ -207,6 +207,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.intermediate is None:
         args.intermediate = 4 * args.hidden
+    if args.out is None:  # a CPU smoke test's numbers do not belong among the results
+        args.out = os.environ.get("OUT") or (
+            os.path.join(tempfile.gettempdir(), "epmoe_train_bench_tiny") if args.tiny else
+            os.path.join(_ROOT, "benchmarks", "results", f"{datetime.date.today().isoformat()}_train"))
 
     args.arch = [a for a in args.arch.split(",") if a]
     args.runs = [r for r in args.runs.split(",") if r]
