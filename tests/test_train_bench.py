@@ -57,7 +57,19 @@ def test_tiny_torch_runs_agree(tmp_path, capsys):
     assert "PASS" in printed and "FAIL" not in printed
 
 
-def test_tiny_jax_run_agrees(tmp_path):
+@pytest.fixture
+def quick_xla_compile():
+    """XLA:CPU without most optimizations (LLVM -O0) for this test's one training-step compile, which is most of its
+    time; the same HLO, so the same numbers. Restored after."""
+    import jax
+
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+def test_tiny_jax_run_agrees(tmp_path, quick_xla_compile):
     """The NNX model (MoEBlock) from the same initial weights: its curve is transformers' (one layer: a quick
     compile)."""
     rc = TB.main(["--tiny", "--arch", "qwen3_moe", "--runs", "hf,moe_pallas", "--layers", "1", "--steps", "2",
