@@ -16,7 +16,8 @@ random Markov chain over the vocabulary in which every token has two equally lik
 near ``ln V`` and can fall towards ``ln 2``; batch ``[B, S + 1]``, inputs ``[:, :-1]``, next-token targets ``[:, 1:]``;
 the same batches for every run.
 
-The runs (``--runs``), each from the same initial weights (the first run's state dict, copied):
+The runs (``--runs``), each from the same initial weights (the state dict of a seeded model built before them,
+copied to the host):
 
 - ``hf``: transformers as it is, ``experts_implementation="grouped_mm"`` (``torch.nn.functional.grouped_mm``). Where
   that op cannot run for the device and dtype (a probe call fails, or transformers would use its slow fallback
