@@ -119,7 +119,8 @@ def test_bad_options_are_refused(argv, says, capsys):
 
 def test_eager_fallback_is_said(tmp_path, monkeypatch):
     """Where grouped_mm cannot run, the hf run trains on transformers' eager experts and the output says so."""
-    monkeypatch.setattr(TB, "hf_experts_implementation", lambda device, dtype: ("eager", "grouped_mm unavailable: test"))
+    said = ("eager", "grouped_mm unavailable: test")
+    monkeypatch.setattr(TB, "hf_experts_implementation", lambda device, dtype: said)
     rc = TB.main(["--tiny", "--arch", "qwen3_moe", "--runs", "hf,moe_torch", "--layers", "1", "--steps", "2",
                   "--out", str(tmp_path)])
     got = _read(tmp_path)
