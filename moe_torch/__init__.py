@@ -1,7 +1,9 @@
 """PyTorch side of the EP-MoE pipeline: per-stage ops (a torch reference and a Triton kernel for each
 stage, ``implementation="triton"``), the layer (``moe_forward``), torch.distributed expert parallelism
-(``ep_moe_forward``), the module (``EPMoE``) and transformers' MoE blocks served by it (``patch_hf_model``,
-``moe_torch/hf.py``, torch only). Mirrors ``moe_pallas`` file for file; never imports it.
+(``ep_moe_forward``), the module (``EPMoE``), transformers' MoE blocks served by it (``patch_hf_model``,
+``moe_torch/hf.py``, torch only) and transformers' ``ExpertsInterface`` served by the layer
+(``register_transformers``: ``experts_implementation="epmoe"``, ``moe_torch/hf_experts.py``). Mirrors
+``moe_pallas`` file for file; never imports it.
 
 Under ``TRITON_INTERPRET=1`` (set before triton is imported) the Triton kernels run on CPU tensors,
 exactly: ``moe_torch/ops/triton_interpret.py`` fixes triton 3.6's interpreter's casts and dots."""
@@ -10,6 +12,7 @@ from moe_contract import MoEConfig, PRESETS, get_preset
 from moe_torch.capacity import drop_over_capacity
 from moe_torch.ep import ep_moe_forward
 from moe_torch.hf import HFMoEBlock, patch_hf_model
+from moe_torch.hf_experts import experts_forward, register_transformers
 from moe_torch.layer import local_weights, moe_forward, quantize_layer_weights
 from moe_torch.module import EPMoE
 from moe_torch.ops.activation.api import (
@@ -40,9 +43,11 @@ from moe_torch.ops.quant.api import (
 __all__ = [
     "EPMoE", "HFMoEBlock", "MoEConfig", "PRESETS", "RouterLosses", "RoutingMetadata", "act_and_mul", "act_and_mul_backward", "combine",
     "combine_backward", "dequantize_fp8",
-    "dequantize_weight_fp8", "dequantize_weight_int4", "dequantize_weight_mxfp4", "drop_over_capacity", "ep_moe_forward", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "grouped_gemm_dbias", "grouped_gemm_dgrad", "grouped_gemm_wgrad",
+    "dequantize_weight_fp8", "dequantize_weight_int4", "dequantize_weight_mxfp4", "drop_over_capacity", "ep_moe_forward",
+    "experts_forward", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "grouped_gemm_dbias", "grouped_gemm_dgrad", "grouped_gemm_wgrad",
     "local_weights",
     "moe_forward", "patch_hf_model", "per_token_group_quant_fp8", "per_token_quant_fp8", "permute", "permute_backward",
-    "quantize_layer_weights", "quantize_weight_fp8", "quantize_weight_int4", "quantize_weight_mxfp4", "router_losses", "routing_metadata", "select_experts", "select_experts_backward",
+    "quantize_layer_weights", "quantize_weight_fp8", "quantize_weight_int4", "quantize_weight_mxfp4", "register_transformers",
+    "router_losses", "routing_metadata", "select_experts", "select_experts_backward",
     "silu_and_mul", "static_quant_fp8", "swiglu_oai_and_mul", "update_expert_bias",
 ]
