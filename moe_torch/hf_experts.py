@@ -197,7 +197,8 @@ def read_experts(experts: torch.nn.Module, op: str = "read_experts") -> ExpertsW
         raise TypeError(f"{op}: experts must be a transformers experts nn.Module; got {type(experts).__name__}")
     name = type(experts).__name__
     if not hasattr(experts, "has_gate"):
-        _refuse(op, experts, "it is not an experts class of transformers' @use_experts_implementation (no has_gate)")
+        _refuse(op, experts, "it is not an experts class of transformers' @use_experts_implementation (no has_gate; "
+                             "e.g. Llama4TextExperts, whose block moe_torch.patch_hf_model serves)")
     if not experts.has_gate:
         _refuse(op, experts, "its experts are not gated (has_gate=False: act_fn(x @ up_proj) @ down_proj); the layer's "
                              "activations are gated (act(gate) * up)")
