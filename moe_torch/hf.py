@@ -82,6 +82,9 @@ the shared MLPs and Qwen3-Next's shared gate stay float. Llama 4's codes are hel
 ``load_state_dict`` work between models patched alike, and ``load_state_dict`` refuses float weights
 into FP8 codes.
 
+Every other MoE model of transformers (any experts class under its ``@use_experts_implementation``; the router
+and the rest of the block stay transformers'): ``experts_implementation="epmoe"``, :mod:`moe_torch.hf_experts`.
+
 No mirror in ``moe_pallas`` (transformers' blocks are torch modules; the JAX side has
 ``interop/hf_jax.py``). transformers is not imported here: blocks are recognised by class name and
 module.
