@@ -54,6 +54,7 @@ cold start of a loaded 2-core machine, against 0.3 s for ``import moe_torch``), 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -107,12 +108,21 @@ class ExpertsWeights:
 
 def _where(experts) -> str:
     cls = type(experts)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    model_type = getattr(getattr(experts, "config", None), "model_type", None)  # the experts get the (text) config
+    return f"{cls.__module__}.{cls.__qualname__}" + (f", model_type={model_type!r}" if model_type else "")
 
 
 def _refuse(op: str, experts, what: str):
     raise NotImplementedError(f"{op}: {type(experts).__name__} ({_where(experts)}) is not served: {what}. Use "
                               f"another experts_implementation for this model (e.g. 'grouped_mm' or 'eager')")
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_config(H: int, I: int, E: int, topk: int, activation: str, layout: str, expert_bias: bool,
+                  quant: str) -> MoEConfig:
+    # one validated config per layer shape, not one per call (decode runs every layer once per token)
+    return MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, topk=topk, activation=activation,
+                     gate_up_layout=layout, expert_bias=expert_bias, quant=quant)
 
 
 def _act_name(act_fn) -> str | None:
@@ -304,9 +314,8 @@ def experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k
     k = top_k_index.shape[1]
     # routed_experts reads the slots from top_k_index; config.topk only has to be valid (under EP a rank may hold
     # fewer experts than k)
-    config = MoEConfig(hidden_size=H, intermediate_size=ew.intermediate_size, num_experts=E, topk=max(1, min(k, E)),
-                       activation=ew.activation, gate_up_layout=ew.gate_up_layout, expert_bias=ew.w13_bias is not None,
-                       quant=ew.quant)
+    config = _layer_config(H, ew.intermediate_size, E, max(1, min(k, E)), ew.activation, ew.gate_up_layout,
+                           ew.w13_bias is not None, ew.quant)
     x = hidden_states if ew.quant != "none" else hidden_states.to(ew.w13.dtype)
     # EP sentinels (id == num_experts) stay inside the id space, as non-local slots
     num_ids = E + 1 if getattr(experts, "_is_expert_parallel", False) else E

@@ -4,15 +4,16 @@
 - Whole models (tiny: hidden 32, 4-8 experts, two layers, float32, weights re-drawn seeded ``N(0, 1/fan_in)`` so
   that routing has no ties), one per family of :data:`FAMILIES`: built by ``from_config(...,
   experts_implementation="epmoe")``, switched with ``set_experts_implementation``. Against ``"grouped_mm"``
-  (transformers' default, which runs on the CPU in torch 2.11): logits within ``F32_REL_FRO``, greedy ``generate``
+  (transformers' default, which runs on the CPU in torch 2.11; ``"batched_mm"`` on CUDA, :data:`REFERENCE`): logits within ``F32_REL_FRO``, greedy ``generate``
   the same tokens, every parameter's gradient of the LM loss within ``GRAD_F32_REL_FRO`` (the experts', the
   router's through the routing weights, everything else's), ``save_pretrained`` + ``from_pretrained(...,
   experts_implementation="epmoe")`` the same logits bit for bit. ``routed_experts`` is counted: once per MoE layer.
 - The Triton kernels (``"epmoe_triton"``; Triton's interpreter on the CPU): one family, logits and gradients.
 - Every experts class that the installed transformers decorates with ``@use_experts_implementation`` (read from
   its source), built alone at tiny sizes: served ones equal ``grouped_mm`` (output and every gradient, float32
-  rule; grouped_mm is the classes' own eager loop to ~1e-7, not re-checked here: 13 s); the others raise ``NotImplementedError`` naming the class and the
-  reason (:data:`REFUSED`: no gate, a post-expert norm, a gate function of their own).
+  rule); the others raise ``NotImplementedError`` naming the class and the reason (:data:`REFUSED`: no gate, a
+  post-expert norm, a gate function of their own). The classes' own eager loops agree with grouped_mm to ~1e-7 too
+  (measured once; not re-run here, their Python loops cost ~13 s).
 - transformers' ``FP8Experts`` (128x128 block codes): a float64 emulation of the layer's ``fp8_block`` (1x128
   activation groups, CONTRACT.md section 3), served through ``FP8ExpertsInterface`` in a model; what is refused.
 - Expert-parallel sentinels, dtypes as grouped_mm takes them, registration, argument errors.
@@ -105,6 +106,12 @@ def _reinit_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+#: What "epmoe" is held to: transformers' default, grouped_mm (its CPU kernel in torch 2.11); on CUDA batched_mm, the
+#: same computation with plain bmm in any dtype (whether torch's CUDA grouped_mm takes float32 was not checked).
+REFERENCE = "grouped_mm" if TORCH_DEVICE == "cpu" else "batched_mm"
+REFERENCE_FN = getattr(hf_moe, f"{REFERENCE}_experts_forward")
+
+
 def _ids() -> torch.Tensor:
     return torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(1)).to(TORCH_DEVICE)
 
@@ -159,7 +166,7 @@ def test_model_epmoe_equals_grouped_mm(family, tmp_path, count_calls):
     assert model.config._experts_implementation == "epmoe"
     model = _reinit_(model).eval().to(TORCH_DEVICE)
     ids = _ids()
-    ref_logits, ref_grads, ref_tokens = _run(model, ids, "grouped_mm")
+    ref_logits, ref_grads, ref_tokens = _run(model, ids, REFERENCE)
     assert not count_calls
     logits, grads, tokens = _run(model, ids, "epmoe")
     # once per MoE layer and forward (the loss's, generate's prefill and decode steps), each stage's default backend
@@ -167,7 +174,7 @@ def test_model_epmoe_equals_grouped_mm(family, tmp_path, count_calls):
     assert n >= 2 * MOE_LAYERS[family] and n % MOE_LAYERS[family] == 0 and set(count_calls) == {None}, count_calls
     assert float(ref_logits.abs().mean()) > 0.1, "degenerate logits: the test would prove nothing"
     err = rel_fro(logits, ref_logits)
-    assert err <= F32_REL_FRO, f"{family}: logits ||epmoe - grouped_mm|| / ||grouped_mm|| = {err:.2e}"
+    assert err <= F32_REL_FRO, f"{family}: logits ||epmoe - {REFERENCE}|| / ||{REFERENCE}|| = {err:.2e}"
     assert torch.equal(tokens, ref_tokens), f"{family}: greedy tokens differ"
     assert set(grads) == set(ref_grads)
     experts = [n for n in grads if ".experts." in n]
@@ -188,14 +195,14 @@ def test_triton_kernels_in_a_model(count_calls):
     model = _reinit_(transformers.AutoModelForCausalLM.from_config(FAMILIES["qwen3_moe"]())).eval().to(TORCH_DEVICE)
     ids = _ids()
     results = {}
-    for impl in ("grouped_mm", "epmoe_triton"):
+    for impl in (REFERENCE, "epmoe_triton"):
         model.set_experts_implementation(impl)
         model.zero_grad()
         out = model(ids, labels=ids)
         out.loss.backward()
         results[impl] = out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
     assert count_calls == ["triton", "triton"]
-    (ref, ref_grads), (out, grads) = results["grouped_mm"], results["epmoe_triton"]
+    (ref, ref_grads), (out, grads) = results[REFERENCE], results["epmoe_triton"]
     assert rel_fro(out, ref) <= F32_REL_FRO
     for name, g in grads.items():
         assert rel_fro(g, ref_grads[name]) <= GRAD_F32_REL_FRO, name
@@ -295,12 +302,12 @@ def test_every_decorated_experts_class():
         served.append(cls.__name__)
         inputs = _experts_inputs(experts.num_experts, 32)
         ours = _forward_and_grads(experts_forward, experts, *inputs)
-        ref = _forward_and_grads(hf_moe.grouped_mm_experts_forward, experts, *inputs)
+        ref = _forward_and_grads(REFERENCE_FN, experts, *inputs)
         assert set(ref) == set(ours)
         for name, t in ours.items():
             assert t is not None and float(t.abs().max()) > 0, f"{cls.__name__}: d {name} is zero"
             err = rel_fro(t, ref[name])
-            assert err <= GRAD_F32_REL_FRO, f"{cls.__name__} vs grouped_mm: {name} {err:.2e}"
+            assert err <= GRAD_F32_REL_FRO, f"{cls.__name__} vs {REFERENCE}: {name} {err:.2e}"
     assert set(refused) == set(REFUSED), sorted(refused)
     for name, message in refused.items():
         assert REFUSED[name] in message and "is not served" in message, message
@@ -342,7 +349,7 @@ def test_expert_parallel_sentinels_add_nothing():
     ids[::3, 1] = 4  # a sentinel in some rows
     ids[5] = 4  # a row with no local slot
     ours = _forward_and_grads(experts_forward, experts, x, ids, w)
-    ref = _forward_and_grads(hf_moe.grouped_mm_experts_forward, experts, x, ids, w)
+    ref = _forward_and_grads(REFERENCE_FN, experts, x, ids, w)
     for name, t in ours.items():
         assert rel_fro(t, ref[name]) <= GRAD_F32_REL_FRO, name
     assert float(ours["out"][5].abs().max()) == 0 and float(ours["w"][ids == 4].abs().max()) == 0
@@ -359,7 +366,7 @@ def test_dtypes_as_grouped_mm(case):
     if case == "bf16_routing_weights":
         w = w.to(torch.bfloat16)
     out = experts_forward(experts, x, ids, w)
-    ref = hf_moe.grouped_mm_experts_forward(experts, x, ids, w)
+    ref = REFERENCE_FN(experts, x, ids, w)
     assert out.dtype == ref.dtype == x.dtype
     experts64 = _tiny_experts(transformers.models.mixtral.modeling_mixtral.MixtralExperts)
     with torch.no_grad():
