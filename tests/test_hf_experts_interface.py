@@ -4,10 +4,11 @@
 - Whole models (tiny: hidden 32, 4-8 experts, two layers, float32, weights re-drawn seeded ``N(0, 1/fan_in)`` so
   that routing has no ties), one per family of :data:`FAMILIES`: built by ``from_config(...,
   experts_implementation="epmoe")``, switched with ``set_experts_implementation``. Against ``"grouped_mm"``
-  (transformers' default, which runs on the CPU in torch 2.11; ``"batched_mm"`` on CUDA, :data:`REFERENCE`): logits within ``F32_REL_FRO``, greedy ``generate``
-  the same tokens, every parameter's gradient of the LM loss within ``GRAD_F32_REL_FRO`` (the experts', the
-  router's through the routing weights, everything else's), ``save_pretrained`` + ``from_pretrained(...,
-  experts_implementation="epmoe")`` the same logits bit for bit. ``routed_experts`` is counted: once per MoE layer.
+  (transformers' default, which runs on the CPU in torch 2.11; ``"batched_mm"`` on CUDA, :data:`REFERENCE`): logits
+  within ``F32_REL_FRO``, greedy ``generate`` the same tokens, every parameter's gradient of the LM loss within
+  ``GRAD_F32_REL_FRO`` (the experts', the router's through the routing weights, everything else's),
+  ``save_pretrained`` + ``from_pretrained(..., experts_implementation="epmoe")`` the same logits bit for bit.
+  ``routed_experts`` is counted: once per MoE layer and forward.
 - The Triton kernels (``"epmoe_triton"``; Triton's interpreter on the CPU): one family, logits and gradients.
 - Every experts class that the installed transformers decorates with ``@use_experts_implementation`` (read from
   its source), built alone at tiny sizes: served ones equal ``grouped_mm`` (output and every gradient, float32
@@ -49,9 +50,9 @@ COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_
 FAMILIES = {
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=4,
                                                   num_experts_per_tok=2),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=8, intermediate_size=64, moe_intermediate_size=16,
-                                                     num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-                                                     norm_topk_prob=True),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=8, intermediate_size=64,
+                                                     moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                                     decoder_sparse_step=1, norm_topk_prob=True),
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
         **dict(COMMON, num_key_value_heads=4), intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8,
         num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
@@ -380,7 +381,7 @@ def test_dtypes_as_grouped_mm(case):
 def test_argument_errors_name_the_argument():
     experts = _tiny_experts(transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts)
     x, ids, w = _experts_inputs(4, 32)
-    with pytest.raises(ValueError, match=r"Qwen3MoeExperts.*hidden_states must be \[T, H\] with H=32; got \(1, 8, 32\)"):
+    with pytest.raises(ValueError, match=r"Qwen3MoeExperts.*hidden_states must be \[T, H\] with H=32; got \(1, 8, 32"):
         experts_forward(experts, x[None], ids, w)
     with pytest.raises(TypeError, match="top_k_index must be int32 / int64; got float32"):
         experts_forward(experts, x, ids.float(), w)
