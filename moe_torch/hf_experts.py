@@ -41,7 +41,8 @@ What an experts module must be (read on every call by :func:`read_experts`; anyt
   (straight-through, as the layer's FP8 backward).
 
 Numerics, as transformers' ``grouped_mm_experts_forward`` does them: ``hidden_states`` are cast to the expert
-weights' dtype for the GEMMs (FP8: kept), the routing weights enter in float32 (an exact cast of bf16 / float16
+weights' dtype for the GEMMs (FP8: kept), the gate is computed in float32 and rounded once (CONTRACT.md section 4;
+transformers' default gate rounds ``act_fn(gate)`` and the product separately in bf16), the routing weights enter in float32 (an exact cast of bf16 / float16
 weights), each token's ``sum_j w[t, j] * y[t, j]`` is accumulated in float32 and cast once to
 ``hidden_states.dtype`` (grouped_mm does the same when the weights are float32; with bf16 weights it rounds each
 product to bf16 first). Expert parallelism (``experts._is_expert_parallel``, transformers' ``MoEParamShard``):

@@ -26,6 +26,8 @@ import importlib
 import inspect
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -156,6 +158,15 @@ def test_register_transformers_is_idempotent():
         for name in EXPERTS_IMPLEMENTATIONS:
             assert interface._global_mapping[name] is before[name] is hf_experts.INTERFACE_FUNCTIONS[name]
     assert "epmoe" in hf_moe.ALL_EXPERTS_FUNCTIONS.valid_keys()
+
+
+def test_import_moe_torch_does_not_import_transformers():
+    """transformers stays the caller's import: registering is explicit (``import transformers`` costs 5-12 s here)."""
+    code = "import sys, moe_torch; assert 'transformers' not in sys.modules, 'imported'; print('ok')"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 # --- whole models: epmoe against grouped_mm --------------------------------------------------------
