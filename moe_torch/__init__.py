@@ -1,7 +1,8 @@
 """PyTorch side of the EP-MoE pipeline: per-stage ops (a torch reference and a Triton kernel for each
 stage, ``implementation="triton"``), the layer (``moe_forward``), torch.distributed expert parallelism
 (``ep_moe_forward``), the modules (``EPMoE``; ``MoEBlock``: router + experts under transformers' names) and
-transformers' MoE blocks served by it (``patch_hf_model``, ``moe_torch/hf.py``, torch only). Mirrors ``moe_pallas`` file for file; never imports it.
+transformers' MoE blocks served by it (``patch_hf_model``, ``moe_torch/hf.py``, torch only).
+Mirrors ``moe_pallas`` file for file; never imports it.
 
 Under ``TRITON_INTERPRET=1`` (set before triton is imported) the Triton kernels run on CPU tensors,
 exactly: ``moe_torch/ops/triton_interpret.py`` fixes triton 3.6's interpreter's casts and dots."""
