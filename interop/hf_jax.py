@@ -1,4 +1,5 @@
-"""A Hugging Face checkpoint's MoE block as a flax NNX module (:class:`moe_pallas.module.MoEBlock`).
+"""A Hugging Face checkpoint's MoE block as a flax NNX module (:class:`moe_pallas.module.MoEBlock`), and back:
+:func:`load_nnx_moe_block` reads one, :func:`save_nnx_moe_block` writes one (the same names, bit for bit).
 
 The reading is :func:`interop.checkpoints.load_moe_layer` (routing from ``config.json``, the router
 weight, every expert, DeepSeek-V3's correction bias and shared experts, FP8 codes and block scales);

@@ -32,6 +32,9 @@ data-dependent shapes), so it can be captured in a CUDA graph with ``implementat
 (or ``None`` on CUDA tensors). With a ``process_group`` it runs the whole layer through
 :mod:`moe_torch.ep` (``ep_mode="all_to_all"`` syncs with the host once per call).
 
+:class:`MoEBlock` adds the router of a transformers sparse-MoE block (``[B, S, H]`` hidden states in and out), its
+weights under that block's names (``gate.weight``, ``experts.gate_up_proj``, ...: ``load_state_dict`` both ways).
+
 Mirror: ``moe_pallas/module.py``.
 """
 
