@@ -20,6 +20,7 @@ import torch
 
 import moe_pallas
 import moe_torch
+from common import TORCH_DEVICE, needs_triton_interpreter
 from hf_checkpoints import tiny_config
 from interop.dlpack import to_torch
 from moe_torch.module import EPMoE, MoEBlock
@@ -257,3 +258,16 @@ def test_bad_constructions_raise_clear_errors():
     with pytest.raises(NotImplementedError, match=r"MoEBlock.from_hf_block: block must be one of transformers' .*"
                                                   r"torch.nn.modules.linear.Linear"):
         MoEBlock.from_hf_block(torch.nn.Linear(2, 2))
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize("family", ["deepseek_v3", "llama4"])
+def test_triton_implementation(family):
+    """``implementation="triton"`` (the interpreter on the CPU): the kernels on the block's tensors (Llama 4's experts
+    through their transposed in-by-out views) give transformers' output within 1e-5."""
+    hf = hf_block(family).to(TORCH_DEVICE)
+    block = MoEBlock.from_hf_block(hf, implementation="triton")
+    assert block.implementation == "triton"
+    x = _x(128, shape=(1, 4)).to(TORCH_DEVICE)
+    with torch.no_grad():
+        assert_rel_fro(block(x), hf_out(hf, x), F32_REL_FRO, f"{family}: MoEBlock(implementation='triton')")
