@@ -9,6 +9,7 @@ same words.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from moe_contract.config import ACTIVATIONS, GATE_UP_LAYOUTS, check_routing_args
@@ -19,6 +20,7 @@ from moe_contract.validation import (
     check_activation_scale,
     check_bool,
     check_choice,
+    check_config,
     check_dtype,
     check_nonnegative_int,
     check_per_tensor_scale,
@@ -464,3 +466,65 @@ def check_select_experts_backward(
     check_dtype(op, "topk_ids", topk_ids, INT_ID_DTYPES)
     check_shape(op, "d_topk_weights", d_topk_weights, (T, width), what)
     check_dtype(op, "d_topk_weights", d_topk_weights, ("float32",))
+
+
+def check_router_losses(op: str, router_logits: Any, topk_ids: Any, config: Any, seq_len: Any) -> None:
+    """``router_losses`` (CONTRACT.md section 10): ``router_logits [T, E]`` float (``E = config.num_experts``),
+    ``topk_ids [T, topk]`` or ``[T, topk + S]`` int32 / int64 (the gate's ids; the routed ``topk`` columns are
+    read), ``seq_len`` ``None`` or an int >= 1 dividing ``T`` (sequences of equal length)."""
+    check_config(op, config)
+    E, k, S = config.num_experts, config.topk, config.num_fused_shared_experts
+    check_rank(op, "router_logits", router_logits, 2, f"[T, E] with E = config.num_experts = {E}")
+    check_shape(op, "router_logits", router_logits, (None, E), f"[T, E] with E = config.num_experts = {E}")
+    check_dtype(op, "router_logits", router_logits, FLOAT_DTYPES)
+    T = int(router_logits.shape[0])
+    widths = (k,) if S == 0 else (k, k + S)
+    what = (f"[T, topk] = ({T}, {k})" if S == 0 else
+            f"[T, topk] = ({T}, {k}) or [T, topk + num_fused_shared_experts] = ({T}, {k + S})")
+    check_rank(op, "topk_ids", topk_ids, 2, what)
+    if int(topk_ids.shape[0]) != T or int(topk_ids.shape[1]) not in widths:
+        raise ValueError(f"{op}: topk_ids must be {what}; got topk_ids.shape={_shape_text(topk_ids.shape)}")
+    check_dtype(op, "topk_ids", topk_ids, INT_ID_DTYPES)
+    check_seq_len(op, seq_len, T)
+
+
+def check_seq_len(op: str, seq_len: Any, T: int) -> None:
+    """``seq_len``: ``None`` or an int >= 1 that divides ``T`` into sequences of equal length (the
+    sequence-wise loss, CONTRACT.md section 10)."""
+    if seq_len is None:
+        return
+    check_positive_int(op, "seq_len", seq_len)
+    if T % seq_len:
+        raise ValueError(f"{op}: seq_len must divide T (={T}) into sequences of equal length (T % seq_len == 0); "
+                         f"got seq_len={seq_len}")
+
+
+def check_router_loss_option(op: str, config: Any, router_logits: Any, return_router_losses: Any,
+                             seq_len: Any) -> None:
+    """A layer's ``return_router_losses`` (a bool) and ``seq_len`` (given only with ``return_router_losses=True``;
+    :func:`check_seq_len` against ``router_logits``' ``T``), before the layer computes anything."""
+    check_bool(op, "return_router_losses", return_router_losses)
+    if seq_len is not None and not return_router_losses:
+        raise ValueError(f"{op}: seq_len is read only with return_router_losses=True (the sequence-wise loss); "
+                         f"got seq_len={seq_len!r} with return_router_losses=False")
+    if return_router_losses:
+        check_seq_len(op, seq_len, int(router_logits.shape[0]))
+
+
+def check_update_expert_bias(op: str, bias: Any, tokens_per_expert: Any, update_rate: Any) -> None:
+    """``update_expert_bias`` (CONTRACT.md section 10): ``bias [E]`` float32, ``tokens_per_expert [E]`` or
+    ``[N, E]`` (``N`` layer calls' counts, summed) int32 / int64 / float32, ``update_rate`` a finite real >= 0."""
+    check_rank(op, "bias", bias, 1, "[E] float32 (e_score_correction_bias)")
+    # float32 only: an update of 1e-3 is below bf16's half-ulp at 1, so a bf16 bias would not move
+    check_dtype(op, "bias", bias, ("float32",))
+    E = int(bias.shape[0])
+    what = f"[E] or [N, E] with E = bias.shape[0] = {E} (counts of one or N layer calls)"
+    check_rank(op, "tokens_per_expert", tokens_per_expert, (1, 2), what)
+    if int(tokens_per_expert.shape[-1]) != E:
+        raise ValueError(f"{op}: tokens_per_expert must be {what}; "
+                         f"got tokens_per_expert.shape={_shape_text(tokens_per_expert.shape)}")
+    check_dtype(op, "tokens_per_expert", tokens_per_expert, (*INT_ID_DTYPES, "float32"))
+    u = update_rate
+    if isinstance(u, bool) or not isinstance(u, numbers.Real) or not 0.0 <= float(u) < float("inf"):
+        raise ValueError(f"{op}: update_rate must be a finite real >= 0 (a Python or numpy scalar); "
+                         f"got update_rate={u!r}")

@@ -78,6 +78,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moe_contract.config import MoEConfig
+from moe_contract.op_checks import check_router_loss_option
 from moe_contract.validation import (check_choice, check_config, check_expert_biases, check_layer_inputs,
                                       check_positive_int, check_rank, check_shared_expert_gate_logits,
                                       stage_implementation)
@@ -87,6 +88,7 @@ from moe_pallas.ops.combine import api as combine_api
 from moe_pallas.ops.combine.api import combine
 from moe_pallas.ops.common import takes_jax_arrays
 from moe_pallas.ops.dispatch import check_implementation
+from moe_pallas.ops.gate.losses import RouterLosses, router_losses
 from moe_pallas.ops.permute import api as permute_api
 from moe_pallas.ops.permute.api import permute, routing_metadata
 from moe_pallas.slot_weights import scaled_slot_rows, slot_weights
@@ -250,7 +252,9 @@ def ep_moe_forward(
     out_sharding: str = "replicated",
     exchange: str | None = None,
     recompute: bool = False,
-) -> jax.Array:
+    return_router_losses: bool = False,
+    seq_len: int | None = None,
+) -> jax.Array | tuple[jax.Array, RouterLosses]:
     """One MoE layer over an ``"ep"`` mesh of ``config.ep_size`` devices: ``[T, H] -> [T, H]``.
 
     Equals the single-device layer (:func:`moe_pallas.moe_forward` with ``ep_size=1``) to float32
@@ -293,8 +297,15 @@ def ep_moe_forward(
         BENCHMARKS.md).
       recompute: what the forward keeps for the backward (static), as :func:`moe_pallas.moe_forward`'s
         (``False``: the routing and GEMM 1's output; ``True``: the routing only).
+      return_router_losses: also return the router's training losses of the layer call (CONTRACT.md section 10;
+        static): :func:`moe_pallas.ops.gate.losses.router_losses` of the global ``router_logits [T, E]`` and the
+        gate's ids (an integer output of the ``shard_map``), computed outside the ``shard_map``: the global
+        losses, differentiable in ``router_logits`` by ``jax.grad``.
+      seq_len: with ``return_router_losses``, the tokens of one sequence (dividing ``T``; static) for
+        ``seq_aux_loss``; ``None``: no ``seq_aux_loss``.
 
-    Returns: ``out [T, H]`` in ``x.dtype``.
+    Returns: ``out [T, H]`` in ``x.dtype``; with ``return_router_losses``: ``(out, RouterLosses)``, as
+    :func:`moe_pallas.moe_forward`.
 
     Gradients (CONTRACT.md section 8): ``x``, ``router_logits``, ``shared_expert_gate_logits`` as the
     single-device layer's; ``w13`` /
@@ -327,6 +338,7 @@ def ep_moe_forward(
     check_config(op, config)
     if not isinstance(recompute, bool):
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
+    check_router_loss_option(op, config, router_logits, return_router_losses, seq_len)
     ep = _check_mesh(op, config, mesh)
     check_choice(op, "mode", mode, MODES)
     check_choice(op, "out_sharding", out_sharding, OUT_SHARDINGS)
@@ -370,6 +382,7 @@ def ep_moe_forward(
 
     T, H = x.shape
     T_pad = -(-T // ep) * ep
+    logits_in = router_logits  # the caller's (global, unpadded): the router losses read these
     extra = {}
     if mode == "replicated":
         # float32 across the shard_map boundary (the body casts back: exact, the forward is unchanged): the
@@ -394,14 +407,20 @@ def ep_moe_forward(
         body,
         mesh=mesh,
         in_specs=(tokens, tokens, experts, experts, experts, experts, P(), tokens, experts, experts),
-        out_specs=P() if out_sharding == "replicated" else P(EP_AXIS),
+        # topk_ids: every device's all T (replicated mode) or its own tokens' rows (all_to_all)
+        out_specs=(P() if out_sharding == "replicated" else P(EP_AXIS), tokens),
         # Off: ragged_all_to_all types its result like `output` (a fresh zeros buffer, "replicated")
         # although every device receives different rows, and a psum of a value typed replicated
         # multiplies it by ep. The out_specs are right by construction (psum / all_gather results).
         check_vma=False,
     )
-    out = fn(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias, shared, w13_bias, w2_bias)
-    return out[:T] if out.shape[0] != T else out
+    out, topk_ids = fn(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias, shared, w13_bias,
+                       w2_bias)
+    out = out[:T] if out.shape[0] != T else out
+    if not return_router_losses:
+        return out
+    # Outside the shard_map, on the global logits: jax.grad differentiates the losses itself.
+    return out, router_losses(logits_in, topk_ids[:T], config, seq_len=seq_len)
 
 
 def dense_exchange(op: str, mesh: Mesh, exchange: str | None) -> bool:
@@ -466,7 +485,7 @@ def _replicated_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, share
                      e_lmax, starts, counts, implementation, out_sharding, T, T_pad, dense, recompute, in_dtypes):
     """Per device: all ``T`` tokens, its own experts; partial ``[T, H]`` float32 summed over ``"ep"``.
     ``x``, ``router_logits`` (and ``shared``, the shared-expert gate logits) arrive in float32 and are cast
-    back to ``in_dtypes`` here."""
+    back to ``in_dtypes`` here. Returns ``(out, topk_ids [T, K'])``."""
     x, router_logits = x.astype(in_dtypes[0]), router_logits.astype(in_dtypes[1])
     shared = None if shared is None else shared.astype(in_dtypes[2])
     topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
@@ -480,13 +499,14 @@ def _replicated_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, share
         out = jax.lax.psum(partial, EP_AXIS)
     else:  # psum_scatter splits T evenly: pad the partial to T_pad rows (zeros), sliced off outside
         out = jax.lax.psum_scatter(jnp.pad(partial, ((0, T_pad - T), (0, 0))), EP_AXIS, scatter_dimension=0, tiled=True)
-    return out.astype(x.dtype)  # float32 -> x.dtype once: exact for float32, one rounding for bf16
+    return out.astype(x.dtype), topk_ids  # float32 -> x.dtype once: exact for float32, one rounding for bf16
 
 
 def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared, w13_bias, w2_bias, *, config, ep,
                      e_lmax, starts, counts, implementation, out_sharding, T, T_pad, dense, recompute):
     """Per device: its ``T_l`` tokens; rows to the expert owners and back (module docstring).
-    ``apply_router_weight_on_input``: the rows are scaled at home, before the dispatch."""
+    ``apply_router_weight_on_input``: the rows are scaled at home, before the dispatch.
+    Returns ``(out, topk_ids [T_l, K'])``."""
     T_l, H = x.shape
     K = config.num_slots
     C = T_l * K  # send capacity: every slot of every local token, if all go to one device
@@ -530,4 +550,4 @@ def _all_to_all_body(x, router_logits, w13, w2, w13_scale, w2_scale, bias, share
                   implementation=stage_implementation(implementation, combine_api))  # [T_l, H]; padding rows: 0
     if out_sharding == "replicated":
         out = jax.lax.all_gather(out, EP_AXIS, axis=0, tiled=True)
-    return out
+    return out, topk_ids

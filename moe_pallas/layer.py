@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_contract.config import ACTIVATION_QUANT, FP8_QUANTS, W4_QUANTS, WEIGHT_LAYOUT, MoEConfig
+from moe_contract.op_checks import check_router_loss_option
 from moe_contract.validation import (check_expert_biases, check_layer_inputs, check_layer_weights, check_positive_int,
                                       check_shared_expert_gate_logits, stage_implementation)
 from moe_pallas.capacity import drop_over_capacity
@@ -34,6 +35,7 @@ from moe_pallas.ops.common import cast_rounded, first_order_only, takes_jax_arra
 from moe_pallas.ops.dispatch import check_implementation
 from moe_pallas.ops.gate import api as gate_api
 from moe_pallas.ops.gate.api import select_experts, select_experts_backward
+from moe_pallas.ops.gate.losses import RouterLosses, router_losses
 from moe_pallas.ops.grouped_gemm import api as grouped_gemm_api
 from moe_pallas.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dbias, grouped_gemm_dgrad, grouped_gemm_wgrad
 from moe_pallas.ops.permute import api as permute_api
@@ -65,7 +67,9 @@ def moe_forward(
     shared_expert_gate_logits: jax.Array | None = None,
     implementation: str | None = None,
     recompute: bool = False,
-) -> jax.Array:
+    return_router_losses: bool = False,
+    seq_len: int | None = None,
+) -> jax.Array | tuple[jax.Array, RouterLosses]:
     """One MoE layer on this EP rank (``config.ep_rank``): ``[T, H] -> [T, H]``, differentiable
     (``jax.custom_vjp``: ``jax.grad``, ``jax.vjp``, ``nnx.grad``, under ``jit`` and ``shard_map``).
 
@@ -103,6 +107,13 @@ def moe_forward(
         (``topk_weights``, ``topk_ids``, ``expert_offsets``, ``src2dst``, ``dst2src``) and GEMM 1's
         output ``h``; ``a = act(g) * u`` is recomputed from ``h``. ``True``: the routing only; the
         backward re-permutes ``x`` and recomputes ``h`` (one more GEMM 1) and ``a``.
+      return_router_losses: also return the router's training losses of this call (CONTRACT.md section 10; a
+        static argument): :func:`moe_pallas.ops.gate.losses.router_losses` of ``router_logits`` and the gate's own
+        ``topk_ids`` (no second gate; an integer output of the layer's ``custom_vjp``), computed outside the
+        ``custom_vjp``, so ``jax.grad`` differentiates them in ``router_logits`` beside the layer's backward. Every
+        EP rank holds all ``T`` tokens' logits, so every rank gets the same, global losses.
+      seq_len: with ``return_router_losses``, the tokens of one sequence (dividing ``T``; static) for
+        ``seq_aux_loss``; ``None``: no ``seq_aux_loss``.
 
     Activation memory kept per token for the backward (``k' = topk + S`` slots, ``b`` bytes of
     ``x.dtype``), besides ``x`` and ``router_logits``: ``recompute=False``: ``k' * (2*I*b + 16)``
@@ -129,9 +140,13 @@ def moe_forward(
     (integers; the expert biases do get theirs).
 
     Returns: ``out [T, H]`` in ``x.dtype``: this rank's partial sum; the sum over EP ranks is
-    the layer's output (CONTRACT.md section 6). Jit with ``static_argnames=("config",)``.
+    the layer's output (CONTRACT.md section 6). Jit with ``static_argnames=("config",)`` (and
+    ``"return_router_losses"``, ``"seq_len"`` when given). With ``return_router_losses``: ``(out, RouterLosses)``
+    (``aux_loss``, ``seq_aux_loss`` (``None`` without ``seq_len``), ``z_loss``: ``[]`` float32, unscaled;
+    ``tokens_per_expert [E]`` int32).
 
-    Raises: ValueError / TypeError naming the argument, before any computation; NotImplementedError when a
+    Raises: ValueError / TypeError naming the argument, before any computation (``seq_len`` not dividing ``T``, or
+      given without ``return_router_losses``, included); NotImplementedError when a
       derivative of the gradient is asked (``jax.grad`` of ``jax.grad``, ``jax.jacfwd`` of ``jax.grad``: second-order
       gradients are not supported, CONTRACT.md section 8).
     """
@@ -143,10 +158,15 @@ def moe_forward(
     check_w4_implementation(op, config, implementation)
     if not isinstance(recompute, bool):
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
+    check_router_loss_option(op, config, router_logits, return_router_losses, seq_len)
     # a derivative of the gradient raises here, naming the op (the custom_vjp's backward is not differentiable)
     arrays = first_order_only(op, x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
                               shared_expert_gate_logits, w13_bias, w2_bias)
-    return _moe_layer(config, implementation, recompute, *arrays)
+    out, topk_ids = _moe_layer(config, implementation, recompute, *arrays)
+    if not return_router_losses:
+        return out
+    # From the caller's router_logits, outside the custom_vjp: jax.grad differentiates the losses itself.
+    return out, router_losses(router_logits, topk_ids, config, seq_len=seq_len)
 
 
 def check_w4_implementation(op: str, config: MoEConfig, implementation: str | None) -> None:
@@ -176,8 +196,9 @@ def _layer_forward(config, implementation, x, router_logits, w13, w2, w13_scale,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _moe_layer(config, implementation, recompute, x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits,
                w13_bias, w2_bias):
-    return _layer_forward(config, implementation, x, router_logits, w13, w2, w13_scale, w2_scale, bias,
-                          shared_logits, w13_bias, w2_bias)[0]
+    out, (_, topk_ids, _, _) = _layer_forward(config, implementation, x, router_logits, w13, w2, w13_scale, w2_scale,
+                                              bias, shared_logits, w13_bias, w2_bias)
+    return out, topk_ids  # the ids for the router losses (moe_forward's return_router_losses); integer, no gradient
 
 
 def _moe_layer_fwd(config, implementation, recompute, x, router_logits, w13, w2, w13_scale, w2_scale, bias,
@@ -186,10 +207,10 @@ def _moe_layer_fwd(config, implementation, recompute, x, router_logits, w13, w2,
                                                             w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias)
     saved = (x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias, topk_weights,
              topk_ids, meta, None if recompute else h)
-    return out, saved
+    return (out, topk_ids), saved
 
 
-def _moe_layer_bwd(config, implementation, recompute, saved, d_out):
+def _moe_layer_bwd(config, implementation, recompute, saved, cotangents):
     """The backward of CONTRACT.md section 8 from the stages' backward ops; ``c`` the combine's rsf (1
     when the gate applied it), ``w_row[m] = c * topk_weights`` of row ``m``'s slot::
 
@@ -215,6 +236,7 @@ def _moe_layer_bwd(config, implementation, recompute, saved, d_out):
     Mirror: ``moe_torch/layer.py`` (``_MoELayerFunction``)."""
     (x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias, topk_weights, topk_ids,
      meta, h) = saved
+    d_out, _ = cotangents  # topk_ids: integer, no gradient
     combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)
     d_x, d_combine_weights, d_w13, d_w2, d_input_scale, d_b13, d_b2 = _experts_bwd(
         config, implementation, x, w13, w2, w13_scale, w2_scale, combine_weights, topk_ids.shape[1], meta, h, d_out,

@@ -69,6 +69,7 @@ from moe_pallas.layer import (LAYER_IMPLEMENTATIONS, check_w4_implementation, lo
                                quantize_layer_weights)
 from moe_pallas.ops.common import cast_rounded, check_jax_arrays
 from moe_pallas.ops.dispatch import check_implementation
+from moe_pallas.ops.gate.losses import RouterLosses
 
 
 class FrozenWeight(nnx.Variable):
@@ -333,10 +334,19 @@ class MoELayer(nnx.Module):
         """Whether the float weights are ``nnx.Param`` (``False`` for FP8 / 4-bit layers: codes are FrozenWeight)."""
         return isinstance(self.w13, nnx.Param)
 
-    def __call__(self, x: jax.Array, router_logits: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, router_logits: jax.Array, *, return_router_losses: bool = False,
+                 seq_len: int | None = None) -> jax.Array | tuple[jax.Array, RouterLosses]:
         """``x [T, H]`` (float32 / bf16 / float16; ``w13``'s dtype for ``quant='none'``) and
         ``router_logits [T, E]`` float -> ``out [T, H]`` in ``x.dtype``: this rank's partial sum
         (the sum over EP ranks is the layer's output).
+
+        ``return_router_losses=True`` (and ``seq_len``, the tokens of one sequence, for ``seq_aux_loss``; both
+        static): ``(out, RouterLosses)``, the router's training losses of the call (CONTRACT.md section 10; unscaled
+        float32 ``aux_loss``, ``seq_aux_loss``, ``z_loss`` and ``tokens_per_expert [E]`` int32, as
+        :func:`moe_pallas.moe_forward` returns them), differentiable in ``router_logits`` by ``nnx.grad``. Feed
+        ``tokens_per_expert`` to :func:`moe_pallas.update_expert_bias` for ``e_score_correction_bias``
+        (DeepSeek-V3's auxiliary-loss-free balancing: ``layer.e_score_correction_bias[...] = update_expert_bias(...)``
+        after the step).
 
         Raises: TypeError if ``x`` or ``router_logits`` is not a jax array (a numpy array: convert it with
           ``jnp.asarray``); ValueError / TypeError from :func:`moe_pallas.moe_forward` (shapes, dtypes).
@@ -363,6 +373,8 @@ class MoELayer(nnx.Module):
             shared_expert_gate_logits=self.shared_expert_gate_logits(x),
             implementation=self.implementation,
             recompute=self.recompute,
+            return_router_losses=return_router_losses,
+            seq_len=seq_len,
         )
 
     def shared_expert_gate_logits(self, x: jax.Array) -> jax.Array | None:
@@ -493,18 +505,29 @@ class MoEBlock(nnx.Module):
             logits = logits + self.router_bias[...]
         return cast_rounded(logits, w.dtype)
 
-    def __call__(self, hidden_states: jax.Array) -> jax.Array:
+    def __call__(self, hidden_states: jax.Array, *, return_router_losses: bool = False,
+                 seq_len: int | None = None) -> jax.Array | tuple[jax.Array, RouterLosses]:
         """``hidden_states [B, S, H]`` (or ``[T, H]``) -> the block's output, same shape and dtype.
 
         ``hidden_states`` must have the layer's float dtype for ``quant='none'`` (any float dtype for FP8
         layers, whose activations are quantized per token group / per token by the layer).
 
+        ``return_router_losses=True``: ``(out, RouterLosses)``, the router's training losses of the call
+        (:meth:`MoELayer.__call__`), differentiable in the router's weights; ``seq_len`` (static) defaults to
+        ``S`` for ``[B, S, H]`` hidden states (DeepSeek-V3's sequence-wise loss per sequence of the batch) and to
+        ``None`` (no ``seq_aux_loss``) for ``[T, H]``.
+
         Raises: TypeError (not a jax array: a numpy array names ``jnp.asarray``; a dtype the layer does not
           take), ValueError (not ``[B, S, H]`` / ``[T, H]`` with the config's ``H``).
         """
         x = self._flat(hidden_states)
-        out = self.layer(x, self.router_logits(x))
-        return out.reshape(hidden_states.shape)
+        if not return_router_losses:
+            out = self.layer(x, self.router_logits(x), seq_len=seq_len)  # seq_len without the losses: the layer raises
+            return out.reshape(hidden_states.shape)
+        if seq_len is None and hidden_states.ndim == 3:
+            seq_len = hidden_states.shape[1]
+        out, losses = self.layer(x, self.router_logits(x), return_router_losses=True, seq_len=seq_len)
+        return out.reshape(hidden_states.shape), losses
 
     def _flat(self, hidden_states) -> jax.Array:
         op = "MoEBlock"

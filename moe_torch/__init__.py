@@ -22,6 +22,7 @@ from moe_torch.ops.activation.api import (
 )
 from moe_torch.ops.combine.api import combine, combine_backward
 from moe_torch.ops.gate.api import select_experts, select_experts_backward
+from moe_torch.ops.gate.losses import RouterLosses, router_losses, update_expert_bias
 from moe_torch.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dbias, grouped_gemm_dgrad, grouped_gemm_wgrad
 from moe_torch.ops.permute.api import RoutingMetadata, permute, permute_backward, routing_metadata
 from moe_torch.ops.quant.api import (
@@ -38,11 +39,12 @@ from moe_torch.ops.quant.api import (
 )
 
 __all__ = [
-    "EPMoE", "HFMoEBlock", "MoEBlock", "MoEConfig", "PRESETS", "RoutingMetadata", "act_and_mul", "act_and_mul_backward", "combine",
+    "EPMoE", "HFMoEBlock", "MoEBlock", "MoEConfig", "PRESETS", "RouterLosses", "RoutingMetadata", "act_and_mul",
+    "act_and_mul_backward", "combine",
     "combine_backward", "dequantize_fp8",
     "dequantize_weight_fp8", "dequantize_weight_int4", "dequantize_weight_mxfp4", "drop_over_capacity", "ep_moe_forward", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "grouped_gemm_dbias", "grouped_gemm_dgrad", "grouped_gemm_wgrad",
     "local_weights",
     "moe_forward", "patch_hf_model", "per_token_group_quant_fp8", "per_token_quant_fp8", "permute", "permute_backward",
-    "quantize_layer_weights", "quantize_weight_fp8", "quantize_weight_int4", "quantize_weight_mxfp4", "routing_metadata", "select_experts", "select_experts_backward",
-    "silu_and_mul", "static_quant_fp8", "swiglu_oai_and_mul",
+    "quantize_layer_weights", "quantize_weight_fp8", "quantize_weight_int4", "quantize_weight_mxfp4", "router_losses", "routing_metadata", "select_experts", "select_experts_backward",
+    "silu_and_mul", "static_quant_fp8", "swiglu_oai_and_mul", "update_expert_bias",
 ]

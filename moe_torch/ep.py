@@ -84,7 +84,7 @@ import torch
 import torch.distributed as dist
 
 from moe_contract.config import MoEConfig
-from moe_contract.op_checks import check_select_experts
+from moe_contract.op_checks import check_router_loss_option, check_select_experts
 from moe_contract.validation import (check_choice, check_expert_biases, check_layer_inputs,
                                       check_shared_expert_gate_logits, stage_implementation)
 from moe_torch.capacity import drop_over_capacity
@@ -93,6 +93,8 @@ from moe_torch.ops.combine import api as combine_api
 from moe_torch.ops.combine.api import combine
 from moe_torch.ops.common import first_order_backward, takes_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
+from moe_torch.ops.gate.losses import (RouterLosses, RouterLossSums, router_loss_sums, router_losses,
+                                       router_losses_from_sums)
 from moe_torch.ops.permute import api as permute_api
 from moe_torch.ops.permute.api import permute
 from moe_torch.slot_weights import scaled_slot_rows, slot_weights
@@ -294,7 +296,9 @@ def ep_moe_forward(
     implementation: str | None = None,
     out: str | None = None,
     recompute: bool = False,
-) -> torch.Tensor:
+    return_router_losses: bool = False,
+    seq_len: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, RouterLosses]:
     """The whole MoE layer over an EP process group: every rank calls it, each with its experts.
 
     Args:
@@ -324,8 +328,21 @@ def ep_moe_forward(
         all_to_all mode (its default and only layout), each rank gets its own ``[T_r, H]``.
       recompute: what the forward keeps for the backward, as :func:`moe_torch.moe_forward`'s (``False``:
         the routing and GEMM 1's output; ``True``: the routing only, GEMM 1 recomputed in the backward).
+      return_router_losses: also return the router's training losses of the layer call (CONTRACT.md section 10),
+        the global ones (over every rank's tokens), the same on every rank: ``"replicated"``:
+        :func:`moe_torch.ops.gate.losses.router_losses` of ``router_logits`` (every rank holds all ``T`` tokens)
+        and the gate's ids; ``"all_to_all"``: each rank's :class:`~moe_torch.ops.gate.losses.RouterLossSums` of its
+        ``T_r`` tokens summed over the group (two ``all_reduce``: ``E + 1`` int64, the counts and ``T_r``; ``E + 2``
+        float32, ``E + 3`` with ``seq_len``, the sums), then :func:`~moe_torch.ops.gate.losses.router_losses_from_sums`.
+        Differentiable in this rank's ``router_logits`` (autograd): the global loss's gradient with respect to this
+        rank's tokens' logits (the float32 all-reduce's backward is the identity, as every rank holds the same loss; no
+        collective in the backward). Every rank must ask for them alike (they add collectives to the forward).
+      seq_len: with ``return_router_losses``, the tokens of one sequence for ``seq_aux_loss`` (``None``: none); it
+        must divide ``T`` (``"all_to_all"``: every rank's ``T_r``; a rank whose ``T_r`` it does not divide raises
+        ``ValueError`` before any collective, as for its other inputs).
 
-    Returns: the layer's output (the sum over every rank's experts) in ``x.dtype``, laid out per ``out``.
+    Returns: the layer's output (the sum over every rank's experts) in ``x.dtype``, laid out per ``out``; with
+    ``return_router_losses``: ``(out, RouterLosses)``, as :func:`moe_torch.moe_forward`.
 
     Gradients (when grad mode is on and an input requires grad; module docstring, "Backward"): this
     rank's float ``w13_local`` / ``w2_local`` and its expert biases get their slice of the single-device gradient;
@@ -352,6 +369,7 @@ def ep_moe_forward(
     check_shared_expert_gate_logits(op, config, x, shared_expert_gate_logits)
     if not isinstance(recompute, bool):
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
+    check_router_loss_option(op, config, router_logits, return_router_losses, seq_len)
     # The gate's rules too, here: a rank with no tokens (all_to_all) skips the gate, and every rank
     # must raise alike, or the others would wait in a collective.
     check_select_experts(op, router_logits, **config.gate_kwargs(), e_score_correction_bias=e_score_correction_bias)
@@ -364,17 +382,41 @@ def ep_moe_forward(
     rank, size = _group_rank_size(op, group, config, x)
     biases = (w13_bias, w2_bias)
     if mode == "replicated":
-        return _replicated(x, router_logits, w13_local, w2_local, w13_scale, w2_scale, config,
-                           e_score_correction_bias, implementation, group, rank, size, out or "replicated", recompute,
-                           shared_expert_gate_logits, biases)
-    return _all_to_all(x, router_logits, w13_local, w2_local, w13_scale, w2_scale, config,
-                       e_score_correction_bias, implementation, group, size, recompute, shared_expert_gate_logits,
-                       biases)
+        result, topk_ids = _replicated(x, router_logits, w13_local, w2_local, w13_scale, w2_scale, config,
+                                       e_score_correction_bias, implementation, group, rank, size, out or "replicated",
+                                       recompute, shared_expert_gate_logits, biases)
+        if not return_router_losses:
+            return result
+        # The caller's router_logits, not the group copy: its backward would sum the same gradient over the ranks.
+        return result, router_losses(router_logits, topk_ids, config, seq_len=seq_len)
+    result, topk_ids = _all_to_all(x, router_logits, w13_local, w2_local, w13_scale, w2_scale, config,
+                                   e_score_correction_bias, implementation, group, size, recompute,
+                                   shared_expert_gate_logits, biases)
+    if not return_router_losses:
+        return result
+    return result, _global_router_losses(router_logits, topk_ids, config, seq_len, group)
+
+
+def _global_router_losses(router_logits, topk_ids, config: MoEConfig, seq_len, group) -> RouterLosses:
+    """The router losses of the tokens of every rank (``all_to_all`` mode: each holds its own ``[T_r, E]``): each
+    rank's :class:`RouterLossSums` summed over the group, then finished. The float32 sums go through
+    :class:`_AllReduceSum` (backward: identity, every rank holding the same loss), the counts and ``T_r`` through a
+    plain int64 ``all_reduce``; no host synchronisation."""
+    E = config.num_experts
+    sums = router_loss_sums(router_logits, topk_ids, config, seq_len=seq_len)
+    ints = torch.cat([sums.tokens_per_expert.long(),
+                      torch.full((1,), router_logits.shape[0], dtype=torch.long, device=router_logits.device)])
+    dist.all_reduce(ints, group=group)
+    floats = [sums.prob_sum, sums.z_sum[None]] + ([] if seq_len is None else [sums.seq_aux_sum[None]])
+    total = _AllReduceSum.apply(torch.cat(floats), group)
+    glob = RouterLossSums(ints[:E].int(), total[:E], total[E], None if seq_len is None else total[E + 1])
+    return router_losses_from_sums(glob, ints[E], config, seq_len=seq_len)
 
 
 def _replicated(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, implementation, group, rank, size, out,
                 recompute, shared_logits=None, biases=(None, None)):
-    """SGLang EPMoE: local experts on all tokens, float32 partial, then the sum over ranks."""
+    """SGLang EPMoE: local experts on all tokens, float32 partial, then the sum over ranks. Returns
+    ``(out, topk_ids [T, topk'])``."""
     # backward: d_x, d_logits (and d_shared_logits) summed over ranks
     if shared_logits is None:
         x, router_logits = _CopyToGroup.apply(group, x, router_logits)
@@ -389,14 +431,15 @@ def _replicated(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
                        routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=torch.float32,
                        recompute=recompute, input_scale=input_scale, biases=biases)
     if out == "replicated":
-        return _AllReduceSum.apply(partial, group).to(x.dtype)
-    return _ReduceScatterRows.apply(partial, group, size, rank).to(x.dtype)
+        return _AllReduceSum.apply(partial, group).to(x.dtype), topk_ids
+    return _ReduceScatterRows.apply(partial, group, size, rank).to(x.dtype), topk_ids
 
 
 def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, implementation, group, size, recompute,
                 shared_logits=None, biases=(None, None)):
     """DeepEP-style: dispatch (token, slot) rows to the owner of their expert, compute, send back,
-    combine at home. ``apply_router_weight_on_input``: the rows are scaled at home, before the dispatch."""
+    combine at home. ``apply_router_weight_on_input``: the rows are scaled at home, before the dispatch.
+    Returns ``(out [T_r, H], topk_ids [T_r, topk'])``."""
     T, H = x.shape
     K = config.num_slots
     if T:
@@ -447,8 +490,8 @@ def _all_to_all(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
     # -- combine: the reverse exchange, then the single-device combine at home
     y_back = _AllToAllRows.apply(y_recv, send_splits, recv_splits, group)  # [T*K, H], send order
     if T == 0:  # [0, H], on the autograd path through both exchanges (and router_logits [0, E])
-        return _NoRows.apply(y_back, router_logits, *(() if shared_logits is None else (shared_logits,)))
+        return _NoRows.apply(y_back, router_logits, *(() if shared_logits is None else (shared_logits,))), topk_ids
     src2dst = torch.empty((T * K,), dtype=torch.int32, device=x.device)
     src2dst[order] = torch.arange(T * K, dtype=torch.int32, device=x.device)
     return combine(y_back, src2dst.reshape(T, K), combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
-                   out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))
+                   out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api)), topk_ids

@@ -463,6 +463,17 @@ class HFMoEBlock(torch.nn.Module):
     ``shared_expert_gate``, ``moe_config`` (:class:`MoEConfig` of the routed experts), ``implementation`` and
     ``recompute`` (settable), ``replaces`` (the class name it replaced).
 
+    Router losses (CONTRACT.md section 10): transformers' own ``output_router_logits`` / ``router_aux_loss_coef``
+    path works unchanged (the router module's hook records the logits, and the model computes its
+    ``load_balancing_loss_func`` from them). With ``record_router_losses`` (settable) each forward also keeps
+    ``last_router_losses``: the layer's :class:`moe_torch.ops.gate.losses.RouterLosses` of the call (``aux_loss``,
+    ``seq_aux_loss`` per sequence of ``[B, S, H]`` hidden states, ``z_loss``, ``tokens_per_expert [E]`` int32; the
+    losses differentiable in the router's weight), computed from the gate's own ids, without changing what
+    ``forward`` returns: add ``coef * block.last_router_losses.seq_aux_loss`` to the loss (DeepSeek-V3's blocks have
+    no auxiliary loss in transformers), and move DeepSeek-V3's ``gate.e_score_correction_bias`` with
+    :func:`moe_torch.update_expert_bias` of its ``tokens_per_expert`` after the step (summed over the step's calls:
+    each forward replaces ``last_router_losses``). It holds the autograd graph of the losses until the next forward.
+
     Gradients: every backend (the Triton kernels included) is differentiable through
     :func:`moe_torch.moe_forward`'s backward (CONTRACT.md section 8): ``hidden_states``, the router's
     weight (through ``router_logits``), float experts (Llama 4's through the transposed views), the shared MLP and
@@ -472,17 +483,20 @@ class HFMoEBlock(torch.nn.Module):
     """
 
     def __init__(self, block: torch.nn.Module, *, implementation: str | None = None,
-                 quant: str | None = None, recompute: bool = False) -> None:
-        """``block``: a supported transformers block; ``implementation``, ``quant``, ``recompute``: as
-        :func:`patch_hf_model`.
+                 quant: str | None = None, recompute: bool = False, record_router_losses: bool = False) -> None:
+        """``block``: a supported transformers block; ``implementation``, ``quant``, ``recompute``,
+        ``record_router_losses``: as :func:`patch_hf_model`.
 
         Raises: as :func:`read_block`; ValueError (bad ``implementation`` / ``quant``), TypeError
-          (``recompute`` not a bool)."""
+          (``recompute`` or ``record_router_losses`` not a bool)."""
         super().__init__()
         op = "HFMoEBlock"
         quant = _quant(op, quant)
         check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
         check_bool(op, "recompute", recompute)
+        check_bool(op, "record_router_losses", record_router_losses)
+        self.record_router_losses = record_router_losses
+        self.last_router_losses = None
         b = read_block(block, op)
         self.replaces = b.name
         self.moe_config = b.config.replace(quant=quant)
@@ -521,10 +535,15 @@ class HFMoEBlock(torch.nn.Module):
         router_logits = routed[1 if self.replaces == "Llama4TextMoe" else 0]
         ex = self.experts
         bias = router.e_score_correction_bias if self.moe_config.routing == "biased_grouped_topk" else None
+        record = self.record_router_losses
+        check_bool("HFMoEBlock", "record_router_losses", record)  # settable: checked where it is read
         out = moe_forward(x, router_logits, ex.w13, ex.w2, self.moe_config,
                           w13_scale=ex.gate_up_proj_scale_inv, w2_scale=ex.down_proj_scale_inv,
                           w13_bias=ex.gate_up_proj_bias, w2_bias=ex.down_proj_bias,
-                          e_score_correction_bias=bias, implementation=self.implementation, recompute=self.recompute)
+                          e_score_correction_bias=bias, implementation=self.implementation, recompute=self.recompute,
+                          return_router_losses=record, seq_len=shape[-2] if record and len(shape) == 3 else None)
+        if record:  # kept beside the output: the block returns what transformers' block returns
+            out, self.last_router_losses = out
         if self.replaces == "GptOssMLP":  # (out [B, S, H], router_scores [B*S, topk]: the router's own)
             return out.reshape(shape), routed[1]
         if self.replaces == "Llama4TextMoe":  # out = shared_expert(x); out.add_(routed), flat tokens
@@ -542,7 +561,8 @@ class HFMoEBlock(torch.nn.Module):
         return (f"replaces={self.replaces}, E={c.num_experts}, topk={c.topk}, routing={c.routing!r}, "
                 f"renormalize={c.renormalize}, quant={c.quant!r}, implementation={self.implementation!r}, "
                 f"recompute={self.recompute}"
-                + (", apply_router_weight_on_input=True" if c.apply_router_weight_on_input else ""))
+                + (", apply_router_weight_on_input=True" if c.apply_router_weight_on_input else "")
+                + (", record_router_losses=True" if self.record_router_losses else ""))
 
 
 def _refuse_save_pretrained(model_class: str, quant: str, *args, **kwargs):
@@ -554,7 +574,8 @@ def _refuse_save_pretrained(model_class: str, quant: str, *args, **kwargs):
 
 
 def patch_hf_model(model: torch.nn.Module, implementation: str | None = None,
-                   quant: str | None = None, *, recompute: bool = False) -> torch.nn.Module:
+                   quant: str | None = None, *, recompute: bool = False,
+                   record_router_losses: bool = False) -> torch.nn.Module:
     """Replace every supported sparse-MoE block of a transformers model by an :class:`HFMoEBlock`, in place.
 
     Args:
@@ -568,6 +589,8 @@ def patch_hf_model(model: torch.nn.Module, implementation: str | None = None,
         multiples of 128).
       recompute: the layer's ``recompute`` (:func:`moe_torch.moe_forward`): ``True`` keeps only the
         routing for the backward and recomputes GEMM 1 there.
+      record_router_losses: each block keeps its last call's router losses as ``last_router_losses``
+        (:class:`HFMoEBlock`; CONTRACT.md section 10), what the blocks return unchanged.
 
     The patched model trains like the original (every backend has a backward; FP8 experts are frozen
     buffers, straight-through): its parameters' gradients equal transformers' (float32 within 1e-5,
@@ -578,8 +601,8 @@ def patch_hf_model(model: torch.nn.Module, implementation: str | None = None,
     transformers' names, and ``save_pretrained`` of a float-patched model loads into the unpatched
     class; with FP8, ``model.save_pretrained`` raises ``NotImplementedError`` (module docstring).
 
-    Raises: TypeError (``model`` not an ``nn.Module``; ``recompute`` not a bool), ValueError (bad
-      ``implementation`` / ``quant``; no MoE block found, naming the model class; already patched),
+    Raises: TypeError (``model`` not an ``nn.Module``; ``recompute`` or ``record_router_losses`` not a bool),
+      ValueError (bad ``implementation`` / ``quant``; no MoE block found, naming the model class; already patched),
       NotImplementedError (a MoE block class that is not supported, naming it; an unsupported
       activation). The model is unchanged when it raises.
     """
@@ -589,6 +612,7 @@ def patch_hf_model(model: torch.nn.Module, implementation: str | None = None,
     quant = _quant(op, quant)
     check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
     check_bool(op, "recompute", recompute)
+    check_bool(op, "record_router_losses", record_router_losses)
     targets, unsupported, patched, inside = [], [], [], []
     for path, module in model.named_modules():  # pre-order: a block comes before its submodules
         if any(path.startswith(p + ".") for p in inside):
@@ -629,7 +653,7 @@ def patch_hf_model(model: torch.nn.Module, implementation: str | None = None,
         parent, _, child_name = path.rpartition(".")
         parent = model.get_submodule(parent)
         setattr(parent, child_name, HFMoEBlock(getattr(parent, child_name), implementation=implementation, quant=quant,
-                                               recompute=recompute))
+                                               recompute=recompute, record_router_losses=record_router_losses))
     if quant != "none" and hasattr(model, "save_pretrained"):
         model.save_pretrained = functools.partial(_refuse_save_pretrained, model_class, quant)
     log.info("%s: %d %s block(s) of %s served by moe_torch (implementation=%r, quant=%r)", op, len(paths), names,

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from moe_contract.config import ACTIVATION_QUANT, W4_QUANTS, WEIGHT_LAYOUT, MoEConfig
+from moe_contract.op_checks import check_router_loss_option
 from moe_contract.validation import (check_expert_biases, check_layer_inputs, check_layer_weights, check_positive_int,
                                       check_shared_expert_gate_logits, stage_implementation)
 from moe_torch.capacity import drop_over_capacity
@@ -33,6 +34,7 @@ from moe_torch.ops.common import first_order_backward, takes_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
 from moe_torch.ops.gate import api as gate_api
 from moe_torch.ops.gate.api import select_experts, select_experts_backward
+from moe_torch.ops.gate.losses import RouterLosses, router_losses
 from moe_torch.ops.grouped_gemm import api as grouped_gemm_api
 from moe_torch.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dbias, grouped_gemm_dgrad, grouped_gemm_wgrad
 from moe_torch.ops.permute import api as permute_api
@@ -64,7 +66,9 @@ def moe_forward(
     shared_expert_gate_logits: torch.Tensor | None = None,
     implementation: str | None = None,
     recompute: bool = False,
-) -> torch.Tensor:
+    return_router_losses: bool = False,
+    seq_len: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, RouterLosses]:
     """One MoE layer on this EP rank (``config.ep_rank``): ``[T, H] -> [T, H]``, differentiable.
 
     Args:
@@ -99,6 +103,12 @@ def moe_forward(
         ``topk_ids``, ``expert_offsets``, ``src2dst``, ``dst2src``) and GEMM 1's output ``h``;
         ``a = act(g) * u`` is recomputed from ``h``. ``True``: the routing only; the backward
         re-permutes ``x`` and recomputes ``h`` (one more GEMM 1) and ``a``.
+      return_router_losses: also return the router's training losses of this call (CONTRACT.md section 10):
+        :func:`moe_torch.ops.gate.losses.router_losses` of ``router_logits`` and the gate's own ``topk_ids``
+        (no second gate), differentiable in ``router_logits`` by autograd beside the layer's backward. Every EP
+        rank holds all ``T`` tokens' logits, so every rank gets the same, global losses.
+      seq_len: with ``return_router_losses``, the tokens of one sequence (dividing ``T``) for ``seq_aux_loss``;
+        ``None``: no ``seq_aux_loss``.
 
     Activation memory kept per token (``k' = topk + S`` slots, ``b`` bytes of ``x.dtype``), besides
     ``x`` and ``router_logits`` which autograd holds anyway: ``recompute=False``:
@@ -125,9 +135,12 @@ def moe_forward(
     ``e_score_correction_bias`` get no gradient (the expert biases do).
 
     Returns: ``out [T, H]`` in ``x.dtype``: this rank's partial sum; the sum over EP ranks is
-    the layer's output (CONTRACT.md section 6).
+    the layer's output (CONTRACT.md section 6). With ``return_router_losses``: ``(out, RouterLosses)``
+    (``aux_loss``, ``seq_aux_loss`` (``None`` without ``seq_len``), ``z_loss``: ``[]`` float32, unscaled;
+    ``tokens_per_expert [E]`` int32).
 
-    Raises: ValueError / TypeError naming the argument, before any computation; RuntimeError from the backward
+    Raises: ValueError / TypeError naming the argument, before any computation (``seq_len`` not dividing ``T``, or
+      given without ``return_router_losses``, included); RuntimeError from the backward
       when it runs with ``create_graph=True`` (second-order gradients are not supported, CONTRACT.md section 8).
     """
     op = "moe_forward"
@@ -137,19 +150,25 @@ def moe_forward(
     check_implementation(op, implementation, LAYER_IMPLEMENTATIONS)
     if not isinstance(recompute, bool):
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
+    check_router_loss_option(op, config, router_logits, return_router_losses, seq_len)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (
             x, router_logits, w13, w2, shared_expert_gate_logits, w13_bias, w2_bias)):
-        return _MoELayerFunction.apply(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
-                                       shared_expert_gate_logits, w13_bias, w2_bias, config, implementation, recompute)
-
-    topk_weights, topk_ids = run_gate(router_logits, config, e_score_correction_bias, implementation)
-    combine_weights, input_scale = slot_weights(topk_weights, shared_expert_gate_logits, config)
-    expert_start, e_local = config.local_expert_range()
-    y, meta = run_experts(x, dispatch_ids(topk_ids, config, implementation), w13, w2, w13_scale, w2_scale, config,
-                          implementation, num_experts=config.num_total_experts, expert_start=expert_start,
-                          num_local_experts=e_local, input_scale=input_scale, w13_bias=w13_bias, w2_bias=w2_bias)
-    return combine(y, meta.src2dst, combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
-                   out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))
+        out, topk_ids = _MoELayerFunction.apply(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
+                                                shared_expert_gate_logits, w13_bias, w2_bias, config, implementation,
+                                                recompute)
+    else:
+        topk_weights, topk_ids = run_gate(router_logits, config, e_score_correction_bias, implementation)
+        combine_weights, input_scale = slot_weights(topk_weights, shared_expert_gate_logits, config)
+        expert_start, e_local = config.local_expert_range()
+        y, meta = run_experts(x, dispatch_ids(topk_ids, config, implementation), w13, w2, w13_scale, w2_scale, config,
+                              implementation, num_experts=config.num_total_experts, expert_start=expert_start,
+                              num_local_experts=e_local, input_scale=input_scale, w13_bias=w13_bias, w2_bias=w2_bias)
+        out = combine(y, meta.src2dst, combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
+                      out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))
+    if not return_router_losses:
+        return out
+    # From the caller's router_logits, outside the layer's Function: autograd differentiates the losses itself.
+    return out, router_losses(router_logits, topk_ids, config, seq_len=seq_len)
 
 
 # The stages of moe_forward, also composed differently by the EP layers (``ep.py``).
@@ -263,11 +282,12 @@ class _MoELayerFunction(torch.autograd.Function):
                               topk_weights, topk_ids, meta.expert_offsets, meta.src2dst, meta.dst2src,
                               None if recompute else h)
         ctx.config, ctx.implementation, ctx.recompute = config, implementation, recompute
-        return out
+        ctx.mark_non_differentiable(topk_ids)
+        return out, topk_ids  # the ids for the router losses (moe_forward's return_router_losses)
 
     @staticmethod
     @first_order_backward("moe_forward")
-    def backward(ctx, d_out):
+    def backward(ctx, d_out, d_topk_ids):  # d_topk_ids: integer output, no gradient
         (x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias, topk_weights, topk_ids,
          offsets, src2dst, dst2src, h) = ctx.saved_tensors
         config, impl = ctx.config, ctx.implementation

@@ -67,6 +67,7 @@ from moe_torch.hf import HF_QUANTS, HFExperts, block_layer_weights, read_block
 from moe_torch.layer import LAYER_IMPLEMENTATIONS, local_weights, moe_forward, quantize_layer_weights
 from moe_torch.ops.common import check_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
+from moe_torch.ops.gate.losses import RouterLosses
 from moe_torch.tensor_guards import (  # noqa: F401  (re-exported: their home before tensor_guards)
     check_code_dtypes_on_load,
     keep_dtypes_fn,
@@ -440,10 +441,19 @@ class EPMoE(torch.nn.Module):
             return  # load nothing into this layer: load_state_dict raises with the message
         super()._load_from_state_dict(state_dict, prefix, *args)
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, *, return_router_losses: bool = False,
+                seq_len: int | None = None) -> torch.Tensor | tuple[torch.Tensor, RouterLosses]:
         """``x [T, H]`` (float32 / bf16 / float16; ``w13``'s dtype for ``quant='none'``) and
         ``router_logits [T, E]`` float -> ``out [T, H]`` in ``x.dtype``: this rank's partial sum
         (the sum over EP ranks is the layer's output).
+
+        ``return_router_losses=True`` (and ``seq_len``, the tokens of one sequence, for ``seq_aux_loss``):
+        ``(out, RouterLosses)``, the router's training losses of the call (CONTRACT.md section 10; unscaled float32
+        ``aux_loss``, ``seq_aux_loss``, ``z_loss`` and ``tokens_per_expert [E]`` int32, as
+        :func:`moe_torch.moe_forward` / :func:`moe_torch.ep.ep_moe_forward` return them: global, the same on every
+        rank). Add ``coef * aux_loss`` to the training loss; feed ``tokens_per_expert`` to
+        :func:`moe_torch.update_expert_bias` for ``e_score_correction_bias`` (DeepSeek-V3's auxiliary-loss-free
+        balancing: ``self.e_score_correction_bias.copy_(update_expert_bias(...))`` after the step).
 
         No host synchronisation with ``implementation="triton"`` (CUDA-graph capturable after a
         warm-up call that compiles the kernels).
@@ -480,6 +490,8 @@ class EPMoE(torch.nn.Module):
                 shared_expert_gate_logits=shared_logits,
                 implementation=self.implementation,
                 recompute=self.recompute,
+                return_router_losses=return_router_losses,
+                seq_len=seq_len,
             )
         return moe_forward(
             x,
@@ -495,6 +507,8 @@ class EPMoE(torch.nn.Module):
             shared_expert_gate_logits=shared_logits,
             implementation=self.implementation,
             recompute=self.recompute,
+            return_router_losses=return_router_losses,
+            seq_len=seq_len,
         )
 
     def shared_expert_gate_logits(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -11,6 +11,10 @@ The child also runs the backward (CONTRACT.md section 8, "EP"; :func:`_backward_
 of the jitted EP layer against that of the single-device layer, in both modes: each device's slice of
 the weight gradients equals the single-device gradient's (experts without rows: exactly 0), ``d_x`` and
 ``d_router_logits`` the single-device ones (the sums over devices).
+
+And the router losses (``return_router_losses``, CONTRACT.md section 10; :func:`_child_router_losses`): in both
+modes, with ``T`` padded to a multiple of the devices, the losses, ``tokens_per_expert`` and their gradient in
+``router_logits`` are the single-device ones.
 """
 
 from __future__ import annotations
@@ -350,7 +354,56 @@ def _child() -> list[dict]:
     finally:
         ep_module._ragged_exchange = dense_exchange
     return [{"log": records, "ragged_lowered": hlo.count("ragged_all_to_all"),
-             "ragged_grad_lowered": grad_hlo.count("ragged_all_to_all"), "backward": _child_backward()}] + results
+             "ragged_grad_lowered": grad_hlo.count("ragged_all_to_all"), "backward": _child_backward(),
+             "router_losses": _child_router_losses()}] + results
+
+
+def _child_router_losses() -> dict:
+    """In the child: ``{mode: {loss name / "d_router_logits": rel. error, "tokens_per_expert": equal}}`` of the EP
+    layer's router losses (``tiny``, ``T = 7``: all_to_all pads to 8 rows) against the single-device ones, values
+    and gradients in one jitted program."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    import moe_pallas
+    from moe_contract import get_preset, make_layer_inputs
+    from moe_pallas.ep import ep_moe_forward, make_ep_mesh
+
+    config, T = get_preset("tiny").config(), 7
+    inputs = make_layer_inputs(config, T, seed=3)
+    x, logits, w13, w2, bias = (jnp.asarray(a) for a in (inputs.x, inputs.router_logits, inputs.w13, inputs.w2,
+                                                         inputs.e_score_correction_bias))
+    weights = {"aux_loss": 1.0, "seq_aux_loss": 0.5, "z_loss": 0.1}
+
+    def single(lg):
+        _, ids = moe_pallas.select_experts(lg, **config.gate_kwargs(), e_score_correction_bias=bias)
+        L = moe_pallas.router_losses(lg, ids, config, seq_len=T)
+        return sum(w * getattr(L, n) for n, w in weights.items()), L
+
+    def on_mesh(lg, mode):
+        _, L = ep_moe_forward(x, lg, w13, w2, config.replace(ep_size=EP), mesh=make_ep_mesh(EP), mode=mode,
+                              e_score_correction_bias=bias, implementation="reference", return_router_losses=True,
+                              seq_len=T)
+        return sum(w * getattr(L, n) for n, w in weights.items()), L
+
+    modes = ("replicated", "all_to_all")
+    fns = [single] + [functools.partial(on_mesh, mode=m) for m in modes]
+    outs = jax.jit(lambda lg: [jax.value_and_grad(f, has_aux=True)(lg) for f in fns])(logits)
+    (_, ref), ref_grad = outs[0]
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    results = {}
+    for mode, ((_, L), grad) in zip(modes, outs[1:]):
+        errs = {n: rel(getattr(L, n), getattr(ref, n)) for n in weights}
+        errs["tokens_per_expert"] = bool(np.array_equal(L.tokens_per_expert, ref.tokens_per_expert))
+        errs["d_router_logits"] = rel(grad, ref_grad)
+        results[mode] = errs
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -441,6 +494,16 @@ def test_ep_gradients_are_slices_and_sums_of_single_device(child_results, key):
     for n in ("d_x", "d_router_logits", "d_w13", "d_w2"):
         assert r[n] <= limit, (n, r)
     assert r["zero_rows_exact"], r
+
+
+@pytest.mark.parametrize("mode", ["replicated", "all_to_all"])
+def test_ep_router_losses_are_global(child_results, mode):
+    import tolerances
+
+    errs = dict(child_results[0]["router_losses"][mode])
+    assert errs.pop("tokens_per_expert"), f"{mode}: tokens_per_expert differs from the single device's"
+    assert errs.pop("d_router_logits") <= tolerances.GRAD_F32_REL_FRO, f"{mode}: d_router_logits"
+    assert all(e <= tolerances.F32_REL_FRO for e in errs.values()), f"{mode}: {errs}"
 
 
 def test_ep_gradient_edges_were_exercised(child_results):

@@ -16,6 +16,10 @@ The same spawn runs the backward (CONTRACT.md section 8, "EP"; ``BACKWARD_CASES`
 each rank's ``w13`` / ``w2`` gradients must equal its slice of the single-device layer's gradients, and
 its ``x`` / ``router_logits`` gradients the single-device ones (replicated: the whole ``[T, ...]``,
 after the backward's all-reduce; all_to_all: the rows of its own tokens).
+
+And the router losses (CONTRACT.md section 10, ``return_router_losses``): in both modes every rank's losses and
+``tokens_per_expert`` are the single-device ones of all ``T`` tokens (all_to_all: the ranks' sums all-reduced), and
+their gradient in the rank's ``router_logits`` the single-device gradient's rows.
 """
 
 from __future__ import annotations
@@ -255,6 +259,42 @@ def run_backward_cases(rank: int, world: int, cases, device: str, implementation
     return results
 
 
+#: The router-loss case: T = 8 tokens in sequences of 2, all_to_all shards with an empty rank (each a whole number
+#: of sequences).
+LOSS_T, LOSS_SEQ_LEN, LOSS_SHARDS = 8, 2, (2, 0, 4, 2)
+
+
+def run_router_loss_case(rank: int, world: int, device: str) -> dict:
+    """This rank's errors ``{mode: {"aux_loss", "seq_aux_loss", "z_loss", "d_router_logits": rel. error,
+    "tokens_per_expert": exactly equal}}`` against the single-device ``router_losses`` of all ``T`` tokens."""
+    config1, x, logits, w13, _, w2, _, bias = make_inputs(Case("tiny", LOSS_T), world, device)
+    weights = {"aux_loss": 1.0, "seq_aux_loss": 0.5, "z_loss": 0.1}
+    lg = logits.clone().requires_grad_()
+    _, ids = moe_torch.select_experts(logits, **config1.gate_kwargs(), e_score_correction_bias=bias)
+    ref = moe_torch.router_losses(lg, ids, config1, seq_len=LOSS_SEQ_LEN)
+    sum(w * getattr(ref, name) for name, w in weights.items()).backward()
+    cfg = config1.replace(ep_size=world, ep_rank=rank)
+    results = {}
+    for mode in ("replicated", "all_to_all"):
+        if mode == "replicated":
+            rows = slice(0, LOSS_T)
+        else:
+            rows = slice(sum(LOSS_SHARDS[:rank]), sum(LOSS_SHARDS[: rank + 1]))
+        mine = logits[rows].clone().requires_grad_()
+        _, got = ep_moe_forward(x[rows], mine, _local(w13, cfg), _local(w2, cfg), cfg, mode=mode,
+                                e_score_correction_bias=bias, implementation="reference", return_router_losses=True,
+                                seq_len=LOSS_SEQ_LEN)
+        # The losses' backward alone: no collective in it (replicated: none; all_to_all: the identity)
+        sum(w * getattr(got, name) for name, w in weights.items()).backward()
+        errs = {name: rel_fro(getattr(got, name).detach().reshape(1), getattr(ref, name).detach().reshape(1))
+                for name in weights}
+        errs["tokens_per_expert"] = bool(torch.equal(got.tokens_per_expert.cpu(), ref.tokens_per_expert.cpu()))
+        want = lg.grad[rows]
+        errs["d_router_logits"] = 0.0 if want.numel() == 0 and mine.grad.numel() == 0 else rel_fro(mine.grad, want)
+        results[mode] = errs
+    return results
+
+
 def worker(rank: int, world: int, init_method: str, backend: str, device_kind: str, cases, implementation, out_path: str,
            backward_cases=()):
     """One process of the group: run every case, gather the results, rank 0 writes them."""
@@ -271,6 +311,8 @@ def worker(rank: int, world: int, init_method: str, backend: str, device_kind: s
         mine["seconds"] = time.perf_counter() - t0
         mine["backward"] = run_backward_cases(rank, world, backward_cases, device, implementation)
         mine["backward_seconds"] = time.perf_counter() - t0 - mine["seconds"]
+        if device_kind == "cpu":
+            mine["router_losses"] = run_router_loss_case(rank, world, device)
         gather_to_file(mine, rank, world, out_path)
     finally:
         dist.destroy_process_group()
@@ -327,6 +369,15 @@ def test_gloo_gradients_edges_were_exercised(gloo_results):
 def test_gloo_module(gloo_results, mode):
     errs = [r[f"EPMoE-{mode}"][mode] for r in gloo_results]
     assert all(e <= F32_REL_FRO for e in errs), errs
+
+
+@pytest.mark.parametrize("mode", ("replicated", "all_to_all"))
+def test_gloo_router_losses_are_global(gloo_results, mode):
+    for rank, r in enumerate(gloo_results):
+        errs = r["router_losses"][mode]
+        assert errs.pop("tokens_per_expert"), f"rank {rank} {mode}: tokens_per_expert differs from the single device's"
+        assert errs.pop("d_router_logits") <= GRAD_F32_REL_FRO, f"rank {rank} {mode}: d_router_logits"
+        assert all(e <= F32_REL_FRO for e in errs.values()), f"rank {rank} {mode}: {errs}"
 
 
 def test_gloo_reduce_scatter_fallback(gloo_results):
