@@ -45,7 +45,7 @@ import torch
 
 from moe_contract.config import MoEConfig
 from moe_contract.inputs import check_seed, draw_expert_biases, draw_preset_weights, draw_router, draw_shared_expert_gate
-from moe_contract.op_checks import check_select_experts
+from moe_contract.op_checks import check_router_loss_option, check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
     FLOAT_DTYPES,
@@ -936,27 +936,42 @@ class MoEBlock(torch.nn.Module):
         Raises: as :meth:`forward`."""
         return self.router_module(self._flat(hidden_states))
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *, return_router_losses: bool = False,
+                seq_len: int | None = None) -> torch.Tensor | tuple[torch.Tensor, RouterLosses]:
         """``hidden_states [B, S, H]`` (or ``[T, H]``) -> the block's output, same shape and dtype (class docstring).
 
         ``hidden_states`` must have the experts' float dtype for ``quant='none'`` (any float dtype for FP8 blocks).
 
+        ``return_router_losses=True``: ``(out, RouterLosses)``, the router's training losses of the call
+        (:meth:`EPMoE.forward`; unscaled float32 ``aux_loss``, ``seq_aux_loss``, ``z_loss``, ``tokens_per_expert [E]``
+        int32), differentiable in the router's weights; ``seq_len`` defaults to ``S`` for ``[B, S, H]`` hidden states
+        (DeepSeek-V3's sequence-wise loss per sequence of the batch) and to ``None`` (no ``seq_aux_loss``) for
+        ``[T, H]``, as :meth:`moe_pallas.MoEBlock.__call__`.
+
         Raises: TypeError (not a torch tensor: numpy names ``torch.from_numpy``; a dtype the block does not take),
-          ValueError (not ``[B, S, H]`` / ``[T, H]`` with the config's ``H``); from :func:`moe_torch.moe_forward`.
+          ValueError (not ``[B, S, H]`` / ``[T, H]`` with the config's ``H``; ``seq_len`` without
+          ``return_router_losses`` or not dividing the tokens); from :func:`moe_torch.moe_forward`.
         """
         x = self._flat(hidden_states)
+        if return_router_losses is True and seq_len is None and hidden_states.ndim == 3:
+            seq_len = hidden_states.shape[1]
+        check_router_loss_option("MoEBlock", self.config, x, return_router_losses, seq_len)  # x: the T of the logits
         ex, router = self.experts, self.router_module
         out = moe_forward(x, router(x), ex.w13, ex.w2, self._routed_config, w13_scale=ex.gate_up_proj_scale_inv,
                           w2_scale=ex.down_proj_scale_inv, w13_bias=ex.gate_up_proj_bias, w2_bias=ex.down_proj_bias,
                           e_score_correction_bias=router.e_score_correction_bias, implementation=self.implementation,
-                          recompute=self.recompute)
+                          recompute=self.recompute, return_router_losses=return_router_losses, seq_len=seq_len)
+        losses = None
+        if return_router_losses:
+            out, losses = out
         if "shared_expert_gate" in self._modules:  # Qwen3NextSparseMoeBlock: + sigmoid(gate(x)) * shared_expert(x)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif "shared_expert" in self._modules:  # Llama4TextMoe: shared_expert(x) + routed
             out = self.shared_expert(x) + out
         elif "shared_experts" in self._modules:  # DeepseekV3MoE / Glm4MoeMoE: routed + shared_experts(x)
             out = out + self.shared_experts(x)
-        return out.reshape(hidden_states.shape)
+        out = out.reshape(hidden_states.shape)
+        return (out, losses) if return_router_losses else out
 
     def _flat(self, hidden_states) -> torch.Tensor:
         op = "MoEBlock"

@@ -155,6 +155,14 @@ def test_equals_jax_block(preset, overrides):
     with torch.no_grad():
         out = tb(torch.from_numpy(x))
     assert_rel_fro(out, ref, F32_REL_FRO, f"{preset}: moe_torch.MoEBlock vs moe_pallas.MoEBlock")
+    # the router losses beside the output (seq_len = S by default in both)
+    ref_out, ref_losses = jb(jnp.asarray(x), return_router_losses=True)
+    with torch.no_grad():
+        got_out, got_losses = tb(torch.from_numpy(x), return_router_losses=True)
+    assert_exact(got_out, out, f"{preset}: the output with the losses")
+    assert_exact(got_losses.tokens_per_expert, ref_losses.tokens_per_expert, f"{preset}: tokens_per_expert")
+    for name in ("aux_loss", "seq_aux_loss", "z_loss"):
+        assert_rel_fro(getattr(got_losses, name), getattr(ref_losses, name), F32_REL_FRO, f"{preset}: {name}")
 
     m = jb.layer
 
@@ -221,6 +229,10 @@ def test_bad_inputs_raise_clear_errors():
         block(torch.zeros(2, 5, 64, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"hidden_states.shape=\(2, 5, 32\)"):
         block.router_logits(torch.zeros(2, 5, 32))
+    with pytest.raises(ValueError, match="MoEBlock: seq_len is read only with return_router_losses=True"):
+        block(x, seq_len=5)
+    with pytest.raises(TypeError, match="MoEBlock: return_router_losses must be a bool"):
+        block(x, return_router_losses=1)
 
 
 def test_bad_constructions_raise_clear_errors():
