@@ -655,8 +655,9 @@ class MoEBlock(torch.nn.Module):
     shared_experts(x)`` (DeepSeek-V3), ``+ sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (Qwen3-Next),
     ``shared_expert(x) + routed`` (Llama 4). :class:`moe_pallas.MoEBlock` runs the shared experts as the layer's fused
     shared experts instead: the same sum in another order (float32: within CONTRACT.md section 7's 1e-5). Returns the
-    hidden states only, for every family, as the JAX block (transformers' ``Llama4TextMoe`` and ``GptOssMLP`` also
-    return their router's logits / scores: :meth:`router_logits` gives the logits). Mixtral's training-time
+    hidden states (with ``return_router_losses=True`` also the router losses), for every family, as the JAX block
+    (transformers' ``Llama4TextMoe`` and ``GptOssMLP`` also return their router's logits / scores:
+    :meth:`router_logits` gives the logits). Mixtral's training-time
     ``router_jitter_noise`` is not applied.
 
     Args:
