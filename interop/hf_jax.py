@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from interop.checkpoints import (_ARCHS, _FAMILY_WORDS, _ROUTING_KEYS, _SIZE_KEYS, _read_hf_config, _routing_from_config,
-                                 _shared_from_config, load_moe_layer)
+from interop.checkpoints import (_ARCHS, _FAMILY_WORDS, _ROUTING_KEYS, _SIZE_KEYS, _read_hf_config,
+                                 _routing_from_config, _shared_from_config, load_moe_layer)
 from moe_contract.config import FP8_BLOCK, MoEConfig
 from moe_contract.validation import FLOAT_DTYPES, dtype_name
 from moe_pallas.module import MoEBlock, MoELayer
@@ -136,9 +136,9 @@ SAVE_MODEL_TYPES = {
 #: The :class:`MoEConfig` fields a checkpoint holds (through config.json and its tensors); the others (``quant``
 #: aside) are how the layer computes, not what it is: pass them to :func:`load_nnx_moe_block` as overrides.
 #: (What tells the families apart first, so that a refusal names it.)
-_SAVED_FIELDS = ("routing", "expert_bias", "apply_router_weight_on_input", "shared_expert_gate", "num_fused_shared_experts",
-                 "gate_up_layout", "activation", "renormalize", "routed_scaling_factor", "num_expert_group", "topk_group",
-                 "topk", "hidden_size", "intermediate_size", "num_experts")
+_SAVED_FIELDS = ("routing", "expert_bias", "apply_router_weight_on_input", "shared_expert_gate",
+                 "num_fused_shared_experts", "gate_up_layout", "activation", "renormalize", "routed_scaling_factor",
+                 "num_expert_group", "topk_group", "topk", "hidden_size", "intermediate_size", "num_experts")
 #: the contract's activation -> transformers' ``hidden_act`` (inverse of the loader's table)
 _HIDDEN_ACT = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 #: the checkpoint formats a block's ``quant`` is saved in (config.json ``quantization_config``)
@@ -164,11 +164,17 @@ class _CannotName(NotImplementedError):
     """A family whose checkpoint cannot hold the block; the message is the reason, without the op."""
 
 
-def _block_config_json(op: str, c: MoEConfig, model_type: str, layer: int, base: dict, expert_dtype: str) -> dict:
-    """config.json of ``model_type`` holding block config ``c`` at decoder layer ``layer`` over ``base``; raises
-    ValueError naming a key of ``base`` that says otherwise, :class:`_CannotName` naming the first field of ``c`` that
-    the family's config.json cannot express (read back as :func:`load_moe_layer` reads it)."""
+def _block_config_json(op: str, block: MoEBlock, model_type: str, layer: int, base: dict) -> dict:
+    """config.json of ``model_type`` holding ``block`` at decoder layer ``layer`` over ``base``; raises ValueError
+    naming a key of ``base`` that says otherwise, :class:`_CannotName` naming what of the block the family's
+    checkpoint cannot express (its config read back as :func:`load_moe_layer` reads it)."""
     arch, architecture = SAVE_MODEL_TYPES[model_type]
+    c, gate = block.config, block.layer.shared_expert_gate
+    if block.router_bias is not None and arch != "gpt_oss":
+        raise _CannotName("a router bias (router_bias) is gpt-oss's only")
+    if gate is not None and tuple(gate[...].shape) != (1, c.hidden_size):
+        raise _CannotName(f"layer.shared_expert_gate must be [1, H] (Qwen3-Next's shared_expert_gate.weight); got "
+                          f"{list(gate[...].shape)}: per-slot gates have no checkpoint name")
     if c.quant == "fp8_block" and _ARCHS[arch].fused_in_by_out:
         raise _CannotName("quant='fp8_block' has no checkpoint format here (fused experts in-by-out)")
     if c.quant == "mxfp4" and arch != "gpt_oss":
@@ -185,8 +191,8 @@ def _block_config_json(op: str, c: MoEConfig, model_type: str, layer: int, base:
         value = getattr(c, field)
         if field == "activation":
             if value not in _HIDDEN_ACT:
-                raise _CannotName(f"its hidden_act is one of {sorted(_HIDDEN_ACT)} (transformers' names); the block has "
-                                  f"activation={value!r}")
+                raise _CannotName(f"its hidden_act is one of {sorted(_HIDDEN_ACT)} (transformers' names); the block "
+                                  f"has activation={value!r}")
             value = _HIDDEN_ACT[value]
         keys[key] = value
     if A.biased:  # DeepseekV3TopkRouter: sigmoid scores, noaux_tc (the loader refuses other values)
@@ -209,7 +215,7 @@ def _block_config_json(op: str, c: MoEConfig, model_type: str, layer: int, base:
         raw[name] = value
     # what transformers needs beyond the layer: enough decoder layers, and layer `layer` an MoE one
     raw.setdefault("architectures", [architecture])
-    raw.setdefault("dtype", expert_dtype if c.quant == "none" else "bfloat16")
+    raw.setdefault("dtype", dtype_name(block.layer.w13[...]) if c.quant == "none" else "bfloat16")
     raw.setdefault("num_hidden_layers", layer + 1)
     if raw["num_hidden_layers"] <= layer:
         raise ValueError(f"{op}: hf_config['num_hidden_layers']={raw['num_hidden_layers']} has no layer {layer}; it "
@@ -318,16 +324,17 @@ def save_nnx_moe_block(
     ``mlp.experts.gate_up_proj [E, 2*I, H]`` (``w13[:E]``), ``mlp.experts.down_proj [E, H, I]`` (``w2[:E]``);
     DeepSeek-V3 / GLM-4.5 ``mlp.gate.e_score_correction_bias [E]`` float32 and ``mlp.shared_experts.{gate_proj,
     up_proj}.weight [S*I, H]`` / ``down_proj.weight [H, S*I]`` (the ``S`` fused shared experts joined: rows
-    ``j*I:(j+1)*I`` are shared expert ``j``'s); Qwen3-Next ``mlp.shared_expert.*`` and ``mlp.shared_expert_gate.weight
-    [1, H]``; Llama 4 (``llama4_text``) ``model.layers.L.feed_forward.router.weight``, ``feed_forward.experts.gate_up_proj
-    [E, H, 2*I]`` / ``down_proj [E, I, H]`` (in-by-out) and ``feed_forward.shared_expert.*`` (``S = 1``); gpt-oss
-    ``mlp.router.weight`` / ``mlp.router.bias [E]`` (float32), ``mlp.experts.gate_up_proj [E, H, 2*I]`` (interleaved gate /
-    up columns) / ``down_proj [E, I, H]``, ``mlp.experts.gate_up_proj_bias [E, 2*I]`` / ``down_proj_bias [E, H]``. Float
-    tensors keep their dtype. FP8 (``quant='fp8_block'``, DeepSeek-V3's format; not for the in-by-out families): the
-    float8_e4m3fn codes under the same names, with ``experts.gate_up_proj_scale_inv [E, 2*I/128, ceil(H/128)]``,
-    ``experts.down_proj_scale_inv`` and ``shared_experts.*.weight_scale_inv`` (float32 multipliers; ``I % 128 == 0``).
-    MXFP4 (gpt-oss, ``quant='mxfp4'``): ``experts.gate_up_proj_blocks [E, 2*I, H/32, 16]`` / ``_scales [E, 2*I, H/32]``
-    uint8, ``down_proj_blocks`` / ``_scales``, the layer's codes and e8m0 scales bit for bit.
+    ``j*I:(j+1)*I`` are shared expert ``j``'s); Qwen3-Next ``mlp.shared_expert.*`` and
+    ``mlp.shared_expert_gate.weight [1, H]``; Llama 4 (``llama4_text``) ``model.layers.L.feed_forward.router.weight``,
+    ``feed_forward.experts.gate_up_proj [E, H, 2*I]`` / ``down_proj [E, I, H]`` (in-by-out) and
+    ``feed_forward.shared_expert.*`` (``S = 1``); gpt-oss ``mlp.router.weight`` / ``mlp.router.bias [E]`` (float32),
+    ``mlp.experts.gate_up_proj [E, H, 2*I]`` (interleaved gate / up columns) / ``down_proj [E, I, H]``,
+    ``mlp.experts.gate_up_proj_bias [E, 2*I]`` / ``down_proj_bias [E, H]``. Float tensors keep their dtype. FP8
+    (``quant='fp8_block'``, DeepSeek-V3's format; not for the in-by-out families): the float8_e4m3fn codes under the
+    same names, with ``experts.gate_up_proj_scale_inv [E, 2*I/128, ceil(H/128)]``, ``experts.down_proj_scale_inv``
+    and ``shared_experts.*.weight_scale_inv`` (float32 multipliers; ``I % 128 == 0``). MXFP4 (gpt-oss,
+    ``quant='mxfp4'``): ``experts.gate_up_proj_blocks [E, 2*I, H/32, 16]`` / ``_scales [E, 2*I, H/32]`` uint8,
+    ``down_proj_blocks`` / ``_scales``, the layer's codes and e8m0 scales bit for bit.
 
     Round trips: ``load_nnx_moe_block(path, layer)`` returns the same block (every array bit for bit, the same config
     but for the fields that say how the layer computes: ``implementation``, ``apply_routed_scaling_factor_on_output``,
@@ -368,35 +375,37 @@ def save_nnx_moe_block(
 
     op = "save_nnx_moe_block"
     if not isinstance(block, MoEBlock):
-        raise TypeError(f"{op}: block must be a moe_pallas.MoEBlock; got {type(block).__module__}.{type(block).__name__}")
+        raise TypeError(f"{op}: block must be a moe_pallas.MoEBlock; got "
+                        f"{type(block).__module__}.{type(block).__name__}")
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise ValueError(f"{op}: layer must be an int >= 0 (the decoder layer index); got layer={layer!r}")
     if hf_config is not None and not isinstance(hf_config, dict):
-        raise TypeError(f"{op}: hf_config must be None or a dict (a config.json's keys); got {type(hf_config).__name__}")
+        raise TypeError(f"{op}: hf_config must be None or a dict (a config.json's keys); got "
+                        f"{type(hf_config).__name__}")
     if model_type is not None and model_type not in SAVE_MODEL_TYPES:
-        raise ValueError(f"{op}: model_type must be None or one of {tuple(SAVE_MODEL_TYPES)}; got model_type={model_type!r}")
+        raise ValueError(f"{op}: model_type must be None or one of {tuple(SAVE_MODEL_TYPES)}; got "
+                         f"model_type={model_type!r}")
     c = block.config
     if c.ep_size != 1:
-        raise ValueError(f"{op}: block must hold the whole layer (ep_size=1); got ep_size={c.ep_size} (rank {c.ep_rank}'s "
-                         f"experts only): gather every rank's experts into one block first")
+        raise ValueError(f"{op}: block must hold the whole layer (ep_size=1); got ep_size={c.ep_size} (rank "
+                         f"{c.ep_rank}'s experts only): gather every rank's experts into one block first")
     if c.quant not in _QUANTIZATION_CONFIGS:
-        raise NotImplementedError(f"{op}: block.config.quant must be one of {tuple(_QUANTIZATION_CONFIGS)} (the checkpoint "
-                                  f"formats read back: float, DeepSeek-V3's 128x128 block FP8, gpt-oss's MXFP4); got "
-                                  f"quant={c.quant!r}")
+        raise NotImplementedError(f"{op}: block.config.quant must be one of {tuple(_QUANTIZATION_CONFIGS)} (the "
+                                  f"checkpoint formats read back: float, DeepSeek-V3's 128x128 block FP8, gpt-oss's "
+                                  f"MXFP4); got quant={c.quant!r}")
     base = {} if hf_config is None else dict(hf_config)
     if model_type is None and base.get("model_type") in SAVE_MODEL_TYPES:  # the caller's model says which family
         model_type = base["model_type"]
-    expert_dtype = dtype_name(block.layer.w13[...])
     if model_type is not None:
         try:
-            fits = {model_type: _block_config_json(op, c, model_type, layer, base, expert_dtype)}
+            fits = {model_type: _block_config_json(op, block, model_type, layer, base)}
         except _CannotName as exc:
             raise NotImplementedError(f"{op}: a {model_type} checkpoint cannot name this block: {exc}") from None
     else:
         fits, why = {}, {}
         for name in SAVE_MODEL_TYPES:
             try:
-                fits[name] = _block_config_json(op, c, name, layer, base, expert_dtype)
+                fits[name] = _block_config_json(op, block, name, layer, base)
             except (_CannotName, ValueError) as exc:
                 why[name] = str(exc)
         if not fits:
@@ -410,13 +419,6 @@ def save_nnx_moe_block(
                              f"config.json model_type, which decides how transformers reads the folder)")
     (model_type, raw), = fits.items()
     arch = SAVE_MODEL_TYPES[model_type][0]
-    if block.router_bias is not None and arch != "gpt_oss":  # unreachable through _block_config_json: a guard
-        raise NotImplementedError(f"{op}: a router bias is gpt-oss's only; got model_type={model_type!r}")
-    if (block.layer.shared_expert_gate is not None
-            and tuple(block.layer.shared_expert_gate[...].shape) != (1, c.hidden_size)):
-        raise NotImplementedError(f"{op}: layer.shared_expert_gate must be [1, H] (Qwen3-Next's shared_expert_gate."
-                                  f"weight); got {list(block.layer.shared_expert_gate[...].shape)}: per-slot gates have "
-                                  f"no checkpoint name")
     tensors = _block_tensors(c, block, arch, layer)
     os.makedirs(path, exist_ok=True)
     targets = [os.path.join(path, n) for n in ("model.safetensors", "config.json")]
@@ -425,8 +427,8 @@ def save_nnx_moe_block(
     if others:  # load_moe_layer would read them with ours
         raise FileExistsError(f"{op}: {path!r} holds other checkpoint files {others}; save into an empty folder")
     if not overwrite and any(os.path.exists(t) for t in targets):
-        raise FileExistsError(f"{op}: {path!r} already has {[os.path.basename(t) for t in targets if os.path.exists(t)]}; "
-                              f"pass overwrite=True or another folder")
+        there = [os.path.basename(t) for t in targets if os.path.exists(t)]
+        raise FileExistsError(f"{op}: {path!r} already has {there}; pass overwrite=True or another folder")
     from safetensors.torch import save_file
 
     save_file({k: _torch_cpu(v) for k, v in tensors.items()}, targets[0], metadata={"format": "pt"})

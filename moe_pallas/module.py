@@ -48,7 +48,8 @@ import numpy as np
 from flax import nnx
 
 from moe_contract.config import MoEConfig
-from moe_contract.inputs import check_seed, draw_expert_biases, draw_preset_weights, draw_router, draw_shared_expert_gate
+from moe_contract.inputs import (check_seed, draw_expert_biases, draw_preset_weights, draw_router,
+                                  draw_shared_expert_gate)
 from moe_contract.op_checks import check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
@@ -479,7 +480,8 @@ class MoEBlock(nnx.Module):
         c, dtype = layer.config, jnp.dtype(dtype_name(dtype))
         weight, bias = draw_router(c, seed)
         weight = jnp.asarray(weight).astype(jnp.float32 if c.routing == "biased_grouped_topk" else dtype)
-        bias = None if bias is None else jnp.asarray(bias).astype(dtype).astype(jnp.float32)  # the value a dtype model holds
+        # gpt-oss's router bias: the value a dtype model holds, in float32 (as load_nnx_moe_block gives it)
+        bias = None if bias is None else jnp.asarray(bias).astype(dtype).astype(jnp.float32)
         return cls(weight, layer, router_bias=bias)
 
     @property

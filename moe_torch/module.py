@@ -44,7 +44,8 @@ from __future__ import annotations
 import torch
 
 from moe_contract.config import MoEConfig
-from moe_contract.inputs import check_seed, draw_expert_biases, draw_preset_weights, draw_router, draw_shared_expert_gate
+from moe_contract.inputs import (check_seed, draw_expert_biases, draw_preset_weights, draw_router,
+                                  draw_shared_expert_gate)
 from moe_contract.op_checks import check_router_loss_option, check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
@@ -611,7 +612,8 @@ class MoESharedMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.gate_proj(x)
-        act = torch.nn.functional.silu(g) if self.activation == "silu" else torch.nn.functional.gelu(g, approximate="tanh")
+        F = torch.nn.functional
+        act = F.silu(g) if self.activation == "silu" else F.gelu(g, approximate="tanh")
         return self.down_proj(act * self.up_proj(x))
 
     def extra_repr(self) -> str:
@@ -690,7 +692,8 @@ class MoEBlock(torch.nn.Module):
         super().__init__()
         op = "MoEBlock"
         if not isinstance(layer, EPMoE):
-            raise TypeError(f"{op}: layer must be a moe_torch.EPMoE; got {type(layer).__module__}.{type(layer).__name__}")
+            raise TypeError(f"{op}: layer must be a moe_torch.EPMoE; got "
+                            f"{type(layer).__module__}.{type(layer).__name__}")
         require_torch_tensors(op, dict(router_weight=router_weight))
         c = layer.config
         E, H, I, S = c.num_experts, c.hidden_size, c.intermediate_size, c.num_fused_shared_experts
@@ -708,22 +711,23 @@ class MoEBlock(torch.nn.Module):
                              f"process_group={layer.process_group!r}, ep_mode={layer.ep_mode!r}. Under EP, give each "
                              f"rank an EPMoE with its process_group and compute the router logits beside it")
         if c.quant not in BLOCK_QUANTS:
-            raise NotImplementedError(f"{op}: layer.config.quant must be one of {BLOCK_QUANTS} (float or FP8 experts, as "
-                                      f"transformers' blocks hold them); got quant={c.quant!r}: a 4-bit layer is EPMoE")
+            raise NotImplementedError(f"{op}: layer.config.quant must be one of {BLOCK_QUANTS} (float or FP8 experts, "
+                                      f"as transformers' blocks hold them); got quant={c.quant!r}: a 4-bit layer is "
+                                      f"EPMoE")
         if c.quant != "none" and S:
-            raise ValueError(f"{op}: an FP8 layer (quant={c.quant!r}) with S={S} fused shared experts: their FP8 codes have "
-                             f"no place in the block's float shared MLP; build it with MoEBlock.from_float(config, "
-                             f"router_weight, w13, w2, ...) from float weights (the routed experts are quantized, the "
-                             f"shared MLP stays float, as transformers' FP8 blocks keep it)")
+            raise ValueError(f"{op}: an FP8 layer (quant={c.quant!r}) with S={S} fused shared experts: their FP8 codes "
+                             f"have no place in the block's float shared MLP; build it with "
+                             f"MoEBlock.from_float(config, router_weight, w13, w2, ...) from float weights (the routed "
+                             f"experts are quantized, the shared MLP stays float, as transformers' FP8 blocks keep it)")
         if S and (c.expert_bias or c.activation not in ("silu", "gelu_tanh")):
             raise NotImplementedError(f"{op}: shared experts with expert biases or activation={c.activation!r}: "
                                       f"transformers' shared MLPs have no biases and silu / gelu_tanh; got "
                                       f"expert_bias={c.expert_bias}, S={S}")
         gate_w = layer.shared_expert_gate
         if gate_w is not None and gate_w.shape[0] != 1:
-            raise NotImplementedError(f"{op}: layer.shared_expert_gate must be [1, H] (Qwen3-Next's shared_expert_gate."
-                                      f"weight, one gate for the shared MLP); got [S, H] = {list(gate_w.shape)}: per-slot "
-                                      f"gates have no transformers block")
+            raise NotImplementedError(f"{op}: layer.shared_expert_gate must be [1, H] (Qwen3-Next's "
+                                      f"shared_expert_gate.weight, one gate for the shared MLP); got [S, H] = "
+                                      f"{list(gate_w.shape)}: per-slot gates have no transformers block")
         for name, t in (("router_weight", router_weight), ("router_bias", router_bias)):
             if t is not None and t.device != layer.w13.device:
                 raise ValueError(f"{op}: {name} must be on the layer's device ({layer.w13.device}); got "
@@ -820,12 +824,12 @@ class MoEBlock(torch.nn.Module):
         block = cls(router_weight, layer, router_bias=router_bias)
         if config.quant != "none":  # the routed experts only: the shared MLP stays float
             ex = block.experts
-            q13, s13, q2, s2 = quantize_layer_weights(ex.w13.detach().contiguous(), ex.w2.detach().contiguous(),
-                                                      config.replace(num_fused_shared_experts=0, shared_expert_gate=False))
+            routed = config.replace(num_fused_shared_experts=0, shared_expert_gate=False)
+            q13, s13, q2, s2 = quantize_layer_weights(ex.w13.detach().contiguous(), ex.w2.detach().contiguous(), routed)
             biases = dict(gate_up_proj_bias=ex.gate_up_proj_bias, down_proj_bias=ex.down_proj_bias)
             block.experts = HFExperts(q13, q2, s13, s2, **biases)
             block.config = config
-            block._routed_config = config.replace(num_fused_shared_experts=0, shared_expert_gate=False)
+            block._routed_config = routed
         return block
 
     @classmethod
@@ -886,9 +890,9 @@ class MoEBlock(torch.nn.Module):
         rw, rb = draw_router(config, seed)
         rw = torch.from_numpy(rw).to(device, torch.float32 if config.routing == "biased_grouped_topk" else dtype)
         rb = None if rb is None else torch.from_numpy(rb).to(device, dtype).float()  # the value a dtype model holds
-        return cls.from_float(config, rw, w13, w2, router_bias=rb, w13_bias=b13, w2_bias=b2, e_score_correction_bias=bias,
-                              shared_expert_gate=gate, implementation=implementation, trainable=trainable,
-                              recompute=recompute)
+        return cls.from_float(config, rw, w13, w2, router_bias=rb, w13_bias=b13, w2_bias=b2,
+                              e_score_correction_bias=bias, shared_expert_gate=gate, implementation=implementation,
+                              trainable=trainable, recompute=recompute)
 
     @classmethod
     def from_hf_block(
@@ -925,9 +929,9 @@ class MoEBlock(torch.nn.Module):
         b = read_block(block, op)
         router_bias = getattr(b.gate, "bias", None) if b.name == "GptOssMLP" else None
         router_bias = None if router_bias is None else router_bias.detach().float()
-        return cls.from_float(config, b.gate.weight.detach(), w13, w2, router_bias=router_bias, w13_bias=b13, w2_bias=b2,
-                              e_score_correction_bias=bias, shared_expert_gate=gate, implementation=implementation,
-                              trainable=trainable, recompute=recompute)
+        return cls.from_float(config, b.gate.weight.detach(), w13, w2, router_bias=router_bias, w13_bias=b13,
+                              w2_bias=b2, e_score_correction_bias=bias, shared_expert_gate=gate,
+                              implementation=implementation, trainable=trainable, recompute=recompute)
 
     def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states [B, S, H]`` (or ``[T, H]``) -> ``router_logits [B*S, E]`` in the router weight's dtype:

@@ -107,7 +107,7 @@ def test_equals_transformers_block(family):
     back = hf_block(family, seed=9)  # and back: transformers' block loads ours
     back.load_state_dict(block.state_dict())
     with torch.no_grad():
-        assert_exact(hf_out(back, x), ref, f"{family}: transformers' block after load_state_dict(MoEBlock.state_dict())")
+        assert_exact(hf_out(back, x), ref, f"{family}: transformers' block after load_state_dict(ours)")
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
@@ -239,7 +239,8 @@ def test_bad_constructions_raise_clear_errors():
     layer = EPMoE.from_preset("tiny", dtype=torch.float32)  # DeepSeek-V3's routing, E=16, H=256, a shared expert
     E, H = layer.config.num_experts, layer.config.hidden_size
     w = torch.zeros(E, H)
-    with pytest.raises(TypeError, match="MoEBlock: layer must be a moe_torch.EPMoE; got torch.nn.modules.linear.Linear"):
+    with pytest.raises(TypeError, match="MoEBlock: layer must be a moe_torch.EPMoE; got "
+                                        "torch.nn.modules.linear.Linear"):
         MoEBlock(w, torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"MoEBlock: router_weight must be a torch.Tensor .*numpy.ndarray"):
         MoEBlock(w.numpy(), layer)
@@ -250,7 +251,8 @@ def test_bad_constructions_raise_clear_errors():
     with pytest.raises(ValueError, match=r"MoEBlock: router_bias must be \[E\] = \(16,\) float32 .*got "
                                          r"router_bias.shape=\(15,\)"):
         MoEBlock(w, layer, router_bias=torch.zeros(15))
-    with pytest.raises(TypeError, match="MoEBlock: router_bias must have dtype float32; got router_bias.dtype=bfloat16"):
+    with pytest.raises(TypeError, match="MoEBlock: router_bias must have dtype float32; got "
+                                        "router_bias.dtype=bfloat16"):
         MoEBlock(w, layer, router_bias=torch.zeros(E, dtype=torch.bfloat16))
     rank0 = EPMoE.from_preset("tiny", dtype=torch.float32, ep_size=2, ep_rank=0)
     with pytest.raises(ValueError, match="MoEBlock: layer must hold the whole layer .*got ep_size=2"):
@@ -265,7 +267,8 @@ def test_bad_constructions_raise_clear_errors():
                                                   r"'fp8_per_token', 'fp8_block'\).*got quant='mxfp4'"):
         MoEBlock(torch.zeros(8, 64), EPMoE.from_preset("gpt-oss-20b", hidden_size=64, intermediate_size=64,
                                                        num_experts=8, quant="mxfp4"))
-    with pytest.raises(NotImplementedError, match="MoEBlock.from_float: config.quant must be one of .*got quant='int4'"):
+    with pytest.raises(NotImplementedError,
+                       match="MoEBlock.from_float: config.quant must be one of .*got quant='int4'"):
         MoEBlock.from_preset("tiny", quant="int4")
     with pytest.raises(NotImplementedError, match=r"MoEBlock.from_hf_block: block must be one of transformers' .*"
                                                   r"torch.nn.modules.linear.Linear"):

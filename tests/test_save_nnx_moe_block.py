@@ -125,8 +125,8 @@ def test_blocks_no_family_can_name(tmp_path):
     assert msg.startswith("save_nnx_moe_block: no transformers family's checkpoint can name this block "
                           "('grouped_topk' routing")
     assert "deepseek_v3: it reads back with routing='biased_grouped_topk'" in msg and "qwen3_moe:" in msg
-    with pytest.raises(NotImplementedError, match="save_nnx_moe_block: a deepseek_v3 checkpoint cannot name this block: "
-                                                  "it reads back with routing='biased_grouped_topk'"):
+    with pytest.raises(NotImplementedError, match="save_nnx_moe_block: a deepseek_v3 checkpoint cannot name this "
+                                                  "block: it reads back with routing='biased_grouped_topk'"):
         save_nnx_moe_block(v2, folder, model_type="deepseek_v3")
     rsf = moe_pallas.MoEBlock.from_preset("qwen3-30b-a3b", dtype=jnp.float32, hidden_size=64, intermediate_size=32,
                                           num_experts=8, routed_scaling_factor=2.5)
@@ -134,6 +134,10 @@ def test_blocks_no_family_can_name(tmp_path):
                                                   r"it reads back with routed_scaling_factor=1.0 .*the block has "
                                                   r"routed_scaling_factor=2.5"):
         save_nnx_moe_block(rsf, folder, model_type="qwen3_moe")
+    biased = moe_pallas.MoEBlock(rsf.router_weight[...], rsf.layer, router_bias=jnp.zeros(8, jnp.float32))
+    with pytest.raises(NotImplementedError, match=r"a qwen3_moe checkpoint cannot name this block: a router bias "
+                                                  r"\(router_bias\) is gpt-oss's only"):
+        save_nnx_moe_block(biased, folder, model_type="qwen3_moe")
     llama4_fp8 = moe_pallas.MoEBlock.from_preset("llama4-scout", hidden_size=128, intermediate_size=128, num_experts=8,
                                                  quant="fp8_block")
     with pytest.raises(NotImplementedError, match="quant='fp8_block' has no checkpoint format here"):
@@ -168,7 +172,8 @@ def test_bad_arguments(tmp_path):
                                          r"ep_size=2"):
         save_nnx_moe_block(shard, folder, model_type="deepseek_v3")
     save_nnx_moe_block(block, folder, model_type="deepseek_v3")
-    with pytest.raises(FileExistsError, match=r"already has \['model.safetensors', 'config.json'\]; pass overwrite=True"):
+    with pytest.raises(FileExistsError,
+                       match=r"already has \['model.safetensors', 'config.json'\]; pass overwrite=True"):
         save_nnx_moe_block(block, folder, model_type="deepseek_v3")
     save_nnx_moe_block(block, folder, model_type="glm4_moe", overwrite=True)
     assert json.load(open(os.path.join(folder, "config.json")))["model_type"] == "glm4_moe"
