@@ -194,3 +194,19 @@ def draw_expert_biases(config: MoEConfig, seed: int) -> tuple[np.ndarray, np.nda
     b13 = rng.standard_normal((E_all, 2 * I), dtype=np.float32) * half
     b2 = rng.standard_normal((E_all, H), dtype=np.float32) * half
     return b13.astype(np.float32), b2.astype(np.float32)
+
+
+def draw_router(config: MoEConfig, seed: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """The router of a block of ``config`` (transformers' ``gate.weight``, gpt-oss's ``router.weight`` and
+    ``router.bias``): ``(weight [E, H] float32 ~ N(0, 1/H), bias [E] float32 ~ N(0, 1/4) or None)`` from
+    ``default_rng((seed, 17))`` (its own generator: the layer's draws are unchanged). The bias is drawn for a
+    ``config.expert_bias`` layer only (gpt-oss's ``GptOssTopKRouter`` is the one router with a bias). With
+    ``x ~ N(0, 1)`` the logits are O(1) and spread, so the top-k is not a near tie. Both packages'
+    ``MoEBlock.from_preset`` draw it here (the same bits)."""
+    E, H = config.num_experts, config.hidden_size
+    rng = np.random.default_rng((seed, 17))
+    weight = (rng.standard_normal((E, H), dtype=np.float32) * np.float32(1.0 / np.sqrt(H))).astype(np.float32)
+    bias = None
+    if config.expert_bias:
+        bias = (rng.standard_normal((E,), dtype=np.float32) * np.float32(0.5)).astype(np.float32)
+    return weight, bias

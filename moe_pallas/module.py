@@ -48,7 +48,8 @@ import numpy as np
 from flax import nnx
 
 from moe_contract.config import MoEConfig
-from moe_contract.inputs import check_seed, draw_expert_biases, draw_preset_weights, draw_shared_expert_gate
+from moe_contract.inputs import (check_seed, draw_expert_biases, draw_preset_weights, draw_router,
+                                  draw_shared_expert_gate)
 from moe_contract.op_checks import check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
@@ -430,9 +431,10 @@ class MoEBlock(nnx.Module):
       not a :class:`MoELayer`), ValueError (``router_weight`` not ``[E, H]``, ``router_bias`` not ``[E]`` of the
       layer's config), on the host, before anything is stored.
 
-    The torch counterpart is ``moe_torch.HFMoEBlock`` (``moe_torch/hf.py``), which ``moe_torch.patch_hf_model``
-    puts in place of a transformers block (it keeps transformers' router module, ``GptOssTopKRouter``'s bias
-    included); this one is built from a checkpoint instead. ``moe_torch/module.py`` has no block class.
+    The torch twin is ``moe_torch.MoEBlock`` (``moe_torch/module.py``: the same constructor and output, its weights
+    under transformers' names, the shared experts as transformers' MLP); ``moe_torch.HFMoEBlock`` (``moe_torch/hf.py``)
+    is what ``moe_torch.patch_hf_model`` puts in place of a transformers block. This one is built from a checkpoint
+    (:func:`interop.hf_jax.load_nnx_moe_block`, saved back by :func:`interop.hf_jax.save_nnx_moe_block`) or a preset.
     """
 
     def __init__(self, router_weight: jax.Array, layer: MoELayer, *, router_bias: jax.Array | None = None) -> None:
@@ -452,6 +454,35 @@ class MoEBlock(nnx.Module):
         self.router_weight = nnx.Param(router_weight)
         self.router_bias = None if router_bias is None else nnx.Param(router_bias)
         self.layer = layer
+
+    @classmethod
+    def from_preset(
+        cls,
+        name: str,
+        *,
+        seed: int = 0,
+        dtype=jnp.bfloat16,
+        implementation: str | None = None,
+        trainable: bool = True,
+        recompute: bool = False,
+        **config_overrides,
+    ) -> "MoEBlock":
+        """A block of preset ``name`` with random weights: the layer :meth:`MoELayer.from_preset` with the same
+        arguments, the router :func:`moe_contract.inputs.draw_router` (``[E, H]`` ~ N(0, 1/H), cast to ``dtype``, but
+        float32 for ``biased_grouped_topk``, whose router transformers keeps in float32; gpt-oss's ``router_bias [E]``
+        rounded to ``dtype`` and held in float32). ``moe_torch.MoEBlock.from_preset`` with the same arguments holds
+        the same bits (float blocks; an FP8 one there keeps its shared experts float).
+
+        Raises: as :meth:`MoELayer.from_preset`.
+        """
+        layer = MoELayer.from_preset(name, seed=seed, dtype=dtype, implementation=implementation, trainable=trainable,
+                                     recompute=recompute, **config_overrides)
+        c, dtype = layer.config, jnp.dtype(dtype_name(dtype))
+        weight, bias = draw_router(c, seed)
+        weight = jnp.asarray(weight).astype(jnp.float32 if c.routing == "biased_grouped_topk" else dtype)
+        # gpt-oss's router bias: the value a dtype model holds, in float32 (as load_nnx_moe_block gives it)
+        bias = None if bias is None else jnp.asarray(bias).astype(dtype).astype(jnp.float32)
+        return cls(weight, layer, router_bias=bias)
 
     @property
     def config(self) -> MoEConfig:

@@ -1,9 +1,9 @@
 """PyTorch side of the EP-MoE pipeline: per-stage ops (a torch reference and a Triton kernel for each
 stage, ``implementation="triton"``), the layer (``moe_forward``), torch.distributed expert parallelism
-(``ep_moe_forward``), the module (``EPMoE``), transformers' MoE blocks served by it (``patch_hf_model``,
-``moe_torch/hf.py``, torch only) and transformers' ``ExpertsInterface`` served by the layer
-(``register_transformers``: ``experts_implementation="epmoe"``, ``moe_torch/hf_experts.py``). Mirrors
-``moe_pallas`` file for file; never imports it.
+(``ep_moe_forward``), the modules (``EPMoE``; ``MoEBlock``: router + experts under transformers' names),
+transformers' MoE blocks served by it (``patch_hf_model``, ``moe_torch/hf.py``, torch only) and transformers'
+``ExpertsInterface`` served by the layer (``register_transformers``: ``experts_implementation="epmoe"``,
+``moe_torch/hf_experts.py``). Mirrors ``moe_pallas`` file for file; never imports it.
 
 Under ``TRITON_INTERPRET=1`` (set before triton is imported) the Triton kernels run on CPU tensors,
 exactly: ``moe_torch/ops/triton_interpret.py`` fixes triton 3.6's interpreter's casts and dots."""
@@ -14,7 +14,7 @@ from moe_torch.ep import ep_moe_forward
 from moe_torch.hf import HFMoEBlock, patch_hf_model
 from moe_torch.hf_experts import experts_forward, register_transformers
 from moe_torch.layer import local_weights, moe_forward, quantize_layer_weights
-from moe_torch.module import EPMoE
+from moe_torch.module import EPMoE, MoEBlock
 from moe_torch.ops.activation.api import (
     act_and_mul,
     act_and_mul_backward,
@@ -41,7 +41,8 @@ from moe_torch.ops.quant.api import (
 )
 
 __all__ = [
-    "EPMoE", "HFMoEBlock", "MoEConfig", "PRESETS", "RouterLosses", "RoutingMetadata", "act_and_mul", "act_and_mul_backward", "combine",
+    "EPMoE", "HFMoEBlock", "MoEBlock", "MoEConfig", "PRESETS", "RouterLosses", "RoutingMetadata", "act_and_mul",
+    "act_and_mul_backward", "combine",
     "combine_backward", "dequantize_fp8",
     "dequantize_weight_fp8", "dequantize_weight_int4", "dequantize_weight_mxfp4", "drop_over_capacity", "ep_moe_forward",
     "experts_forward", "gelu_tanh_and_mul", "get_preset", "grouped_gemm", "grouped_gemm_dbias", "grouped_gemm_dgrad", "grouped_gemm_wgrad",

@@ -32,6 +32,9 @@ data-dependent shapes), so it can be captured in a CUDA graph with ``implementat
 (or ``None`` on CUDA tensors). With a ``process_group`` it runs the whole layer through
 :mod:`moe_torch.ep` (``ep_mode="all_to_all"`` syncs with the host once per call).
 
+:class:`MoEBlock` adds the router of a transformers sparse-MoE block (``[B, S, H]`` hidden states in and out), its
+weights under that block's names (``gate.weight``, ``experts.gate_up_proj``, ...: ``load_state_dict`` both ways).
+
 Mirror: ``moe_pallas/module.py``.
 """
 
@@ -41,8 +44,9 @@ from __future__ import annotations
 import torch
 
 from moe_contract.config import MoEConfig
-from moe_contract.inputs import check_seed, draw_expert_biases, draw_preset_weights, draw_shared_expert_gate
-from moe_contract.op_checks import check_select_experts
+from moe_contract.inputs import (check_seed, draw_expert_biases, draw_preset_weights, draw_router,
+                                  draw_shared_expert_gate)
+from moe_contract.op_checks import check_router_loss_option, check_select_experts
 from moe_contract.presets import get_preset
 from moe_contract.validation import (
     FLOAT_DTYPES,
@@ -60,7 +64,7 @@ from moe_contract.validation import (
     dtype_name,
 )
 from moe_torch.ep import EP_MODES, ep_moe_forward
-from moe_torch.hf import block_layer_weights
+from moe_torch.hf import HF_QUANTS, HFExperts, block_layer_weights, read_block
 from moe_torch.layer import LAYER_IMPLEMENTATIONS, local_weights, moe_forward, quantize_layer_weights
 from moe_torch.ops.common import check_torch_tensors
 from moe_torch.ops.dispatch import check_implementation
@@ -531,3 +535,465 @@ class EPMoE(torch.nn.Module):
                 + ("" if c.capacity_factor is None else f"capacity_factor={c.capacity_factor}, ")
                 + f"implementation={self.implementation!r}, trainable={self.trainable}, recompute={self.recompute}"
                 + ("" if self.process_group is None and self.ep_mode is None else f", ep_mode={self.ep_mode or 'replicated'!r}"))
+
+
+# --------------------------------------------------------------------------------------
+# The block: router + experts under transformers' names
+
+
+#: The ``quant`` modes a :class:`MoEBlock` holds: float experts, or FP8 codes with their ``*_scale_inv`` (transformers'
+#: FP8 experts' names); 4-bit codes have no transformers block layout here (the 4-bit layer is :class:`EPMoE`).
+BLOCK_QUANTS = HF_QUANTS
+
+
+def _in_by_out(config: MoEConfig, router_bias) -> bool:
+    """Llama 4 (``apply_router_weight_on_input``) and gpt-oss (a router bias, expert biases) store their float experts
+    in-by-out (``[E, H, 2*I]`` / ``[E, I, H]``) and call their router ``router``; every other family ``gate``."""
+    return config.apply_router_weight_on_input or config.expert_bias or router_bias is not None
+
+
+class MoERouter(torch.nn.Module):
+    """A transformers sparse-MoE router under its names (no top-k of its own: the layer selects).
+
+    State: ``weight [E, H]`` ``nn.Parameter`` (float32 / bf16 / float16; ``gate.weight`` / ``router.weight``),
+    ``bias [E]`` float32 ``nn.Parameter`` (gpt-oss's ``GptOssTopKRouter.bias``, else None), ``e_score_correction_bias
+    [E]`` float32 buffer (DeepSeek-V3's / GLM-4.5's ``DeepseekV3TopkRouter.e_score_correction_bias``, else None).
+
+    ``forward(x [T, H]) -> router_logits [T, E]`` in ``weight``'s dtype: ``x @ weight.T (+ bias)`` in float32 (exact
+    products of bf16 / float16 values, float32 accumulation), rounded once to ``weight``'s dtype, as
+    :meth:`moe_pallas.MoEBlock.router_logits` computes them.
+
+    Dtype casts of the module (``.to(dtype)``, ``.half()``) keep ``bias`` and ``e_score_correction_bias`` float32, and
+    ``weight`` too when there is an ``e_score_correction_bias`` (transformers keeps DeepSeek-V3's ``gate.weight`` in
+    float32: ``_keep_in_fp32_modules_strict``).
+
+    Source: ``huggingface/transformers@v5.24.0:src/transformers/models/deepseek_v3/modeling_deepseek_v3.py``
+    (``DeepseekV3TopkRouter``), ``.../gpt_oss/modeling_gpt_oss.py`` (``GptOssTopKRouter``).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 e_score_correction_bias: torch.Tensor | None = None, *, trainable: bool = True) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach(), requires_grad=trainable)
+        self.register_parameter("bias", None if bias is None else
+                                torch.nn.Parameter(bias.detach(), requires_grad=trainable))
+        self.register_buffer("e_score_correction_bias",
+                             None if e_score_correction_bias is None else e_score_correction_bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, f32 = self.weight, torch.float32
+        logits = torch.nn.functional.linear(x.to(f32), w.to(f32), None if self.bias is None else self.bias.to(f32))
+        return logits.to(w.dtype)
+
+    def _apply(self, fn, recurse=True):
+        kept = ("bias", "e_score_correction_bias") + (("weight",) if self.e_score_correction_bias is not None else ())
+        return super()._apply(keep_dtypes_fn(self, fn, kept), recurse)
+
+    def extra_repr(self) -> str:
+        E, H = self.weight.shape
+        return (f"E={E}, H={H}, dtype={dtype_name(self.weight)}" + (", bias=True" if self.bias is not None else "")
+                + (", e_score_correction_bias=True" if self.e_score_correction_bias is not None else ""))
+
+
+class MoESharedMLP(torch.nn.Module):
+    """The shared-expert MLP of a transformers block under its names: ``gate_proj`` / ``up_proj`` ``nn.Linear(H, S*I)``
+    and ``down_proj`` ``nn.Linear(S*I, H)``, no biases; ``forward(x [T, H]) -> down_proj(act(gate_proj(x)) *
+    up_proj(x))`` in ``x``'s dtype, ``act`` silu or gelu_tanh (``DeepseekV3MLP``, ``Qwen3NextMLP``, ``Llama4TextMLP``).
+    """
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: str, *,
+                 trainable: bool = True) -> None:
+        super().__init__()
+        self.activation = activation
+        for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+            linear.weight = torch.nn.Parameter(w.detach(), requires_grad=trainable)
+            self.add_module(name, linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate_proj(x)
+        F = torch.nn.functional
+        act = F.silu(g) if self.activation == "silu" else F.gelu(g, approximate="tanh")
+        return self.down_proj(act * self.up_proj(x))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
+
+
+class MoEBlock(torch.nn.Module):
+    """A transformers sparse-MoE block as a torch module: the router and the experts, ``[B, S, H] -> [B, S, H]``.
+
+    The torch twin of :class:`moe_pallas.MoEBlock` (the same constructor: a router weight ``[E, H]`` and the layer;
+    the same output), holding its weights under the names of the transformers block of its family, so that
+    ``block.load_state_dict(hf_block.state_dict())`` and the reverse work:
+
+    ==================================  ======================================================================
+    family (the layer's config)         state (transformers 5.24 names)
+    ==================================  ======================================================================
+    Mixtral, Qwen3-MoE (softmax)        ``gate.weight [E, H]``, ``experts.gate_up_proj [E, 2*I, H]``,
+                                        ``experts.down_proj [E, H, I]``
+    DeepSeek-V3, Kimi K2, GLM-4.5       the same, plus ``gate.e_score_correction_bias [E]`` (float32 buffer) and
+    (``biased_grouped_topk``)           ``shared_experts.{gate_proj,up_proj}.weight [S*I, H]``,
+                                        ``shared_experts.down_proj.weight [H, S*I]`` (S >= 1)
+    Qwen3-Next (``shared_expert_gate``) ``gate.*``, ``experts.*``, ``shared_expert.*`` (S*I) and
+                                        ``shared_expert_gate.weight [1, H]``
+    Llama 4                             ``router.weight [E, H]``, ``experts.gate_up_proj [E, H, 2*I]`` and
+    (``apply_router_weight_on_input``)  ``experts.down_proj [E, I, H]`` (in-by-out), ``shared_expert.*`` (S*I)
+    gpt-oss (``expert_bias``)           ``router.weight [E, H]``, ``router.bias [E]``, ``experts.gate_up_proj
+                                        [E, H, 2*I]`` (interleaved gate/up columns), ``experts.gate_up_proj_bias
+                                        [E, 2*I]``, ``experts.down_proj [E, I, H]``, ``experts.down_proj_bias [E, H]``
+    ==================================  ======================================================================
+
+    (``moe_torch/hf.py``'s docstring has the layouts.) The names follow the layer's config, not a family argument:
+    ``router`` and in-by-out experts for ``apply_router_weight_on_input`` or expert biases (else ``gate``),
+    ``shared_expert`` for ``shared_expert_gate`` or ``apply_router_weight_on_input`` (else ``shared_experts``). FP8
+    blocks hold float8_e4m3fn ``experts.gate_up_proj`` / ``experts.down_proj`` codes in the layer's ``[E, N, K]``
+    layout with float32 ``experts.gate_up_proj_scale_inv`` / ``experts.down_proj_scale_inv`` (transformers' FP8
+    experts' names); the router and the shared MLP stay float.
+
+    Forward, for ``hidden_states [B, S, H]`` (or ``[T, H]``): ``router_logits = router(x)`` (:meth:`router_logits`),
+    :func:`moe_torch.moe_forward` of the routed experts (the layer's routing, DeepSeek-V3's correction bias, Llama 4's
+    weight on the input, gpt-oss's expert biases), plus the shared MLP as the transformers block adds it: ``+
+    shared_experts(x)`` (DeepSeek-V3), ``+ sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (Qwen3-Next),
+    ``shared_expert(x) + routed`` (Llama 4). :class:`moe_pallas.MoEBlock` runs the shared experts as the layer's fused
+    shared experts instead: the same sum in another order (float32: within CONTRACT.md section 7's 1e-5). Returns the
+    hidden states (with ``return_router_losses=True`` also the router losses), for every family, as the JAX block
+    (transformers' ``Llama4TextMoe`` and ``GptOssMLP`` also return their router's logits / scores:
+    :meth:`router_logits` gives the logits). Mixtral's training-time
+    ``router_jitter_noise`` is not applied.
+
+    Args:
+      router_weight: ``[E, H]`` float32 / bf16 / float16 (``gate.weight``).
+      layer: an :class:`EPMoE` of the whole layer (``ep_size == 1``, no process group), float or FP8 (FP8 with no
+        shared experts: an FP8 layer's fused shared experts are codes, the block's shared MLP is float; build those
+        with :meth:`from_float`); its routed experts ``w13[:E]`` / ``w2[:E]`` become ``experts.*`` (views of the
+        layer's tensors, transposed copies for the in-by-out families), its fused shared experts ``w13[E:]`` /
+        ``w2[E:]`` the shared MLP (rows ``j*I:(j+1)*I`` of ``gate_proj`` / ``up_proj`` and those columns of
+        ``down_proj`` for shared expert ``j``: the inverse of :func:`moe_torch.hf.block_layer_weights`' split), its
+        ``e_score_correction_bias`` ``gate.e_score_correction_bias``, its ``shared_expert_gate [1, H]``
+        ``shared_expert_gate.weight``, its ``implementation`` and ``recompute`` the block's.
+      router_bias: ``None`` (every family but gpt-oss) or ``[E]`` float32 (``router.bias``): logits ``x @ W.T + b``.
+
+    Parameters are trainable (``requires_grad``) exactly when the layer's float weights are (an FP8 layer's: always,
+    as :class:`moe_pallas.MoEBlock`'s router is an ``nnx.Param``); FP8 codes, scales and the correction bias are
+    buffers. Gradients reach ``hidden_states``, the router, the float experts, the shared MLP and gate.
+
+    Raises: TypeError (not tensors, ``layer`` not an :class:`EPMoE`, dtypes), ValueError (``router_weight`` not
+      ``[E, H]``, ``router_bias`` not ``[E]``, ``ep_size > 1`` or a process group, an FP8 layer with shared experts),
+      NotImplementedError (what no transformers block holds: 4-bit codes, ``[S, H]`` per-slot shared gates with
+      ``S > 1``, shared experts with expert biases or ``swiglu_oai``), before anything is stored.
+
+    Source: ``huggingface/transformers@v5.24.0:src/transformers/models/{mixtral,qwen3_moe,deepseek_v3,glm4_moe,
+    qwen3_next,llama4,gpt_oss}/modeling_*.py`` (the blocks' module and parameter names). Mirror:
+    ``moe_pallas/module.py``'s ``MoEBlock``.
+    """
+
+    def __init__(self, router_weight: torch.Tensor, layer: EPMoE, *, router_bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        op = "MoEBlock"
+        if not isinstance(layer, EPMoE):
+            raise TypeError(f"{op}: layer must be a moe_torch.EPMoE; got "
+                            f"{type(layer).__module__}.{type(layer).__name__}")
+        require_torch_tensors(op, dict(router_weight=router_weight))
+        c = layer.config
+        E, H, I, S = c.num_experts, c.hidden_size, c.intermediate_size, c.num_fused_shared_experts
+        check_shape(op, "router_weight", router_weight, (E, H),
+                    f"[E, H] = ({E}, {H}) (the router of the layer's config)")
+        check_dtype(op, "router_weight", router_weight, FLOAT_DTYPES)
+        if router_bias is not None:  # gpt-oss: GptOssTopKRouter's bias, logits x @ W.T + b
+            require_torch_tensors(op, dict(router_bias=router_bias))
+            check_shape(op, "router_bias", router_bias, (E,),
+                        f"[E] = ({E},) float32 (the router's bias, one per expert of the layer's config)")
+            check_dtype(op, "router_bias", router_bias, ("float32",))
+        if c.ep_size != 1 or layer.process_group is not None or layer.ep_mode is not None:
+            raise ValueError(f"{op}: layer must hold the whole layer (ep_size=1, no process_group / ep_mode: the block "
+                             f"holds every expert under transformers' names); got ep_size={c.ep_size}, "
+                             f"process_group={layer.process_group!r}, ep_mode={layer.ep_mode!r}. Under EP, give each "
+                             f"rank an EPMoE with its process_group and compute the router logits beside it")
+        if c.quant not in BLOCK_QUANTS:
+            raise NotImplementedError(f"{op}: layer.config.quant must be one of {BLOCK_QUANTS} (float or FP8 experts, "
+                                      f"as transformers' blocks hold them); got quant={c.quant!r}: a 4-bit layer is "
+                                      f"EPMoE")
+        if c.quant != "none" and S:
+            raise ValueError(f"{op}: an FP8 layer (quant={c.quant!r}) with S={S} fused shared experts: their FP8 codes "
+                             f"have no place in the block's float shared MLP; build it with "
+                             f"MoEBlock.from_float(config, router_weight, w13, w2, ...) from float weights (the routed "
+                             f"experts are quantized, the shared MLP stays float, as transformers' FP8 blocks keep it)")
+        if S and (c.expert_bias or c.activation not in ("silu", "gelu_tanh")):
+            raise NotImplementedError(f"{op}: shared experts with expert biases or activation={c.activation!r}: "
+                                      f"transformers' shared MLPs have no biases and silu / gelu_tanh; got "
+                                      f"expert_bias={c.expert_bias}, S={S}")
+        gate_w = layer.shared_expert_gate
+        if gate_w is not None and gate_w.shape[0] != 1:
+            raise NotImplementedError(f"{op}: layer.shared_expert_gate must be [1, H] (Qwen3-Next's "
+                                      f"shared_expert_gate.weight, one gate for the shared MLP); got [S, H] = "
+                                      f"{list(gate_w.shape)}: per-slot gates have no transformers block")
+        for name, t in (("router_weight", router_weight), ("router_bias", router_bias)):
+            if t is not None and t.device != layer.w13.device:
+                raise ValueError(f"{op}: {name} must be on the layer's device ({layer.w13.device}); got "
+                                 f"{name}.device={t.device}")
+        trainable = layer.trainable if c.quant == "none" else True
+        self.config = c
+        self.implementation = layer.implementation
+        self.recompute = layer.recompute
+        in_by_out = _in_by_out(c, router_bias)
+        router = MoERouter(router_weight, router_bias, layer.e_score_correction_bias, trainable=trainable)
+        w13, w2 = layer.w13.detach()[:E], layer.w2.detach()[:E]
+        biases = {}
+        for name, b in (("gate_up_proj_bias", layer.w13_bias), ("down_proj_bias", layer.w2_bias)):
+            if b is not None:
+                biases[name] = torch.nn.Parameter(b.detach()[:E], requires_grad=b.requires_grad)
+        if c.quant == "none":
+            if in_by_out:  # transformers' [E, H, 2I] / [E, I, H] for x @ w (torch.bmm)
+                w13, w2 = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+            experts = HFExperts(torch.nn.Parameter(w13, requires_grad=trainable),
+                                torch.nn.Parameter(w2, requires_grad=trainable), in_by_out=in_by_out, **biases)
+        else:  # FP8 codes in the layer's [E, N, K] layout (frozen buffers), float32 multipliers
+            experts = HFExperts(w13, w2, layer.w13_scale, layer.w2_scale, **biases)
+        self._router_name = "router" if in_by_out else "gate"
+        children = {self._router_name: router, "experts": experts}
+        if S:
+            parts13, parts2 = layer.w13.detach()[E:], layer.w2.detach()[E:]
+            gate = torch.cat([p[0::2] if c.gate_up_layout == "interleaved" else p[:I] for p in parts13])
+            up = torch.cat([p[1::2] if c.gate_up_layout == "interleaved" else p[I:] for p in parts13])
+            down = torch.cat(list(parts2), dim=1)  # shared expert j: columns j*I:(j+1)*I
+            shared = MoESharedMLP(gate, up, down, c.activation, trainable=trainable)
+            name = "shared_expert" if c.shared_expert_gate or c.apply_router_weight_on_input else "shared_experts"
+            children[name] = shared
+        if gate_w is not None:
+            linear = torch.nn.Linear(H, 1, bias=False, device="meta")
+            linear.weight = torch.nn.Parameter(gate_w.detach(), requires_grad=gate_w.requires_grad)
+            children["shared_expert_gate"] = linear
+        for name, child in children.items():
+            self.add_module(name, child)
+        # the routed experts alone: the shared MLP (and Qwen3-Next's gate) run beside the layer, as transformers' do
+        self._routed_config = c.replace(num_fused_shared_experts=0, shared_expert_gate=False)
+
+    @property
+    def router_module(self) -> MoERouter:
+        """The :class:`MoERouter`, whichever transformers name it has (``gate``, or ``router``)."""
+        return self._modules[self._router_name]
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the router weight requires grad (and with it the float experts and the shared MLP)."""
+        return self.router_module.weight.requires_grad
+
+    @classmethod
+    def from_float(
+        cls,
+        config: MoEConfig,
+        router_weight: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        router_bias: torch.Tensor | None = None,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+        e_score_correction_bias: torch.Tensor | None = None,
+        shared_expert_gate: torch.Tensor | None = None,
+        implementation: str | None = None,
+        trainable: bool = True,
+        recompute: bool = False,
+    ) -> "MoEBlock":
+        """A block from float weights of every expert: the routed experts quantized per ``config.quant`` (``'none'``,
+        ``'fp8_per_token'``, ``'fp8_block'``), the shared MLP kept float (as :func:`moe_torch.patch_hf_model` keeps it).
+
+        Args:
+          config: the layer (``ep_size == 1``).
+          router_weight: ``[E, H]`` float; router_bias: ``[E]`` float32 or None, as :class:`MoEBlock`.
+          w13, w2, w13_bias, w2_bias, e_score_correction_bias, shared_expert_gate: as :meth:`EPMoE.from_float`
+            (``[E + S, 2*I, H]`` / ``[E + S, H, I]`` float, every expert, fused shared experts last).
+          implementation, trainable, recompute: as :class:`EPMoE`.
+
+        Returns: a :class:`MoEBlock`; for ``quant='none'`` the routed experts are views of ``w13`` / ``w2`` (but for
+        the in-by-out families), for FP8 their codes are bit-identical to :func:`moe_torch.quantize_layer_weights` of
+        ``w13[:E]`` / ``w2[:E]``.
+
+        Raises: as :meth:`EPMoE.from_float` and :class:`MoEBlock`; NotImplementedError for a 4-bit ``config.quant``.
+        """
+        op = "MoEBlock.from_float"
+        check_config(op, config)
+        if config.quant not in BLOCK_QUANTS:
+            raise NotImplementedError(f"{op}: config.quant must be one of {BLOCK_QUANTS} (float or FP8 experts, as "
+                                      f"transformers' blocks hold them); got quant={config.quant!r}: a 4-bit layer is "
+                                      f"EPMoE.from_float")
+        layer = EPMoE.from_float(config.replace(quant="none"), w13, w2, w13_bias=w13_bias, w2_bias=w2_bias,
+                                 e_score_correction_bias=e_score_correction_bias, shared_expert_gate=shared_expert_gate,
+                                 implementation=implementation, trainable=trainable, recompute=recompute)
+        block = cls(router_weight, layer, router_bias=router_bias)
+        if config.quant != "none":  # the routed experts only: the shared MLP stays float
+            ex = block.experts
+            routed = config.replace(num_fused_shared_experts=0, shared_expert_gate=False)
+            q13, s13, q2, s2 = quantize_layer_weights(ex.w13.detach().contiguous(), ex.w2.detach().contiguous(), routed)
+            biases = dict(gate_up_proj_bias=ex.gate_up_proj_bias, down_proj_bias=ex.down_proj_bias)
+            block.experts = HFExperts(q13, q2, s13, s2, **biases)
+            block.config = config
+            block._routed_config = routed
+        return block
+
+    @classmethod
+    def from_preset(
+        cls,
+        name: str,
+        *,
+        seed: int = 0,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+        implementation: str | None = None,
+        trainable: bool = True,
+        recompute: bool = False,
+        **config_overrides,
+    ) -> "MoEBlock":
+        """A block of preset ``name`` with random weights: ``moe_pallas.MoEBlock.from_preset`` with the same arguments
+        holds the same bits (float blocks; FP8 ones differ in the shared experts, float here).
+
+        Args:
+          name: a :data:`moe_contract.PRESETS` name.
+          seed: the numpy seed: the experts, the correction bias, Qwen3-Next's shared gate and gpt-oss's expert biases
+            as :meth:`EPMoE.from_preset` draws them (every expert in float, cast to ``dtype``), the router
+            :func:`moe_contract.inputs.draw_router` (``[E, H]`` ~ N(0, 1/H); gpt-oss's bias ``[E]``): cast to
+            ``dtype``, but float32 for ``biased_grouped_topk`` (transformers keeps DeepSeek-V3's router in float32);
+            the router bias rounded to ``dtype`` and held in float32.
+          dtype: ``torch.float32`` / ``bfloat16`` / ``float16`` or its name.
+          device: default ``torch.get_default_device()``.
+          implementation, trainable, recompute: as :class:`EPMoE`.
+          config_overrides: :meth:`ModelPreset.config` fields (``quant`` among :data:`BLOCK_QUANTS`,
+            ``hidden_size``, ``capacity_factor``...; ``ep_size`` must stay 1).
+
+        Raises: as :meth:`EPMoE.from_preset` and :meth:`from_float`.
+        """
+        op = "MoEBlock.from_preset"
+        config = get_preset(name).config(**config_overrides)
+        check_seed(op, seed)
+        if isinstance(dtype, str) and dtype in FLOAT_DTYPES:
+            dtype = getattr(torch, dtype)
+        if not isinstance(dtype, torch.dtype) or dtype_name(dtype) not in FLOAT_DTYPES:
+            raise TypeError(f"{op}: dtype must be a torch.dtype or a name among {FLOAT_DTYPES}; got dtype={dtype!r}")
+        if config.ep_size != 1:
+            raise ValueError(f"{op}: ep_size must be 1 (the block holds every expert); got ep_size={config.ep_size}")
+        device = torch.get_default_device() if device is None else torch.device(device)
+        E_all, H, I = config.num_total_experts, config.hidden_size, config.intermediate_size
+        w13 = torch.empty((E_all, 2 * I, H), dtype=dtype, device=device)
+        w2 = torch.empty((E_all, H, I), dtype=dtype, device=device)
+        bias = None
+        for kind, e, a in draw_preset_weights(config, seed):
+            t = torch.from_numpy(a).to(device)
+            if kind == "bias":
+                bias = t if config.routing == "biased_grouped_topk" else None
+            else:
+                (w13 if kind == "w13" else w2)[e] = t.to(dtype)
+        gate = draw_shared_expert_gate(config, seed)
+        gate = None if gate is None else torch.from_numpy(gate).to(device, dtype)
+        biases = draw_expert_biases(config, seed)
+        b13, b2 = (None, None) if biases is None else (torch.from_numpy(b).to(device, dtype) for b in biases)
+        rw, rb = draw_router(config, seed)
+        rw = torch.from_numpy(rw).to(device, torch.float32 if config.routing == "biased_grouped_topk" else dtype)
+        rb = None if rb is None else torch.from_numpy(rb).to(device, dtype).float()  # the value a dtype model holds
+        return cls.from_float(config, rw, w13, w2, router_bias=rb, w13_bias=b13, w2_bias=b2,
+                              e_score_correction_bias=bias, shared_expert_gate=gate, implementation=implementation,
+                              trainable=trainable, recompute=recompute)
+
+    @classmethod
+    def from_hf_block(
+        cls,
+        block: torch.nn.Module,
+        *,
+        implementation: str | None = None,
+        quant: str | None = None,
+        trainable: bool = True,
+        recompute: bool = False,
+        **config_overrides,
+    ) -> "MoEBlock":
+        """A block from one transformers sparse-MoE block (:data:`moe_torch.hf.SUPPORTED_BLOCKS`: Mixtral, Qwen3-MoE,
+        DeepSeek-V3 / Kimi K2, GLM-4.5, Qwen3-Next, Llama 4, gpt-oss), its routing, sizes and activation read from
+        the block (:meth:`EPMoE.from_hf_block`), its router weight (and gpt-oss's bias, widened to float32) taken.
+
+        Args:
+          block: the transformers block (float weights).
+          quant: ``None`` / ``"none"``, ``"fp8_per_token"`` or ``"fp8_block"`` (the routed experts quantized).
+          implementation, trainable, recompute: as :class:`EPMoE`.
+          config_overrides: ``apply_routed_scaling_factor_on_output``, ``capacity_factor`` (the routing comes from the
+            block; ``ep_size`` must stay 1).
+
+        Returns: a :class:`MoEBlock` whose ``state_dict()`` has the block's names and shapes (float: its values), and
+        whose ``forward(hidden_states)`` equals the block's hidden states (float32 within 1e-5). With ``quant='none'``
+        the router weight, and for the families without shared experts and in-by-out layout the experts, share the
+        block's storage (training one moves the other's weights).
+
+        Raises: as :meth:`EPMoE.from_hf_block` and :class:`MoEBlock`.
+        """
+        op = "MoEBlock.from_hf_block"
+        config, w13, w2, bias, gate, b13, b2 = block_layer_weights(
+            block, quant=quant, op=op, with_shared_expert_gate=True, with_expert_biases=True, **config_overrides)
+        b = read_block(block, op)
+        router_bias = getattr(b.gate, "bias", None) if b.name == "GptOssMLP" else None
+        router_bias = None if router_bias is None else router_bias.detach().float()
+        return cls.from_float(config, b.gate.weight.detach(), w13, w2, router_bias=router_bias, w13_bias=b13,
+                              w2_bias=b2, e_score_correction_bias=bias, shared_expert_gate=gate,
+                              implementation=implementation, trainable=trainable, recompute=recompute)
+
+    def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states [B, S, H]`` (or ``[T, H]``) -> ``router_logits [B*S, E]`` in the router weight's dtype:
+        ``x @ W.T`` (gpt-oss: ``+ router.bias``) in float32, rounded once to the weight's dtype (:class:`MoERouter`), as
+        :meth:`moe_pallas.MoEBlock.router_logits`.
+
+        Raises: as :meth:`forward`."""
+        return self.router_module(self._flat(hidden_states))
+
+    def forward(self, hidden_states: torch.Tensor, *, return_router_losses: bool = False,
+                seq_len: int | None = None) -> torch.Tensor | tuple[torch.Tensor, RouterLosses]:
+        """``hidden_states [B, S, H]`` (or ``[T, H]``) -> the block's output, same shape and dtype (class docstring).
+
+        ``hidden_states`` must have the experts' float dtype for ``quant='none'`` (any float dtype for FP8 blocks).
+
+        ``return_router_losses=True``: ``(out, RouterLosses)``, the router's training losses of the call
+        (:meth:`EPMoE.forward`; unscaled float32 ``aux_loss``, ``seq_aux_loss``, ``z_loss``, ``tokens_per_expert [E]``
+        int32), differentiable in the router's weights; ``seq_len`` defaults to ``S`` for ``[B, S, H]`` hidden states
+        (DeepSeek-V3's sequence-wise loss per sequence of the batch) and to ``None`` (no ``seq_aux_loss``) for
+        ``[T, H]``, as :meth:`moe_pallas.MoEBlock.__call__`.
+
+        Raises: TypeError (not a torch tensor: numpy names ``torch.from_numpy``; a dtype the block does not take),
+          ValueError (not ``[B, S, H]`` / ``[T, H]`` with the config's ``H``; ``seq_len`` without
+          ``return_router_losses`` or not dividing the tokens); from :func:`moe_torch.moe_forward`.
+        """
+        x = self._flat(hidden_states)
+        if return_router_losses is True and seq_len is None and hidden_states.ndim == 3:
+            seq_len = hidden_states.shape[1]
+        check_router_loss_option("MoEBlock", self.config, x, return_router_losses, seq_len)  # x: the T of the logits
+        ex, router = self.experts, self.router_module
+        out = moe_forward(x, router(x), ex.w13, ex.w2, self._routed_config, w13_scale=ex.gate_up_proj_scale_inv,
+                          w2_scale=ex.down_proj_scale_inv, w13_bias=ex.gate_up_proj_bias, w2_bias=ex.down_proj_bias,
+                          e_score_correction_bias=router.e_score_correction_bias, implementation=self.implementation,
+                          recompute=self.recompute, return_router_losses=return_router_losses, seq_len=seq_len)
+        losses = None
+        if return_router_losses:
+            out, losses = out
+        if "shared_expert_gate" in self._modules:  # Qwen3NextSparseMoeBlock: + sigmoid(gate(x)) * shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif "shared_expert" in self._modules:  # Llama4TextMoe: shared_expert(x) + routed
+            out = self.shared_expert(x) + out
+        elif "shared_experts" in self._modules:  # DeepseekV3MoE / Glm4MoeMoE: routed + shared_experts(x)
+            out = out + self.shared_experts(x)
+        out = out.reshape(hidden_states.shape)
+        return (out, losses) if return_router_losses else out
+
+    def _flat(self, hidden_states) -> torch.Tensor:
+        op = "MoEBlock"
+        require_torch_tensors(op, dict(hidden_states=hidden_states))
+        H = self.config.hidden_size
+        what = f"[B, S, H] or [T, H] with H={H}"
+        check_rank(op, "hidden_states", hidden_states, (2, 3), what)
+        check_shape(op, "hidden_states", hidden_states, (None,) * (hidden_states.ndim - 1) + (H,), what)
+        check_dtype(op, "hidden_states", hidden_states, FLOAT_DTYPES)
+        want = self.experts.gate_up_proj.dtype
+        if self.config.quant == "none" and hidden_states.dtype != want:
+            raise TypeError(f"{op}: hidden_states must have the experts' dtype {dtype_name(want)} (quant='none'); "
+                            f"got hidden_states.dtype={dtype_name(hidden_states)}")
+        return hidden_states.reshape(-1, H)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"H={c.hidden_size}, I={c.intermediate_size}, E={c.num_experts}, topk={c.topk}, routing={c.routing!r}, "
+                f"S={c.num_fused_shared_experts}, quant={c.quant!r}, implementation={self.implementation!r}, "
+                f"recompute={self.recompute}")
