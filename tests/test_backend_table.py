@@ -296,22 +296,26 @@ def test_launch_config_lookup_skips_backend_choices(tmp_path, monkeypatch):
 def test_seeded_h200_table_is_valid_and_cites_its_sources():
     """The table in the tree: every entry well-formed, its source a file in the tree, and the
     measured findings in it: DeepSeek-V3's FP8-block GEMMs on Mosaic GPU (its warp-specialized FP8 kernel). The table
-    is the architecture's (``tuned/sm90.json``): an H100 gets the same choices, an A100 (sm80) none (the heuristic
-    order)."""
+    is the architecture's (``tuned/sm90.json``): an H20 gets the same choices, an H100 its own device file's first
+    (``tuned/sm90/NVIDIA_H100_80GB_HBM3.json``, then the same), an A100 (sm80) none (the heuristic order)."""
     h200, h100 = spec_of_kind("NVIDIA H200"), spec_of_kind("NVIDIA H100 80GB HBM3")
     a100 = spec_of_kind("NVIDIA A100-SXM4-80GB", (8, 0))
     entries = backend_table.backend_choices(h200).entries()
     assert entries
-    assert backend_table.backend_choices(h100).entries() == entries
+    assert backend_table.backend_choices(spec_of_kind("NVIDIA H20")).entries() == entries
+    h100_entries = backend_table.backend_choices(h100).entries()
+    own = h100_entries[:len(h100_entries) - len(entries)]
+    assert own and h100_entries[len(own):] == entries and {e["device"] for e in own} == {h100.kind}
     assert backend_table.backend_choices(a100).entries() == ()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for e in entries:
+    for e in own + entries:
         assert os.path.exists(os.path.join(root, e["source"])), e["source"]
     for N, K in ((4096, 7168), (7168, 2048)):
         for hopper in (h200, h100):
             assert backend_table.gpu_order("grouped_gemm", "fp8_block", 2048, N, K, hopper)[0] == "pallas_mosaic_gpu"
             assert backend_table.gpu_order("grouped_gemm", "fp8_block", 16384, N, K, hopper)[0] == "pallas_mosaic_gpu"
-            assert backend_table.gpu_order("grouped_gemm", "bf16", 16384, N, K, hopper)[0] == "pallas_mosaic_gpu"
+            assert backend_table.gpu_order("grouped_gemm", "bf16", 16384, N, K, hopper)[0] == (
+                "pallas_triton" if hopper is h100 else "pallas_mosaic_gpu")  # the H100's tuned Pallas-Triton wins
         for other in (None, a100):
             assert (backend_table.gpu_order("grouped_gemm", "fp8_block", 2048, N, K, other)
                     == backend_table.heuristic_order("grouped_gemm", "fp8_block"))
