@@ -31,6 +31,7 @@ from moe_torch.ops.activation.api import act_and_mul, act_and_mul_backward
 from moe_torch.ops.combine import api as combine_api
 from moe_torch.ops.combine.api import combine
 from moe_torch.ops.common import first_order_backward, takes_torch_tensors
+from moe_torch.ops.custom_ops import moe_layer, register_layer_function
 from moe_torch.ops.dispatch import check_implementation
 from moe_torch.ops.gate import api as gate_api
 from moe_torch.ops.gate.api import select_experts, select_experts_backward
@@ -151,20 +152,10 @@ def moe_forward(
     if not isinstance(recompute, bool):
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
     check_router_loss_option(op, config, router_logits, return_router_losses, seq_len)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (
-            x, router_logits, w13, w2, shared_expert_gate_logits, w13_bias, w2_bias)):
-        out, topk_ids = _MoELayerFunction.apply(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
-                                                shared_expert_gate_logits, w13_bias, w2_bias, config, implementation,
-                                                recompute)
-    else:
-        topk_weights, topk_ids = run_gate(router_logits, config, e_score_correction_bias, implementation)
-        combine_weights, input_scale = slot_weights(topk_weights, shared_expert_gate_logits, config)
-        expert_start, e_local = config.local_expert_range()
-        y, meta = run_experts(x, dispatch_ids(topk_ids, config, implementation), w13, w2, w13_scale, w2_scale, config,
-                              implementation, num_experts=config.num_total_experts, expert_start=expert_start,
-                              num_local_experts=e_local, input_scale=input_scale, w13_bias=w13_bias, w2_bias=w2_bias)
-        out = combine(y, meta.src2dst, combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
-                      out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))
+    # _MoELayerFunction's forward and backward, each as one custom op (ops/custom_ops.py): no graph break under
+    # torch.compile, torch.func.grad / vjp through setup_context
+    out, topk_ids = moe_layer(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
+                              shared_expert_gate_logits, w13_bias, w2_bias, config, implementation, recompute)
     if not return_router_losses:
         return out
     # From the caller's router_logits, outside the layer's Function: autograd differentiates the losses itself.
@@ -262,6 +253,8 @@ class _MoELayerFunction(torch.autograd.Function):
     permute the scaled slot rows (``apply_router_weight_on_input``), whose backward gives ``d_x`` and
     ``d_input_scale[t, j] = <x[t], d_xp[src2dst[t, j]]>``; :func:`slot_weights_backward` turns the two
     into ``d_topk_weights`` and ``d_shared_expert_gate_logits``.
+    Run by the custom ops ``epmoe::moe_layer`` / ``epmoe::moe_layer_backward`` (``ops/custom_ops.py``) with a
+    stand-in context: what they save and return follows ``save_for_backward`` here (``custom_ops.SAVED``).
     Mirror: ``moe_pallas/layer.py`` (``jax.custom_vjp``).
     """
 
@@ -309,6 +302,9 @@ class _MoELayerFunction(torch.autograd.Function):
         d_shared = d_shared.to(shared_logits.dtype) if need_shared else None
         return (g.d_x, d_logits, g.d_w13, g.d_w2, None, None, None, d_shared, g.d_w13_bias, g.d_w2_bias, None, None,
                 None)
+
+
+register_layer_function(_MoELayerFunction)
 
 
 class ExpertGrads(NamedTuple):
