@@ -12,7 +12,7 @@ Message format, for every op: ``<op>: <arg> must be <expectation>; got <what cam
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from moe_contract.config import W4_QUANTS, MoEConfig
@@ -53,23 +53,30 @@ def _fmt_shape(shape: Sequence[Any]) -> str:
     return "(" + ", ".join(str(int(s)) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-def check_rank(op: str, name: str, x: Any, ndim: int | Iterable[int], what: str) -> None:
+def _described(what: str | Callable[[], str]) -> str:
+    """A check's description of the expected array: a string, or a function making it (formatted only for an
+    error: under ``torch.compile`` a size may be symbolic, and a string built from it would end the graph)."""
+    return what() if callable(what) else what
+
+
+def check_rank(op: str, name: str, x: Any, ndim: int | Iterable[int], what: str | Callable[[], str]) -> None:
     """Raise ``ValueError`` unless ``x.ndim`` is ``ndim`` (or one of them); ``TypeError`` if ``x`` is no array."""
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        raise TypeError(f"{op}: {name} must be an array {what}; got {type(x).__name__}")
+        raise TypeError(f"{op}: {name} must be an array {_described(what)}; got {type(x).__name__}")
     allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
     if len(x.shape) not in allowed:
-        raise ValueError(f"{op}: {name} must be {what}; got {name}.shape={_fmt_shape(x.shape)}")
+        raise ValueError(f"{op}: {name} must be {_described(what)}; got {name}.shape={_fmt_shape(x.shape)}")
 
 
-def check_shape(op: str, name: str, x: Any, expected: Sequence[int | None], what: str) -> None:
-    """Raise ``ValueError`` unless ``x.shape`` matches ``expected`` (``None`` = any size)."""
+def check_shape(op: str, name: str, x: Any, expected: Sequence[int | None], what: str | Callable[[], str]) -> None:
+    """Raise ``ValueError`` unless ``x.shape`` matches ``expected`` (``None`` = any size). The sizes are compared
+    as they are (a symbolic size under ``torch.compile`` stays symbolic: no specialization to one value)."""
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        raise TypeError(f"{op}: {name} must be an array {what}; got {type(x).__name__}")
-    shape = tuple(int(s) for s in x.shape)
+        raise TypeError(f"{op}: {name} must be an array {_described(what)}; got {type(x).__name__}")
+    shape = tuple(x.shape)
     ok = len(shape) == len(expected) and all(e is None or s == e for s, e in zip(shape, expected))
     if not ok:
-        raise ValueError(f"{op}: {name} must be {what}; got {name}.shape={_fmt_shape(shape)}")
+        raise ValueError(f"{op}: {name} must be {_described(what)}; got {name}.shape={_fmt_shape(shape)}")
 
 
 def check_dtype(op: str, name: str, x: Any, allowed: Iterable[str]) -> None:
@@ -180,7 +187,7 @@ def check_layer_inputs(
     check_shape(op, "x", x, (None, H), f"[T, H] with H={H}")
     check_dtype(op, "x", x, FLOAT_DTYPES)
     T = x.shape[0]
-    check_shape(op, "router_logits", router_logits, (T, E), f"[T, E] = ({T}, {E})")
+    check_shape(op, "router_logits", router_logits, (T, E), lambda: f"[T, E] = ({T}, {E})")
     check_dtype(op, "router_logits", router_logits, FLOAT_DTYPES)
     if config.quant in W4_QUANTS:
         _check_w4_layer_weights(op, config, e_local, w13, w2, w13_scale, w2_scale)
@@ -286,7 +293,7 @@ def check_shared_expert_gate_logits(op: str, config: Any, x: Any, logits: Any) -
         raise ValueError(f"{op}: {name} [T, S] must be given for config.shared_expert_gate=True (the fused shared "
                          f"experts' weight is sigmoid(logit)); got None")
     T, S = x.shape[0], config.num_fused_shared_experts
-    what = f"[T, S] = ({T}, {S}) (one logit per token and fused shared expert)"
+    what = lambda: f"[T, S] = ({T}, {S}) (one logit per token and fused shared expert)"  # noqa: E731
     check_rank(op, name, logits, 2, what)
     check_shape(op, name, logits, (T, S), what)
     check_dtype(op, name, logits, tuple(dict.fromkeys(("float32", dtype_name(x)))))

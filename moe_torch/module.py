@@ -27,6 +27,19 @@ load-balancing rule, and transformers holds it as a buffer too); an FP8 layer is
 (gradients reach ``x`` and the router, in ``x.dtype``). Buffers and parameters alike move with
 ``.to(device)`` and round-trip through ``state_dict`` under the same names.
 
+Compilers and transforms: ``forward`` traces under ``torch.compile(fullgraph=True)`` with no graph break,
+forward and backward (the layer is the custom ops ``epmoe::moe_layer`` / ``epmoe::moe_layer_backward``,
+:mod:`moe_torch.ops.custom_ops`), and ``torch.func.grad`` / ``vjp`` differentiate it; ``torch.func.vmap`` and
+forward-mode AD raise ``NotImplementedError``. With a ``process_group`` neither holds (the EP collectives are
+outside the ops).
+
+Autocast (``torch.autocast``, e.g. bf16 around a float32 model): autocast does not reach into the layer's
+custom ops, so ``forward`` applies the policy of transformers' ``grouped_mm`` experts: the input is cast to the
+weights' dtype (``quant='none'``; FP8 / 4-bit layers keep ``x``'s dtype), the experts compute in it with
+autocast off inside (float32 weights: float32 GEMMs, float32 accumulation, no bf16 rounding of the weights),
+and the output is cast back to ``x``'s dtype (bf16 in, bf16 out, as an autocast ``nn.Linear`` would give).
+Gradients follow the casts: ``x`` gets its gradient in its own dtype, the float32 weights in float32.
+
 ``forward`` does nothing on the host but shape checks and launches (no ``.item()``, no
 data-dependent shapes), so it can be captured in a CUDA graph with ``implementation="triton"``
 (or ``None`` on CUDA tensors). With a ``process_group`` it runs the whole layer through
@@ -67,6 +80,7 @@ from moe_torch.ep import EP_MODES, ep_moe_forward
 from moe_torch.hf import HF_QUANTS, HFExperts, block_layer_weights, read_block
 from moe_torch.layer import LAYER_IMPLEMENTATIONS, local_weights, moe_forward, quantize_layer_weights
 from moe_torch.ops.common import check_torch_tensors
+from moe_torch.ops.custom_ops import functorch_levels
 from moe_torch.ops.dispatch import check_implementation
 from moe_torch.ops.gate.losses import RouterLosses
 from moe_torch.tensor_guards import (  # noqa: F401  (re-exported: their home before tensor_guards)
@@ -466,15 +480,25 @@ class EPMoE(torch.nn.Module):
         Differentiable in ``x``, ``router_logits`` and the float weights (and ``shared_expert_gate``, the expert
         biases), with ``recompute=self.recompute``.
 
+        Under ``torch.autocast`` (module docstring): ``x`` of any float dtype, cast to the weights' dtype
+        (``quant='none'``), the layer run with autocast off, the output returned in ``x.dtype``.
+
         Raises: TypeError for arrays that are not torch tensors (numpy: convert with ``torch.from_numpy``);
           ValueError / TypeError from :func:`moe_torch.moe_forward` (shapes, dtypes).
         """
         require_torch_tensors("EPMoE", dict(x=x, router_logits=router_logits))
+        if torch.is_autocast_enabled(x.device.type):  # the layer's ops are custom ops, which autocast does not reach
+            x_in = x.to(self.w13.dtype) if self.config.quant == "none" else x
+            with torch.autocast(x.device.type, enabled=False):
+                return self.forward(x_in, router_logits).to(x.dtype)
         if self.config.quant == "none" and x.dtype != self.w13.dtype:
             raise TypeError(f"EPMoE: x must have the layer's dtype {dtype_name(self.w13)} (quant='none'); "
                             f"got x.dtype={dtype_name(x)}")
         shared_logits = self.shared_expert_gate_logits(x)
         if self.process_group is not None or self.ep_mode is not None:
+            if not torch.compiler.is_compiling() and functorch_levels():  # the EP layers' Functions lack setup_context
+                raise NotImplementedError("EPMoE: torch.func transforms (grad, vjp, vmap, jvp) are not supported with "
+                                          "a process_group / ep_mode; without one they are (grad, vjp)")
             return ep_moe_forward(
                 x,
                 router_logits,

@@ -69,16 +69,26 @@ def _layer_function():
     return _LAYER_FUNCTION[0]
 
 
-def config_key(config: MoEConfig) -> str:
-    """``config`` as a string the custom ops take: the repr of its ``(field, value)`` pairs (plain Python values).
-    Traceable by Dynamo, which then guards on each field (a different config recompiles)."""
-    return repr(tuple((f.name, getattr(config, f.name)) for f in dataclasses.fields(config)))
+def config_key(config: MoEConfig) -> tuple[str, list[float]]:
+    """``config`` as what the custom ops take: ``(key, floats)``, ``key`` the repr of its non-float ``(field,
+    value)`` pairs and of its float fields' names, ``floats`` those fields' values (a float read under
+    ``torch.compile(dynamic=True)`` may be symbolic, and has no repr then; as an op argument it is fine).
+    Traceable by Dynamo, which then guards on each field (another config recompiles or reaches the op as it is)."""
+    pairs = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    floats = [value for _, value in pairs if isinstance(value, float)]
+    names = tuple(name for name, value in pairs if isinstance(value, float))
+    return repr((tuple(pair for pair in pairs if not isinstance(pair[1], float)), names)), floats
+
+
+def config_from_key(key: str, floats) -> MoEConfig:
+    """The :class:`MoEConfig` of :func:`config_key`'s ``(key, floats)``."""
+    return _config_from_key(key, tuple(float(v) for v in floats))
 
 
 @functools.lru_cache(maxsize=256)
-def config_from_key(key: str) -> MoEConfig:
-    """The :class:`MoEConfig` of :func:`config_key`'s string."""
-    return MoEConfig(**dict(ast.literal_eval(key)))
+def _config_from_key(key: str, floats: tuple[float, ...]) -> MoEConfig:
+    pairs, names = ast.literal_eval(key)
+    return MoEConfig(**dict(pairs), **dict(zip(names, floats)))
 
 
 class _Context:
@@ -110,11 +120,11 @@ _OptT = torch.Tensor | None
 @torch.library.custom_op(f"{NAMESPACE}::moe_layer", mutates_args=())
 def _moe_layer_op(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, w13_scale: _OptT, w2_scale: _OptT,
                   e_score_correction_bias: _OptT, shared_expert_gate_logits: _OptT, w13_bias: _OptT, w2_bias: _OptT,
-                  config: str, implementation: str | None, recompute: bool
+                  config: str, config_floats: list[float], implementation: str | None, recompute: bool
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(out, topk_weights, topk_ids, expert_offsets, src2dst, dst2src, h)``: the layer's output and what its
     backward reads (``h`` empty with ``recompute``)."""
-    ctx = _Context(config_from_key(config), implementation, recompute)
+    ctx = _Context(config_from_key(config, config_floats), implementation, recompute)
     inputs = (x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias, shared_expert_gate_logits,
               w13_bias, w2_bias)
     with _plain(x.device):
@@ -129,8 +139,8 @@ def _moe_layer_op(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, w13
 
 @_moe_layer_op.register_fake
 def _moe_layer_fake(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
-                    shared_expert_gate_logits, w13_bias, w2_bias, config, implementation, recompute):
-    cfg = config_from_key(config)
+                    shared_expert_gate_logits, w13_bias, w2_bias, config, config_floats, implementation, recompute):
+    cfg = config_from_key(config, config_floats)
     T, k = x.shape[0], cfg.num_slots
     _, e_local = cfg.local_expert_range()
     i32 = dict(dtype=torch.int32)
@@ -144,7 +154,8 @@ def _moe_layer_backward_op(d_out: Tensor, x: Tensor, router_logits: Tensor, w13:
                            w13_scale: _OptT, w2_scale: _OptT, e_score_correction_bias: _OptT,
                            shared_expert_gate_logits: _OptT, w13_bias: _OptT, w2_bias: _OptT, topk_weights: Tensor,
                            topk_ids: Tensor, expert_offsets: Tensor, src2dst: Tensor, dst2src: Tensor, h: Tensor,
-                           config: str, implementation: str | None, recompute: bool, needs: list[bool]
+                           config: str, config_floats: list[float], implementation: str | None, recompute: bool,
+                           needs: list[bool]
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradients of :data:`GRADS` (``needs``: one flag per name; empty ``[0]`` where not asked for)."""
     inputs = (x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias, shared_expert_gate_logits,
@@ -153,7 +164,7 @@ def _moe_layer_backward_op(d_out: Tensor, x: Tensor, router_logits: Tensor, w13:
     for i, need in zip(_GRAD_INDEX, needs):
         flags[i] = need
     saved = (*inputs, topk_weights, topk_ids, expert_offsets, src2dst, dst2src, None if recompute else h)
-    ctx = _Context(config_from_key(config), implementation, recompute, saved, flags)
+    ctx = _Context(config_from_key(config, config_floats), implementation, recompute, saved, flags)
     with _plain(d_out.device):
         grads = _layer_function().backward(ctx, d_out, None)  # (no gradient for its integer topk_ids output)
     out = []
@@ -168,7 +179,7 @@ def _moe_layer_backward_op(d_out: Tensor, x: Tensor, router_logits: Tensor, w13:
 @_moe_layer_backward_op.register_fake
 def _moe_layer_backward_fake(d_out, x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
                              shared_expert_gate_logits, w13_bias, w2_bias, topk_weights, topk_ids, expert_offsets,
-                             src2dst, dst2src, h, config, implementation, recompute, needs):
+                             src2dst, dst2src, h, config, config_floats, implementation, recompute, needs):
     inputs = (x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias, shared_expert_gate_logits,
               w13_bias, w2_bias)
     out = []
@@ -252,9 +263,9 @@ class MoELayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias, config,
-                key, implementation, recompute):
+                key, floats, implementation, recompute):
         return torch.ops.epmoe.moe_layer(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits,
-                                         w13_bias, w2_bias, key, implementation, recompute)
+                                         w13_bias, w2_bias, key, floats, implementation, recompute)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -262,7 +273,7 @@ class MoELayerFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(*saved)
         ctx.set_materialize_grads(False)  # no zeros of h's size for the outputs nobody differentiates
         ctx.save_for_backward(*inputs[:len(INPUTS)], *saved)
-        ctx.config, ctx.key, ctx.implementation, ctx.recompute = inputs[len(INPUTS):]
+        ctx.config, ctx.key, ctx.floats, ctx.implementation, ctx.recompute = inputs[len(INPUTS):]
 
     @staticmethod
     def backward(ctx, d_out, *_):
@@ -271,12 +282,12 @@ class MoELayerFunction(torch.autograd.Function):
         inputs = saved[:len(INPUTS)]
         flags = grad_flags(ctx.config, ctx.needs_input_grad, inputs)
         if d_out is None or not any(flags):
-            return (None,) * (len(INPUTS) + 4)
-        args = (d_out, *saved, ctx.key, ctx.implementation, ctx.recompute, flags)
+            return (None,) * (len(INPUTS) + 5)
+        args = (d_out, *saved, ctx.key, ctx.floats, ctx.implementation, ctx.recompute, flags)
         # under torch.compile the op itself (AOTAutograd traces it); elsewhere where torch.func can record it
         grads = torch.ops.epmoe.moe_layer_backward(*args) if torch.compiler.is_compiling() \
             else _BackwardFunction.apply(*args)
-        result = [None] * (len(INPUTS) + 4)
+        result = [None] * (len(INPUTS) + 5)
         for i, g, need in zip(_GRAD_INDEX, grads, flags):
             result[i] = g if need else None
         return tuple(result)
@@ -309,6 +320,6 @@ def moe_layer(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction
     if not torch.compiler.is_compiling():  # (Dynamo refuses forward-mode AD through an autograd.Function itself)
         _refuse_forward_mode(x, router_logits, w13, w2, shared_expert_gate_logits, w13_bias, w2_bias)
     outputs = MoELayerFunction.apply(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
-                                     shared_expert_gate_logits, w13_bias, w2_bias, config, config_key(config),
+                                     shared_expert_gate_logits, w13_bias, w2_bias, config, *config_key(config),
                                      implementation, recompute)
     return outputs[0], outputs[1 + SAVED.index("topk_ids")]
