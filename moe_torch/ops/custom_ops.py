@@ -214,18 +214,20 @@ def second_order_error(op: str) -> RuntimeError:
         f"or keep this layer out of the differentiated gradient)")
 
 
-def refuse_second_order(op: str) -> None:
-    """Raise :func:`second_order_error` if this backward's result would itself be differentiated: grad mode on
-    outside ``torch.func`` (``create_graph=True``), or more than one differentiating ``torch.func`` level
-    (``grad(grad(...))``). One ``torch.func.grad`` level runs the backward with grad mode on and is first order
-    (should its result be differentiated all the same, :class:`_BackwardFunction` refuses then). Under
-    ``torch.compile`` AOTAutograd traces the backward once and refuses a double backward itself."""
-    if torch.compiler.is_compiling():
+def refuse_second_order(op: str, through_functorch: bool) -> None:
+    """Raise :func:`second_order_error` if this backward's result would itself be differentiated. Plain autograd
+    (``through_functorch`` false): grad mode on, i.e. ``create_graph=True``. Reached through ``torch.func``
+    (which runs every backward with grad mode on: ``grad``, and a ``vjp`` function called with grad mode on):
+    more than one differentiating level (``grad(grad(...))``); should the result of a first-order one be
+    differentiated all the same, :class:`_BackwardFunction` refuses then. (Not under ``torch.compile``:
+    AOTAutograd traces the backward once and refuses a double backward itself.)"""
+    if not through_functorch:
+        if torch.is_grad_enabled():
+            raise second_order_error(op)
         return
     from torch._C._functorch import TransformType
 
-    differentiating = sum(level in (TransformType.Grad, TransformType.Jvp) for level in functorch_levels())
-    if (differentiating == 0 and torch.is_grad_enabled()) or differentiating > 1:
+    if sum(level in (TransformType.Grad, TransformType.Jvp) for level in functorch_levels()) > 1:
         raise second_order_error(op)
 
 
@@ -277,7 +279,8 @@ class MoELayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, *_):
-        refuse_second_order("moe_forward")
+        if not torch.compiler.is_compiling():  # torch.func runs it with the context of a Function it generates
+            refuse_second_order("moe_forward", through_functorch=not isinstance(ctx, MoELayerFunction._backward_cls))
         saved = ctx.saved_tensors
         inputs = saved[:len(INPUTS)]
         flags = grad_flags(ctx.config, ctx.needs_input_grad, inputs)
