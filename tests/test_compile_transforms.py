@@ -67,16 +67,19 @@ def _assert_equal(got, want, what: str):
 INPUT_NAMES = ("x", "router_logits", "w13", "w2", "shared_expert_gate_logits", "w13_bias", "w2_bias")
 
 
-@pytest.mark.parametrize("implementation,recompute", [("reference", False), ("reference", True), ("triton", False)])
-def test_compile_fullgraph_equals_eager(implementation, recompute):
+@pytest.mark.parametrize("implementation,recompute,capacity_factor", [
+    ("reference", False, None), ("reference", True, None), ("reference", False, 0.5), ("triton", False, None)])
+def test_compile_fullgraph_equals_eager(implementation, recompute, capacity_factor):
     """``torch.compile(fullgraph=True, backend="aot_eager")`` over ``moe_forward``: no graph break (fullgraph
-    raises on one; ``explain`` counts none), output and every gradient equal to eager."""
-    f = _layer(implementation=implementation, recompute=recompute)
+    raises on one; ``explain`` counts none), output and every gradient equal to eager; with a capacity too
+    (its data-dependent drops stay inside the op)."""
+    config = dataclasses.replace(CONFIG, capacity_factor=capacity_factor)
+    f = _layer(config, implementation=implementation, recompute=recompute)
     inputs = _inputs(5)
     want = _value_and_grads(f, inputs)
     _assert_equal(_value_and_grads(torch.compile(f, backend="aot_eager", fullgraph=True), inputs), want,
                   f"compiled {implementation}")
-    if implementation == "reference" and not recompute:
+    if implementation == "reference" and not recompute and capacity_factor is None:
         explained = torch._dynamo.explain(f)(**inputs)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
@@ -231,9 +234,11 @@ def test_autocast_bf16_activations_into_float32_module():
         for name, g in grads.items():
             assert g.dtype == torch.float32, f"{what}: d_{name}"
             # AOTAutograd decomposes the backward of torch's own bf16 linears (proj, router, the shared expert gate)
-            # and rounds in another order (a bf16 ulp apart); the weights the custom ops differentiate: same bits
+            # and rounds in another order (elements a bf16 ulp apart); the weights the custom ops differentiate
+            # get the same bits
             if what == "aot_eager" and name not in ("moe.w13", "moe.w2", "moe.w13_bias", "moe.w2_bias"):
-                torch.testing.assert_close(g, want_grads[name], rtol=2e-2, atol=1e-2, msg=f"{what}: d_{name}")
+                w = want_grads[name]
+                assert ((g - w).norm() / w.norm()).item() < 1e-2, f"{what}: d_{name}"
             else:
                 assert torch.equal(g, want_grads[name]), f"{what}: d_{name}"
     inputs = {k: v.detach() for k, v in _inputs(5).items()}
