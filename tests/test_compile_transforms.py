@@ -13,6 +13,7 @@ weights as without donation.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import warnings
 
 import jax
@@ -82,6 +83,19 @@ def test_compile_fullgraph_equals_eager(implementation, recompute, capacity_fact
     if implementation == "reference" and not recompute and capacity_factor is None:
         explained = torch._dynamo.explain(f)(**inputs)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor on the CPU needs a C++ compiler")
+def test_compile_inductor():
+    """The default backend (Inductor) over ``moe_forward``: the custom ops stay opaque calls in its code; the
+    output and gradients equal eager (up to Inductor's own fusion of the loss around the layer)."""
+    f = _layer()
+    inputs = _inputs(5)
+    (out, grads), (want, want_grads) = _value_and_grads(torch.compile(f, fullgraph=True), inputs), \
+        _value_and_grads(f, inputs)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_compile_dynamic_tokens_and_config_changes():

@@ -22,8 +22,13 @@ What that gives:
   ``torch.func.grad`` raise ``RuntimeError`` naming ``moe_forward``; one level of ``torch.func.grad`` (which
   runs its backward with grad mode on) does not.
 
-The config crosses the op boundary as a string (:func:`config_key`, the repr of its fields: custom ops take
-tensors, numbers, strings and lists only); the ops rebuild it (:func:`config_from_key`, cached).
+The config crosses the op boundary as a string and a list of floats (:func:`config_key`: custom ops take tensors,
+numbers, strings and lists only); the ops rebuild it (:func:`config_from_key`, cached). Dynamo reads every field
+on the way, so a config that differs recompiles. Its integers must be static: Dynamo makes them symbolic for a
+config in a closure or an argument of the compiled function under ``dynamic=True``, or in an argument whose sizes
+change between calls, and the layer's checks and ops do not take that (Dynamo stops with an error there). A
+module's config (``EPMoE``) or a global one stays static, and so does any config under the default automatic
+dynamic shapes while only the token count changes (``T`` goes symbolic).
 
 Torch only (no mirror in ``moe_pallas``: ``jax.custom_vjp`` is already traceable by ``jit`` and the transforms).
 """
