@@ -481,7 +481,8 @@ class EPMoE(torch.nn.Module):
         biases), with ``recompute=self.recompute``.
 
         Under ``torch.autocast`` (module docstring): ``x`` of any float dtype, cast to the weights' dtype
-        (``quant='none'``), the layer run with autocast off, the output returned in ``x.dtype``.
+        (``quant='none'``), the layer run with autocast off, the output returned in ``x.dtype`` (the router losses
+        as they come: float32).
 
         Raises: TypeError for arrays that are not torch tensors (numpy: convert with ``torch.from_numpy``);
           ValueError / TypeError from :func:`moe_torch.moe_forward` (shapes, dtypes).
@@ -490,7 +491,8 @@ class EPMoE(torch.nn.Module):
         if torch.is_autocast_enabled(x.device.type):  # the layer's ops are custom ops, which autocast does not reach
             x_in = x.to(self.w13.dtype) if self.config.quant == "none" else x
             with torch.autocast(x.device.type, enabled=False):
-                return self.forward(x_in, router_logits).to(x.dtype)
+                result = self.forward(x_in, router_logits, return_router_losses=return_router_losses, seq_len=seq_len)
+            return (result[0].to(x.dtype), result[1]) if return_router_losses else result.to(x.dtype)
         if self.config.quant == "none" and x.dtype != self.w13.dtype:
             raise TypeError(f"EPMoE: x must have the layer's dtype {dtype_name(self.w13)} (quant='none'); "
                             f"got x.dtype={dtype_name(x)}")

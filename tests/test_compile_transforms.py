@@ -85,6 +85,32 @@ def test_compile_fullgraph_equals_eager(implementation, recompute, capacity_fact
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
+def test_compile_router_losses():
+    """``return_router_losses=True`` under ``torch.compile(fullgraph=True)``: the losses (plain torch ops on the
+    logits and the gate's ids that the forward op returns) and the gradients they add equal eager."""
+    config = dataclasses.replace(CONFIG, num_fused_shared_experts=0, shared_expert_gate=False)
+    inputs = {k: v for k, v in _inputs(6).items() if k != "shared_expert_gate_logits"}
+    inputs["w13"], inputs["w2"], inputs["w13_bias"], inputs["w2_bias"] = (
+        inputs[k][:4].detach().requires_grad_() for k in ("w13", "w2", "w13_bias", "w2_bias"))
+
+    def f(x, router_logits, w13, w2, w13_bias, w2_bias):
+        out, losses = moe_torch.moe_forward(x, router_logits, w13, w2, config, w13_bias=w13_bias, w2_bias=w2_bias,
+                                            implementation="reference", return_router_losses=True, seq_len=3)
+        return out, losses
+
+    def run(fn):
+        out, losses = fn(**inputs)
+        total = out.square().sum() + losses.aux_loss + losses.seq_aux_loss + losses.z_loss
+        return (out, losses), torch.autograd.grad(total, list(inputs.values()))
+
+    ((out, losses), grads), ((want, want_losses), want_grads) = \
+        run(torch.compile(f, backend="aot_eager", fullgraph=True)), run(f)
+    assert torch.equal(out, want)
+    for got, ref in zip(losses, want_losses):
+        assert torch.equal(got, ref)
+    assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+
+
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor on the CPU needs a C++ compiler")
 def test_compile_inductor():
     """The default backend (Inductor) over ``moe_forward``: the custom ops stay opaque calls in its code; the
@@ -255,6 +281,10 @@ def test_autocast_bf16_activations_into_float32_module():
                 assert ((g - w).norm() / w.norm()).item() < 1e-2, f"{what}: d_{name}"
             else:
                 assert torch.equal(g, want_grads[name]), f"{what}: d_{name}"
+    with torch.autocast(device, dtype=torch.bfloat16):
+        h = model.proj(x)
+        out, losses = model.moe(h, model.router(h), return_router_losses=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want) and losses.aux_loss.dtype == torch.float32
     inputs = {k: v.detach() for k, v in _inputs(5).items()}
     plain = _layer()(**inputs)
     with torch.autocast(device, dtype=torch.bfloat16):
