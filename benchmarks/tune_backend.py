@@ -45,11 +45,10 @@ if _ROOT not in sys.path:
 from benchmarks.harness import REL_ERR_MAX  # noqa: E402
 from moe_contract.selection import file_key  # noqa: E402
 from moe_pallas.ops.grouped_gemm.backend_table import BACKEND_CHOICE, check_entries  # noqa: E402
+from moe_pallas.ops.grouped_gemm.tune import LAYOUTS  # noqa: E402  (GEMM row dtype -> the dispatch's layout)
 
 #: Benchmark backend name -> backend of the table.
 BACKENDS = {"ours-jax-pallas_triton": "pallas_triton", "ours-jax-pallas_mosaic_gpu": "pallas_mosaic_gpu"}
-#: GEMM row dtype (``benchmarks/specs.py`` ``GEMM_DTYPES``) -> layout (``backend_table.gemm_layout``).
-LAYOUTS = {"bf16": "bf16", "fp8": "fp8_per_token", "fp8_block": "fp8_block"}
 #: The time of each bench kind that is the forward GEMM's.
 TIME_KEY = {"gemm": "median_ms", "gemm_bwd": "fwd_ms"}
 DEFAULT_OUT = os.path.join(_ROOT, "moe_pallas", "ops", "grouped_gemm", "tuned")
