@@ -353,6 +353,9 @@ class MoELayer(nnx.Module):
           ``jnp.asarray``); ValueError / TypeError from :func:`moe_pallas.moe_forward` (shapes, dtypes).
         """
         check_call_arrays("MoELayer", dict(x=x, router_logits=router_logits))
+        if x.ndim != 2:  # named here: the user called the module, and a [B, S, H] input is the block's
+            raise ValueError(f"MoELayer: x must be [T, H] (tokens flattened; moe_pallas.MoEBlock takes [B, S, H]); "
+                             f"got x of shape {tuple(x.shape)}")
         if self.config.quant == "none" and hasattr(x, "dtype") and dtype_name(x) != dtype_name(self.w13[...]):
             raise TypeError(f"MoELayer: x must have the layer's dtype {dtype_name(self.w13[...])} (quant='none'); "
                             f"got x.dtype={dtype_name(x)}")

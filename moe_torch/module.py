@@ -488,6 +488,9 @@ class EPMoE(torch.nn.Module):
           ValueError / TypeError from :func:`moe_torch.moe_forward` (shapes, dtypes).
         """
         require_torch_tensors("EPMoE", dict(x=x, router_logits=router_logits))
+        if x.ndim != 2:  # named here: the user called the module, and a [B, S, H] input is the block's
+            raise ValueError(f"EPMoE: x must be [T, H] (tokens flattened; moe_torch.MoEBlock takes [B, S, H]); "
+                             f"got x of shape {tuple(x.shape)}")
         if torch.is_autocast_enabled(x.device.type):  # the layer's ops are custom ops, which autocast does not reach
             x_in = x.to(self.w13.dtype) if self.config.quant == "none" else x
             with torch.autocast(x.device.type, enabled=False):

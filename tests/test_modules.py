@@ -346,6 +346,11 @@ def test_bad_weights_raise_the_layers_messages(framework):
     with pytest.raises(TypeError) as e:
         layer(x, logits)
     assert str(e.value) == f"{op}: x must have the layer's dtype bfloat16 (quant='none'); got x.dtype=float32"
+    with pytest.raises(ValueError) as e:  # [B, S, H] is the block's input, named as the module's error
+        layer(x.reshape(1, *x.shape), logits)
+    block_cls = "moe_pallas.MoEBlock" if framework == "jnp" else "moe_torch.MoEBlock"
+    assert str(e.value) == (f"{op}: x must be [T, H] (tokens flattened; {block_cls} takes [B, S, H]); "
+                            f"got x of shape (1, {x.shape[0]}, {x.shape[1]})")
 
 
 def test_nnx_module_refuses_numpy_inputs():
