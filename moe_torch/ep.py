@@ -424,10 +424,11 @@ def _replicated(x, router_logits, w13, w2, w13_scale, w2_scale, config, bias, im
         x, router_logits, shared_logits = _CopyToGroup.apply(group, x, router_logits, shared_logits)
     topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
     combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)  # autograd: plain torch ops
-    # Every rank sees all T tokens' ids, so each drops the same slots (capacity per expert, globally).
-    topk_ids = dispatch_ids(topk_ids, config, implementation)
+    # Every rank sees all T tokens' ids, so each drops the same slots (capacity per expert, globally); the router
+    # losses take the gate's own ids (they count dropped slots: CONTRACT.md section 10).
+    ids = dispatch_ids(topk_ids, config, implementation)
     # float32 partial: the sum over ranks is then the single-device float32 combine, reassociated.
-    partial = _experts(x, combine_weights, topk_ids, w13, w2, w13_scale, w2_scale, config, implementation,
+    partial = _experts(x, combine_weights, ids, w13, w2, w13_scale, w2_scale, config, implementation,
                        routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=torch.float32,
                        recompute=recompute, input_scale=input_scale, biases=biases)
     if out == "replicated":

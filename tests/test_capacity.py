@@ -323,9 +323,11 @@ def _gloo_worker(rank: int, world: int, init_method: str, out_path: str) -> None
             leaf = lambda a: torch.from_numpy(np.ascontiguousarray(a)).requires_grad_()
             args = [leaf(inp.x[rows]), leaf(inp.router_logits[rows]), leaf(inp.w13[start:start + n]),
                     leaf(inp.w2[start:start + n])]
-            out = moe_torch.ep_moe_forward(*args, config, mode=mode, implementation="reference")
+            out, losses = moe_torch.ep_moe_forward(*args, config, mode=mode, implementation="reference",
+                                                   return_router_losses=True)
             out.backward(d_out[rows])
             mine[mode] = [out.detach().numpy().tolist()] + [a.grad.numpy().tolist() for a in args]
+            mine[mode + " tokens_per_expert"] = losses.tokens_per_expert.tolist()
         gather_to_file(mine, rank, world, out_path)
     finally:
         dist.destroy_process_group()
@@ -334,7 +336,8 @@ def _gloo_worker(rank: int, world: int, init_method: str, out_path: str) -> None
 def test_torch_ep_layer_drops_globally(tmp_path):
     """Two gloo processes, both modes: the ranks' output rows and gradients are the single-device judge's with the
     global capacity; in all_to_all mode rank 0 has 3 tokens and rank 1 5, so a capacity counted per rank, or an owner
-    that ranked its received rows out of token order, would give other outputs."""
+    that ranked its received rows out of token order, would give other outputs. The router losses' counts are the
+    gate's, dropped slots included, on every rank in both modes."""
     results = spawn_ranks(_gloo_worker, 2, (str(tmp_path / "out.json"),), tmp_path / "out.json")
     config = SHARED.replace(capacity_factor=0.5)
     inp = make_layer_inputs(config, num_tokens=T, seed=17)
@@ -354,6 +357,10 @@ def test_torch_ep_layer_drops_globally(tmp_path):
         assert_rel_fro(d_logits, want[1], GRAD_F32_REL_FRO, f"{mode} d_router_logits")
         for i, name in ((3, "d_w13"), (4, "d_w2")):  # rank 0: experts 0, 1; rank 1: 2, 3 and the shared one
             assert_rel_fro(np.concatenate([g[i] for g in got]), want[i - 1], GRAD_F32_REL_FRO, f"{mode} {name}")
+        # the router losses count the router's choices, dropped slots included (CONTRACT.md section 10)
+        routed = to_numpy(ids)[:, :config.topk]
+        for r in results:
+            assert r[mode + " tokens_per_expert"] == np.bincount(routed.ravel(), minlength=config.num_experts).tolist()
 
 
 # ------------------------------------------------------------------------------------------------ the modules
