@@ -327,6 +327,9 @@ def moe_layer(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction
     the gate's own ids (before any capacity drop), for the router losses."""
     if not torch.compiler.is_compiling():  # (Dynamo refuses forward-mode AD through an autograd.Function itself)
         _refuse_forward_mode(x, router_logits, w13, w2, shared_expert_gate_logits, w13_bias, w2_bias)
+    # No backward can follow (no_grad / inference_mode): the op's h output would only hold GEMM 1's [M_cap, 2I]
+    # until the layer returns; recompute drops it (the forward computes the same either way).
+    recompute = recompute or not torch.is_grad_enabled()
     outputs = MoELayerFunction.apply(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
                                      shared_expert_gate_logits, w13_bias, w2_bias, config, *config_key(config),
                                      implementation, recompute)
