@@ -1,5 +1,6 @@
 """Per-kernel time of one MoE layer forward (the bench's default layer: E=32, H=7168, I=2048, top-8 softmax), JAX or
-PyTorch, on the GPU: where the layer's time goes beside its two grouped GEMMs.
+PyTorch, on the GPU: where the layer's time goes beside its two grouped GEMMs (torch: ``--backward`` profiles the
+forward + backward).
 
     python3 benchmarks/profile_layer_stages.py --framework jax --quant fp8_block --t 4096
     python3 benchmarks/profile_layer_stages.py --framework torch --quant fp8_block --t 4096
@@ -21,7 +22,7 @@ import numpy as np
 
 def _report(kernels: dict[str, float], label: str, top: int) -> None:
     total = sum(kernels.values())
-    print(f"== {label}: {len(kernels)} kernels, {total:.3f} ms a forward", flush=True)
+    print(f"== {label}: {len(kernels)} kernels, {total:.3f} ms a step", flush=True)
     for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {ms:8.4f} ms {100 * ms / total:5.1f}%  {name[:110]}", flush=True)
 
@@ -67,6 +68,9 @@ def profile_torch(args) -> None:
 
     import moe_torch
 
+    if args.backward and args.quant != "none":
+        raise SystemExit("profile_layer_stages: --backward profiles the bf16 layer (--quant none)")
+
     dev = torch.device("cuda")
     config = moe_torch.MoEConfig(hidden_size=args.h, intermediate_size=args.i, num_experts=args.e, topk=args.topk,
                                  routing="softmax_topk", renormalize=True, quant=args.quant)
@@ -76,9 +80,16 @@ def profile_torch(args) -> None:
     w13 = (torch.randn(args.e, 2 * args.i, args.h, generator=g, device=dev) * args.h**-0.5).to(torch.bfloat16)
     w2 = (torch.randn(args.e, args.h, args.i, generator=g, device=dev) * args.i**-0.5).to(torch.bfloat16)
     w13, s13, w2, s2 = moe_torch.quantize_layer_weights(w13, w2, config)
+    if args.backward:
+        for t in (x, logits, w13, w2):
+            t.requires_grad_(True)
+        d_out = torch.randn(args.t, args.h, generator=g, device=dev).to(torch.bfloat16)
 
     def f():
-        return moe_torch.moe_forward(x, logits, w13, w2, config, w13_scale=s13, w2_scale=s2, implementation="triton")
+        out = moe_torch.moe_forward(x, logits, w13, w2, config, w13_scale=s13, w2_scale=s2, implementation="triton",
+                                    recompute=args.recompute)
+        if args.backward:
+            torch.autograd.grad(out, (x, logits, w13, w2), d_out)
 
     for _ in range(3):
         f()
@@ -92,7 +103,8 @@ def profile_torch(args) -> None:
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
         if t > 0:
             kernels[ev.key] = t / 1e3 / args.iterations
-    _report(kernels, f"torch triton {args.quant} T={args.t}", args.top)
+    _report(kernels, f"torch triton {args.quant} T={args.t}" + (" forward + backward" if args.backward else ""),
+            args.top)
 
 
 def main() -> None:
@@ -107,6 +119,9 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--top", type=int, default=25, help="kernels printed")
     p.add_argument("--implementation", default="pallas_mosaic_gpu", help="JAX: moe_forward's implementation")
+    p.add_argument("--backward", action="store_true", help="torch: profile forward + backward (gradients of x, the "
+                   "router logits, w13 and w2 from a random d_out), bf16")
+    p.add_argument("--recompute", action="store_true", help="torch: moe_forward(recompute=True)")
     args = p.parse_args()
     (profile_jax if args.framework == "jax" else profile_torch)(args)
 
