@@ -149,6 +149,8 @@ def test_choice_from_switch_and_entry():
     assert choice(None, gluon) == G256
     assert choice(None, ("gluon", {})) == {}
     assert choice(None, triton_e) is None and choice(None, triton_plain) is None and choice(None, None) is None
+    assert choice(None, None, wide=True) == {} and choice(False, None, wide=True) is None
+    assert choice(None, triton_e, wide=True) is None  # an entry decides, wide or not
     assert choice(True, gluon) == G256 and choice(True, triton_e) == G128
     assert choice(True, triton_plain) == {} and choice(True, None) == {}
     out = choice(None, gluon)
@@ -181,7 +183,7 @@ def _patch_gluon(monkeypatch, eligible: bool = True):
 
 def test_dispatch_options_tri_state(tmp_path, monkeypatch):
     """``gluon_bf16_options`` on a sm_90-like request: unset -> the entry's kernel (Gluon with its options on down,
-    Triton on gate_up, Triton without an entry); 1 -> Gluon everywhere it is eligible (the entry's options, else
+    Triton on gate_up; without an entry Gluon's defaults where the problem is wide, else Triton); 1 -> Gluon everywhere it is eligible (the entry's options, else
     ``DISPATCH_OPTIONS``; the pointer epilogue where ``N % 8``); 0 -> Triton, nothing consulted; not eligible, FP8
     scales, another dtype's entry: Triton."""
     gb, calls = _patch_gluon(monkeypatch)
@@ -200,8 +202,10 @@ def test_dispatch_options_tri_state(tmp_path, monkeypatch):
     assert options(DOWN) == options(DOWN, M=8192) == G128
     assert options(DOWN, dtype=torch.float16) == G128  # fp16 reads the bf16 entries
     n_calls = len(calls)
-    assert options(GATE_UP) is None and options((1024, 1024)) is None  # Triton entry / no entry
+    assert options(GATE_UP) is None and options((1024, 1024), M=2048) is None  # Triton entry / no entry, narrow
     assert len(calls) == n_calls  # the eligibility is not asked where the table keeps Triton
+    # no entry, a wide sm_90 problem (config.hopper_wide_config applies): Gluon with its defaults
+    assert options((1024, 1024)) == gb.DISPATCH_OPTIONS and options((1024, 1024), M=4096) is None
     assert options((7164, 2048)) == dict(gb.DISPATCH_OPTIONS, epilogue="pointer")  # invalid tuned options
     assert options(DOWN, x_scale=object(), w_scale=object()) is None
     monkeypatch.setenv(ENV, "1")

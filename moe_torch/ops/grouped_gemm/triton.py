@@ -151,7 +151,7 @@ from moe_contract.selection import DeviceSpec
 from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, INT4_PACKED_ASM, MXFP4_PACKED_ASM,
                                       PACKED_ASM_CONSTRAINTS, e8m0_bf16_bits)
 from moe_torch.ops.grouped_gemm.config import (GLUON_MIN_ROWS, GLUON_MIN_ROWS_PER_EXPERT, TMA_MAX_BLOCK, W_SCALE_BLOCK, GroupedGemmConfig, check_config, grouped_gemm_config,
-                                               tuned_forward_kernel)
+                                               hopper_wide_config, tuned_forward_kernel)
 from moe_torch.ops.device import device_spec
 from moe_torch.ops.quant.reference import FP8_DTYPE
 from moe_torch.ops import triton_interpret
@@ -936,17 +936,22 @@ def gluon_fp8_rowwise_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype
                                                            w_format, bias)
 
 
-def gluon_bf16_choice(switch: bool | None, tuned: tuple[str, dict] | None) -> dict | None:
+def gluon_bf16_choice(switch: bool | None, tuned: tuple[str, dict] | None, wide: bool = False) -> dict | None:
     """The 16-bit forward's kernel from ``EPMOE_TRITON_GLUON_BF16`` (``switch``: :func:`triton_common.gluon_bf16_switch`,
     ``None`` when unset) and the device's tuned entry (``tuned``: ``config.py: tuned_forward_kernel``, ``(kernel,
     options)`` or ``None``), before the eligibility: ``None`` runs this module's Triton kernel; a dict runs the Gluon
     kernel with those options (the entry's ``"gluon_config"``; ``{}``: none tuned, ``gluon_bf16.py: dispatch_options``
     then passes ``DISPATCH_OPTIONS``). ``False`` -> ``None``; ``None`` -> the options where the entry's kernel is
-    ``"gluon"``, else ``None`` (no entry, a Triton entry, or one tuned before the choice); ``True`` -> the entry's
-    options whatever its kernel, ``{}`` without one. Pure: no device, no environment."""
+    ``"gluon"``, else ``None`` (a Triton entry, or one tuned before the choice); with no entry, ``{}`` where ``wide``
+    (a large problem on sm_90: ``config.py: hopper_wide_config`` applies; the Gluon kernel with its defaults is within
+    2% of the tuned kernel on the benchmark's 16-bit shapes, the wide Triton tiles up to 10% slower: BENCHMARKS.md),
+    else ``None``; ``True`` -> the entry's options whatever its kernel, ``{}`` without one. Pure: no device, no
+    environment."""
     if switch is False:
         return None
-    if switch is None and (tuned is None or tuned[0] != "gluon"):
+    if switch is None and tuned is None:
+        return {} if wide else None
+    if switch is None and tuned[0] != "gluon":
         return None
     return {} if tuned is None else dict(tuned[1])
 
@@ -963,7 +968,7 @@ def gluon_bf16_options(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_form
     """The options with which :func:`grouped_gemm_triton` (no explicit config) runs this request on the 16-bit Gluon
     kernel (``gluon_bf16.py: grouped_gemm_gluon_bf16``), or ``None`` for this module's kernel: :func:`gluon_bf16_choice`
     of :data:`triton_common.GLUON_BF16_ENV` (``0``: never, asked first; unset: where the device's tuned forward entry
-    says ``"gluon"``; ``1``: wherever it serves) and ``x``'s GPU's tuned entry (``config.py: tuned_forward_kernel``:
+    says ``"gluon"``, or with no entry where the problem is a wide sm_90 one; ``1``: wherever it serves) and ``x``'s GPU's tuned entry (``config.py: tuned_forward_kernel``:
     nearest ``M_cap``, same ``N``, ``K``, the bf16 entries), then ``gluon_bf16.py: forward_eligible`` (bf16 / fp16
     ``x``, ``w`` and out of one dtype, no scales, no bias, no 4-bit weights, sm_90, contiguous, ``K % 8 == 0``,
     ``M_cap >=`` :data:`GLUON_MIN_ROWS` and ``>= GLUON_MIN_ROWS_PER_EXPERT * E``); the options are
@@ -973,10 +978,13 @@ def gluon_bf16_options(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_form
     switch = gluon_bf16_switch()
     if switch is False or not x.is_cuda or x_scale is not None or w_scale is not None:
         return None
-    tuned = None
+    tuned, wide = None, False
     if x.dtype in (torch.bfloat16, torch.float16) and w_format is None and x.dim() == 2 and w.dim() == 3:
-        tuned = _tuned_forward(device_spec(x.device), x.shape[0], w.shape[1], x.shape[1])
-    options = gluon_bf16_choice(switch, None if tuned is None else (tuned[0], dict(tuned[1])))
+        spec = device_spec(x.device)
+        tuned = _tuned_forward(spec, x.shape[0], w.shape[1], x.shape[1])
+        wide = (tuned is None and spec is not None and spec.is_hopper
+                and hopper_wide_config(x.shape[0], w.shape[1], x.shape[1], w.shape[0], 16) is not None)
+    options = gluon_bf16_choice(switch, None if tuned is None else (tuned[0], dict(tuned[1])), wide)
     if options is None:
         return None
     try:
