@@ -39,8 +39,9 @@ def profile_jax(args) -> None:
     k = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(k[0], (args.t, args.h), jnp.float32).astype(jnp.bfloat16)
     logits = jax.random.normal(k[1], (args.t, args.e), jnp.float32)
-    w13 = (jax.random.normal(k[2], (args.e, 2 * args.i, args.h), jnp.float32) * args.h**-0.5).astype(jnp.bfloat16)
-    w2 = (jax.random.normal(k[3], (args.e, args.h, args.i), jnp.float32) * args.i**-0.5).astype(jnp.bfloat16)
+    # drawn in bf16: a float32 draw of w13 at E=256 is a 28 GiB temporary
+    w13 = jax.random.normal(k[2], (args.e, 2 * args.i, args.h), jnp.bfloat16) * jnp.bfloat16(args.h**-0.5)
+    w2 = jax.random.normal(k[3], (args.e, args.h, args.i), jnp.bfloat16) * jnp.bfloat16(args.i**-0.5)
     w13, s13, w2, s2 = moe_pallas.quantize_layer_weights(w13, w2, config)
 
     @jax.jit
