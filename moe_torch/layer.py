@@ -367,21 +367,23 @@ def _experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: i
     del w2_d, s2_d
     live = dst2src >= 0
     w_row = torch.where(live, topk_weights.reshape(-1)[dst2src.clamp(min=0).long()] * c, 0.0)  # [M_cap] float32
-    dots = (a.float() * d_a0).sum(dim=1)  # <a[m], d_out[t] @ w2[e]>, float32
+    # float32 math without float32 copies of the operands: the products promote inside one kernel
+    dots = torch.mul(a, d_a0).sum(dim=1)  # <a[m], d_out[t] @ w2[e]>, float32
     if w2_bias is not None:  # y = a @ w2.T + b2: <y[m], d_out[t]> has the bias's part too
         dots = dots + _bias_dots(d_y0, w2_bias, offsets)
     d_topk_weights = torch.where(src2dst >= 0, c * dots[src2dst.clamp(min=0).long()], 0.0)
-    d_a = (w_row[:, None] * d_a0).to(dtype)
+    d_a = torch.mul(d_a0, w_row[:, None], out=d_a0.new_empty(d_a0.shape, dtype=dtype))  # float32 math, one rounding
     del d_a0, dots  # intermediates go as soon as they are used: the backward's peak is the wgrads'
     d_w2 = d_w2_bias = None
     if need_w2 or need_w2_bias:  # float32 accumulation in the kernels, stored once in the weight's / bias's dtype
-        d_y = w_row[:, None] * d_y0.float()
         if need_w2_bias:
+            d_y = w_row[:, None] * d_y0.float()
             d_w2_bias = grouped_gemm_dbias(d_y, offsets, out_dtype=w2_bias.dtype, implementation=gemm)
-        if need_w2:  # (no float32 [E, H, I]); the float32 d_y goes before the wgrad runs
-            d_y = d_y.to(dtype)
+            del d_y
+        if need_w2:  # (no float32 [E, H, I]); d_y in float32 math, rounded once on the store (no float32 copy)
+            d_y = torch.mul(d_y0, w_row[:, None], out=d_y0.new_empty(d_y0.shape))
             d_w2 = grouped_gemm_wgrad(a, d_y, offsets, out_dtype=w2.dtype, implementation=gemm)
-        del d_y
+            del d_y
     del a, d_y0
     d_h = act_and_mul_backward(h, d_a, activation=config.activation, layout=config.gate_up_layout, out_dtype=dtype,
                                implementation=stage_implementation(impl, activation_api))
