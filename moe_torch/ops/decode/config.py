@@ -17,14 +17,14 @@ import triton
 #: its staged path until GPU measurements say below which ``T`` the two launches win (a later change wires it).
 DECODE_MAX_TOKENS = 64
 
-#: The most assignments ``T * (topk + S)`` the Triton kernels take: every program of the gate_up kernel holds all
-#: the ids as one vector (``BLOCK_S = next_power_of_2(T * k)`` lanes: 8 KiB of int32 at 2048) and searches them.
-#: 256 tokens of top-8 fit; beyond, the launcher raises ``NotImplementedError`` (the api's default falls back to
-#: the reference; the layer's staged path is the one for such batches).
+#: The most assignments ``T * (topk + S)`` the Triton kernels take: every program of the gate_up kernel scans all the
+#: ids twice (a chunk at a time), so its overhead grows with ``T * k``; 2048 is 256 tokens of top-8, four times the
+#: path's intended batches. Beyond, the launcher raises ``NotImplementedError`` (the api's default falls back to the
+#: reference; the layer's staged path is the one for such batches).
 MAX_SLOTS = 2048
 
-#: Elements of the ``[BLOCK_E, CHUNK_S]`` compare the gate_up kernel counts the experts' slots with (one chunk of the
-#: ids at a time): 4096 int32 lanes over 4 warps are 32 a thread.
+#: Lanes of the gate_up kernel's compare tiles over a chunk of ids: ``[BLOCK_E, CHUNK_S]`` (the experts' counts) and
+#: ``[BLOCK_M, CHUNK_S]`` (its expert's slots). 4096 int32 lanes over 4 warps are 32 a thread.
 COUNT_TILE_ELEMS = 4096
 
 #: The narrowest tile side of ``tl.dot`` (the tensor cores' ``m16n8k16`` / ``wgmma`` shapes; Triton refuses
@@ -39,7 +39,7 @@ W4_MIN_BLOCK_K = 32
 class DecodeGateUpConfig:
     """Kernel A (GEMM 1 + activation): one program per (reached expert, ``block_n`` columns of ``a [T*k, I]``),
     ``block_m`` of the expert's slots a row block (looped over when the expert has more), ``block_k`` of ``H`` per
-    K step. ``chunk_s``: ids compared at once when counting the experts' slots."""
+    K step. ``chunk_s``: ids compared at once in the scans (the experts' counts, the expert's slots)."""
 
     block_m: int
     block_n: int
@@ -68,7 +68,7 @@ def _pow2_between(n: int, lo: int, hi: int) -> int:
 def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool) -> DecodeGateUpConfig:
     """Heuristic config of kernel A for ``x [T, H]``, ``k`` slots a token, ``w13 [E_local, 2*I, H]``."""
     # Rows: an expert holds at most T slots when a token's ids are distinct (as every gate makes them), so T rows
-    # cover it in one block; at least 16 (tl.dot), at most 64 (the row index vector is a [BLOCK_M, BLOCK_S] compare).
+    # cover it in one block; at least 16 (tl.dot), at most 64 (two [BLOCK_M, BLOCK_N] float32 accumulators).
     block_m = _pow2_between(T, MIN_DOT, 64)
     # Columns: 64 gate + 64 up columns of w13 a program. Few columns keep many programs (I / 64 per expert) for a
     # bandwidth-bound kernel at T = 1; at least 16 (tl.dot), never more than I needs.
@@ -77,7 +77,7 @@ def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool
     block_k = _pow2_between(H, W4_MIN_BLOCK_K if w4 else MIN_DOT, 128)
     block_e = triton.next_power_of_2(max(E_local, 1))
     block_s = triton.next_power_of_2(max(T * k, 1))
-    chunk_s = max(1, min(block_s, COUNT_TILE_ELEMS // block_e))
+    chunk_s = max(1, min(block_s, COUNT_TILE_ELEMS // max(block_e, block_m)))
     # 4 warps: two [64, 128] bf16 weight tiles and two [BLOCK_M, 64] float32 accumulators a program. 2 stages:
     # the K loop streams w13, the one operand worth prefetching (x's rows are few and stay in L1/L2).
     return DecodeGateUpConfig(block_m=block_m, block_n=block_n, block_k=block_k, chunk_s=chunk_s, num_warps=4,

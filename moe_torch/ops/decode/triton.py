@@ -13,13 +13,14 @@ section 9), optional biases ``w13_bias [E_local, 2I]``, ``w2_bias [E_local, H]``
 **Kernel A** (``_decode_gate_up_kernel``, GEMM 1 + bias + activation), grid ``(min(T*k, E_local), cdiv(I,
 BLOCK_N))``::
 
-    program (i, n): every program reads all T*k ids (one vector) and derives its own work:
+    program (i, n): every program reads all T*k ids (CHUNK_S at a time) and derives its own work:
       reached[e] = #{s : e(s) == e} > 0                 (a [BLOCK_E, CHUNK_S] compare-and-sum per chunk of ids)
       rank[e]    = cumsum(reached)[e]                   (inclusive)
       its expert e = the one with reached and rank == i + 1; none (nothing to do) if fewer are reached
-      its slots  = the s with e(s) == e, in slot order: pos(s) = cumsum(e(.) == e)[s] - 1, and for a row block
-                   m = mb*BLOCK_M + [0, BLOCK_M): slot[m] = sum_s s * (e(s) == e and pos(s) == m)
-                   (a [BLOCK_M, BLOCK_S] compare-and-sum; row blocks looped while mb*BLOCK_M < count(e))
+      its slots  = the s with e(s) == e, in slot order: pos(s) = #{s' <= s : e(s') == e} - 1 (a cumsum per chunk
+                   plus the earlier chunks' matches), and for a row block m = mb*BLOCK_M + [0, BLOCK_M):
+                   slot[m] = sum_s s * (e(s) == e and pos(s) == m)   (a [BLOCK_M, CHUNK_S] compare-and-sum per
+                   chunk; row blocks looped while mb*BLOCK_M < count(e))
       cols = n*BLOCK_N + [0, BLOCK_N) of I; gate / up rows of w13: cols and I + cols ("concatenated") or
                    2*cols and 2*cols + 1 ("interleaved", gpt-oss)
       for k0 in 0..H step BLOCK_K:                      (float32 accumulation, tl.dot: BLOCK_M >= 16 rows)
@@ -54,8 +55,10 @@ Rounding points and sums follow the staged layer (``reference.py``), so the two 
 float32 to float32 reordering (``F32_REL_FRO``), bf16 / fp16 within ``BF16_REL_FRO`` (a float32 reordering can flip
 one rounding to ``x.dtype`` by an ulp). Deterministic: fixed grids, fixed loop orders, no atomics.
 
-Costs that scale with ``T*k``: every program of kernel A holds the ids as one ``[BLOCK_S]`` vector and compares
-them with the ``E_local`` experts (``config.MAX_SLOTS`` bounds ``T*k``; beyond, ``NotImplementedError``).
+Costs that scale with ``T*k``: every program of kernel A scans all the ids, compared with the ``E_local`` experts
+and then with its expert's row-block slots, in chunks that keep every compare tile at ``config.COUNT_TILE_ELEMS``
+lanes (no register tile grows with ``T*k``; the loops do). ``config.MAX_SLOTS`` bounds ``T*k`` (beyond,
+``NotImplementedError``: the staged layer is the path for such batches).
 """
 
 from __future__ import annotations
@@ -124,9 +127,8 @@ def _decode_gate_up_kernel(
     HAS_BIAS: tl.constexpr,  # bool: add w13_bias[e] before the rounding of h
     W4: tl.constexpr,  # 0: float w13; grouped_gemm/triton.py's W_SCALE_CODES["mxfp4"] / ["int4"]: 4-bit codes
     IEEE_F32: tl.constexpr,  # bool: float32 x (full float32 dots)
-    BLOCK_S: tl.constexpr,  # next_power_of_2(S): the ids as one vector
     BLOCK_E: tl.constexpr,  # next_power_of_2(E_local): the experts as one vector
-    CHUNK_S: tl.constexpr,  # ids per step of the per-expert count
+    CHUNK_S: tl.constexpr,  # ids per step of the scans (count, then slots)
     NUM_CHUNKS: tl.constexpr,  # cdiv(S, CHUNK_S)
     NUM_M_BLOCKS: tl.constexpr,  # cdiv(S, BLOCK_M): row blocks an expert may need (looped while it has slots)
     BLOCK_M: tl.constexpr,  # slots per row block (>= 16: tl.dot)
@@ -152,11 +154,6 @@ def _decode_gate_up_kernel(
     e = tl.sum(tl.where(this, e_ids, 0), axis=0)
     count = tl.sum(tl.where(this, counts, 0), axis=0)  # 0 when fewer than pid_e + 1 experts are reached
 
-    # The expert's slots in slot order: pos(s) = its rank among them.
-    s_all = tl.arange(0, BLOCK_S)
-    match = (_local_ids(ids_ptr, s_all, S, expert_start, E_local) == e) & (count > 0)
-    pos = tl.cumsum(match.to(tl.int32), axis=0) - 1
-
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < I
     if INTERLEAVED:
@@ -169,9 +166,18 @@ def _decode_gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     for mb in range(NUM_M_BLOCKS):
         if mb * BLOCK_M < count:
+            # The expert's slots m_ids (ranks among its slots, in slot order), a chunk of ids at a time: a slot's rank
+            # is the matches before it (earlier chunks' `base`, plus the inclusive cumsum in its chunk, minus 1).
             m_ids = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-            hit = match[None, :] & (pos[None, :] == m_ids[:, None])
-            slot = tl.sum(tl.where(hit, s_all[None, :], 0), axis=1)  # [BLOCK_M]; 0 past the expert's slots (masked)
+            slot = tl.zeros([BLOCK_M], dtype=tl.int32)  # 0 past the expert's slots (masked below)
+            base = tl.full([], 0, tl.int32)  # matches in the chunks before
+            for c in range(NUM_CHUNKS):
+                s_ids = c * CHUNK_S + tl.arange(0, CHUNK_S)
+                match = _local_ids(ids_ptr, s_ids, S, expert_start, E_local) == e
+                pos = base + tl.cumsum(match.to(tl.int32), axis=0) - 1
+                hit = match[None, :] & (pos[None, :] == m_ids[:, None])
+                slot += tl.sum(tl.where(hit, s_ids[None, :], 0), axis=1)
+                base += tl.sum(match.to(tl.int32), axis=0)
             row_mask = m_ids < count
             x_rows = x_ptr + (slot // K_SLOTS).to(tl.int64)[:, None] * stride_xt
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -352,14 +358,13 @@ def fused_experts_decode_triton(
     lut = e8m0_bf16_table(x.device) if w_format == "mxfp4" and x.dtype == torch.bfloat16 and x.is_cuda else None
     s13 = (*w13_scale.stride(),) if w13_scale is not None else (0, 0, 0)
     s2 = (*w2_scale.stride(),) if w2_scale is not None else (0, 0, 0)
-    block_s = triton.next_power_of_2(S)
     _decode_gate_up_kernel[grid_a](
         x, ids, w13, w13_scale if w13_scale is not None else w13, w13_bias if w13_bias is not None else w13, a,
         S, H, I, e_local, expert_start,
         x.stride(0), w13.stride(0), w13.stride(1), *s13, w13_bias.stride(0) if w13_bias is not None else 0, a.stride(0),
         K_SLOTS=k, ACTIVATION=ACTIVATION_CODES[config.activation], INTERLEAVED=config.gate_up_layout == "interleaved",
         HAS_BIAS=w13_bias is not None, W4=w4, IEEE_F32=x.dtype == torch.float32,
-        BLOCK_S=block_s, BLOCK_E=triton.next_power_of_2(e_local), CHUNK_S=cfg_a.chunk_s,
+        BLOCK_E=triton.next_power_of_2(e_local), CHUNK_S=cfg_a.chunk_s,
         NUM_CHUNKS=triton.cdiv(S, cfg_a.chunk_s), NUM_M_BLOCKS=triton.cdiv(S, cfg_a.block_m),
         BLOCK_M=cfg_a.block_m, BLOCK_N=cfg_a.block_n, BLOCK_K=cfg_a.block_k, e8m0_lut=lut,
         num_warps=cfg_a.num_warps, num_stages=cfg_a.num_stages,
