@@ -275,3 +275,54 @@ def test_host_errors(monkeypatch):
     monkeypatch.setattr(decode_triton, "MAX_SLOTS", 3)
     with pytest.raises(NotImplementedError, match=rf"{op}: the Triton decode kernels take at most 3 assignments"):
         call()
+
+
+# ------------------------------------------------------------------------------- compiled for sm_90 (on the CPU)
+
+
+def _sm90_jobs() -> dict:
+    """Both kernels at production sizes (DeepSeek-V3's H and I over 32 local experts, T = 16 of top-8; gpt-oss's mxfp4
+    experts with swiglu_oai, interleaved rows and biases, e8m0 table), bf16 activations, the default configs."""
+    from moe_torch.ops.decode.config import decode_gate_up_config
+
+    def job(kernel, sig, constexprs, cfg):
+        return {"module": "moe_torch.ops.decode.triton", "kernel": kernel, "signature": sig, "constexprs": constexprs,
+                "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}}
+
+    jobs = {}
+    for name, w, ws, b, w4, act, inter, bias, lut in (("bf16", "*bf16", "*bf16", "*bf16", 0, 0, False, False, False),
+                                                     ("mxfp4", "*u8", "*u8", "*fp32", 4, 2, True, True, True)):
+        T, k, H, I, E = 16, 8, 7168, 2048, 32
+        a_cfg, b_cfg = decode_gate_up_config(T, k, H, I, E, bool(w4)), decode_down_config(T, H, I, bool(w4))
+        ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
+        extra = {"e8m0_lut": "*bf16"} if lut else {}
+        jobs[f"gate_up-{name}"] = job("_decode_gate_up_kernel", {
+            "x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "ws_ptr": ws, "b_ptr": b, "a_ptr": "*bf16",
+            **ints("S", "H", "I", "E_local", "expert_start", "stride_xt", "stride_we", "stride_wn", "stride_wse",
+                   "stride_wsn", "stride_wsk", "stride_be", "stride_as"), **extra},
+            dict(K_SLOTS=k, ACTIVATION=act, INTERLEAVED=inter, HAS_BIAS=bias, W4=w4, IEEE_F32=False, BLOCK_E=E,
+                 CHUNK_S=a_cfg.chunk_s, NUM_CHUNKS=T * k // a_cfg.chunk_s, NUM_M_BLOCKS=T * k // a_cfg.block_m,
+                 BLOCK_M=a_cfg.block_m, BLOCK_N=a_cfg.block_n, BLOCK_K=a_cfg.block_k), a_cfg)
+        jobs[f"down-{name}"] = job("_decode_down_kernel", {
+            "a_ptr": "*bf16", "ids_ptr": "*i32", "tw_ptr": "*fp32", "w_ptr": w, "ws_ptr": ws, "b_ptr": b,
+            "out_ptr": "*bf16", **ints("H", "I", "E_local", "expert_start"), "rsf": "fp32",
+            **ints("stride_as", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_wsk", "stride_be",
+                   "stride_ot"), **extra},
+            dict(K_SLOTS=k, HAS_BIAS=bias, APPLY_RSF=True, W4=w4, BLOCK_H=b_cfg.block_h, BLOCK_I=b_cfg.block_i), b_cfg)
+    return jobs
+
+
+@pytest.mark.skipif(TORCH_DEVICE != "cpu", reason="the GPU run compiles the kernels for its own device")
+def test_kernels_compile_for_sm90():
+    """Both kernels lower to sm_90 cubin (16-bit and mxfp4 weights), use the tensor cores for GEMM 1 only, no atomic
+    (kernel B's sum is the combine, in registers: the determinism) and no local-memory spill."""
+    import re
+
+    from sm90 import compile_sm90
+
+    ptx = compile_sm90(_sm90_jobs())
+    for name, text in ptx.items():
+        assert ".target sm_90" in text, name
+        assert not re.search(r"\b(atom|red)\.", text), f"{name}: an atomic"
+        assert ".local" not in text, f"{name}: a local-memory spill"
+        assert ("mma" in text) == name.startswith("gate_up"), name

@@ -37,7 +37,7 @@ slots; ``a [T*k, I]`` is in slot order (no permutation buffer, no metadata); non
 **Kernel B** (``_decode_down_kernel``, GEMM 2 + bias + combine), grid ``(T, cdiv(H, BLOCK_H))``::
 
     program (t, n): cols = n*BLOCK_H + [0, BLOCK_H) of H;  acc = 0 (float32)
-      for j in 0..k-1 (unrolled, slot order):
+      for j in 0..k-1 (slot order):
           if slot (t, j) is local with expert e:
               y = sum over I chunks of w2[e, cols, i:+BLOCK_I] * a[t*k + j, i:+BLOCK_I]   (float32; a GEMV: tl.sum)
               y = float32(cast(y + float32(w2_bias[e, cols])))   GEMM 2's output, rounded to x.dtype (section 4)
@@ -239,7 +239,7 @@ def _decode_down_kernel(
     stride_wsk,  # int: w2_scale.stride(2) (4-bit)
     stride_be,  # int: w2_bias.stride(0) (HAS_BIAS)
     stride_ot,  # int: out.stride(0)
-    K_SLOTS: tl.constexpr,  # k: slots per token (the slot loop is unrolled)
+    K_SLOTS: tl.constexpr,  # k: slots per token
     HAS_BIAS: tl.constexpr,  # bool: add w2_bias[e] before the rounding of y
     APPLY_RSF: tl.constexpr,  # bool: rsf != 1
     W4: tl.constexpr,  # 0: float w2; W_SCALE_CODES["mxfp4"] / ["int4"]: 4-bit codes
@@ -255,7 +255,7 @@ def _decode_down_kernel(
     cols64 = cols.to(tl.int64)
     offs_i = tl.arange(0, BLOCK_I)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(K_SLOTS):
+    for j in range(K_SLOTS):  # a loop, not unrolled: one copy of the GEMV body
         s64 = t64 * K_SLOTS + j
         raw = tl.load(ids_ptr + s64)
         lid = raw - expert_start
