@@ -262,6 +262,10 @@ def test_host_errors(monkeypatch):
         fused_experts_decode(x, w, ids, w13, w2, biased, w2_bias=torch.zeros(4, 32))
     with pytest.raises(ValueError, match=rf"{op}: topk_ids must be on x's device \({x.device}\); got topk_ids.device=meta"):
         call(topk_ids=torch.empty(ids.shape, dtype=ids.dtype, device="meta"))
+    with pytest.raises(RuntimeError, match=rf"{op}: not differentiable .*; got w13 requiring grad with grad mode on"):
+        call(w13=w13.clone().requires_grad_())
+    with torch.no_grad():  # an inference call with trainable parameters is fine
+        call(w13=w13.clone().requires_grad_(), implementation="reference")
     # what the path does not serve yet: named, before anything runs
     with pytest.raises(NotImplementedError, match=rf"{op}: quant='fp8_per_token' \(FP8 weights\) is not served"):
         call(config=config.replace(quant="fp8_per_token"))
@@ -275,6 +279,24 @@ def test_host_errors(monkeypatch):
     monkeypatch.setattr(decode_triton, "MAX_SLOTS", 3)
     with pytest.raises(NotImplementedError, match=rf"{op}: the Triton decode kernels take at most 3 assignments"):
         call()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay():
+    """The Triton path captured in a CUDA graph (no host sync, shape-only grids) and replayed on new ids and inputs
+    written in place gives what an eager call gives on them."""
+    config = MoEConfig(hidden_size=64, intermediate_size=32, num_experts=8, topk=2, **GPT_OSS)
+    x, w, ids, w13, w2, biases = _inputs(config, np.array(ROUTINGS[7], np.int32), "bfloat16")
+    run = lambda: fused_experts_decode(x, w, ids, w13, w2, config, implementation="triton", **biases)  # noqa: E731
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    x2, w_new, ids2, *_ = _inputs(config, _distinct_ids(np.random.default_rng(9), 7, 2, 8), "bfloat16", seed=9)
+    x.copy_(x2), w.copy_(w_new), ids.copy_(ids2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_exact(out, run(), "graph replay vs eager")
 
 
 # ------------------------------------------------------------------------------- compiled for sm_90 (on the CPU)

@@ -85,22 +85,31 @@ def fused_experts_decode(
         deterministic: bit-identical across runs) or ``"reference"`` (the staged layer's stage references).
 
     Returns: ``out [T, H]`` in ``x.dtype``: this rank's partial sum (the sum over EP ranks is the layer's experts'
-    output, CONTRACT.md section 6). Not differentiable (an inference path): tensors that require grad are read as
-    they are, and no graph is recorded.
+    output, CONTRACT.md section 6). Not differentiable (an inference path): with grad mode on, an input that
+    requires grad is refused (below) rather than given a result without a gradient; run it under
+    ``torch.no_grad()`` / ``torch.inference_mode()``.
 
     Raises: ValueError / TypeError naming the argument, before any launch (shapes, dtypes, devices, biases given
       without ``config.expert_bias`` or missing with it, 4-bit scales); NotImplementedError for what the path does
       not serve yet: FP8 weights (``config.quant`` ``"fp8_per_token"`` / ``"fp8_block"``) and
       ``config.apply_router_weight_on_input``, naming the op and the setting; with ``implementation="triton"``, also
-      where the kernels cannot run (no CUDA and no interpreter, ``T * (topk + S)`` above ``config.MAX_SLOTS``).
+      where the kernels cannot run (no CUDA and no interpreter, ``T * (topk + S)`` above ``config.MAX_SLOTS``);
+      RuntimeError naming the input when grad mode is on and an input requires grad (no backward: ``moe_forward``
+      is the path for training).
     """
     op = "fused_experts_decode"
     check_fused_experts_decode(op, x, topk_weights, topk_ids, w13, w2, config, w13_bias, w2_bias, w13_scale, w2_scale)
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     _check_devices(op, x, {"topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13, "w2": w2,
                            "w13_bias": w13_bias, "w2_bias": w2_bias, "w13_scale": w13_scale, "w2_scale": w2_scale})
+    if torch.is_grad_enabled():
+        for name, t in (("x", x), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2), ("w13_bias", w13_bias),
+                        ("w2_bias", w2_bias)):
+            if t is not None and t.requires_grad:
+                raise RuntimeError(
+                    f"{op}: not differentiable (an inference path: no backward); got {name} requiring grad with grad "
+                    f"mode on (call it under torch.no_grad() / torch.inference_mode(), or use moe_forward to train)")
     args = tuple(t.detach() if isinstance(t, torch.Tensor) else t
                  for t in (x, topk_weights, topk_ids, w13, w2, config, w13_bias, w2_bias, w13_scale, w2_scale))
     backends = {"triton": lambda: _triton(*args), "reference": lambda: fused_experts_decode_reference(*args)}
-    with torch.no_grad():
-        return dispatch(op, implementation, backends, x.device)
+    return dispatch(op, implementation, backends, x.device)
