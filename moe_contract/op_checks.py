@@ -12,7 +12,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from moe_contract.config import ACTIVATIONS, GATE_UP_LAYOUTS, check_routing_args
+from moe_contract.config import ACTIVATIONS, FP8_QUANTS, GATE_UP_LAYOUTS, check_routing_args
 from moe_contract.validation import (
     FLOAT_DTYPES,
     FP8_DTYPE,
@@ -21,6 +21,8 @@ from moe_contract.validation import (
     check_bool,
     check_choice,
     check_config,
+    check_expert_biases,
+    check_layer_expert_weights,
     check_dtype,
     check_nonnegative_int,
     check_per_tensor_scale,
@@ -400,6 +402,42 @@ def check_combine(op: str, y: Any, src2dst: Any, topk_weights: Any, routed_scali
     out_dtype = y.dtype if out_dtype is None else out_dtype
     check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
     return out_dtype
+
+
+def check_fused_experts_decode(
+    op: str, x: Any, topk_weights: Any, topk_ids: Any, w13: Any, w2: Any, config: Any, w13_bias: Any, w2_bias: Any,
+    w13_scale: Any, w2_scale: Any,
+) -> None:
+    """The decode path's expert part (``fused_experts_decode``): ``x [T, H]`` float, ``topk_ids [T, topk + S]`` int32 /
+    int64 (global ids; ``-1`` and other ranks' experts are non-local), ``topk_weights`` of the same shape float32, the
+    layer's expert weights (:func:`check_layer_expert_weights`: float of ``x``'s dtype, or 4-bit packed codes with
+    their scales) and biases (given exactly when ``config.expert_bias``). Raises ``NotImplementedError`` (naming the
+    op and the setting) for what the path does not serve yet: FP8 weights (``config.quant`` ``"fp8_per_token"`` /
+    ``"fp8_block"``) and ``config.apply_router_weight_on_input``."""
+    check_config(op, config)
+    if config.quant in FP8_QUANTS:
+        raise NotImplementedError(
+            f"{op}: quant={config.quant!r} (FP8 weights) is not served by the decode path yet; it serves quant='none' "
+            f"(float32 / bfloat16 / float16 weights), 'mxfp4' and 'int4' (run the layer's stages, routed_experts / "
+            f"moe_forward, for FP8); got config.quant={config.quant!r}")
+    if config.apply_router_weight_on_input:
+        raise NotImplementedError(
+            f"{op}: apply_router_weight_on_input=True (the routing weight on the expert's input, Llama 4) is not served "
+            f"by the decode path yet (run routed_experts / moe_forward); got config.apply_router_weight_on_input=True")
+    H, k = config.hidden_size, config.num_slots
+    check_rank(op, "x", x, 2, f"[T, H] with H={H}")
+    check_shape(op, "x", x, (None, H), f"[T, H] with H={H}")
+    check_dtype(op, "x", x, FLOAT_DTYPES)
+    T = x.shape[0]
+    what = lambda: f"[T, topk + S] = ({T}, {k}) (x's tokens, config's slots)"  # noqa: E731
+    check_rank(op, "topk_ids", topk_ids, 2, what)
+    check_shape(op, "topk_ids", topk_ids, (T, k), what)
+    check_dtype(op, "topk_ids", topk_ids, INT_ID_DTYPES)
+    check_rank(op, "topk_weights", topk_weights, 2, what)
+    check_shape(op, "topk_weights", topk_weights, (T, k), what)
+    check_dtype(op, "topk_weights", topk_weights, ("float32",))
+    check_layer_expert_weights(op, config, x, w13, w2, w13_scale, w2_scale)
+    check_expert_biases(op, config, x, w13_bias, w2_bias)
 
 
 # --- Backward of the non-GEMM stages (CONTRACT.md section 8) -----------------------------------------

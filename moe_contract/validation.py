@@ -181,14 +181,23 @@ def check_layer_inputs(
 ) -> None:
     """The MoE layer's arrays against its ``MoEConfig`` (this rank's experts: ``E_local``)."""
     check_config(op, config)
-    H, I, E = config.hidden_size, config.intermediate_size, config.num_experts
-    _, e_local = config.local_expert_range()
+    H, E = config.hidden_size, config.num_experts
     check_rank(op, "x", x, 2, f"[T, H] with H={H}")
     check_shape(op, "x", x, (None, H), f"[T, H] with H={H}")
     check_dtype(op, "x", x, FLOAT_DTYPES)
     T = x.shape[0]
     check_shape(op, "router_logits", router_logits, (T, E), lambda: f"[T, E] = ({T}, {E})")
     check_dtype(op, "router_logits", router_logits, FLOAT_DTYPES)
+    check_layer_expert_weights(op, config, x, w13, w2, w13_scale, w2_scale)
+
+
+def check_layer_expert_weights(op: str, config: Any, x: Any, w13: Any, w2: Any, w13_scale: Any, w2_scale: Any) -> None:
+    """The layer's expert weights and their scales against ``config`` and ``x`` (this rank's experts: ``E_local``):
+    float ``w13 [E_local, 2*I, H]`` / ``w2 [E_local, H, I]`` of ``x``'s dtype and no scales (``quant='none'``), FP8
+    codes with their scales, or 4-bit packed codes with their group scales (CONTRACT.md section 9). ``x`` and
+    ``config`` are checked by the caller (:func:`check_layer_inputs`, the decode path's checks)."""
+    H, I = config.hidden_size, config.intermediate_size
+    _, e_local = config.local_expert_range()
     if config.quant in W4_QUANTS:
         _check_w4_layer_weights(op, config, e_local, w13, w2, w13_scale, w2_scale)
         return

@@ -126,6 +126,18 @@ def _gated_tile(
 ):
     """``act(g) * u`` for one ``[BLOCK_M, BLOCK_N]`` tile, float32 (swiglu_oai: ``(uc + 1) * act(gc)``)."""
     g, u = _load_gate_up(h_ptr, row_off, row_mask, col0, col_end, I, INTERLEAVED, BLOCK_M, BLOCK_N)
+    return gated_values(g, u, ACTIVATION)  # masked elements are act(0) * (0 or 1) = 0: they never raise an amax
+
+
+@triton.jit
+def gated_values(
+    g,  # float32 tile: gate values
+    u,  # float32 tile of the same shape: up values
+    ACTIVATION: tl.constexpr,  # 0: silu, 1: gelu_tanh, 2: swiglu_oai (ACTIVATION_CODES)
+):
+    """``act(g) * u`` in float32, elementwise (swiglu_oai: ``(uc + 1) * act(gc)``, the clamps as selects): the one
+    formula of every Triton kernel that applies the activation (this module's, and the decode path's
+    ``moe_torch/ops/decode/triton.py``, which computes ``g`` and ``u`` itself)."""
     if ACTIVATION == 0:
         a = g * tl.sigmoid(g) * u
     elif ACTIVATION == 1:
@@ -133,7 +145,7 @@ def _gated_tile(
     else:
         gc = _clamp_gate(g)
         a = (_clamp_up(u) + 1.0) * (gc * tl.sigmoid(_SWIGLU_ALPHA * gc))
-    return a  # masked elements are act(0) * (0 or 1) = 0: they never raise an amax
+    return a
 
 
 

@@ -1,0 +1,381 @@
+"""The decode path's two Triton kernels: the expert part of the MoE layer for a few tokens (``T`` of 1 to 64) in two
+launches after the gate, with no host synchronisation and grids that depend only on the shapes (CUDA-graph
+capturable). The staged layer (routing metadata, permute, GEMM 1, activation, GEMM 2, combine: ~7 launches and
+three ``[T*k, *]`` round trips through memory) is built for large ``T``; at decode sizes its launches and
+metadata cost more than the weight reads that bound the work.
+
+Names: ``x [T, H]``, ``topk_ids`` / ``topk_weights [T, k]`` (``k = topk + S`` slots), assignment (slot) ``s = t*k
++ j``, local expert ``e = topk_ids[t, j] - expert_start`` when it lies in ``[0, E_local)`` (else the slot is
+non-local: ``-1``, a dropped slot, another EP rank's expert; it contributes nothing). Weights ``w13 [E_local, 2I,
+H]``, ``w2 [E_local, H, I]`` (float of ``x``'s dtype, or 4-bit packed codes with group scales, CONTRACT.md
+section 9), optional biases ``w13_bias [E_local, 2I]``, ``w2_bias [E_local, H]``.
+
+**Kernel A** (``_decode_gate_up_kernel``, GEMM 1 + bias + activation), grid ``(min(T*k, E_local), cdiv(I,
+BLOCK_N))``::
+
+    program (i, n): every program reads all T*k ids (CHUNK_S at a time) and derives its own work:
+      reached[e] = #{s : e(s) == e} > 0                 (a [BLOCK_E, CHUNK_S] compare-and-sum per chunk of ids)
+      rank[e]    = cumsum(reached)[e]                   (inclusive)
+      its expert e = the one with reached and rank == i + 1; none (nothing to do) if fewer are reached
+      its slots  = the s with e(s) == e, in slot order: pos(s) = #{s' <= s : e(s') == e} - 1 (a cumsum per chunk
+                   plus the earlier chunks' matches), and for a row block m = mb*BLOCK_M + [0, BLOCK_M):
+                   slot[m] = sum_s s * (e(s) == e and pos(s) == m)   (a [BLOCK_M, CHUNK_S] compare-and-sum per
+                   chunk; row blocks looped while mb*BLOCK_M < count(e))
+      cols = n*BLOCK_N + [0, BLOCK_N) of I; gate / up rows of w13: cols and I + cols ("concatenated") or
+                   2*cols and 2*cols + 1 ("interleaved", gpt-oss)
+      for k0 in 0..H step BLOCK_K:                      (float32 accumulation, tl.dot: BLOCK_M >= 16 rows)
+          xs = x[slot // k, k0:+BLOCK_K]                (rows of other slots masked to 0)
+          acc_g += xs @ w13[e, gate rows, k0:].T;  acc_u += xs @ w13[e, up rows, k0:].T
+                   (4-bit: the codes decoded to x's dtype by grouped_gemm/triton.py's _w4_tiles, low nibbles
+                   against x's even columns, high nibbles against its odd ones, as the grouped GEMM does)
+      g, u = float32(cast(acc + float32(w13_bias[e, rows])))   h rounded to x.dtype: GEMM 1's output (section 4)
+      a[slot, cols] = cast(act(g) * u)                  activation/triton.py's gated_values; x.dtype (section 4)
+
+so every reached expert's ``w13`` is read once (per column block, by one program), whatever the number of its
+slots; ``a [T*k, I]`` is in slot order (no permutation buffer, no metadata); non-local slots are never written.
+
+**Kernel B** (``_decode_down_kernel``, GEMM 2 + bias + combine), grid ``(T, cdiv(H, BLOCK_H))``::
+
+    program (t, n): cols = n*BLOCK_H + [0, BLOCK_H) of H;  acc = 0 (float32)
+      for j in 0..k-1 (slot order):
+          if slot (t, j) is local with expert e:
+              y = sum over I chunks of w2[e, cols, i:+BLOCK_I] * a[t*k + j, i:+BLOCK_I]   (float32; a GEMV: tl.sum)
+              y = float32(cast(y + float32(w2_bias[e, cols])))   GEMM 2's output, rounded to x.dtype (section 4)
+              acc += topk_weights[t, j] * y                      the combine's float32 sum (section 5)
+      out[t, cols] = cast(acc * rsf)                             rsf = config.combine_routed_scaling_factor
+
+Why token-major for the down projection: each output element is written by exactly one program, which sums its
+token's slots in slot order, so the result is bit-identical from run to run (no atomics) and needs no third
+launch (an expert-major GEMM 2 would write ``y [T*k, H]`` and need a combine kernel, or float atomics into
+``out`` whose order varies). The price: ``w2[e]``'s tile is read once per (token, slot) rather than once per
+expert; at decode sizes the tokens sharing an expert are few and the repeats hit L2. A token's GEMV has one row,
+below ``tl.dot``'s 16: it is a float32 multiply and ``tl.sum`` (bf16 products are exact in float32).
+
+Rounding points and sums follow the staged layer (``reference.py``), so the two agree within CONTRACT.md section 7:
+float32 to float32 reordering (``F32_REL_FRO``), bf16 / fp16 within ``BF16_REL_FRO`` (a float32 reordering can flip
+one rounding to ``x.dtype`` by an ulp). Deterministic: fixed grids, fixed loop orders, no atomics.
+
+Costs that scale with ``T*k``: every program of kernel A scans all the ids, compared with the ``E_local`` experts
+and then with its expert's row-block slots, in chunks that keep every compare tile at ``config.COUNT_TILE_ELEMS``
+lanes (no register tile grows with ``T*k``; the loops do). ``config.MAX_SLOTS`` bounds ``T*k`` (beyond,
+``NotImplementedError``: the staged layer is the path for such batches).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_contract.config import W4_QUANTS, MoEConfig
+from moe_torch.ops.activation.triton import ACTIVATION_CODES, gated_values
+from moe_torch.ops.decode.config import (MAX_SLOTS, MIN_DOT, W4_MIN_BLOCK_K, DecodeDownConfig, DecodeGateUpConfig,
+                                         decode_down_config, decode_gate_up_config)
+from moe_torch.ops.grouped_gemm.triton import W_SCALE_CODES, _w4_tiles, e8m0_bf16_table
+from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device
+
+
+@triton.jit
+def _local_ids(
+    ids_ptr,  # [T * k] int32 / int64: topk_ids, contiguous (slot s at s)
+    slots,  # [N] int32: slot indices
+    S,  # int: T * k (slots >= S are padding)
+    expert_start,  # int: this rank's first expert
+    E_local,  # int: this rank's experts
+):
+    """``[N]`` int32: the local expert of each slot in ``slots``, ``-1`` for a non-local id (-1, another rank's, out
+    of range) and for padding. The id is shifted in its own dtype (int64 ids do not wrap)."""
+    ids = tl.load(ids_ptr + slots, mask=slots < S, other=-1)
+    lid = ids - expert_start
+    local = (slots < S) & (ids >= 0) & (lid >= 0) & (lid < E_local)
+    return tl.where(local, lid, -1).to(tl.int32)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE_F32: tl.constexpr):
+    """``acc + a @ b`` (float32 accumulation); float32 operands multiplied in full float32 (no TF32)."""
+    if IEEE_F32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _decode_gate_up_kernel(
+    x_ptr,  # [T, H] float32 / bf16 / fp16, unit column stride
+    ids_ptr,  # [T * k] int32 / int64 topk_ids, contiguous
+    w_ptr,  # [E_local, 2I, H] x's dtype, or 4-bit codes uint8 [E_local, 2I, H // 2]; unit stride along H
+    ws_ptr,  # 4-bit: [E_local, 2I, H // 32] uint8 e8m0 / bf16 scales (unused otherwise)
+    b_ptr,  # HAS_BIAS: [E_local, 2I] float32 / bf16 / fp16, unit column stride (unused otherwise)
+    a_ptr,  # [T * k, I] x's dtype out: act(g) * u per slot (non-local slots not written)
+    S,  # int: T * k
+    H,  # int: hidden size (GEMM 1's K)
+    I,  # int: intermediate size
+    E_local,  # int: this rank's experts
+    expert_start,  # int: this rank's first expert id
+    stride_xt,  # int: x.stride(0)
+    stride_we,  # int: w13.stride(0)
+    stride_wn,  # int: w13.stride(1)
+    stride_wse,  # int: w13_scale.stride(0) (4-bit)
+    stride_wsn,  # int: w13_scale.stride(1) (4-bit)
+    stride_wsk,  # int: w13_scale.stride(2) (4-bit)
+    stride_be,  # int: w13_bias.stride(0) (HAS_BIAS)
+    stride_as,  # int: a.stride(0)
+    K_SLOTS: tl.constexpr,  # k: slots per token
+    ACTIVATION: tl.constexpr,  # 0 silu, 1 gelu_tanh, 2 swiglu_oai (activation/triton.py's ACTIVATION_CODES)
+    INTERLEAVED: tl.constexpr,  # bool: gate rows 0::2, up rows 1::2 of w13 (gpt-oss); else [gate | up]
+    HAS_BIAS: tl.constexpr,  # bool: add w13_bias[e] before the rounding of h
+    W4: tl.constexpr,  # 0: float w13; grouped_gemm/triton.py's W_SCALE_CODES["mxfp4"] / ["int4"]: 4-bit codes
+    IEEE_F32: tl.constexpr,  # bool: float32 x (full float32 dots)
+    BLOCK_E: tl.constexpr,  # next_power_of_2(E_local): the experts as one vector
+    CHUNK_S: tl.constexpr,  # ids per step of the scans (count, then slots)
+    NUM_CHUNKS: tl.constexpr,  # cdiv(S, CHUNK_S)
+    NUM_M_BLOCKS: tl.constexpr,  # cdiv(S, BLOCK_M): row blocks an expert may need (looped while it has slots)
+    BLOCK_M: tl.constexpr,  # slots per row block (>= 16: tl.dot)
+    BLOCK_N: tl.constexpr,  # columns of a (gate and up columns of w13) per program
+    BLOCK_K: tl.constexpr,  # H step (>= 32 for 4-bit: whole scale groups)
+    e8m0_lut=None,  # MXFP4 with bf16 x on a GPU: bf16 [256] 2^(s - 127) by e8m0 code (the packed decode)
+):
+    """Grid ``(min(S, E_local), cdiv(I, BLOCK_N))``: program ``(i, n)`` computes ``a[slots of expert i, cols]`` for the
+    ``i``-th reached local expert (in id order) and columns ``n*BLOCK_N + [0, BLOCK_N)``; programs past the reached
+    experts do nothing (module docstring, kernel A)."""
+    pid_e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+
+    # The reached experts (counted a chunk of ids at a time) and this program's: the one of rank pid_e + 1.
+    e_ids = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c in range(NUM_CHUNKS):
+        lid = _local_ids(ids_ptr, c * CHUNK_S + tl.arange(0, CHUNK_S), S, expert_start, E_local)
+        counts += tl.sum((lid[None, :] == e_ids[:, None]).to(tl.int32), axis=1)
+    reached = counts > 0
+    rank = tl.cumsum(reached.to(tl.int32), axis=0)
+    this = reached & (rank == pid_e + 1)
+    e = tl.sum(tl.where(this, e_ids, 0), axis=0)
+    count = tl.sum(tl.where(this, counts, 0), axis=0)  # 0 when fewer than pid_e + 1 experts are reached
+
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < I
+    if INTERLEAVED:
+        g_rows = (2 * cols).to(tl.int64)
+        u_rows = g_rows + 1
+    else:
+        g_rows = cols.to(tl.int64)
+        u_rows = g_rows + I
+    e64 = e.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    for mb in range(NUM_M_BLOCKS):
+        if mb * BLOCK_M < count:
+            # The expert's slots m_ids (ranks among its slots, in slot order), a chunk of ids at a time: a slot's rank
+            # is the matches before it (earlier chunks' `base`, plus the inclusive cumsum in its chunk, minus 1).
+            m_ids = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+            slot = tl.zeros([BLOCK_M], dtype=tl.int32)  # 0 past the expert's slots (masked below)
+            base = tl.full([], 0, tl.int32)  # matches in the chunks before
+            for c in range(NUM_CHUNKS):
+                s_ids = c * CHUNK_S + tl.arange(0, CHUNK_S)
+                match = _local_ids(ids_ptr, s_ids, S, expert_start, E_local) == e
+                pos = base + tl.cumsum(match.to(tl.int32), axis=0) - 1
+                hit = match[None, :] & (pos[None, :] == m_ids[:, None])
+                slot += tl.sum(tl.where(hit, s_ids[None, :], 0), axis=1)
+                base += tl.sum(match.to(tl.int32), axis=0)
+            row_mask = m_ids < count
+            x_rows = x_ptr + (slot // K_SLOTS).to(tl.int64)[:, None] * stride_xt
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                ks = k0 + offs_k
+                k_mask = ks < H
+                xs = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                if W4 != 0:  # 4-bit codes decoded to x's dtype (CONTRACT.md section 9), as the grouped GEMM does
+                    x_even, x_odd = tl.split(tl.reshape(xs, [BLOCK_M, BLOCK_K // 2, 2]))
+                    g_even, g_odd = _w4_tiles(w_ptr + e64 * stride_we + g_rows[:, None] * stride_wn,
+                                              ws_ptr + e64 * stride_wse + g_rows[:, None] * stride_wsn, stride_wsk,
+                                              k0, H, col_mask, W4, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, e8m0_lut)
+                    acc_g = _dot(x_even, tl.trans(g_even), acc_g, IEEE_F32)
+                    acc_g = _dot(x_odd, tl.trans(g_odd), acc_g, IEEE_F32)
+                    u_even, u_odd = _w4_tiles(w_ptr + e64 * stride_we + u_rows[:, None] * stride_wn,
+                                              ws_ptr + e64 * stride_wse + u_rows[:, None] * stride_wsn, stride_wsk,
+                                              k0, H, col_mask, W4, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, e8m0_lut)
+                    acc_u = _dot(x_even, tl.trans(u_even), acc_u, IEEE_F32)
+                    acc_u = _dot(x_odd, tl.trans(u_odd), acc_u, IEEE_F32)
+                else:
+                    w_mask = k_mask[:, None] & col_mask[None, :]
+                    wg = tl.load(w_ptr + e64 * stride_we + g_rows[None, :] * stride_wn + ks[:, None], mask=w_mask,
+                                 other=0.0)  # [BLOCK_K, BLOCK_N]
+                    wu = tl.load(w_ptr + e64 * stride_we + u_rows[None, :] * stride_wn + ks[:, None], mask=w_mask,
+                                 other=0.0)
+                    acc_g = _dot(xs, wg, acc_g, IEEE_F32)
+                    acc_u = _dot(xs, wu, acc_u, IEEE_F32)
+            if HAS_BIAS:  # CONTRACT.md section 4: widened to float32, added before the one rounding
+                acc_g += tl.load(b_ptr + e64 * stride_be + g_rows, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                acc_u += tl.load(b_ptr + e64 * stride_be + u_rows, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            # h = GEMM 1's output in x's dtype, then the activation on its float32 value (CONTRACT.md section 4)
+            g = acc_g.to(x_ptr.dtype.element_ty).to(tl.float32)
+            u = acc_u.to(x_ptr.dtype.element_ty).to(tl.float32)
+            a = gated_values(g, u, ACTIVATION)
+            a_ptrs = a_ptr + slot.to(tl.int64)[:, None] * stride_as + cols[None, :]
+            tl.store(a_ptrs, a.to(a_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _decode_down_kernel(
+    a_ptr,  # [T * k, I] x's dtype: kernel A's output (local slots' rows only are read)
+    ids_ptr,  # [T, k] int32 / int64 topk_ids, contiguous
+    tw_ptr,  # [T, k] float32 topk_weights, contiguous
+    w_ptr,  # [E_local, H, I] x's dtype, or 4-bit codes uint8 [E_local, H, I // 2]; unit stride along I
+    ws_ptr,  # 4-bit: [E_local, H, I // 32] uint8 e8m0 / bf16 scales (unused otherwise)
+    b_ptr,  # HAS_BIAS: [E_local, H] float32 / bf16 / fp16, unit column stride (unused otherwise)
+    out_ptr,  # [T, H] x's dtype out
+    H,  # int: hidden size
+    I,  # int: intermediate size (GEMM 2's K)
+    E_local,  # int: this rank's experts
+    expert_start,  # int: this rank's first expert id
+    rsf,  # float32: the combine's routed scaling factor (used only if APPLY_RSF)
+    stride_as,  # int: a.stride(0)
+    stride_we,  # int: w2.stride(0)
+    stride_wn,  # int: w2.stride(1)
+    stride_wse,  # int: w2_scale.stride(0) (4-bit)
+    stride_wsn,  # int: w2_scale.stride(1) (4-bit)
+    stride_wsk,  # int: w2_scale.stride(2) (4-bit)
+    stride_be,  # int: w2_bias.stride(0) (HAS_BIAS)
+    stride_ot,  # int: out.stride(0)
+    K_SLOTS: tl.constexpr,  # k: slots per token
+    HAS_BIAS: tl.constexpr,  # bool: add w2_bias[e] before the rounding of y
+    APPLY_RSF: tl.constexpr,  # bool: rsf != 1
+    W4: tl.constexpr,  # 0: float w2; W_SCALE_CODES["mxfp4"] / ["int4"]: 4-bit codes
+    BLOCK_H: tl.constexpr,  # output columns per program
+    BLOCK_I: tl.constexpr,  # I step (>= 32 for 4-bit)
+    e8m0_lut=None,  # MXFP4 with bf16 x on a GPU: bf16 [256] (the packed decode's scales)
+):
+    """Grid ``(T, cdiv(H, BLOCK_H))``: program ``(t, n)`` writes ``out[t, n*BLOCK_H : +BLOCK_H]`` (module docstring,
+    kernel B)."""
+    t64 = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    cols64 = cols.to(tl.int64)
+    offs_i = tl.arange(0, BLOCK_I)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(K_SLOTS):  # a loop, not unrolled: one copy of the GEMV body
+        s64 = t64 * K_SLOTS + j
+        raw = tl.load(ids_ptr + s64)
+        lid = raw - expert_start
+        if (raw >= 0) & (lid >= 0) & (lid < E_local):  # a non-local slot adds nothing (and its row of a is unset)
+            e64 = lid.to(tl.int64)
+            a_row = a_ptr + s64 * stride_as
+            y = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for i0 in range(0, I, BLOCK_I):
+                if W4 != 0:  # 4-bit codes decoded to x's dtype; low nibbles meet a's even columns, high its odd ones
+                    lo, hi = _w4_tiles(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn,
+                                       ws_ptr + e64 * stride_wse + cols64[:, None] * stride_wsn, stride_wsk, i0, I,
+                                       col_mask, W4, BLOCK_H, BLOCK_I, a_ptr.dtype.element_ty, e8m0_lut)
+                    av = tl.load(a_row + i0 + offs_i, mask=i0 + offs_i < I, other=0.0).to(tl.float32)
+                    a_even, a_odd = tl.split(tl.reshape(av, [BLOCK_I // 2, 2]))
+                    y += tl.sum(lo.to(tl.float32) * a_even[None, :] + hi.to(tl.float32) * a_odd[None, :], axis=1)
+                else:
+                    i_mask = i0 + offs_i < I
+                    w = tl.load(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn + (i0 + offs_i)[None, :],
+                                mask=col_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
+                    av = tl.load(a_row + i0 + offs_i, mask=i_mask, other=0.0).to(tl.float32)
+                    y += tl.sum(w * av[None, :], axis=1)
+            if HAS_BIAS:  # CONTRACT.md section 4: widened to float32, added before the one rounding
+                y += tl.load(b_ptr + e64 * stride_be + cols64, mask=col_mask, other=0.0).to(tl.float32)
+            # y = GEMM 2's output in x's dtype; the combine weights it in float32 (CONTRACT.md sections 4, 5)
+            acc += tl.load(tw_ptr + s64) * y.to(a_ptr.dtype.element_ty).to(tl.float32)
+    if APPLY_RSF:
+        acc = acc * rsf
+    tl.store(out_ptr + t64 * stride_ot + cols64, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def _pow2(v: int) -> bool:
+    return v >= 1 and v & (v - 1) == 0
+
+
+def check_decode_configs(op: str, gate_up: DecodeGateUpConfig, down: DecodeDownConfig, w4: bool) -> None:
+    """``ValueError`` naming ``op`` and the config unless every block is a power of 2, the dot sides of kernel A are
+    at least 16 (``tl.dot``), and with 4-bit weights both K steps hold whole scale groups (>= 32)."""
+    blocks = (gate_up.block_m, gate_up.block_n, gate_up.block_k, gate_up.chunk_s, down.block_h, down.block_i)
+    min_k = W4_MIN_BLOCK_K if w4 else MIN_DOT
+    if (not all(_pow2(b) for b in blocks) or min(gate_up.block_m, gate_up.block_n) < MIN_DOT
+            or gate_up.block_k < min_k or (w4 and down.block_i < W4_MIN_BLOCK_K)):
+        raise ValueError(f"{op}: configs must have power-of-2 blocks, block_m, block_n >= {MIN_DOT} and block_k >= "
+                         f"{min_k}{f', block_i >= {W4_MIN_BLOCK_K} (4-bit weights)' if w4 else ''}; got {gate_up}, {down}")
+
+
+def _unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` with unit stride along its last dim (a copy only where it lacks it: the caller's tensor is untouched)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def fused_experts_decode_triton(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    config: MoEConfig,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    gate_up_config: DecodeGateUpConfig | None = None,
+    down_config: DecodeDownConfig | None = None,
+) -> torch.Tensor:
+    """``out [T, H]`` in ``x.dtype`` with the two kernels; arguments as
+    :func:`moe_torch.ops.decode.api.fused_experts_decode` (validated there). Allocates ``a [T*k, I]`` (``x.dtype``)
+    and ``out``; the inputs are only read. No host synchronisation.
+
+    Raises: NotImplementedError (no CUDA and no interpreter; ``T*k > MAX_SLOTS``; a grid axis over CUDA's limit),
+      ValueError (a given config that :func:`check_decode_configs` refuses).
+    """
+    op = "fused_experts_decode"
+    check_triton_device(op, x.device, _decode_gate_up_kernel)
+    T, k = topk_ids.shape
+    H, I = config.hidden_size, config.intermediate_size
+    expert_start, e_local = config.local_expert_range()
+    S = T * k
+    if S > MAX_SLOTS:
+        raise NotImplementedError(f"{op}: the Triton decode kernels take at most {MAX_SLOTS} assignments T * (topk + S) "
+                                  f"(every program holds all ids); got T={T}, k={k} ({S}) (the staged layer serves "
+                                  f"such batches)")
+    w_format = config.quant if config.quant in W4_QUANTS else None
+    w4 = W_SCALE_CODES[w_format] if w_format is not None else 0
+    cfg_a = gate_up_config or decode_gate_up_config(T, k, H, I, e_local, w4=w_format is not None)
+    cfg_b = down_config or decode_down_config(T, H, I, w4=w_format is not None)
+    check_decode_configs(op, cfg_a, cfg_b, w_format is not None)
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    x, w13, w2, w13_scale, w2_scale = (_unit_last(t) for t in (x, w13, w2, w13_scale, w2_scale))
+    w13_bias, w2_bias = _unit_last(w13_bias), _unit_last(w2_bias)
+    ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous()
+    a = torch.empty((S, I), dtype=x.dtype, device=x.device)
+    grid_a = (min(S, e_local), triton.cdiv(I, cfg_a.block_n))
+    grid_b = (T, triton.cdiv(H, cfg_b.block_h))
+    if max(grid_a[1], grid_b[1]) > MAX_GRID_AXIS_1:
+        raise NotImplementedError(f"{op}: {max(grid_a[1], grid_b[1])} column programs exceed CUDA's grid axis 1 limit "
+                                  f"{MAX_GRID_AXIS_1}")
+    lut = e8m0_bf16_table(x.device) if w_format == "mxfp4" and x.dtype == torch.bfloat16 and x.is_cuda else None
+    s13 = (*w13_scale.stride(),) if w13_scale is not None else (0, 0, 0)
+    s2 = (*w2_scale.stride(),) if w2_scale is not None else (0, 0, 0)
+    _decode_gate_up_kernel[grid_a](
+        x, ids, w13, w13_scale if w13_scale is not None else w13, w13_bias if w13_bias is not None else w13, a,
+        S, H, I, e_local, expert_start,
+        x.stride(0), w13.stride(0), w13.stride(1), *s13, w13_bias.stride(0) if w13_bias is not None else 0, a.stride(0),
+        K_SLOTS=k, ACTIVATION=ACTIVATION_CODES[config.activation], INTERLEAVED=config.gate_up_layout == "interleaved",
+        HAS_BIAS=w13_bias is not None, W4=w4, IEEE_F32=x.dtype == torch.float32,
+        BLOCK_E=triton.next_power_of_2(e_local), CHUNK_S=cfg_a.chunk_s,
+        NUM_CHUNKS=triton.cdiv(S, cfg_a.chunk_s), NUM_M_BLOCKS=triton.cdiv(S, cfg_a.block_m),
+        BLOCK_M=cfg_a.block_m, BLOCK_N=cfg_a.block_n, BLOCK_K=cfg_a.block_k, e8m0_lut=lut,
+        num_warps=cfg_a.num_warps, num_stages=cfg_a.num_stages,
+    )
+    rsf = float(config.combine_routed_scaling_factor)
+    _decode_down_kernel[grid_b](
+        a, ids, weights, w2, w2_scale if w2_scale is not None else w2, w2_bias if w2_bias is not None else w2, out,
+        H, I, e_local, expert_start, rsf,
+        a.stride(0), w2.stride(0), w2.stride(1), *s2, w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0),
+        K_SLOTS=k, HAS_BIAS=w2_bias is not None, APPLY_RSF=rsf != 1.0, W4=w4,
+        BLOCK_H=cfg_b.block_h, BLOCK_I=cfg_b.block_i, e8m0_lut=lut,
+        num_warps=cfg_b.num_warps, num_stages=cfg_b.num_stages,
+    )
+    return out

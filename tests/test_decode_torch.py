@@ -1,0 +1,350 @@
+"""The torch decode path (``moe_torch/ops/decode``): ``fused_experts_decode``'s two Triton kernels against its
+reference (the staged layer's stage references composed) and a float64 per-slot loop, CONTRACT.md sections 4, 5,
+7 and 9.
+
+Routings: T = 1, 2, 3, 7 with ragged and empty experts, every token on one expert, ``-1`` ids, another EP rank's
+experts, a token with no local slot, an expert with more slots than one row block; float32 (``F32_REL_FRO``) and
+bf16 / fp16 (``BF16_REL_FRO``); gpt-oss's biases with ``swiglu_oai`` on interleaved gate/up rows; a fused shared
+expert with rsf in the combine; 4-bit weights (mxfp4, int4); bit-identical reruns; the host-side errors.
+
+On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, ``conftest.py``; made exact by
+``moe_torch/ops/triton_interpret.py``). Shapes are tiny: H = 48 / 64, I = 24 / 32 (K tails in both GEMMs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from common import TORCH_DEVICE, needs_triton_interpreter
+from moe_contract import MoEConfig
+from moe_torch.layer import quantize_layer_weights
+from moe_torch.ops.activation.reference import gated, split_gate_up
+from moe_torch.ops.decode import DECODE_MAX_TOKENS, fused_experts_decode
+from moe_torch.ops.decode import triton as decode_triton
+from moe_torch.ops.decode.config import DecodeDownConfig, DecodeGateUpConfig, decode_down_config
+from moe_torch.ops.quant.reference import dequantize_weight_4bit_reference
+from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro
+
+# On the CPU the kernels need the interpreter; on a GPU (EPMOE_TEST_DEVICE=gpu) they compile.
+pytestmark = needs_triton_interpreter if TORCH_DEVICE == "cpu" else []
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LIMITS = {"float32": F32_REL_FRO, "bfloat16": BF16_REL_FRO, "float16": BF16_REL_FRO}
+#: gpt-oss's expert settings: swiglu_oai on interleaved gate/up rows, per-expert biases on both projections.
+GPT_OSS = dict(activation="swiglu_oai", gate_up_layout="interleaved", expert_bias=True)
+
+
+def _inputs(config: MoEConfig, ids: np.ndarray, dtype: str, seed: int = 0, bias_dtype: str = "float32"):
+    """``(x, topk_weights, topk_ids, w13, w2, biases)`` on the test device for ``config`` and the given ids
+    (biases ``{}`` unless ``config.expert_bias``). Weights scaled so that ``h`` and ``y`` are O(1)."""
+    rng = np.random.default_rng(seed)
+    H, I = config.hidden_size, config.intermediate_size
+    _, e_local = config.local_expert_range()
+    T, k = ids.shape
+    dt = DTYPES[dtype]
+
+    def t(shape, scale, d=dt):
+        return torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * scale).to(TORCH_DEVICE, d)
+
+    x = t((T, H), 1.0)
+    weights = torch.from_numpy(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)).to(TORCH_DEVICE)
+    w13, w2 = t((e_local, 2 * I, H), H ** -0.5), t((e_local, H, I), I ** -0.5)
+    biases = {}
+    if config.expert_bias:
+        biases = dict(w13_bias=t((e_local, 2 * I), 0.5, DTYPES[bias_dtype]), w2_bias=t((e_local, H), 0.5, DTYPES[bias_dtype]))
+    return x, weights, torch.from_numpy(ids).to(TORCH_DEVICE), w13, w2, biases
+
+
+def _float64_loop(x, weights, ids, w13, w2, config: MoEConfig, w13_bias=None, w2_bias=None) -> torch.Tensor:
+    """``sum_j w[t, j] * expert(x[t])`` in float64 with no intermediate rounding, slot by slot (the judge of
+    CONTRACT.md section 7's float64 rows); ``w13`` / ``w2`` float (dequantized for 4-bit)."""
+    start, e_local = config.local_expert_range()
+    x, weights, ids, w13, w2, w13_bias, w2_bias = (None if t is None else t.cpu()
+                                                   for t in (x, weights, ids, w13, w2, w13_bias, w2_bias))
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - start
+            if int(ids[t, j]) < 0 or not 0 <= e < e_local:
+                continue
+            h = x[t].double() @ w13[e].double().T
+            if w13_bias is not None:
+                h = h + w13_bias[e].double()
+            g, u = split_gate_up(h[None], config.gate_up_layout)
+            y = gated(config.activation, g, u)[0] @ w2[e].double().T
+            if w2_bias is not None:
+                y = y + w2_bias[e].double()
+            out[t] += float(weights[t, j]) * y
+    return out * config.combine_routed_scaling_factor
+
+
+def _both(x, weights, ids, w13, w2, config, **kw):
+    """``(triton, reference)`` outputs of ``fused_experts_decode``."""
+    tri = fused_experts_decode(x, weights, ids, w13, w2, config, implementation="triton", **kw)
+    ref = fused_experts_decode(x, weights, ids, w13, w2, config, implementation="reference", **kw)
+    return tri, ref
+
+
+def _distinct_ids(rng, T: int, k: int, E: int) -> np.ndarray:
+    return np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+
+
+# --------------------------------------------------------------------------------------------- against the reference
+
+#: T -> ids over E = 8 experts, top-2: ragged experts (1 to 4 slots), empty experts (5, 7 at T = 7), a -1 id.
+ROUTINGS = {
+    1: [[5, 2]],
+    2: [[3, 0], [0, 6]],
+    3: [[1, 4], [4, -1], [1, 2]],
+    7: [[0, 3], [3, 0], [3, 6], [2, 3], [0, 1], [6, 4], [3, 2]],
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("T", sorted(ROUTINGS))
+def test_matches_reference(T, dtype):
+    config = MoEConfig(hidden_size=48, intermediate_size=24, num_experts=8, topk=2)
+    x, w, ids, w13, w2, _ = _inputs(config, np.array(ROUTINGS[T], np.int32), dtype, seed=T)
+    tri, ref = _both(x, w, ids, w13, w2, config)
+    assert tri.dtype == x.dtype and tri.shape == x.shape
+    assert_rel_fro(tri, ref, LIMITS[dtype], f"triton vs reference T={T} {dtype}")
+    assert_rel_fro(tri, _float64_loop(x, w, ids, w13, w2, config), LIMITS[dtype], "triton vs float64")
+
+
+@pytest.mark.parametrize("case", ["one_expert", "non_local", "int64_ids"])
+def test_routing_edges(case):
+    """Every token on one expert (its w13 read by one program per column block), ids of -1 / out of range / of
+    the other EP rank (a token with no local slot gets exactly 0), int64 ids."""
+    rng = np.random.default_rng(1)
+    if case == "one_expert":
+        config = MoEConfig(hidden_size=48, intermediate_size=24, num_experts=4, topk=2)
+        ids = np.stack([np.full(7, 2), rng.choice([0, 1, 3], 7)], axis=1).astype(np.int32)
+    elif case == "non_local":  # rank 1 of 2 owns experts 4..7
+        config = MoEConfig(hidden_size=48, intermediate_size=24, num_experts=8, topk=2, ep_size=2, ep_rank=1)
+        ids = np.array([[5, 1], [0, 2], [-1, 7], [4, 9], [6, 5]], np.int32)
+    else:
+        config = MoEConfig(hidden_size=48, intermediate_size=24, num_experts=4, topk=3)
+        ids = _distinct_ids(rng, 3, 3, 4).astype(np.int64)
+        ids[1, 2] = -1
+    x, w, ids_t, w13, w2, _ = _inputs(config, ids, "float32")
+    tri, ref = _both(x, w, ids_t, w13, w2, config)
+    assert_rel_fro(tri, ref, F32_REL_FRO, case)
+    assert_rel_fro(tri, _float64_loop(x, w, ids_t, w13, w2, config), F32_REL_FRO, case)
+    if case == "non_local":
+        assert_exact(tri[1], torch.zeros_like(tri[1]), "token with no local slot")
+
+
+def test_row_blocks_and_count_chunks():
+    """An expert with more slots than one row block (17 > block_m = 16: two row blocks), and the per-expert count
+    over several chunks of ids (chunk_s = 4), on the launcher with explicit configs."""
+    config = MoEConfig(hidden_size=32, intermediate_size=16, num_experts=4, topk=2)
+    ids = np.array([[1, 1]] * 8 + [[1, 0]], np.int32)  # expert 1 in both slots of 8 tokens (ids need not be distinct)
+    x, w, ids_t, w13, w2, _ = _inputs(config, ids, "float32")
+    cfg_a = DecodeGateUpConfig(block_m=16, block_n=16, block_k=16, chunk_s=4, num_warps=4, num_stages=1)
+    out = decode_triton.fused_experts_decode_triton(x, w, ids_t, w13, w2, config, None, None, None, None, cfg_a,
+                                                    decode_down_config(9, 32, 16, False))
+    ref = fused_experts_decode(x, w, ids_t, w13, w2, config, implementation="reference")
+    assert_rel_fro(out, ref, F32_REL_FRO, "two row blocks")
+
+
+@pytest.mark.parametrize("bias_dtype", ["float32", "bfloat16"])
+def test_gpt_oss_biases(bias_dtype):
+    """gpt-oss: swiglu_oai on interleaved gate/up rows, both biases (float32 or bf16), bf16 activations; values large
+    enough that the clamps (g > 7, |u| > 7) are hit."""
+    config = MoEConfig(hidden_size=48, intermediate_size=24, num_experts=4, topk=2, **GPT_OSS)
+    ids = np.array([[0, 3], [3, 1], [2, 3]], np.int32)
+    x, w, ids_t, w13, w2, biases = _inputs(config, ids, "bfloat16", bias_dtype=bias_dtype)
+    x = (x * 6).to(torch.bfloat16)  # |h| up to ~20: both clamps of swiglu_oai bite
+    tri, ref = _both(x, w, ids_t, w13, w2, config, **biases)
+    assert_rel_fro(tri, ref, BF16_REL_FRO, "gpt-oss triton vs reference")
+    assert_rel_fro(tri, _float64_loop(x, w, ids_t, w13, w2, config, **biases), BF16_REL_FRO, "gpt-oss vs float64")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "swiglu_oai"])
+def test_activations_float32(activation):
+    """Each activation on both layouts' worth of rows (interleaved for swiglu_oai), float32: tight."""
+    layout = "interleaved" if activation == "swiglu_oai" else "concatenated"
+    config = MoEConfig(hidden_size=32, intermediate_size=24, num_experts=4, topk=2, activation=activation,
+                       gate_up_layout=layout)
+    x, w, ids, w13, w2, _ = _inputs(config, np.array([[1, 2], [2, 0]], np.int32), "float32", seed=3)
+    tri, ref = _both(x, w, ids, w13, w2, config)
+    assert_rel_fro(tri, ref, F32_REL_FRO, activation)
+
+
+def test_shared_expert_rsf_fp16():
+    """A fused shared expert (id E, in every token's last slot) with rsf = 2.5 applied by the combine, float16."""
+    config = MoEConfig(hidden_size=48, intermediate_size=24, num_experts=4, topk=2, num_fused_shared_experts=1,
+                       routed_scaling_factor=2.5)
+    ids = np.array([[1, 3, 4], [0, 1, 4]], np.int32)
+    x, w, ids_t, w13, w2, _ = _inputs(config, ids, "float16")
+    tri, ref = _both(x, w, ids_t, w13, w2, config)
+    assert_rel_fro(tri, ref, BF16_REL_FRO, "shared + rsf")
+    assert_rel_fro(tri, _float64_loop(x, w, ids_t, w13, w2, config), BF16_REL_FRO, "shared + rsf vs float64")
+
+
+@pytest.mark.parametrize("quant,dtype", [("mxfp4", "bfloat16"), ("int4", "bfloat16"), ("mxfp4", "float32")])
+def test_4bit_weights(quant, dtype):
+    """4-bit expert weights (CONTRACT.md section 9) with gpt-oss's activation, layout and biases: the kernels
+    decode the packed codes as the grouped GEMM does (``_w4_tiles``), so they agree with the staged reference; and
+    with the float64 loop on the dequantized weights."""
+    config = MoEConfig(hidden_size=64, intermediate_size=32, num_experts=4, topk=2, quant=quant, **GPT_OSS)
+    ids = np.array([[2, 0], [2, -1], [3, 2]], np.int32)
+    x, w, ids_t, w13f, w2f, biases = _inputs(config, ids, dtype)
+    w13, s13, w2, s2 = quantize_layer_weights(w13f.float(), w2f.float(), config)
+    kw = dict(w13_scale=s13, w2_scale=s2, **biases)
+    tri, ref = _both(x, w, ids_t, w13, w2, config, **kw)
+    assert_rel_fro(tri, ref, LIMITS[dtype], f"{quant} triton vs reference")
+    wd13 = dequantize_weight_4bit_reference(w13, s13, quant, torch.float32)
+    wd2 = dequantize_weight_4bit_reference(w2, s2, quant, torch.float32)
+    assert_rel_fro(tri, _float64_loop(x, w, ids_t, wd13, wd2, config, **biases), LIMITS[dtype], f"{quant} vs float64")
+
+
+def test_deterministic():
+    """Two runs of the kernels give bit-identical outputs (no atomics; fixed loop orders)."""
+    config = MoEConfig(hidden_size=48, intermediate_size=24, num_experts=8, topk=2, **GPT_OSS)
+    x, w, ids, w13, w2, biases = _inputs(config, np.array(ROUTINGS[7], np.int32), "bfloat16")
+    first = fused_experts_decode(x, w, ids, w13, w2, config, implementation="triton", **biases)
+    second = fused_experts_decode(x, w, ids, w13, w2, config, implementation="triton", **biases)
+    assert_exact(first, second, "rerun")
+
+
+def test_defaults_and_empty():
+    """``implementation=None`` on CPU tensors is the reference; ``T = 0`` gives ``[0, H]``; the constant exists."""
+    assert DECODE_MAX_TOKENS == 64
+    config = MoEConfig(hidden_size=32, intermediate_size=16, num_experts=4, topk=2)
+    x, w, ids, w13, w2, _ = _inputs(config, np.array([[0, 1]], np.int32), "float32")
+    if TORCH_DEVICE == "cpu":
+        assert_exact(fused_experts_decode(x, w, ids, w13, w2, config),
+                     fused_experts_decode(x, w, ids, w13, w2, config, implementation="reference"), "default")
+    for impl in ("triton", "reference"):
+        out = fused_experts_decode(x[:0], w[:0], ids[:0], w13, w2, config, implementation=impl)
+        assert out.shape == (0, 32) and out.dtype == x.dtype
+
+
+# --------------------------------------------------------------------------------------------------- host errors
+
+
+def test_host_errors(monkeypatch):
+    config = MoEConfig(hidden_size=32, intermediate_size=16, num_experts=4, topk=2)
+    x, w, ids, w13, w2, _ = _inputs(config, np.array([[0, 1], [2, 3]], np.int32), "float32")
+    op = "fused_experts_decode"
+
+    def call(*args, config=config, **kw):
+        base = dict(zip(("x", "topk_weights", "topk_ids", "w13", "w2"), (x, w, ids, w13, w2)))
+        base.update(kw)
+        impl = base.pop("implementation", "triton")
+        return fused_experts_decode(*base.values(), config, implementation=impl)
+
+    with pytest.raises(ValueError, match=rf"{op}: x must be \[T, H\] with H=32; got x.shape=\(2, 16\)"):
+        call(x=x[:, :16])
+    with pytest.raises(ValueError, match=rf"{op}: topk_ids must be \[T, topk \+ S\] = \(2, 2\) .*; got topk_ids.shape"):
+        call(topk_ids=ids[:, :1])
+    with pytest.raises(TypeError, match=rf"{op}: topk_ids must have dtype int32 or int64; got topk_ids.dtype=float32"):
+        call(topk_ids=ids.float())
+    with pytest.raises(TypeError, match=rf"{op}: topk_weights must have dtype float32; got topk_weights.dtype=bfloat16"):
+        call(topk_weights=w.bfloat16())
+    with pytest.raises(ValueError, match=rf"{op}: w13 must be \[E_local, 2\*I, H\] = \(4, 32, 32\)"):
+        call(w13=w13[:, :16])
+    with pytest.raises(TypeError, match=rf"{op}: w2 must have dtype float32 .*; got w2.dtype=bfloat16"):
+        call(w2=w2.bfloat16())
+    with pytest.raises(TypeError, match=rf"{op}: config must be a MoEConfig"):
+        fused_experts_decode(x, w, ids, w13, w2, {"hidden_size": 32})
+    with pytest.raises(TypeError, match=rf"{op}: x must be a torch.Tensor"):
+        fused_experts_decode(x.cpu().numpy(), w, ids, w13, w2, config)
+    with pytest.raises(ValueError, match=rf"{op}: implementation must be one of"):
+        call(implementation="pallas")
+    with pytest.raises(ValueError, match=rf"{op}: w13_bias must be None unless config.expert_bias=True"):
+        fused_experts_decode(x, w, ids, w13, w2, config, w13_bias=torch.zeros(4, 32))
+    biased = config.replace(expert_bias=True)
+    with pytest.raises(ValueError, match=rf"{op}: w13_bias \[E_local, 2\*I\] = \(4, 32\) .* must be given"):
+        fused_experts_decode(x, w, ids, w13, w2, biased, w2_bias=torch.zeros(4, 32))
+    with pytest.raises(ValueError, match=rf"{op}: topk_ids must be on x's device \({x.device}\); got topk_ids.device=meta"):
+        call(topk_ids=torch.empty(ids.shape, dtype=ids.dtype, device="meta"))
+    with pytest.raises(RuntimeError, match=rf"{op}: not differentiable .*; got w13 requiring grad with grad mode on"):
+        call(w13=w13.clone().requires_grad_())
+    with torch.no_grad():  # an inference call with trainable parameters is fine
+        call(w13=w13.clone().requires_grad_(), implementation="reference")
+    # what the path does not serve yet: named, before anything runs
+    with pytest.raises(NotImplementedError, match=rf"{op}: quant='fp8_per_token' \(FP8 weights\) is not served"):
+        call(config=config.replace(quant="fp8_per_token"))
+    with pytest.raises(NotImplementedError, match=rf"{op}: apply_router_weight_on_input=True .* is not served"):
+        call(config=config.replace(apply_router_weight_on_input=True))
+    bad = DecodeGateUpConfig(block_m=8, block_n=16, block_k=16, chunk_s=4, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match=rf"{op}: configs must have power-of-2 blocks, block_m, block_n >= 16"):
+        decode_triton.fused_experts_decode_triton(x, w, ids, w13, w2, config, None, None, None, None, bad,
+                                                  DecodeDownConfig(block_h=16, block_i=16, num_warps=4, num_stages=1))
+    # the Triton kernels' own limits (the default dispatch falls back to the reference on a GPU)
+    monkeypatch.setattr(decode_triton, "MAX_SLOTS", 3)
+    with pytest.raises(NotImplementedError, match=rf"{op}: the Triton decode kernels take at most 3 assignments"):
+        call()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay():
+    """The Triton path captured in a CUDA graph (no host sync, shape-only grids) and replayed on new ids and inputs
+    written in place gives what an eager call gives on them."""
+    config = MoEConfig(hidden_size=64, intermediate_size=32, num_experts=8, topk=2, **GPT_OSS)
+    x, w, ids, w13, w2, biases = _inputs(config, np.array(ROUTINGS[7], np.int32), "bfloat16")
+    run = lambda: fused_experts_decode(x, w, ids, w13, w2, config, implementation="triton", **biases)  # noqa: E731
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    x2, w_new, ids2, *_ = _inputs(config, _distinct_ids(np.random.default_rng(9), 7, 2, 8), "bfloat16", seed=9)
+    x.copy_(x2), w.copy_(w_new), ids.copy_(ids2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_exact(out, run(), "graph replay vs eager")
+
+
+# ------------------------------------------------------------------------------- compiled for sm_90 (on the CPU)
+
+
+def _sm90_jobs() -> dict:
+    """Both kernels at production sizes (DeepSeek-V3's H and I over 32 local experts, T = 16 of top-8; gpt-oss's mxfp4
+    experts with swiglu_oai, interleaved rows and biases, e8m0 table), bf16 activations, the default configs."""
+    from moe_torch.ops.decode.config import decode_gate_up_config
+
+    def job(kernel, sig, constexprs, cfg):
+        return {"module": "moe_torch.ops.decode.triton", "kernel": kernel, "signature": sig, "constexprs": constexprs,
+                "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}}
+
+    jobs = {}
+    for name, w, ws, b, w4, act, inter, bias, lut in (("bf16", "*bf16", "*bf16", "*bf16", 0, 0, False, False, False),
+                                                     ("mxfp4", "*u8", "*u8", "*fp32", 4, 2, True, True, True)):
+        T, k, H, I, E = 16, 8, 7168, 2048, 32
+        a_cfg, b_cfg = decode_gate_up_config(T, k, H, I, E, bool(w4)), decode_down_config(T, H, I, bool(w4))
+        ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
+        extra = {"e8m0_lut": "*bf16"} if lut else {}
+        jobs[f"gate_up-{name}"] = job("_decode_gate_up_kernel", {
+            "x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "ws_ptr": ws, "b_ptr": b, "a_ptr": "*bf16",
+            **ints("S", "H", "I", "E_local", "expert_start", "stride_xt", "stride_we", "stride_wn", "stride_wse",
+                   "stride_wsn", "stride_wsk", "stride_be", "stride_as"), **extra},
+            dict(K_SLOTS=k, ACTIVATION=act, INTERLEAVED=inter, HAS_BIAS=bias, W4=w4, IEEE_F32=False, BLOCK_E=E,
+                 CHUNK_S=a_cfg.chunk_s, NUM_CHUNKS=T * k // a_cfg.chunk_s, NUM_M_BLOCKS=T * k // a_cfg.block_m,
+                 BLOCK_M=a_cfg.block_m, BLOCK_N=a_cfg.block_n, BLOCK_K=a_cfg.block_k), a_cfg)
+        jobs[f"down-{name}"] = job("_decode_down_kernel", {
+            "a_ptr": "*bf16", "ids_ptr": "*i32", "tw_ptr": "*fp32", "w_ptr": w, "ws_ptr": ws, "b_ptr": b,
+            "out_ptr": "*bf16", **ints("H", "I", "E_local", "expert_start"), "rsf": "fp32",
+            **ints("stride_as", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_wsk", "stride_be",
+                   "stride_ot"), **extra},
+            dict(K_SLOTS=k, HAS_BIAS=bias, APPLY_RSF=True, W4=w4, BLOCK_H=b_cfg.block_h, BLOCK_I=b_cfg.block_i), b_cfg)
+    return jobs
+
+
+@pytest.mark.skipif(TORCH_DEVICE != "cpu", reason="the GPU run compiles the kernels for its own device")
+def test_kernels_compile_for_sm90():
+    """Both kernels lower to sm_90 cubin (16-bit and mxfp4 weights), use the tensor cores for GEMM 1 only, no atomic
+    (kernel B's sum is the combine, in registers: the determinism) and no local-memory spill."""
+    import re
+
+    from sm90 import compile_sm90
+
+    ptx = compile_sm90(_sm90_jobs())
+    for name, text in ptx.items():
+        assert ".target sm_90" in text, name
+        assert not re.search(r"\b(atom|red)\.", text), f"{name}: an atomic"
+        assert ".local" not in text, f"{name}: a local-memory spill"
+        assert ("mma" in text) == name.startswith("gate_up"), name
