@@ -705,6 +705,8 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
     if dev.type == "cuda" and ctx.wants("ours-torch-triton-cudagraph"):
         bench_layer_cuda_graph(ctx, spec, x, logits, (w13, w2), dict(kw, shared_expert_gate_logits=sgl), config, ref, common,
                                bench=bench)
+    if dev.type == "cuda" and bench == "decode" and ctx.wants("ours-torch-decode-cudagraph"):
+        bench_decode_path(ctx, spec, x, logits, (w13, w2), kw, sgl, config, ref, common)
     jsets = [(j(x_), j(l_), j(w13), j(w2), j(s13), j(s2), j(bias), j(b13), j(b2), j(s_))
              for x_, l_, s_ in zip(xs, lgs, sgls)]
     # pallas_mosaic_gpu: the grouped GEMMs on Mosaic GPU, every other stage its default (pallas_triton on a GPU)
@@ -749,6 +751,29 @@ def bench_layer_cuda_graph(ctx: Ctx, spec, x, logits, weights: tuple, kw: dict, 
     static_x, static_logits = x.clone(), logits.clone()
     run_torch_cuda_graph(ctx, bench, "ours-torch-triton-cudagraph", spec, lambda: moe_torch.moe_forward(
         static_x, static_logits, w13, w2, config, **kw, implementation="triton"), ref, common)
+
+
+def bench_decode_path(ctx: Ctx, spec, x, logits, weights: tuple, kw: dict, shared_gate_logits, config, ref,
+                      common: dict) -> None:
+    """The low-latency decode path (``moe_torch.ops.decode.fused_experts_decode``: GEMM 1 + activation, GEMM 2 +
+    combine, two launches) after the layer's gate, captured in a CUDA graph (``ours-torch-decode-cudagraph``)."""
+    from moe_torch.layer import run_gate
+    from moe_torch.ops.decode import fused_experts_decode
+
+    name = "ours-torch-decode-cudagraph"
+    if shared_gate_logits is not None or config.quant in ("fp8_per_token", "fp8_block"):
+        skip_row(ctx, "decode", name, spec, "the decode path serves no shared-expert gate and no FP8 weights yet")
+        return
+    w13, w2 = weights
+    static_x, static_logits = x.clone(), logits.clone()
+
+    def forward():
+        topk_weights, topk_ids = run_gate(static_logits, config, kw["e_score_correction_bias"], "triton")
+        return fused_experts_decode(static_x, topk_weights, topk_ids, w13, w2, config, w13_bias=kw["w13_bias"],
+                                    w2_bias=kw["w2_bias"], w13_scale=kw["w13_scale"], w2_scale=kw["w2_scale"],
+                                    implementation="triton")
+
+    run_torch_cuda_graph(ctx, "decode", name, spec, forward, ref, common)
 
 
 def run_torch_cuda_graph(ctx: Ctx, what: str, row_name: str, spec, forward, ref, common: dict) -> None:
