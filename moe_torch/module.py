@@ -30,8 +30,8 @@ load-balancing rule, and transformers holds it as a buffer too); an FP8 layer is
 Compilers and transforms: ``forward`` traces under ``torch.compile(fullgraph=True)`` with no graph break,
 forward and backward (the layer is the custom ops ``epmoe::moe_layer`` / ``epmoe::moe_layer_backward``,
 :mod:`moe_torch.ops.custom_ops`), and ``torch.func.grad`` / ``vjp`` differentiate it; ``torch.func.vmap`` and
-forward-mode AD raise ``NotImplementedError``. With a ``process_group`` neither holds (the EP collectives are
-outside the ops).
+forward-mode AD raise ``NotImplementedError``. With a ``process_group`` ``torch.compile(fullgraph=True)`` holds too
+(the EP collectives are custom ops as well: :mod:`moe_torch.ep`, "torch.compile"), ``torch.func`` does not.
 
 Autocast (``torch.autocast``, e.g. bf16 around a float32 model): autocast does not reach into the layer's
 custom ops, so ``forward`` applies the policy of transformers' ``grouped_mm`` experts: the input is cast to the
