@@ -253,6 +253,7 @@ class _MoELayerFunction(torch.autograd.Function):
     permute the scaled slot rows (``apply_router_weight_on_input``), whose backward gives ``d_x`` and
     ``d_input_scale[t, j] = <x[t], d_xp[src2dst[t, j]]>``; :func:`slot_weights_backward` turns the two
     into ``d_topk_weights`` and ``d_shared_expert_gate_logits``.
+    ``out_dtype`` is the combine's output dtype (``None``: ``x.dtype``; the EP replicated mode's float32 partial).
     Run by the custom ops ``epmoe::moe_layer`` / ``epmoe::moe_layer_backward`` (``ops/custom_ops.py``) with a
     stand-in context: what they save and return follows ``save_for_backward`` here (``custom_ops.SAVED``).
     Mirror: ``moe_pallas/layer.py`` (``jax.custom_vjp``).
@@ -260,7 +261,7 @@ class _MoELayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias, config,
-                implementation, recompute):
+                implementation, recompute, out_dtype=None):
         topk_weights, topk_ids = run_gate(router_logits, config, bias, implementation)
         combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)
         expert_start, e_local = config.local_expert_range()
@@ -270,7 +271,7 @@ class _MoELayerFunction(torch.autograd.Function):
                                  expert_start=expert_start, num_local_experts=e_local, return_h=True,
                                  input_scale=input_scale, w13_bias=w13_bias, w2_bias=w2_bias)
         out = combine(y, meta.src2dst, combine_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
-                      out_dtype=x.dtype, implementation=stage_implementation(implementation, combine_api))
+                      out_dtype=out_dtype or x.dtype, implementation=stage_implementation(implementation, combine_api))
         ctx.save_for_backward(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias,
                               topk_weights, topk_ids, meta.expert_offsets, meta.src2dst, meta.dst2src,
                               None if recompute else h)
@@ -287,7 +288,7 @@ class _MoELayerFunction(torch.autograd.Function):
         need_x, need_logits, need_w13, need_w2 = ctx.needs_input_grad[:4]
         need_shared, need_b13, need_b2 = ctx.needs_input_grad[7:10]
         combine_weights, input_scale = slot_weights(topk_weights, shared_logits, config)
-        g = _experts_backward(
+        g = experts_backward(
             d_out, x, w13, w2, w13_scale, w2_scale, combine_weights, topk_ids.shape[1],
             RoutingMetadata(offsets, src2dst, dst2src), h, config, impl, config.combine_routed_scaling_factor,
             need_x, need_w13, need_w2, input_scale=input_scale, w13_bias=w13_bias, w2_bias=w2_bias,
@@ -301,14 +302,14 @@ class _MoELayerFunction(torch.autograd.Function):
                 implementation=stage_implementation(impl, gate_api)).to(router_logits.dtype)
         d_shared = d_shared.to(shared_logits.dtype) if need_shared else None
         return (g.d_x, d_logits, g.d_w13, g.d_w2, None, None, None, d_shared, g.d_w13_bias, g.d_w2_bias, None, None,
-                None)
+                None, None)
 
 
 register_layer_function(_MoELayerFunction)
 
 
 class ExpertGrads(NamedTuple):
-    """What :func:`_experts_backward` returns (``None`` where not asked for, or frozen)."""
+    """What :func:`experts_backward` returns (``None`` where not asked for, or frozen)."""
 
     d_x: torch.Tensor | None
     d_topk_weights: torch.Tensor
@@ -337,7 +338,7 @@ def _bias_dots(d_y0, w2_bias, offsets):
     return (d_y0.float() * w2_bias.float()[expert]).sum(dim=1)
 
 
-def _experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: int, meta: RoutingMetadata, h,
+def experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: int, meta: RoutingMetadata, h,
                       config: MoEConfig, impl, c: float, need_x: bool, need_w13: bool, need_w2: bool, *,
                       input_scale=None, w13_bias=None, w2_bias=None, need_w13_bias: bool = False,
                       need_w2_bias: bool = False) -> ExpertGrads:
@@ -411,8 +412,8 @@ def _experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: i
     return ExpertGrads(d_x, d_topk_weights, d_w13, d_w2, d_input_scale, d_w13_bias, d_w2_bias)
 
 
-# The expert stages and the combine on a given routing, differentiable: what the EP layers (``ep.py``)
-# compose with the gate and their collectives (each of which has its own backward there).
+# The expert stages and the combine on a given routing, differentiable: what transformers' experts interface
+# (``hf_experts.py``) runs on the routing its model computed.
 
 
 def routed_experts(x, topk_weights, topk_ids, w13, w2, config: MoEConfig, *, w13_scale=None, w2_scale=None,
@@ -420,7 +421,7 @@ def routed_experts(x, topk_weights, topk_ids, w13, w2, config: MoEConfig, *, w13
                    routed_scaling_factor: float, out_dtype: torch.dtype, recompute: bool = False,
                    input_scale: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
                    w2_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``combine(run_experts(x, topk_ids), topk_weights)``: the layer without its gate, for ``ep.py``.
+    """``combine(run_experts(x, topk_ids), topk_weights)``: the layer without its gate, for ``hf_experts.py``.
 
     ``x [R, H]``, ``topk_weights [R, k]`` float32, ``topk_ids [R, k]`` int32 in ``[0, num_experts)``
     (``[expert_start, expert_start + num_local_experts)`` are the experts of ``w13 [E_local, 2I, H]`` /
@@ -445,7 +446,7 @@ def routed_experts(x, topk_weights, topk_ids, w13, w2, config: MoEConfig, *, w13
 
 
 class _RoutedExpertsFunction(torch.autograd.Function):
-    """:func:`routed_experts` with :func:`_experts_backward` (``d_topk_weights`` returned, not turned into
+    """:func:`routed_experts` with :func:`experts_backward` (``d_topk_weights`` returned, not turned into
     ``d_router_logits``: the caller's gate has its own backward). Saves what :class:`_MoELayerFunction` saves."""
 
     @staticmethod
@@ -470,7 +471,7 @@ class _RoutedExpertsFunction(torch.autograd.Function):
          h) = ctx.saved_tensors
         need_x, need_weights, _, need_w13, need_w2 = ctx.needs_input_grad[:5]
         need_scale, need_b13, need_b2 = ctx.needs_input_grad[7:10]
-        g = _experts_backward(
+        g = experts_backward(
             d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, ctx.k, RoutingMetadata(offsets, src2dst, dst2src), h,
             ctx.config, ctx.implementation, ctx.c, need_x, need_w13, need_w2, input_scale=input_scale,
             w13_bias=w13_bias, w2_bias=w2_bias, need_w13_bias=need_b13, need_w2_bias=need_b2)

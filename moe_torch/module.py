@@ -30,15 +30,16 @@ load-balancing rule, and transformers holds it as a buffer too); an FP8 layer is
 Compilers and transforms: ``forward`` traces under ``torch.compile(fullgraph=True)`` with no graph break,
 forward and backward (the layer is the custom ops ``epmoe::moe_layer`` / ``epmoe::moe_layer_backward``,
 :mod:`moe_torch.ops.custom_ops`), and ``torch.func.grad`` / ``vjp`` differentiate it; ``torch.func.vmap`` and
-forward-mode AD raise ``NotImplementedError``. With a ``process_group`` neither holds (the EP collectives are
-outside the ops).
+forward-mode AD raise ``NotImplementedError``. With a ``process_group`` ``torch.compile(fullgraph=True)`` holds too
+(the EP collectives are custom ops as well: :mod:`moe_torch.ep`, "torch.compile"), ``torch.func`` does not.
 
 Autocast (``torch.autocast``, e.g. bf16 around a float32 model): autocast does not reach into the layer's
-custom ops, so ``forward`` applies the policy of transformers' ``grouped_mm`` experts: the input is cast to the
-weights' dtype (``quant='none'``; FP8 / 4-bit layers keep ``x``'s dtype), the experts compute in it with
-autocast off inside (float32 weights: float32 GEMMs, float32 accumulation, no bf16 rounding of the weights),
-and the output is cast back to ``x``'s dtype (bf16 in, bf16 out, as an autocast ``nn.Linear`` would give).
-Gradients follow the casts: ``x`` gets its gradient in its own dtype, the float32 weights in float32.
+custom ops, so ``forward`` applies the policy of transformers' ``grouped_mm`` experts (:func:`autocast_policy`, for
+:class:`EPMoE` and :class:`MoEBlock` alike): the input is cast to the weights' dtype (``quant='none'``; FP8 / 4-bit
+layers keep ``x``'s dtype), the module computes in it with autocast off inside (float32 weights: float32 GEMMs,
+float32 accumulation, no bf16 rounding of the weights), and the output is cast back to ``x``'s dtype (bf16 in, bf16
+out, as an autocast ``nn.Linear`` would give). Gradients follow the casts: ``x`` gets its gradient in its own dtype,
+the float32 weights in float32.
 
 ``forward`` does nothing on the host but shape checks and launches (no ``.item()``, no
 data-dependent shapes), so it can be captured in a CUDA graph with ``implementation="triton"``
@@ -146,6 +147,17 @@ def check_global_weights(op: str, config: MoEConfig, w13, w2) -> None:
     check_shape(op, "w2", w2, (E_all, H, I), what2)
     check_dtype(op, "w13", w13, FLOAT_DTYPES)
     check_dtype(op, "w2", w2, FLOAT_DTYPES)
+
+
+def autocast_policy(x: torch.Tensor, compute_dtype: torch.dtype | None, forward, return_router_losses: bool):
+    """The modules' ``torch.autocast`` policy (module docstring, "Autocast"): ``forward(x_in)`` with autocast off
+    on ``x``'s device type, ``x_in`` being ``x`` cast to ``compute_dtype`` (``None``: ``x`` as it is), and the result
+    cast back to ``x.dtype`` (with ``return_router_losses``, ``forward`` returns ``(out, RouterLosses)`` and only
+    ``out`` is cast: the losses stay float32). Gradients follow the casts."""
+    x_in = x if compute_dtype is None else x.to(compute_dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        result = forward(x_in)
+    return (result[0].to(x.dtype), result[1]) if return_router_losses else result.to(x.dtype)
 
 
 class EPMoE(torch.nn.Module):
@@ -492,10 +504,11 @@ class EPMoE(torch.nn.Module):
             raise ValueError(f"EPMoE: x must be [T, H] (tokens flattened; moe_torch.MoEBlock takes [B, S, H]); "
                              f"got x of shape {tuple(x.shape)}")
         if torch.is_autocast_enabled(x.device.type):  # the layer's ops are custom ops, which autocast does not reach
-            x_in = x.to(self.w13.dtype) if self.config.quant == "none" else x
-            with torch.autocast(x.device.type, enabled=False):
-                result = self.forward(x_in, router_logits, return_router_losses=return_router_losses, seq_len=seq_len)
-            return (result[0].to(x.dtype), result[1]) if return_router_losses else result.to(x.dtype)
+            def forward(x_in):
+                return self.forward(x_in, router_logits, return_router_losses=return_router_losses, seq_len=seq_len)
+
+            return autocast_policy(x, self.w13.dtype if self.config.quant == "none" else None, forward,
+                                   return_router_losses)
         if self.config.quant == "none" and x.dtype != self.w13.dtype:
             raise TypeError(f"EPMoE: x must have the layer's dtype {dtype_name(self.w13)} (quant='none'); "
                             f"got x.dtype={dtype_name(x)}")
@@ -982,10 +995,24 @@ class MoEBlock(torch.nn.Module):
         (DeepSeek-V3's sequence-wise loss per sequence of the batch) and to ``None`` (no ``seq_aux_loss``) for
         ``[T, H]``, as :meth:`moe_pallas.MoEBlock.__call__`.
 
+        Under ``torch.autocast`` (module docstring, :func:`autocast_policy`, as :meth:`EPMoE.forward`): hidden states of
+        any float dtype (say bf16 from an autocast ``nn.Linear`` before a float32 block), cast to the experts' dtype
+        (an FP8 block: to its shared MLP's float dtype, or kept without one), the whole block (router, experts, shared
+        MLP and gate) run with autocast off, the output returned in the hidden states' dtype (the router losses as they
+        come: float32); the float32 weights get float32 gradients.
+
         Raises: TypeError (not a torch tensor: numpy names ``torch.from_numpy``; a dtype the block does not take),
           ValueError (not ``[B, S, H]`` / ``[T, H]`` with the config's ``H``; ``seq_len`` without
           ``return_router_losses`` or not dividing the tokens); from :func:`moe_torch.moe_forward`.
         """
+        require_torch_tensors("MoEBlock", dict(hidden_states=hidden_states))
+        if torch.is_autocast_enabled(hidden_states.device.type):  # the experts are custom ops: autocast misses them
+            check_dtype("MoEBlock", "hidden_states", hidden_states, FLOAT_DTYPES)
+
+            def forward(h):
+                return self.forward(h, return_router_losses=return_router_losses, seq_len=seq_len)
+
+            return autocast_policy(hidden_states, self._autocast_dtype(), forward, return_router_losses)
         x = self._flat(hidden_states)
         if return_router_losses is True and seq_len is None and hidden_states.ndim == 3:
             seq_len = hidden_states.shape[1]
@@ -1006,6 +1033,14 @@ class MoEBlock(torch.nn.Module):
             out = out + self.shared_experts(x)
         out = out.reshape(hidden_states.shape)
         return (out, losses) if return_router_losses else out
+
+    def _autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the block computes in under ``torch.autocast``: its float experts' (``quant='none'``); an FP8
+        block's, its shared MLP's (float), or ``None`` (the hidden states' own) without one."""
+        if self.config.quant == "none":
+            return self.experts.gate_up_proj.dtype
+        shared = self._modules.get("shared_expert", self._modules.get("shared_experts"))
+        return None if shared is None else shared.gate_proj.weight.dtype
 
     def _flat(self, hidden_states) -> torch.Tensor:
         op = "MoEBlock"

@@ -16,8 +16,7 @@ permute kernel (which then gathers them with ``topk=1``), so the layer holds one
 buffer of ``x.dtype`` (the permute kernel has no per-row scale).
 
 Backward (section 8): :func:`slot_weights_backward` and :func:`scaled_slot_rows_backward`, the chain
-rule of the lines above; autograd differentiates the same functions where they run outside a custom
-``autograd.Function`` (the EP layers).
+rule of the lines above, which the layer's backward and the EP all_to_all layer's call (:mod:`moe_torch.ep`).
 
 Mirror: ``moe_pallas/slot_weights.py``.
 """

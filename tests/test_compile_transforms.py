@@ -4,10 +4,11 @@ torch: ``torch.compile(fullgraph=True)`` over ``moe_forward`` and ``EPMoE`` (no 
 ``aot_eager`` runs the custom ops' fake implementations and the ``autograd.Function`` through AOTAutograd), with
 the reference and the (interpreted) Triton backends; the compiled outputs and gradients equal the eager ones
 bit for bit (the same ops run). ``torch.func.grad`` / ``vjp`` equal ``torch.autograd``; ``vmap``, forward-mode AD
-and second-order gradients raise naming the layer. ``torch.autocast`` around a float32 ``EPMoE`` fed bf16
-activations. JAX: a whole optax AdamW step under ``jax.jit`` / ``nnx.jit`` with its parameters and optimizer
-state donated (no "donated buffers were not usable" warning; the donated inputs consumed), the same losses and
-weights as without donation.
+and second-order gradients raise naming the layer. ``torch.autocast`` around a float32 ``EPMoE`` and a float32
+``MoEBlock`` fed bf16 activations (one policy, one helper). (The EP layer compiled, over gloo processes:
+tests/test_compile_ep_torch.py.) JAX: a whole optax AdamW step under ``jax.jit`` / ``nnx.jit`` with its parameters
+and optimizer state donated (no "donated buffers were not usable" warning; the donated inputs consumed), the same
+losses and weights as without donation.
 """
 
 from __future__ import annotations
@@ -239,16 +240,14 @@ class _AutocastModel(torch.nn.Module):
         return self.moe(h, self.router(h))
 
 
-def test_autocast_bf16_activations_into_float32_module():
-    """``torch.autocast("cpu", bfloat16)`` around a float32 model whose ``nn.Linear`` hands the MoE bf16 ``x``:
-    no dtype error; the MoE runs as transformers' ``grouped_mm`` experts do under autocast: ``x`` cast to the
-    weights' dtype (float32 GEMMs), the output back in ``x``'s dtype (bf16). The output and every gradient
-    equal that computation spelled out without autocast (the float32 weights get float32 gradients), eager and
-    compiled. The layer's ops are not autocast inside: ``moe_forward`` on float32 arrays under autocast equals
-    it without."""
-    model = _AutocastModel()
+def _autocast_runs(model, x, spelled_out, exact_under_aot) -> torch.Tensor:
+    """``model(x)`` under ``torch.autocast(bfloat16)``, eager and compiled (Dynamo alone, and AOTAutograd), against
+    ``spelled_out()`` (the same computation with explicit casts, no autocast): the bf16 output bit for bit, and every
+    parameter's float32 gradient bit for bit, but under AOTAutograd for the parameters not in ``exact_under_aot``
+    (those the custom ops differentiate): AOTAutograd decomposes the backward of torch's own linears (the bf16 ones
+    autocast makes, the router's float32 one) and rounds in another order (elements an ulp apart). Returns the
+    spelled-out output."""
     device = torch.device(TORCH_DEVICE).type
-    x = torch.randn(5, CONFIG.hidden_size, generator=torch.Generator().manual_seed(4)).to(TORCH_DEVICE)
 
     def run(fn):
         model.zero_grad(set_to_none=True)
@@ -260,27 +259,40 @@ def test_autocast_bf16_activations_into_float32_module():
         with torch.autocast(device, dtype=torch.bfloat16):
             return m(x)
 
-    def spelled_out():
-        h = torch.nn.functional.linear(x.bfloat16(), model.proj.weight.bfloat16(), model.proj.bias.bfloat16())
-        logits = torch.nn.functional.linear(h, model.router.weight.bfloat16())
-        return model.moe(h.float(), logits).bfloat16()
-
     want, want_grads = run(spelled_out)
     runs = {"eager": model, "dynamo": torch.compile(model, backend="eager", fullgraph=True),
             "aot_eager": torch.compile(model, backend="aot_eager", fullgraph=True)}
     for what, m in runs.items():
         out, grads = run(lambda: autocast_run(m))
         assert out.dtype == torch.bfloat16 and torch.equal(out, want), what
+        assert set(grads) == set(want_grads), what
         for name, g in grads.items():
             assert g.dtype == torch.float32, f"{what}: d_{name}"
-            # AOTAutograd decomposes the backward of torch's own bf16 linears (proj, router, the shared expert gate)
-            # and rounds in another order (elements a bf16 ulp apart); the weights the custom ops differentiate
-            # get the same bits
-            if what == "aot_eager" and name not in ("moe.w13", "moe.w2", "moe.w13_bias", "moe.w2_bias"):
+            if what == "aot_eager" and name not in exact_under_aot:
                 w = want_grads[name]
                 assert ((g - w).norm() / w.norm()).item() < 1e-2, f"{what}: d_{name}"
             else:
                 assert torch.equal(g, want_grads[name]), f"{what}: d_{name}"
+    return want
+
+
+def test_autocast_bf16_activations_into_float32_module():
+    """``torch.autocast("cpu", bfloat16)`` around a float32 model whose ``nn.Linear`` hands the MoE bf16 ``x``:
+    no dtype error; the MoE runs as transformers' ``grouped_mm`` experts do under autocast: ``x`` cast to the
+    weights' dtype (float32 GEMMs), the output back in ``x``'s dtype (bf16). The output and every gradient
+    equal that computation spelled out without autocast (the float32 weights get float32 gradients), eager and
+    compiled. The layer's ops are not autocast inside: ``moe_forward`` on float32 arrays under autocast equals
+    it without."""
+    model = _AutocastModel()
+    device = torch.device(TORCH_DEVICE).type
+    x = torch.randn(5, CONFIG.hidden_size, generator=torch.Generator().manual_seed(4)).to(TORCH_DEVICE)
+
+    def spelled_out():
+        h = torch.nn.functional.linear(x.bfloat16(), model.proj.weight.bfloat16(), model.proj.bias.bfloat16())
+        logits = torch.nn.functional.linear(h, model.router.weight.bfloat16())
+        return model.moe(h.float(), logits).bfloat16()
+
+    want = _autocast_runs(model, x, spelled_out, ("moe.w13", "moe.w2", "moe.w13_bias", "moe.w2_bias"))
     with torch.autocast(device, dtype=torch.bfloat16):
         h = model.proj(x)
         out, losses = model.moe(h, model.router(h), return_router_losses=True)
@@ -289,6 +301,38 @@ def test_autocast_bf16_activations_into_float32_module():
     plain = _layer()(**inputs)
     with torch.autocast(device, dtype=torch.bfloat16):
         assert torch.equal(_layer()(**inputs), plain)
+
+
+#: A Qwen3-Next-style block for the autocast test: router, experts, a gated shared expert (no expert biases: no
+#: transformers block has them beside shared experts).
+BLOCK_CONFIG = dataclasses.replace(CONFIG, expert_bias=False)
+
+
+def test_autocast_bf16_activations_into_float32_block():
+    """``MoEBlock`` under ``torch.autocast("cpu", bfloat16)``, fed ``[B, S, H]`` bf16 hidden states by a float32
+    ``nn.Linear``: the policy of ``EPMoE`` (the same code): the hidden states cast to the experts' float32, the whole
+    block (router, experts, shared MLP and its gate) computed with autocast off, the output back in bf16; output and
+    gradients equal that spelled out without autocast, eager and compiled; the router losses stay float32."""
+    g = torch.Generator().manual_seed(5)
+    H, E, I = BLOCK_CONFIG.hidden_size, BLOCK_CONFIG.num_experts, BLOCK_CONFIG.intermediate_size  # noqa: E741
+    w = lambda *s: (torch.randn(s, generator=g) * 0.3).to(TORCH_DEVICE)  # noqa: E731
+    model = torch.nn.Sequential()
+    model.add_module("proj", torch.nn.Linear(H, H).to(TORCH_DEVICE))
+    model.add_module("block", moe_torch.MoEBlock.from_float(BLOCK_CONFIG, w(E, H), w(E + 1, 2 * I, H), w(E + 1, H, I),
+                                                            shared_expert_gate=w(1, H), implementation="reference"))
+    device = torch.device(TORCH_DEVICE).type
+    x = torch.randn(2, 3, H, generator=torch.Generator().manual_seed(6)).to(TORCH_DEVICE)
+
+    def spelled_out():
+        h = torch.nn.functional.linear(x.bfloat16(), model.proj.weight.bfloat16(), model.proj.bias.bfloat16())
+        return model.block(h.float()).bfloat16()
+
+    want = _autocast_runs(model, x, spelled_out, ("block.experts.gate_up_proj", "block.experts.down_proj"))
+    assert want.shape == x.shape
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out, losses = model.block(model.proj(x), return_router_losses=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    assert losses.aux_loss.dtype == losses.seq_aux_loss.dtype == torch.float32
 
 
 # JAX: one AdamW training step under jit, its parameters and optimizer state donated.

@@ -34,14 +34,19 @@ def takes_torch_tensors(fn):
 def check_torch_tensors(op: str, named: dict, *, required: bool = False) -> None:
     """``TypeError`` naming ``op`` and the argument for a value of ``named`` that is an array of
     another kind (numpy, jax; numpy scalars are scalars); with ``required``, for any value that is
-    neither ``None`` nor a ``torch.Tensor``."""
+    neither ``None`` nor a ``torch.Tensor``. (A ``torch.distributed`` process group is no array: passed over
+    without a look at its attributes, which ``torch.compile`` could not trace.)"""
     for name, value in named.items():
-        if value is None or isinstance(value, torch.Tensor):
+        if value is None or isinstance(value, torch.Tensor) or _is_process_group(value):
             continue
         is_array = not isinstance(value, (type, np.generic)) and hasattr(value, "shape") and hasattr(value, "dtype")
         if is_array or required:
             kind = f"{type(value).__module__}.{type(value).__name__}"
             raise TypeError(f"{op}: {name} must be a torch.Tensor (moe_torch is the PyTorch backend); got {kind}")
+
+
+def _is_process_group(value) -> bool:
+    return torch.distributed.is_available() and isinstance(value, torch.distributed.ProcessGroup)
 
 
 def first_order_backward(op: str):

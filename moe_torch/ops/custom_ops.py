@@ -17,7 +17,8 @@ What that gives:
 - ``torch.func.grad`` / ``vjp``: through ``setup_context``. ``vmap`` and forward-mode AD (``jvp``, ``jacfwd``)
   raise ``NotImplementedError`` naming them (no batching rule, no JVP).
 - autocast: custom ops are not autocast ops, and the bodies run with autocast off (a reference matmul inside must
-  not be lowered to bf16 behind the layer's back); the dtype policy is the caller's (``moe_torch.module.EPMoE``).
+  not be lowered to bf16 behind the layer's back); the dtype policy is the caller's (``moe_torch.module.EPMoE`` and
+  ``MoEBlock``: ``moe_torch.module.autocast_policy``).
 - second-order gradients stay refused (CONTRACT.md section 8): plain ``create_graph=True`` and nested
   ``torch.func.grad`` raise ``RuntimeError`` naming ``moe_forward``; one level of ``torch.func.grad`` (which
   runs its backward with grad mode on) does not.
@@ -112,7 +113,7 @@ class _Context:
 
 
 @contextlib.contextmanager
-def _plain(device: torch.device):
+def plain(device: torch.device):
     """No autograd and no autocast: the bodies compute exactly what they compute eagerly, in the dtypes given."""
     with torch.no_grad(), torch.autocast(device_type=device.type, enabled=False):
         yield
@@ -125,15 +126,17 @@ _OptT = torch.Tensor | None
 @torch.library.custom_op(f"{NAMESPACE}::moe_layer", mutates_args=())
 def _moe_layer_op(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, w13_scale: _OptT, w2_scale: _OptT,
                   e_score_correction_bias: _OptT, shared_expert_gate_logits: _OptT, w13_bias: _OptT, w2_bias: _OptT,
-                  config: str, config_floats: list[float], implementation: str | None, recompute: bool
+                  config: str, config_floats: list[float], implementation: str | None, recompute: bool,
+                  out_dtype: torch.dtype | None = None
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(out, topk_weights, topk_ids, expert_offsets, src2dst, dst2src, h)``: the layer's output and what its
-    backward reads (``h`` empty with ``recompute``)."""
+    """``(out, topk_weights, topk_ids, expert_offsets, src2dst, dst2src, h)``: the layer's output (in ``out_dtype``,
+    ``None``: ``x.dtype``) and what its backward reads (``h`` empty with ``recompute``)."""
     ctx = _Context(config_from_key(config, config_floats), implementation, recompute)
     inputs = (x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias, shared_expert_gate_logits,
               w13_bias, w2_bias)
-    with _plain(x.device):
-        out, _ = _layer_function().forward(ctx, *inputs, ctx.config, implementation, recompute)  # (out, topk_ids)
+    with plain(x.device):
+        out, _ = _layer_function().forward(ctx, *inputs, ctx.config, implementation, recompute,
+                                           out_dtype)  # (out, topk_ids)
     saved = ctx.saved_tensors[len(INPUTS):]
     if len(saved) != len(SAVED):  # the layer's save_for_backward and SAVED must agree
         raise RuntimeError(f"epmoe::moe_layer: the layer saved {len(ctx.saved_tensors)} tensors; expected "
@@ -144,13 +147,14 @@ def _moe_layer_op(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, w13
 
 @_moe_layer_op.register_fake
 def _moe_layer_fake(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
-                    shared_expert_gate_logits, w13_bias, w2_bias, config, config_floats, implementation, recompute):
+                    shared_expert_gate_logits, w13_bias, w2_bias, config, config_floats, implementation, recompute,
+                    out_dtype=None):
     cfg = config_from_key(config, config_floats)
     T, k = x.shape[0], cfg.num_slots
     _, e_local = cfg.local_expert_range()
     i32 = dict(dtype=torch.int32)
-    return (x.new_empty(x.shape), x.new_empty((T, k), dtype=torch.float32), x.new_empty((T, k), **i32),
-            x.new_empty((e_local + 1,), **i32), x.new_empty((T, k), **i32), x.new_empty((T * k,), **i32),
+    return (x.new_empty(x.shape, dtype=out_dtype or x.dtype), x.new_empty((T, k), dtype=torch.float32),
+            x.new_empty((T, k), **i32), x.new_empty((e_local + 1,), **i32), x.new_empty((T, k), **i32), x.new_empty((T * k,), **i32),
             x.new_empty((0,) if recompute else (T * k, 2 * cfg.intermediate_size)))
 
 
@@ -170,14 +174,29 @@ def _moe_layer_backward_op(d_out: Tensor, x: Tensor, router_logits: Tensor, w13:
         flags[i] = need
     saved = (*inputs, topk_weights, topk_ids, expert_offsets, src2dst, dst2src, None if recompute else h)
     ctx = _Context(config_from_key(config, config_floats), implementation, recompute, saved, flags)
-    with _plain(d_out.device):
+    with plain(d_out.device):
         grads = _layer_function().backward(ctx, d_out, None)  # (no gradient for its integer topk_ids output)
+    return grad_outputs("epmoe::moe_layer_backward", [grads[i] for i in _GRAD_INDEX], inputs, needs, d_out)
+
+
+def grad_outputs(op: str, grads, inputs, needs, d_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What a backward op returns: for each of :data:`GRADS` (``grads``, in that order), the gradient (contiguous)
+    where ``needs`` asks for it, an empty ``[0]`` tensor (of the input's dtype, or ``d_out``'s) elsewhere.
+    ``inputs``: the layer's :data:`INPUTS`. RuntimeError if an asked-for gradient is ``None`` (the fake promises it)."""
     out = []
-    for name, i, need in zip(GRADS, _GRAD_INDEX, needs):
-        g = grads[i]
-        if need and g is None:  # the fake promises it: the layer and grad_flags disagree
-            raise RuntimeError(f"epmoe::moe_layer_backward: d_{name} was asked for and not formed")
+    for name, i, g, need in zip(GRADS, _GRAD_INDEX, grads, needs):
+        if need and g is None:  # the layer and grad_flags disagree
+            raise RuntimeError(f"{op}: d_{name} was asked for and not formed")
         out.append(g.contiguous() if need else inputs[i].new_empty(0) if inputs[i] is not None else d_out.new_empty(0))
+    return tuple(out)
+
+
+def grad_outputs_fake(inputs, needs, d_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`grad_outputs`' shapes and dtypes (a backward op's fake): each asked-for gradient like its input."""
+    out = []
+    for i, need in zip(_GRAD_INDEX, needs):
+        t = inputs[i]
+        out.append(t.new_empty(t.shape) if need else (t if t is not None else d_out).new_empty(0))
     return tuple(out)
 
 
@@ -187,11 +206,7 @@ def _moe_layer_backward_fake(d_out, x, router_logits, w13, w2, w13_scale, w2_sca
                              src2dst, dst2src, h, config, config_floats, implementation, recompute, needs):
     inputs = (x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias, shared_expert_gate_logits,
               w13_bias, w2_bias)
-    out = []
-    for i, need in zip(_GRAD_INDEX, needs):
-        t = inputs[i]
-        out.append(t.new_empty(t.shape) if need else (t if t is not None else d_out).new_empty(0))
-    return tuple(out)
+    return grad_outputs_fake(inputs, needs, d_out)
 
 
 def grad_flags(config: MoEConfig, needs_input_grad, inputs) -> list[bool]:
@@ -270,9 +285,9 @@ class MoELayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits, w13_bias, w2_bias, config,
-                key, floats, implementation, recompute):
+                key, floats, implementation, recompute, out_dtype):
         return torch.ops.epmoe.moe_layer(x, router_logits, w13, w2, w13_scale, w2_scale, bias, shared_logits,
-                                         w13_bias, w2_bias, key, floats, implementation, recompute)
+                                         w13_bias, w2_bias, key, floats, implementation, recompute, out_dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -280,7 +295,7 @@ class MoELayerFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(*saved)
         ctx.set_materialize_grads(False)  # no zeros of h's size for the outputs nobody differentiates
         ctx.save_for_backward(*inputs[:len(INPUTS)], *saved)
-        ctx.config, ctx.key, ctx.floats, ctx.implementation, ctx.recompute = inputs[len(INPUTS):]
+        ctx.config, ctx.key, ctx.floats, ctx.implementation, ctx.recompute, _ = inputs[len(INPUTS):]
 
     @staticmethod
     def backward(ctx, d_out, *_):
@@ -290,12 +305,12 @@ class MoELayerFunction(torch.autograd.Function):
         inputs = saved[:len(INPUTS)]
         flags = grad_flags(ctx.config, ctx.needs_input_grad, inputs)
         if d_out is None or not any(flags):
-            return (None,) * (len(INPUTS) + 5)
+            return (None,) * (len(INPUTS) + 6)
         args = (d_out, *saved, ctx.key, ctx.floats, ctx.implementation, ctx.recompute, flags)
         # under torch.compile the op itself (AOTAutograd traces it); elsewhere where torch.func can record it
         grads = torch.ops.epmoe.moe_layer_backward(*args) if torch.compiler.is_compiling() \
             else _BackwardFunction.apply(*args)
-        result = [None] * (len(INPUTS) + 5)
+        result = [None] * (len(INPUTS) + 6)
         for i, g, need in zip(_GRAD_INDEX, grads, flags):
             result[i] = g if need else None
         return tuple(result)
@@ -321,10 +336,11 @@ def _refuse_forward_mode(*inputs) -> None:
 
 def moe_layer(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias, shared_expert_gate_logits,
               w13_bias, w2_bias, config: MoEConfig, implementation: str | None,
-              recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moe_forward``'s computation on validated arguments: ``(out [T, H] in x.dtype, topk_ids [T, topk + S]
-    int32)``, ``out`` differentiable as ``moe_forward`` documents (through :class:`MoELayerFunction`), ``topk_ids``
-    the gate's own ids (before any capacity drop), for the router losses."""
+              recompute: bool, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_forward``'s computation on validated arguments: ``(out [T, H] in out_dtype (None: x.dtype), topk_ids
+    [T, topk + S] int32)``, ``out`` differentiable as ``moe_forward`` documents (through :class:`MoELayerFunction`),
+    ``topk_ids`` the gate's own ids (before any capacity drop), for the router losses. ``out_dtype=torch.float32``
+    is the EP replicated mode's partial (``moe_torch.ep``), summed over the ranks before it is rounded."""
     if not torch.compiler.is_compiling():  # (Dynamo refuses forward-mode AD through an autograd.Function itself)
         _refuse_forward_mode(x, router_logits, w13, w2, shared_expert_gate_logits, w13_bias, w2_bias)
     # No backward can follow (no_grad / inference_mode): the op's h output would only hold GEMM 1's [M_cap, 2I]
@@ -332,5 +348,5 @@ def moe_layer(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction
     recompute = recompute or not torch.is_grad_enabled()
     outputs = MoELayerFunction.apply(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
                                      shared_expert_gate_logits, w13_bias, w2_bias, config, *config_key(config),
-                                     implementation, recompute)
+                                     implementation, recompute, out_dtype)
     return outputs[0], outputs[1 + SAVED.index("topk_ids")]
