@@ -28,7 +28,7 @@ from moe_contract import MoEConfig
 from moe_pallas.layer import quantize_layer_weights
 from moe_pallas.ops.decode import DECODE_MAX_TOKENS, fused_experts_decode
 from moe_pallas.ops.decode import pallas_triton as decode_pt
-from moe_pallas.ops.decode.config import DecodeDownConfig, DecodeGateUpConfig, decode_down_config
+from moe_pallas.ops.decode.config import DecodeDownConfig, DecodeGateUpConfig
 from moe_torch.ops.activation.reference import gated, split_gate_up
 from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 

@@ -11,35 +11,40 @@ H]``, ``w2 [E_local, H, I]`` (float of ``x``'s dtype, or 4-bit packed codes with
 section 9), optional biases ``w13_bias [E_local, 2I]``, ``w2_bias [E_local, H]`` (passed to the kernels in float32,
 an exact widening, as the grouped GEMM does).
 
-**Prelude** (:func:`expert_slots`, plain jnp on the device, ``O(T*k + E_local)``)::
+**Prelude** (:func:`expert_slots` and one gather, plain jnp on the device, ``O(T*k*H + E_local)``)::
 
     slot_expert[s] = e(s), or -1 for a non-local slot (compared in the ids' own dtype: no wrap-around)
     perm           = the slots sorted by (expert, slot), a stable argsort; non-local slots last
     counts[e], starts[e] = the expert's slots and its first place in perm
     program i of kernel A: prog_expert[i] = the i-th reached expert in id order, with prog_start[i] /
                    prog_count[i] its range of perm; programs past the reached experts get count 0
+    xp             = x[perm // k]: the slots' token rows [T*k, H] in expert order (an expert's rows contiguous)
 
 Why a prelude rather than the torch kernel's in-kernel scans (every program of its kernel A compares all ``T*k``
 ids with the ``E_local`` experts, then with its own expert's slots, a chunk at a time): in JAX the metadata is a few
 fused XLA ops inside the same jitted program (no host sync, static shapes, as the grouped GEMM's
 ``tile_metadata``), and with it each program of kernel A does only its own work: no ``O(T*k * E_local)`` compare
 tiles per program (the torch kernel's cost that grows with ``T*k`` and its ``MAX_SLOTS`` limit), no in-kernel
-cumsums to lower. The price is one or two tiny XLA kernels (a sort of ``T*k`` keys) before kernel A.
+cumsums to lower. The gathered ``xp`` makes an expert's rows one contiguous block, which is what the grouped
+GEMM's 4-bit helper ``_w4_step_part`` loads (a row slice), so the float and 4-bit paths share it without a copy of
+that helper (Pallas interpret mode cannot load a gather of rows next to a slice of columns either). The price is
+a few tiny XLA kernels (a sort of ``T*k`` keys, a gather of ``T*k`` rows of ``H``: bytes that are small next to
+one expert's ``w13``) before kernel A.
 
 **Kernel A** (:func:`_gate_up_kernel`, GEMM 1 + bias + activation), grid ``(min(T*k, E_local), cdiv(I,
 BLOCK_N))``::
 
     program (i, n): e, start, count = prog_expert[i], prog_start[i], prog_count[i]   (count 0: nothing to do)
-      cols = n*BLOCK_N + [0, BLOCK_N) of I; gate / up rows of w13: cols and I + cols ("concatenated", two
+      cols = n*BLOCK_N + [0, BLOCK_N) of I; wrows, the gate / up rows of w13: cols and I + cols ("concatenated", two
              accumulators), or the contiguous rows [2*n*BLOCK_N, +2*BLOCK_N) ("interleaved", gpt-oss: one
              [BLOCK_M, 2*BLOCK_N] accumulator whose even / odd columns are split into g and u at the end)
       for each row block mb while mb*BLOCK_M < count:   (a static loop of cdiv(T*k, BLOCK_M), guarded)
-          slot = perm[start + mb*BLOCK_M + [0, BLOCK_M)]          (rows past count masked)
+          rows = start + mb*BLOCK_M + [0, BLOCK_M);  slot = perm[rows]   (rows past count masked)
           for k0 in 0..H step BLOCK_K:                            (float32 accumulation, a dot of >= 16 rows)
-              xs = x[slot // k, k0:+BLOCK_K]                      (a masked gather of the token rows)
-              acc += xs @ w13[e, rows, k0:].T     (4-bit: the grouped GEMM's _w4_step_part decodes the codes to
+              xs = xp[rows, k0:+BLOCK_K]                          (the slots' token rows, one contiguous block)
+              acc += xs @ w13[e, wrows, k0:].T    (4-bit: the grouped GEMM's _w4_step_part decodes the codes to
                                                    x's dtype, low nibbles against x's even columns, high its odd)
-          g, u = float32(cast(acc + w13_bias[e, rows]))       h rounded to x.dtype: GEMM 1's output (section 4)
+          g, u = float32(cast(acc + w13_bias[e, wrows]))      h rounded to x.dtype: GEMM 1's output (section 4)
           a[slot, cols] = cast(act(g) * u)                      activation/reference.py's gated; x.dtype
 
 so every reached expert's ``w13`` is read once (per column block, by one program), whatever the number of its
