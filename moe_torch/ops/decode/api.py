@@ -6,7 +6,7 @@ composes exactly those stages.
 
 Not yet the layer's default: ``moe_forward`` keeps its staged path until GPU timings say where this one wins.
 
-Mirror (to come): ``moe_pallas/ops/decode/api.py``.
+Mirror: ``moe_pallas/ops/decode/api.py``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,100 @@
+"""Launch configs of the decode path's two Pallas-Triton kernels (``moe_pallas/ops/decode/pallas_triton.py``), and
+the token count the path is meant for.
+
+One frozen, keyword-only dataclass per kernel and the heuristic that picks it from the problem shape. Every
+constant says why it has its value. None of them is measured yet (no GPU timing of this path exists): they are
+the shapes' natural fits, the torch kernels' values, to be tuned before the layer routes small batches here.
+
+Mirror: ``moe_torch/ops/decode/config.py`` (there kernel A also has ``chunk_s``, the lanes of its in-kernel id
+scans; here a jnp prelude hands kernel A its expert and slots, so there is no scan and no ``MAX_SLOTS``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.experimental import pallas as pl
+
+#: The largest ``T`` (tokens of one layer call) the decode path is meant for: 1 to 64 tokens (decode steps,
+#: speculative-decoding verification batches). Not enforced, and not yet used by ``moe_forward``: the layer keeps
+#: its staged path until GPU measurements say below which ``T`` the two launches win (a later change wires it).
+DECODE_MAX_TOKENS = 64
+
+#: The narrowest tile side of a Triton dot (the tensor cores' ``m16n8k16`` / ``wgmma`` shapes; Triton refuses
+#: smaller), so kernel A's rows are padded to 16 even for one slot, and kernel B's 4-bit GEMV runs the grouped
+#: GEMM's decode-and-dot helper on 16 rows of which one is live.
+MIN_DOT = 16
+
+#: The K step of both kernels for 4-bit weights: whole scale groups of 32 (the grouped GEMM's ``_w4_step_part``
+#: reads ``block_k // 32`` scales a row).
+W4_MIN_BLOCK_K = 32
+
+
+def _check_blocks(cls: str, cfg, names: tuple[str, ...]) -> None:
+    for name in names:
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
+            raise ValueError(f"{cls}: {name} must be a power-of-2 int >= 1 (a Triton block is); got {name}={v!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeGateUpConfig:
+    """Kernel A (GEMM 1 + activation): one program per (reached expert, ``block_n`` columns of ``a [T*k, I]``),
+    ``block_m`` of the expert's slots a row block (looped over when the expert has more), ``block_k`` of ``H`` per
+    K step. Powers of 2 (checked here); the dot sides (``>= 16``, ``block_k >= 32`` for 4-bit) are checked by the
+    launcher, which knows the weights."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        _check_blocks("DecodeGateUpConfig", self, ("block_m", "block_n", "block_k", "num_warps", "num_stages"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeDownConfig:
+    """Kernel B (GEMM 2 + combine): one program per (token, ``block_h`` columns of ``out [T, H]``), walking ``I``
+    in ``block_i`` chunks for each of the token's slots in order."""
+
+    block_h: int
+    block_i: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        _check_blocks("DecodeDownConfig", self, ("block_h", "block_i", "num_warps", "num_stages"))
+
+
+def _pow2_between(n: int, lo: int, hi: int) -> int:
+    """The power of 2 at least ``n``, clamped to ``[lo, hi]`` (``lo``, ``hi`` powers of 2)."""
+    return max(lo, min(hi, pl.next_power_of_2(max(n, 1))))
+
+
+def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool) -> DecodeGateUpConfig:
+    """Heuristic config of kernel A for ``x [T, H]``, ``k`` slots a token, ``w13 [E_local, 2*I, H]``."""
+    del k, E_local  # the prelude hands each program its slots: the tile depends on neither
+    # Rows: an expert holds at most T slots when a token's ids are distinct (as every gate makes them), so T rows
+    # cover it in one block; at least 16 (the dot), at most 64 (two [BLOCK_M, BLOCK_N] float32 accumulators).
+    block_m = _pow2_between(T, MIN_DOT, 64)
+    # Columns: 64 gate + 64 up columns of w13 a program. Few columns keep many programs (I / 64 per expert) for a
+    # bandwidth-bound kernel at T = 1; at least 16 (the dot), never more than I needs.
+    block_n = _pow2_between(I, MIN_DOT, 64)
+    # K step: 128 of H (two 16 KiB bf16 weight tiles of 64 x 128 a step); 32 at least for 4-bit (whole groups).
+    block_k = _pow2_between(H, W4_MIN_BLOCK_K if w4 else MIN_DOT, 128)
+    # 4 warps: two [64, 128] bf16 weight tiles and two [BLOCK_M, 64] float32 accumulators a program. 2 stages:
+    # the K loop streams w13, the one operand worth prefetching (x's rows are few and stay in L1/L2).
+    return DecodeGateUpConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=2)
+
+
+def decode_down_config(T: int, H: int, I: int, w4: bool) -> DecodeDownConfig:
+    """Heuristic config of kernel B for ``out [T, H]`` from ``a [T*k, I]`` and ``w2 [E_local, H, I]``."""
+    del T  # one program per token: the tile does not depend on how many there are
+    # 64 output columns a program: H = 7168 gives 112 programs a token, enough to fill a GPU at T = 1.
+    block_h = _pow2_between(H, MIN_DOT, 64)
+    # I chunk: 128 (a [64, 128] weight tile, 32 float32 values a thread over 4 warps); 32 at least for 4-bit.
+    block_i = _pow2_between(I, W4_MIN_BLOCK_K if w4 else MIN_DOT, 128)
+    # 4 warps, 2 stages: the I loop streams w2 rows; the float reduction is a GEMV (a sum, no tensor cores).
+    return DecodeDownConfig(block_h=block_h, block_i=block_i, num_warps=4, num_stages=2)

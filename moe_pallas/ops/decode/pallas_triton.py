@@ -1,0 +1,313 @@
+"""The decode path's two Pallas-Triton kernels: the expert part of the MoE layer for a few tokens (``T`` of 1 to 64)
+in one jitted program after the gate: a tiny jnp prelude, then two kernels, with no host synchronisation and grids
+that depend only on the shapes. The staged layer (routing metadata, permute, GEMM 1, activation, GEMM 2, combine:
+~7 launches and three ``[T*k, *]`` round trips through memory) is built for large ``T``; at decode sizes its
+launches and metadata cost more than the weight reads that bound the work.
+
+Names: ``x [T, H]``, ``topk_ids`` / ``topk_weights [T, k]`` (``k = topk + S`` slots), assignment (slot) ``s = t*k
++ j``, local expert ``e = topk_ids[t, j] - expert_start`` when it lies in ``[0, E_local)`` (else the slot is
+non-local: ``-1``, a dropped slot, another EP rank's expert; it contributes nothing). Weights ``w13 [E_local, 2I,
+H]``, ``w2 [E_local, H, I]`` (float of ``x``'s dtype, or 4-bit packed codes with group scales, CONTRACT.md
+section 9), optional biases ``w13_bias [E_local, 2I]``, ``w2_bias [E_local, H]`` (passed to the kernels in float32,
+an exact widening, as the grouped GEMM does).
+
+**Prelude** (:func:`expert_slots` and one gather, plain jnp on the device, ``O(T*k*H + E_local)``)::
+
+    slot_expert[s] = e(s), or -1 for a non-local slot (compared in the ids' own dtype: no wrap-around)
+    perm           = the slots sorted by (expert, slot), a stable argsort; non-local slots last
+    counts[e], starts[e] = the expert's slots and its first place in perm
+    program i of kernel A: prog_expert[i] = the i-th reached expert in id order, with prog_start[i] /
+                   prog_count[i] its range of perm; programs past the reached experts get count 0
+    xp             = x[perm // k]: the slots' token rows [T*k, H] in expert order (an expert's rows contiguous)
+
+Why a prelude rather than the torch kernel's in-kernel scans (every program of its kernel A compares all ``T*k``
+ids with the ``E_local`` experts, then with its own expert's slots, a chunk at a time): in JAX the metadata is a few
+fused XLA ops inside the same jitted program (no host sync, static shapes, as the grouped GEMM's
+``tile_metadata``), and with it each program of kernel A does only its own work: no ``O(T*k * E_local)`` compare
+tiles per program (the torch kernel's cost that grows with ``T*k`` and its ``MAX_SLOTS`` limit), no in-kernel
+cumsums to lower. The gathered ``xp`` makes an expert's rows one contiguous block, which is what the grouped
+GEMM's 4-bit helper ``_w4_step_part`` loads (a row slice), so the float and 4-bit paths share it without a copy of
+that helper (Pallas interpret mode cannot load a gather of rows next to a slice of columns either). The price is
+a few tiny XLA kernels (a sort of ``T*k`` keys, a gather of ``T*k`` rows of ``H``: bytes that are small next to
+one expert's ``w13``) before kernel A.
+
+**Kernel A** (:func:`_gate_up_kernel`, GEMM 1 + bias + activation), grid ``(min(T*k, E_local), cdiv(I,
+BLOCK_N))``::
+
+    program (i, n): e, start, count = prog_expert[i], prog_start[i], prog_count[i]   (count 0: nothing to do)
+      cols = n*BLOCK_N + [0, BLOCK_N) of I; wrows, the gate / up rows of w13: cols and I + cols ("concatenated", two
+             accumulators), or the contiguous rows [2*n*BLOCK_N, +2*BLOCK_N) ("interleaved", gpt-oss: one
+             [BLOCK_M, 2*BLOCK_N] accumulator whose even / odd columns are split into g and u at the end)
+      for each row block mb while mb*BLOCK_M < count:   (a static loop of cdiv(T*k, BLOCK_M), guarded)
+          rows = start + mb*BLOCK_M + [0, BLOCK_M);  slot = perm[rows]   (rows past count masked)
+          for k0 in 0..H step BLOCK_K:                            (float32 accumulation, a dot of >= 16 rows)
+              xs = xp[rows, k0:+BLOCK_K]                          (the slots' token rows, one contiguous block)
+              acc += xs @ w13[e, wrows, k0:].T    (4-bit: the grouped GEMM's _w4_step_part decodes the codes to
+                                                   x's dtype, low nibbles against x's even columns, high its odd)
+          g, u = float32(cast(acc + w13_bias[e, wrows]))      h rounded to x.dtype: GEMM 1's output (section 4)
+          a[slot, cols] = cast(act(g) * u)                      activation/reference.py's gated; x.dtype
+
+so every reached expert's ``w13`` is read once (per column block, by one program), whatever the number of its
+slots; ``a [T*k, I]`` is in slot order (a masked scatter of rows, no permutation buffer); non-local slots' rows
+are never written (and never read).
+
+**Kernel B** (:func:`_down_kernel`, GEMM 2 + bias + combine), grid ``(T, cdiv(H, BLOCK_H))``::
+
+    program (t, n): cols = n*BLOCK_H + [0, BLOCK_H) of H;  acc = 0 (float32)
+      for j in 0..k-1 (slot order, a loop):
+          if slot_expert[t*k + j] = e >= 0:              (lax.cond: a non-local slot reads nothing)
+              y = sum over I chunks of w2[e, cols, i:+BLOCK_I] * a[t*k + j, i:+BLOCK_I]   (float32 GEMV)
+                  (4-bit: _w4_step_part on 16 rows of which only the slot's is live, its row taken)
+              y = float32(cast(y + w2_bias[e, cols]))       GEMM 2's output, rounded to x.dtype (section 4)
+              acc += topk_weights[t, j] * y                 the combine's float32 sum (section 5)
+      out[t, cols] = cast(acc * rsf)                        rsf = config.combine_routed_scaling_factor (if != 1)
+
+Token-major for the down projection (as the torch kernel): each output element is written by exactly one program,
+which sums its token's slots in slot order, so the result is bit-identical from run to run (no atomics) and needs
+no third kernel.
+
+Rounding points and sums follow the staged layer (``reference.py``), so the two agree within CONTRACT.md section 7:
+float32 to float32 reordering (``F32_REL_FRO``), bf16 / fp16 within ``BF16_REL_FRO``. Deterministic: fixed grids,
+fixed loop orders, no atomics.
+
+Mirror: ``moe_torch/ops/decode/triton.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_contract.config import W4_QUANTS, MoEConfig
+from moe_pallas.ops import common as _common  # its import applies patch_pallas_triton_offsets
+from moe_pallas.ops.activation.reference import gated
+from moe_pallas.ops.decode.config import (MIN_DOT, W4_MIN_BLOCK_K, DecodeDownConfig, DecodeGateUpConfig,
+                                          decode_down_config, decode_gate_up_config)
+from moe_pallas.ops.grouped_gemm.pallas_triton import _w4_step_part
+
+_DOT_DIMS = (((1,), (1,)), ((), ()))  # contract both operands' last dims (x tile [m, k], weight tile [n, k])
+
+
+def expert_slots(topk_ids: jax.Array, expert_start: int, e_local: int):
+    """The prelude's metadata: ``(slot_expert [S], perm [S], prog_expert [G], prog_start [G], prog_count [G])``
+    int32 for ``topk_ids [T, k]`` (``S = T*k``, ``G = min(S, E_local)``); module docstring. Plain jnp, jittable."""
+    S = topk_ids.size
+    ids = topk_ids.reshape(S)
+    lid = ids - jnp.asarray(expert_start, ids.dtype)  # shifted in the ids' own dtype
+    local = (ids >= 0) & (lid >= 0) & (lid < e_local)
+    slot_expert = jnp.where(local, lid, -1).astype(jnp.int32)
+    key = jnp.where(local, slot_expert, e_local)  # non-local slots sort last
+    perm = jnp.argsort(key, stable=True).astype(jnp.int32)
+    counts = jnp.zeros((e_local + 1,), jnp.int32).at[key].add(1)[:e_local]
+    starts = jnp.cumsum(counts) - counts
+    G = min(S, e_local)
+    reached = counts > 0
+    prog_expert = jnp.argsort(jnp.where(reached, 0, 1), stable=True)[:G].astype(jnp.int32)  # reached, in id order
+    return slot_expert, perm, prog_expert, starts[prog_expert], counts[prog_expert]
+
+
+def _gate_up_kernel(pexp_ref, pstart_ref, pcount_ref, perm_ref, xp_ref, w_ref, *refs, k: int, S: int, H: int, I: int,
+                    activation: str, interleaved: bool, w_format: str | None, has_bias: bool, precision,
+                    packed_decode: bool, num_m_blocks: int, block_m: int, block_n: int, block_k: int):
+    """Kernel A, program ``(i, n)``: ``a[slots of the i-th reached expert, n*block_n : +block_n]`` (module
+    docstring). Refs: ``pexp_ref, pstart_ref, pcount_ref [G]``, ``perm_ref [S]`` int32; ``xp_ref [S, H]``
+    (``x[perm // k]``: the expert's rows are ``[start, start + count)``);
+    ``w_ref [E_local, 2I, H]`` (4-bit: ``[E_local, 2I, H // 2]`` uint8, then ``ws_ref [E_local, 2I, H // 32]``);
+    with ``has_bias`` ``b_ref [E_local, 2I]`` float32; last ``a_ref [S, I]`` out."""
+    *refs, a_ref = refs
+    b_ref = refs.pop() if has_bias else None
+    ws_ref = refs[0] if w_format is not None else None
+    i, n = pl.program_id(0), pl.program_id(1)
+    e, start, count = pexp_ref[i], pstart_ref[i], pcount_ref[i]
+    n0 = n * block_n
+    col_ok = n0 + jnp.arange(block_n) < I
+    # (w13 rows, their mask, their count) of each accumulator: [gate | up] two, interleaved one (split at the end)
+    if interleaved:
+        parts = ((pl.ds(2 * n0, 2 * block_n), 2 * n0 + jnp.arange(2 * block_n) < 2 * I, 2 * block_n),)
+    else:
+        parts = ((pl.ds(n0, block_n), col_ok, block_n), (pl.ds(I + n0, block_n), col_ok, block_n))
+    zero_x, zero_w = jnp.zeros((), xp_ref.dtype), jnp.zeros((), w_ref.dtype)
+
+    def row_block(mb, carry):
+        m0 = mb * block_m
+
+        @pl.when(m0 < count)
+        def _():
+            row_ok = m0 + jnp.arange(block_m) < count
+            rows_x = pl.ds(start + m0, block_m)  # the expert's rows of xp: contiguous
+            slot = plgpu.load(perm_ref.at[rows_x], mask=row_ok, other=0)  # [block_m]: where they go in a
+
+            def k_step(kk, accs):
+                k0 = kk * block_k
+                if w_format is not None:  # the grouped GEMM's decode of the step's codes, and its two dots
+                    return tuple(acc + _w4_step_part(xp_ref, w_ref, ws_ref, e, rows_x, row_ok, rows, rows_ok, k0, H,
+                                                     w_format, block_m, width, block_k, precision, packed_decode)
+                                 for acc, (rows, rows_ok, width) in zip(accs, parts))
+                k_ok = k0 + jnp.arange(block_k) < H
+                xs = plgpu.load(xp_ref.at[rows_x, pl.ds(k0, block_k)], mask=row_ok[:, None] & k_ok[None, :],
+                                other=zero_x)  # [block_m, block_k]
+                out = []
+                for acc, (rows, rows_ok, _) in zip(accs, parts):
+                    wt = plgpu.load(w_ref.at[e, rows, pl.ds(k0, block_k)], mask=rows_ok[:, None] & k_ok[None, :],
+                                    other=zero_w)  # [width, block_k]
+                    out.append(acc + jax.lax.dot_general(xs, wt, _DOT_DIMS, precision=precision,
+                                                         preferred_element_type=jnp.float32))
+                return tuple(out)
+
+            accs = jax.lax.fori_loop(0, pl.cdiv(H, block_k), k_step,
+                                     tuple(jnp.zeros((block_m, width), jnp.float32) for _, _, width in parts))
+            if has_bias:  # CONTRACT.md section 4: float32, added before the one rounding
+                accs = tuple(acc + plgpu.load(b_ref.at[e, rows], mask=rows_ok, other=0.0)[None, :]
+                             for acc, (rows, rows_ok, _) in zip(accs, parts))
+            # h = GEMM 1's output in x's dtype, then the activation on its float32 value (CONTRACT.md section 4)
+            h = tuple(acc.astype(xp_ref.dtype).astype(jnp.float32) for acc in accs)
+            g, u = jax.lax.unstack(h[0].reshape(block_m, block_n, 2), axis=2) if interleaved else h
+            a = gated(activation, g, u)
+            # a scatter of rows to their slots; masked-off rows point past the end (interpret mode's scatter would
+            # otherwise see duplicate rows)
+            dst = jnp.where(row_ok, slot, S)
+            plgpu.store(a_ref.at[dst[:, None], (n0 + jnp.arange(block_n))[None, :]], a.astype(a_ref.dtype),
+                        mask=row_ok[:, None] & col_ok[None, :])
+
+        return carry
+
+    jax.lax.fori_loop(0, num_m_blocks, row_block, 0)
+
+
+def _down_kernel(se_ref, tw_ref, a_ref, w_ref, *refs, k: int, H: int, I: int, rsf: float, w_format: str | None,
+                 has_bias: bool, precision, packed_decode: bool, block_h: int, block_i: int):
+    """Kernel B, program ``(t, n)``: ``out[t, n*block_h : +block_h]`` (module docstring). Refs: ``se_ref [S]``
+    int32 (``slot_expert``), ``tw_ref [S]`` float32, ``a_ref [S, I]`` (kernel A's; local slots' rows only are
+    read); ``w_ref [E_local, H, I]`` (4-bit: ``[E_local, H, I // 2]`` uint8, then ``ws_ref [E_local, H, I // 32]``);
+    with ``has_bias`` ``b_ref [E_local, H]`` float32; last ``out_ref [T, H]``."""
+    *refs, out_ref = refs
+    b_ref = refs.pop() if has_bias else None
+    ws_ref = refs[0] if w_format is not None else None
+    t, n = pl.program_id(0), pl.program_id(1)
+    h0 = n * block_h
+    cols = pl.ds(h0, block_h)
+    col_ok = h0 + jnp.arange(block_h) < H
+
+    def slot_step(j, acc):
+        s = t * k + j
+        e = se_ref[s]
+
+        def add(acc):
+            def i_step(ii, y):
+                i0 = ii * block_i
+                if w_format is not None:  # 16 rows (the dot's least), only the slot's live: its row is the GEMV
+                    live = jnp.arange(MIN_DOT) == 0
+                    part = _w4_step_part(a_ref, w_ref, ws_ref, e, pl.ds(s, MIN_DOT), live, cols, col_ok, i0, I,
+                                         w_format, MIN_DOT, block_h, block_i, precision, packed_decode)
+                    return y + jnp.sum(part, axis=0)  # the other rows are exact zeros
+                i_ok = i0 + jnp.arange(block_i) < I
+                av = plgpu.load(a_ref.at[s, pl.ds(i0, block_i)], mask=i_ok, other=0.0).astype(jnp.float32)
+                wt = plgpu.load(w_ref.at[e, cols, pl.ds(i0, block_i)], mask=col_ok[:, None] & i_ok[None, :],
+                                other=0.0).astype(jnp.float32)  # [block_h, block_i]
+                return y + jnp.sum(wt * av[None, :], axis=1)
+
+            y = jax.lax.fori_loop(0, pl.cdiv(I, block_i), i_step, jnp.zeros((block_h,), jnp.float32))
+            if has_bias:  # CONTRACT.md section 4: float32, added before the one rounding
+                y = y + plgpu.load(b_ref.at[e, cols], mask=col_ok, other=0.0)
+            # y = GEMM 2's output in x's dtype; the combine weights it in float32 (CONTRACT.md sections 4, 5)
+            return acc + tw_ref[s] * y.astype(a_ref.dtype).astype(jnp.float32)
+
+        return jax.lax.cond(e >= 0, add, lambda acc: acc, acc)  # a non-local slot adds nothing, reads nothing
+
+    acc = jax.lax.fori_loop(0, k, slot_step, jnp.zeros((block_h,), jnp.float32))
+    if rsf != 1.0:
+        acc = acc * jnp.float32(rsf)
+    plgpu.store(out_ref.at[t, cols], acc.astype(out_ref.dtype), mask=col_ok)
+
+
+def check_decode_configs(op: str, gate_up: DecodeGateUpConfig, down: DecodeDownConfig, w4: bool) -> None:
+    """``ValueError`` naming ``op`` and the configs unless kernel A's dot sides are at least 16 and, with 4-bit
+    weights, both K steps hold whole scale groups (>= 32). (Powers of 2: the config classes check.)"""
+    min_k = W4_MIN_BLOCK_K if w4 else MIN_DOT
+    if min(gate_up.block_m, gate_up.block_n) < MIN_DOT or gate_up.block_k < min_k or (
+            w4 and down.block_i < W4_MIN_BLOCK_K):
+        raise ValueError(f"{op}: configs must have block_m, block_n >= {MIN_DOT} and block_k >= {min_k}"
+                         f"{f', block_i >= {W4_MIN_BLOCK_K} (4-bit weights)' if w4 else ''}; got {gate_up}, {down}")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "gate_up_config", "down_config", "interpret"))
+def fused_experts_decode_pallas_triton(
+    x: jax.Array,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    w13: jax.Array,
+    w2: jax.Array,
+    config: MoEConfig,
+    w13_bias: jax.Array | None = None,
+    w2_bias: jax.Array | None = None,
+    w13_scale: jax.Array | None = None,
+    w2_scale: jax.Array | None = None,
+    *,
+    gate_up_config: DecodeGateUpConfig | None = None,
+    down_config: DecodeDownConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``out [T, H]`` in ``x.dtype`` with the prelude and the two kernels; arguments as
+    :func:`moe_pallas.ops.decode.api.fused_experts_decode` (validated there). ``interpret``: Pallas interpret mode
+    (default: when ``jax.default_backend() == "cpu"``). Jitted: no host synchronisation, shapes static.
+
+    Raises (at trace time, before anything runs): ValueError (a given config :func:`check_decode_configs`
+      refuses), NotImplementedError (an array whose 32-bit offsets this jax's lowering could not widen).
+    """
+    op = "fused_experts_decode"
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    T, k = topk_ids.shape
+    H, I = config.hidden_size, config.intermediate_size
+    expert_start, e_local = config.local_expert_range()
+    S = T * k
+    w_format = config.quant if config.quant in W4_QUANTS else None
+    cfg_a = gate_up_config or decode_gate_up_config(T, k, H, I, e_local, w4=w_format is not None)
+    cfg_b = down_config or decode_down_config(T, H, I, w4=w_format is not None)
+    check_decode_configs(op, cfg_a, cfg_b, w_format is not None)
+    if not interpret:  # 64-bit offsets where jax's lowering would not give them (common.patch_pallas_triton_offsets)
+        _common.pallas_triton_offsets_ok(op, w13=w13, w2=w2)
+    if S == 0:
+        return jnp.zeros((T, H), x.dtype)
+    slot_expert, perm, prog_expert, prog_start, prog_count = expert_slots(topk_ids, expert_start, e_local)
+    # float32 x: IEEE products (the Triton default for DEFAULT precision is TF32); bf16 x compiled: the packed decode
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    packed_decode = w_format is not None and not interpret and x.dtype == jnp.bfloat16
+    common = dict(w_format=w_format, precision=precision, packed_decode=packed_decode)
+
+    xp = x[perm // k]  # the slots' token rows in expert order (T*k rows: small next to one expert's w13)
+    inputs_a = [prog_expert, prog_start, prog_count, perm, xp, w13]
+    inputs_a += [w13_scale] if w_format is not None else []
+    inputs_a += [w13_bias.astype(jnp.float32)] if w13_bias is not None else []  # exact widening; small next to w13
+    kernel_a = functools.partial(
+        _gate_up_kernel, k=k, S=S, H=H, I=I, activation=config.activation,
+        interleaved=config.gate_up_layout == "interleaved", has_bias=w13_bias is not None,
+        num_m_blocks=pl.cdiv(S, cfg_a.block_m), block_m=cfg_a.block_m, block_n=cfg_a.block_n, block_k=cfg_a.block_k,
+        **common)
+    a = pl.pallas_call(
+        kernel_a,
+        out_shape=jax.ShapeDtypeStruct((S, I), x.dtype),
+        grid=(min(S, e_local), pl.cdiv(I, cfg_a.block_n)),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg_a.num_warps, num_stages=cfg_a.num_stages),
+        interpret=interpret,
+        name="decode_gate_up",
+    )(*inputs_a)
+
+    inputs_b = [slot_expert, topk_weights.reshape(S), a, w2]
+    inputs_b += [w2_scale] if w_format is not None else []
+    inputs_b += [w2_bias.astype(jnp.float32)] if w2_bias is not None else []
+    kernel_b = functools.partial(
+        _down_kernel, k=k, H=H, I=I, rsf=float(config.combine_routed_scaling_factor), has_bias=w2_bias is not None,
+        block_h=cfg_b.block_h, block_i=cfg_b.block_i, **common)
+    return pl.pallas_call(
+        kernel_b,
+        out_shape=jax.ShapeDtypeStruct((T, H), x.dtype),
+        grid=(T, pl.cdiv(H, cfg_b.block_h)),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg_b.num_warps, num_stages=cfg_b.num_stages),
+        interpret=interpret,
+        name="decode_down",
+    )(*inputs_b)

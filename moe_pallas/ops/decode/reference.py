@@ -1,0 +1,62 @@
+"""The decode path's reference: the layer's expert stages composed, each on its jnp reference.
+
+``fused_experts_decode_reference`` is what ``moe_pallas.layer.routed_experts`` computes (CONTRACT.md sections 2, 4,
+5, 9), written out with the same stage ops, every one with ``implementation="reference"``::
+
+    topk_ids --routing_metadata--> expert_offsets, src2dst, dst2src        (this rank's experts; -1 / others: none)
+    x --permute--> xp [T*k, H] --grouped_gemm w13 (+ w13_bias)--> h [T*k, 2I]  (x.dtype: rounded once)
+      --act_and_mul (config.activation, config.gate_up_layout)--> a [T*k, I]     (float32 math, rounded to x.dtype)
+      --grouped_gemm w2 (+ w2_bias)--> y [T*k, H]                               (x.dtype: rounded once)
+      --combine (topk_weights, config.combine_routed_scaling_factor)--> out [T, H]  (float32 sum, rounded once)
+
+4-bit weights (``config.quant`` ``"mxfp4"`` / ``"int4"``) go to both GEMMs as their ``w_format`` (dequantized in
+float32, rounded to ``x.dtype``: section 9). The Pallas-Triton decode kernels must agree with it within CONTRACT.md
+section 7 (float32: ``F32_REL_FRO``; bf16 / fp16: ``BF16_REL_FRO``): they round at the same points, and differ only
+in the order of their float32 sums. Jittable (no host reads): under ``jax.jit`` only shapes are static.
+
+Mirror: ``moe_torch/ops/decode/reference.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_contract.config import W4_QUANTS, MoEConfig
+from moe_pallas.ops.activation.api import act_and_mul
+from moe_pallas.ops.combine.api import combine
+from moe_pallas.ops.grouped_gemm.api import grouped_gemm
+from moe_pallas.ops.permute.api import permute, routing_metadata
+
+_REF = "reference"
+
+
+def fused_experts_decode_reference(
+    x: jax.Array,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    w13: jax.Array,
+    w2: jax.Array,
+    config: MoEConfig,
+    w13_bias: jax.Array | None,
+    w2_bias: jax.Array | None,
+    w13_scale: jax.Array | None,
+    w2_scale: jax.Array | None,
+) -> jax.Array:
+    """``out [T, H]`` in ``x.dtype``; arguments as :func:`moe_pallas.ops.decode.api.fused_experts_decode`
+    (validated there). ``T = 0`` gives ``[0, H]``."""
+    T, k = topk_ids.shape
+    if T == 0:
+        return jnp.zeros((0, x.shape[1]), x.dtype)
+    expert_start, e_local = config.local_expert_range()
+    w_format = config.quant if config.quant in W4_QUANTS else None
+    meta = routing_metadata(topk_ids, config.num_total_experts, expert_start=expert_start, num_local_experts=e_local,
+                            implementation=_REF)
+    xp, _ = permute(x, meta.dst2src, topk=k, implementation=_REF)
+    h = grouped_gemm(xp, w13, meta.expert_offsets, w_scale=w13_scale, out_dtype=x.dtype, implementation=_REF,
+                     w_format=w_format, bias=w13_bias)
+    a, _ = act_and_mul(h, activation=config.activation, layout=config.gate_up_layout, implementation=_REF)
+    y = grouped_gemm(a, w2, meta.expert_offsets, w_scale=w2_scale, out_dtype=x.dtype, implementation=_REF,
+                     w_format=w_format, bias=w2_bias)
+    return combine(y, meta.src2dst, topk_weights, routed_scaling_factor=config.combine_routed_scaling_factor,
+                   out_dtype=x.dtype, implementation=_REF)
