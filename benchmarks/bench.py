@@ -725,6 +725,21 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
                                               implementation=impl)
 
             run_jax(ctx, bench, name, spec, fn, jsets[0], ref, rot_sets=jsets if n_sets > 1 else None, **common)
+    if bench == "decode" and ctx.wants("ours-jax-decode"):
+        if sgl is not None or spec.quant in ("fp8_per_token", "fp8_block"):
+            skip_row(ctx, bench, "ours-jax-decode", spec,
+                     "the decode path serves no shared-expert gate and no FP8 weights yet")
+        else:
+            from moe_pallas.layer import run_gate as jax_run_gate
+            from moe_pallas.ops.decode import fused_experts_decode as jax_decode
+
+            def fn_decode(x_, l_, w13_, w2_, s13_, s2_, b_, b13_, b2_, sgl_):
+                tw, ti = jax_run_gate(l_, config, b_, "pallas_triton")
+                return jax_decode(x_, tw, ti, w13_, w2_, config, w13_bias=b13_, w2_bias=b2_, w13_scale=s13_,
+                                  w2_scale=s2_, implementation="pallas_triton")
+
+            run_jax(ctx, bench, "ours-jax-decode", spec, fn_decode, jsets[0], ref,
+                    rot_sets=jsets if n_sets > 1 else None, **common)
     del jsets
     if spec.quant == "none":
         bench_layer_transformers(ctx, spec, x, (w13, w2, gate_w, bias, rb, b13, b2), ref, common, bench=bench)
