@@ -411,19 +411,9 @@ def check_fused_experts_decode(
     """The decode path's expert part (``fused_experts_decode``): ``x [T, H]`` float, ``topk_ids [T, topk + S]`` int32 /
     int64 (global ids; ``-1`` and other ranks' experts are non-local), ``topk_weights`` of the same shape float32, the
     layer's expert weights (:func:`check_layer_expert_weights`: float of ``x``'s dtype, or 4-bit packed codes with
-    their scales) and biases (given exactly when ``config.expert_bias``). Raises ``NotImplementedError`` (naming the
-    op and the setting) for what the path does not serve yet: FP8 weights (``config.quant`` ``"fp8_per_token"`` /
-    ``"fp8_block"``) and ``config.apply_router_weight_on_input``."""
+    their scales) and biases (given exactly when ``config.expert_bias``). What a framework's kernels do not serve
+    yet is refused by its own ``fused_experts_decode``."""
     check_config(op, config)
-    if config.quant in FP8_QUANTS:
-        raise NotImplementedError(
-            f"{op}: quant={config.quant!r} (FP8 weights) is not served by the decode path yet; it serves quant='none' "
-            f"(float32 / bfloat16 / float16 weights), 'mxfp4' and 'int4' (run the layer's stages, routed_experts / "
-            f"moe_forward, for FP8); got config.quant={config.quant!r}")
-    if config.apply_router_weight_on_input:
-        raise NotImplementedError(
-            f"{op}: apply_router_weight_on_input=True (the routing weight on the expert's input, Llama 4) is not served "
-            f"by the decode path yet (run routed_experts / moe_forward); got config.apply_router_weight_on_input=True")
     H, k = config.hidden_size, config.num_slots
     check_rank(op, "x", x, 2, f"[T, H] with H={H}")
     check_shape(op, "x", x, (None, H), f"[T, H] with H={H}")
