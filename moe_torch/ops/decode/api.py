@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_contract.config import FP8_QUANTS, MoEConfig
+from moe_contract.config import MoEConfig
 from moe_contract.op_checks import check_fused_experts_decode
 from moe_contract.validation import check_choice
 from moe_torch.ops.common import takes_torch_tensors
@@ -99,15 +99,6 @@ def fused_experts_decode(
     """
     op = "fused_experts_decode"
     check_fused_experts_decode(op, x, topk_weights, topk_ids, w13, w2, config, w13_bias, w2_bias, w13_scale, w2_scale)
-    if config.quant in FP8_QUANTS:
-        raise NotImplementedError(
-            f"{op}: quant={config.quant!r} (FP8 weights) is not served by the decode path yet; it serves quant='none' "
-            f"(float32 / bfloat16 / float16 weights), 'mxfp4' and 'int4' (run the layer's stages, routed_experts / "
-            f"moe_forward, for FP8); got config.quant={config.quant!r}")
-    if config.apply_router_weight_on_input:
-        raise NotImplementedError(
-            f"{op}: apply_router_weight_on_input=True (the routing weight on the expert's input, Llama 4) is not served "
-            f"by the decode path yet (run routed_experts / moe_forward); got config.apply_router_weight_on_input=True")
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
     _check_devices(op, x, {"topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13, "w2": w2,
                            "w13_bias": w13_bias, "w2_bias": w2_bias, "w13_scale": w13_scale, "w2_scale": w2_scale})

@@ -34,6 +34,13 @@ MIN_DOT = 16
 #: The K step of both kernels for 4-bit weights: whole scale groups of 32 (``_w4_tiles`` needs ``BLOCK_K >= 32``).
 W4_MIN_BLOCK_K = 32
 
+#: The K step of both kernels for ``quant="fp8_block"``: one 1 x 128 activation group and one 128 x 128 weight block
+#: a step, so a step's partial sum takes one activation scale a row and one weight scale a column.
+FP8_BLOCK_K = 128
+
+#: The narrowest K step of kernel A for FP8 weights: the FP8 tensor-core ``mma`` takes K = 32.
+FP8_MIN_BLOCK_K = 32
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeGateUpConfig:
@@ -65,16 +72,21 @@ def _pow2_between(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
 
 
-def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool) -> DecodeGateUpConfig:
-    """Heuristic config of kernel A for ``x [T, H]``, ``k`` slots a token, ``w13 [E_local, 2*I, H]``."""
+def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool,
+                          fp8: str | None = None) -> DecodeGateUpConfig:
+    """Heuristic config of kernel A for ``x [T, H]``, ``k`` slots a token, ``w13 [E_local, 2*I, H]``; ``fp8``: the
+    FP8 quant mode (``"fp8_per_token"`` / ``"fp8_block"``) or ``None``."""
     # Rows: an expert holds at most T slots when a token's ids are distinct (as every gate makes them), so T rows
     # cover it in one block; at least 16 (tl.dot), at most 64 (two [BLOCK_M, BLOCK_N] float32 accumulators).
     block_m = _pow2_between(T, MIN_DOT, 64)
     # Columns: 64 gate + 64 up columns of w13 a program. Few columns keep many programs (I / 64 per expert) for a
     # bandwidth-bound kernel at T = 1; at least 16 (tl.dot), never more than I needs.
     block_n = _pow2_between(I, MIN_DOT, 64)
-    # K step: 128 of H (two 16 KiB bf16 weight tiles of 64 x 128 a step); 32 at least for 4-bit (whole groups).
-    block_k = _pow2_between(H, W4_MIN_BLOCK_K if w4 else MIN_DOT, 128)
+    # K step: 128 of H (two 16 KiB bf16 weight tiles of 64 x 128 a step); 32 at least for 4-bit (whole groups) and
+    # FP8 (the FP8 mma's K); exactly one 128-wide scale block for fp8_block.
+    block_k = _pow2_between(H, W4_MIN_BLOCK_K if w4 else FP8_MIN_BLOCK_K if fp8 else MIN_DOT, 128)
+    if fp8 == "fp8_block":
+        block_k = FP8_BLOCK_K
     block_e = triton.next_power_of_2(max(E_local, 1))
     block_s = triton.next_power_of_2(max(T * k, 1))
     chunk_s = max(1, min(block_s, COUNT_TILE_ELEMS // max(block_e, block_m)))
@@ -84,12 +96,14 @@ def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool
                               num_stages=2)
 
 
-def decode_down_config(T: int, H: int, I: int, w4: bool) -> DecodeDownConfig:
-    """Heuristic config of kernel B for ``out [T, H]`` from ``a [T*k, I]`` and ``w2 [E_local, H, I]``."""
+def decode_down_config(T: int, H: int, I: int, w4: bool, fp8: str | None = None) -> DecodeDownConfig:
+    """Heuristic config of kernel B for ``out [T, H]`` from ``a [T*k, I]`` and ``w2 [E_local, H, I]``; ``fp8`` as
+    :func:`decode_gate_up_config`."""
     del T  # one program per token: the tile does not depend on how many there are
     # 64 output columns a program: H = 7168 gives 112 programs a token, enough to fill a GPU at T = 1.
     block_h = _pow2_between(H, MIN_DOT, 64)
     # I chunk: 128 (a [64, 128] weight tile, 32 float32 values a thread over 4 warps); 32 at least for 4-bit.
-    block_i = _pow2_between(I, W4_MIN_BLOCK_K if w4 else MIN_DOT, 128)
+    # fp8_block: exactly one activation group and weight block a chunk.
+    block_i = FP8_BLOCK_K if fp8 == "fp8_block" else _pow2_between(I, W4_MIN_BLOCK_K if w4 else MIN_DOT, 128)
     # 4 warps, 2 stages: the I loop streams w2 rows; the reduction is a GEMV (tl.sum), no tensor cores.
     return DecodeDownConfig(block_h=block_h, block_i=block_i, num_warps=4, num_stages=2)

@@ -67,12 +67,21 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_contract.config import W4_QUANTS, MoEConfig
+from moe_contract.config import FP8_QUANTS, W4_QUANTS, MoEConfig
 from moe_torch.ops.activation.triton import ACTIVATION_CODES, gated_values
-from moe_torch.ops.decode.config import (MAX_SLOTS, MIN_DOT, W4_MIN_BLOCK_K, DecodeDownConfig, DecodeGateUpConfig,
-                                         decode_down_config, decode_gate_up_config)
+from moe_torch.ops.decode.config import (FP8_BLOCK_K, FP8_MIN_BLOCK_K, MAX_SLOTS, MIN_DOT, W4_MIN_BLOCK_K,
+                                         DecodeDownConfig, DecodeGateUpConfig, decode_down_config,
+                                         decode_gate_up_config)
 from moe_torch.ops.grouped_gemm.triton import W_SCALE_CODES, _w4_tiles, e8m0_bf16_table
-from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device
+from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device, fp8_scale, quantize_fp8_tile
+
+# The kernels' W_SCALE codes (grouped_gemm/triton.py's W_SCALE_CODES): FP8 per-expert [E] / per-channel [E, N] weight
+# scales (per-token activations), 128 x 128 blocks (1 x 128 activation groups), 4-bit codes.
+_WS_NONE, _WS_EXPERT, _WS_CHANNEL, _WS_BLOCK, _WS_MXFP4, _WS_INT4 = (
+    tl.constexpr(W_SCALE_CODES[name]) for name in (None, "per_expert", "per_channel", "block", "mxfp4", "int4"))
+_FP8_BLOCK = tl.constexpr(FP8_BLOCK_K)
+#: FP8 weight-scale layout by the scale's rank: [E_local], [E_local, N], [E_local, cdiv(N, 128), cdiv(K, 128)].
+_FP8_SCALE_LAYOUTS = {1: "per_expert", 2: "per_channel", 3: "block"}
 
 
 @triton.jit
@@ -101,13 +110,24 @@ def _dot(a, b, acc, IEEE_F32: tl.constexpr):
 
 
 @triton.jit
+def _slot_rows(x_ptr, x_rows, ks, mask, in_scale, ON_INPUT: tl.constexpr):
+    """``[BLOCK_M, BLOCK_K]`` of the row block's expert inputs in ``x``'s dtype: ``x[t, ks]``, or with ``ON_INPUT``
+    ``x[t, ks] * in_scale[m]`` in float32 rounded once to ``x``'s dtype (slot_weights.py's scaled_slot_rows)."""
+    xs = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+    if ON_INPUT:
+        xs = (xs.to(tl.float32) * in_scale[:, None]).to(x_ptr.dtype.element_ty)
+    return xs
+
+
+@triton.jit
 def _decode_gate_up_kernel(
     x_ptr,  # [T, H] float32 / bf16 / fp16, unit column stride
     ids_ptr,  # [T * k] int32 / int64 topk_ids, contiguous
-    w_ptr,  # [E_local, 2I, H] x's dtype, or 4-bit codes uint8 [E_local, 2I, H // 2]; unit stride along H
-    ws_ptr,  # 4-bit: [E_local, 2I, H // 32] uint8 e8m0 / bf16 scales (unused otherwise)
+    tw_ptr,  # ON_INPUT: [T * k] float32 topk_weights, contiguous (unused otherwise)
+    w_ptr,  # [E_local, 2I, H] x's dtype or float8_e4m3fn codes, or 4-bit codes uint8 [E_local, 2I, H // 2]; unit stride along H
+    ws_ptr,  # FP8: float32 [E_local] / [E_local, 2I] / [E_local, 2I // 128, H // 128]; 4-bit: [E_local, 2I, H // 32] uint8 e8m0 / bf16
     b_ptr,  # HAS_BIAS: [E_local, 2I] float32 / bf16 / fp16, unit column stride (unused otherwise)
-    a_ptr,  # [T * k, I] x's dtype out: act(g) * u per slot (non-local slots not written)
+    a_ptr,  # [T * k, I] out: act(g) * u per slot, x's dtype (float32 with FP8 weights); non-local slots not written
     S,  # int: T * k
     H,  # int: hidden size (GEMM 1's K)
     I,  # int: intermediate size
@@ -116,16 +136,18 @@ def _decode_gate_up_kernel(
     stride_xt,  # int: x.stride(0)
     stride_we,  # int: w13.stride(0)
     stride_wn,  # int: w13.stride(1)
-    stride_wse,  # int: w13_scale.stride(0) (4-bit)
-    stride_wsn,  # int: w13_scale.stride(1) (4-bit)
-    stride_wsk,  # int: w13_scale.stride(2) (4-bit)
+    stride_wse,  # int: w13_scale.stride(0) (FP8, 4-bit)
+    stride_wsn,  # int: w13_scale.stride(1) (FP8 per-channel and block, 4-bit)
+    stride_wsk,  # int: w13_scale.stride(2) (FP8 block, 4-bit)
     stride_be,  # int: w13_bias.stride(0) (HAS_BIAS)
     stride_as,  # int: a.stride(0)
     K_SLOTS: tl.constexpr,  # k: slots per token
+    TOPK: tl.constexpr,  # routed slots per token (the first TOPK of a token's k; the rest are fused shared experts)
+    ON_INPUT: tl.constexpr,  # bool: apply_router_weight_on_input (a routed slot's input is x[t] * topk_weights[s])
     ACTIVATION: tl.constexpr,  # 0 silu, 1 gelu_tanh, 2 swiglu_oai (activation/triton.py's ACTIVATION_CODES)
     INTERLEAVED: tl.constexpr,  # bool: gate rows 0::2, up rows 1::2 of w13 (gpt-oss); else [gate | up]
     HAS_BIAS: tl.constexpr,  # bool: add w13_bias[e] before the rounding of h
-    W4: tl.constexpr,  # 0: float w13; grouped_gemm/triton.py's W_SCALE_CODES["mxfp4"] / ["int4"]: 4-bit codes
+    W_SCALE: tl.constexpr,  # grouped_gemm/triton.py's W_SCALE_CODES: 0 float w13, 1 / 2 / 3 FP8 (expert, channel, block), 4 / 5 4-bit
     IEEE_F32: tl.constexpr,  # bool: float32 x (full float32 dots)
     BLOCK_E: tl.constexpr,  # next_power_of_2(E_local): the experts as one vector
     CHUNK_S: tl.constexpr,  # ids per step of the scans (count, then slots)
@@ -133,7 +155,7 @@ def _decode_gate_up_kernel(
     NUM_M_BLOCKS: tl.constexpr,  # cdiv(S, BLOCK_M): row blocks an expert may need (looped while it has slots)
     BLOCK_M: tl.constexpr,  # slots per row block (>= 16: tl.dot)
     BLOCK_N: tl.constexpr,  # columns of a (gate and up columns of w13) per program
-    BLOCK_K: tl.constexpr,  # H step (>= 32 for 4-bit: whole scale groups)
+    BLOCK_K: tl.constexpr,  # H step (>= 32 for 4-bit and FP8; 128 for FP8 blocks)
     e8m0_lut=None,  # MXFP4 with bf16 x on a GPU: bf16 [256] 2^(s - 127) by e8m0 code (the packed decode)
 ):
     """Grid ``(min(S, E_local), cdiv(I, BLOCK_N))``: program ``(i, n)`` computes ``a[slots of expert i, cols]`` for the
@@ -180,22 +202,38 @@ def _decode_gate_up_kernel(
                 base += tl.sum(match.to(tl.int32), axis=0)
             row_mask = m_ids < count
             x_rows = x_ptr + (slot // K_SLOTS).to(tl.int64)[:, None] * stride_xt
+            in_scale = tl.full([BLOCK_M], 1.0, tl.float32)  # fused shared slots keep their input (slot_weights.py)
+            if ON_INPUT:
+                tw = tl.load(tw_ptr + slot, mask=row_mask, other=1.0)
+                in_scale = tl.where(slot % K_SLOTS < TOPK, tw, 1.0)
+            if W_SCALE == _WS_EXPERT or W_SCALE == _WS_CHANNEL:
+                # Per-token FP8 x: each slot row's amax over all of H first (the permute's quantization, CONTRACT.md
+                # section 3); the rows are few and re-read from L1/L2.
+                amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for k0 in range(0, H, BLOCK_K):
+                    ks = k0 + offs_k
+                    xs = _slot_rows(x_ptr, x_rows, ks, row_mask[:, None] & (ks < H)[None, :], in_scale, ON_INPUT)
+                    amax = tl.maximum(amax, tl.max(tl.abs(xs.to(tl.float32)), axis=1))
+                sx = fp8_scale(amax)
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, H, BLOCK_K):
                 ks = k0 + offs_k
                 k_mask = ks < H
-                xs = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                if W4 != 0:  # 4-bit codes decoded to x's dtype (CONTRACT.md section 9), as the grouped GEMM does
+                xs = _slot_rows(x_ptr, x_rows, ks, row_mask[:, None] & k_mask[None, :], in_scale, ON_INPUT)
+                if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4:
+                    # 4-bit codes decoded to x's dtype (CONTRACT.md section 9), as the grouped GEMM does
                     x_even, x_odd = tl.split(tl.reshape(xs, [BLOCK_M, BLOCK_K // 2, 2]))
                     g_even, g_odd = _w4_tiles(w_ptr + e64 * stride_we + g_rows[:, None] * stride_wn,
                                               ws_ptr + e64 * stride_wse + g_rows[:, None] * stride_wsn, stride_wsk,
-                                              k0, H, col_mask, W4, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, e8m0_lut)
+                                              k0, H, col_mask, W_SCALE, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
+                                              e8m0_lut)
                     acc_g = _dot(x_even, tl.trans(g_even), acc_g, IEEE_F32)
                     acc_g = _dot(x_odd, tl.trans(g_odd), acc_g, IEEE_F32)
                     u_even, u_odd = _w4_tiles(w_ptr + e64 * stride_we + u_rows[:, None] * stride_wn,
                                               ws_ptr + e64 * stride_wse + u_rows[:, None] * stride_wsn, stride_wsk,
-                                              k0, H, col_mask, W4, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, e8m0_lut)
+                                              k0, H, col_mask, W_SCALE, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
+                                              e8m0_lut)
                     acc_u = _dot(x_even, tl.trans(u_even), acc_u, IEEE_F32)
                     acc_u = _dot(x_odd, tl.trans(u_odd), acc_u, IEEE_F32)
                 else:
@@ -204,12 +242,44 @@ def _decode_gate_up_kernel(
                                  other=0.0)  # [BLOCK_K, BLOCK_N]
                     wu = tl.load(w_ptr + e64 * stride_we + u_rows[None, :] * stride_wn + ks[:, None], mask=w_mask,
                                  other=0.0)
-                    acc_g = _dot(xs, wg, acc_g, IEEE_F32)
-                    acc_u = _dot(xs, wu, acc_u, IEEE_F32)
-            if HAS_BIAS:  # CONTRACT.md section 4: widened to float32, added before the one rounding
+                    if W_SCALE == _WS_BLOCK:
+                        # 1 x 128 groups of x, quantized here (one group a step: BLOCK_K = 128); each step's FP8 sum
+                        # scaled by its group's and the weight block's scales before it is accumulated, as the
+                        # grouped GEMM does (CONTRACT.md sections 3, 4)
+                        xf = xs.to(tl.float32)
+                        sx = fp8_scale(tl.max(tl.abs(xf), axis=1))
+                        xq = quantize_fp8_tile(xf, sx)
+                        kb = k0 // _FP8_BLOCK
+                        sg = tl.load(ws_ptr + e64 * stride_wse + (g_rows // _FP8_BLOCK) * stride_wsn + kb * stride_wsk,
+                                     mask=col_mask, other=0.0)
+                        su = tl.load(ws_ptr + e64 * stride_wse + (u_rows // _FP8_BLOCK) * stride_wsn + kb * stride_wsk,
+                                     mask=col_mask, other=0.0)
+                        acc_g += tl.dot(xq, wg, max_num_imprecise_acc=BLOCK_K) * sx[:, None] * sg[None, :]
+                        acc_u += tl.dot(xq, wu, max_num_imprecise_acc=BLOCK_K) * sx[:, None] * su[None, :]
+                    elif W_SCALE != _WS_NONE:  # per-token FP8 x (the row scale sx from above); scales after the loop
+                        xq = quantize_fp8_tile(xs.to(tl.float32), sx)
+                        acc_g = tl.dot(xq, wg, acc_g, max_num_imprecise_acc=BLOCK_K)
+                        acc_u = tl.dot(xq, wu, acc_u, max_num_imprecise_acc=BLOCK_K)
+                    else:
+                        acc_g = _dot(xs, wg, acc_g, IEEE_F32)
+                        acc_u = _dot(xs, wu, acc_u, IEEE_F32)
+            if W_SCALE == _WS_EXPERT or W_SCALE == _WS_CHANNEL:  # the row's scale, then the weight's (as the GEMM)
+                acc_g = acc_g * sx[:, None]
+                acc_u = acc_u * sx[:, None]
+                if W_SCALE == _WS_EXPERT:
+                    sw = tl.load(ws_ptr + e64 * stride_wse)
+                    acc_g = acc_g * sw
+                    acc_u = acc_u * sw
+                else:
+                    acc_g = acc_g * tl.load(ws_ptr + e64 * stride_wse + g_rows * stride_wsn, mask=col_mask,
+                                            other=0.0)[None, :]
+                    acc_u = acc_u * tl.load(ws_ptr + e64 * stride_wse + u_rows * stride_wsn, mask=col_mask,
+                                            other=0.0)[None, :]
+            if HAS_BIAS:  # CONTRACT.md section 4: widened to float32, added (after any scales) before the one rounding
                 acc_g += tl.load(b_ptr + e64 * stride_be + g_rows, mask=col_mask, other=0.0).to(tl.float32)[None, :]
                 acc_u += tl.load(b_ptr + e64 * stride_be + u_rows, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            # h = GEMM 1's output in x's dtype, then the activation on its float32 value (CONTRACT.md section 4)
+            # h = GEMM 1's output in x's dtype, then the activation on its float32 value (CONTRACT.md section 4);
+            # with FP8 weights a is stored in float32 (kernel B quantizes it: act_and_mul's FP8 output)
             g = acc_g.to(x_ptr.dtype.element_ty).to(tl.float32)
             u = acc_u.to(x_ptr.dtype.element_ty).to(tl.float32)
             a = gated_values(g, u, ACTIVATION)
@@ -218,12 +288,19 @@ def _decode_gate_up_kernel(
 
 
 @triton.jit
+def _quantize_row_chunk(av, scale):
+    """``[BLOCK_I]`` float32 ``av`` quantized with the scalar ``scale`` (CONTRACT.md section 3, triton_common's
+    ``quantize_fp8_tile``), back as float32 code values ``[1, BLOCK_I]`` (exact: e4m3 embeds in float32)."""
+    return quantize_fp8_tile(av[None, :], tl.zeros([1], dtype=tl.float32) + scale).to(tl.float32)
+
+
+@triton.jit
 def _decode_down_kernel(
-    a_ptr,  # [T * k, I] x's dtype: kernel A's output (local slots' rows only are read)
+    a_ptr,  # [T * k, I] kernel A's output, x's dtype (float32 with FP8 weights); only local slots' rows are read
     ids_ptr,  # [T, k] int32 / int64 topk_ids, contiguous
     tw_ptr,  # [T, k] float32 topk_weights, contiguous
-    w_ptr,  # [E_local, H, I] x's dtype, or 4-bit codes uint8 [E_local, H, I // 2]; unit stride along I
-    ws_ptr,  # 4-bit: [E_local, H, I // 32] uint8 e8m0 / bf16 scales (unused otherwise)
+    w_ptr,  # [E_local, H, I] x's dtype or float8_e4m3fn codes, or 4-bit codes uint8 [E_local, H, I // 2]; unit stride along I
+    ws_ptr,  # FP8: float32 [E_local] / [E_local, H] / [E_local, H // 128, I // 128]; 4-bit: [E_local, H, I // 32] uint8 e8m0 / bf16
     b_ptr,  # HAS_BIAS: [E_local, H] float32 / bf16 / fp16, unit column stride (unused otherwise)
     out_ptr,  # [T, H] x's dtype out
     H,  # int: hidden size
@@ -234,17 +311,19 @@ def _decode_down_kernel(
     stride_as,  # int: a.stride(0)
     stride_we,  # int: w2.stride(0)
     stride_wn,  # int: w2.stride(1)
-    stride_wse,  # int: w2_scale.stride(0) (4-bit)
-    stride_wsn,  # int: w2_scale.stride(1) (4-bit)
-    stride_wsk,  # int: w2_scale.stride(2) (4-bit)
+    stride_wse,  # int: w2_scale.stride(0) (FP8, 4-bit)
+    stride_wsn,  # int: w2_scale.stride(1) (FP8 per-channel and block, 4-bit)
+    stride_wsk,  # int: w2_scale.stride(2) (FP8 block, 4-bit)
     stride_be,  # int: w2_bias.stride(0) (HAS_BIAS)
     stride_ot,  # int: out.stride(0)
     K_SLOTS: tl.constexpr,  # k: slots per token
+    TOPK: tl.constexpr,  # routed slots per token (the first TOPK of a token's k)
+    ON_INPUT: tl.constexpr,  # bool: apply_router_weight_on_input (routed slots combine with weight 1)
     HAS_BIAS: tl.constexpr,  # bool: add w2_bias[e] before the rounding of y
     APPLY_RSF: tl.constexpr,  # bool: rsf != 1
-    W4: tl.constexpr,  # 0: float w2; W_SCALE_CODES["mxfp4"] / ["int4"]: 4-bit codes
+    W_SCALE: tl.constexpr,  # W_SCALE_CODES: 0 float w2, 1 / 2 / 3 FP8 (expert, channel, block), 4 / 5 4-bit
     BLOCK_H: tl.constexpr,  # output columns per program
-    BLOCK_I: tl.constexpr,  # I step (>= 32 for 4-bit)
+    BLOCK_I: tl.constexpr,  # I step (>= 32 for 4-bit; 128 for FP8 blocks)
     e8m0_lut=None,  # MXFP4 with bf16 x on a GPU: bf16 [256] (the packed decode's scales)
 ):
     """Grid ``(T, cdiv(H, BLOCK_H))``: program ``(t, n)`` writes ``out[t, n*BLOCK_H : +BLOCK_H]`` (module docstring,
@@ -262,25 +341,53 @@ def _decode_down_kernel(
         if (raw >= 0) & (lid >= 0) & (lid < E_local):  # a non-local slot adds nothing (and its row of a is unset)
             e64 = lid.to(tl.int64)
             a_row = a_ptr + s64 * stride_as
+            if W_SCALE == _WS_EXPERT or W_SCALE == _WS_CHANNEL:
+                # Per-token FP8 a: the row's amax over all of I first (act_and_mul's quantization, CONTRACT.md
+                # section 3), then each chunk quantized with it below
+                amax = tl.zeros([BLOCK_I], dtype=tl.float32)
+                for i0 in range(0, I, BLOCK_I):
+                    amax = tl.maximum(amax, tl.abs(tl.load(a_row + i0 + offs_i, mask=i0 + offs_i < I, other=0.0)))
+                sa = fp8_scale(tl.max(amax, axis=0))
             y = tl.zeros([BLOCK_H], dtype=tl.float32)
             for i0 in range(0, I, BLOCK_I):
-                if W4 != 0:  # 4-bit codes decoded to x's dtype; low nibbles meet a's even columns, high its odd ones
+                i_mask = i0 + offs_i < I
+                if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4:
+                    # 4-bit codes decoded to x's dtype; low nibbles meet a's even columns, high its odd ones
                     lo, hi = _w4_tiles(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn,
                                        ws_ptr + e64 * stride_wse + cols64[:, None] * stride_wsn, stride_wsk, i0, I,
-                                       col_mask, W4, BLOCK_H, BLOCK_I, a_ptr.dtype.element_ty, e8m0_lut)
-                    av = tl.load(a_row + i0 + offs_i, mask=i0 + offs_i < I, other=0.0).to(tl.float32)
+                                       col_mask, W_SCALE, BLOCK_H, BLOCK_I, a_ptr.dtype.element_ty, e8m0_lut)
+                    av = tl.load(a_row + i0 + offs_i, mask=i_mask, other=0.0).to(tl.float32)
                     a_even, a_odd = tl.split(tl.reshape(av, [BLOCK_I // 2, 2]))
                     y += tl.sum(lo.to(tl.float32) * a_even[None, :] + hi.to(tl.float32) * a_odd[None, :], axis=1)
                 else:
-                    i_mask = i0 + offs_i < I
                     w = tl.load(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn + (i0 + offs_i)[None, :],
                                 mask=col_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
                     av = tl.load(a_row + i0 + offs_i, mask=i_mask, other=0.0).to(tl.float32)
-                    y += tl.sum(w * av[None, :], axis=1)
-            if HAS_BIAS:  # CONTRACT.md section 4: widened to float32, added before the one rounding
+                    if W_SCALE == _WS_BLOCK:
+                        # 1 x 128 groups of a (one a chunk: BLOCK_I = 128), the chunk's FP8 sum scaled by its group's
+                        # and the weight blocks' scales before it is accumulated (as GEMM 2 does)
+                        sa = fp8_scale(tl.max(tl.abs(av), axis=0))
+                        sw = tl.load(ws_ptr + e64 * stride_wse + (cols64 // _FP8_BLOCK) * stride_wsn
+                                     + (i0 // _FP8_BLOCK) * stride_wsk, mask=col_mask, other=0.0)
+                        y += tl.sum(w * _quantize_row_chunk(av, sa), axis=1) * sa * sw
+                    elif W_SCALE != _WS_NONE:  # per-token FP8 a: products of codes (exact in float32), scaled after
+                        y += tl.sum(w * _quantize_row_chunk(av, sa), axis=1)
+                    else:
+                        y += tl.sum(w * av[None, :], axis=1)
+            if W_SCALE == _WS_EXPERT or W_SCALE == _WS_CHANNEL:  # the row's scale, then the weight's (as the GEMM)
+                y = y * sa
+                if W_SCALE == _WS_EXPERT:
+                    y = y * tl.load(ws_ptr + e64 * stride_wse)
+                else:
+                    y = y * tl.load(ws_ptr + e64 * stride_wse + cols64 * stride_wsn, mask=col_mask, other=0.0)
+            if HAS_BIAS:  # CONTRACT.md section 4: widened to float32, added (after any scales) before the one rounding
                 y += tl.load(b_ptr + e64 * stride_be + cols64, mask=col_mask, other=0.0).to(tl.float32)
-            # y = GEMM 2's output in x's dtype; the combine weights it in float32 (CONTRACT.md sections 4, 5)
-            acc += tl.load(tw_ptr + s64) * y.to(a_ptr.dtype.element_ty).to(tl.float32)
+            # y = GEMM 2's output in x's dtype; the combine weights it in float32 (CONTRACT.md sections 4, 5). A routed
+            # slot whose weight went into its input (ON_INPUT) adds y with weight 1.
+            cw = tl.load(tw_ptr + s64)
+            if ON_INPUT:
+                cw = tl.where(j < TOPK, 1.0, cw)
+            acc += cw * y.to(out_ptr.dtype.element_ty).to(tl.float32)
     if APPLY_RSF:
         acc = acc * rsf
     tl.store(out_ptr + t64 * stride_ot + cols64, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
@@ -290,20 +397,42 @@ def _pow2(v: int) -> bool:
     return v >= 1 and v & (v - 1) == 0
 
 
-def check_decode_configs(op: str, gate_up: DecodeGateUpConfig, down: DecodeDownConfig, w4: bool) -> None:
+def check_decode_configs(op: str, gate_up: DecodeGateUpConfig, down: DecodeDownConfig, w4: bool,
+                         fp8: str | None = None) -> None:
     """``ValueError`` naming ``op`` and the config unless every block is a power of 2, the dot sides of kernel A are
-    at least 16 (``tl.dot``), and with 4-bit weights both K steps hold whole scale groups (>= 32)."""
+    at least 16 (``tl.dot``), with 4-bit weights both K steps hold whole scale groups (>= 32), with FP8 weights
+    (``fp8``: ``"fp8_per_token"`` / ``"fp8_block"``) kernel A's K step is at least 32 (the FP8 ``mma``), and for
+    ``"fp8_block"`` both K steps are exactly one 128-wide scale block."""
     blocks = (gate_up.block_m, gate_up.block_n, gate_up.block_k, gate_up.chunk_s, down.block_h, down.block_i)
-    min_k = W4_MIN_BLOCK_K if w4 else MIN_DOT
+    min_k = W4_MIN_BLOCK_K if w4 else FP8_MIN_BLOCK_K if fp8 else MIN_DOT
+    block_steps = fp8 == "fp8_block"
     if (not all(_pow2(b) for b in blocks) or min(gate_up.block_m, gate_up.block_n) < MIN_DOT
-            or gate_up.block_k < min_k or (w4 and down.block_i < W4_MIN_BLOCK_K)):
+            or gate_up.block_k < min_k or (w4 and down.block_i < W4_MIN_BLOCK_K)
+            or (block_steps and (gate_up.block_k, down.block_i) != (FP8_BLOCK_K, FP8_BLOCK_K))):
+        need = f", block_i >= {W4_MIN_BLOCK_K} (4-bit weights)" if w4 else ""
+        if block_steps:
+            need = f", block_k = block_i = {FP8_BLOCK_K} (fp8_block: one scale block a K step)"
         raise ValueError(f"{op}: configs must have power-of-2 blocks, block_m, block_n >= {MIN_DOT} and block_k >= "
-                         f"{min_k}{f', block_i >= {W4_MIN_BLOCK_K} (4-bit weights)' if w4 else ''}; got {gate_up}, {down}")
+                         f"{min_k}{need}; got {gate_up}, {down}")
 
 
 def _unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` with unit stride along its last dim (a copy only where it lacks it: the caller's tensor is untouched)."""
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _scale_code(config: MoEConfig, w_scale: torch.Tensor | None) -> int:
+    """The kernels' ``W_SCALE`` for one weight: its FP8 scale layout (by rank), the 4-bit format, or 0 (float)."""
+    if config.quant in W4_QUANTS:
+        return W_SCALE_CODES[config.quant]
+    if config.quant in FP8_QUANTS:
+        return W_SCALE_CODES[_FP8_SCALE_LAYOUTS[w_scale.ndim]]
+    return 0
+
+
+def _scale_strides(w_scale: torch.Tensor | None) -> tuple[int, int, int]:
+    """``w_scale``'s strides padded to three (0 where it has fewer dims, or none)."""
+    return (*w_scale.stride(), 0, 0, 0)[:3] if w_scale is not None else (0, 0, 0)
 
 
 def fused_experts_decode_triton(
@@ -321,14 +450,17 @@ def fused_experts_decode_triton(
     down_config: DecodeDownConfig | None = None,
 ) -> torch.Tensor:
     """``out [T, H]`` in ``x.dtype`` with the two kernels; arguments as
-    :func:`moe_torch.ops.decode.api.fused_experts_decode` (validated there). Allocates ``a [T*k, I]`` (``x.dtype``)
-    and ``out``; the inputs are only read. No host synchronisation.
+    :func:`moe_torch.ops.decode.api.fused_experts_decode` (validated there). Allocates ``a [T*k, I]`` (``x.dtype``;
+    float32 with FP8 weights) and ``out``; the inputs are only read. No host synchronisation.
 
-    Raises: NotImplementedError (no CUDA and no interpreter; ``T*k > MAX_SLOTS``; a grid axis over CUDA's limit),
-      ValueError (a given config that :func:`check_decode_configs` refuses).
+    Raises: NotImplementedError (no CUDA and no interpreter; FP8 weights on a GPU older than sm_90; ``T*k >
+      MAX_SLOTS``; a grid axis over CUDA's limit), ValueError (a given config that :func:`check_decode_configs`
+      refuses).
     """
     op = "fused_experts_decode"
-    check_triton_device(op, x.device, _decode_gate_up_kernel)
+    fp8 = config.quant if config.quant in FP8_QUANTS else None
+    # FP8: the kernels quantize x and a themselves (float32 -> e4m3 casts: sm_90, triton_common.check_triton_device)
+    check_triton_device(op, x.device, _decode_gate_up_kernel, quantizes_fp8=fp8 is not None)
     T, k = topk_ids.shape
     H, I = config.hidden_size, config.intermediate_size
     expert_start, e_local = config.local_expert_range()
@@ -338,10 +470,10 @@ def fused_experts_decode_triton(
                                   f"(every program holds all ids); got T={T}, k={k} ({S}) (the staged layer serves "
                                   f"such batches)")
     w_format = config.quant if config.quant in W4_QUANTS else None
-    w4 = W_SCALE_CODES[w_format] if w_format is not None else 0
-    cfg_a = gate_up_config or decode_gate_up_config(T, k, H, I, e_local, w4=w_format is not None)
-    cfg_b = down_config or decode_down_config(T, H, I, w4=w_format is not None)
-    check_decode_configs(op, cfg_a, cfg_b, w_format is not None)
+    w4 = w_format is not None
+    cfg_a = gate_up_config or decode_gate_up_config(T, k, H, I, e_local, w4=w4, fp8=fp8)
+    cfg_b = down_config or decode_down_config(T, H, I, w4=w4, fp8=fp8)
+    check_decode_configs(op, cfg_a, cfg_b, w4, fp8)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
@@ -349,21 +481,24 @@ def fused_experts_decode_triton(
     w13_bias, w2_bias = _unit_last(w13_bias), _unit_last(w2_bias)
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
-    a = torch.empty((S, I), dtype=x.dtype, device=x.device)
+    # FP8: a stays float32 between the kernels (act_and_mul quantizes its float32 values, never rounded to x.dtype)
+    a = torch.empty((S, I), dtype=torch.float32 if fp8 else x.dtype, device=x.device)
     grid_a = (min(S, e_local), triton.cdiv(I, cfg_a.block_n))
     grid_b = (T, triton.cdiv(H, cfg_b.block_h))
     if max(grid_a[1], grid_b[1]) > MAX_GRID_AXIS_1:
         raise NotImplementedError(f"{op}: {max(grid_a[1], grid_b[1])} column programs exceed CUDA's grid axis 1 limit "
                                   f"{MAX_GRID_AXIS_1}")
     lut = e8m0_bf16_table(x.device) if w_format == "mxfp4" and x.dtype == torch.bfloat16 and x.is_cuda else None
-    s13 = (*w13_scale.stride(),) if w13_scale is not None else (0, 0, 0)
-    s2 = (*w2_scale.stride(),) if w2_scale is not None else (0, 0, 0)
+    on_input = config.apply_router_weight_on_input
     _decode_gate_up_kernel[grid_a](
-        x, ids, w13, w13_scale if w13_scale is not None else w13, w13_bias if w13_bias is not None else w13, a,
+        x, ids, weights, w13, w13_scale if w13_scale is not None else w13,
+        w13_bias if w13_bias is not None else w13, a,
         S, H, I, e_local, expert_start,
-        x.stride(0), w13.stride(0), w13.stride(1), *s13, w13_bias.stride(0) if w13_bias is not None else 0, a.stride(0),
-        K_SLOTS=k, ACTIVATION=ACTIVATION_CODES[config.activation], INTERLEAVED=config.gate_up_layout == "interleaved",
-        HAS_BIAS=w13_bias is not None, W4=w4, IEEE_F32=x.dtype == torch.float32,
+        x.stride(0), w13.stride(0), w13.stride(1), *_scale_strides(w13_scale),
+        w13_bias.stride(0) if w13_bias is not None else 0, a.stride(0),
+        K_SLOTS=k, TOPK=config.topk, ON_INPUT=on_input, ACTIVATION=ACTIVATION_CODES[config.activation],
+        INTERLEAVED=config.gate_up_layout == "interleaved", HAS_BIAS=w13_bias is not None,
+        W_SCALE=_scale_code(config, w13_scale), IEEE_F32=x.dtype == torch.float32,
         BLOCK_E=triton.next_power_of_2(e_local), CHUNK_S=cfg_a.chunk_s,
         NUM_CHUNKS=triton.cdiv(S, cfg_a.chunk_s), NUM_M_BLOCKS=triton.cdiv(S, cfg_a.block_m),
         BLOCK_M=cfg_a.block_m, BLOCK_N=cfg_a.block_n, BLOCK_K=cfg_a.block_k, e8m0_lut=lut,
@@ -373,9 +508,10 @@ def fused_experts_decode_triton(
     _decode_down_kernel[grid_b](
         a, ids, weights, w2, w2_scale if w2_scale is not None else w2, w2_bias if w2_bias is not None else w2, out,
         H, I, e_local, expert_start, rsf,
-        a.stride(0), w2.stride(0), w2.stride(1), *s2, w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0),
-        K_SLOTS=k, HAS_BIAS=w2_bias is not None, APPLY_RSF=rsf != 1.0, W4=w4,
-        BLOCK_H=cfg_b.block_h, BLOCK_I=cfg_b.block_i, e8m0_lut=lut,
+        a.stride(0), w2.stride(0), w2.stride(1), *_scale_strides(w2_scale),
+        w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0),
+        K_SLOTS=k, TOPK=config.topk, ON_INPUT=on_input, HAS_BIAS=w2_bias is not None, APPLY_RSF=rsf != 1.0,
+        W_SCALE=_scale_code(config, w2_scale), BLOCK_H=cfg_b.block_h, BLOCK_I=cfg_b.block_i, e8m0_lut=lut,
         num_warps=cfg_b.num_warps, num_stages=cfg_b.num_stages,
     )
     return out
