@@ -64,22 +64,38 @@ def fused_experts_decode(
     config.combine_routed_scaling_factor`` (1 when the gate applied ``rsf``), rounded once. Exactly the staged
     layer's rounding points: ``implementation="reference"`` is those stages composed.
 
+    FP8 weights (``config.quant="fp8_per_token"`` / ``"fp8_block"``, CONTRACT.md sections 3, 4): both GEMMs'
+    inputs are quantized dynamically as the layer's permute and act_and_mul do, ``scale = max(amax, 1e-10) *
+    float32(1/448)``, ``q = cast_e4m3(clamp(v / scale, -448, 448))`` (IEEE division, round to nearest even):
+    ``x``'s rows (times the input scale, below) per token over ``H`` or in 1 x 128 groups, ``act(g) * u`` from its
+    float32 value (not rounded to ``x.dtype`` first) per token over ``I`` or in 1 x 128 groups; each GEMM is
+    ``(q_x @ q_w.T) * scale_x * scale_w`` (block scales per 128-wide K block) plus the bias, rounded to ``x.dtype``.
+    ``config.apply_router_weight_on_input`` (Llama 4): a routed slot's expert input is ``x[t] * topk_weights[t, j]``
+    (float32, rounded once to ``x.dtype``) and the combine adds its output with weight 1; fused shared slots keep
+    ``x[t]`` and their weight (``moe_torch.slot_weights.slot_weights``, CONTRACT.md sections 2, 5).
+
     Args:
       x: ``[T, H]`` float32 / bf16 / float16 (``H = config.hidden_size``).
-      topk_weights: ``[T, topk + S]`` float32, the combine's weights (the gate's ``topk_weights``).
+      topk_weights: ``[T, topk + S]`` float32, the slots' weights (the gate's ``topk_weights``; with
+        ``config.shared_expert_gate``, the shared slots' already times their sigmoid gate, as ``slot_weights`` makes
+        them): the combine's weights, except that with ``config.apply_router_weight_on_input`` the routed slots'
+        weights scale their expert's input instead.
       topk_ids: ``[T, topk + S]`` int32 / int64, global expert ids in ``[0, E + S)`` as the experts see them (after
         ``drop_over_capacity`` when the config has a capacity). A slot whose id is ``-1``, outside the id space, or
         of another EP rank's expert (outside ``config.local_expert_range()``) contributes exactly 0.
       w13: ``[E_local, 2*I, H]`` of ``x``'s dtype (``config.quant="none"``), gate and up rows as
-        ``config.gate_up_layout`` places them; ``quant="mxfp4"`` / ``"int4"``: packed 4-bit codes
-        ``[E_local, 2*I, H // 2]`` uint8 (CONTRACT.md section 9).
+        ``config.gate_up_layout`` places them; float8_e4m3fn codes for the FP8 modes; ``quant="mxfp4"`` /
+        ``"int4"``: packed 4-bit codes ``[E_local, 2*I, H // 2]`` uint8 (CONTRACT.md section 9).
       w2: ``[E_local, H, I]`` likewise (4-bit: ``[E_local, H, I // 2]`` uint8).
       config: the layer (``hidden_size``, ``intermediate_size``, slots, ``activation``, ``gate_up_layout``,
         ``expert_bias``, ``quant``, EP rank, rsf placement).
       w13_bias, w2_bias: ``[E_local, 2*I]`` / ``[E_local, H]`` float32, bf16 or ``x``'s dtype, exactly when
         ``config.expert_bias`` (gpt-oss), added before each GEMM's rounding.
-      w13_scale, w2_scale: 4-bit only: ``[E_local, 2*I, H // 32]`` / ``[E_local, H, I // 32]`` (uint8 e8m0 for mxfp4,
-        bf16 for int4).
+      w13_scale, w2_scale: FP8: float32 dequantization multipliers (``moe_torch.layer.quantize_layer_weights``),
+        per expert ``[E_local]`` or per output channel ``[E_local, N]`` for ``"fp8_per_token"`` (each weight its
+        own), 128 x 128 blocks ``[E_local, ceil(N/128), ceil(K/128)]`` for ``"fp8_block"`` (``N``, ``K`` of that
+        weight); 4-bit: ``[E_local, 2*I, H // 32]`` / ``[E_local, H, I // 32]`` (uint8 e8m0 for mxfp4, bf16 for
+        int4). ``None`` for float weights.
       implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"`` with a logged warning;
         CPU tensors: ``"reference"``), ``"triton"`` (two launches, no host synchronisation, CUDA-graph capturable;
         deterministic: bit-identical across runs) or ``"reference"`` (the staged layer's stage references).
@@ -90,10 +106,10 @@ def fused_experts_decode(
     ``torch.no_grad()`` / ``torch.inference_mode()``.
 
     Raises: ValueError / TypeError naming the argument, before any launch (shapes, dtypes, devices, biases given
-      without ``config.expert_bias`` or missing with it, 4-bit scales); NotImplementedError for what the path does
-      not serve yet: FP8 weights (``config.quant`` ``"fp8_per_token"`` / ``"fp8_block"``) and
-      ``config.apply_router_weight_on_input``, naming the op and the setting; with ``implementation="triton"``, also
-      where the kernels cannot run (no CUDA and no interpreter, ``T * (topk + S)`` above ``config.MAX_SLOTS``);
+      without ``config.expert_bias`` or missing with it, FP8 and 4-bit weight scales); NotImplementedError, with
+      ``implementation="triton"``, where the kernels cannot run (no CUDA and no interpreter, FP8 weights on a GPU
+      older than sm_90, ``T * (topk + S)`` above ``config.MAX_SLOTS``; the default implementation falls back to the
+      reference there);
       RuntimeError naming the input when grad mode is on and an input requires grad (no backward: ``moe_forward``
       is the path for training).
     """

@@ -7,8 +7,11 @@ metadata cost more than the weight reads that bound the work.
 Names: ``x [T, H]``, ``topk_ids`` / ``topk_weights [T, k]`` (``k = topk + S`` slots), assignment (slot) ``s = t*k
 + j``, local expert ``e = topk_ids[t, j] - expert_start`` when it lies in ``[0, E_local)`` (else the slot is
 non-local: ``-1``, a dropped slot, another EP rank's expert; it contributes nothing). Weights ``w13 [E_local, 2I,
-H]``, ``w2 [E_local, H, I]`` (float of ``x``'s dtype, or 4-bit packed codes with group scales, CONTRACT.md
-section 9), optional biases ``w13_bias [E_local, 2I]``, ``w2_bias [E_local, H]``.
+H]``, ``w2 [E_local, H, I]`` (float of ``x``'s dtype; float8_e4m3fn codes with float32 scales, CONTRACT.md section 3;
+or 4-bit packed codes with group scales, section 9), optional biases ``w13_bias [E_local, 2I]``, ``w2_bias
+[E_local, H]``. ``apply_router_weight_on_input`` (Llama 4; ``moe_torch/slot_weights.py``): a routed slot (``j <
+topk``) has input scale ``in[s] = topk_weights[t, j]`` and combine weight ``cw[s] = 1``; a fused shared slot, and
+every slot without the setting, ``in[s] = 1`` (its input is ``x[t]`` itself) and ``cw[s] = topk_weights[t, j]``.
 
 **Kernel A** (``_decode_gate_up_kernel``, GEMM 1 + bias + activation), grid ``(min(T*k, E_local), cdiv(I,
 BLOCK_N))``::
@@ -23,13 +26,22 @@ BLOCK_N))``::
                    chunk; row blocks looped while mb*BLOCK_M < count(e))
       cols = n*BLOCK_N + [0, BLOCK_N) of I; gate / up rows of w13: cols and I + cols ("concatenated") or
                    2*cols and 2*cols + 1 ("interleaved", gpt-oss)
+      xs(k0) = x[slot // k, k0:+BLOCK_K]               (rows of other slots masked to 0); ON_INPUT:
+                   cast(float32(xs) * in[slot])         rounded once to x.dtype (slot_weights.py's scaled_slot_rows)
+      fp8_per_token: sx[m] = max(max_k |float32(xs)|, 1e-10) * float32(1/448)   the row's amax over all of H, a
+                   first pass over x (section 3: the permute's per-token quantization)
       for k0 in 0..H step BLOCK_K:                      (float32 accumulation, tl.dot: BLOCK_M >= 16 rows)
-          xs = x[slot // k, k0:+BLOCK_K]                (rows of other slots masked to 0)
-          acc_g += xs @ w13[e, gate rows, k0:].T;  acc_u += xs @ w13[e, up rows, k0:].T
+          float / 4-bit: acc_g += xs @ w13[e, gate rows, k0:].T;  acc_u += xs @ w13[e, up rows, k0:].T
                    (4-bit: the codes decoded to x's dtype by grouped_gemm/triton.py's _w4_tiles, low nibbles
                    against x's even columns, high nibbles against its odd ones, as the grouped GEMM does)
+          fp8_per_token: xq = cast_e4m3(clamp(div_rn(float32(xs), sx), -448, 448));  acc += xq @ wq.T (FP8 codes)
+          fp8_block (BLOCK_K = 128: one 1 x 128 group of x, one 128 x 128 block of w13 a step):
+                   sx = max(max over the step |float32(xs)|, 1e-10) * float32(1/448);  xq as above
+                   acc += ((xq @ wq.T) * sx[m]) * w13_scale[e, rows // 128, k0 // 128]
+      fp8_per_token: acc = (acc * sx[m]) * w13_scale[e] (per expert) or w13_scale[e, rows] (per channel)
       g, u = float32(cast(acc + float32(w13_bias[e, rows])))   h rounded to x.dtype: GEMM 1's output (section 4)
-      a[slot, cols] = cast(act(g) * u)                  activation/triton.py's gated_values; x.dtype (section 4)
+      a[slot, cols] = cast(act(g) * u)                  activation/triton.py's gated_values; x.dtype (section 4);
+                   with FP8 weights a stays float32 (act_and_mul quantizes its float32 values: kernel B does)
 
 so every reached expert's ``w13`` is read once (per column block, by one program), whatever the number of its
 slots; ``a [T*k, I]`` is in slot order (no permutation buffer, no metadata); non-local slots are never written.
@@ -40,8 +52,14 @@ slots; ``a [T*k, I]`` is in slot order (no permutation buffer, no metadata); non
       for j in 0..k-1 (slot order):
           if slot (t, j) is local with expert e:
               y = sum over I chunks of w2[e, cols, i:+BLOCK_I] * a[t*k + j, i:+BLOCK_I]   (float32; a GEMV: tl.sum)
+                  fp8_per_token: sa = max(max_i |a[s, i]|, 1e-10) * float32(1/448), a first pass over the row
+                      (act_and_mul's per-token quantization, section 3); each chunk quantized as it is read:
+                      aq = cast_e4m3(clamp(div_rn(a, sa), -448, 448));  y = sum of wq * aq (FP8 codes: exact
+                      products in float32), then y = (y * sa) * w2_scale[e] or w2_scale[e, cols]
+                  fp8_block (BLOCK_I = 128, one 1 x 128 group a chunk): sa from the chunk's own amax, aq as above,
+                      y += (sum of wq * aq) * sa * w2_scale[e, cols // 128, i // 128]
               y = float32(cast(y + float32(w2_bias[e, cols])))   GEMM 2's output, rounded to x.dtype (section 4)
-              acc += topk_weights[t, j] * y                      the combine's float32 sum (section 5)
+              acc += cw[t*k + j] * y                             the combine's float32 sum (section 5)
       out[t, cols] = cast(acc * rsf)                             rsf = config.combine_routed_scaling_factor
 
 Why token-major for the down projection: each output element is written by exactly one program, which sums its
@@ -49,11 +67,20 @@ token's slots in slot order, so the result is bit-identical from run to run (no 
 launch (an expert-major GEMM 2 would write ``y [T*k, H]`` and need a combine kernel, or float atomics into
 ``out`` whose order varies). The price: ``w2[e]``'s tile is read once per (token, slot) rather than once per
 expert; at decode sizes the tokens sharing an expert are few and the repeats hit L2. A token's GEMV has one row,
-below ``tl.dot``'s 16: it is a float32 multiply and ``tl.sum`` (bf16 products are exact in float32).
+below ``tl.dot``'s 16: it is a float32 multiply and ``tl.sum`` (bf16 products are exact in float32, FP8 codes' too).
+Per-token FP8 ``a`` needs its row's amax over all of ``I``, which no program of kernel A has (each holds
+``BLOCK_N`` columns): kernel B reads each slot's whole row anyway, so it reduces the amax first and quantizes as it
+goes, each of a token's ``cdiv(H, BLOCK_H)`` programs the same way (the same codes, recomputed: a few divisions per
+element of ``a``, small beside the weight reads at decode sizes). ``a`` stays float32 in memory between the kernels.
 
 Rounding points and sums follow the staged layer (``reference.py``), so the two agree within CONTRACT.md section 7:
 float32 to float32 reordering (``F32_REL_FRO``), bf16 / fp16 within ``BF16_REL_FRO`` (a float32 reordering can flip
-one rounding to ``x.dtype`` by an ulp). Deterministic: fixed grids, fixed loop orders, no atomics.
+one rounding to ``x.dtype`` by an ulp). FP8: the quantization is the stages' (triton_common's ``fp8_scale`` and
+``quantize_fp8_tile``: the same amax, a float32 multiplication by ``1/448``, ``div_rn``, the clamp, the
+round-to-nearest-even cast), so the codes and scales of ``x`` are the permute's bit for bit, and those of ``a``
+act_and_mul's given the same float32 ``a``; the scales are applied as the Triton grouped GEMM applies them (the
+reference multiplies the dequantized operands instead: a float32 reordering, within ``FP8_REL_FRO`` and in practice
+far inside it). Deterministic: fixed grids, fixed loop orders, no atomics.
 
 Costs that scale with ``T*k``: every program of kernel A scans all the ids, compared with the ``E_local`` experts
 and then with its expert's row-block slots, in chunks that keep every compare tile at ``config.COUNT_TILE_ELEMS``
