@@ -5,7 +5,9 @@ reference (the staged layer's stage references composed) and a float64 per-slot 
 Routings: T = 1, 2, 3, 7 with ragged and empty experts, every token on one expert, ``-1`` ids, another EP rank's
 experts, a token with no local slot, an expert with more slots than one row block; float32 (``F32_REL_FRO``) and
 bf16 / fp16 (``BF16_REL_FRO``); gpt-oss's biases with ``swiglu_oai`` on interleaved gate/up rows; a fused shared
-expert with rsf in the combine; 4-bit weights (mxfp4, int4); bit-identical reruns; the host-side errors.
+expert with rsf in the combine; 4-bit weights (mxfp4, int4); FP8 weights (per-token x per-expert / per-channel
+scales, 1 x 128 x 128 x 128 blocks: ``FP8_REL_FRO``, the reference equal to ``routed_experts``); Llama 4's routing
+weight on the expert input (the reference equal to ``moe_forward``); bit-identical reruns; the host-side errors.
 
 On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, ``conftest.py``; made exact by
 ``moe_torch/ops/triton_interpret.py``). Shapes are tiny: H = 48 / 64, I = 24 / 32 (K tails in both GEMMs).
@@ -19,13 +21,15 @@ import torch
 
 from common import TORCH_DEVICE, needs_triton_interpreter
 from moe_contract import MoEConfig
-from moe_torch.layer import quantize_layer_weights
+from moe_torch.layer import moe_forward, quantize_layer_weights, routed_experts, run_gate
 from moe_torch.ops.activation.reference import gated, split_gate_up
 from moe_torch.ops.decode import DECODE_MAX_TOKENS, fused_experts_decode
 from moe_torch.ops.decode import triton as decode_triton
 from moe_torch.ops.decode.config import DecodeDownConfig, DecodeGateUpConfig, decode_down_config
+from moe_torch.ops.quant.api import quantize_weight_fp8
 from moe_torch.ops.quant.reference import dequantize_weight_4bit_reference
-from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro
+from moe_torch.slot_weights import slot_weights
+from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro
 
 # On the CPU the kernels need the interpreter; on a GPU (EPMOE_TEST_DEVICE=gpu) they compile.
 pytestmark = needs_triton_interpreter if TORCH_DEVICE == "cpu" else []
@@ -201,6 +205,78 @@ def test_4bit_weights(quant, dtype):
     assert_rel_fro(tri, _float64_loop(x, w, ids_t, wd13, wd2, config, **biases), LIMITS[dtype], f"{quant} vs float64")
 
 
+def _spread(w: torch.Tensor, seed: int) -> torch.Tensor:
+    """``w [E, N, K]`` times ``2^j``, ``j`` in ``[-2, 2]`` drawn per (expert, row, 128-wide K block): FP8 scales that
+    differ by powers of 2 between experts, channels and blocks, so a scale applied to the wrong rows or K block
+    shows far above ``FP8_REL_FRO``."""
+    E, N, K = w.shape
+    kb = -(-K // 128)
+    j = np.random.default_rng(seed).integers(-2, 3, (E, N, kb)).astype(np.float32)
+    factor = torch.from_numpy(np.repeat(2.0 ** j, 128, axis=2)[:, :, :K]).to(w.device)
+    return w * factor
+
+
+def _routed_experts(x, weights, ids, w13, w2, config: MoEConfig, **kw):
+    """The staged layer's experts + combine (``moe_torch.layer.routed_experts``, reference stages) on the decode
+    path's inputs: ``topk_weights`` split into combine weights and input scales as the layer's ``slot_weights``."""
+    start, e_local = config.local_expert_range()
+    combine_weights, input_scale = slot_weights(weights, None, config)
+    return routed_experts(x, combine_weights, ids, w13, w2, config, implementation="reference",
+                          num_experts=config.num_total_experts, expert_start=start, num_local_experts=e_local,
+                          routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=x.dtype,
+                          input_scale=input_scale, **kw)
+
+
+#: (quant, T, dtype, H, scale layouts of w13 / w2): each FP8 mode at T = 1 (six empty experts) and T = 3 (ragged, a
+#: -1 id). fp8_per_token at H = 48, I = 24: K tails in both kernels (kernel A's K step is 64, kernel B's 32),
+#: per-expert and per-channel weight scales; fp8_block at I = 128 (the config needs multiples of 128) and H = 256
+#: (two K blocks and two row blocks of w13, two row blocks of w2) or 128.
+FP8_CASES = [("fp8_per_token", 1, "bfloat16", 48, ("per_channel", "per_channel")),
+             ("fp8_per_token", 3, "float32", 48, ("per_expert", "per_channel")),
+             ("fp8_block", 1, "float32", 256, ("block", "block")),
+             ("fp8_block", 3, "bfloat16", 128, ("block", "block"))]
+
+
+@pytest.mark.parametrize("quant,T,dtype,H,layouts", FP8_CASES)
+def test_fp8_weights(quant, T, dtype, H, layouts):
+    """FP8 weights (CONTRACT.md sections 3, 4): the kernels quantize x (per token over H, or 1 x 128 groups) and a
+    (per token over I from its float32 value, or 1 x 128 groups) as the staged permute and act_and_mul do, and apply
+    the scales as the grouped GEMM does: within the contract's FP8 row of the reference, which is the staged layer's
+    ``routed_experts`` bit for bit; reruns bit-identical."""
+    I = 24 if quant == "fp8_per_token" else 128
+    config = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=8, topk=2, quant=quant)
+    x, w, ids, w13f, w2f, _ = _inputs(config, np.array(ROUTINGS[T], np.int32), dtype, seed=T)
+    w13, s13 = quantize_weight_fp8(_spread(w13f.float(), 1), layouts[0])
+    w2, s2 = quantize_weight_fp8(_spread(w2f.float(), 2), layouts[1])
+    kw = dict(w13_scale=s13, w2_scale=s2)
+    tri, ref = _both(x, w, ids, w13, w2, config, **kw)
+    assert tri.dtype == x.dtype and tri.shape == x.shape
+    assert_rel_fro(tri, ref, FP8_REL_FRO, f"{quant} triton vs reference T={T} {dtype}")
+    assert_exact(ref, _routed_experts(x, w, ids, w13, w2, config, **kw), f"{quant} reference vs routed_experts")
+    if T == 3:
+        assert_exact(fused_experts_decode(x, w, ids, w13, w2, config, implementation="triton", **kw), tri, "rerun")
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8_per_token"])
+def test_router_weight_on_input(quant):
+    """Llama 4 (``apply_router_weight_on_input``, sigmoid top-1 and a fused shared expert, bf16): a routed slot's
+    expert input is ``x[t] * w[t, j]`` rounded once to bf16 (FP8: the scaled row is what is quantized) and it
+    combines with weight 1; the shared slot keeps ``x[t]`` and its weight. The reference on the gate's weights is
+    ``moe_forward`` bit for bit."""
+    config = MoEConfig(hidden_size=48, intermediate_size=24, num_experts=4, topk=1, routing="sigmoid_topk",
+                       renormalize=False, num_fused_shared_experts=1, apply_router_weight_on_input=True,
+                       quant=quant)
+    x, _, _, w13f, w2f, _ = _inputs(config, np.zeros((3, 2), np.int32), "bfloat16", seed=5)
+    logits = torch.from_numpy(np.random.default_rng(6).standard_normal((3, 4)).astype(np.float32)).to(TORCH_DEVICE)
+    w13, s13, w2, s2 = quantize_layer_weights(w13f.float(), w2f.float(), config) if quant != "none" else \
+        (w13f, None, w2f, None)
+    w, ids = run_gate(logits, config, None, "reference")
+    tri, ref = _both(x, w, ids, w13, w2, config, w13_scale=s13, w2_scale=s2)
+    assert_rel_fro(tri, ref, BF16_REL_FRO if quant == "none" else FP8_REL_FRO, f"weight on input {quant}")
+    layer = moe_forward(x, logits, w13, w2, config, w13_scale=s13, w2_scale=s2, implementation="reference")
+    assert_exact(ref, layer, "reference vs moe_forward")
+
+
 def test_deterministic():
     """Two runs of the kernels give bit-identical outputs (no atomics; fixed loop orders)."""
     config = MoEConfig(hidden_size=48, intermediate_size=24, num_experts=8, topk=2, **GPT_OSS)
@@ -266,15 +342,24 @@ def test_host_errors(monkeypatch):
         call(w13=w13.clone().requires_grad_())
     with torch.no_grad():  # an inference call with trainable parameters is fine
         call(w13=w13.clone().requires_grad_(), implementation="reference")
-    # what the path does not serve yet: named, before anything runs
-    with pytest.raises(NotImplementedError, match=rf"{op}: quant='fp8_per_token' \(FP8 weights\) is not served"):
-        call(config=config.replace(quant="fp8_per_token"))
-    with pytest.raises(NotImplementedError, match=rf"{op}: apply_router_weight_on_input=True .* is not served"):
-        call(config=config.replace(apply_router_weight_on_input=True))
+    # FP8: codes with their scales, each mode's scale layout
+    fp8 = config.replace(quant="fp8_per_token")
+    with pytest.raises(TypeError, match=rf"{op}: w13 must have dtype float8_e4m3fn; got w13.dtype=float32"):
+        call(config=fp8)
+    w13_q, s13 = quantize_weight_fp8(w13, "per_channel")
+    w2_q, s2 = quantize_weight_fp8(w2, "per_channel")
+    with pytest.raises(ValueError, match=rf"{op}: w13_scale must be given for quant='fp8_per_token'; got None"):
+        fused_experts_decode(x, w, ids, w13_q, w2_q, fp8, w2_scale=s2)
+    with pytest.raises(ValueError, match=rf"{op}: w2_scale must be per-expert \[E_local\] or per-channel"):
+        fused_experts_decode(x, w, ids, w13_q, w2_q, fp8, w13_scale=s13, w2_scale=s2[:, None, :1])
     bad = DecodeGateUpConfig(block_m=8, block_n=16, block_k=16, chunk_s=4, num_warps=4, num_stages=1)
     with pytest.raises(ValueError, match=rf"{op}: configs must have power-of-2 blocks, block_m, block_n >= 16"):
         decode_triton.fused_experts_decode_triton(x, w, ids, w13, w2, config, None, None, None, None, bad,
                                                   DecodeDownConfig(block_h=16, block_i=16, num_warps=4, num_stages=1))
+    good = DecodeGateUpConfig(block_m=16, block_n=16, block_k=64, chunk_s=4, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match=rf"{op}: configs must .* block_k = block_i = 128 \(fp8_block: one scale block"):
+        decode_triton.check_decode_configs(op, good, DecodeDownConfig(block_h=16, block_i=128, num_warps=4,
+                                                                      num_stages=1), False, "fp8_block")
     # the Triton kernels' own limits (the default dispatch falls back to the reference on a GPU)
     monkeypatch.setattr(decode_triton, "MAX_SLOTS", 3)
     with pytest.raises(NotImplementedError, match=rf"{op}: the Triton decode kernels take at most 3 assignments"):
@@ -303,8 +388,9 @@ def test_cuda_graph_replay():
 
 
 def _sm90_jobs() -> dict:
-    """Both kernels at production sizes (DeepSeek-V3's H and I over 32 local experts, T = 16 of top-8; gpt-oss's mxfp4
-    experts with swiglu_oai, interleaved rows and biases, e8m0 table), bf16 activations, the default configs."""
+    """Both kernels at production sizes (DeepSeek-V3's H and I over 32 local experts, T = 16 of top-8: bf16 weights,
+    and FP8 128 x 128 blocks with the weight on the input (a float32 ``a``); gpt-oss's mxfp4 experts with
+    swiglu_oai, interleaved rows and biases, e8m0 table), bf16 activations, the default configs."""
     from moe_torch.ops.decode.config import decode_gate_up_config
 
     def job(kernel, sig, constexprs, cfg):
@@ -312,32 +398,38 @@ def _sm90_jobs() -> dict:
                 "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}}
 
     jobs = {}
-    for name, w, ws, b, w4, act, inter, bias, lut in (("bf16", "*bf16", "*bf16", "*bf16", 0, 0, False, False, False),
-                                                     ("mxfp4", "*u8", "*u8", "*fp32", 4, 2, True, True, True)):
+    for name, w, ws, b, a, code, act, inter, bias, lut, on_input in (
+            ("bf16", "*bf16", "*bf16", "*bf16", "*bf16", 0, 0, False, False, False, False),
+            ("mxfp4", "*u8", "*u8", "*fp32", "*bf16", 4, 2, True, True, True, False),
+            ("fp8_block", "*fp8e4nv", "*fp32", "*bf16", "*fp32", 3, 0, False, False, False, True)):
         T, k, H, I, E = 16, 8, 7168, 2048, 32
-        a_cfg, b_cfg = decode_gate_up_config(T, k, H, I, E, bool(w4)), decode_down_config(T, H, I, bool(w4))
+        w4, fp8 = code in (4, 5), "fp8_block" if code == 3 else None
+        a_cfg, b_cfg = decode_gate_up_config(T, k, H, I, E, w4, fp8=fp8), decode_down_config(T, H, I, w4, fp8=fp8)
         ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
         extra = {"e8m0_lut": "*bf16"} if lut else {}
         jobs[f"gate_up-{name}"] = job("_decode_gate_up_kernel", {
-            "x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "ws_ptr": ws, "b_ptr": b, "a_ptr": "*bf16",
+            "x_ptr": "*bf16", "ids_ptr": "*i32", "tw_ptr": "*fp32", "w_ptr": w, "ws_ptr": ws, "b_ptr": b, "a_ptr": a,
             **ints("S", "H", "I", "E_local", "expert_start", "stride_xt", "stride_we", "stride_wn", "stride_wse",
                    "stride_wsn", "stride_wsk", "stride_be", "stride_as"), **extra},
-            dict(K_SLOTS=k, ACTIVATION=act, INTERLEAVED=inter, HAS_BIAS=bias, W4=w4, IEEE_F32=False, BLOCK_E=E,
-                 CHUNK_S=a_cfg.chunk_s, NUM_CHUNKS=T * k // a_cfg.chunk_s, NUM_M_BLOCKS=T * k // a_cfg.block_m,
-                 BLOCK_M=a_cfg.block_m, BLOCK_N=a_cfg.block_n, BLOCK_K=a_cfg.block_k), a_cfg)
+            dict(K_SLOTS=k, TOPK=k, ON_INPUT=on_input, ACTIVATION=act, INTERLEAVED=inter, HAS_BIAS=bias, W_SCALE=code,
+                 IEEE_F32=False, BLOCK_E=E, CHUNK_S=a_cfg.chunk_s, NUM_CHUNKS=T * k // a_cfg.chunk_s,
+                 NUM_M_BLOCKS=T * k // a_cfg.block_m, BLOCK_M=a_cfg.block_m, BLOCK_N=a_cfg.block_n,
+                 BLOCK_K=a_cfg.block_k), a_cfg)
         jobs[f"down-{name}"] = job("_decode_down_kernel", {
-            "a_ptr": "*bf16", "ids_ptr": "*i32", "tw_ptr": "*fp32", "w_ptr": w, "ws_ptr": ws, "b_ptr": b,
+            "a_ptr": a, "ids_ptr": "*i32", "tw_ptr": "*fp32", "w_ptr": w, "ws_ptr": ws, "b_ptr": b,
             "out_ptr": "*bf16", **ints("H", "I", "E_local", "expert_start"), "rsf": "fp32",
             **ints("stride_as", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_wsk", "stride_be",
                    "stride_ot"), **extra},
-            dict(K_SLOTS=k, HAS_BIAS=bias, APPLY_RSF=True, W4=w4, BLOCK_H=b_cfg.block_h, BLOCK_I=b_cfg.block_i), b_cfg)
+            dict(K_SLOTS=k, TOPK=k, ON_INPUT=on_input, HAS_BIAS=bias, APPLY_RSF=True, W_SCALE=code,
+                 BLOCK_H=b_cfg.block_h, BLOCK_I=b_cfg.block_i), b_cfg)
     return jobs
 
 
 @pytest.mark.skipif(TORCH_DEVICE != "cpu", reason="the GPU run compiles the kernels for its own device")
 def test_kernels_compile_for_sm90():
-    """Both kernels lower to sm_90 cubin (16-bit and mxfp4 weights), use the tensor cores for GEMM 1 only, no atomic
-    (kernel B's sum is the combine, in registers: the determinism) and no local-memory spill."""
+    """Both kernels lower to sm_90 cubin (16-bit, mxfp4 and FP8-block weights), use the tensor cores for GEMM 1 only,
+    no atomic (kernel B's sum is the combine, in registers: the determinism) and no local-memory spill; the FP8
+    quantization is the exact division and the saturating round-to-nearest-even cast (CONTRACT.md section 3)."""
     import re
 
     from sm90 import compile_sm90
@@ -348,3 +440,5 @@ def test_kernels_compile_for_sm90():
         assert not re.search(r"\b(atom|red)\.", text), f"{name}: an atomic"
         assert ".local" not in text, f"{name}: a local-memory spill"
         assert ("mma" in text) == name.startswith("gate_up"), name
+        if name.endswith("fp8_block"):
+            assert "div.rn.f32" in text and "cvt.rn.satfinite.e4m3x2.f32" in text, name
