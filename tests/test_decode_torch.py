@@ -227,23 +227,22 @@ def _routed_experts(x, weights, ids, w13, w2, config: MoEConfig, **kw):
                           input_scale=input_scale, **kw)
 
 
-#: (quant, T, dtype, H, scale layouts of w13 / w2): each FP8 mode at T = 1 (six empty experts) and T = 3 (ragged, a
-#: -1 id). fp8_per_token at H = 48, I = 24: K tails in both kernels (kernel A's K step is 64, kernel B's 32),
-#: per-expert and per-channel weight scales; fp8_block at I = 128 (the config needs multiples of 128) and H = 256
-#: (two K blocks and two row blocks of w13, two row blocks of w2) or 128.
-FP8_CASES = [("fp8_per_token", 1, "bfloat16", 48, ("per_channel", "per_channel")),
-             ("fp8_per_token", 3, "float32", 48, ("per_expert", "per_channel")),
-             ("fp8_block", 1, "float32", 256, ("block", "block")),
-             ("fp8_block", 3, "bfloat16", 128, ("block", "block"))]
+#: (quant, T, dtype, H, I, scale layouts of w13 / w2): each FP8 mode at T = 1 (six empty experts) and T = 3 (ragged,
+#: a -1 id). fp8_per_token at H = 48, I = 24: K tails in both kernels (kernel A's K step is 64, kernel B's 32),
+#: per-expert and per-channel weight scales; fp8_block (multiples of 128) at H = I = 256 (two K blocks and four row
+#: blocks of w13, two of each for w2) and at H = I = 128.
+FP8_CASES = [("fp8_per_token", 1, "bfloat16", 48, 24, ("per_channel", "per_channel")),
+             ("fp8_per_token", 3, "float32", 48, 24, ("per_expert", "per_channel")),
+             ("fp8_block", 1, "float32", 256, 256, ("block", "block")),
+             ("fp8_block", 3, "bfloat16", 128, 128, ("block", "block"))]
 
 
-@pytest.mark.parametrize("quant,T,dtype,H,layouts", FP8_CASES)
-def test_fp8_weights(quant, T, dtype, H, layouts):
+@pytest.mark.parametrize("quant,T,dtype,H,I,layouts", FP8_CASES)
+def test_fp8_weights(quant, T, dtype, H, I, layouts):
     """FP8 weights (CONTRACT.md sections 3, 4): the kernels quantize x (per token over H, or 1 x 128 groups) and a
     (per token over I from its float32 value, or 1 x 128 groups) as the staged permute and act_and_mul do, and apply
     the scales as the grouped GEMM does: within the contract's FP8 row of the reference, which is the staged layer's
     ``routed_experts`` bit for bit; reruns bit-identical."""
-    I = 24 if quant == "fp8_per_token" else 128
     config = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=8, topk=2, quant=quant)
     x, w, ids, w13f, w2f, _ = _inputs(config, np.array(ROUTINGS[T], np.int32), dtype, seed=T)
     w13, s13 = quantize_weight_fp8(_spread(w13f.float(), 1), layouts[0])
