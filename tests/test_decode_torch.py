@@ -231,7 +231,7 @@ def _routed_experts(x, weights, ids, w13, w2, config: MoEConfig, **kw):
 #: a -1 id). fp8_per_token at H = 48, I = 24: K tails in both kernels (kernel A's K step is 64, kernel B's 32),
 #: per-expert and per-channel weight scales; fp8_block (multiples of 128) at H = I = 256 (two K blocks and four row
 #: blocks of w13, two of each for w2) and at H = I = 128.
-FP8_CASES = [("fp8_per_token", 1, "bfloat16", 48, 24, ("per_channel", "per_channel")),
+FP8_CASES = [("fp8_per_token", 1, "bfloat16", 48, 24, ("per_channel", "per_expert")),
              ("fp8_per_token", 3, "float32", 48, 24, ("per_expert", "per_channel")),
              ("fp8_block", 1, "float32", 256, 256, ("block", "block")),
              ("fp8_block", 3, "bfloat16", 128, 128, ("block", "block"))]
