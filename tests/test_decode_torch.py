@@ -356,7 +356,7 @@ def test_host_errors(monkeypatch):
         decode_triton.fused_experts_decode_triton(x, w, ids, w13, w2, config, None, None, None, None, bad,
                                                   DecodeDownConfig(block_h=16, block_i=16, num_warps=4, num_stages=1))
     good = DecodeGateUpConfig(block_m=16, block_n=16, block_k=64, chunk_s=4, num_warps=4, num_stages=1)
-    with pytest.raises(ValueError, match=rf"{op}: configs must .* block_k = block_i = 128 \(fp8_block: one scale block"):
+    with pytest.raises(ValueError, match=rf"{op}: configs must .* block_k = block_i = 128 \(fp8_block: one scale"):
         decode_triton.check_decode_configs(op, good, DecodeDownConfig(block_h=16, block_i=128, num_warps=4,
                                                                       num_stages=1), False, "fp8_block")
     # the Triton kernels' own limits (the default dispatch falls back to the reference on a GPU)

@@ -151,8 +151,9 @@ def _decode_gate_up_kernel(
     x_ptr,  # [T, H] float32 / bf16 / fp16, unit column stride
     ids_ptr,  # [T * k] int32 / int64 topk_ids, contiguous
     tw_ptr,  # ON_INPUT: [T * k] float32 topk_weights, contiguous (unused otherwise)
-    w_ptr,  # [E_local, 2I, H] x's dtype or float8_e4m3fn codes, or 4-bit codes uint8 [E_local, 2I, H // 2]; unit stride along H
-    ws_ptr,  # FP8: float32 [E_local] / [E_local, 2I] / [E_local, 2I // 128, H // 128]; 4-bit: [E_local, 2I, H // 32] uint8 e8m0 / bf16
+    w_ptr,  # [E_local, 2I, H] x's dtype / float8_e4m3fn, or 4-bit uint8 [E_local, 2I, H // 2]; unit stride along H
+    ws_ptr,  # FP8: float32 [E_local] / [E_local, 2I] / [E_local, 2I // 128, H // 128];
+    #          4-bit: [E_local, 2I, H // 32] uint8 e8m0 / bf16 (unused otherwise)
     b_ptr,  # HAS_BIAS: [E_local, 2I] float32 / bf16 / fp16, unit column stride (unused otherwise)
     a_ptr,  # [T * k, I] out: act(g) * u per slot, x's dtype (float32 with FP8 weights); non-local slots not written
     S,  # int: T * k
@@ -174,7 +175,7 @@ def _decode_gate_up_kernel(
     ACTIVATION: tl.constexpr,  # 0 silu, 1 gelu_tanh, 2 swiglu_oai (activation/triton.py's ACTIVATION_CODES)
     INTERLEAVED: tl.constexpr,  # bool: gate rows 0::2, up rows 1::2 of w13 (gpt-oss); else [gate | up]
     HAS_BIAS: tl.constexpr,  # bool: add w13_bias[e] before the rounding of h
-    W_SCALE: tl.constexpr,  # grouped_gemm/triton.py's W_SCALE_CODES: 0 float w13, 1 / 2 / 3 FP8 (expert, channel, block), 4 / 5 4-bit
+    W_SCALE: tl.constexpr,  # W_SCALE_CODES: 0 float w13, 1 / 2 / 3 FP8 (expert, channel, block), 4 / 5 4-bit
     IEEE_F32: tl.constexpr,  # bool: float32 x (full float32 dots)
     BLOCK_E: tl.constexpr,  # next_power_of_2(E_local): the experts as one vector
     CHUNK_S: tl.constexpr,  # ids per step of the scans (count, then slots)
@@ -326,8 +327,9 @@ def _decode_down_kernel(
     a_ptr,  # [T * k, I] kernel A's output, x's dtype (float32 with FP8 weights); only local slots' rows are read
     ids_ptr,  # [T, k] int32 / int64 topk_ids, contiguous
     tw_ptr,  # [T, k] float32 topk_weights, contiguous
-    w_ptr,  # [E_local, H, I] x's dtype or float8_e4m3fn codes, or 4-bit codes uint8 [E_local, H, I // 2]; unit stride along I
-    ws_ptr,  # FP8: float32 [E_local] / [E_local, H] / [E_local, H // 128, I // 128]; 4-bit: [E_local, H, I // 32] uint8 e8m0 / bf16
+    w_ptr,  # [E_local, H, I] x's dtype / float8_e4m3fn, or 4-bit codes uint8 [E_local, H, I // 2]; unit stride along I
+    ws_ptr,  # FP8: float32 [E_local] / [E_local, H] / [E_local, H // 128, I // 128];
+    #          4-bit: [E_local, H, I // 32] uint8 e8m0 / bf16 (unused otherwise)
     b_ptr,  # HAS_BIAS: [E_local, H] float32 / bf16 / fp16, unit column stride (unused otherwise)
     out_ptr,  # [T, H] x's dtype out
     H,  # int: hidden size
