@@ -79,9 +79,12 @@ Backends (a backend that cannot run gives a row with ``error``, and the run goes
   under autograd (:func:`layer_grad_reference`); the transformers row, computed by torch's autograd
   through transformers' own code, is the independent check of that reference.
 - decode (on request: ``--what decode``; :func:`benchmarks.specs.decode_specs`): the layer rows (same
-  backends, CUDA-graph row included) at T in {1, 8, 64, 512} with bf16, MXFP4 and INT4 expert weights, of
-  gpt-oss-120b's layer (E=128, topk 4, H=I=2880, router and expert biases, clamped SwiGLU on interleaved
-  gate/up; or ``--preset``'s layer). A row's bytes are the weights of the experts its tokens actually reach
+  backends, CUDA-graph row included, and the decode path: ``ours-torch-decode-cudagraph``, ``ours-jax-decode``)
+  at T in {1, 2, 4, 8, 16, 32, 64, 128} of four models in the weight format each ships in: gpt-oss-120b MXFP4
+  (E=128, topk 4, H=I=2880, router and expert biases, clamped SwiGLU on interleaved gate/up), DeepSeek-V3 FP8
+  blocks as one EP8 rank (its 32 routed experts and the shared one; the row is that rank's partial sum),
+  Qwen3-30B-A3B bf16 and Kimi K2 INT4; or ``--preset``'s layer in bf16, MXFP4 and INT4. A row's bytes are the
+  weights of the experts its tokens actually reach
   (their 4.25 / 4.5 bits a weight for MXFP4 / INT4, scales included), so ``pct_of_ceiling`` is the share of
   the copy bandwidth on those bytes; the JAX rows rotate over input sets that reach other experts (the L2
   holds one step's 4-bit weights). The peer is transformers' ``GptOssMLP`` (grouped_mm experts) on the bf16
@@ -559,7 +562,7 @@ def layer_weights(ctx: Ctx, spec: S.LayerSpec, config) -> tuple:
     if stored is not None and spec.quant == stored:  # the checkpoint's own codes and scales, as stored
         f = torch.float32 if stored == "fp8_block" else None
         return ck["w13"].to(dev), ck["w13_scale"].to(dev, f), ck["w2"].to(dev), ck["w2_scale"].to(dev, f)
-    n = config.num_total_experts
+    n = config.local_expert_range()[1]  # this rank's routed and shared experts (one device: all of them)
     w13 = torch.empty(n, 2 * spec.I, spec.H, device=dev, dtype=bf16)
     w2 = torch.empty(n, spec.H, spec.I, device=dev, dtype=bf16)
     g = torch.Generator(device=dev).manual_seed(2000 + spec.seed)
@@ -628,7 +631,7 @@ def layer_extras(ctx: Ctx, spec: S.LayerSpec, config) -> dict:
         return out
     g = torch.Generator(device=dev).manual_seed(5000 + spec.seed)
     out = {}
-    n = config.num_total_experts
+    n = config.local_expert_range()[1]
     if spec.arch == "gpt_oss":
         out["router_bias"] = (0.1 * torch.randn(spec.E, generator=g, device=dev)).to(bf16).float()
     if config.expert_bias:
@@ -641,14 +644,17 @@ def layer_extras(ctx: Ctx, spec: S.LayerSpec, config) -> dict:
 
 
 def touched_experts(logits, config, bias) -> int:
-    """Routed experts that at least one token of ``logits [T, E]`` reaches (the reference gate's ``topk_ids``)."""
+    """This rank's routed experts that at least one token of ``logits [T, E]`` reaches (the reference gate's
+    ``topk_ids``; one device: every routed expert)."""
     import torch
 
     import moe_torch
 
     _, ids = moe_torch.select_experts(logits, **config.gate_kwargs(), e_score_correction_bias=bias,
                                       implementation="reference")
-    return int(torch.unique(ids[ids < config.num_experts]).numel())
+    lo = config.local_expert_range()[0]
+    hi = lo + config.num_experts // config.ep_size
+    return int(torch.unique(ids[(ids >= lo) & (ids < hi)]).numel())
 
 
 def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
@@ -666,7 +672,7 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
     bench = "decode" if isinstance(spec, S.DecodeSpec) else "layer"
     dev, bf16 = ctx.torch_dev, torch.bfloat16
     config = spec.config()
-    key = (spec.model, spec.E, spec.H, spec.I, spec.quant)
+    key = (spec.model, spec.E, spec.H, spec.I, spec.quant, getattr(spec, "ep_size", 1))
     if wcache.get("key") != key:
         wcache.clear()
         if dev.type == "cuda":
@@ -741,7 +747,12 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
             run_jax(ctx, bench, "ours-jax-decode", spec, fn_decode, jsets[0], ref,
                     rot_sets=jsets if n_sets > 1 else None, **common)
     del jsets
-    if spec.quant == "none":
+    if config.ep_size > 1 and spec.arch is not None:  # an EP rank's partial sum: no whole-layer peer
+        for name in (f"transformers-{S.HF_BLOCKS[spec.arch]}", f"transformers-{S.HF_BLOCKS[spec.arch]}-eager"):
+            if ctx.wants(name):
+                skip_row(ctx, bench, name, spec, f"one EP rank's part of the layer (ep_size={config.ep_size}); "
+                         f"transformers' block computes the whole layer")
+    elif spec.quant == "none":
         bench_layer_transformers(ctx, spec, x, (w13, w2, gate_w, bias, rb, b13, b2), ref, common, bench=bench)
     elif spec.arch is not None:  # quantized rows (decode and layer): the peer's columns say why they are empty
         block = S.HF_BLOCKS[spec.arch]
@@ -1312,7 +1323,7 @@ def bench_layer_bwd(ctx: Ctx, spec: S.LayerBwdSpec, wcache: dict) -> None:
 
     dev, bf16 = ctx.torch_dev, torch.bfloat16
     config = spec.config()
-    key = (spec.model, spec.E, spec.H, spec.I, spec.quant)
+    key = (spec.model, spec.E, spec.H, spec.I, spec.quant, getattr(spec, "ep_size", 1))
     if wcache.get("key") != key:
         wcache.clear()
         if dev.type == "cuda":

@@ -63,9 +63,12 @@ BENCH_QUANTS = tuple(QUANTS)
 #: bf16 2; FP8 1 (its float32 scales are one per output channel or per 128x128 block: < 0.1%, not counted);
 #: MXFP4 half a byte + one e8m0 byte per 32 (4.25 bits); INT4 half a byte + one bf16 scale per 32 (4.5 bits).
 WEIGHT_BYTES = {"none": 2.0, "fp8_per_token": 1.0, "fp8_block": 1.0, "mxfp4": 0.5 + 1 / 32, "int4": 0.5 + 2 / 32}
-#: The decode rows (``bench.py --what decode``): tokens per step and weight formats; the layer is gpt-oss-120b's
-#: (E=128, topk 4, H=I=2880) unless ``--preset`` names another.
-DECODE_T = (1, 8, 64, 512)
+#: The decode rows (``bench.py --what decode``): tokens per step, and the models in the weight format each ships in,
+#: with the expert parallelism it is served with (``(preset, quant, ep_size)``; an EP row is the last rank's part: its
+#: routed experts and the shared ones). ``--preset`` takes that model's layer in :data:`DECODE_QUANTS` instead.
+DECODE_T = (1, 2, 4, 8, 16, 32, 64, 128)
+DECODE_MODELS = (("gpt-oss-120b", "mxfp4", 1), ("deepseek-v3", "fp8_block", 8), ("qwen3-30b-a3b", "none", 1),
+                 ("kimi-k2", "int4", 1))
 DECODE_QUANTS = ("none", "mxfp4", "int4")
 DECODE_PRESET = "gpt-oss-120b"
 
@@ -226,11 +229,42 @@ class LayerSpec:
 class DecodeSpec(LayerSpec):
     """One MoE layer forward at decode sizes (``bench.py --what decode``): the layer of :class:`LayerSpec`,
     where the weights the step reads are the floor. The benchmark sets :attr:`touched` from the routing of
-    its tokens, so the row's bytes (and its % of the copy ceiling) are those of the experts actually read."""
+    its tokens (the routed experts of this rank they reach), so the row's bytes (and its % of the copy ceiling)
+    are those of the experts actually read. ``ep_size > 1``: the last EP rank's part of the layer (its
+    ``E / ep_size`` routed experts and the shared ones; the output is that rank's partial sum)."""
+
+    ep_size: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ep_size < 1 or self.E % self.ep_size:
+            raise ValueError(f"DecodeSpec: ep_size must be >= 1 and divide E={self.E}; got ep_size={self.ep_size!r}")
 
     @property
     def name(self) -> str:
-        return "decode" + super().name[len("layer"):]
+        return "decode" + super().name[len("layer"):] + (f"/ep{self.ep_size}" if self.ep_size > 1 else "")
+
+    def config(self) -> MoEConfig:
+        c = super().config()
+        return c.replace(ep_size=self.ep_size, ep_rank=self.ep_size - 1) if self.ep_size > 1 else c
+
+    @property
+    def flops(self) -> float:
+        """This rank's share of the routed rows (uniform routing's expectation) and every shared row."""
+        return 6.0 * self.T * (self.topk / self.ep_size + self.num_shared) * self.H * self.I
+
+    @property
+    def hit_experts(self) -> float:
+        """This rank's routed experts the tokens reach (:attr:`touched`, else uniform routing's expectation over
+        its ``E / ep_size``) and the shared experts (on the last rank: this one)."""
+        if self.ep_size == 1:
+            return super().hit_experts
+        local = self.E // self.ep_size
+        routed = self.touched if self.touched is not None else local * (1.0 - (1.0 - self.topk / self.E) ** self.T)
+        return routed + self.num_shared
+
+    def fields(self) -> dict:
+        return dict(super().fields(), ep_size=self.ep_size) if self.ep_size > 1 else super().fields()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -460,20 +494,27 @@ def layer_specs(quick: bool = False, tiny: bool = False, model: BenchModel | Non
 
 def decode_specs(quick: bool = False, tiny: bool = False, model: BenchModel | None = None,
                  ts: tuple[int, ...] | None = None) -> list[DecodeSpec]:
-    """The decode rows: T in :data:`DECODE_T` x quant in :data:`DECODE_QUANTS` (quick: T in {1, 64}, bf16 and
-    MXFP4) of ``model``'s layer, by default gpt-oss-120b's (:data:`DECODE_PRESET`: E=128, topk 4, H=I=2880,
-    clamped SwiGLU, expert biases). Tiny (CPU): gpt-oss's layer at E=4, topk 2, H=64, I=32, T in {1, 4}.
-    ``ts``: these T instead (``bench.py --ts``)."""
+    """The decode rows, T in :data:`DECODE_T` (quick: {1, 64}; ``ts``: these T, ``bench.py --ts``): each model of
+    :data:`DECODE_MODELS` in its shipped format (gpt-oss-120b MXFP4, DeepSeek-V3 FP8 blocks as one EP8 rank,
+    Qwen3-30B-A3B bf16, Kimi K2 INT4; quick: the first two); with ``model``: its layer in each of
+    :data:`DECODE_QUANTS` (quick: bf16 and MXFP4). Tiny (CPU): gpt-oss's layer at E=4, topk 2, H=64, I=32, T in
+    {1, 4}, in :data:`DECODE_QUANTS`."""
     ts = tuple(ts) if ts else (1, 4) if tiny else (1, 64) if quick else DECODE_T
     qs = DECODE_QUANTS[:2] if quick else DECODE_QUANTS
-    if model is None:
-        model = preset_model(DECODE_PRESET)
-        if tiny:
-            c = model.config.replace(num_experts=4, topk=2, hidden_size=64, intermediate_size=32)
-            model = BenchModel(name="gpt-oss-tiny", config=c, arch=model.arch)
-    c = model.config
-    return [DecodeSpec(T=T, quant=q, E=c.num_experts, topk=c.topk, H=c.hidden_size, I=c.intermediate_size,
-                       model=model.name, base=c, arch=model.arch) for q in qs for T in ts]
+    if model is None and tiny:
+        base = preset_model(DECODE_PRESET)
+        c = base.config.replace(num_experts=4, topk=2, hidden_size=64, intermediate_size=32)
+        model = BenchModel(name="gpt-oss-tiny", config=c, arch=base.arch)
+    if model is not None:
+        runs = [(model, q, 1) for q in qs]
+    else:
+        runs = [(preset_model(name), q, ep) for name, q, ep in (DECODE_MODELS[:2] if quick else DECODE_MODELS)]
+    out = []
+    for m, q, ep in runs:
+        c = m.config
+        out += [DecodeSpec(T=T, quant=q, E=c.num_experts, topk=c.topk, H=c.hidden_size, I=c.intermediate_size,
+                           model=m.name, base=c, arch=m.arch, ep_size=ep) for T in ts]
+    return out
 
 
 def gemm_bwd_specs(quick: bool = False, tiny: bool = False, model: BenchModel | None = None) -> list[GemmBwdSpec]:

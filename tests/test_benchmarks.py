@@ -1098,14 +1098,18 @@ def test_jax_layer_held_memory_drops_by_h_with_recompute():
 
 
 def test_decode_specs_bytes_are_the_weights_read():
-    """--what decode: gpt-oss-120b's layer (E=128, topk 4, H=I=2880, expert biases) at T in {1, 8, 64, 512} with
-    bf16, MXFP4 and INT4 weights; a row's bytes are its hit experts' weights at 2 / (0.5 + 1/32) / (0.5 + 2/32)
-    bytes a weight (4.25 / 4.5 bits: the scales included) plus their biases, and x / out; setting ``touched`` (the
-    experts the tokens actually reach) replaces the uniform-routing expectation; MXFP4 at T=1 reads about 4x fewer
-    bytes than bf16. Quick: T in {1, 64}, bf16 and MXFP4; tiny: gpt-oss's semantics at E=4, H=64, I=32."""
+    """--what decode: four models in their shipped formats (gpt-oss-120b MXFP4, DeepSeek-V3 FP8 blocks as the last
+    of 8 EP ranks, Qwen3-30B-A3B bf16, Kimi K2 INT4) at T in {1, 2, ..., 128}; a row's bytes are its hit experts'
+    weights at 2 / 1 / (0.5 + 1/32) / (0.5 + 2/32) bytes a weight (the 4-bit scales included) plus their biases,
+    and x / out; setting ``touched`` (the experts the tokens reach) replaces the uniform-routing expectation; the EP
+    row counts only its rank's 32 routed experts and the shared one. ``--preset``: that layer in bf16, MXFP4 and
+    INT4; quick: T in {1, 64}; tiny: gpt-oss's semantics at E=4, H=64, I=32."""
     specs = S.decode_specs()
-    assert [(s.T, s.quant) for s in specs] == [(T, q) for q in ("none", "mxfp4", "int4") for T in (1, 8, 64, 512)]
-    s = specs[4]
+    ts = (1, 2, 4, 8, 16, 32, 64, 128)
+    assert [(s.model, s.quant, s.ep_size, s.T) for s in specs] == [
+        (m, q, ep, T) for m, q, ep in (("gpt-oss-120b", "mxfp4", 1), ("deepseek-v3", "fp8_block", 8),
+                                       ("qwen3-30b-a3b", "none", 1), ("kimi-k2", "int4", 1)) for T in ts]
+    s = specs[0]
     assert s.name == "decode/gpt-oss-120b/E=128/H=2880/I=2880/mxfp4/T=1" and s.arch == "gpt_oss" and s.dtype == "bf16"
     H_, I_ = 2880, 2880
     per_expert = 3 * H_ * I_ * (0.5 + 1 / 32) + (2 * I_ + H_) * 2
@@ -1113,12 +1117,24 @@ def test_decode_specs_bytes_are_the_weights_read():
     assert s.min_bytes == pytest.approx(hit * per_expert + 2 * 1 * H_ * 2)
     t = dataclasses.replace(s, touched=3)
     assert t.min_bytes == pytest.approx(3 * per_expert + 2 * H_ * 2) and t.name == s.name
-    int4 = dataclasses.replace(specs[8], touched=3)
-    assert int4.min_bytes == pytest.approx(3 * (3 * H_ * I_ * (0.5 + 2 / 32) + (2 * I_ + H_) * 2) + 2 * H_ * 2)
-    assert 3.7 < specs[0].min_bytes / s.min_bytes < 3.8  # bf16 / MXFP4 at T=1
     with pytest.raises(ValueError, match=r"touched must be None or in \[0, E=128\]; got touched=129"):
         dataclasses.replace(s, touched=129)
-    assert [(q.T, q.quant) for q in S.decode_specs(quick=True)] == [(1, "none"), (64, "none"), (1, "mxfp4"), (64, "mxfp4")]
+    dsv3 = specs[len(ts)]  # the last EP8 rank: routed experts 224..255 and the shared expert 256
+    c = dsv3.config()
+    assert (c.ep_size, c.ep_rank, c.local_expert_range(), c.quant) == (8, 7, (224, 33), "fp8_block")
+    assert dsv3.name.endswith("/fp8_block/T=1/ep8") and dsv3.fields()["ep_size"] == 8
+    local = 32 * (1 - (1 - 8 / 256) ** 1)
+    assert dsv3.min_bytes == pytest.approx((local + 1) * 3 * 7168 * 2048 + 2 * 7168 * 2)
+    assert dataclasses.replace(dsv3, touched=2).hit_experts == 3
+    with pytest.raises(ValueError, match="ep_size must be >= 1 and divide E=256; got ep_size=3"):
+        dataclasses.replace(dsv3, ep_size=3)
+    preset = S.decode_specs(model=S.preset_model("gpt-oss-120b"), ts=[1])
+    assert [q.quant for q in preset] == ["none", "mxfp4", "int4"] and {q.ep_size for q in preset} == {1}
+    int4 = dataclasses.replace(preset[2], touched=3)
+    assert int4.min_bytes == pytest.approx(3 * (3 * H_ * I_ * (0.5 + 2 / 32) + (2 * I_ + H_) * 2) + 2 * H_ * 2)
+    assert 3.7 < preset[0].min_bytes / preset[1].min_bytes < 3.8  # bf16 / MXFP4 at T=1
+    assert [(q.model, q.T) for q in S.decode_specs(quick=True)] == [
+        ("gpt-oss-120b", 1), ("gpt-oss-120b", 64), ("deepseek-v3", 1), ("deepseek-v3", 64)]
     tiny = S.decode_specs(tiny=True)
     c = tiny[0].config()
     assert (c.num_experts, c.topk, c.hidden_size, c.intermediate_size) == (4, 2, 64, 32)
