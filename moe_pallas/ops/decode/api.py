@@ -15,7 +15,7 @@ import functools
 
 import jax
 
-from moe_contract.config import FP8_QUANTS, MoEConfig
+from moe_contract.config import MoEConfig
 from moe_contract.op_checks import check_fused_experts_decode
 from moe_contract.validation import check_choice
 from moe_pallas.ops.common import takes_jax_arrays
@@ -100,15 +100,6 @@ def fused_experts_decode(
     """
     check_fused_experts_decode(_OP, x, topk_weights, topk_ids, w13, w2, config, w13_bias, w2_bias, w13_scale,
                                w2_scale)
-    if config.quant in FP8_QUANTS:
-        raise NotImplementedError(
-            f"{_OP}: quant={config.quant!r} (FP8 weights) is not served by the decode path yet; it serves quant='none' "
-            f"(float32 / bfloat16 / float16 weights), 'mxfp4' and 'int4' (run the layer's stages, routed_experts / "
-            f"moe_forward, for FP8); got config.quant={config.quant!r}")
-    if config.apply_router_weight_on_input:
-        raise NotImplementedError(
-            f"{_OP}: apply_router_weight_on_input=True (the routing weight on the expert's input, Llama 4) is not served "
-            f"by the decode path yet (run routed_experts / moe_forward); got config.apply_router_weight_on_input=True")
     check_choice(_OP, "implementation", implementation, (None, *IMPLEMENTATIONS))
     named = {"x": x, "topk_weights": topk_weights, "w13": w13, "w2": w2, "w13_bias": w13_bias, "w2_bias": w2_bias}
     x, topk_weights, w13, w2, w13_bias, w2_bias = (None if a is None else _no_derivative(name, a)
