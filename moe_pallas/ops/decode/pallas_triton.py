@@ -7,9 +7,12 @@ launches and metadata cost more than the weight reads that bound the work.
 Names: ``x [T, H]``, ``topk_ids`` / ``topk_weights [T, k]`` (``k = topk + S`` slots), assignment (slot) ``s = t*k
 + j``, local expert ``e = topk_ids[t, j] - expert_start`` when it lies in ``[0, E_local)`` (else the slot is
 non-local: ``-1``, a dropped slot, another EP rank's expert; it contributes nothing). Weights ``w13 [E_local, 2I,
-H]``, ``w2 [E_local, H, I]`` (float of ``x``'s dtype, or 4-bit packed codes with group scales, CONTRACT.md
-section 9), optional biases ``w13_bias [E_local, 2I]``, ``w2_bias [E_local, H]`` (passed to the kernels in float32,
-an exact widening, as the grouped GEMM does).
+H]``, ``w2 [E_local, H, I]`` (float of ``x``'s dtype; float8_e4m3fn codes with float32 scales, CONTRACT.md section
+3; or 4-bit packed codes with group scales, section 9), optional biases ``w13_bias [E_local, 2I]``, ``w2_bias
+[E_local, H]`` (passed to the kernels in float32, an exact widening, as the grouped GEMM does). ``c[s]``: the
+combine's weight of slot ``s``, ``topk_weights`` itself, or with ``apply_router_weight_on_input`` (Llama 4) 1 for a
+routed slot, whose weight ``r[s]`` scales its input instead (``reference.split_weights``; a shared slot keeps its
+weight, ``r = 1``).
 
 **Prelude** (:func:`expert_slots` and one gather, plain jnp on the device, ``O(T*k*H + E_local)``)::
 
@@ -19,6 +22,9 @@ an exact widening, as the grouped GEMM does).
     program i of kernel A: prog_expert[i] = the i-th reached expert in id order, with prog_start[i] /
                    prog_count[i] its range of perm; programs past the reached experts get count 0
     xp             = x[perm // k]: the slots' token rows [T*k, H] in expert order (an expert's rows contiguous)
+                     with apply_router_weight_on_input: cast(float32(xp) * r[perm]) (the layer's scaled_slot_rows)
+                     FP8: xp, xs = quantized per row (fp8_per_token: xs [T*k]; fp8_block: 1x128 groups, xs
+                     [T*k, H/128]): the permute's quantization (quant/reference.py), which commutes with the gather
 
 Why a prelude rather than the torch kernel's in-kernel scans (every program of its kernel A compares all ``T*k``
 ids with the ``E_local`` experts, then with its own expert's slots, a chunk at a time): in JAX the metadata is a few
@@ -43,9 +49,15 @@ BLOCK_N))``::
           for k0 in 0..H step BLOCK_K:                            (float32 accumulation, a dot of >= 16 rows)
               xs = xp[rows, k0:+BLOCK_K]                          (the slots' token rows, one contiguous block)
               acc += xs @ w13[e, wrows, k0:].T    (4-bit: the grouped GEMM's _w4_step_part decodes the codes to
-                                                   x's dtype, low nibbles against x's even columns, high its odd)
+                                                   x's dtype, low nibbles against x's even columns, high its odd;
+                                                   FP8: codes times codes, float32; fp8_block: the step's partial
+                                                   sum times xs[rows, k0/128] * w13_scale[e, wrows/128, k0/128])
+          fp8_per_token: acc = acc * xs[rows] * w13_scale[e(, wrows)]   (the grouped GEMM's order)
           g, u = float32(cast(acc + w13_bias[e, wrows]))      h rounded to x.dtype: GEMM 1's output (section 4)
           a[slot, cols] = cast(act(g) * u)                      activation/reference.py's gated; x.dtype
+                          fp8_per_token: float32 act(g) * u, unrounded (kernel B quantizes the whole row)
+                          fp8_block: BLOCK_N = 128 columns are one 1x128 group: its amax, scale and codes as
+                          act_and_mul's kernel makes them; a_scale[slot, n] = the scale
 
 so every reached expert's ``w13`` is read once (per column block, by one program), whatever the number of its
 slots; ``a [T*k, I]`` is in slot order (a masked scatter of rows, no permutation buffer); non-local slots' rows
@@ -56,19 +68,35 @@ are never written (and never read).
     program (t, n): cols = n*BLOCK_H + [0, BLOCK_H) of H;  acc = 0 (float32)
       for j in 0..k-1 (slot order, a loop):
           if slot_expert[t*k + j] = e >= 0:              (lax.cond: a non-local slot reads nothing)
+              fp8_per_token: sa = max(amax of a[s, :], 1e-10) * float32(1/448)  (a first pass over the row)
               y = sum over I chunks of w2[e, cols, i:+BLOCK_I] * a[t*k + j, i:+BLOCK_I]   (float32 GEMV)
-                  (4-bit: _w4_step_part on 16 rows of which only the slot's is live, its row taken)
+                  (4-bit: _w4_step_part on 16 rows of which only the slot's is live, its row taken;
+                   fp8_per_token: the chunk of a quantized with sa first, codes times codes;
+                   fp8_block: codes times codes, the chunk's sum times a_scale[s, i/128] * w2_scale[e, cols/128,
+                   i/128])
+              fp8_per_token: y = y * sa * w2_scale[e(, cols)]
               y = float32(cast(y + w2_bias[e, cols]))       GEMM 2's output, rounded to x.dtype (section 4)
-              acc += topk_weights[t, j] * y                 the combine's float32 sum (section 5)
+              acc += c[t*k + j] * y                          the combine's float32 sum (section 5)
       out[t, cols] = cast(acc * rsf)                        rsf = config.combine_routed_scaling_factor (if != 1)
 
 Token-major for the down projection (as the torch kernel): each output element is written by exactly one program,
 which sums its token's slots in slot order, so the result is bit-identical from run to run (no atomics) and needs
 no third kernel.
 
+**FP8** (CONTRACT.md sections 3, 4): the x rows are quantized in the prelude (a few fused XLA ops on ``T*k`` rows;
+the same function as the staged permute's, so the same codes and scales); the activation's quantization is fused
+into the kernels, from the float32 ``act(g) * u`` as ``act_and_mul`` quantizes it, with its own scale formula and
+division (``scale_from_amax``, ``quantize_div_fp8_kernel``), so the codes and scales are the staged op's bit for
+bit. The 1x128 groups of ``fp8_block`` fit kernel A (a program's 128 columns are a group); a per-token scale needs
+the amax of the whole ``I`` row, which no program of kernel A holds, so kernel A hands kernel B the float32 row and
+every program of kernel B takes the amax of its slots' rows itself (a second read of ``k`` rows of ``I`` float32
+values from L2 a program, and the quantization of each chunk again in each of the ``H / BLOCK_H`` programs: small
+next to the program's ``BLOCK_H x I`` weight tile) rather than a jnp reduction and a third launch between the
+kernels. The scales apply where the grouped GEMM applies them, before the bias and the one rounding.
+
 Rounding points and sums follow the staged layer (``reference.py``), so the two agree within CONTRACT.md section 7:
-float32 to float32 reordering (``F32_REL_FRO``), bf16 / fp16 within ``BF16_REL_FRO``. Deterministic: fixed grids,
-fixed loop orders, no atomics.
+float32 to float32 reordering (``F32_REL_FRO``), bf16 / fp16 within ``BF16_REL_FRO``, FP8 within ``FP8_REL_FRO``.
+Deterministic: fixed grids, fixed loop orders, no atomics.
 
 Mirror: ``moe_torch/ops/decode/triton.py``.
 """
@@ -390,14 +418,16 @@ def fused_experts_decode_pallas_triton(
     inputs_a += [w13_bias.astype(jnp.float32)] if w13_bias is not None else []  # exact widening; small next to w13
     a_mode = {None: "cast", "per_token": "float32", "block": "group"}[fp8]
     a_shape = jax.ShapeDtypeStruct((S, I), {"cast": x.dtype, "float32": jnp.float32, "group": FP8_DTYPE}[a_mode])
+    if a_mode == "group":  # the codes and their scales, slot s's group g at s * I/128 + g (a flat scatter target)
+        a_shape = (a_shape, jax.ShapeDtypeStruct((S * (I // FP8_BLOCK),), jnp.float32))
     kernel_a = functools.partial(
         _gate_up_kernel, k=k, S=S, H=H, I=I, activation=config.activation,
         interleaved=config.gate_up_layout == "interleaved", has_bias=w13_bias is not None, a_mode=a_mode,
-        w_scale_kind=kinds[0], num_m_blocks=pl.cdiv(S, cfg_a.block_m), block_m=cfg_a.block_m, block_n=cfg_a.block_n, block_k=cfg_a.block_k,
-        **common)
+        w_scale_kind=kinds[0], num_m_blocks=pl.cdiv(S, cfg_a.block_m), block_m=cfg_a.block_m,
+        block_n=cfg_a.block_n, block_k=cfg_a.block_k, **common)
     a = pl.pallas_call(
         kernel_a,
-        out_shape=(a_shape, jax.ShapeDtypeStruct((S * (I // FP8_BLOCK),), jnp.float32)) if a_mode == "group" else a_shape,
+        out_shape=a_shape,
         grid=(min(S, e_local), pl.cdiv(I, cfg_a.block_n)),
         compiler_params=plgpu.CompilerParams(num_warps=cfg_a.num_warps, num_stages=cfg_a.num_stages),
         interpret=interpret,
