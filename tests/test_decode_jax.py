@@ -124,24 +124,29 @@ ROUTINGS = {
 }
 
 
+_quantize_jit = jax.jit(quantize_layer_weights, static_argnames=("config",))
+
+
 def _fp8_weights(config: MoEConfig, w13, w2):
     """``dict(w13=, w13_scale=, w2=, w2_scale=)``: float weights quantized as the layer quantizes them
     (``quantize_layer_weights``: per-channel scales for fp8_per_token, 128x128 blocks for fp8_block)."""
-    w13q, s13, w2q, s2 = quantize_layer_weights(w13.astype(jnp.float32), w2.astype(jnp.float32), config)
+    w13q, s13, w2q, s2 = _quantize_jit(w13.astype(jnp.float32), w2.astype(jnp.float32), config=config)
     return dict(w13=w13q, w13_scale=s13, w2=w2q, w2_scale=s2)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _staged(x, weights, ids, w13, w2, config: MoEConfig, **kw) -> jax.Array:
-    """The staged layer's ``routed_experts`` (stage references, jitted as ``_both``'s reference) on the decode path's
-    inputs: the combine's weights and the input scale split from the given weights as the layer's ``slot_weights``
-    does."""
+def _reference_and_staged(x, weights, ids, w13, w2, config: MoEConfig, **kw) -> tuple[jax.Array, jax.Array]:
+    """``(reference, staged)``: ``fused_experts_decode``'s reference, and the staged layer's ``routed_experts``
+    (stage references) on the same inputs, the combine's weights and the input scale split from the given weights
+    as the layer's ``slot_weights`` does; one jitted program (one compile)."""
+    ref = fused_experts_decode(x, weights, ids, w13, w2, config, implementation="reference", **kw)
     combine_weights, input_scale = split_weights(weights, config)
     start, e_local = config.local_expert_range()
-    return routed_experts(x, combine_weights, ids, w13, w2, config, implementation="reference",
-                          num_experts=config.num_total_experts, expert_start=start, num_local_experts=e_local,
-                          routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=x.dtype,
-                          input_scale=input_scale, **kw)
+    staged = routed_experts(x, combine_weights, ids, w13, w2, config, implementation="reference",
+                            num_experts=config.num_total_experts, expert_start=start, num_local_experts=e_local,
+                            routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=x.dtype,
+                            input_scale=input_scale, **kw)
+    return ref, staged
 
 
 #: (T, dtype, quant, settings): each routing once per float dtype; FP8 at T = 1 and T = 3 (ragged experts, empty
@@ -166,10 +171,11 @@ def test_matches_reference(T, dtype, quant, settings):
         assert_rel_fro(pt, _float64_loop(x, w, ids, w13, w2, config), LIMITS[dtype], "pallas_triton vs float64")
         return
     weights = _fp8_weights(config, w13, w2)
-    pt, ref = _both(x, w, ids, config=config, **weights, **biases)
+    pt = fused_experts_decode(x, w, ids, config=config, implementation="pallas_triton", **weights, **biases)
+    ref, staged = _reference_and_staged(x, w, ids, config=config, **weights, **biases)
     assert pt.dtype == x.dtype and pt.shape == x.shape
     assert_rel_fro(pt, ref, FP8_REL_FRO, f"pallas_triton vs reference T={T} {dtype} {quant}")
-    assert_exact(ref, _staged(x, w, ids, config=config, **weights, **biases), "reference vs the staged layer")
+    assert_exact(ref, staged, "reference vs the staged layer")
 
 
 @pytest.mark.parametrize("case", ["one_expert", "non_local", "int64_ids"])
@@ -209,7 +215,7 @@ def test_row_blocks():
     cfg_b = DecodeDownConfig(block_h=32, block_i=16, num_warps=4, num_stages=1)
     out = decode_pt.fused_experts_decode_pallas_triton(x, w, ids_j, w13, w2, config, gate_up_config=cfg_a,
                                                        down_config=cfg_b)
-    ref = fused_experts_decode(x, w, ids_j, w13, w2, config, implementation="reference")
+    ref = _decode_jit(x, w, ids_j, w13, w2, config=config, implementation="reference")
     assert_rel_fro(out, ref, F32_REL_FRO, "two row blocks")
 
 
@@ -259,11 +265,11 @@ def test_shared_expert_rsf_fp16(on_input):
     assert config.combine_routed_scaling_factor == 2.5
     ids = np.array([[1, 3, 4], [0, 1, 4]], np.int32)
     x, w, ids_j, w13, w2, _ = _inputs(config, ids, "float16")
-    pt, ref = _both(x, w, ids_j, w13, w2, config)
+    pt = fused_experts_decode(x, w, ids_j, w13, w2, config, implementation="pallas_triton")
+    ref, staged = _reference_and_staged(x, w, ids_j, w13, w2, config=config)
     assert_rel_fro(pt, ref, BF16_REL_FRO, "shared + rsf")
     assert_rel_fro(pt, _float64_loop(x, w, ids_j, w13, w2, config), BF16_REL_FRO, "shared + rsf vs float64")
-    if on_input:
-        assert_exact(ref, _staged(x, w, ids_j, w13, w2, config), "reference vs the staged layer")
+    assert_exact(ref, staged, "reference vs the staged layer")
 
 
 @pytest.mark.parametrize("quant,dtype", [("mxfp4", "bfloat16"), ("int4", "bfloat16"), ("mxfp4", "float32")])
