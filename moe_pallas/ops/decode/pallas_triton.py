@@ -89,10 +89,12 @@ into the kernels, from the float32 ``act(g) * u`` as ``act_and_mul`` quantizes i
 division (``scale_from_amax``, ``quantize_div_fp8_kernel``), so the codes and scales are the staged op's bit for
 bit. The 1x128 groups of ``fp8_block`` fit kernel A (a program's 128 columns are a group); a per-token scale needs
 the amax of the whole ``I`` row, which no program of kernel A holds, so kernel A hands kernel B the float32 row and
-every program of kernel B takes the amax of its slots' rows itself (a second read of ``k`` rows of ``I`` float32
-values from L2 a program, and the quantization of each chunk again in each of the ``H / BLOCK_H`` programs: small
-next to the program's ``BLOCK_H x I`` weight tile) rather than a jnp reduction and a third launch between the
-kernels. The scales apply where the grouped GEMM applies them, before the bias and the one rounding.
+every program of kernel B takes the amax of its slots' rows itself rather than a jnp reduction and a third launch
+between the kernels. Its price: a second read of ``k`` rows of ``I`` float32 values (from L2) a program, and each
+element of ``a`` quantized again in each of the ``H / BLOCK_H`` programs, a few dozen instructions with
+``div.rn.f32`` next to the ``BLOCK_H`` multiply-adds it feeds (with the repaired division, ``EPMOE_PALLAS_DIV_RN=0``
+or sm < 90, far more); not timed on a GPU yet. The scales apply where the grouped GEMM applies them, before the
+bias and the one rounding.
 
 Rounding points and sums follow the staged layer (``reference.py``), so the two agree within CONTRACT.md section 7:
 float32 to float32 reordering (``F32_REL_FRO``), bf16 / fp16 within ``BF16_REL_FRO``, FP8 within ``FP8_REL_FRO``.
