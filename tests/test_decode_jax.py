@@ -5,11 +5,15 @@ sections 4, 5, 7 and 9. The mirror of ``test_decode_torch.py``, case for case.
 Routings: T = 1, 2, 3, 7 with ragged and empty experts, every token on one expert, ``-1`` ids, another EP rank's
 experts, a token with no local slot, an expert with more slots than one row block; float32 (``F32_REL_FRO``) and
 bf16 / fp16 (``BF16_REL_FRO``); gpt-oss's biases with ``swiglu_oai`` on interleaved gate/up rows; a fused shared
-expert with rsf in the combine; 4-bit weights (mxfp4, int4); bit-identical reruns and ``jax.jit`` replays on new
-inputs (where torch captures a CUDA graph); the host-side errors; both kernels lowered for CUDA (abstract H200).
+expert with rsf in the combine, with and without Llama 4's routing weight on the input; 4-bit weights (mxfp4,
+int4); FP8 weights (fp8_per_token, fp8_block: ``FP8_REL_FRO``, the reference against the staged layer's
+``routed_experts`` bit for bit, and the activation's codes and scales bit for bit on exact data); bit-identical
+reruns and ``jax.jit`` replays on new inputs (where torch captures a CUDA graph); the host-side errors; both kernels
+lowered for CUDA (abstract H200).
 
 On the CPU the kernels run in Pallas interpret mode, which fills ``a``'s never-written rows (non-local slots) with
-NaN: a read of one would reach the output. Shapes are tiny: H = 48 / 64, I = 24 / 32 (K tails in both GEMMs).
+NaN: a read of one would reach the output. Shapes are tiny: H = 48 / 64, I = 24 / 32 (K tails in both GEMMs);
+fp8_block needs multiples of 128.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 import moe_pallas
 from moe_contract import MoEConfig
-from moe_pallas.layer import quantize_layer_weights
+from moe_pallas.layer import quantize_layer_weights, routed_experts
 from moe_pallas.ops.decode import DECODE_MAX_TOKENS, fused_experts_decode
 from moe_pallas.ops.decode import pallas_triton as decode_pt
 from moe_pallas.ops.decode.config import DecodeDownConfig, DecodeGateUpConfig
+from moe_pallas.ops.decode.reference import split_weights
+from moe_pallas.ops.quant.pallas_triton import kernel_div_rn
 from moe_torch.ops.activation.reference import gated, split_gate_up
-from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
+from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 LIMITS = {"float32": F32_REL_FRO, "bfloat16": BF16_REL_FRO, "float16": BF16_REL_FRO}
@@ -68,7 +74,8 @@ def _f64(a) -> torch.Tensor | None:
 def _float64_loop(x, weights, ids, w13, w2, config: MoEConfig, w13_bias=None, w2_bias=None) -> np.ndarray:
     """``sum_j w[t, j] * expert(x[t])`` in float64 with no intermediate rounding, slot by slot (the judge of
     CONTRACT.md section 7's float64 rows; torch's float64 activation reference); ``w13`` / ``w2`` float
-    (dequantized for 4-bit)."""
+    (dequantized for 4-bit). With ``config.apply_router_weight_on_input`` a routed slot is ``expert(w[t, j] *
+    x[t])`` instead."""
     start, e_local = config.local_expert_range()
     x, weights, w13, w2, w13_bias, w2_bias = (_f64(a) for a in (x, weights, w13, w2, w13_bias, w2_bias))
     ids = to_numpy(ids)
@@ -78,21 +85,27 @@ def _float64_loop(x, weights, ids, w13, w2, config: MoEConfig, w13_bias=None, w2
             e = int(ids[t, j]) - start
             if int(ids[t, j]) < 0 or not 0 <= e < e_local:
                 continue
-            h = x[t] @ w13[e].T
+            on_input = config.apply_router_weight_on_input and j < config.topk
+            h = (float(weights[t, j]) * x[t] if on_input else x[t]) @ w13[e].T
             if w13_bias is not None:
                 h = h + w13_bias[e]
             g, u = split_gate_up(h[None], config.gate_up_layout)
             y = gated(config.activation, g, u)[0] @ w2[e].T
             if w2_bias is not None:
                 y = y + w2_bias[e]
-            out[t] += float(weights[t, j]) * y
+            out[t] += (1.0 if on_input else float(weights[t, j])) * y
     return (out * config.combine_routed_scaling_factor).numpy()
 
 
+#: ``fused_experts_decode`` under one ``jax.jit``: the reference's stage ops compiled as one program (run eagerly, each
+#: of their jnp ops compiles on its own: ~6x the CPU time on a new shape).
+_decode_jit = jax.jit(fused_experts_decode, static_argnames=("config", "implementation"))
+
+
 def _both(x, weights, ids, w13, w2, config, **kw):
-    """``(pallas_triton, reference)`` outputs of ``fused_experts_decode``."""
+    """``(pallas_triton, reference)`` outputs of ``fused_experts_decode`` (the reference jitted)."""
     pt = fused_experts_decode(x, weights, ids, w13, w2, config, implementation="pallas_triton", **kw)
-    ref = fused_experts_decode(x, weights, ids, w13, w2, config, implementation="reference", **kw)
+    ref = _decode_jit(x, weights, ids, w13, w2, config=config, implementation="reference", **kw)
     return pt, ref
 
 
@@ -111,15 +124,58 @@ ROUTINGS = {
 }
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("T", sorted(ROUTINGS))
-def test_matches_reference(T, dtype):
-    config = MoEConfig(hidden_size=48, intermediate_size=24, num_experts=8, topk=2)
-    x, w, ids, w13, w2, _ = _inputs(config, np.array(ROUTINGS[T], np.int32), dtype, seed=T)
-    pt, ref = _both(x, w, ids, w13, w2, config)
+_quantize_jit = jax.jit(quantize_layer_weights, static_argnames=("config",))
+
+
+def _fp8_weights(config: MoEConfig, w13, w2):
+    """``dict(w13=, w13_scale=, w2=, w2_scale=)``: float weights quantized as the layer quantizes them
+    (``quantize_layer_weights``: per-channel scales for fp8_per_token, 128x128 blocks for fp8_block)."""
+    w13q, s13, w2q, s2 = _quantize_jit(w13.astype(jnp.float32), w2.astype(jnp.float32), config=config)
+    return dict(w13=w13q, w13_scale=s13, w2=w2q, w2_scale=s2)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _reference_and_staged(x, weights, ids, w13, w2, config: MoEConfig, **kw) -> tuple[jax.Array, jax.Array]:
+    """``(reference, staged)``: ``fused_experts_decode``'s reference, and the staged layer's ``routed_experts``
+    (stage references) on the same inputs, the combine's weights and the input scale split from the given weights
+    as the layer's ``slot_weights`` does; one jitted program (one compile)."""
+    ref = fused_experts_decode(x, weights, ids, w13, w2, config, implementation="reference", **kw)
+    combine_weights, input_scale = split_weights(weights, config)
+    start, e_local = config.local_expert_range()
+    staged = routed_experts(x, combine_weights, ids, w13, w2, config, implementation="reference",
+                            num_experts=config.num_total_experts, expert_start=start, num_local_experts=e_local,
+                            routed_scaling_factor=config.combine_routed_scaling_factor, out_dtype=x.dtype,
+                            input_scale=input_scale, **kw)
+    return ref, staged
+
+
+#: (T, dtype, quant, settings): each routing once per float dtype; FP8 at T = 1 and T = 3 (ragged experts, empty
+#: ones, a -1 id), fp8_per_token once with the routing weight on the input, fp8_block once on gpt-oss's interleaved
+#: rows with biases (two 128-row weight-scale blocks a program).
+MATCH_CASES = [(1, "float32", "none", {}), (2, "bfloat16", "none", {}), (3, "float32", "none", {}),
+               (7, "bfloat16", "none", {}), (1, "bfloat16", "fp8_per_token", {}),
+               (3, "float32", "fp8_per_token", dict(apply_router_weight_on_input=True)),
+               (1, "float32", "fp8_block", {}), (3, "bfloat16", "fp8_block", GPT_OSS)]
+
+
+@pytest.mark.parametrize("T,dtype,quant,settings", MATCH_CASES,
+                         ids=[f"{T}-{d}-{q}{'-' + '-'.join(o) if o else ''}" for T, d, q, o in MATCH_CASES])
+def test_matches_reference(T, dtype, quant, settings):
+    H, I = (128, 128) if quant == "fp8_block" else (48, 24)
+    config = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=8, topk=2, quant=quant, **settings)
+    x, w, ids, w13, w2, biases = _inputs(config, np.array(ROUTINGS[T], np.int32), dtype, seed=T)
+    if quant == "none":
+        pt, ref = _both(x, w, ids, w13, w2, config)
+        assert pt.dtype == x.dtype and pt.shape == x.shape
+        assert_rel_fro(pt, ref, LIMITS[dtype], f"pallas_triton vs reference T={T} {dtype}")
+        assert_rel_fro(pt, _float64_loop(x, w, ids, w13, w2, config), LIMITS[dtype], "pallas_triton vs float64")
+        return
+    weights = _fp8_weights(config, w13, w2)
+    pt = fused_experts_decode(x, w, ids, config=config, implementation="pallas_triton", **weights, **biases)
+    ref, staged = _reference_and_staged(x, w, ids, config=config, **weights, **biases)
     assert pt.dtype == x.dtype and pt.shape == x.shape
-    assert_rel_fro(pt, ref, LIMITS[dtype], f"pallas_triton vs reference T={T} {dtype}")
-    assert_rel_fro(pt, _float64_loop(x, w, ids, w13, w2, config), LIMITS[dtype], "pallas_triton vs float64")
+    assert_rel_fro(pt, ref, FP8_REL_FRO, f"pallas_triton vs reference T={T} {dtype} {quant}")
+    assert_exact(ref, staged, "reference vs the staged layer")
 
 
 @pytest.mark.parametrize("case", ["one_expert", "non_local", "int64_ids"])
@@ -159,7 +215,7 @@ def test_row_blocks():
     cfg_b = DecodeDownConfig(block_h=32, block_i=16, num_warps=4, num_stages=1)
     out = decode_pt.fused_experts_decode_pallas_triton(x, w, ids_j, w13, w2, config, gate_up_config=cfg_a,
                                                        down_config=cfg_b)
-    ref = fused_experts_decode(x, w, ids_j, w13, w2, config, implementation="reference")
+    ref = _decode_jit(x, w, ids_j, w13, w2, config=config, implementation="reference")
     assert_rel_fro(out, ref, F32_REL_FRO, "two row blocks")
 
 
@@ -199,16 +255,21 @@ def test_activations_float32(activation):
     assert_rel_fro(pt, ref, F32_REL_FRO, activation)
 
 
-def test_shared_expert_rsf_fp16():
-    """A fused shared expert (id E, in every token's last slot) with rsf = 2.5 applied by the combine, float16."""
+@pytest.mark.parametrize("on_input", [False, True])
+def test_shared_expert_rsf_fp16(on_input):
+    """A fused shared expert (id E, in every token's last slot) with rsf = 2.5 applied by the combine, float16; and
+    with Llama 4's ``apply_router_weight_on_input`` (the routed slots' weights scale their inputs, rounded once to
+    float16, and the combine weighs them 1; the shared slot keeps its weight), also against the staged layer."""
     config = MoEConfig(hidden_size=48, intermediate_size=24, num_experts=4, topk=2, num_fused_shared_experts=1,
-                       routed_scaling_factor=2.5)
+                       routed_scaling_factor=2.5, apply_router_weight_on_input=on_input)
     assert config.combine_routed_scaling_factor == 2.5
     ids = np.array([[1, 3, 4], [0, 1, 4]], np.int32)
     x, w, ids_j, w13, w2, _ = _inputs(config, ids, "float16")
-    pt, ref = _both(x, w, ids_j, w13, w2, config)
+    pt = fused_experts_decode(x, w, ids_j, w13, w2, config, implementation="pallas_triton")
+    ref, staged = _reference_and_staged(x, w, ids_j, w13, w2, config=config)
     assert_rel_fro(pt, ref, BF16_REL_FRO, "shared + rsf")
     assert_rel_fro(pt, _float64_loop(x, w, ids_j, w13, w2, config), BF16_REL_FRO, "shared + rsf vs float64")
+    assert_exact(ref, staged, "reference vs the staged layer")
 
 
 @pytest.mark.parametrize("quant,dtype", [("mxfp4", "bfloat16"), ("int4", "bfloat16"), ("mxfp4", "float32")])
@@ -228,13 +289,21 @@ def test_4bit_weights(quant, dtype):
     assert_rel_fro(pt, _float64_loop(x, w, ids_j, wd13, wd2, config, **biases), LIMITS[dtype], f"{quant} vs float64")
 
 
-def test_deterministic_and_jit_replay():
+@pytest.mark.parametrize("quant", ["none", "fp8_block"])
+def test_deterministic_and_jit_replay(quant):
     """Two runs of the kernels give bit-identical outputs (no atomics; fixed loop orders); and, where torch
     replays a CUDA graph, one ``jax.jit`` program (traced once: no host sync, shape-only grids) run again on new
-    ids and inputs gives bit for bit what a fresh call gives on them."""
-    config = MoEConfig(hidden_size=48, intermediate_size=24, num_experts=8, topk=2, **GPT_OSS)
+    ids and inputs gives bit for bit what a fresh call gives on them. FP8: the prelude's quantization of x and
+    kernel A's of the activation (codes and scales scattered to their slots) inside the replayed program."""
+    H, I = (128, 128) if quant == "fp8_block" else (48, 24)
+    config = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=8, topk=2, quant=quant, **GPT_OSS)
     x, w, ids, w13, w2, biases = _inputs(config, np.array(ROUTINGS[7], np.int32), "bfloat16")
-    run = functools.partial(fused_experts_decode, config=config, implementation="pallas_triton")
+    scales = {}
+    if quant != "none":
+        weights = _fp8_weights(config, w13, w2)
+        w13, w2 = weights.pop("w13"), weights.pop("w2")
+        scales = weights
+    run = functools.partial(fused_experts_decode, config=config, implementation="pallas_triton", **scales)
     first = run(x, w, ids, w13, w2, **biases)
     assert_exact(first, run(x, w, ids, w13, w2, **biases), "rerun")
     traces = []
@@ -249,6 +318,46 @@ def test_deterministic_and_jit_replay():
     replay = jitted(x2, w_new, ids2, w13, w2, biases["w13_bias"], biases["w2_bias"])
     assert len(traces) == 1, "the jitted program was traced again"
     assert_exact(replay, run(x2, w_new, ids2, w13, w2, **biases), "jit replay vs eager")
+
+
+@pytest.mark.parametrize("quant", ["fp8_per_token", "fp8_block"])
+def test_fp8_activation_codes_exact(quant):
+    """The activation's FP8 codes and scales are the staged ``act_and_mul``'s bit for bit. On exact data GEMM 1 has
+    no rounding (integer x with a +-448 in each row or 1x128 group: x's scale is exactly 1 and its codes are x;
+    small integer weight codes with power-of-two scales), so ``h`` is the same in both; ``w2`` picks one column of
+    ``a`` for each output column (scale 1; fp8_block: the first half of H from a's first group, the second from its
+    second) and each token has one local slot of weight 1, so ``out[t, h]`` is ``q_a[i] * scale_a`` rounded once,
+    the same in both unless a code or a scale differs (one term: no sum whose order or fused multiply-adds could
+    differ). Kernel B's I loop in chunks (a per-token amax over several, with a tail), per-expert ``w2`` scales
+    beside per-channel ``w13`` ones."""
+    rng = np.random.default_rng(5)
+    H, I = (128, 256) if quant == "fp8_block" else (48, 40)
+    config = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=4, topk=2, quant=quant)
+    T = 3
+    x = rng.integers(-8, 9, (T, H)).astype(np.float32)
+    group = 128 if quant == "fp8_block" else H
+    for g0 in range(0, H, group):
+        x[np.arange(T), g0 + rng.integers(0, group, T)] = 448.0 * rng.choice([-1.0, 1.0], T)
+    f8 = jnp.float8_e4m3fn
+    w13 = jnp.asarray(rng.integers(-2, 3, (4, 2 * I, H)).astype(np.float32)).astype(f8)
+    cols = np.arange(H)
+    pick = np.where(cols < H // 2, cols, cols + I - H) if I > H else cols  # the column of a each output takes
+    eye = np.zeros((4, H, I), np.float32)
+    eye[:, cols[pick < I], pick[pick < I]] = 1.0
+    w2 = jnp.asarray(eye).astype(f8)
+    if quant == "fp8_block":
+        s13 = np.exp2(-rng.integers(6, 9, (4, 2 * I // 128, H // 128))).astype(np.float32)
+        s2 = np.ones((4, H // 128, I // 128), np.float32)
+    else:
+        s13, s2 = np.exp2(-rng.integers(6, 9, (4, 2 * I))).astype(np.float32), np.ones((4,), np.float32)
+    ids = jnp.asarray(np.array([[1, -1], [3, -1], [1, -1]], np.int32))
+    args = (jnp.asarray(x), jnp.ones((T, 2), jnp.float32), ids, w13, w2, config)
+    kw = dict(w13_scale=jnp.asarray(s13), w2_scale=jnp.asarray(s2))
+    down = DecodeDownConfig(block_h=64, block_i=64 if quant == "fp8_block" else 16)  # several I chunks a slot
+    out = decode_pt.fused_experts_decode_pallas_triton(*args, **kw, down_config=down)
+    ref = _decode_jit(*args[:5], config=config, **kw, implementation="reference")
+    assert np.count_nonzero(to_numpy(ref)) > T * min(H, I) // 2  # the activations reach the output
+    assert_exact(out, ref, f"{quant}: q_a * scale_a")
 
 
 def test_defaults_and_empty():
@@ -303,11 +412,22 @@ def test_host_errors(monkeypatch):
     biased = config.replace(expert_bias=True)
     with pytest.raises(ValueError, match=rf"{op}: w13_bias \[E_local, 2\*I\] = \(4, 32\) .* must be given"):
         fused_experts_decode(x, w, ids, w13, w2, biased, w2_bias=jnp.zeros((4, 32)))
-    # what the path does not serve yet: named, before anything runs
-    with pytest.raises(NotImplementedError, match=rf"{op}: quant='fp8_per_token' \(FP8 weights\) is not served"):
-        call(config=config.replace(quant="fp8_per_token"))
-    with pytest.raises(NotImplementedError, match=rf"{op}: apply_router_weight_on_input=True .* is not served"):
-        call(config=config.replace(apply_router_weight_on_input=True))
+    # FP8: codes with their scales, of the layout the mode takes
+    fp8 = config.replace(quant="fp8_per_token")
+    with pytest.raises(TypeError, match=rf"{op}: w13 must have dtype float8_e4m3fn; got w13.dtype=float32"):
+        call(config=fp8)
+    w13q, w2q = w13.astype(jnp.float8_e4m3fn), w2.astype(jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match=rf"{op}: w13_scale must be given for quant='fp8_per_token'; got None"):
+        call(config=fp8, w13=w13q, w2=w2q)
+    with pytest.raises(ValueError, match=rf"{op}: w2_scale must be per-expert \[E_local\] or per-channel"):
+        fused_experts_decode(x, w, ids, w13q, w2q, fp8, w13_scale=jnp.ones((4,)), w2_scale=jnp.ones((4, 1, 1)))
+    block = MoEConfig(hidden_size=128, intermediate_size=128, num_experts=4, topk=2, quant="fp8_block")
+    xb, _, _, w13b, w2b, _ = _inputs(block, np.array([[0, 1], [2, 3]], np.int32), "float32")
+    wb = _fp8_weights(block, w13b, w2b)
+    one_group = rf"block_n == 128 and block_k, block_h, block_i <= 128 \(quant='fp8_block'\)"
+    with pytest.raises(ValueError, match=rf"{op}: configs must have .* {one_group}; got .*block_n=64"):
+        decode_pt.fused_experts_decode_pallas_triton(
+            xb, w, ids, config=block, **wb, gate_up_config=DecodeGateUpConfig(block_m=16, block_n=64, block_k=128))
     bad = DecodeGateUpConfig(block_m=8, block_n=16, block_k=16)
     with pytest.raises(ValueError, match=rf"{op}: configs must have block_m, block_n >= 16"):
         decode_pt.fused_experts_decode_pallas_triton(x, w, ids, w13, w2, config, gate_up_config=bad,
@@ -326,23 +446,32 @@ def test_host_errors(monkeypatch):
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", 132, "cuda"))
 
 
-@pytest.mark.parametrize("quant", ["none", "mxfp4"])
+@pytest.mark.parametrize("quant", ["none", "mxfp4", "fp8_per_token", "fp8_block"])
 def test_lowers_for_cuda(quant):
     """Both kernels lower to Triton for CUDA at a production size (gpt-oss's H = I = 2880 over 32 local experts,
     T = 16 of top-4, bf16 activations, the default configs): 16-bit weights, and mxfp4 with swiglu_oai,
-    interleaved rows and biases, decoded by the grouped GEMM's packed PTX."""
+    interleaved rows and biases, decoded by the grouped GEMM's packed PTX; FP8 at DeepSeek-V3's H = 7168,
+    I = 2048 (per-channel scales; 128x128 blocks with gpt-oss's interleaved rows and biases), the activation
+    quantized with the kernels' division (``div.rn.f32`` by default)."""
     S = jax.ShapeDtypeStruct
-    extra = GPT_OSS if quant == "mxfp4" else {}
-    T, k, H, I, E = 16, 4, 2880, 2880, 32
+    fp8 = quant.startswith("fp8")
+    extra = GPT_OSS if quant in ("mxfp4", "fp8_block") else {}
+    T, k, H, I, E = (16, 4, 7168, 2048, 32) if fp8 else (16, 4, 2880, 2880, 32)
     config = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, topk=k, quant=quant, **extra)
-    w4 = quant != "none"
-    wdt = jnp.uint8 if w4 else jnp.bfloat16
+    w4 = quant == "mxfp4"
+    wdt = jnp.uint8 if w4 else jnp.float8_e4m3fn if fp8 else jnp.bfloat16
     args = [S((T, H), jnp.bfloat16), S((T, k), jnp.float32), S((T, k), jnp.int32),
             S((E, 2 * I, H // 2 if w4 else H), wdt), S((E, H, I // 2 if w4 else I), wdt)]
     kw = {}
+    if config.expert_bias:
+        kw = dict(w13_bias=S((E, 2 * I), jnp.float32), w2_bias=S((E, H), jnp.float32))
     if w4:
-        kw = dict(w13_bias=S((E, 2 * I), jnp.float32), w2_bias=S((E, H), jnp.float32),
-                  w13_scale=S((E, 2 * I, H // 32), jnp.uint8), w2_scale=S((E, H, I // 32), jnp.uint8))
+        kw.update(w13_scale=S((E, 2 * I, H // 32), jnp.uint8), w2_scale=S((E, H, I // 32), jnp.uint8))
+    elif quant == "fp8_per_token":
+        kw.update(w13_scale=S((E, 2 * I), jnp.float32), w2_scale=S((E, H), jnp.float32))
+    elif quant == "fp8_block":
+        kw.update(w13_scale=S((E, 2 * I // 128, H // 128), jnp.float32),
+                  w2_scale=S((E, H // 128, I // 128), jnp.float32))
 
     def f(*args, **kw):
         return decode_pt.fused_experts_decode_pallas_triton(*args, config, **kw, interpret=False)
@@ -351,3 +480,4 @@ def test_lowers_for_cuda(quant):
         text = jax.jit(f).trace(*args, **kw).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2, text[:2000]
     assert ("fma.rn.bf16x2" in text) == w4  # the packed decode (moe_contract/w4_packed_asm.py)
+    assert ("div.rn.f32" in text) == (fp8 and kernel_div_rn(False))  # the FP8 division (quant/pallas_triton.py)

@@ -29,6 +29,11 @@ MIN_DOT = 16
 #: reads ``block_k // 32`` scales a row).
 W4_MIN_BLOCK_K = 32
 
+#: FP8-block layers (``quant="fp8_block"``): the activation's 1x128 groups and the weights' 128x128 scale blocks.
+#: Kernel A's ``block_n`` is exactly one group (each program quantizes the groups of ``a`` it computes), and the
+#: other K / N steps (``block_k``, ``block_h``, ``block_i``) at most one block, so that each step has one scale.
+FP8_BLOCK = 128
+
 
 def _check_blocks(cls: str, cfg, names: tuple[str, ...]) -> None:
     for name in names:
@@ -73,9 +78,16 @@ def _pow2_between(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, pl.next_power_of_2(max(n, 1))))
 
 
-def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool) -> DecodeGateUpConfig:
-    """Heuristic config of kernel A for ``x [T, H]``, ``k`` slots a token, ``w13 [E_local, 2*I, H]``."""
+def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool, *,
+                          fp8_block: bool = False) -> DecodeGateUpConfig:
+    """Heuristic config of kernel A for ``x [T, H]``, ``k`` slots a token, ``w13 [E_local, 2*I, H]`` (``fp8_block``:
+    a ``quant="fp8_block"`` layer)."""
     del k, E_local  # the prelude hands each program its slots: the tile depends on neither
+    if fp8_block:
+        # One 1x128 group of a a program (FP8_BLOCK); rows at most 32 so that the two [32, 128] float32
+        # accumulators hold what two [64, 64] ones do; K steps of one 128 x 128 weight block (H is a multiple of it).
+        return DecodeGateUpConfig(block_m=_pow2_between(T, MIN_DOT, 32), block_n=FP8_BLOCK, block_k=FP8_BLOCK,
+                                  num_warps=4, num_stages=2)
     # Rows: an expert holds at most T slots when a token's ids are distinct (as every gate makes them), so T rows
     # cover it in one block; at least 16 (the dot), at most 64 (two [BLOCK_M, BLOCK_N] float32 accumulators).
     block_m = _pow2_between(T, MIN_DOT, 64)
@@ -94,7 +106,8 @@ def decode_down_config(T: int, H: int, I: int, w4: bool) -> DecodeDownConfig:
     del T  # one program per token: the tile does not depend on how many there are
     # 64 output columns a program: H = 7168 gives 112 programs a token, enough to fill a GPU at T = 1.
     block_h = _pow2_between(H, MIN_DOT, 64)
-    # I chunk: 128 (a [64, 128] weight tile, 32 float32 values a thread over 4 warps); 32 at least for 4-bit.
+    # I chunk: 128 (a [64, 128] weight tile, 32 float32 values a thread over 4 warps); 32 at least for 4-bit. Both
+    # within one FP8 scale block (FP8_BLOCK) as fp8_block needs.
     block_i = _pow2_between(I, W4_MIN_BLOCK_K if w4 else MIN_DOT, 128)
     # 4 warps, 2 stages: the I loop streams w2 rows; the float reduction is a GEMV (a sum, no tensor cores).
     return DecodeDownConfig(block_h=block_h, block_i=block_i, num_warps=4, num_stages=2)
