@@ -45,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list of preset:quant[:ep] (default: the decode benchmark's four models)")
     p.add_argument("--ts", default="1,8,64", help="comma list of token counts (default 1,8,64)")
     p.add_argument("--max-minutes", type=float, default=8.0, help="stop sweeping after this long (default 8)")
+    p.add_argument("--quick", action="store_true", help="the tile sides only (K step 128, 4 warps, 2 or 4 stages)")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(_ROOT, "benchmarks", "results"))
     a = p.parse_args(argv)
     a.cases = [c.split(":") for c in a.cases.split(",") if c]
@@ -132,7 +133,8 @@ def main(argv=None) -> int:
 
         base = record("heuristic", heur_a, heur_b)
         best_a, best_ms = heur_a, base
-        for bn, bk, st in itertools.product(A_BLOCK_N, A_BLOCK_K, A_STAGES):
+        a_space = itertools.product(A_BLOCK_N, (128,) if args.quick else A_BLOCK_K, (2, 4) if args.quick else A_STAGES)
+        for bn, bk, st in a_space:
             if fp8 == "fp8_block" and bk != 128:
                 continue
             cand = dataclasses.replace(heur_a, block_n=bn, block_k=bk, num_stages=st)
@@ -140,7 +142,9 @@ def main(argv=None) -> int:
             if ms is not None and (best_ms is None or ms < best_ms):
                 best_a, best_ms = cand, ms
         best_b = heur_b
-        for bh, bi, nw, st in itertools.product(B_BLOCK_H, B_BLOCK_I, B_WARPS, B_STAGES):
+        b_space = itertools.product(B_BLOCK_H, (128, 256) if args.quick else B_BLOCK_I, (4,) if args.quick else B_WARPS,
+                                    (2,) if args.quick else B_STAGES)
+        for bh, bi, nw, st in b_space:
             if fp8 == "fp8_block" and bi != 128:
                 continue
             cand = dataclasses.replace(heur_b, block_h=bh, block_i=bi, num_warps=nw, num_stages=st)

@@ -41,6 +41,13 @@ FP8_BLOCK_K = 128
 #: The narrowest K step of kernel A for FP8 weights: the FP8 tensor-core ``mma`` takes K = 32.
 FP8_MIN_BLOCK_K = 32
 
+#: Programs a kernel's grid should hold per SM at small ``T``: a bandwidth-bound kernel needs several weight streams in
+#: flight on every SM to approach the copy bandwidth, and a single token's grid is otherwise a fraction of the GPU.
+PROGRAMS_PER_SM = 2
+
+#: An SM count to plan for when none is given (an H100 / H200's 132).
+DEFAULT_NUM_SMS = 132
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeGateUpConfig:
@@ -72,16 +79,25 @@ def _pow2_between(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
 
 
+def _fill_block(n: int, programs_per_block_row: int, lo: int, hi: int, num_sms: int) -> int:
+    """The widest power-of-2 block in ``[lo, hi]`` (and no wider than ``n`` needs) whose grid, ``programs_per_block_row
+    * cdiv(n, block)`` programs, still gives every SM :data:`PROGRAMS_PER_SM`; ``lo`` where none does."""
+    block = _pow2_between(n, lo, hi)
+    while block > lo and programs_per_block_row * triton.cdiv(n, block) < PROGRAMS_PER_SM * num_sms:
+        block //= 2
+    return block
+
+
 def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool,
-                          fp8: str | None = None) -> DecodeGateUpConfig:
+                          fp8: str | None = None, num_sms: int = DEFAULT_NUM_SMS) -> DecodeGateUpConfig:
     """Heuristic config of kernel A for ``x [T, H]``, ``k`` slots a token, ``w13 [E_local, 2*I, H]``; ``fp8``: the
-    FP8 quant mode (``"fp8_per_token"`` / ``"fp8_block"``) or ``None``."""
+    FP8 quant mode (``"fp8_per_token"`` / ``"fp8_block"``) or ``None``; ``num_sms``: the GPU's SMs."""
     # Rows: an expert holds at most T slots when a token's ids are distinct (as every gate makes them), so T rows
     # cover it in one block; at least 16 (tl.dot), at most 64 (two [BLOCK_M, BLOCK_N] float32 accumulators).
     block_m = _pow2_between(T, MIN_DOT, 64)
-    # Columns: 64 gate + 64 up columns of w13 a program. Few columns keep many programs (I / 64 per expert) for a
-    # bandwidth-bound kernel at T = 1; at least 16 (tl.dot), never more than I needs.
-    block_n = _pow2_between(I, MIN_DOT, 64)
+    # Columns: up to 64 gate + 64 up columns of w13 a program, narrower while the grid (one row of programs per
+    # reached expert, at most T*k of them) would leave SMs without a weight stream; at least 16 (tl.dot).
+    block_n = _fill_block(I, min(T * k, E_local), MIN_DOT, 64, num_sms)
     # K step: 128 of H (two 16 KiB bf16 weight tiles of 64 x 128 a step); 32 at least for 4-bit (whole groups) and
     # FP8 (the FP8 mma's K); exactly one 128-wide scale block for fp8_block.
     block_k = _pow2_between(H, W4_MIN_BLOCK_K if w4 else FP8_MIN_BLOCK_K if fp8 else MIN_DOT, 128)
@@ -96,12 +112,18 @@ def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool
                               num_stages=2)
 
 
-def decode_down_config(T: int, H: int, I: int, w4: bool, fp8: str | None = None) -> DecodeDownConfig:
-    """Heuristic config of kernel B for ``out [T, H]`` from ``a [T*k, I]`` and ``w2 [E_local, H, I]``; ``fp8`` as
-    :func:`decode_gate_up_config`."""
-    del T  # one program per token: the tile does not depend on how many there are
-    # 64 output columns a program: H = 7168 gives 112 programs a token, enough to fill a GPU at T = 1.
-    block_h = _pow2_between(H, MIN_DOT, 64)
+#: The narrowest output tile of kernel B: its GEMV is a multiply and ``tl.sum``, no ``tl.dot`` minimum; 8 rows of a
+#: 128-wide bf16 chunk are still 2 KiB a load.
+MIN_BLOCK_H = 8
+
+
+def decode_down_config(T: int, H: int, I: int, w4: bool, fp8: str | None = None,
+                       num_sms: int = DEFAULT_NUM_SMS) -> DecodeDownConfig:
+    """Heuristic config of kernel B for ``out [T, H]`` from ``a [T*k, I]`` and ``w2 [E_local, H, I]``; ``fp8`` and
+    ``num_sms`` as :func:`decode_gate_up_config`."""
+    # Up to 64 output columns a program, narrower while T * cdiv(H, block_h) programs would leave SMs idle (one
+    # token of gpt-oss's H = 2880 at 64 columns is 45 programs on 132 SMs).
+    block_h = _fill_block(H, T, MIN_BLOCK_H, 64, num_sms)
     # I chunk: 128 (a [64, 128] weight tile, 32 float32 values a thread over 4 warps); 32 at least for 4-bit.
     # fp8_block: exactly one activation group and weight block a chunk.
     block_i = FP8_BLOCK_K if fp8 == "fp8_block" else _pow2_between(I, W4_MIN_BLOCK_K if w4 else MIN_DOT, 128)

@@ -96,8 +96,8 @@ import triton.language as tl
 
 from moe_contract.config import FP8_QUANTS, W4_QUANTS, MoEConfig
 from moe_torch.ops.activation.triton import ACTIVATION_CODES, gated_values
-from moe_torch.ops.decode.config import (FP8_BLOCK_K, FP8_MIN_BLOCK_K, MAX_SLOTS, MIN_DOT, W4_MIN_BLOCK_K,
-                                         DecodeDownConfig, DecodeGateUpConfig, decode_down_config,
+from moe_torch.ops.decode.config import (DEFAULT_NUM_SMS, FP8_BLOCK_K, FP8_MIN_BLOCK_K, MAX_SLOTS, MIN_DOT,
+                                         W4_MIN_BLOCK_K, DecodeDownConfig, DecodeGateUpConfig, decode_down_config,
                                          decode_gate_up_config)
 from moe_torch.ops.grouped_gemm.triton import W_SCALE_CODES, _w4_tiles, e8m0_bf16_table
 from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device, fp8_scale, quantize_fp8_tile
@@ -500,8 +500,9 @@ def fused_experts_decode_triton(
                                   f"such batches)")
     w_format = config.quant if config.quant in W4_QUANTS else None
     w4 = w_format is not None
-    cfg_a = gate_up_config or decode_gate_up_config(T, k, H, I, e_local, w4=w4, fp8=fp8)
-    cfg_b = down_config or decode_down_config(T, H, I, w4=w4, fp8=fp8)
+    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else DEFAULT_NUM_SMS
+    cfg_a = gate_up_config or decode_gate_up_config(T, k, H, I, e_local, w4=w4, fp8=fp8, num_sms=num_sms)
+    cfg_b = down_config or decode_down_config(T, H, I, w4=w4, fp8=fp8, num_sms=num_sms)
     check_decode_configs(op, cfg_a, cfg_b, w4, fp8)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0:
