@@ -34,6 +34,17 @@ W4_MIN_BLOCK_K = 32
 #: other K / N steps (``block_k``, ``block_h``, ``block_i``) at most one block, so that each step has one scale.
 FP8_BLOCK = 128
 
+#: Programs a kernel's grid should hold per SM at small ``T``: a bandwidth-bound kernel needs several weight streams in
+#: flight on every SM to approach the copy bandwidth, and a single token's grid is otherwise a fraction of the GPU.
+PROGRAMS_PER_SM = 2
+
+#: An SM count to plan for when none is given (an H100 / H200's 132).
+DEFAULT_NUM_SMS = 132
+
+#: The narrowest output tile of kernel B for float and FP8 weights (a multiply and sum, no dot); 4-bit weights go
+#: through the grouped GEMM's decode-and-dot helper, whose dot side is at least :data:`MIN_DOT`.
+MIN_BLOCK_H = 8
+
 
 def _check_blocks(cls: str, cfg, names: tuple[str, ...]) -> None:
     for name in names:
@@ -78,11 +89,19 @@ def _pow2_between(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, pl.next_power_of_2(max(n, 1))))
 
 
+def _fill_block(n: int, programs_per_block_row: int, lo: int, hi: int, num_sms: int) -> int:
+    """The widest power-of-2 block in ``[lo, hi]`` (and no wider than ``n`` needs) whose grid, ``programs_per_block_row
+    * cdiv(n, block)`` programs, still gives every SM :data:`PROGRAMS_PER_SM`; ``lo`` where none does."""
+    block = _pow2_between(n, lo, hi)
+    while block > lo and programs_per_block_row * pl.cdiv(n, block) < PROGRAMS_PER_SM * num_sms:
+        block //= 2
+    return block
+
+
 def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool, *,
-                          fp8_block: bool = False) -> DecodeGateUpConfig:
+                          fp8_block: bool = False, num_sms: int = DEFAULT_NUM_SMS) -> DecodeGateUpConfig:
     """Heuristic config of kernel A for ``x [T, H]``, ``k`` slots a token, ``w13 [E_local, 2*I, H]`` (``fp8_block``:
-    a ``quant="fp8_block"`` layer)."""
-    del k, E_local  # the prelude hands each program its slots: the tile depends on neither
+    a ``quant="fp8_block"`` layer; ``num_sms``: the GPU's SMs)."""
     if fp8_block:
         # One 1x128 group of a a program (FP8_BLOCK); rows at most 32 so that the two [32, 128] float32
         # accumulators hold what two [64, 64] ones do; K steps of one 128 x 128 weight block (H is a multiple of it).
@@ -91,9 +110,9 @@ def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool
     # Rows: an expert holds at most T slots when a token's ids are distinct (as every gate makes them), so T rows
     # cover it in one block; at least 16 (the dot), at most 64 (two [BLOCK_M, BLOCK_N] float32 accumulators).
     block_m = _pow2_between(T, MIN_DOT, 64)
-    # Columns: 64 gate + 64 up columns of w13 a program. Few columns keep many programs (I / 64 per expert) for a
-    # bandwidth-bound kernel at T = 1; at least 16 (the dot), never more than I needs.
-    block_n = _pow2_between(I, MIN_DOT, 64)
+    # Columns: up to 64 gate + 64 up columns of w13 a program, narrower while the grid (one row of programs per
+    # reached expert, at most T*k of them) would leave SMs without a weight stream; at least 16 (the dot).
+    block_n = _fill_block(I, min(T * k, E_local), MIN_DOT, 64, num_sms)
     # K step: 128 of H (two 16 KiB bf16 weight tiles of 64 x 128 a step); 32 at least for 4-bit (whole groups).
     block_k = _pow2_between(H, W4_MIN_BLOCK_K if w4 else MIN_DOT, 128)
     # 4 warps: two [64, 128] bf16 weight tiles and two [BLOCK_M, 64] float32 accumulators a program. 2 stages:
@@ -101,11 +120,11 @@ def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool
     return DecodeGateUpConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=2)
 
 
-def decode_down_config(T: int, H: int, I: int, w4: bool) -> DecodeDownConfig:
+def decode_down_config(T: int, H: int, I: int, w4: bool, num_sms: int = DEFAULT_NUM_SMS) -> DecodeDownConfig:
     """Heuristic config of kernel B for ``out [T, H]`` from ``a [T*k, I]`` and ``w2 [E_local, H, I]``."""
-    del T  # one program per token: the tile does not depend on how many there are
-    # 64 output columns a program: H = 7168 gives 112 programs a token, enough to fill a GPU at T = 1.
-    block_h = _pow2_between(H, MIN_DOT, 64)
+    # Up to 64 output columns a program, narrower while T * cdiv(H, block_h) programs would leave SMs idle (one
+    # token of gpt-oss's H = 2880 at 64 columns is 45 programs on 132 SMs).
+    block_h = _fill_block(H, T, MIN_DOT if w4 else MIN_BLOCK_H, 64, num_sms)
     # I chunk: 128 (a [64, 128] weight tile, 32 float32 values a thread over 4 warps); 32 at least for 4-bit. Both
     # within one FP8 scale block (FP8_BLOCK) as fp8_block needs.
     block_i = _pow2_between(I, W4_MIN_BLOCK_K if w4 else MIN_DOT, 128)

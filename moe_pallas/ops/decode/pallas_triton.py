@@ -115,9 +115,10 @@ from jax.experimental.pallas import triton as plgpu
 from moe_contract.config import W4_QUANTS, MoEConfig
 from moe_pallas.ops import common as _common  # its import applies patch_pallas_triton_offsets
 from moe_pallas.ops.activation.reference import gated
-from moe_pallas.ops.decode.config import (FP8_BLOCK, MIN_DOT, W4_MIN_BLOCK_K, DecodeDownConfig, DecodeGateUpConfig,
-                                          decode_down_config, decode_gate_up_config)
+from moe_pallas.ops.decode.config import (DEFAULT_NUM_SMS, FP8_BLOCK, MIN_DOT, W4_MIN_BLOCK_K, DecodeDownConfig,
+                                          DecodeGateUpConfig, decode_down_config, decode_gate_up_config)
 from moe_pallas.ops.decode.reference import split_weights
+from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import num_sms
 from moe_pallas.ops.grouped_gemm.pallas_triton import _w4_step_part
 from moe_pallas.ops.quant.pallas_triton import kernel_div_rn, quantize_div_fp8_kernel
 from moe_pallas.ops.quant.reference import (FP8_DTYPE, per_token_group_quant_fp8_reference,
@@ -391,9 +392,10 @@ def fused_experts_decode_pallas_triton(
     # each weight's own scale layout: fp8_per_token takes per-expert [E_local] or per-channel [E_local, N] for each
     kinds = [None if fp8 is None else {1: "per_expert", 2: "per_channel", 3: "block"}[s.ndim]
              for s in (w13_scale, w2_scale)]
+    sms = DEFAULT_NUM_SMS if interpret else num_sms()
     cfg_a = gate_up_config or decode_gate_up_config(T, k, H, I, e_local, w4=w_format is not None,
-                                                    fp8_block=fp8 == "block")
-    cfg_b = down_config or decode_down_config(T, H, I, w4=w_format is not None)
+                                                    fp8_block=fp8 == "block", num_sms=sms)
+    cfg_b = down_config or decode_down_config(T, H, I, w4=w_format is not None, num_sms=sms)
     check_decode_configs(op, cfg_a, cfg_b, w_format is not None, fp8_block=fp8 == "block")
     if not interpret:  # 64-bit offsets where jax's lowering would not give them (common.patch_pallas_triton_offsets)
         _common.pallas_triton_offsets_ok(op, w13=w13, w2=w2)
