@@ -3,7 +3,9 @@ row ``sglang-fused_moe-triton``).
 
 What is timed: ``sglang.srt.layers.moe.fused_moe_triton.fused_moe.fused_experts_impl`` of the ``sglang`` wheel
 (version :data:`SGLANG_VERSION`), the function behind SGLang's ``fused_experts`` (its Triton MoE runner for the
-standard dispatch), called out of place (``inplace=False``, ``no_combine=False``) on our layer's ``x``, the
+standard dispatch; its custom op ``outplace_fused_experts`` only forwards to it, and is registered for CUDA alone, so
+the function itself is called, the same on the GPU and in the CPU self-test), out of place (``inplace=False``: the
+output in a buffer of its own, as a CUDA graph replays best; ``no_combine=False``) on our layer's ``x``, the
 gate's ``topk_weights`` / ``topk_ids`` and our weights converted once (:class:`SGLangFusedMoE`): its
 ``moe_align_block_size``, ``fused_moe_kernel`` (or ``fused_moe_kernel_gptq_awq`` for INT4) for GEMM 1, its
 activation, the same kernel for GEMM 2 (routing weights applied there) and its combine, with the launch
@@ -33,7 +35,8 @@ real ``sglang.srt.utils`` / ``environ`` / ``custom_op`` they import), and puts i
 - ``sgl_kernel`` (SGLang's CUDA kernel wheel, not carried) stand-in, :data:`SGL_KERNEL_STUBS`:
   ``moe_align_block_size`` = :func:`moe_align_block_size_torch` (ours, torch ops, CUDA-graph capturable: the
   op's outputs as SGLang's CUDA kernel defines them), ``moe_sum_reduce`` = SGLang's own Triton
-  ``moe_sum_reduce_triton`` (what its HIP build calls; reached for T > 32 with more than 2 slots), every other
+  ``moe_sum_reduce_triton`` (what its HIP build calls; its combine for T > 32, unless one or two slots with rsf 1
+  take its ``torch.add`` path), every other
   name a function that raises if called.
 
 After the import, two module globals are rebound: ``moe_align_block_size.sgl_moe_align_block_size`` (bound
@@ -69,8 +72,8 @@ with expert biases, ``apply_router_weight_on_input`` with biases or fused shared
 1's output, not its input), one slot per token with ``rsf != 1`` (its combine is skipped then), float32 ``x``.
 
 On the GPU machine (no network) the wheels travel in ``.whl/`` (git-ignored) with the working tree:
-:data:`WHEELS`, about 6.4 MB; the device image has the rest of what the import chain needs (torch, triton,
-numpy, psutil, requests, pillow, torchvision, packaging, anyio, prometheus-client). Command prefix::
+:data:`WHEELS`, 6.3 MB; the device image has the rest of what the import chain loads (torch and its
+dependencies, triton, numpy, psutil, requests, pillow, torchvision, packaging, anyio). Command prefix::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \\
         && export PYTHONPATH=.:/tmp/site
@@ -111,6 +114,7 @@ WHEELS = (
     "sglang-0.5.10.post1-py3-none-any.whl",  # 6.06 MB
     "orjson-3.11.5-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",  # 0.14 MB
     "pybase64-1.4.3-cp312-cp312-manylinux1_x86_64.manylinux2014_x86_64.manylinux_2_17_x86_64.manylinux_2_5_x86_64.whl",
+    # 0.07 MB
     "starlette-0.50.0-py3-none-any.whl",  # 0.07 MB
 )
 
@@ -404,16 +408,21 @@ class SGLangFusedMoE:
         return dict(config), tuned
 
     def notes(self, num_tokens: int, slots: int) -> str:
-        """What the row times, for its ``notes``: the version, the path, its launch config and our substitutions."""
+        """What the row times, for its ``notes``: the version, the path, its launch config and the substitutions of
+        the adapter that this call reaches."""
         config, tuned = self.launch_config(num_tokens, slots)
         kernel = "fused_moe_kernel_gptq_awq" if self.quant_kw["use_int4_w4a16"] else "fused_moe_kernel"
         act = ("_swiglu_gpt_oss_sigmoid_alpha (torch.compile)" if self.gemm1_alpha is not None
                else f"act_and_mul_triton ({self.activation})")
         cfg = ", ".join(f"{k}={v}" for k, v in config.items())
+        ours = ["moe_align_block_size: ours in torch (sgl_kernel's CUDA op not carried)"]
+        if self.quant_kw["use_fp8_w8a8"]:
+            ours.append("1x128 FP8 activations: SGLang's Triton quantizer (its CUDA one is a tvm-ffi JIT kernel)")
+        if num_tokens > 32 and not (slots <= 2 and self.routed_scaling_factor == 1.0):
+            ours.append("combine: SGLang's moe_sum_reduce_triton for sgl_kernel's moe_sum_reduce")
         return (f"sglang {sglang_version()} fused_experts_impl ({kernel} x2, {act}; inplace=False, filter_expert=True); "
-                f"launch config {'tuned' if tuned else 'default (no tuned file for this GPU/E/N)'}: {cfg}; "
-                "moe_align_block_size: ours in torch (sgl_kernel not carried); fp8 activations: SGLang's Triton "
-                "quantizer; T > 32 combine: SGLang's moe_sum_reduce_triton")
+                f"launch config {'tuned' if tuned else 'default (no tuned file for this GPU, E, N)'}: {cfg}; "
+                + "; ".join(ours))
 
 
 def sglang_fused_moe(x, topk_weights, topk_ids, w13, w2, config, *, w13_scale=None, w2_scale=None, w13_bias=None,
