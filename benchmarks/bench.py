@@ -13,6 +13,8 @@ Usage (on the GPU machine, from the repo root; nothing to install there)::
         # /tmp/tk: `python3 -m pip install --no-deps --target /tmp/tk .whl/*.whl` (tokamax, the peer of the bf16
         # gemm and gemm_bwd rows, as wheels; with it on PYTHONPATH the forward run times it too)
     PYTHONPATH=. python3 benchmarks/bench.py --what decode   # gpt-oss-120b's layer at T in {1, 8, 64, 512}: bf16 / MXFP4 / INT4
+    PYTHONPATH=.:/tmp/site python3 benchmarks/bench.py --what decode   # with SGLang's fused MoE as a peer; /tmp/site:
+        # `python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl` (benchmarks/sglang_peer.py's wheels)
 
 The layer under test: by default the built-in shapes (``benchmarks/specs.py``: E=32 experts, softmax
 top-k); ``--preset NAME`` takes a model preset's layer (shapes, routing, shared experts) for every spec;
@@ -89,6 +91,12 @@ Backends (a backend that cannot run gives a row with ``error``, and the run goes
   the copy bandwidth on those bytes; the JAX rows rotate over input sets that reach other experts (the L2
   holds one step's 4-bit weights). The peer is transformers' ``GptOssMLP`` (grouped_mm experts) on the bf16
   weights; its MXFP4 path needs the hub's kernels (no network on the GPU machine): skipped with the reason.
+  Second peer, the field's serving kernel: ``sglang-fused_moe-triton`` (CUDA only), SGLang's fused-MoE Triton
+  path (``fused_experts_impl`` of the ``sglang`` wheel, ``benchmarks/sglang_peer.py``) after our gate, captured in
+  a CUDA graph as ``ours-torch-decode-cudagraph``; its notes name SGLang's launch config and what the adapter
+  substitutes (the ``moe_align_block_size`` CUDA op by ours in torch). A benchmark-only peer: its wheels travel
+  to the GPU machine; without sglang, and for what it cannot serve (MXFP4; INT4 with gpt-oss's expert biases),
+  a skip row with the reason.
 
 Forward + backward rows report (``harness.py``'s docstring): ``median_ms`` of the forward + backward,
 ``fwd_ms`` (the forward alone), ``bwd_fwd_ratio``, ``bwd_tflops`` (the backward's 2x forward FLOPs over
@@ -745,6 +753,28 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
 
             run_jax(ctx, bench, "ours-jax-decode", spec, fn_decode, jsets[0], ref,
                     rot_sets=jsets if n_sets > 1 else None, **common)
+    if dev.type == "cuda" and bench == "decode" and ctx.wants("sglang-fused_moe-triton"):
+        # the field's serving kernel, a benchmark-only peer (benchmarks/sglang_peer.py): our gate, SGLang's experts
+        from benchmarks import sglang_peer
+        from moe_torch.layer import run_gate
+
+        sgl_name = sglang_peer.ROW_NAME
+        try:
+            peer = sglang_peer.SGLangFusedMoE(w13, w2, config, w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2)
+            peer_notes = "; ".join(n for n in (notes, peer.notes(spec.T, config.topk + config.num_fused_shared_experts)) if n)
+        except (ImportError, NotImplementedError) as exc:  # not installed, or a layer it cannot serve
+            skip_row(ctx, bench, sgl_name, spec, str(exc), notes=notes)
+        except Exception as exc:
+            error_row(ctx, bench, sgl_name, spec, "setup: " + short_error(exc), notes=notes)
+        else:
+            sgl_x, sgl_logits = x.clone(), logits.clone()
+
+            def fn_sglang():
+                topk_weights, topk_ids = run_gate(sgl_logits, config, bias, "triton")
+                return peer(sgl_x, topk_weights, topk_ids)
+
+            run_torch_cuda_graph(ctx, bench, sgl_name, spec, fn_sglang, ref, {**common, "notes": peer_notes})
+            del peer
     del jsets
     if config.ep_size > 1 and spec.arch is not None:  # an EP rank's partial sum: no whole-layer peer
         for name in (f"transformers-{S.HF_BLOCKS[spec.arch]}", f"transformers-{S.HF_BLOCKS[spec.arch]}-eager"):
