@@ -68,6 +68,9 @@ PEAK_FLOPS = {"bf16": PEAK_BF16_FLOPS, "fp8": PEAK_FP8_FLOPS, "fp8_block": PEAK_
 L2_BYTES = 50e6
 #: Relative Frobenius error above which a backend's output is called wrong and not timed.
 REL_ERR_MAX = 1e-2
+#: The same for a peer's FP8 layer against our FP8 reference: its own activation quantization (rounding, scale
+#: formula) flips a few codes, so it agrees within the contract's FP8 tolerance (CONTRACT.md section 7), not ours.
+FP8_PEER_REL_ERR_MAX = 2e-2
 #: The same for a gradient (forward + backward rows): CONTRACT.md section 8, bf16 layer gradients
 #: ``rel_fro <= 2e-2`` (a wrong gradient is off by O(1)).
 GRAD_REL_ERR_MAX = 2e-2

@@ -67,9 +67,11 @@ Formats (our weights as ``moe_torch.quantize_layer_weights`` stores them; SGLang
 Everything the adapter cannot serve raises NotImplementedError naming the reason (the bench row is then a
 skip row with it): MXFP4 (SGLang serves it through other kernels: triton_kernels' ``matmul_ogs``, FlashInfer,
 Marlin, not ``fused_moe_triton``), per-token FP8 (its activation quantizer is an ``sgl_kernel`` CUDA op),
-expert parallelism (``ep_size > 1``: our EP partial sums), capacity, Qwen3-Next's shared-expert gate, INT4
+capacity, Qwen3-Next's shared-expert gate, INT4
 with expert biases, ``apply_router_weight_on_input`` with biases or fused shared experts (SGLang scales GEMM
 1's output, not its input), one slot per token with ``rsf != 1`` (its combine is skipped then), float32 ``x``.
+One EP rank (``ep_size > 1``) runs as SGLang's EP layers run it: the rank's experts, the gate's ids mapped to local ids
+(``-1`` for other ranks' experts, which ``filter_expert=True`` skips), the output that rank's partial sum.
 
 On the GPU machine (no network) the wheels travel in ``.whl/`` (git-ignored) with the working tree:
 :data:`WHEELS`, 6.3 MB; the device image has the rest of what the import chain loads (torch and its
@@ -338,8 +340,6 @@ class SGLangFusedMoE:
         elif c.quant == "fp8_per_token":
             why = ("SGLang's per-token FP8 activation quantizer on CUDA is an sgl_kernel op (sgl_per_token_quant_fp8), "
                    "a CUDA wheel not carried")
-        elif c.ep_size != 1:
-            why = f"expert parallelism (ep_size={c.ep_size}): the adapter runs one rank holding every expert"
         elif c.capacity_factor is not None:
             why = "capacity (capacity_factor): SGLang's fused_experts has no token dropping"
         elif c.shared_expert_gate:
@@ -379,12 +379,17 @@ class SGLangFusedMoE:
             self.quant_kw.update(w1_scale=_to_layout(w13_scale, src, layout).contiguous(),
                                  w2_scale=w2_scale.contiguous(), block_shape=[0, 32])
         self.routed_scaling_factor = float(c.combine_routed_scaling_factor)
+        # one EP rank: SGLang's EP layers hand fused_experts local expert ids, -1 for other ranks' (filter_expert)
+        self.expert_start, self.num_local = c.local_expert_range()
 
     def __call__(self, x, topk_weights, topk_ids):
         import torch
 
         if x.dtype not in (torch.bfloat16, torch.float16):
             raise NotImplementedError(f"{ROW_NAME}: x of {x.dtype} (SGLang's kernels compute in bf16 or float16)")
+        if self.config.ep_size > 1:
+            local = topk_ids.to(torch.int32) - self.expert_start
+            topk_ids = torch.where((local >= 0) & (local < self.num_local), local, -1)
         return self.fused_moe.fused_experts_impl(
             x, self.w1, self.w2, topk_weights, topk_ids, b1=self.b1, b2=self.b2, inplace=False,
             activation=self.activation, is_gated=True,
@@ -545,10 +550,11 @@ def selftest(compile_helpers: bool = False) -> int:
                                                                           routed_scaling_factor=2.5), 3),
         ("bf16 silu T=34, top-3 (moe_sum_reduce stand-in)", dict(topk=3), 34),
         ("int4 apply_router_weight_on_input, top-1", dict(quant="int4", topk=1, apply_router_weight_on_input=True), 3),
+        ("bf16 last of 2 EP ranks, S=1 shared", dict(ep_size=2, ep_rank=1, num_fused_shared_experts=1), 3),
     ]
     refused = [("mxfp4", dict(quant="mxfp4")), ("int4 + expert biases", dict(quant="int4", activation="swiglu_oai",
                                                                            gate_up_layout="interleaved", expert_bias=True)),
-               ("ep_size 2", dict(ep_size=2))]
+               ]
     g = torch.Generator().manual_seed(1)
     bf16 = torch.bfloat16
     notes = "-"
@@ -558,7 +564,7 @@ def selftest(compile_helpers: bool = False) -> int:
 
     for name, kw, T in cases:
         c = MoEConfig(**{**base, **kw})
-        E, H, I = c.num_total_experts, c.hidden_size, c.intermediate_size
+        E, H, I = c.local_expert_range()[1], c.hidden_size, c.intermediate_size
         x = torch.randn(T, H, generator=g).to(bf16)
         logits = torch.randn(T, c.num_experts, generator=g)
         w13 = (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).to(bf16)
