@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_contract.config import ACTIVATION_QUANT, FP8_QUANTS, W4_QUANTS, WEIGHT_LAYOUT, MoEConfig
+from moe_contract.config import ACTIVATION_QUANT, W4_QUANTS, WEIGHT_LAYOUT, MoEConfig
 from moe_contract.op_checks import check_router_loss_option
 from moe_contract.validation import (check_expert_biases, check_layer_inputs, check_layer_weights, check_positive_int,
                                       check_shared_expert_gate_logits, stage_implementation)
@@ -32,9 +32,6 @@ from moe_torch.ops.combine import api as combine_api
 from moe_torch.ops.combine.api import combine
 from moe_torch.ops.common import first_order_backward, takes_torch_tensors
 from moe_torch.ops.custom_ops import moe_layer, register_layer_function
-from moe_torch.ops.decode.api import fused_experts_decode
-from moe_torch.ops.decode.config import DECODE_MAX_TOKENS
-from moe_torch.ops.decode.config import MAX_SLOTS as DECODE_MAX_SLOTS
 from moe_torch.ops.dispatch import check_implementation
 from moe_torch.ops.gate import api as gate_api
 from moe_torch.ops.gate.api import select_experts, select_experts_backward
@@ -101,9 +98,7 @@ def moe_forward(
         input instead of its output (sections 2, 5; :mod:`moe_torch.slot_weights`: the scaling is a torch
         op before the permute kernel, not fused).
       implementation: ``"reference"`` or ``"triton"``, used by every stage that has it (forward and
-        backward); a stage without it uses its default (``None``). ``None``: every stage's default, and for a
-        decode batch on CUDA with no gradient to keep (:func:`decode_path_refusal` says when) the decode path:
-        the gate, then ``moe_torch.ops.decode.fused_experts_decode`` (two launches, the same rounding points).
+        backward); a stage without it uses its default (``None``). ``None``: every stage's default.
       recompute: what the forward keeps for the backward (only when a gradient can be asked for:
         grad mode on and an input that requires grad). ``False``: the routing (``topk_weights``,
         ``topk_ids``, ``expert_offsets``, ``src2dst``, ``dst2src``) and GEMM 1's output ``h``;
@@ -157,14 +152,6 @@ def moe_forward(
     if not isinstance(recompute, bool):
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
     check_router_loss_option(op, config, router_logits, return_router_losses, seq_len)
-    weights = dict(w13_scale=w13_scale, w2_scale=w2_scale, w13_bias=w13_bias, w2_bias=w2_bias)
-    if implementation is None and decode_path_refusal(x, router_logits, config, shared_expert_gate_logits,
-                                                      return_router_losses, **weights) is None:
-        topk_weights, topk_ids = run_gate(router_logits, config, e_score_correction_bias, None)
-        gated, _ = slot_weights(topk_weights, shared_expert_gate_logits,
-                                config.replace(apply_router_weight_on_input=False))
-        return fused_experts_decode(x, gated, dispatch_ids(topk_ids, config, None), w13, w2, config, **weights,
-                                    implementation="triton")
     # _MoELayerFunction's forward and backward, each as one custom op (ops/custom_ops.py): no graph break under
     # torch.compile, torch.func.grad / vjp through setup_context
     out, topk_ids = moe_layer(x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
@@ -173,33 +160,6 @@ def moe_forward(
         return out
     # From the caller's router_logits, outside the layer's Function: autograd differentiates the losses itself.
     return out, router_losses(router_logits, topk_ids, config, seq_len=seq_len)
-
-
-def decode_path_refusal(x, router_logits, config: MoEConfig, shared_expert_gate_logits=None,
-                        return_router_losses: bool = False, **weights) -> str | None:
-    """Why ``moe_forward``'s default does not take the decode path (``moe_torch.ops.decode``: the gate, then the
-    experts and combine in two Triton launches) for this call, or ``None`` where it does: CUDA tensors, ``T`` of at
-    most :data:`~moe_torch.ops.decode.config.DECODE_MAX_TOKENS`, no gradient to keep (grad mode off or no input
-    requiring grad), not under ``torch.compile`` (the staged layer is the registered custom op), no router losses,
-    at most ``MAX_SLOTS`` assignments, and FP8 weights only on sm_90 and newer. The two paths compute the same
-    stages with the same rounding points (``fused_experts_decode``'s docstring)."""
-    T = x.shape[0]
-    if not x.is_cuda:
-        return "not CUDA tensors"
-    if not 1 <= T <= DECODE_MAX_TOKENS:
-        return f"T={T} outside 1..{DECODE_MAX_TOKENS}"
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
-                                       (x, router_logits, shared_expert_gate_logits, *weights.values())):
-        return "an input requires grad (the decode path has no backward)"
-    if torch.compiler.is_compiling():
-        return "under torch.compile"
-    if return_router_losses:
-        return "router losses asked for"
-    if T * config.num_slots > DECODE_MAX_SLOTS:
-        return f"T * (topk + S) = {T * config.num_slots} over {DECODE_MAX_SLOTS}"
-    if config.quant in FP8_QUANTS and torch.cuda.get_device_capability(x.device) < (9, 0):
-        return "FP8 weights below sm_90"
-    return None
 
 
 # The stages of moe_forward, also composed differently by the EP layers (``ep.py``).

@@ -383,39 +383,6 @@ def test_cuda_graph_replay():
     assert_exact(out, run(), "graph replay vs eager")
 
 
-# ------------------------------------------------------------------------------- moe_forward's default
-
-
-def test_default_takes_the_decode_path_only_where_it_serves(monkeypatch):
-    """``moe_forward(implementation=None)`` routes a CUDA decode batch with no gradient to keep to the decode path
-    and everything else to the staged layer; ``decode_path_refusal`` names why not."""
-    from moe_torch import layer
-
-    config = MoEConfig(hidden_size=64, intermediate_size=32, num_experts=8, topk=2)
-    x, _, _, w13, w2, _ = _inputs(config, np.array(ROUTINGS[3], np.int32), "bfloat16")
-    logits = torch.randn(x.shape[0], 8, device=x.device)
-    refusal = layer.decode_path_refusal
-    if TORCH_DEVICE == "cpu":
-        assert refusal(x, logits, config) == "not CUDA tensors"
-        return
-    assert refusal(x, logits, config) is None
-    assert refusal(torch.zeros(65, 64, device=x.device, dtype=x.dtype), logits, config) == "T=65 outside 1..64"
-    assert "requires grad" in refusal(x.clone().requires_grad_(), logits, config)
-    with torch.no_grad():
-        assert refusal(x.clone().requires_grad_(), logits, config) is None
-    assert refusal(x, logits, config, return_router_losses=True) == "router losses asked for"
-    calls = []
-    real = layer.fused_experts_decode
-    monkeypatch.setattr(layer, "fused_experts_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
-    with torch.no_grad():
-        out = layer.moe_forward(x, logits, w13, w2, config)
-        staged = layer.moe_forward(x, logits, w13, w2, config, implementation="triton")
-    assert calls == [1]
-    assert_rel_fro(out, staged, BF16_REL_FRO, "decode path vs staged layer")
-    grad = layer.moe_forward(x.clone().requires_grad_(), logits, w13, w2, config)
-    assert calls == [1] and grad.requires_grad  # the staged, differentiable layer
-
-
 # ------------------------------------------------------------------------------- compiled for sm_90 (on the CPU)
 
 
