@@ -4,7 +4,8 @@ GEMM 2 + combine) on this GPU, for a model's layer in a weight format at a few t
 Usage (GPU machine, repo root)::
 
     PYTHONPATH=. python3 benchmarks/tune_decode.py [--cases gpt-oss-120b:mxfp4,qwen3-30b-a3b:none] [--ts 1,8,64]
-        [--max-minutes 4] [--out DIR]
+        [--max-minutes 4] [--quick] [--out DIR]
+    PYTHONPATH=. compute-sanitizer python3 benchmarks/tune_decode.py --check-only --cases gpt-oss-120b:none --ts 8
 
 A case ``preset:quant[:ep]`` (``ep``: the last of that many EP ranks, its routed experts and the shared ones).
 Weights ``N(0, 1/K)`` quantized by the library, tokens ``N(0, 1)``, uniform random logits through the reference gate.
@@ -46,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ts", default="1,8,64", help="comma list of token counts (default 1,8,64)")
     p.add_argument("--max-minutes", type=float, default=8.0, help="stop sweeping after this long (default 8)")
     p.add_argument("--quick", action="store_true", help="the tile sides only (K step 128, 4 warps, 2 or 4 stages)")
+    p.add_argument("--check-only", action="store_true",
+                   help="no sweep: each case once with the heuristic configs against the reference, then the Triton "
+                        "gate against the reference gate, synchronised after each (one case a process under "
+                        "compute-sanitizer names the faulting kernel)")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(_ROOT, "benchmarks", "results"))
     a = p.parse_args(argv)
     a.cases = [c.split(":") for c in a.cases.split(",") if c]
@@ -83,6 +88,33 @@ def layer(preset: str, quant: str, ep: int, T: int, dev: str = "cuda"):
     return c, (x, tw, ti, w13, w2), kw
 
 
+def check_case(preset, quant, ep, T, c, args, kw, ref, tol) -> None:
+    """One case with the heuristic configs: the decode kernels against the reference, then the Triton gate against the
+    reference gate on fresh logits, each synchronised so that a fault names its step."""
+    import torch
+
+    from moe_torch.layer import run_gate
+    from moe_torch.ops.decode import fused_experts_decode
+
+    x, tw, ti, w13, w2 = args
+    with torch.no_grad():
+        out = fused_experts_decode(x, tw, ti, w13, w2, c, **kw, implementation="triton")
+        torch.cuda.synchronize()
+        err = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+        again = fused_experts_decode(x, tw, ti, w13, w2, c, **kw, implementation="triton")
+        print(f"decode {preset}:{quant}:ep{ep} T={T}: rel err {err:.3g} (max {tol}), bit-identical rerun "
+              f"{bool(torch.equal(out, again))}", flush=True)
+        g = torch.Generator(device=x.device).manual_seed(1)
+        logits = torch.randn(T, c.num_experts, generator=g, device=x.device)
+        bias = (0.1 * torch.randn(c.num_experts, generator=g, device=x.device)
+                if c.routing == "biased_grouped_topk" else None)
+        w_ref, i_ref = run_gate(logits, c, bias, "reference")
+        w_tri, i_tri = run_gate(logits, c, bias, "triton")
+        torch.cuda.synchronize()
+        print(f"gate {preset} T={T}: ids equal {bool(torch.equal(i_tri.long(), i_ref.long()))}, weights max diff "
+              f"{float((w_tri - w_ref).abs().max()):.3g}", flush=True)
+
+
 def main(argv=None) -> int:
     import torch
     import triton.testing
@@ -106,6 +138,9 @@ def main(argv=None) -> int:
             c, (x, tw, ti, w13, w2), kw = layer(preset, quant, ep, T)
             ref = fused_experts_decode(x, tw, ti, w13, w2, c, **kw, implementation="reference").float()
         tol = FP8_REL_FRO if quant.startswith("fp8") else BF16_REL_FRO
+        if args.check_only:
+            check_case(preset, quant, ep, T, c, (x, tw, ti, w13, w2), kw, ref, tol)
+            continue
         w4, fp8 = quant in ("mxfp4", "int4"), quant if quant.startswith("fp8") else None
         H, I, k = c.hidden_size, c.intermediate_size, ti.shape[1]
         heur_a = decode_gate_up_config(T, k, H, I, c.local_expert_range()[1], w4=w4, fp8=fp8)
