@@ -286,6 +286,8 @@ def main() -> int:
     parser.add_argument("--kernels", action="store_true",
                         help="also run the layer with the kernel backends (triton, pallas_triton) vs the references")
     args = parser.parse_args()
+    # a fresh per-user tuning cache for this run (the shipped tables only); it also spares the GPU machine platformdirs
+    os.environ.setdefault("EPMOE_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"epmoe-cache-{os.getpid()}"))
     out_dir = os.environ.get("OUT")
     summary = []
     jobs = []  # the GPU test run and the memcheck run go at once (each its own processes)
