@@ -441,3 +441,24 @@ def test_kernels_compile_for_sm90():
         assert ("mma" in text) == name.startswith("gate_up"), name
         if name.endswith("fp8_block"):
             assert "div.rn.f32" in text and "cvt.rn.satfinite.e4m3x2.f32" in text, name
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_heuristics_fill_the_gpu_at_small_t(framework):
+    """One gpt-oss token (H = I = 2880, top-4) must not leave SMs idle: kernel B's output tile narrows from 64 columns
+    (45 programs) until there are two programs an SM, kernel A's columns likewise over the reached experts; at T = 64
+    both keep their widest tiles; the mirrors agree (JAX's 4-bit kernel B keeps the dot's 16)."""
+    if framework == "torch":
+        from moe_torch.ops.decode import config as C
+    else:
+        from moe_pallas.ops.decode import config as C
+    down = lambda T, H, I, w4=False: C.decode_down_config(T, H, I, w4, num_sms=132)  # noqa: E731
+    up = lambda T, k, H, I, E, w4=False: C.decode_gate_up_config(T, k, H, I, E, w4, num_sms=132)  # noqa: E731
+    b1, a1 = down(1, 2880, 2880), up(1, 4, 2880, 2880, 128)
+    assert b1.block_h == 8 and -(-2880 // 8) >= 2 * 132
+    assert a1.block_n == 32 and 4 * -(-2880 // 32) >= 2 * 132
+    assert up(1, 8, 2048, 768, 128).block_n == 16  # Qwen3-30B-A3B: 8 experts x 48 programs
+    assert (down(64, 2880, 2880).block_h, up(64, 4, 2880, 2880, 128).block_n) == (64, 64)
+    assert down(8, 7168, 2048).block_h == 64  # 8 tokens x 112 programs already fill it
+    if framework == "jax":
+        assert down(1, 2880, 2880, w4=True).block_h == 16
