@@ -369,10 +369,10 @@ def test_host_errors(monkeypatch):
 @pytest.mark.parametrize("quant", ["none", "mxfp4"])
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_gpt_oss_sizes_default_configs(T, quant):
-    """gpt-oss's expert sizes (H = I = 2880: a K tail in both GEMMs' last 128-wide step; interleaved rows, biases) over 8 experts,
-    top-4, with the default configs: T = 8 is two row blocks of kernel A and the size where the H100's first run of
-    the decode path (graph capture, gpt-oss-120b) reported a misaligned address; triton against the reference, and a
-    synchronised rerun bit-identical."""
+    """gpt-oss's expert sizes (H = I = 2880: a K tail in both GEMMs' last 128-wide step; interleaved rows, biases)
+    over 8 experts, top-4, with the default configs: T = 8 is two row blocks of kernel A and the size where the H100's
+    first run of the decode path (graph capture, gpt-oss-120b) reported a misaligned address; triton against the
+    reference, and a synchronised rerun bit-identical."""
     config = MoEConfig(hidden_size=2880, intermediate_size=2880, num_experts=8, topk=4, quant=quant, **GPT_OSS)
     ids = _distinct_ids(np.random.default_rng(T), T, 4, 8)
     x, w, ids, w13, w2, biases = _inputs(config, ids, "bfloat16", bias_dtype="bfloat16")
