@@ -12,7 +12,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from moe_contract.config import ACTIVATIONS, FP8_QUANTS, GATE_UP_LAYOUTS, check_routing_args
+from moe_contract.config import ACTIVATIONS, GATE_UP_LAYOUTS, check_routing_args
 from moe_contract.validation import (
     FLOAT_DTYPES,
     FP8_DTYPE,

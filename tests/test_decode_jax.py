@@ -33,8 +33,8 @@ from moe_pallas.layer import quantize_layer_weights, routed_experts
 from moe_pallas.ops.decode import DECODE_MAX_TOKENS, fused_experts_decode
 from moe_pallas.ops.decode import pallas_triton as decode_pt
 from moe_pallas.ops.decode.config import DecodeDownConfig, DecodeGateUpConfig
-from moe_pallas.ops.decode.reference import split_weights
 from moe_pallas.ops.quant.pallas_triton import kernel_div_rn
+from moe_pallas.slot_weights import slot_weights
 from moe_torch.ops.activation.reference import gated, split_gate_up
 from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 
@@ -140,7 +140,7 @@ def _reference_and_staged(x, weights, ids, w13, w2, config: MoEConfig, **kw) -> 
     (stage references) on the same inputs, the combine's weights and the input scale split from the given weights
     as the layer's ``slot_weights`` does; one jitted program (one compile)."""
     ref = fused_experts_decode(x, weights, ids, w13, w2, config, implementation="reference", **kw)
-    combine_weights, input_scale = split_weights(weights, config)
+    combine_weights, input_scale = slot_weights(weights, None, config.replace(shared_expert_gate=False))
     start, e_local = config.local_expert_range()
     staged = routed_experts(x, combine_weights, ids, w13, w2, config, implementation="reference",
                             num_experts=config.num_total_experts, expert_start=start, num_local_experts=e_local,

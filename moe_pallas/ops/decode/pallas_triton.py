@@ -11,7 +11,7 @@ H]``, ``w2 [E_local, H, I]`` (float of ``x``'s dtype; float8_e4m3fn codes with f
 3; or 4-bit packed codes with group scales, section 9), optional biases ``w13_bias [E_local, 2I]``, ``w2_bias
 [E_local, H]`` (passed to the kernels in float32, an exact widening, as the grouped GEMM does). ``c[s]``: the
 combine's weight of slot ``s``, ``topk_weights`` itself, or with ``apply_router_weight_on_input`` (Llama 4) 1 for a
-routed slot, whose weight ``r[s]`` scales its input instead (``reference.split_weights``; a shared slot keeps its
+routed slot, whose weight ``r[s]`` scales its input instead (``moe_pallas.slot_weights.slot_weights``; a shared slot keeps its
 weight, ``r = 1``).
 
 **Prelude** (:func:`expert_slots` and one gather, plain jnp on the device, ``O(T*k*H + E_local)``)::
@@ -117,12 +117,12 @@ from moe_pallas.ops import common as _common  # its import applies patch_pallas_
 from moe_pallas.ops.activation.reference import gated
 from moe_pallas.ops.decode.config import (DEFAULT_NUM_SMS, FP8_BLOCK, MIN_DOT, W4_MIN_BLOCK_K, DecodeDownConfig,
                                           DecodeGateUpConfig, decode_down_config, decode_gate_up_config)
-from moe_pallas.ops.decode.reference import split_weights
 from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import num_sms
 from moe_pallas.ops.grouped_gemm.pallas_triton import _w4_step_part
 from moe_pallas.ops.quant.pallas_triton import kernel_div_rn, quantize_div_fp8_kernel
 from moe_pallas.ops.quant.reference import (FP8_DTYPE, per_token_group_quant_fp8_reference,
                                             per_token_quant_fp8_reference, scale_from_amax)
+from moe_pallas.slot_weights import slot_weights
 
 _DOT_DIMS = (((1,), (1,)), ((), ()))  # contract both operands' last dims (x tile [m, k], weight tile [n, k])
 #: The layer's FP8 modes as the kernels see them: x and a per token (weights per expert / channel), or in 1x128
@@ -402,7 +402,7 @@ def fused_experts_decode_pallas_triton(
     if S == 0:
         return jnp.zeros((T, H), x.dtype)
     slot_expert, perm, prog_expert, prog_start, prog_count = expert_slots(topk_ids, expert_start, e_local)
-    combine_weights, input_scale = split_weights(topk_weights, config)
+    combine_weights, input_scale = slot_weights(topk_weights, None, config.replace(shared_expert_gate=False))
     # float32 x: IEEE products (the Triton default for DEFAULT precision is TF32); bf16 x compiled: the packed decode
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 and fp8 is None else None
     packed_decode = w_format is not None and not interpret and x.dtype == jnp.bfloat16

@@ -4,7 +4,7 @@
 9), written out with the same stage ops, every one with ``implementation="reference"``::
 
     topk_ids --routing_metadata--> expert_offsets, src2dst, dst2src        (this rank's experts; -1 / others: none)
-    topk_weights --split_weights--> combine weights, input scale        (apply_router_weight_on_input: routed
+    topk_weights --slot_weights--> combine weights, input scale         (apply_router_weight_on_input: routed
                                                                           slots' weights move to the input)
     x (with an input scale: rows x[t] * s[t, j], float32, rounded to x.dtype)
       --permute (+FP8 quant of the rows)--> xp [T*k, H]
@@ -36,22 +36,9 @@ from moe_pallas.ops.activation.api import act_and_mul
 from moe_pallas.ops.combine.api import combine
 from moe_pallas.ops.grouped_gemm.api import grouped_gemm
 from moe_pallas.ops.permute.api import permute, routing_metadata
-from moe_pallas.slot_weights import scaled_slot_rows
+from moe_pallas.slot_weights import scaled_slot_rows, slot_weights
 
 _REF = "reference"
-
-
-def split_weights(topk_weights: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array | None]:
-    """The decode path's given weights ``[T, topk + S]`` float32 -> ``(combine_weights, input_scale or None)``:
-    ``moe_pallas.slot_weights.slot_weights``'s split (its shared-gate step is the caller's: the given weights are
-    the combine's). With ``config.apply_router_weight_on_input`` (Llama 4) a routed slot's weight scales its
-    expert's input and the combine weighs it 1; a shared slot keeps its weight in the combine (CONTRACT.md
-    sections 2, 5). Plain jnp."""
-    if not config.apply_router_weight_on_input:
-        return topk_weights, None
-    routed = (jnp.arange(topk_weights.shape[1]) < config.topk)[None, :]
-    one = jnp.float32(1.0)
-    return jnp.where(routed, one, topk_weights), jnp.where(routed, topk_weights, one)
 
 
 def fused_experts_decode_reference(
@@ -76,7 +63,8 @@ def fused_experts_decode_reference(
     quant = ACTIVATION_QUANT[config.quant]
     meta = routing_metadata(topk_ids, config.num_total_experts, expert_start=expert_start, num_local_experts=e_local,
                             implementation=_REF)
-    combine_weights, input_scale = split_weights(topk_weights, config)
+    # topk_weights already carry any shared-expert gate (the api's contract), so the split is slot_weights' without it
+    combine_weights, input_scale = slot_weights(topk_weights, None, config.replace(shared_expert_gate=False))
     rows, rows_k = (x, k) if input_scale is None else (scaled_slot_rows(x, input_scale), 1)  # layer._expert_rows
     xp, x_scale = permute(rows, meta.dst2src, topk=rows_k, quant=quant, implementation=_REF)
     h = grouped_gemm(xp, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype,
