@@ -741,19 +741,19 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
 
             run_jax(ctx, bench, name, spec, fn, jsets[0], ref, rot_sets=jsets if n_sets > 1 else None, **common)
     if bench == "decode" and ctx.wants("ours-jax-decode"):
-        if sgl is not None:
-            skip_row(ctx, bench, "ours-jax-decode", spec, "the decode path serves no shared-expert gate yet")
-        else:
-            from moe_pallas.layer import run_gate as jax_run_gate
-            from moe_pallas.ops.decode import fused_experts_decode as jax_decode
+        from moe_pallas.layer import run_gate as jax_run_gate
+        from moe_pallas.ops.decode import fused_experts_decode as jax_decode
+        from moe_pallas.slot_weights import slot_weights as jax_slot_weights
 
-            def fn_decode(x_, l_, w13_, w2_, s13_, s2_, b_, b13_, b2_, sgl_):
-                tw, ti = jax_run_gate(l_, config, b_, "pallas_triton")
-                return jax_decode(x_, tw, ti, w13_, w2_, config, w13_bias=b13_, w2_bias=b2_, w13_scale=s13_,
-                                  w2_scale=s2_, implementation="pallas_triton")
+        def fn_decode(x_, l_, w13_, w2_, s13_, s2_, b_, b13_, b2_, sgl_):
+            tw, ti = jax_run_gate(l_, config, b_, "pallas_triton")
+            # the decode path takes the slots' weights with any shared-expert gate applied (its api)
+            tw, _ = jax_slot_weights(tw, sgl_, config.replace(apply_router_weight_on_input=False))
+            return jax_decode(x_, tw, ti, w13_, w2_, config, w13_bias=b13_, w2_bias=b2_, w13_scale=s13_,
+                              w2_scale=s2_, implementation="pallas_triton")
 
-            run_jax(ctx, bench, "ours-jax-decode", spec, fn_decode, jsets[0], ref,
-                    rot_sets=jsets if n_sets > 1 else None, **common)
+        run_jax(ctx, bench, "ours-jax-decode", spec, fn_decode, jsets[0], ref,
+                rot_sets=jsets if n_sets > 1 else None, **common)
     if dev.type == "cuda" and bench == "decode" and ctx.wants("sglang-fused_moe-triton"):
         # the field's serving kernel, a benchmark-only peer (benchmarks/sglang_peer.py): our gate, SGLang's experts
         from benchmarks import sglang_peer
@@ -816,16 +816,17 @@ def bench_decode_path(ctx: Ctx, spec, x, logits, weights: tuple, kw: dict, share
     combine, two launches) after the layer's gate, captured in a CUDA graph (``ours-torch-decode-cudagraph``)."""
     from moe_torch.layer import run_gate
     from moe_torch.ops.decode import fused_experts_decode
+    from moe_torch.slot_weights import slot_weights
 
     name = "ours-torch-decode-cudagraph"
-    if shared_gate_logits is not None:
-        skip_row(ctx, "decode", name, spec, "the decode path serves no shared-expert gate yet")
-        return
     w13, w2 = weights
     static_x, static_logits = x.clone(), logits.clone()
+    static_sgl = None if shared_gate_logits is None else shared_gate_logits.clone()
 
     def forward():
         topk_weights, topk_ids = run_gate(static_logits, config, kw["e_score_correction_bias"], "triton")
+        # the decode path takes the slots' weights with any shared-expert gate applied (its api)
+        topk_weights, _ = slot_weights(topk_weights, static_sgl, config.replace(apply_router_weight_on_input=False))
         return fused_experts_decode(static_x, topk_weights, topk_ids, w13, w2, config, w13_bias=kw["w13_bias"],
                                     w2_bias=kw["w2_bias"], w13_scale=kw["w13_scale"], w2_scale=kw["w2_scale"],
                                     implementation="triton")
