@@ -44,3 +44,6 @@ def gather_to_file(mine, rank: int, world: int, out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(gathered, f, indent=1)
+    # every rank past its last collective before any tears its process group down: a rank destroying gloo's pairs
+    # while a peer still uses them can abort that peer ("terminate called without an active exception")
+    dist.barrier()
