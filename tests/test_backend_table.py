@@ -1,5 +1,5 @@
 """The grouped GEMMs' default backend on a GPU (``moe_pallas/ops/grouped_gemm/backend_table.py``) and its writer
-(``benchmarks/tune_backend.py``).
+(``moe_pallas/ops/grouped_gemm/tune_backend.py``).
 
 The GPU lookup runs on the CPU here: ``backend_table.on_gpu`` and ``backend_table.gpu_device_spec`` are patched (a
 simulated Hopper, ``common.TEST_SPEC``), the table is a temporary device-kind file ``sm90/<kind>.json``
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +25,8 @@ from moe_pallas.ops.grouped_gemm import backend_table
 from moe_pallas.ops.grouped_gemm import config as gemm_config
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 from common import TEST_SPEC, spec_of_kind, write_tuned
+from moe_pallas.ops.grouped_gemm import tune_backend
 from tolerances import assert_exact
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `benchmarks` as a namespace package
-from benchmarks import tune_backend  # noqa: E402
 
 KIND = TEST_SPEC.kind
 TRITON_FIRST = ("pallas_triton", "pallas_mosaic_gpu", "reference")

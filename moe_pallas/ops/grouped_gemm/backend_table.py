@@ -16,7 +16,7 @@ On the CPU the order is ``CPU_ORDER`` (the reference; kernels only interpreted w
 
 **The table** is one of the device's tuned files (:data:`~moe_pallas.ops.grouped_gemm.config.TUNED_DIR`; each one
 JSON list that also holds launch configs, which have no ``"kind"``). A backend choice is an
-entry with ``"kind": "backend_choice"``, written by ``benchmarks/tune_backend.py`` from benchmark rows
+entry with ``"kind": "backend_choice"``, written by ``tune_backend.py`` (beside this module) from benchmark rows, or by ``epmoe tune``
 where both JAX kernels timed the same GEMM and both were correct::
 
     {"kind": "backend_choice", "op": "grouped_gemm", "layout": "fp8_block", "device": "NVIDIA H200",

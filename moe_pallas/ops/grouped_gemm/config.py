@@ -17,7 +17,7 @@ the CPU or in interpret mode), and fall back to the heuristics (:func:`heuristic
 :func:`heuristic_mosaic_grouped_gemm_config`) when no entry matches or the nearest one breaks a
 rule of this request (scale layout, whole tiles). Mirror of ``moe_torch/ops/grouped_gemm/config.py``.
 The same file holds the measured backend choices (entries with ``"kind": "backend_choice"``, written by
-``benchmarks/tune_backend.py``, read by ``backend_table.py``); launch configs have no ``"kind"``.
+``tune_backend.py``, read by ``backend_table.py``); launch configs have no ``"kind"``.
 
 The Pallas-Triton backward kernels (``pallas_triton_backward.py``) take :class:`GroupedGemmDgradConfig` and
 :class:`GroupedGemmWgradConfig`, from their heuristics only. The Mosaic GPU backward (``pallas_mosaic_gpu_backward.py``)

@@ -35,7 +35,7 @@ bf16 outputs (the layer's backward: ``d_x`` in ``x``'s dtype, ``d_w`` in ``w``'s
      "heuristic_ms": 1.08, "configs_timed": 9, "complete": true}
 
 Entries with a ``"kind"`` (the backend choices of
-``benchmarks/tune_backend.py``) are kept as they are. ``complete`` is false when ``--max-minutes``
+``tune_backend.py``) are kept as they are. ``complete`` is false when ``--max-minutes``
 ran out inside that sweep (the entry is the best of what was timed, never slower than the heuristic
 it was timed against). Entries already in the output file (or in ``--merge``) are kept unless this
 run tunes the same key again (a new output file, e.g. in ``$OUT``, starts from the table in the tree, so it
@@ -386,7 +386,7 @@ def sweep(backend: str, cfgs: list, problems: list[tuple], deadline: Deadline,
 def kept_entries(path: str, merge: str | None = None) -> tuple[str | None, dict, list]:
     """``(file read, launch configs by entry_key, other entries)`` a run writing ``path`` keeps: ``merge`` if given,
     else the file's own (none for a new file). Entries with a ``"kind"`` (backend choices,
-    ``benchmarks/tune_backend.py``) are kept as they are. ``ValueError`` for a moe_torch table
+    ``tune_backend.py``) are kept as they are. ``ValueError`` for a moe_torch table
     (``moe_torch.ops.grouped_gemm.tune`` writes the same file name; its launch configs have no ``"backend"``)."""
     src = merge or (path if os.path.exists(path) else None)
     if src is None or not os.path.exists(src):
