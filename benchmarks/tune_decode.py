@@ -36,7 +36,7 @@ A_STAGES = (2, 3, 4)
 #: Kernel B: output columns a program, I chunk, warps, stages.
 B_BLOCK_H = (8, 16, 32, 64)
 B_BLOCK_I = (64, 128, 256)
-B_WARPS = (2, 4)
+B_WARPS = (1, 2, 4)
 B_STAGES = (2, 3)
 
 
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
             if ms is not None and (best_ms is None or ms < best_ms):
                 best_a, best_ms = cand, ms
         best_b = heur_b
-        b_space = itertools.product(B_BLOCK_H, (128, 256) if args.quick else B_BLOCK_I, (4,) if args.quick else B_WARPS,
+        b_space = itertools.product(B_BLOCK_H, (128, 256) if args.quick else B_BLOCK_I, (1, 4) if args.quick else B_WARPS,
                                     (2,) if args.quick else B_STAGES)
         for bh, bi, nw, st in b_space:
             if fp8 == "fp8_block" and bi != 128:

@@ -434,6 +434,9 @@ def test_host_errors(monkeypatch):
                                                      down_config=DecodeDownConfig(block_h=16, block_i=16))
     with pytest.raises(ValueError, match=r"DecodeDownConfig: block_h must be a power-of-2 int >= 1 .*; got block_h=48"):
         DecodeDownConfig(block_h=48, block_i=16)
+    with pytest.raises(ValueError, match=rf"{op}: configs .*block_h, block_i >= 16 \(kernel B's dot: 16-bit"):
+        decode_pt.check_decode_configs(op, DecodeGateUpConfig(block_m=16, block_n=16, block_k=16),
+                                       DecodeDownConfig(block_h=8, block_i=16), False, dot=True)
     # no backward (an inference path): a derivative through it names the input
     loss = lambda w13_: call(w13=w13_, implementation="reference").sum()  # noqa: E731
     with pytest.raises(RuntimeError, match=rf"{op}: not differentiable .*; got a derivative with respect to w13"):

@@ -359,6 +359,9 @@ def test_host_errors(monkeypatch):
     with pytest.raises(ValueError, match=rf"{op}: configs must .* block_k = block_i = 128 \(fp8_block: one scale"):
         decode_triton.check_decode_configs(op, good, DecodeDownConfig(block_h=16, block_i=128, num_warps=4,
                                                                       num_stages=1), False, "fp8_block")
+    with pytest.raises(ValueError, match=rf"{op}: configs .*block_h, block_i >= 16 \(kernel B's dot: 16-bit"):
+        decode_triton.check_decode_configs(op, good, DecodeDownConfig(block_h=8, block_i=16, num_warps=4,
+                                                                      num_stages=1), False, dot=True)
     # the Triton kernels' own limits (the default dispatch falls back to the reference on a GPU)
     monkeypatch.setattr(decode_triton, "MAX_SLOTS", 3)
     with pytest.raises(NotImplementedError, match=rf"{op}: the Triton decode kernels take at most 3 assignments"):
@@ -443,14 +446,14 @@ def _sm90_jobs() -> dict:
             **ints("stride_as", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_wsk", "stride_be",
                    "stride_ot"), **extra},
             dict(K_SLOTS=k, TOPK=k, ON_INPUT=on_input, HAS_BIAS=bias, APPLY_RSF=True, W_SCALE=code,
-                 BLOCK_H=b_cfg.block_h, BLOCK_I=b_cfg.block_i), b_cfg)
+                 USE_DOT=fp8 is None, BLOCK_H=b_cfg.block_h, BLOCK_I=b_cfg.block_i), b_cfg)
     return jobs
 
 
 @pytest.mark.skipif(TORCH_DEVICE != "cpu", reason="the GPU run compiles the kernels for its own device")
 def test_kernels_compile_for_sm90():
-    """Both kernels lower to sm_90 cubin (16-bit, mxfp4 and FP8-block weights), use the tensor cores for GEMM 1 only,
-    no atomic (kernel B's sum is the combine, in registers: the determinism) and no local-memory spill; the FP8
+    """Both kernels lower to sm_90 cubin (16-bit, mxfp4 and FP8-block weights), use the tensor cores (GEMM 2 too
+    with 16-bit activations; the FP8 GEMV does not), no atomic (kernel B's sum is the combine, in registers: the determinism) and no local-memory spill; the FP8
     quantization is the exact division and the saturating round-to-nearest-even cast (CONTRACT.md section 3)."""
     import re
 
@@ -461,7 +464,7 @@ def test_kernels_compile_for_sm90():
         assert ".target sm_90" in text, name
         assert not re.search(r"\b(atom|red)\.", text), f"{name}: an atomic"
         assert ".local" not in text, f"{name}: a local-memory spill"
-        assert ("mma" in text) == name.startswith("gate_up"), name
+        assert ("mma" in text) == (name.startswith("gate_up") or not name.endswith("fp8_block")), name
         if name.endswith("fp8_block"):
             assert "div.rn.f32" in text and "cvt.rn.satfinite.e4m3x2.f32" in text, name
 
@@ -470,18 +473,20 @@ def test_kernels_compile_for_sm90():
 def test_heuristics_fill_the_gpu_at_small_t(framework):
     """One gpt-oss token (H = I = 2880, top-4) must not leave SMs idle: kernel B's output tile narrows from 64 columns
     (45 programs) until there are two programs an SM, kernel A's columns likewise over the reached experts; at T = 64
-    both keep their widest tiles; the mirrors agree (JAX's 4-bit kernel B keeps the dot's 16)."""
+    both keep their widest tiles; kernel B's dot (16-bit activations) keeps 16 columns at least, its FP8 GEMV 8;
+    the mirrors agree."""
     if framework == "torch":
         from moe_torch.ops.decode import config as C
     else:
         from moe_pallas.ops.decode import config as C
-    down = lambda T, H, I, w4=False: C.decode_down_config(T, H, I, w4, num_sms=132)  # noqa: E731
+    down = lambda T, H, I, w4=False, fp8=None: C.decode_down_config(T, H, I, w4, fp8=fp8, num_sms=132)  # noqa: E731
     up = lambda T, k, H, I, E, w4=False: C.decode_gate_up_config(T, k, H, I, E, w4, num_sms=132)  # noqa: E731
     b1, a1 = down(1, 2880, 2880), up(1, 4, 2880, 2880, 128)
-    assert b1.block_h == 8 and -(-2880 // 8) >= 2 * 132
+    assert b1.block_h == 16 == down(1, 2880, 2880, w4=True).block_h  # 180 programs: the dot's narrowest
+    assert b1.num_warps == 1 and down(64, 2880, 2880).num_warps == 4  # 16 columns a warp: none decodes twice
+    fp8_b1 = down(1, 2880, 2880, fp8="fp8_per_token")
+    assert (fp8_b1.block_h, fp8_b1.num_warps) == (8, 4) and -(-2880 // 8) >= 2 * 132
     assert a1.block_n == 32 and 4 * -(-2880 // 32) >= 2 * 132
     assert up(1, 8, 2048, 768, 128).block_n == 16  # Qwen3-30B-A3B: 8 experts x 48 programs
     assert (down(64, 2880, 2880).block_h, up(64, 4, 2880, 2880, 128).block_n) == (64, 64)
     assert down(8, 7168, 2048).block_h == 64  # 8 tokens x 112 programs already fill it
-    if framework == "jax":
-        assert down(1, 2880, 2880, w4=True).block_h == 16

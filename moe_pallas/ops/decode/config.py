@@ -41,8 +41,8 @@ PROGRAMS_PER_SM = 2
 #: An SM count to plan for when none is given (an H100 / H200's 132).
 DEFAULT_NUM_SMS = 132
 
-#: The narrowest output tile of kernel B for float and FP8 weights (a multiply and sum, no dot); 4-bit weights go
-#: through the grouped GEMM's decode-and-dot helper, whose dot side is at least :data:`MIN_DOT`.
+#: The narrowest output tile of kernel B for FP8 weights (a multiply and sum, no dot); float and 4-bit weights with
+#: 16-bit activations go through a dot, whose side is at least :data:`MIN_DOT`.
 MIN_BLOCK_H = 8
 
 
@@ -120,13 +120,18 @@ def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool
     return DecodeGateUpConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=2)
 
 
-def decode_down_config(T: int, H: int, I: int, w4: bool, num_sms: int = DEFAULT_NUM_SMS) -> DecodeDownConfig:
-    """Heuristic config of kernel B for ``out [T, H]`` from ``a [T*k, I]`` and ``w2 [E_local, H, I]``."""
+def decode_down_config(T: int, H: int, I: int, w4: bool, *, fp8: str | None = None,
+                       num_sms: int = DEFAULT_NUM_SMS) -> DecodeDownConfig:
+    """Heuristic config of kernel B for ``out [T, H]`` from ``a [T*k, I]`` and ``w2 [E_local, H, I]`` (``fp8``: the
+    FP8 quant mode, ``"fp8_per_token"`` / ``"fp8_block"``, or ``None``)."""
     # Up to 64 output columns a program, narrower while T * cdiv(H, block_h) programs would leave SMs idle (one
     # token of gpt-oss's H = 2880 at 64 columns is 45 programs on 132 SMs).
-    block_h = _fill_block(H, T, MIN_DOT if w4 else MIN_BLOCK_H, 64, num_sms)
+    block_h = _fill_block(H, T, MIN_BLOCK_H if fp8 else MIN_DOT, 64, num_sms)
     # I chunk: 128 (a [64, 128] weight tile, 32 float32 values a thread over 4 warps); 32 at least for 4-bit. Both
     # within one FP8 scale block (FP8_BLOCK) as fp8_block needs.
     block_i = _pow2_between(I, W4_MIN_BLOCK_K if w4 else MIN_DOT, 128)
-    # 4 warps, 2 stages: the I loop streams w2 rows; the float reduction is a GEMV (a sum, no tensor cores).
-    return DecodeDownConfig(block_h=block_h, block_i=block_i, num_warps=4, num_stages=2)
+    # 2 stages: the I loop streams w2 rows. The dot (a slot's row padded to 16) gives each warp 16 columns: over
+    # 4 warps a 16-column tile is decoded by every warp alike (the sm_90 SASS of gpt-oss's MXFP4 I loop at T = 1:
+    # 22 instructions a weight a lane over 4 warps, 5.1 over one); the FP8 GEMV keeps 4 warps.
+    warps = 4 if fp8 else max(1, min(4, block_h // MIN_DOT))
+    return DecodeDownConfig(block_h=block_h, block_i=block_i, num_warps=warps, num_stages=2)

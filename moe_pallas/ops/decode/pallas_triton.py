@@ -69,8 +69,9 @@ are never written (and never read).
       for j in 0..k-1 (slot order, a loop):
           if slot_expert[t*k + j] = e >= 0:              (lax.cond: a non-local slot reads nothing)
               fp8_per_token: sa = max(amax of a[s, :], 1e-10) * float32(1/448)  (a first pass over the row)
-              y = sum over I chunks of w2[e, cols, i:+BLOCK_I] * a[t*k + j, i:+BLOCK_I]   (float32 GEMV)
-                  (4-bit: _w4_step_part on 16 rows of which only the slot's is live, its row taken;
+              y = sum over I chunks of w2[e, cols, i:+BLOCK_I] * a[t*k + j, i:+BLOCK_I]   (float32 sums)
+                  (4-bit weights, or 16-bit a with float weights: a dot of 16 rows of which only the slot's is live (4-bit:
+                   _w4_step_part), the [16, BLOCK_H] sums reduced once after the last chunk; float32 a: a GEMV;
                    fp8_per_token: the chunk of a quantized with sa first, codes times codes;
                    fp8_block: codes times codes, the chunk's sum times a_scale[s, i/128] * w2_scale[e, cols/128,
                    i/128])
@@ -286,6 +287,9 @@ def _down_kernel(se_ref, tw_ref, a_ref, w_ref, *refs, k: int, H: int, I: int, rs
     col_ok = h0 + jnp.arange(block_h) < H
     n_i = pl.cdiv(I, block_i)
     zero_a, zero_w = jnp.zeros((), a_ref.dtype), jnp.zeros((), w_ref.dtype)
+    # 4-bit weights, and float weights with 16-bit a: the slot's row padded to a 16-row dot, the tensor cores taking
+    # the operands as loaded (or decoded); float32 a with float weights keeps the exact float32 GEMV, FP8 its own
+    use_dot = w_format is not None or (fp8 is None and a_ref.dtype != jnp.float32)
 
     def slot_step(j, acc):
         s = t * k + j
@@ -300,13 +304,23 @@ def _down_kernel(se_ref, tw_ref, a_ref, w_ref, *refs, k: int, H: int, I: int, rs
 
                 sa = scale_from_amax(jax.lax.fori_loop(0, n_i, amax_step, jnp.float32(0.0)))
 
+            live = jnp.arange(MIN_DOT) == 0
+
+            def dot_step(ii, acc16):  # 16 rows (the dot's least), only the slot's live: its row is the GEMV
+                i0 = ii * block_i
+                if w_format is not None:
+                    return acc16 + _w4_step_part(a_ref, w_ref, ws_ref, e, pl.ds(s, MIN_DOT), live, cols, col_ok, i0,
+                                                 I, w_format, MIN_DOT, block_h, block_i, precision, packed_decode)
+                i_ok = i0 + jnp.arange(block_i) < I
+                a16 = plgpu.load(a_ref.at[pl.ds(s, MIN_DOT), pl.ds(i0, block_i)], mask=live[:, None] & i_ok[None, :],
+                                 other=zero_a)  # [16, block_i]
+                wt = plgpu.load(w_ref.at[e, cols, pl.ds(i0, block_i)], mask=col_ok[:, None] & i_ok[None, :],
+                                other=zero_w)  # [block_h, block_i]
+                return acc16 + jax.lax.dot_general(a16, wt, (((1,), (1,)), ((), ())), precision=precision,
+                                                   preferred_element_type=jnp.float32)
+
             def i_step(ii, y):
                 i0 = ii * block_i
-                if w_format is not None:  # 16 rows (the dot's least), only the slot's live: its row is the GEMV
-                    live = jnp.arange(MIN_DOT) == 0
-                    part = _w4_step_part(a_ref, w_ref, ws_ref, e, pl.ds(s, MIN_DOT), live, cols, col_ok, i0, I,
-                                         w_format, MIN_DOT, block_h, block_i, precision, packed_decode)
-                    return y + jnp.sum(part, axis=0)  # the other rows are exact zeros
                 i_ok = i0 + jnp.arange(block_i) < I
                 av = plgpu.load(a_ref.at[s, pl.ds(i0, block_i)], mask=i_ok, other=zero_a)
                 if fp8 == "per_token":  # the staged activation's codes (act_and_mul's quantization, same values)
@@ -319,7 +333,10 @@ def _down_kernel(se_ref, tw_ref, a_ref, w_ref, *refs, k: int, H: int, I: int, rs
                     part = part * (as_ref[s * (I // FP8_BLOCK) + ib] * ws_ref[e, h0 // FP8_BLOCK, ib])
                 return y + part
 
-            y = jax.lax.fori_loop(0, n_i, i_step, jnp.zeros((block_h,), jnp.float32))
+            if use_dot:  # the [16, block_h] sums reduced once: the other rows are exact zeros
+                y = jnp.sum(jax.lax.fori_loop(0, n_i, dot_step, jnp.zeros((MIN_DOT, block_h), jnp.float32)), axis=0)
+            else:
+                y = jax.lax.fori_loop(0, n_i, i_step, jnp.zeros((block_h,), jnp.float32))
             if fp8 == "per_token":  # the grouped GEMM's order: the finished sum times a's scale, then w2's
                 y = y * sa
                 y = y * (ws_ref[e] if w_scale_kind == "per_expert" else
@@ -338,18 +355,21 @@ def _down_kernel(se_ref, tw_ref, a_ref, w_ref, *refs, k: int, H: int, I: int, rs
 
 
 def check_decode_configs(op: str, gate_up: DecodeGateUpConfig, down: DecodeDownConfig, w4: bool,
-                         fp8_block: bool = False) -> None:
-    """``ValueError`` naming ``op`` and the configs unless kernel A's dot sides are at least 16, with 4-bit
+                         fp8_block: bool = False, dot: bool = False) -> None:
+    """``ValueError`` naming ``op`` and the configs unless kernel A's dot sides (and kernel B's with ``dot``:
+    ``block_h``, ``block_i``) are at least 16, with 4-bit
     weights both K steps hold whole scale groups (>= 32), and with ``fp8_block`` kernel A's ``block_n`` is one
     1x128 group of ``a`` and the other steps lie in one 128 x 128 scale block (``block_k``, ``block_h``,
     ``block_i`` <= 128). (Powers of 2: the config classes check.)"""
     min_k = W4_MIN_BLOCK_K if w4 else MIN_DOT
     bad = min(gate_up.block_m, gate_up.block_n) < MIN_DOT or gate_up.block_k < min_k or (
-        w4 and down.block_i < W4_MIN_BLOCK_K)
+        w4 and down.block_i < W4_MIN_BLOCK_K) or (dot and min(down.block_h, down.block_i) < MIN_DOT)
     bad = bad or fp8_block and (gate_up.block_n != FP8_BLOCK or max(gate_up.block_k, down.block_h, down.block_i)
                                 > FP8_BLOCK)
     if bad:
         need = f"{', block_i >= ' + str(W4_MIN_BLOCK_K) + ' (4-bit weights)' if w4 else ''}"
+        if dot:
+            need += f", block_h, block_i >= {MIN_DOT} (kernel B's dot: 16-bit activations)"
         if fp8_block:
             need += f", block_n == {FP8_BLOCK} and block_k, block_h, block_i <= {FP8_BLOCK} (quant='fp8_block')"
         raise ValueError(f"{op}: configs must have block_m, block_n >= {MIN_DOT} and block_k >= {min_k}{need}; "
@@ -395,8 +415,10 @@ def fused_experts_decode_pallas_triton(
     sms = DEFAULT_NUM_SMS if interpret else num_sms()
     cfg_a = gate_up_config or decode_gate_up_config(T, k, H, I, e_local, w4=w_format is not None,
                                                     fp8_block=fp8 == "block", num_sms=sms)
-    cfg_b = down_config or decode_down_config(T, H, I, w4=w_format is not None, num_sms=sms)
-    check_decode_configs(op, cfg_a, cfg_b, w_format is not None, fp8_block=fp8 == "block")
+    cfg_b = down_config or decode_down_config(T, H, I, w4=w_format is not None,
+                                              fp8=config.quant if fp8 is not None else None, num_sms=sms)
+    check_decode_configs(op, cfg_a, cfg_b, w_format is not None, fp8_block=fp8 == "block",
+                         dot=w_format is not None or (fp8 is None and x.dtype != jnp.float32))
     if not interpret:  # 64-bit offsets where jax's lowering would not give them (common.patch_pallas_triton_offsets)
         _common.pallas_triton_offsets_ok(op, w13=w13, w2=w2)
     if S == 0:

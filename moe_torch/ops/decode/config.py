@@ -112,8 +112,8 @@ def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool
                               num_stages=2)
 
 
-#: The narrowest output tile of kernel B: its GEMV is a multiply and ``tl.sum``, no ``tl.dot`` minimum; 8 rows of a
-#: 128-wide bf16 chunk are still 2 KiB a load.
+#: The narrowest output tile of kernel B for FP8 weights: its GEMV is a multiply and ``tl.sum``, no ``tl.dot``
+#: minimum; 8 rows of a 128-wide chunk are still 1 KiB a load. Float and 4-bit weights go through a dot (``MIN_DOT``).
 MIN_BLOCK_H = 8
 
 
@@ -123,9 +123,12 @@ def decode_down_config(T: int, H: int, I: int, w4: bool, fp8: str | None = None,
     ``num_sms`` as :func:`decode_gate_up_config`."""
     # Up to 64 output columns a program, narrower while T * cdiv(H, block_h) programs would leave SMs idle (one
     # token of gpt-oss's H = 2880 at 64 columns is 45 programs on 132 SMs).
-    block_h = _fill_block(H, T, MIN_BLOCK_H, 64, num_sms)
+    block_h = _fill_block(H, T, MIN_BLOCK_H if fp8 else MIN_DOT, 64, num_sms)
     # I chunk: 128 (a [64, 128] weight tile, 32 float32 values a thread over 4 warps); 32 at least for 4-bit.
     # fp8_block: exactly one activation group and weight block a chunk.
     block_i = FP8_BLOCK_K if fp8 == "fp8_block" else _pow2_between(I, W4_MIN_BLOCK_K if w4 else MIN_DOT, 128)
-    # 4 warps, 2 stages: the I loop streams w2 rows; the reduction is a GEMV (tl.sum), no tensor cores.
-    return DecodeDownConfig(block_h=block_h, block_i=block_i, num_warps=4, num_stages=2)
+    # 2 stages: the I loop streams w2 rows. The dot (a slot's row padded to 16) gives each warp 16 columns: over
+    # 4 warps a 16-column tile is decoded by every warp alike (the sm_90 SASS of gpt-oss's MXFP4 I loop at T = 1:
+    # 22 instructions a weight a lane over 4 warps, 5.1 over one); the FP8 GEMV keeps 4 warps.
+    warps = 4 if fp8 else max(1, min(4, block_h // MIN_DOT))
+    return DecodeDownConfig(block_h=block_h, block_i=block_i, num_warps=warps, num_stages=2)

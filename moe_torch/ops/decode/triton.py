@@ -51,7 +51,11 @@ slots; ``a [T*k, I]`` is in slot order (no permutation buffer, no metadata); non
     program (t, n): cols = n*BLOCK_H + [0, BLOCK_H) of H;  acc = 0 (float32)
       for j in 0..k-1 (slot order):
           if slot (t, j) is local with expert e:
-              y = sum over I chunks of w2[e, cols, i:+BLOCK_I] * a[t*k + j, i:+BLOCK_I]   (float32; a GEMV: tl.sum)
+              y = sum over I chunks of w2[e, cols, i:+BLOCK_I] * a[t*k + j, i:+BLOCK_I]   (float32 accumulation)
+                  16-bit a (float or 4-bit weights): a tl.dot of a [16, BLOCK_I] tile whose row 0 is the slot's
+                      row (the rest zero) with the weight tile (4-bit decoded as kernel A), y = row 0 of the
+                      [16, BLOCK_H] accumulator after the last chunk
+                  float32 a, FP8: a float32 multiply and tl.sum per chunk (a GEMV)
                   fp8_per_token: sa = max(max_i |a[s, i]|, 1e-10) * float32(1/448), a first pass over the row
                       (act_and_mul's per-token quantization, section 3); each chunk quantized as it is read:
                       aq = cast_e4m3(clamp(div_rn(a, sa), -448, 448));  y = sum of wq * aq (FP8 codes: exact
@@ -67,7 +71,11 @@ token's slots in slot order, so the result is bit-identical from run to run (no 
 launch (an expert-major GEMM 2 would write ``y [T*k, H]`` and need a combine kernel, or float atomics into
 ``out`` whose order varies). The price: ``w2[e]``'s tile is read once per (token, slot) rather than once per
 expert; at decode sizes the tokens sharing an expert are few and the repeats hit L2. A token's GEMV has one row,
-below ``tl.dot``'s 16: it is a float32 multiply and ``tl.sum`` (bf16 products are exact in float32, FP8 codes' too).
+below ``tl.dot``'s 16: padded to 16 rows, the tensor cores take the 16-bit operands as loaded (or decoded), where a
+float32 GEMV spends a convert, a multiply and a share of a cross-lane sum on every weight (the sm_90 SASS of the I
+loop, gpt-oss MXFP4: ~7.9 instructions a weight a lane as a GEMV; the dot's wasted rows cost nothing the weight
+stream notices). float32 ``a`` keeps the exact float32 GEMV; FP8 ``a`` too (bf16 products are exact in float32,
+FP8 codes' too).
 Per-token FP8 ``a`` needs its row's amax over all of ``I``, which no program of kernel A has (each holds
 ``BLOCK_N`` columns): kernel B reads each slot's whole row anyway, so it reduces the amax first and quantizes as it
 goes, each of a token's ``cdiv(H, BLOCK_H)`` programs the same way (the same codes, recomputed: a few divisions per
@@ -107,6 +115,7 @@ from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device, fp
 _WS_NONE, _WS_EXPERT, _WS_CHANNEL, _WS_BLOCK, _WS_MXFP4, _WS_INT4 = (
     tl.constexpr(W_SCALE_CODES[name]) for name in (None, "per_expert", "per_channel", "block", "mxfp4", "int4"))
 _FP8_BLOCK = tl.constexpr(FP8_BLOCK_K)
+MIN_DOT_ROWS = tl.constexpr(MIN_DOT)
 #: FP8 weight-scale layout by the scale's rank: [E_local], [E_local, N], [E_local, cdiv(N, 128), cdiv(K, 128)].
 _FP8_SCALE_LAYOUTS = {1: "per_expert", 2: "per_channel", 3: "block"}
 
@@ -351,7 +360,8 @@ def _decode_down_kernel(
     HAS_BIAS: tl.constexpr,  # bool: add w2_bias[e] before the rounding of y
     APPLY_RSF: tl.constexpr,  # bool: rsf != 1
     W_SCALE: tl.constexpr,  # W_SCALE_CODES: 0 float w2, 1 / 2 / 3 FP8 (expert, channel, block), 4 / 5 4-bit
-    BLOCK_H: tl.constexpr,  # output columns per program
+    USE_DOT: tl.constexpr,  # bool: the slot's GEMV on the tensor cores (16-bit a with float or 4-bit weights)
+    BLOCK_H: tl.constexpr,  # output columns per program (>= 16 with USE_DOT)
     BLOCK_I: tl.constexpr,  # I step (>= 32 for 4-bit; 128 for FP8 blocks)
     e8m0_lut=None,  # MXFP4 with bf16 x on a GPU: bf16 [256] (the packed decode's scales)
 ):
@@ -378,31 +388,54 @@ def _decode_down_kernel(
                     amax = tl.maximum(amax, tl.abs(tl.load(a_row + i0 + offs_i, mask=i0 + offs_i < I, other=0.0)))
                 sa = fp8_scale(tl.max(amax, axis=0))
             y = tl.zeros([BLOCK_H], dtype=tl.float32)
-            for i0 in range(0, I, BLOCK_I):
-                i_mask = i0 + offs_i < I
-                if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4:
-                    # 4-bit codes decoded to x's dtype; low nibbles meet a's even columns, high its odd ones
-                    lo, hi = _w4_tiles(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn,
-                                       ws_ptr + e64 * stride_wse + cols64[:, None] * stride_wsn, stride_wsk, i0, I,
-                                       col_mask, W_SCALE, BLOCK_H, BLOCK_I, a_ptr.dtype.element_ty, e8m0_lut)
-                    av = tl.load(a_row + i0 + offs_i, mask=i_mask, other=0.0).to(tl.float32)
-                    a_even, a_odd = tl.split(tl.reshape(av, [BLOCK_I // 2, 2]))
-                    y += tl.sum(lo.to(tl.float32) * a_even[None, :] + hi.to(tl.float32) * a_odd[None, :], axis=1)
-                else:
-                    w = tl.load(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn + (i0 + offs_i)[None, :],
-                                mask=col_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
-                    av = tl.load(a_row + i0 + offs_i, mask=i_mask, other=0.0).to(tl.float32)
-                    if W_SCALE == _WS_BLOCK:
-                        # 1 x 128 groups of a (one a chunk: BLOCK_I = 128), the chunk's FP8 sum scaled by its group's
-                        # and the weight blocks' scales before it is accumulated (as GEMM 2 does)
-                        sa = fp8_scale(tl.max(tl.abs(av), axis=0))
-                        sw = tl.load(ws_ptr + e64 * stride_wse + (cols64 // _FP8_BLOCK) * stride_wsn
-                                     + (i0 // _FP8_BLOCK) * stride_wsk, mask=col_mask, other=0.0)
-                        y += tl.sum(w * _quantize_row_chunk(av, sa), axis=1) * sa * sw
-                    elif W_SCALE != _WS_NONE:  # per-token FP8 a: products of codes (exact in float32), scaled after
-                        y += tl.sum(w * _quantize_row_chunk(av, sa), axis=1)
+            if USE_DOT:
+                # The slot's row as row 0 of a 16-row dot operand (the rest masked to zero): one HMMA stream over the
+                # decoded weights instead of a float32 multiply, convert and cross-lane sum per weight; the [16,
+                # BLOCK_H] accumulator is reduced once per slot (the other rows are exact zeros).
+                rows = tl.arange(0, MIN_DOT_ROWS)
+                acc16 = tl.zeros([MIN_DOT_ROWS, BLOCK_H], dtype=tl.float32)
+                for i0 in range(0, I, BLOCK_I):
+                    i_mask = i0 + offs_i < I
+                    a16 = tl.load(a_row + rows[:, None] * 0 + (i0 + offs_i)[None, :],
+                                  mask=(rows == 0)[:, None] & i_mask[None, :], other=0.0)
+                    if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4:
+                        lo, hi = _w4_tiles(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn,
+                                           ws_ptr + e64 * stride_wse + cols64[:, None] * stride_wsn, stride_wsk, i0,
+                                           I, col_mask, W_SCALE, BLOCK_H, BLOCK_I, a_ptr.dtype.element_ty, e8m0_lut)
+                        a_even, a_odd = tl.split(tl.reshape(a16, [MIN_DOT_ROWS, BLOCK_I // 2, 2]))
+                        acc16 = tl.dot(a_even, tl.trans(lo), acc16)
+                        acc16 = tl.dot(a_odd, tl.trans(hi), acc16)
                     else:
-                        y += tl.sum(w * av[None, :], axis=1)
+                        w = tl.load(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn + (i0 + offs_i)[None, :],
+                                    mask=col_mask[:, None] & i_mask[None, :], other=0.0)
+                        acc16 = tl.dot(a16, tl.trans(w), acc16)
+                y = tl.sum(tl.where((rows == 0)[:, None], acc16, 0.0), axis=0)
+            else:  # a float32 multiply and sum per chunk (float32 a; FP8 codes, exact products)
+                for i0 in range(0, I, BLOCK_I):
+                    i_mask = i0 + offs_i < I
+                    if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4:
+                        # 4-bit codes decoded to x's dtype; low nibbles meet a's even columns, high its odd ones
+                        lo, hi = _w4_tiles(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn,
+                                           ws_ptr + e64 * stride_wse + cols64[:, None] * stride_wsn, stride_wsk, i0, I,
+                                           col_mask, W_SCALE, BLOCK_H, BLOCK_I, a_ptr.dtype.element_ty, e8m0_lut)
+                        av = tl.load(a_row + i0 + offs_i, mask=i_mask, other=0.0).to(tl.float32)
+                        a_even, a_odd = tl.split(tl.reshape(av, [BLOCK_I // 2, 2]))
+                        y += tl.sum(lo.to(tl.float32) * a_even[None, :] + hi.to(tl.float32) * a_odd[None, :], axis=1)
+                    else:
+                        w = tl.load(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn + (i0 + offs_i)[None, :],
+                                    mask=col_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
+                        av = tl.load(a_row + i0 + offs_i, mask=i_mask, other=0.0).to(tl.float32)
+                        if W_SCALE == _WS_BLOCK:
+                            # 1 x 128 groups of a (one a chunk: BLOCK_I = 128), the chunk's FP8 sum scaled by its group's
+                            # and the weight blocks' scales before it is accumulated (as GEMM 2 does)
+                            sa = fp8_scale(tl.max(tl.abs(av), axis=0))
+                            sw = tl.load(ws_ptr + e64 * stride_wse + (cols64 // _FP8_BLOCK) * stride_wsn
+                                         + (i0 // _FP8_BLOCK) * stride_wsk, mask=col_mask, other=0.0)
+                            y += tl.sum(w * _quantize_row_chunk(av, sa), axis=1) * sa * sw
+                        elif W_SCALE != _WS_NONE:  # per-token FP8 a: products of codes (exact in float32), scaled after
+                            y += tl.sum(w * _quantize_row_chunk(av, sa), axis=1)
+                        else:
+                            y += tl.sum(w * av[None, :], axis=1)
             if W_SCALE == _WS_EXPERT or W_SCALE == _WS_CHANNEL:  # the row's scale, then the weight's (as the GEMM)
                 y = y * sa
                 if W_SCALE == _WS_EXPERT:
@@ -427,9 +460,9 @@ def _pow2(v: int) -> bool:
 
 
 def check_decode_configs(op: str, gate_up: DecodeGateUpConfig, down: DecodeDownConfig, w4: bool,
-                         fp8: str | None = None) -> None:
-    """``ValueError`` naming ``op`` and the config unless every block is a power of 2, the dot sides of kernel A are
-    at least 16 (``tl.dot``), with 4-bit weights both K steps hold whole scale groups (>= 32), with FP8 weights
+                         fp8: str | None = None, dot: bool = False) -> None:
+    """``ValueError`` naming ``op`` and the config unless every block is a power of 2, the dot sides of kernel A (and
+    of kernel B's with ``dot``: ``block_h``, ``block_i``) are at least 16 (``tl.dot``), with 4-bit weights both K steps hold whole scale groups (>= 32), with FP8 weights
     (``fp8``: ``"fp8_per_token"`` / ``"fp8_block"``) kernel A's K step is at least 32 (the FP8 ``mma``), and for
     ``"fp8_block"`` both K steps are exactly one 128-wide scale block."""
     blocks = (gate_up.block_m, gate_up.block_n, gate_up.block_k, gate_up.chunk_s, down.block_h, down.block_i)
@@ -437,10 +470,13 @@ def check_decode_configs(op: str, gate_up: DecodeGateUpConfig, down: DecodeDownC
     block_steps = fp8 == "fp8_block"
     if (not all(_pow2(b) for b in blocks) or min(gate_up.block_m, gate_up.block_n) < MIN_DOT
             or gate_up.block_k < min_k or (w4 and down.block_i < W4_MIN_BLOCK_K)
+            or (dot and min(down.block_h, down.block_i) < MIN_DOT)
             or (block_steps and (gate_up.block_k, down.block_i) != (FP8_BLOCK_K, FP8_BLOCK_K))):
         need = f", block_i >= {W4_MIN_BLOCK_K} (4-bit weights)" if w4 else ""
         if block_steps:
             need = f", block_k = block_i = {FP8_BLOCK_K} (fp8_block: one scale block a K step)"
+        if dot:
+            need += f", block_h, block_i >= {MIN_DOT} (kernel B's dot: 16-bit activations)"
         raise ValueError(f"{op}: configs must have power-of-2 blocks, block_m, block_n >= {MIN_DOT} and block_k >= "
                          f"{min_k}{need}; got {gate_up}, {down}")
 
@@ -503,7 +539,9 @@ def fused_experts_decode_triton(
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else DEFAULT_NUM_SMS
     cfg_a = gate_up_config or decode_gate_up_config(T, k, H, I, e_local, w4=w4, fp8=fp8, num_sms=num_sms)
     cfg_b = down_config or decode_down_config(T, H, I, w4=w4, fp8=fp8, num_sms=num_sms)
-    check_decode_configs(op, cfg_a, cfg_b, w4, fp8)
+    # Kernel B on the tensor cores where a is 16-bit (float32 a keeps the exact float32 GEMV; FP8 a is float32)
+    use_dot = fp8 is None and x.dtype != torch.float32
+    check_decode_configs(op, cfg_a, cfg_b, w4, fp8, dot=use_dot)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
@@ -541,7 +579,7 @@ def fused_experts_decode_triton(
         a.stride(0), w2.stride(0), w2.stride(1), *_scale_strides(w2_scale),
         w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0),
         K_SLOTS=k, TOPK=config.topk, ON_INPUT=on_input, HAS_BIAS=w2_bias is not None, APPLY_RSF=rsf != 1.0,
-        W_SCALE=_scale_code(config, w2_scale), BLOCK_H=cfg_b.block_h, BLOCK_I=cfg_b.block_i, e8m0_lut=lut,
+        W_SCALE=_scale_code(config, w2_scale), USE_DOT=use_dot, BLOCK_H=cfg_b.block_h, BLOCK_I=cfg_b.block_i, e8m0_lut=lut,
         num_warps=cfg_b.num_warps, num_stages=cfg_b.num_stages,
     )
     return out
