@@ -370,12 +370,13 @@ def test_host_errors(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["none", "mxfp4"])
-@pytest.mark.parametrize("T", [1, 8, 64])
+@pytest.mark.parametrize("T", [1, 4, 8, 64])
 def test_gpt_oss_sizes_default_configs(T, quant):
     """gpt-oss's expert sizes (H = I = 2880: a K tail in both GEMMs' last 128-wide step; interleaved rows, biases)
-    over 8 experts, top-4, with the default configs: T = 8 is two row blocks of kernel A and the size where the H100's
-    first run of the decode path (graph capture, gpt-oss-120b) reported a misaligned address; triton against the
-    reference, and a synchronised rerun bit-identical."""
+    over 8 experts, top-4, with the default configs: T = 4, 8, 64 make T * k divisible by 16, where a specialized
+    ``S`` made Triton miscompile the slot scan's id loads (a misaligned address at gpt-oss-120b's T = 8, see
+    test_gate_up_kernel_keeps_s_unspecialized); triton against the reference, and a synchronised rerun
+    bit-identical."""
     config = MoEConfig(hidden_size=2880, intermediate_size=2880, num_experts=8, topk=4, quant=quant, **GPT_OSS)
     ids = _distinct_ids(np.random.default_rng(T), T, 4, 8)
     x, w, ids, w13, w2, biases = _inputs(config, ids, "bfloat16", bias_dtype="bfloat16")
@@ -389,6 +390,16 @@ def test_gpt_oss_sizes_default_configs(T, quant):
         ref = fused_experts_decode(x, w, ids, w13, w2, config, implementation="reference", **kw)
         assert_rel_fro(out, ref, BF16_REL_FRO, f"triton vs reference T={T} {quant}")
         assert_exact(out, fused_experts_decode(x, w, ids, w13, w2, config, implementation="triton", **kw), "rerun")
+
+
+def test_gate_up_kernel_keeps_s_unspecialized():
+    """Kernel A's ``S`` (``T * k``) is never specialized on divisibility: with ``S % 16 == 0`` (gpt-oss-120b's
+    128 experts, top-4, T = 8) Triton 3.6 vectorized the slot scan's id loads with a wrong per-thread index
+    (sm_90 PTX; on the H100 a CUDA misaligned address, compute-sanitizer: 16-byte reads at 4-byte offsets past
+    the ids)."""
+    kernel = decode_triton._decode_gate_up_kernel  # a JITFunction, or under the interpreter its kwargs' holder
+    names = kernel.kwargs["do_not_specialize"] if hasattr(kernel, "kwargs") else kernel.do_not_specialize
+    assert "S" in names
 
 
 @pytest.mark.gpu

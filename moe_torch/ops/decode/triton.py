@@ -155,7 +155,10 @@ def _slot_rows(x_ptr, x_rows, ks, mask, in_scale, ON_INPUT: tl.constexpr):
     return xs
 
 
-@triton.jit
+# S unspecialized: with S divisible by 16 (e.g. 8 tokens of top-4) Triton 3.6 vectorizes the slot scan's id loads
+# and miscompiles their per-thread index (sm_90 PTX: out-of-range, misaligned 16-byte reads; CUDA "misaligned
+# address" at gpt-oss's T = 8). Unspecialized, the loads stay scalar with correct indices; the ids are few.
+@triton.jit(do_not_specialize=["S"])
 def _decode_gate_up_kernel(
     x_ptr,  # [T, H] float32 / bf16 / fp16, unit column stride
     ids_ptr,  # [T * k] int32 / int64 topk_ids, contiguous
