@@ -2,8 +2,8 @@
 count the path is meant for.
 
 One frozen, keyword-only dataclass per kernel and the heuristic that picks it from the problem shape. Every
-constant says why it has its value. None of them is measured yet (no GPU timing of this path exists): they are
-the shapes' natural fits, to be tuned before the layer routes small batches here.
+constant says why it has its value: the shapes' natural fits, refined where ``benchmarks/tune_decode.py`` measured a
+better choice (BENCHMARKS.md); the layer does not route small batches here by default.
 """
 
 from __future__ import annotations
@@ -106,10 +106,11 @@ def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool
     block_e = triton.next_power_of_2(max(E_local, 1))
     block_s = triton.next_power_of_2(max(T * k, 1))
     chunk_s = max(1, min(block_s, COUNT_TILE_ELEMS // max(block_e, block_m)))
-    # 4 warps: two [64, 128] bf16 weight tiles and two [BLOCK_M, 64] float32 accumulators a program. 2 stages:
-    # the K loop streams w13, the one operand worth prefetching (x's rows are few and stay in L1/L2).
+    # 4 warps: two [64, 128] bf16 weight tiles and two [BLOCK_M, 64] float32 accumulators a program. 4 stages: the
+    # K loop streams w13, the one operand worth prefetching (x's rows are few and stay in L1/L2), and a small grid
+    # needs many bytes in flight (H100, tune_decode.py: 4 stages 0-12% faster than 2 at block_n <= 64, T = 1 and 8).
     return DecodeGateUpConfig(block_m=block_m, block_n=block_n, block_k=block_k, chunk_s=chunk_s, num_warps=4,
-                              num_stages=2)
+                              num_stages=4)
 
 
 #: The narrowest output tile of kernel B for FP8 weights: its GEMV is a multiply and ``tl.sum``, no ``tl.dot``
