@@ -29,7 +29,7 @@ from moe_torch.capacity import drop_over_capacity
 from moe_torch.ops.activation import api as activation_api
 from moe_torch.ops.activation.api import act_and_mul, act_and_mul_backward
 from moe_torch.ops.combine import api as combine_api
-from moe_torch.ops.combine.api import combine
+from moe_torch.ops.combine.api import combine, scale_rows
 from moe_torch.ops.common import first_order_backward, takes_torch_tensors
 from moe_torch.ops.custom_ops import moe_layer, register_layer_function
 from moe_torch.ops.dispatch import check_implementation
@@ -368,12 +368,12 @@ def experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: in
     del w2_d, s2_d
     live = dst2src >= 0
     w_row = torch.where(live, topk_weights.reshape(-1)[dst2src.clamp(min=0).long()] * c, 0.0)  # [M_cap] float32
-    # float32 math without float32 copies of the operands: the products promote inside one kernel
-    dots = torch.mul(a, d_a0).sum(dim=1)  # <a[m], d_out[t] @ w2[e]>, float32
+    # one pass over d_a0: d_a = w_row * d_a0 (float32 math, one rounding) and the row dots <a[m], d_out[t] @ w2[e]>
+    combine_impl = stage_implementation(impl, combine_api)
+    d_a, dots = scale_rows(d_a0, w_row, out_dtype=dtype, dot_with=a, implementation=combine_impl)
     if w2_bias is not None:  # y = a @ w2.T + b2: <y[m], d_out[t]> has the bias's part too
         dots = dots + _bias_dots(d_y0, w2_bias, offsets)
     d_topk_weights = torch.where(src2dst >= 0, c * dots[src2dst.clamp(min=0).long()], 0.0)
-    d_a = torch.mul(d_a0, w_row[:, None], out=d_a0.new_empty(d_a0.shape, dtype=dtype))  # float32 math, one rounding
     del d_a0, dots  # intermediates go as soon as they are used: the backward's peak is the wgrads'
     d_w2 = d_w2_bias = None
     if need_w2 or need_w2_bias:  # float32 accumulation in the kernels, stored once in the weight's / bias's dtype
@@ -382,7 +382,7 @@ def experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: in
             d_w2_bias = grouped_gemm_dbias(d_y, offsets, out_dtype=w2_bias.dtype, implementation=gemm)
             del d_y
         if need_w2:  # (no float32 [E, H, I]); d_y in float32 math, rounded once on the store (no float32 copy)
-            d_y = torch.mul(d_y0, w_row[:, None], out=d_y0.new_empty(d_y0.shape))
+            d_y, _ = scale_rows(d_y0, w_row, out_dtype=d_y0.dtype, implementation=combine_impl)
             d_w2 = grouped_gemm_wgrad(a, d_y, offsets, out_dtype=w2.dtype, implementation=gemm)
             del d_y
     del a, d_y0

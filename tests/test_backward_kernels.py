@@ -144,6 +144,38 @@ def test_triton_combine_backward_rsf_one_and_strided():
     assert_rel_fro(got[1], want[1], GRAD_F32_REL_FRO, "d_topk_weights")
 
 
+@pytest.mark.parametrize("g_dtype,a_dtype,out_dtype,M,N", [
+    ("float32", "bfloat16", "bfloat16", 1, 7),  # the layer's d_a0 [M, I] with a: one row, a ragged chunk
+    ("bfloat16", None, "bfloat16", 9, 1030),  # the layer's d_y0 [M, H]: 3 row programs (one ragged), 2 chunks
+    ("float32", "float32", "float32", 6, 33),
+])
+def test_triton_scale_rows(g_dtype, a_dtype, out_dtype, M, N, monkeypatch):
+    """The layer backward's row weights (``combine.api.scale_rows``): ``out`` bit-identical to torch's mixed-dtype
+    multiply (float32 product, one rounding), the row dots within float32 reordering; zero weights (padding rows)
+    give zero rows."""
+    from moe_torch.ops.combine import triton as comb_triton
+    from moe_torch.ops.combine.api import scale_rows
+
+    monkeypatch.setattr(comb_triton, "SCALE_ROWS_BLOCK_N", 512)  # several column chunks at test sizes
+    rng = np.random.default_rng(M * N)
+    g = to_torch(rng.standard_normal((M, N)).astype(np.float32), g_dtype)
+    w = to_torch(rng.uniform(-2, 2, M).astype(np.float32))
+    w[-1] = 0.0
+    a = None if a_dtype is None else to_torch(rng.standard_normal((M, N)).astype(np.float32), a_dtype)
+    out_dt = getattr(torch, out_dtype)
+    want = scale_rows(g, w, out_dtype=out_dt, dot_with=a, implementation="reference")
+    got = scale_rows(g, w, out_dtype=out_dt, dot_with=a, implementation="triton")
+    assert got[0].dtype == out_dt and not got[0][-1].any()
+    assert_exact(got[0], want[0], "out: one float32 product a row element, one rounding")
+    if a is None:
+        assert got[1] is None and want[1] is None
+    else:
+        assert got[1].dtype == torch.float32
+        assert_rel_fro(got[1], want[1], GRAD_F32_REL_FRO, "row dots")
+    with pytest.raises(ValueError, match=r"scale_rows: row_weights must be float32 \[%d\]" % M):
+        scale_rows(g, w[:-1] if M > 1 else w.repeat(2), out_dtype=out_dt)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("routing,config", [
     ("T1", None),

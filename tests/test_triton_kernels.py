@@ -358,6 +358,14 @@ SM90_JOBS = {
     "act_and_mul/fp8_per_token_group": _act_job("fp8_per_token_group", 2048, 128),
     "act_and_mul/fp8_per_token-two-pass": _act_job("fp8_per_token", 14336, 128),
     "combine": _combine_job(),
+    # the layer backward's row weights with the row dots (d_a0 float32 [M, I=2048], a bf16)
+    "scale_rows": {
+        "module": "moe_torch.ops.combine.triton", "kernel": "_scale_rows_kernel",
+        "signature": {"g_ptr": "*fp32", "w_ptr": "*fp32", "a_ptr": "*bf16", "out_ptr": "*bf16", "dots_ptr": "*fp32",
+                      "M": "i32", "N": "i32", "stride_g": "i32", "stride_a": "i32", "stride_o": "i32"},
+        "constexprs": {"HAS_DOTS": True, "N_CHUNKS": 2, "BLOCK_M": 4, "BLOCK_N": 1024},
+        "options": {"num_warps": 4, "num_stages": 2},
+    },
 }
 
 
@@ -377,9 +385,11 @@ def test_act_and_mul_compiles_for_sm90(sm90_ptx, name):
         assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
 
-def test_combine_compiles_for_sm90(sm90_ptx):
-    """The combine kernel lowers to sm_90 cubin, with 64-bit row offsets (``mul.wide`` / s64)."""
-    ptx = sm90_ptx["combine"]
+@pytest.mark.parametrize("name", ["combine", "scale_rows"])
+def test_combine_compiles_for_sm90(sm90_ptx, name):
+    """The combine kernel and the layer backward's row-weight kernel lower to sm_90 cubin, with 64-bit row offsets
+    (``mul.wide`` / s64)."""
+    ptx = sm90_ptx[name]
     assert ".target sm_90" in ptx
-    assert "mul.wide.s32" in ptx or "mul.lo.s64" in ptx
+    assert "mul.wide.s32" in ptx or "mul.lo.s64" in ptx or "mul.wide.u32" in ptx
 

@@ -11,7 +11,7 @@ import torch
 
 from moe_contract.op_checks import check_combine, check_combine_backward
 from moe_contract.validation import check_choice
-from moe_torch.ops.combine.reference import combine_backward_reference, combine_reference
+from moe_torch.ops.combine.reference import combine_backward_reference, combine_reference, scale_rows_reference
 from moe_torch.ops.common import first_order_backward, resolve_dtype, takes_torch_tensors
 from moe_torch.ops.dispatch import dispatch
 
@@ -34,6 +34,15 @@ def _triton_backward(*args):
     except ImportError as exc:
         raise NotImplementedError(f"combine_backward: triton is not importable ({exc})") from exc
     return combine_backward_triton(*args)
+
+
+def _triton_scale_rows(*args):
+    """The Triton row-weight kernel, imported on first use."""
+    try:
+        from moe_torch.ops.combine.triton import scale_rows_triton
+    except ImportError as exc:
+        raise NotImplementedError(f"scale_rows: triton is not importable ({exc})") from exc
+    return scale_rows_triton(*args)
 
 
 class _CombineFunction(torch.autograd.Function):
@@ -140,3 +149,49 @@ def combine_backward(
     args = (d_out.detach(), y.detach(), src2dst, topk_weights.detach(), float(routed_scaling_factor))
     backends = {"triton": lambda: _triton_backward(*args), "reference": lambda: combine_backward_reference(*args)}
     return dispatch(op, implementation, backends, y.device)
+
+
+def scale_rows(
+    g: torch.Tensor,
+    row_weights: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    dot_with: torch.Tensor | None = None,
+    implementation: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weight each row of ``g`` by its combine weight, and optionally dot it with another tensor's row: the combine's
+    backward as the layer's backward folds it into GEMM 2's (CONTRACT.md section 8; ``moe_torch/layer.py``'s
+    ``experts_backward``, whose ``w_row[m] = c * topk_weights[slot of permuted row m]``).
+
+    Args:
+      g: ``[M, N]`` float32 / bf16 / float16 (e.g. GEMM 2's float32 dgrad, or the permuted ``d_out``); float64
+        (the reference only: the float64 gradient checks).
+      row_weights: ``[M]`` float32 (float64 with float64 ``g``).
+      out_dtype: the dtype of ``out``.
+      dot_with: ``None`` or ``[M, N]`` float, as ``g``.
+      implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"`` with a logged warning;
+        CPU tensors: ``"reference"``), ``"triton"`` (one pass over ``g``) or ``"reference"``.
+
+    Returns: ``(out [M, N] out_dtype, dots [M] float32 or None)``: ``out[m] = cast(float32(g[m]) * row_weights[m])``
+    (one rounding), ``dots[m] = sum_n float32(dot_with[m, n]) * float32(g[m, n])`` (float32; the two implementations
+    sum in different orders). Every row is computed, padding rows included (the caller reads what it needs).
+
+    Raises: ValueError (shapes), TypeError (dtypes), NotImplementedError (``implementation="triton"`` where the kernel
+      cannot run).
+    """
+    op = "scale_rows"
+    check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
+    floats = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+    if g.ndim != 2 or g.dtype not in floats:
+        raise TypeError(f"{op}: g must be a 2-D float tensor; got {tuple(g.shape)} {g.dtype}")
+    if row_weights.shape != (g.shape[0],) or row_weights.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: row_weights must be float32 [{g.shape[0]}] (one weight a row of g); got "
+                         f"{tuple(row_weights.shape)} {row_weights.dtype}")
+    if dot_with is not None and (dot_with.shape != g.shape or dot_with.dtype not in floats):
+        raise ValueError(f"{op}: dot_with must be a float tensor of g's shape {tuple(g.shape)}; got "
+                         f"{tuple(dot_with.shape)} {dot_with.dtype}")
+    if out_dtype not in floats:
+        raise TypeError(f"{op}: out_dtype must be a float dtype; got {out_dtype}")
+    args = (g.detach(), row_weights.detach(), out_dtype, None if dot_with is None else dot_with.detach())
+    backends = {"triton": lambda: _triton_scale_rows(*args), "reference": lambda: scale_rows_reference(*args)}
+    return dispatch(op, implementation, backends, g.device)

@@ -56,3 +56,14 @@ def combine_backward_reference(
     vals = cast_rounded(coef[:, :, None] * do[:, None, :], y.dtype).reshape(T * topk, y.shape[1])
     d_y[torch.where(valid, src2dst, M_cap).long().reshape(-1)] = vals
     return d_y[:M_cap], d_w.to(torch.promote_types(topk_weights.dtype, cdt))
+
+
+def scale_rows_reference(
+    g: torch.Tensor, row_weights: torch.Tensor, out_dtype: torch.dtype, dot_with: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out, dots)``: ``out[m] = cast(g[m] * row_weights[m])`` (the product in ``g``'s and the weights' promoted
+    dtype, rounded once to ``out_dtype``) and, with ``dot_with``, ``dots[m] = sum_n dot_with[m, n] * g[m, n]`` (the
+    products promoted, summed in that dtype); else ``dots = None``."""
+    out = torch.mul(g, row_weights[:, None], out=g.new_empty(g.shape, dtype=out_dtype))
+    dots = torch.mul(dot_with, g).sum(dim=1) if dot_with is not None else None
+    return out, dots

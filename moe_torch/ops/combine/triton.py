@@ -27,6 +27,15 @@ tokens, walking the hidden dim in ``BLOCK_H`` chunks (``H_CHUNKS`` of them)::
 
 ``d_y`` is zero-filled by the launcher first: rows no slot names (``>= M``, or padding) stay 0.
 Only rows named by a local slot are read from ``y``.
+
+**Row weights** (the layer's backward, where the combine's backward is folded into GEMM 2's: the weights are those of
+each permuted row, ``w_row[m] = c * topk_weights[slot of m]``), ``_scale_rows_kernel``, one program per ``BLOCK_M``
+rows walking the columns in ``BLOCK_N`` chunks::
+
+    out[m, cols] = cast(float32(g[m, cols]) * w[m])          one rounding
+    dots[m]     += sum(float32(a[m, cols]) * float32(g[m, cols]))   (with a: the row dots of d_topk_weights)
+
+one pass over ``g`` where torch's mixed-dtype multiply, product and sum took three (and a float32 temporary).
 """
 
 from __future__ import annotations
@@ -238,3 +247,80 @@ def combine_backward_triton(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return d_y, d_w
+
+
+# --------------------------------------------------------------------------------------
+# row weights of the layer's backward
+
+
+@triton.jit
+def _scale_rows_kernel(
+    g_ptr,  # [M, N] float32 / bf16 / fp16: the rows to weight
+    w_ptr,  # [M] float32: one weight a row
+    a_ptr,  # HAS_DOTS: [M, N] float32 / bf16 / fp16, the rows to dot with g (unused otherwise)
+    out_ptr,  # [M, N] out dtype: g weighted, rounded once
+    dots_ptr,  # HAS_DOTS: [M] float32 out (unused otherwise)
+    M,  # int: rows
+    N,  # int: columns
+    stride_g,  # int: g.stride(0)
+    stride_a,  # int: a.stride(0) (HAS_DOTS)
+    stride_o,  # int: out.stride(0)
+    HAS_DOTS: tl.constexpr,  # bool: also the row dots <a[m], g[m]>
+    N_CHUNKS: tl.constexpr,  # cdiv(N, BLOCK_N): static loop bound (the interpreter's range(runtime) trap)
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # columns per chunk (power of 2)
+):
+    """Grid ``(cdiv(M, BLOCK_M),)``: program ``pid`` writes ``out`` (and ``dots``) of rows ``pid*BLOCK_M + [0,
+    BLOCK_M)`` (module docstring, row weights)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)  # int64: row * N passes 2**31 (300k rows of H = 7168)
+    w = tl.load(w_ptr + rows64, mask=row_mask, other=0.0)
+    dots = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for c in range(N_CHUNKS):
+        cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        g = tl.load(g_ptr + rows64[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :], (g * w[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+        if HAS_DOTS:
+            a = tl.load(a_ptr + rows64[:, None] * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dots += tl.sum(a * g, axis=1)
+    if HAS_DOTS:
+        tl.store(dots_ptr + rows64, dots, mask=row_mask)
+
+
+#: Columns of a chunk: 1024 float32 values of g (and of a) over 4 warps are 8 a thread, 32-byte loads.
+SCALE_ROWS_BLOCK_N = 1024
+#: Rows a program: 4 rows of H = 7168 are 28 chunks of work, enough to hide a program's start.
+SCALE_ROWS_BLOCK_M = 4
+
+
+def scale_rows_triton(
+    g: torch.Tensor, row_weights: torch.Tensor, out_dtype: torch.dtype, dot_with: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out [M, N] out_dtype, dots [M] float32 or None)`` with one Triton kernel; arguments as
+    :func:`moe_torch.ops.combine.api.scale_rows` (validated there). The inputs are only read.
+
+    Raises: NotImplementedError (no CUDA and no interpreter; a float64 tensor).
+    """
+    op = "scale_rows"
+    check_triton_device(op, g.device, _scale_rows_kernel)
+    if torch.float64 in (g.dtype, row_weights.dtype, out_dtype, getattr(dot_with, "dtype", None)):
+        raise NotImplementedError(f"{op}: the Triton kernel computes in float32; float64 goes to the reference")
+    M, N = g.shape
+    g = g if g.stride(1) == 1 else g.contiguous()
+    a = None if dot_with is None else dot_with if dot_with.stride(1) == 1 else dot_with.contiguous()
+    w = row_weights.contiguous()
+    out = torch.empty((M, N), dtype=out_dtype, device=g.device)
+    dots = torch.empty((M,), dtype=torch.float32, device=g.device) if a is not None else None
+    if M == 0 or N == 0:
+        return out, None if dots is None else dots.zero_()
+    block_n = min(SCALE_ROWS_BLOCK_N, triton.next_power_of_2(N))
+    _scale_rows_kernel[(triton.cdiv(M, SCALE_ROWS_BLOCK_M),)](
+        g, w, a if a is not None else g, out, dots if dots is not None else w, M, N,
+        g.stride(0), a.stride(0) if a is not None else 0, out.stride(0),
+        HAS_DOTS=a is not None, N_CHUNKS=triton.cdiv(N, block_n), BLOCK_M=SCALE_ROWS_BLOCK_M, BLOCK_N=block_n,
+        num_warps=4, num_stages=2,
+    )
+    return out, dots
