@@ -8,6 +8,12 @@ tensors divisible by 16), so the loads vectorize as they do on the GPU.
 
     PYTHONPATH=. python3 benchmarks/sass_gemm.py [--format mxfp4|int4|bf16] [--block 16x128x64] [--warps 4]
         [--stages 3] [--no-table] [--sass FILE]
+    PYTHONPATH=. python3 benchmarks/sass_gemm.py --kernel decode_down --format mxfp4 --tokens 8 [--warps N]
+
+``--kernel decode_gate_up`` / ``decode_down``: the decode path's kernels (``moe_torch/ops/decode/triton.py``) at
+gpt-oss-120b's sizes (H = I = 2880, 128 experts, top-4, swiglu_oai, interleaved rows, biases; ``--tokens`` T), with
+the heuristic configs for that T (``--warps`` overrides); the loop counted is the innermost one holding the tensor-core
+instructions (the K / I loop), not the outer loops around it.
 
 Prints the loop's instruction count, the count per weight element and per lane (``instructions x 32 x warps /
 (block_n x block_k)``), and the most frequent opcodes. At moe_torch e40566a: MXFP4 16x128x64 over 4 warps,
@@ -88,6 +94,103 @@ def compile_sass(fmt: str, block_m: int, block_n: int, block_k: int, warps: int,
         return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
 
 
+def compile_decode_sass(kernel: str, fmt: str, T: int, warps: int | None = None) -> tuple[str, int, int]:
+    """``(SASS, weights a step of the I / K loop, warps)`` of the decode path's ``kernel`` (``"decode_gate_up"`` /
+    ``"decode_down"``) for bf16 activations and ``fmt`` weights (``mxfp4``, ``int4``, ``bf16``) at gpt-oss-120b's sizes
+    and ``T`` tokens, the heuristic configs, integer arguments specialized as a real launch specializes them (``S`` is
+    never specialized: the kernel says so). In a child process under ``TRITON_INTERPRET=1``, as :func:`compile_sass`."""
+    import triton
+
+    if triton.knobs.runtime.interpret:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "kernel.sass")
+            cmd = [sys.executable, os.path.abspath(__file__), "--kernel", kernel, "--format", fmt, "--tokens", str(T),
+                   "--sass", out] + ([] if warps is None else ["--warps", str(warps)])
+            res = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
+            with open(out) as f:
+                weights, nw = (int(v) for v in res.stdout.split("DECODE_STEP ")[1].split()[:2])
+                return f.read(), weights, nw
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moe_torch.ops.decode import triton as D
+    from moe_torch.ops.decode.config import decode_down_config, decode_gate_up_config
+    from moe_torch.ops.grouped_gemm.triton import W_SCALE_CODES
+
+    H = I = 2880
+    E, k = 128, 4
+    w4 = fmt in ("mxfp4", "int4")
+    w_ty, s_ty = ("*u8" if w4 else "*bf16"), ("*u8" if fmt == "mxfp4" else "*bf16")
+    code = W_SCALE_CODES[fmt if w4 else None]
+    lut = {"e8m0_lut": "*bf16"} if fmt == "mxfp4" else {}
+    if kernel == "decode_gate_up":
+        cfg = decode_gate_up_config(T, k, H, I, E, w4=w4)
+        fn, S = D._decode_gate_up_kernel, T * k
+        ints = ("S", "H", "I", "E_local", "expert_start", "stride_xt", "stride_we", "stride_wn", "stride_wse",
+                "stride_wsn", "stride_wsk", "stride_be", "stride_as")
+        sig = {"x_ptr": "*bf16", "ids_ptr": "*i32", "tw_ptr": "*fp32", "w_ptr": w_ty, "ws_ptr": s_ty, "b_ptr": "*bf16",
+               "a_ptr": "*bf16", **{n: "i32" for n in ints}, **lut}
+        const = dict(K_SLOTS=k, TOPK=k, ON_INPUT=False, ACTIVATION=2, INTERLEAVED=True, HAS_BIAS=True, W_SCALE=code,
+                     IEEE_F32=False, BLOCK_E=E, CHUNK_S=cfg.chunk_s, NUM_CHUNKS=triton.cdiv(S, cfg.chunk_s),
+                     NUM_M_BLOCKS=triton.cdiv(S, cfg.block_m), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                     BLOCK_K=cfg.block_k)
+        weights = 2 * cfg.block_n * cfg.block_k
+    else:
+        cfg = decode_down_config(T, H, I, w4=w4)
+        fn = D._decode_down_kernel
+        ints = ("H", "I", "E_local", "expert_start", "stride_as", "stride_we", "stride_wn", "stride_wse", "stride_wsn",
+                "stride_wsk", "stride_be", "stride_ot")
+        sig = {"a_ptr": "*bf16", "ids_ptr": "*i32", "tw_ptr": "*fp32", "w_ptr": w_ty, "ws_ptr": s_ty, "b_ptr": "*bf16",
+               "out_ptr": "*bf16", **{n: "i32" for n in ints}, "rsf": "fp32", **lut}
+        const = dict(K_SLOTS=k, TOPK=k, ON_INPUT=False, HAS_BIAS=True, APPLY_RSF=False, W_SCALE=code, USE_DOT=True,
+                     BLOCK_H=cfg.block_h, BLOCK_I=cfg.block_i)
+        weights = cfg.block_h * cfg.block_i
+    nw = warps or cfg.num_warps
+    const.update({p.name: p.default for p in fn.params if p.has_default and p.name not in sig and p.name not in const})
+    sig.update({n: "constexpr" for n in const})
+    names = [p.name for p in fn.params]
+    # what a launch at these sizes specializes: 16-byte aligned pointers, ints divisible by 16 (not S: unspecialized)
+    divisible = {n for n, t in sig.items() if t.startswith("*")} | {"H", "I", "stride_xt", "stride_we", "stride_wn",
+                                                                    "stride_wse", "stride_as", "stride_ot", "stride_be"}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible if n in sig and sig[n] != "constexpr"}
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw, num_stages=cfg.num_stages))
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout, weights, nw
+
+
+def loops(sass: str) -> list[list[str]]:
+    """The instructions of every loop (a label to the backward branch that returns to it), in program order."""
+    where, count, label = {}, 0, re.compile(r"\s*\.L_x_(\d+):")
+    instructions = []
+    for line in sass.splitlines():
+        m = label.match(line)
+        if m:
+            where[m.group(1)] = count
+        elif _INSTRUCTION.match(line):
+            instructions.append(line)
+            count += 1
+    found = []
+    for i, line in enumerate(instructions):
+        m = re.search(r"BRA[^;]*\.L_x_(\d+)", line)
+        if m and m.group(1) in where and where[m.group(1)] <= i:
+            found.append(instructions[where[m.group(1)]:i + 1])
+    return found
+
+
+def mma_loop(sass: str) -> list[str]:
+    """The shortest loop holding tensor-core instructions (``HMMA``): a decode kernel's K / I loop."""
+    inner = [lp for lp in loops(sass) if any("HMMA" in line for line in lp)]
+    if not inner:
+        raise ValueError("sass_gemm: no loop with HMMA in the kernel's SASS")
+    return min(inner, key=len)
+
+
 def hottest_loop(sass: str) -> list[str]:
     """The instructions of the longest loop: from a label to the backward branch that returns to it."""
     where, count, label = {}, 0, re.compile(r"\s*\.L_x_(\d+):")
@@ -125,7 +228,24 @@ def main(argv=None) -> int:
     p.add_argument("--no-table", action="store_true", help="MXFP4 without the e8m0 table (scales from their bits)")
     p.add_argument("--tma", action="store_true", help="the TMA variant (bf16 / fp8_block weights)")
     p.add_argument("--sass", default=None, help="also write the whole SASS here")
+    p.add_argument("--kernel", default="gemm", choices=("gemm", "decode_gate_up", "decode_down"),
+                   help="the grouped GEMM (default) or one of the decode path's kernels at gpt-oss-120b's sizes")
+    p.add_argument("--tokens", type=int, default=8, help="decode kernels: T, the tokens of the layer call")
     a = p.parse_args(argv)
+    if a.kernel != "gemm":
+        if a.format not in ("mxfp4", "int4", "bf16"):
+            p.error("--kernel decode_*: --format is mxfp4, int4 or bf16")
+        warps = a.warps if "--warps" in (argv if argv is not None else sys.argv[1:]) else None
+        sass, weights, nw = compile_decode_sass(a.kernel, a.format, a.tokens, warps)
+        if a.sass:
+            with open(a.sass, "w") as f:
+                f.write(sass)
+        loop = mma_loop(sass)
+        print(f"DECODE_STEP {weights} {nw}")
+        print(f"{a.kernel} {a.format} T={a.tokens}, {nw} warps: loop {len(loop)} instructions a step ({weights} weights): "
+              f"{len(loop) * 32 * nw / weights:.2f} lane-instructions a weight")
+        print("  " + ", ".join(f"{k} {v}" for k, v in opcodes(loop).most_common(16)))
+        return 0
     try:
         bm, bn, bk = (int(v) for v in a.block.split("x"))
     except ValueError:

@@ -1249,7 +1249,7 @@ def test_bench_weights_of_a_gpt_oss_mxfp4_checkpoint(tmp_path, monkeypatch):
 def test_sass_gemm_counts_the_k_loop_of_the_4bit_decode():
     """benchmarks/sass_gemm.py (the instruction counts of BENCHMARKS.md) on the CPU: the MXFP4 K loop
     decodes on packed registers (HMUL2 on bf16 pairs, no float32 -> bf16 conversions), and the e8m0 table shortens
-    it (the scales' selects go)."""
+    it (the scales' selects go); the decode path's kernel B counted by ``--kernel decode_down``."""
     from benchmarks import sass_gemm
 
     with_table = sass_gemm.hottest_loop(sass_gemm.compile_sass("mxfp4", 16, 128, 64, 4, 3))
@@ -1259,6 +1259,11 @@ def test_sass_gemm_counts_the_k_loop_of_the_4bit_decode():
     assert len(with_table) < len(without)
     with pytest.raises(ValueError, match="no backward branch"):
         sass_gemm.hottest_loop("        /*0000*/                   EXIT ;\n")
+    # the decode path's kernel B: its I loop on the tensor cores, under 6 instructions a weight a lane (as a float32
+    # GEMV it took 7.9 at gpt-oss-120b's sizes)
+    sass, weights, warps = sass_gemm.compile_decode_sass("decode_down", "mxfp4", 8)
+    loop = sass_gemm.mma_loop(sass)
+    assert sass_gemm.opcodes(loop)["HMMA"] >= 1 and len(loop) * 32 * warps / weights < 6.0
 
 
 def test_tuners_keep_their_table_and_refuse_the_other_frameworks(tmp_path):
