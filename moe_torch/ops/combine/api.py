@@ -178,6 +178,8 @@ def scale_rows(
 
     Raises: ValueError (shapes), TypeError (dtypes), NotImplementedError (``implementation="triton"`` where the kernel
       cannot run).
+
+    No JAX mirror: under ``jax.jit`` XLA fuses the same multiplies and sums of the layer's backward itself.
     """
     op = "scale_rows"
     check_choice(op, "implementation", implementation, (None, *IMPLEMENTATIONS))
