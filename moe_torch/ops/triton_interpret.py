@@ -22,6 +22,8 @@ float32 and rounded to nearest even. One speed-up, not a fix: ``tl.associative_s
 registered through :func:`register_scan` (the grouped GEMM's running max of the offsets) runs as that numpy
 ufunc's ``accumulate`` on integer data instead of the interpreter's element-by-element Python loop (identical
 values; that loop made an interpreted DeepSeek-V3 layer (E=256) take ~30 s, nearly all of it in the scans).
+Two more, also not fixes (:func:`_faster_interpreter`): a ``@triton.jit`` function called from a kernel does not
+re-patch ``triton.language`` when its launch already did, and ``_get_np_dtype``'s table is built once.
 Everything else of the interpreter is left as it is.
 
 ``moe_torch`` installs it when a Triton module of its own is imported under the interpreter
@@ -152,12 +154,75 @@ def install() -> None:
         return [self.to_tensor(np.ascontiguousarray(out), input[0].dtype)]
 
     ScanOps.apply_impl = scan_apply_impl
+    _faster_interpreter()
     InterpreterBuilder.cast_impl = cast_impl
     InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
     InterpreterBuilder.create_dot = create_dot
     InterpreterBuilder.binary_op = binary_op
     # The class-level lambdas (create_fp_ext, create_fadd, ...) call these through `self`, so they follow.
     _installed = True
+
+
+def _faster_interpreter() -> None:
+    """Speed-ups, not fixes. A ``@triton.jit`` function called from an interpreted kernel re-patches
+    ``triton.language`` (``_patch_lang``: ``inspect.getmembers`` over ``tl``, ``tl.tensor``, ``tl.math``, about 1.4 ms)
+    on every call, though the launch (``GridExecutor``) has already patched those modules for its whole run; in an
+    interpreted DeepSeek-V3 torch layer (E=256: ~800 programs, each calling the expert-search helpers) that was ~40 %
+    of the interpreted time. Here a call skips ``_patch_lang`` when every language module its function sees was already
+    patched within the current launch (the skipped call would have re-set the same interpreter hooks, bound to the same
+    builder: triton 3.6 never restores a nested call's patches anyway); any other call patches as before. And
+    ``_get_np_dtype``'s table is built once instead of per call."""
+    import threading
+
+    from triton.runtime import interpreter as interp
+
+    orig_patch_lang, orig_grid_call = interp._patch_lang, interp.GridExecutor.__call__
+    state = threading.local()  # .patched: ids of the language modules patched in the current launch (None outside)
+    lang_ids = frozenset(map(id, (interp.tl, interp.tl.core)))  # the modules _patch_lang patches
+
+    def patch_lang(fn):
+        seen = lang_ids.intersection(map(id, list(fn.__globals__.values())))
+        patched = getattr(state, "patched", None)
+        if patched is not None and seen and seen <= patched:
+            return interp._LangPatchScope()  # nothing set, nothing to restore
+        scope = orig_patch_lang(fn)
+        if patched is not None:
+            patched |= seen
+        return scope
+
+    def grid_call(self, *args, **kwargs):
+        outer = getattr(state, "patched", None)
+        state.patched = set()
+        try:
+            return orig_grid_call(self, *args, **kwargs)
+        finally:
+            state.patched = outer
+
+    interp._patch_lang = patch_lang
+    interp.GridExecutor.__call__ = grid_call
+
+    # ``_get_np_dtype`` (every interpreted op asks it) rebuilt its dict of 17 numpy dtypes on each call: the same map,
+    # built once (pointers and blocks of pointers: uint64; a block: its element type's)
+    tl = interp.tl
+    np_types = {tl.int1: np.dtype(bool), tl.float16: np.dtype(np.float16), tl.float32: np.dtype(np.float32),
+                tl.float64: np.dtype(np.float64), tl.int8: np.dtype(np.int8), tl.uint8: np.dtype(np.uint8),
+                tl.int16: np.dtype(np.int16), tl.uint16: np.dtype(np.uint16), tl.int32: np.dtype(np.int32),
+                tl.uint32: np.dtype(np.uint32), tl.int64: np.dtype(np.int64), tl.uint64: np.dtype(np.uint64),
+                tl.bfloat16: np.dtype(np.uint16), tl.float8e5: np.dtype(np.uint8), tl.float8e5b16: np.dtype(np.uint8),
+                tl.float8e4nv: np.dtype(np.uint8), tl.float8e4b8: np.dtype(np.uint8),
+                tl.float8e4b15: np.dtype(np.uint8)}
+    uint64 = np.dtype(np.uint64)
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.pointer_type):
+            return uint64
+        if isinstance(tt_dtype, tl.block_type):
+            if isinstance(tt_dtype.element_ty, tl.pointer_type):
+                return uint64
+            return np_types[tt_dtype.element_ty]
+        return np_types[tt_dtype]
+
+    interp._get_np_dtype = get_np_dtype
 
 
 #: The elementwise float ops of the interpreter's ``binary_op`` (create_fadd, create_fsub, create_fmul, create_fdiv).
