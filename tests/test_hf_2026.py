@@ -431,7 +431,10 @@ def test_jax_block_outputs_and_gradients_equal_transformers(family, implementati
         out = m(xs)
         return jnp.sum(out * j(d_out)), out
 
-    (_, out), (g, g_x) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(ours, j(x))
+    # under nnx.jit: one compile instead of an eager compile per op (~180 of them: kimi_k2 14 s -> 3 s), the
+    # same block and gradients (test_hf_jax.py's example models run jitted too; test_hf_gpt_oss.py keeps an eager
+    # nnx.value_and_grad of a loaded MoEBlock)
+    (_, out), (g, g_x) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(ours, j(x))
     assert out.shape == x.shape  # MoEBlock returns the hidden states only (Llama 4's logits: ours.router_logits)
     assert_rel_fro(out, _out(want_y).reshape(x.shape), F32_REL_FRO, f"jax {family} {implementation}: output")
     d13, d2 = _fused_weight_grads(family, block, want)
