@@ -705,7 +705,8 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
     spec = dataclasses.replace(spec, touched=sum(touched) / len(touched))
     notes = "; ".join(x for x in (
         l2_note(ctx, spec) if bench == "layer" else None,
-        f"bytes: the weights of the {spec.touched:g} experts the tokens reach"
+        f"bytes: the weights of the {spec.touched:g} routed experts the tokens reach"
+        + (f" and of the {spec.num_shared} shared" if spec.num_shared else "")
         + (f" (mean of {n_sets} input sets; JAX rotates over them, torch's do_bench flushes the L2)"
            if n_sets > 1 else "")) if x)
     kw = dict(w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, e_score_correction_bias=bias)

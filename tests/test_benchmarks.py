@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -1194,7 +1195,7 @@ def test_tiny_decode_rows_judged_with_touched_bytes(tmp_path, monkeypatch):
             r = by[("ours-torch-triton", q, T)]
             assert r["error"] is None and r["rel_err"] < 1e-2 and r["median_ms"] > 0, r
             spec = next(s for s in S.decode_specs(tiny=True) if s.quant == q and s.T == T)
-            touched = int(r["notes"].split("the ")[2].split(" experts")[0])
+            touched = int(re.search(r"the weights of the (\d+) routed experts", r["notes"]).group(1))
             assert (touched == 2) if T == 1 else (2 <= touched <= 4)
             assert r["gbps"] == pytest.approx(dataclasses.replace(spec, touched=touched).min_bytes / r["median_ms"] / 1e6)
             mosaic = by[("ours-jax-pallas_mosaic_gpu", q, T)]
@@ -1352,7 +1353,7 @@ def test_tiny_layer_rows_count_the_experts_reached(tmp_path, monkeypatch):
     rows = rows["rows"] if isinstance(rows, dict) else rows
     (r,) = [r for r in rows if r["backend"] == "ref-torch"]
     assert r["T"] == 3 and r["error"] is None, r
-    touched = int(r["notes"].split("the weights of the ")[1].split(" experts the tokens reach")[0])
+    touched = int(re.search(r"the weights of the (\d+) routed experts the tokens reach", r["notes"]).group(1))
     assert 2 <= touched <= 4
     spec = S.layer_specs(tiny=True, ts=[3])[0]
     assert spec.hit_experts == pytest.approx(3.5)  # what the row counted before
