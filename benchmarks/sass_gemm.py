@@ -49,15 +49,9 @@ def compile_sass(fmt: str, block_m: int, block_n: int, block_k: int, warps: int,
     import triton
 
     if triton.knobs.runtime.interpret:
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        with tempfile.TemporaryDirectory() as d:
-            out = os.path.join(d, "kernel.sass")
-            cmd = [sys.executable, os.path.abspath(__file__), "--format", fmt, "--block", f"{block_m}x{block_n}x{block_k}",
-                   "--warps", str(warps), "--stages", str(stages), "--sass", out] + ([] if table else ["--no-table"]) \
-                + (["--tma"] if tma else [])
-            subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
-            with open(out) as f:
-                return f.read()
+        return _compile_in_child(["--format", fmt, "--block", f"{block_m}x{block_n}x{block_k}", "--warps", str(warps),
+                                  "--stages", str(stages)] + ([] if table else ["--no-table"])
+                                 + (["--tma"] if tma else []))[0]
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -86,6 +80,25 @@ def compile_sass(fmt: str, block_m: int, block_n: int, block_k: int, warps: int,
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE_BY_16 if n in sig}
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return _disassemble(compiled)
+
+
+def _compile_in_child(args: list[str]) -> tuple[str, str]:
+    """``(SASS, stdout)`` of this script run with ``args`` in a child process without ``TRITON_INTERPRET`` (under the
+    interpreter the kernels are interpreter functions, which do not compile)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "kernel.sass")
+        res = subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--sass", out], env=env, check=True,
+                             capture_output=True, text=True, timeout=600)
+        with open(out) as f:
+            return f.read(), res.stdout
+
+
+def _disassemble(compiled) -> str:
+    """The SASS text of a compiled kernel's cubin, by triton's bundled ``nvdisasm``."""
+    import triton
+
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "kernel.cubin")
@@ -102,15 +115,10 @@ def compile_decode_sass(kernel: str, fmt: str, T: int, warps: int | None = None)
     import triton
 
     if triton.knobs.runtime.interpret:
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        with tempfile.TemporaryDirectory() as d:
-            out = os.path.join(d, "kernel.sass")
-            cmd = [sys.executable, os.path.abspath(__file__), "--kernel", kernel, "--format", fmt, "--tokens", str(T),
-                   "--sass", out] + ([] if warps is None else ["--warps", str(warps)])
-            res = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600)
-            with open(out) as f:
-                weights, nw = (int(v) for v in res.stdout.split("DECODE_STEP ")[1].split()[:2])
-                return f.read(), weights, nw
+        sass, stdout = _compile_in_child(["--kernel", kernel, "--format", fmt, "--tokens", str(T)]
+                                         + ([] if warps is None else ["--warps", str(warps)]))
+        weights, nw = (int(v) for v in stdout.split("DECODE_STEP ")[1].split()[:2])
+        return sass, weights, nw
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -156,12 +164,7 @@ def compile_decode_sass(kernel: str, fmt: str, T: int, warps: int | None = None)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible if n in sig and sig[n] != "constexpr"}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw, num_stages=cfg.num_stages))
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout, weights, nw
+    return _disassemble(compiled), weights, nw
 
 
 def loops(sass: str) -> list[list[str]]:
@@ -192,24 +195,12 @@ def mma_loop(sass: str) -> list[str]:
 
 
 def hottest_loop(sass: str) -> list[str]:
-    """The instructions of the longest loop: from a label to the backward branch that returns to it."""
-    where, count, label = {}, 0, re.compile(r"\s*\.L_x_(\d+):")
-    instructions = []
-    for line in sass.splitlines():
-        m = label.match(line)
-        if m:
-            where[m.group(1)] = count
-        elif _INSTRUCTION.match(line):
-            instructions.append(line)
-            count += 1
-    best = (0, 0, -1)
-    for i, line in enumerate(instructions):
-        m = re.search(r"BRA[^;]*\.L_x_(\d+)", line)
-        if m and m.group(1) in where and where[m.group(1)] <= i and i + 1 - where[m.group(1)] > best[0]:
-            best = (i + 1 - where[m.group(1)], where[m.group(1)], i)
-    if best[0] == 0:
+    """The instructions of the longest loop (the first of equal ones): from a label to the backward branch that
+    returns to it."""
+    found = loops(sass)
+    if not found:
         raise ValueError("sass_gemm: no backward branch (loop) in the kernel's SASS")
-    return instructions[best[1]:best[2] + 1]
+    return max(found, key=len)
 
 
 def opcodes(loop: list[str]) -> collections.Counter:
@@ -223,7 +214,7 @@ def main(argv=None) -> int:
     p.add_argument("--format", default="mxfp4", choices=("mxfp4", "int4", "bf16", "fp8_block"),
                    help="the weights (x is bf16; fp8_block: x and w FP8 with DeepSeek-V3's 1 x 128 / 128 x 128 scales)")
     p.add_argument("--block", default="16x128x64", help="BLOCK_MxBLOCK_NxBLOCK_K")
-    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--warps", type=int, default=None, help="default: 4 (the GEMM); a decode kernel's heuristic")
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--no-table", action="store_true", help="MXFP4 without the e8m0 table (scales from their bits)")
     p.add_argument("--tma", action="store_true", help="the TMA variant (bf16 / fp8_block weights)")
@@ -235,8 +226,7 @@ def main(argv=None) -> int:
     if a.kernel != "gemm":
         if a.format not in ("mxfp4", "int4", "bf16"):
             p.error("--kernel decode_*: --format is mxfp4, int4 or bf16")
-        warps = a.warps if "--warps" in (argv if argv is not None else sys.argv[1:]) else None
-        sass, weights, nw = compile_decode_sass(a.kernel, a.format, a.tokens, warps)
+        sass, weights, nw = compile_decode_sass(a.kernel, a.format, a.tokens, a.warps)
         if a.sass:
             with open(a.sass, "w") as f:
                 f.write(sass)
@@ -252,6 +242,7 @@ def main(argv=None) -> int:
         p.error(f"--block must be BLOCK_MxBLOCK_NxBLOCK_K, e.g. 16x128x64; got {a.block!r}")
     if a.tma and a.format in ("mxfp4", "int4"):
         p.error("--tma: the TMA variant takes bf16 or fp8_block weights, not 4-bit ones")
+    a.warps = a.warps or 4
     sass = compile_sass(a.format, bm, bn, bk, a.warps, a.stages, table=not a.no_table, tma=a.tma)
     if a.sass:
         with open(a.sass, "w") as f:
