@@ -249,8 +249,8 @@ def main(argv=None) -> int:
             f.write(sass)
     loop = hottest_loop(sass)
     per_lane = len(loop) * 32 * a.warps / (bn * bk)
-    print(f"{a.format}{' TMA' if a.tma else ''} {bm}x{bn}x{bk}, {a.warps} warps, {a.stages} stages: K loop {len(loop)} instructions a step "
-          f"({bn * bk} weights): {per_lane:.2f} lane-instructions a weight")
+    print(f"{a.format}{' TMA' if a.tma else ''} {bm}x{bn}x{bk}, {a.warps} warps, {a.stages} stages: K loop {len(loop)} "
+          f"instructions a step ({bn * bk} weights): {per_lane:.2f} lane-instructions a weight")
     print("  " + ", ".join(f"{k} {v}" for k, v in opcodes(loop).most_common(16)))
     return 0
 

@@ -70,8 +70,9 @@ are never written (and never read).
           if slot_expert[t*k + j] = e >= 0:              (lax.cond: a non-local slot reads nothing)
               fp8_per_token: sa = max(amax of a[s, :], 1e-10) * float32(1/448)  (a first pass over the row)
               y = sum over I chunks of w2[e, cols, i:+BLOCK_I] * a[t*k + j, i:+BLOCK_I]   (float32 sums)
-                  (4-bit weights, or 16-bit a with float weights: a dot of 16 rows of which only the slot's is live (4-bit:
-                   _w4_step_part), the [16, BLOCK_H] sums reduced once after the last chunk; float32 a: a GEMV;
+                  (4-bit weights, or 16-bit a with float weights: a dot of 16 rows of which only the slot's is
+                   live (4-bit: _w4_step_part), the [16, BLOCK_H] sums reduced once after the last chunk; float32
+                   a: a GEMV;
                    fp8_per_token: the chunk of a quantized with sa first, codes times codes;
                    fp8_block: codes times codes, the chunk's sum times a_scale[s, i/128] * w2_scale[e, cols/128,
                    i/128])
@@ -266,7 +267,7 @@ def _gate_up_kernel(pexp_ref, pstart_ref, pcount_ref, perm_ref, xp_ref, w_ref, *
 
 def _down_kernel(se_ref, tw_ref, a_ref, w_ref, *refs, k: int, H: int, I: int, rsf: float, w_format: str | None,
                  fp8: str | None, w_scale_kind: str | None, has_bias: bool, h_dtype, div_rn: bool, precision,
-                 packed_decode: bool, block_h: int, block_i: int):
+                 packed_decode: bool, use_dot: bool, block_h: int, block_i: int):
     """Kernel B, program ``(t, n)``: ``out[t, n*block_h : +block_h]`` (module docstring). Refs: ``se_ref [S]``
     int32 (``slot_expert``), ``tw_ref [S]`` float32 (the combine's weights), ``a_ref [S, I]`` (kernel A's; local
     slots' rows only are read: ``h_dtype``, float32 for ``fp8="per_token"``, float8_e4m3fn codes for ``"block"``);
@@ -287,9 +288,6 @@ def _down_kernel(se_ref, tw_ref, a_ref, w_ref, *refs, k: int, H: int, I: int, rs
     col_ok = h0 + jnp.arange(block_h) < H
     n_i = pl.cdiv(I, block_i)
     zero_a, zero_w = jnp.zeros((), a_ref.dtype), jnp.zeros((), w_ref.dtype)
-    # 4-bit weights, and float weights with 16-bit a: the slot's row padded to a 16-row dot, the tensor cores taking
-    # the operands as loaded (or decoded); float32 a with float weights keeps the exact float32 GEMV, FP8 its own
-    use_dot = w_format is not None or (fp8 is None and a_ref.dtype != jnp.float32)
 
     def slot_step(j, acc):
         s = t * k + j
@@ -316,7 +314,7 @@ def _down_kernel(se_ref, tw_ref, a_ref, w_ref, *refs, k: int, H: int, I: int, rs
                                  other=zero_a)  # [16, block_i]
                 wt = plgpu.load(w_ref.at[e, cols, pl.ds(i0, block_i)], mask=col_ok[:, None] & i_ok[None, :],
                                 other=zero_w)  # [block_h, block_i]
-                return acc16 + jax.lax.dot_general(a16, wt, (((1,), (1,)), ((), ())), precision=precision,
+                return acc16 + jax.lax.dot_general(a16, wt, _DOT_DIMS, precision=precision,
                                                    preferred_element_type=jnp.float32)
 
             def i_step(ii, y):
@@ -417,8 +415,11 @@ def fused_experts_decode_pallas_triton(
                                                     fp8_block=fp8 == "block", num_sms=sms)
     cfg_b = down_config or decode_down_config(T, H, I, w4=w_format is not None,
                                               fp8=config.quant if fp8 is not None else None, num_sms=sms)
-    check_decode_configs(op, cfg_a, cfg_b, w_format is not None, fp8_block=fp8 == "block",
-                         dot=w_format is not None or (fp8 is None and x.dtype != jnp.float32))
+    # kernel B: 4-bit weights, and float weights with 16-bit a, as a dot of the slot's row padded to 16 rows (the
+    # tensor cores take the operands as loaded or decoded); float32 a with float weights keeps the exact float32 GEMV,
+    # FP8 its own
+    use_dot = w_format is not None or (fp8 is None and x.dtype != jnp.float32)
+    check_decode_configs(op, cfg_a, cfg_b, w_format is not None, fp8_block=fp8 == "block", dot=use_dot)
     if not interpret:  # 64-bit offsets where jax's lowering would not give them (common.patch_pallas_triton_offsets)
         _common.pallas_triton_offsets_ok(op, w13=w13, w2=w2)
     if S == 0:
@@ -467,7 +468,7 @@ def fused_experts_decode_pallas_triton(
     inputs_b += [w2_bias.astype(jnp.float32)] if w2_bias is not None else []
     kernel_b = functools.partial(
         _down_kernel, k=k, H=H, I=I, rsf=float(config.combine_routed_scaling_factor), has_bias=w2_bias is not None,
-        w_scale_kind=kinds[1], block_h=cfg_b.block_h, block_i=cfg_b.block_i, **common)
+        w_scale_kind=kinds[1], use_dot=use_dot, block_h=cfg_b.block_h, block_i=cfg_b.block_i, **common)
     return pl.pallas_call(
         kernel_b,
         out_shape=jax.ShapeDtypeStruct((T, H), x.dtype),

@@ -429,8 +429,8 @@ def _decode_down_kernel(
                                     mask=col_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
                         av = tl.load(a_row + i0 + offs_i, mask=i_mask, other=0.0).to(tl.float32)
                         if W_SCALE == _WS_BLOCK:
-                            # 1 x 128 groups of a (one a chunk: BLOCK_I = 128), the chunk's FP8 sum scaled by its group's
-                            # and the weight blocks' scales before it is accumulated (as GEMM 2 does)
+                            # 1 x 128 groups of a (one a chunk: BLOCK_I = 128), the chunk's FP8 sum scaled by its
+                            # group's and the weight blocks' scales before it is accumulated (as GEMM 2 does)
                             sa = fp8_scale(tl.max(tl.abs(av), axis=0))
                             sw = tl.load(ws_ptr + e64 * stride_wse + (cols64 // _FP8_BLOCK) * stride_wsn
                                          + (i0 // _FP8_BLOCK) * stride_wsk, mask=col_mask, other=0.0)
@@ -465,9 +465,10 @@ def _pow2(v: int) -> bool:
 def check_decode_configs(op: str, gate_up: DecodeGateUpConfig, down: DecodeDownConfig, w4: bool,
                          fp8: str | None = None, dot: bool = False) -> None:
     """``ValueError`` naming ``op`` and the config unless every block is a power of 2, the dot sides of kernel A (and
-    of kernel B's with ``dot``: ``block_h``, ``block_i``) are at least 16 (``tl.dot``), with 4-bit weights both K steps hold whole scale groups (>= 32), with FP8 weights
-    (``fp8``: ``"fp8_per_token"`` / ``"fp8_block"``) kernel A's K step is at least 32 (the FP8 ``mma``), and for
-    ``"fp8_block"`` both K steps are exactly one 128-wide scale block."""
+    of kernel B's with ``dot``: ``block_h``, ``block_i``) are at least 16 (``tl.dot``), with 4-bit weights both K
+    steps hold whole scale groups (>= 32), with FP8 weights (``fp8``: ``"fp8_per_token"`` / ``"fp8_block"``) kernel
+    A's K step is at least 32 (the FP8 ``mma``), and for ``"fp8_block"`` both K steps are exactly one 128-wide scale
+    block."""
     blocks = (gate_up.block_m, gate_up.block_n, gate_up.block_k, gate_up.chunk_s, down.block_h, down.block_i)
     min_k = W4_MIN_BLOCK_K if w4 else FP8_MIN_BLOCK_K if fp8 else MIN_DOT
     block_steps = fp8 == "fp8_block"
