@@ -202,6 +202,14 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def _cpu_tokens_problem(tokens: int) -> str | None:
+    """The refusal of ``--tokens`` beyond :data:`CPU_MAX_TOKENS` on a machine without a GPU (None: fine)."""
+    if tokens > CPU_MAX_TOKENS and not _has_gpu():
+        return (f"no GPU here, so the kernels run interpreted; --tokens {tokens} would take hours (at most "
+                f"{CPU_MAX_TOKENS} on a CPU)")
+    return None
+
+
 def _prepare_interpreters() -> None:
     """No GPU: run the Triton kernels in Triton's interpreter (set before any kernel module is imported)."""
     if "moe_torch.ops.grouped_gemm.triton" not in sys.modules:
@@ -256,10 +264,12 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return None  # reported with the other config errors
     backward = 2 if args.backward else 1  # every stage output has a gradient beside it
     need, have = backward * args.tokens * _token_bytes(config), _host_bytes_available()
+    problems = [] if args.inputs else [_cpu_tokens_problem(args.tokens)]  # with --inputs their rows decide, later
     if need > have:
-        return (f"--tokens {args.tokens} needs about {need / 2**30:.0f} GiB of host memory for the compared stage outputs "
-                f"({have / 2**30:.0f} GiB available)")
-    return None
+        problems.append(f"--tokens {args.tokens} needs about {need / 2**30:.0f} GiB of host memory for the compared "
+                        f"stage outputs ({have / 2**30:.0f} GiB available)")
+    # every reason that applies: which one came alone used to depend on the host memory free at that moment
+    return "; ".join(p for p in problems if p) or None
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -331,9 +341,8 @@ def _run_check(args: argparse.Namespace, json_stream) -> int:
               f"--preset tiny on a CPU{'' if weights is not None else ' (or shrink this one: --hidden-size, --intermediate-size, --num-experts)'}, "
               f"or run on a GPU machine", file=sys.stderr)
         return 2
-    if not gpu and args.tokens > CPU_MAX_TOKENS:
-        print(f"epmoe check: no GPU here, so the kernels run interpreted; --tokens {args.tokens} would take hours "
-              f"(at most {CPU_MAX_TOKENS} on a CPU)", file=sys.stderr)
+    if not gpu and (problem := _cpu_tokens_problem(args.tokens)):
+        print(f"epmoe check: {problem}", file=sys.stderr)
         return 2
     need, have = _host_bytes_needed(config), _host_bytes_available()
     # The check rounds the random float32 weights to bf16 before any stage (the EP summary too with --ep-dtype

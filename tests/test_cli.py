@@ -263,6 +263,18 @@ def test_check_refuses_on_a_cpu(args, msg, capsys):
     assert msg in capsys.readouterr().err
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is here")
+def test_check_cpu_token_limit_not_hidden_by_low_host_memory(monkeypatch, capsys):
+    """A fresh-clone run with 7 GiB free printed only the host-memory reason for --tokens 100000 on a CPU (with more
+    free memory, only the CPU limit): every reason that applies is given, whatever memory is free."""
+    import interop.cli as cli
+
+    monkeypatch.setattr(cli, "_host_bytes_available", lambda: 2**20)
+    assert main(["check", "--tokens", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "at most 512 on a CPU" in err and "needs about" in err and "of host memory" in err
+
+
 def test_check_adds_the_reference_a_kernel_is_judged_against(capsys):
     """--implementations triton,triton: the torch reference joins (the Triton kernels' judge), once."""
     assert main(["check", "--tokens", "3", "--implementations", "triton,triton"]) == 0
