@@ -99,6 +99,8 @@ def profile_torch(args) -> None:
         for _ in range(args.iterations):
             f()
         torch.cuda.synchronize()
+    if args.gaps:
+        _report_gaps(prof, args.iterations, args.top)
     kernels = {}
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
@@ -106,6 +108,33 @@ def profile_torch(args) -> None:
             kernels[ev.key] = t / 1e3 / args.iterations
     _report(kernels, f"torch triton {args.quant} T={args.t}" + (" forward + backward" if args.backward else ""),
             args.top)
+
+
+def _report_gaps(prof, iterations: int, top: int) -> None:
+    """The GPU's idle time between the profiled steps' kernels, memsets and copies (from the chrome trace): a
+    wall time above the kernels' sum is host work the GPU waited for (a sync, a slow launch path)."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    evs = sorted((e["ts"], e["ts"] + e.get("dur", 0.0), e.get("name", "?")) for e in trace.get("traceEvents", [])
+                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
+    if not evs:
+        print("== gaps: no GPU events in the trace")
+        return
+    gaps, busy, end = [], 0.0, evs[0][0]
+    for i, (t0, t1, name) in enumerate(evs):
+        if t0 > end:
+            gaps.append((t0 - end, evs[i - 1][2] if i else "?", name))
+        busy += t1 - t0
+        end = max(end, t1)
+    span = evs[-1][1] - evs[0][0]
+    print(f"== gaps: span {span / 1e3 / iterations:.3f} ms a step, GPU busy {busy / 1e3 / iterations:.3f}, idle "
+          f"{sum(g for g, _, _ in gaps) / 1e3 / iterations:.3f} ({len(gaps)} gaps over {iterations} steps)")
+    for g, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {g / 1e3:8.4f} ms  after {before[:70]}  before {after[:70]}")
 
 
 def main() -> None:
@@ -123,6 +152,8 @@ def main() -> None:
     p.add_argument("--backward", action="store_true", help="torch: profile forward + backward (gradients of x, the "
                    "router logits, w13 and w2 from a random d_out), bf16")
     p.add_argument("--recompute", action="store_true", help="torch: moe_forward(recompute=True)")
+    p.add_argument("--gaps", action="store_true", help="torch: also the GPU's idle time between the steps' kernels "
+                   "and the longest gaps (what the kernel sum leaves out of a step's wall time)")
     args = p.parse_args()
     (profile_jax if args.framework == "jax" else profile_torch)(args)
 

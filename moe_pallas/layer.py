@@ -218,8 +218,9 @@ def _moe_layer_bwd(config, implementation, recompute, saved, cotangents):
         d_a0 = grouped_gemm_dgrad(d_y0, w2)            float32 [M_cap, I]   (d_out[t] @ w2[e])
         d_topk_weights[t, j] = c * <y[m], d_out[t]>    m = src2dst[t, j]; 0 if non-local, where
                              = c * (<a[m], d_a0[m]> + <w2_bias[e], d_y0[m]>)   (the bias term with expert_bias)
-        d_y = w_row * d_y0;  d_a = w_row * d_a0;  d_w2 = grouped_gemm_wgrad(a, d_y)
-        d_w2_bias = grouped_gemm_dbias(d_y)
+        d_a = w_row * d_a0;  d_w2 = grouped_gemm_wgrad(w_row * a, d_y0)   (= wgrad(a, w_row * d_y0): the
+                                                       weights go on the narrower operand, [M_cap, I] not [M_cap, H])
+        d_w2_bias = grouped_gemm_dbias(w_row * d_y0)
         d_h = act_and_mul_backward(h, d_a);  d_w13_bias = grouped_gemm_dbias(d_h)
         d_xp = grouped_gemm_dgrad(d_h, w13);  d_w13 = grouped_gemm_wgrad(permute(x), d_h)
         d_x = permute_backward(d_xp);  d_router_logits = select_experts_backward(d_topk_weights)
@@ -320,10 +321,8 @@ def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k:
         dots = dots + _bias_dots(d_y0, w2_bias, offsets)
     d_topk_weights = jnp.where(src2dst >= 0, c * dots[jnp.maximum(src2dst, 0)], 0.0)
     d_a = (w_row[:, None] * d_a0).astype(dtype)
-    d_y = None  # GEMM 2's output gradient, float32: for d_w2 (float weights) and d_w2_bias
-    if w2_bias is not None or config.quant == "none":
-        d_y = w_row[:, None] * d_y0.astype(jnp.float32)
-    d_b2 = None if w2_bias is None else grouped_gemm_dbias(d_y, offsets, out_dtype=w2_bias.dtype, implementation=dbias)
+    d_b2 = None if w2_bias is None else grouped_gemm_dbias(w_row[:, None] * d_y0.astype(jnp.float32), offsets,
+                                                           out_dtype=w2_bias.dtype, implementation=dbias)
     d_h = act_and_mul_backward(h, d_a, activation=config.activation, layout=config.gate_up_layout, out_dtype=dtype,
                                implementation=stage_implementation(impl, activation_api))
     d_b13 = None if w13_bias is None else grouped_gemm_dbias(d_h, offsets, out_dtype=w13_bias.dtype,
@@ -343,7 +342,8 @@ def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k:
     elif config.quant in W4_QUANTS:  # frozen 4-bit codes (section 9): integers, no cotangent
         d_w13 = d_w2 = None
     else:
-        d_w2 = grouped_gemm_wgrad(a, d_y.astype(dtype), offsets, out_dtype=w2.dtype,
+        a_w = (w_row[:, None] * a.astype(jnp.float32)).astype(dtype)  # the weights on a: [M_cap, I], one rounding
+        d_w2 = grouped_gemm_wgrad(a_w, d_y0, offsets, out_dtype=w2.dtype,
                                   implementation=gemm)  # f32 accumulation, one rounding
         x_rows, k_rows = _expert_rows(x, k, input_scale)
         xp, _ = permute(x_rows, dst2src, topk=k_rows, implementation=perm)

@@ -238,8 +238,9 @@ class _MoELayerFunction(torch.autograd.Function):
         d_a0 = grouped_gemm_dgrad(d_y0, w2)            float32 [M_cap, I]   (d_out[t] @ w2[e])
         d_topk_weights[t, j] = c * <y[m], d_out[t]>    m = src2dst[t, j]; 0 if non-local, where
                              = c * (<a[m], d_a0[m]> + <w2_bias[e], d_y0[m]>)   (the bias term with expert_bias)
-        d_y = w_row * d_y0;  d_a = w_row * d_a0;  d_w2 = grouped_gemm_wgrad(a, d_y)
-        d_w2_bias = grouped_gemm_dbias(d_y)
+        d_a = w_row * d_a0;  d_w2 = grouped_gemm_wgrad(w_row * a, d_y0)   (= wgrad(a, w_row * d_y0): the
+                                                       weights go on the narrower operand, [M_cap, I] not [M_cap, H])
+        d_w2_bias = grouped_gemm_dbias(w_row * d_y0)
         d_h = act_and_mul_backward(h, d_a);  d_w13_bias = grouped_gemm_dbias(d_h)
         d_xp = grouped_gemm_dgrad(d_h, w13);  d_w13 = grouped_gemm_wgrad(permute(x), d_h)
         d_x = permute_backward(d_xp);  d_router_logits = select_experts_backward(d_topk_weights)
@@ -370,7 +371,9 @@ def experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: in
     w_row = torch.where(live, topk_weights.reshape(-1)[dst2src.clamp(min=0).long()] * c, 0.0)  # [M_cap] float32
     # one pass over d_a0: d_a = w_row * d_a0 (float32 math, one rounding) and the row dots <a[m], d_out[t] @ w2[e]>
     combine_impl = stage_implementation(impl, combine_api)
-    d_a, dots = scale_rows(d_a0, w_row, out_dtype=dtype, dot_with=a, implementation=combine_impl)
+    # (and w_row * a for the w2 wgrad: d_w2 = (w_row * d_y0)^T a = d_y0^T (w_row * a), a pass over [M, I], not [M, H])
+    d_a, dots, a_w = scale_rows(d_a0, w_row, out_dtype=dtype, dot_with=a, scale_dot_with=need_w2,
+                                implementation=combine_impl)
     if w2_bias is not None:  # y = a @ w2.T + b2: <y[m], d_out[t]> has the bias's part too
         dots = dots + _bias_dots(d_y0, w2_bias, offsets)
     d_topk_weights = torch.where(src2dst >= 0, c * dots[src2dst.clamp(min=0).long()], 0.0)
@@ -381,11 +384,9 @@ def experts_backward(d_out, x, w13, w2, w13_scale, w2_scale, topk_weights, k: in
             d_y = w_row[:, None] * d_y0.float()
             d_w2_bias = grouped_gemm_dbias(d_y, offsets, out_dtype=w2_bias.dtype, implementation=gemm)
             del d_y
-        if need_w2:  # (no float32 [E, H, I]); d_y in float32 math, rounded once on the store (no float32 copy)
-            d_y, _ = scale_rows(d_y0, w_row, out_dtype=d_y0.dtype, implementation=combine_impl)
-            d_w2 = grouped_gemm_wgrad(a, d_y, offsets, out_dtype=w2.dtype, implementation=gemm)
-            del d_y
-    del a, d_y0
+        if need_w2:  # (no float32 [E, H, I]); the weights on a, rounded once by scale_rows
+            d_w2 = grouped_gemm_wgrad(a_w, d_y0, offsets, out_dtype=w2.dtype, implementation=gemm)
+    del a, a_w, d_y0
     d_h = act_and_mul_backward(h, d_a, activation=config.activation, layout=config.gate_up_layout, out_dtype=dtype,
                                implementation=stage_implementation(impl, activation_api))
     del h, d_a

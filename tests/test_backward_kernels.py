@@ -152,7 +152,7 @@ def test_triton_combine_backward_rsf_one_and_strided():
 def test_triton_scale_rows(g_dtype, a_dtype, out_dtype, M, N, monkeypatch):
     """The layer backward's row weights (``combine.api.scale_rows``): ``out`` bit-identical to torch's mixed-dtype
     multiply (float32 product, one rounding), the row dots within float32 reordering; zero weights (padding rows)
-    give zero rows."""
+    give zero rows; ``scale_dot_with``: ``a`` weighted the same way (one rounding, bit-identical)."""
     from moe_torch.ops.combine import triton as comb_triton
     from moe_torch.ops.combine.api import scale_rows
 
@@ -163,15 +163,19 @@ def test_triton_scale_rows(g_dtype, a_dtype, out_dtype, M, N, monkeypatch):
     w[-1] = 0.0
     a = None if a_dtype is None else to_torch(rng.standard_normal((M, N)).astype(np.float32), a_dtype)
     out_dt = getattr(torch, out_dtype)
-    want = scale_rows(g, w, out_dtype=out_dt, dot_with=a, implementation="reference")
-    got = scale_rows(g, w, out_dtype=out_dt, dot_with=a, implementation="triton")
+    want = scale_rows(g, w, out_dtype=out_dt, dot_with=a, scale_dot_with=a is not None, implementation="reference")
+    got = scale_rows(g, w, out_dtype=out_dt, dot_with=a, scale_dot_with=a is not None, implementation="triton")
     assert got[0].dtype == out_dt and not got[0][-1].any()
     assert_exact(got[0], want[0], "out: one float32 product a row element, one rounding")
     if a is None:
-        assert got[1] is None and want[1] is None
+        assert got[1] is None and want[1] is None and got[2] is None
+        with pytest.raises(ValueError, match="scale_rows: scale_dot_with=True weights dot_with's rows"):
+            scale_rows(g, w, out_dtype=out_dt, scale_dot_with=True)
     else:
         assert got[1].dtype == torch.float32
         assert_rel_fro(got[1], want[1], GRAD_F32_REL_FRO, "row dots")
+        assert got[2].dtype == a.dtype and not got[2][-1].any()
+        assert_exact(got[2], want[2], "a weighted: one float32 product, one rounding")
     with pytest.raises(ValueError, match=r"scale_rows: row_weights must be float32 \[%d\]" % M):
         scale_rows(g, w[:-1] if M > 1 else w.repeat(2), out_dtype=out_dt)
 

@@ -362,8 +362,8 @@ SM90_JOBS = {
     "scale_rows": {
         "module": "moe_torch.ops.combine.triton", "kernel": "_scale_rows_kernel",
         "signature": {"g_ptr": "*fp32", "w_ptr": "*fp32", "a_ptr": "*bf16", "out_ptr": "*bf16", "dots_ptr": "*fp32",
-                      "M": "i32", "N": "i32", "stride_g": "i32", "stride_a": "i32", "stride_o": "i32"},
-        "constexprs": {"HAS_DOTS": True, "N_CHUNKS": 2, "BLOCK_M": 4, "BLOCK_N": 1024},
+                      "as_ptr": "*bf16", "M": "i32", "N": "i32", "stride_g": "i32", "stride_a": "i32", "stride_o": "i32"},
+        "constexprs": {"HAS_DOTS": True, "SCALE_A": True, "N_CHUNKS": 2, "BLOCK_M": 4, "BLOCK_N": 1024},
         "options": {"num_warps": 4, "num_stages": 2},
     },
 }

@@ -157,8 +157,9 @@ def scale_rows(
     *,
     out_dtype: torch.dtype,
     dot_with: torch.Tensor | None = None,
+    scale_dot_with: bool = False,
     implementation: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Weight each row of ``g`` by its combine weight, and optionally dot it with another tensor's row: the combine's
     backward as the layer's backward folds it into GEMM 2's (CONTRACT.md section 8; ``moe_torch/layer.py``'s
     ``experts_backward``, whose ``w_row[m] = c * topk_weights[slot of permuted row m]``).
@@ -169,12 +170,16 @@ def scale_rows(
       row_weights: ``[M]`` float32 (float64 with float64 ``g``).
       out_dtype: the dtype of ``out``.
       dot_with: ``None`` or ``[M, N]`` float, as ``g``.
+      scale_dot_with: also return ``dot_with`` weighted by the rows' weights (needs ``dot_with``): the layer's
+        backward weights GEMM 2's activations ``[M, I]`` for the ``w2`` wgrad instead of the wider ``d_y [M, H]``.
       implementation: ``None`` (CUDA tensors: ``"triton"``, falling back to ``"reference"`` with a logged warning;
         CPU tensors: ``"reference"``), ``"triton"`` (one pass over ``g``) or ``"reference"``.
 
-    Returns: ``(out [M, N] out_dtype, dots [M] float32 or None)``: ``out[m] = cast(float32(g[m]) * row_weights[m])``
-    (one rounding), ``dots[m] = sum_n float32(dot_with[m, n]) * float32(g[m, n])`` (float32; the two implementations
-    sum in different orders). Every row is computed, padding rows included (the caller reads what it needs).
+    Returns: ``(out [M, N] out_dtype, dots [M] float32 or None, dot_with_w [M, N] or None)``: ``out[m] =
+    cast(float32(g[m]) * row_weights[m])`` (one rounding), ``dots[m] = sum_n float32(dot_with[m, n]) * float32(g[m,
+    n])`` (float32; the two implementations sum in different orders), ``dot_with_w[m] = cast(float32(dot_with[m]) *
+    row_weights[m])`` in ``dot_with``'s dtype (one rounding). Every row is computed, padding rows included (the caller
+    reads what it needs).
 
     Raises: ValueError (shapes), TypeError (dtypes), NotImplementedError (``implementation="triton"`` where the kernel
       cannot run).
@@ -194,6 +199,9 @@ def scale_rows(
                          f"{tuple(dot_with.shape)} {dot_with.dtype}")
     if out_dtype not in floats:
         raise TypeError(f"{op}: out_dtype must be a float dtype; got {out_dtype}")
-    args = (g.detach(), row_weights.detach(), out_dtype, None if dot_with is None else dot_with.detach())
+    if scale_dot_with and dot_with is None:
+        raise ValueError(f"{op}: scale_dot_with=True weights dot_with's rows; got dot_with=None")
+    args = (g.detach(), row_weights.detach(), out_dtype, None if dot_with is None else dot_with.detach(),
+            bool(scale_dot_with))
     backends = {"triton": lambda: _triton_scale_rows(*args), "reference": lambda: scale_rows_reference(*args)}
     return dispatch(op, implementation, backends, g.device)

@@ -59,11 +59,14 @@ def combine_backward_reference(
 
 
 def scale_rows_reference(
-    g: torch.Tensor, row_weights: torch.Tensor, out_dtype: torch.dtype, dot_with: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(out, dots)``: ``out[m] = cast(g[m] * row_weights[m])`` (the product in ``g``'s and the weights' promoted
-    dtype, rounded once to ``out_dtype``) and, with ``dot_with``, ``dots[m] = sum_n dot_with[m, n] * g[m, n]`` (the
-    products promoted, summed in that dtype); else ``dots = None``."""
+    g: torch.Tensor, row_weights: torch.Tensor, out_dtype: torch.dtype, dot_with: torch.Tensor | None,
+    scale_dot_with: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(out, dots, dot_with_w)``: ``out[m] = cast(g[m] * row_weights[m])`` (the product in ``g``'s and the weights'
+    promoted dtype, rounded once to ``out_dtype``) and, with ``dot_with``, ``dots[m] = sum_n dot_with[m, n] * g[m, n]``
+    (the products promoted, summed in that dtype); else ``dots = None``; with ``scale_dot_with``, ``dot_with_w[m] =
+    cast(dot_with[m] * row_weights[m])`` in ``dot_with``'s dtype (rounded once), else ``None``."""
     out = torch.mul(g, row_weights[:, None], out=g.new_empty(g.shape, dtype=out_dtype))
     dots = torch.mul(dot_with, g).sum(dim=1) if dot_with is not None else None
-    return out, dots
+    a_w = torch.mul(dot_with, row_weights[:, None], out=torch.empty_like(dot_with)) if scale_dot_with else None
+    return out, dots, a_w

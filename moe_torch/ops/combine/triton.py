@@ -34,6 +34,7 @@ rows walking the columns in ``BLOCK_N`` chunks::
 
     out[m, cols] = cast(float32(g[m, cols]) * w[m])          one rounding
     dots[m]     += sum(float32(a[m, cols]) * float32(g[m, cols]))   (with a: the row dots of d_topk_weights)
+    a_w[m, cols] = cast(float32(a[m, cols]) * w[m])                  (on request: GEMM 2's wgrad operand)
 
 one pass over ``g`` where torch's mixed-dtype multiply, product and sum took three (and a float32 temporary).
 """
@@ -260,12 +261,14 @@ def _scale_rows_kernel(
     a_ptr,  # HAS_DOTS: [M, N] float32 / bf16 / fp16, the rows to dot with g (unused otherwise)
     out_ptr,  # [M, N] out dtype: g weighted, rounded once
     dots_ptr,  # HAS_DOTS: [M] float32 out (unused otherwise)
+    as_ptr,  # SCALE_A: [M, N] a's dtype out, a weighted, rounded once (unused otherwise)
     M,  # int: rows
     N,  # int: columns
     stride_g,  # int: g.stride(0)
     stride_a,  # int: a.stride(0) (HAS_DOTS)
     stride_o,  # int: out.stride(0)
     HAS_DOTS: tl.constexpr,  # bool: also the row dots <a[m], g[m]>
+    SCALE_A: tl.constexpr,  # bool: also a weighted (HAS_DOTS; same strides as a)
     N_CHUNKS: tl.constexpr,  # cdiv(N, BLOCK_N): static loop bound (the interpreter's range(runtime) trap)
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # columns per chunk (power of 2)
@@ -286,6 +289,9 @@ def _scale_rows_kernel(
         if HAS_DOTS:
             a = tl.load(a_ptr + rows64[:, None] * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dots += tl.sum(a * g, axis=1)
+            if SCALE_A:
+                tl.store(as_ptr + rows64[:, None] * stride_a + cols[None, :],
+                         (a * w[:, None]).to(as_ptr.dtype.element_ty), mask=mask)
     if HAS_DOTS:
         tl.store(dots_ptr + rows64, dots, mask=row_mask)
 
@@ -297,9 +303,10 @@ SCALE_ROWS_BLOCK_M = 4
 
 
 def scale_rows_triton(
-    g: torch.Tensor, row_weights: torch.Tensor, out_dtype: torch.dtype, dot_with: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(out [M, N] out_dtype, dots [M] float32 or None)`` with one Triton kernel; arguments as
+    g: torch.Tensor, row_weights: torch.Tensor, out_dtype: torch.dtype, dot_with: torch.Tensor | None,
+    scale_dot_with: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(out [M, N] out_dtype, dots [M] float32 or None, dot_with weighted or None)`` with one Triton kernel; arguments as
     :func:`moe_torch.ops.combine.api.scale_rows` (validated there). The inputs are only read.
 
     Raises: NotImplementedError (no CUDA and no interpreter; a float64 tensor).
@@ -314,13 +321,14 @@ def scale_rows_triton(
     w = row_weights.contiguous()
     out = torch.empty((M, N), dtype=out_dtype, device=g.device)
     dots = torch.empty((M,), dtype=torch.float32, device=g.device) if a is not None else None
+    a_w = torch.empty_like(a) if scale_dot_with else None
     if M == 0 or N == 0:
-        return out, None if dots is None else dots.zero_()
+        return out, None if dots is None else dots.zero_(), a_w
     block_n = min(SCALE_ROWS_BLOCK_N, triton.next_power_of_2(N))
     _scale_rows_kernel[(triton.cdiv(M, SCALE_ROWS_BLOCK_M),)](
-        g, w, a if a is not None else g, out, dots if dots is not None else w, M, N,
+        g, w, a if a is not None else g, out, dots if dots is not None else w, a_w if a_w is not None else out, M, N,
         g.stride(0), a.stride(0) if a is not None else 0, out.stride(0),
-        HAS_DOTS=a is not None, N_CHUNKS=triton.cdiv(N, block_n), BLOCK_M=SCALE_ROWS_BLOCK_M, BLOCK_N=block_n,
+        HAS_DOTS=a is not None, SCALE_A=a_w is not None, N_CHUNKS=triton.cdiv(N, block_n), BLOCK_M=SCALE_ROWS_BLOCK_M, BLOCK_N=block_n,
         num_warps=4, num_stages=2,
     )
-    return out, dots
+    return out, dots, a_w
