@@ -95,6 +95,8 @@ def profile_torch(args) -> None:
     for _ in range(3):
         f()
     torch.cuda.synchronize()
+    if args.host:
+        _report_host(f, args.iterations, args.top)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.iterations):
             f()
@@ -137,6 +139,34 @@ def _report_gaps(prof, iterations: int, top: int) -> None:
         print(f"  {g / 1e3:8.4f} ms  after {before[:70]}  before {after[:70]}")
 
 
+def _report_host(f, iterations: int, top: int) -> None:
+    """The host's time a step (Python: checks, config choices, launches) by function, from ``cProfile`` (its own
+    overhead included): what the GPU waits for where a step's kernels are short."""
+    import cProfile
+    import pstats
+    import time
+
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iterations):
+        f()
+    host = (time.perf_counter() - t0) / iterations
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / iterations
+    print(f"== host: {host * 1e3:.3f} ms a step to launch (unprofiled), {wall * 1e3:.3f} ms a step to finish")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iterations):
+        f()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--framework", choices=("jax", "torch"), required=True)
@@ -152,6 +182,7 @@ def main() -> None:
     p.add_argument("--backward", action="store_true", help="torch: profile forward + backward (gradients of x, the "
                    "router logits, w13 and w2 from a random d_out), bf16")
     p.add_argument("--recompute", action="store_true", help="torch: moe_forward(recompute=True)")
+    p.add_argument("--host", action="store_true", help="torch: also the host's time a step by function (cProfile)")
     p.add_argument("--gaps", action="store_true", help="torch: also the GPU's idle time between the steps' kernels "
                    "and the longest gaps (what the kernel sum leaves out of a step's wall time)")
     args = p.parse_args()

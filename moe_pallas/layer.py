@@ -321,6 +321,11 @@ def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k:
         dots = dots + _bias_dots(d_y0, w2_bias, offsets)
     d_topk_weights = jnp.where(src2dst >= 0, c * dots[jnp.maximum(src2dst, 0)], 0.0)
     d_a = (w_row[:, None] * d_a0).astype(dtype)
+    d_w2 = None
+    if not fp8 and config.quant not in W4_QUANTS:  # float weights: d_w2 while a and d_y0 are live (as torch's order)
+        a_w = (w_row[:, None] * a.astype(jnp.float32)).astype(dtype)  # the weights on a: [M_cap, I], one rounding
+        d_w2 = grouped_gemm_wgrad(a_w, d_y0, offsets, out_dtype=w2.dtype,
+                                  implementation=gemm)  # f32 accumulation, one rounding
     d_b2 = None if w2_bias is None else grouped_gemm_dbias(w_row[:, None] * d_y0.astype(jnp.float32), offsets,
                                                            out_dtype=w2_bias.dtype, implementation=dbias)
     d_h = act_and_mul_backward(h, d_a, activation=config.activation, layout=config.gate_up_layout, out_dtype=dtype,
@@ -342,9 +347,6 @@ def _experts_bwd(config, impl, x, w13, w2, w13_scale, w2_scale, topk_weights, k:
     elif config.quant in W4_QUANTS:  # frozen 4-bit codes (section 9): integers, no cotangent
         d_w13 = d_w2 = None
     else:
-        a_w = (w_row[:, None] * a.astype(jnp.float32)).astype(dtype)  # the weights on a: [M_cap, I], one rounding
-        d_w2 = grouped_gemm_wgrad(a_w, d_y0, offsets, out_dtype=w2.dtype,
-                                  implementation=gemm)  # f32 accumulation, one rounding
         x_rows, k_rows = _expert_rows(x, k, input_scale)
         xp, _ = permute(x_rows, dst2src, topk=k_rows, implementation=perm)
         d_w13 = grouped_gemm_wgrad(xp, d_h, offsets, out_dtype=w13.dtype, implementation=gemm)
