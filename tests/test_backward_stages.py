@@ -43,7 +43,7 @@ from moe_torch.ops.activation import reference as tact
 from moe_torch.ops.combine import reference as tcomb
 from moe_torch.ops.gate import reference as tgate
 from moe_torch.ops.permute import reference as tperm
-from test_gate import CASES as GATE_CASES
+from op_cases.gate import CASES as GATE_CASES
 from tolerances import F32_REL_FRO, GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO, assert_exact, assert_rel_fro, rel_fro, to_numpy
 
 FRAMEWORKS = ("torch", "jax")
@@ -133,7 +133,7 @@ def _routing(name: str, seed: int = 0):
 
 
 def _gate_case(name: str, seed: int = 0):
-    """``(kwargs, logits [T, E] float32, bias [E] float32 or None)`` for a ``tests/test_gate.py`` case."""
+    """``(kwargs, logits [T, E] float32, bias [E] float32 or None)`` for a case of ``op_cases/gate.py``."""
     kw = {**_GATE_DEFAULTS, **GATE_CASES[name]}
     T, E = kw.pop("T"), kw.pop("E")
     rng = np.random.default_rng(seed)
@@ -346,14 +346,14 @@ def test_src2dst_from_dst2src_inverts_routing_metadata(fw):
 
 
 #: The gate cases the JAX side runs (each costs a few XLA compiles on the CPU): every routing mode and
-#: rsf placement; torch runs all of tests/test_gate.py's cases.
+#: rsf placement; torch runs all of op_cases/gate.py's cases.
 JAX_GATE_CASES = ("softmax-T1", "softmax-primeE-topk1-norenorm", "grouped", "biased-shared-rsf-on-output",
                   "biased-rsf-in-combine", "biased-no-renorm")
 
 
 @pytest.mark.parametrize("fw,case", [("torch", c) for c in GATE_CASES] + [("jax", c) for c in JAX_GATE_CASES])
 def test_select_experts_backward(fw, case):
-    """The gate cases of tests/test_gate.py (softmax with and without renormalize, grouped, biased with rsf
+    """The gate cases of op_cases/gate.py (softmax with and without renormalize, grouped, biased with rsf
     on the output and in the combine, fused shared experts, T=1, topk=E, DeepSeek-V3 size): d_logits vs
     float64 autodiff of the reference gate, given the ids it chose; float32 logits, and bf16 for the
     cases with a shared expert."""

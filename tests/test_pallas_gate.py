@@ -1,7 +1,8 @@
 """Pallas-Triton gate (``moe_pallas/ops/gate/pallas_triton.py``) against the jnp reference.
 
-Interpret mode on the CPU on the cases of ``test_gate.py`` (ids exactly equal, weights within
-CONTRACT.md section 7's rel. 1e-6), then the CUDA lowering of the kernel on an abstract H200.
+Interpret mode on the CPU on the shared cases of ``op_cases/gate.py`` (ids exactly equal, weights within
+CONTRACT.md section 7's rel. 1e-6), then the config heuristic, the dispatch under ``jax.jit``, and the CUDA
+lowering of the kernel on an abstract H200.
 """
 
 from __future__ import annotations
@@ -15,114 +16,42 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 import moe_pallas
+from common import to_jax
 from moe_pallas.ops.gate.config import GateConfig, gate_config
 from moe_pallas.ops.gate.pallas_triton import select_experts_pallas_triton
-from test_gate import CASES
-from tolerances import assert_exact, assert_gate_weights, to_numpy
-
-DEFAULTS = dict(routing="softmax_topk", renormalize=True, num_expert_group=None, topk_group=None,
-                routed_scaling_factor=1.0, apply_routed_scaling_factor_on_output=False, num_fused_shared_experts=0)
+from op_cases import JaxArrays
+from op_cases.gate import CASES, GATE_DEFAULTS, GateKernelCases
+from tolerances import assert_exact
 
 
-def _check(logits: np.ndarray, bias: np.ndarray | None = None, dtype=jnp.float32, config=None, **kw):
-    """Kernel (interpreted; through the public op, or the kernel entry point when a ``config`` is
-    given) vs the reference; returns the kernel's ``(w, ids)``."""
-    x = jnp.asarray(logits, dtype)
-    b = None if bias is None else jnp.asarray(bias)
-    if config is None:
-        got = moe_pallas.select_experts(x, e_score_correction_bias=b, implementation="pallas_triton", **kw)
-    else:
-        got = select_experts_pallas_triton(x, b, config=config, **{**DEFAULTS, **kw})
-    want = moe_pallas.select_experts(x, e_score_correction_bias=b, implementation="reference", **kw)
-    assert_exact(got[1], want[1], "topk_ids")
-    assert_gate_weights(got[0], want[0])
-    return got
-
-
-#: bf16 logits on a few cases only (the interpreter is slow); float32 on all of them.
+#: bf16 logits on a few cases only (each case compiles anew); float32 on all of them.
 BF16_CASES = ("softmax-T1", "grouped", "biased-deepseek-v3-size")
 
 
-@pytest.mark.parametrize("case,dtype", [(c, jnp.float32) for c in CASES] + [(c, jnp.bfloat16) for c in BF16_CASES])
-def test_gate_cases(case, dtype):
-    kw = dict(CASES[case])
-    T, E = kw.pop("T"), kw.pop("E")
-    rng = np.random.default_rng(hash(case) % 2**32)
-    logits = rng.standard_normal((T, E)).astype(np.float32) * 2
-    bias = (rng.standard_normal(E) * 0.3).astype(np.float32) if kw.get("routing") == "biased_grouped_topk" else None
-    config = GateConfig(block_t=4) if dtype == jnp.float32 else None  # several programs, a ragged last one
-    w, ids = _check(logits, bias, dtype, config=config, **kw)
-    assert ids.shape == w.shape == (T, kw["topk"] + kw.get("num_fused_shared_experts", 0))
+class TestGatePallasTriton(JaxArrays, GateKernelCases):
+    """``select_experts_pallas_triton`` against the jnp reference. The float32 cases run with ``block_t = 4``
+    (several programs, a ragged last one); ``config=None`` goes through
+    ``moe_pallas.select_experts(implementation="pallas_triton")``."""
 
+    CASE_DTYPES = {**{f"{c}-float32": (c, "float32") for c in CASES},
+                   **{f"{c}-bfloat16": (c, "bfloat16") for c in BF16_CASES}}
 
-def test_bug_dropped_groups_masked_with_minus_inf():
-    """Selection scores [-0.1, -0.2, -0.4, -0.45]: group 0 wins although every score is negative."""
-    w, ids = _check(np.zeros((1, 4), np.float32), np.array([-0.6, -0.7, -0.9, -0.95], np.float32), topk=2,
-                    routing="biased_grouped_topk", num_expert_group=2, topk_group=1)
-    np.testing.assert_array_equal(to_numpy(ids), [[0, 1]])
-    np.testing.assert_array_equal(to_numpy(w), np.array([[0.5, 0.5]], np.float32))
+    def case_config(self, dtype):
+        return GateConfig(block_t=4) if dtype == "float32" else None
 
+    def select_experts(self, logits, bias, config=None, **kw):
+        if config is None:
+            return moe_pallas.select_experts(logits, e_score_correction_bias=bias, implementation="pallas_triton", **kw)
+        return select_experts_pallas_triton(logits, bias, config=config, **{**GATE_DEFAULTS, **kw})
 
-def test_bug_rsf_without_renormalize():
-    w, ids = _check(np.array([[2.0, 1.0, 0.0, -1.0]], np.float32), topk=2, renormalize=False,
-                    routed_scaling_factor=2.5, apply_routed_scaling_factor_on_output=True)
-    np.testing.assert_array_equal(to_numpy(ids), [[0, 1]])
-    np.testing.assert_allclose(to_numpy(w), [[1.6098, 0.5922]], atol=5e-5)
+    def reference_select_experts(self, logits_np, dtype, bias_np, **kw):
+        bias = None if bias_np is None else to_jax(bias_np)
+        return moe_pallas.select_experts(to_jax(logits_np, dtype), e_score_correction_bias=bias,
+                                         implementation="reference", **kw)
 
-
-def test_ties_lower_index_wins():
-    """Exact ties at 0.5 and at 0 (-inf logits): lower index first, also past the finite scores."""
-    with np.errstate(divide="ignore"):
-        logits = np.log(np.array([0.9, 0.5, 0.5, 0.1, 0.0, 0.0, 0.0, 0.0], np.float32))
-    _, ids = _check(np.repeat(logits[None], 64, axis=0), topk=2)
-    np.testing.assert_array_equal(to_numpy(ids), np.tile([0, 1], (64, 1)))
-    _, ids = _check(logits[None], topk=6)
-    np.testing.assert_array_equal(to_numpy(ids), [[0, 1, 2, 3, 4, 5]])
-    _, ids = _check(logits[None], topk=8)  # topk = E: the whole zero tail, in index order
-    np.testing.assert_array_equal(to_numpy(ids), [list(range(8))])
-
-
-@pytest.mark.parametrize("routing", ["biased_grouped_topk", "grouped_topk"])
-def test_group_ties_lower_group_wins(routing):
-    bias = np.zeros(16, np.float32) if routing == "biased_grouped_topk" else None
-    _, ids = _check(np.zeros((3, 16), np.float32), bias, topk=4, routing=routing, num_expert_group=4, topk_group=2)
-    np.testing.assert_array_equal(to_numpy(ids), np.tile([0, 1, 2, 3], (3, 1)))
-    # topk > experts of one group: the second kept group (group 1) supplies the rest, in index order
-    _, ids = _check(np.zeros((2, 16), np.float32), bias, topk=6, routing=routing, num_expert_group=4, topk_group=2)
-    np.testing.assert_array_equal(to_numpy(ids), np.tile([0, 1, 2, 3, 4, 5], (2, 1)))
-
-
-def test_biased_all_kept_experts_minus_inf_still_picked():
-    """topk reaches past the finite selection scores of the kept groups: the NaN (-inf) experts of
-    kept groups come next in index order, never a dropped group's expert."""
-    logits = np.zeros((1, 8), np.float32)
-    logits[0, [1, 2]] = np.nan
-    bias = np.array([0.0, 0.0, 0.0, 0.0, -1.0, -1.0, -1.0, -1.0], np.float32)
-    _, ids = _check(logits, bias, topk=4, routing="biased_grouped_topk", num_expert_group=2, topk_group=1,
-                    renormalize=False)
-    np.testing.assert_array_equal(to_numpy(ids), [[0, 3, 1, 2]])
-
-
-@pytest.mark.parametrize("routing", ["softmax_topk", "biased_grouped_topk", "grouped_topk"])
-def test_nan_and_inf_logits(routing):
-    rng = np.random.default_rng(3)
-    T, E = 7, 8
-    logits = rng.standard_normal((T, E)).astype(np.float32)
-    logits[0, 3] = np.nan  # one NaN expert
-    logits[1, :] = np.nan  # a whole row
-    logits[2, :] = -np.inf  # softmax of an all -inf row is NaN
-    logits[3, 5] = np.inf
-    logits[4, 2] = -np.inf
-    kw = dict(topk=3, routing=routing)
-    bias = None
-    if routing != "softmax_topk":
-        kw.update(num_expert_group=2, topk_group=2 if routing == "biased_grouped_topk" else 1)
-    if routing == "biased_grouped_topk":
-        bias = np.zeros(E, np.float32)
-    w, ids = _check(logits, bias, **kw)
-    ids = to_numpy(ids)
-    assert ((ids >= 0) & (ids < E)).all() and all(len(set(r)) == 3 for r in ids.tolist())
-    np.testing.assert_array_equal(ids[1], [0, 1, 2])
+    def forced_gate_config(self, block_t, block_e, block_k):
+        """``block_t`` (the kernel pads the experts and the output columns itself)."""
+        return GateConfig(block_t=block_t)
 
 
 def test_config_heuristic_and_dispatch():
@@ -135,9 +64,6 @@ def test_config_heuristic_and_dispatch():
         GateConfig(block_t=3)
     with pytest.raises(NotImplementedError, match="Triton"):
         select_experts_pallas_triton(jnp.zeros((2, 8), jnp.float32), topk=2, config=GateConfig(block_t=1 << 18))
-    w, ids = moe_pallas.select_experts(jnp.zeros((0, 8), jnp.float32), topk=2, num_fused_shared_experts=1,
-                                       implementation="pallas_triton")
-    assert w.shape == ids.shape == (0, 3)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((5, 16)), jnp.float32)
     jitted = jax.jit(lambda a: moe_pallas.select_experts(a, topk=3, implementation="pallas_triton"))
     assert_exact(jitted(x)[1], moe_pallas.select_experts(x, topk=3)[1], "jit")  # the CPU default: reference
