@@ -1,8 +1,9 @@
 """The Triton kernels of ``moe_torch`` against the torch references (CONTRACT.md sections 3-5, 7).
 
 Kernels: ``act_and_mul`` (``moe_torch/ops/activation/triton.py``) and ``combine``
-(``moe_torch/ops/combine/triton.py``), always called through the public API with
-``implementation="triton"`` (so the dispatch path is exercised too).
+(``moe_torch/ops/combine/triton.py``, on the shared cases of ``op_cases/combine.py``: ``TestCombineTriton``),
+called through the public API with ``implementation="triton"`` (so the dispatch path is exercised too); the
+combine also directly with forced small blocks.
 
 On the CPU (``EPMOE_TEST_DEVICE=cpu``) they run in Triton's interpreter (``TRITON_INTERPRET=1``
 is set by ``conftest.py``). triton 3.6's interpreter gets two casts that the kernels use wrong
@@ -29,9 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-import moe_pallas
 import moe_torch
-from common import TORCH_DEVICE, random_ids, to_jax, to_torch
+from common import TORCH_DEVICE, TORCH_DTYPES, to_torch
 from moe_torch.ops.activation import api as act_api
 from moe_torch.ops.activation.config import ActAndMulConfig, act_and_mul_config
 from moe_torch.ops.activation.reference import act_and_mul_reference
@@ -40,7 +40,9 @@ from moe_torch.ops.combine.config import CombineConfig, combine_config
 from moe_torch.ops.combine.reference import combine_reference
 from moe_torch.ops.quant.reference import per_token_group_quant_fp8_reference, per_token_quant_fp8_reference
 from moe_torch.ops.triton_common import check_triton_device
-from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
+from op_cases import TorchArrays
+from op_cases.combine import CombineCases
+from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro
 from sm90 import compile_sm90
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -181,54 +183,26 @@ def test_act_and_mul_empty(M, I, quant):
 # combine
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("T,topk,E,start,e_local,H,rsf", [
-    (1, 1, 2, 0, 2, 48, 1.0),  # T=1, topk=1
-    (13, 3, 8, 0, 8, 48, 2.5),  # T smaller than the token block (16); rsf applied here
-    (70, 2, 8, 0, 8, 48, 1.0),  # T not a multiple of the token block (64): two token programs
-    (16, 4, 16, 8, 4, 48, 1.0),  # EP rank: many non-local slots, some tokens with none
-    (9, 8, 32, 4, 8, 1100, 0.5),  # H > one block (1024), odd H; topk=8 unrolled; EP rank
-])
-def test_combine(T, topk, E, start, e_local, H, rsf, dtype):
-    """float32 output within F32_REL_FRO of the reference, bf16 = RNE cast of the kernel's own
-    float32 output; rows >= M of y (NaN) and the weights of non-local slots (NaN) never reach
-    the output; tokens with no local slot get exactly 0; inputs untouched."""
-    rng = np.random.default_rng(T * 100 + H)
-    ids = random_ids(rng, T, topk, E)
-    meta = moe_pallas.routing_metadata(to_jax(ids), E, expert_start=start, num_local_experts=e_local)
-    src2dst_np, M = to_numpy(meta.src2dst), int(to_numpy(meta.expert_offsets)[-1])
-    y_np = rng.standard_normal((T * topk, H)).astype(np.float32)
-    y_np[M:] = np.nan  # rows >= M are garbage: never read
-    w_np = rng.uniform(0.1, 1.0, (T, topk)).astype(np.float32)
-    w_np[src2dst_np < 0] = np.nan  # a non-local slot's weight is never used
-    y, src2dst, w = to_torch(y_np, dtype), to_torch(src2dst_np), to_torch(w_np)
-    before = [t.clone() for t in (y, src2dst, w)]
-    f32 = moe_torch.combine(y, src2dst, w, routed_scaling_factor=rsf, out_dtype=torch.float32, implementation="triton")
-    ref32 = combine_reference(y, src2dst, w, rsf, torch.float32)
-    assert f32.shape == (T, H) and torch.isfinite(f32).all()
-    assert_rel_fro(f32, ref32, F32_REL_FRO, "float32 output vs reference")
-    no_local = torch.as_tensor((src2dst_np < 0).all(axis=1), device=f32.device)
-    assert not f32[no_local].any(), "tokens with no local slot get exactly 0"
-    out = moe_torch.combine(y, src2dst, w, routed_scaling_factor=rsf, implementation="triton")
-    assert out.dtype == DTYPES[dtype]
-    assert_exact(out, f32.to(out.dtype), "cast once, round to nearest even")
-    for t, b in zip((y, src2dst, w), before):
-        assert_exact(t, b, "input unchanged")  # bit patterns: the NaN rows compare equal
+class TestCombineTriton(TorchArrays, CombineCases):
+    """``combine_triton`` against the torch reference on the shared cases of ``op_cases/combine.py``;
+    ``config=None`` goes through ``moe_torch.combine(implementation="triton")``."""
 
+    SHAPES = ("T1", "rsf", "two-token-programs", "ep-rank", "partial-blocks", "wide-H-topk8")
 
-def test_combine_strided_inputs():
-    """Column-strided views of y / src2dst / topk_weights are copied, not misread."""
-    rng = np.random.default_rng(5)
-    T, topk, E, H = 6, 2, 4, 40
-    meta = moe_pallas.routing_metadata(to_jax(random_ids(rng, T, topk, E)), E)
-    s_np = to_numpy(meta.src2dst)
-    y_np = rng.standard_normal((T * topk, H)).astype(np.float32)
-    w_np = rng.uniform(0.1, 1.0, (T, topk)).astype(np.float32)
-    y = to_torch(np.repeat(y_np, 2, axis=1))[:, ::2]
-    s = to_torch(np.repeat(s_np, 2, axis=1))[:, ::2]
-    w = to_torch(np.repeat(w_np, 2, axis=1))[:, ::2]
-    out = moe_torch.combine(y, s, w, implementation="triton")
-    assert_rel_fro(out, combine_reference(y, s, w, 1.0, torch.float32), F32_REL_FRO, "strided")
+    def combine(self, y, src2dst, w, rsf, out_dtype=None, config=None):
+        out_dtype = None if out_dtype is None else TORCH_DTYPES[out_dtype]
+        if config is None:
+            return moe_torch.combine(y, src2dst, w, routed_scaling_factor=rsf, out_dtype=out_dtype, implementation="triton")
+        from moe_torch.ops.combine.triton import combine_triton
+
+        return combine_triton(y, src2dst, w, rsf, out_dtype or y.dtype, config=config)
+
+    def reference_combine(self, y_np, dtype, src2dst_np, w_np, rsf, out_dtype=None):
+        return combine_reference(to_torch(y_np, dtype), to_torch(src2dst_np), to_torch(w_np), rsf,
+                                 TORCH_DTYPES[out_dtype or dtype])
+
+    def forced_config(self, block_t, block_h):
+        return CombineConfig(block_t=block_t, block_h=block_h, num_warps=4, num_stages=1)
 
 
 # --------------------------------------------------------------------------------------

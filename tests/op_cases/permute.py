@@ -268,6 +268,20 @@ def dst2src_of(ids: np.ndarray, expert_start: int, e_local: int) -> np.ndarray:
     return np.concatenate([rows, np.full(flat.size - rows.size, -1)]).astype(np.int32)
 
 
+def metadata_of(ids: np.ndarray, expert_start: int, e_local: int):
+    """The contract's ``(expert_offsets [E_local+1], src2dst [T, topk], dst2src [T*topk])`` int32 of ``ids`` in
+    numpy (as :func:`check_invariants` checks them)."""
+    dst2src = dst2src_of(ids, expert_start, e_local)
+    flat = ids.reshape(-1).astype(np.int64)
+    local = (flat >= expert_start) & (flat < expert_start + e_local)
+    counts = np.bincount(flat[local] - expert_start, minlength=e_local)
+    src2dst = np.full(flat.size, -1, np.int32)
+    M = int(local.sum())
+    src2dst[dst2src[:M]] = np.arange(M, dtype=np.int32)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return offsets, src2dst.reshape(ids.shape), dst2src
+
+
 def permute_problem(T: int, H: int, topk: int, E: int, seed: int):
     """``(x [T, H] float32, dst2src [T*topk] int32, M)`` in numpy on an EP rank owning experts
     ``[1, 1 + max(1, E // 2))``: some rows are non-local, so rows ``>= M`` exist. Rows of widely different
