@@ -3,7 +3,8 @@
 On the CPU the kernels run in Pallas interpret mode, which fills every output with NaN before
 the kernel runs (``pallas.primitives.uninitialized_value``): an element a kernel forgets to
 write shows up as NaN (or an FP8 NaN code) and fails the finiteness / exactness checks below.
-The combine runs the shared cases of ``op_cases/combine.py`` (``TestCombinePallasTriton``).
+The act_and_mul and combine kernels run the shared cases of ``op_cases/activation.py`` and
+``op_cases/combine.py`` (``TestActivationPallasTriton``, ``TestCombinePallasTriton``).
 The second half lowers each kernel for CUDA on an abstract H200, which runs the whole Pallas -> Triton-IR
 lowering without a GPU.
 """
@@ -35,106 +36,62 @@ from moe_pallas.ops.quant.reference import (
     quantize_div_fp8,
 )
 from op_cases import JaxArrays
+from op_cases.activation import ACT_FP8_CASES, ActivationCases, h_problem
 from op_cases.combine import CombineCases, combine_problem
-from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
-
-DTYPES = {"float32": (jnp.float32, F32_REL_FRO), "bfloat16": (jnp.bfloat16, BF16_REL_FRO)}
+from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 
 
 def _h(M: int, I: int, dtype, seed: int) -> jax.Array:
     """``h [M, 2*I]``: N(0, 3^2) values (never zeros; silu/gelu are non-trivial there)."""
-    h = np.random.default_rng(seed).standard_normal((M, 2 * I)).astype(np.float32) * 3
-    return jnp.asarray(h).astype(dtype)
-
-
-def _assert_finite(a, what: str) -> None:
-    x = to_numpy(a).astype(np.float32)
-    assert np.isfinite(x).all(), f"{what}: {np.size(x) - np.isfinite(x).sum()} non-finite values (unwritten or leaked)"
+    return jnp.asarray(h_problem(M, I, seed)).astype(dtype)
 
 
 # --------------------------------------------------------------------------------------
-# act_and_mul, plain cast
+# act_and_mul: plain cast, and fused with FP8 quantization (codes and scales bit-identical to the reference
+# applied to the kernel's own float32 activation; and close to the reference's fused output)
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("M,I", [
-    (1, 128),  # M=1
-    (5, 33),  # M smaller than a block, odd I (masked columns; the up half starts mid-line)
-    (37, 256),  # M not a multiple of block_m
-    (3, 1100),  # I wider than MAX_BLOCK_I: two column blocks, the last one partial
-])
-def test_act_and_mul_cast(M, I, dtype, activation):
-    jdt, limit = DTYPES[dtype]
-    h = _h(M, I, jdt, seed=M * I)
-    out, scale = act_and_mul_pallas_triton(h, activation=activation)
-    ref, _ = act_and_mul_reference(h, activation, None, 128, jdt)
-    assert scale is None and out.shape == (M, I) and out.dtype == jdt
-    _assert_finite(out, "out")
-    assert_rel_fro(out, ref, limit, f"{activation}_and_mul {dtype}")
-    # the float32 math itself, whatever the output dtype: float32 rounding only
-    out32, _ = act_and_mul_pallas_triton(h, activation=activation, out_dtype=jnp.float32)
-    ref32, _ = act_and_mul_reference(h, activation, None, 128, jnp.float32)
-    assert_rel_fro(out32, ref32, F32_REL_FRO, f"{activation}_and_mul float32 math")
+class TestActivationPallasTriton(JaxArrays, ActivationCases):
+    """``act_and_mul_pallas_triton`` against the jnp reference on the shared cases of ``op_cases/activation.py``;
+    ``config=None`` goes through ``moe_pallas.silu_and_mul`` / ``gelu_tanh_and_mul`` with
+    ``implementation="pallas_triton"``."""
 
+    FP8_CASES = ("token-M1", "token-odd-I", "token-ragged-M", "token-two-pass-64", "token-two-pass-16",
+                 "group-M1-f32", "group-ragged-M-f32", "group-32")
 
-# --------------------------------------------------------------------------------------
-# act_and_mul fused with FP8 quantization: codes and scales bit-identical to the reference
-# applied to the kernel's own float32 activation; and close to the reference's fused output.
+    def act_and_mul(self, h, activation, quant=None, group_size=128, out_dtype=None, config=None):
+        out_dtype = None if out_dtype is None else JNP_DTYPES[out_dtype]
+        if config is None:
+            return getattr(moe_pallas, f"{activation}_and_mul")(h, quant=quant, group_size=group_size,
+                                                                out_dtype=out_dtype, implementation="pallas_triton")
+        return act_and_mul_pallas_triton(h, activation=activation, quant=quant, group_size=group_size,
+                                         out_dtype=out_dtype, config=config)
 
+    def reference_act_and_mul(self, h_np, dtype, activation, quant=None, group_size=128, out_dtype=None):
+        return act_and_mul_reference(to_jax(h_np, dtype), activation, quant, group_size, JNP_DTYPES[out_dtype or dtype])
 
-def _check_fused(h, activation, quant, group_size, config=None):
-    M, I = h.shape[0], h.shape[1] // 2
-    q, s = act_and_mul_pallas_triton(h, activation=activation, quant=quant, group_size=group_size, config=config)
-    a32, _ = act_and_mul_pallas_triton(h, activation=activation, out_dtype=jnp.float32)
-    if quant == "fp8_per_token":
-        q2, s2 = per_token_quant_fp8_reference(a32)
-        assert s.shape == (M, 1)
-    else:
-        q2, s2 = per_token_group_quant_fp8_reference(a32, group_size)
-        assert s.shape == (M, I // group_size)
-    assert q.dtype == FP8_DTYPE and q.shape == (M, I) and s.dtype == jnp.float32
-    assert_exact(q, q2, "fp8 codes vs reference quantization of the kernel's float32 activation")
-    assert_exact(s, s2, "scales vs reference quantization of the kernel's float32 activation")
-    qr, sr = act_and_mul_reference(h, activation, quant, group_size, None)
-    assert_rel_fro(s, sr, F32_REL_FRO, "scales vs the reference's fused op")
-    assert_rel_fro(dequantize_fp8_reference(q, s), dequantize_fp8_reference(qr, sr), FP8_REL_FRO,
-                   "dequantized vs the reference's fused op")
+    def quantize(self, a32, quant, group_size):
+        if quant == "fp8_per_token":
+            return per_token_quant_fp8_reference(a32)
+        return per_token_group_quant_fp8_reference(a32, group_size)
 
+    def dequantize(self, q, scale):
+        return dequantize_fp8_reference(q, scale)
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("M,I", [(1, 128), (7, 33), (37, 256)])  # M=1; M < block with odd I; M % block_m != 0
-def test_act_and_mul_fp8_per_token_one_pass(M, I, activation):
-    h = _h(M, I, jnp.bfloat16, seed=M + I)
-    assert not act_and_mul_config(M, I, "fp8_per_token", 128).two_pass
-    _check_fused(h, activation, "fp8_per_token", 128)
-
-
-@pytest.mark.parametrize("M,I,block_i", [
-    (5, 300, 64),  # 5 column blocks, the last partial: amax of the masked tail must be 0
-    (9, 33, 16),  # odd I, 3 blocks of 16
-])
-def test_act_and_mul_fp8_per_token_two_pass(M, I, block_i):
-    """Rows wider than one program (forced here with a small block_i) take two passes."""
-    h = _h(M, I, jnp.bfloat16, seed=3)
-    _check_fused(h, "silu", "fp8_per_token", 128, ActAndMulConfig(block_m=4, block_i=block_i, two_pass=True))
+    def forced_config(self, block_m, block_i):
+        return ActAndMulConfig(block_m=block_m, block_i=block_i, two_pass=True)
 
 
 def test_act_and_mul_config_two_pass_for_wide_rows():
+    """Per-token rows wider than MAX_ROW_BLOCK take two passes; narrower ones (the shared FP8 cases without
+    forced blocks among them) one."""
     cfg = act_and_mul_config(4, 2 * MAX_ROW_BLOCK + 1, "fp8_per_token", 128)
     assert cfg.two_pass and cfg.block_i < 2 * MAX_ROW_BLOCK + 1
     assert not act_and_mul_config(4, MAX_ROW_BLOCK, "fp8_per_token", 128).two_pass
-
-
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("M,I,group_size", [
-    (1, 128, 128),  # M=1, one group
-    (37, 384, 128),  # three groups, M % block_m != 0
-    (6, 96, 32),  # a smaller power-of-two group
-])
-def test_act_and_mul_fp8_per_token_group(M, I, group_size, activation):
-    h = _h(M, I, jnp.float32, seed=M * group_size)
-    _check_fused(h, activation, "fp8_per_token_group", group_size)
+    for name in TestActivationPallasTriton.FP8_CASES:
+        quant, G, M, I, _, blocks = ACT_FP8_CASES[name]
+        if quant == "fp8_per_token" and blocks is None:
+            assert not act_and_mul_config(M, I, quant, G).two_pass, name
 
 
 @pytest.mark.parametrize("scale", [0.125, 3.0 / 448.0, 0.7316])  # exact ties (a power of two), an amax-like and a random scale
@@ -169,18 +126,6 @@ def test_act_and_mul_group_size_not_power_of_two():
         act_and_mul_pallas_triton(h, quant="fp8_per_token_group", group_size=96)
     with pytest.raises(NotImplementedError, match="power of two"):
         moe_pallas.silu_and_mul(h, quant="fp8_per_token_group", group_size=96, implementation="pallas_triton")
-
-
-@pytest.mark.parametrize("M,I", [(0, 128), (3, 0)])  # no rows; no columns (nothing to launch)
-@pytest.mark.parametrize("quant", [None, "fp8_per_token", "fp8_per_token_group"])
-def test_act_and_mul_empty(M, I, quant):
-    h = jnp.ones((M, 2 * I), jnp.bfloat16)
-    got = act_and_mul_pallas_triton(h, quant=quant)
-    want = act_and_mul_reference(h, "silu", quant, 128, jnp.bfloat16)
-    for g, w in zip(got, want):
-        assert (g is None) == (w is None)
-        if g is not None:
-            assert_exact(g, w, "empty")
 
 
 # --------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """The Triton kernels of ``moe_torch`` against the torch references (CONTRACT.md sections 3-5, 7).
 
-Kernels: ``act_and_mul`` (``moe_torch/ops/activation/triton.py``) and ``combine``
-(``moe_torch/ops/combine/triton.py``, on the shared cases of ``op_cases/combine.py``: ``TestCombineTriton``),
-called through the public API with ``implementation="triton"`` (so the dispatch path is exercised too); the
-combine also directly with forced small blocks.
+Kernels: ``act_and_mul`` (``moe_torch/ops/activation/triton.py``, on the shared cases of
+``op_cases/activation.py``: ``TestActivationTriton``) and ``combine`` (``moe_torch/ops/combine/triton.py``, on
+those of ``op_cases/combine.py``: ``TestCombineTriton``), called through the public API with
+``implementation="triton"`` (so the dispatch path is exercised too), and directly with forced small blocks.
 
 On the CPU (``EPMOE_TEST_DEVICE=cpu``) they run in Triton's interpreter (``TRITON_INTERPRET=1``
 is set by ``conftest.py``). triton 3.6's interpreter gets two casts that the kernels use wrong
@@ -38,11 +38,16 @@ from moe_torch.ops.activation.reference import act_and_mul_reference
 from moe_torch.ops.combine import api as combine_api
 from moe_torch.ops.combine.config import CombineConfig, combine_config
 from moe_torch.ops.combine.reference import combine_reference
-from moe_torch.ops.quant.reference import per_token_group_quant_fp8_reference, per_token_quant_fp8_reference
+from moe_torch.ops.quant.reference import (
+    dequantize_fp8_reference,
+    per_token_group_quant_fp8_reference,
+    per_token_quant_fp8_reference,
+)
 from moe_torch.ops.triton_common import check_triton_device
 from op_cases import TorchArrays
+from op_cases.activation import ActivationCases, h_problem
 from op_cases.combine import CombineCases
-from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro
+from tolerances import assert_exact
 from sm90 import compile_sm90
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,84 +104,41 @@ def test_casts_round_like_torch():
 # act_and_mul
 
 
-def _h(M: int, I: int, dtype: str, seed: int, layout: str = "contiguous") -> torch.Tensor:
-    """``h [M, 2*I]`` of N(0, 3^2) values (O(1) outputs, never zeros); ``layout="strided"``
-    gives a view with a non-unit column stride (the launcher must copy, never write it)."""
-    h = (np.random.default_rng(seed).standard_normal((M, 2 * I)) * 3).astype(np.float32)
-    if layout == "strided":
-        return to_torch(np.repeat(h, 2, axis=1), dtype)[:, ::2]
-    return to_torch(h, dtype)
+def _h(M: int, I: int, dtype: str, seed: int) -> torch.Tensor:
+    """``h [M, 2*I]`` of N(0, 3^2) values (O(1) outputs, never zeros)."""
+    return to_torch(h_problem(M, I, seed), dtype)
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("M,I,layout", [
-    (1, 128, "contiguous"),  # M=1 (decode), one column block
-    (3, 33, "contiguous"),  # odd I, M smaller than the row block
-    (37, 200, "contiguous"),  # M not a multiple of the row block (block_m=16), I not a power of 2
-    (5, 1300, "strided"),  # I wider than one column block (1024): two column programs; non-unit stride
-])
-def test_act_and_mul(M, I, layout, dtype, activation):
-    """Float32 math then one RNE cast: float32 output within F32_REL_FRO of the reference; a
-    bf16 / fp16 output is exactly the cast of the kernel's own float32 output, and within the
-    bf16 row of the reference. The input is left untouched."""
-    h = _h(M, I, dtype, seed=M * I, layout=layout)
-    h_before = h.clone()
-    fn = getattr(moe_torch, f"{activation}_and_mul")
-    f32, s = fn(h, out_dtype=torch.float32, implementation="triton")
-    assert s is None and f32.shape == (M, I) and f32.dtype == torch.float32
-    ref32, _ = act_and_mul_reference(h, activation, None, 128, torch.float32)
-    assert_rel_fro(f32, ref32, F32_REL_FRO, "float32 output vs reference")
-    out, _ = fn(h, implementation="triton")  # out_dtype defaults to h.dtype
-    assert out.dtype == DTYPES[dtype] and out.shape == (M, I)
-    assert_exact(out, f32.to(out.dtype), "cast once, round to nearest even")
-    assert_rel_fro(out, ref32, BF16_REL_FRO if dtype != "float32" else F32_REL_FRO, "output vs reference")
-    assert_exact(h, h_before, "h unchanged")
+class TestActivationTriton(TorchArrays, ActivationCases):
+    """``act_and_mul_triton`` against the torch reference on the shared cases of ``op_cases/activation.py``
+    (float32, bf16 and fp16 ``h``); ``config=None`` goes through ``moe_torch.silu_and_mul`` /
+    ``gelu_tanh_and_mul`` with ``implementation="triton"``."""
 
+    DTYPES = ("float32", "bfloat16", "float16")
 
-@pytest.mark.parametrize("quant,group_size,M,I", [
-    ("fp8_per_token", 128, 1, 128),  # M=1
-    ("fp8_per_token", 128, 37, 200),  # M not a multiple of the row block, I not a power of 2
-    ("fp8_per_token", 128, 3, 4352),  # I > 4096: the two-pass (amax, then quantize) path
-    ("fp8_per_token_group", 128, 1, 128),  # one group
-    ("fp8_per_token_group", 128, 21, 512),  # 4 groups, M not a multiple of the row block
-    ("fp8_per_token_group", 96, 5, 288),  # G not a power of 2: masked single chunk
-    ("fp8_per_token_group", 8192, 2, 8192),  # G > 4096: the two-pass path per group
-])
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_act_and_mul_fp8(quant, group_size, M, I, activation):
-    """Fused FP8: codes and scales bit-identical to the torch reference quantization applied to
-    the kernel's own float32 activation (CONTRACT.md section 3). Row 0's up half is zero, so
-    its amax is 0 and its scale is the floor ``1e-10 / 448``."""
-    h = _h(M, I, "bfloat16", seed=I + M)
-    h[0, I:] = 0
-    fn = getattr(moe_torch, f"{activation}_and_mul")
-    q, scale = fn(h, quant=quant, group_size=group_size, implementation="triton")
-    f32, _ = fn(h, out_dtype=torch.float32, implementation="triton")
-    if quant == "fp8_per_token":
-        q_ref, s_ref = per_token_quant_fp8_reference(f32)
-    else:
-        q_ref, s_ref = per_token_group_quant_fp8_reference(f32, group_size)
-    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == s_ref.shape
-    assert_exact(scale, s_ref, "scales")
-    assert_exact(q, q_ref, "codes")
-    # and the fused result dequantizes to the reference activation within the FP8 step
-    ref32, _ = act_and_mul_reference(h, activation, None, group_size, torch.float32)
-    assert_rel_fro(moe_torch.dequantize_fp8(q, scale), ref32, 2**-4, "dequantized vs reference")
+    def act_and_mul(self, h, activation, quant=None, group_size=128, out_dtype=None, config=None):
+        out_dtype = None if out_dtype is None else TORCH_DTYPES[out_dtype]
+        if config is None:
+            return getattr(moe_torch, f"{activation}_and_mul")(h, quant=quant, group_size=group_size,
+                                                               out_dtype=out_dtype, implementation="triton")
+        from moe_torch.ops.activation.triton import act_and_mul_triton
 
+        return act_and_mul_triton(h, activation, quant, group_size, out_dtype or h.dtype, config=config)
 
-@pytest.mark.parametrize("M,I", [(0, 128), (3, 0)])  # no rows; no columns
-@pytest.mark.parametrize("quant", [None, "fp8_per_token", "fp8_per_token_group"])
-def test_act_and_mul_empty(M, I, quant):
-    """Empty inputs give the reference's shapes and dtypes (per-token with ``I = 0``: the floor
-    scale, written by the kernel)."""
-    h = to_torch(np.ones((M, 2 * I), np.float32), "bfloat16")
-    got = moe_torch.silu_and_mul(h, quant=quant, implementation="triton")
-    want = act_and_mul_reference(h, "silu", quant, 128, torch.bfloat16)
-    for g, w in zip(got, want):
-        assert (g is None) == (w is None)
-        if g is not None:
-            assert_exact(g, w, "empty")
+    def reference_act_and_mul(self, h_np, dtype, activation, quant=None, group_size=128, out_dtype=None):
+        return act_and_mul_reference(to_torch(h_np, dtype), activation, quant, group_size,
+                                     TORCH_DTYPES[out_dtype or dtype])
+
+    def quantize(self, a32, quant, group_size):
+        if quant == "fp8_per_token":
+            return per_token_quant_fp8_reference(a32)
+        return per_token_group_quant_fp8_reference(a32, group_size)
+
+    def dequantize(self, q, scale):
+        return dequantize_fp8_reference(q, scale)
+
+    def forced_config(self, block_m, block_i):
+        return ActAndMulConfig(block_m=block_m, block_n=block_i, single_chunk=False, num_warps=4, num_stages=1)
 
 
 # --------------------------------------------------------------------------------------
