@@ -245,23 +245,32 @@ class GateCases(ClassParams):
             assert to_numpy(ids).dtype == np.int32 and to_numpy(w).dtype == np.float32
 
 
+#: name -> (routing, E, num_expert_group, topk_group, topk, S, forced blocks (block_t, block_e, block_k)): E up
+#: to 512, 16 groups, one expert per group, padded axes, several programs (the last partial).
+FORCED_GATE_CASES = {
+    "softmax-E512": ("softmax_topk", 512, None, None, 8, 0, (2, 512, 8)),
+    "biased-E384-16-groups": ("biased_grouped_topk", 384, 16, 3, 7, 2, (4, 512, 16)),
+    "grouped-E60-5-groups": ("grouped_topk", 60, 5, 2, 6, 1, (8, 64, 8)),
+    "grouped-one-per-group": ("grouped_topk", 8, 8, 5, 5, 0, (4, 8, 8)),
+}
+
+
 class GateKernelCases(GateCases):
-    """:class:`GateCases` plus forced launch configs. Hook: :meth:`forced_gate_config`."""
+    """:class:`GateCases` plus forced launch configs. Hook: :meth:`forced_gate_config`; :attr:`FORCED_CASES`."""
+
+    #: The keys of :data:`FORCED_GATE_CASES` this backend runs.
+    FORCED_CASES: tuple[str, ...] = tuple(FORCED_GATE_CASES)
+    CLASS_PARAMS = {**GateCases.CLASS_PARAMS, "forced_case": "FORCED_CASES"}
 
     def forced_gate_config(self, block_t: int, block_e: int, block_k: int):
         """A launch config of ``block_t`` tokens per program (and, where the kernel has them, ``block_e``
         padded experts and ``block_k`` output columns)."""
         raise NotImplementedError
 
-    @pytest.mark.parametrize("routing,E,G,kg,topk,S,blocks", [
-        ("softmax_topk", 512, None, None, 8, 0, (2, 512, 8)),
-        ("biased_grouped_topk", 384, 16, 3, 7, 2, (4, 512, 16)),
-        ("grouped_topk", 60, 5, 2, 6, 1, (8, 64, 8)),
-        ("grouped_topk", 8, 8, 5, 5, 0, (4, 8, 8)),  # one expert per group
-    ])
-    def test_forced_configs_and_limits(self, routing, E, G, kg, topk, S, blocks):
+    def test_forced_configs_and_limits(self, forced_case):
         """E up to 512, 16 groups, one expert per group, padded axes, several programs (last partial),
         forced and heuristic configs; with heavy ties (logits rounded to a coarse grid)."""
+        routing, E, G, kg, topk, S, blocks = FORCED_GATE_CASES[forced_case]
         rng = np.random.default_rng(E + topk)
         x = np.round(rng.standard_normal((11, E)) * 2, 1).astype(np.float32)  # many exact ties
         kw = dict(topk=topk, routing=routing, num_fused_shared_experts=S, routed_scaling_factor=2.5,
