@@ -137,9 +137,6 @@ class TestCombinePallasTriton(JaxArrays, CombineCases):
     ``config=None`` goes through ``moe_pallas.combine(implementation="pallas_triton")``."""
 
     SHAPES = ("T1-odd-H", "rsf", "ep-rank-H64", "partial-blocks", "wide-H")
-    #: Not yet: the kernel adds ``w * 0`` for a non-local slot (its row load is masked, its weight is not), so a
-    #: NaN or infinite weight there reaches the output, unlike the references and the Triton kernel.
-    NAN_WEIGHTS_OF_NONLOCAL_SLOTS = False
 
     def combine(self, y, src2dst, w, rsf, out_dtype=None, config=None):
         out_dtype = None if out_dtype is None else JNP_DTYPES[out_dtype]

@@ -56,7 +56,7 @@ def _kernel(y_ref, s_ref, w_ref, out_ref, *, T: int, H: int, topk: int, rsf: flo
         local = dst >= 0
         row = jnp.where(local, dst, 0)  # a safe address; masked off below, never read
         rows = plgpu.load(y_ref.at[row[:, None], col[None, :]], mask=local[:, None] & col_ok[None, :], other=0.0)
-        acc += w[:, None] * rows.astype(jnp.float32)
+        acc += jnp.where(local, w, 0.0)[:, None] * rows.astype(jnp.float32)  # a non-local slot adds exactly 0
     if rsf != 1.0:
         acc = acc * jnp.float32(rsf)
     plgpu.store(out_ref.at[toks, cols], acc.astype(out_ref.dtype), mask=tok_ok[:, None] & col_ok[None, :])
