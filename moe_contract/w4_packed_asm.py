@@ -112,3 +112,37 @@ def e8m0_bf16_bits() -> list[int]:
     gathers the MXFP4 scales from (the arithmetic per element costs more there, where the compiler redoes it after
     the broadcast; the Pallas-Triton kernel, one scale a group and row, was slower with a table)."""
     return [BF16_E8M0_ZERO_BITS if s == 0 else BF16_NAN_BITS if s == 255 else s << 7 for s in range(256)]
+
+
+# The MMA layout (``moe_contract/w4_layout.py``): MXFP4 codes re-laid out at load time so that each bf16 pair comes
+# out of the word by one mask (after a shift or a rotation; pair 3 from two rotations joined by a lop3, 0xE4 =
+# (a & c) | (b & ~c)), and one fma with the folded scale 2^(s - 1) (``w4_layout.e8m0_bf16_bits_mma``): 13
+# instructions per 8 codes, where the checkpoint layout's decode takes 22. Operands as above: ``$4`` the 4 bytes,
+# ``$5`` / ``$6`` the scale pairs of bytes 0-1 / 2-3 (the same scale: a 4-byte group lies in one 32-code group).
+_MMA_PAIR = {
+    0: "and.b32 a, {src}, 0x81C081C0;\n",
+    1: "shl.b32 a, {src}, 6;\nand.b32 a, a, 0x81C081C0;\n",
+    2: "shf.l.wrap.b32 a, {src}, {src}, 12;\nand.b32 a, a, 0x81C081C0;\n",
+    3: ("shf.l.wrap.b32 a, {src}, {src}, 18;\nshf.l.wrap.b32 b, {src}, {src}, 10;\n"
+        "lop3.b32 a, a, b, 0x00400040, 0xE4;\nand.b32 a, a, 0x81C081C0;\n"),
+}
+# Pair 3: bits 20 and 4 (its two codes' m) rotate by 18 onto bits 6 and 22 (mask 0x00400040); the rest rotate by 10.
+
+
+def _render_mma(pairs: tuple[int, ...]) -> str:
+    """The MMA-layout asm returning ``pairs`` (0, 1: the low nibbles of bytes 0-1, 2-3; 2, 3: the high nibbles), one
+    bf16x2 result each, then the operands: the packed word, the two scale pairs."""
+    src, scales = f"${len(pairs)}", (f"${len(pairs) + 1}", f"${len(pairs) + 2}")
+    # (the word copied first, as the prmt does above: no operand is read after a result is written)
+    body = ["{\n.reg .b32 w, a, b, k0;\nmov.b32 k0, 0x80008000;\n", f"mov.b32 w, {src};\n"]
+    for i, p in enumerate(pairs):
+        body.append(_MMA_PAIR[p].format(src="w"))
+        body.append(f"fma.rn.bf16x2 ${i}, a, {scales[p % 2]}, k0;\n")
+    return "".join(body) + "}"
+
+
+#: Both nibbles (moe_torch), results and operands as :data:`MXFP4_PACKED_ASM`, constraints
+#: :data:`PACKED_ASM_CONSTRAINTS`; the scales from ``w4_layout.e8m0_bf16_bits_mma`` (``2^(s - 1)``).
+MXFP4_MMA_PACKED_ASM = _render_mma((0, 1, 2, 3))
+#: One nibble a call (moe_pallas), as :data:`PACKED_HALF_ASM`.
+MXFP4_MMA_HALF_ASM = {"low": _render_mma((0, 1)), "high": _render_mma((2, 3))}

@@ -67,6 +67,10 @@ def _run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             r = (val(src[0]).astype(np.uint64) << int(src[1], 0)).astype(np.uint32)
         elif op == "shr.u32":
             r = val(src[0]) >> np.uint32(int(src[1], 0))
+        elif op == "shf.l.wrap.b32":  # the 64-bit {b, a} shifted left by c mod 32, its upper word (a == b: rotate)
+            a, b, n = val(src[0]).astype(np.uint64), val(src[1]).astype(np.uint64), val(src[2]) & np.uint32(31)
+            wide = (b << np.uint64(32)) | a
+            r = ((wide << n.astype(np.uint64)) >> np.uint64(32)) & np.uint64(0xFFFFFFFF)
         elif op == "mul.lo.u32":
             r = ((val(src[0]).astype(np.uint64) * val(src[1]).astype(np.uint64)) & 0xFFFFFFFF).astype(np.uint32)
         elif op == "and.b32":
@@ -188,7 +192,9 @@ def test_int4_packed_decode_matches_the_contract_for_every_byte_and_scale():
 
 
 ALL_ASM = {"MXFP4_PACKED_ASM": w4_packed_asm.MXFP4_PACKED_ASM, "INT4_PACKED_ASM": w4_packed_asm.INT4_PACKED_ASM,
-           **{f"PACKED_HALF_ASM[{k}]": v for k, v in w4_packed_asm.PACKED_HALF_ASM.items()}}
+           **{f"PACKED_HALF_ASM[{k}]": v for k, v in w4_packed_asm.PACKED_HALF_ASM.items()},
+           "MXFP4_MMA_PACKED_ASM": w4_packed_asm.MXFP4_MMA_PACKED_ASM,
+           **{f"MXFP4_MMA_HALF_ASM[{k}]": v for k, v in w4_packed_asm.MXFP4_MMA_HALF_ASM.items()}}
 
 
 @pytest.mark.parametrize("asm_name", sorted(ALL_ASM))
@@ -198,7 +204,8 @@ def test_packed_decode_asm_uses_only_modelled_instructions(asm_name):
     asm = ALL_ASM[asm_name]
     ops = {line.split()[0] for line in asm.splitlines()
            if line.strip() and line.strip() not in "{}" and not line.startswith(".reg")}
-    assert ops <= {"mov.b32", "prmt.b32", "shl.b32", "shr.u32", "mul.lo.u32", "and.b32", "lop3.b32", "fma.rn.bf16x2"}, ops
+    assert ops <= {"mov.b32", "prmt.b32", "shl.b32", "shr.u32", "shf.l.wrap.b32", "mul.lo.u32", "and.b32", "lop3.b32",
+                   "fma.rn.bf16x2"}, ops
     constraints = (w4_packed_asm.PACKED_ASM_HALF_CONSTRAINTS if "HALF" in asm_name
                    else w4_packed_asm.PACKED_ASM_CONSTRAINTS)
     assert {int(n) for n in re.findall(r"\$(\d+)", asm)} == set(range(len(constraints.split(","))))
@@ -230,3 +237,53 @@ def test_e8m0_table_is_not_built_inside_a_cuda_graph_capture(monkeypatch):
     assert built is not None and built.shape == (256,)
     gg._E8M0_TABLES[dev] = built  # as if built by an eager launch before the capture
     assert gg.e8m0_bf16_table(dev) is built
+
+
+# --------------------------------------------------------------------------------------
+# The MMA layout (moe_contract/w4_layout.py): MXFP4 codes re-laid out at load time for a shorter decode
+
+MMA_SCALES = [0, 1, 2, 64, 100, 119, 126, 127, 128, 255]  # every code the layout serves: <= 128, and NaN
+
+
+def test_mxfp4_mma_layout_decode_matches_the_contract_for_every_byte_and_scale():
+    """Every byte value in every position of a 4-byte group, re-laid out (``mxfp4_to_mma_layout``), decoded by the
+    MMA-layout asm (both nibbles in one call, and one nibble a call) with the folded scale table ``2^(s - 1)``:
+    bit for bit the contract's dequantization of the checkpoint codes, pairs in the checkpoint decode's order."""
+    from moe_contract import w4_layout
+
+    codes, sidx = _every_byte_with(MMA_SCALES)
+    sidx = np.repeat(sidx[:, :1], 4, axis=1)  # one scale a 4-byte group (a group of 32 codes holds it whole)
+    s = np.array(MMA_SCALES, np.uint32)[sidx]
+    lut = np.array(w4_layout.e8m0_bf16_bits_mma(), np.uint32)
+    mma = w4_layout.mxfp4_to_mma_layout(codes)
+    assert mma.shape == codes.shape and not np.array_equal(mma, codes)
+    lo, hi = _decode(w4_packed_asm.MXFP4_MMA_PACKED_ASM, mma, lut[s])
+    (lo1,) = _decode(w4_packed_asm.MXFP4_MMA_HALF_ASM["low"], mma, lut[s], 1)
+    (hi1,) = _decode(w4_packed_asm.MXFP4_MMA_HALF_ASM["high"], mma, lut[s], 1)
+    assert np.array_equal(lo, lo1) and np.array_equal(hi, hi1)
+    want_lo, want_hi = _reference(dequantize_weight_mxfp4, codes, torch.from_numpy(s.astype(np.uint8)))
+    assert _same_bits(lo, want_lo) and _same_bits(hi, want_hi)
+
+
+def test_mxfp4_mma_layout_round_trips_and_refuses_what_it_cannot_serve():
+    """The re-layout is a bit permutation of each 32-bit word: back to the checkpoint codes bit for bit, on any
+    shape whose last axis is a multiple of 4 bytes; other shapes and dtypes are refused by name. Scale codes the
+    folded table cannot hold (129..254) are named; the table is ``2^(s - 1)`` exactly for s <= 128, NaN else."""
+    from moe_contract import w4_layout
+
+    rng = np.random.default_rng(7)
+    codes = rng.integers(0, 256, (3, 5, 24), dtype=np.uint8)
+    mma = w4_layout.mxfp4_to_mma_layout(codes)
+    assert np.array_equal(w4_layout.mxfp4_from_mma_layout(mma), codes)
+    one_bit = np.zeros((32, 4), np.uint8)  # each checkpoint bit alone lands on one distinct bit
+    one_bit.view("<u4")[:, 0] = np.uint32(1) << np.arange(32, dtype=np.uint32)
+    landed = w4_layout.mxfp4_to_mma_layout(one_bit).view("<u4")[:, 0]
+    assert sorted(int(v).bit_length() - 1 for v in landed) == list(range(32))
+    for bad in (codes[..., :6], codes.astype(np.int16)):
+        with pytest.raises(ValueError, match="mxfp4_to_mma_layout: packed codes must be uint8"):
+            w4_layout.mxfp4_to_mma_layout(bad)
+    assert w4_layout.mma_layout_scale_problem(np.array([0, 127, 128, 255], np.uint8)) is None
+    msg = w4_layout.mma_layout_scale_problem(np.array([[127, 129], [200, 255]], np.uint8))
+    assert msg is not None and msg.startswith("2 e8m0 scale codes above 128") and "largest code 200" in msg
+    values = _bf16_value(np.array(w4_layout.e8m0_bf16_bits_mma(), np.uint32))
+    assert np.array_equal(values[:129], np.exp2(np.arange(129) - 1.0)) and np.isnan(values[129:]).all()
