@@ -287,3 +287,45 @@ def test_mxfp4_mma_layout_round_trips_and_refuses_what_it_cannot_serve():
     assert msg is not None and msg.startswith("2 e8m0 scale codes above 128") and "largest code 200" in msg
     values = _bf16_value(np.array(w4_layout.e8m0_bf16_bits_mma(), np.uint32))
     assert np.array_equal(values[:129], np.exp2(np.arange(129) - 1.0)) and np.isnan(values[129:]).all()
+
+
+@pytest.mark.gpu
+def test_mxfp4_mma_layout_asm_compiled_matches_the_contract():
+    """The MMA-layout asm compiled into a Triton kernel (``tl.inline_asm_elementwise``, ``pack=4``, as the kernels call
+    it) on every byte value and every served scale: bit for bit the contract's dequantization."""
+    import triton
+    import triton.language as tl
+
+    from moe_contract import w4_layout
+
+    @triton.jit
+    def probe(q_ptr, s_ptr, lo_ptr, hi_ptr, ROWS: tl.constexpr, COLS: tl.constexpr, ASM: tl.constexpr,
+              CONSTRAINTS: tl.constexpr):
+        offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        q = tl.load(q_ptr + offs)
+        s = tl.load(s_ptr + offs)
+        lo, hi = tl.inline_asm_elementwise(ASM, CONSTRAINTS, [q, s], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                           pack=4)
+        tl.store(lo_ptr + offs, lo)
+        tl.store(hi_ptr + offs, hi)
+
+    codes, sidx = _every_byte_with(MMA_SCALES)  # [n, 4]: one 4-byte group a row
+    pad = 1024 - codes.shape[0]  # a power-of-2 tile: 256 x 16 bytes (the pad: more random groups)
+    codes = np.concatenate([codes, np.random.default_rng(1).integers(0, 256, (pad, 4), dtype=np.uint8)])
+    sidx = np.concatenate([sidx[:, :1], np.arange(pad)[:, None] % len(MMA_SCALES)])
+    sidx = np.repeat(sidx, 4, axis=1)
+    s = np.array(MMA_SCALES, np.uint32)[sidx]
+    lut = np.array(w4_layout.e8m0_bf16_bits_mma(), np.uint32)
+    mma = w4_layout.mxfp4_to_mma_layout(codes)
+    rows, cols = mma.size // 16, 16
+    dev = torch.device("cuda")
+    q = torch.from_numpy(mma.reshape(rows, cols)).to(dev)
+    sb = torch.from_numpy(lut[s].astype(np.int16).reshape(rows, cols)).view(torch.bfloat16).to(dev)
+    lo = torch.empty((rows, cols), dtype=torch.bfloat16, device=dev)
+    hi = torch.empty_like(lo)
+    probe[(1,)](q, sb, lo, hi, ROWS=rows, COLS=cols, ASM=w4_packed_asm.MXFP4_MMA_PACKED_ASM,
+                CONSTRAINTS=w4_packed_asm.PACKED_ASM_CONSTRAINTS)
+    got_lo, got_hi = ((t.cpu().view(torch.int16).numpy().astype(np.uint32) & 0xFFFF).reshape(codes.shape)
+                      for t in (lo, hi))
+    want_lo, want_hi = _reference(dequantize_weight_mxfp4, codes, torch.from_numpy(s.astype(np.uint8)))
+    assert _same_bits(got_lo, want_lo) and _same_bits(got_hi, want_hi)
