@@ -69,9 +69,7 @@ MMA_DST_BIT = np.argsort(MMA_SRC_BIT)
 
 def _permute_words(packed: np.ndarray, src_of: np.ndarray, op: str) -> np.ndarray:
     packed = np.asarray(packed)
-    if packed.dtype != np.uint8 or packed.ndim < 1 or packed.shape[-1] % 4:
-        raise ValueError(f"{op}: packed codes must be uint8 [..., K // 2] with K // 2 a multiple of 4 (K a multiple "
-                         f"of 8); got {packed.dtype} {packed.shape}")
+    check_mma_layout_input(op, str(packed.dtype), packed.shape)
     words = np.ascontiguousarray(packed).view("<u4")
     out = np.zeros_like(words)
     for d, s in enumerate(src_of):
@@ -107,3 +105,21 @@ def e8m0_bf16_bits_mma() -> list[int]:
     read for weights that passed :func:`mma_layout_scale_problem`; NaN, not a plausible value, if they were)."""
     nan = 0x7FC0
     return [(s + 126) << 7 if s <= MXFP4_MMA_MAX_SCALE_CODE else nan for s in range(256)]
+
+
+def mma_moves(to_mma: bool = True) -> tuple[tuple[int, int], ...]:
+    """The permutation as ``(r, mask)`` pairs: ``out = OR over pairs of (rotate_left(word, r) & mask)`` (32-bit
+    words), the form the frameworks apply with their own integer ops; ``to_mma=False``: the inverse."""
+    src = MMA_SRC_BIT if to_mma else MMA_DST_BIT
+    moves: dict[int, int] = {}
+    for d, s in enumerate(src):
+        r = (d - int(s)) % 32
+        moves[r] = moves.get(r, 0) | (1 << d)
+    return tuple(sorted(moves.items()))
+
+
+def check_mma_layout_input(op: str, dtype_name: str, shape: tuple[int, ...]) -> None:
+    """ValueError naming ``op`` unless the packed codes are uint8 with a last axis of a multiple of 4 bytes."""
+    if dtype_name != "uint8" or len(shape) < 1 or shape[-1] % 4:
+        raise ValueError(f"{op}: packed codes must be uint8 [..., K // 2] with K // 2 a multiple of 4 (K a multiple "
+                         f"of 8); got {dtype_name} {tuple(shape)}")

@@ -148,3 +148,27 @@ def test_grouped_gemm_references_agree_within_the_bf16_row(fmt):
         y64[offsets[e]:offsets[e + 1]] = xs[offsets[e]:offsets[e + 1]] @ wd[e].T
     assert_rel_fro(y_j, y64, BF16_REL_FRO, f"{fmt}: moe_pallas vs float64")
     assert_rel_fro(y_t, y64, BF16_REL_FRO, f"{fmt}: moe_torch vs float64")
+
+
+def test_mxfp4_mma_layout_same_bits_in_both_frameworks():
+    """``mxfp4_to_mma_layout`` / ``mxfp4_from_mma_layout`` (CONTRACT.md section 9, MMA layout): torch (on the test
+    device) and JAX give numpy's bit permutation (``moe_contract/w4_layout.py``) bit for bit, on random codes of a
+    layer-like shape and on every byte value; the inverse restores the checkpoint codes; a last axis that is not
+    whole 4-byte groups is refused by each, by name."""
+    from moe_contract import w4_layout
+
+    rng = np.random.default_rng(11)
+    for codes in (rng.integers(0, 256, (3, 5, 24), dtype=np.uint8), np.arange(256, dtype=np.uint8).reshape(2, 128)):
+        want = w4_layout.mxfp4_to_mma_layout(codes)
+        t = moe_torch.mxfp4_to_mma_layout(torch.from_numpy(codes).to(TORCH_DEVICE))
+        j = moe_pallas.mxfp4_to_mma_layout(jnp.asarray(codes))
+        assert t.dtype == torch.uint8 and j.dtype == jnp.uint8
+        assert_exact(t, want, "torch MMA layout")
+        assert_exact(j, want, "jax MMA layout")
+        assert_exact(moe_torch.mxfp4_from_mma_layout(t), codes, "torch round trip")
+        assert_exact(moe_pallas.mxfp4_from_mma_layout(j), codes, "jax round trip")
+    bad = np.zeros((2, 6), np.uint8)
+    with pytest.raises(ValueError, match="mxfp4_to_mma_layout: packed codes must be uint8"):
+        moe_torch.mxfp4_to_mma_layout(torch.from_numpy(bad))
+    with pytest.raises(ValueError, match="mxfp4_from_mma_layout: packed codes must be uint8"):
+        moe_pallas.mxfp4_from_mma_layout(jnp.asarray(bad))

@@ -23,6 +23,7 @@ from moe_contract.op_checks import (
     check_weight,
 )
 from moe_contract.validation import check_choice, check_per_tensor_scale, check_positive_int
+from moe_contract.w4_layout import check_mma_layout_input, mma_moves
 from moe_pallas.ops.quant import reference as ref
 from moe_pallas.ops.common import cast_rounded, resolve_dtype, takes_jax_arrays
 
@@ -337,3 +338,36 @@ def dequantize_weight_int4(w_q: jax.Array, w_scale: jax.Array, *, out_dtype=jnp.
     op = "dequantize_weight_int4"
     out_dtype = resolve_dtype(check_dequantize_weight_4bit(op, w_q, w_scale, "int4", out_dtype))
     return _dequantize_weight_4bit(w_q, w_scale, "int4", out_dtype)
+
+
+def _mma_permute(op: str, w_q: jax.Array, to_mma: bool) -> jax.Array:
+    check_mma_layout_input(op, str(jnp.dtype(w_q.dtype)), tuple(w_q.shape))
+    words = jax.lax.bitcast_convert_type(w_q.reshape(*w_q.shape[:-1], w_q.shape[-1] // 4, 4), jnp.uint32)
+    acc = jnp.zeros_like(words)
+    for r, mask in mma_moves(to_mma):
+        rot = words if r == 0 else (words << np.uint32(r)) | (words >> np.uint32(32 - r))  # uint32: logical shifts
+        acc = acc | (rot & np.uint32(mask))
+    return jax.lax.bitcast_convert_type(acc, jnp.uint8).reshape(w_q.shape)
+
+
+@takes_jax_arrays
+def mxfp4_to_mma_layout(w_q: jax.Array) -> jax.Array:
+    """MXFP4 packed codes re-laid out for the packed bf16 decode (CONTRACT.md section 9, MMA layout): a permutation
+    of the 32 bits of each little-endian 4-byte group of a row (``moe_contract/w4_layout.py``), kept beside ``w_q``.
+    Jittable.
+
+    Args:
+      w_q: ``[..., K // 2]`` uint8 packed codes (checkpoint layout), ``K // 2`` a multiple of 4.
+
+    Returns: the same shape and dtype. :func:`mxfp4_from_mma_layout` inverts it bit for bit.
+
+    Raises: ValueError (dtype, a last axis not a multiple of 4), TypeError (not a JAX array).
+    """
+    return _mma_permute("mxfp4_to_mma_layout", w_q, True)
+
+
+@takes_jax_arrays
+def mxfp4_from_mma_layout(w_q: jax.Array) -> jax.Array:
+    """The inverse of :func:`mxfp4_to_mma_layout` (the checkpoint layout back, bit for bit); arguments and errors
+    as there."""
+    return _mma_permute("mxfp4_from_mma_layout", w_q, False)

@@ -19,6 +19,7 @@ from moe_contract.op_checks import (
     check_weight,
 )
 from moe_contract.validation import check_choice, check_per_tensor_scale, check_positive_int
+from moe_contract.w4_layout import check_mma_layout_input, mma_moves
 from moe_torch.ops.quant import reference as ref
 from moe_torch.ops.common import resolve_dtype, takes_torch_tensors
 
@@ -264,3 +265,43 @@ def dequantize_weight_int4(w_q: torch.Tensor, w_scale: torch.Tensor, *, out_dtyp
     op = "dequantize_weight_int4"
     out_dtype = resolve_dtype(check_dequantize_weight_4bit(op, w_q, w_scale, "int4", out_dtype))
     return ref.dequantize_weight_4bit_reference(w_q, w_scale, "int4", out_dtype)
+
+
+#: Words a chunk of the MMA re-layout (its int64 temporaries: 128 MiB each).
+_MMA_CHUNK_WORDS = 1 << 24
+
+
+def _mma_permute(op: str, w_q: torch.Tensor, to_mma: bool) -> torch.Tensor:
+    check_mma_layout_input(op, str(w_q.dtype).removeprefix("torch."), tuple(w_q.shape))
+    words = w_q.detach().contiguous().view(torch.int32).reshape(-1)
+    out = torch.empty_like(words)
+    for c0 in range(0, words.numel(), _MMA_CHUNK_WORDS):
+        w = words[c0:c0 + _MMA_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF  # the word as unsigned, in int64
+        acc = torch.zeros_like(w)
+        for r, mask in mma_moves(to_mma):
+            rot = w if r == 0 else ((w << r) | (w >> (32 - r))) & 0xFFFFFFFF
+            acc |= rot & mask
+        out[c0:c0 + _MMA_CHUNK_WORDS] = torch.where(acc >= 2**31, acc - 2**32, acc).to(torch.int32)
+    return out.view(torch.uint8).reshape(w_q.shape)
+
+
+@takes_torch_tensors
+def mxfp4_to_mma_layout(w_q: torch.Tensor) -> torch.Tensor:
+    """MXFP4 packed codes re-laid out for the packed bf16 decode (CONTRACT.md section 9, MMA layout): a permutation
+    of the 32 bits of each little-endian 4-byte group of a row (``moe_contract/w4_layout.py``), kept beside ``w_q``.
+
+    Args:
+      w_q: ``[..., K // 2]`` uint8 packed codes (checkpoint layout), ``K // 2`` a multiple of 4; any device.
+
+    Returns: the same shape, dtype and device. :func:`mxfp4_from_mma_layout` inverts it bit for bit.
+
+    Raises: ValueError (dtype, a last axis not a multiple of 4), TypeError (not a torch tensor).
+    """
+    return _mma_permute("mxfp4_to_mma_layout", w_q, True)
+
+
+@takes_torch_tensors
+def mxfp4_from_mma_layout(w_q: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`mxfp4_to_mma_layout` (the checkpoint layout back, bit for bit); arguments and errors
+    as there."""
+    return _mma_permute("mxfp4_from_mma_layout", w_q, False)
