@@ -222,7 +222,23 @@ def main(argv=None) -> int:
     p.add_argument("--kernel", default="gemm", choices=("gemm", "decode_gate_up", "decode_down"),
                    help="the grouped GEMM (default) or one of the decode path's kernels at gpt-oss-120b's sizes")
     p.add_argument("--tokens", type=int, default=8, help="decode kernels: T, the tokens of the layer call")
+    p.add_argument("--mma-layout", action="store_true",
+                   help="MXFP4: the kernels' packed decode swapped for the MMA layout's (moe_contract/w4_layout.py), "
+                        "everything else as it is: the loop the re-laid-out codes would run")
     a = p.parse_args(argv)
+    if a.mma_layout:
+        if a.format != "mxfp4":
+            p.error("--mma-layout: MXFP4 weights only")
+        if "TRITON_INTERPRET" in os.environ:  # the compile runs here only without the interpreter
+            sass, out = _compile_in_child([x for x in (argv if argv is not None else sys.argv[1:]) if x != "--sass"])
+            print(out, end="")
+            return 0
+        import triton.language as tl
+
+        from moe_contract.w4_packed_asm import MXFP4_MMA_PACKED_ASM
+        from moe_torch.ops.grouped_gemm import triton as gg
+
+        gg._MXFP4_PACKED_ASM = tl.constexpr(MXFP4_MMA_PACKED_ASM)
     if a.kernel != "gemm":
         if a.format not in ("mxfp4", "int4", "bf16"):
             p.error("--kernel decode_*: --format is mxfp4, int4 or bf16")
