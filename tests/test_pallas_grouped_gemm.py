@@ -1,7 +1,9 @@
 """Pallas-Triton grouped GEMM (``moe_pallas/ops/grouped_gemm/pallas_triton.py``, CONTRACT.md section 4).
 
 Interpret mode on the CPU against the jnp reference and a float64 numpy loop (tolerances of
-``tests/tolerances.py``), named tile-edge cases with exact answers, every empty-expert pattern
+``tests/tolerances.py``): the shared cases of ``op_cases/grouped_gemm.py`` (``TestGroupedGemmPallasTriton``:
+ragged, empty and all-on-one experts, M = 1, odd sizes, unused capacity, float dtypes, every FP8 scale layout,
+block scales per K block and per column tile), named tile-edge cases with exact answers, every empty-expert pattern
 of E=6, the tile metadata's invariants, and the CUDA lowering of every supported dtype / scale
 layout on an abstract H200. Interpret mode fills outputs with NaN before the kernel runs, so a
 row the kernel forgets to write fails the finiteness checks.
@@ -24,9 +26,10 @@ from moe_pallas.ops.grouped_gemm import pallas_triton
 from moe_pallas.ops.grouped_gemm.config import GroupedGemmConfig, grouped_gemm_config, heuristic_grouped_gemm_config
 from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton, tile_metadata
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
-from common import TEST_SPEC, spec_of_kind, write_tuned
-from fp8_block_case import blockwise_expected, column_block_case
-from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
+from common import JNP_DTYPES, TEST_SPEC, spec_of_kind, write_tuned
+from op_cases import JaxArrays
+from op_cases.grouped_gemm import GroupedGemmKernelCases
+from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 
 def SMALL(cfg) -> bool | None:
     """Blocks under 16 exist for interpret-mode tile-edge tests: interpret them on the GPU too."""
@@ -68,31 +71,33 @@ def check_rows(y, offsets, what: str) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Float inputs: random problems; the comment on each case says which edge it exercises.
-
-SHAPES = {
-    "M=1": ([1], 1, 64, 32),  # one row, one expert
-    "odd-K-N": ([3, 0, 5], 8, 33, 17),  # odd K and N: masked K tail and columns; an empty expert
-    "prime-E-with-empties": ([0, 4, 0, 0, 9, 1, 0], 16, 64, 48),  # prime E=7, empty experts, unused capacity
-    "several-tiles": ([20, 3, 0, 41], 70, 96, 160),  # experts over several row tiles, two N tiles, straddling tiles
-}
+# The shared cases (op_cases/grouped_gemm.py)
 
 
-@pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_float_vs_references(shape, dtype):
-    counts, m_cap, K, N = SHAPES[shape]
-    jdt, limit = DTYPES[dtype]
-    x, w, offsets = problem(len(shape), counts, m_cap, K, N, jdt)
-    y = grouped_gemm_pallas_triton(x, w, offsets)
-    assert y.shape == (m_cap, N) and y.dtype == jdt
-    check_rows(y, offsets, shape)
-    # the float64 loop on the values the GEMM sees (bf16-rounded inputs for bf16)
-    assert_rel_fro(y, f64_loop(x, w, offsets), limit, f"{shape} {dtype} vs float64")
-    assert_rel_fro(y, grouped_gemm_reference(x, w, offsets, None, None, jdt), limit, f"{shape} {dtype} vs jnp reference")
-    # the float32 accumulation itself, whatever the output dtype
-    y32 = grouped_gemm_pallas_triton(x, w, offsets, out_dtype=jnp.float32)
-    assert_rel_fro(y32, f64_loop(x, w, offsets), F32_REL_FRO, f"{shape} {dtype} float32 output vs float64")
+class TestGroupedGemmPallasTriton(JaxArrays, GroupedGemmKernelCases):
+    """``grouped_gemm_pallas_triton`` against the jnp reference; ``config=None`` goes through
+    ``moe_pallas.grouped_gemm(implementation="pallas_triton")`` (the dispatch path and the heuristic config). The FP8
+    case has K = 192 (a partial 128-wide weight-scale block) and groups of 64 (so block_k = 64: two K steps per
+    scale block); the column-block case runs 16- and 128-wide tiles."""
+
+    OPS = moe_pallas
+    SHAPES = ("one-row", "odd-K-N", "prime-E-empties", "several-tiles")
+    FP8_CASE = ([5, 0, 11, 3], 24, 192, 160, 64)
+    BLOCK_NS = (16, 128)
+
+    def grouped_gemm(self, x, w, offsets, x_scale=None, w_scale=None, out_dtype=None, config=None):
+        out_dtype = None if out_dtype is None else JNP_DTYPES[out_dtype]
+        if config is None:
+            return moe_pallas.grouped_gemm(x, w, offsets, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype,
+                                           implementation="pallas_triton")
+        return grouped_gemm_pallas_triton(x, w, offsets, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype,
+                                          config=config, interpret=SMALL(config))
+
+    def reference_grouped_gemm(self, x, w, offsets, x_scale, w_scale, out_dtype):
+        return grouped_gemm_reference(x, w, offsets, x_scale, w_scale, JNP_DTYPES[out_dtype])
+
+    def forced_config(self, block_m, block_n, block_k):
+        return GroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k)
 
 
 # --------------------------------------------------------------------------------------
@@ -245,69 +250,10 @@ def test_tile_metadata_row_aligned_invariants(seed):
 
 
 # --------------------------------------------------------------------------------------
-# FP8: every scale combination against the reference on the dequantized inputs
+# FP8: what this backend does not serve (every scale layout's results: the shared cases)
 
 ACT_SCALES = ["per_tensor", "per_token", "per_token_group"]
 WEIGHT_LAYOUTS = ["per_expert", "per_channel", "block"]
-
-
-def quantize_x(x, how: str, group_size: int = 128):
-    if how == "per_tensor":
-        s = jnp.asarray(np.abs(to_numpy(x)).max() / 448.0, jnp.float32)
-        return moe_pallas.static_quant_fp8(x, s), s
-    if how == "per_token":
-        return moe_pallas.per_token_quant_fp8(x)
-    return moe_pallas.per_token_group_quant_fp8(x, group_size)
-
-
-@pytest.mark.parametrize("act,layout", list(itertools.product(ACT_SCALES, WEIGHT_LAYOUTS)))
-def test_fp8_every_scale_layout(act, layout):
-    """K=192 (a partial 128-wide weight-scale block; groups of 64, so block_k=64 and two K steps
-    per scale block), N=160 (a partial N scale block), an empty expert, a straddling tile."""
-    counts, m_cap, K, N = [5, 0, 11, 3], 24, 192, 160
-    x, w, offsets = problem(11, counts, m_cap, K, N, poison=False)
-    xq, xs = quantize_x(x, act, group_size=64)
-    wq, ws = moe_pallas.quantize_weight_fp8(w, layout)
-    y = grouped_gemm_pallas_triton(xq, wq, offsets, x_scale=xs, w_scale=ws)
-    assert y.dtype == jnp.bfloat16 and y.shape == (m_cap, N)
-    check_rows(y, offsets, f"{act} x {layout}")
-    deq = f64_loop(moe_pallas.dequantize_fp8(xq, xs), moe_pallas.dequantize_weight_fp8(wq, ws), offsets)
-    assert_rel_fro(y, deq, FP8_REL_FRO, f"fp8 {act} x {layout} vs float64 on the dequantized inputs")
-    ref = grouped_gemm_reference(xq, wq, offsets, xs, ws, jnp.float32)
-    assert_rel_fro(y, ref, BF16_REL_FRO, f"fp8 {act} x {layout} vs the jnp reference")
-    y32 = grouped_gemm_pallas_triton(xq, wq, offsets, x_scale=xs, w_scale=ws, out_dtype=jnp.float32)
-    assert_rel_fro(y32, ref, F32_REL_FRO, f"fp8 {act} x {layout} float32 output vs the jnp reference")
-
-
-def test_fp8_block_scales_applied_per_k_block():
-    """The two K blocks' scales differ by ~2^20: each K block's partial sum must get its own
-    scale (a kernel applying one scale to the whole sum is off by orders of magnitude)."""
-    rng = np.random.default_rng(0)
-    N = 128
-    x = np.concatenate([rng.standard_normal((4, 128)), 1e-3 * rng.standard_normal((4, 128))], 1).astype(np.float32)
-    w = np.concatenate([rng.standard_normal((1, N, 128)), 1e3 * rng.standard_normal((1, N, 128))], 2).astype(np.float32)
-    xq, xs = moe_pallas.per_token_group_quant_fp8(jnp.asarray(x), 128)
-    wq, ws = moe_pallas.quantize_weight_fp8(jnp.asarray(w), "block")
-    qx, qw = to_numpy(xq).astype(np.float64), to_numpy(wq).astype(np.float64)[0]
-    sx, sw = to_numpy(xs), to_numpy(ws)[0]
-    blockwise = sum((qx[:, b * 128:(b + 1) * 128] @ qw[:, b * 128:(b + 1) * 128].T) * sx[:, b:b + 1] * sw[0, b]
-                    for b in range(2))
-    y = grouped_gemm_pallas_triton(xq, wq, jnp.asarray([0, 4], jnp.int32), x_scale=xs, w_scale=ws, out_dtype=jnp.float32)
-    assert_rel_fro(y, blockwise, F32_REL_FRO, "block scales per K block")
-
-
-@pytest.mark.parametrize("block_n", [16, 128])
-def test_fp8_block_scale_of_each_column_tile(block_n):
-    """Each column tile reads its own 128 x 128 block's scale per K step (one scale a tile, folded into the row
-    scales): every block of w gets its own scale (2^-12 .. 2^12, so a tile reading its neighbour's is off by >= 4x),
-    over 3 column blocks (the last one partial) x 2 K blocks and 2 experts, against the blockwise formula."""
-    x, w, off = column_block_case()
-    xq, xs = moe_pallas.per_token_group_quant_fp8(jnp.asarray(x), 128)
-    wq, ws = moe_pallas.quantize_weight_fp8(jnp.asarray(w), "block")
-    expected = blockwise_expected(*(to_numpy(a) for a in (xq, wq, xs, ws)), off)
-    y = grouped_gemm_pallas_triton(xq, wq, jnp.asarray(off), x_scale=xs, w_scale=ws, out_dtype=jnp.float32,
-                                   config=GroupedGemmConfig(block_m=16, block_n=block_n, block_k=128))
-    assert_rel_fro(y, expected, F32_REL_FRO, f"block_n={block_n}")
 
 
 def test_fp8_unsupported_combinations_raise():

@@ -1,6 +1,8 @@
 """The Triton grouped GEMM (``moe_torch/ops/grouped_gemm/triton.py``) against the torch reference
-and a float64 numpy loop (CONTRACT.md sections 4 and 7), for every dtype and FP8 scale layout it
-serves, plus the project's named bug cases and the tile-to-expert mapping's edges.
+and a float64 numpy loop (CONTRACT.md sections 4 and 7): the shared cases of ``op_cases/grouped_gemm.py``
+(``TestGroupedGemmTriton``: every dtype and FP8 scale layout it serves, ragged, empty and all-on-one experts,
+M = 1, odd sizes, unused capacity, block scales per K block and per column tile), plus the project's named bug
+cases and the tile-to-expert mapping's edges.
 
 On the CPU (``EPMOE_TEST_DEVICE=cpu``) the kernel runs in Triton's interpreter, made exact by
 ``moe_torch`` itself (``moe_torch/ops/triton_interpret.py``: exact float casts, and a ``tl.dot``
@@ -25,18 +27,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moe_torch
-from common import TEST_SPEC, TORCH_DEVICE, to_torch, write_tuned
+from common import TEST_SPEC, TORCH_DEVICE, TORCH_DTYPES, to_torch, write_tuned
 from moe_torch.ops.grouped_gemm import api as gemm_api
 from moe_torch.ops.grouped_gemm import config as gemm_config
 from moe_torch.ops.grouped_gemm import triton as gemm_triton
 from moe_torch.ops.grouped_gemm.config import GroupedGemmConfig, check_config, grouped_gemm_config
 from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
 from moe_torch.ops.grouped_gemm.triton import _launch, _launch_order, grouped_gemm_triton, launch_grid
-from fp8_block_case import blockwise_expected, column_block_case
-from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, to_numpy
+from op_cases import TorchArrays
+from op_cases.grouped_gemm import GroupedGemmKernelCases
+from tolerances import F32_REL_FRO, assert_exact, assert_rel_fro
 from sm90 import compile_sm90
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8 = torch.float8_e4m3fn
 
 
@@ -110,95 +112,41 @@ def assert_guards_untouched(buf: torch.Tensor, M_cap: int, N: int) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Float inputs
-
-# counts per expert, M_cap, K, N; the comment says which edge.
-SHAPES = {
-    "one-row": ([1], 1, 64, 32),  # M = 1 (decode), one expert
-    "odd-K-N": ([3, 0, 5], 8, 33, 17),  # odd K and N (masked K tail and N tail), an empty expert
-    "prime-E-empties": ([0, 4, 0, 0, 9, 1, 0], 16, 64, 48),  # prime E = 7, empty experts, unused capacity
-    "all-on-one": ([0, 0, 12, 0], 12, 128, 64),  # every row on one expert, K over two K steps
-    "many-tiles": ([30, 1, 0, 40], 80, 48, 144),  # several row tiles per expert, N over two column tiles
-    "unused-capacity": ([2, 3], 32, 32, 16),  # rows >= M (NaN in x) stay zero
-}
+# The shared cases (op_cases/grouped_gemm.py)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_float(shape, dtype, order):
-    """float32 output (out_dtype=float32) within F32_REL_FRO of the torch reference; the default
-    output in x.dtype within the bf16 row (F32 for float32) of float64 on the same (rounded)
-    values and equal to the cast of the float32 one up to one rounding of summation-order noise;
-    rows >= M exactly zero; inputs untouched."""
-    counts, m_cap, K, N = SHAPES[shape]
-    x_np, w_np, off_np = make_problem(len(shape) * 7 + K, counts, m_cap, K, N)
-    x, w, offsets = to_torch(x_np, dtype), to_torch(w_np, dtype), to_torch(off_np)
-    before = [t.clone() for t in (x, w, offsets)]
-    ref64 = float64_grouped_gemm(to_numpy(x).astype(np.float64), to_numpy(w).astype(np.float64), off_np)
-    M = int(off_np[-1])
+class TestGroupedGemmTriton(TorchArrays, GroupedGemmKernelCases):
+    """``grouped_gemm_triton`` against the torch reference, float32 / bfloat16 / float16 inputs; ``config=None``
+    goes through ``moe_torch.grouped_gemm(implementation="triton")`` (the dispatch path and the heuristic config).
+    The float and FP8-layout cases run under every launch order of :data:`ORDERS`; the column-block case runs
+    16-row tiles 32, 128 and 256 columns wide."""
 
-    f32 = moe_torch.grouped_gemm(x, w, offsets, out_dtype=torch.float32, implementation="triton")
-    assert f32.shape == (m_cap, N) and f32.dtype == torch.float32
-    ref32 = grouped_gemm_reference(x, w, offsets, None, None, torch.float32)
-    assert_rel_fro(f32[:M], ref32[:M], F32_REL_FRO, "float32 output vs torch reference")
-    assert_rel_fro(f32, ref64, F32_REL_FRO, "float32 output vs float64")
-    assert not f32[M:].any(), "rows >= M are zero"
+    OPS = moe_torch
+    SHAPES = ("one-row", "odd-K-N", "prime-E-empties", "all-on-one", "many-tiles", "unused-capacity")
+    FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+    BLOCK_NS = (32, 128, 256)
 
-    y = moe_torch.grouped_gemm(x, w, offsets, implementation="triton")
-    assert y.dtype == DTYPES[dtype] and y.shape == (m_cap, N)
-    assert_rel_fro(y, ref64, F32_REL_FRO if dtype == "float32" else BF16_REL_FRO, f"{dtype} output vs float64")
-    assert torch.isfinite(y.float()).all() and not y[M:].float().any()
-    for t, b in zip((x, w, offsets), before):
-        assert_exact(t, b, "input unchanged")  # bit patterns: the NaN rows compare equal
+    @pytest.fixture
+    def launch_order(self, order):
+        """Each launch order of :data:`ORDERS` (the ``order`` fixture: applied to the default config, the API's)."""
+        return order
 
+    def grouped_gemm(self, x, w, offsets, x_scale=None, w_scale=None, out_dtype=None, config=None):
+        out_dtype = None if out_dtype is None else TORCH_DTYPES[out_dtype]
+        if config is None:
+            return moe_torch.grouped_gemm(x, w, offsets, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype,
+                                          implementation="triton")
+        return grouped_gemm_triton(x, w, offsets, x_scale, w_scale, out_dtype, config)
 
-def test_no_rows_at_all():
-    """All experts empty (offsets all 0): every row is zero, nothing is computed."""
-    x_np, w_np, off_np = make_problem(1, [0, 0, 0], 8, 32, 16)
-    y = moe_torch.grouped_gemm(to_torch(x_np, "bfloat16"), to_torch(w_np, "bfloat16"), to_torch(off_np),
-                               implementation="triton")
-    assert y.shape == (8, 16) and not y.float().any()
+    def reference_grouped_gemm(self, x, w, offsets, x_scale, w_scale, out_dtype):
+        return grouped_gemm_reference(x, w, offsets, x_scale, w_scale, TORCH_DTYPES[out_dtype])
 
-
-def test_zero_capacity():
-    """M_cap = 0: the API's early return (the kernel is not launched)."""
-    y = moe_torch.grouped_gemm(to_torch(np.zeros((0, 16), np.float32)), to_torch(np.ones((2, 8, 16), np.float32)),
-                               to_torch(np.zeros(3, np.int32)), implementation="triton")
-    assert y.shape == (0, 8)
+    def forced_config(self, block_m, block_n, block_k):
+        return GroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=2)
 
 
 # --------------------------------------------------------------------------------------
-# FP8 (w8a8), every scale combination
-
-X_LAYOUTS = ["per_tensor", "per_token", "per_token_group"]
-W_LAYOUTS = ["per_expert", "per_channel", "block"]
-
-
-@pytest.mark.parametrize("x_layout,w_layout", list(itertools.product(X_LAYOUTS, W_LAYOUTS)))
-def test_fp8_every_scale_layout(x_layout, w_layout, order):
-    """FP8 codes x scales: float32 output within F32_REL_FRO of the torch reference (the product of
-    the dequantized inputs: only float32 rounding differs, block scales per K block included);
-    default bf16 output within FP8_REL_FRO of float64 on the dequantized inputs; rows >= M zero
-    though their codes and scales are NaN."""
-    counts, m_cap, K, N = [5, 0, 11, 3], 24, 256, 160  # N not a multiple of 128: a partial weight block
-    x_np, w_np, off_np = make_problem(11, counts, m_cap, K, N)
-    M = int(off_np[-1])
-    xq, xs = quantize_x(to_torch(x_np), x_layout)
-    if xs.ndim == 2:
-        xs[M:] = float("nan")  # unused capacity: the scales too are garbage
-    wq, ws = moe_torch.quantize_weight_fp8(to_torch(w_np), w_layout)
-    offsets = to_torch(off_np)
-    ref64 = float64_grouped_gemm(to_numpy(moe_torch.dequantize_fp8(xq, xs)).astype(np.float64),
-                                 to_numpy(moe_torch.dequantize_weight_fp8(wq, ws)).astype(np.float64), off_np)
-
-    f32 = moe_torch.grouped_gemm(xq, wq, offsets, x_scale=xs, w_scale=ws, out_dtype=torch.float32,
-                                 implementation="triton")
-    ref32 = grouped_gemm_reference(xq, wq, offsets, xs, ws, torch.float32)
-    assert_rel_fro(f32[:M], ref32[:M], F32_REL_FRO, f"fp8 {x_layout} x {w_layout}: float32 vs torch reference")
-    y = moe_torch.grouped_gemm(xq, wq, offsets, x_scale=xs, w_scale=ws, implementation="triton")
-    assert y.dtype == torch.bfloat16 and y.shape == (m_cap, N)
-    assert_rel_fro(y, ref64, FP8_REL_FRO, f"fp8 {x_layout} x {w_layout}: bf16 vs float64")
-    assert torch.isfinite(y.float()).all() and not y[M:].float().any()
+# FP8 (w8a8): the named cases (every scale layout: the shared cases)
 
 
 def test_fp8_activation_scale_indexed_by_row_not_expert():
@@ -214,39 +162,6 @@ def test_fp8_activation_scale_indexed_by_row_not_expert():
                                out_dtype=torch.float32, implementation="triton")
     assert_exact(y, to_torch(np.repeat(K * np.exp2(np.arange(M, dtype=np.float32))[:, None], N, axis=1)),
                  "y[r] = K * x_scale[r]")
-
-
-def test_fp8_block_scales_applied_per_k_block():
-    """Block scales scale each 128-wide K block's partial sum: two K blocks whose weight scales
-    differ by ~2^20, checked against the blockwise formula in float64."""
-    rng = np.random.default_rng(0)
-    N = 128
-    x = np.concatenate([rng.standard_normal((4, 128)), 1e-3 * rng.standard_normal((4, 128))], 1).astype(np.float32)
-    w = np.concatenate([rng.standard_normal((1, N, 128)), 1e3 * rng.standard_normal((1, N, 128))], 2).astype(np.float32)
-    xq, xs = moe_torch.per_token_group_quant_fp8(to_torch(x), 128)
-    wq, ws = moe_torch.quantize_weight_fp8(to_torch(w), "block")
-    qx, qw = to_numpy(xq).astype(np.float64), to_numpy(wq).astype(np.float64)[0]
-    sx, sw = to_numpy(xs).astype(np.float64), to_numpy(ws).astype(np.float64)[0]
-    blockwise = sum((qx[:, b * 128:(b + 1) * 128] @ qw[:, b * 128:(b + 1) * 128].T) * sx[:, b:b + 1] * sw[0, b]
-                    for b in range(2))
-    y = moe_torch.grouped_gemm(xq, wq, to_torch(np.array([0, 4], np.int32)), x_scale=xs, w_scale=ws,
-                               out_dtype=torch.float32, implementation="triton")
-    assert_rel_fro(y, blockwise, F32_REL_FRO, "blockwise")
-
-
-@pytest.mark.parametrize("block_n", [32, 128, 256])
-def test_fp8_block_scale_of_each_column_tile(block_n):
-    """Tiles no wider than a weight block read one block scale per K step (folded into the row scales), wider
-    ones a scale per column: every 128 x 128 block of w gets its own scale (2^-12 .. 2^12, so a tile reading its
-    neighbour's scale is off by >= 4x), over 3 column blocks (the last one partial) x 2 K blocks and 2 experts,
-    against the blockwise formula in float64."""
-    x, w, off = column_block_case()
-    xq, xs = moe_torch.per_token_group_quant_fp8(to_torch(x), 128)
-    wq, ws = moe_torch.quantize_weight_fp8(to_torch(w), "block")
-    expected = blockwise_expected(*(to_numpy(a) for a in (xq, wq, xs, ws)), off)
-    cfg = GroupedGemmConfig(block_m=16, block_n=block_n, block_k=128, num_warps=4, num_stages=2)
-    y = grouped_gemm_triton(xq, wq, to_torch(off), xs, ws, torch.float32, cfg)
-    assert_rel_fro(y, expected, F32_REL_FRO, f"block_n={block_n}")
 
 
 def test_fp8_group_64_and_narrow_groups(caplog):

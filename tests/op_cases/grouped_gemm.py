@@ -1,0 +1,251 @@
+"""The cases of the grouped GEMM forward (CONTRACT.md sections 4, 7) that every backend passes: ragged and empty
+experts, every row on one expert, M = 1, odd K and N (K and column tails), unused capacity (rows >= M, NaN in x:
+never read, zero in y), M_cap = 0, the float dtypes and every FP8 scale layout, block scales per K block.
+
+Subclassed by ``tests/test_grouped_gemm.py`` (the torch op against the jnp op, through the public APIs with the
+default implementation: the references on the CPU), ``tests/test_pallas_grouped_gemm.py`` (the Pallas-Triton
+kernel against the jnp reference) and ``tests/test_triton_grouped_gemm.py`` (the Triton kernel against the torch
+reference). A subclass mixes in the arrays of its framework (``op_cases.TorchArrays`` / ``JaxArrays``), names its
+framework's public module (:attr:`GroupedGemmCases.OPS`: the FP8 quantizers) and implements the hooks.
+
+Outputs are compared with a float64 numpy loop on the values the GEMM sees (the dequantized inputs for FP8) and
+with the judge's (tolerances of ``tests/tolerances.py``); the checks against numpy run on the judge's result too.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from common import DEVICE
+from fp8_block_case import blockwise_expected, column_block_case
+from op_cases import ClassParams
+from tolerances import BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, assert_exact, assert_rel_fro, rel_fro, to_numpy
+
+#: The float dtypes' rows of CONTRACT.md section 7: float32 output within F32_REL_FRO, 16-bit within BF16_REL_FRO.
+LIMITS = {"float32": F32_REL_FRO, "bfloat16": BF16_REL_FRO, "float16": BF16_REL_FRO}
+
+#: name -> (rows per expert, M_cap, K, N); the comment says which edge. A backend runs those it lists in
+#: ``SHAPES``.
+GEMM_SHAPES = {
+    "one-row": ([1], 1, 64, 32),  # M = 1 (decode), one expert
+    "odd-K-N": ([3, 0, 5], 8, 33, 17),  # odd K and N (masked K tail and column tail), an empty expert
+    "prime-E-empties": ([0, 4, 0, 0, 9, 1, 0], 16, 64, 48),  # prime E = 7, empty experts, unused capacity
+    "all-on-one": ([0, 0, 12, 0], 12, 128, 64),  # every row on one expert, K over two 64-wide K steps
+    "unused-capacity": ([2, 3], 32, 32, 16),  # rows >= M (NaN in x) stay zero
+    "several-tiles": ([20, 3, 0, 41], 70, 96, 160),  # experts over several row tiles, two column tiles, straddling
+    "many-tiles": ([30, 1, 0, 40], 80, 48, 144),  # several row tiles per expert, N over two column tiles
+}
+
+ACT_SCALES = ["per_tensor", "per_token", "per_token_group"]
+WEIGHT_LAYOUTS = ["per_expert", "per_channel", "block"]
+
+
+def numpy_grouped_gemm(x: np.ndarray, w: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """float64 ``y[m] = x[m] @ w[e(m)].T`` expert by expert; rows outside ``[offsets[0], offsets[-1])`` zero (never
+    read: NaN there stays out). Independent of every implementation."""
+    x, w, offsets = (to_numpy(a) for a in (x, w, offsets))
+    y = np.zeros((x.shape[0], w.shape[1]))
+    for e in range(w.shape[0]):
+        s, t = offsets[e], offsets[e + 1]
+        y[s:t] = x[s:t].astype(np.float64) @ w[e].astype(np.float64).T
+    return y
+
+
+def gemm_problem(seed: int, counts, m_cap: int, K: int, N: int, poison: bool = True):
+    """``(x [m_cap, K], w [E, N, K], offsets [E + 1])`` float32 / int32 in numpy: x ~ N(0, 1), w ~ N(0, 1/K)
+    (outputs O(1)), offsets from ``counts``. Unused rows of x (``>= sum(counts)``) are NaN when ``poison``: they
+    must never be read."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m_cap, K)).astype(np.float32)
+    w = (rng.standard_normal((len(counts), N, K)) / np.sqrt(K)).astype(np.float32)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    assert offsets[-1] <= m_cap
+    if poison:
+        x[offsets[-1]:] = np.nan
+    return x, w, offsets
+
+
+def check_rows(y, shape: tuple, dtype: str, M: int, what: str) -> None:
+    """``y`` of ``shape`` and ``dtype``, every row finite (written, no NaN leaked), rows ``>= M`` exactly zero."""
+    yn = to_numpy(y)
+    assert yn.shape == shape and yn.dtype.name == dtype, f"{what}: {yn.dtype} {yn.shape}, want {dtype} {shape}"
+    y32 = yn.astype(np.float32)
+    assert np.isfinite(y32).all(), f"{what}: {y32.size - np.isfinite(y32).sum()} non-finite values"
+    assert not y32[M:].any(), f"{what}: rows >= M must be zero"
+
+
+class GroupedGemmCases(ClassParams):
+    """The grouped GEMM forward's cases, for any implementation.
+
+    Hooks: ``array`` (the framework mixin), :attr:`OPS` (the framework's quantizers), :meth:`grouped_gemm` (the
+    backend under test) and :meth:`reference_grouped_gemm` (its judge); :attr:`SHAPES`, :attr:`FLOAT_DTYPES`,
+    :attr:`FP8_CASE`; the ``launch_order`` fixture (a backend with launch orders runs the cases that take it under
+    each of them).
+    """
+
+    #: The framework's public module (``moe_torch`` / ``moe_pallas``): its FP8 quantizers make the FP8 inputs.
+    OPS = None
+    #: The keys of :data:`GEMM_SHAPES` this backend runs.
+    SHAPES: tuple[str, ...] = ("one-row", "odd-K-N", "prime-E-empties", "all-on-one", "unused-capacity")
+    #: The input dtypes of :meth:`test_float`.
+    FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+    #: The FP8 problem: (rows per expert, M_cap, K, N, the activations' group size).
+    FP8_CASE = ([5, 0, 11, 3], 24, 256, 160, 128)  # N not a multiple of 128: a partial weight block
+    #: The bound of :meth:`test_fp8_block_scales_applied_per_k_block` for the backend's float32 output.
+    BLOCKWISE_LIMIT = F32_REL_FRO
+    CLASS_PARAMS = {"shape": "SHAPES", "dtype": "FLOAT_DTYPES"}
+
+    @pytest.fixture
+    def launch_order(self):
+        """The launch order the cases that take this fixture run under: a backend with several overrides it with
+        a parametrized fixture that applies each to its default config (here: the backend's only one)."""
+        return None
+
+    def grouped_gemm(self, x, w, offsets, x_scale=None, w_scale=None, out_dtype: str | None = None, config=None):
+        """The backend under test (``out_dtype`` a key of ``common.TORCH_DTYPES`` / ``JNP_DTYPES``; None: the
+        op's default). ``config=None``: the public op with the backend's own config; else the kernel with that
+        launch config."""
+        raise NotImplementedError
+
+    def reference_grouped_gemm(self, x, w, offsets, x_scale, w_scale, out_dtype: str):
+        """The judge's output for the backend's arrays."""
+        raise NotImplementedError
+
+    def quantize_x(self, x_np: np.ndarray, how: str, group_size: int, M: int):
+        """``x_np`` as FP8 codes and their scale (``[]`` per-tensor, from the used rows; ``[M_cap, 1]``
+        per-token; ``[M_cap, K // group_size]``), with the framework's quantizers; the scales of rows ``>= M``
+        NaN (unused capacity: garbage, never read)."""
+        ops, x = self.OPS, self.array(x_np)
+        if how == "per_tensor":
+            s = self.array(np.array(np.abs(x_np[:M]).max() / 448.0, np.float32))
+            return ops.static_quant_fp8(x, s), s
+        xq, xs = ops.per_token_quant_fp8(x) if how == "per_token" else ops.per_token_group_quant_fp8(x, group_size)
+        xs_np = to_numpy(xs).copy()
+        xs_np[M:] = np.nan
+        return xq, self.array(xs_np)
+
+    @pytest.mark.usefixtures("launch_order")
+    def test_float(self, shape, dtype):
+        """Float inputs, the default output (x's dtype) and a float32 one: each of the right dtype and shape, every
+        row finite, rows >= M exactly zero though x is NaN there; each within its dtype's row of CONTRACT.md
+        section 7 (F32_REL_FRO for float32) of a float64 loop on the same (rounded) values and of the judge's
+        float32 output, which must pass the float32 checks too; the inputs untouched."""
+        counts, m_cap, K, N = GEMM_SHAPES[shape]
+        x_np, w_np, off_np = gemm_problem(len(shape) * 7 + K, counts, m_cap, K, N)
+        x, w, offsets = self.array(x_np, dtype), self.array(w_np, dtype), self.array(off_np)
+        before = [to_numpy(a).copy() for a in (x, w, offsets)]
+        M = int(off_np[-1])
+        ref64 = numpy_grouped_gemm(to_numpy(x).astype(np.float64), to_numpy(w).astype(np.float64), off_np)
+        want = self.reference_grouped_gemm(x, w, offsets, None, None, "float32")
+        check_rows(want, (m_cap, N), "float32", M, f"judge {shape} {dtype}")
+        assert_rel_fro(want, ref64, F32_REL_FRO, f"judge {shape} {dtype} vs float64")
+        for out_dtype in (None, "float32"):  # None: the op's default, x's dtype
+            got_dtype = out_dtype or dtype
+            limit, what = LIMITS[got_dtype], f"{shape} {dtype} -> {got_dtype}"
+            y = self.grouped_gemm(x, w, offsets, out_dtype=out_dtype)
+            check_rows(y, (m_cap, N), got_dtype, M, what)
+            assert_rel_fro(y, ref64, limit, f"{what} vs float64")
+            assert_rel_fro(y, want, limit, f"{what} vs the judge's float32 output")
+        for a, b in zip((x, w, offsets), before):
+            assert_exact(a, b, "input unchanged")  # bit patterns: the NaN rows compare equal
+
+    @pytest.mark.usefixtures("launch_order")
+    @pytest.mark.parametrize("act,layout", list(itertools.product(ACT_SCALES, WEIGHT_LAYOUTS)))
+    def test_fp8_every_scale_layout(self, act, layout):
+        """FP8 codes x scales (:attr:`FP8_CASE`: an empty expert, a partial weight-scale block; NaN codes and
+        scales in rows >= M): the default bf16 output finite, rows >= M zero, within FP8_REL_FRO of float64 on the
+        dequantized inputs, within 0.1 of the unquantized product and within BF16_REL_FRO of the judge's float32
+        output; the float32 output within F32_REL_FRO of the judge's (the product of the dequantized inputs:
+        only float32 rounding differs, block scales per K block included); the judge within FP8_REL_FRO of
+        float64 on the dequantized inputs."""
+        counts, m_cap, K, N, group = self.FP8_CASE
+        x_np, w_np, off_np = gemm_problem(11, counts, m_cap, K, N)
+        M = int(off_np[-1])
+        xq, xs = self.quantize_x(x_np, act, group, M)
+        wq, ws = self.OPS.quantize_weight_fp8(self.array(w_np), layout)
+        offsets = self.array(off_np)
+        deq64 = numpy_grouped_gemm(to_numpy(self.OPS.dequantize_fp8(xq, xs)).astype(np.float64),
+                                   to_numpy(self.OPS.dequantize_weight_fp8(wq, ws)).astype(np.float64), off_np)
+        what = f"fp8 {act} x {layout}"
+        y = self.grouped_gemm(xq, wq, offsets, xs, ws)
+        check_rows(y, (m_cap, N), "bfloat16", M, what)
+        assert_rel_fro(y, deq64, FP8_REL_FRO, f"{what}: bf16 vs float64 on the dequantized inputs")
+        assert_rel_fro(y, numpy_grouped_gemm(x_np, w_np, off_np), 0.1, f"{what}: near the unquantized product")
+        want32 = to_numpy(self.reference_grouped_gemm(xq, wq, offsets, xs, ws, "float32"))[:M]
+        assert_rel_fro(want32, deq64[:M], FP8_REL_FRO, f"judge {what} vs float64 on the dequantized inputs")
+        assert_rel_fro(to_numpy(y)[:M], want32, BF16_REL_FRO, f"{what}: bf16 vs the judge")
+        y32 = self.grouped_gemm(xq, wq, offsets, xs, ws, out_dtype="float32")
+        check_rows(y32, (m_cap, N), "float32", M, f"{what} float32")
+        assert_rel_fro(to_numpy(y32)[:M], want32, F32_REL_FRO, f"{what}: float32 vs the judge")
+
+    def test_fp8_block_scales_applied_per_k_block(self):
+        """With block scales the partial sum of each 128-wide K block gets its own scale: the two K blocks'
+        scales differ by ~2^20, checked against the blockwise formula in float64 (a kernel applying one scale to
+        the whole sum is off by orders of magnitude), for the backend (within :attr:`BLOCKWISE_LIMIT`) and the
+        judge. The CPU computes each block's partial sum in float32: F32_REL_FRO; on the GPU the judge's
+        default implementation may run on Hopper's FP8 tensor cores, which accumulate inside a 128-wide K block
+        with about 14 bits (DeepSeek-V3 report, 3.3.2; README "Numerics notes": the Mosaic GEMM gave 1.23e-4
+        here on the H200), bounded by CONTRACT.md section 7's FP8_REL_FRO."""
+        rng = np.random.default_rng(0)
+        N = 128
+        x = np.concatenate([rng.standard_normal((4, 128)), 1e-3 * rng.standard_normal((4, 128))], 1).astype(np.float32)
+        w = np.concatenate([rng.standard_normal((1, N, 128)), 1e3 * rng.standard_normal((1, N, 128))], 2).astype(np.float32)
+        xq, xs = self.OPS.per_token_group_quant_fp8(self.array(x), 128)
+        wq, ws = self.OPS.quantize_weight_fp8(self.array(w), "block")
+        qx, qw = to_numpy(xq).astype(np.float64), to_numpy(wq).astype(np.float64)[0]
+        sx, sw = to_numpy(xs).astype(np.float64), to_numpy(ws).astype(np.float64)[0]
+        blockwise = sum((qx[:, b * 128:(b + 1) * 128] @ qw[:, b * 128:(b + 1) * 128].T) * sx[:, b:b + 1] * sw[0, b]
+                        for b in range(2))
+        # A misapplied block scale (the activations' K-block 0 scale for both blocks) is an O(1) error: the
+        # bounds below must stay far under it, or the test could not fail.
+        misapplied = sum((qx[:, b * 128:(b + 1) * 128] @ qw[:, b * 128:(b + 1) * 128].T) * sx[:, :1] * sw[0, b]
+                         for b in range(2))
+        assert rel_fro(misapplied, blockwise) > 0.5
+        offsets = self.array(np.array([0, 4], np.int32))
+        y = self.grouped_gemm(xq, wq, offsets, xs, ws, out_dtype="float32")
+        assert_rel_fro(y, blockwise, self.BLOCKWISE_LIMIT, "block scales per K block")
+        want = self.reference_grouped_gemm(xq, wq, offsets, xs, ws, "float32")
+        assert_rel_fro(want, blockwise, F32_REL_FRO if DEVICE == "cpu" else FP8_REL_FRO, "judge: block scales")
+
+    def test_no_rows_at_all(self):
+        """Every expert empty (offsets all 0), x all NaN: every row is zero, nothing is read; the judge's too."""
+        x_np, w_np, off_np = gemm_problem(1, [0, 0, 0], 8, 32, 16)
+        x, w, offsets = self.array(x_np, "bfloat16"), self.array(w_np, "bfloat16"), self.array(off_np)
+        check_rows(self.grouped_gemm(x, w, offsets), (8, 16), "bfloat16", 0, "no rows")
+        check_rows(self.reference_grouped_gemm(x, w, offsets, None, None, "bfloat16"), (8, 16), "bfloat16", 0,
+                   "judge: no rows")
+
+    def test_zero_capacity(self):
+        """M_cap = 0: an empty ``[0, N]`` result, not an error; the judge's too."""
+        x, w = self.array(np.zeros((0, 16), np.float32)), self.array(np.ones((2, 8, 16), np.float32))
+        offsets = self.array(np.zeros(3, np.int32))
+        assert tuple(to_numpy(self.grouped_gemm(x, w, offsets)).shape) == (0, 8)
+        assert tuple(to_numpy(self.reference_grouped_gemm(x, w, offsets, None, None, "float32")).shape) == (0, 8)
+
+
+class GroupedGemmKernelCases(GroupedGemmCases):
+    """:class:`GroupedGemmCases` plus forced launch configs. Hook: :meth:`forced_config`; :attr:`BLOCK_NS`."""
+
+    #: The column tiles of :meth:`test_fp8_block_scale_of_each_column_tile`.
+    BLOCK_NS: tuple[int, ...] = (128,)
+    CLASS_PARAMS = {**GroupedGemmCases.CLASS_PARAMS, "block_n": "BLOCK_NS"}
+
+    def forced_config(self, block_m: int, block_n: int, block_k: int):
+        """A launch config of ``block_m x block_n`` tiles over ``block_k``-wide K steps."""
+        raise NotImplementedError
+
+    def test_fp8_block_scale_of_each_column_tile(self, block_n):
+        """Each column tile reads its own 128 x 128 weight block's scale per K step (tiles no wider than a block:
+        one scale a tile, folded into the row scales; wider ones a scale per column): every block of w gets its
+        own scale (2^-12 .. 2^12, so a tile reading its neighbour's is off by >= 4x), over 3 column blocks (the
+        last one partial) x 2 K blocks and 2 experts, against the blockwise formula in float64."""
+        x, w, off = column_block_case()
+        xq, xs = self.OPS.per_token_group_quant_fp8(self.array(x), 128)
+        wq, ws = self.OPS.quantize_weight_fp8(self.array(w), "block")
+        expected = blockwise_expected(*(to_numpy(a) for a in (xq, wq, xs, ws)), off)
+        y = self.grouped_gemm(xq, wq, self.array(off), xs, ws, out_dtype="float32",
+                              config=self.forced_config(16, block_n, 128))
+        assert_rel_fro(y, expected, F32_REL_FRO, f"block_n={block_n}")
