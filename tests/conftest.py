@@ -30,6 +30,13 @@ if os.environ.get("EPMOE_TEST_DEVICE", "cpu") == "cpu":
     if "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ:
         os.environ.update(JAX_DISABLE_MOST_OPTIMIZATIONS="1", EPMOE_CHILD_XLA_O0="1")
     os.environ["TRITON_INTERPRET"] = "1"
+    # One OpenMP thread per process (torch's ATen and MKL; numpy's OpenBLAS reads it too), the pytest processes and
+    # their children alike (a user's own setting wins). The suite runs two pytest-xdist processes on two cores
+    # (scripts/test.sh) plus child processes: with torch's default of one OpenMP thread per core, every small op's
+    # parallel region waits at a barrier for a thread another process has the core for. Measured on the 2-core CI
+    # machine with other load on it: test_triton_grouped_gemm.py alone 40 -> 21 s, test_hf_2026.py 63 -> 31 s;
+    # the JAX-only files unchanged (XLA:CPU runs its own thread pool). Set before anything imports torch.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 else:
     # XLA's GPU default for float32 dots is TF32-like (about 1e-4 relative); the tests compare float32
     # results at 1e-5 (CONTRACT.md section 7/8 rows), as on the CPU. The library's own dots set their
