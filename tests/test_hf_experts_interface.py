@@ -197,9 +197,16 @@ def test_model_epmoe_equals_grouped_mm(family, tmp_path, count_calls):
     model.save_pretrained(tmp_path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="epmoe")
     assert reloaded.config._experts_implementation == "epmoe"
+    reloaded = reloaded.eval().to(TORCH_DEVICE)
+    params = dict(reloaded.named_parameters())
+    assert set(params) == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():  # every weight survives bit for bit
+        assert torch.equal(params[name], p), f"{family}: save_pretrained -> from_pretrained changed {name}"
     with torch.no_grad():
-        again = reloaded.eval().to(TORCH_DEVICE)(ids).logits
-    assert torch.equal(again, logits), f"{family}: save_pretrained -> from_pretrained(epmoe) changed the logits"
+        again = reloaded(ids).logits
+    # logits within the float32 row, not bit for bit: transformers' own Qwen3-Next (grouped_mm experts) differs in
+    # the last bits after a reload on some CPUs, with every weight equal
+    assert rel_fro(again, logits) <= F32_REL_FRO, f"{family}: save_pretrained -> from_pretrained(epmoe) changed the logits"
 
 
 @needs_triton_interpreter
