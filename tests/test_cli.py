@@ -9,6 +9,10 @@ import pytest
 from interop.cli import main
 
 DEVICE = os.environ.get("EPMOE_TEST_DEVICE", "cpu")  # "gpu" when benchmarks/gpu_check.py runs the suite
+#: Tokens of the tiny preset's `check` runs (no test here asserts on the count): one shape, tests/test_crosscheck.py's,
+#: so that the jnp reference's op-by-op programs XLA compiled for one run serve the next (about a fifth of this
+#: file's compile time).
+TOKENS = "5"
 
 
 @pytest.mark.parametrize("args", [
@@ -124,7 +128,7 @@ def test_check_runs_and_writes_json(tmp_path, capsys):
     import json
 
     path = tmp_path / "check.json"
-    assert main(["check", "--tokens", "3", "--quant", "fp8-block", "--routing", "one_expert", "--json", str(path)]) == 0
+    assert main(["check", "--tokens", TOKENS, "--quant", "fp8-block", "--routing", "one_expert", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "within the contract" in out and "gemm1" in out and "triton vs pallas" in out
     data = json.loads(path.read_text())
@@ -137,7 +141,7 @@ def test_check_fails_naming_the_stage(monkeypatch, capsys):
 
     real = api._triton
     monkeypatch.setattr(api, "_triton", lambda *a: real(*a) * 2)
-    rc = main(["check", "--tokens", "2", "--ep-size", "2", "--ep-rank", "1", "--implementations", "torch-reference,triton"])
+    rc = main(["check", "--tokens", TOKENS, "--ep-size", "2", "--ep-rank", "1", "--implementations", "torch-reference,triton"])
     assert rc == 1
     assert "VIOLATION at stage(s) combine, layer" in capsys.readouterr().out
 
@@ -147,7 +151,7 @@ def test_check_ep_summary_all_ranks(tmp_path, capsys):
     import json
 
     path = tmp_path / "ep.json"
-    assert main(["check", "--tokens", "3", "--ep-size", "2", "--implementations", "jnp-reference,torch-reference",
+    assert main(["check", "--tokens", TOKENS, "--ep-size", "2", "--implementations", "jnp-reference,torch-reference",
                  "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "EP 2 ranks: all summed (float32 inputs)" in out and "ep_sum vs single-device" in out
@@ -162,7 +166,7 @@ def test_check_ep_rank_adds_the_stage_table_and_a_bad_rank_fails(monkeypatch, ca
     real = moe_torch.moe_forward
     monkeypatch.setattr(moe_torch, "moe_forward",
                         lambda *a, **k: real(*a, **k) * (1.1 if a[4].ep_size == 2 and a[4].ep_rank == 0 else 1.0))
-    rc = main(["check", "--tokens", "2", "--ep-size", "2", "--ep-rank", "1", "--ep-dtype", "bfloat16",
+    rc = main(["check", "--tokens", TOKENS, "--ep-size", "2", "--ep-rank", "1", "--ep-dtype", "bfloat16",
                "--implementations", "jnp-reference,torch-reference"])
     out = capsys.readouterr().out
     assert rc == 1, out
@@ -198,7 +202,7 @@ def test_check_json_dash_writes_to_stdout(tmp_path, monkeypatch, capsys):
     import json
 
     monkeypatch.chdir(tmp_path)
-    assert main(["check", "--tokens", "2", "--implementations", "jnp-reference,torch-reference", "--json", "-"]) == 0
+    assert main(["check", "--tokens", TOKENS, "--implementations", "jnp-reference,torch-reference", "--json", "-"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["ok"] and "within the contract" in err and "wrote" not in err + out
     assert not (tmp_path / "-").exists()
@@ -277,7 +281,7 @@ def test_check_cpu_token_limit_not_hidden_by_low_host_memory(monkeypatch, capsys
 
 def test_check_adds_the_reference_a_kernel_is_judged_against(capsys):
     """--implementations triton,triton: the torch reference joins (the Triton kernels' judge), once."""
-    assert main(["check", "--tokens", "3", "--implementations", "triton,triton"]) == 0
+    assert main(["check", "--tokens", TOKENS, "--implementations", "triton,triton"]) == 0
     out = capsys.readouterr().out
     assert "implementations: jnp-reference, triton, torch-reference" in out
     assert "all 0 comparisons" not in out and "within the contract" in out
@@ -333,7 +337,7 @@ def test_check_draws_the_weights_in_bf16_where_float32_does_not_fit(extra, monke
     import interop.crosscheck.run as run
     from moe_contract import get_preset, make_layer_inputs
 
-    args = ["check", "--tokens", "3", "--seed", "3", "--implementations", "jnp-reference,torch-reference", *extra]
+    args = ["check", "--tokens", TOKENS, "--seed", "3", "--implementations", "jnp-reference,torch-reference", *extra]
     assert main(args + ["--json", str(tmp_path / "f32.json")]) == 0  # fits here: the float32 draw, as before
     assert "weights drawn in bf16" not in capsys.readouterr().out
     real, drawn = run.make_layer_inputs, []
@@ -343,7 +347,7 @@ def test_check_draws_the_weights_in_bf16_where_float32_does_not_fit(extra, monke
     out = capsys.readouterr().out
     assert "weights drawn in bf16 (the float32 weights would need 80 GiB of host memory, 70 available" in out
     assert "within the contract" in out
-    want = make_layer_inputs(get_preset("tiny").config(), 3, seed=3)
+    want = make_layer_inputs(get_preset("tiny").config(), int(TOKENS), seed=3)
     assert len(drawn) == (2 if "--ep-size" in extra else 1)  # the stage table and the EP summary each draw
     for inputs in drawn:
         for name in ("w13", "w2"):
