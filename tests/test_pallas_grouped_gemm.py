@@ -28,7 +28,7 @@ from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 from common import JNP_DTYPES, TEST_SPEC, spec_of_kind, write_tuned
 from op_cases import JaxArrays
-from op_cases.grouped_gemm import GroupedGemmKernelCases
+from op_cases.grouped_gemm import GroupedGemmKernelCases, gemm_problem, numpy_grouped_gemm
 from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 
 def SMALL(cfg) -> bool | None:
@@ -39,26 +39,12 @@ def SMALL(cfg) -> bool | None:
 DTYPES = {"float32": (jnp.float32, F32_REL_FRO), "bfloat16": (jnp.bfloat16, BF16_REL_FRO)}
 
 
-def f64_loop(x, w, offsets) -> np.ndarray:
-    """float64 ``y[m] = x[m] @ w[e(m)].T`` expert by expert; rows past ``offsets[-1]`` zero."""
-    x, w, offsets = (to_numpy(a) for a in (x, w, offsets))
-    y = np.zeros((x.shape[0], w.shape[1]))
-    for e in range(w.shape[0]):
-        s, t = offsets[e], offsets[e + 1]
-        y[s:t] = x[s:t].astype(np.float64) @ w[e].astype(np.float64).T
-    return y
+f64_loop = numpy_grouped_gemm  # float64, expert by expert (the shared base's)
 
 
 def problem(seed: int, counts, m_cap: int, K: int, N: int, dtype=jnp.float32, poison: bool = True):
-    """x [m_cap, K] ~ N(0, 1), w [E, N, K] ~ N(0, 1/K) (outputs O(1)), offsets from ``counts``.
-    Unused rows of x (``>= sum(counts)``) are NaN when ``poison``: they must never be read."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((m_cap, K)).astype(np.float32)
-    w = (rng.standard_normal((len(counts), N, K)) / np.sqrt(K)).astype(np.float32)
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    assert offsets[-1] <= m_cap
-    if poison:
-        x[offsets[-1]:] = np.nan
+    """The shared base's :func:`gemm_problem` as JAX arrays of ``dtype`` (offsets int32)."""
+    x, w, offsets = gemm_problem(seed, counts, m_cap, K, N, poison)
     return jnp.asarray(x).astype(dtype), jnp.asarray(w).astype(dtype), jnp.asarray(offsets)
 
 
