@@ -230,7 +230,7 @@ def main(argv=None) -> int:
         if a.format != "mxfp4":
             p.error("--mma-layout: MXFP4 weights only")
         if "TRITON_INTERPRET" in os.environ:  # the compile runs here only without the interpreter
-            sass, out = _compile_in_child([x for x in (argv if argv is not None else sys.argv[1:])])
+            sass, out = _compile_in_child(list(argv if argv is not None else sys.argv[1:]))
             if a.sass:  # the child wrote its own temporary file (its --sass comes last)
                 with open(a.sass, "w") as f:
                     f.write(sass)
