@@ -57,13 +57,13 @@ def compile_sass(fmt: str, block_m: int, block_n: int, block_k: int, warps: int,
 
     from moe_torch.ops.grouped_gemm.triton import W_SCALE_CODES, X_SCALE_CODES, _grouped_gemm_kernel as kernel
 
-    w4 = fmt in ("mxfp4", "int4")
+    w4 = fmt in ("mxfp4", "int4", "mxfp4_mma")
     fp8 = fmt == "fp8_block"  # DeepSeek-V3's FP8: x per 1 x 128 group, w per 128 x 128 block, float32 scales
     code = "*fp8e4nv" if fp8 else "*bf16"
     sig = {"x_ptr": code, "w_ptr": "*u8" if w4 else code, "offsets_ptr": "*i32", "x_scale_ptr": "*fp32",
-           "w_scale_ptr": {"mxfp4": "*u8", "fp8_block": "*fp32"}.get(fmt, "*bf16"), "bias_ptr": "*fp32", "out_ptr": "*bf16",
+           "w_scale_ptr": {"mxfp4": "*u8", "mxfp4_mma": "*u8", "fp8_block": "*fp32"}.get(fmt, "*bf16"), "bias_ptr": "*fp32", "out_ptr": "*bf16",
            **{n: "i32" for n in INT_ARGS}}
-    if fmt == "mxfp4" and table:
+    if fmt in ("mxfp4", "mxfp4_mma") and table:
         sig["e8m0_lut"] = "*bf16"
     if tma:  # the TMA variant: x and w tiles through host-side tensor descriptors
         t = code[1:]
@@ -128,10 +128,11 @@ def compile_decode_sass(kernel: str, fmt: str, T: int, warps: int | None = None)
 
     H = I = 2880
     E, k = 128, 4
-    w4 = fmt in ("mxfp4", "int4")
-    w_ty, s_ty = ("*u8" if w4 else "*bf16"), ("*u8" if fmt == "mxfp4" else "*bf16")
+    w4 = fmt in ("mxfp4", "int4", "mxfp4_mma")
+    mx = fmt in ("mxfp4", "mxfp4_mma")
+    w_ty, s_ty = ("*u8" if w4 else "*bf16"), ("*u8" if mx else "*bf16")
     code = W_SCALE_CODES[fmt if w4 else None]
-    lut = {"e8m0_lut": "*bf16"} if fmt == "mxfp4" else {}
+    lut = {"e8m0_lut": "*bf16"} if mx else {}
     if kernel == "decode_gate_up":
         cfg = decode_gate_up_config(T, k, H, I, E, w4=w4)
         fn, S = D._decode_gate_up_kernel, T * k
@@ -211,8 +212,9 @@ def opcodes(loop: list[str]) -> collections.Counter:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--format", default="mxfp4", choices=("mxfp4", "int4", "bf16", "fp8_block"),
-                   help="the weights (x is bf16; fp8_block: x and w FP8 with DeepSeek-V3's 1 x 128 / 128 x 128 scales)")
+    p.add_argument("--format", default="mxfp4", choices=("mxfp4", "int4", "bf16", "fp8_block", "mxfp4_mma"),
+                   help="the weights (x is bf16; fp8_block: x and w FP8 with DeepSeek-V3's 1 x 128 / 128 x 128 scales; "
+                        "mxfp4_mma: MXFP4 codes in the MMA layout)")
     p.add_argument("--block", default="16x128x64", help="BLOCK_MxBLOCK_NxBLOCK_K")
     p.add_argument("--warps", type=int, default=None, help="default: 4 (the GEMM); a decode kernel's heuristic")
     p.add_argument("--stages", type=int, default=3)
@@ -223,28 +225,15 @@ def main(argv=None) -> int:
                    help="the grouped GEMM (default) or one of the decode path's kernels at gpt-oss-120b's sizes")
     p.add_argument("--tokens", type=int, default=8, help="decode kernels: T, the tokens of the layer call")
     p.add_argument("--mma-layout", action="store_true",
-                   help="MXFP4: the kernels' packed decode swapped for the MMA layout's (moe_contract/w4_layout.py), "
-                        "everything else as it is: the loop the re-laid-out codes would run")
+                   help="MXFP4 codes in the MMA layout (moe_contract/w4_layout.py): --format mxfp4_mma")
     a = p.parse_args(argv)
     if a.mma_layout:
         if a.format != "mxfp4":
             p.error("--mma-layout: MXFP4 weights only")
-        if "TRITON_INTERPRET" in os.environ:  # the compile runs here only without the interpreter
-            sass, out = _compile_in_child(list(argv if argv is not None else sys.argv[1:]))
-            if a.sass:  # the child wrote its own temporary file (its --sass comes last)
-                with open(a.sass, "w") as f:
-                    f.write(sass)
-            print(out, end="")
-            return 0
-        import triton.language as tl
-
-        from moe_contract.w4_packed_asm import MXFP4_MMA_PACKED_ASM
-        from moe_torch.ops.grouped_gemm import triton as gg
-
-        gg._MXFP4_PACKED_ASM = tl.constexpr(MXFP4_MMA_PACKED_ASM)
+        a.format = "mxfp4_mma"
     if a.kernel != "gemm":
-        if a.format not in ("mxfp4", "int4", "bf16"):
-            p.error("--kernel decode_*: --format is mxfp4, int4 or bf16")
+        if a.format not in ("mxfp4", "int4", "bf16", "mxfp4_mma"):
+            p.error("--kernel decode_*: --format is mxfp4, mxfp4_mma, int4 or bf16")
         sass, weights, nw = compile_decode_sass(a.kernel, a.format, a.tokens, a.warps)
         if a.sass:
             with open(a.sass, "w") as f:
@@ -259,7 +248,7 @@ def main(argv=None) -> int:
         bm, bn, bk = (int(v) for v in a.block.split("x"))
     except ValueError:
         p.error(f"--block must be BLOCK_MxBLOCK_NxBLOCK_K, e.g. 16x128x64; got {a.block!r}")
-    if a.tma and a.format in ("mxfp4", "int4"):
+    if a.tma and a.format in ("mxfp4", "int4", "mxfp4_mma"):
         p.error("--tma: the TMA variant takes bf16 or fp8_block weights, not 4-bit ones")
     a.warps = a.warps or 4
     sass = compile_sass(a.format, bm, bn, bk, a.warps, a.stages, table=not a.no_table, tma=a.tma)

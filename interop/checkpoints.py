@@ -599,7 +599,8 @@ class MoECheckpointLayer:
         ``[1, H]``, its stored dtype; None for the other families), ``router_bias [E]``, ``w13_bias [n, 2I]``,
         ``w2_bias [n, H]`` (gpt-oss's, this rank's experts' biases; None for the other families). gpt-oss's MXFP4
         checkpoints give the uint8 codes and e8m0 scales as stored when ``config`` is None or
-        ``config.quant == "mxfp4"``, else the codes dequantized to bfloat16 (as transformers' ``dequantize=True``).
+        ``config.quant == "mxfp4"`` (with ``config.w4_layout == "mma"`` the codes repacked to that layout, ValueError
+        for scales it cannot hold), else the codes dequantized to bfloat16 (as transformers' ``dequantize=True``).
 
         dtypes: the checkpoint's (bf16 stays bf16); FP8 checkpoints give float8_e4m3fn codes and float32
         block scales when ``config`` is None or ``config.quant == "fp8_block"``, else the codes dequantized
@@ -630,6 +631,11 @@ class MoECheckpointLayer:
             out["w13"] = dequantize_weight_mxfp4(out["w13"], out["w13_scale"]).to(torch.bfloat16)
             out["w2"] = dequantize_weight_mxfp4(out["w2"], out["w2_scale"]).to(torch.bfloat16)
             out["w13_scale"] = out["w2_scale"] = None
+        if self.is_mxfp4 and config is not None and config.w4_layout == "mma":  # the load-time repack
+            from moe_torch.layer import mma_layout_weight
+
+            out["w13"], _ = mma_layout_weight("MoECheckpointLayer.arrays", "w13", out["w13"], out["w13_scale"])
+            out["w2"], _ = mma_layout_weight("MoECheckpointLayer.arrays", "w2", out["w2"], out["w2_scale"])
         if self.is_fp8 and config is not None and config.quant != "fp8_block":
             out["w13"] = dequantize_block(out["w13"], out.pop("w13_scale")).to(torch.bfloat16)
             out["w2"] = dequantize_block(out["w2"], out.pop("w2_scale")).to(torch.bfloat16)

@@ -27,6 +27,7 @@ Routing = Literal["softmax_topk", "grouped_topk", "biased_grouped_topk", "sigmoi
 Quant = Literal["none", "fp8_per_token", "fp8_block", "mxfp4", "int4"]
 Activation = Literal["silu", "gelu_tanh", "swiglu_oai"]
 GateUpLayout = Literal["concatenated", "interleaved"]
+W4Layout = Literal["checkpoint", "mma"]
 
 ROUTINGS = ("softmax_topk", "grouped_topk", "biased_grouped_topk", "sigmoid_topk")
 #: The routings that split the experts into groups (``num_expert_group`` / ``topk_group`` required).
@@ -47,6 +48,9 @@ ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 #: ``"concatenated"`` gate ``[:, :I]``, up ``[:, I:]``; ``"interleaved"`` (gpt-oss) gate ``[:, 0::2]``, up
 #: ``[:, 1::2]``.
 GATE_UP_LAYOUTS = ("concatenated", "interleaved")
+#: How a 4-bit layer's codes are stored (CONTRACT.md section 9): ``"checkpoint"`` (byte ``i`` holds elements
+#: ``2i``, ``2i + 1``) or ``"mma"`` (MXFP4 only: the load-time MMA layout, ``moe_contract/w4_layout.py``).
+W4_LAYOUTS = ("checkpoint", "mma")
 #: ``swiglu_oai`` (gpt-oss, transformers ``GptOssExperts``; CONTRACT.md section 4): the clamp bound of the gate
 #: (above) and of the up value (both sides), and the sigmoid's slope: ``(clamp(u) + 1) * gc * sigmoid(alpha * gc)``.
 SWIGLU_OAI_LIMIT = 7.0
@@ -102,6 +106,10 @@ class MoEConfig:
         (gpt-oss) / ``"int4"`` (group 32, bf16 scales; Kimi K2-Thinking): packed codes with one scale per
         group of 32 along ``K``, activations in ``x``'s float dtype (CONTRACT.md section 9; ``H`` and ``I``
         multiples of 32).
+      w4_layout: how 4-bit codes are stored: ``"checkpoint"`` (the default, as above) or ``"mma"``
+        (``quant="mxfp4"`` only): ``w13`` / ``w2`` hold ``mxfp4_to_mma_layout`` of the checkpoint codes (a one-time
+        repack at load time for the GPU's packed decode; the same values, except that scale codes 129..254, which
+        that layout's table cannot hold, read as NaN: CONTRACT.md section 9, "MMA layout").
       ep_size / ep_rank: expert parallelism; see the module docstring for the placement.
       capacity_factor: ``None`` (the default: dropless, every slot reaches its expert) or ``c``, a finite
         float > 0 (MaxText's and Megatron-Core's name): each routed expert takes at most
@@ -131,6 +139,7 @@ class MoEConfig:
     activation: Activation = "silu"
     gate_up_layout: GateUpLayout = "concatenated"
     quant: Quant = "none"
+    w4_layout: W4Layout = "checkpoint"
     ep_size: int = 1
     ep_rank: int = 0
     capacity_factor: float | None = None
@@ -152,6 +161,10 @@ class MoEConfig:
         check_choice(op, "quant", self.quant, QUANTS)
         check_choice(op, "activation", self.activation, ACTIVATIONS)
         check_choice(op, "gate_up_layout", self.gate_up_layout, GATE_UP_LAYOUTS)
+        check_choice(op, "w4_layout", self.w4_layout, W4_LAYOUTS)
+        if self.w4_layout == "mma" and self.quant != "mxfp4":
+            raise ValueError(f"{op}: w4_layout='mma' is a layout of MXFP4 codes (quant='mxfp4'); got "
+                             f"quant={self.quant!r}")
         check_capacity_factor(op, self.capacity_factor)
         if self.capacity_factor is not None and type(self.capacity_factor) is not float:
             # a numpy float or an int is stored as a Python float: the same config hashes alike (jit static argument)
@@ -197,6 +210,14 @@ class MoEConfig:
                         f"{op}: {name} must be a multiple of {W4_GROUP} for quant={self.quant!r} (one 4-bit weight "
                         f"scale per group of {W4_GROUP} along K: H for w13, I for w2); got {name}={getattr(self, name)}"
                     )
+
+    @property
+    def w_format(self) -> str | None:
+        """The grouped GEMM's ``w_format`` for this layer's weights: ``"mxfp4"`` / ``"int4"``, ``"mxfp4_mma"`` with
+        ``w4_layout="mma"``, ``None`` for float and FP8 weights."""
+        if self.quant not in W4_QUANTS:
+            return None
+        return "mxfp4_mma" if self.w4_layout == "mma" else self.quant
 
     @property
     def num_total_experts(self) -> int:

@@ -40,8 +40,11 @@ WEIGHT_LAYOUTS = ("per_expert", "per_channel", "block")
 #: 4-bit weight formats (CONTRACT.md section 9): packed codes ``[.., N, K // 2]`` uint8, one scale per
 #: group of ``W4_GROUP`` along ``K``, ``[.., N, K // 32]`` of the format's scale dtype.
 W4_FORMATS = ("mxfp4", "int4")
+#: What the grouped GEMM and the decode path read besides: ``"mxfp4_mma"``, MXFP4 codes in the MMA layout
+#: (``moe_contract/w4_layout.py``; CONTRACT.md section 9 "MMA layout"), a load-time repack of ``"mxfp4"``'s codes.
+GEMM_W4_FORMATS = (*W4_FORMATS, "mxfp4_mma")
 W4_GROUP = 32
-W4_SCALE_DTYPES = {"mxfp4": "uint8", "int4": "bfloat16"}
+W4_SCALE_DTYPES = {"mxfp4": "uint8", "int4": "bfloat16", "mxfp4_mma": "uint8"}
 
 
 def check_select_experts(
@@ -164,8 +167,8 @@ def check_w4_format(op: str, w_format: Any, w: Any, w_name: str = "w") -> None:
     if dtype_name(w) == "uint8":
         if w_format is None:
             raise ValueError(f"{op}: w_format must be one of {W4_FORMATS} for uint8 {w_name} (4-bit packed codes "
-                             f"[E, N, K // 2]); got w_format=None")
-        check_choice(op, "w_format", w_format, W4_FORMATS)
+                             f"[E, N, K // 2]; or 'mxfp4_mma': MXFP4 codes in the MMA layout); got w_format=None")
+        check_choice(op, "w_format", w_format, GEMM_W4_FORMATS)
     elif w_format is not None and dtype_name(w).startswith(("int", "uint")):  # codes of another integer type
         raise TypeError(f"{op}: {w_name} must have dtype uint8 for w_format={w_format!r} (4-bit packed codes, two a "
                         f"byte, [E, N, K // 2]; compressed-tensors' int32 weight_packed [N, K // 8] is these bytes: "
@@ -177,8 +180,9 @@ def check_w4_format(op: str, w_format: Any, w: Any, w_name: str = "w") -> None:
 
 def check_w4_weight(op: str, w_q: Any, w_scale: Any, fmt: str, K: int, *, w_name: str = "w_q") -> None:
     """4-bit packed codes ``w_q [.., N, K // 2]`` uint8 with ``w_scale [.., N, K // 32]`` (uint8 for
-    ``"mxfp4"``, bfloat16 for ``"int4"``): CONTRACT.md section 9. ``K % 32 != 0`` is a ``ValueError``."""
-    check_choice(op, "w_format", fmt, W4_FORMATS)
+    ``"mxfp4"`` / ``"mxfp4_mma"``, bfloat16 for ``"int4"``): CONTRACT.md section 9. ``K % 32 != 0`` is a
+    ``ValueError``."""
+    check_choice(op, "w_format", fmt, GEMM_W4_FORMATS)
     if K % W4_GROUP:
         raise ValueError(f"{op}: K must be a multiple of {W4_GROUP} (one {fmt} scale per group of {W4_GROUP} "
                          f"along K); got K={K}")

@@ -21,9 +21,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moe_contract.config import ACTIVATION_QUANT, FP8_QUANTS, W4_QUANTS, WEIGHT_LAYOUT, MoEConfig
 from moe_contract.op_checks import check_router_loss_option
+from moe_contract.w4_layout import mma_layout_scale_problem
 from moe_contract.validation import (check_expert_biases, check_layer_inputs, check_layer_weights, check_positive_int,
                                       check_shared_expert_gate_logits, stage_implementation)
 from moe_pallas.capacity import drop_over_capacity
@@ -40,9 +42,9 @@ from moe_pallas.ops.grouped_gemm import api as grouped_gemm_api
 from moe_pallas.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dbias, grouped_gemm_dgrad, grouped_gemm_wgrad
 from moe_pallas.ops.permute import api as permute_api
 from moe_pallas.ops.permute.api import permute, permute_backward, routing_metadata
-from moe_pallas.ops.quant.api import (QUANT_CHUNK_BYTES, dequantize_fp8, quantize_weight_fp8, quantize_weight_int4,
-                                      quantize_weight_mxfp4)
-from moe_pallas.ops.quant.reference import dequantize_weight_4bit_reference
+from moe_pallas.ops.quant.api import (QUANT_CHUNK_BYTES, dequantize_fp8, mxfp4_to_mma_layout, quantize_weight_fp8,
+                                      quantize_weight_int4, quantize_weight_mxfp4)
+from moe_pallas.ops.quant.reference import dequantize_weight_4bit_reference, mxfp4_mma_as_checkpoint
 from moe_pallas.slot_weights import scaled_slot_rows, scaled_slot_rows_backward, slot_weights, slot_weights_backward
 
 #: Every backend name any stage knows (a stage without the chosen one uses its default).
@@ -160,6 +162,9 @@ def moe_forward(
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
     check_router_loss_option(op, config, router_logits, return_router_losses, seq_len)
     # a derivative of the gradient raises here, naming the op (the custom_vjp's backward is not differentiable)
+    if config.w4_layout == "mma":  # the Pallas kernels decode the checkpoint layout: the codes go back to it
+        (w13, w13_scale), (w2, w2_scale) = mxfp4_mma_as_checkpoint(w13, w13_scale), mxfp4_mma_as_checkpoint(w2, w2_scale)
+        config = config.replace(w4_layout="checkpoint")
     arrays = first_order_only(op, x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
                               shared_expert_gate_logits, w13_bias, w2_bias)
     out, topk_ids = _moe_layer(config, implementation, recompute, *arrays)
@@ -516,11 +521,25 @@ def quantize_layer_weights(
         quantize = quantize_weight_mxfp4 if config.quant == "mxfp4" else quantize_weight_int4
         w13_q, w13_scale = quantize(w13, chunk_bytes=chunk_bytes)
         w2_q, w2_scale = quantize(w2, chunk_bytes=chunk_bytes)
+        if config.w4_layout == "mma":
+            return (*mma_layout_weight("quantize_layer_weights", "w13", w13_q, w13_scale),
+                    *mma_layout_weight("quantize_layer_weights", "w2", w2_q, w2_scale))
         return w13_q, w13_scale, w2_q, w2_scale
     layout = WEIGHT_LAYOUT[config.quant]
     w13_q, w13_scale = quantize_weight_fp8(w13, layout, chunk_bytes=chunk_bytes)
     w2_q, w2_scale = quantize_weight_fp8(w2, layout, chunk_bytes=chunk_bytes)
     return w13_q, w13_scale, w2_q, w2_scale
+
+
+def mma_layout_weight(op: str, name: str, w_q: jax.Array, w_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """MXFP4 codes ``w_q`` (checkpoint layout) and their e8m0 ``w_scale`` as ``MoEConfig(w4_layout="mma")`` takes
+    them: ``(mxfp4_to_mma_layout(w_q), w_scale)``. A load-time step (it reads the scales on the host): ValueError
+    naming ``op`` and ``name`` if a scale code is one the layout's table cannot hold (129..254,
+    ``moe_contract/w4_layout.py: mma_layout_scale_problem``), rather than let those weights read as NaN."""
+    problem = mma_layout_scale_problem(np.asarray(w_scale))
+    if problem is not None:
+        raise ValueError(f"{op}: {name}_scale: {problem}; keep these weights in w4_layout='checkpoint'")
+    return mxfp4_to_mma_layout(w_q), w_scale
 
 
 @takes_jax_arrays

@@ -23,6 +23,7 @@ import torch
 
 from moe_contract.config import ACTIVATION_QUANT, W4_QUANTS, WEIGHT_LAYOUT, MoEConfig
 from moe_contract.op_checks import check_router_loss_option
+from moe_contract.w4_layout import mma_layout_scale_problem
 from moe_contract.validation import (check_expert_biases, check_layer_inputs, check_layer_weights, check_positive_int,
                                       check_shared_expert_gate_logits, stage_implementation)
 from moe_torch.capacity import drop_over_capacity
@@ -40,8 +41,8 @@ from moe_torch.ops.grouped_gemm import api as grouped_gemm_api
 from moe_torch.ops.grouped_gemm.api import grouped_gemm, grouped_gemm_dbias, grouped_gemm_dgrad, grouped_gemm_wgrad
 from moe_torch.ops.permute import api as permute_api
 from moe_torch.ops.permute.api import RoutingMetadata, permute, permute_backward, routing_metadata
-from moe_torch.ops.quant.api import (QUANT_CHUNK_BYTES, dequantize_fp8, quantize_weight_fp8, quantize_weight_int4,
-                                     quantize_weight_mxfp4)
+from moe_torch.ops.quant.api import (QUANT_CHUNK_BYTES, dequantize_fp8, mxfp4_to_mma_layout, quantize_weight_fp8,
+                                     quantize_weight_int4, quantize_weight_mxfp4)
 from moe_torch.ops.quant.reference import dequantize_weight_4bit_reference
 from moe_torch.slot_weights import scaled_slot_rows, scaled_slot_rows_backward, slot_weights, slot_weights_backward
 
@@ -201,8 +202,9 @@ def run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, im
 
 
 def w_format(config: MoEConfig) -> str | None:
-    """The grouped GEMM's ``w_format`` of the layer's weights: ``config.quant`` for the 4-bit modes, else ``None``."""
-    return config.quant if config.quant in W4_QUANTS else None
+    """The grouped GEMM's ``w_format`` of the layer's weights (``MoEConfig.w_format``): the 4-bit modes' format
+    (``"mxfp4_mma"`` for MMA-layout codes), else ``None``."""
+    return config.w_format
 
 
 def _expert_rows(x, k: int, input_scale):
@@ -327,7 +329,7 @@ def dgrad_weight(w, w_scale, config: MoEConfig, dtype):
     section 9: ``d_x = d_y @ wd[e]``, ``wd`` in ``d_y``'s dtype), ``[E_local, N, K]`` while the caller holds it."""
     if config.quant not in W4_QUANTS:
         return w, w_scale
-    return dequantize_weight_4bit_reference(w, w_scale, config.quant, dtype), None
+    return dequantize_weight_4bit_reference(w, w_scale, config.w_format, dtype), None
 
 
 def _bias_dots(d_y0, w2_bias, offsets):
@@ -509,11 +511,25 @@ def quantize_layer_weights(
         quantize = quantize_weight_mxfp4 if config.quant == "mxfp4" else quantize_weight_int4
         w13_q, w13_scale = quantize(w13, chunk_bytes=chunk_bytes)
         w2_q, w2_scale = quantize(w2, chunk_bytes=chunk_bytes)
+        if config.w4_layout == "mma":
+            return (*mma_layout_weight("quantize_layer_weights", "w13", w13_q, w13_scale),
+                    *mma_layout_weight("quantize_layer_weights", "w2", w2_q, w2_scale))
         return w13_q, w13_scale, w2_q, w2_scale
     layout = WEIGHT_LAYOUT[config.quant]
     w13_q, w13_scale = quantize_weight_fp8(w13, layout, chunk_bytes=chunk_bytes)
     w2_q, w2_scale = quantize_weight_fp8(w2, layout, chunk_bytes=chunk_bytes)
     return w13_q, w13_scale, w2_q, w2_scale
+
+
+def mma_layout_weight(op: str, name: str, w_q: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 codes ``w_q`` (checkpoint layout) and their e8m0 ``w_scale`` as ``MoEConfig(w4_layout="mma")`` takes
+    them: ``(mxfp4_to_mma_layout(w_q), w_scale)``. A load-time step: it reads the scales on the host (one sync) and
+    raises ValueError naming ``op`` and ``name`` if a scale code is one the layout's table cannot hold (129..254,
+    ``moe_contract/w4_layout.py: mma_layout_scale_problem``), rather than let those weights read as NaN."""
+    problem = mma_layout_scale_problem(w_scale.detach().cpu().numpy())
+    if problem is not None:
+        raise ValueError(f"{op}: {name}_scale: {problem}; keep these weights in w4_layout='checkpoint'")
+    return mxfp4_to_mma_layout(w_q), w_scale
 
 
 @takes_torch_tensors

@@ -26,17 +26,21 @@ for job in json.loads(sys.stdin.read()):
     constexprs = {**{p.name: p.default for p in kernel.params if p.has_default and p.name not in job["signature"]},
                   **job["constexprs"]}
     signature = {**job["signature"], **{k: "constexpr" for k in constexprs}}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+    # "divisible": the arguments a launch specializes as multiples of 16 (aligned pointers, such ints)
+    names = [p.name for p in kernel.params]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in job.get("divisible", ())}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=job["options"])
     assert compiled.asm["cubin"], "no cubin"
-    ptx.append(compiled.asm["ptx"])
+    ptx.append(compiled.asm[job.get("stage", "ptx")])
 json.dump(ptx, sys.stdout)
 """
 
 
 def compile_sm90(jobs: dict[str, dict], module: str | None = None, kernel: str | None = None) -> dict[str, str]:
     """name -> PTX of each job (``module``, ``kernel``, ``signature``, ``constexprs``, ``options``;
-    ``module`` / ``kernel`` default to the arguments), compiled for sm_90 in a child process."""
+    ``module`` / ``kernel`` default to the arguments; ``stage``: another of triton's texts, e.g. ``"ttgir"``),
+    compiled for sm_90 in a child process."""
     payload = [{"module": module, "kernel": kernel, **job} for job in jobs.values()]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

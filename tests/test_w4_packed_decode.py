@@ -235,8 +235,9 @@ def test_e8m0_table_is_not_built_inside_a_cuda_graph_capture(monkeypatch):
     assert gg.e8m0_bf16_table(dev) is None
     built = gg.e8m0_bf16_table(torch.device("cpu"))  # not a CUDA device: built whatever the capture state
     assert built is not None and built.shape == (256,)
-    gg._E8M0_TABLES[dev] = built  # as if built by an eager launch before the capture
+    gg._E8M0_TABLES[(dev, False)] = built  # as if built by an eager launch before the capture
     assert gg.e8m0_bf16_table(dev) is built
+    assert gg.e8m0_bf16_table(dev, mma=True) is None  # the MMA layout's table is another one
 
 
 # --------------------------------------------------------------------------------------

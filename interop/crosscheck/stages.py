@@ -224,8 +224,9 @@ class Upstream:
 
     @property
     def w_format(self) -> str | None:
-        """The grouped GEMM's ``w_format``: ``"mxfp4"`` / ``"int4"`` for 4-bit weights (section 9), else None."""
-        return self.config.quant if self.config.quant in W4_QUANTS else None
+        """The grouped GEMM's ``w_format``: ``"mxfp4"`` / ``"int4"`` (``"mxfp4_mma"``) for 4-bit weights (section 9),
+        else None."""
+        return self.config.w_format
 
     @property
     def expert_biases(self) -> tuple | None:

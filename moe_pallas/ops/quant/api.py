@@ -23,7 +23,7 @@ from moe_contract.op_checks import (
     check_weight,
 )
 from moe_contract.validation import check_choice, check_per_tensor_scale, check_positive_int
-from moe_contract.w4_layout import check_mma_layout_input, mma_moves
+from moe_contract.w4_layout import check_mma_layout_input
 from moe_pallas.ops.quant import reference as ref
 from moe_pallas.ops.common import cast_rounded, resolve_dtype, takes_jax_arrays
 
@@ -342,12 +342,7 @@ def dequantize_weight_int4(w_q: jax.Array, w_scale: jax.Array, *, out_dtype=jnp.
 
 def _mma_permute(op: str, w_q: jax.Array, to_mma: bool) -> jax.Array:
     check_mma_layout_input(op, str(jnp.dtype(w_q.dtype)), tuple(w_q.shape))
-    words = jax.lax.bitcast_convert_type(w_q.reshape(*w_q.shape[:-1], w_q.shape[-1] // 4, 4), jnp.uint32)
-    acc = jnp.zeros_like(words)
-    for r, mask in mma_moves(to_mma):
-        rot = words if r == 0 else (words << np.uint32(r)) | (words >> np.uint32(32 - r))  # uint32: logical shifts
-        acc = acc | (rot & np.uint32(mask))
-    return jax.lax.bitcast_convert_type(acc, jnp.uint8).reshape(w_q.shape)
+    return ref.mma_permute(w_q, to_mma)
 
 
 @takes_jax_arrays

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_contract.op_checks import W4_GROUP  # values of one 4-bit scale group along K (CONTRACT.md section 9)
+from moe_contract.w4_layout import MXFP4_MMA_MAX_SCALE_CODE, mma_moves
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -473,3 +474,23 @@ def dequantize_weight_4bit_reference(w_q: jax.Array, w_scale: jax.Array, w_forma
     if w_format == "mxfp4":
         return dequantize_weight_mxfp4_reference(w_q, w_scale)
     return dequantize_weight_int4_reference(w_q, w_scale)
+
+
+def mma_permute(w_q: jax.Array, to_mma: bool) -> jax.Array:
+    """MXFP4 codes ``[..., K // 2]`` uint8 (last axis a multiple of 4, unchecked) to the MMA layout (``to_mma``) or
+    back (``moe_contract/w4_layout.py``): each little-endian 32-bit word is ``OR(rotl(word, r) & mask)`` over
+    ``mma_moves``. Jittable."""
+    words = jax.lax.bitcast_convert_type(w_q.reshape(*w_q.shape[:-1], w_q.shape[-1] // 4, 4), jnp.uint32)
+    acc = jnp.zeros_like(words)
+    for r, mask in mma_moves(to_mma):
+        rot = words if r == 0 else (words << np.uint32(r)) | (words >> np.uint32(32 - r))  # uint32: logical shifts
+        acc = acc | (rot & np.uint32(mask))
+    return jax.lax.bitcast_convert_type(acc, jnp.uint8).reshape(w_q.shape)
+
+
+def mxfp4_mma_as_checkpoint(w_q: jax.Array, w_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``"mxfp4_mma"`` weights as the ``"mxfp4"`` weights of the same values (CONTRACT.md section 9, MMA layout):
+    the codes back in the checkpoint layout, and the scale codes the layout's table does not hold (129..254) as
+    255 (NaN), as the kernels reading the layout give them. Jittable."""
+    bad = (w_scale > MXFP4_MMA_MAX_SCALE_CODE) & (w_scale != 255)
+    return mma_permute(w_q, False), jnp.where(bad, jnp.uint8(255), w_scale)

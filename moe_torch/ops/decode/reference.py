@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_contract.config import ACTIVATION_QUANT, W4_QUANTS, MoEConfig
+from moe_contract.config import ACTIVATION_QUANT, MoEConfig
 from moe_torch.ops.activation.api import act_and_mul
 from moe_torch.ops.combine.api import combine
 from moe_torch.ops.grouped_gemm.api import grouped_gemm
@@ -54,7 +54,7 @@ def fused_experts_decode_reference(
     if T == 0:
         return torch.zeros((0, x.shape[1]), dtype=x.dtype, device=x.device)
     expert_start, e_local = config.local_expert_range()
-    w_format = config.quant if config.quant in W4_QUANTS else None
+    w_format = config.w_format
     quant = ACTIVATION_QUANT[config.quant]
     meta = routing_metadata(topk_ids, config.num_total_experts, expert_start=expert_start, num_local_experts=e_local,
                             implementation=_REF)

@@ -107,13 +107,14 @@ from moe_torch.ops.activation.triton import ACTIVATION_CODES, gated_values
 from moe_torch.ops.decode.config import (DEFAULT_NUM_SMS, FP8_BLOCK_K, FP8_MIN_BLOCK_K, MAX_SLOTS, MIN_DOT,
                                          W4_MIN_BLOCK_K, DecodeDownConfig, DecodeGateUpConfig, decode_down_config,
                                          decode_gate_up_config)
-from moe_torch.ops.grouped_gemm.triton import W_SCALE_CODES, _w4_tiles, e8m0_bf16_table
+from moe_torch.ops.grouped_gemm.triton import W_SCALE_CODES, _w4_tiles, w4_kernel_weights
 from moe_torch.ops.triton_common import MAX_GRID_AXIS_1, check_triton_device, fp8_scale, quantize_fp8_tile
 
 # The kernels' W_SCALE codes (grouped_gemm/triton.py's W_SCALE_CODES): FP8 per-expert [E] / per-channel [E, N] weight
 # scales (per-token activations), 128 x 128 blocks (1 x 128 activation groups), 4-bit codes.
-_WS_NONE, _WS_EXPERT, _WS_CHANNEL, _WS_BLOCK, _WS_MXFP4, _WS_INT4 = (
-    tl.constexpr(W_SCALE_CODES[name]) for name in (None, "per_expert", "per_channel", "block", "mxfp4", "int4"))
+_WS_NONE, _WS_EXPERT, _WS_CHANNEL, _WS_BLOCK, _WS_MXFP4, _WS_INT4, _WS_MXFP4_MMA = (
+    tl.constexpr(W_SCALE_CODES[name])
+    for name in (None, "per_expert", "per_channel", "block", "mxfp4", "int4", "mxfp4_mma"))
 _FP8_BLOCK = tl.constexpr(FP8_BLOCK_K)
 MIN_DOT_ROWS = tl.constexpr(MIN_DOT)
 #: FP8 weight-scale layout by the scale's rank: [E_local], [E_local, N], [E_local, cdiv(N, 128), cdiv(K, 128)].
@@ -261,7 +262,7 @@ def _decode_gate_up_kernel(
                 ks = k0 + offs_k
                 k_mask = ks < H
                 xs = _slot_rows(x_ptr, x_rows, ks, row_mask[:, None] & k_mask[None, :], in_scale, ON_INPUT)
-                if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4:
+                if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4 or W_SCALE == _WS_MXFP4_MMA:
                     # 4-bit codes decoded to x's dtype (CONTRACT.md section 9), as the grouped GEMM does
                     x_even, x_odd = tl.split(tl.reshape(xs, [BLOCK_M, BLOCK_K // 2, 2]))
                     g_even, g_odd = _w4_tiles(w_ptr + e64 * stride_we + g_rows[:, None] * stride_wn,
@@ -401,7 +402,7 @@ def _decode_down_kernel(
                     i_mask = i0 + offs_i < I
                     a16 = tl.load(a_row + rows[:, None] * 0 + (i0 + offs_i)[None, :],
                                   mask=(rows == 0)[:, None] & i_mask[None, :], other=0.0)
-                    if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4:
+                    if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4 or W_SCALE == _WS_MXFP4_MMA:
                         lo, hi = _w4_tiles(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn,
                                            ws_ptr + e64 * stride_wse + cols64[:, None] * stride_wsn, stride_wsk, i0,
                                            I, col_mask, W_SCALE, BLOCK_H, BLOCK_I, a_ptr.dtype.element_ty, e8m0_lut)
@@ -416,7 +417,7 @@ def _decode_down_kernel(
             else:  # a float32 multiply and sum per chunk (float32 a; FP8 codes, exact products)
                 for i0 in range(0, I, BLOCK_I):
                     i_mask = i0 + offs_i < I
-                    if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4:
+                    if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4 or W_SCALE == _WS_MXFP4_MMA:
                         # 4-bit codes decoded to x's dtype; low nibbles meet a's even columns, high its odd ones
                         lo, hi = _w4_tiles(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn,
                                            ws_ptr + e64 * stride_wse + cols64[:, None] * stride_wsn, stride_wsk, i0, I,
@@ -493,7 +494,7 @@ def _unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
 def _scale_code(config: MoEConfig, w_scale: torch.Tensor | None) -> int:
     """The kernels' ``W_SCALE`` for one weight: its FP8 scale layout (by rank), the 4-bit format, or 0 (float)."""
     if config.quant in W4_QUANTS:
-        return W_SCALE_CODES[config.quant]
+        return W_SCALE_CODES[config.w_format]
     if config.quant in FP8_QUANTS:
         return W_SCALE_CODES[_FP8_SCALE_LAYOUTS[w_scale.ndim]]
     return 0
@@ -538,7 +539,7 @@ def fused_experts_decode_triton(
         raise NotImplementedError(f"{op}: the Triton decode kernels take at most {MAX_SLOTS} assignments T * (topk + S) "
                                   f"(every program holds all ids); got T={T}, k={k} ({S}) (the staged layer serves "
                                   f"such batches)")
-    w_format = config.quant if config.quant in W4_QUANTS else None
+    w_format = config.w_format
     w4 = w_format is not None
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else DEFAULT_NUM_SMS
     cfg_a = gate_up_config or decode_gate_up_config(T, k, H, I, e_local, w4=w4, fp8=fp8, num_sms=num_sms)
@@ -560,7 +561,10 @@ def fused_experts_decode_triton(
     if max(grid_a[1], grid_b[1]) > MAX_GRID_AXIS_1:
         raise NotImplementedError(f"{op}: {max(grid_a[1], grid_b[1])} column programs exceed CUDA's grid axis 1 limit "
                                   f"{MAX_GRID_AXIS_1}")
-    lut = e8m0_bf16_table(x.device) if w_format == "mxfp4" and x.dtype == torch.bfloat16 and x.is_cuda else None
+    # MMA-layout codes back in the checkpoint layout where the float32 decode runs (the interpreter, non-bf16 x)
+    w13, w13_scale, kernel_format, lut = w4_kernel_weights(x, w13, w13_scale, w_format)
+    w2, w2_scale, _, _ = w4_kernel_weights(x, w2, w2_scale, w_format)
+    w_code = W_SCALE_CODES[kernel_format] if w4 else None
     on_input = config.apply_router_weight_on_input
     _decode_gate_up_kernel[grid_a](
         x, ids, weights, w13, w13_scale if w13_scale is not None else w13,
@@ -570,7 +574,7 @@ def fused_experts_decode_triton(
         w13_bias.stride(0) if w13_bias is not None else 0, a.stride(0),
         K_SLOTS=k, TOPK=config.topk, ON_INPUT=on_input, ACTIVATION=ACTIVATION_CODES[config.activation],
         INTERLEAVED=config.gate_up_layout == "interleaved", HAS_BIAS=w13_bias is not None,
-        W_SCALE=_scale_code(config, w13_scale), IEEE_F32=x.dtype == torch.float32,
+        W_SCALE=w_code if w4 else _scale_code(config, w13_scale), IEEE_F32=x.dtype == torch.float32,
         BLOCK_E=triton.next_power_of_2(e_local), CHUNK_S=cfg_a.chunk_s,
         NUM_CHUNKS=triton.cdiv(S, cfg_a.chunk_s), NUM_M_BLOCKS=triton.cdiv(S, cfg_a.block_m),
         BLOCK_M=cfg_a.block_m, BLOCK_N=cfg_a.block_n, BLOCK_K=cfg_a.block_k, e8m0_lut=lut,
@@ -583,7 +587,7 @@ def fused_experts_decode_triton(
         a.stride(0), w2.stride(0), w2.stride(1), *_scale_strides(w2_scale),
         w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0),
         K_SLOTS=k, TOPK=config.topk, ON_INPUT=on_input, HAS_BIAS=w2_bias is not None, APPLY_RSF=rsf != 1.0,
-        W_SCALE=_scale_code(config, w2_scale), USE_DOT=use_dot, BLOCK_H=cfg_b.block_h, BLOCK_I=cfg_b.block_i, e8m0_lut=lut,
+        W_SCALE=w_code if w4 else _scale_code(config, w2_scale), USE_DOT=use_dot, BLOCK_H=cfg_b.block_h, BLOCK_I=cfg_b.block_i, e8m0_lut=lut,
         num_warps=cfg_b.num_warps, num_stages=cfg_b.num_stages,
     )
     return out

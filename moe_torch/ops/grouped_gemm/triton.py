@@ -148,12 +148,13 @@ import triton
 import triton.language as tl
 
 from moe_contract.selection import DeviceSpec
-from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, INT4_PACKED_ASM, MXFP4_PACKED_ASM,
-                                      PACKED_ASM_CONSTRAINTS, e8m0_bf16_bits)
+from moe_contract.w4_layout import MXFP4_MMA_MAX_SCALE_CODE, e8m0_bf16_bits_mma
+from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, INT4_PACKED_ASM, MXFP4_MMA_PACKED_ASM,
+                                      MXFP4_PACKED_ASM, PACKED_ASM_CONSTRAINTS, e8m0_bf16_bits)
 from moe_torch.ops.grouped_gemm.config import (GLUON_MIN_ROWS, GLUON_MIN_ROWS_PER_EXPERT, TMA_MAX_BLOCK, W_SCALE_BLOCK, GroupedGemmConfig, check_config, grouped_gemm_config,
                                                hopper_wide_config, tuned_forward_kernel)
 from moe_torch.ops.device import device_spec
-from moe_torch.ops.quant.reference import FP8_DTYPE
+from moe_torch.ops.quant.reference import FP8_DTYPE, mxfp4_mma_as_checkpoint
 from moe_torch.ops import triton_interpret
 from moe_torch.ops.triton_common import (MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device,
                                          gluon_bf16_switch, gluon_fp8_block_enabled, gluon_fp8_rowwise_enabled)
@@ -162,10 +163,11 @@ from moe_torch.ops.triton_common import (MAX_GRID_AXIS_1, aligned_tiles_enabled,
 X_SCALE_CODES = {None: 0, "per_tensor": 1, "per_token": 2, "per_token_group": 3}
 #: ``w_scale`` layout -> the kernel's ``W_SCALE`` constexpr; ``"mxfp4"`` and ``"int4"`` are 4-bit
 #: packed weights with one scale per group of 32 along K (CONTRACT.md section 9).
-W_SCALE_CODES = {None: 0, "per_expert": 1, "per_channel": 2, "block": 3, "mxfp4": 4, "int4": 5}
+W_SCALE_CODES = {None: 0, "per_expert": 1, "per_channel": 2, "block": 3, "mxfp4": 4, "int4": 5, "mxfp4_mma": 6}
 # The same codes as constexprs, for the kernel's comparisons (triton only reads constexpr globals).
 _XS_NONE, _XS_TENSOR, _XS_ROW, _XS_GROUP = (tl.constexpr(c) for c in X_SCALE_CODES.values())
-_WS_NONE, _WS_EXPERT, _WS_CHANNEL, _WS_BLOCK, _WS_MXFP4, _WS_INT4 = (tl.constexpr(c) for c in W_SCALE_CODES.values())
+_WS_NONE, _WS_EXPERT, _WS_CHANNEL, _WS_BLOCK, _WS_MXFP4, _WS_INT4, _WS_MXFP4_MMA = (
+    tl.constexpr(c) for c in W_SCALE_CODES.values())
 #: float32 bit patterns of the 4-bit decode (CONTRACT.md section 9): e2m1 0.5 (exponent field 126, the
 #: value of code 1), the e8m0 scale 2^-127 of ``s = 0`` (a subnormal: mantissa bit 22), a quiet NaN
 #: (the e8m0 scale 255).
@@ -183,6 +185,9 @@ _PACKED_CONSTRAINTS = tl.constexpr(PACKED_ASM_CONSTRAINTS)
 # shared with the Pallas-Triton kernel.
 _MXFP4_PACKED_ASM = tl.constexpr(MXFP4_PACKED_ASM)
 _INT4_PACKED_ASM = tl.constexpr(INT4_PACKED_ASM)
+# MXFP4 codes in the MMA layout (``moe_contract/w4_layout.py``): one mask per pair, the scale table 2^(s - 1).
+_MXFP4_MMA_PACKED_ASM = tl.constexpr(MXFP4_MMA_PACKED_ASM)
+_MMA_MAX_SCALE_CODE = tl.constexpr(MXFP4_MMA_MAX_SCALE_CODE)
 #: Whether ``_w4_tiles`` decodes bf16 tiles with the packed asm above: everywhere but the interpreter (which has
 #: no inline PTX; it runs the float32 decode, whose values are the same, CONTRACT.md section 9).
 _W4_PACKED = tl.constexpr(not triton.knobs.runtime.interpret)
@@ -325,11 +330,11 @@ def _w4_tiles(
     k0,  # int: first K element of this step (a multiple of BLOCK_K)
     K,  # int: reduction size (a multiple of 32)
     col_mask,  # [BLOCK_N] bool: cols < N
-    W4: tl.constexpr,  # _WS_MXFP4 or _WS_INT4
+    W4: tl.constexpr,  # _WS_MXFP4, _WS_INT4 or _WS_MXFP4_MMA (bf16 DTYPE on a GPU only: the launchers' check)
     BLOCK_N: tl.constexpr,  # columns per tile
     BLOCK_K: tl.constexpr,  # K step: a power of 2 >= 32 (whole scale groups)
     DTYPE: tl.constexpr,  # x's dtype: the decoded weights are rounded to it
-    e8m0_lut=None,  # None, or bf16 [256]: 2^(s - 127) by e8m0 code (MXFP4, packed decode)
+    e8m0_lut=None,  # None, or bf16 [256]: 2^(s - 127) by e8m0 code (MXFP4, packed decode); 2^(s - 1) for MXFP4_MMA
 ):
     """``(w_even, w_odd)``: the weights ``wd[e, cols, k0 + 2i]`` and ``wd[e, cols, k0 + 2i + 1]`` (``[BLOCK_N,
     BLOCK_K // 2]`` each, in ``DTYPE``; zero outside ``cols < N``, ``k < K``: masked bytes and scales load as 0, and
@@ -347,15 +352,30 @@ def _w4_tiles(
     (exact; no int-to-float conversion), times ``float32(scale)``, rounded once to ``DTYPE``.
 
     bf16 ``DTYPE`` outside the interpreter: the same values from the packed PTX of ``moe_contract/w4_packed_asm.py``
-    (4 bytes a call; MXFP4 scales as bf16 from ``e8m0_lut`` when given, else from their bits)."""
+    (4 bytes a call; MXFP4 scales as bf16 from ``e8m0_lut`` when given, else from their bits). ``_WS_MXFP4_MMA``:
+    the codes in the MMA layout (CONTRACT.md section 9), decoded by ``MXFP4_MMA_PACKED_ASM`` into the same two
+    halves, with the folded scales ``2^(s - 1)`` (``e8m0_bf16_bits_mma``; NaN for 129..254 and 255): the 4 bytes of
+    a call must be one aligned word of the row, as the load's layout gives them (16-byte vectors along K)."""
     HALF: tl.constexpr = BLOCK_K // 2
     GROUPS: tl.constexpr = BLOCK_K // 32
-    kp = k0 // 2 + tl.arange(0, HALF)  # packed byte columns
-    packed_u8 = tl.load(w_rows + kp[None, :], mask=col_mask[:, None] & (kp < K // 2)[None, :], other=0)
+    if W4 == _WS_MXFP4_MMA:
+        # whole 16-byte groups known to the compiler (k0 // 2 and (K // 32) * 16 = K // 2 are multiples of 16), so
+        # that a thread's bytes come in 16-byte vectors: the asm's 4 bytes must be one word of the row
+        kp = tl.multiple_of(k0 // 2, 16) + tl.arange(0, HALF)
+        packed_u8 = tl.load(w_rows + kp[None, :], mask=col_mask[:, None] & (kp < (K // 32) * 16)[None, :], other=0)
+    else:
+        kp = k0 // 2 + tl.arange(0, HALF)  # packed byte columns
+        packed_u8 = tl.load(w_rows + kp[None, :], mask=col_mask[:, None] & (kp < K // 2)[None, :], other=0)
     kg = k0 // 32 + tl.arange(0, GROUPS)  # scale groups of this step
     scale = tl.load(ws_rows + kg[None, :] * stride_wsk, mask=col_mask[:, None] & (kg < K // 32)[None, :], other=0)
     if _W4_PACKED and DTYPE == tl.bfloat16:  # the packed asm decode (above), with the scales as bf16
-        if W4 == _WS_MXFP4 and e8m0_lut is not None:
+        if W4 == _WS_MXFP4_MMA and e8m0_lut is not None:
+            sb = tl.load(e8m0_lut + scale.to(tl.int32))
+        elif W4 == _WS_MXFP4_MMA:  # (s + 126) << 7 = 2^(s - 1) up to code 128, else NaN
+            s = scale.to(tl.int32)
+            s_bits = tl.where(s <= _MMA_MAX_SCALE_CODE, (s + 126) << 7, _BF16_NAN_BITS)
+            sb = s_bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        elif W4 == _WS_MXFP4 and e8m0_lut is not None:
             # a gather from the 512-byte table, on the compact [BLOCK_N, GROUPS] tile (the arithmetic below is
             # redone per element after the broadcast, which the compiler moves to the bytes: 410 -> 363 SASS a step)
             sb = tl.load(e8m0_lut + scale.to(tl.int32))
@@ -366,13 +386,18 @@ def _w4_tiles(
         else:
             sb = scale.to(tl.bfloat16)
         sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, HALF))
-        if W4 == _WS_MXFP4:
+        if W4 == _WS_MXFP4_MMA:
+            lo, hi = tl.inline_asm_elementwise(_MXFP4_MMA_PACKED_ASM, _PACKED_CONSTRAINTS, [packed_u8, sb],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        elif W4 == _WS_MXFP4:
             lo, hi = tl.inline_asm_elementwise(_MXFP4_PACKED_ASM, _PACKED_CONSTRAINTS, [packed_u8, sb],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         else:
             lo, hi = tl.inline_asm_elementwise(_INT4_PACKED_ASM, _PACKED_CONSTRAINTS, [packed_u8, sb],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         return lo, hi
+    else:  # (visited only without the packed decode: the code after a constexpr branch's return is compiled too)
+        tl.static_assert(W4 != _WS_MXFP4_MMA, "MMA-layout codes are decoded by the packed asm only (bf16, a GPU)")
     if W4 == _WS_MXFP4:
         s = scale.to(tl.int32)
         s_bits = tl.where(s == 0, _F32_2_POW_M127_BITS, s << 23)
@@ -509,7 +534,7 @@ def _grouped_gemm_tile(
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
             k_mask = ks < K
-            if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4:
+            if W_SCALE == _WS_MXFP4 or W_SCALE == _WS_INT4 or W_SCALE == _WS_MXFP4_MMA:
                 # 4-bit: decoded to x's dtype (CONTRACT.md section 9; _w4_tiles); x's even columns meet the low
                 # nibbles, its odd columns the high ones, in two float dots.
                 w_even, w_odd = _w4_tiles(w_ptr + e64 * stride_we + cols64[:, None] * stride_wn,
@@ -831,7 +856,13 @@ def default_triton_config(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_f
     _, w_layout, group = scale_layouts(x, x_scale, w_scale)
     device = device_spec(x.device) if x.is_cuda else None
     return _default_config(M_cap, N, K, E, x.element_size() * 8, group, w_layout == "block", device,
-                           w_format=w_format, bias=bias is not None)
+                           w_format=_tile_format(w_format), bias=bias is not None)
+
+
+def _tile_format(w_format: str | None) -> str | None:
+    """The format whose tiles a 4-bit launch takes: MMA-layout codes tile as their checkpoint format (only the
+    decode differs)."""
+    return "mxfp4" if w_format == "mxfp4_mma" else w_format
 
 
 def as_tma(cfg: GroupedGemmConfig) -> GroupedGemmConfig:
@@ -1003,23 +1034,44 @@ def gluon_bf16_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_for
     return gluon_bf16_options(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias) is not None
 
 
-_E8M0_TABLES: dict[torch.device, torch.Tensor] = {}
+_E8M0_TABLES: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
 
-def e8m0_bf16_table(device: torch.device) -> torch.Tensor | None:
+def e8m0_bf16_table(device: torch.device, mma: bool = False) -> torch.Tensor | None:
     """bf16 ``[256]``: the value ``2^(s - 127)`` of each e8m0 code ``s`` (``s = 0`` the subnormal ``2^-127``, ``s = 255``
-    NaN; CONTRACT.md section 9), built once per device from ``moe_contract/w4_packed_asm.py: e8m0_bf16_bits``.
+    NaN; CONTRACT.md section 9), built once per device from ``moe_contract/w4_packed_asm.py: e8m0_bf16_bits``;
+    ``mma``: the MMA layout's folded scales ``2^(s - 1)`` (``moe_contract/w4_layout.py: e8m0_bf16_bits_mma``).
 
     ``None`` while a CUDA graph is being captured on ``device`` and no table was built before: the copy to the
     device cannot be captured, so such a launch decodes the scales from their bits (the same values) and the graph
     keeps doing so on replay."""
-    table = _E8M0_TABLES.get(device)
+    table = _E8M0_TABLES.get((device, mma))
     if table is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        table = torch.tensor(e8m0_bf16_bits(), dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(device)
-        _E8M0_TABLES[device] = table
+        bits = e8m0_bf16_bits_mma() if mma else e8m0_bf16_bits()
+        table = torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(device)
+        _E8M0_TABLES[(device, mma)] = table
     return table
+
+
+def w4_kernel_weights(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, w_format: str | None):
+    """``(w, w_scale, w_format, e8m0_lut)`` as a 4-bit kernel launch takes them. The packed decode (bf16 ``x`` on a
+    GPU) reads ``"mxfp4_mma"`` codes as they are; every other launch (the interpreter, float16 / float32 ``x``)
+    decodes in float32 from the checkpoint layout, so those codes go back to it first (``mxfp4_mma_as_checkpoint``:
+    the same values, a copy of the codes a call; no host sync); MMA-layout rows not 16-byte aligned are copied
+    (a view of a row's tail: its words would be read across). ``e8m0_lut``: the packed decode's scale table."""
+    packed = x.is_cuda and x.dtype == torch.bfloat16 and not triton.knobs.runtime.interpret
+    if w_format == "mxfp4_mma" and not packed:
+        w, w_scale = mxfp4_mma_as_checkpoint(w, w_scale)
+        w_format = "mxfp4"
+    elif w_format == "mxfp4_mma" and (w.data_ptr() % 16 or w.stride(0) % 16 or w.stride(1) % 16):
+        # the kernels see 16-byte aligned rows (specialized by the launch) only then, and so load whole words
+        w = w.clone(memory_format=torch.contiguous_format)
+    lut = None
+    if packed and w_format in ("mxfp4", "mxfp4_mma"):
+        lut = e8m0_bf16_table(x.device, mma=w_format == "mxfp4_mma")
+    return w, w_scale, w_format, lut
 
 
 def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=None, bias=None):
@@ -1045,14 +1097,17 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=No
         bias = bias.contiguous()
     expert_offsets = expert_offsets.contiguous()
     x_layout, w_layout, group = scale_layouts(x, x_scale, w_scale)
+    # the packed MXFP4 decode reads its scales' bf16 values from a table (the interpreter decodes in float32)
+    w, w_scale, w_format, lut = w4_kernel_weights(x, w, w_scale, w_format)
     if w_format is not None:  # 4-bit weights: their scales are the format's groups of 32 along K
         w_layout = w_format
     bits = x.element_size() * 8
     w_block = w_layout == "block"
     device = device_spec(x.device) if x.is_cuda else None  # host-side, cached: no sync
-    cfg = config or _default_config(M_cap, N, K, E, bits, group, w_block, device, w_format=w_format,
+    tile_format = _tile_format(w_format)
+    cfg = config or _default_config(M_cap, N, K, E, bits, group, w_block, device, w_format=tile_format,
                                     bias=bias is not None)
-    check_config(op, cfg, bits, group, w_block, w_format, bias=bias is not None)
+    check_config(op, cfg, bits, group, w_block, tile_format, bias=bias is not None)
     grid = launch_grid(op, cfg, M_cap, N, E, x.device)
     if M_cap == 0 or N == 0 or E == 0:
         return out  # nothing to compute: every row stays 0
@@ -1066,8 +1121,6 @@ def _launch(op, x, w, expert_offsets, x_scale, w_scale, out, config, w_format=No
                 raise  # asked for by the caller: say why it cannot be served
             # a tuned default this x / w cannot take (alignment, strides): the pointer kernel, same tiles and order
             cfg = dataclasses.replace(cfg, tma=False, warp_specialize=False)
-    # the packed MXFP4 decode reads its scales' bf16 values from a table (the interpreter decodes in float32)
-    lut = e8m0_bf16_table(x.device) if w_format == "mxfp4" and x.dtype == torch.bfloat16 and x.is_cuda else None
     xs = x_scale if x_scale is not None else out  # never read without FP8
     ws = w_scale if w_scale is not None else out
     xs_strides = (*xs.stride(), 0, 0)[:2] if x_scale is not None else (0, 0)  # () for a per-tensor scale

@@ -19,7 +19,7 @@ from moe_contract.op_checks import (
     check_weight,
 )
 from moe_contract.validation import check_choice, check_per_tensor_scale, check_positive_int
-from moe_contract.w4_layout import check_mma_layout_input, mma_moves
+from moe_contract.w4_layout import check_mma_layout_input
 from moe_torch.ops.quant import reference as ref
 from moe_torch.ops.common import resolve_dtype, takes_torch_tensors
 
@@ -267,22 +267,9 @@ def dequantize_weight_int4(w_q: torch.Tensor, w_scale: torch.Tensor, *, out_dtyp
     return ref.dequantize_weight_4bit_reference(w_q, w_scale, "int4", out_dtype)
 
 
-#: Words a chunk of the MMA re-layout (its int64 temporaries: 128 MiB each).
-_MMA_CHUNK_WORDS = 1 << 24
-
-
 def _mma_permute(op: str, w_q: torch.Tensor, to_mma: bool) -> torch.Tensor:
     check_mma_layout_input(op, str(w_q.dtype).removeprefix("torch."), tuple(w_q.shape))
-    words = w_q.detach().contiguous().view(torch.int32).reshape(-1)
-    out = torch.empty_like(words)
-    for c0 in range(0, words.numel(), _MMA_CHUNK_WORDS):
-        w = words[c0:c0 + _MMA_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF  # the word as unsigned, in int64
-        acc = torch.zeros_like(w)
-        for r, mask in mma_moves(to_mma):
-            rot = w if r == 0 else ((w << r) | (w >> (32 - r))) & 0xFFFFFFFF
-            acc |= rot & mask
-        out[c0:c0 + _MMA_CHUNK_WORDS] = torch.where(acc >= 2**31, acc - 2**32, acc).to(torch.int32)
-    return out.view(torch.uint8).reshape(w_q.shape)
+    return ref.mma_permute(w_q, to_mma)
 
 
 @takes_torch_tensors

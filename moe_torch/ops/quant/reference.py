@@ -11,6 +11,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from moe_contract.w4_layout import MXFP4_MMA_MAX_SCALE_CODE, mma_moves
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 #: float32(1/448) (exactly representable as a python float): scales are ``amax * INV_FP8_MAX``.
@@ -257,7 +259,36 @@ def dequantize_int4_reference(w_q: torch.Tensor, w_scale: torch.Tensor) -> torch
 
 
 _W4_QUANTIZERS = {"mxfp4": (quantize_mxfp4_rows, torch.uint8), "int4": (quantize_int4_rows, torch.bfloat16)}
-_W4_DEQUANTIZERS = {"mxfp4": dequantize_mxfp4_reference, "int4": dequantize_int4_reference}
+#: Words a chunk of the MMA re-layout (its int64 temporaries: 128 MiB each).
+_MMA_CHUNK_WORDS = 1 << 24
+
+
+def mma_permute(w_q: torch.Tensor, to_mma: bool) -> torch.Tensor:
+    """MXFP4 codes ``[..., K // 2]`` uint8 (last axis a multiple of 4, unchecked) to the MMA layout (``to_mma``) or
+    back (``moe_contract/w4_layout.py``): each little-endian 32-bit word is ``OR(rotl(word, r) & mask)`` over
+    ``mma_moves``. A new tensor on ``w_q``'s device; no host sync."""
+    words = w_q.detach().contiguous().view(torch.int32).reshape(-1)
+    out = torch.empty_like(words)
+    for c0 in range(0, words.numel(), _MMA_CHUNK_WORDS):
+        w = words[c0:c0 + _MMA_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF  # the word as unsigned, in int64
+        acc = torch.zeros_like(w)
+        for r, mask in mma_moves(to_mma):
+            rot = w if r == 0 else ((w << r) | (w >> (32 - r))) & 0xFFFFFFFF
+            acc |= rot & mask
+        out[c0:c0 + _MMA_CHUNK_WORDS] = torch.where(acc >= 2**31, acc - 2**32, acc).to(torch.int32)
+    return out.view(torch.uint8).reshape(w_q.shape)
+
+
+def mxfp4_mma_as_checkpoint(w_q: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``"mxfp4_mma"`` weights as the ``"mxfp4"`` weights of the same values (CONTRACT.md section 9, MMA layout):
+    the codes back in the checkpoint layout, and the scale codes the layout's table does not hold (129..254) as
+    255 (NaN), which is what the kernels reading the layout give for them. New tensors; no host sync."""
+    bad = (w_scale > MXFP4_MMA_MAX_SCALE_CODE) & (w_scale != 255)
+    return mma_permute(w_q, False), torch.where(bad, torch.full_like(w_scale, 255), w_scale)
+
+
+_W4_DEQUANTIZERS = {"mxfp4": dequantize_mxfp4_reference, "int4": dequantize_int4_reference,
+                    "mxfp4_mma": lambda w_q, w_scale: dequantize_mxfp4_reference(*mxfp4_mma_as_checkpoint(w_q, w_scale))}
 
 
 def dequantize_weight_4bit_reference(w_q: torch.Tensor, w_scale: torch.Tensor, fmt: str,
