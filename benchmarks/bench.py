@@ -81,7 +81,9 @@ Backends (a backend that cannot run gives a row with ``error``, and the run goes
   under autograd (:func:`layer_grad_reference`); the transformers row, computed by torch's autograd
   through transformers' own code, is the independent check of that reference.
 - decode (on request: ``--what decode``; :func:`benchmarks.specs.decode_specs`): the layer rows (same
-  backends, CUDA-graph row included, and the decode path: ``ours-torch-decode-cudagraph``, ``ours-jax-decode``)
+  backends, CUDA-graph row included, and the decode path: ``ours-torch-decode-cudagraph``, ``ours-jax-decode``;
+  MXFP4 also on codes repacked to the MMA layout: ``ours-torch-triton-mma-cudagraph``,
+  ``ours-torch-decode-mma-cudagraph``)
   at T in {1, 2, 4, 8, 16, 32, 64, 128} of four models in the weight format each ships in: gpt-oss-120b MXFP4
   (E=128, topk 4, H=I=2880, router and expert biases, clamped SwiGLU on interleaved gate/up), DeepSeek-V3 FP8
   blocks as one EP8 rank (its 32 routed experts and the shared one; the row is that rank's partial sum),
@@ -723,6 +725,19 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
                                bench=bench)
     if dev.type == "cuda" and bench == "decode" and ctx.wants("ours-torch-decode-cudagraph"):
         bench_decode_path(ctx, spec, x, logits, (w13, w2), kw, sgl, config, ref, common)
+    mma_rows = [n for n in ("ours-torch-triton-mma-cudagraph", "ours-torch-decode-mma-cudagraph") if ctx.wants(n)]
+    if dev.type == "cuda" and config.quant == "mxfp4" and mma_rows:  # the codes repacked for the MMA (load time)
+        from moe_torch.layer import mma_layout_weight
+
+        mma = config.replace(w4_layout="mma")
+        m13, _ = mma_layout_weight("bench", "w13", w13, kw["w13_scale"])
+        m2, _ = mma_layout_weight("bench", "w2", w2, kw["w2_scale"])
+        if "ours-torch-triton-mma-cudagraph" in mma_rows:
+            bench_layer_cuda_graph(ctx, spec, x, logits, (m13, m2), dict(kw, shared_expert_gate_logits=sgl), mma, ref,
+                                   common, bench=bench, name="ours-torch-triton-mma-cudagraph")
+        if bench == "decode" and "ours-torch-decode-mma-cudagraph" in mma_rows:
+            bench_decode_path(ctx, spec, x, logits, (m13, m2), kw, sgl, mma, ref, common,
+                              name="ours-torch-decode-mma-cudagraph")
     jsets = [(j(x_), j(l_), j(w13), j(w2), j(s13), j(s2), j(bias), j(b13), j(b2), j(s_))
              for x_, l_, s_ in zip(xs, lgs, sgls)]
     # pallas_mosaic_gpu: the grouped GEMMs on Mosaic GPU, every other stage its default (pallas_triton on a GPU)
@@ -799,7 +814,7 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
 
 
 def bench_layer_cuda_graph(ctx: Ctx, spec, x, logits, weights: tuple, kw: dict, config, ref, common: dict,
-                           bench: str = "layer") -> None:
+                           bench: str = "layer", name: str = "ours-torch-triton-cudagraph") -> None:
     """The Triton layer captured once in a CUDA graph and replayed (how SGLang/vLLM run decode): the
     launch overhead of the eager row goes away. Also the GPU proof that the layer captures (no host
     sync on the Triton path). ``kw``: moe_forward's weight-side keywords (scales, biases, gate logits)."""
@@ -807,19 +822,18 @@ def bench_layer_cuda_graph(ctx: Ctx, spec, x, logits, weights: tuple, kw: dict, 
 
     w13, w2 = weights
     static_x, static_logits = x.clone(), logits.clone()
-    run_torch_cuda_graph(ctx, bench, "ours-torch-triton-cudagraph", spec, lambda: moe_torch.moe_forward(
+    run_torch_cuda_graph(ctx, bench, name, spec, lambda: moe_torch.moe_forward(
         static_x, static_logits, w13, w2, config, **kw, implementation="triton"), ref, common)
 
 
 def bench_decode_path(ctx: Ctx, spec, x, logits, weights: tuple, kw: dict, shared_gate_logits, config, ref,
-                      common: dict) -> None:
+                      common: dict, name: str = "ours-torch-decode-cudagraph") -> None:
     """The low-latency decode path (``moe_torch.ops.decode.fused_experts_decode``: GEMM 1 + activation, GEMM 2 +
     combine, two launches) after the layer's gate, captured in a CUDA graph (``ours-torch-decode-cudagraph``)."""
     from moe_torch.layer import run_gate
     from moe_torch.ops.decode import fused_experts_decode
     from moe_torch.slot_weights import slot_weights
 
-    name = "ours-torch-decode-cudagraph"
     w13, w2 = weights
     static_x, static_logits = x.clone(), logits.clone()
     static_sgl = None if shared_gate_logits is None else shared_gate_logits.clone()
