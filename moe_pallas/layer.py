@@ -44,7 +44,7 @@ from moe_pallas.ops.permute import api as permute_api
 from moe_pallas.ops.permute.api import permute, permute_backward, routing_metadata
 from moe_pallas.ops.quant.api import (QUANT_CHUNK_BYTES, dequantize_fp8, mxfp4_to_mma_layout, quantize_weight_fp8,
                                       quantize_weight_int4, quantize_weight_mxfp4)
-from moe_pallas.ops.quant.reference import dequantize_weight_4bit_reference, mxfp4_mma_as_checkpoint
+from moe_pallas.ops.quant.reference import dequantize_weight_4bit_reference
 from moe_pallas.slot_weights import scaled_slot_rows, scaled_slot_rows_backward, slot_weights, slot_weights_backward
 
 #: Every backend name any stage knows (a stage without the chosen one uses its default).
@@ -162,9 +162,6 @@ def moe_forward(
         raise TypeError(f"{op}: recompute must be a bool; got {type(recompute).__name__} {recompute!r}")
     check_router_loss_option(op, config, router_logits, return_router_losses, seq_len)
     # a derivative of the gradient raises here, naming the op (the custom_vjp's backward is not differentiable)
-    if config.w4_layout == "mma":  # the Pallas kernels decode the checkpoint layout: the codes go back to it
-        (w13, w13_scale), (w2, w2_scale) = mxfp4_mma_as_checkpoint(w13, w13_scale), mxfp4_mma_as_checkpoint(w2, w2_scale)
-        config = config.replace(w4_layout="checkpoint")
     arrays = first_order_only(op, x, router_logits, w13, w2, w13_scale, w2_scale, e_score_correction_bias,
                               shared_expert_gate_logits, w13_bias, w2_bias)
     out, topk_ids = _moe_layer(config, implementation, recompute, *arrays)
@@ -279,7 +276,7 @@ def dgrad_weight(w, w_scale, config: MoEConfig, dtype):
     decode live), ``[E_local, N, K]`` of ``dtype`` in all."""
     if config.quant not in W4_QUANTS:
         return w, w_scale
-    fmt = config.quant
+    fmt = config.w_format
     return jax.lax.map(lambda e: cast_rounded(dequantize_weight_4bit_reference(e[0], e[1], fmt), dtype),
                        (w, w_scale)), None
 
@@ -464,8 +461,9 @@ def run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, im
 
 
 def w_format(config: MoEConfig) -> str | None:
-    """The grouped GEMM's ``w_format`` of the layer's weights: ``config.quant`` for the 4-bit modes, else ``None``."""
-    return config.quant if config.quant in W4_QUANTS else None
+    """The grouped GEMM's ``w_format`` of the layer's weights (``MoEConfig.w_format``): the 4-bit modes' format
+    (``"mxfp4_mma"`` for MMA-layout codes), else ``None``."""
+    return config.w_format
 
 
 def _expert_rows(x, k: int, input_scale):

@@ -18,7 +18,6 @@ import jax
 
 from moe_contract.config import MoEConfig
 from moe_contract.op_checks import check_fused_experts_decode
-from moe_pallas.ops.quant.reference import mxfp4_mma_as_checkpoint
 from moe_contract.validation import check_choice
 from moe_pallas.ops.common import takes_jax_arrays
 from moe_pallas.ops.decode.pallas_triton import fused_experts_decode_pallas_triton
@@ -122,9 +121,6 @@ def fused_experts_decode(
     named = {"x": x, "topk_weights": topk_weights, "w13": w13, "w2": w2, "w13_bias": w13_bias, "w2_bias": w2_bias}
     x, topk_weights, w13, w2, w13_bias, w2_bias = (None if a is None else _no_derivative(name, a)
                                                    for name, a in named.items())
-    if config.w4_layout == "mma":  # the Pallas kernels decode the checkpoint layout: the codes go back to it
-        (w13, w13_scale), (w2, w2_scale) = mxfp4_mma_as_checkpoint(w13, w13_scale), mxfp4_mma_as_checkpoint(w2, w2_scale)
-        config = config.replace(w4_layout="checkpoint")
     args = (x, topk_weights, topk_ids, w13, w2, config, w13_bias, w2_bias, w13_scale, w2_scale)
     return dispatch(_OP, implementation, {"pallas_triton": lambda: fused_experts_decode_pallas_triton(*args),
                                           "reference": lambda: fused_experts_decode_reference(*args)})

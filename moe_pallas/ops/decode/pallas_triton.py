@@ -114,7 +114,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_contract.config import W4_QUANTS, MoEConfig
+from moe_contract.config import MoEConfig
 from moe_pallas.ops import common as _common  # its import applies patch_pallas_triton_offsets
 from moe_pallas.ops.activation.reference import gated
 from moe_pallas.ops.decode.config import (DEFAULT_NUM_SMS, FP8_BLOCK, MIN_DOT, W4_MIN_BLOCK_K, DecodeDownConfig,
@@ -122,7 +122,7 @@ from moe_pallas.ops.decode.config import (DEFAULT_NUM_SMS, FP8_BLOCK, MIN_DOT, W
 from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import num_sms
 from moe_pallas.ops.grouped_gemm.pallas_triton import _w4_step_part
 from moe_pallas.ops.quant.pallas_triton import kernel_div_rn, quantize_div_fp8_kernel
-from moe_pallas.ops.quant.reference import (FP8_DTYPE, per_token_group_quant_fp8_reference,
+from moe_pallas.ops.quant.reference import (FP8_DTYPE, mxfp4_mma_as_checkpoint, per_token_group_quant_fp8_reference,
                                             per_token_quant_fp8_reference, scale_from_amax)
 from moe_pallas.slot_weights import slot_weights
 
@@ -405,7 +405,11 @@ def fused_experts_decode_pallas_triton(
     H, I = config.hidden_size, config.intermediate_size
     expert_start, e_local = config.local_expert_range()
     S = T * k
-    w_format = config.quant if config.quant in W4_QUANTS else None
+    w_format = config.w_format
+    if w_format == "mxfp4_mma" and (interpret or x.dtype != jnp.bfloat16):
+        # only the packed decode (bf16 x, compiled) reads the MMA layout: the codes back to the checkpoint's
+        (w13, w13_scale), (w2, w2_scale) = mxfp4_mma_as_checkpoint(w13, w13_scale), mxfp4_mma_as_checkpoint(w2, w2_scale)
+        w_format = "mxfp4"
     fp8 = _FP8_KIND.get(config.quant)  # None, "per_token" or "block"
     # each weight's own scale layout: fp8_per_token takes per-expert [E_local] or per-channel [E_local, N] for each
     kinds = [None if fp8 is None else {1: "per_expert", 2: "per_channel", 3: "block"}[s.ndim]

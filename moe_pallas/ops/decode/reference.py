@@ -31,7 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_contract.config import ACTIVATION_QUANT, W4_QUANTS, MoEConfig
+from moe_contract.config import ACTIVATION_QUANT, MoEConfig
 from moe_pallas.ops.activation.api import act_and_mul
 from moe_pallas.ops.combine.api import combine
 from moe_pallas.ops.grouped_gemm.api import grouped_gemm
@@ -59,7 +59,7 @@ def fused_experts_decode_reference(
     if T == 0:
         return jnp.zeros((0, x.shape[1]), x.dtype)
     expert_start, e_local = config.local_expert_range()
-    w_format = config.quant if config.quant in W4_QUANTS else None
+    w_format = config.w_format
     quant = ACTIVATION_QUANT[config.quant]
     meta = routing_metadata(topk_ids, config.num_total_experts, expert_start=expert_start, num_local_experts=e_local,
                             implementation=_REF)

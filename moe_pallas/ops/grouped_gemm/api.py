@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from moe_pallas.ops.quant.reference import mxfp4_mma_as_checkpoint
 from moe_contract.op_checks import (check_grouped_gemm, check_grouped_gemm_dbias, check_grouped_gemm_dgrad,
                                     check_grouped_gemm_wgrad)
 from moe_contract.validation import check_choice
@@ -135,9 +134,6 @@ def grouped_gemm(
         return jnp.zeros((0, N), out_dtype)
     # a derivative of the gradient raises, naming the op
     x, w, x_scale, w_scale, bias = first_order_only(op, x, w, x_scale, w_scale, bias)
-    if w_format == "mxfp4_mma":  # the Pallas kernels decode the checkpoint layout: the codes go back to it
-        w, w_scale = mxfp4_mma_as_checkpoint(w, w_scale)
-        w_format = "mxfp4"
     if w_format is not None:  # 4-bit weights: differentiable in x (and bias)
         return _grouped_gemm_4bit(x, w, expert_offsets, w_scale, bias, out_dtype, w_format, implementation)
     if x_scale is None:  # float inputs: differentiable in x and w (and bias)

@@ -67,10 +67,10 @@ def gemm_layout(x: jax.Array, x_scale: jax.Array | None, w_scale: jax.Array | No
     with 1x128 groups), else ``"fp8_" +`` the activation scale's kind: ``"fp8_per_tensor"`` (``[]``),
     ``"fp8_per_token"`` (``[M_cap, 1]``), ``"fp8_per_token_group"`` (``[M_cap, K // G]``), with per-expert or
     per-channel weight scales (both applied in the epilogue); 4-bit weights ``"<x dtype>_<w_format>"``
-    (``"bf16_mxfp4"``, ``"bf16_int4"``)."""
+    (``"bf16_mxfp4"``, ``"bf16_int4"``; MMA-layout MXFP4 codes are ``"bf16_mxfp4"``'s: the same kernels)."""
     dtype = _dtype_name(x.dtype)
     if w_format is not None:
-        return f"{dtype}_{w_format}"
+        return f"{dtype}_{'mxfp4' if w_format == 'mxfp4_mma' else w_format}"
     if x_scale is None:
         return dtype
     x_kind, w_kind, _ = scale_kinds(x_scale, w_scale, x.shape[1])

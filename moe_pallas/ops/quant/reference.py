@@ -470,7 +470,10 @@ def dequantize_weight_int4_reference(w_q: jax.Array, w_scale: jax.Array) -> jax.
 
 
 def dequantize_weight_4bit_reference(w_q: jax.Array, w_scale: jax.Array, w_format: str) -> jax.Array:
-    """:func:`dequantize_weight_mxfp4_reference` or :func:`dequantize_weight_int4_reference` by ``w_format``."""
+    """:func:`dequantize_weight_mxfp4_reference` or :func:`dequantize_weight_int4_reference` by ``w_format``
+    (``"mxfp4_mma"``: the MMA layout's codes, :func:`mxfp4_mma_as_checkpoint` first)."""
+    if w_format == "mxfp4_mma":
+        return dequantize_weight_mxfp4_reference(*mxfp4_mma_as_checkpoint(w_q, w_scale))
     if w_format == "mxfp4":
         return dequantize_weight_mxfp4_reference(w_q, w_scale)
     return dequantize_weight_int4_reference(w_q, w_scale)
