@@ -18,9 +18,20 @@ def takes_torch_tensors(fn):
     """Decorator: an argument that is an array of another kind (numpy, jax) is a ``TypeError``
     naming the op and the argument, raised before anything runs. (Numpy scalars are scalars.)"""
     signature = inspect.signature(fn)
+    params = signature.parameters.values()
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    n_positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        names, n_positional = None, -1  # (no fast path: *args / **kwargs)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        # the common call (tensors, None, Python scalars and strings, known keywords) needs no binding: it costs
+        # host time on every op call, which shows at small shapes
+        if (len(args) <= n_positional and kwargs.keys() <= names
+                and all(type(v) in _PLAIN or isinstance(v, torch.Tensor) for v in args)
+                and all(type(v) in _PLAIN or isinstance(v, torch.Tensor) for v in kwargs.values())):
+            return fn(*args, **kwargs)
         try:
             bound = signature.bind_partial(*args, **kwargs)
         except TypeError as exc:  # a misspelled keyword or too many arguments: name the op, as Python would
@@ -29,6 +40,10 @@ def takes_torch_tensors(fn):
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+#: Values that are never an array of another kind (:func:`takes_torch_tensors`' fast path).
+_PLAIN = frozenset({type(None), bool, int, float, str, torch.dtype})
 
 
 def check_torch_tensors(op: str, named: dict, *, required: bool = False) -> None:

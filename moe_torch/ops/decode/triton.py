@@ -104,6 +104,7 @@ import triton.language as tl
 
 from moe_contract.config import FP8_QUANTS, W4_QUANTS, MoEConfig
 from moe_torch.ops.activation.triton import ACTIVATION_CODES, gated_values
+from moe_torch.ops.device import device_spec
 from moe_torch.ops.decode.config import (DEFAULT_NUM_SMS, FP8_BLOCK_K, FP8_MIN_BLOCK_K, MAX_SLOTS, MIN_DOT,
                                          W4_MIN_BLOCK_K, DecodeDownConfig, DecodeGateUpConfig, decode_down_config,
                                          decode_gate_up_config)
@@ -541,7 +542,7 @@ def fused_experts_decode_triton(
                                   f"such batches)")
     w_format = config.w_format
     w4 = w_format is not None
-    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else DEFAULT_NUM_SMS
+    num_sms = device_spec(x.device).sm_count if x.is_cuda else DEFAULT_NUM_SMS
     cfg_a = gate_up_config or decode_gate_up_config(T, k, H, I, e_local, w4=w4, fp8=fp8, num_sms=num_sms)
     cfg_b = down_config or decode_down_config(T, H, I, w4=w4, fp8=fp8, num_sms=num_sms)
     # Kernel B on the tensor cores where a is 16-bit (float32 a keeps the exact float32 GEMV; FP8 a is float32)

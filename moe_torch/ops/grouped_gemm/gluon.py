@@ -116,6 +116,8 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from moe_torch.ops.device import device_spec
+
 OP = "grouped_gemm_gluon_fp8_block"
 BLOCK_M = gl.constexpr(128)
 BLOCK_N = gl.constexpr(128)
@@ -584,7 +586,7 @@ def _check_placement(op: str, tensors: dict, M_cap: int, E: int, N: int, *, tma:
     if dev.type != "cuda":
         raise NotImplementedError(f"{op}: {first} (and every input) must be on a CUDA device of compute capability "
                                   f"(9, 0) (sm_90a: wgmma, TMA, setmaxnreg), got device {dev}")
-    cap = torch.cuda.get_device_capability(dev)
+    cap = device_spec(dev).capability  # cached per device: a launch's host time matters at small shapes
     if tuple(cap) != (9, 0):
         raise NotImplementedError(f"{op}: {first} must be on a CUDA device of compute capability (9, 0) (sm_90a), "
                                   f"got {tuple(cap)} ({torch.cuda.get_device_name(dev)})")
@@ -687,7 +689,7 @@ def _launch(kernel, x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype, block
     if M_cap == 0:
         return y
     if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(x_q.device).multi_processor_count
+        num_sms = device_spec(x_q.device).sm_count
     layout = _x_layout()
     x_desc = TensorDescriptor.from_tensor(x_q, [_HM, _BK], layout)
     w_desc = TensorDescriptor.from_tensor(w_q.view(E * N, K), [block_n, _BK], layout)

@@ -387,7 +387,7 @@ def grouped_gemm_gluon_wgrad(x: torch.Tensor, d_y: torch.Tensor, expert_offsets:
     if M_cap == 0:
         return out.zero_()  # no rows at all (a TMA descriptor needs a non-empty tensor)
     if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        num_sms = device_spec(x.device).sm_count
     lay = _smem_layout()
     dy_desc = TensorDescriptor.from_tensor(d_y, [_BR, _HK], lay)
     x_desc = TensorDescriptor.from_tensor(x, [_BR, _HK], lay)

@@ -77,6 +77,8 @@ triton 3.6.0 package (``triton/experimental/gluon``: ``warpgroup_mma`` operand r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -85,6 +87,7 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from moe_torch.ops.device import device_spec
 from moe_torch.ops.grouped_gemm.config import GLUON_MIN_ROWS, GLUON_MIN_ROWS_PER_EXPERT
 from moe_torch.ops.grouped_gemm.gluon import (
     BLOCK_N,
@@ -123,6 +126,7 @@ DISPATCH_OPTIONS = {"block_n": 256, "num_stages": 3, "epilogue": "tma"}
 DGRAD_DISPATCH_OPTIONS = {"block_n": 256, "num_stages": 3, "epilogue": "tma"}
 
 
+@functools.cache  # one immutable layout object, not a new one each launch
 def _smem_layout() -> gl.NVMMASharedLayout:
     """128-byte swizzle for every 16-bit box: the activation's [64, 64], ``w``'s [BN, 64] / [64, BN], ``y``'s [64, BN]."""
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -338,7 +342,7 @@ def _launch(a, w, expert_offsets, dgrad: bool, block_n: int, num_stages: int, ep
     if M_cap == 0:
         return y
     if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        num_sms = device_spec(a.device).sm_count
     lay = _smem_layout()
     x_desc = TensorDescriptor.from_tensor(a, [_HM, _BK], lay)
     w_box = [_BK, block_n] if dgrad else [block_n, _BK]
@@ -374,6 +378,16 @@ def grouped_gemm_gluon_bf16(x: torch.Tensor, w: torch.Tensor, expert_offsets: to
     _check_shapes(OP, x, w, expert_offsets, "x", dgrad=False)
     block_n, num_stages, epilogue = _options(OP, block_n, num_stages, epilogue, w.shape[1])
     check_inputs(x, w, expert_offsets)
+    return _launch(x, w, expert_offsets, False, block_n, num_stages, epilogue, num_sms)
+
+
+def forward_eligible_launch(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, *,
+                            num_stages: int | None = None, block_n: int = 128, epilogue: str | None = None,
+                            num_sms: int | None = None) -> torch.Tensor:
+    """:func:`grouped_gemm_gluon_bf16` for the dispatch (``triton.py: gluon_bf16_options``), whose
+    :func:`forward_eligible` already ran every tensor check: only the options are checked again (the checks twice
+    more cost host time a launch at small shapes)."""
+    block_n, num_stages, epilogue = _options(OP, block_n, num_stages, epilogue, w.shape[1])
     return _launch(x, w, expert_offsets, False, block_n, num_stages, epilogue, num_sms)
 
 

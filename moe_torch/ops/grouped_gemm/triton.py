@@ -838,10 +838,10 @@ def grouped_gemm_triton(
                                               promote=GLUON_ROWWISE_PROMOTE)
     gluon_options = None if config is not None else gluon_bf16_options(x, w, expert_offsets, x_scale, w_scale,
                                                                         out_dtype, w_format, bias)
-    if gluon_options is not None:
-        from moe_torch.ops.grouped_gemm.gluon_bf16 import grouped_gemm_gluon_bf16
+    if gluon_options is not None:  # (gluon_bf16_options ran forward_eligible: the tensors are checked)
+        from moe_torch.ops.grouped_gemm.gluon_bf16 import forward_eligible_launch
 
-        return grouped_gemm_gluon_bf16(x, w, expert_offsets, **gluon_options)
+        return forward_eligible_launch(x, w, expert_offsets, **gluon_options)
     out = torch.empty((x.shape[0], w.shape[1]), dtype=out_dtype, device=x.device)
     out = _launch("grouped_gemm", x, w, expert_offsets, x_scale, w_scale, out, config, w_format, bias)
     return zero_unowned_rows(out, expert_offsets)
