@@ -7,6 +7,7 @@ import json
 import os
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -36,7 +37,11 @@ def to_jax(a: np.ndarray, dtype: str | None = None):
 
 
 def to_torch(a: np.ndarray, dtype: str | None = None):
-    t = torch.from_numpy(np.array(a, copy=True, order="C")).to(TORCH_DEVICE)
+    a = np.array(a, copy=True, order="C")
+    if a.dtype == ml_dtypes.bfloat16:  # torch.from_numpy knows no bfloat16: through the bits
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(TORCH_DEVICE)
+    else:
+        t = torch.from_numpy(a).to(TORCH_DEVICE)
     return t if dtype is None else t.to(TORCH_DTYPES[dtype])
 
 
