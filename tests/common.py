@@ -26,9 +26,10 @@ needs_triton_interpreter = pytest.mark.skipif(
     reason="triton 3.6's interpreter breaks on numpy >= 2.4 (triton-lang/triton#9171); the project pins numpy < 2.4, "
            "the GPU machine has 2.5")
 
-JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "int32": jnp.int32}
+JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "int32": jnp.int32,
+              "float8_e4m3fn": jnp.float8_e4m3fn}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int32": torch.int32,
-                "int64": torch.int64}
+                "int64": torch.int64, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def to_jax(a: np.ndarray, dtype: str | None = None):
