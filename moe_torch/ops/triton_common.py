@@ -15,7 +15,6 @@ import triton.language as tl
 
 from moe_contract.env import env_switch
 from moe_torch.ops import triton_interpret
-from moe_torch.ops.device import device_spec
 from moe_torch.ops.quant.reference import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX
 
 # Under TRITON_INTERPRET=1, make the interpreter's casts and dots exact before any kernel of ours runs
@@ -195,7 +194,7 @@ def check_triton_device(op: str, device: torch.device, kernel, needs_fp8: bool =
             f"got tensors on {device}"
         )
     if (needs_fp8 or quantizes_fp8) and device.type == "cuda":
-        cap = device_spec(device).capability  # cached per device
+        cap = torch.cuda.get_device_capability(device)
         if cap < (8, 9):
             raise NotImplementedError(f"{op}: float8_e4m3fn conversion needs sm_89 or newer; got sm_{cap[0]}{cap[1]}")
         if quantizes_fp8 and cap < (9, 0):
