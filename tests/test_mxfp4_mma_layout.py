@@ -230,9 +230,8 @@ def test_mma_layout_asm_gets_whole_words_in_every_kernel():
 
 def test_jax_takes_mma_layout_codes_with_the_same_results():
     """JAX's grouped GEMM (``w_format="mxfp4_mma"``), decode path and layer (``w4_layout="mma"``) on MMA-layout codes:
-    bit for bit their results on the checkpoint codes (on a GPU the Pallas-Triton kernels' packed decode reads the
-    layout; interpreted, the codes go back to the checkpoint layout first); a scale code of 130 reads as NaN as in
-    torch."""
+    bit for bit their results on the checkpoint codes (the Pallas-Triton kernels read the checkpoint layout: the
+    codes go back to it at the call); a scale code of 130 reads as NaN as in torch."""
     import jax
     import jax.numpy as jnp
 

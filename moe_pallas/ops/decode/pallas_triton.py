@@ -406,8 +406,8 @@ def fused_experts_decode_pallas_triton(
     expert_start, e_local = config.local_expert_range()
     S = T * k
     w_format = config.w_format
-    if w_format == "mxfp4_mma" and (interpret or x.dtype != jnp.bfloat16):
-        # only the packed decode (bf16 x, compiled) reads the MMA layout: the codes back to the checkpoint's
+    if w_format == "mxfp4_mma":
+        # these kernels decode the checkpoint layout (as the grouped GEMM's): the codes go back to it
         (w13, w13_scale), (w2, w2_scale) = mxfp4_mma_as_checkpoint(w13, w13_scale), mxfp4_mma_as_checkpoint(w2, w2_scale)
         w_format = "mxfp4"
     fp8 = _FP8_KIND.get(config.quant)  # None, "per_token" or "block"

@@ -48,9 +48,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_contract.w4_layout import MXFP4_MMA_MAX_SCALE_CODE
-from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, MXFP4_MMA_HALF_ASM,
-                                      PACKED_ASM_HALF_CONSTRAINTS, PACKED_HALF_ASM)
+from moe_contract.w4_packed_asm import (BF16_E8M0_ZERO_BITS, BF16_NAN_BITS, PACKED_ASM_HALF_CONSTRAINTS,
+                                      PACKED_HALF_ASM)
 from moe_pallas.ops import common as _common  # its import applies patch_pallas_triton_offsets
 from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, GroupedGemmConfig, gpu_device_spec,
                                                  grouped_gemm_config, triton_config_problem)
@@ -138,10 +137,7 @@ def _w4_step_part(x_ref, w_ref, ws_ref, e, rows_ds, row_ok, cols_ds, col_ok, k0,
                     other=jnp.zeros((), x_ref.dtype))  # [block_m, block_k]
     x_even, x_odd = (p.reshape(block_m, half) for p in jnp.split(xt.reshape(block_m, half, 2), 2, axis=2))
     kp_ok = k0 // 2 + jnp.arange(half) < K // 2
-    # MMA-layout codes: the asm's 4 bytes must be one word of a row; k0 // 2 is a multiple of 16 (whole 16-byte
-    # vectors a thread), said to the compiler
-    kp0 = pl.multiple_of(k0 // 2, 16) if w_format == "mxfp4_mma" else k0 // 2
-    packed_u8 = plgpu.load(w_ref.at[e, cols_ds, pl.ds(kp0, half)], mask=col_ok[:, None] & kp_ok[None, :],
+    packed_u8 = plgpu.load(w_ref.at[e, cols_ds, pl.ds(k0 // 2, half)], mask=col_ok[:, None] & kp_ok[None, :],
                            other=jnp.zeros((), w_ref.dtype))  # [block_n, half]
     kg_ok = k0 // W4_GROUP + jnp.arange(groups) < K // W4_GROUP
     s = plgpu.load(ws_ref.at[e, cols_ds, pl.ds(k0 // W4_GROUP, groups)], mask=col_ok[:, None] & kg_ok[None, :],
@@ -154,19 +150,13 @@ def _w4_step_part(x_ref, w_ref, ws_ref, e, rows_ds, row_ok, cols_ds, col_ok, k0,
             b = s.astype(jnp.int32)
             bits = jnp.where(b == 0, BF16_E8M0_ZERO_BITS, jnp.where(b == E8M0_NAN, BF16_NAN_BITS, b << 7))
             sb = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
-        elif w_format == "mxfp4_mma":  # the folded scale 2^(s - 1), (s + 126) << 7, up to code 128; else NaN
-            b = s.astype(jnp.int32)
-            bits = jnp.where(b <= MXFP4_MMA_MAX_SCALE_CODE, (b + 126) << 7, BF16_NAN_BITS)
-            sb = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
         else:
             sb = s.astype(jnp.bfloat16)
-        asm = MXFP4_MMA_HALF_ASM if w_format == "mxfp4_mma" else {h: PACKED_HALF_ASM[w_format, h] for h in ("low", "high")}
         w_lo, w_hi = (plgpu.elementwise_inline_asm(
-            asm[which], args=[packed_u8, per_byte(sb)], constraints=PACKED_ASM_HALF_CONSTRAINTS,
+            PACKED_HALF_ASM[w_format, which], args=[packed_u8, per_byte(sb)], constraints=PACKED_ASM_HALF_CONSTRAINTS,
             pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(packed_u8.shape, jnp.bfloat16)])[0]
             for which in ("low", "high"))
     else:  # interpret mode, float16 / float32 x: the float32 decode, rounded to x's dtype
-        assert w_format != "mxfp4_mma", "MMA-layout codes reach the packed decode only (the launchers convert)"
         scale, decode = (e8m0_to_float32(s), e2m1_to_float32) if w_format == "mxfp4" else \
             (s.astype(jnp.float32), int4_to_float32)
         scale = per_byte(scale)
@@ -352,8 +342,9 @@ def grouped_gemm_pallas_triton(
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    if w_format == "mxfp4_mma" and (interpret or x.dtype != jnp.bfloat16):
-        # only the packed decode (bf16 x, compiled) reads the MMA layout: the codes back to the checkpoint's
+    if w_format == "mxfp4_mma":
+        # this kernel's decode reads the checkpoint layout: MMA-layout codes go back to it, a copy a call (the same
+        # values)
         w, w_scale = mxfp4_mma_as_checkpoint(w, w_scale)
         w_format = "mxfp4"
     M_cap, K = x.shape
@@ -365,7 +356,7 @@ def grouped_gemm_pallas_triton(
         # (4-bit: the heuristic only, whose block_k, a power of two >= 32 for K >= 32, holds whole groups)
         cfg = grouped_gemm_config(M_cap, N, K, E, x.dtype.itemsize, G or None, w_block=w_kind == "block",
                                   device=None if interpret or w_format else gpu_device_spec(),
-                                  w_format="mxfp4" if w_format == "mxfp4_mma" else w_format)
+                                  w_format=w_format)
     else:
         cfg = config
     check_supported(x_kind, w_kind, G, cfg, interpret, w_format)
