@@ -6,6 +6,10 @@ bf16; FP8 dgrad per weight-scale layout against the dequantize-then-float rule; 
 ``grouped_gemm`` (``custom_vjp``) under ``jit`` and ``shard_map``; the kernels' CUDA lowering on an
 abstract H200, with the Triton module verified. Unused input rows (``>= M``) are NaN-poisoned
 everywhere, and interpret mode fills outputs with NaN first, so a row that is read or forgotten shows.
+
+The cases every backend passes (dgrad and wgrad against float64 over the shapes' edges, no rows and no experts,
+``jax.vjp`` through ``grouped_gemm`` under ``jit``) are the shared ones of ``op_cases/grouped_gemm_backward.py``
+(``TestGroupedGemmBackwardJax``); below them the JAX-only cases.
 """
 
 from __future__ import annotations
@@ -26,19 +30,12 @@ from moe_pallas.ops.grouped_gemm.config import (GroupedGemmDgradConfig, GroupedG
                                                  heuristic_grouped_gemm_wgrad_config)
 from moe_pallas.ops.grouped_gemm.pallas_triton_backward import (grouped_gemm_dgrad_pallas_triton,
                                                                  grouped_gemm_wgrad_pallas_triton)
+from op_cases import JaxArrays
+from op_cases.grouped_gemm_backward import GroupedGemmBackwardCases
 from tolerances import BF16_REL_FRO, GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 
 IMPLS = ("reference", "pallas_triton")
 DTYPES = {"float32": (jnp.float32, GRAD_F32_REL_FRO), "bfloat16": (jnp.bfloat16, GRAD_BF16_REL_FRO)}
-
-# counts per expert, M_cap, K, N; the comment says which edge each case exercises
-SHAPES = {
-    "M=1": ([0, 1], 1, 16, 24),  # one row (T=1, topk=1), an empty expert before it
-    "odd-K-N": ([3, 0, 5], 10, 33, 17),  # odd K and N (masked tails), an empty expert, M < M_cap
-    "several-tiles": ([20, 3, 0, 41], 70, 40, 24),  # experts over several row tiles, tiles straddling experts
-    "all-rows-on-one": ([0, 0, 13, 0], 16, 32, 16),  # every row on one expert, the others empty
-    "E_local=1": ([7], 9, 24, 20),  # one local expert
-}
 
 
 def problem(seed: int, counts, m_cap: int, K: int, N: int, dtype=jnp.float32):
@@ -91,34 +88,24 @@ def check_empty_experts_zero(d_w, counts, what: str) -> None:
 # dgrad and wgrad vs float64 autodiff
 
 
-@pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("impl", IMPLS)
-def test_dgrad_and_wgrad_vs_float64_autodiff(impl, shape, dtype):
-    """Both backward GEMMs against float64 autodiff on the values the op sees (bf16-rounded for bf16):
-    results in the input dtype within its tolerance, and (bf16) a float32 result within the float32
-    one, which the float32 accumulation must reach whatever the input dtype."""
-    counts, m_cap, K, N = SHAPES[shape]
-    jdt, limit = DTYPES[dtype]
-    x, w, d_y, offsets = problem(len(shape), counts, m_cap, K, N, jdt)
-    want_dx, want_dw = f64_vjp(x, w, d_y, offsets)
-    what = f"{impl} {shape} {dtype}"
+class TestGroupedGemmBackwardJax(JaxArrays, GroupedGemmBackwardCases):
+    """``moe_pallas.grouped_gemm_dgrad`` / ``grouped_gemm_wgrad`` with the jnp references and the Pallas-Triton
+    kernels (interpreted, heuristic configs), and ``jax.vjp`` through ``grouped_gemm`` under ``jit`` (float32; bf16
+    in test_grad_bf16_inside_shard_map)."""
 
-    d_x = grouped_gemm_dgrad(d_y, w, offsets, implementation=impl)
-    assert d_x.shape == (m_cap, K) and d_x.dtype == jdt
-    check_finite_and_zero_tail(d_x, offsets, what)
-    assert_rel_fro(d_x, want_dx, limit, f"dgrad {what} vs float64")
-    d_w = grouped_gemm_wgrad(x, d_y, offsets, implementation=impl)  # default out_dtype: float32
-    assert d_w.shape == (len(counts), N, K) and d_w.dtype == jnp.float32
-    assert np.isfinite(to_numpy(d_w)).all(), f"{what}: NaN leaked from rows >= M"
-    assert_rel_fro(d_w, want_dw, GRAD_F32_REL_FRO, f"wgrad {what} vs float64")
-    check_empty_experts_zero(d_w, counts, what)
-    if jdt != jnp.float32:
-        d_x32 = grouped_gemm_dgrad(d_y, w, offsets, out_dtype=jnp.float32, implementation=impl)
-        assert_rel_fro(d_x32, want_dx, GRAD_F32_REL_FRO, f"dgrad {what}, float32 output, vs float64")
-        d_w_low = grouped_gemm_wgrad(x, d_y, offsets, out_dtype=jdt, implementation=impl)
-        assert d_w_low.dtype == jdt
-        assert_rel_fro(d_w_low, want_dw, limit, f"wgrad {what} in {dtype} vs float64")
+    OPS = moe_pallas
+    IMPLS = IMPLS
+    SHAPES = ("M=1", "odd-K-N", "several-tiles", "all-rows-on-one", "E_local=1")
+    GRAD_CASE = ([4, 0, 7], 14, 24, 20, 3)
+    GRAD_DTYPES = ("float32",)
+
+    def grads(self, x, w, offsets, d_y, implementation):
+        @jax.jit
+        def vjp(x, w, offsets, d_y):
+            _, pullback = jax.vjp(lambda x, w: grouped_gemm(x, w, offsets, implementation=implementation), x, w)
+            return pullback(d_y)
+
+        return vjp(x, w, offsets, d_y)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -184,16 +171,6 @@ def test_named_exact_answers():
                  "kernel d_w, 2-row steps")
 
 
-def test_no_rows_and_no_experts():
-    """M_cap = 0 (no rows: d_x empty, d_w all zeros) and E = 0 (wgrad of no expert: an empty d_w)."""
-    x, w, d_y, offsets = problem(1, [2, 3], 6, 16, 16)
-    for impl in IMPLS:
-        assert grouped_gemm_dgrad(d_y[:0], w, offsets, implementation=impl).shape == (0, 16)
-        assert_exact(grouped_gemm_wgrad(x[:0], d_y[:0], offsets, implementation=impl), np.zeros((2, 16, 16), np.float32),
-                     f"{impl} d_w with no rows")
-        assert grouped_gemm_wgrad(x, d_y, jnp.zeros((1,), jnp.int32), implementation=impl).shape == (0, 16, 16)
-
-
 # --------------------------------------------------------------------------------------
 # FP8 weights (straight-through): dgrad on the dequantized weights rounded to d_y's dtype
 
@@ -244,27 +221,6 @@ def test_fp8_dgrad_block_scales_per_tile(impl):
 
 # --------------------------------------------------------------------------------------
 # grouped_gemm differentiable (custom_vjp)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_grad_through_grouped_gemm_under_jit(impl):
-    """``jax.grad`` of ``<grouped_gemm(x, w), c>`` under ``jit`` equals float64 autodiff of the loop
-    (``d_y = c``); offsets get no gradient; NaN in the unused rows of x reaches no gradient."""
-    counts, m_cap, K, N = [4, 0, 7], 14, 24, 20
-    x, w, c, offsets = problem(3, counts, m_cap, K, N)
-    c = jnp.nan_to_num(c)  # the loss weights every row of y (rows >= M of y are zeros)
-
-    @jax.jit
-    def grads(x, w, offsets):
-        return jax.grad(lambda x, w: jnp.sum(grouped_gemm(x, w, offsets, implementation=impl) * c), argnums=(0, 1))(x, w)
-
-    d_x, d_w = grads(x, w, offsets)
-    want_dx, want_dw = f64_vjp(x, w, c, offsets)
-    assert d_x.dtype == x.dtype and d_w.dtype == w.dtype
-    check_finite_and_zero_tail(d_x, offsets, f"{impl} d_x")
-    assert_rel_fro(d_x, want_dx, GRAD_F32_REL_FRO, f"{impl} jax.grad d_x")
-    assert_rel_fro(d_w, want_dw, GRAD_F32_REL_FRO, f"{impl} jax.grad d_w")
-    check_empty_experts_zero(d_w, counts, f"{impl} jax.grad")
 
 
 @pytest.mark.parametrize("impl,check_vma", [("reference", True), ("reference", False), ("pallas_triton", False)])

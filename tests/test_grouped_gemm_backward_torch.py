@@ -1,7 +1,10 @@
 """The grouped GEMM backward in torch (CONTRACT.md section 8, GEMM 1 / GEMM 2):
 ``grouped_gemm_dgrad`` (``d_x[m] = d_y[m] @ w[e(m)]``), ``grouped_gemm_wgrad`` (``d_w[e] = d_y[rows(e)].T
 @ x[rows(e)]``), their torch references and Triton kernels (``moe_torch/ops/grouped_gemm/triton_backward.py``),
-and ``grouped_gemm`` differentiable through ``torch.autograd``.
+and ``grouped_gemm`` differentiable through ``torch.autograd``. The cases every backend passes (dgrad and wgrad
+against float64 over the shapes' edges, no rows and no experts, the gradient through ``grouped_gemm``) are the
+shared ones of ``op_cases/grouped_gemm_backward.py`` (``TestGroupedGemmBackwardTorch``); below them the torch-only
+cases.
 
 The judge is ``torch.autograd`` of the reference *forward* in float64 (its formula checked by
 ``gradcheck``), at the same (rounded) inputs: float32 gradients within ``GRAD_F32_REL_FRO``, bf16 within
@@ -42,6 +45,8 @@ from moe_torch.ops.grouped_gemm.reference import (
     grouped_gemm_wgrad_reference,
 )
 from sm90 import compile_sm90
+from op_cases import TorchArrays
+from op_cases.grouped_gemm_backward import BWD_SHAPES, GroupedGemmBackwardCases
 from tolerances import GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO, assert_exact, assert_rel_fro
 
 IMPLS = ["reference", "triton"]
@@ -93,14 +98,8 @@ def check_gradients(d_x, d_w, ref_dx, ref_dw, offsets, M, tol, what):
         assert not d_w[e].float().any(), f"{what}: d_w of empty expert {e} is exactly 0"
 
 
-# counts per expert, M_cap, K, N; the comment says which edge.
-SHAPES = {
-    "one-row": ([1], 1, 32, 16),  # M = 1, E_local = 1
-    "odd-K-N": ([3, 0, 5], 12, 33, 17),  # odd K and N (masked tails), an empty expert, unused (NaN) capacity
-    "prime-E-empties": ([0, 4, 0, 0, 9, 1, 0], 16, 32, 24),  # prime E = 7, empty first / middle / last experts
-    "all-on-one": ([0, 0, 12, 0], 12, 40, 48),  # every row on one expert: the others' d_w exactly 0
-    "many-tiles": ([20, 1, 0, 17], 44, 48, 40),  # several row tiles per expert, several row steps in wgrad
-}
+#: The shared shapes (op_cases/grouped_gemm_backward.py) the torch tests run.
+SHAPES = {k: BWD_SHAPES[k] for k in ("one-row", "odd-K-N", "prime-E-empties", "all-on-one", "many-tiles")}
 
 
 # --------------------------------------------------------------------------------------
@@ -131,42 +130,19 @@ def test_autograd_function_gradcheck():
 # The backward ops vs float64 autodiff
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_backward_ops_vs_autodiff(shape, dtype, impl):
-    """dgrad and wgrad (default out dtypes: d_y's and float32) within the contract's tolerance of
-    float64 autodiff of the reference forward at the same values; rows >= M of x and d_y are NaN and
-    never read (nothing non-finite comes out), d_x rows >= M and empty experts' d_w exactly 0; the
-    inputs are not modified."""
-    counts, m_cap, K, N = SHAPES[shape]
-    x, w, d_y, offsets, M = make_problem(len(shape) + K, counts, m_cap, K, N, dtype)
-    before = [t.clone() for t in (x, w, d_y, offsets)]
-    ref_dx, ref_dw = autodiff64(x, w, d_y, offsets)
-    d_x = grouped_gemm_dgrad(d_y, w, offsets, implementation=impl)
-    d_w = grouped_gemm_wgrad(x, d_y, offsets, implementation=impl)
-    assert d_x.shape == (m_cap, K) and d_x.dtype == dtype
-    assert d_w.shape == (len(counts), N, K) and d_w.dtype == torch.float32
-    check_gradients(d_x, d_w, ref_dx, ref_dw, offsets, M, GRAD_TOL[dtype], f"{impl} {dtype}")
-    # float32 outputs of bf16 inputs: only float32 rounding from the float64 sums.
-    d_x32 = grouped_gemm_dgrad(d_y, w, offsets, out_dtype=torch.float32, implementation=impl)
-    assert_rel_fro(d_x32, ref_dx, GRAD_F32_REL_FRO, f"{impl} {dtype}: float32 d_x")
-    assert_rel_fro(d_w, ref_dw, GRAD_F32_REL_FRO, f"{impl} {dtype}: float32 d_w")
-    for t, b in zip((x, w, d_y, offsets), before):
-        assert_exact(t, b, "input unchanged")
+class TestGroupedGemmBackwardTorch(TorchArrays, GroupedGemmBackwardCases):
+    """``moe_torch.grouped_gemm_dgrad`` / ``grouped_gemm_wgrad`` with the references and the Triton kernels
+    (their heuristic configs), and ``torch.autograd.grad`` through ``moe_torch.grouped_gemm``."""
 
+    OPS = moe_torch
+    IMPLS = tuple(IMPLS)
+    SHAPES = tuple(SHAPES)
 
-def test_no_rows_at_all():
-    """All experts empty: d_x all 0, d_w exactly 0 (the Triton wgrad writes its zeros); M_cap = 0:
-    empty d_x and a zero d_w of the right shape."""
-    x, w, d_y, offsets, _ = make_problem(2, [0, 0, 0], 8, 32, 16, torch.bfloat16)
-    for impl in IMPLS:
-        assert not grouped_gemm_dgrad(d_y, w, offsets, implementation=impl).float().any()
-        d_w = grouped_gemm_wgrad(x, d_y, offsets, implementation=impl)
-        assert d_w.shape == (3, 16, 32) and not d_w.any()
-        assert grouped_gemm_dgrad(d_y[:0], w, offsets, implementation=impl).shape == (0, 32)
-        d_w0 = grouped_gemm_wgrad(x[:0], d_y[:0], offsets, out_dtype=torch.bfloat16, implementation=impl)
-        assert d_w0.shape == (3, 16, 32) and d_w0.dtype == torch.bfloat16 and not d_w0.float().any()
+    def grads(self, x, w, offsets, d_y, implementation):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = moe_torch.grouped_gemm(xr, wr, offsets, implementation=implementation)
+        assert y.requires_grad
+        return torch.autograd.grad(y, (xr, wr), d_y)
 
 
 def test_strided_inputs():
@@ -323,24 +299,6 @@ def test_fp8_dgrad_every_scale_layout(layout, dtype, impl):
 
 # --------------------------------------------------------------------------------------
 # grouped_gemm through torch.autograd
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_autograd_grad(dtype, impl):
-    """``torch.autograd.grad`` through ``moe_torch.grouped_gemm``: gradients in the inputs' dtypes,
-    within tolerance of float64 autodiff, bit-equal to the stage ops with the same implementation
-    (the Function is thin glue), NaN capacity rows never leak."""
-    counts, m_cap, K, N = SHAPES["odd-K-N"]
-    x, w, d_y, offsets, M = make_problem(21, counts, m_cap, K, N, dtype)
-    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = moe_torch.grouped_gemm(xr, wr, offsets, implementation=impl)
-    assert y.requires_grad
-    d_x, d_w = torch.autograd.grad(y, (xr, wr), d_y)
-    assert d_x.dtype == dtype and d_w.dtype == dtype
-    check_gradients(d_x, d_w, *autodiff64(x, w, d_y, offsets), offsets, M, GRAD_TOL[dtype], f"autograd {impl}")
-    assert_exact(d_x, grouped_gemm_dgrad(d_y, w, offsets, out_dtype=dtype, implementation=impl), "d_x = dgrad")
-    assert_exact(d_w, grouped_gemm_wgrad(x, d_y, offsets, out_dtype=dtype, implementation=impl), "d_w = wgrad")
 
 
 def test_autograd_only_what_is_asked(monkeypatch):
