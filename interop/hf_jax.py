@@ -277,6 +277,10 @@ def _block_tensors(c: MoEConfig, block: MoEBlock, arch: str, layer: int) -> dict
     if m.e_score_correction_bias is not None:
         out[f"{pre}.gate.e_score_correction_bias"] = value(m.e_score_correction_bias).astype(np.float32)
     gu, dn = f"{pre}.experts.gate_up_proj", f"{pre}.experts.down_proj"
+    if c.quant == "mxfp4" and c.w4_layout == "mma":  # the file holds the checkpoint layout (transformers reads it)
+        from moe_contract.w4_layout import mxfp4_from_mma_layout
+
+        w13, w2 = mxfp4_from_mma_layout(w13), mxfp4_from_mma_layout(w2)
     if c.quant == "mxfp4":  # gpt-oss: the layer's [E, N, K/2] codes are the file's [E, N, K/32, 16] blocks
         out[f"{gu}_blocks"] = w13[:E].reshape(E, 2 * I, H // 32, 16)
         out[f"{gu}_scales"] = s13[:E]
@@ -334,7 +338,8 @@ def save_nnx_moe_block(
     same names, with ``experts.gate_up_proj_scale_inv [E, 2*I/128, ceil(H/128)]``, ``experts.down_proj_scale_inv``
     and ``shared_experts.*.weight_scale_inv`` (float32 multipliers; ``I % 128 == 0``). MXFP4 (gpt-oss,
     ``quant='mxfp4'``): ``experts.gate_up_proj_blocks [E, 2*I, H/32, 16]`` / ``_scales [E, 2*I, H/32]`` uint8,
-    ``down_proj_blocks`` / ``_scales``, the layer's codes and e8m0 scales bit for bit.
+    ``down_proj_blocks`` / ``_scales``, the layer's codes and e8m0 scales bit for bit (a block with
+    ``w4_layout='mma'``: its codes back in the checkpoint layout, as the file format has them).
 
     Round trips: ``load_nnx_moe_block(path, layer)`` returns the same block (every array bit for bit, the same config
     but for the fields that say how the layer computes: ``implementation``, ``apply_routed_scaling_factor_on_output``,

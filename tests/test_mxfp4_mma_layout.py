@@ -265,3 +265,35 @@ def test_jax_takes_mma_layout_codes_with_the_same_results():
     mq, cq = moe_pallas.quantize_layer_weights(w13, w2, cfg), moe_pallas.quantize_layer_weights(w13, w2, ck_cfg)
     assert np.array_equal(np.asarray(mq[0]), np.asarray(moe_pallas.mxfp4_to_mma_layout(cq[0])))
     assert np.array_equal(np.asarray(mq[3]), np.asarray(cq[3]))
+
+
+def test_mma_layout_modules_refuse_scales_and_save_the_checkpoint_layout(tmp_path):
+    """Loading and saving around the layout: ``EPMoE`` / ``MoELayer`` built on MMA-layout codes with a scale code the
+    layout cannot hold (131) refuse it, naming the scale, where the layer would read NaN; a JAX ``MoEBlock`` with
+    ``w4_layout="mma"`` is saved in the checkpoint layout (the file format transformers reads): reloaded, it computes
+    what the block computed; an empty code tensor permutes to an empty one."""
+    import jax.numpy as jnp
+
+    import moe_pallas
+    import moe_torch
+    from interop.hf_jax import load_nnx_moe_block, save_nnx_moe_block
+
+    cfg = _gpt_oss_like("mma")
+    _, mm, (b13, b2), _, _ = _layer_inputs(cfg, 1)
+    bad = mm[3].clone()
+    bad[0, 1, 0] = 131
+    with pytest.raises(ValueError, match=r"EPMoE: w2_scale: 1 e8m0 scale codes above 128 .*largest code 131"):
+        moe_torch.EPMoE(cfg, mm[0], mm[2], w13_scale=mm[1], w2_scale=bad, w13_bias=b13, w2_bias=b2)
+    j = lambda t: jnp.asarray(t.detach().cpu().numpy()) if t.dtype != torch.float32 else jnp.asarray(t.cpu().numpy())  # noqa: E731
+    with pytest.raises(ValueError, match=r"w2_scale: 1 e8m0 scale codes above 128"):
+        moe_pallas.MoELayer(cfg, j(mm[0]), j(mm[2]), w13_scale=j(mm[1]), w2_scale=j(bad), w13_bias=j(b13),
+                            w2_bias=j(b2))
+    block = moe_pallas.MoEBlock.from_preset("gpt-oss-20b", seed=0, quant="mxfp4", w4_layout="mma", hidden_size=64,
+                                            intermediate_size=64, num_experts=4)
+    save_nnx_moe_block(block, str(tmp_path), layer=0, model_type="gpt_oss")
+    back = load_nnx_moe_block(str(tmp_path), layer=0)
+    assert back.layer.config.w4_layout == "checkpoint"
+    assert np.array_equal(np.asarray(back.layer.w13[...]), np.asarray(moe_pallas.mxfp4_from_mma_layout(block.layer.w13[...])))
+    x = jnp.full((1, 3, 64), 0.1, jnp.bfloat16)
+    assert np.array_equal(np.asarray(block(x)), np.asarray(back(x)))
+    assert moe_torch.mxfp4_to_mma_layout(torch.zeros(2, 3, 0, dtype=torch.uint8)).shape == (2, 3, 0)

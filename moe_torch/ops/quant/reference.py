@@ -267,6 +267,8 @@ def mma_permute(w_q: torch.Tensor, to_mma: bool) -> torch.Tensor:
     """MXFP4 codes ``[..., K // 2]`` uint8 (last axis a multiple of 4, unchecked) to the MMA layout (``to_mma``) or
     back (``moe_contract/w4_layout.py``): each little-endian 32-bit word is ``OR(rotl(word, r) & mask)`` over
     ``mma_moves``. A new tensor on ``w_q``'s device; no host sync."""
+    if w_q.numel() == 0:  # (an empty tensor has no words to view)
+        return w_q.detach().clone()
     words = w_q.detach().contiguous().view(torch.int32).reshape(-1)
     out = torch.empty_like(words)
     for c0 in range(0, words.numel(), _MMA_CHUNK_WORDS):
