@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from moe_contract import PRESETS, get_preset, make_layer_inputs
-from moe_contract.config import ACTIVATIONS, GATE_UP_LAYOUTS, QUANTS
+from moe_contract.config import ACTIVATIONS, GATE_UP_LAYOUTS, QUANTS, W4_LAYOUTS
 from moe_contract.inputs import ROUTING_SKEWS
 
 
@@ -184,6 +184,8 @@ LAYER_OPTIONS = (
     ("shared_expert_gate", "--shared-expert-gate", bool,
      "Qwen3-Next: the fused shared experts weighted by sigmoid(shared_expert_gate_logits) (seeded x @ gate weight)"),
     ("expert_bias", "--expert-bias", bool, "gpt-oss: per-expert biases of both GEMMs (w13_bias, w2_bias)"),
+    ("w4_layout", "--w4-layout", str, "how MXFP4 codes are stored (" + ", ".join(W4_LAYOUTS)
+     + "; mma: repacked for the GPU's decode, --quant mxfp4 only)"),
 )
 
 
@@ -690,7 +692,7 @@ def _add_layer_options(parser: argparse.ArgumentParser, note: str = "") -> None:
             layer.add_argument(option, dest=field, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                help=what + " (default: the preset's)")
         else:
-            choices = {"activation": ACTIVATIONS, "gate_up_layout": GATE_UP_LAYOUTS}.get(field)
+            choices = {"activation": ACTIVATIONS, "gate_up_layout": GATE_UP_LAYOUTS, "w4_layout": W4_LAYOUTS}.get(field)
             layer.add_argument(option, dest=field, type=kind, default=argparse.SUPPRESS, choices=choices,
                                metavar=None if choices else what.split(",")[0].split()[0],
                                help=what + " (default: the preset's)")

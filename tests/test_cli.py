@@ -136,6 +136,17 @@ def test_check_runs_and_writes_json(tmp_path, capsys):
     assert {c["stage"] for c in data["comparisons"]} >= {"gate", "routing", "permute", "gemm1", "act", "gemm2", "combine", "layer"}
 
 
+def test_check_mxfp4_mma_layout(tmp_path, capsys):
+    """``--w4-layout mma``: the four implementations on MMA-layout MXFP4 codes, the weights stage included."""
+    import json
+
+    path = tmp_path / "check.json"
+    assert main(["check", "--tokens", TOKENS, "--quant", "mxfp4", "--w4-layout", "mma", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["ok"] and data["meta"]["config"]["w4_layout"] == "mma"
+    assert "weights" in {c["stage"] for c in data["comparisons"]}
+
+
 def test_check_fails_naming_the_stage(monkeypatch, capsys):
     import moe_torch.ops.combine.api as api
 
@@ -190,6 +201,7 @@ def test_check_ep_rank_adds_the_stage_table_and_a_bad_rank_fails(monkeypatch, ca
     (["check", "--ep-size", "0"], "epmoe check: --ep-size must be >= 1; got 0"),
     (["check", "--json", os.path.join(os.path.abspath(__file__), "x.json")], "is a file, not a folder"),
     (["check", "--implementations", "jnp-reference"], "jnp-reference alone compares nothing"),
+    (["check", "--quant", "int4", "--w4-layout", "mma"], "w4_layout='mma' is a layout of MXFP4 codes"),
 ])
 def test_check_refuses_with_exit_2(args, msg, capsys):
     assert main(args) == 2
