@@ -99,6 +99,14 @@ def mma_layout_scale_problem(scale_codes: np.ndarray) -> str | None:
             f"{int(s[bad].max())}): the MMA layout's scale table 2^(s - 1) cannot hold them")
 
 
+def check_mma_layout_scales(op: str, name: str, scale_codes: np.ndarray) -> None:
+    """ValueError naming ``op`` and the scale ``name`` unless :func:`mma_layout_scale_problem` accepts the codes: the
+    load-time refusal of weights the MMA layout would read as NaN."""
+    problem = mma_layout_scale_problem(scale_codes)
+    if problem is not None:
+        raise ValueError(f"{op}: {name}: {problem}; these weights need w4_layout='checkpoint'")
+
+
 def e8m0_bf16_bits_mma() -> list[int]:
     """The bf16 bit pattern of ``2^(s - 1)`` for every e8m0 code ``s`` (the MMA layout's scale table: the decode's
     ``2^126`` folded in): ``(s + 126) << 7`` for ``s <= 128``, NaN for 255 and for the refused codes 129..254 (never

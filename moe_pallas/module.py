@@ -52,7 +52,7 @@ from moe_contract.inputs import (check_seed, draw_expert_biases, draw_preset_wei
                                   draw_shared_expert_gate)
 from moe_contract.op_checks import check_select_experts
 from moe_contract.presets import get_preset
-from moe_contract.w4_layout import mma_layout_scale_problem
+from moe_contract.w4_layout import check_mma_layout_scales
 from moe_contract.validation import (
     FLOAT_DTYPES,
     check_bool,
@@ -108,10 +108,10 @@ def check_module_weights(op: str, config: MoEConfig, w13, w2, w13_scale, w2_scal
         **config.gate_kwargs(),
         e_score_correction_bias=e_score_correction_bias,
     )
-    check_mma_layout_scales(op, config, w13_scale, w2_scale)
+    check_module_mma_scales(op, config, w13_scale, w2_scale)
 
 
-def check_mma_layout_scales(op: str, config: MoEConfig, w13_scale, w2_scale) -> None:
+def check_module_mma_scales(op: str, config: MoEConfig, w13_scale, w2_scale) -> None:
     """``config.w4_layout == "mma"``: ValueError naming ``op`` and the scale if an e8m0 code is one the layout's table
     cannot hold (129..254: those weights would read as NaN, CONTRACT.md section 9). Reads concrete scales on the
     host (a load-time check; traced scales, inside a transform, are not read)."""
@@ -120,9 +120,7 @@ def check_mma_layout_scales(op: str, config: MoEConfig, w13_scale, w2_scale) -> 
     for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
         if isinstance(s, jax.core.Tracer):
             continue
-        problem = mma_layout_scale_problem(np.asarray(s))
-        if problem is not None:
-            raise ValueError(f"{op}: {name}: {problem}; these weights need w4_layout='checkpoint'")
+        check_mma_layout_scales(op, name, np.asarray(s))
 
 
 def check_global_weights(op: str, config: MoEConfig, w13, w2) -> None:

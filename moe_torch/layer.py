@@ -23,7 +23,7 @@ import torch
 
 from moe_contract.config import ACTIVATION_QUANT, W4_QUANTS, WEIGHT_LAYOUT, MoEConfig
 from moe_contract.op_checks import check_router_loss_option
-from moe_contract.w4_layout import mma_layout_scale_problem
+from moe_contract.w4_layout import check_mma_layout_scales
 from moe_contract.validation import (check_expert_biases, check_layer_inputs, check_layer_weights, check_positive_int,
                                       check_shared_expert_gate_logits, stage_implementation)
 from moe_torch.capacity import drop_over_capacity
@@ -525,10 +525,8 @@ def mma_layout_weight(op: str, name: str, w_q: torch.Tensor, w_scale: torch.Tens
     """MXFP4 codes ``w_q`` (checkpoint layout) and their e8m0 ``w_scale`` as ``MoEConfig(w4_layout="mma")`` takes
     them: ``(mxfp4_to_mma_layout(w_q), w_scale)``. A load-time step: it reads the scales on the host (one sync) and
     raises ValueError naming ``op`` and ``name`` if a scale code is one the layout's table cannot hold (129..254,
-    ``moe_contract/w4_layout.py: mma_layout_scale_problem``), rather than let those weights read as NaN."""
-    problem = mma_layout_scale_problem(w_scale.detach().cpu().numpy())
-    if problem is not None:
-        raise ValueError(f"{op}: {name}_scale: {problem}; keep these weights in w4_layout='checkpoint'")
+    ``moe_contract/w4_layout.py: check_mma_layout_scales``), rather than let those weights read as NaN."""
+    check_mma_layout_scales(op, f"{name}_scale", w_scale.detach().cpu().numpy())
     return mxfp4_to_mma_layout(w_q), w_scale
 
 

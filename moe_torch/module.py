@@ -62,7 +62,7 @@ from moe_contract.inputs import (check_seed, draw_expert_biases, draw_preset_wei
                                   draw_shared_expert_gate)
 from moe_contract.op_checks import check_router_loss_option, check_select_experts
 from moe_contract.presets import get_preset
-from moe_contract.w4_layout import mma_layout_scale_problem
+from moe_contract.w4_layout import check_mma_layout_scales
 from moe_contract.validation import (
     FLOAT_DTYPES,
     check_bool,
@@ -136,19 +136,17 @@ def check_module_weights(
     for name, t in named:
         if t is not None and t.device != w13.device:
             raise ValueError(f"{op}: {name} must be on w13's device ({w13.device}); got {name}.device={t.device}")
-    check_mma_layout_scales(op, config, w13_scale, w2_scale)
+    check_module_mma_scales(op, config, w13_scale, w2_scale)
 
 
-def check_mma_layout_scales(op: str, config: MoEConfig, w13_scale, w2_scale) -> None:
+def check_module_mma_scales(op: str, config: MoEConfig, w13_scale, w2_scale) -> None:
     """``config.w4_layout == "mma"``: ValueError naming ``op`` and the scale if an e8m0 code is one the layout's table
     cannot hold (129..254: those weights would read as NaN, CONTRACT.md section 9). Reads the scales on the host:
     a load-time check."""
     if config.w4_layout != "mma":
         return
     for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
-        problem = mma_layout_scale_problem(s.detach().cpu().numpy())
-        if problem is not None:
-            raise ValueError(f"{op}: {name}: {problem}; these weights need w4_layout='checkpoint'")
+        check_mma_layout_scales(op, name, s.detach().cpu().numpy())
 
 
 def check_global_weights(op: str, config: MoEConfig, w13, w2) -> None:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -167,7 +168,8 @@ _DIVISIBLE = {"N", "K", "H", "I", "stride_xm", "stride_we", "stride_wn", "stride
 
 @pytest.mark.skipif(TORCH_DEVICE != "cpu", reason="a compile for sm_90 on the CPU; the GPU runs the kernels above")
 def test_mma_layout_asm_gets_whole_words_in_every_kernel():
-    """The grouped GEMM (16- and 64-row tiles) and both decode kernels (T = 1 and 64) compiled for sm_90 with
+    """The grouped GEMM (the heuristic's 16- and 64-row tiles, a 32-wide and a 128-wide K step) and both decode
+    kernels (T = 1 and 64) compiled for sm_90 with
     ``"mxfp4_mma"`` codes: every MMA-layout asm call's byte operand has a word-aligned layout."""
     from sm90 import compile_sm90
 
@@ -177,11 +179,17 @@ def test_mma_layout_asm_gets_whole_words_in_every_kernel():
 
     code = W_SCALE_CODES["mxfp4_mma"]
     jobs = {}
-    for rows in (256, 16384):
-        cfg = heuristic_grouped_gemm_config(rows, 5760, 2880, 32, 16, None, False, "mxfp4")
+    # the heuristic's tiles at few and many rows, and tiles a config may ask for: the narrowest K step (16 bytes a
+    # row) and a wide one over 8 warps
+    cfgs = {f"gemm-{rows}": heuristic_grouped_gemm_config(rows, 5760, 2880, 32, 16, None, False, "mxfp4")
+            for rows in (256, 16384)}
+    cfgs["gemm-16x64x32"] = dataclasses.replace(cfgs["gemm-256"], block_m=16, block_n=64, block_k=32, num_warps=4)
+    cfgs["gemm-64x128x128-8warps"] = dataclasses.replace(cfgs["gemm-16384"], block_m=64, block_n=128, block_k=128,
+                                                         num_warps=8)
+    for job_name, cfg in cfgs.items():
         ints = ("M_cap", "N", "K", "E", "stride_xm", "stride_we", "stride_wn", "stride_om", "stride_xsm", "stride_xsk",
                 "stride_wse", "stride_wsn", "stride_wsk", "stride_be")
-        jobs[f"gemm-{rows}"] = {
+        jobs[job_name] = {
             "module": "moe_torch.ops.grouped_gemm.triton", "kernel": "_grouped_gemm_kernel", "stage": "ttgir",
             "signature": {"x_ptr": "*bf16", "w_ptr": "*u8", "offsets_ptr": "*i32", "x_scale_ptr": "*fp32",
                           "w_scale_ptr": "*u8", "bias_ptr": "*fp32", "out_ptr": "*bf16", **{n: "i32" for n in ints},

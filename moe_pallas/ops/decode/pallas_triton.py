@@ -122,7 +122,7 @@ from moe_pallas.ops.decode.config import (DEFAULT_NUM_SMS, FP8_BLOCK, MIN_DOT, W
 from moe_pallas.ops.grouped_gemm.pallas_mosaic_gpu import num_sms
 from moe_pallas.ops.grouped_gemm.pallas_triton import _w4_step_part
 from moe_pallas.ops.quant.pallas_triton import kernel_div_rn, quantize_div_fp8_kernel
-from moe_pallas.ops.quant.reference import (FP8_DTYPE, mxfp4_mma_as_checkpoint, per_token_group_quant_fp8_reference,
+from moe_pallas.ops.quant.reference import (FP8_DTYPE, mma_codes_for_kernel, per_token_group_quant_fp8_reference,
                                             per_token_quant_fp8_reference, scale_from_amax)
 from moe_pallas.slot_weights import slot_weights
 
@@ -406,9 +406,9 @@ def fused_experts_decode_pallas_triton(
     expert_start, e_local = config.local_expert_range()
     S = T * k
     w_format = config.w_format
-    if w_format == "mxfp4_mma":
-        # these kernels decode the checkpoint layout (as the grouped GEMM's): the codes go back to it
-        (w13, w13_scale), (w2, w2_scale) = mxfp4_mma_as_checkpoint(w13, w13_scale), mxfp4_mma_as_checkpoint(w2, w2_scale)
+    if w_format == "mxfp4_mma":  # these kernels decode the checkpoint layout (as the grouped GEMM's)
+        (w13, w13_scale), (w2, w2_scale) = (mma_codes_for_kernel(op, w13, w13_scale),
+                                            mma_codes_for_kernel(op, w2, w2_scale))
         w_format = "mxfp4"
     fp8 = _FP8_KIND.get(config.quant)  # None, "per_token" or "block"
     # each weight's own scale layout: fp8_per_token takes per-expert [E_local] or per-channel [E_local, N] for each

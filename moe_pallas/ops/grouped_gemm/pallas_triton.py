@@ -55,7 +55,7 @@ from moe_pallas.ops.grouped_gemm.config import (SCALE_BLOCK, GroupedGemmConfig, 
                                                  grouped_gemm_config, triton_config_problem)
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 from moe_pallas.ops.quant.reference import (E8M0_NAN, W4_GROUP, e2m1_to_float32, e8m0_to_float32,
-                                            int4_to_float32, mxfp4_mma_as_checkpoint)
+                                            int4_to_float32, mma_codes_for_kernel)
 
 FP8_DTYPE = jnp.float8_e4m3fn
 
@@ -342,10 +342,8 @@ def grouped_gemm_pallas_triton(
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    if w_format == "mxfp4_mma":
-        # this kernel's decode reads the checkpoint layout: MMA-layout codes go back to it, a copy a call (the same
-        # values)
-        w, w_scale = mxfp4_mma_as_checkpoint(w, w_scale)
+    if w_format == "mxfp4_mma":  # this kernel's decode reads the checkpoint layout
+        w, w_scale = mma_codes_for_kernel("grouped_gemm", w, w_scale)
         w_format = "mxfp4"
     M_cap, K = x.shape
     E, N, _ = w.shape

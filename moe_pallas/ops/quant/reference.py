@@ -9,6 +9,9 @@ Mirror: ``moe_torch/ops/quant/reference.py``.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -489,6 +492,21 @@ def mma_permute(w_q: jax.Array, to_mma: bool) -> jax.Array:
         rot = words if r == 0 else (words << np.uint32(r)) | (words >> np.uint32(32 - r))  # uint32: logical shifts
         acc = acc | (rot & np.uint32(mask))
     return jax.lax.bitcast_convert_type(acc, jnp.uint8).reshape(w_q.shape)
+
+
+def mma_codes_for_kernel(op: str, w_q: jax.Array, w_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """MMA-layout codes as the Pallas-Triton kernels read them (their decode takes the checkpoint layout):
+    :func:`mxfp4_mma_as_checkpoint`, a copy of the codes a call, said once in the log (on this path the layout costs
+    time instead of saving it: keep ``w4_layout="checkpoint"`` for JAX)."""
+    _warn_mma_copy(op)
+    return mxfp4_mma_as_checkpoint(w_q, w_scale)
+
+
+@functools.cache
+def _warn_mma_copy(op: str) -> None:
+    logging.getLogger("moe_pallas").warning(
+        "%s: MMA-layout MXFP4 codes are taken back to the checkpoint layout at each call (a copy of the codes): the "
+        "Pallas kernels decode the checkpoint layout; w4_layout='checkpoint' is faster in JAX", op)
 
 
 def mxfp4_mma_as_checkpoint(w_q: jax.Array, w_scale: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -102,7 +102,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_contract.config import FP8_QUANTS, W4_QUANTS, MoEConfig
+from moe_contract.config import FP8_QUANTS, MoEConfig
 from moe_torch.ops.activation.triton import ACTIVATION_CODES, gated_values
 from moe_torch.ops.device import device_spec
 from moe_torch.ops.decode.config import (DEFAULT_NUM_SMS, FP8_BLOCK_K, FP8_MIN_BLOCK_K, MAX_SLOTS, MIN_DOT,
@@ -492,10 +492,11 @@ def _unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def _scale_code(config: MoEConfig, w_scale: torch.Tensor | None) -> int:
-    """The kernels' ``W_SCALE`` for one weight: its FP8 scale layout (by rank), the 4-bit format, or 0 (float)."""
-    if config.quant in W4_QUANTS:
-        return W_SCALE_CODES[config.w_format]
+def _scale_code(config: MoEConfig, w_scale: torch.Tensor | None, w_format: str | None) -> int:
+    """The kernels' ``W_SCALE`` for one weight: the 4-bit format the kernels read (``w4_kernel_weights``'), its FP8
+    scale layout (by rank), or 0 (float)."""
+    if w_format is not None:
+        return W_SCALE_CODES[w_format]
     if config.quant in FP8_QUANTS:
         return W_SCALE_CODES[_FP8_SCALE_LAYOUTS[w_scale.ndim]]
     return 0
@@ -565,7 +566,6 @@ def fused_experts_decode_triton(
     # MMA-layout codes back in the checkpoint layout where the float32 decode runs (the interpreter, non-bf16 x)
     w13, w13_scale, kernel_format, lut = w4_kernel_weights(x, w13, w13_scale, w_format)
     w2, w2_scale, _, _ = w4_kernel_weights(x, w2, w2_scale, w_format)
-    w_code = W_SCALE_CODES[kernel_format] if w4 else None
     on_input = config.apply_router_weight_on_input
     _decode_gate_up_kernel[grid_a](
         x, ids, weights, w13, w13_scale if w13_scale is not None else w13,
@@ -575,7 +575,7 @@ def fused_experts_decode_triton(
         w13_bias.stride(0) if w13_bias is not None else 0, a.stride(0),
         K_SLOTS=k, TOPK=config.topk, ON_INPUT=on_input, ACTIVATION=ACTIVATION_CODES[config.activation],
         INTERLEAVED=config.gate_up_layout == "interleaved", HAS_BIAS=w13_bias is not None,
-        W_SCALE=w_code if w4 else _scale_code(config, w13_scale), IEEE_F32=x.dtype == torch.float32,
+        W_SCALE=_scale_code(config, w13_scale, kernel_format), IEEE_F32=x.dtype == torch.float32,
         BLOCK_E=triton.next_power_of_2(e_local), CHUNK_S=cfg_a.chunk_s,
         NUM_CHUNKS=triton.cdiv(S, cfg_a.chunk_s), NUM_M_BLOCKS=triton.cdiv(S, cfg_a.block_m),
         BLOCK_M=cfg_a.block_m, BLOCK_N=cfg_a.block_n, BLOCK_K=cfg_a.block_k, e8m0_lut=lut,
@@ -588,7 +588,7 @@ def fused_experts_decode_triton(
         a.stride(0), w2.stride(0), w2.stride(1), *_scale_strides(w2_scale),
         w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0),
         K_SLOTS=k, TOPK=config.topk, ON_INPUT=on_input, HAS_BIAS=w2_bias is not None, APPLY_RSF=rsf != 1.0,
-        W_SCALE=w_code if w4 else _scale_code(config, w2_scale), USE_DOT=use_dot, BLOCK_H=cfg_b.block_h, BLOCK_I=cfg_b.block_i, e8m0_lut=lut,
+        W_SCALE=_scale_code(config, w2_scale, kernel_format), USE_DOT=use_dot, BLOCK_H=cfg_b.block_h, BLOCK_I=cfg_b.block_i, e8m0_lut=lut,
         num_warps=cfg_b.num_warps, num_stages=cfg_b.num_stages,
     )
     return out
