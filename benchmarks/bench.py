@@ -83,7 +83,7 @@ Backends (a backend that cannot run gives a row with ``error``, and the run goes
 - decode (on request: ``--what decode``; :func:`benchmarks.specs.decode_specs`): the layer rows (same
   backends, CUDA-graph row included, and the decode path: ``ours-torch-decode-cudagraph``, ``ours-jax-decode``;
   MXFP4 also on codes repacked to the MMA layout: ``ours-torch-triton-mma-cudagraph``,
-  ``ours-torch-decode-mma-cudagraph``, ``ours-jax-mma-pallas_triton``, ``ours-jax-mma-decode``)
+  ``ours-torch-decode-mma-cudagraph``; JAX converts such codes back at each call, so it has no such rows)
   at T in {1, 2, 4, 8, 16, 32, 64, 128} of four models in the weight format each ships in: gpt-oss-120b MXFP4
   (E=128, topk 4, H=I=2880, router and expert biases, clamped SwiGLU on interleaved gate/up), DeepSeek-V3 FP8
   blocks as one EP8 rank (its 32 routed experts and the shared one; the row is that rank's partial sum),
@@ -770,31 +770,6 @@ def bench_layer(ctx: Ctx, spec: S.LayerSpec, wcache: dict) -> None:
 
         run_jax(ctx, bench, "ours-jax-decode", spec, fn_decode, jsets[0], ref,
                 rot_sets=jsets if n_sets > 1 else None, **common)
-    jax_mma_rows = [n for n in ("ours-jax-mma-pallas_triton", "ours-jax-mma-decode") if ctx.wants(n)]
-    if dev.type == "cuda" and config.quant == "mxfp4" and jax_mma_rows:  # the codes repacked for the MMA (load time)
-        from moe_pallas.layer import mma_layout_weight as jax_mma_layout_weight
-        from moe_pallas.layer import run_gate as jax_run_gate
-        from moe_pallas.ops.decode import fused_experts_decode as jax_decode
-        from moe_pallas.slot_weights import slot_weights as jax_slot_weights
-
-        mma = config.replace(w4_layout="mma")
-        msets = [(s[0], s[1], jax_mma_layout_weight("bench", "w13", s[2], s[4])[0],
-                  jax_mma_layout_weight("bench", "w2", s[3], s[5])[0], *s[4:]) for s in jsets]
-
-        def fn_mma(x_, l_, w13_, w2_, s13_, s2_, b_, b13_, b2_, sgl_):
-            return moe_pallas.moe_forward(x_, l_, w13_, w2_, mma, w13_scale=s13_, w2_scale=s2_, w13_bias=b13_,
-                                          w2_bias=b2_, e_score_correction_bias=b_, shared_expert_gate_logits=sgl_,
-                                          implementation="pallas_triton")
-
-        def fn_mma_decode(x_, l_, w13_, w2_, s13_, s2_, b_, b13_, b2_, sgl_):
-            tw, ti = jax_run_gate(l_, mma, b_, "pallas_triton")
-            tw, _ = jax_slot_weights(tw, sgl_, mma.replace(apply_router_weight_on_input=False))
-            return jax_decode(x_, tw, ti, w13_, w2_, mma, w13_bias=b13_, w2_bias=b2_, w13_scale=s13_,
-                              w2_scale=s2_, implementation="pallas_triton")
-
-        for name, fn_ in (("ours-jax-mma-pallas_triton", fn_mma), ("ours-jax-mma-decode", fn_mma_decode)):
-            if name in jax_mma_rows and (bench == "decode" or name == "ours-jax-mma-pallas_triton"):
-                run_jax(ctx, bench, name, spec, fn_, msets[0], ref, rot_sets=msets if n_sets > 1 else None, **common)
     if dev.type == "cuda" and bench == "decode" and ctx.wants("sglang-fused_moe-triton"):
         # the field's serving kernel, a benchmark-only peer (benchmarks/sglang_peer.py): our gate, SGLang's experts
         from benchmarks import sglang_peer
