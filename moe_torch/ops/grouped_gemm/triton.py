@@ -141,6 +141,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import numpy as np
 import torch
@@ -1055,6 +1056,14 @@ def e8m0_bf16_table(device: torch.device, mma: bool = False) -> torch.Tensor | N
     return table
 
 
+@functools.cache
+def _warn_mma_copy(dtype: torch.dtype) -> None:
+    logging.getLogger("moe_torch").warning(
+        "MMA-layout MXFP4 codes with %s activations: the packed decode that reads the layout takes bf16 only, so the "
+        "codes are taken back to the checkpoint layout at each call (a copy); w4_layout='checkpoint' is faster here",
+        dtype)
+
+
 def w4_kernel_weights(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, w_format: str | None):
     """``(w, w_scale, w_format, e8m0_lut)`` as a 4-bit kernel launch takes them. The packed decode (bf16 ``x`` on a
     GPU) reads ``"mxfp4_mma"`` codes as they are; every other launch (the interpreter, float16 / float32 ``x``)
@@ -1063,6 +1072,8 @@ def w4_kernel_weights(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | 
     (a view of a row's tail: its words would be read across). ``e8m0_lut``: the packed decode's scale table."""
     packed = x.is_cuda and x.dtype == torch.bfloat16 and not triton.knobs.runtime.interpret
     if w_format == "mxfp4_mma" and not packed:
+        if x.is_cuda:  # a copy of the codes every call on a GPU: worth saying (the interpreter is for tests)
+            _warn_mma_copy(x.dtype)
         w, w_scale = mxfp4_mma_as_checkpoint(w, w_scale)
         w_format = "mxfp4"
     elif w_format == "mxfp4_mma" and (w.data_ptr() % 16 or w.stride(0) % 16 or w.stride(1) % 16):
