@@ -65,7 +65,9 @@ def launch_vs_finish(args) -> None:
         seen: collections.Counter = collections.Counter()
 
         def show(message, category, filename, lineno, file=None, line=None):
-            seen["".join(traceback.format_stack(limit=14)[:-3])[-600:]] += 1
+            where = "".join(traceback.format_stack(limit=14)[:-3])[-600:]
+            if "set_sync_debug_mode" not in where:  # turning the mode on reports itself once
+                seen[where] += 1
 
         old = warnings.showwarning
         warnings.showwarning = show
@@ -75,7 +77,6 @@ def launch_vs_finish(args) -> None:
         finally:
             torch.cuda.set_sync_debug_mode(0)
             warnings.showwarning = old
-        # (turning the debug mode on is itself reported once, at this file's line)
         print(f"T={T}: {sum(seen.values())} synchronizing calls in one step, {len(seen)} places")
         for where, n in seen.items():
             print(f"--- x{n}\n{where}")
@@ -127,8 +128,8 @@ def stage_times(args, T: int = 1024, steps: int = 20) -> None:
         print(f"  {name:28s} {seconds / steps * 1e3:7.3f} ms a step, {calls[name] // steps} calls")
 
 
-def op_times(args, T: int = 1024, n: int = 40) -> None:
-    """Host microseconds a call of single public ops at the layer's T=1024 shapes (a torch op for scale)."""
+def _ops(args, T: int = 1024) -> dict:
+    """Single public ops at the layer's T=1024 shapes, as zero-argument calls (a torch op for scale)."""
     import torch
 
     import moe_torch
@@ -152,7 +153,14 @@ def op_times(args, T: int = 1024, n: int = 40) -> None:
            "permute": lambda: permute(x, meta.dst2src, topk=k), "grouped_gemm": lambda: moe_torch.grouped_gemm(xs, w, off),
            "grouped_gemm_dgrad": lambda: grouped_gemm_dgrad(dy, w, off),
            "grouped_gemm_wgrad": lambda: grouped_gemm_wgrad(xs, dy, off)}
-    for name, fn in ops.items():
+    return ops
+
+
+def op_times(args, n: int = 40) -> None:
+    """Host microseconds a call of each of :func:`_ops`."""
+    import torch
+
+    for name, fn in _ops(args).items():
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
@@ -164,6 +172,29 @@ def op_times(args, T: int = 1024, n: int = 40) -> None:
         print(f"{name:26s} host {seconds * 1e6:8.1f} us a call")
 
 
+def op_profile(args, n: int = 200, top: int = 30) -> None:
+    """cProfile of ``n`` calls of each op named in ``args.profile`` (host time by function, the most first)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    ops = _ops(args)
+    for name in args.profile:
+        fn = ops[name]
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(n):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"=== {name}: {n} calls, by own time")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ts", default="1024,8192", help="comma list of token counts for the launch / finish times")
@@ -173,13 +204,17 @@ def main(argv=None) -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--stages", action="store_true", help="host time per stage call in a step (T=1024)")
     p.add_argument("--ops", action="store_true", help="host time per single op call (T=1024's shapes)")
+    p.add_argument("--profile", default="", help="comma list of --ops names: a cProfile of their host time")
     args = p.parse_args(argv)
     args.ts = [int(v) for v in args.ts.split(",") if v]
+    args.profile = [v for v in args.profile.split(",") if v]
     launch_vs_finish(args)
     if args.stages:
         stage_times(args)
     if args.ops:
         op_times(args)
+    if args.profile:
+        op_profile(args)
 
 
 if __name__ == "__main__":
