@@ -282,3 +282,19 @@ def test_jax_tune_writes_the_backend_choice(cache):
     assert [e["backend"] for e in selection.read_table(path, "sm90", H100.kind)] == ["pallas_triton"]
     assert first() == "pallas_triton"
     assert "choice: pallas_triton 1.0000, pallas_mosaic_gpu 2.0000" in tj.summary([flipped])[1]
+
+
+def test_torch_tuner_times_todays_choice_and_tma_on_hopper():
+    """The torch tuner's first pass holds the config the library runs today on the device (on sm_90 at the
+    benchmark's M=16384, the wide TMA config, outside the pointer tile space), so a written entry is never slower
+    than what it replaces; the TMA pass is the Hopper default of ``tune`` (``--tma`` / ``--no-tma`` override)."""
+    from moe_contract.selection import DeviceSpec
+    from moe_torch.ops.grouped_gemm import tune as tt
+    from moe_torch.ops.grouped_gemm.config import grouped_gemm_config
+
+    hopper = DeviceSpec(kind="NVIDIA Test Hopper", capability=(9, 0), sm_count=132, smem_per_block=232448)
+    plain = tt.first_pass(16384, 4096, 7168, 32, 16)
+    with_today = tt.first_pass(16384, 4096, 7168, 32, 16, spec=hopper)
+    today = grouped_gemm_config(16384, 4096, 7168, 32, 16, device=hopper)
+    assert today.tma and today not in plain and with_today == [*plain, today]
+    assert all(c.block_k == 64 for c in plain) and all(c.block_k == 128 for c in tt.first_pass(2048, 64, 256, 4, 8))

@@ -27,8 +27,11 @@ draw) and ranked by the mean of its times, so the winner is the best on ragged r
 
 Two passes per problem (at most 18 + 3 x 5 = 33 configs): the tile shapes x stages in the default
 launch order, then every launch order (``group_m`` x ``persistent``) for the :data:`TOP_K` fastest
-tiles. ``--full`` times the whole product instead (108 configs per problem). ``--tma`` (opt-in; every
-dtype: the variant serves bf16 and FP8) adds a third pass: the opt-in TMA variant (``GroupedGemmConfig.tma``; ``warp_specialize``
+tiles. The first pass also times the config the library runs today for the problem on this GPU (``config.py:
+grouped_gemm_config`` with the device's spec: a stored entry, else the sm_90 wide heuristic), so a written entry is
+never slower than what it replaces. ``--full`` times the whole product instead (108 configs per problem). ``--tma``
+(the default of :func:`tune` on a Hopper GPU, whose shipped entries are TMA configs; every
+dtype: the variant serves bf16 and FP8) adds a third pass: the TMA variant (``GroupedGemmConfig.tma``; ``warp_specialize``
 too on 8-warp tiles) of the :data:`TOP_K` fastest configs so far, in each one's launch order and also
 persistent with ``group_m=8`` (at most 3 x 4 = 12 more configs per problem).
 
@@ -97,7 +100,8 @@ from moe_contract.tuning import (DTYPES, OPS, Deadline, GemmShape, group_sizes, 
                                  parse_ops, parse_routings, stamp, tuned_table_path)
 from moe_torch.ops.device import device_spec as _device_spec
 from moe_torch.ops.grouped_gemm.config import (entry_problem, GroupedGemmConfig, GroupedGemmWgradConfig,
-                                               grouped_gemm_dgrad_config, heuristic_grouped_gemm_config,
+                                               grouped_gemm_config, grouped_gemm_dgrad_config,
+                                               heuristic_grouped_gemm_config,
                                                heuristic_grouped_gemm_wgrad_config)
 from moe_torch.ops.grouped_gemm.reference import grouped_gemm_dgrad_reference, grouped_gemm_wgrad_reference
 from moe_torch.ops.grouped_gemm.triton import grouped_gemm_triton
@@ -412,12 +416,28 @@ def forward_entry(*, dev: str, N: int, K: int, M: int, dtype: str, timed: dict, 
     return entry
 
 
+def first_pass(M: int, N: int, K: int, E: int, bits: int, x_group: int | None = None, w_block: bool = False, *,
+               full: bool = False, spec: selection.DeviceSpec | None = None) -> list[GroupedGemmConfig]:
+    """The forward's first-pass configs: every tile shape of :func:`tiles` (``block_k`` 128 bytes of K) in the default
+    launch order (every order with ``full``), then, with ``spec``, the config the library runs today on that device
+    (``config.py: grouped_gemm_config``: a stored entry, else the sm_90 wide heuristic) where the tile space lacks it."""
+    orders = launch_orders()
+    block_k = 128 * 8 // bits
+    first = [GroupedGemmConfig(block_k=block_k, **t, **o) for t in tiles() for o in (orders if full else orders[:1])]
+    if spec is not None:
+        today = grouped_gemm_config(M, N, K, E, bits, x_group, w_block, device=spec)
+        if today not in first:
+            first.append(today)
+    return first
+
+
 def tune_forward(K: int, N: int, M: int, dtype: str, *, g: torch.Generator, dev: str, deadline: Deadline,
                  routings: Sequence[str] = ("uniform",), E: int = E, full: bool = False, tma: bool = False,
-                 gluon: bool = True) -> dict:
+                 gluon: bool = True, spec: selection.DeviceSpec | None = None) -> dict:
     """Tune the forward of ``x [M, K] @ w[e].T``, ``w [E, N, K]`` (``dtype``: :data:`DTYPES`; bf16 out) on this GPU
     (module docstring: two passes, ``full`` the whole product, ``tma`` the TMA variants, ``gluon`` the Gluon kernel
-    where it serves a bf16 problem); inputs drawn with ``g`` (a CUDA generator). Returns the entry
+    where it serves a bf16 problem; with ``spec``, the config the library runs today on that device timed in the first
+    pass); inputs drawn with ``g`` (a CUDA generator). Returns the entry
     (:func:`forward_entry`; never empty: the heuristic is always timed). Raises what the heuristic config's run raises
     (a shape the kernel does not take)."""
     routings = list(routings)
@@ -434,7 +454,6 @@ def tune_forward(K: int, N: int, M: int, dtype: str, *, g: torch.Generator, dev:
         w, ws = quantize_weight_fp8(w, "block")
         kw = dict(x_scale=xs, w_scale=ws)
     bits = 16 if dtype == "bf16" else 8
-    block_k = 128 * 8 // bits
     x_group, w_block = (128, True) if dtype == "fp8_block" else (None, False)
     heur = heuristic_grouped_gemm_config(M, N, K, E, bits, x_group, w_block)
     # the reference is this kernel at the heuristic config (an explicit config: without one, an FP8-block request
@@ -470,7 +489,7 @@ def tune_forward(K: int, N: int, M: int, dtype: str, *, g: torch.Generator, dev:
             return float("inf")
 
     orders = launch_orders()
-    first = [GroupedGemmConfig(block_k=block_k, **t, **o) for t in tiles() for o in (orders if full else orders[:1])]
+    first = first_pass(M, N, K, E, bits, x_group, w_block, full=full, spec=spec)
     timed = {cfg: bench(cfg) for cfg in first}
     if not full:  # second pass: every other launch order of the fastest tile shapes
         for tile, order in itertools.product(sorted(first, key=timed.get)[:TOP_K], orders[1:]):
@@ -521,7 +540,7 @@ def check_entry(e: dict) -> str | None:
 
 def tune(shapes: Sequence[GemmShape], ms: Sequence[int], dtypes: Sequence[str] = DTYPES,
          ops: Sequence[str] = ("fwd",), *, routings: Sequence[str] = ("uniform",), deadline: Deadline | None = None,
-         full: bool = False, tma: bool = False, gluon: bool = True,
+         full: bool = False, tma: bool | None = None, gluon: bool = True,
          on_entry: Callable[[dict], None] | None = None) -> list[dict]:
     """Tune the Triton grouped GEMM on this GPU for every ``shape`` x ``M`` of ``ms``: the forward of each of
     ``dtypes`` (``"fwd"`` in ``ops``; :func:`tune_forward`) and the bf16 backward ops ``"dgrad"`` / ``"wgrad"``
@@ -536,6 +555,8 @@ def tune(shapes: Sequence[GemmShape], ms: Sequence[int], dtypes: Sequence[str] =
     if unknown:
         raise ValueError(f"tune: dtypes must be among {DTYPES} and ops among {OPS}; got {unknown}")
     spec = device_spec()
+    if tma is None:  # the TMA variants are what the shipped sm_90 entries are; other GPUs lack TMA
+        tma = spec.is_hopper
     deadline = deadline or Deadline(None)
     g = torch.Generator(device="cuda").manual_seed(0)
     routings = list(routings)
@@ -556,7 +577,7 @@ def tune(shapes: Sequence[GemmShape], ms: Sequence[int], dtypes: Sequence[str] =
             continue
         try:
             done(tune_forward(shape.K, shape.N, M, dtype, g=g, dev=spec.kind, deadline=deadline, routings=routings,
-                              E=shape.E, full=full, tma=tma, gluon=gluon))
+                              E=shape.E, full=full, tma=tma, gluon=gluon, spec=spec))
         except Exception as exc:  # noqa: BLE001 - a shape the kernel refuses: the other problems still run
             print(f"  skipped: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         torch.cuda.empty_cache()
@@ -607,8 +628,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="folder of the table (default: $OUT if set, else the user cache's, as epmoe tune)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--full", action="store_true", help="time every config of SEARCH_SPACE (108 per problem)")
-    parser.add_argument("--tma", action="store_true",
-                        help="also time the TMA variant (tma, warp_specialize) of the fastest configs")
+    parser.add_argument("--tma", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the TMA variant (tma, warp_specialize) of the fastest configs "
+                             "(default: on a Hopper GPU)")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of {', '.join(DTYPES)}")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma list of M (rows)")
     parser.add_argument("--routings", default="uniform", help="comma list of uniform, zipf: rank configs by the mean "
