@@ -117,8 +117,8 @@ CPU, ``tests/test_triton_gemm_tma.py``; timings in BENCHMARKS.md):
   (``triton.experimental.gluon``) has the parts: ``nvidia.hopper.warpgroup_mma(a, b, acc, use_acc=False,
   is_async=True)`` (a fresh accumulator, asynchronous), ``warpgroup_mma_wait(num_outstanding=1, deps=[...])``,
   ``gl.warp_specialize(..., worker_num_warps, worker_num_regs)`` (producer / consumer partitions with their register
-  budgets), ``nvidia.hopper.tma`` and ``mbarrier``. Compiled for sm_90 on a CPU (``benchmarks/
-  probe_gluon_promotion.py``, not run on a GPU): two K blocks a loop step, the first awaited with the second in
+  budgets), ``nvidia.hopper.tma`` and ``mbarrier``. Compiled for sm_90 on a CPU (``tests/
+  gluon_promotion_probe.py``, not run on a GPU): two K blocks a loop step, the first awaited with the second in
   flight, keep ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` in the SASS; promoting a block issued in the previous iteration
   (an in-flight accumulator carried by the loop) is serialized by ``ptxas`` (C7514: the wait becomes ``0x0``). A
   Gluon kernel is the way to the schedule in the torch framework, a backend of its own (Gluon has no interpreter).
