@@ -657,8 +657,8 @@ def _y_layout() -> gl.NVMMASharedLayout:
 #: inside its expert, :func:`_store_tile`) and ``"pointer"`` (masked stores from the ``wgmma`` registers).
 EPILOGUES = ("tma", "pointer")
 #: The launchers' default epilogue where ``N % 8 == 0`` (TMA: 16-byte row strides of ``y``); ``"pointer"`` otherwise.
-#: TMA because it took the FP8 down GEMMs and the FP8 torch layers down and left gate_up level, with bit-identical
-#: outputs (``epilogue_ab.py``; BENCHMARKS.md).
+#: TMA because it made the FP8 down GEMMs and the FP8 torch layers faster and left gate_up level, with bit-identical
+#: outputs (BENCHMARKS.md).
 DEFAULT_EPILOGUE = "tma"
 
 
