@@ -31,7 +31,7 @@ Everything else of the interpreter is left as it is.
 every interpreted launch of a ``moe_torch`` kernel is exact, with nothing to import from ``tests/``.
 The patch is process-wide: other interpreted Triton kernels in the process get the exact casts and
 dots too. On a GPU (no interpreter) it does nothing. ``tests/test_triton_interpret.py`` proves the
-patched casts bit-identical to torch and the issue's cases exact.
+patched casts bit-identical to torch and the reported reproducers exact.
 
 Sources: triton-lang/triton@v3.6.0:python/triton/runtime/interpreter.py (the handlers replaced);
 the saturation rule: PTX ISA, ``cvt`` with ``.satfinite``.
