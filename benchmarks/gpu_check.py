@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 
 
 def _pythonpath() -> str:
-    """The repo root first, then whatever PYTHONPATH already holds (e.g. carried wheels' --target folder)."""
+    """The repo root first, then whatever PYTHONPATH already holds (e.g. a `pip install --target` folder)."""
     return os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
 
 
@@ -273,7 +273,7 @@ def main() -> int:
                         help="pytest targets for the GPU test run; ';' splits them into groups run as parallel processes")
     parser.add_argument("--workers", type=int, default=0,
                         help="pytest-xdist processes per test group (the whole suite on one H200 in one call: "
-                             "--workers 12; needs pytest-xdist, carried as wheels: README 'GPU checks')")
+                             "--workers 12; needs pytest-xdist: README 'GPU checks')")
     parser.add_argument("--memcheck", action="store_true", help="also run the Triton kernel tests under compute-sanitizer")
     parser.add_argument("--memcheck-tests", default="tests/test_triton_kernels.py; tests/test_triton_grouped_gemm.py; "
                         "tests/test_triton_permute.py; tests/test_triton_gate.py", help="';'-separated groups, run in parallel")

@@ -7,7 +7,7 @@ it takes to *finish*, whether anything in it synchronizes with the GPU, and wher
 A step whose launch time is close to its finish time is host-bound: the GPU waits on the launches (no sync is
 needed for that). ``--stages`` wraps each stage function the layer calls (``moe_torch.layer``'s names) with a
 ``perf_counter`` pair (nested calls are counted in each level); ``--ops`` times single public op calls at T=1024's
-shapes. A probe, not a benchmark row.
+shapes. A diagnostic tool: what it prints is not a benchmark row.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Probe of the JAX grouped GEMM backward kernels (Mosaic GPU and Pallas-Triton), one shape.
+"""Times the JAX grouped GEMM backward kernels (Mosaic GPU and Pallas-Triton) and their configs, one shape.
 
 Times ``grouped_gemm`` forward, ``grouped_gemm_dgrad`` and ``grouped_gemm_wgrad`` (bf16, E experts, uniform
 rows, ``--m`` rows; gate_up K=7168 N=4096 by default) for each backend, and with ``--mosaic-wgrad`` /
@@ -7,7 +7,7 @@ rows, ``--m`` rows; gate_up K=7168 N=4096 by default) for each backend, and with
     python3 benchmarks/profile_bwd_jax.py --m 16384 --mosaic-wgrad '128,128,64,4,4;128,128,128,3,4'
 
 Config strings are ``block_m,block_n,block_k,max_concurrent_steps,grid_block_n`` (MosaicGroupedGemmConfig).
-Medians of ``benchmarks/harness.py``-style CUDA-synchronised loops; a probe, not a benchmark row.
+Medians of ``benchmarks/harness.py``-style CUDA-synchronised loops; a diagnostic tool, not a benchmark row.
 
 ``--dtype fp8`` / ``fp8_block`` (FP8 per token x per channel, or DeepSeek-V3's 1 x 128 x 128 x 128 blocks): the forward
 only (the backward GEMMs are 16-bit), each backend's default and the ``--mosaic-fwd`` configs; with ``--ncu`` the

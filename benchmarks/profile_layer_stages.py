@@ -8,7 +8,7 @@ forward + backward).
 JAX: ``jax.experimental.mosaic.gpu.profiler.measure(aggregate=False)`` (CUPTI: every kernel of the jitted
 ``moe_forward``, median over ``--iterations``). PyTorch: ``torch.profiler`` CUDA kernel times (mean over the
 iterations). Prints each kernel's ms and share, largest first, and the total. One framework a process (a torch
-row timed beside JAX in one process was up to 2.5x slower at small M: BENCHMARKS.md). A probe, not a
+row timed beside JAX in one process measured slower at small M: BENCHMARKS.md). A diagnostic tool, not a
 benchmark row (``bench.py --what layer`` gives those).
 """
 

@@ -16,8 +16,7 @@ the heuristic configs for that T (``--warps`` overrides); the loop counted is th
 instructions (the K / I loop), not the outer loops around it.
 
 Prints the loop's instruction count, the count per weight element and per lane (``instructions x 32 x warps /
-(block_n x block_k)``), and the most frequent opcodes. At moe_torch e40566a: MXFP4 16x128x64 over 4 warps,
-3 stages: 316 a step (943 with the float32 decode of the earlier kernel); INT4 273 (565).
+(block_n x block_k)``), and the most frequent opcodes. The counts of the library's kernels: BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ real ``sglang.srt.utils`` / ``environ`` / ``custom_op`` they import), and puts i
   imports it for ``fused_experts``' signature; :class:`SGLangFusedMoE` calls ``fused_experts_impl`` directly);
 - ``sglang.jit_kernel.per_tensor_quant_fp8`` / ``per_token_group_quant_8bit`` stand-ins (imported by
   ``fp8_kernel`` on CUDA; the real ones JIT-compile CUDA through tvm-ffi): functions that raise if called;
-- ``sgl_kernel`` (SGLang's CUDA kernel wheel, not carried) stand-in, :data:`SGL_KERNEL_STUBS`:
+- ``sgl_kernel`` (SGLang's CUDA kernel wheel, not required) stand-in, :data:`SGL_KERNEL_STUBS`:
   ``moe_align_block_size`` = :func:`moe_align_block_size_torch` (ours, torch ops, CUDA-graph capturable: the
   op's outputs as SGLang's CUDA kernel defines them), ``moe_sum_reduce`` = SGLang's own Triton
   ``moe_sum_reduce_triton`` (what its HIP build calls; its combine for T > 32, unless one or two slots with rsf 1
@@ -204,7 +204,7 @@ def _module(name: str, **attrs) -> types.ModuleType:
 
 def _unavailable(name: str):
     def fn(*args, **kwargs):
-        raise NotImplementedError(f"sglang_peer: {name} is a stand-in (the real one is not carried); this call "
+        raise NotImplementedError(f"sglang_peer: {name} is a stand-in (the real one is not required); this call "
                                   f"should not happen on the path the adapter runs")
 
     fn.__name__ = name.rsplit(".", 1)[-1]
@@ -339,7 +339,7 @@ class SGLangFusedMoE:
                    "Marlin), not fused_moe_triton's fused_moe_kernel")
         elif c.quant == "fp8_per_token":
             why = ("SGLang's per-token FP8 activation quantizer on CUDA is an sgl_kernel op (sgl_per_token_quant_fp8), "
-                   "a CUDA wheel not carried")
+                   "a CUDA wheel this peer does not require")
         elif c.capacity_factor is not None:
             why = "capacity (capacity_factor): SGLang's fused_experts has no token dropping"
         elif c.shared_expert_gate:
@@ -420,7 +420,7 @@ class SGLangFusedMoE:
         act = ("_swiglu_gpt_oss_sigmoid_alpha (torch.compile)" if self.gemm1_alpha is not None
                else f"act_and_mul_triton ({self.activation})")
         cfg = ", ".join(f"{k}={v}" for k, v in config.items())
-        ours = ["moe_align_block_size: ours in torch (sgl_kernel's CUDA op not carried)"]
+        ours = ["moe_align_block_size: ours in torch (sgl_kernel's CUDA op not required)"]
         if self.quant_kw["use_fp8_w8a8"]:
             ours.append("1x128 FP8 activations: SGLang's Triton quantizer (its CUDA one is a tvm-ffi JIT kernel)")
         if num_tokens > 32 and not (slots <= 2 and self.routed_scaling_factor == 1.0):

@@ -50,7 +50,7 @@ supported by XLA:CPU ThunkEmitter``), so on a CPU mesh the same exchange runs as
 ``jax.lax.all_to_all`` of fixed-capacity ``[ep, C, ...]`` blocks (same result, ``ep`` times the
 worst-case ragged volume); the fallback is logged. GPU meshes use ``ragged_all_to_all`` when
 ``XLA_FLAGS`` holds :data:`RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG` and the dense exchange otherwise (XLA:GPU's
-native ragged op is 13x slower than either in jax 0.11.2; :func:`ep_moe_forward`'s ``exchange``).
+native ragged op measured far slower than either in jax 0.11.2, BENCHMARKS.md; :func:`ep_moe_forward`'s ``exchange``).
 
 Backward (CONTRACT.md section 8, "EP"): ``jax.grad`` / ``jax.vjp`` of the layer, under ``jit``, in both
 modes and both exchanges. The expert stages and the combine run through
@@ -446,7 +446,7 @@ def dense_exchange(op: str, mesh: Mesh, exchange: str | None) -> bool:
 def _log_dense_default() -> None:
     log.info(
         "ep_moe_forward: mode='all_to_all' exchanges rows with a dense all_to_all (XLA:GPU's native "
-        "ragged_all_to_all ran at 2.6 GB/s between two H200s); XLA_FLAGS=%s=true before jax starts makes "
+        "ragged_all_to_all is far slower); XLA_FLAGS=%s=true before jax starts makes "
         "exchange=None use ragged_all_to_all, decomposed (the fastest measured)", RAGGED_ALL_TO_ALL_DECOMPOSER_FLAG)
 
 

@@ -48,8 +48,8 @@ weights), each token's ``sum_j w[t, j] * y[t, j]`` is accumulated in float32 and
 product to bf16 first). Expert parallelism (``experts._is_expert_parallel``, transformers' ``MoEParamShard``):
 ids ``>= num_experts`` are the other ranks' sentinels; their slots add nothing and get no gradient.
 
-transformers is not imported by ``import moe_torch``: :func:`register_transformers` imports it (measured 5-12 s on a
-cold start of a loaded 2-core machine, against 0.3 s for ``import moe_torch``), so the registration is explicit.
+transformers is not imported by ``import moe_torch``: :func:`register_transformers` imports it (importing
+transformers takes many times longer than ``import moe_torch``), so the registration is explicit.
 """
 
 from __future__ import annotations

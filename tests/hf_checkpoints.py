@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
-#: Issue 15's families: Llama 4 (layer 0 dense, as Maverick interleaves them; sigmoid top-2 on the expert input, one
+#: The 2026 families: Llama 4 (layer 0 dense, as Maverick interleaves them; sigmoid top-2 on the expert input, one
 #: shared expert), Qwen3-Next (full attention only, layer 0 dense; a shared expert of 2 * I: two fused experts, and
 #: its sigmoid gate), GLM-4.5 (DeepSeek-V3's router with one group, rsf 2.5, a shared expert) and Kimi K2
 #: (DeepseekV3ForCausalLM, n_group = topk_group = 1, rsf 2.827).

@@ -494,6 +494,39 @@ def test_specs_take_a_preset_model():
         S.LayerSpec(T=4, quant="fp4")
 
 
+def test_benchmark_peer_blocks_of_new_presets():
+    """The benchmark's transformers peer (``arch_of_preset``): gpt-oss's own ``GptOssMLP`` for gpt-oss; none for
+    presets no Mixtral / Qwen3-MoE / DeepSeek-V3 / gpt-oss block expresses (before: gpt-oss and Qwen3-Next got
+    Qwen3-MoE's, whose builder then refused them); DeepSeek-V3's block for GLM-4.5-Air and Kimi K2 (the same
+    computation)."""
+    new_presets = ("gpt-oss-20b", "gpt-oss-120b", "llama4-scout", "llama4-maverick", "qwen3-next-80b-a3b",
+                   "glm-4.5-air", "kimi-k2")
+    got = {n: S.arch_of_preset(n) for n in new_presets}
+    assert got == {"gpt-oss-20b": "gpt_oss", "gpt-oss-120b": "gpt_oss", "llama4-scout": None, "llama4-maverick": None,
+                   "qwen3-next-80b-a3b": None, "glm-4.5-air": "deepseek_v3", "kimi-k2": "deepseek_v3"}
+    assert {n: S.arch_of_preset(n) for n in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")} == {
+        "mixtral-8x7b": "mixtral", "qwen3-30b-a3b": "qwen3_moe", "deepseek-v3": "deepseek_v3"}
+
+
+def test_benchmark_specs_time_4bit_layers_with_their_own_bytes():
+    """The benchmark's layer rows time 4-bit layers with their own byte model (before: refused, since FP8's 8 bits a
+    weight would have been wrong): MXFP4 rows count 4.25 bits a weight, INT4 4.5, not FP8's 8; an unknown quant is
+    still a ValueError naming the modes."""
+    from moe_contract import MoEConfig
+
+    gpt_oss = MoEConfig(hidden_size=64, intermediate_size=32, num_experts=4, topk=2, routing="softmax_topk",
+                        renormalize=True, activation="swiglu_oai", gate_up_layout="interleaved")
+    assert {"mxfp4", "int4", "fp8_block"} <= set(S.BENCH_QUANTS)
+    rows = {q: S.LayerSpec(T=4, quant=q, E=4, topk=2, H=64, I=32, touched=2) for q in ("fp8_per_token", "mxfp4", "int4")}
+    weights = {q: r.min_bytes - 2 * 4 * 64 * 2 for q, r in rows.items()}  # minus x read and out written
+    assert weights == {"fp8_per_token": 2 * 3 * 64 * 32, "mxfp4": 2 * 3 * 64 * 32 * 4.25 / 8,
+                       "int4": 2 * 3 * 64 * 32 * 4.5 / 8}
+    with pytest.raises(ValueError, match=r"LayerSpec: quant must be one of .*got quant='fp4'"):
+        S.LayerSpec(T=4, quant="fp4", E=4, topk=2, H=64, I=32)
+    with pytest.raises(ValueError, match=r"BenchModel: quants must be a non-empty tuple of .* got \('fp4',\)"):
+        S.BenchModel(name="x", config=gpt_oss, arch=None, quants=("fp4",))
+
+
 def test_tiny_refuses_a_preset_too_large_to_interpret(tmp_path, monkeypatch, capsys):
     """--tiny --preset deepseek-v3 would interpret an 11G-element layer on the CPU: refused before any work."""
     monkeypatch.setattr(bench, "TINY", True)
@@ -790,7 +823,7 @@ def test_bench_weights_with_preset_says_it_is_not_used(hf_checkpoints, tmp_path,
 
 
 def test_bwd_specs_shapes_and_flops():
-    """--what gemm_bwd,layer_bwd: the issue's shapes (E=32, uniform rows, bf16: gate_up K=7168 N=4096 and down K=2048
+    """--what gemm_bwd,layer_bwd: the backward targets' shapes (E=32, uniform rows, bf16: gate_up K=7168 N=4096 and down K=2048
     N=7168 at M in {4096, 16384}; the layer H=7168 I=2048 topk 8 at T in {512, 4096}), the backward counted as two
     GEMMs per forward GEMM, names apart from the forward specs; FP8 refused (its codes get no gradient)."""
     full = S.gemm_bwd_specs()
@@ -874,7 +907,7 @@ def test_bwd_guard_refuses_a_planted_wrong_gradient(tmp_path, monkeypatch):
 @needs_triton_interpreter  # `bench.py --tiny`: ours-torch-triton rows run in Triton's interpreter
 def test_tiny_bwd_run_every_row_correct_and_missing_peers_skipped(tmp_path):
     """`bench.py --tiny --what gemm_bwd,layer_bwd` on the CPU (kernels interpreted): exit 0; every backend and peer
-    of the issue has its row; every row that ran is right (forward and each gradient) and timed (forward and
+    of the backward rows has its row; every row that ran is right (forward and each gradient) and timed (forward and
     forward + backward; JAX rows with XLA's memory analysis and what the forward holds, torch rows saying their
     CUDA peak is n/a here); the layer with recompute False and True, the recompute rows holding less; Mosaic GPU
     and tokamax skipped with their reason, not errors."""

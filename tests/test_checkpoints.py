@@ -139,7 +139,7 @@ def test_float32_checkpoint_equals_the_transformers_block(ckpt, family):
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 12 item 2: an absent config.json key means what transformers' config class means
+# An absent config.json key means what transformers' config class means
 # ----------------------------------------------------------------------------------------------
 
 
@@ -204,7 +204,7 @@ def test_config_errors_name_the_config_json_key(ckpt, family, drop, set_, exc, m
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 12 item 4: shared experts, config.json against the tensors
+# Shared experts, config.json against the tensors
 # ----------------------------------------------------------------------------------------------
 
 
@@ -239,7 +239,7 @@ def test_unexpected_keys_are_refused(ckpt):
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 12 item 5: non-finite weights and inputs
+# Non-finite weights and inputs
 # ----------------------------------------------------------------------------------------------
 
 
@@ -277,7 +277,7 @@ def test_check_refuses_nonfinite_weights_before_any_stage(ckpt, capsys):
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 12 item 6: FP8 checkpoints
+# FP8 checkpoints
 # ----------------------------------------------------------------------------------------------
 
 
@@ -336,7 +336,7 @@ def test_check_takes_an_fp8_checkpoints_quantization(ckpt, capsys):
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 12 item 3: check without config.json
+# Check without config.json
 # ----------------------------------------------------------------------------------------------
 
 

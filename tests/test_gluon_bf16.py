@@ -15,7 +15,7 @@ an sm_90 GPU.
   straddling an expert's last row, an expert ending at ``M_cap``, more tiles than SMs), both layouts, both tile
   widths and epilogues, bf16 and fp16; decreasing offsets as the Triton kernels; the dispatch with the switches on
   bit-identical to calling the launchers with the dispatch's options. Timings:
-  ``benchmarks/results/2026-12-03_h200_a/gluon_bf16_bench.py``.
+  BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 * on an sm_90 GPU (``EPMOE_TEST_DEVICE=gpu``; skipped elsewhere): random problems against the reference (T=1, empty
   experts, all rows on one expert, unowned head and tail, N tail, one K block, E=256), decreasing offsets handled
   as the Triton kernel does, and the default dispatch of ``moe_torch.grouped_gemm``. Timings:
-  ``benchmarks/probe_gluon_gemm.py``.
+  BENCHMARKS.md.
 
 The per-token x per-channel ("rowwise") kernel of the same module (``grouped_gemm_gluon_fp8_rowwise``; the default
 dispatch, ``EPMOE_TRITON_GLUON_FP8_ROWWISE=0`` keeps the Triton kernel): compiled for sm_90a at
@@ -17,8 +17,8 @@ E = 32 / 256, block_n 128 / 256 and with promotion every 2 K blocks (spills: 0 a
 host refusals, ``gluon_fp8_rowwise_eligible`` off on the CPU (switch on or off), and on the GPU (T=1, empty experts,
 all rows on one expert, unowned head and tail, N tail, K = 208 / 16 / 1040 not multiples of 128, E=256, with and
 without promotion, a promotion group longer than K; decreasing offsets as the Triton kernel; the default dispatch; the
-``promote`` refusals; the E=32 FP8 per-token layer through it within the contract's tolerance). ``--dtype fp8`` of the
-probe times it.
+``promote`` refusals; the E=32 FP8 per-token layer through it within the contract's tolerance). Timings:
+BENCHMARKS.md.
 """
 
 from __future__ import annotations

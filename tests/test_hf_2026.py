@@ -1,4 +1,4 @@
-"""Issue 15's families in the Hugging Face drop-ins and the checkpoint loader: Llama 4 (``Llama4TextMoe``),
+"""The 2026 MoE families in the Hugging Face drop-ins and the checkpoint loader: Llama 4 (``Llama4TextMoe``),
 Qwen3-Next (``Qwen3NextSparseMoeBlock``), GLM-4.5 (``Glm4MoeMoE``) and Kimi K2 (``DeepseekV3MoE`` with one expert
 group; its checkpoints say ``model_type="kimi_k2"``, which transformers 5.24 has no class for).
 

@@ -47,7 +47,7 @@ register_transformers()
 
 COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-#: Tiny configs of the families the brief names (and Lfm2-MoE: an ``act_fn`` that is ``F.silu`` itself). Llama 4's
+#: Tiny configs of the families served (and Lfm2-MoE: an ``act_fn`` that is ``F.silu`` itself). Llama 4's
 #: ``Llama4TextExperts`` is not decorated in transformers 5.24 (``moe_torch.patch_hf_model`` serves its block).
 FAMILIES = {
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=4,

@@ -12,7 +12,7 @@ and one shared expert) are differentiable plain torch: the judge. Their float32 
 - through ``EPMoE.from_hf_block`` (one layer from the block; DeepSeek-V3's shared MLP as the fused expert
   ``w13[E] = [gate_proj; up_proj]``, ``w2[E] = down_proj``), with ``router_logits = block.gate(x)[0]``;
 - a whole patched two-layer DeepSeek-V3 model with the Triton path: every parameter's gradient, the
-  embedding's included, as transformers' (the issue's silent-drop bug: on CUDA the Triton path returned an
+  embedding's included, as transformers' (a silent-drop bug, fixed: on CUDA the Triton path returned an
   output with no ``grad_fn`` and the embedding gradient came out 99.9% wrong; then a guard made the backward
   raise; now it has a backward);
 - an FP8-patched model trains: codes are frozen buffers (bit-identical after an AdamW step), every

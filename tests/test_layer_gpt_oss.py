@@ -702,23 +702,6 @@ def test_module_bias_errors(framework):
         cls(GPT_OSS, w13, w2)
 
 
-def test_benchmark_specs_time_4bit_layers_with_their_own_bytes():
-    """The benchmark's layer rows time 4-bit layers with their own byte model (before: refused, since FP8's 8 bits a
-    weight would have been wrong): MXFP4 rows count 4.25 bits a weight, INT4 4.5, not FP8's 8; an unknown quant is
-    still a ValueError naming the modes."""
-    from benchmarks import specs as S
-
-    assert {"mxfp4", "int4", "fp8_block"} <= set(S.BENCH_QUANTS)
-    rows = {q: S.LayerSpec(T=4, quant=q, E=4, topk=2, H=64, I=32, touched=2) for q in ("fp8_per_token", "mxfp4", "int4")}
-    weights = {q: r.min_bytes - 2 * 4 * 64 * 2 for q, r in rows.items()}  # minus x read and out written
-    assert weights == {"fp8_per_token": 2 * 3 * 64 * 32, "mxfp4": 2 * 3 * 64 * 32 * 4.25 / 8,
-                       "int4": 2 * 3 * 64 * 32 * 4.5 / 8}
-    with pytest.raises(ValueError, match=r"LayerSpec: quant must be one of .*got quant='fp4'"):
-        S.LayerSpec(T=4, quant="fp4", E=4, topk=2, H=64, I=32)
-    with pytest.raises(ValueError, match=r"BenchModel: quants must be a non-empty tuple of .* got \('fp4',\)"):
-        S.BenchModel(name="x", config=GPT_OSS.replace(expert_bias=False), arch=None, quants=("fp4",))
-
-
 def test_gpt_oss_preset_layer_refuses_missing_biases():
     """Regression: gpt-oss's preset used to compute the layer without its expert biases (a silently other
     layer); its config now sets ``expert_bias`` and ``moe_forward`` without the biases is a ValueError."""

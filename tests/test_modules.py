@@ -354,7 +354,7 @@ def test_bad_weights_raise_the_layers_messages(framework):
 
 
 def test_nnx_module_refuses_numpy_inputs():
-    """Issue 12: each module takes its own framework's arrays only. ``MoELayer(x, router_logits)`` and
+    """Each module takes its own framework's arrays only. ``MoELayer(x, router_logits)`` and
     ``MoEBlock(hidden_states)`` with a numpy array raise a TypeError naming ``jnp.asarray`` (before,
     ``MoELayer`` silently converted numpy); the jax arrays themselves still work."""
     from moe_pallas.module import MoEBlock

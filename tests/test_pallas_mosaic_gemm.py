@@ -567,7 +567,7 @@ def test_row_tile_straddling_two_experts():
 
 @gpu_only
 def test_dispatch_falls_back_where_mosaic_cannot_serve():
-    """N=33 (case (1) of the issue): Mosaic raises NotImplementedError, the default dispatch logs it
+    """N=33 (a width Mosaic GPU cannot tile): Mosaic raises NotImplementedError, the default dispatch logs it
     and runs the Pallas-Triton kernel: y[i, :] = 64 * 2^i exactly."""
     x = jnp.asarray(np.repeat(2.0 ** np.arange(4)[:, None], 64, axis=1), jnp.bfloat16)
     w = jnp.ones((2, 33, 64), jnp.bfloat16)

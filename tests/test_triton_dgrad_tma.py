@@ -6,8 +6,8 @@ pointer kernel, its refusals (each naming the field), its default (``config.py: 
 
 On the CPU the kernel runs in Triton's interpreter, which turns the host-side tensor descriptors into masked loads
 (zero outside the bounds, as TMA); on the GPU machine (``EPMOE_TEST_DEVICE=gpu``) the same tests run compiled, plus
-the default (``EPMOE_TRITON_TMA_DGRAD`` unset or 1; on by default after these tests passed on the
-H200: ``benchmarks/results/2026-12-03_h200_a/call1``) at a size where it picks the TMA variant. Unused capacity rows of ``d_y`` are NaN: the variant loads and
+the default (``EPMOE_TRITON_TMA_DGRAD`` unset or 1; on by default because these tests pass on sm_90 and the
+variant measured faster, BENCHMARKS.md) at a size where it picks the TMA variant. Unused capacity rows of ``d_y`` are NaN: the variant loads and
 computes whole row tiles, so a NaN that reached ``d_x`` would show a row stored that must not be.
 """
 

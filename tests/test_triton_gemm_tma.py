@@ -253,7 +253,7 @@ def test_tma_compiles_for_sm90():
 
 @pytest.mark.skipif(TORCH_DEVICE != "cpu", reason="a compile-only probe, run in a child process on the CPU")
 def test_gluon_compiles_the_overlapped_fp8_promotion_for_sm90():
-    """The module docstring's finding on Triton 3.6's Gluon (``benchmarks/probe_gluon_promotion.py``): two FP8 K
+    """The module docstring's finding on Triton 3.6's Gluon (``tests/gluon_promotion_probe.py``): two FP8 K
     blocks a step, the first awaited with the second in flight, keep ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` in the sm_90
     SASS; promoting a block issued in the previous iteration is serialized by ptxas (C7514). If a new triton changes
     either, this test says so and the docstring must be updated."""
@@ -263,7 +263,7 @@ def test_gluon_compiles_the_overlapped_fp8_promotion_for_sm90():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "probe_gluon_promotion.py")], env=env,
+    out = subprocess.run([sys.executable, os.path.join(root, "tests", "gluon_promotion_probe.py")], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.startswith(("loop_carried", "two_blocks")))

@@ -35,7 +35,7 @@ _CHILD = textwrap.dedent(
     from moe_torch.ops import triton_interpret
     out = {}
 
-    # 1. The issue's grouped GEMM of ones: [4, 64] x [1, 32, 64] -> every entry 64.
+    # 1. The reported reproducer, a grouped GEMM of ones: [4, 64] x [1, 32, 64] -> every entry 64.
     y = moe_torch.grouped_gemm(torch.ones(4, 64, dtype=torch.bfloat16), torch.ones(1, 32, 64, dtype=torch.bfloat16),
                                torch.tensor([0, 4], dtype=torch.int32), implementation="triton")
     out["gemm_ones"] = sorted(set(y.float().flatten().tolist()))
@@ -72,7 +72,7 @@ def child_results(tmp_path_factory):
     """Run the user's session in a fresh interpreter-mode process; its printed results."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     keep = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not p.rstrip("/").endswith("tests")]
-    # The repo root (where moe_torch lives, installed or not) and carried packages; never tests/.
+    # The repo root (where moe_torch lives, installed or not) and the other PYTHONPATH entries; never tests/.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *keep]), TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
     cwd = tmp_path_factory.mktemp("user")
     proc = subprocess.run([sys.executable, "-c", _CHILD], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)

@@ -15,7 +15,6 @@ The tables are temporary device-kind files ``<fw>/sm90/<kind>.json`` of a simula
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 
 import jax
@@ -23,11 +22,9 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `benchmarks` as a namespace package
-
-from moe_pallas.ops.grouped_gemm import config as jax_config  # noqa: E402
-from moe_pallas.ops.grouped_gemm import pallas_mosaic_gpu_backward as mosaic_bwd  # noqa: E402
-from moe_pallas.ops.grouped_gemm.config import (  # noqa: E402
+from moe_pallas.ops.grouped_gemm import config as jax_config
+from moe_pallas.ops.grouped_gemm import pallas_mosaic_gpu_backward as mosaic_bwd
+from moe_pallas.ops.grouped_gemm.config import (
     MosaicGroupedGemmConfig,
     heuristic_mosaic_grouped_gemm_config,
     heuristic_mosaic_wgrad_config,
@@ -35,16 +32,16 @@ from moe_pallas.ops.grouped_gemm.config import (  # noqa: E402
     mosaic_grouped_gemm_config,
     mosaic_wgrad_config,
 )
-from moe_torch.ops.device import device_spec  # noqa: E402
-from moe_torch.ops.grouped_gemm import config as torch_config  # noqa: E402
-from moe_torch.ops.grouped_gemm import triton_backward as torch_bwd  # noqa: E402
-from moe_torch.ops.grouped_gemm.config import (GroupedGemmConfig, GroupedGemmWgradConfig,  # noqa: E402
+from moe_torch.ops.device import device_spec
+from moe_torch.ops.grouped_gemm import config as torch_config
+from moe_torch.ops.grouped_gemm import triton_backward as torch_bwd
+from moe_torch.ops.grouped_gemm.config import (GroupedGemmConfig, GroupedGemmWgradConfig,
                                                grouped_gemm_config, grouped_gemm_dgrad_config,
                                                grouped_gemm_wgrad_config, heuristic_grouped_gemm_config,
                                                heuristic_grouped_gemm_dgrad_config, heuristic_grouped_gemm_wgrad_config,
                                                tuned_wgrad_kernel)
-from common import TEST_SPEC, TORCH_DEVICE, write_tuned  # noqa: E402
-from test_pallas_grouped_gemm import _spy_config  # noqa: E402
+from common import TEST_SPEC, TORCH_DEVICE, write_tuned
+from test_pallas_grouped_gemm import _spy_config
 
 KIND = TEST_SPEC.kind
 MOSAIC = "pallas_mosaic_gpu"
@@ -303,7 +300,7 @@ def test_tuners_parse_ops_and_refuse_unknown_ones(monkeypatch, capsys):
 
 
 def test_jax_tuner_backward_candidates_and_keys():
-    """The Mosaic backward candidates keep the kernels' rules at both tuned shapes and hold what the brief asks: dgrad's
+    """The Mosaic backward candidates keep the kernels' rules at both tuned shapes and hold what the tuners need: dgrad's
     split_m variants and snake widths and the one-warpgroup kernel, wgrad's warp-specialized or not and its stages; the
     heuristic is among them at M=16384; forward and backward entries of one problem have different keys."""
     from moe_pallas.ops.grouped_gemm import tune as tj

@@ -15,21 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sys
 import types
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `benchmarks` as a namespace package
-
-from moe_torch.ops import triton_common  # noqa: E402
-from moe_torch.ops.grouped_gemm import config as torch_config  # noqa: E402
-from moe_torch.ops.grouped_gemm import triton as gemm_triton  # noqa: E402
-from moe_torch.ops.grouped_gemm.config import (GroupedGemmConfig, grouped_gemm_config,  # noqa: E402
+from moe_torch.ops import triton_common
+from moe_torch.ops.grouped_gemm import config as torch_config
+from moe_torch.ops.grouped_gemm import triton as gemm_triton
+from moe_torch.ops.grouped_gemm.config import (GroupedGemmConfig, grouped_gemm_config,
                                                heuristic_grouped_gemm_config, tuned_forward_kernel)
-from common import TEST_SPEC, TORCH_DEVICE, spec_of_kind, write_tuned  # noqa: E402
+from common import TEST_SPEC, TORCH_DEVICE, spec_of_kind, write_tuned
 
 KIND = TEST_SPEC.kind
 ENV = triton_common.GLUON_BF16_ENV

@@ -21,7 +21,7 @@ NVIDIA's ``cvt.rn.satfinite.e4m3x2.f32``), dots as a float32 matmul of the opera
 float32 and rounded to nearest even. One speed-up, not a fix: ``tl.associative_scan`` with a combine function
 registered through :func:`register_scan` (the grouped GEMM's running max of the offsets) runs as that numpy
 ufunc's ``accumulate`` on integer data instead of the interpreter's element-by-element Python loop (identical
-values; that loop made an interpreted DeepSeek-V3 layer (E=256) take ~30 s, nearly all of it in the scans).
+values; that loop took nearly all of an interpreted DeepSeek-V3 layer's (E=256) time).
 Two more, also not fixes (:func:`_faster_interpreter`): a ``@triton.jit`` function called from a kernel does not
 re-patch ``triton.language`` when its launch already did, and ``_get_np_dtype``'s table is built once.
 Everything else of the interpreter is left as it is.
@@ -31,7 +31,7 @@ Everything else of the interpreter is left as it is.
 every interpreted launch of a ``moe_torch`` kernel is exact, with nothing to import from ``tests/``.
 The patch is process-wide: other interpreted Triton kernels in the process get the exact casts and
 dots too. On a GPU (no interpreter) it does nothing. ``tests/test_triton_interpret.py`` proves the
-patched casts bit-identical to torch and the issue's cases exact.
+patched casts bit-identical to torch and the reported reproducers exact.
 
 Sources: triton-lang/triton@v3.6.0:python/triton/runtime/interpreter.py (the handlers replaced);
 the saturation rule: PTX ISA, ``cvt`` with ``.satfinite``.
@@ -165,10 +165,10 @@ def install() -> None:
 
 def _faster_interpreter() -> None:
     """Speed-ups, not fixes. A ``@triton.jit`` function called from an interpreted kernel re-patches
-    ``triton.language`` (``_patch_lang``: ``inspect.getmembers`` over ``tl``, ``tl.tensor``, ``tl.math``, about 1.4 ms)
-    on every call, though the launch (``GridExecutor``) has already patched those modules for its whole run; in an
-    interpreted DeepSeek-V3 torch layer (E=256: ~800 programs, each calling the expert-search helpers) that was ~40 %
-    of the interpreted time. Here a call skips ``_patch_lang`` when every language module its function sees was already
+    ``triton.language`` (``_patch_lang``: ``inspect.getmembers`` over ``tl``, ``tl.tensor``, ``tl.math``) on every
+    call, though the launch (``GridExecutor``) has already patched those modules for its whole run; in an interpreted
+    DeepSeek-V3 torch layer (E=256: ~800 programs, each calling the expert-search helpers) that was a large share of
+    the interpreted time. Here a call skips ``_patch_lang`` when every language module its function sees was already
     patched within the current launch (the skipped call would have re-set the same interpreter hooks, bound to the same
     builder: triton 3.6 never restores a nested call's patches anyway); any other call patches as before. And
     ``_get_np_dtype``'s table is built once instead of per call."""

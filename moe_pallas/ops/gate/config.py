@@ -16,8 +16,9 @@ import dataclasses
 from jax.experimental import pallas as pl
 
 #: Score elements per program per warp: one warp holds 256 float32 values, 8 a thread per live tensor.
-#: The H200 sweep (``benchmarks/tune_gate.py``, BENCHMARKS.md; DeepSeek-V3's gate, E=256) put one token on one warp
-#: first at T=4096 and at T=32: the old 2048-element tiles took 230 registers a thread (2 programs an SM).
+#: One token on one warp measured fastest on DeepSeek-V3's gate (E=256) at large and small T
+#: (``benchmarks/tune_gate.py``; BENCHMARKS.md): 2048-element tiles need so many registers a thread that only
+#: 2 programs fit an SM.
 TARGET_TILE_ELEMENTS = 256
 #: At most this many tokens a program (more programs keep the SMs busy at large T).
 MAX_BLOCK_T = 64

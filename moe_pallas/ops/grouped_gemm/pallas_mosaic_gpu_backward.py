@@ -21,8 +21,8 @@ Forward (``pallas_mosaic_gpu.py``): ``y [M_cap, N] = x [M_cap, K] @ w[e(m)].T``,
   An expert with no rows runs no block and stores its zero accumulator: exactly 0. Rows past
   ``M_cap`` are zero-filled by TMA.
 - **warp-specialized wgrad** (``config.warp_specialized``, the heuristic's choice for 16-bit inputs where
-  ``N % 128 == 0`` and ``K % 256 == 0``): the one-warpgroup wgrad is latency-bound (ncu, BENCHMARKS.md:
-  58% SM throughput; each work item contracts only its expert's rows, a few pipeline steps, so the pipeline fill
+  ``N % 128 == 0`` and ``K % 256 == 0``): the one-warpgroup wgrad is latency-bound (ncu profile in
+  BENCHMARKS.md: each work item contracts only its expert's rows, a few pipeline steps, so the pipeline fill
   and the epilogue are exposed on every item). Here a **producer** warpgroup (``PRODUCER_REGISTERS``) walks the
   CTA's work items and their row blocks without a break and loads each step's ``d_y`` tile ``[block_k, block_m]``
   and two ``x`` tiles ``[block_k, block_n]`` into one of ``max_concurrent_steps`` slots; two **consumer**
@@ -32,7 +32,7 @@ Forward (``pallas_mosaic_gpu.py``): ``y [M_cap, N] = x [M_cap, K] @ w[e(m)].T``,
   item. A ragged step: each consumer masks its own ``x`` tile, consumer 0 the shared ``d_y`` tile, both fence and
   meet on a two-arrival barrier before either ``wgmma`` reads the slot (no two warpgroups write the same shared
   memory). Faster than the one-warpgroup kernel on both of the layer's shapes, near cuBLAS's grouped GEMM
-  (``benchmarks/results/2026-12-02_h200_g``; BENCHMARKS.md).
+  (BENCHMARKS.md).
 
 Limits (``NotImplementedError``: the dispatch's default order then falls back to the Pallas-Triton
 kernels; the warp-specialized wgrad's are in ``config.mosaic_wgrad_config_problem``): 16-bit float inputs only (no float32: ``wgmma`` would round to TF32; no FP8 weights in the

@@ -108,7 +108,7 @@ def decode_gate_up_config(T: int, k: int, H: int, I: int, E_local: int, w4: bool
     chunk_s = max(1, min(block_s, COUNT_TILE_ELEMS // max(block_e, block_m)))
     # 4 warps: two [64, 128] bf16 weight tiles and two [BLOCK_M, 64] float32 accumulators a program. 4 stages: the
     # K loop streams w13, the one operand worth prefetching (x's rows are few and stay in L1/L2), and a small grid
-    # needs many bytes in flight (H100, tune_decode.py: 4 stages 0-12% faster than 2 at block_n <= 64, T = 1 and 8).
+    # needs many bytes in flight (4 stages measured faster than 2 by benchmarks/tune_decode.py: BENCHMARKS.md).
     return DecodeGateUpConfig(block_m=block_m, block_n=block_n, block_k=block_k, chunk_s=chunk_s, num_warps=4,
                               num_stages=4)
 

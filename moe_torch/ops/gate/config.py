@@ -12,9 +12,9 @@ import triton
 
 #: Elements of one program's ``[BLOCK_T tokens, BLOCK_E experts]`` float32 tile per warp. The kernel
 #: keeps about three such tiles live (scores, selection scores, the not-yet-chosen mask): 256 values
-#: over one warp are 8 per thread per tile. The H200 sweep (``benchmarks/tune_gate.py``, BENCHMARKS.md;
-#: DeepSeek-V3's gate) put one token per one-warp program first; the old
-#: 4096-element tiles over 4 warps took 230 registers a thread (ptxas), 2 programs an SM.
+#: over one warp are 8 per thread per tile. One token per one-warp program measured fastest on DeepSeek-V3's
+#: gate (``benchmarks/tune_gate.py``; BENCHMARKS.md): 4096-element tiles over 4 warps need so many registers
+#: a thread (ptxas) that only 2 programs fit an SM.
 TILE_ELEMS = 256
 #: Most warps a program (E = 512 takes 2).
 MAX_WARPS = 8

@@ -184,7 +184,7 @@ def heuristic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, bits: int,
     (``x``'s width; 4-bit weights, ``w_format``, are decoded to it in the kernel, and their K step
     is at least one scale group, :func:`min_block_k`). 4-bit: the tiles of ``x``'s dtype (small ``M_cap``, decode,
     gets 16-row tiles), with 16-bit ``x`` 128-wide K steps: faster than 64 for both MXFP4 and INT4 on gpt-oss-120b's
-    decode gate_up (``benchmarks/probe_w4.py``; BENCHMARKS.md).
+    decode gate_up (BENCHMARKS.md).
 
     Raises: NotImplementedError when the scale groups are too narrow for ``tl.dot`` (a K step
     must lie inside one scale group, and ``tl.dot`` needs ``block_k >= MIN_BLOCK_K[bits]``).

@@ -42,7 +42,7 @@ tensor cores run the next block):
 * Promotion: two K blocks a loop step. Both blocks' ``warpgroup_mma(a, b, zeros, use_acc=False, is_async=True)`` are
   issued, the first awaited with ``warpgroup_mma_wait(num_outstanding=1)`` (the second still running) and promoted,
   ``acc += part * (x_scale[rows, kb] * w_scale[e, nb, kb])``, then the second. A loop-carried in-flight accumulator
-  makes ptxas serialize the ``wgmma`` (C7514; ``benchmarks/probe_gluon_promotion.py``); two blocks a step do not.
+  makes ptxas serialize the ``wgmma`` (C7514; ``tests/gluon_promotion_probe.py``); two blocks a step do not.
   An odd last block is done alone. The step's scales are loaded (global, L2) before its ``ready`` wait, so their
   latency hides behind the wait and the MMAs.
 * Work: "expert-aligned" row tiles: expert ``e``'s tiles start at ``s_e = offsets[e]`` and step by 128 (the
@@ -77,10 +77,10 @@ tensor cores run the next block):
 Sources read (layouts and API of triton 3.6.0 confirmed in the installed package): triton-lang/triton
 ``python/tutorials/gluon/08-warp-specialization.py`` (``gl.warp_specialize([(fn, args), ...], warps, regs)``,
 mbarrier ring phases), ``04-tma.py`` / ``05-wgmma.py`` (``tma.async_copy_global_to_shared``, ``warpgroup_mma``),
-and this repo's ``benchmarks/probe_gluon_promotion.py``. Compile-only test for sm_90a: ``tests/test_gluon_gemm.py``.
+and this repo's ``tests/gluon_promotion_probe.py``. Compile-only test for sm_90a: ``tests/test_gluon_gemm.py``.
 
-Why it is the default for FP8 blocks: faster than the Triton kernel on gate_up and level or faster on down
-(``benchmarks/probe_gluon_gemm.py``), and faster on the FP8-block layers (BENCHMARKS.md). Down's short K loop (16
+Why it is the default for FP8 blocks: faster than the Triton kernel on gate_up and level or faster on down, and
+faster on the FP8-block layers (BENCHMARKS.md). Down's short K loop (16
 blocks a tile) exposes the per-tile epilogue (pointer stores from the ``wgmma`` layout while no MMA of this CTA
 runs), which is why the TMA-store epilogue is the default (:data:`DEFAULT_EPILOGUE`). Register budgets: the producer partition has 4
 warps (one elected thread issues the TMA) so that its expert table fits 40 registers a thread (E = 256: 8 bytes of
@@ -657,8 +657,8 @@ def _y_layout() -> gl.NVMMASharedLayout:
 #: inside its expert, :func:`_store_tile`) and ``"pointer"`` (masked stores from the ``wgmma`` registers).
 EPILOGUES = ("tma", "pointer")
 #: The launchers' default epilogue where ``N % 8 == 0`` (TMA: 16-byte row strides of ``y``); ``"pointer"`` otherwise.
-#: TMA because it took the FP8 down GEMMs and the FP8 torch layers down and left gate_up level, with bit-identical
-#: outputs (``epilogue_ab.py``; BENCHMARKS.md).
+#: TMA because it made the FP8 down GEMMs and the FP8 torch layers faster and left gate_up level, with bit-identical
+#: outputs (BENCHMARKS.md).
 DEFAULT_EPILOGUE = "tma"
 
 
@@ -841,8 +841,7 @@ def grouped_gemm_gluon_fp8_rowwise(x_q: torch.Tensor, w_q: torch.Tensor, expert_
     ``kb`` completes block ``kb - 1``, whose stage is then released on ``empty``), waits for the last
     (``warpgroup_mma_wait(0)``), releases its stage and adds the partial to the float32 accumulator. Epilogue:
     ``acc * x_scale[rows][:, None] * w_scale[e, cols][None, :]`` to bf16, masked pointer stores as the block kernel.
-    Compared with block_n 256 without promotion, the Triton kernel and ``torch._scaled_grouped_mm`` in
-    ``probe_gluon_gemm.py --dtype fp8`` (BENCHMARKS.md)."""
+    Compared with block_n 256 without promotion, the Triton kernel and ``torch._scaled_grouped_mm``: BENCHMARKS.md."""
     check_inputs_rowwise(x_q, w_q, expert_offsets, x_scale, w_scale, out_dtype)
     if block_n not in _ROWWISE_MAX_STAGES:
         _fail(ValueError, "block_n", "128 or 256", block_n, OP_ROWWISE)

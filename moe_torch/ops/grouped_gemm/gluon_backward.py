@@ -292,8 +292,8 @@ def check_inputs(x, d_y, expert_offsets, out_dtype) -> None:
                      en_rows="d_w")
 
 
-#: The dispatch takes the Gluon wgrad only with ``M_cap >= WGRAD_MIN_ROWS_PER_EXPERT * E``: at 8 rows an expert the
-#: Triton kernel was faster, at 64 Gluon (``wgrad_small.py``; BENCHMARKS.md).
+#: The dispatch takes the Gluon wgrad only with ``M_cap >= WGRAD_MIN_ROWS_PER_EXPERT * E``: with few rows an expert
+#: the Triton kernel measured faster, with many the Gluon one (BENCHMARKS.md).
 WGRAD_MIN_ROWS_PER_EXPERT = 32
 
 

@@ -67,7 +67,7 @@ Dispatch (``triton_common.py``): the forward runs here where the device's tuned 
 "gluon"`` (``config.py: tuned_forward_kernel``, written by ``benchmarks/tune_triton_gemm.py``, with the entry's
 ``"gluon_config"``: :func:`dispatch_options`) and ``EPMOE_TRITON_GLUON_BF16`` is unset, wherever it serves with
 ``EPMOE_TRITON_GLUON_BF16=1``, never with ``=0``; the dgrad only with ``EPMOE_TRITON_GLUON_DGRAD=1`` (off by default).
-Its timings (BENCHMARKS.md) come from ``benchmarks/results/2026-12-03_h200_a/gluon_bf16_call.sh``.
+Its timings against the Triton kernel: BENCHMARKS.md.
 
 Sources read (no code copied): this repo's ``moe_torch/ops/grouped_gemm/gluon.py`` (the partitions, ring, schedule,
 zeroing and TMA-store epilogue, reused by import) and ``gluon_backward.py`` (MN-major 16-bit ``wgmma`` operands from

@@ -117,8 +117,8 @@ CPU, ``tests/test_triton_gemm_tma.py``; timings in BENCHMARKS.md):
   (``triton.experimental.gluon``) has the parts: ``nvidia.hopper.warpgroup_mma(a, b, acc, use_acc=False,
   is_async=True)`` (a fresh accumulator, asynchronous), ``warpgroup_mma_wait(num_outstanding=1, deps=[...])``,
   ``gl.warp_specialize(..., worker_num_warps, worker_num_regs)`` (producer / consumer partitions with their register
-  budgets), ``nvidia.hopper.tma`` and ``mbarrier``. Compiled for sm_90 on a CPU (``benchmarks/
-  probe_gluon_promotion.py``, not run on a GPU): two K blocks a loop step, the first awaited with the second in
+  budgets), ``nvidia.hopper.tma`` and ``mbarrier``. Compiled for sm_90 on a CPU (``tests/
+  gluon_promotion_probe.py``, not run on a GPU): two K blocks a loop step, the first awaited with the second in
   flight, keep ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` in the SASS; promoting a block issued in the previous iteration
   (an in-flight accumulator carried by the loop) is serialized by ``ptxas`` (C7514: the wait becomes ``0x0``). A
   Gluon kernel is the way to the schedule in the torch framework, a backend of its own (Gluon has no interpreter).
@@ -889,7 +889,7 @@ GLUON_STAGES = 5
 #: (128 x 128 tiles, :data:`GLUON_STAGES`) above. An expert of r rows takes ``ceil(r / 64)`` items of 64 rows instead
 #: of ``2 * ceil(r / 128)`` halves of 128: fewer where ``r % 128`` is in (0, 64], e.g. 3 instead of 4 at 130-192
 #: rows, DeepSeek-V3's ~128 rows an expert at T=4096 (``gluon.py: grouped_gemm_gluon_fp8_block``). 192 because the
-#: 64-row items won at 128-192 rows an expert and lost from 256 (``splitn_ab.py``, bit-identical outputs; BENCHMARKS.md).
+#: 64-row items measured faster at 128-192 rows an expert and slower from 256, bit-identical outputs (BENCHMARKS.md).
 GLUON_SPLIT_N_MAX_ROWS_PER_EXPERT = 192
 #: The split-N items' ring depth (40 KiB a stage; 4 is the deepest with the TMA epilogue).
 GLUON_SPLIT_N_STAGES = 4
@@ -975,8 +975,8 @@ def gluon_bf16_choice(switch: bool | None, tuned: tuple[str, dict] | None, wide:
     kernel with those options (the entry's ``"gluon_config"``; ``{}``: none tuned, ``gluon_bf16.py: dispatch_options``
     then passes ``DISPATCH_OPTIONS``). ``False`` -> ``None``; ``None`` -> the options where the entry's kernel is
     ``"gluon"``, else ``None`` (a Triton entry, or one tuned before the choice); with no entry, ``{}`` where ``wide``
-    (a large problem on sm_90: ``config.py: hopper_wide_config`` applies; the Gluon kernel with its defaults is within
-    2% of the tuned kernel on the benchmark's 16-bit shapes, the wide Triton tiles up to 10% slower: BENCHMARKS.md),
+    (a large problem on sm_90: ``config.py: hopper_wide_config`` applies; the Gluon kernel with its defaults is level
+    with the tuned kernel on the benchmark's 16-bit shapes, the wide Triton tiles slower: BENCHMARKS.md),
     else ``None``; ``True`` -> the entry's options whatever its kernel, ``{}`` without one. Pure: no device, no
     environment."""
     if switch is False:

@@ -10,9 +10,9 @@ Compiles, for sm_90 on this machine, two Gluon (``triton.experimental.gluon``) K
 - ``two-blocks``: two blocks a loop step, both issued, the first awaited with the second in flight, as
   ``moe_pallas``'s warp-specialized Mosaic GPU kernel with ``block_k = 256``.
 
-Usage (repo root)::
+Usage (repo root; run by ``tests/test_triton_gemm_tma.py``, not collected by pytest itself)::
 
-    python3 benchmarks/probe_gluon_promotion.py
+    python3 tests/gluon_promotion_probe.py
 
 Compiled with triton 3.6.0: ``loop-carried`` -> ``ptxas`` C7514 ("wgmma.mma_async instructions are serialized due to
 non wgmma instructions reading accumulator registers of a wgmma between start and end of the pipeline stage"), SASS
