@@ -218,7 +218,7 @@ def test_dispatch_never_on_cpu_or_switched_off(monkeypatch):
         assert not gb.dgrad_eligible(d_y, w, off, None, torch.bfloat16)
     monkeypatch.setenv(triton_common.GLUON_BF16_ENV, "0")
     monkeypatch.delenv(triton_common.GLUON_DGRAD_ENV)
-    monkeypatch.setattr(gb, "forward_eligible", lambda *a, **k: pytest.fail("consulted with the switch off"))
+    monkeypatch.setattr(gb, "forward_refusal", lambda *a, **k: pytest.fail("consulted with the switch off"))
     monkeypatch.setattr(gb, "dgrad_eligible", lambda *a, **k: pytest.fail("consulted with the switch off"))
     assert not gemm_triton.gluon_bf16_eligible(x, w, off, None, None, torch.bfloat16)
     assert not gemm_bwd.gluon_dgrad_eligible(d_y, w, off, None, torch.bfloat16)

@@ -158,7 +158,7 @@ def test_choice_from_switch_and_entry():
 
 
 class _FakeCuda:
-    """Just what ``gluon_bf16_options`` reads of a tensor before ``forward_eligible`` (patched in these tests)."""
+    """Just what ``gluon_bf16_options`` reads of a tensor before ``forward_refusal`` (patched in these tests)."""
 
     def __init__(self, *shape, dtype=torch.bfloat16):
         self.shape, self.dtype, self.is_cuda, self.device = tuple(shape), dtype, True, "cuda:0"
@@ -167,12 +167,12 @@ class _FakeCuda:
         return len(self.shape)
 
 
-def _patch_gluon(monkeypatch, eligible: bool = True):
-    """``(gluon_bf16 module, calls)``: its ``forward_eligible`` -> ``eligible`` (recording its calls), the device
-    :data:`TEST_SPEC`. Skips the test where triton has no Gluon."""
+def _patch_gluon(monkeypatch, eligible: bool = True, why: str = "needs contiguous tensors"):
+    """``(gluon_bf16 module, calls)``: its ``forward_refusal`` -> ``None`` where ``eligible``, else ``why`` (recording
+    its calls), the device :data:`TEST_SPEC`. Skips the test where triton has no Gluon."""
     gb = pytest.importorskip("moe_torch.ops.grouped_gemm.gluon_bf16", reason="triton.experimental.gluon unavailable")
     calls = []
-    monkeypatch.setattr(gb, "forward_eligible", lambda *a, **k: calls.append(a) or eligible)
+    monkeypatch.setattr(gb, "forward_refusal", lambda *a, **k: calls.append(a) or (None if eligible else why))
     monkeypatch.setattr(gemm_triton, "device_spec", lambda device=None: TEST_SPEC)
     return gb, calls
 
@@ -215,11 +215,53 @@ def test_dispatch_options_tri_state(tmp_path, monkeypatch):
     assert len(calls) == n_calls
     monkeypatch.setenv(ENV, "1")
     _patch_gluon(monkeypatch, eligible=False)
-    assert options(DOWN) is None  # forward_eligible refuses: Triton whatever the switch
+    assert options(DOWN) is None  # forward_refusal refuses: Triton whatever the switch
     monkeypatch.delenv(ENV)
     assert options(DOWN) is None
     assert not gemm_triton.gluon_bf16_eligible(_FakeCuda(16384, 2048), _FakeCuda(32, *DOWN), _FakeCuda(33), None,
                                                None, torch.bfloat16)
+
+
+def test_default_says_when_its_gluon_choice_cannot_serve(tmp_path, monkeypatch, caplog):
+    """Where the table (or the wide rule) chooses the 16-bit Gluon kernel and the request is one it cannot take (a
+    strided ``x``, say), the default runs Triton and logs why, once per reason; a problem below the kernel's row rule
+    falls back without a word (a measured choice, not a refusal). The FP8 Gluon kernels likewise."""
+    import logging
+
+    from moe_torch.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_SAID", set())
+    use_table(tmp_path, monkeypatch, [fwd_entry(DOWN, 16384, TMA, kernel="gluon", gluon_config=G128, gluon_ms=0.7)])
+    monkeypatch.delenv(ENV, raising=False)
+    x, w, off = _FakeCuda(16384, DOWN[1]), _FakeCuda(32, *DOWN), _FakeCuda(33, dtype=torch.int32)
+    gb, _ = _patch_gluon(monkeypatch, eligible=False, why="x must be contiguous")
+    with caplog.at_level(logging.WARNING, logger="moe_torch"):
+        for _ in range(3):
+            assert gemm_triton.gluon_bf16_options(x, w, off, None, None, torch.bfloat16) is None
+    said = [r.getMessage() for r in caplog.records if "gluon_bf16" in r.getMessage()]
+    assert len(said) == 1 and "x must be contiguous" in said[0] and "Triton" in said[0], said
+    caplog.clear()
+    _patch_gluon(monkeypatch, eligible=False, why=gb.FEW_ROWS)
+    with caplog.at_level(logging.WARNING, logger="moe_torch"):
+        assert gemm_triton.gluon_bf16_options(x, w, off, None, None, torch.bfloat16) is None
+    assert not caplog.records
+
+    # FP8 blocks on sm_90 at enough rows, a float16 x_scale: the Gluon FP8-block kernel passed over, said once
+    class _Fp8(_FakeCuda):
+        def is_contiguous(self):
+            return True
+
+    K, N, E = 2048, 7168, 32
+    fp8 = torch.float8_e4m3fn
+    x8, w8, off8 = _Fp8(16384, K, dtype=fp8), _Fp8(E, N, K, dtype=fp8), _Fp8(E + 1, dtype=torch.int32)
+    xs, ws = _Fp8(16384, K // 128, dtype=torch.float16), _Fp8(E, N // 128, K // 128, dtype=torch.float32)
+    for t in (x8, w8, off8, xs, ws):
+        t.ndim = len(t.shape)
+    with caplog.at_level(logging.WARNING, logger="moe_torch"):
+        for _ in range(2):
+            assert not gemm_triton.gluon_fp8_block_eligible(x8, w8, off8, xs, ws, torch.bfloat16)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "gluon_fp8_block" in said[0] and "float32 scales" in said[0], said
 
 
 def test_dispatch_never_on_cpu_tensors_and_explicit_config_keeps_triton(tmp_path, monkeypatch):

@@ -47,3 +47,15 @@ def dispatch(op: str, implementation: str | None, backends: Mapping[str, Callabl
         except NotImplementedError as exc:
             log.warning("%s: backend %r cannot serve this request (%s); trying %r", op, name, exc, order[order.index(name) + 1])
     return backends[order[-1]]()
+
+
+_SAID: set[tuple[str, str, str, str]] = set()
+
+
+def passed_over(op: str, kernel: str, why: str, instead: str) -> None:
+    """Log (once per reason) that the default's measured choice ``kernel`` cannot serve a request and ``instead`` runs
+    it: a default never changes kernel without saying so."""
+    key = (op, kernel, why, instead)
+    if key not in _SAID:
+        _SAID.add(key)
+        log.warning("%s: the default's kernel %r cannot serve this request (%s); running %s", op, kernel, why, instead)

@@ -420,18 +420,34 @@ def _rows_enough(M_cap: int, E: int) -> bool:
 
 def forward_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> bool:
     """Whether this kernel can serve a forward request of ``grouped_gemm_triton`` (the switch and the tuned choice are
-    the caller's: ``triton.py: gluon_bf16_options``; the tuner asks it too): bf16 / fp16 ``x`` and ``w`` of one dtype, ``out_dtype`` that dtype, no
-    scales, no bias, no 4-bit weights, enough rows (:func:`_rows_enough`), and nothing :func:`check_inputs` refuses
-    (contiguous, one sm_90 CUDA device, ``K % 8 == 0``, 16-byte aligned, ``E <= 4095``). Host-side only (no sync)."""
-    if (x_scale is not None or w_scale is not None or w_format is not None or bias is not None
-            or not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES or out_dtype != x.dtype or x.dim() != 2
-            or expert_offsets.dim() != 1 or not _rows_enough(x.shape[0], expert_offsets.shape[0] - 1)):
-        return False
+    the caller's: ``triton.py: gluon_bf16_options``; the tuner asks it too): :func:`forward_refusal` is ``None``.
+    Host-side only (no sync)."""
+    return forward_refusal(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias) is None
+
+
+#: :func:`forward_refusal`'s reason for a problem below the rows at which the kernel is used (a measured rule, not a
+#: limit of the kernel: the dispatch does not report it).
+FEW_ROWS = "fewer rows than the kernel is used for"
+
+
+def forward_refusal(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> str | None:
+    """Why this kernel does not serve a forward request (``None``: it does): bf16 / fp16 ``x`` and ``w`` of one dtype,
+    ``out_dtype`` that dtype, no scales, no bias, no 4-bit weights, enough rows (:func:`_rows_enough`; else
+    :data:`FEW_ROWS`), and nothing :func:`check_inputs` refuses (contiguous, one sm_90 CUDA device, ``K % 8 == 0``,
+    16-byte aligned, ``E <= 4095``). Host-side only (no sync)."""
+    if x_scale is not None or w_scale is not None or w_format is not None or bias is not None:
+        return "serves no scales, bias or 4-bit weights"
+    if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES or out_dtype != x.dtype:
+        return f"serves bf16 / fp16 x with out_dtype the same dtype; got out_dtype {out_dtype}"
+    if x.dim() != 2 or expert_offsets.dim() != 1:
+        return "needs x [M_cap, K] and expert_offsets [E + 1]"
+    if not _rows_enough(x.shape[0], expert_offsets.shape[0] - 1):
+        return FEW_ROWS
     try:
         check_inputs(x, w, expert_offsets)
-    except (TypeError, ValueError, NotImplementedError):
-        return False
-    return True
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        return str(exc)
+    return None
 
 
 def forward_options_problem(options, N: int) -> str | None:

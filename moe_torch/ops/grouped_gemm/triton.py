@@ -159,6 +159,7 @@ from moe_torch.ops.quant.reference import FP8_DTYPE, mxfp4_mma_as_checkpoint
 from moe_torch.ops import triton_interpret
 from moe_torch.ops.triton_common import (MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device,
                                          gluon_bf16_switch, gluon_fp8_block_enabled, gluon_fp8_rowwise_enabled)
+from moe_torch.ops.dispatch import passed_over
 
 #: ``x_scale`` layout -> the kernel's ``X_SCALE`` constexpr.
 X_SCALE_CODES = {None: 0, "per_tensor": 1, "per_token": 2, "per_token_group": 3}
@@ -921,24 +922,33 @@ def _gluon_available() -> bool:
     return True
 
 
-def _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias) -> bool:
-    """What both Gluon kernels need (host-side only, no sync): FP8 ``x`` and ``w`` with float32 scales, bf16 out, no
-    bias, no 4-bit weights, every tensor contiguous on ``x``'s CUDA device of compute capability (9, 0), int32
-    offsets, ``M_cap >=`` :data:`GLUON_MIN_ROWS` and ``>=`` :data:`GLUON_MIN_ROWS_PER_EXPERT` ``* E``, at most 4095
-    experts, ``K % 16 == 0`` (TMA row strides)."""
-    if (w_format is not None or bias is not None or out_dtype != torch.bfloat16 or not x.is_cuda
-            or x.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE or x_scale is None or w_scale is None):
+def _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias, kernel: str) -> bool:
+    """What both FP8 Gluon kernels need (host-side only, no sync), for a request of their scale layout (the caller's
+    check): FP8 ``x`` and ``w`` on a CUDA device of compute capability (9, 0), ``M_cap >=`` :data:`GLUON_MIN_ROWS` and
+    ``>=`` :data:`GLUON_MIN_ROWS_PER_EXPERT` ``* E`` (the measured rule: below it the Triton kernel is faster), then
+    float32 scales, bf16 out, no bias, no 4-bit weights, every tensor contiguous on ``x``'s device, int32 offsets, at
+    most 4095 experts, ``K % 16 == 0`` (TMA row strides), triton's Gluon importable. A request the rule gives
+    ``kernel`` but which fails one of the latter runs the Triton kernel with a logged reason (:func:`passed_over`)."""
+    if not x.is_cuda or x.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE:
         return False
     M_cap, K = x.shape
-    if (M_cap < GLUON_MIN_ROWS or M_cap < GLUON_MIN_ROWS_PER_EXPERT * w.shape[0] or K % 16 != 0
-            or w.shape[0] > _MAX_EXPERTS):
+    if M_cap < GLUON_MIN_ROWS or M_cap < GLUON_MIN_ROWS_PER_EXPERT * w.shape[0] or not device_spec(x.device).is_hopper:
         return False
-    tensors = (x, w, expert_offsets, x_scale, w_scale)
-    if any(not t.is_contiguous() or t.device != x.device for t in tensors):
+    why = None
+    if w_format is not None or bias is not None or out_dtype != torch.bfloat16:
+        why = f"serves bf16 out without bias or 4-bit weights; got out_dtype {out_dtype}, bias {bias is not None}"
+    elif K % 16 != 0 or w.shape[0] > _MAX_EXPERTS:
+        why = f"needs K % 16 == 0 and at most {_MAX_EXPERTS} experts; got K={K}, E={w.shape[0]}"
+    elif any(not t.is_contiguous() or t.device != x.device for t in (x, w, expert_offsets, x_scale, w_scale)):
+        why = "needs contiguous tensors on one device"
+    elif x_scale.dtype != torch.float32 or w_scale.dtype != torch.float32 or expert_offsets.dtype != torch.int32:
+        why = "needs float32 scales and int32 expert_offsets"
+    elif not _gluon_available():
+        why = "triton's Gluon is not importable"
+    if why is not None:
+        passed_over("grouped_gemm", kernel, why, "the Triton kernel")
         return False
-    if x_scale.dtype != torch.float32 or w_scale.dtype != torch.float32 or expert_offsets.dtype != torch.int32:
-        return False
-    return device_spec(x.device).is_hopper and _gluon_available()
+    return True
 
 
 def gluon_fp8_block_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> bool:
@@ -953,7 +963,7 @@ def gluon_fp8_block_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, 
             or x_scale.shape[1] != K // W_SCALE_BLOCK):
         return False  # 1 x 128 groups and 128 x 128 blocks only
     return gluon_fp8_block_enabled() and _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format,
-                                                         bias)
+                                                         bias, "gluon_fp8_block")
 
 
 def gluon_fp8_rowwise_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> bool:
@@ -965,7 +975,7 @@ def gluon_fp8_rowwise_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype
             or tuple(w_scale.shape) != tuple(w.shape[:2])):
         return False  # per token x per channel only (checked first: cheap)
     return gluon_fp8_rowwise_enabled() and _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype,
-                                                           w_format, bias)
+                                                           w_format, bias, "gluon_fp8_rowwise")
 
 
 def gluon_bf16_choice(switch: bool | None, tuned: tuple[str, dict] | None, wide: bool = False) -> dict | None:
@@ -1020,10 +1030,14 @@ def gluon_bf16_options(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_form
     if options is None:
         return None
     try:
-        from moe_torch.ops.grouped_gemm.gluon_bf16 import dispatch_options, forward_eligible
-    except ImportError:  # triton without gluon
+        from moe_torch.ops.grouped_gemm.gluon_bf16 import FEW_ROWS, dispatch_options, forward_refusal
+    except ImportError as exc:  # triton without gluon
+        passed_over("grouped_gemm", "gluon_bf16", f"triton's Gluon is not importable: {exc}", "the Triton kernel")
         return None
-    if not forward_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias):
+    why = forward_refusal(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias)
+    if why is not None:
+        if why != FEW_ROWS:
+            passed_over("grouped_gemm", "gluon_bf16", why, "the Triton kernel")
         return None
     return dispatch_options(options, w.shape[1])
 
