@@ -926,18 +926,19 @@ def _gluon_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format,
     """What both FP8 Gluon kernels need (host-side only, no sync), for a request of their scale layout (the caller's
     check): FP8 ``x`` and ``w`` on a CUDA device of compute capability (9, 0), ``M_cap >=`` :data:`GLUON_MIN_ROWS` and
     ``>=`` :data:`GLUON_MIN_ROWS_PER_EXPERT` ``* E`` (the measured rule: below it the Triton kernel is faster), then
-    float32 scales, bf16 out, no bias, no 4-bit weights, every tensor contiguous on ``x``'s device, int32 offsets, at
-    most 4095 experts, ``K % 16 == 0`` (TMA row strides), triton's Gluon importable. A request the rule gives
-    ``kernel`` but which fails one of the latter runs the Triton kernel with a logged reason (:func:`passed_over`)."""
+    bf16 out, no bias, no 4-bit weights, then float32 scales, every tensor contiguous on ``x``'s device, int32 offsets,
+    at most 4095 experts, ``K % 16 == 0`` (TMA row strides), triton's Gluon importable. A request the rule gives
+    ``kernel`` but which fails one of the latter runs the Triton kernel with a logged reason (``dispatch.py:
+    passed_over``)."""
     if not x.is_cuda or x.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE:
         return False
     M_cap, K = x.shape
     if M_cap < GLUON_MIN_ROWS or M_cap < GLUON_MIN_ROWS_PER_EXPERT * w.shape[0] or not device_spec(x.device).is_hopper:
         return False
-    why = None
     if w_format is not None or bias is not None or out_dtype != torch.bfloat16:
-        why = f"serves bf16 out without bias or 4-bit weights; got out_dtype {out_dtype}, bias {bias is not None}"
-    elif K % 16 != 0 or w.shape[0] > _MAX_EXPERTS:
+        return False  # another kind of request than the measured choice was about: not reported
+    why = None
+    if K % 16 != 0 or w.shape[0] > _MAX_EXPERTS:
         why = f"needs K % 16 == 0 and at most {_MAX_EXPERTS} experts; got K={K}, E={w.shape[0]}"
     elif any(not t.is_contiguous() or t.device != x.device for t in (x, w, expert_offsets, x_scale, w_scale)):
         why = "needs contiguous tensors on one device"
@@ -1036,7 +1037,7 @@ def gluon_bf16_options(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_form
         return None
     why = forward_refusal(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias)
     if why is not None:
-        if why != FEW_ROWS:
+        if why != FEW_ROWS and not why.startswith("serves "):  # not a request the measured choice was about
             passed_over("grouped_gemm", "gluon_bf16", why, "the Triton kernel")
         return None
     return dispatch_options(options, w.shape[1])
