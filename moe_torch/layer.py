@@ -17,6 +17,7 @@ Mirror: ``moe_pallas/layer.py``.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -46,9 +47,14 @@ from moe_torch.ops.quant.api import (QUANT_CHUNK_BYTES, dequantize_fp8, mxfp4_to
 from moe_torch.ops.quant.reference import dequantize_weight_4bit_reference
 from moe_torch.slot_weights import scaled_slot_rows, scaled_slot_rows_backward, slot_weights, slot_weights_backward
 
+#: The forward GEMMs' choices: the stage's backends and the grouped GEMM's kernel names (``gluon_bf16``, ...,
+#: ``triton_pointer``; ``moe_torch.ops.grouped_gemm.kernels``). A layer asked for a kernel runs its forward GEMMs on
+#: it and every other stage, and the backward's GEMMs, on their defaults (as ``pallas_mosaic_gpu`` in ``moe_pallas``).
+_GEMM_FORWARD = SimpleNamespace(IMPLEMENTATIONS=grouped_gemm_api.FORWARD_IMPLEMENTATIONS)
+
 #: Every backend name any stage knows (a stage without the chosen one uses its default).
 LAYER_IMPLEMENTATIONS = tuple(dict.fromkeys(
-    name for stage in (gate_api, permute_api, grouped_gemm_api, activation_api, combine_api) for name in stage.IMPLEMENTATIONS
+    name for stage in (gate_api, permute_api, _GEMM_FORWARD, activation_api, combine_api) for name in stage.IMPLEMENTATIONS
 ))
 
 
@@ -99,7 +105,11 @@ def moe_forward(
         input instead of its output (sections 2, 5; :mod:`moe_torch.slot_weights`: the scaling is a torch
         op before the permute kernel, not fused).
       implementation: ``"reference"`` or ``"triton"``, used by every stage that has it (forward and
-        backward); a stage without it uses its default (``None``). ``None``: every stage's default.
+        backward); a stage without it uses its default (``None``). ``None``: every stage's default. Or one of
+        the grouped GEMM's kernel names (``moe_torch.ops.grouped_gemm.kernels.NAMES``: ``"gluon_fp8_block"``,
+        ``"gluon_fp8_rowwise"``, ``"gluon_bf16"``, ``"triton_tma"``, ``"triton_pointer"``): the forward GEMMs
+        run on that kernel (``NotImplementedError`` naming the device and the reason where it cannot serve them,
+        before its launch), every other stage and the backward's GEMMs on their defaults.
       recompute: what the forward keeps for the backward (only when a gradient can be asked for:
         grad mode on and an input that requires grad). ``False``: the routing (``topk_weights``,
         ``topk_ids``, ``expert_offsets``, ``src2dst``, ``dst2src``) and GEMM 1's output ``h``;
@@ -196,7 +206,7 @@ def run_experts(x, topk_ids, w13, w2, w13_scale, w2_scale, config: MoEConfig, im
     h = _gemm1(x, meta, topk_ids.shape[1], w13, w13_scale, config, implementation, input_scale, w13_bias)
     a, a_scale = _act(h, config, implementation)
     y = grouped_gemm(a, w2, meta.expert_offsets, x_scale=a_scale, w_scale=w2_scale, out_dtype=x.dtype,
-                     implementation=stage_implementation(implementation, grouped_gemm_api),
+                     implementation=stage_implementation(implementation, _GEMM_FORWARD),
                      w_format=w_format(config), bias=w2_bias)
     return (y, meta, h) if return_h else (y, meta)
 
@@ -220,7 +230,7 @@ def _gemm1(x, meta, k: int, w13, w13_scale, config: MoEConfig, implementation, i
     xq, x_scale = permute(x, meta.dst2src, topk=k, quant=ACTIVATION_QUANT[config.quant],
                           implementation=stage_implementation(implementation, permute_api))
     return grouped_gemm(xq, w13, meta.expert_offsets, x_scale=x_scale, w_scale=w13_scale, out_dtype=x.dtype,
-                        implementation=stage_implementation(implementation, grouped_gemm_api),
+                        implementation=stage_implementation(implementation, _GEMM_FORWARD),
                         w_format=w_format(config), bias=w13_bias)
 
 

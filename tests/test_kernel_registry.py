@@ -173,3 +173,26 @@ def test_torch_hopper_heuristic_without_a_table(monkeypatch, tmp_path):
         assert tc.grouped_gemm_config(16384, 4096, 7168, 32, 16, device=A100) == heur(16384, 4096, 7168, 32, 16)
     finally:
         tc.tuned_tables.cache_clear()
+
+
+def test_torch_layer_takes_a_gemm_kernel_name():
+    """``moe_forward(..., implementation=<kernel>)``, as ``moe_pallas``' layer takes ``"pallas_mosaic_gpu"``: the
+    forward GEMMs run on that kernel (``triton_pointer`` interpreted here: the reference's result within float32, and a
+    gradient through the default backward), a kernel this device cannot run raises NotImplementedError naming it
+    before any launch, an unknown name is a ValueError."""
+    import moe_torch
+    from moe_contract import MoEConfig, make_layer_inputs
+
+    config = MoEConfig(num_experts=4, topk=2, hidden_size=32, intermediate_size=16)
+    inp = make_layer_inputs(config, 5, seed=1)
+    x = torch.from_numpy(inp.x).requires_grad_(True)
+    logits, w13, w2 = (torch.from_numpy(a) for a in (inp.router_logits, inp.w13, inp.w2))
+    y = moe_torch.moe_forward(x, logits, w13, w2, config, implementation="triton_pointer")
+    torch.testing.assert_close(y, moe_torch.moe_forward(x, logits, w13, w2, config, implementation="reference"),
+                               rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    with pytest.raises(NotImplementedError, match="kernel 'gluon_bf16' cannot serve this request"):
+        moe_torch.moe_forward(x.detach(), logits, w13, w2, config, implementation="gluon_bf16")
+    with pytest.raises(ValueError, match="implementation"):
+        moe_torch.moe_forward(x.detach(), logits, w13, w2, config, implementation="cublas")
