@@ -121,11 +121,21 @@ def test_jax_pallas_triton_fp8_needs_sm89():
 
 
 def test_the_same_choices_on_every_hopper():
-    """The point of keying by architecture: an H100 and an H20 get the H200's tuned choices (torch configs, the
-    Gluon-or-Triton choice, JAX backend order); an A100 gets none."""
+    """The point of keying by architecture: an H20 (no table of its own) gets the H200's tuned choices (torch configs,
+    the Gluon-or-Triton choice, JAX backend order), an H100 its own refinements first (``tuned/sm90/<kind>.json``)
+    and the architecture's where they hold no entry; an A100 gets none."""
+    import json
+    import os
+
     from moe_torch.ops.grouped_gemm import config as tc
 
-    for spec in (H100, H20):
+    own = os.path.join(os.path.dirname(tc.__file__), "tuned", "sm90", "NVIDIA_H100_80GB_HBM3.json")
+    entry = next(e for e in json.load(open(own)) if (e["N"], e["K"], e["dtype"], e["M_cap"]) == (4096, 7168, "bf16",
+                                                                                                  16384))
+    assert tc.grouped_gemm_config(16384, 4096, 7168, 32, 16, device=H100) == tc.GroupedGemmConfig(**entry["config"])
+    assert tc.grouped_gemm_config(2048, 1024, 512, 32, 16, device=H100) == tc.grouped_gemm_config(
+        2048, 1024, 512, 32, 16, device=H200)  # no H100 entry of this shape: the architecture's answer
+    for spec in (H20,):
         assert tc.grouped_gemm_config(16384, 4096, 7168, 32, 16, device=spec) == tc.grouped_gemm_config(
             16384, 4096, 7168, 32, 16, device=H200)
         assert tc.tuned_forward_kernel(spec, 16384, 7168, 2048, 16) == tc.tuned_forward_kernel(H200, 16384, 7168, 2048,

@@ -109,14 +109,18 @@ def test_the_h200_table_forward_entries_are_the_tuners():
     """The tree's H200 table: every forward entry keeps a Triton ``"config"``; one with a ``"kernel"`` is a bf16 entry
     with the tuner's fields (a ``"gluon"`` winner names its measured options and a ``"gluon_ms"`` below ``"ms"``); a
     bf16 entry without one reads as Triton. The table is the architecture's (``tuned/sm90.json``): an H100 reads the
-    same entries, an A100 (sm80) none (the heuristic)."""
+    same entries (after its own, ``tuned/sm90/NVIDIA_H100_80GB_HBM3.json``, checked by the same rules), an H20 only
+    them, an A100 (sm80) none (the heuristic)."""
     h200 = spec_of_kind("NVIDIA H200")
     entries = torch_config.tuned_tables(h200).entries()
     assert entries, "the H200 table is in the tree"
-    assert torch_config.tuned_tables(spec_of_kind("NVIDIA H100 80GB HBM3")).entries() == entries
+    assert torch_config.tuned_tables(spec_of_kind("NVIDIA H20")).entries() == entries
+    h100 = torch_config.tuned_tables(spec_of_kind("NVIDIA H100 80GB HBM3")).entries()
+    own = h100[:len(h100) - len(entries)]
+    assert own and h100[len(own):] == entries and {e["device"] for e in own} == {"NVIDIA H100 80GB HBM3"}
     a100 = spec_of_kind("NVIDIA A100-SXM4-80GB", (8, 0))
     assert torch_config.tuned_tables(a100).entries() == ()
-    for e in entries:
+    for e in (*own, *entries):
         if e.get("op", "fwd") != "fwd":
             continue
         GroupedGemmConfig(**e["config"])
