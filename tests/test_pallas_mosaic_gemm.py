@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -233,6 +234,33 @@ def test_bug_warp_specialized_default_fits_shared_memory_with_float32_outputs():
     w = jnp.ones((2, 512, 2048), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="shared memory"):
         pallas_mosaic_gpu.check_supported(x, w, None, None, 0, jnp.float32, bf16_out)
+
+
+def test_device_spec_shared_memory_by_capability(caplog):
+    """JAX reports no shared memory per block: the spec takes the CUDA programming guide's opt-in maximum of the
+    device's compute capability; an unknown capability gets 48 KiB (what every CUDA GPU gives a block) with one
+    warning, never a crash."""
+    import types
+
+    from moe_pallas.ops import device as jax_device
+
+    expected = {(8, 0): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}
+    for (major, minor), smem in expected.items():
+        dev = types.SimpleNamespace(compute_capability=f"{major}.{minor}", device_kind="GPU", core_count=84)
+        spec = jax_device.spec_of(dev)
+        assert (spec.capability, spec.smem_per_block, spec.sm_count) == ((major, minor), smem, 84)
+    jax_device.smem_per_block.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="moe_pallas"):
+            future = types.SimpleNamespace(compute_capability="13.7", device_kind="Future GPU", core_count=200)
+            assert jax_device.spec_of(future).smem_per_block == jax_device.SMEM_PER_BLOCK_UNKNOWN == 49152
+            assert jax_device.spec_of(future).smem_per_block == 49152
+        said = [r.getMessage() for r in caplog.records if "13.7" in r.getMessage()]
+        assert len(said) == 1 and "SMEM_PER_BLOCK_OPTIN" in said[0], said
+    finally:
+        jax_device.smem_per_block.cache_clear()
+    with pytest.raises(ValueError, match="reports no compute capability"):
+        jax_device.spec_of(types.SimpleNamespace(device_kind="cpu", core_count=1))
 
 
 def _mosaic(block_m, block_n, block_k, steps, snake, fast_accum=False) -> dict:
