@@ -14,6 +14,7 @@ to the Pallas-Triton kernel where Mosaic cannot serve (N not a multiple of the t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -234,6 +235,17 @@ def test_bug_warp_specialized_default_fits_shared_memory_with_float32_outputs():
     w = jnp.ones((2, 512, 2048), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="shared memory"):
         pallas_mosaic_gpu.check_supported(x, w, None, None, 0, jnp.float32, bf16_out)
+
+
+def test_sm_count_is_the_device_specs(monkeypatch):
+    """The persistent grid has one program per SM of this GPU, from its device spec; 132 (an H100 / H200 SXM) only
+    where there is no spec (no GPU backend) or it reports none."""
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_device_spec", lambda: dataclasses.replace(TEST_SPEC, sm_count=78))
+    assert pallas_mosaic_gpu.num_sms() == 78
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_device_spec", lambda: dataclasses.replace(TEST_SPEC, sm_count=0))
+    assert pallas_mosaic_gpu.num_sms() == pallas_mosaic_gpu.DEFAULT_NUM_SMS == 132
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_device_spec", lambda: None)
+    assert pallas_mosaic_gpu.num_sms() == 132
 
 
 def test_device_spec_shared_memory_by_capability(caplog):

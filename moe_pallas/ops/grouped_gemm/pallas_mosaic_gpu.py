@@ -69,15 +69,16 @@ from moe_pallas.ops.grouped_gemm.pallas_triton import scale_kinds, tile_metadata
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 
 FP8_DTYPE = jnp.float8_e4m3fn
-#: SMs of an H100/H200 SXM; used only when the device cannot be asked (abstract lowering).
+#: SMs to plan the persistent grid for where no device spec is known (the CPU, abstract lowering): an H100 / H200
+#: SXM's, the GPUs these kernels target.
 DEFAULT_NUM_SMS = 132
 
 
 def num_sms() -> int:
-    try:
-        return jax.devices()[0].core_count
-    except Exception:  # noqa: BLE001 - no device to ask (abstract lowering): Hopper's count
-        return DEFAULT_NUM_SMS
+    """The SM count of JAX's GPU from its device spec (``moe_pallas.ops.device``), the persistent grid's size;
+    :data:`DEFAULT_NUM_SMS` where there is no spec (no GPU backend) or it reports none."""
+    spec = gpu_device_spec()
+    return spec.sm_count if spec is not None and spec.sm_count > 0 else DEFAULT_NUM_SMS
 
 
 def _store_rows(tile, o_gmem, row0, lo, hi, n0, block_m: int, block_n: int, o_smem) -> None:
