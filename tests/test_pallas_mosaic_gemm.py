@@ -237,6 +237,44 @@ def test_bug_warp_specialized_default_fits_shared_memory_with_float32_outputs():
         pallas_mosaic_gpu.check_supported(x, w, None, None, 0, jnp.float32, bf16_out)
 
 
+def test_shared_memory_limit_is_the_device_specs(monkeypatch):
+    """The warp-specialized kernels' shared-memory rule and the heuristics that size their stages read the limit from
+    the device spec (``smem_per_block``, read from the device); sm_90's 227 KiB only where no spec is known (the CPU,
+    interpret mode) or one reports none. A GPU with 99 KiB a block gets no warp-specialized default its shared memory
+    cannot hold, and a config that needs more is refused there by name."""
+    from moe_pallas.ops.grouped_gemm.config import (heuristic_mosaic_wgrad_config, mosaic_config_problem,
+                                                    mosaic_wgrad_config_problem, ws_smem_budget)
+
+    small = dataclasses.replace(TEST_SPEC, kind="Small GPU", smem_per_block=101376)
+    assert ws_smem_budget(None) == ws_smem_budget(TEST_SPEC) == MOSAIC_MAX_SMEM_BYTES - 1024
+    assert ws_smem_budget(dataclasses.replace(TEST_SPEC, smem_per_block=0)) == MOSAIC_MAX_SMEM_BYTES - 1024
+    assert ws_smem_budget(small) == 101376 - 1024
+    for device in (None, TEST_SPEC):  # 16-bit, >= 256 rows per expert: the warp-specialized schedule, 3 stages
+        cfg = heuristic_mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 2, device=device)
+        assert cfg.warp_specialized and cfg.max_concurrent_steps == 3
+        assert mosaic_config_problem(cfg, 4096, 7168, 2, False, device=device) is None
+    on_small = heuristic_mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 2, device=small)
+    assert not on_small.warp_specialized and mosaic_config_problem(on_small, 4096, 7168, 2, False, device=small) is None
+    fp8 = heuristic_mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1, per_step_scales=True, device=small)
+    assert not fp8.warp_specialized
+    ws = heuristic_mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 2, device=TEST_SPEC)
+    problem = mosaic_config_problem(ws, 4096, 7168, 2, False, device=small)
+    assert problem and f"over the {101376 - 1024} a CTA can use on Small GPU (sm90" in problem, problem
+    assert mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 2, device=small) == on_small  # no table for it: heuristic
+    wgrad = heuristic_mosaic_wgrad_config(16384, 4096, 7168, 32, 2, 2, device=TEST_SPEC)
+    assert wgrad.warp_specialized
+    assert "shared memory" in mosaic_wgrad_config_problem(wgrad, 4096, 7168, 2, 2, device=small)
+    assert not heuristic_mosaic_wgrad_config(16384, 4096, 7168, 32, 2, 2, device=small).warp_specialized
+    # the kernel's own check reads this GPU's spec (on the host, at trace time)
+    x = jnp.ones((256, 7168), jnp.bfloat16)
+    w = jnp.ones((2, 4096, 7168), jnp.bfloat16)
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_device_spec", lambda: TEST_SPEC)
+    pallas_mosaic_gpu.check_supported(x, w, None, None, 0, jnp.bfloat16, ws)
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_device_spec", lambda: small)
+    with pytest.raises(NotImplementedError, match="a CTA can use on Small GPU"):
+        pallas_mosaic_gpu.check_supported(x, w, None, None, 0, jnp.bfloat16, ws)
+
+
 def test_sm_count_is_the_device_specs(monkeypatch):
     """The persistent grid has one program per SM of this GPU, from its device spec; 132 (an H100 / H200 SXM) only
     where there is no spec (no GPU backend) or it reports none."""

@@ -186,7 +186,8 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
 
 
 def check_supported(x: jax.Array, w: jax.Array, x_kind, w_kind, G: int, out_dtype, cfg: MosaicGroupedGemmConfig) -> None:
-    """``NotImplementedError`` for a valid request this backend cannot serve (dispatch then falls back)."""
+    """``NotImplementedError`` for a valid request this backend cannot serve (dispatch then falls back); the shared
+    memory limit is this GPU's (its device spec, read on the host at trace time)."""
     op = "grouped_gemm[pallas_mosaic_gpu]"
     M_cap, K = x.shape
     N = w.shape[1]
@@ -197,7 +198,7 @@ def check_supported(x: jax.Array, w: jax.Array, x_kind, w_kind, G: int, out_dtyp
     if x_kind == "per_token_group" and G != SCALE_BLOCK:
         raise NotImplementedError(f"{op}: per-token-group activation scales need G == {SCALE_BLOCK}; got G={G}")
     problem = mosaic_config_problem(cfg, N, K, x.dtype.itemsize, x_kind == "per_token_group" or w_kind == "block",
-                                    out_itemsize=jnp.dtype(out_dtype).itemsize)
+                                    out_itemsize=jnp.dtype(out_dtype).itemsize, device=gpu_device_spec())
     if problem:
         raise NotImplementedError(problem)
     if (K * x.dtype.itemsize) % 16:

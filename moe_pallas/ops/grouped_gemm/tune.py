@@ -195,22 +195,25 @@ def mosaic_candidates(dtype: str, fast_accum: bool | None, ws_only: bool = False
     return out
 
 
-def backward_candidates(op: str, N: int, K: int, out_itemsize: int = 2) -> list[MosaicGroupedGemmConfig]:
+def backward_candidates(op: str, N: int, K: int, out_itemsize: int = 2, *,
+                        device: selection.DeviceSpec | None = None) -> list[MosaicGroupedGemmConfig]:
     """The configs of :data:`MOSAIC_DGRAD_SPACE` / :data:`MOSAIC_WGRAD_SPACE` (``op``) that keep the kernel's rules
-    for ``w [E, N, K]`` with bf16 inputs and ``out_itemsize``-byte outputs (``mosaic_config_problem`` of the swapped
-    problem, ``mosaic_wgrad_config_problem``)."""
+    for ``w [E, N, K]`` with bf16 inputs and ``out_itemsize``-byte outputs on ``device`` (``mosaic_config_problem`` of
+    the swapped problem, ``mosaic_wgrad_config_problem``; ``None``: sm_90's shared memory)."""
     space = MOSAIC_DGRAD_SPACE if op == "dgrad" else MOSAIC_WGRAD_SPACE
     cfgs = [MosaicGroupedGemmConfig(**kw) for kw in space]
     if op == "dgrad":
-        return [c for c in cfgs if mosaic_config_problem(c, K, N, 2, False, out_itemsize=out_itemsize) is None]
-    return [c for c in cfgs if mosaic_wgrad_config_problem(c, N, K, 2, out_itemsize) is None]
+        return [c for c in cfgs
+                if mosaic_config_problem(c, K, N, 2, False, out_itemsize=out_itemsize, device=device) is None]
+    return [c for c in cfgs if mosaic_wgrad_config_problem(c, N, K, 2, out_itemsize, device=device) is None]
 
 
-def backward_heuristic(op: str, M: int, N: int, K: int, E: int = E) -> MosaicGroupedGemmConfig:
-    """The config the Mosaic backward kernel ``op`` runs without a tuned entry (bf16 in and out)."""
+def backward_heuristic(op: str, M: int, N: int, K: int, E: int = E, *,
+                       device: selection.DeviceSpec | None = None) -> MosaicGroupedGemmConfig:
+    """The config the Mosaic backward kernel ``op`` runs on ``device`` without a tuned entry (bf16 in and out)."""
     if op == "dgrad":
-        return heuristic_mosaic_grouped_gemm_config(M, K, N, E, 2, out_itemsize=2)
-    return heuristic_mosaic_wgrad_config(M, N, K, E, 2, 2)
+        return heuristic_mosaic_grouped_gemm_config(M, K, N, E, 2, out_itemsize=2, device=device)
+    return heuristic_mosaic_wgrad_config(M, N, K, E, 2, 2, device=device)
 
 
 def variants(backend: str, dtype: str) -> list[bool | None]:
@@ -221,19 +224,21 @@ def variants(backend: str, dtype: str) -> list[bool | None]:
     return [False, True] if (backend == MOSAIC_BACKEND and dtype == "fp8") else [None]
 
 
-def heuristic(backend: str, M: int, N: int, K: int, dtype: str, fast_accum: bool | None, E: int = E):
-    """The config the library runs today without this problem's entry (for FP8 blocks: each backend's tuned lookup,
-    which takes the nearest ``fp8_block`` or per-token ``fp8`` entry where one fits: :func:`grouped_gemm_config`,
-    :func:`mosaic_grouped_gemm_config`; a re-tune of a stored key times against that entry)."""
+def heuristic(backend: str, M: int, N: int, K: int, dtype: str, fast_accum: bool | None, E: int = E, *,
+              device: selection.DeviceSpec | None = None):
+    """The config the library runs today on ``device`` (default: this GPU's spec, :func:`device_spec`) without this
+    problem's entry (for FP8 blocks: each backend's tuned lookup, which takes the nearest ``fp8_block`` or per-token
+    ``fp8`` entry where one fits: :func:`grouped_gemm_config`, :func:`mosaic_grouped_gemm_config`; a re-tune of a
+    stored key times against that entry)."""
     itemsize = 2 if dtype == "bf16" else 1
+    device = device or device_spec()
     if dtype == "fp8_block" and backend == MOSAIC_BACKEND:
-        return mosaic_grouped_gemm_config(M, N, K, E, 1, per_step_scales=True, w_block=True,
-                                          device=device_spec())
+        return mosaic_grouped_gemm_config(M, N, K, E, 1, per_step_scales=True, w_block=True, device=device)
     if dtype == "fp8_block":
-        return grouped_gemm_config(M, N, K, E, 1, 128, w_block=True, device=device_spec())
+        return grouped_gemm_config(M, N, K, E, 1, 128, w_block=True, device=device)
     if backend == TRITON_BACKEND:
         return heuristic_grouped_gemm_config(M, N, K, E, itemsize)
-    return heuristic_mosaic_grouped_gemm_config(M, N, K, E, itemsize, fast_accum=bool(fast_accum))
+    return heuristic_mosaic_grouped_gemm_config(M, N, K, E, itemsize, fast_accum=bool(fast_accum), device=device)
 
 
 def kernel_fn(backend: str, cfg, op: str = "fwd"):
@@ -511,7 +516,7 @@ def tune(shapes: Sequence[GemmShape], ms: Sequence[int], dtypes: Sequence[str] =
                     break
                 print(f"-- {backend}" + ("" if fa is None else f" fast_accum={fa}"), flush=True)
                 try:
-                    heur = heuristic(backend, M, N, K, dtype, fa, E_)
+                    heur = heuristic(backend, M, N, K, dtype, fa, E_, device=spec)
                 except Exception as exc:  # noqa: BLE001 - a shape no config of the backend takes
                     print(f"  skipped: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     continue
@@ -555,10 +560,10 @@ def tune(shapes: Sequence[GemmShape], ms: Sequence[int], dtypes: Sequence[str] =
                 off = with_routing(M, routing, 0, E_)
                 ref = backward_reference(op, a, b, off)
                 problems.append(((a, b, off), ref, float(jnp.linalg.norm(ref))))
-            heur = backward_heuristic(op, M, N, K, E_)
+            heur = backward_heuristic(op, M, N, K, E_, device=spec)
             heur_timed, _ = sweep(MOSAIC_BACKEND, [heur], problems, Deadline(None), pool, op)
             heur_ms = heur_timed.get(heur)
-            cands = [c for c in backward_candidates(op, N, K) if c != heur]
+            cands = [c for c in backward_candidates(op, N, K, device=spec) if c != heur]
             timed, complete = sweep(MOSAIC_BACKEND, cands, problems, deadline, pool, op)
             timed.update(heur_timed)
             if timed:
