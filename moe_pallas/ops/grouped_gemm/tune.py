@@ -38,9 +38,10 @@ Entries with a ``"kind"`` (the backend choices of
 ``tune_backend.py``) are kept as they are. ``complete`` is false when ``--max-minutes``
 ran out inside that sweep (the entry is the best of what was timed, never slower than the heuristic
 it was timed against). Entries already in the output file (or in ``--merge``) are kept unless this
-run tunes the same key again (a new output file, e.g. in ``$OUT``, starts from the table in the tree, so it
-is the whole table); ``--resume`` skips keys that already have a complete entry, so a sweep can be split
-over several commands. A file of moe_torch's tuner (same file name, entries without ``"backend"``) is refused.
+run tunes the same key again (a new output file starts empty, or from the ``--merge`` table); ``--resume`` skips
+keys that already have a complete entry, so a sweep can be split over several commands. The stored table is read as
+the lookups read it (``selection.read_table``): a malformed entry, one of another device, or a file of moe_torch's
+tuner (same file name, entries without ``"backend"``) stops the run before anything is measured.
 (``--resume``, ``--merge``, ``--ws-only``, ``--jobs`` are the command line's; :func:`tune` takes the rest.)
 
 Problems (the command line's; :func:`tune` takes any layer's): the benchmark's grouped GEMM set (E=32; (K=7168, N=4096) and (K=2048, N=7168); M in
@@ -388,20 +389,17 @@ def sweep(backend: str, cfgs: list, problems: list[tuple], deadline: Deadline,
     return timed, finished
 
 
-def kept_entries(path: str, merge: str | None = None) -> tuple[str | None, dict, list]:
-    """``(file read, launch configs by entry_key, other entries)`` a run writing ``path`` keeps: ``merge`` if given,
-    else the file's own (none for a new file). Entries with a ``"kind"`` (backend choices,
-    ``tune_backend.py``) are kept as they are. ``ValueError`` for a moe_torch table
+def kept_entries(path: str, arch: str, kind: str, merge: str | None = None) -> tuple[str | None, dict, list]:
+    """``(file read, launch configs by entry_key, other entries)`` a run writing ``path`` (the table of device ``kind``
+    of architecture ``arch``) keeps: ``merge`` if given, else the file's own (none for a new file). Entries with a
+    ``"kind"`` (backend choices, ``tune_backend.py``) are kept as they are. The file is read and validated as the
+    lookups read it (``selection.read_table`` with :func:`check_entry`): ``ValueError`` naming the file and the entry
+    for a malformed entry, one measured on another architecture or device kind, or a moe_torch entry
     (``moe_torch.ops.grouped_gemm.tune`` writes the same file name; its launch configs have no ``"backend"``)."""
-    src = merge or (path if os.path.exists(path) else None)
-    if src is None or not os.path.exists(src):
+    src = merge or path
+    if not os.path.exists(src):
         return None, {}, []
-    with open(src) as f:
-        loaded = json.load(f)
-    if foreign := [e for e in loaded if "kind" not in e and "backend" not in e]:
-        raise ValueError(f"{src} is not a JAX table: {len(foreign)} entries have no \"backend\" (moe_torch's "
-                         f"tuner, moe_torch.ops.grouped_gemm.tune, writes such entries under the same file name); "
-                         f"give another --out or --merge")
+    loaded = selection.read_table(src, arch, kind, check_entry)
     return src, {entry_key(e): e for e in loaded if "kind" not in e}, [e for e in loaded if "kind" in e]
 
 
@@ -645,19 +643,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NoGPUError as exc:
         print(f"tune_jax_gemm: {exc}", file=sys.stderr)
         return 2
-    if args.out:
-        path = os.path.join(args.out, spec.arch, selection.file_key(spec.kind) + ".json")
-        try:
-            merge, configs, others = kept_entries(path, args.merge)
-        except ValueError as exc:
-            print(f"tune_jax_gemm: {exc}", file=sys.stderr)
-            return 2
-        base = others + list(configs.values())
-    else:
-        path = tuned_table_path("jax", spec.arch, spec.kind)
-        merge = args.merge or path
-        base = list(selection.read_table(merge, spec.arch, spec.kind, check_entry))
-        configs = {entry_key(e): e for e in base if "kind" not in e}
+    path = (os.path.join(args.out, spec.arch, selection.file_key(spec.kind) + ".json") if args.out
+            else tuned_table_path("jax", spec.arch, spec.kind))
+    try:  # a broken stored table stops here, before the GPU time is spent
+        merge, configs, others = kept_entries(path, spec.arch, spec.kind, args.merge)
+    except ValueError as exc:
+        print(f"tune_jax_gemm: {exc}; fix that file or give another --out / --merge", file=sys.stderr)
+        return 2
+    base = others + list(configs.values())
     if base:
         print(f"kept {len(base)} entries of {merge}", flush=True)
     print(f"device {spec.kind}; ops {ops}; backends {backends}; dtypes {dtypes}; M {ms}; output {path}", flush=True)
