@@ -1,7 +1,11 @@
 """Write the JAX grouped GEMM's backend choices from benchmark rows: ``moe_pallas.ops.grouped_gemm.tune_backend``'s
 command line (its docstring says what it reads and writes), run from any working directory.
 
-    PYTHONPATH=. python3 benchmarks/tune_backend.py RESULTS [RESULTS ...] [--out DIR] [--device KIND] [--dry-run]
+    PYTHONPATH=. python3 benchmarks/tune_backend.py RESULTS [RESULTS ...] [--out DIR] [--device KIND] [--arch ARCH]
+        [--dry-run]
+
+Default destination: the user's table of the device (``<user cache>/tuned/jax/<arch>/<device kind>.json``); the
+shipped tables are regenerated with ``--out moe_pallas/ops/grouped_gemm/tuned``.
 """
 
 from __future__ import annotations

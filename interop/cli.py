@@ -562,8 +562,8 @@ def _tune_module(framework: str):
 
 
 def _tune_dry_run(args: argparse.Namespace, shapes) -> int:
-    """Print the problems and where each framework's table would go; no kernel runs (the device is read where torch
-    sees a GPU)."""
+    """Print the problems and where each framework's table would go; no kernel runs (the device is read through each
+    framework's device spec where it sees a GPU)."""
     from moe_contract import selection, tuning
 
     source = f"preset {args.preset}" if args.preset else f"checkpoint {args.weights}"
@@ -577,23 +577,35 @@ def _tune_dry_run(args: argparse.Namespace, shapes) -> int:
             print(f"  {shape.name}: fp8_block not tuned (K={shape.K}; its 1 x 128 activation groups need K % 128 == 0)")
     if "bf16" not in args.dtypes and set(args.ops) - {"fwd"}:
         print("  dgrad / wgrad not tuned: the backward is tuned for bf16 only")
-    import torch
-
-    spec = None
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(torch.cuda.current_device())
-        spec = selection.DeviceSpec(kind=p.name, capability=(p.major, p.minor), sm_count=p.multi_processor_count,
-                                    smem_per_block=0)
     for fw in _tune_frameworks(args):
+        spec = _tune_device_spec(fw)
         if args.out:
             dest = os.path.abspath(args.out)
         elif spec is not None:
             dest = tuning.tuned_table_path(fw, spec.arch, spec.kind)
         else:
-            dest = os.path.join(selection.user_tuned_dir(fw), "<arch>", "<device kind>.json") + \
-                " (no CUDA GPU here: the GPU it runs on names the file)"
-        print(f"  {fw}: {dest}")
+            dest = os.path.join(selection.user_tuned_dir(fw), "<arch>", "<device kind>.json")
+        # without a GPU nothing about the device is known: no spec (shared memory, SMs) is printed for it
+        where = spec.describe() if spec is not None else "no CUDA GPU here: the GPU it runs on names the file"
+        print(f"  {fw}: {dest} ({where})")
     return 0
+
+
+def _tune_device_spec(framework: str):
+    """The device spec ``framework``'s tuner would measure on (its own device spec function, read from the device:
+    ``moe_torch.ops.device`` / ``moe_pallas.ops.device``), ``None`` where that framework sees no CUDA GPU."""
+    if framework == "torch":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        from moe_torch.ops.device import device_spec
+
+        return device_spec()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # a dry run: JAX must not take the GPU's memory
+    from moe_pallas.ops.device import device_spec
+
+    return device_spec()
 
 
 def run_tune(args: argparse.Namespace) -> int:

@@ -364,6 +364,8 @@ def test_tune_backend_merges_bench_rows(tmp_path, monkeypatch, capsys):
     old = {**choice("pallas_mosaic_gpu", N=4096, K=7168, M_cap=2048), "E": 32}
     kept = choice("pallas_mosaic_gpu", N=64, K=64, M_cap=8)
     table_path = write_tuned(tmp_path, [launch_config, old, kept])  # <out>/sm90/Test_GPU.json
+    # the architecture from this machine's GPU's device spec (a simulated Test GPU, the rows' device kind)
+    monkeypatch.setattr(tune_backend.jax_device, "device_spec", lambda: TEST_SPEC)
     assert tune_backend.main([str(results), "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "skip gemm/down/bf16/M=256/uniform ours-jax-pallas_mosaic_gpu: error: RuntimeError: boom" in out
@@ -375,8 +377,8 @@ def test_tune_backend_merges_bench_rows(tmp_path, monkeypatch, capsys):
     gate_up = table[1]  # replaced in place
     assert (gate_up["backend"], gate_up["ms"], gate_up["routings"]) == (
         "pallas_triton", {"pallas_triton": 0.555, "pallas_mosaic_gpu": 0.585}, ["uniform", "zipf"])
-    assert (gate_up["date"], gate_up["command"], gate_up["git"], gate_up["device"], gate_up["E"]) == (
-        "2026-12-02", "python3 benchmarks/bench.py --what gemm", "abc1234", "Test GPU", 32)
+    assert (gate_up["date"], gate_up["command"], gate_up["git"], gate_up["device"], gate_up["arch"], gate_up["E"]) == (
+        "2026-12-02", "python3 benchmarks/bench.py --what gemm", "abc1234", "Test GPU", "sm90", 32)
     assert gate_up["source"] == os.path.relpath(str(results), tune_backend._ROOT)
     assert new[("fp8_block", 7168, 16384)]["backend"] == "pallas_triton"
     assert new[("bf16", 4096, 4096)]["ms"] == {"pallas_triton": 0.77, "pallas_mosaic_gpu": 0.74}
@@ -391,7 +393,7 @@ def test_tune_backend_merges_bench_rows(tmp_path, monkeypatch, capsys):
 
 def test_tune_backend_csv_needs_provenance_and_refuses_to_write_a_bad_table(tmp_path, capsys):
     """A CSV has no meta: --device, --date and --command are required; a table whose existing entries are malformed
-    is refused (ValueError naming the file) before anything is written."""
+    (or measured on another device kind) is refused, naming the file and the entry, before anything is written."""
     PT, MG = "ours-jax-pallas_triton", "ours-jax-pallas_mosaic_gpu"
     rows = [bench_row("gemm/gate_up/bf16/M=256/uniform", PT, 0.48, M=256),
             bench_row("gemm/gate_up/bf16/M=256/uniform", MG, 0.44, M=256)]
@@ -403,17 +405,26 @@ def test_tune_backend_csv_needs_provenance_and_refuses_to_write_a_bad_table(tmp_
     assert "pass --device" in capsys.readouterr().err
     assert tune_backend.main([str(csv_path), "--out", str(tmp_path), "--device", "Test GPU"]) == 2
     assert "pass --date and --command" in capsys.readouterr().err
-    args = [str(csv_path), "--out", str(tmp_path), "--device", "Test GPU", "--date", "2026-11-30", "--command", "bench"]
+    args = [str(csv_path), "--out", str(tmp_path), "--arch", "sm90", "--device", "Test GPU", "--date", "2026-11-30",
+            "--command", "bench"]
     assert tune_backend.main(args) == 0
     table_path = tmp_path / "sm90" / "Test_GPU.json"  # the device kind's file of the architecture (sm90)
     (entry,) = json.loads(table_path.read_text())
     assert (entry["backend"], entry["M_cap"], entry["ms"]) == ("pallas_mosaic_gpu", 256,
                                                               {"pallas_triton": 0.48, "pallas_mosaic_gpu": 0.44})
+    assert (entry["arch"], entry["device"]) == ("sm90", "Test GPU")
     bad = [{**entry, "ms": {"pallas_mosaic_gpu": 0.44}}, choice("pallas_triton", 16, 32, 24)]
     table_path.write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match=f"tuned table {table_path}: backend choice entry 0"):
-        tune_backend.main(args[:-4] + ["--date", "2026-11-30", "--command", "bench", "--layouts", "fp8_block"])
+    capsys.readouterr()
+    assert tune_backend.main(args[:-4] + ["--date", "2026-11-30", "--command", "bench", "--layouts", "fp8_block"]) == 2
+    err = capsys.readouterr().err
+    assert f"tune_backend: tuned table {table_path}: entry 0 " in err and "ms must map at least two" in err, err
     assert json.loads(table_path.read_text()) == bad  # untouched
+    other = [{**entry, "device": "NVIDIA H200"}]
+    table_path.write_text(json.dumps(other))
+    assert tune_backend.main(args) == 2
+    assert "entry 0 measured on device 'NVIDIA H200', but the file holds 'Test GPU' entries" in capsys.readouterr().err
+    assert json.loads(table_path.read_text()) == other
     assert tune_backend.parse_args(["f.json", "--layouts", "bf16,fp8_block"]).layouts == {"bf16", "fp8_block"}
 
 
@@ -441,3 +452,43 @@ def test_tune_backend_refuses_cpu_runs_missing_files_and_runs_without_gemm_rows(
     out = capsys.readouterr()
     assert "no gemm / gemm_bwd rows" in out.out and "nothing to write" in out.err
     assert not (tmp_path / "sm90" / "NVIDIA_H200.json").exists() and not (tmp_path / "NVIDIA_H200.json").exists()
+
+
+def test_tune_backend_writes_the_user_table_by_default(tmp_path, monkeypatch, capsys):
+    """Without ``--out`` the choices go to the user's table of the device (``EPMOE_CACHE_DIR``, as ``epmoe tune``),
+    never into the installed package; the architecture is this machine's GPU's (its device spec) where it is the rows'
+    device kind, else ``--arch`` is asked for (rows do not record the compute capability)."""
+    from moe_contract import selection, tuning
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(selection.CACHE_DIR_ENV, str(cache))
+    PT, MG = "ours-jax-pallas_triton", "ours-jax-pallas_mosaic_gpu"
+    rows = [bench_row("gemm/gate_up/bf16/M=256/uniform", PT, 0.48, M=256),
+            bench_row("gemm/gate_up/bf16/M=256/uniform", MG, 0.44, M=256)]
+    results = tmp_path / "bench.json"
+    results.write_text(json.dumps({"meta": {"date": "2026-12-02T10:00:00", "argv": ["bench.py"],
+                                            "torch_device": "NVIDIA H100 80GB HBM3"}, "rows": rows}))
+    package = os.path.dirname(os.path.abspath(moe_pallas.__file__))
+    before = sorted(os.walk(package))
+
+    monkeypatch.setattr(tune_backend.jax_device, "device_spec", lambda: None)  # no GPU here
+    assert tune_backend.main([str(results)]) == 2
+    assert "JAX sees no GPU here to read it from: pass --arch" in capsys.readouterr().err
+    monkeypatch.setattr(tune_backend.jax_device, "device_spec", lambda: spec_of_kind("NVIDIA H200"))
+    assert tune_backend.main([str(results)]) == 2
+    assert "this machine's GPU is NVIDIA H200 (sm90" in capsys.readouterr().err
+    assert not cache.exists()
+
+    h100 = spec_of_kind("NVIDIA H100 80GB HBM3", (9, 0))
+    monkeypatch.setattr(tune_backend.jax_device, "device_spec", lambda: h100)
+    assert tune_backend.main([str(results)]) == 0
+    path = tuning.tuned_table_path("jax", "sm90", h100.kind)
+    assert path == os.path.join(str(cache), "tuned", "jax", "sm90", "NVIDIA_H100_80GB_HBM3.json")
+    assert f"wrote {path}" in capsys.readouterr().out
+    assert os.path.commonpath([path, package]) != package
+    (entry,) = selection.read_table(path, "sm90", h100.kind, gemm_config.entry_problem)
+    assert (entry["backend"], entry["arch"], entry["device"]) == ("pallas_mosaic_gpu", "sm90", h100.kind)
+    # --arch names the table where this machine cannot (another GPU, or none)
+    monkeypatch.setattr(tune_backend.jax_device, "device_spec", lambda: None)
+    assert tune_backend.main([str(results), "--arch", "sm90", "--dry-run"]) == 0
+    assert sorted(os.walk(package)) == before  # nothing written into the package

@@ -1302,31 +1302,45 @@ def test_sass_gemm_counts_the_k_loop_of_the_4bit_decode():
 
 def test_tuners_keep_their_table_and_refuse_the_other_frameworks(tmp_path):
     """Both tuners can be pointed at the same folder and write the same file name: an existing file keeps its own
-    entries, a new one starts empty, and each tuner refuses the other framework's table with a ValueError naming it
-    (the JAX tuner used to die on a KeyError reading the torch tuner's file)."""
+    entries (read and validated as the lookups read them, ``selection.read_table``), a new one starts empty, and each
+    tuner refuses the other framework's table, a malformed entry or one of another device kind with a ValueError
+    naming the file and the entry (the JAX tuner used to die on a KeyError reading the torch tuner's file)."""
     from moe_pallas.ops.grouped_gemm import tune as tj
     from moe_torch.ops.grouped_gemm import tune as tt
 
     out = tmp_path / "out"
     out.mkdir()
-    torch_entry = {"device": "T", "E": 32, "N": 4096, "K": 7168, "M_cap": 256, "dtype": "bf16", "config": {}}
+    torch_entry = {"device": "T", "E": 32, "N": 4096, "K": 7168, "M_cap": 256, "dtype": "bf16",
+                   "config": {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}}
     jax_entry = {**torch_entry, "backend": "pallas_triton", "fast_accum": None}
-    choice = {"kind": "backend_choice", "N": 4096}
-    assert tt.kept_entries(str(out / "T.json")) == {}  # a new file starts empty
+    choice = {"kind": "backend_choice", "op": "grouped_gemm", "layout": "bf16", "E": 32, "N": 4096, "K": 7168,
+              "M_cap": 256, "backend": "pallas_triton", "ms": {"pallas_triton": 1.0, "pallas_mosaic_gpu": 2.0},
+              "source": "test", "date": "2026-12-02", "command": "pytest"}
+    path = str(out / "T.json")
+    assert tt.kept_entries(path, "sm90", "T") == {}  # a new file starts empty
     (out / "T.json").write_text(json.dumps([{**torch_entry, "M_cap": 2048}]))
-    assert [e["M_cap"] for e in tt.kept_entries(str(out / "T.json")).values()] == [2048]
+    assert [e["M_cap"] for e in tt.kept_entries(path, "sm90", "T").values()] == [2048]
+    with pytest.raises(ValueError, match=re.escape(f"tuned table {path}: entry 0 measured on device 'T', but the "
+                                                   f"file holds 'U' entries")):
+        tt.kept_entries(path, "sm90", "U")
     (out / "T.json").write_text(json.dumps([jax_entry, choice]))
-    with pytest.raises(ValueError, match="is not a moe_torch table: 2 entries name a JAX backend"):
-        tt.kept_entries(str(out / "T.json"))
-    src, configs, others = tj.kept_entries(str(out / "T.json"), None)
-    assert src == str(out / "T.json") and list(configs.values()) == [jax_entry] and others == [choice]
+    with pytest.raises(ValueError, match=re.escape(f"tuned table {path}: entry 0 names a JAX backend")):
+        tt.kept_entries(path, "sm90", "T")
+    src, configs, others = tj.kept_entries(path, "sm90", "T")
+    assert src == path and list(configs.values()) == [jax_entry] and others == [choice]
     (out / "J.json").write_text(json.dumps([jax_entry, choice]))
-    assert tj.kept_entries(str(out / "new.json"), str(out / "J.json"))[1:] == (
+    assert tj.kept_entries(str(out / "new.json"), "sm90", "T", str(out / "J.json"))[1:] == (
         {tj.entry_key(jax_entry): jax_entry}, [choice])  # --merge names the file kept
     (out / "T2.json").write_text(json.dumps([torch_entry]))
-    with pytest.raises(ValueError, match="is not a JAX table: 1 entries have no \"backend\""):
-        tj.kept_entries(str(out / "T2.json"), None)
-    assert tj.kept_entries(str(out / "none.json"), None) == (None, {}, [])
+    with pytest.raises(ValueError, match=re.escape(f"tuned table {out / 'T2.json'}: entry 0 has no \"backend\"")):
+        tj.kept_entries(str(out / "T2.json"), "sm90", "T")
+    (out / "T3.json").write_text(json.dumps([{**jax_entry, "config": {"block_m": 3}}]))
+    with pytest.raises(ValueError, match=r"entry 0 config is not a GroupedGemmConfig"):
+        tj.kept_entries(str(out / "T3.json"), "sm90", "T")
+    (out / "T4.json").write_text(json.dumps([{**jax_entry, "arch": "sm90"}]))
+    with pytest.raises(ValueError, match="entry 0 measured on architecture 'sm90', but the file holds 'sm100' entries"):
+        tj.kept_entries(str(out / "T4.json"), "sm100", "T")
+    assert tj.kept_entries(str(out / "none.json"), "sm90", "T", None) == (None, {}, [])
 
 
 def test_jax_tuner_routings_and_ws_only(monkeypatch):

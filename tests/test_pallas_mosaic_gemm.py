@@ -14,8 +14,10 @@ to the Pallas-Triton kernel where Mosaic cannot serve (N not a multiple of the t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -233,6 +235,82 @@ def test_bug_warp_specialized_default_fits_shared_memory_with_float32_outputs():
     w = jnp.ones((2, 512, 2048), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="shared memory"):
         pallas_mosaic_gpu.check_supported(x, w, None, None, 0, jnp.float32, bf16_out)
+
+
+def test_shared_memory_limit_is_the_device_specs(monkeypatch):
+    """The warp-specialized kernels' shared-memory rule and the heuristics that size their stages read the limit from
+    the device spec (``smem_per_block``, read from the device); sm_90's 227 KiB only where no spec is known (the CPU,
+    interpret mode) or one reports none. A GPU with 99 KiB a block gets no warp-specialized default its shared memory
+    cannot hold, and a config that needs more is refused there by name."""
+    from moe_pallas.ops.grouped_gemm.config import (heuristic_mosaic_wgrad_config, mosaic_config_problem,
+                                                    mosaic_wgrad_config_problem, ws_smem_budget)
+
+    small = dataclasses.replace(TEST_SPEC, kind="Small GPU", smem_per_block=101376)
+    assert ws_smem_budget(None) == ws_smem_budget(TEST_SPEC) == MOSAIC_MAX_SMEM_BYTES - 1024
+    assert ws_smem_budget(dataclasses.replace(TEST_SPEC, smem_per_block=0)) == MOSAIC_MAX_SMEM_BYTES - 1024
+    assert ws_smem_budget(small) == 101376 - 1024
+    for device in (None, TEST_SPEC):  # 16-bit, >= 256 rows per expert: the warp-specialized schedule, 3 stages
+        cfg = heuristic_mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 2, device=device)
+        assert cfg.warp_specialized and cfg.max_concurrent_steps == 3
+        assert mosaic_config_problem(cfg, 4096, 7168, 2, False, device=device) is None
+    on_small = heuristic_mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 2, device=small)
+    assert not on_small.warp_specialized and mosaic_config_problem(on_small, 4096, 7168, 2, False, device=small) is None
+    fp8 = heuristic_mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 1, per_step_scales=True, device=small)
+    assert not fp8.warp_specialized
+    ws = heuristic_mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 2, device=TEST_SPEC)
+    problem = mosaic_config_problem(ws, 4096, 7168, 2, False, device=small)
+    assert problem and f"over the {101376 - 1024} a CTA can use on Small GPU (sm90" in problem, problem
+    assert mosaic_grouped_gemm_config(16384, 4096, 7168, 32, 2, device=small) == on_small  # no table for it: heuristic
+    wgrad = heuristic_mosaic_wgrad_config(16384, 4096, 7168, 32, 2, 2, device=TEST_SPEC)
+    assert wgrad.warp_specialized
+    assert "shared memory" in mosaic_wgrad_config_problem(wgrad, 4096, 7168, 2, 2, device=small)
+    assert not heuristic_mosaic_wgrad_config(16384, 4096, 7168, 32, 2, 2, device=small).warp_specialized
+    # the kernel's own check reads this GPU's spec (on the host, at trace time)
+    x = jnp.ones((256, 7168), jnp.bfloat16)
+    w = jnp.ones((2, 4096, 7168), jnp.bfloat16)
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_device_spec", lambda: TEST_SPEC)
+    pallas_mosaic_gpu.check_supported(x, w, None, None, 0, jnp.bfloat16, ws)
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_device_spec", lambda: small)
+    with pytest.raises(NotImplementedError, match="a CTA can use on Small GPU"):
+        pallas_mosaic_gpu.check_supported(x, w, None, None, 0, jnp.bfloat16, ws)
+
+
+def test_sm_count_is_the_device_specs(monkeypatch):
+    """The persistent grid has one program per SM of this GPU, from its device spec; 132 (an H100 / H200 SXM) only
+    where there is no spec (no GPU backend) or it reports none."""
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_device_spec", lambda: dataclasses.replace(TEST_SPEC, sm_count=78))
+    assert pallas_mosaic_gpu.num_sms() == 78
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_device_spec", lambda: dataclasses.replace(TEST_SPEC, sm_count=0))
+    assert pallas_mosaic_gpu.num_sms() == pallas_mosaic_gpu.DEFAULT_NUM_SMS == 132
+    monkeypatch.setattr(pallas_mosaic_gpu, "gpu_device_spec", lambda: None)
+    assert pallas_mosaic_gpu.num_sms() == 132
+
+
+def test_device_spec_shared_memory_by_capability(caplog):
+    """JAX reports no shared memory per block: the spec takes the CUDA programming guide's opt-in maximum of the
+    device's compute capability; an unknown capability gets 48 KiB (what every CUDA GPU gives a block) with one
+    warning, never a crash."""
+    import types
+
+    from moe_pallas.ops import device as jax_device
+
+    expected = {(8, 0): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}
+    for (major, minor), smem in expected.items():
+        dev = types.SimpleNamespace(compute_capability=f"{major}.{minor}", device_kind="GPU", core_count=84)
+        spec = jax_device.spec_of(dev)
+        assert (spec.capability, spec.smem_per_block, spec.sm_count) == ((major, minor), smem, 84)
+    jax_device.smem_per_block.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="moe_pallas"):
+            future = types.SimpleNamespace(compute_capability="13.7", device_kind="Future GPU", core_count=200)
+            assert jax_device.spec_of(future).smem_per_block == jax_device.SMEM_PER_BLOCK_UNKNOWN == 49152
+            assert jax_device.spec_of(future).smem_per_block == 49152
+        said = [r.getMessage() for r in caplog.records if "13.7" in r.getMessage()]
+        assert len(said) == 1 and "SMEM_PER_BLOCK_OPTIN" in said[0], said
+    finally:
+        jax_device.smem_per_block.cache_clear()
+    with pytest.raises(ValueError, match="reports no compute capability"):
+        jax_device.spec_of(types.SimpleNamespace(device_kind="cpu", core_count=1))
 
 
 def _mosaic(block_m, block_n, block_k, steps, snake, fast_accum=False) -> dict:

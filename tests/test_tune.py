@@ -64,16 +64,31 @@ def test_dry_run_prints_the_shapes_and_the_destination(cache, monkeypatch, capsy
     assert "gate_up: w [E=32, N=4096, K=7168]" in out and "down: w [E=32, N=7168, K=2048]" in out
     assert "M (rows): 4096; dtypes: bf16, fp8, fp8_block; ops: fwd" in out
     for fw in ("torch", "jax"):
-        assert os.path.join(str(cache), "tuned", fw, "<arch>", "<device kind>.json") in out
-    props = types.SimpleNamespace(name=H100.kind, major=9, minor=0, multi_processor_count=132)
+        assert (f"{fw}: {os.path.join(str(cache), 'tuned', fw, '<arch>', '<device kind>.json')} (no CUDA GPU here: "
+                f"the GPU it runs on names the file)") in out
+    assert "shared memory" not in out  # nothing is known of a device that is not there
+    # a (simulated) GPU: each framework's own device spec names the file and is described
+    from moe_pallas.ops import device as jax_device
+    from moe_torch.ops import device as torch_device
+
+    props = types.SimpleNamespace(name=H100.kind, major=9, minor=0, multi_processor_count=132,
+                                  shared_memory_per_block_optin=232448, shared_memory_per_block=49152)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
-    assert main(["tune", "--preset", "gpt-oss-20b", "--framework", "jax", "--dry-run"]) == 0
+    monkeypatch.setattr(jax_device, "device_spec", lambda: H100)
+    torch_device._cuda_spec.cache_clear()
+    try:
+        assert main(["tune", "--preset", "gpt-oss-20b", "--dry-run"]) == 0
+    finally:
+        torch_device._cuda_spec.cache_clear()  # the simulated H100 must not outlive the test
     out = capsys.readouterr().out
     assert "gate_up: w [E=32, N=5760, K=2880]" in out and "down: fp8_block not tuned (K=2880" in out
-    assert f"jax: {os.path.join(str(cache), 'tuned', 'jax', 'sm90', 'NVIDIA_H100_80GB_HBM3.json')}" in out
-    assert "torch:" not in out
+    for fw in ("torch", "jax"):
+        assert (f"{fw}: {os.path.join(str(cache), 'tuned', fw, 'sm90', 'NVIDIA_H100_80GB_HBM3.json')} "
+                f"(NVIDIA H100 80GB HBM3 (sm90, 132 SMs, 227 KiB shared memory a block))") in out
+    assert main(["tune", "--preset", "gpt-oss-20b", "--framework", "jax", "--dry-run"]) == 0
+    assert "torch:" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, message", [

@@ -397,11 +397,20 @@ class MosaicGroupedGemmConfig:
                              f"warp_specialized=True; got {self}")
 
 
-#: Shared memory one CTA may use on sm_90 (``cudaDevAttrMaxSharedMemoryPerBlockOptin`` of the H100 / H200: 227 KiB),
-#: the limit Mosaic GPU enforces at compile time ("kernel exceeds available shared memory").
+#: Shared memory one CTA may use where no device spec is known (the CPU, interpret mode, a config built without a
+#: device): sm_90's opt-in maximum (227 KiB), the architecture the Mosaic GPU kernels target. On a GPU the spec's
+#: ``smem_per_block`` (read from the device) is the limit Mosaic enforces ("kernel exceeds available shared memory").
 MOSAIC_MAX_SMEM_BYTES = 232448
 #: Room left for the pipeline's barriers and Mosaic's own scratch beside the estimate below.
 _SMEM_SLACK_BYTES = 1024
+
+
+def ws_smem_budget(device: DeviceSpec | None = None) -> int:
+    """The shared memory a warp-specialized Mosaic kernel's stages and output buffers may take on ``device``: its
+    spec's ``smem_per_block`` (:data:`MOSAIC_MAX_SMEM_BYTES` without a spec, or one that reports none) less
+    ``_SMEM_SLACK_BYTES`` for the barriers and Mosaic's scratch."""
+    smem = device.smem_per_block if device is not None and device.smem_per_block > 0 else MOSAIC_MAX_SMEM_BYTES
+    return smem - _SMEM_SLACK_BYTES
 
 
 #: Rows per expert (``ceil(M_cap / E)``) from which a tuned ``split_m`` entry is taken as it is: a ``split_m`` entry
@@ -427,7 +436,8 @@ def ws_smem_bytes(cfg: MosaicGroupedGemmConfig, itemsize: int, out_itemsize: int
 
 def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *,
                                          per_step_scales: bool = False, fast_accum: bool = False,
-                                         out_itemsize: int = 2) -> MosaicGroupedGemmConfig:
+                                         out_itemsize: int = 2, device: DeviceSpec | None = None
+                                         ) -> MosaicGroupedGemmConfig:
     """Heuristic from a sweep on the H200 (BENCHMARKS.md; E=32, K/N of the benchmark).
 
     One accumulator (16-bit inputs, or FP8 with ``fast_accum``): experts averaging < 256 rows get
@@ -438,7 +448,9 @@ def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, ite
     ``64 x 128`` (64 + 64 registers a thread) and ``block_k = 128`` (one scale group per step).
     With >= 256 rows per expert, FP8 with per-step accumulation runs the warp-specialized schedule (below) and
     16-bit inputs on 128 x 128 tiles too. ``out_itemsize``: the output's bytes a value (the warp-specialized
-    schedule keeps two output tiles in shared memory: with float32 outputs it runs 2 stages, not 3)."""
+    schedule keeps two output tiles in shared memory: with float32 outputs it runs 2 stages, not 3). ``device``: its
+    shared memory per block bounds the warp-specialized stages (:func:`ws_smem_budget`; ``None``: sm_90's)."""
+    budget = ws_smem_budget(device)
     fp8 = itemsize == 1
     per_step = per_step_scales or (fp8 and not fast_accum)
     block_k = 128 if per_step else MOSAIC_K_STEP_BYTES // itemsize
@@ -462,7 +474,7 @@ def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, ite
                                       max_concurrent_steps=2 if two else 4,
                                       grid_block_n=4 if (N // 128) % 4 == 0 else 1, warp_specialized=True,
                                       split_m=True)
-        if ws_smem_bytes(cfg, itemsize, out_itemsize) <= _ws_smem_budget():
+        if ws_smem_bytes(cfg, itemsize, out_itemsize) <= budget:
             return cfg
     if itemsize == 2 and not per_step and (block_m, block_n) == (128, 128) and N % 256 == 0 and K % block_k == 0:
         # 16-bit, >= 256 rows per expert: the warp-specialized schedule (a producer and two consumer warpgroups,
@@ -470,9 +482,10 @@ def heuristic_mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, ite
         # (benchmarks/profile_bwd_jax.py --mosaic-fwd / --mosaic-dgrad; BENCHMARKS.md).
         cfg = MosaicGroupedGemmConfig(block_m=128, block_n=128, block_k=block_k, max_concurrent_steps=3,
                                       grid_block_n=grid_block_n, warp_specialized=True)
-        while cfg.max_concurrent_steps > 2 and ws_smem_bytes(cfg, itemsize, out_itemsize) > _ws_smem_budget():
+        while cfg.max_concurrent_steps > 2 and ws_smem_bytes(cfg, itemsize, out_itemsize) > budget:
             cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
-        return cfg
+        if ws_smem_bytes(cfg, itemsize, out_itemsize) <= budget:
+            return cfg
     return MosaicGroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=5,
                                    grid_block_n=grid_block_n, fast_accum=fast_accum and fp8)
 
@@ -643,22 +656,22 @@ def triton_config_fits(cfg: GroupedGemmConfig, group_size: int | None, w_block: 
     return triton_config_problem(cfg, group_size, w_block) is None
 
 
-def _ws_smem_budget() -> int:
-    return MOSAIC_MAX_SMEM_BYTES - _SMEM_SLACK_BYTES
-
-
-def _ws_smem_problem(op: str, what: str, smem: int, out_itemsize: int, cfg: MosaicGroupedGemmConfig) -> str | None:
+def _ws_smem_problem(op: str, what: str, smem: int, out_itemsize: int, cfg: MosaicGroupedGemmConfig,
+                     device: DeviceSpec | None) -> str | None:
     """The refusal of a warp-specialized kernel (``what``: "schedule", the forward / dgrad, or "wgrad") whose stages and
-    output buffers (``smem`` bytes) exceed an sm_90 CTA's shared memory; ``None`` when they fit."""
-    if smem <= _ws_smem_budget():
+    output buffers (``smem`` bytes) exceed a CTA's shared memory on ``device`` (:func:`ws_smem_budget`); ``None`` when
+    they fit."""
+    budget = ws_smem_budget(device)
+    if smem <= budget:
         return None
+    where = device.describe() if device is not None else "an sm_90 GPU (no device spec)"
     return (f"{op}: the warp-specialized {what} needs about {smem} bytes of shared memory with {out_itemsize}-byte "
-            f"outputs, over the {_ws_smem_budget()} an sm_90 CTA can use: fewer max_concurrent_steps; got {cfg}")
+            f"outputs, over the {budget} a CTA can use on {where}: fewer max_concurrent_steps; got {cfg}")
 
 
 def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int, per_step_scales: bool, *,
                           op: str = "grouped_gemm[pallas_mosaic_gpu]", out_itemsize: int = 2,
-                          dgrad: bool = False) -> str | None:
+                          dgrad: bool = False, device: DeviceSpec | None = None) -> str | None:
     """Why ``cfg`` cannot serve a Mosaic request (``None``: it can): swizzled tile rows (the forward's ``x`` and ``w``
     tiles span ``block_k`` values, a multiple of :data:`MOSAIC_MIN_ROW_BYTES`; the dgrad's ``d_y`` and ``w`` tiles
     ``block_k`` and ``block_n``, multiples of :data:`MOSAIC_MIN_ROW_BYTES`, warp-specialized of
@@ -667,7 +680,8 @@ def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize
     schedule: 128 or 256, one or two K blocks a step); per-step accumulation (those scales, or FP8 without
     ``fast_accum``) keeps the float32 tile and a partial a K block of a step in registers, at most ``64 x 128``.
     The one home of the config-dependent rules (``pallas_mosaic_gpu.check_supported`` raises the message;
-    the dgrad passes its own ``op`` and ``dgrad=True``, with ``N`` its output width and ``K`` its contraction)."""
+    the dgrad passes its own ``op`` and ``dgrad=True``, with ``N`` its output width and ``K`` its contraction).
+    ``device``: the warp-specialized stages must fit its shared memory per block (``None``: sm_90's)."""
     if dgrad:  # d_y tile [block_m, block_k]; w tile [block_k, block_n] (the CTA's 2 * block_n, sliced per consumer)
         row_bytes = MOSAIC_SWIZZLE_ROW_BYTES if cfg.warp_specialized else MOSAIC_MIN_ROW_BYTES
         problem = mosaic_row_bytes_problem(op, itemsize, row_bytes, "the d_y tile's rows along N, the w tile's along K",
@@ -698,7 +712,8 @@ def mosaic_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize
         if per_step and cfg.block_m * cfg.block_n > 64 * 128:
             return (f"{op}: per-K-step accumulation keeps the float32 tile and one per K block of a step in each "
                     f"consumer warpgroup's registers: block_m * block_n must be <= 64 * 128; got {cfg}")
-        return _ws_smem_problem(op, "schedule", ws_smem_bytes(cfg, itemsize, out_itemsize), out_itemsize, cfg)
+        return _ws_smem_problem(op, "schedule", ws_smem_bytes(cfg, itemsize, out_itemsize), out_itemsize, cfg,
+                                device)
     if N % cfg.block_n or K % cfg.block_k:
         return (f"{op}: needs N % block_n == 0 and K % block_k == 0 (whole TMA tiles); "
                 f"got N={N}, K={K}, block_n={cfg.block_n}, block_k={cfg.block_k}")
@@ -717,9 +732,10 @@ def accumulates_per_step(itemsize: int, per_step_scales: bool, cfg: MosaicGroupe
 
 
 def mosaic_config_fits(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int, per_step_scales: bool,
-                       out_itemsize: int = 2) -> bool:
-    """Whether ``cfg`` keeps the rules of :func:`mosaic_config_problem`."""
-    return mosaic_config_problem(cfg, N, K, itemsize, per_step_scales, out_itemsize=out_itemsize) is None
+                       out_itemsize: int = 2, device: DeviceSpec | None = None) -> bool:
+    """Whether ``cfg`` keeps the rules of :func:`mosaic_config_problem` on ``device``."""
+    return mosaic_config_problem(cfg, N, K, itemsize, per_step_scales, out_itemsize=out_itemsize,
+                                 device=device) is None
 
 
 def grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int, group_size: int | None = None, *,
@@ -748,42 +764,43 @@ def mosaic_grouped_gemm_config(M_cap: int, N: int, K: int, E: int, itemsize: int
     entries (``"fp8_block"``) and the per-token ``"fp8"`` ones, as :func:`grouped_gemm_config`. A ``split_m`` entry
     serves requests with fewer than :data:`SPLIT_M_MIN_ROWS` rows per expert (entries are keyed by ``M_cap``, not
     ``E``) with its tile split by columns instead, its stages cut to fit shared memory.
-    ``device=None``: the heuristic."""
+    ``device=None``: the heuristic. Shared memory is bounded by ``device``'s (``None``: sm_90's)."""
     fast_accum = fast_accum and itemsize == 1
     dtypes = ("fp8_block", "fp8") if (w_block and itemsize == 1) else None
     tuned = nearest_tuned(device, MOSAIC_BACKEND, M_cap, N, K, itemsize, fast_accum if itemsize == 1 else None,
                           dtypes=dtypes)
     if tuned is not None:
         cfg = _split_m_for_rows(MosaicGroupedGemmConfig(**{**tuned, "fast_accum": fast_accum}), M_cap, E, itemsize,
-                                out_itemsize)
-        if mosaic_config_fits(cfg, N, K, itemsize, per_step_scales, out_itemsize):
+                                out_itemsize, device)
+        if mosaic_config_fits(cfg, N, K, itemsize, per_step_scales, out_itemsize, device):
             return cfg
     return heuristic_mosaic_grouped_gemm_config(M_cap, N, K, E, itemsize, per_step_scales=per_step_scales,
-                                                fast_accum=fast_accum, out_itemsize=out_itemsize)
+                                                fast_accum=fast_accum, out_itemsize=out_itemsize, device=device)
 
 
-def _split_m_for_rows(cfg: MosaicGroupedGemmConfig, M_cap: int, E: int, itemsize: int, out_itemsize: int
-                      ) -> MosaicGroupedGemmConfig:
+def _split_m_for_rows(cfg: MosaicGroupedGemmConfig, M_cap: int, E: int, itemsize: int, out_itemsize: int,
+                      device: DeviceSpec | None) -> MosaicGroupedGemmConfig:
     """A tuned ``cfg`` for a request with ``M_cap`` rows over ``E`` experts: a ``split_m`` entry with fewer than
     :data:`SPLIT_M_MIN_ROWS` rows per expert split by columns instead, its stages cut to fit shared memory (the
     nearest entry came from more rows per expert: entries are keyed by ``M_cap``, not ``E``; with fewer, 128-row CTA
     tiles waste MMA work on partial tiles); else ``cfg`` as it is."""
     if cfg.split_m and -(-max(M_cap, 1) // max(E, 1)) < SPLIT_M_MIN_ROWS:
         cfg = dataclasses.replace(cfg, split_m=False)
-        while cfg.max_concurrent_steps > 2 and ws_smem_bytes(cfg, itemsize, out_itemsize) > _ws_smem_budget():
+        while cfg.max_concurrent_steps > 2 and ws_smem_bytes(cfg, itemsize, out_itemsize) > ws_smem_budget(device):
             cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
     return cfg
 
 
-def heuristic_mosaic_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, out_itemsize: int = 4
-                                  ) -> MosaicGroupedGemmConfig:
+def heuristic_mosaic_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, out_itemsize: int = 4, *,
+                                  device: DeviceSpec | None = None) -> MosaicGroupedGemmConfig:
     """The Mosaic GPU wgrad's config (``pallas_mosaic_gpu_backward.py``): ``block_m`` rows
     of ``d_w[e]`` (over N) x ``block_n`` columns (over K), ``block_k`` rows of the expert per pipeline
     step. 16-bit inputs with ``N % 128 == 0`` and ``K % 256 == 0``: the warp-specialized wgrad, two consumers'
     ``128 x 128`` tiles side by side (faster than the one-warpgroup kernel on both of the layer's shapes, which is
     latency-bound; BENCHMARKS.md). Otherwise one warpgroup:
     ``128 x 128`` tiles (its float32 accumulator), 64 rows a step, 4 TMA stages (3 for a float32 output tile,
-    whose staging buffer takes 64 KiB of shared memory), halved where N or K is not a multiple."""
+    whose staging buffer takes 64 KiB of shared memory), halved where N or K is not a multiple. ``device``: its shared
+    memory per block bounds the warp-specialized stages (``None``: sm_90's)."""
     block_m = 128 if N % 128 == 0 else 64
     block_n = 128
     # halved where K needs it, down to one 128-byte swizzle row (no narrower masked x tile lowers; a K that no such
@@ -798,7 +815,7 @@ def heuristic_mosaic_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: 
         cfg = MosaicGroupedGemmConfig(block_m=128, block_n=128, block_k=64,
                                       max_concurrent_steps=3 if out_itemsize <= 2 else 2,
                                       grid_block_n=4 if grid_n2 % 4 == 0 else 1, warp_specialized=True)
-        if mosaic_wgrad_config_problem(cfg, N, K, itemsize, out_itemsize) is None:
+        if mosaic_wgrad_config_problem(cfg, N, K, itemsize, out_itemsize, device=device) is None:
             return cfg
     return MosaicGroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=64,
                                    max_concurrent_steps=3 if out_itemsize == 4 else 4,
@@ -814,15 +831,15 @@ def ws_wgrad_smem_bytes(cfg: MosaicGroupedGemmConfig, itemsize: int, out_itemsiz
 
 
 def mosaic_wgrad_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, itemsize: int = 2,
-                                out_itemsize: int = 4) -> str | None:
+                                out_itemsize: int = 4, *, device: DeviceSpec | None = None) -> str | None:
     """Why ``cfg`` cannot serve a Mosaic wgrad ``d_w [E, N, K]`` (``None``: it can): whole output tiles
     (``N % block_m``, ``K % block_n``; warp-specialized: ``K % (2 * block_n)``, the two consumers' tiles side by
     side), ``block_k`` (rows per step) a multiple of 64 (wgmma's transposed A operand), one float32 accumulator of
     at most ``128 x 128`` in a warpgroup's registers; warp-specialized: ``max_concurrent_steps >= 2``, no
-    ``split_m``, and the stages and output buffers within an sm_90 CTA's shared memory. First the swizzle rule: the
-    masked ``x`` tile ``[block_k, block_n]`` and ``d_y`` tile ``[block_k, block_m]`` rows span multiples of
-    :data:`MOSAIC_SWIZZLE_ROW_BYTES`, so ``K`` (``x.shape[1]``, in whole tiles) must be a multiple of 128 bytes'
-    values (64 16-bit ones) whatever the config."""
+    ``split_m``, and the stages and output buffers within a CTA's shared memory on ``device`` (``None``: sm_90's).
+    First the swizzle rule: the masked ``x`` tile ``[block_k, block_n]`` and ``d_y`` tile ``[block_k, block_m]`` rows
+    span multiples of :data:`MOSAIC_SWIZZLE_ROW_BYTES`, so ``K`` (``x.shape[1]``, in whole tiles) must be a multiple
+    of 128 bytes' values (64 16-bit ones) whatever the config."""
     op = "grouped_gemm_wgrad[pallas_mosaic_gpu]"
     if (K * itemsize) % MOSAIC_SWIZZLE_ROW_BYTES:
         return (f"{op}: K = x.shape[1] (d_w's last dim) must be a multiple of {MOSAIC_SWIZZLE_ROW_BYTES // itemsize} "
@@ -843,7 +860,8 @@ def mosaic_wgrad_config_problem(cfg: MosaicGroupedGemmConfig, N: int, K: int, it
         if K % (2 * cfg.block_n):
             return (f"{op}: the warp-specialized wgrad needs K % (2 * block_n) == 0 (two consumer tiles side by "
                     f"side); got K={K}, {cfg}")
-        problem = _ws_smem_problem(op, "wgrad", ws_wgrad_smem_bytes(cfg, itemsize, out_itemsize), out_itemsize, cfg)
+        problem = _ws_smem_problem(op, "wgrad", ws_wgrad_smem_bytes(cfg, itemsize, out_itemsize), out_itemsize, cfg,
+                                   device)
         if problem:
             return problem
     if N % cfg.block_m or K % cfg.block_n:
@@ -891,11 +909,11 @@ def mosaic_dgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, *, ou
                           out_dtype=out_dtype_key(out_itemsize), max_ratio=BACKWARD_TUNED_MAX_RATIO)
     cfg = _backward_entry(tuned)
     if cfg is not None:
-        cfg = _split_m_for_rows(cfg, M_cap, E, itemsize, out_itemsize)
+        cfg = _split_m_for_rows(cfg, M_cap, E, itemsize, out_itemsize, device)
         if mosaic_config_problem(cfg, K, N, itemsize, False, op="grouped_gemm_dgrad[pallas_mosaic_gpu]",
-                                 out_itemsize=out_itemsize, dgrad=True) is None:
+                                 out_itemsize=out_itemsize, dgrad=True, device=device) is None:
             return cfg
-    return heuristic_mosaic_grouped_gemm_config(M_cap, K, N, E, itemsize, out_itemsize=out_itemsize)
+    return heuristic_mosaic_grouped_gemm_config(M_cap, K, N, E, itemsize, out_itemsize=out_itemsize, device=device)
 
 
 def mosaic_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, out_itemsize: int = 4, *,
@@ -911,6 +929,6 @@ def mosaic_wgrad_config(M_cap: int, N: int, K: int, E: int, itemsize: int, out_i
                           out_dtype=out_dtype_key(out_itemsize), max_ratio=BACKWARD_TUNED_MAX_RATIO)
     cfg = _backward_entry(tuned)
     if cfg is not None:
-        if mosaic_wgrad_config_problem(cfg, N, K, itemsize, out_itemsize) is None:
+        if mosaic_wgrad_config_problem(cfg, N, K, itemsize, out_itemsize, device=device) is None:
             return cfg
-    return heuristic_mosaic_wgrad_config(M_cap, N, K, E, itemsize, out_itemsize)
+    return heuristic_mosaic_wgrad_config(M_cap, N, K, E, itemsize, out_itemsize, device=device)

@@ -69,15 +69,16 @@ from moe_pallas.ops.grouped_gemm.pallas_triton import scale_kinds, tile_metadata
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 
 FP8_DTYPE = jnp.float8_e4m3fn
-#: SMs of an H100/H200 SXM; used only when the device cannot be asked (abstract lowering).
+#: SMs to plan the persistent grid for where no device spec is known (the CPU, abstract lowering): an H100 / H200
+#: SXM's, the GPUs these kernels target.
 DEFAULT_NUM_SMS = 132
 
 
 def num_sms() -> int:
-    try:
-        return jax.devices()[0].core_count
-    except Exception:  # noqa: BLE001 - no device to ask (abstract lowering): Hopper's count
-        return DEFAULT_NUM_SMS
+    """The SM count of JAX's GPU from its device spec (``moe_pallas.ops.device``), the persistent grid's size;
+    :data:`DEFAULT_NUM_SMS` where there is no spec (no GPU backend) or it reports none."""
+    spec = gpu_device_spec()
+    return spec.sm_count if spec is not None and spec.sm_count > 0 else DEFAULT_NUM_SMS
 
 
 def _store_rows(tile, o_gmem, row0, lo, hi, n0, block_m: int, block_n: int, o_smem) -> None:
@@ -185,7 +186,8 @@ def _kernel(step_e, step_lo, step_hi, x_gmem, w_gmem, *refs, E: int, N: int, K: 
 
 
 def check_supported(x: jax.Array, w: jax.Array, x_kind, w_kind, G: int, out_dtype, cfg: MosaicGroupedGemmConfig) -> None:
-    """``NotImplementedError`` for a valid request this backend cannot serve (dispatch then falls back)."""
+    """``NotImplementedError`` for a valid request this backend cannot serve (dispatch then falls back); the shared
+    memory limit is this GPU's (its device spec, read on the host at trace time)."""
     op = "grouped_gemm[pallas_mosaic_gpu]"
     M_cap, K = x.shape
     N = w.shape[1]
@@ -196,7 +198,7 @@ def check_supported(x: jax.Array, w: jax.Array, x_kind, w_kind, G: int, out_dtyp
     if x_kind == "per_token_group" and G != SCALE_BLOCK:
         raise NotImplementedError(f"{op}: per-token-group activation scales need G == {SCALE_BLOCK}; got G={G}")
     problem = mosaic_config_problem(cfg, N, K, x.dtype.itemsize, x_kind == "per_token_group" or w_kind == "block",
-                                    out_itemsize=jnp.dtype(out_dtype).itemsize)
+                                    out_itemsize=jnp.dtype(out_dtype).itemsize, device=gpu_device_spec())
     if problem:
         raise NotImplementedError(problem)
     if (K * x.dtype.itemsize) % 16:

@@ -114,10 +114,11 @@ def grouped_gemm_dgrad_pallas_mosaic_gpu(
     E, _, K = w.shape
     out_dtype = d_y.dtype if out_dtype is None else jnp.dtype(out_dtype)
     # the device kind is read on the host at trace time (None on the CPU: the heuristic)
+    device = gpu_device_spec()
     cfg = config or mosaic_dgrad_config(M_cap, N, K, E, d_y.dtype.itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
-                                        device=gpu_device_spec())
+                                        device=device)
     problem = mosaic_config_problem(cfg, K, N, d_y.dtype.itemsize, False, op=op, out_itemsize=jnp.dtype(out_dtype).itemsize,
-                                    dgrad=True)
+                                    dgrad=True, device=device)
     if problem:
         raise NotImplementedError(problem)
     if M_cap == 0 or K == 0:
@@ -347,9 +348,9 @@ def grouped_gemm_wgrad_pallas_mosaic_gpu(
     M_cap, K = x.shape
     N = d_y.shape[1]
     E = expert_offsets.shape[0] - 1
-    cfg = config or mosaic_wgrad_config(M_cap, N, K, E, x.dtype.itemsize, out_dtype.itemsize,
-                                        device=gpu_device_spec())
-    problem = mosaic_wgrad_config_problem(cfg, N, K, x.dtype.itemsize, out_dtype.itemsize)
+    device = gpu_device_spec()  # read on the host at trace time (None on the CPU: the heuristic, sm_90's limits)
+    cfg = config or mosaic_wgrad_config(M_cap, N, K, E, x.dtype.itemsize, out_dtype.itemsize, device=device)
+    problem = mosaic_wgrad_config_problem(cfg, N, K, x.dtype.itemsize, out_dtype.itemsize, device=device)
     if problem:
         raise NotImplementedError(problem)
     if M_cap == 0 or N == 0 or K == 0 or E == 0:

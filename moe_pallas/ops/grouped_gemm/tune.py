@@ -38,9 +38,10 @@ Entries with a ``"kind"`` (the backend choices of
 ``tune_backend.py``) are kept as they are. ``complete`` is false when ``--max-minutes``
 ran out inside that sweep (the entry is the best of what was timed, never slower than the heuristic
 it was timed against). Entries already in the output file (or in ``--merge``) are kept unless this
-run tunes the same key again (a new output file, e.g. in ``$OUT``, starts from the table in the tree, so it
-is the whole table); ``--resume`` skips keys that already have a complete entry, so a sweep can be split
-over several commands. A file of moe_torch's tuner (same file name, entries without ``"backend"``) is refused.
+run tunes the same key again (a new output file starts empty, or from the ``--merge`` table); ``--resume`` skips
+keys that already have a complete entry, so a sweep can be split over several commands. The stored table is read as
+the lookups read it (``selection.read_table``): a malformed entry, one of another device, or a file of moe_torch's
+tuner (same file name, entries without ``"backend"``) stops the run before anything is measured.
 (``--resume``, ``--merge``, ``--ws-only``, ``--jobs`` are the command line's; :func:`tune` takes the rest.)
 
 Problems (the command line's; :func:`tune` takes any layer's): the benchmark's grouped GEMM set (E=32; (K=7168, N=4096) and (K=2048, N=7168); M in
@@ -195,22 +196,25 @@ def mosaic_candidates(dtype: str, fast_accum: bool | None, ws_only: bool = False
     return out
 
 
-def backward_candidates(op: str, N: int, K: int, out_itemsize: int = 2) -> list[MosaicGroupedGemmConfig]:
+def backward_candidates(op: str, N: int, K: int, out_itemsize: int = 2, *,
+                        device: selection.DeviceSpec | None = None) -> list[MosaicGroupedGemmConfig]:
     """The configs of :data:`MOSAIC_DGRAD_SPACE` / :data:`MOSAIC_WGRAD_SPACE` (``op``) that keep the kernel's rules
-    for ``w [E, N, K]`` with bf16 inputs and ``out_itemsize``-byte outputs (``mosaic_config_problem`` of the swapped
-    problem, ``mosaic_wgrad_config_problem``)."""
+    for ``w [E, N, K]`` with bf16 inputs and ``out_itemsize``-byte outputs on ``device`` (``mosaic_config_problem`` of
+    the swapped problem, ``mosaic_wgrad_config_problem``; ``None``: sm_90's shared memory)."""
     space = MOSAIC_DGRAD_SPACE if op == "dgrad" else MOSAIC_WGRAD_SPACE
     cfgs = [MosaicGroupedGemmConfig(**kw) for kw in space]
     if op == "dgrad":
-        return [c for c in cfgs if mosaic_config_problem(c, K, N, 2, False, out_itemsize=out_itemsize) is None]
-    return [c for c in cfgs if mosaic_wgrad_config_problem(c, N, K, 2, out_itemsize) is None]
+        return [c for c in cfgs
+                if mosaic_config_problem(c, K, N, 2, False, out_itemsize=out_itemsize, device=device) is None]
+    return [c for c in cfgs if mosaic_wgrad_config_problem(c, N, K, 2, out_itemsize, device=device) is None]
 
 
-def backward_heuristic(op: str, M: int, N: int, K: int, E: int = E) -> MosaicGroupedGemmConfig:
-    """The config the Mosaic backward kernel ``op`` runs without a tuned entry (bf16 in and out)."""
+def backward_heuristic(op: str, M: int, N: int, K: int, E: int = E, *,
+                       device: selection.DeviceSpec | None = None) -> MosaicGroupedGemmConfig:
+    """The config the Mosaic backward kernel ``op`` runs on ``device`` without a tuned entry (bf16 in and out)."""
     if op == "dgrad":
-        return heuristic_mosaic_grouped_gemm_config(M, K, N, E, 2, out_itemsize=2)
-    return heuristic_mosaic_wgrad_config(M, N, K, E, 2, 2)
+        return heuristic_mosaic_grouped_gemm_config(M, K, N, E, 2, out_itemsize=2, device=device)
+    return heuristic_mosaic_wgrad_config(M, N, K, E, 2, 2, device=device)
 
 
 def variants(backend: str, dtype: str) -> list[bool | None]:
@@ -221,19 +225,21 @@ def variants(backend: str, dtype: str) -> list[bool | None]:
     return [False, True] if (backend == MOSAIC_BACKEND and dtype == "fp8") else [None]
 
 
-def heuristic(backend: str, M: int, N: int, K: int, dtype: str, fast_accum: bool | None, E: int = E):
-    """The config the library runs today without this problem's entry (for FP8 blocks: each backend's tuned lookup,
-    which takes the nearest ``fp8_block`` or per-token ``fp8`` entry where one fits: :func:`grouped_gemm_config`,
-    :func:`mosaic_grouped_gemm_config`; a re-tune of a stored key times against that entry)."""
+def heuristic(backend: str, M: int, N: int, K: int, dtype: str, fast_accum: bool | None, E: int = E, *,
+              device: selection.DeviceSpec | None = None):
+    """The config the library runs today on ``device`` (default: this GPU's spec, :func:`device_spec`) without this
+    problem's entry (for FP8 blocks: each backend's tuned lookup, which takes the nearest ``fp8_block`` or per-token
+    ``fp8`` entry where one fits: :func:`grouped_gemm_config`, :func:`mosaic_grouped_gemm_config`; a re-tune of a
+    stored key times against that entry)."""
     itemsize = 2 if dtype == "bf16" else 1
+    device = device or device_spec()
     if dtype == "fp8_block" and backend == MOSAIC_BACKEND:
-        return mosaic_grouped_gemm_config(M, N, K, E, 1, per_step_scales=True, w_block=True,
-                                          device=device_spec())
+        return mosaic_grouped_gemm_config(M, N, K, E, 1, per_step_scales=True, w_block=True, device=device)
     if dtype == "fp8_block":
-        return grouped_gemm_config(M, N, K, E, 1, 128, w_block=True, device=device_spec())
+        return grouped_gemm_config(M, N, K, E, 1, 128, w_block=True, device=device)
     if backend == TRITON_BACKEND:
         return heuristic_grouped_gemm_config(M, N, K, E, itemsize)
-    return heuristic_mosaic_grouped_gemm_config(M, N, K, E, itemsize, fast_accum=bool(fast_accum))
+    return heuristic_mosaic_grouped_gemm_config(M, N, K, E, itemsize, fast_accum=bool(fast_accum), device=device)
 
 
 def kernel_fn(backend: str, cfg, op: str = "fwd"):
@@ -383,20 +389,17 @@ def sweep(backend: str, cfgs: list, problems: list[tuple], deadline: Deadline,
     return timed, finished
 
 
-def kept_entries(path: str, merge: str | None = None) -> tuple[str | None, dict, list]:
-    """``(file read, launch configs by entry_key, other entries)`` a run writing ``path`` keeps: ``merge`` if given,
-    else the file's own (none for a new file). Entries with a ``"kind"`` (backend choices,
-    ``tune_backend.py``) are kept as they are. ``ValueError`` for a moe_torch table
+def kept_entries(path: str, arch: str, kind: str, merge: str | None = None) -> tuple[str | None, dict, list]:
+    """``(file read, launch configs by entry_key, other entries)`` a run writing ``path`` (the table of device ``kind``
+    of architecture ``arch``) keeps: ``merge`` if given, else the file's own (none for a new file). Entries with a
+    ``"kind"`` (backend choices, ``tune_backend.py``) are kept as they are. The file is read and validated as the
+    lookups read it (``selection.read_table`` with :func:`check_entry`): ``ValueError`` naming the file and the entry
+    for a malformed entry, one measured on another architecture or device kind, or a moe_torch entry
     (``moe_torch.ops.grouped_gemm.tune`` writes the same file name; its launch configs have no ``"backend"``)."""
-    src = merge or (path if os.path.exists(path) else None)
-    if src is None or not os.path.exists(src):
+    src = merge or path
+    if not os.path.exists(src):
         return None, {}, []
-    with open(src) as f:
-        loaded = json.load(f)
-    if foreign := [e for e in loaded if "kind" not in e and "backend" not in e]:
-        raise ValueError(f"{src} is not a JAX table: {len(foreign)} entries have no \"backend\" (moe_torch's "
-                         f"tuner, moe_torch.ops.grouped_gemm.tune, writes such entries under the same file name); "
-                         f"give another --out or --merge")
+    loaded = selection.read_table(src, arch, kind, check_entry)
     return src, {entry_key(e): e for e in loaded if "kind" not in e}, [e for e in loaded if "kind" in e]
 
 
@@ -511,7 +514,7 @@ def tune(shapes: Sequence[GemmShape], ms: Sequence[int], dtypes: Sequence[str] =
                     break
                 print(f"-- {backend}" + ("" if fa is None else f" fast_accum={fa}"), flush=True)
                 try:
-                    heur = heuristic(backend, M, N, K, dtype, fa, E_)
+                    heur = heuristic(backend, M, N, K, dtype, fa, E_, device=spec)
                 except Exception as exc:  # noqa: BLE001 - a shape no config of the backend takes
                     print(f"  skipped: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     continue
@@ -555,10 +558,10 @@ def tune(shapes: Sequence[GemmShape], ms: Sequence[int], dtypes: Sequence[str] =
                 off = with_routing(M, routing, 0, E_)
                 ref = backward_reference(op, a, b, off)
                 problems.append(((a, b, off), ref, float(jnp.linalg.norm(ref))))
-            heur = backward_heuristic(op, M, N, K, E_)
+            heur = backward_heuristic(op, M, N, K, E_, device=spec)
             heur_timed, _ = sweep(MOSAIC_BACKEND, [heur], problems, Deadline(None), pool, op)
             heur_ms = heur_timed.get(heur)
-            cands = [c for c in backward_candidates(op, N, K) if c != heur]
+            cands = [c for c in backward_candidates(op, N, K, device=spec) if c != heur]
             timed, complete = sweep(MOSAIC_BACKEND, cands, problems, deadline, pool, op)
             timed.update(heur_timed)
             if timed:
@@ -640,19 +643,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NoGPUError as exc:
         print(f"tune_jax_gemm: {exc}", file=sys.stderr)
         return 2
-    if args.out:
-        path = os.path.join(args.out, spec.arch, selection.file_key(spec.kind) + ".json")
-        try:
-            merge, configs, others = kept_entries(path, args.merge)
-        except ValueError as exc:
-            print(f"tune_jax_gemm: {exc}", file=sys.stderr)
-            return 2
-        base = others + list(configs.values())
-    else:
-        path = tuned_table_path("jax", spec.arch, spec.kind)
-        merge = args.merge or path
-        base = list(selection.read_table(merge, spec.arch, spec.kind, check_entry))
-        configs = {entry_key(e): e for e in base if "kind" not in e}
+    path = (os.path.join(args.out, spec.arch, selection.file_key(spec.kind) + ".json") if args.out
+            else tuned_table_path("jax", spec.arch, spec.kind))
+    try:  # a broken stored table stops here, before the GPU time is spent
+        merge, configs, others = kept_entries(path, spec.arch, spec.kind, args.merge)
+    except ValueError as exc:
+        print(f"tune_jax_gemm: {exc}; fix that file or give another --out / --merge", file=sys.stderr)
+        return 2
+    base = others + list(configs.values())
     if base:
         print(f"kept {len(base)} entries of {merge}", flush=True)
     print(f"device {spec.kind}; ops {ops}; backends {backends}; dtypes {dtypes}; M {ms}; output {path}", flush=True)

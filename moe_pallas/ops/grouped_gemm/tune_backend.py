@@ -3,7 +3,7 @@
 Usage (no GPU needed: it reads rows a GPU run wrote; ``benchmarks/tune_backend.py`` is the same command)::
 
     python -m moe_pallas.ops.grouped_gemm.tune_backend RESULTS [RESULTS ...] [--out DIR] [--device KIND]
-        [--layouts bf16,fp8_block] [--date YYYY-MM-DD] [--command TEXT] [--git COMMIT] [--dry-run]
+        [--arch sm90] [--layouts bf16,fp8_block] [--date YYYY-MM-DD] [--command TEXT] [--git COMMIT] [--dry-run]
 
 ``RESULTS``: ``benchmarks/bench.py`` outputs (``bench.json``: ``{"meta", "schema", "rows"}`` or a bare list of
 rows; or ``bench.csv``, the same rows; ``benchmarks/harness.py`` ``ROW_KEYS``), oldest first: a later file's
@@ -20,13 +20,19 @@ averaged per backend; the faster mean is the choice. Each entry records both mea
 provenance: ``source`` (the file), ``date``, ``command`` and ``git`` (a JSON file's ``meta``; ``--date``,
 ``--command``, ``--git`` for a file without one, e.g. a CSV).
 
-The table is the device kind's file of its architecture, ``--out/<arch>/<device kind with spaces as _>.json``
-(``--arch``, default ``sm90``: bench rows do not record the compute capability; ``--out`` defaults to
-``moe_pallas/ops/grouped_gemm/tuned``, where ``config.TUNED_DIR`` reads; the file also holds ``tune_jax_gemm.py``'s
-launch configs, kept as they are).
+The table is the device kind's file of its architecture: by default the user's table of that device,
+``<user cache>/tuned/jax/<arch>/<device kind>.json`` (``moe_contract.tuning.tuned_table_path``, where ``epmoe tune``
+writes and the lookups read first), never the installed package; ``--out DIR`` writes
+``DIR/<arch>/<device kind with spaces as _>.json`` instead (a maintainer regenerating the shipped tables passes
+``--out moe_pallas/ops/grouped_gemm/tuned``, ``config.TUNED_DIR``). The file also holds the tuners' launch
+configs, kept as they are.
 The device kind: ``--device``, else the files' ``meta.jax_device_kind`` / ``meta.torch_device`` (all files must
-agree). The merged table is checked (``backend_table.check_entries``) before it is written; the entries of
-this run are printed.
+agree). The architecture (bench rows do not record the compute capability): ``--arch``, else the device spec of
+this machine's GPU (``moe_pallas.ops.device``) when it is of that device kind; otherwise ``--arch`` is required.
+The stored table is read and the merged one written through ``moe_contract.selection`` (``read_table`` /
+``write_table`` with ``config.entry_problem``, the lookups' own check: a malformed entry, or one of another
+architecture or device kind, is a ``ValueError`` naming the file and the entry, and nothing is written); every new
+entry names its ``"arch"`` and ``"device"``. The entries of this run are printed.
 """
 
 from __future__ import annotations
@@ -38,10 +44,11 @@ import math
 import os
 import sys
 
-from moe_contract.selection import file_key
+from moe_contract import selection, tuning
 from moe_contract.tolerances import BF16_REL_FRO
-from moe_pallas.ops.grouped_gemm.backend_table import BACKEND_CHOICE, check_entries
-from moe_pallas.ops.grouped_gemm.config import TUNED_DIR
+from moe_pallas.ops import device as jax_device
+from moe_pallas.ops.grouped_gemm.backend_table import BACKEND_CHOICE
+from moe_pallas.ops.grouped_gemm.config import entry_problem
 from moe_pallas.ops.grouped_gemm.tune import LAYOUTS  # GEMM row dtype -> the dispatch's layout
 
 #: The repository root: a row file's ``source`` is recorded relative to it.
@@ -53,7 +60,6 @@ REL_ERR_MAX = BF16_REL_FRO
 BACKENDS = {"ours-jax-pallas_triton": "pallas_triton", "ours-jax-pallas_mosaic_gpu": "pallas_mosaic_gpu"}
 #: The time of each bench kind that is the forward GEMM's.
 TIME_KEY = {"gemm": "median_ms", "gemm_bwd": "fwd_ms"}
-DEFAULT_OUT = TUNED_DIR
 INT_KEYS = ("E", "M", "K", "N")
 FLOAT_KEYS = ("median_ms", "fwd_ms", "rel_err")
 
@@ -175,9 +181,11 @@ def format_table(entries: list[dict]) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", help="bench.json / bench.csv files, oldest first")
-    p.add_argument("--out", default=DEFAULT_OUT, help="the tuned folder (default: where config.TUNED_DIR reads)")
+    p.add_argument("--out", default=None, help="a tuned folder to write DIR/<arch>/<device kind>.json in (default: the "
+                   "user's table of the device, as epmoe tune; the shipped tables: moe_pallas/ops/grouped_gemm/tuned)")
     p.add_argument("--device", default=None, help="device kind, e.g. 'NVIDIA H200' (default: the files' meta)")
-    p.add_argument("--arch", default="sm90", help="the device's architecture, the folder of its table (default sm90)")
+    p.add_argument("--arch", default=None, help="the device's architecture, e.g. sm90 (default: this machine's GPU's, "
+                   "when it is of the rows' device kind)")
     p.add_argument("--layouts", default=None,
                    help=f"comma-separated layouts to keep (of {sorted(set(LAYOUTS.values()))})")
     p.add_argument("--date", default=None, help="the measurement date of files without meta (CSV)")
@@ -197,6 +205,23 @@ def device_is_cpu(meta: dict) -> bool:
     torch_dev = str(meta.get("torch_device") or "")
     jax_devs = " ".join(map(str, meta.get("jax_devices") or []))
     return torch_dev.lower() == "cpu" or (bool(jax_devs) and "cuda" not in jax_devs and "gpu" not in jax_devs.lower())
+
+
+def table_arch(arch: str | None, device: str) -> str:
+    """The architecture of the table of ``device`` (the rows' device kind): ``arch`` (``--arch``) if given, else the
+    device spec's of this machine's GPU (``moe_pallas.ops.device.device_spec``) when it is of kind ``device``.
+    ``ValueError`` saying to pass ``--arch`` otherwise (no GPU here, or another kind: rows do not record the
+    compute capability)."""
+    if arch:
+        return arch
+    spec = jax_device.device_spec()
+    if spec is None:
+        raise ValueError(f"the rows of {device!r} do not record its architecture and JAX sees no GPU here to read it "
+                         f"from: pass --arch (e.g. sm90)")
+    if spec.kind != device:
+        raise ValueError(f"the rows were measured on {device!r} but this machine's GPU is {spec.describe()}: pass "
+                         f"--arch for {device!r} (e.g. sm90)")
+    return spec.arch
 
 
 def main(argv=None) -> int:
@@ -241,22 +266,24 @@ def main(argv=None) -> int:
               f"(pass --device to override)", file=sys.stderr)
         return 2
     (device,) = devices
-    path = os.path.join(args.out, args.arch, file_key(device) + ".json")
-    existing = []
-    if os.path.exists(path):
-        with open(path) as f:
-            existing = json.load(f)
-        if not isinstance(existing, list) or not all(isinstance(e, dict) for e in existing):
-            raise ValueError(f"tune_backend: {path} must be a JSON list of objects (the tuned table); it is not")
-    table = merge(existing, new)
-    check_entries(table, path)  # never write a table the lookup would refuse
+    try:
+        arch = table_arch(args.arch, device)
+    except ValueError as exc:
+        print(f"tune_backend: {exc}", file=sys.stderr)
+        return 2
+    path = (os.path.join(args.out, arch, selection.file_key(device) + ".json") if args.out
+            else tuning.tuned_table_path("jax", arch, device))
+    new = [tuning.stamp(e, arch, device) for e in new]
+    try:  # read and checked as the lookups read it: a malformed stored table is refused, never overwritten
+        table = merge(list(selection.read_table(path, arch, device, entry_problem)), new)
+        selection.check_entries(table, path, arch, device, entry_problem)
+    except ValueError as exc:
+        print(f"tune_backend: {exc}; nothing written", file=sys.stderr)
+        return 2
     print(format_table(new) if new else "no spec was timed correctly by both JAX backends: nothing to write")
     if args.dry_run or not new:
         return 0
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
+    selection.write_table(path, table, arch, device, entry_problem)
     print(f"wrote {path}: {len(new)} backend choices from this run, {len(table)} entries in all", flush=True)
     return 0
 

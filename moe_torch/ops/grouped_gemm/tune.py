@@ -337,19 +337,13 @@ def entry_key(e: dict) -> tuple:
     return e["E"], e["N"], e["K"], e["M_cap"], e["dtype"], e.get("op", "fwd"), e.get("out_dtype")
 
 
-def kept_entries(path: str) -> dict:
-    """The entries a run writing ``path`` keeps (by :func:`entry_key`): the file's own (none for a new file).
-    ``ValueError`` for a JAX table (``moe_pallas.ops.grouped_gemm.tune`` writes the same file name; its entries name
-    a ``"backend"`` or a ``"kind"``)."""
-    if not os.path.exists(path):
-        return {}
-    seed = path
-    with open(seed) as f:
-        loaded = json.load(f)
-    if foreign := [e for e in loaded if "backend" in e or "kind" in e]:
-        raise ValueError(f"{seed} is not a moe_torch table: {len(foreign)} entries name a JAX backend "
-                         f"(moe_pallas.ops.grouped_gemm.tune writes such entries under the same file name); give another --out")
-    return {entry_key(e): e for e in loaded}
+def kept_entries(path: str, arch: str, kind: str) -> dict:
+    """The entries a run writing ``path`` (the table of device ``kind`` of architecture ``arch``) keeps (by
+    :func:`entry_key`): the file's own (none for a new file), read and validated as the lookups read it
+    (``selection.read_table`` with :func:`check_entry`). ``ValueError`` naming the file and the entry for a malformed
+    entry, one measured on another architecture or device kind, or a JAX entry (``moe_pallas.ops.grouped_gemm.tune``
+    writes the same file name; its entries name a ``"backend"`` or a ``"kind"``)."""
+    return {entry_key(e): e for e in selection.read_table(path, arch, kind, check_entry)}
 
 
 def tune_gluon_forward(x: torch.Tensor, w: torch.Tensor, offs: list, refs: list, routings: list[str],
@@ -654,16 +648,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NoGPUError as exc:
         print(f"tune_triton_gemm: {exc}", file=sys.stderr)
         return 2
-    if args.out:
-        path = os.path.join(args.out, spec.arch, selection.file_key(spec.kind) + ".json")
-        try:
-            base = list(kept_entries(path).values())
-        except ValueError as exc:
-            print(f"tune_triton_gemm: {exc}", file=sys.stderr)
-            return 2
-    else:
-        path = tuned_table_path("torch", spec.arch, spec.kind)
-        base = list(selection.read_table(path, spec.arch, spec.kind, check_entry))
+    path = (os.path.join(args.out, spec.arch, selection.file_key(spec.kind) + ".json") if args.out
+            else tuned_table_path("torch", spec.arch, spec.kind))
+    try:  # a broken stored table stops here, before the GPU time is spent
+        base = list(kept_entries(path, spec.arch, spec.kind).values())
+    except ValueError as exc:
+        print(f"tune_triton_gemm: {exc}; fix that file or give another --out", file=sys.stderr)
+        return 2
     written: list[dict] = []
 
     def write(entry: dict) -> None:  # after every problem: a run cut short keeps what it found
