@@ -41,6 +41,8 @@ def to_torch(a: np.ndarray, dtype: str | None = None):
     a = np.array(a, copy=True, order="C")
     if a.dtype == ml_dtypes.bfloat16:  # torch.from_numpy knows no bfloat16: through the bits
         t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(TORCH_DEVICE)
+    elif a.dtype == ml_dtypes.float8_e4m3fn:  # nor float8 codes
+        t = torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn).to(TORCH_DEVICE)
     else:
         t = torch.from_numpy(a).to(TORCH_DEVICE)
     return t if dtype is None else t.to(TORCH_DTYPES[dtype])

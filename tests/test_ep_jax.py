@@ -15,6 +15,11 @@ the weight gradients equals the single-device gradient's (experts without rows: 
 And the router losses (``return_router_losses``, CONTRACT.md section 10; :func:`_child_router_losses`): in both
 modes, with ``T`` padded to a multiple of the devices, the losses, ``tokens_per_expert`` and their gradient in
 ``router_logits`` are the single-device ones.
+
+The checks every framework's EP layer passes (the output, the gradients, the router losses, the backward's edges
+exercised) are the shared ones of ``op_cases/ep.py`` (``TestEpJax``: one record per case and run, the mesh's);
+the JAX-only ones (shapes, devices, the float32 layer's distance, the ragged path's lowering, ``ep_size=1``, the
+argument checks) beside them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from op_cases.ep import EPCases
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Devices of the EP mesh. CPU (default): 4 forced host devices. On a GPU machine:
@@ -423,28 +430,58 @@ def _keys():
             for exchange in _exchanges(mode)]
 
 
-@pytest.mark.parametrize("key", _keys(), ids=lambda k: "-".join(k))
-def test_ep_equals_single_device(child_results, key):
-    import tolerances
+@pytest.fixture(scope="module")
+def ep_results(child_results):
+    """The shared cases' name for the child's results."""
+    return child_results
 
-    _, results = child_results
-    r = results[key]
-    hidden = {"tiny": 256, "noshared": 64, "dsv3": 512}[r["case"].split("_")[0]]
-    assert r["shape"] == [r["T"], hidden], r
-    assert r["out_dtype"] == r["dtype"], r
-    assert r["finite"], r
-    assert r["devices"] == r["ep"], r
-    if r["quant"] != "none":
-        # Both sides quantize the same rows (per-token FP8 is row-local), so they agree far inside
-        # the FP8 row; their distance to the float32 layer (~6e-2: FP8 weights and activations
-        # twice) is the same on both sides.
-        assert r["rel_vs_single"] <= tolerances.FP8_REL_FRO, r
-        assert r["rel_vs_f32"] <= r["single_vs_f32"] + tolerances.FP8_REL_FRO / 10, r
-    elif r["dtype"] == "bfloat16":
-        assert r["rel_vs_single"] <= tolerances.BF16_REL_FRO, r
-        assert r["rel_vs_f32"] <= tolerances.BF16_REL_FRO, r
-    else:
-        assert r["rel_vs_single"] <= tolerances.F32_REL_FRO, r
+
+def _backward_keys():
+    return [(name, mode, osh, exchange) for name, _, _, mode, osh, _, _, _ in _backward_cases() for exchange in _exchanges(mode)]
+
+
+class TestEpJax(EPCases):
+    """``moe_pallas.ep.ep_moe_forward`` on the child's mesh: one record per case and run (mode, out_sharding,
+    exchange), the mesh's. A forward record also holds the output's shape, dtype and devices and its distance to the
+    float32 layer (:meth:`check_forward_record`); a backward record whether every cotangent is finite and in its
+    input's dtype. The backward's edges: T=1 leaves devices without rows (at most two of the 8 experts get rows:
+    at least 4 without), and the FP8 weights' cotangents are all 0 (all 8 experts "without gradient")."""
+
+    FORWARD_CASES = {"-".join(k): k for k in _keys()}
+    BACKWARD_CASES = {"-".join(k): k for k in _backward_keys()}
+    ROWLESS = {("noshared_T1_recompute",): (4, None), ("noshared_T7_fp8_per_token",): (8, 8)}
+    GRADIENT_FLAGS = ("finite", "dtypes_kept")
+
+    def forward_errors(self, ep_results, key):
+        r = ep_results[1][key]
+        return [r["rel_vs_single"]], r["quant"], r["dtype"]
+
+    def check_forward_record(self, ep_results, key):
+        import tolerances
+
+        r = ep_results[1][key]
+        hidden = {"tiny": 256, "noshared": 64, "dsv3": 512}[r["case"].split("_")[0]]
+        assert r["shape"] == [r["T"], hidden], r
+        assert r["out_dtype"] == r["dtype"], r
+        assert r["finite"], r
+        assert r["devices"] == r["ep"], r
+        if r["quant"] != "none":
+            # Both sides quantize the same rows (per-token FP8 is row-local), so they agree far inside
+            # the FP8 row; their distance to the float32 layer (~6e-2: FP8 weights and activations
+            # twice) is the same on both sides.
+            assert r["rel_vs_f32"] <= r["single_vs_f32"] + tolerances.FP8_REL_FRO / 10, r
+        elif r["dtype"] == "bfloat16":
+            assert r["rel_vs_f32"] <= tolerances.BF16_REL_FRO, r
+
+    def backward_records(self, ep_results, key):
+        """The records whose (case, mode, out_sharding, exchange) start with ``key`` (a case name alone: all its
+        runs)."""
+        records = [b for b in ep_results[0]["backward"]
+                   if (b["case"], b["mode"], b["out_sharding"], b["exchange"])[:len(key)] == tuple(key)]
+        return records, records[0]["dtype"] if records else None
+
+    def router_loss_records(self, ep_results, mode):
+        return [ep_results[0]["router_losses"][mode]]
 
 
 def test_uneven_load_really_uneven(child_results):
@@ -474,45 +511,6 @@ def test_ragged_path_gradient_lowers(child_results):
     (XLA's own transpose rule of ragged_all_to_all: the reverse ragged exchange)."""
     info, _ = child_results
     assert info["ragged_grad_lowered"] >= info["ragged_lowered"] + 2, info
-
-
-def _backward_keys():
-    return [(name, mode, osh, exchange) for name, _, _, mode, osh, _, _, _ in _backward_cases() for exchange in _exchanges(mode)]
-
-
-@pytest.mark.parametrize("key", _backward_keys(), ids=lambda k: "-".join(k))
-def test_ep_gradients_are_slices_and_sums_of_single_device(child_results, key):
-    """CONTRACT.md section 8, EP: each device's weight-gradient slice is the single-device gradient's,
-    d_x and d_router_logits the single-device ones; float32 within 1e-5, bf16 within 2e-2; experts
-    without rows exactly 0; every cotangent finite and in its input's dtype."""
-    import tolerances
-
-    info, _ = child_results
-    r = next(b for b in info["backward"] if (b["case"], b["mode"], b["out_sharding"], b["exchange"]) == key)
-    limit = tolerances.GRAD_BF16_REL_FRO if r["dtype"] == "bfloat16" else tolerances.GRAD_F32_REL_FRO
-    assert r["finite"] and r["dtypes_kept"], r
-    for n in ("d_x", "d_router_logits", "d_w13", "d_w2"):
-        assert r[n] <= limit, (n, r)
-    assert r["zero_rows_exact"], r
-
-
-@pytest.mark.parametrize("mode", ["replicated", "all_to_all"])
-def test_ep_router_losses_are_global(child_results, mode):
-    import tolerances
-
-    errs = dict(child_results[0]["router_losses"][mode])
-    assert errs.pop("tokens_per_expert"), f"{mode}: tokens_per_expert differs from the single device's"
-    assert errs.pop("d_router_logits") <= tolerances.GRAD_F32_REL_FRO, f"{mode}: d_router_logits"
-    assert all(e <= tolerances.F32_REL_FRO for e in errs.values()), f"{mode}: {errs}"
-
-
-def test_ep_gradient_edges_were_exercised(child_results):
-    """T=1 leaves devices without rows (their experts' exact-0 check ran); the FP8 weights' cotangents are 0."""
-    info, _ = child_results
-    t1 = [b for b in info["backward"] if b["case"] == "noshared_T1_recompute"]
-    assert t1 and all(b["empty_experts"] >= 4 for b in t1), t1
-    fp8 = [b for b in info["backward"] if b["quant"] != "none"]
-    assert fp8 and all(b["empty_experts"] == 8 for b in fp8), fp8  # all-zero: every expert "without gradient"
 
 
 # --- in-process: ep_size=1 on one device, and the argument checks --------------------------------

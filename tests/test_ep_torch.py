@@ -20,6 +20,10 @@ after the backward's all-reduce; all_to_all: the rows of its own tokens).
 And the router losses (CONTRACT.md section 10, ``return_router_losses``): in both modes every rank's losses and
 ``tokens_per_expert`` are the single-device ones of all ``T`` tokens (all_to_all: the ranks' sums all-reduced), and
 their gradient in the rank's ``router_logits`` the single-device gradient's rows.
+
+The checks every framework's EP layer passes (the output, the gradients, the router losses, the backward's edges
+exercised) are the shared ones of ``op_cases/ep.py`` (``TestEpGloo``: one record per rank); the torch-only ones (the
+module, the reduce-scatter fallback, the group checks, NCCL) beside them.
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ import moe_torch  # noqa: E402
 from gloo_ranks import gather_to_file, spawn_ranks  # noqa: E402
 from moe_contract import MoEConfig, get_preset, make_layer_inputs  # noqa: E402
 from moe_torch.ep import ep_moe_forward, shard_rows  # noqa: E402
-from tolerances import (BF16_REL_FRO, F32_REL_FRO, FP8_REL_FRO, GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO,  # noqa: E402
-                        rel_fro)
+from op_cases.ep import GRAD_NAMES, EPCases, check_forward_errors, check_gradient_records  # noqa: E402
+from tolerances import BF16_REL_FRO, F32_REL_FRO, rel_fro  # noqa: E402
 
 WORLD = 4
 #: Tokens per rank under ``mode='all_to_all'`` (the caller's sharding; uneven, with empty ranks).
@@ -60,8 +64,6 @@ CONFIGS = {
                                         routing="softmax_topk", routed_scaling_factor=2.0,
                                         apply_routed_scaling_factor_on_output=True, **kw),
 }
-TOL = {("none", "float32"): F32_REL_FRO, ("none", "bfloat16"): BF16_REL_FRO, ("fp8_per_token", "bfloat16"): FP8_REL_FRO,
-       ("fp8_block", "bfloat16"): FP8_REL_FRO}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LAYOUTS = ("replicated", "replicated_sharded", "all_to_all")
 
@@ -118,8 +120,6 @@ GPU_BACKWARD_CASES = (
     Case("dsv3", 64, dtype="bfloat16"),
     Case("dsv3", 64, quant="fp8_block", dtype="bfloat16"),
 )
-GRAD_TOL = {"float32": GRAD_F32_REL_FRO, "bfloat16": GRAD_BF16_REL_FRO}
-GRAD_NAMES = ("d_x", "d_router_logits", "d_w13", "d_w2")
 
 
 def make_config(case: Case, **kw) -> MoEConfig:
@@ -212,7 +212,7 @@ def run_cases(rank: int, world: int, cases, device: str, implementation) -> dict
 def run_backward_cases(rank: int, world: int, cases, device: str, implementation) -> dict:
     """This rank's gradient errors ``{case: {layout: {grad name: rel. Frobenius error vs the single-device
     gradient's matching part}}}``, plus ``"zero_rows_exact"``: whether its experts without rows got
-    exactly-0 weight gradients (``None``: none such, or FP8)."""
+    exactly-0 weight gradients (``None``: none such, or FP8), and ``"empty_experts"``: how many there were."""
     results = {}
     for case in cases:
         config1, x, logits, w13, w13_s, w2, w2_s, bias = make_inputs(case, world, device)
@@ -254,6 +254,7 @@ def run_backward_cases(rank: int, world: int, cases, device: str, implementation
             empty = [] if fp8 else [i for i in range(n) if not want[2][i].any()]
             e["zero_rows_exact"] = None if not empty else all(
                 not ins[j].grad[i].any() for i in empty for j in (2, 3))
+            e["empty_experts"] = len(empty)
             errs[layout] = e
         results[case.name] = errs
     return results
@@ -331,53 +332,41 @@ def gloo_results(tmp_path_factory):
                  backward_cases=BACKWARD_CASES)
 
 
-@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_gloo_equals_single_device(gloo_results, case, layout):
-    limit = TOL[(case.quant, case.dtype)]
-    errs = [r[case.name][layout] for r in gloo_results]
-    assert all(np.isfinite(e) and e <= limit for e in errs), f"{case.name} {layout}: per-rank errors {errs} > {limit:.0e}"
+@pytest.fixture(scope="module")
+def ep_results(gloo_results):
+    """The shared cases' name for the spawn's results."""
+    return gloo_results
 
 
-def _check_backward(results, case: Case, layout: str) -> None:
-    limit = GRAD_TOL[case.dtype]
-    for rank, r in enumerate(results):
-        e = r["backward"][case.name][layout]
-        for name in GRAD_NAMES:
-            assert np.isfinite(e[name]) and e[name] <= limit, \
-                f"{case.name} {layout} rank {rank} {name}: {e[name]:.3e} > {limit:.0e}"
-        assert e["zero_rows_exact"] in (None, True), \
-            f"{case.name} {layout} rank {rank}: an expert without rows got a nonzero weight gradient"
+#: The backward case whose rows all go to rank 0: ranks 1..3 get none.
+RANK0_BACKWARD_CASE = next(c for c in BACKWARD_CASES if c.routing == "rank0")
 
 
-@pytest.mark.parametrize("case", BACKWARD_CASES, ids=lambda c: c.name)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_gloo_gradients_are_slices_and_sums_of_single_device(gloo_results, case, layout):
-    """CONTRACT.md section 8, EP: weight gradients are this rank's slice of the single-device gradient; d_x
-    and d_router_logits the single-device ones (their sums over ranks, which the backward's collectives form)."""
-    _check_backward(gloo_results, case, layout)
+class TestEpGloo(EPCases):
+    """``moe_torch.ep.ep_moe_forward`` over the gloo group of :data:`WORLD` processes: one record per rank, each case
+    in the three layouts. The backward's edge: the rank-0-only case leaves ranks 1..3 without rows (their experts'
+    exact-zero check ran) and none of rank 0's experts without."""
 
+    FORWARD_CASES = {f"{layout}-{case.name}": (case, layout) for layout in LAYOUTS for case in CPU_CASES}
+    BACKWARD_CASES = {f"{layout}-{case.name}": (case, layout) for layout in LAYOUTS for case in BACKWARD_CASES}
+    ROWLESS = {(RANK0_BACKWARD_CASE, "all_to_all"): [(0, 0)] + [(1, None)] * (WORLD - 1)}
 
-def test_gloo_gradients_edges_were_exercised(gloo_results):
-    """The rank-0-only case really leaves ranks without rows (their exact-zero check ran)."""
-    case = next(c for c in BACKWARD_CASES if c.routing == "rank0")
-    flags = [r["backward"][case.name]["all_to_all"]["zero_rows_exact"] for r in gloo_results]
-    assert flags[0] is None and all(f is True for f in flags[1:]), flags
+    def forward_errors(self, ep_results, key):
+        case, layout = key
+        return [r[case.name][layout] for r in ep_results], case.quant, case.dtype
+
+    def backward_records(self, ep_results, key):
+        case, layout = key
+        return [r["backward"][case.name][layout] for r in ep_results], case.dtype
+
+    def router_loss_records(self, ep_results, mode):
+        return [r["router_losses"][mode] for r in ep_results]
 
 
 @pytest.mark.parametrize("mode", ("replicated", "all_to_all"))
 def test_gloo_module(gloo_results, mode):
     errs = [r[f"EPMoE-{mode}"][mode] for r in gloo_results]
     assert all(e <= F32_REL_FRO for e in errs), errs
-
-
-@pytest.mark.parametrize("mode", ("replicated", "all_to_all"))
-def test_gloo_router_losses_are_global(gloo_results, mode):
-    for rank, r in enumerate(gloo_results):
-        errs = r["router_losses"][mode]
-        assert errs.pop("tokens_per_expert"), f"rank {rank} {mode}: tokens_per_expert differs from the single device's"
-        assert errs.pop("d_router_logits") <= GRAD_F32_REL_FRO, f"rank {rank} {mode}: d_router_logits"
-        assert all(e <= F32_REL_FRO for e in errs.values()), f"rank {rank} {mode}: {errs}"
 
 
 def test_gloo_reduce_scatter_fallback(gloo_results):
@@ -424,12 +413,11 @@ def test_nccl_two_gpus(tmp_path):
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast (inherited by the spawned processes)
     results = spawn(2, "nccl", "cuda", GPU_CASES, None, tmp_path / "results.json", backward_cases=GPU_BACKWARD_CASES)
     for case in GPU_CASES:
-        limit = TOL[(case.quant, case.dtype)]
         for layout in LAYOUTS:
-            errs = [r[case.name][layout] for r in results]
-            assert all(e <= limit for e in errs), f"{case.name} {layout}: {errs}"
+            check_forward_errors([r[case.name][layout] for r in results], case.quant, case.dtype, f"{case.name} {layout}")
     for mode in ("replicated", "all_to_all"):
         assert all(r[f"EPMoE-{mode}"][mode] <= BF16_REL_FRO for r in results)
     for case in GPU_BACKWARD_CASES:
         for layout in LAYOUTS:
-            _check_backward(results, case, layout)
+            check_gradient_records([r["backward"][case.name][layout] for r in results], case.dtype,
+                                   f"{case.name} {layout}")

@@ -3,9 +3,9 @@
 Interpret mode on the CPU against the jnp reference and a float64 numpy loop (tolerances of
 ``tests/tolerances.py``): the shared cases of ``op_cases/grouped_gemm.py`` (``TestGroupedGemmPallasTriton``:
 ragged, empty and all-on-one experts, M = 1, odd sizes, unused capacity, float dtypes, every FP8 scale layout,
-block scales per K block and per column tile), named tile-edge cases with exact answers, every empty-expert pattern
-of E=6, the tile metadata's invariants, and the CUDA lowering of every supported dtype / scale
-layout on an abstract H200. Interpret mode fills outputs with NaN before the kernel runs, so a
+block scales per K block and per column tile, the named tile-edge cases with exact answers, every empty-expert
+pattern of E=6, the grouped launch order, the tuned FP8 block entries, the dispatch), the tile metadata's
+invariants, and the CUDA lowering of every supported dtype / scale layout on an abstract H200. Interpret mode fills outputs with NaN before the kernel runs, so a
 row the kernel forgets to write fails the finiteness checks.
 """
 
@@ -28,15 +28,12 @@ from moe_pallas.ops.grouped_gemm.pallas_triton import grouped_gemm_pallas_triton
 from moe_pallas.ops.grouped_gemm.reference import grouped_gemm_reference
 from common import JNP_DTYPES, TEST_SPEC, spec_of_kind, write_tuned
 from op_cases import JaxArrays
-from op_cases.grouped_gemm import GroupedGemmKernelCases, gemm_problem, numpy_grouped_gemm
+from op_cases.grouped_gemm import GroupedGemmKernelCases, empty_expert_patterns, gemm_problem, numpy_grouped_gemm
 from tolerances import BF16_REL_FRO, F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
 
 def SMALL(cfg) -> bool | None:
     """Blocks under 16 exist for interpret-mode tile-edge tests: interpret them on the GPU too."""
     return True if cfg is not None and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16 else None
-
-
-DTYPES = {"float32": (jnp.float32, F32_REL_FRO), "bfloat16": (jnp.bfloat16, BF16_REL_FRO)}
 
 
 f64_loop = numpy_grouped_gemm  # float64, expert by expert (the shared base's)
@@ -48,14 +45,6 @@ def problem(seed: int, counts, m_cap: int, K: int, N: int, dtype=jnp.float32, po
     return jnp.asarray(x).astype(dtype), jnp.asarray(w).astype(dtype), jnp.asarray(offsets)
 
 
-def check_rows(y, offsets, what: str) -> None:
-    """Every row finite (written, no NaN leaked), rows ``>= M`` exactly zero."""
-    y32 = to_numpy(y).astype(np.float32)
-    M = int(to_numpy(offsets)[-1])
-    assert np.isfinite(y32).all(), f"{what}: {np.size(y32) - np.isfinite(y32).sum()} non-finite values"
-    assert not y32[M:].any(), f"{what}: rows >= M must be zero"
-
-
 # --------------------------------------------------------------------------------------
 # The shared cases (op_cases/grouped_gemm.py)
 
@@ -64,12 +53,25 @@ class TestGroupedGemmPallasTriton(JaxArrays, GroupedGemmKernelCases):
     """``grouped_gemm_pallas_triton`` against the jnp reference; ``config=None`` goes through
     ``moe_pallas.grouped_gemm(implementation="pallas_triton")`` (the dispatch path and the heuristic config). The FP8
     case has K = 192 (a partial 128-wide weight-scale block) and groups of 64 (so block_k = 64: two K steps per
-    scale block); the column-block case runs 16- and 128-wide tiles."""
+    scale block); the column-block case runs 16- and 128-wide tiles. The kernel writes zeros to the rows >= M itself
+    (the metadata's extra group); interpret mode fills its outputs with NaN first, so :meth:`launch` shows a row it
+    forgets. Every empty-expert pattern of E=6 runs through one jit of the kernel (offsets are data): 16-row tiles,
+    non-empty expert e gets 1 + e % 4 rows."""
 
     OPS = moe_pallas
+    KERNEL = "pallas_triton"
+    CONFIG = GroupedGemmConfig
     SHAPES = ("one-row", "odd-K-N", "prime-E-empties", "several-tiles")
     FP8_CASE = ([5, 0, 11, 3], 24, 192, 160, 64)
     BLOCK_NS = (16, 128)
+    N_TAIL_LAUNCHES = (GroupedGemmConfig(block_m=4, block_n=16, block_k=16),)  # three 16-wide tiles, the last partial
+    UNUSED_OUT_DTYPE = None
+    UNUSED_CASES = {"float32": ("float32", None, None), "bfloat16": ("bfloat16", None, None)}
+    UNUSED_LAUNCHES = (GroupedGemmConfig(block_m=8, block_n=16, block_k=16),)
+    EMPTY_PATTERNS = empty_expert_patterns([1 + e % 4 for e in range(6)])
+    EMPTY_PATTERN_SHAPE = (24, 32, 16)
+    EMPTY_PATTERN_TILES = (16, 16, 16)
+    LAUNCH_ORDER_CASES = {f"{n}x{c}-g{g}": (n, c, g) for n, c, g in [(9, 3, 2), (9, 3, 3), (7, 5, 8), (1, 4, 8), (12, 1, 4)]}
 
     def grouped_gemm(self, x, w, offsets, x_scale=None, w_scale=None, out_dtype=None, config=None):
         out_dtype = None if out_dtype is None else JNP_DTYPES[out_dtype]
@@ -85,37 +87,48 @@ class TestGroupedGemmPallasTriton(JaxArrays, GroupedGemmKernelCases):
     def forced_config(self, block_m, block_n, block_k):
         return GroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k)
 
+    def tile_config(self, block_m, block_n, block_k, launch_order):
+        return GroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k)
+
+    def launch(self, x, w, offsets, x_scale, w_scale, out_dtype, config):
+        # jitted (static config): the patterns of one test share a compile
+        return grouped_gemm_pallas_triton(x, w, offsets, x_scale=x_scale, w_scale=w_scale,
+                                          out_dtype=None if out_dtype is None else JNP_DTYPES[out_dtype],
+                                          config=config, interpret=SMALL(config))
+
+    def launch_order_table(self, n_items, n_cols, group_m):
+        s, j = pallas_triton._launch_order(jnp.arange(n_items * n_cols), n_items, n_cols, group_m)
+        order = np.full((n_items, n_cols), -1)
+        order[to_numpy(s), to_numpy(j)] = np.arange(n_items * n_cols)
+        return order
+
+    def refuse_kernel(self, monkeypatch):
+        from moe_pallas.ops.grouped_gemm import api
+
+        calls = []
+
+        def refuse(*args, **kwargs):
+            calls.append(args)
+            raise NotImplementedError("test: kernel refused")
+
+        monkeypatch.setattr(api, "grouped_gemm_pallas_triton", refuse)
+        return calls
+
+    def tuned_lookup(self, tmp_path, monkeypatch, entries, requests):
+        use_tuned_file(tmp_path, monkeypatch, [tuned_entry("pallas_triton", *e) for e in entries])  # cleared after:
+        return [grouped_gemm_config(m, n, k, 32, 1, group, w_block=w_block, device=TEST_SPEC)  # _fresh_tuned_cache
+                for m, n, k, group, w_block in requests]
+
 
 # --------------------------------------------------------------------------------------
-# Named cases with exact answers
+# The tile metadata and the grouped launch order (the named tile-edge cases with exact answers: the shared base's)
 
 
-@pytest.mark.parametrize("config", [None, GroupedGemmConfig(block_m=4, block_n=16, block_k=16)])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_n_not_a_multiple_of_the_tile(dtype, config):
-    """(1) 4 rows over 2 experts, row i of x is 2^i, weights all ones, K=64, N=33: y[i, :] = 64 * 2^i exactly
-    (default config: one 64-wide N tile, 31 masked columns; small config: three 16-wide tiles, the last partial)."""
-    jdt = DTYPES[dtype][0]
-    x = jnp.asarray(np.repeat(2.0 ** np.arange(4)[:, None], 64, axis=1)).astype(jdt)
-    w = jnp.ones((2, 33, 64), jdt)
-    y = grouped_gemm_pallas_triton(x, w, jnp.asarray([0, 2, 4], jnp.int32), config=config, interpret=SMALL(config))
-    assert_exact(y, np.repeat(64.0 * 2.0 ** np.arange(4)[:, None], 33, axis=1).astype(jdt), "y[i, :] = 64 * 2^i")
-
-
-def test_row_tile_straddling_two_experts():
-    """(2) 2 experts x 3 rows (M=6), block_m=4, K=N=16, w[g] = (g+1) * identity, row i of x is i+1:
-    the first row tile holds rows 0-2 (expert 0) and row 3 (expert 1), so y[3, :] = 4 * 2 = 8; every
-    row must use its own expert's weights: y[i, :] = (i+1) * (e(i)+1)."""
-    x = jnp.asarray(np.repeat(np.arange(1.0, 7.0)[:, None], 16, axis=1), jnp.float32)
-    w = jnp.asarray(np.stack([(g + 1) * np.eye(16) for g in range(2)]), jnp.float32)
-    offsets = jnp.asarray([0, 3, 6], jnp.int32)
-    y = grouped_gemm_pallas_triton(x, w, offsets, config=GroupedGemmConfig(block_m=4, block_n=16, block_k=16), interpret=True)
-    expected = np.arange(1.0, 7.0)[:, None] * np.array([1, 1, 1, 2, 2, 2])[:, None] * np.ones((1, 16))
-    assert_exact(y, expected.astype(np.float32), "y[i] = (i+1) * (e(i)+1)")
-    assert float(y[3, 0]) == 8.0
-    # the metadata: 3 steps own rows [0, 3) (expert 0), [3, 4) and [4, 6) (expert 1); the unused
-    # group is empty (M == M_cap); the grid bound cdiv(6, 4) + 2 = 4 leaves one padding step
-    ex, lo, hi = (to_numpy(a) for a in tile_metadata(offsets, 6, 2, 4))
+def test_tile_metadata_of_a_row_tile_straddling_two_experts():
+    """The metadata of the shared case ``test_bug_row_tile_straddles_two_experts`` (2 experts x 3 rows, M = M_cap
+    = 6, block_m=4): 3 steps own rows [0, 3) (expert 0), [3, 4) and [4, 6) (expert 1); the unused group is empty
+    (M == M_cap); the grid bound cdiv(6, 4) + 2 = 4 leaves one padding step."""
+    ex, lo, hi = (to_numpy(a) for a in tile_metadata(jnp.asarray([0, 3, 6], jnp.int32), 6, 2, 4))
     assert ex.tolist() == [0, 1, 1, 2] and lo.tolist() == [0, 3, 4, 0] and hi.tolist() == [3, 4, 6, 0]
 
 
@@ -133,48 +146,9 @@ def test_grouped_launch_order_same_result(group_m):
     assert_rel_fro(want, grouped_gemm_reference(x, w, offsets, None, None, jnp.float32), F32_REL_FRO, "vs reference")
 
 
-@pytest.mark.parametrize("n_steps,n_cols,group_m", [(9, 3, 2), (9, 3, 3), (7, 5, 8), (1, 4, 8), (12, 1, 4)])
-def test_launch_order_is_a_bijection(n_steps, n_cols, group_m):
-    t = jnp.arange(n_steps * n_cols)
-    s, j = pallas_triton._launch_order(t, n_steps, n_cols, group_m)
-    pairs = sorted(zip(to_numpy(s).tolist(), to_numpy(j).tolist()))
-    assert pairs == [(a, b) for a in range(n_steps) for b in range(n_cols)]
-
-
 def test_group_m_must_be_a_positive_int():
     with pytest.raises(ValueError, match="group_m must be an int >= 1; got group_m=0"):
         GroupedGemmConfig(block_m=16, block_n=16, block_k=16, group_m=0)
-
-
-@pytest.mark.parametrize("dtype", sorted(DTYPES))
-def test_unused_capacity_is_zero_and_never_read(dtype):
-    """(3) M_cap = 32 with 16 valid rows, NaN-poisoned unused input rows: rows < 16 equal the
-    reference and are finite, rows >= 16 are zero (also with a block_m that splits the tail)."""
-    jdt, limit = DTYPES[dtype]
-    x, w, offsets = problem(3, [5, 0, 11], 32, 48, 24, jdt)
-    assert np.isnan(to_numpy(x).astype(np.float32)[16:]).all()
-    ref = grouped_gemm_reference(x, w, offsets, None, None, jdt)
-    for cfg in (None, GroupedGemmConfig(block_m=8, block_n=16, block_k=16)):
-        y = grouped_gemm_pallas_triton(x, w, offsets, config=cfg, interpret=SMALL(cfg))
-        check_rows(y, offsets, f"{dtype} {cfg}")
-        assert_rel_fro(y[:16], ref[:16], limit, f"{dtype} valid rows vs reference")
-        assert_rel_fro(y, f64_loop(x, w, offsets), limit, f"{dtype} vs float64")
-
-
-def test_every_empty_expert_pattern_of_six_experts():
-    """E=6: all 2^6 patterns of empty experts (one jit: offsets are data). Non-empty expert e gets
-    1 + e % 4 rows, so the 16-row tiles straddle experts; capacity left over is NaN-poisoned."""
-    E, m_cap, K, N = 6, 24, 32, 16
-    x0, w, _ = problem(6, [1] * E, m_cap, K, N, poison=False)
-    cfg = GroupedGemmConfig(block_m=16, block_n=16, block_k=16)
-    run = jax.jit(functools.partial(grouped_gemm_pallas_triton, config=cfg))
-    for pattern in itertools.product([0, 1], repeat=E):
-        counts = [bit * (1 + e % 4) for e, bit in enumerate(pattern)]
-        offsets = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
-        x = x0.at[int(offsets[-1]):].set(jnp.nan)
-        y = run(x, w, offsets)
-        check_rows(y, offsets, f"pattern {pattern}")
-        assert_rel_fro(y, f64_loop(x, w, offsets), F32_REL_FRO, f"pattern {pattern}")
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -265,11 +239,11 @@ def test_fp8_unsupported_combinations_raise():
 
 
 def test_api_dispatch_to_pallas_triton():
+    """The API with ``implementation="pallas_triton"`` is the kernel's direct call, bit for bit (the default on the CPU
+    is the reference: the shared ``test_dispatch``); M_cap = 0 returns early."""
     x, w, offsets = problem(2, [3, 0, 4], 9, 32, 24, jnp.bfloat16)
     got = moe_pallas.grouped_gemm(x, w, offsets, implementation="pallas_triton")
     assert_exact(got, grouped_gemm_pallas_triton(x, w, offsets), "api vs direct call")
-    assert_exact(moe_pallas.grouped_gemm(x, w, offsets), grouped_gemm_reference(x, w, offsets, None, None, jnp.bfloat16),
-                 "default on the CPU is the reference")
     empty = moe_pallas.grouped_gemm(x[:0], w, offsets, implementation="pallas_triton")  # M_cap = 0: the early return
     assert empty.shape == (0, 24)
 
@@ -355,25 +329,6 @@ def test_tuned_lookup_nearest_m_cap_and_fallbacks(tmp_path, monkeypatch):
     assert cfg(256, 4096, 7168, 32, 2) == GroupedGemmConfig(**TUNED_A)
     assert cfg(16384, 4096, 7168, 32, 2) == GroupedGemmConfig(**TUNED_B)  # its own file first, where it has the shape
     assert grouped_gemm_config(256, 4096, 7168, 32, 2, device=sm80) == heur(256, 4096, 7168, 32, 2)
-
-
-def test_tuned_lookup_fp8_block_entries_first_then_fp8(tmp_path, monkeypatch):
-    """FP8 with 128 x 128 weight blocks takes the nearest M_cap among its own entries (``"fp8_block"``) and the
-    per-token ``"fp8"`` ones where they fit, its own at equal distance; per-token requests never take
-    ``fp8_block`` entries."""
-    block = dict(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3)
-    small = dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)
-    use_tuned_file(tmp_path, monkeypatch, [
-        tuned_entry("pallas_triton", 4096, 7168, 16384, "fp8", TUNED_FP8_SMALL),
-        tuned_entry("pallas_triton", 4096, 7168, 256, "fp8", small),
-        tuned_entry("pallas_triton", 4096, 7168, 16384, "fp8_block", block),
-        tuned_entry("pallas_triton", 7168, 2048, 16384, "fp8", TUNED_FP8_SMALL),
-    ])
-    cfg = functools.partial(grouped_gemm_config, device=TEST_SPEC)
-    assert cfg(16384, 4096, 7168, 32, 1, 128, w_block=True) == GroupedGemmConfig(**block)
-    assert cfg(16384, 4096, 7168, 32, 1, 128) == GroupedGemmConfig(**TUNED_FP8_SMALL)
-    assert cfg(16384, 7168, 2048, 32, 1, 128, w_block=True) == GroupedGemmConfig(**TUNED_FP8_SMALL)
-    assert cfg(256, 4096, 7168, 32, 1, 128, w_block=True) == GroupedGemmConfig(**small)  # the nearer M_cap
 
 
 def test_tuned_lookup_without_a_file_is_the_heuristic(tmp_path, monkeypatch):

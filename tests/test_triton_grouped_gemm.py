@@ -1,8 +1,9 @@
 """The Triton grouped GEMM (``moe_torch/ops/grouped_gemm/triton.py``) against the torch reference
 and a float64 numpy loop (CONTRACT.md sections 4 and 7): the shared cases of ``op_cases/grouped_gemm.py``
 (``TestGroupedGemmTriton``: every dtype and FP8 scale layout it serves, ragged, empty and all-on-one experts,
-M = 1, odd sizes, unused capacity, block scales per K block and per column tile), plus the project's named bug
-cases and the tile-to-expert mapping's edges.
+M = 1, odd sizes, unused capacity, block scales per K block and per column tile, the project's named bug cases
+with exact answers, every empty-expert pattern, the launch order, the tuned FP8 block entries, the dispatch), plus
+the tile-to-expert mapping's other edges.
 
 On the CPU (``EPMOE_TEST_DEVICE=cpu``) the kernel runs in Triton's interpreter, made exact by
 ``moe_torch`` itself (``moe_torch/ops/triton_interpret.py``: exact float casts, and a ``tl.dot``
@@ -15,7 +16,6 @@ interpreter runs every program in Python, and CI has 2 cores.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 
 import numpy as np
@@ -35,7 +35,7 @@ from moe_torch.ops.grouped_gemm.config import GroupedGemmConfig, check_config, g
 from moe_torch.ops.grouped_gemm.reference import grouped_gemm_reference
 from moe_torch.ops.grouped_gemm.triton import _launch, _launch_order, grouped_gemm_triton, launch_grid
 from op_cases import TorchArrays
-from op_cases.grouped_gemm import GroupedGemmKernelCases
+from op_cases.grouped_gemm import GroupedGemmKernelCases, empty_expert_patterns
 from tolerances import F32_REL_FRO, assert_exact, assert_rel_fro
 from sm90 import compile_sm90
 
@@ -118,13 +118,28 @@ def assert_guards_untouched(buf: torch.Tensor, M_cap: int, N: int) -> None:
 class TestGroupedGemmTriton(TorchArrays, GroupedGemmKernelCases):
     """``grouped_gemm_triton`` against the torch reference, float32 / bfloat16 / float16 inputs; ``config=None``
     goes through ``moe_torch.grouped_gemm(implementation="triton")`` (the dispatch path and the heuristic config).
-    The float and FP8-layout cases run under every launch order of :data:`ORDERS`; the column-block case runs
-    16-row tiles 32, 128 and 256 columns wide."""
+    The float and FP8-layout cases, the row tile straddling two experts, the poisoned unused capacity and every
+    empty-expert pattern run under every launch order of :data:`ORDERS`; the column-block case runs 16-row tiles 32,
+    128 and 256 columns wide. The kernel never writes the rows >= M (``zero_unowned_rows`` zeroes them after it):
+    :meth:`launch` runs it into an over-allocated NaN buffer viewed as the output and checks the guard row and
+    columns untouched."""
 
     OPS = moe_torch
+    KERNEL = "triton"
+    CONFIG = GroupedGemmConfig
+    KERNEL_ZEROES_UNUSED_ROWS = False
     SHAPES = ("one-row", "odd-K-N", "prime-E-empties", "all-on-one", "many-tiles", "unused-capacity")
     FLOAT_DTYPES = ("float32", "bfloat16", "float16")
     BLOCK_NS = (32, 128, 256)
+    N_TAIL_KINDS = STRADDLE_KINDS = ("float32", "bfloat16", "fp8")
+    STRADDLE_BLOCK_MS = (4, None)  # 4: the bug report's tile; None: the heuristic's (16)
+    UNUSED_CASES = {"bfloat16": ("bfloat16", None, None),
+                    "fp8-per_token-per_channel": ("fp8", "per_token", "per_channel"),  # scales after the K loop
+                    "fp8-per_token_group-block": ("fp8", "per_token_group", "block")}  # scales inside the K loop
+    EMPTY_PATTERNS = empty_expert_patterns((5, 19, 1, 12))  # sizes straddling 16-row tiles
+    EMPTY_PATTERN_SHAPE = (40, 32, 16)
+    LAUNCH_ORDER_CASES = {f"{n}x{c}-g{g}": (n, c, g) for g in (1, 2, 3, 4, 16) for n, c in [(1, 1), (7, 3), (10, 1), (9, 4)]}
+    DEFAULT_KERNEL_CALLS_ON_GPU = 1  # CUDA: Triton first, the reference after it
 
     @pytest.fixture
     def launch_order(self, order):
@@ -143,6 +158,42 @@ class TestGroupedGemmTriton(TorchArrays, GroupedGemmKernelCases):
 
     def forced_config(self, block_m, block_n, block_k):
         return GroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=2)
+
+    def tile_config(self, block_m, block_n, block_k, launch_order):
+        return GroupedGemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=1,
+                                 **launch_order)
+
+    def launch(self, x, w, offsets, x_scale, w_scale, out_dtype, config):
+        out = TORCH_DTYPES[out_dtype] if out_dtype else (torch.bfloat16 if x.dtype == FP8 else x.dtype)
+        buf, view = poisoned_launch(x, w, offsets, x_scale, w_scale, out, config)
+        assert_guards_untouched(buf, x.shape[0], w.shape[1])
+        return view
+
+    def launch_order_table(self, n_items, n_cols, group_m):
+        order = torch.full((n_items, n_cols), -1, dtype=torch.int32, device=TORCH_DEVICE)
+        _launch_order_probe[(n_items * n_cols,)](order, n_items, n_cols, GROUP_M=group_m)
+        return order.cpu().numpy()
+
+    def refuse_kernel(self, monkeypatch):
+        calls = []
+
+        def refuse(*args, **kwargs):
+            calls.append(args)
+            raise NotImplementedError("test: kernel refused")
+
+        monkeypatch.setattr(gemm_api, "_triton", refuse)
+        return calls
+
+    def tuned_lookup(self, tmp_path, monkeypatch, entries, requests):
+        write_tuned(tmp_path, [{"device": TEST_SPEC.kind, "E": 32, "N": n, "K": k, "M_cap": m, "dtype": dtype,
+                                "config": config} for n, k, m, dtype, config in entries])
+        monkeypatch.setattr(gemm_config, "TUNED_DIR", str(tmp_path))
+        gemm_config.tuned_tables.cache_clear()
+        try:
+            return [grouped_gemm_config(m, n, k, 32, 8, group, w_block, device=TEST_SPEC)
+                    for m, n, k, group, w_block in requests]
+        finally:
+            gemm_config.tuned_tables.cache_clear()
 
 
 # --------------------------------------------------------------------------------------
@@ -184,104 +235,7 @@ def test_fp8_group_64_and_narrow_groups(caplog):
 
 
 # --------------------------------------------------------------------------------------
-# The named bug cases
-
-
-def _exact_inputs(kind: str, x: np.ndarray, w: np.ndarray):
-    """(x, w, x_scale, w_scale) of small integers / powers of 2, exact in every kind."""
-    if kind == "fp8":
-        return (to_torch(x).to(FP8), to_torch(w).to(FP8), to_torch(np.array(1.0, np.float32)),
-                to_torch(np.ones(w.shape[0], np.float32)))
-    return to_torch(x, kind), to_torch(w, kind), None, None
-
-
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
-def test_bug_n_not_multiple_of_tile(kind):
-    """(1) N = 33 is not a multiple of the column tile: 4 rows over 2 experts, row i of x is 2^i,
-    weights all ones, K = 64 -> y[i, :] = 64 * 2^i exactly, and nothing is written past column 32
-    (nor past the last row) of an over-allocated NaN buffer viewed as the output."""
-    M, K, N = 4, 64, 33
-    x = np.repeat(np.exp2(np.arange(M, dtype=np.float32))[:, None], K, axis=1)
-    xt, wt, xs, ws = _exact_inputs(kind, x, np.ones((2, N, K), np.float32))
-    offsets = to_torch(np.array([0, 2, 4], np.int32))
-    want = to_torch(np.repeat(64 * np.exp2(np.arange(M, dtype=np.float32))[:, None], N, axis=1), "bfloat16")
-    y = moe_torch.grouped_gemm(xt, wt, offsets, x_scale=xs, w_scale=ws, out_dtype=torch.bfloat16, implementation="triton")
-    assert y.shape == (M, N)
-    assert_exact(y, want, "y[i, :] = 64 * 2^i")
-    buf, view = poisoned_launch(xt, wt, offsets, xs, ws, torch.bfloat16)
-    assert_exact(view, want, "strided output view")
-    assert_guards_untouched(buf, M, N)
-
-
-@pytest.mark.parametrize("block_m", [4, None])  # 4: the bug report's tile; None: the heuristic's (16)
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
-def test_bug_row_tile_straddles_two_experts(kind, block_m, order):
-    """(2) 2 experts x 3 rows (M = 6), block_m = 4, K = N = 16, w[g] = (g + 1) * identity, row i
-    of x constant i + 1 -> y[i, :] = (i + 1) * (g(i) + 1): y[3, :] = 8 (row 3 uses expert 1)."""
-    M, K, N = 6, 16, 16
-    x = np.repeat(np.arange(1, M + 1, dtype=np.float32)[:, None], K, axis=1)
-    w = np.stack([(g + 1) * np.eye(N, K, dtype=np.float32) for g in range(2)])
-    xt, wt, xs, ws = _exact_inputs(kind, x, w)
-    offsets = to_torch(np.array([0, 3, 6], np.int32))
-    config = None
-    if block_m is not None:
-        config = GroupedGemmConfig(block_m=block_m, block_n=16, block_k=32 if kind == "fp8" else 16, num_warps=4,
-                                   num_stages=1, **order)
-    y = grouped_gemm_triton(xt, wt, offsets, xs, ws, torch.float32, config)
-    expert = np.array([0, 0, 0, 1, 1, 1])
-    want = np.repeat(((np.arange(M) + 1) * (expert + 1)).astype(np.float32)[:, None], N, axis=1)
-    assert float(y[3, 0]) == 8.0, f"row 3 must use expert 1's weights; got {float(y[3, 0])}"
-    assert_exact(y, to_torch(want), "y[i, :] = (i + 1) * (g(i) + 1)")
-
-
-@pytest.mark.parametrize("kind,x_layout,w_layout", [
-    ("bfloat16", None, None),
-    ("fp8", "per_token", "per_channel"),  # scales applied once, after the K loop
-    ("fp8", "per_token_group", "block"),  # scales inside the K loop
-])
-def test_bug_unused_capacity_poisoned(kind, x_layout, w_layout, order):
-    """(3) capacity 32 with 16 valid rows, unused rows of x (codes and scales) NaN: rows < 16
-    equal the reference and are finite; rows >= 16 are zero in the result, and never written
-    (still NaN in a poisoned output buffer)."""
-    m_cap, M, K, N = 32, 16, 128, 48
-    x_np, w_np, off_np = make_problem(5, [6, 0, 10], m_cap, K, N)
-    offsets = to_torch(off_np)
-    if kind == "fp8":
-        xq, xs = quantize_x(to_torch(np.nan_to_num(x_np)), x_layout)
-        xq.view(torch.uint8)[M:] = 0x7F  # e4m3fn NaN codes
-        xs[M:] = float("nan")
-        wq, ws = moe_torch.quantize_weight_fp8(to_torch(w_np), w_layout)
-    else:
-        xq, xs, wq, ws = to_torch(x_np, kind), None, to_torch(w_np, kind), None
-    y = moe_torch.grouped_gemm(xq, wq, offsets, x_scale=xs, w_scale=ws, out_dtype=torch.float32,
-                               implementation="triton")
-    ref = grouped_gemm_reference(xq, wq, offsets, xs, ws, torch.float32)
-    assert torch.isfinite(y[:M]).all(), "valid rows finite"
-    assert_rel_fro(y[:M], ref[:M], F32_REL_FRO, "valid rows vs reference")
-    assert not y[M:].any(), "unused rows zero"
-    buf, view = poisoned_launch(xq, wq, offsets, xs, ws, torch.float32)
-    assert_exact(view[:M], y[:M], "poisoned launch, valid rows")
-    assert torch.isnan(view[M:]).all(), "rows >= M never written"
-    assert_guards_untouched(buf, m_cap, N)
-
-
-# --------------------------------------------------------------------------------------
-# The tile-to-expert mapping
-
-
-@pytest.mark.parametrize("pattern", list(itertools.product([0, 1], repeat=4)))
-def test_every_empty_expert_pattern(pattern, order):
-    """All 2^4 patterns of empty / non-empty experts (tokamax's idea), sizes straddling 16-row
-    tiles: every valid row written once with its expert's weights (vs float64), nothing else."""
-    counts = [c * s for c, s in zip(pattern, [5, 19, 1, 12])]
-    m_cap, K, N = 40, 32, 16
-    x_np, w_np, off_np = make_problem(sum(counts), counts, m_cap, K, N)
-    x, w, offsets = to_torch(x_np), to_torch(w_np), to_torch(off_np)
-    buf, view = poisoned_launch(x, w, offsets, None, None, torch.float32)
-    M = int(off_np[-1])
-    assert_rel_fro(view[:M], float64_grouped_gemm(x_np, w_np, off_np)[:M], F32_REL_FRO, f"pattern {pattern}")
-    assert torch.isnan(view[M:]).all(), "rows >= M never written"
-    assert_guards_untouched(buf, m_cap, N)
+# The tile-to-expert mapping (every empty-expert pattern: the shared cases)
 
 
 def test_grid_bound_is_reached(order):
@@ -365,26 +319,6 @@ def _launch_order_probe(order_ptr, n_items, n_cols, GROUP_M: tl.constexpr):
     tl.store(order_ptr + p * n_cols + pid_n, t)
 
 
-@pytest.mark.parametrize("n_items,n_cols", [(1, 1), (7, 3), (10, 1), (9, 4)])
-@pytest.mark.parametrize("group_m", [1, 2, 3, 4, 16])
-def test_launch_order_is_a_bijection(n_items, n_cols, group_m):
-    """``_launch_order`` maps ``[0, n_items * n_cols)`` one-to-one onto (work item, column tile):
-    group_m = 1 is the default 2-D grid's order (work item fastest); group_m = G > 1 is the
-    tutorial's: tile ``t`` belongs to group ``t // (G * n_cols)`` of work items ``[G * group, +G)``,
-    work item fastest inside, the last group smaller when G does not divide n_items."""
-    order = torch.full((n_items, n_cols), -1, dtype=torch.int32, device=TORCH_DEVICE)
-    _launch_order_probe[(n_items * n_cols,)](order, n_items, n_cols, GROUP_M=group_m)
-    order = order.cpu().numpy()
-    assert sorted(order.ravel().tolist()) == list(range(n_items * n_cols)), "a permutation: every tile once"
-    p, pid_n = np.meshgrid(np.arange(n_items), np.arange(n_cols), indexing="ij")
-    if group_m == 1:
-        np.testing.assert_array_equal(order, pid_n * n_items + p)
-    else:
-        g = p // group_m
-        size = np.minimum(n_items - g * group_m, group_m)
-        np.testing.assert_array_equal(order, g * group_m * n_cols + pid_n * size + p % group_m)
-
-
 @pytest.mark.parametrize("name", list(ORDERS))
 def test_launch_grid(name):
     """The default order keeps the 2-D grid (work-item bound, column tiles); group_m > 1 flattens it
@@ -404,28 +338,7 @@ def test_launch_grid(name):
 
 
 # --------------------------------------------------------------------------------------
-# Dispatch and configs
-
-
-def test_dispatch(monkeypatch):
-    """``implementation="triton"`` runs the kernel (its NotImplementedError reaches the caller);
-    ``None`` on CPU tensors runs the reference and never touches Triton; on CUDA it prefers
-    Triton and falls back to the reference."""
-    x_np, w_np, off_np = make_problem(2, [2, 2], 4, 16, 8)
-    x, w, offsets = to_torch(x_np), to_torch(w_np), to_torch(off_np)
-    calls = []
-
-    def refuse(*args):
-        calls.append(args)
-        raise NotImplementedError("test: triton refused")
-
-    monkeypatch.setattr(gemm_api, "_triton", refuse)
-    with pytest.raises(NotImplementedError, match="test: triton refused"):
-        moe_torch.grouped_gemm(x, w, offsets, implementation="triton")
-    calls.clear()
-    assert_exact(moe_torch.grouped_gemm(x, w, offsets), grouped_gemm_reference(x, w, offsets, None, None, torch.float32),
-                 "implementation=None")
-    assert len(calls) == (1 if TORCH_DEVICE == "cuda" else 0)
+# Configs (the dispatch and the tuned FP8 block entries: the shared cases)
 
 
 @pytest.mark.parametrize("M_cap,N,K,E", [(1, 4096, 7168, 32), (256, 4096, 7168, 32), (16384, 7168, 2048, 256),
@@ -487,35 +400,6 @@ def test_tuned_entries_with_and_without_launch_order(tmp_path, monkeypatch):
         gemm_config.tuned_tables.cache_clear()
     assert old == GroupedGemmConfig(**base) and (old.group_m, old.persistent) == (1, False)
     assert new == GroupedGemmConfig(**base, group_m=8, persistent=True)
-
-
-def test_tuned_fp8_block_entries_first_then_fp8(tmp_path, monkeypatch):
-    """FP8 with 128 x 128 weight blocks takes the nearest M_cap among its own tuned entries (``"fp8_block"``) and
-    the per-token ``"fp8"`` ones, its own at equal distance (an ``fp8_block`` entry tuned at M=16384
-    alone must not replace the ``fp8`` one of M=256 there); per-token requests never take ``fp8_block`` entries."""
-    per_token = {"block_m": 64, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 4}
-    small = {"block_m": 16, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3}
-    block = {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3}
-    entries = [{"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 16384, "dtype": "fp8", "config": per_token},
-               {"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 256, "dtype": "fp8", "config": small},
-               {"device": "Test GPU", "E": 32, "N": 4096, "K": 7168, "M_cap": 16384, "dtype": "fp8_block", "config": block},
-               {"device": "Test GPU", "E": 32, "N": 7168, "K": 2048, "M_cap": 16384, "dtype": "fp8", "config": per_token}]
-    write_tuned(tmp_path, entries)
-    monkeypatch.setattr(gemm_config, "TUNED_DIR", str(tmp_path))
-    gemm_config.tuned_tables.cache_clear()
-    try:
-        got_block = grouped_gemm_config(16384, 4096, 7168, 32, 8, 128, True, device=TEST_SPEC)
-        got_token = grouped_gemm_config(16384, 4096, 7168, 32, 8, None, False, device=TEST_SPEC)
-        got_fallback = grouped_gemm_config(16384, 7168, 2048, 32, 8, 128, True, device=TEST_SPEC)
-        got_small = grouped_gemm_config(256, 4096, 7168, 32, 8, 128, True, device=TEST_SPEC)
-        got_mid = grouped_gemm_config(4096, 4096, 7168, 32, 8, 128, True, device=TEST_SPEC)
-    finally:
-        gemm_config.tuned_tables.cache_clear()
-    assert got_block == GroupedGemmConfig(**block)
-    assert got_token == GroupedGemmConfig(**per_token)
-    assert got_fallback == GroupedGemmConfig(**per_token)
-    assert got_small == GroupedGemmConfig(**small)  # M=256: the fp8 entry of 256 is nearer than fp8_block's 16384
-    assert got_mid == GroupedGemmConfig(**block)  # log2 4096 = 12: nearer 16384 (14) than 256 (8)
 
 
 # --------------------------------------------------------------------------------------

@@ -7,14 +7,13 @@ subclasses them (``class TestPermuteTriton(TorchArrays, PermuteKernelCases)``), 
 backend-only tests (config heuristics, dispatch, lowering) beside them.
 
 The mixins below make the framework's arrays from numpy with the helpers of ``common.py`` (so that
-``EPMOE_TEST_DEVICE=gpu`` places them as everywhere else in the suite).
+``EPMOE_TEST_DEVICE=gpu`` places them as everywhere else in the suite), imported when first used: a base that
+needs no arrays (``op_cases/ep.py``, whose cases run in other processes) imports neither framework.
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from common import to_jax, to_torch
 
 
 class TorchArrays:
@@ -22,6 +21,8 @@ class TorchArrays:
 
     def array(self, a: np.ndarray, dtype: str | None = None):
         """``a`` as a tensor (cast to ``dtype``, a key of ``common.TORCH_DTYPES``)."""
+        from common import to_torch
+
         return to_torch(a, dtype)
 
     def strided(self, t):
@@ -37,6 +38,8 @@ class JaxArrays:
 
     def array(self, a: np.ndarray, dtype: str | None = None):
         """``a`` as a jax array (cast to ``dtype``, a key of ``common.JNP_DTYPES``)."""
+        from common import to_jax
+
         return to_jax(a, dtype)
 
     def strided(self, a):

@@ -1,6 +1,9 @@
 """The cases of the grouped GEMM forward (CONTRACT.md sections 4, 7) that every backend passes: ragged and empty
 experts, every row on one expert, M = 1, odd K and N (K and column tails), unused capacity (rows >= M, NaN in x:
-never read, zero in y), M_cap = 0, the float dtypes and every FP8 scale layout, block scales per K block.
+never read, zero in y), M_cap = 0, the float dtypes and every FP8 scale layout, block scales per K block; and, for
+the kernels (:class:`GroupedGemmKernelCases`), block scales per column tile, the named tile-edge bugs with exact
+answers (N not a multiple of the tile, a row tile straddling two experts, unused capacity poisoned), every
+empty-expert pattern, the grouped launch order, the tuned table's FP8 block entries, and the dispatch.
 
 Subclassed by ``tests/test_grouped_gemm.py`` (the torch op against the jnp op, through the public APIs with the
 default implementation: the references on the CPU), ``tests/test_pallas_grouped_gemm.py`` (the Pallas-Triton
@@ -66,6 +69,13 @@ def gemm_problem(seed: int, counts, m_cap: int, K: int, N: int, poison: bool = T
     if poison:
         x[offsets[-1]:] = np.nan
     return x, w, offsets
+
+
+def empty_expert_patterns(sizes) -> dict[str, list[int]]:
+    """Every pattern of empty / non-empty experts: its id (``"0101"``) -> the rows per expert (``sizes[e]`` where the
+    pattern has a 1, else 0)."""
+    return {"".join(map(str, p)): [bit * s for bit, s in zip(p, sizes)]
+            for p in itertools.product([0, 1], repeat=len(sizes))}
 
 
 def check_rows(y, shape: tuple, dtype: str, M: int, what: str) -> None:
@@ -227,15 +237,97 @@ class GroupedGemmCases(ClassParams):
 
 
 class GroupedGemmKernelCases(GroupedGemmCases):
-    """:class:`GroupedGemmCases` plus forced launch configs. Hook: :meth:`forced_config`; :attr:`BLOCK_NS`."""
+    """:class:`GroupedGemmCases` plus the kernel's own edges: forced launch configs, the kernel's output alone
+    (:meth:`launch`), the named tile-edge bugs with exact answers, every empty-expert pattern, the grouped launch
+    order, the tuned table's FP8 block entries and the dispatch to the kernel.
+
+    Hooks: :meth:`forced_config`, :meth:`tile_config`, :meth:`launch`, :meth:`launch_order_table`,
+    :meth:`refuse_kernel`, :meth:`tuned_lookup`; :attr:`KERNEL`, :attr:`CONFIG`, :attr:`KERNEL_ZEROES_UNUSED_ROWS`;
+    the attributes below name each case's parameters (a backend runs the ones it lists).
+    """
 
     #: The column tiles of :meth:`test_fp8_block_scale_of_each_column_tile`.
     BLOCK_NS: tuple[int, ...] = (128,)
-    CLASS_PARAMS = {**GroupedGemmCases.CLASS_PARAMS, "block_n": "BLOCK_NS"}
+    #: The public op's ``implementation=`` that runs the kernel under test.
+    KERNEL: str = ""
+    #: The backend's launch config class (``GroupedGemmConfig``).
+    CONFIG = None
+    #: Whether the kernel itself writes zeros to rows ``>= M``; False: it never writes them (a pass after it zeroes
+    #: them), and :meth:`launch` shows them NaN.
+    KERNEL_ZEROES_UNUSED_ROWS = True
+    #: The input kinds of :meth:`test_bug_n_not_multiple_of_tile` (:meth:`exact_inputs`).
+    N_TAIL_KINDS: tuple[str, ...] = ("float32", "bfloat16")
+    #: The configs (None: the kernel's default) :meth:`test_bug_n_not_multiple_of_tile` launches the kernel alone with.
+    N_TAIL_LAUNCHES: tuple = (None,)
+    #: The input kinds and ``block_m`` (None: the op's default config) of
+    #: :meth:`test_bug_row_tile_straddles_two_experts`.
+    STRADDLE_KINDS: tuple[str, ...] = ("float32",)
+    STRADDLE_BLOCK_MS: tuple = (4,)
+    #: :meth:`test_bug_unused_capacity_poisoned`'s cases: id -> (input kind, FP8 activation scale, weight scale).
+    UNUSED_CASES: dict = {"bfloat16": ("bfloat16", None, None)}
+    #: Its output dtype (None: the op's default, x's dtype) and the configs it launches the kernel alone with.
+    UNUSED_OUT_DTYPE: str | None = "float32"
+    UNUSED_LAUNCHES: tuple = (None,)
+    #: :meth:`test_every_empty_expert_pattern`'s patterns (:func:`empty_expert_patterns`), ``(M_cap, K, N)`` and tiles
+    #: (``(block_m, block_n, block_k)``; None: the kernel's default config).
+    EMPTY_PATTERNS: dict = empty_expert_patterns((5, 19, 1, 12))
+    EMPTY_PATTERN_SHAPE = (40, 32, 16)
+    EMPTY_PATTERN_TILES: tuple | None = None
+    #: :meth:`test_launch_order_is_a_bijection`'s cases: id -> (work items, column tiles, group_m).
+    LAUNCH_ORDER_CASES: dict = {"9x3-g2": (9, 3, 2)}
+    #: How many times ``implementation=None`` calls the kernel on a GPU in :meth:`test_dispatch` (None: not checked).
+    DEFAULT_KERNEL_CALLS_ON_GPU: int | None = None
+    CLASS_PARAMS = {**GroupedGemmCases.CLASS_PARAMS, "block_n": "BLOCK_NS", "tail_kind": "N_TAIL_KINDS",
+                    "straddle_kind": "STRADDLE_KINDS", "straddle_block_m": "STRADDLE_BLOCK_MS",
+                    "unused_case": "UNUSED_CASES", "pattern": "EMPTY_PATTERNS", "order_case": "LAUNCH_ORDER_CASES"}
 
     def forced_config(self, block_m: int, block_n: int, block_k: int):
         """A launch config of ``block_m x block_n`` tiles over ``block_k``-wide K steps."""
         raise NotImplementedError
+
+    def tile_config(self, block_m: int, block_n: int, block_k: int, launch_order):
+        """A launch config of small tiles (the tile-edge cases) under ``launch_order`` (the fixture's value)."""
+        raise NotImplementedError
+
+    def launch(self, x, w, offsets, x_scale, w_scale, out_dtype: str | None, config):
+        """The kernel alone (``config=None``: its default config; ``out_dtype=None``: x's dtype, bf16 for FP8), nothing
+        after it: what it does not write is NaN (:attr:`KERNEL_ZEROES_UNUSED_ROWS`), and where the backend can see
+        writes outside ``[M_cap, N]`` (guard rows and columns around the output) they fail here."""
+        raise NotImplementedError
+
+    def launch_order_table(self, n_items: int, n_cols: int, group_m: int) -> np.ndarray:
+        """``[n_items, n_cols]``: the program the grouped launch order assigns each (work item, column tile); -1
+        where none."""
+        raise NotImplementedError
+
+    def refuse_kernel(self, monkeypatch) -> list:
+        """Make the public op's call of the kernel raise ``NotImplementedError("test: kernel refused")``; the list
+        its calls are appended to."""
+        raise NotImplementedError
+
+    def tuned_lookup(self, tmp_path, monkeypatch, entries, requests) -> list:
+        """Store ``entries`` (``(N, K, M_cap, dtype, config dict)`` each, E = 32) as the tuned table of
+        ``common.TEST_SPEC``'s device and look up each FP8 request ``(M_cap, N, K, x_group, w_block)`` (E = 32) for
+        that device: the configs found (the cache of tables cleared after)."""
+        raise NotImplementedError
+
+    def exact_inputs(self, kind: str, x: np.ndarray, w: np.ndarray):
+        """``(x, w, x_scale, w_scale)`` of small integers / powers of two, exact in every kind (``"fp8"``: the codes
+        with a per-tensor scale 1 and per-expert scales 1)."""
+        if kind == "fp8":
+            return (self.array(x, "float8_e4m3fn"), self.array(w, "float8_e4m3fn"),
+                    self.array(np.array(1.0, np.float32)), self.array(np.ones(w.shape[0], np.float32)))
+        return self.array(x, kind), self.array(w, kind), None, None
+
+    def check_launch(self, y, M: int, what: str) -> None:
+        """The kernel's own output (:meth:`launch`): rows ``< M`` finite, rows ``>= M`` zero or, for a kernel that
+        leaves them to a later pass, never written (NaN)."""
+        yn = to_numpy(y).astype(np.float32)
+        assert np.isfinite(yn[:M]).all(), f"{what}: {M * yn.shape[1] - np.isfinite(yn[:M]).sum()} non-finite values"
+        if self.KERNEL_ZEROES_UNUSED_ROWS:
+            assert not yn[M:].any(), f"{what}: rows >= M must be zero"
+        else:
+            assert np.isnan(yn[M:]).all(), f"{what}: rows >= M never written"
 
     def test_fp8_block_scale_of_each_column_tile(self, block_n):
         """Each column tile reads its own 128 x 128 weight block's scale per K step (tiles no wider than a block:
@@ -249,3 +341,155 @@ class GroupedGemmKernelCases(GroupedGemmCases):
         y = self.grouped_gemm(xq, wq, self.array(off), xs, ws, out_dtype="float32",
                               config=self.forced_config(16, block_n, 128))
         assert_rel_fro(y, expected, F32_REL_FRO, f"block_n={block_n}")
+
+    # ----------------------------------------------------------------------------------------- named bug cases
+
+    def test_bug_n_not_multiple_of_tile(self, tail_kind):
+        """(1) N = 33 is not a multiple of the column tile: 4 rows over 2 experts, row i of x is 2^i, weights all
+        ones, K = 64 -> y[i, :] = 64 * 2^i exactly, in the op's default output dtype, from the op (its default config:
+        one column tile with masked columns) and from the kernel alone with each config of :attr:`N_TAIL_LAUNCHES`
+        (16-wide tiles: three, the last partial), which writes nothing past column 32 nor past the last row where the
+        backend can see it (:meth:`launch`)."""
+        M, K, N = 4, 64, 33
+        x = np.repeat(np.exp2(np.arange(M, dtype=np.float32))[:, None], K, axis=1)
+        xt, wt, xs, ws = self.exact_inputs(tail_kind, x, np.ones((2, N, K), np.float32))
+        offsets = self.array(np.array([0, 2, 4], np.int32))
+        want = np.repeat(64 * np.exp2(np.arange(M, dtype=np.float32))[:, None], N, axis=1)
+        y = to_numpy(self.grouped_gemm(xt, wt, offsets, xs, ws))
+        assert y.shape == (M, N), y.shape
+        assert_exact(y, want.astype(y.dtype), f"{tail_kind}: y[i, :] = 64 * 2^i")
+        for config in self.N_TAIL_LAUNCHES:
+            y = to_numpy(self.launch(xt, wt, offsets, xs, ws, None, config))
+            assert_exact(y, want.astype(y.dtype), f"{tail_kind}, the kernel alone, config {config}: y[i, :] = 64 * 2^i")
+
+    def test_bug_row_tile_straddles_two_experts(self, straddle_kind, straddle_block_m, launch_order):
+        """(2) 2 experts x 3 rows (M = 6), K = N = 16, w[g] = (g + 1) * identity, row i of x constant i + 1 ->
+        y[i, :] = (i + 1) * (g(i) + 1) in float32: with ``block_m = 4`` the first row tile holds rows 0-2 (expert 0)
+        and row 3 (expert 1), so y[3, :] = 8 only if row 3 uses expert 1's weights (``block_m`` None: the op's
+        default config)."""
+        M, K, N = 6, 16, 16
+        x = np.repeat(np.arange(1, M + 1, dtype=np.float32)[:, None], K, axis=1)
+        w = np.stack([(g + 1) * np.eye(N, K, dtype=np.float32) for g in range(2)])
+        xt, wt, xs, ws = self.exact_inputs(straddle_kind, x, w)
+        offsets = self.array(np.array([0, 3, 6], np.int32))
+        config = None
+        if straddle_block_m is not None:
+            config = self.tile_config(straddle_block_m, 16, 32 if straddle_kind == "fp8" else 16, launch_order)
+        y = to_numpy(self.grouped_gemm(xt, wt, offsets, xs, ws, out_dtype="float32", config=config))
+        expert = np.array([0, 0, 0, 1, 1, 1])
+        want = np.repeat(((np.arange(M) + 1) * (expert + 1)).astype(np.float32)[:, None], N, axis=1)
+        assert float(y[3, 0]) == 8.0, f"row 3 must use expert 1's weights; got {float(y[3, 0])}"
+        assert_exact(y, want, "y[i, :] = (i + 1) * (g(i) + 1)")
+
+    @pytest.mark.usefixtures("launch_order")
+    def test_bug_unused_capacity_poisoned(self, unused_case):
+        """(3) capacity 32 with 16 valid rows over 3 experts (one empty), the unused rows of x (codes and scales for
+        FP8) NaN: the op's rows < 16 finite, within the output dtype's row of the judge's (and, float inputs, of
+        float64 on the same values), rows >= 16 zero; the kernel alone with each config of :attr:`UNUSED_LAUNCHES`
+        the same (its default config: the op's valid rows bit for bit), its rows >= 16 zero or never written
+        (:meth:`check_launch`). FP8: scales applied once after the K loop (per-token x per-channel) or inside it
+        (per-token-group x block)."""
+        kind, x_layout, w_layout = unused_case
+        m_cap, M, K, N = 32, 16, 128, 48
+        x_np, w_np, off_np = gemm_problem(5, [6, 0, 10], m_cap, K, N)
+        assert np.isnan(x_np[M:]).all() and off_np[-1] == M
+        offsets = self.array(off_np)
+        if kind == "fp8":
+            xq, xs = self.quantize_x(np.nan_to_num(x_np), x_layout, 128, M)  # the scales of rows >= M NaN
+            codes = to_numpy(xq).copy()
+            codes.view(np.uint8)[M:] = 0x7F  # e4m3fn NaN codes
+            xq = self.array(codes)
+            wq, ws = self.OPS.quantize_weight_fp8(self.array(w_np), w_layout)
+            ref64 = None
+        else:
+            xq, xs, wq, ws = self.array(x_np, kind), None, self.array(w_np, kind), None
+            ref64 = numpy_grouped_gemm(to_numpy(xq).astype(np.float64), to_numpy(wq).astype(np.float64), off_np)
+        out = self.UNUSED_OUT_DTYPE
+        got_dtype = out or ("bfloat16" if kind == "fp8" else kind)
+        limit, what = LIMITS[got_dtype], f"{kind} {x_layout} x {w_layout} -> {got_dtype}"
+        want = to_numpy(self.reference_grouped_gemm(xq, wq, offsets, xs, ws, got_dtype))
+        y = self.grouped_gemm(xq, wq, offsets, xs, ws, out_dtype=out)
+        check_rows(y, (m_cap, N), got_dtype, M, what)
+        assert_rel_fro(to_numpy(y)[:M], want[:M], limit, f"{what}: valid rows vs the judge")
+        if ref64 is not None:
+            assert_rel_fro(y, ref64, limit, f"{what} vs float64")
+        for config in self.UNUSED_LAUNCHES:
+            v = self.launch(xq, wq, offsets, xs, ws, out, config)
+            self.check_launch(v, M, f"{what}, the kernel alone, config {config}")
+            if config is None:  # the op's own config: the same sums
+                assert_exact(to_numpy(v)[:M], to_numpy(y)[:M], f"{what}: the kernel alone, valid rows")
+            else:
+                assert_rel_fro(to_numpy(v)[:M], want[:M], limit, f"{what}, config {config}: valid rows vs the judge")
+                if ref64 is not None:
+                    assert_rel_fro(to_numpy(v)[:M], ref64[:M], limit, f"{what}, config {config} vs float64")
+
+    # ------------------------------------------------------------------------------- the tile-to-expert mapping
+
+    def test_every_empty_expert_pattern(self, pattern, launch_order):
+        """Every pattern of empty / non-empty experts (tokamax's idea; :attr:`EMPTY_PATTERNS`), sizes straddling the
+        row tiles, the capacity left over NaN-poisoned: the kernel alone (:meth:`launch`) writes every valid row with
+        its expert's weights (within F32_REL_FRO of float64) and leaves the rows >= M zero or never written."""
+        m_cap, K, N = self.EMPTY_PATTERN_SHAPE
+        x_np, w_np, off_np = gemm_problem(sum(pattern), pattern, m_cap, K, N)
+        tiles = self.EMPTY_PATTERN_TILES
+        config = None if tiles is None else self.tile_config(*tiles, launch_order)
+        y = self.launch(self.array(x_np), self.array(w_np), self.array(off_np), None, None, "float32", config)
+        M = int(off_np[-1])
+        self.check_launch(y, M, f"counts {pattern}")
+        assert_rel_fro(to_numpy(y)[:M], numpy_grouped_gemm(x_np, w_np, off_np)[:M], F32_REL_FRO, f"counts {pattern}")
+
+    def test_launch_order_is_a_bijection(self, order_case):
+        """The grouped launch order maps programs ``[0, n_items * n_cols)`` one-to-one onto (work item, column
+        tile): group_m = G > 1 is the tutorial's order (program ``t`` belongs to group ``t // (G * n_cols)`` of work
+        items ``[G * group, +G)``, work item fastest inside, the last group smaller when G does not divide n_items);
+        group_m = 1, where a backend launches through it, the default 2-D grid's order (work item fastest)."""
+        n_items, n_cols, group_m = order_case
+        order = self.launch_order_table(n_items, n_cols, group_m)
+        assert sorted(order.ravel().tolist()) == list(range(n_items * n_cols)), "a permutation: every tile once"
+        p, pid_n = np.meshgrid(np.arange(n_items), np.arange(n_cols), indexing="ij")
+        if group_m == 1:
+            np.testing.assert_array_equal(order, pid_n * n_items + p)
+        else:
+            g = p // group_m
+            size = np.minimum(n_items - g * group_m, group_m)
+            np.testing.assert_array_equal(order, g * group_m * n_cols + pid_n * size + p % group_m)
+
+    # ------------------------------------------------------------------------------- tuned configs and dispatch
+
+    def test_tuned_fp8_block_entries_first_then_fp8(self, tmp_path, monkeypatch):
+        """FP8 with 128 x 128 weight blocks takes the nearest M_cap (in log2) among its own tuned entries
+        (``"fp8_block"``) and the per-token ``"fp8"`` ones, its own at equal distance (an ``fp8_block`` entry tuned at
+        M=16384 alone must not replace the ``fp8`` one of M=256 there), and the ``fp8`` ones where it has none for the
+        N and K; per-token(-group) requests never take ``fp8_block`` entries."""
+        per_token = dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)
+        small = dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)
+        block = dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+        entries = [(4096, 7168, 16384, "fp8", per_token), (4096, 7168, 256, "fp8", small),
+                   (4096, 7168, 16384, "fp8_block", block), (7168, 2048, 16384, "fp8", per_token)]
+        cases = [((16384, 4096, 7168, 128, True), block, "block weights: its own entry"),
+                 ((16384, 4096, 7168, None, False), per_token, "per-token: never the fp8_block entry"),
+                 ((16384, 4096, 7168, 128, False), per_token, "per-token-group: never the fp8_block entry"),
+                 ((16384, 7168, 2048, 128, True), per_token, "block weights without an entry of their own: fp8's"),
+                 ((256, 4096, 7168, 128, True), small, "M=256: the fp8 entry of 256 is nearer than fp8_block's 16384"),
+                 ((4096, 4096, 7168, 128, True), block, "log2 4096 = 12: nearer 16384 (14) than 256 (8)")]
+        got = self.tuned_lookup(tmp_path, monkeypatch, entries, [c[0] for c in cases])
+        for cfg, (request, want, what) in zip(got, cases):
+            assert cfg == self.CONFIG(**want), f"{request}: {what}; got {cfg}"
+
+    def test_dispatch(self, monkeypatch):
+        """``implementation=`` the kernel's (:attr:`KERNEL`) runs the kernel: its NotImplementedError reaches the
+        caller; ``None`` on CPU arrays runs the reference (bit for bit) and never touches the kernel (on a GPU:
+        :attr:`DEFAULT_KERNEL_CALLS_ON_GPU` calls, where a backend says)."""
+        x_np, w_np, off_np = gemm_problem(2, [3, 0, 4], 9, 32, 24)
+        calls = self.refuse_kernel(monkeypatch)
+        for dtype in ("float32", "bfloat16"):
+            x, w, offsets = self.array(x_np, dtype), self.array(w_np, dtype), self.array(off_np)
+            with pytest.raises(NotImplementedError, match="test: kernel refused"):
+                self.OPS.grouped_gemm(x, w, offsets, implementation=self.KERNEL)
+            calls.clear()
+            assert_exact(self.OPS.grouped_gemm(x, w, offsets), self.reference_grouped_gemm(x, w, offsets, None, None, dtype),
+                         f"{dtype}: implementation=None")
+            if DEVICE == "cpu":
+                assert not calls, f"{dtype}: implementation=None on the CPU called the kernel"
+            elif self.DEFAULT_KERNEL_CALLS_ON_GPU is not None:
+                assert len(calls) == self.DEFAULT_KERNEL_CALLS_ON_GPU, calls

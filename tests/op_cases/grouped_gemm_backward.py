@@ -1,8 +1,9 @@
 """The cases of the grouped GEMM backward (CONTRACT.md section 8, GEMM 1 / GEMM 2) that every backend passes:
 ``grouped_gemm_dgrad`` (``d_x[m] = d_y[m] @ w[e(m)]``) and ``grouped_gemm_wgrad`` (``d_w[e] = d_y[rows(e)].T @
 x[rows(e)]``) against float64 over ragged and empty experts, every row on one expert, M = 1, one local expert, odd
-K and N, several row tiles, unused capacity; no rows at all and no experts; and the gradient of ``grouped_gemm``
-through the framework's autodiff.
+K and N, several row tiles, unused capacity; no rows at all and no experts; the gradient of ``grouped_gemm``
+through the framework's autodiff; the FP8 dgrad of every weight-scale layout (straight-through: the float dgrad of
+the dequantized weights); and the host-side argument checks, with the same messages in both frameworks.
 
 Subclassed by ``tests/test_grouped_gemm_backward_torch.py`` (the torch references and Triton kernels, interpreted
 on the CPU) and ``tests/test_grouped_gemm_backward_jax.py`` (the jnp references and the Pallas-Triton kernels in
@@ -19,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from common import DEVICE
 from op_cases import ClassParams
 from op_cases.grouped_gemm import check_rows
 from tolerances import GRAD_BF16_REL_FRO, GRAD_F32_REL_FRO, assert_exact, assert_rel_fro, to_numpy
@@ -98,6 +100,8 @@ class GroupedGemmBackwardCases(ClassParams):
     GRAD_CASE = ([3, 0, 5], 12, 33, 17, 21)
     #: The input dtypes of :meth:`test_grad_through_grouped_gemm`.
     GRAD_DTYPES: tuple = ("float32", "bfloat16")
+    #: ``implementation=`` names of the other framework (and a misspelt one): refused by this one's ops.
+    FOREIGN_IMPLS: tuple = ("pallas_mosaic",)
     CLASS_PARAMS = {"impl": "IMPLS", "shape": "SHAPES", "grad_dtype": "GRAD_DTYPES"}
 
     def grads(self, x, w, offsets, d_y, implementation):
@@ -169,3 +173,70 @@ class GroupedGemmBackwardCases(ClassParams):
         check_d_w(d_w, (len(counts), N, K), dtype, want_dw, GRAD_LIMITS[dtype], counts, f"{what} d_w")
         assert_exact(d_x, self.OPS.grouped_gemm_dgrad(d_y, w, offsets, out_dtype=dtype, implementation=impl), "d_x = dgrad")
         assert_exact(d_w, self.OPS.grouped_gemm_wgrad(x, d_y, offsets, out_dtype=dtype, implementation=impl), "d_w = wgrad")
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    @pytest.mark.parametrize("layout", ["per_expert", "per_channel", "block"])
+    def test_fp8_dgrad_every_scale_layout(self, layout, dtype, impl):
+        """dgrad with FP8 codes + each weight-scale layout equals float64 on the straight-through weights (CONTRACT.md
+        section 8: ``q_w * scale_w`` in float32, rounded to d_y's dtype): the float32 output within GRAD_F32 (the
+        weights match bit for bit, only the sums' rounding differs), the default output (d_y's dtype) within its
+        dtype's row, finite, rows >= M zero, an empty expert in between. N = 160 and K = 144 cross a 128 block edge on
+        both axes (a partial scale block along K and along N, the contraction), and the scales differ by powers of two
+        from block to block, so a per-channel scale indexed along K or a transposed block index fails. And the float
+        dgrad of the straight-through weights (the same products): bit-identical where both sum in the same order (the
+        references, and the kernels interpreted on the CPU); compiled for a GPU the FP8 specialization (codes
+        dequantized in registers) and the float one (weights straight from memory) are different kernels whose
+        tensor-core dots may sum each K step in another order (GPU run 2: ~1/3 of d_x one float32 ulp apart), so there
+        it is the float32 rule."""
+        counts, m_cap, K, N = [5, 0, 11, 3], 24, 144, 160
+        _, w, d_y, offsets = self.problem(11 + len(layout), counts, m_cap, K, N, dtype)
+        wq, ws = self.OPS.quantize_weight_fp8(self.array(to_numpy(w).astype(np.float32)), layout)
+        ws_np = to_numpy(ws)
+        ws = self.array((ws_np * np.exp2(np.arange(ws_np.size) % 3).reshape(ws_np.shape)).astype(np.float32))
+        w_st = self.array(to_numpy(self.OPS.dequantize_weight_fp8(wq, ws)).astype(np.float32), dtype)
+        want, _ = numpy_backward(np.zeros((m_cap, K), np.float32), w_st, d_y, offsets)
+        what = f"{impl} fp8 {layout} {dtype}"
+        d_x32 = self.OPS.grouped_gemm_dgrad(d_y, wq, offsets, w_scale=ws, out_dtype="float32", implementation=impl)
+        assert_rel_fro(d_x32, want, GRAD_F32_REL_FRO, f"{what}: float32 d_x")
+        d_x = self.OPS.grouped_gemm_dgrad(d_y, wq, offsets, w_scale=ws, implementation=impl)
+        check_rows(d_x, (m_cap, K), dtype, sum(counts), what)
+        assert_rel_fro(d_x, want, GRAD_LIMITS[dtype], what)
+        d_x_float = self.OPS.grouped_gemm_dgrad(d_y, w_st, offsets, out_dtype="float32", implementation=impl)
+        if impl != "reference" and DEVICE == "gpu":
+            assert_rel_fro(d_x_float, d_x32, GRAD_F32_REL_FRO, f"{what} vs the float dgrad on the straight-through weights")
+        else:
+            assert_exact(d_x_float, d_x32, f"{what} == the float dgrad on the straight-through weights")
+
+    def test_errors(self):
+        """Host-side checks (before anything runs) name the op, the argument, the expectation and what came, in the
+        same words in both frameworks."""
+        dgrad, wgrad = self.OPS.grouped_gemm_dgrad, self.OPS.grouped_gemm_wgrad
+        x_np, w_np, d_y_np, off_np = backward_problem(1, [2, 3], 6, 16, 8)
+        x, w, d_y, offsets = (self.array(a) for a in (x_np, w_np, d_y_np, off_np))
+        with pytest.raises(ValueError, match=r"grouped_gemm_dgrad: w must be \[E, N, K\] with N == d_y.shape\[1\] \(=8\)"):
+            dgrad(d_y, w[:, :4], offsets)
+        with pytest.raises(TypeError, match="grouped_gemm_dgrad: w must have dtype float32 or float8_e4m3fn; got w.dtype=bfloat16"):
+            dgrad(d_y, self.array(w_np, "bfloat16"), offsets)
+        with pytest.raises(TypeError, match="grouped_gemm_dgrad: w must have dtype bfloat16 or float8_e4m3fn; got w.dtype=float32"):
+            dgrad(self.array(d_y_np, "bfloat16"), w, offsets)
+        with pytest.raises(ValueError, match="grouped_gemm_dgrad: w_scale must be given for float8_e4m3fn w"):
+            dgrad(d_y, self.array(w_np, "float8_e4m3fn"), offsets)
+        with pytest.raises(ValueError, match="grouped_gemm_dgrad: w_scale must be None for float32 w"):
+            dgrad(d_y, w, offsets, w_scale=self.array(np.ones((2,), np.float32)))
+        with pytest.raises(ValueError, match=r"grouped_gemm_dgrad: expert_offsets must be \[E \+ 1\] = \(3,\)"):
+            dgrad(d_y, w, offsets[:2])
+        with pytest.raises(ValueError, match=r"grouped_gemm_wgrad: d_y must be \[M_cap, N\] with M_cap == x.shape\[0\] \(=6\)"):
+            wgrad(x, d_y[:5], offsets)
+        with pytest.raises(TypeError, match="grouped_gemm_wgrad: d_y must have dtype float32; got d_y.dtype=bfloat16"):
+            wgrad(x, self.array(d_y_np, "bfloat16"), offsets)
+        with pytest.raises(TypeError, match="grouped_gemm_wgrad: x must have dtype"):
+            wgrad(self.array(x_np, "float8_e4m3fn"), d_y, offsets)
+        with pytest.raises(TypeError, match="grouped_gemm_wgrad: expert_offsets must have dtype int32"):
+            wgrad(x, d_y, self.array(off_np.astype(np.float32)))
+        with pytest.raises(TypeError, match="grouped_gemm_wgrad: out_dtype must have dtype float32 or bfloat16 or float16"):
+            wgrad(x, d_y, offsets, out_dtype="int32")
+        for name in self.FOREIGN_IMPLS:
+            with pytest.raises(ValueError, match=f"grouped_gemm_dgrad: implementation must be one of .*; got implementation='{name}'"):
+                dgrad(d_y, w, offsets, implementation=name)
+            with pytest.raises(ValueError, match=f"grouped_gemm_wgrad: implementation must be one of .*; got implementation='{name}'"):
+                wgrad(x, d_y, offsets, implementation=name)
