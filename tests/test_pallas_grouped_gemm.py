@@ -39,6 +39,14 @@ def SMALL(cfg) -> bool | None:
 f64_loop = numpy_grouped_gemm  # float64, expert by expert (the shared base's)
 
 
+def check_rows(y, offsets, what: str) -> None:
+    """Every row finite (written, no NaN leaked), rows ``>= M`` exactly zero (the Mosaic GPU tests' check)."""
+    y32 = to_numpy(y).astype(np.float32)
+    M = int(to_numpy(offsets)[-1])
+    assert np.isfinite(y32).all(), f"{what}: {np.size(y32) - np.isfinite(y32).sum()} non-finite values"
+    assert not y32[M:].any(), f"{what}: rows >= M must be zero"
+
+
 def problem(seed: int, counts, m_cap: int, K: int, N: int, dtype=jnp.float32, poison: bool = True):
     """The shared base's :func:`gemm_problem` as JAX arrays of ``dtype`` (offsets int32)."""
     x, w, offsets = gemm_problem(seed, counts, m_cap, K, N, poison)
