@@ -195,7 +195,8 @@ class EPMoE(torch.nn.Module):
         (one per slot), float; an ``nn.Parameter`` (``requires_grad=trainable``). ``forward`` computes
         ``shared_expert_gate_logits = F.linear(x, shared_expert_gate)`` in its dtype (as transformers'
         ``nn.Linear``), widened to float32. Llama 4's ``config.apply_router_weight_on_input`` needs no weight.
-      implementation: the backend of every stage (``None``, ``"reference"``, ``"triton"``), as
+      implementation: the backend of every stage (``None``, ``"reference"``, ``"triton"``), or a grouped GEMM
+        kernel name for the forward GEMMs (``"gluon_bf16"``, ..., ``"triton_pointer"``), as
         :func:`moe_torch.moe_forward` takes it.
       process_group: ``None`` (default): ``forward`` returns this rank's partial sum and moves
         nothing. A ``torch.distributed`` group (or ``ep_mode`` given: the default group):
