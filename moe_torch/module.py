@@ -525,6 +525,8 @@ class EPMoE(torch.nn.Module):
         if self.config.quant == "none" and x.dtype != self.w13.dtype:
             raise TypeError(f"EPMoE: x must have the layer's dtype {dtype_name(self.w13)} (quant='none'); "
                             f"got x.dtype={dtype_name(x)}")
+        T, E = x.shape[0], self.config.num_experts  # named here too: the user called the module
+        check_shape("EPMoE", "router_logits", router_logits, (T, E), lambda: f"[T, E] = ({T}, {E})")
         shared_logits = self.shared_expert_gate_logits(x)
         if self.process_group is not None or self.ep_mode is not None:
             if not torch.compiler.is_compiling() and functorch_levels():  # the EP layers' Functions lack setup_context

@@ -484,3 +484,14 @@ def test_epmoe_takes_torch_tensors_only_and_names_the_conversion(arg):
     args[arg] = args[arg].cpu().numpy()
     with pytest.raises(TypeError, match=rf"EPMoE: {arg} must be a torch.Tensor .*torch\.from_numpy\({arg}\)"):
         layer(**args)
+
+
+def test_epmoe_names_itself_for_a_wrong_router_logits_width():
+    """A wrong-width ``router_logits`` to the module is the module's error (``EPMoE:``), not ``moe_forward``'s, as
+    its ``x`` errors are; before, it read ``moe_forward: router_logits must be ...``."""
+    layer = EPMoE.from_preset("tiny", seed=0, dtype=torch.float32, device=TORCH_DEVICE)
+    H, E = layer.config.hidden_size, layer.config.num_experts
+    x = torch.randn(3, H, device=TORCH_DEVICE)
+    for bad in (torch.randn(3, E + 1), torch.randn(2, E), torch.randn(3, E, 1)):
+        with pytest.raises(ValueError, match=rf"^EPMoE: router_logits must be \[T, E\] = \(3, {E}\); got "):
+            layer(x, bad.to(TORCH_DEVICE))
