@@ -20,6 +20,39 @@ import traceback
 import warnings
 
 
+def launch_and_finish(f, n: int) -> tuple[float, float]:
+    """Seconds a call of ``f`` takes to return on the host and to finish on the GPU, over ``n`` calls in a row (the GPU
+    idle at the start). Also ``profile_layer_stages.py --host``'s."""
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        f()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n, (time.perf_counter() - t0) / n
+
+
+def print_cprofile(f, n: int, top: int, sorts=("tottime",)) -> None:
+    """cProfile of ``n`` calls of ``f`` (host time by function, its own overhead included), printed by each key of
+    ``sorts``."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        f()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    for key in sorts:
+        stats.sort_stats(key).print_stats(top)
+
+
 def _layer(T: int, H: int, I: int, E: int, topk: int):
     import torch
 
@@ -52,16 +85,9 @@ def launch_vs_finish(args) -> None:
         layer = _layer(T, args.h, args.i, args.e, args.topk)
         for _ in range(3):
             _step(*layer)
-        torch.cuda.synchronize()
         for n in (1, 10):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                _step(*layer)
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            print(f"T={T} x{n}: host {1e3 * (t1 - t0) / n:.3f} ms/step to launch, {1e3 * (t2 - t0) / n:.3f} ms/step "
-                  f"to finish", flush=True)
+            host, wall = launch_and_finish(lambda: _step(*layer), n)
+            print(f"T={T} x{n}: host {1e3 * host:.3f} ms/step to launch, {1e3 * wall:.3f} ms/step to finish", flush=True)
         seen: collections.Counter = collections.Counter()
 
         def show(message, category, filename, lineno, file=None, line=None):
@@ -158,25 +184,15 @@ def _ops(args, T: int = 1024) -> dict:
 
 def op_times(args, n: int = 40) -> None:
     """Host microseconds a call of each of :func:`_ops`."""
-    import torch
-
     for name, fn in _ops(args).items():
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        seconds = (time.perf_counter() - t0) / n
-        torch.cuda.synchronize()
+        seconds, _ = launch_and_finish(fn, n)
         print(f"{name:26s} host {seconds * 1e6:8.1f} us a call")
 
 
 def op_profile(args, n: int = 200, top: int = 30) -> None:
     """cProfile of ``n`` calls of each op named in ``args.profile`` (host time by function, the most first)."""
-    import cProfile
-    import pstats
-
     import torch
 
     ops = _ops(args)
@@ -185,14 +201,8 @@ def op_profile(args, n: int = 200, top: int = 30) -> None:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(n):
-            fn()
-        prof.disable()
-        torch.cuda.synchronize()
         print(f"=== {name}: {n} calls, by own time")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+        print_cprofile(fn, n, top)
 
 
 def main(argv=None) -> None:

@@ -16,8 +16,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
+import sys
 
 import numpy as np
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # ``benchmarks.host_time`` when run as a script
+    sys.path.insert(0, _ROOT)
 
 
 def _report(kernels: dict[str, float], label: str, top: int) -> None:
@@ -142,29 +148,11 @@ def _report_gaps(prof, iterations: int, top: int) -> None:
 def _report_host(f, iterations: int, top: int) -> None:
     """The host's time a step (Python: checks, config choices, launches) by function, from ``cProfile`` (its own
     overhead included): what the GPU waits for where a step's kernels are short."""
-    import cProfile
-    import pstats
-    import time
+    from benchmarks.host_time import launch_and_finish, print_cprofile
 
-    import torch
-
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iterations):
-        f()
-    host = (time.perf_counter() - t0) / iterations
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / iterations
+    host, wall = launch_and_finish(f, iterations)
     print(f"== host: {host * 1e3:.3f} ms a step to launch (unprofiled), {wall * 1e3:.3f} ms a step to finish")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(iterations):
-        f()
-    prof.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(prof)
-    stats.sort_stats("cumulative").print_stats(top)
-    stats.sort_stats("tottime").print_stats(top)
+    print_cprofile(f, iterations, top, sorts=("cumulative", "tottime"))
 
 
 def main() -> None:
