@@ -49,13 +49,19 @@ def dispatch(op: str, implementation: str | None, backends: Mapping[str, Callabl
     return backends[order[-1]]()
 
 
-_SAID: set[tuple[str, str, str, str]] = set()
+_SAID: set[tuple] = set()
+
+
+def warn_once(message: str, *args) -> None:
+    """``log.warning(message, *args)`` the first time this message and these arguments come (a per-call condition,
+    such as a copy a call, said once a process)."""
+    key = (message, *args)
+    if key not in _SAID:
+        _SAID.add(key)
+        log.warning(message, *args)
 
 
 def passed_over(op: str, kernel: str, why: str, instead: str) -> None:
     """Log (once per reason) that the default's measured choice ``kernel`` cannot serve a request and ``instead`` runs
     it: a default never changes kernel without saying so."""
-    key = (op, kernel, why, instead)
-    if key not in _SAID:
-        _SAID.add(key)
-        log.warning("%s: the default's kernel %r cannot serve this request (%s); running %s", op, kernel, why, instead)
+    warn_once("%s: the default's kernel %r cannot serve this request (%s); running %s", op, kernel, why, instead)

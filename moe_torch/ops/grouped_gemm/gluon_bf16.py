@@ -425,20 +425,21 @@ def forward_eligible(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format
     return forward_refusal(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias) is None
 
 
-#: :func:`forward_refusal`'s reason for a problem below the rows at which the kernel is used (a measured rule, not a
-#: limit of the kernel: the dispatch does not report it).
+#: :func:`forward_refusal`'s reasons the dispatch does not report: a problem below the rows at which the kernel is used
+#: (a measured rule, not a limit of the kernel) and another kind of request than a tuned choice is about.
 FEW_ROWS = "fewer rows than the kernel is used for"
+OTHER_REQUEST = "serves bf16 / fp16 x, w and out of one dtype, without scales, bias or 4-bit weights"
+NOT_REPORTED = (FEW_ROWS, OTHER_REQUEST)
 
 
 def forward_refusal(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format=None, bias=None) -> str | None:
     """Why this kernel does not serve a forward request (``None``: it does): bf16 / fp16 ``x`` and ``w`` of one dtype,
-    ``out_dtype`` that dtype, no scales, no bias, no 4-bit weights, enough rows (:func:`_rows_enough`; else
-    :data:`FEW_ROWS`), and nothing :func:`check_inputs` refuses (contiguous, one sm_90 CUDA device, ``K % 8 == 0``,
-    16-byte aligned, ``E <= 4095``). Host-side only (no sync)."""
-    if x_scale is not None or w_scale is not None or w_format is not None or bias is not None:
-        return "serves no scales, bias or 4-bit weights"
-    if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES or out_dtype != x.dtype:
-        return f"serves bf16 / fp16 x with out_dtype the same dtype; got out_dtype {out_dtype}"
+    ``out_dtype`` that dtype, no scales, no bias, no 4-bit weights (else :data:`OTHER_REQUEST`), enough rows
+    (:func:`_rows_enough`; else :data:`FEW_ROWS`), and nothing :func:`check_inputs` refuses (contiguous, one sm_90
+    CUDA device, ``K % 8 == 0``, 16-byte aligned, ``E <= 4095``). Host-side only (no sync)."""
+    if (x_scale is not None or w_scale is not None or w_format is not None or bias is not None
+            or not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES or out_dtype != x.dtype):
+        return OTHER_REQUEST
     if x.dim() != 2 or expert_offsets.dim() != 1:
         return "needs x [M_cap, K] and expert_offsets [E + 1]"
     if not _rows_enough(x.shape[0], expert_offsets.shape[0] - 1):

@@ -141,7 +141,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
 import numpy as np
 import torch
@@ -159,7 +158,7 @@ from moe_torch.ops.quant.reference import FP8_DTYPE, mxfp4_mma_as_checkpoint
 from moe_torch.ops import triton_interpret
 from moe_torch.ops.triton_common import (MAX_GRID_AXIS_1, aligned_tiles_enabled, check_triton_device,
                                          gluon_bf16_switch, gluon_fp8_block_enabled, gluon_fp8_rowwise_enabled)
-from moe_torch.ops.dispatch import passed_over
+from moe_torch.ops.dispatch import passed_over, warn_once
 
 #: ``x_scale`` layout -> the kernel's ``X_SCALE`` constexpr.
 X_SCALE_CODES = {None: 0, "per_tensor": 1, "per_token": 2, "per_token_group": 3}
@@ -1031,13 +1030,13 @@ def gluon_bf16_options(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_form
     if options is None:
         return None
     try:
-        from moe_torch.ops.grouped_gemm.gluon_bf16 import FEW_ROWS, dispatch_options, forward_refusal
+        from moe_torch.ops.grouped_gemm.gluon_bf16 import NOT_REPORTED, dispatch_options, forward_refusal
     except ImportError as exc:  # triton without gluon
         passed_over("grouped_gemm", "gluon_bf16", f"triton's Gluon is not importable: {exc}", "the Triton kernel")
         return None
     why = forward_refusal(x, w, expert_offsets, x_scale, w_scale, out_dtype, w_format, bias)
     if why is not None:
-        if why != FEW_ROWS and not why.startswith("serves "):  # not a request the measured choice was about
+        if why not in NOT_REPORTED:
             passed_over("grouped_gemm", "gluon_bf16", why, "the Triton kernel")
         return None
     return dispatch_options(options, w.shape[1])
@@ -1071,14 +1070,6 @@ def e8m0_bf16_table(device: torch.device, mma: bool = False) -> torch.Tensor | N
     return table
 
 
-@functools.cache
-def _warn_mma_copy(dtype: torch.dtype) -> None:
-    logging.getLogger("moe_torch").warning(
-        "MMA-layout MXFP4 codes with %s activations: the packed decode that reads the layout takes bf16 only, so the "
-        "codes are taken back to the checkpoint layout at each call (a copy); w4_layout='checkpoint' is faster here",
-        dtype)
-
-
 def w4_kernel_weights(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, w_format: str | None):
     """``(w, w_scale, w_format, e8m0_lut)`` as a 4-bit kernel launch takes them. The packed decode (bf16 ``x`` on a
     GPU) reads ``"mxfp4_mma"`` codes as they are; every other launch (the interpreter, float16 / float32 ``x``)
@@ -1088,7 +1079,9 @@ def w4_kernel_weights(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | 
     packed = x.is_cuda and x.dtype == torch.bfloat16 and not triton.knobs.runtime.interpret
     if w_format == "mxfp4_mma" and not packed:
         if x.is_cuda:  # a copy of the codes every call on a GPU: worth saying (the interpreter is for tests)
-            _warn_mma_copy(x.dtype)
+            warn_once("MMA-layout MXFP4 codes with %s activations: the packed decode that reads the layout takes "
+                      "bf16 only, so the codes are taken back to the checkpoint layout at each call (a copy); "
+                      "w4_layout='checkpoint' is faster here", x.dtype)
         w, w_scale = mxfp4_mma_as_checkpoint(w, w_scale)
         w_format = "mxfp4"
     elif w_format == "mxfp4_mma" and (w.data_ptr() % 16 or w.stride(0) % 16 or w.stride(1) % 16):
