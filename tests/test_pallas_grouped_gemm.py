@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 import moe_pallas
+from moe_pallas.ops.grouped_gemm import api as gemm_api
 from moe_pallas.ops.grouped_gemm import config as gemm_config
 from moe_pallas.ops.grouped_gemm import pallas_triton
 from moe_pallas.ops.grouped_gemm.config import GroupedGemmConfig, grouped_gemm_config, heuristic_grouped_gemm_config
@@ -68,6 +69,7 @@ class TestGroupedGemmPallasTriton(JaxArrays, GroupedGemmKernelCases):
 
     OPS = moe_pallas
     KERNEL = "pallas_triton"
+    KERNEL_ENTRY = (gemm_api, "grouped_gemm_pallas_triton")
     CONFIG = GroupedGemmConfig
     SHAPES = ("one-row", "odd-K-N", "prime-E-empties", "several-tiles")
     FP8_CASE = ([5, 0, 11, 3], 24, 192, 160, 64)
@@ -109,18 +111,6 @@ class TestGroupedGemmPallasTriton(JaxArrays, GroupedGemmKernelCases):
         order = np.full((n_items, n_cols), -1)
         order[to_numpy(s), to_numpy(j)] = np.arange(n_items * n_cols)
         return order
-
-    def refuse_kernel(self, monkeypatch):
-        from moe_pallas.ops.grouped_gemm import api
-
-        calls = []
-
-        def refuse(*args, **kwargs):
-            calls.append(args)
-            raise NotImplementedError("test: kernel refused")
-
-        monkeypatch.setattr(api, "grouped_gemm_pallas_triton", refuse)
-        return calls
 
     def tuned_lookup(self, tmp_path, monkeypatch, entries, requests):
         use_tuned_file(tmp_path, monkeypatch, [tuned_entry("pallas_triton", *e) for e in entries])  # cleared after:

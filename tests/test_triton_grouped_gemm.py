@@ -126,6 +126,7 @@ class TestGroupedGemmTriton(TorchArrays, GroupedGemmKernelCases):
 
     OPS = moe_torch
     KERNEL = "triton"
+    KERNEL_ENTRY = (gemm_api, "_triton")
     CONFIG = GroupedGemmConfig
     KERNEL_ZEROES_UNUSED_ROWS = False
     SHAPES = ("one-row", "odd-K-N", "prime-E-empties", "all-on-one", "many-tiles", "unused-capacity")
@@ -173,16 +174,6 @@ class TestGroupedGemmTriton(TorchArrays, GroupedGemmKernelCases):
         order = torch.full((n_items, n_cols), -1, dtype=torch.int32, device=TORCH_DEVICE)
         _launch_order_probe[(n_items * n_cols,)](order, n_items, n_cols, GROUP_M=group_m)
         return order.cpu().numpy()
-
-    def refuse_kernel(self, monkeypatch):
-        calls = []
-
-        def refuse(*args, **kwargs):
-            calls.append(args)
-            raise NotImplementedError("test: kernel refused")
-
-        monkeypatch.setattr(gemm_api, "_triton", refuse)
-        return calls
 
     def tuned_lookup(self, tmp_path, monkeypatch, entries, requests):
         write_tuned(tmp_path, [{"device": TEST_SPEC.kind, "E": 32, "N": n, "K": k, "M_cap": m, "dtype": dtype,

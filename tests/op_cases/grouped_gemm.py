@@ -300,10 +300,20 @@ class GroupedGemmKernelCases(GroupedGemmCases):
         where none."""
         raise NotImplementedError
 
+    #: ``(module, attribute)``: what the public op calls to run the kernel (:meth:`refuse_kernel` replaces it).
+    KERNEL_ENTRY: tuple = ()
+
     def refuse_kernel(self, monkeypatch) -> list:
-        """Make the public op's call of the kernel raise ``NotImplementedError("test: kernel refused")``; the list
-        its calls are appended to."""
-        raise NotImplementedError
+        """Make the public op's call of the kernel (:attr:`KERNEL_ENTRY`) raise ``NotImplementedError("test: kernel
+        refused")``; the list its calls are appended to."""
+        calls = []
+
+        def refuse(*args, **kwargs):
+            calls.append(args)
+            raise NotImplementedError("test: kernel refused")
+
+        monkeypatch.setattr(*self.KERNEL_ENTRY, refuse)
+        return calls
 
     def tuned_lookup(self, tmp_path, monkeypatch, entries, requests) -> list:
         """Store ``entries`` (``(N, K, M_cap, dtype, config dict)`` each, E = 32) as the tuned table of
